@@ -1,0 +1,32 @@
+PY ?= .venv/bin/python
+PIP ?= $(PY) -m pip
+
+.PHONY: install stubs test lint demo demo-quick daemon-demo serve
+
+# torch==2.13.0 first: on CPU-only machines it is a local CPU build; anything that admits a
+# newer torch would otherwise download a multi-GB CUDA build.
+install:
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[torch,postgres,dev]"
+
+# The one pinned command that produces the committed stubs (tests/test_stubs.py checks them).
+stubs:
+	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/tltd/v1/*.proto
+
+test: install
+	$(PY) -m pytest -q
+
+lint:
+	$(PY) -m ruff check .
+
+# README command 1: GRPO through a real `tltd serve`, TLT vs speculative decoding off.
+demo: install
+	$(PY) examples/grpo_demo.py
+
+demo-quick: install
+	$(PY) examples/grpo_demo.py --quick
+
+# The daemon alone answering tltctl (no rollouts).
+daemon-demo: install
+	$(PY) examples/daemon_demo.py

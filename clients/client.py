@@ -1,0 +1,227 @@
+"""TltClient: a synchronous wrapper over the tltd stubs with bearer auth and typed errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients.errors import from_rpc_error
+from tltd.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    drafter_pb2,
+    drafter_pb2_grpc,
+    job_pb2,
+    job_pb2_grpc,
+    policy_pb2,
+    policy_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+)
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class TltClient:
+    """One channel to one daemon. Methods return the proto messages of tltd.v1 and raise
+    `clients.errors.TltClientError` subclasses (NotFoundError, InvalidArgumentError, ...).
+
+    TLS is on when `tls_ca` (a PEM file to trust) or `tls=True` (system roots) is given;
+    `tls_cert`/`tls_key` add a client certificate for daemons that require mTLS.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        *,
+        tls: bool = False,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        timeout: float | None = 30.0,
+    ) -> None:
+        options = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+        ]
+        if tls or tls_ca or tls_cert:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
+                private_key=Path(tls_key).read_bytes() if tls_key else None,
+                certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
+            )
+            self.channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        self.target = target
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.rollouts = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self.policy = policy_pb2_grpc.PolicyServiceStub(self.channel)
+        self.drafters = drafter_pb2_grpc.DrafterServiceStub(self.channel)
+        self.jobs = job_pb2_grpc.JobServiceStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def call(self, method, request, timeout: float | None = None) -> Any:
+        """Call a unary stub method with auth metadata; map failures to typed errors."""
+        try:
+            return method(request, metadata=self._metadata, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> TltClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- jobs ----------------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        model_path: str,
+        *,
+        job_id: str = "",
+        name: str = "",
+        backend: int = common_pb2.BACKEND_UNSPECIFIED,
+        priority: int = 0,
+        weight: float = 0.0,
+        speculative: common_pb2.SpeculativeConfig | None = None,
+    ) -> job_pb2.Job:
+        req = job_pb2.CreateJobRequest(
+            job_id=job_id,
+            name=name,
+            model_path=model_path,
+            backend=backend,
+            priority=priority,
+            weight=weight,
+            speculative=speculative,
+        )
+        return self.call(self.jobs.CreateJob, req)
+
+    def get_job(self, job_id: str) -> job_pb2.Job:
+        return self.call(self.jobs.GetJob, job_pb2.GetJobRequest(job_id=job_id))
+
+    def list_jobs(self, statuses: Iterable[int] = (), limit: int = 0) -> list[job_pb2.Job]:
+        req = job_pb2.ListJobsRequest(statuses=list(statuses), limit=limit)
+        return list(self.call(self.jobs.ListJobs, req).jobs)
+
+    def cancel_job(self, job_id: str, reason: str = "") -> job_pb2.Job:
+        return self.call(
+            self.jobs.CancelJob, job_pb2.CancelJobRequest(job_id=job_id, reason=reason)
+        )
+
+    # -- rollouts ------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        job_id: str,
+        prompts: Iterable[Iterable[int]],
+        *,
+        sampling: rollout_pb2.SamplingParams | None = None,
+        request_id: str = "",
+        speculative: int = common_pb2.SPECULATIVE_MODE_UNSPECIFIED,
+        timeout: float | None = None,
+    ) -> Iterator[rollout_pb2.Sample]:
+        """Stream samples as they finish (no overall timeout unless given: rollouts run long)."""
+        req = rollout_pb2.GenerateRequest(
+            job_id=job_id,
+            request_id=request_id,
+            prompts=[rollout_pb2.Prompt(token_ids=list(p)) for p in prompts],
+            sampling=sampling,
+            speculative=speculative,
+        )
+        try:
+            for resp in self.rollouts.Generate(req, metadata=self._metadata, timeout=timeout):
+                yield resp.sample
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def get_request(
+        self, request_id: str, include_samples: bool = False
+    ) -> rollout_pb2.GetRequestResponse:
+        req = rollout_pb2.GetRequestRequest(request_id=request_id, include_samples=include_samples)
+        return self.call(self.rollouts.GetRequest, req)
+
+    def cancel_request(self, request_id: str, reason: str = "") -> rollout_pb2.RolloutRequest:
+        req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=reason)
+        return self.call(self.rollouts.CancelRequest, req).request
+
+    # -- policy --------------------------------------------------------------------------------
+
+    def update_policy(
+        self, job_id: str, checkpoint_path: str, note: str = ""
+    ) -> policy_pb2.PolicyVersion:
+        req = policy_pb2.UpdatePolicyRequest(
+            job_id=job_id, checkpoint=policy_pb2.CheckpointSource(path=checkpoint_path), note=note
+        )
+        return self.call(self.policy.UpdatePolicy, req).policy
+
+    def get_policy(self, job_id: str, version: int | None = None) -> policy_pb2.PolicyVersion:
+        req = policy_pb2.GetPolicyRequest(job_id=job_id, version=version)
+        return self.call(self.policy.GetPolicy, req)
+
+    # -- drafters ------------------------------------------------------------------------------
+
+    def list_drafters(self, job_id: str) -> drafter_pb2.ListDraftersResponse:
+        return self.call(self.drafters.ListDrafters, drafter_pb2.ListDraftersRequest(job_id=job_id))
+
+    def get_drafter(self, job_id: str, version: int) -> drafter_pb2.DrafterVersion:
+        req = drafter_pb2.GetDrafterRequest(job_id=job_id, version=version)
+        return self.call(self.drafters.GetDrafter, req)
+
+    def pin_drafter(self, job_id: str, version: int) -> drafter_pb2.PinDrafterResponse:
+        req = drafter_pb2.PinDrafterRequest(job_id=job_id, version=version)
+        return self.call(self.drafters.PinDrafter, req)
+
+    def export_drafter(
+        self, job_id: str, version: int, output_dir: str, fmt: str = ""
+    ) -> drafter_pb2.ExportDrafterResponse:
+        req = drafter_pb2.ExportDrafterRequest(
+            job_id=job_id, version=version, output_dir=output_dir, format=fmt
+        )
+        return self.call(self.drafters.ExportDrafter, req, timeout=None)
+
+    # -- admin ---------------------------------------------------------------------------------
+
+    def list_devices(self) -> list[admin_pb2.Device]:
+        return list(self.call(self.admin.ListDevices, admin_pb2.ListDevicesRequest()).devices)
+
+    def list_workers(self, device_id: str = "") -> list[admin_pb2.Worker]:
+        req = admin_pb2.ListWorkersRequest(device_id=device_id)
+        return list(self.call(self.admin.ListWorkers, req).workers)
+
+    def cordon(self, device_id: str, reason: str = "") -> admin_pb2.Device:
+        return self.call(
+            self.admin.Cordon, admin_pb2.CordonRequest(device_id=device_id, reason=reason)
+        )
+
+    def uncordon(self, device_id: str) -> admin_pb2.Device:
+        return self.call(self.admin.Uncordon, admin_pb2.UncordonRequest(device_id=device_id))
+
+    def drain(
+        self, device_id: str = "", node: bool = False, grace_seconds: int = 0
+    ) -> list[admin_pb2.Device]:
+        req = admin_pb2.DrainRequest(device_id=device_id, node=node, grace_seconds=grace_seconds)
+        return list(self.call(self.admin.Drain, req).devices)
+
+    def stats(self) -> admin_pb2.Stats:
+        return self.call(self.admin.GetStats, admin_pb2.GetStatsRequest())
+
+    def health(self, service: str = "") -> str:
+        """SERVING / NOT_SERVING for the server ("") or one service, e.g. tltd.v1.RolloutService."""
+        resp = self.call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

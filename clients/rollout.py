@@ -1,0 +1,513 @@
+"""RolloutClient / AsyncRolloutClient: the trainer's view of tltd, in plain Python values."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from clients.client import DEFAULT_TARGET, TltClient
+from clients.errors import from_rpc_error
+from tltd.domain import FinishReason, SamplingParams
+from tltd.v1 import (
+    common_pb2,
+    job_pb2,
+    job_pb2_grpc,
+    policy_pb2,
+    policy_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+)
+
+__all__ = [
+    "AsyncRolloutClient",
+    "JobInfo",
+    "RolloutClient",
+    "RolloutSample",
+    "SamplingParams",
+    "by_prompt",
+]
+
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_SPECULATIVE = {
+    None: common_pb2.SPECULATIVE_MODE_UNSPECIFIED,
+    "auto": common_pb2.SPECULATIVE_MODE_AUTO,
+    "off": common_pb2.SPECULATIVE_MODE_OFF,
+}
+_FINISH = {
+    rollout_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    rollout_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    rollout_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+    rollout_pb2.FINISH_REASON_ABORTED: FinishReason.ABORTED,
+    rollout_pb2.FINISH_REASON_FAILED: FinishReason.FAILED,
+}
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclass(frozen=True)
+class RolloutSample:
+    """One finished sample: what a trainer needs to score it and compute its loss."""
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]  # the target's logprob of each output token
+    finish_reason: FinishReason  # a StrEnum: compares equal to "stop", "length", ...
+    policy_version: int
+    drafter_version: int  # 0 = no learned drafter was used
+    draft_steps: int = 0  # decode steps that used speculative decoding
+    plain_steps: int = 0
+    accepted_tokens: int = 0
+    mean_accepted_length: float = 0.0  # tokens per SD step (accepted + 1); 0 without SD
+    partial: bool = False  # aborted (drain / preemption) before stop or length
+    error: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    model_path: str
+    status: str  # "active" | "cancelled" | "failed"
+    policy_version: int
+    drafter_version: int
+    speculative: str  # "auto" | "off"
+
+
+def by_prompt(samples: Iterable[RolloutSample]) -> list[list[RolloutSample]]:
+    """Samples grouped per prompt (index order), each group in sample-index order: GRPO's groups."""
+    groups: dict[int, list[RolloutSample]] = {}
+    for s in samples:
+        groups.setdefault(s.prompt_index, []).append(s)
+    return [sorted(groups[i], key=lambda s: s.sample_index) for i in sorted(groups)]
+
+
+# ---- proto <-> plain values (the client's own small converter) -----------------------------
+
+
+def _sample_from_pb(pb: rollout_pb2.Sample) -> RolloutSample:
+    spec = pb.speculative
+    return RolloutSample(
+        request_id=pb.request_id,
+        prompt_index=pb.prompt_index,
+        sample_index=pb.sample_index,
+        token_ids=list(pb.token_ids),
+        logprobs=list(pb.logprobs),
+        # An enum value this client does not know yet is reported as a failure, not dropped.
+        finish_reason=_FINISH.get(pb.finish_reason, FinishReason.FAILED),
+        policy_version=pb.policy_version,
+        drafter_version=pb.drafter_version,
+        draft_steps=spec.draft_steps,
+        plain_steps=spec.plain_steps,
+        accepted_tokens=spec.accepted_tokens,
+        mean_accepted_length=spec.mean_accepted_length,
+        partial=pb.partial,
+        error=pb.error,
+    )
+
+
+def _job_from_pb(pb: job_pb2.Job) -> JobInfo:
+    status = job_pb2.JobStatus.Name(pb.status).removeprefix("JOB_STATUS_").lower()
+    mode = "off" if pb.speculative.mode == common_pb2.SPECULATIVE_MODE_OFF else "auto"
+    return JobInfo(pb.job_id, pb.model_path, status, pb.policy_version, pb.drafter_version, mode)
+
+
+def _speculative_mode(value: str | None) -> int:
+    key = value.lower() if isinstance(value, str) else value
+    if key not in _SPECULATIVE:
+        raise ValueError(f"speculative must be 'auto', 'off' or None, got {value!r}")
+    return _SPECULATIVE[key]
+
+
+def _sampling(
+    n: int | None, sampling: SamplingParams | None, overrides: dict[str, Any]
+) -> SamplingParams:
+    unknown = set(overrides) - _SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+    params = dataclasses.replace(sampling or SamplingParams(), **overrides)
+    if n is not None:
+        params = dataclasses.replace(params, n=n)
+    return params
+
+
+def _sampling_to_pb(s: SamplingParams) -> rollout_pb2.SamplingParams:
+    pb = rollout_pb2.SamplingParams(
+        n=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_new_tokens=s.max_new_tokens,
+        stop_token_ids=list(s.stop_token_ids),
+    )
+    if s.seed is not None:
+        pb.seed = s.seed
+    return pb
+
+
+def _generate_request(
+    job_id: str,
+    prompts: Iterable[Sequence[int]],
+    sampling: SamplingParams,
+    request_id: str | None,
+    speculative: str | None,
+) -> rollout_pb2.GenerateRequest:
+    return rollout_pb2.GenerateRequest(
+        job_id=job_id,
+        request_id=request_id or "",
+        prompts=[rollout_pb2.Prompt(token_ids=[int(t) for t in p]) for p in prompts],
+        sampling=_sampling_to_pb(sampling),
+        speculative=_speculative_mode(speculative),
+    )
+
+
+def _create_job_request(
+    model_path: str | Path,
+    job_id: str,
+    name: str,
+    priority: int,
+    weight: float,
+    speculative: str | None,
+    online_training: bool,
+    batch_threshold: int,
+) -> job_pb2.CreateJobRequest:
+    spec = common_pb2.SpeculativeConfig(
+        mode=_speculative_mode(speculative),
+        batch_threshold=batch_threshold,
+        online_training=online_training,
+    )
+    return job_pb2.CreateJobRequest(
+        job_id=job_id,
+        name=name,
+        model_path=str(model_path),
+        priority=priority,
+        weight=weight,
+        speculative=spec,
+    )
+
+
+def _update_policy_request(job_id: str, checkpoint_dir: str | Path, note: str):
+    return policy_pb2.UpdatePolicyRequest(
+        job_id=job_id, checkpoint=policy_pb2.CheckpointSource(path=str(checkpoint_dir)), note=note
+    )
+
+
+def _credentials(
+    tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None
+) -> grpc.ChannelCredentials | None:
+    if not (tls or tls_ca or tls_cert):
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
+        private_key=Path(tls_key).read_bytes() if tls_key else None,
+        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
+    )
+
+
+class _JobBound:
+    """The job a client talks about: given at construction or set by create_job."""
+
+    job_id: str | None
+
+    def _job(self, job_id: str | None) -> str:
+        job = job_id or self.job_id
+        if not job:
+            raise ValueError("no job: pass job_id, construct with job_id=..., or create_job()")
+        return job
+
+
+# ---- synchronous ---------------------------------------------------------------------------
+
+
+class RolloutClient(_JobBound):
+    """Synchronous rollout client for trainers.
+
+        client = RolloutClient("127.0.0.1:50051")
+        client.create_job("models/tiny-policy", job_id="grpo-1")
+        samples = client.generate(prompts, n=8, temperature=1.0, max_new_tokens=512)
+        version = client.update_policy("ckpt/step-1")
+
+    Failures raise the typed errors of `clients.errors` (InvalidArgumentError naming the
+    field, NotFoundError, UnavailableError while the daemon drains, ...); bad arguments that
+    never reach the daemon (an unknown `speculative` mode or sampling field) raise
+    ValueError / TypeError.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        job_id: str | None = None,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        timeout: float | None = 30.0,
+    ) -> None:
+        self.job_id = job_id
+        # One channel, auth and error mapping: the operator client's, reused.
+        self.raw = TltClient(
+            target, token, tls_ca, tls=tls, tls_cert=tls_cert, tls_key=tls_key, timeout=timeout
+        )
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def create_job(
+        self,
+        model_path: str | Path,
+        *,
+        job_id: str = "",
+        name: str = "",
+        priority: int = 0,
+        weight: float = 0.0,
+        speculative: str | None = "auto",
+        online_training: bool = True,
+        batch_threshold: int = 0,
+    ) -> JobInfo:
+        """Create (idempotently, when job_id is given) a job; this client then uses it."""
+        req = _create_job_request(
+            model_path,
+            job_id,
+            name,
+            priority,
+            weight,
+            speculative,
+            online_training,
+            batch_threshold,
+        )
+        info = _job_from_pb(self.raw.call(self.raw.jobs.CreateJob, req))
+        self.job_id = info.job_id
+        return info
+
+    def job(self, job_id: str | None = None) -> JobInfo:
+        req = job_pb2.GetJobRequest(job_id=self._job(job_id))
+        return _job_from_pb(self.raw.call(self.raw.jobs.GetJob, req))
+
+    def stream(
+        self,
+        prompts: Iterable[Sequence[int]],
+        n: int | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        speculative: str | None = None,
+        job_id: str | None = None,
+        timeout: float | None = None,
+        **sampling_kwargs: Any,
+    ) -> Iterator[RolloutSample]:
+        """Yield samples the moment they finish (finish order). Arguments as for generate()."""
+        params = _sampling(n, sampling, sampling_kwargs)
+        req = _generate_request(self._job(job_id), prompts, params, request_id, speculative)
+        call = self.raw.rollouts.Generate(req, metadata=self.raw._metadata, timeout=timeout)
+        try:
+            for resp in call:
+                yield _sample_from_pb(resp.sample)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()  # a caller that stops iterating early must not leave work running
+
+    def generate(
+        self,
+        prompts: Iterable[Sequence[int]],
+        n: int | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        speculative: str | None = None,
+        job_id: str | None = None,
+        timeout: float | None = None,
+        **sampling_kwargs: Any,
+    ) -> list[RolloutSample]:
+        """Roll out `n` samples of every prompt (token ids); all samples, in (prompt, sample)
+        order, once the last has finished.
+
+        Sampling: `sampling=SamplingParams(...)` and/or its fields as keywords (temperature,
+        top_p, top_k, max_new_tokens, stop_token_ids, seed); keywords win. `speculative`:
+        "auto" (adaptive SD), "off", or None (the job's mode). `request_id` makes a retry
+        attach to the same work. No overall timeout unless given: rollouts run long.
+        """
+        samples = self.stream(
+            prompts,
+            n,
+            sampling=sampling,
+            request_id=request_id,
+            speculative=speculative,
+            job_id=job_id,
+            timeout=timeout,
+            **sampling_kwargs,
+        )
+        return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+
+    def cancel(self, request_id: str, reason: str = "") -> None:
+        self.raw.cancel_request(request_id, reason)
+
+    def update_policy(
+        self, checkpoint_dir: str | Path, *, note: str = "", job_id: str | None = None
+    ) -> int:
+        """Push new weights (a Hugging Face checkpoint directory the daemon can read); returns
+        the new policy version, which samples generated from now on carry."""
+        req = _update_policy_request(self._job(job_id), checkpoint_dir, note)
+        return int(self.raw.call(self.raw.policy.UpdatePolicy, req).policy.version)
+
+
+# ---- asyncio -------------------------------------------------------------------------------
+
+
+class AsyncRolloutClient(_JobBound):
+    """The asyncio twin of RolloutClient (grpc.aio); same methods, awaitable:
+
+    async with AsyncRolloutClient(target) as client:
+        await client.create_job(model_dir)
+        samples = await client.generate(prompts, n=8)
+        async for s in client.stream(prompts, n=8): ...
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        job_id: str | None = None,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        timeout: float | None = 30.0,
+    ) -> None:
+        self.job_id = job_id
+        self.timeout = timeout
+        options = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+        ]
+        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
+        if creds is None:
+            self.channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            self.channel = grpc.aio.secure_channel(target, creds, options=options)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._rollouts = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self._policy = policy_pb2_grpc.PolicyServiceStub(self.channel)
+        self._jobs = job_pb2_grpc.JobServiceStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method, request) -> Any:
+        try:
+            return await method(request, metadata=self._metadata, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def create_job(
+        self,
+        model_path: str | Path,
+        *,
+        job_id: str = "",
+        name: str = "",
+        priority: int = 0,
+        weight: float = 0.0,
+        speculative: str | None = "auto",
+        online_training: bool = True,
+        batch_threshold: int = 0,
+    ) -> JobInfo:
+        req = _create_job_request(
+            model_path,
+            job_id,
+            name,
+            priority,
+            weight,
+            speculative,
+            online_training,
+            batch_threshold,
+        )
+        info = _job_from_pb(await self._call(self._jobs.CreateJob, req))
+        self.job_id = info.job_id
+        return info
+
+    async def job(self, job_id: str | None = None) -> JobInfo:
+        req = job_pb2.GetJobRequest(job_id=self._job(job_id))
+        return _job_from_pb(await self._call(self._jobs.GetJob, req))
+
+    async def stream(
+        self,
+        prompts: Iterable[Sequence[int]],
+        n: int | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        speculative: str | None = None,
+        job_id: str | None = None,
+        timeout: float | None = None,
+        **sampling_kwargs: Any,
+    ) -> AsyncIterator[RolloutSample]:
+        params = _sampling(n, sampling, sampling_kwargs)
+        req = _generate_request(self._job(job_id), prompts, params, request_id, speculative)
+        call = self._rollouts.Generate(req, metadata=self._metadata, timeout=timeout)
+        try:
+            async for resp in call:
+                yield _sample_from_pb(resp.sample)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()  # a caller that stops iterating early must not leave work running
+
+    async def generate(
+        self,
+        prompts: Iterable[Sequence[int]],
+        n: int | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        speculative: str | None = None,
+        job_id: str | None = None,
+        timeout: float | None = None,
+        **sampling_kwargs: Any,
+    ) -> list[RolloutSample]:
+        samples = [
+            s
+            async for s in self.stream(
+                prompts,
+                n,
+                sampling=sampling,
+                request_id=request_id,
+                speculative=speculative,
+                job_id=job_id,
+                timeout=timeout,
+                **sampling_kwargs,
+            )
+        ]
+        return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+
+    async def cancel(self, request_id: str, reason: str = "") -> None:
+        req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=reason)
+        await self._call(self._rollouts.CancelRequest, req)
+
+    async def update_policy(
+        self, checkpoint_dir: str | Path, *, note: str = "", job_id: str | None = None
+    ) -> int:
+        req = _update_policy_request(self._job(job_id), checkpoint_dir, note)
+        return int((await self._call(self._policy.UpdatePolicy, req)).policy.version)

@@ -1,0 +1,472 @@
+"""`tltctl`: the operator's command line for tltd (tables for people, -o json for scripts)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from datetime import UTC
+from typing import Any
+
+import click
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+from rich.console import Console
+from rich.table import Table
+
+from clients.client import DEFAULT_TARGET, TltClient
+from clients.errors import TltClientError
+from tltd.v1 import admin_pb2, common_pb2, drafter_pb2, job_pb2
+
+
+class _Ctx:
+    def __init__(self, target: str, token: str | None, output: str, **tls: str | None) -> None:
+        self.target, self.token, self.output, self.tls = target, token, output, tls
+        self._client: TltClient | None = None
+
+    @property
+    def client(self) -> TltClient:
+        if self._client is None:
+            self._client = TltClient(self.target, token=self.token, **self.tls)
+        return self._client
+
+
+def _output_option(fn: Callable) -> Callable:
+    """`-o json` accepted after the subcommand too (`tltctl devices -o json`)."""
+
+    def set_output(ctx: click.Context, _param, value: str | None) -> None:
+        if value:
+            ctx.find_object(_Ctx).output = value
+
+    return click.option(
+        "-o",
+        "--output",
+        type=click.Choice(["table", "json"]),
+        expose_value=False,
+        callback=set_output,
+        help="Output format.",
+    )(fn)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--target",
+    envvar="TLTD_TARGET",
+    default=DEFAULT_TARGET,
+    show_default=True,
+    help="Daemon address host:port (env TLTD_TARGET).",
+)
+@click.option("--token", envvar="TLTD_TOKEN", default=None, help="Bearer token (env TLTD_TOKEN).")
+@click.option(
+    "--tls-ca",
+    envvar="TLTD_TLS_CA",
+    default=None,
+    help="PEM CA to trust; turns TLS on (env TLTD_TLS_CA).",
+)
+@click.option(
+    "--tls-cert",
+    envvar="TLTD_CLIENT_CERT",
+    default=None,
+    help="Client certificate for daemons that require mTLS (env TLTD_CLIENT_CERT).",
+)
+@click.option(
+    "--tls-key",
+    envvar="TLTD_CLIENT_KEY",
+    default=None,
+    help="Key of --tls-cert (env TLTD_CLIENT_KEY).",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="Output format.",
+)
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    target: str,
+    token: str | None,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    output: str,
+) -> None:
+    """Operate a tltd daemon: devices, workers, jobs, drafters, cordon/drain."""
+    ctx.obj = _Ctx(target, token, output, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+    ctx.call_on_close(lambda: ctx.obj._client and ctx.obj._client.close())
+
+
+pass_ctx = click.make_pass_decorator(_Ctx)
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+
+def _dict(msg: Message) -> dict[str, Any]:
+    return MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def _enum(value: str) -> str:
+    """JOB_STATUS_ACTIVE -> active (the proto prefix is noise in a table)."""
+    for prefix in (
+        "JOB_STATUS_",
+        "DRAFTER_STATUS_",
+        "BACKEND_",
+        "REQUEST_STATUS_",
+        "SPECULATIVE_MODE_",
+    ):
+        if value.startswith(prefix):
+            return value[len(prefix) :].lower()
+    return value
+
+
+def _when(msg: Message, field: str) -> str:
+    if not msg.HasField(field):
+        return ""
+    return getattr(msg, field).ToDatetime(tzinfo=UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f}" if n else "-"
+
+
+def _console() -> Console:
+    # Not a terminal (a pipe, a test): do not wrap tables at 80 columns.
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+
+
+def _emit(
+    obj: _Ctx,
+    data: Any,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    title: str | None = None,
+) -> None:
+    if obj.output == "json":
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    table = Table(title=title, show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*("" if v is None else str(v) for v in row))
+    _console().print(table)
+
+
+def _emit_record(obj: _Ctx, msg: Message, extra: dict[str, Any] | None = None) -> None:
+    data = _dict(msg) | (extra or {})
+    _emit(obj, data, ("field", "value"), [(k, _cell(v)) for k, v in data.items()])
+
+
+def _cell(value: Any) -> str:
+    """One table cell: maps as k=v pairs, floats rounded, enum names without their prefix."""
+    if isinstance(value, dict):
+        return " ".join(f"{k}={_cell(v)}" for k, v in sorted(value.items())) or "-"
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value) or "-"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, str):
+        return _enum(value)
+    return str(value)
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+@cli.command()
+@_output_option
+@pass_ctx
+def status(obj: _Ctx) -> None:
+    """Node summary: version, uptime, each device's state, workers, requests, acceptance."""
+    stats = obj.client.stats()
+    states = {d.device_id: _device_state(d) for d in obj.client.list_devices()}
+    _emit_record(obj, stats, {"health": obj.client.health(), "device_states": states})
+
+
+def _device_state(d: admin_pb2.Device) -> str:
+    flags = _flags(d)
+    return d.state if flags == "-" else f"{d.state}({flags})"
+
+
+@cli.command()
+@_output_option
+@pass_ctx
+def devices(obj: _Ctx) -> None:
+    """Devices the daemon owns (or sees as foreign)."""
+    devs = obj.client.list_devices()
+    rows = [
+        (
+            d.device_id,
+            d.name,
+            d.state,
+            _flags(d),
+            _gib(d.memory_used_bytes),
+            _gib(d.memory_total_bytes),
+            f"{d.utilization:.0%}",
+            d.state_reason,
+        )
+        for d in devs
+    ]
+    _emit(
+        obj,
+        [_dict(d) for d in devs],
+        ("DEVICE", "NAME", "STATE", "FLAGS", "MEM USED GiB", "MEM GiB", "UTIL", "REASON"),
+        rows,
+    )
+
+
+def _flags(d: admin_pb2.Device) -> str:
+    flags = [
+        name
+        for name, on in (("foreign", d.foreign), ("cordoned", d.cordoned), ("draining", d.draining))
+        if on
+    ]
+    return ",".join(flags) or "-"
+
+
+@cli.command()
+@click.option("--device", "device_id", default="", help="Only workers on this device.")
+@_output_option
+@pass_ctx
+def workers(obj: _Ctx, device_id: str) -> None:
+    """Rollout and drafter-training worker processes."""
+    ws = obj.client.list_workers(device_id)
+    rows = [
+        (
+            w.worker_id,
+            w.kind,
+            w.device_id,
+            w.job_id,
+            w.state,
+            w.pid or "",
+            _when(w, "last_heartbeat"),
+            w.state_reason,
+        )
+        for w in ws
+    ]
+    _emit(
+        obj,
+        [_dict(w) for w in ws],
+        ("WORKER", "KIND", "DEVICE", "JOB", "STATE", "PID", "HEARTBEAT", "REASON"),
+        rows,
+    )
+
+
+@cli.group()
+def jobs() -> None:
+    """List, show and cancel jobs."""
+
+
+_JOB_STATUSES = {
+    "active": job_pb2.JOB_STATUS_ACTIVE,
+    "cancelled": job_pb2.JOB_STATUS_CANCELLED,
+    "failed": job_pb2.JOB_STATUS_FAILED,
+}
+
+
+@jobs.command("ls")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    type=click.Choice(list(_JOB_STATUSES)),
+    help="Only jobs in this status (repeatable).",
+)
+@click.option("--limit", default=100, show_default=True)
+@_output_option
+@pass_ctx
+def jobs_ls(obj: _Ctx, statuses: tuple[str, ...], limit: int) -> None:
+    """List jobs."""
+    js = obj.client.list_jobs([_JOB_STATUSES[s] for s in statuses], limit)
+    rows = [
+        (
+            j.job_id,
+            j.name,
+            _enum(job_pb2.JobStatus.Name(j.status)),
+            _enum(common_pb2.Backend.Name(j.backend)),
+            j.policy_version,
+            j.drafter_version or "-",
+            _when(j, "created_at"),
+            j.model_path,
+        )
+        for j in js
+    ]
+    _emit(
+        obj,
+        [_dict(j) for j in js],
+        ("JOB", "NAME", "STATUS", "BACKEND", "POLICY", "DRAFTER", "CREATED", "MODEL"),
+        rows,
+    )
+
+
+@jobs.command("show")
+@click.argument("job_id")
+@_output_option
+@pass_ctx
+def jobs_show(obj: _Ctx, job_id: str) -> None:
+    """Show one job."""
+    _emit_record(obj, obj.client.get_job(job_id))
+
+
+@jobs.command("cancel")
+@click.argument("job_id")
+@click.option("--reason", default="", help="Recorded with the status change.")
+@_output_option
+@pass_ctx
+def jobs_cancel(obj: _Ctx, job_id: str, reason: str) -> None:
+    """Cancel a job and its unfinished rollout requests."""
+    _emit_record(obj, obj.client.cancel_job(job_id, reason or "cancelled with tltctl"))
+
+
+@cli.group()
+def drafters() -> None:
+    """Learned drafter versions of a job: list, show, pin, export."""
+
+
+def _drafter_rows(vs: Sequence[drafter_pb2.DrafterVersion]) -> list[tuple]:
+    return [
+        (
+            v.version,
+            _enum(drafter_pb2.DrafterStatus.Name(v.status)),
+            v.policy_version,
+            v.train_steps,
+            f"{v.loss:.4f}",
+            f"{v.acceptance_length:.2f}",
+            "yes" if v.pinned else "",
+            "yes" if v.active else "",
+            _when(v, "created_at"),
+        )
+        for v in vs
+    ]
+
+
+_DRAFTER_COLUMNS = (
+    "VERSION",
+    "STATUS",
+    "POLICY",
+    "STEPS",
+    "LOSS",
+    "ACCEPT LEN",
+    "PINNED",
+    "ACTIVE",
+    "CREATED",
+)
+
+
+@drafters.command("ls")
+@click.argument("job_id")
+@_output_option
+@pass_ctx
+def drafters_ls(obj: _Ctx, job_id: str) -> None:
+    """List a job's drafter versions."""
+    resp = obj.client.list_drafters(job_id)
+    _emit(
+        obj,
+        _dict(resp),
+        _DRAFTER_COLUMNS,
+        _drafter_rows(resp.drafters),
+        title=f"{job_id}: active drafter version {resp.active_version or 'none'}",
+    )
+
+
+@drafters.command("show")
+@click.argument("job_id")
+@click.argument("version", type=click.IntRange(min=1))
+@_output_option
+@pass_ctx
+def drafters_show(obj: _Ctx, job_id: str, version: int) -> None:
+    """Show one drafter version."""
+    _emit_record(obj, obj.client.get_drafter(job_id, version))
+
+
+@drafters.command("pin")
+@click.argument("job_id")
+@click.argument("version", type=click.IntRange(min=0))
+@_output_option
+@pass_ctx
+def drafters_pin(obj: _Ctx, job_id: str, version: int) -> None:
+    """Pin VERSION for JOB_ID's workers (0 unpins: back to the newest promoted)."""
+    _emit_record(obj, obj.client.pin_drafter(job_id, version))
+
+
+@drafters.command("export")
+@click.argument("job_id")
+@click.argument("version", type=click.IntRange(min=1))
+@click.option("--output-dir", required=True, help="Directory on the daemon's host.")
+@click.option("--format", "fmt", default="sglang-eagle", show_default=True)
+@_output_option
+@pass_ctx
+def drafters_export(obj: _Ctx, job_id: str, version: int, output_dir: str, fmt: str) -> None:
+    """Write a drafter version as a standalone checkpoint (on the daemon's host)."""
+    _emit_record(obj, obj.client.export_drafter(job_id, version, output_dir, fmt))
+
+
+def _device_result(obj: _Ctx, devs: Sequence[admin_pb2.Device]) -> None:
+    rows = [(d.device_id, d.state, _flags(d), d.state_reason) for d in devs]
+    _emit(obj, [_dict(d) for d in devs], ("DEVICE", "STATE", "FLAGS", "REASON"), rows)
+
+
+@cli.command()
+@click.argument("device_id")
+@click.option("--reason", default="", help="Recorded with the change.")
+@_output_option
+@pass_ctx
+def cordon(obj: _Ctx, device_id: str, reason: str) -> None:
+    """Place no new work on DEVICE_ID (what runs there keeps running)."""
+    _device_result(obj, [obj.client.cordon(device_id, reason or "cordoned with tltctl")])
+
+
+@cli.command()
+@click.argument("device_id")
+@_output_option
+@pass_ctx
+def uncordon(obj: _Ctx, device_id: str) -> None:
+    """Make DEVICE_ID schedulable again."""
+    _device_result(obj, [obj.client.uncordon(device_id)])
+
+
+@cli.command()
+@click.argument("device_id", required=False, default="")
+@click.option("--node", is_flag=True, help="Drain every device; the daemon refuses new rollouts.")
+@click.option(
+    "--grace",
+    "grace_seconds",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Seconds before in-flight work is aborted (0 = daemon default).",
+)
+@_output_option
+@pass_ctx
+def drain(obj: _Ctx, device_id: str, node: bool, grace_seconds: int) -> None:
+    """Drain DEVICE_ID, or the whole node with --node."""
+    if bool(device_id) == node:
+        raise click.UsageError("give a DEVICE_ID or --node (not both)")
+    _device_result(obj, obj.client.drain(device_id, node=node, grace_seconds=grace_seconds))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The one error boundary: a failed call prints its status and message, exit 1."""
+    try:
+        cli.main(args=argv, prog_name="tltctl", standalone_mode=False)
+    except TltClientError as exc:
+        click.echo(f"tltctl: {exc.code.name.lower()}: {exc.message}", err=True)
+        sys.exit(1)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except OSError as exc:  # e.g. --tls-ca file missing
+        click.echo(f"tltctl: {exc}", err=True)
+        sys.exit(1)
+    sys.exit(0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,388 @@
+"""README command 1: GRPO on the toy running-sum task with the tiny policy, rolling out through
+a real `tltd serve`, once with TLT (adaptive speculative decoding) and once with it off.
+
+    python examples/grpo_demo.py            # 4 RL steps per mode, a few minutes on 2 cores
+    python examples/grpo_demo.py --quick    # 1 tiny step per mode, a smoke test
+
+Each RL step: sample prompts -> the daemon rolls out n answers per prompt (temperature 1) ->
+score them with the task's reward -> group-normalised advantages -> one clipped policy-gradient
+update of the HF policy (logprobs recomputed by the trainer) -> save an HF checkpoint -> push it
+with UpdatePolicy. Both modes use the same prompts and seeds from the same initial weights.
+While it runs, `TLTD_TARGET=<printed address> tltctl status` shows every device's state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Runnable as `python examples/grpo_demo.py` from anywhere.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clients import RolloutClient, RolloutSample, TltClientError, by_prompt  # noqa: E402
+from examples.grpo_trainer import GRPOTrainer, Scored, group_advantages  # noqa: E402
+from workers.task import decode, load_tokenizer, reward  # noqa: E402
+from workers.task.workload import MAX_NEW_TOKENS, STOP_TOKEN_ID, rollout_prompts  # noqa: E402
+
+MODEL = ROOT / "models" / "tiny-policy"
+MODES = ("tlt", "off")  # TLT first: its drafter warms up while the baseline has nothing to warm
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    steps: int = 4
+    prompts: int = 16  # 16+ prompts: every step's workload has the long tail (workload.py)
+    n: int = 8
+    max_new_tokens: int = MAX_NEW_TOKENS
+    lr: float = 5e-5
+    seed: int = 0
+    cpu_slots: int = 2
+
+
+QUICK = DemoConfig(steps=1, prompts=2, n=4, max_new_tokens=128)
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: int
+    rollout_s: float
+    tail_s: float  # from 90% of samples finished to the last
+    samples: int
+    tokens: int
+    sd_share: float  # share of sample decode steps that speculated
+    accepted_length: float  # tokens per SD step (accepted + 1); 0 without SD
+    drafter_version: int
+    policy_version: int
+    harvested_s: float  # device-seconds of drafter training during the step
+    mean_reward: float
+    update_s: float
+    logprob_gap: float
+
+
+# ---- the daemon ----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Daemon:
+    """`tltd serve` on the embedded defaults (SQLite under `data_dir`, torch backend, CPU slots)."""
+
+    def __init__(self, data_dir: Path, cpu_slots: int) -> None:
+        self.port_file = data_dir / "port"
+        self.log_path = data_dir / "tltd.log"
+        self.metrics_port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TLTD_")}
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "tltd", "serve", "--port", "0",
+                "--port-file", str(self.port_file), "--data-dir", str(data_dir / "tltd"),
+                "--cpu-slots", str(cpu_slots), "--metrics-port", str(self.metrics_port),
+            ],
+            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not (self.port_file.exists() and self.port_file.read_text().strip()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"tltd did not start; its log:\n{self.log_path.read_text()}")
+            time.sleep(0.1)
+        self.target = f"127.0.0.1:{self.port_file.read_text().strip()}"
+
+    def training_seconds(self) -> float:
+        """Device-seconds spent training the drafter so far (from the metrics endpoint)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "tltd_device_state_seconds_total" and s.labels.get("state") == "training"
+        )
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+
+# ---- one RL step ---------------------------------------------------------------------------
+
+
+def rollout(
+    client: RolloutClient, prompts: list[list[int]], cfg: DemoConfig, seed: int, label: str
+) -> tuple[list[RolloutSample], list[float], float]:
+    """Stream the step's samples, showing progress; (samples, finish times, wall time)."""
+    total = len(prompts) * cfg.n
+    samples: list[RolloutSample] = []
+    finished: list[float] = []
+    start = last_shown = time.perf_counter()
+    stream = client.stream(
+        prompts, n=cfg.n, temperature=1.0, max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=[STOP_TOKEN_ID], seed=seed,
+    )  # fmt: skip
+    tty = sys.stdout.isatty()
+    for sample in stream:
+        now = time.perf_counter()
+        samples.append(sample)
+        finished.append(now - start)
+        # A terminal gets a live line every second; a log gets a line every 15 s.
+        if now - last_shown > (1.0 if tty else 15.0) or (tty and len(samples) == total):
+            last_shown = now
+            devices = ", ".join(f"{d.device_id} {d.state}" for d in client.raw.list_devices())
+            line = f"  {label}: {len(samples):4d}/{total} samples {now - start:6.1f}s [{devices}]"
+            print(f"\r{line:<100}" if tty else line, end="" if tty else "\n", flush=True)
+    if tty:
+        print("\r" + " " * 100 + "\r", end="", flush=True)
+    return samples, finished, time.perf_counter() - start
+
+
+def tail_seconds(finish_times: list[float]) -> float:
+    """Time from the moment 90% of the samples were done until the last one was."""
+    times = sorted(finish_times)
+    if not times:
+        return 0.0
+    k = max(0, min(len(times) - 1, int(0.9 * len(times) + 0.999) - 1))
+    return times[-1] - times[k]
+
+
+def score(samples: list[RolloutSample], prompts, problems, tok) -> list[Scored]:
+    """Rewards and GRPO advantages, one group per prompt."""
+    groups = by_prompt(samples)
+    rewards = [[reward(problems[g[0].prompt_index], decode(tok, s.token_ids)) for s in g]
+               for g in groups]  # fmt: skip
+    advantages = group_advantages(rewards)
+    return [
+        Scored(prompts[s.prompt_index], s.token_ids, s.logprobs, r, a)
+        for g, rs, adv in zip(groups, rewards, advantages, strict=True)
+        for s, r, a in zip(g, rs, adv, strict=True)
+    ]
+
+
+class Run:
+    """One RL run (one job, one trainer) with speculative decoding adaptive (tlt) or off."""
+
+    def __init__(
+        self, mode: str, cfg: DemoConfig, daemon: Daemon, model: Path, work_dir: Path
+    ) -> None:
+        self.mode, self.cfg, self.daemon, self.model, self.work_dir = (
+            mode,
+            cfg,
+            daemon,
+            model,
+            work_dir,
+        )
+        self.tok = load_tokenizer(model)
+        self.trainer = GRPOTrainer(model, lr=cfg.lr, seed=cfg.seed)
+        self.client = RolloutClient(daemon.target)
+        tlt = mode == "tlt"
+        self.client.create_job(
+            model,
+            job_id=f"grpo-{mode}",
+            speculative="auto" if tlt else "off",
+            online_training=tlt,  # the baseline has no drafter to train
+        )
+        self.rows: list[StepRow] = []
+
+    def warm_up(self) -> None:
+        """Not timed: the job's workers load the model on first use."""
+        warm = rollout_prompts(1, seed=10**6, model_dir=self.model)[0][1]
+        self.client.generate([warm], n=1, temperature=0.0, max_new_tokens=4)
+
+    def step(self, step: int) -> StepRow:
+        """Roll out (timed), score, update the policy, push the checkpoint."""
+        cfg, seed = self.cfg, self.cfg.seed * 1000 + step  # the same in both modes
+        work = rollout_prompts(cfg.prompts, seed=seed, model_dir=self.model)
+        problems = [p for p, _ in work]
+        prompts = [ids for _, ids in work]
+        trained_before = self.daemon.training_seconds()
+        samples, finish, rollout_s = rollout(
+            self.client, prompts, cfg, seed=seed, label=f"{self.mode} step {step}"
+        )
+        t0 = time.perf_counter()
+        scored = score(samples, prompts, problems, self.tok)
+        gap = self.trainer.logprob_gap(scored[::4])  # a quarter of the samples is plenty
+        stats = self.trainer.update(scored)
+        ckpt = self.trainer.save(self.work_dir / f"ckpt-{self.mode}" / f"step-{step + 1}")
+        self.client.update_policy(ckpt, note=f"{self.mode} step {step + 1}")
+        update_s = time.perf_counter() - t0
+        row = summarize(step, samples, finish, rollout_s, scored, max(gap, stats.max_logprob_gap),
+                        update_s, self.daemon.training_seconds() - trained_before)  # fmt: skip
+        self.rows.append(row)
+        print_row(self.mode, row)
+        return row
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def run_all(cfg: DemoConfig, daemon: Daemon, model: Path, work_dir: Path):
+    """The TLT run, then the SD-off run, one after the other.
+
+    Not interleaved step by step: the TLT job's drafter trains on devices its rollouts leave
+    idle, and training only yields to rollout work of its own job's workers, so it would take
+    devices from the other run's rollouts. Each run's job is cancelled when the run is over
+    and the next starts once no device is training.
+    """
+    results = {}
+    for mode in MODES:
+        run = Run(mode, cfg, daemon, model, work_dir)
+        try:
+            run.warm_up()
+            for step in range(cfg.steps):
+                run.step(step)
+            run.client.raw.cancel_job(f"grpo-{mode}", "demo run finished")
+            wait_until_no_training(run.client)
+        finally:
+            run.close()
+        results[mode] = run.rows
+    return results
+
+
+def wait_until_no_training(client: RolloutClient, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(d.state == "training" for d in client.raw.list_devices()):
+        if time.monotonic() > deadline:
+            print("  (drafter training still running; going on)", flush=True)
+            return
+        time.sleep(0.5)
+
+
+def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested) -> StepRow:
+    draft = sum(s.draft_steps for s in samples)
+    plain = sum(s.plain_steps for s in samples)
+    accepted = sum(s.accepted_tokens for s in samples)
+    return StepRow(
+        step=step,
+        rollout_s=rollout_s,
+        tail_s=tail_seconds(finish),
+        samples=len(samples),
+        tokens=sum(s.num_tokens for s in samples),
+        sd_share=draft / (draft + plain) if draft + plain else 0.0,
+        accepted_length=(accepted + draft) / draft if draft else 0.0,
+        drafter_version=max((s.drafter_version for s in samples), default=0),
+        policy_version=max((s.policy_version for s in samples), default=0),
+        harvested_s=harvested,
+        mean_reward=sum(s.reward for s in scored) / max(1, len(scored)),
+        update_s=update_s,
+        logprob_gap=gap,
+    )
+
+
+# ---- output --------------------------------------------------------------------------------
+
+HEADER = (
+    f"{'mode':<5}{'step':>5}{'rollout s':>11}{'tail s':>8}{'tokens':>8}{'SD share':>10}"
+    f"{'acc len':>9}{'drafter':>9}{'policy':>8}{'harvest s':>11}{'reward':>8}{'update s':>10}"
+)
+
+
+def print_row(mode: str, r: StepRow) -> None:
+    print(
+        f"{mode:<5}{r.step:>5}{r.rollout_s:>11.2f}{r.tail_s:>8.2f}{r.tokens:>8}"
+        f"{r.sd_share:>10.2f}{r.accepted_length:>9.2f}{r.drafter_version:>9}"
+        f"{r.policy_version:>8}{r.harvested_s:>11.1f}{r.mean_reward:>8.2f}{r.update_s:>10.1f}",
+        flush=True,
+    )
+
+
+def print_summary(results: dict[str, list[StepRow]]) -> float:
+    print("\n" + HEADER)
+    for mode in MODES:
+        for row in results.get(mode, []):
+            print_row(mode, row)
+    tlt = sum(r.rollout_s for r in results["tlt"])
+    off = sum(r.rollout_s for r in results["off"])
+    speedup = off / tlt if tlt else float("nan")
+    rewards = {m: [round(r.mean_reward, 2) for r in results[m]] for m in MODES}
+    gap = max(r.logprob_gap for rows in results.values() for r in rows)
+    print(
+        f"\nrollout time: TLT {tlt:.2f}s vs SD off {off:.2f}s -> speedup {speedup:.2f}x "
+        f"(TLT / off = {tlt / off if off else float('nan'):.2f})"
+    )
+    print(f"mean reward per step: TLT {rewards['tlt']}  off {rewards['off']}")
+    print(f"max |trainer logprob - daemon logprob| over the run: {gap:.2e}")
+    return speedup
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 tiny step per mode")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--prompts", type=int, help="prompts per step")
+    parser.add_argument("--n", type=int, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--cpu-slots", type=int)
+    parser.add_argument("--model", type=Path, default=MODEL)
+    parser.add_argument("--work-dir", type=Path, help="keep checkpoints and the daemon's data")
+    args = parser.parse_args(argv)
+    cfg = QUICK if args.quick else DemoConfig()
+    overrides = {"steps": args.steps, "prompts": args.prompts, "n": args.n,
+                 "max_new_tokens": args.max_new_tokens, "cpu_slots": args.cpu_slots}  # fmt: skip
+    cfg = DemoConfig(**(vars(cfg) | {k: v for k, v in overrides.items() if v is not None}))
+    model = args.model.resolve()
+    if not (model / "config.json").exists():
+        print(f"no policy at {model} (train it: python scripts/train_policy.py)", file=sys.stderr)
+        return 1
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # the daemon needs cores too
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the demo prints its own progress
+    random.seed(cfg.seed)
+    with tempfile.TemporaryDirectory(prefix="tltd-grpo-") as tmp:
+        work_dir = (args.work_dir or Path(tmp)).resolve()
+        work_dir.mkdir(parents=True, exist_ok=True)
+        print(f"starting tltd serve (SQLite, torch backend, {cfg.cpu_slots} CPU slots)", flush=True)
+        daemon = Daemon(work_dir, cfg.cpu_slots)
+        code = 1
+        try:
+            print(
+                f"daemon at {daemon.target}; watch it with: TLTD_TARGET={daemon.target} "
+                f"tltctl status   (metrics: http://127.0.0.1:{daemon.metrics_port}/metrics)"
+            )
+            print(
+                f"{cfg.steps} GRPO steps per mode, {cfg.prompts} prompts x n={cfg.n}, "
+                f"temperature 1, max {cfg.max_new_tokens} new tokens\n\n{HEADER}",
+                flush=True,
+            )
+            results = run_all(cfg, daemon, model, work_dir)
+            print_summary(results)
+            code = 0
+        except TltClientError as exc:
+            print(f"\ndemo failed: the daemon answered {exc}", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr, flush=True)
+        finally:
+            status = daemon.stop()
+            print(f"tltd exited with status {status} after SIGTERM", flush=True)
+        return code if status == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""A small GRPO trainer for the demo: group-normalised advantages, clipped policy-gradient loss
+over the HF policy's recomputed logprobs, and Hugging Face checkpoints to push to tltd."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One rollout sample as the trainer uses it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    rollout_logprobs: list[float]  # what the daemon's target said when it sampled them
+    reward: float
+    advantage: float = 0.0
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    loss: float
+    samples_used: int  # samples with a non-zero advantage (the others carry no gradient)
+    tokens: int
+    clipped_fraction: float
+    # max |trainer logprob - rollout logprob| before the update: ~0 when the daemon returned
+    # the current policy's logprobs, as it must (same weights, temperature 1).
+    max_logprob_gap: float
+    grad_norm: float
+
+
+def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6) -> list[list[float]]:
+    """GRPO advantages: each reward minus its group's mean, over the group's std (n - 1).
+
+    A group whose rewards are all equal (all right or all wrong) says nothing about which
+    answer is better: its advantages are 0, not 0/0.
+    """
+    out = []
+    for group in rewards:
+        g = [float(r) for r in group]
+        mean = sum(g) / len(g)
+        var = sum((r - mean) ** 2 for r in g) / (len(g) - 1) if len(g) > 1 else 0.0
+        std = math.sqrt(var)
+        out.append([0.0 if std < eps else (r - mean) / (std + eps) for r in g])
+    return out
+
+
+def clipped_pg_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip: float
+) -> tuple[Tensor, Tensor]:
+    """PPO/GRPO clipped surrogate, averaged over each sample's tokens, summed over samples.
+
+    All arguments are [B, T] (advantages broadcast per sample); the caller divides by the
+    number of samples in the whole batch. Returns (loss, clipped-token mask).
+    ratio = p_new / p_rollout; with one update per rollout it starts at 1, so the gradient is
+    the plain policy gradient A * grad log p, and clipping only matters if weights drift.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
+    per_token = -torch.minimum(unclipped, clipped) * mask
+    per_sample = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_sample.sum(), (unclipped != clipped) & mask.bool()
+
+
+class GRPOTrainer:
+    """The policy being trained (transformers Qwen2ForCausalLM on CPU) and its optimizer."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        lr: float = 5e-5,
+        clip: float = 0.2,
+        max_grad_norm: float = 1.0,
+        micro_batch_tokens: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.source = Path(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model.train()
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.clip = clip
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_tokens = micro_batch_tokens
+
+    def _micro_batches(self, batch: list[Scored]) -> list[list[Scored]]:
+        # Sorted by length so that short and long samples do not share padding.
+        ordered = sorted(batch, key=lambda s: len(s.prompt_ids) + len(s.token_ids))
+        out: list[list[Scored]] = []
+        current: list[Scored] = []
+        for s in ordered:
+            width = len(s.prompt_ids) + len(s.token_ids)
+            if current and width * (len(current) + 1) > self.micro_batch_tokens:
+                out.append(current)
+                current = []
+            current.append(s)
+        if current:
+            out.append(current)
+        return out
+
+    def token_logprobs(self, group: list[Scored]) -> tuple[Tensor, Tensor]:
+        """Logprobs of each sample's output tokens under the current weights: ([B, T], mask)."""
+        width = max(len(s.prompt_ids) + len(s.token_ids) for s in group)
+        out_len = max(len(s.token_ids) for s in group)
+        ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(group), width), dtype=torch.long)
+        for row, s in enumerate(group):
+            seq = s.prompt_ids + s.token_ids
+            ids[row, : len(seq)] = torch.tensor(seq)
+            attn[row, : len(seq)] = 1
+        logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
+        logp_all = torch.log_softmax(logits, dim=-1)
+        lp = torch.zeros((len(group), out_len))
+        mask = torch.zeros((len(group), out_len))
+        for row, s in enumerate(group):
+            p, t = len(s.prompt_ids), len(s.token_ids)
+            # Position i predicts token i + 1: output token j sits at p + j, predicted at p+j-1.
+            targets = torch.tensor(s.token_ids)
+            rows = logp_all[row, p - 1 : p - 1 + t]
+            lp[row, :t] = rows.gather(-1, targets[:, None])[:, 0]
+            mask[row, :t] = 1
+        return lp, mask
+
+    @torch.no_grad()
+    def logprob_gap(self, batch: list[Scored]) -> float:
+        """max |trainer logprob - rollout logprob| over the batch's output tokens: ~0 when the
+        rollouts came from these weights at temperature 1 (the daemon returns the target's)."""
+        gap = 0.0
+        for group in self._micro_batches([s for s in batch if s.token_ids]):
+            lp, mask = self.token_logprobs(group)
+            for row, s in enumerate(group):
+                old = torch.tensor(s.rollout_logprobs)
+                gap = max(gap, float((lp[row, : len(old)] - old).abs().max()))
+        return gap
+
+    def update(self, batch: list[Scored]) -> UpdateStats:
+        """One optimizer step on a scored rollout batch (samples with advantage 0 skipped)."""
+        used = [s for s in batch if s.advantage != 0.0 and s.token_ids]
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, tokens, clipped, gap = 0.0, 0, 0, 0.0
+        for group in self._micro_batches(used):
+            lp, mask = self.token_logprobs(group)
+            old = torch.zeros_like(lp)
+            adv = torch.tensor([[s.advantage] for s in group])
+            for row, s in enumerate(group):
+                old[row, : len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
+            gap = max(gap, float(((lp.detach() - old).abs() * mask).max()))
+            loss, clip_mask = clipped_pg_loss(lp, old, adv, mask, self.clip)
+            (loss / len(used)).backward()
+            total_loss += float(loss.detach())
+            tokens += int(mask.sum())
+            clipped += int(clip_mask.sum())
+        grad_norm = 0.0
+        if used:
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            )
+            self.optimizer.step()
+        return UpdateStats(
+            loss=total_loss / max(1, len(used)),
+            samples_used=len(used),
+            tokens=tokens,
+            clipped_fraction=clipped / max(1, tokens),
+            max_logprob_gap=gap,
+            grad_norm=grad_norm,
+        )
+
+    def save(self, out_dir: str | Path) -> Path:
+        """A Hugging Face checkpoint directory (config, safetensors, tokenizer) for UpdatePolicy."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(out), safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            if (self.source / name).exists():
+                shutil.copy2(self.source / name, out / name)
+        return out

@@ -1,0 +1,450 @@
+"""Train (or evaluate) the tiny Qwen2-shaped policy on the count-up task; saves HF format."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Runnable as `python scripts/train_policy.py` from the repository root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workers.task.reasoning import (  # noqa: E402
+    Problem,
+    format_prompt,
+    generate_problem,
+    make_dataset,
+    reward,
+)
+from workers.task.tokenizer import (  # noqa: E402
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    VOCAB,
+    VOCAB_SIZE,
+    decode,
+    encode_answer,
+    encode_prompt,
+    load_tokenizer,
+    save_tokenizer,
+)
+
+NEWLINE_ID = VOCAB.index("\n")
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models" / "tiny-policy"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 1200
+    batch_tokens: int = 1024
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    pool: int = 4096
+    # Loss weight of the first token of each answer line, i.e. the continue-or-stop decision
+    # (one token per line, easily drowned by the digits); 1.0 is the plain token-mean loss.
+    decision_weight: float = 1.0
+    # Loss weight of the final "answer: N" line (copying the last total into it).
+    final_weight: float = 1.0
+
+
+def build_model(seed: int) -> torch.nn.Module:
+    """A ~4.4M-parameter Qwen2-shaped causal LM (GQA 4 query / 2 KV heads, untied head)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        # Untied so that lm_head.weight is its own tensor in the checkpoint: drafters that
+        # borrow the target's frozen head read it by name.
+        tie_word_embeddings=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def encode_example(tok, problem: Problem) -> tuple[list[int], int]:
+    """Token ids of prompt + answer, and the index where the answer starts."""
+    prompt = encode_prompt(tok, format_prompt(problem))
+    return prompt + encode_answer(tok, problem.solution), len(prompt)
+
+
+def batches(tok, cfg: TrainConfig, rng: random.Random):
+    """Endless token-budget batches: a pool of problems is sorted by length and cut into
+    batches of at most `batch_tokens` padded tokens, so short and long answers never share
+    a batch (little padding), then the batches are shuffled."""
+    while True:
+        examples = [encode_example(tok, generate_problem(rng)) for _ in range(cfg.pool)]
+        examples.sort(key=lambda e: len(e[0]))
+        cut, current = [], []
+        for ex in examples:
+            # Sorted ascending, so the newest example sets the padded width.
+            if current and len(ex[0]) * (len(current) + 1) > cfg.batch_tokens:
+                cut.append(current)
+                current = []
+            current.append(ex)
+        if current:
+            cut.append(current)
+        rng.shuffle(cut)
+        for group in cut:
+            width = max(len(ids) for ids, _ in group)
+            ids = torch.full((len(group), width), PAD_ID, dtype=torch.long)
+            mask = torch.zeros((len(group), width), dtype=torch.bool)
+            final = torch.zeros((len(group), width), dtype=torch.bool)
+            for row, (seq, start) in enumerate(group):
+                ids[row, : len(seq)] = torch.tensor(seq)
+                # Position p predicts token p+1: the loss covers answer tokens (and <eos>).
+                mask[row, start - 1 : len(seq) - 1] = True
+                # Positions predicting the final "answer: N" line (after its newline).
+                last_newline = len(seq) - 1 - seq[::-1].index(NEWLINE_ID)
+                final[row, last_newline : len(seq) - 1] = True
+            yield ids, mask, final
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def train(
+    cfg: TrainConfig, out: Path, snapshot_every: int = 0, init_from: Path | None = None
+) -> dict:
+    """Train (from scratch, or on from `init_from`) with AdamW + warmup/cosine; returns a
+    summary for the model card."""
+    save_tokenizer(out)
+    tok = load_tokenizer(out)
+    if init_from is None:
+        model = build_model(cfg.seed)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(init_from, local_files_only=True)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params {n_params:,}", flush=True)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    data = batches(tok, cfg, random.Random(cfg.seed))
+    start, seen, ema = time.time(), 0, None
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        ids, mask, final = next(data)
+        # Right padding only, so the plain causal mask is correct for every real token.
+        logits = model(input_ids=ids).logits[:, :-1]
+        targets = ids[:, 1:]
+        sel = mask[:, :-1]
+        if cfg.decision_weight == 1.0 and cfg.final_weight == 1.0:
+            loss = F.cross_entropy(logits[sel], targets[sel])
+        else:
+            per_token = F.cross_entropy(logits[sel], targets[sel], reduction="none")
+            decision = (ids[:, :-1][sel] == NEWLINE_ID).float()
+            weight = 1.0 + (cfg.decision_weight - 1.0) * decision
+            weight = weight * (1.0 + (cfg.final_weight - 1.0) * final[:, :-1][sel].float())
+            loss = (per_token * weight).sum() / weight.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        seen += int(mask.sum())
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if snapshot_every and step and step % snapshot_every == 0:
+            # Intermediate checkpoints only help pick --steps; the schedule is not shortened.
+            model.save_pretrained(out / "snapshots" / f"step-{step}")
+        if step % 25 == 0 or step == cfg.steps - 1:
+            elapsed = time.time() - start
+            print(
+                f"step {step:5d} loss {ema:.4f} lr {lr_at(step, cfg):.2e} "
+                f"answer-tokens {seen:,} elapsed {elapsed:.0f}s",
+                flush=True,
+            )
+    elapsed = time.time() - start
+    model.eval()
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = 1.0
+    model.generation_config.top_k = 0
+    model.generation_config.top_p = 1.0
+    model.generation_config.max_new_tokens = 512
+    model.save_pretrained(out, safe_serialization=True)
+    return {
+        "params": n_params,
+        "train_seconds": round(elapsed, 1),
+        "final_loss_ema": round(ema or 0.0, 4),
+        "answer_tokens_seen": seen,
+        "config": cfg.__dict__,
+        "init_from": None if init_from is None else str(init_from),
+        "previous": _previous_summary(init_from),
+    }
+
+
+def _previous_summary(init_from: Path | None) -> dict | None:
+    path = None if init_from is None else init_from / "training_summary.json"
+    return json.loads(path.read_text()) if path is not None and path.exists() else None
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tok,
+    problems: list[Problem],
+    *,
+    sample: bool,
+    max_new_tokens: int,
+    seed: int,
+    batch_size: int = 64,
+) -> list[list[int]]:
+    """Completions (token ids, <eos> included when produced) with transformers' generate."""
+    torch.manual_seed(seed)
+    outputs: list[list[int]] = []
+    for i in range(0, len(problems), batch_size):
+        prompts = [encode_prompt(tok, format_prompt(p)) for p in problems[i : i + batch_size]]
+        width = max(map(len, prompts))
+        # Left padding, so every prompt ends where generation starts.
+        ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts])
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        kwargs = (
+            {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+            if sample
+            else {"do_sample": False}
+        )
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+            **kwargs,
+        )
+        for row in gen[:, width:].tolist():
+            outputs.append(row[: row.index(EOS_ID) + 1] if EOS_ID in row else row)
+    return outputs
+
+
+def percentile(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def evaluate(path: Path, n: int, max_new_tokens: int, seed: int) -> dict:
+    """Greedy and T=1 sampled accuracy per problem size, and the completion-length tail."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = load_tokenizer(path)
+    sets = {
+        "small (1-3 steps)": [p for k in (1, 2, 3) for p in make_dataset(n // 3, seed + k, k)],
+        "natural (long-tailed sizes)": make_dataset(n, seed + 100),
+        "large (16-24 steps)": [
+            p for k in (16, 20, 24) for p in make_dataset(max(2, n // 15), seed + 200 + k, k)
+        ],
+    }
+    report: dict = {"max_new_tokens": max_new_tokens}
+    for name, problems in sets.items():
+        for mode in ("greedy", "sampled"):
+            t0 = time.time()
+            outs = generate(
+                model,
+                tok,
+                problems,
+                sample=mode == "sampled",
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+            )
+            lengths = [len(o) for o in outs]
+            acc = sum(reward(p, decode(tok, o)) for p, o in zip(problems, outs, strict=True))
+            row = {
+                "n": len(problems),
+                "accuracy": round(acc / len(problems), 3),
+                "p50": percentile(lengths, 0.5),
+                "p90": percentile(lengths, 0.9),
+                "p99": percentile(lengths, 0.99),
+                "max": max(lengths),
+                "hit_limit": round(sum(EOS_ID not in o for o in outs) / len(outs), 3),
+                "seconds": round(time.time() - t0, 1),
+            }
+            report[f"{name} / {mode}"] = row
+            print(
+                f"{name:28s} {mode:8s} " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True
+            )
+    example = make_dataset(1, seed + 999, 3)[0]
+    out = generate(model, tok, [example], sample=False, max_new_tokens=128, seed=seed)[0]
+    print("example prompt:", repr(format_prompt(example)), "greedy:", repr(decode(tok, out)))
+    return report
+
+
+MODEL_CARD = """# tiny-policy
+
+A {params:,}-parameter Qwen2-shaped causal LM (hidden 256, 6 layers, 4 query heads / 2 KV heads
+(GQA), MLP 704, untied lm_head, vocab {vocab} characters, RoPE, max 1024 positions), trained from
+scratch by `scripts/train_policy.py` on the project's synthetic count-up task
+(`workers/task/reasoning.py`). Weights: fp32 safetensors, {size_mb:.1f} MB.
+
+It is deliberately **only partly good** at the task, so that RL has something to improve and
+rollout lengths are long-tailed (short problems mostly finish early; large ones, and answers
+where the model gets lost, run long or to the token limit).
+
+## Task and format
+
+Add `step` to `start`, `count` times; the answer is the final total. Prompt
+`<bos>start 0017 step 38 count 0003\n`; the answer is one fixed-width line per step (total,
+step, new total, steps left) then the result, ended by `<eos>`:
+
+```
+0017+0038=0055,0002
+0055+0038=0093,0001
+0093+0038=0131,0000
+answer:   0131
+```
+
+The count (1-24) follows a truncated power law (exponent 1.5): reference answer lengths
+p50 ~54, p90 ~214, p99 ~454, max 494 characters (= tokens). Reward: 1.0 when the completion
+ends with exactly one `answer: N` line and N is right, else 0.0.
+
+## Loading
+
+`transformers.AutoModelForCausalLM.from_pretrained(path)`; the tokenizer with
+`workers.task.load_tokenizer(path)` (a `tokenizers.Tokenizer`) or
+`transformers.PreTrainedTokenizerFast.from_pretrained(path)`. Not `AutoTokenizer`:
+transformers 5 maps model_type `qwen2` to its `Qwen2Tokenizer`, which drops spaces and
+newlines from this character vocabulary. Ids: `<pad>` 0, `<bos>` 1, `<eos>` 2 (stop token),
+`<unk>` 3. Prompts are `<bos>` + prompt text.
+
+## Training
+
+`python scripts/train_policy.py` (deterministic for a seed and thread count): AdamW (betas
+0.9/0.95, weight decay 0.1, 100 warmup steps then cosine to 10% of the peak lr), batches of at
+most {batch_tokens} padded tokens bucketed by length, loss on answer tokens only, fresh problems
+from the task distribution, 1 thread on a shared 2-core CPU (torch {torch}). Stages, first
+to last (a later stage starts from the previous one's weights with `--init-from`; tokens are
+answer tokens seen, loss the final EMA of the training loss):
+
+| stage | seed | steps | peak lr | weights (decision / final line) | tokens | loss | min |
+|---|---|---|---|---|---|---|---|
+{stages}
+
+## Evaluation
+
+`python scripts/train_policy.py --eval` (transformers `generate`, max_new_tokens {mnt};
+"sampled" is temperature 1, no top-k/top-p; lengths are generated tokens including `<eos>`;
+hit_limit is the fraction that never produced `<eos>`).
+
+| set | mode | n | accuracy | p50 | p90 | p99 | max | hit_limit |
+|---|---|---|---|---|---|---|---|---|
+{rows}
+"""
+
+
+def write_card(out: Path, summary: dict, report: dict) -> None:
+    rows = []
+    for key, row in report.items():
+        if not isinstance(row, dict):
+            continue
+        name, mode = key.split(" / ")
+        rows.append(
+            f"| {name} | {mode} | {row['n']} | {row['accuracy']:.2f} | {row['p50']} | "
+            f"{row['p90']} | {row['p99']} | {row['max']} | {row['hit_limit']:.2f} |"
+        )
+    stages, stage = [], summary
+    while stage is not None:
+        c = stage["config"]
+        stages.append(
+            f"| {{n}} | {c['seed']} | {c['steps']} | {c['lr']} | "
+            f"{c.get('decision_weight', 1.0)} / {c.get('final_weight', 1.0)} | "
+            f"{stage['answer_tokens_seen']:,} | {stage['final_loss_ema']} | "
+            f"{stage['train_seconds'] / 60:.1f} |"
+        )
+        stage = stage.get("previous")
+    stages = [row.format(n=i + 1) for i, row in enumerate(reversed(stages))]
+    cfg = summary["config"]
+    text = MODEL_CARD.format(
+        params=summary["params"],
+        vocab=VOCAB_SIZE,
+        batch_tokens=cfg["batch_tokens"],
+        torch=torch.__version__.split("+")[0],
+        mnt=report["max_new_tokens"],
+        size_mb=(out / "model.safetensors").stat().st_size / 1e6,
+        rows="\n".join(rows),
+        stages="\n".join(stages),
+    )
+    (out / "README.md").write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
+    parser.add_argument("--batch-tokens", type=int, default=TrainConfig.batch_tokens)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--decision-weight", type=float, default=TrainConfig.decision_weight)
+    parser.add_argument("--final-weight", type=float, default=TrainConfig.final_weight)
+    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    # One thread: on the shared 2-core machine two intra-op threads mostly wait on each other
+    # (a step took ~8 s with two threads vs ~1 s with one here, under varying load), and the
+    # float summation order, hence the exact checkpoint, depends on the thread count.
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--snapshot-every", type=int, default=0)
+    parser.add_argument("--init-from", type=Path, help="continue training a saved model")
+    parser.add_argument("--eval", action="store_true", help="only evaluate the model in --out")
+    parser.add_argument("--no-eval", action="store_true", help="train without the final eval")
+    parser.add_argument("--eval-n", type=int, default=150)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.init_from is not None and args.init_from.resolve() == args.out.resolve():
+        parser.error("--init-from must differ from --out (--out is emptied before training)")
+
+    summary_path = args.out / "training_summary.json"
+    if not args.eval:
+        cfg = TrainConfig(
+            seed=args.seed,
+            steps=args.steps,
+            batch_tokens=args.batch_tokens,
+            lr=args.lr,
+            decision_weight=args.decision_weight,
+            final_weight=args.final_weight,
+        )
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        summary = train(cfg, args.out, args.snapshot_every, args.init_from)
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        if args.no_eval:
+            return
+    summary = json.loads(summary_path.read_text())
+    report = evaluate(args.out, args.eval_n, args.max_new_tokens, seed=1234)
+    (args.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_card(args.out, summary, report)
+
+
+if __name__ == "__main__":
+    main()

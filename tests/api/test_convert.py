@@ -1,0 +1,122 @@
+"""The proto <-> domain converter: defaults, enums (every member), timestamps."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+
+from tltd import domain as d
+from tltd.api import convert as c
+from tltd.v1 import common_pb2, drafter_pb2, job_pb2, policy_pb2, rollout_pb2
+
+
+def test_sampling_defaults():
+    s = c.sampling_from_pb(rollout_pb2.SamplingParams(max_new_tokens=5))
+    assert (s.n, s.top_p, s.top_k, s.temperature, s.seed) == (1, 1.0, 0, 0.0, None)
+    assert c.sampling_from_pb(rollout_pb2.SamplingParams(top_k=-1)).top_k == 0
+    assert (
+        c.sampling_from_pb(rollout_pb2.SamplingParams(top_k=-7)).top_k == -7
+    )  # left to validation
+    assert c.sampling_from_pb(rollout_pb2.SamplingParams(top_k=40)).top_k == 40
+    # Explicitly set top_p = 0 is not "unset": validation must see it.
+    assert c.sampling_from_pb(rollout_pb2.SamplingParams(top_p=0.0)).top_p == 0.0
+    assert c.sampling_from_pb(rollout_pb2.SamplingParams(seed=0)).seed == 0
+    pb = rollout_pb2.SamplingParams(
+        n=3, temperature=0.5, top_p=0.5, top_k=8, max_new_tokens=9, stop_token_ids=[2, 3], seed=11
+    )
+    assert c.sampling_to_pb(c.sampling_from_pb(pb)) == pb
+
+
+def test_rollout_request_and_speculative_override():
+    pb = rollout_pb2.GenerateRequest(
+        job_id="j",
+        request_id="r",
+        prompts=[rollout_pb2.Prompt(token_ids=[1, 2])],
+        sampling=rollout_pb2.SamplingParams(n=2, max_new_tokens=3),
+    )
+    req, spec = c.rollout_from_pb(pb)
+    assert req.prompts == ((1, 2),) and req.samples_total == 2 and spec is None
+    pb.speculative = common_pb2.SPECULATIVE_MODE_OFF
+    assert c.rollout_from_pb(pb)[1] is d.SpeculativeMode.OFF
+    out = c.rollout_to_pb(req)
+    assert (out.num_prompts, out.samples_total, out.status) == (
+        1,
+        2,
+        rollout_pb2.REQUEST_STATUS_QUEUED,
+    )
+
+
+@pytest.mark.parametrize(
+    ("enum", "to_pb", "pb_enum"),
+    [
+        (d.JobStatus, c.job_status_to_pb, job_pb2.JobStatus),
+        (d.RequestStatus, c.request_status_to_pb, rollout_pb2.RequestStatus),
+        (d.DrafterStatus, c.drafter_status_to_pb, drafter_pb2.DrafterStatus),
+    ],
+)
+def test_every_domain_enum_member_has_a_proto_value(enum, to_pb, pb_enum):
+    values = {to_pb(m) for m in enum}
+    assert len(values) == len(enum) and 0 not in values
+    assert {pb_enum.Name(v).rsplit("_", 1)[-1].lower() for v in values} == {m.value for m in enum}
+
+
+def test_backend_and_mode_unspecified_mean_default():
+    assert c.backend_from_pb(common_pb2.BACKEND_UNSPECIFIED) is None
+    assert c.backend_from_pb(common_pb2.BACKEND_SGLANG) is d.Backend.SGLANG
+    assert c.speculative_mode_from_pb(common_pb2.SPECULATIVE_MODE_UNSPECIFIED) is None
+    assert c.job_statuses_from_pb([job_pb2.JOB_STATUS_UNSPECIFIED, job_pb2.JOB_STATUS_FAILED]) == [
+        d.JobStatus.FAILED
+    ]
+
+
+def test_new_job_defaults():
+    new = c.new_job_from_pb(job_pb2.CreateJobRequest(model_path="/m"))
+    assert new.backend is None and new.speculative is None and new.weight == 0.0
+    new = c.new_job_from_pb(
+        job_pb2.CreateJobRequest(
+            model_path="/m", speculative=common_pb2.SpeculativeConfig(drafter="eagle")
+        )
+    )
+    assert new.speculative.drafter == "eagle" and new.speculative.batch_threshold == 0
+    assert new.speculative.draft_lengths == d.SpeculativeConfig().draft_lengths
+
+
+def test_timestamps_are_utc():
+    naive = datetime(2026, 1, 2, 3, 4, 5, 600000)  # SQLite hands back naive UTC
+    assert c.from_ts(c.ts(naive)) == naive.replace(tzinfo=UTC)
+    aware = datetime(2026, 1, 2, 5, 4, 5, tzinfo=timezone(timedelta(hours=2)))
+    assert c.from_ts(c.ts(aware)) == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert c.ts(None) is None
+    assert not c.job_to_pb(d.Job(job_id="j", model_path="/m")).HasField("created_at")
+
+
+def test_sample_round_trip():
+    s = d.Sample(
+        request_id="r",
+        prompt_index=1,
+        sample_index=2,
+        token_ids=(4, 5),
+        logprobs=(-0.5, -1.5),
+        finish_reason=d.FinishReason.ABORTED,
+        policy_version=3,
+        drafter_version=1,
+        speculative=d.SpeculativeStats(2, 3, 4, 2.5),
+        partial=True,
+    )
+    assert c.sample_from_pb(c.sample_to_pb(s)) == s
+
+
+def test_policy_source():
+    req = policy_pb2.UpdatePolicyRequest(
+        job_id="j", checkpoint=policy_pb2.CheckpointSource(path="/c")
+    )
+    assert c.policy_source_from_pb(req) == ("checkpoint", "/c")
+    assert c.policy_source_from_pb(policy_pb2.UpdatePolicyRequest(job_id="j")) == (None, "")
+    req = policy_pb2.UpdatePolicyRequest(nccl=policy_pb2.NcclSource(world_size=2))
+    assert c.policy_source_from_pb(req) == ("nccl", "")
+
+
+def test_non_finite_floats_do_not_leak():
+    v = d.DrafterVersion(job_id="j", version=1, policy_version=0, path="/p", loss=float("nan"))
+    assert c.drafter_to_pb(v).loss == 0.0

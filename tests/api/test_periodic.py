@@ -1,0 +1,51 @@
+"""Periodic jobs: declared in one place with explicit triggers; bodies are plain functions."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from apscheduler.triggers.interval import IntervalTrigger
+
+from tests.api.support import make_settings
+from tltd.periodic import build_scheduler, our_pids, refresh_devices
+
+
+def test_refresh_devices_body(store):
+    devices = refresh_devices(store, None, cpu_slots=3)
+    assert [d.device_id for d in devices] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert [d.device_id for d in store.list_devices()] == ["cpu:0", "cpu:1", "cpu:2"]
+    store.set_device_flags("cpu:1", cordoned=True, reason="test")
+    refresh_devices(store, None, cpu_slots=3)
+    assert store.get_device("cpu:1").cordoned  # operator flags survive a refresh
+    assert os.getpid() in our_pids(store)
+
+
+def test_schedule_declaration(sqlite_store, tmp_path):
+    settings = make_settings(tmp_path, device_refresh_seconds=7.5)
+    scheduler = build_scheduler(settings, sqlite_store, None)
+    jobs = {j.id: j for j in scheduler.get_jobs()}
+    assert set(jobs) == {"device-refresh"}
+    job = jobs["device-refresh"]
+    assert isinstance(job.trigger, IntervalTrigger)
+    assert job.trigger.interval.total_seconds() == 7.5
+    assert job.max_instances == 1 and job.coalesce is True
+    assert job.func is refresh_devices
+
+
+def test_scheduler_runs_the_refresh(sqlite_store, tmp_path):
+    settings = make_settings(tmp_path, device_refresh_seconds=0.05, cpu_slots=2)
+
+    async def main():
+        scheduler = build_scheduler(settings, sqlite_store, None)
+        scheduler.start()
+        try:
+            for _ in range(200):  # condition wait, not a timed assertion
+                if sqlite_store.list_devices():
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            scheduler.shutdown(wait=True)
+
+    asyncio.run(main())
+    assert [d.device_id for d in sqlite_store.list_devices()] == ["cpu:0", "cpu:1"]

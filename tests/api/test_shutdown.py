@@ -1,0 +1,83 @@
+"""Graceful stop of the API server: in-flight calls finish within the grace, new ones refused."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from clients.errors import UnavailableError
+from tests.api.support import DaemonThread, make_settings, seed_devices
+
+
+def test_in_flight_call_finishes_during_grace(sqlite_store, tmp_path, model_dir):
+    seed_devices(sqlite_store)
+    d = DaemonThread(make_settings(tmp_path), sqlite_store).start()
+    try:
+        with d.client() as c:
+            c.create_job(str(model_dir), job_id="job")
+        entered, release = threading.Event(), threading.Event()
+        real_get = d.services.jobs.get
+
+        def slow_get(job_id):
+            entered.set()
+            release.wait(30)  # held until the server is stopping
+            return real_get(job_id)
+
+        d.services.jobs.get = slow_get
+        result: dict = {}
+
+        def call():
+            with d.client() as c:
+                result["job"] = c.get_job("job")
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert entered.wait(30)
+        stopping = asyncio.run_coroutine_threadsafe(d.api.stop(30), d.loop)
+        time.sleep(0.2)  # let stop() begin: the port closes to new calls
+        with d.client() as c, pytest.raises(UnavailableError):
+            c.stats()
+        assert not stopping.done()  # still waiting for the in-flight call
+        release.set()
+        t.join(30)
+        stopping.result(30)
+        assert result["job"].job_id == "job"
+    finally:
+        release.set()
+        d.stop()
+
+
+def test_calls_past_the_grace_are_cancelled(sqlite_store, tmp_path, model_dir):
+    d = DaemonThread(make_settings(tmp_path), sqlite_store).start()
+    try:
+        with d.client() as c:
+            c.create_job(str(model_dir), job_id="job")
+        entered, release = threading.Event(), threading.Event()
+
+        def stuck(job_id):
+            entered.set()
+            release.wait(30)
+
+        d.services.jobs.get = stuck
+        errors: list = []
+
+        def call():
+            with d.client() as c:
+                try:
+                    c.get_job("job")
+                except Exception as exc:  # recorded, asserted below
+                    errors.append(exc)
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert entered.wait(30)
+        asyncio.run_coroutine_threadsafe(d.api.stop(0.2), d.loop).result(30)
+        t.join(30)
+        assert errors and errors[0].code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    finally:
+        release.set()
+        d.stop()

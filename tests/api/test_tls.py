@@ -1,0 +1,150 @@
+"""Real TLS and mTLS with certificates generated in the test (openssl CLI)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from clients.errors import UnavailableError
+from tests.api.support import ADMIN_TOKEN, DaemonThread, make_settings, run_tltctl, seed_devices
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(d: Path) -> dict[str, str]:
+    """A CA, a server cert for 127.0.0.1/localhost and a client cert, all signed by the CA."""
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=d,
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=d,
+        )
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+            "-out",
+            f"{name}.pem",
+            cwd=d,
+        )
+    return {
+        n: str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
+    }
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, str]:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def _daemon(store, tmp_path, **tls) -> DaemonThread:
+    seed_devices(store)
+    settings = make_settings(tmp_path, tokens={ADMIN_TOKEN: "admin"}, **tls)
+    return DaemonThread(settings, store).start()
+
+
+def test_tls(sqlite_store, tmp_path, pki):
+    d = _daemon(sqlite_store, tmp_path, tls_cert=pki["server.pem"], tls_key=pki["server.key"])
+    try:
+        with d.client(ADMIN_TOKEN, tls_ca=pki["ca.pem"]) as c:
+            assert c.stats().devices == 2 and c.health() == "SERVING"
+        # A plaintext client cannot talk to a TLS port.
+        with d.client(ADMIN_TOKEN) as c, pytest.raises(UnavailableError):
+            c.stats()
+    finally:
+        d.stop()
+
+
+def test_mtls_requires_a_client_certificate(sqlite_store, tmp_path, pki):
+    d = _daemon(
+        sqlite_store,
+        tmp_path,
+        tls_cert=pki["server.pem"],
+        tls_key=pki["server.key"],
+        tls_client_ca=pki["ca.pem"],
+    )
+    try:
+        with d.client(
+            ADMIN_TOKEN, tls_ca=pki["ca.pem"], tls_cert=pki["client.pem"], tls_key=pki["client.key"]
+        ) as c:
+            assert c.stats().devices == 2
+        with d.client(ADMIN_TOKEN, tls_ca=pki["ca.pem"]) as c:
+            with pytest.raises(UnavailableError) as info:
+                c.stats()
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        d.stop()
+
+
+def test_tltctl_over_mtls(sqlite_store, tmp_path, pki, capsys):
+    d = _daemon(
+        sqlite_store,
+        tmp_path,
+        tls_cert=pki["server.pem"],
+        tls_key=pki["server.key"],
+        tls_client_ca=pki["ca.pem"],
+    )
+    try:
+        code, out, err = run_tltctl(
+            capsys,
+            "--target",
+            d.target,
+            "--token",
+            ADMIN_TOKEN,
+            "--tls-ca",
+            pki["ca.pem"],
+            "--tls-cert",
+            pki["client.pem"],
+            "--tls-key",
+            pki["client.key"],
+            "devices",
+        )
+        assert code == 0 and "cpu:0" in out, err
+    finally:
+        d.stop()

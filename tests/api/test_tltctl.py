@@ -1,0 +1,116 @@
+"""`tltctl` against an in-process daemon: tables, JSON for scripts, one error boundary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.api.support import ADMIN_TOKEN, TRAINER_TOKEN
+from tests.api.support import run_tltctl as run
+from tltd.domain import DrafterStatus, DrafterVersion
+
+
+@pytest.fixture
+def ctl(auth_daemon, capsys, monkeypatch):
+    monkeypatch.delenv("TLTD_TOKEN", raising=False)
+    monkeypatch.setenv("TLTD_TARGET", auth_daemon.target)
+
+    def ctl(*args: str, token: str | None = ADMIN_TOKEN):
+        return run(capsys, *(["--token", token] if token else []), *args)
+
+    return ctl
+
+
+def test_status_and_devices(ctl):
+    code, out, err = ctl("status")
+    assert code == 0 and err == ""
+    assert "uptime_seconds" in out and "SERVING" in out and "sqlite" in out
+    assert "queued=0" in out  # maps render as k=v pairs
+    assert "cpu:0=idle cpu:1=idle" in out  # every device's state, live
+    code, out, _ = ctl("status", "-o", "json")
+    data = json.loads(out)
+    assert data["health"] == "SERVING" and data["devices"] == 2 and data["database"] == "sqlite"
+    assert data["device_states"] == {"cpu:0": "idle", "cpu:1": "idle"}
+
+    code, out, _ = ctl("devices")
+    assert code == 0 and "DEVICE" in out and "cpu:0" in out and "cpu:1" in out
+    code, out, _ = ctl("-o", "json", "devices")  # -o before the subcommand works too
+    assert [d["device_id"] for d in json.loads(out)] == ["cpu:0", "cpu:1"]
+    code, out, _ = ctl("workers", "-o", "json")
+    assert code == 0 and json.loads(out) == []
+    code, out, _ = ctl("workers")
+    assert code == 0 and "WORKER" in out
+
+
+def test_jobs(ctl, auth_daemon, model_dir):
+    with auth_daemon.client(TRAINER_TOKEN) as c:
+        c.create_job(str(model_dir), job_id="job-1", name="grpo")
+    code, out, _ = ctl("jobs", "ls")
+    assert code == 0 and "job-1" in out and "grpo" in out and "active" in out
+    code, out, _ = ctl("jobs", "show", "job-1", "-o", "json")
+    assert json.loads(out)["status"] == "JOB_STATUS_ACTIVE"
+    code, out, _ = ctl("jobs", "cancel", "job-1", "--reason", "operator says so")
+    assert code == 0 and "cancelled" in out and "operator says so" in out
+    code, out, _ = ctl("jobs", "ls", "--status", "active", "-o", "json")
+    assert json.loads(out) == []
+    code, out, _ = ctl("jobs", "ls", "--status", "cancelled", "-o", "json")
+    assert [j["job_id"] for j in json.loads(out)] == ["job-1"]
+
+
+def test_drafters(ctl, auth_daemon, model_dir):
+    with auth_daemon.client(ADMIN_TOKEN) as c:
+        c.create_job(str(model_dir), job_id="job")
+    auth_daemon.store.add_drafter_version(
+        DrafterVersion(
+            job_id="job",
+            version=1,
+            policy_version=0,
+            path="/d/1",
+            train_steps=50,
+            loss=0.25,
+            acceptance_length=3.5,
+        )
+    )
+    auth_daemon.store.set_drafter_status("job", 1, DrafterStatus.PROMOTED, "better")
+    code, out, _ = ctl("drafters", "ls", "job")
+    assert code == 0 and "promoted" in out and "3.50" in out and "active drafter version 1" in out
+    code, out, _ = ctl("drafters", "ls", "job", "-o", "json")
+    assert json.loads(out)["active_version"] == "1"  # uint64 is a string in proto JSON
+    code, out, _ = ctl("drafters", "show", "job", "1", "-o", "json")
+    assert json.loads(out)["train_steps"] == "50"
+    code, out, _ = ctl("drafters", "pin", "job", "1", "-o", "json")
+    assert json.loads(out)["drafter"]["pinned"] is True
+    code, out, err = ctl("drafters", "export", "job", "1", "--output-dir", "/tmp/x")
+    # /d/1 does not exist: one clear error line, exit 1 (a real export is tested in test_rpc)
+    assert code == 1 and out == "" and "failed_precondition" in err.lower() and "/d/1" in err
+
+
+def test_cordon_uncordon_drain(ctl, auth_daemon):
+    code, out, _ = ctl("cordon", "cpu:0", "--reason", "fan")
+    assert code == 0 and "cordoned" in out
+    assert auth_daemon.store.get_device("cpu:0").cordoned
+    assert "cpu:0=idle(cordoned) cpu:1=idle" in ctl("status")[1]
+    code, out, _ = ctl("uncordon", "cpu:0", "-o", "json")
+    assert json.loads(out)[0]["cordoned"] is False
+    code, out, _ = ctl("drain", "cpu:1")
+    assert code == 0 and "draining" in out
+    code, out, err = ctl("drain")
+    assert code == 2 and "DEVICE_ID or --node" in err  # usage error, nothing sent
+    code, out, _ = ctl("drain", "--node", "-o", "json")
+    assert code == 0 and all(d["draining"] for d in json.loads(out))
+    assert auth_daemon.node.draining
+
+
+def test_error_boundary(ctl, capsys, monkeypatch):
+    code, out, err = ctl("cordon", "cpu:0", token=TRAINER_TOKEN)
+    assert code == 1 and out == ""
+    assert err.startswith("tltctl: permission_denied:") and "Cordon" in err
+    code, out, err = ctl("jobs", "show", "ghost")
+    assert code == 1 and "not_found" in err and "ghost" in err
+    code, out, err = ctl("status", token=None)
+    assert code == 1 and "unauthenticated" in err
+    monkeypatch.setenv("TLTD_TOKEN", ADMIN_TOKEN)  # the env var carries the token
+    assert ctl("status", token=None)[0] == 0
+    code, out, err = run(capsys, "--target", "127.0.0.1:1", "status")
+    assert code == 1 and "unavailable" in err

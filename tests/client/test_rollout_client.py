@@ -1,0 +1,229 @@
+"""RolloutClient / AsyncRolloutClient against a real daemon: jobs, policy pushes, typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from clients import (
+    AsyncRolloutClient,
+    RolloutClient,
+    RolloutSample,
+    SamplingParams,
+    by_prompt,
+)
+from clients.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from clients.rollout import _generate_request, _sample_from_pb, _sampling
+from tests.api.support import (
+    ADMIN_TOKEN,
+    TRAINER_TOKEN,
+    DaemonThread,
+    make_settings,
+    seed_devices,
+    write_model_dir,
+)
+from tltd.domain import FinishReason
+from tltd.v1 import common_pb2, rollout_pb2
+
+
+@pytest.fixture
+def daemon(sqlite_store, tmp_path) -> Iterator[DaemonThread]:
+    seed_devices(sqlite_store)
+    d = DaemonThread(make_settings(tmp_path, max_prompts_per_request=4), sqlite_store).start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client(daemon) -> Iterator[RolloutClient]:
+    with RolloutClient(daemon.target) as c:
+        yield c
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return write_model_dir(tmp_path / "model")
+
+
+def test_create_job_binds_the_client_and_is_idempotent(client, model_dir):
+    info = client.create_job(model_dir, job_id="grpo-1", speculative="off")
+    assert (info.job_id, info.status, info.policy_version, info.speculative) == (
+        "grpo-1",
+        "active",
+        0,
+        "off",
+    )
+    assert client.job_id == "grpo-1"
+    assert client.create_job(model_dir, job_id="grpo-1", speculative="off") == info
+    assert client.job() == info
+    assigned = RolloutClient(client.raw.target)
+    assert assigned.create_job(model_dir).job_id not in ("", "grpo-1")
+
+
+def test_update_policy_returns_increasing_versions(client, model_dir, tmp_path):
+    client.create_job(model_dir, job_id="j")
+    assert client.update_policy(write_model_dir(tmp_path / "step-1"), note="step 1") == 1
+    assert client.update_policy(write_model_dir(tmp_path / "step-2")) == 2
+    assert client.job().policy_version == 2
+
+
+def test_update_policy_errors_are_typed(client, model_dir, tmp_path):
+    with pytest.raises(ValueError, match="no job"):
+        client.update_policy(tmp_path)
+    client.create_job(model_dir, job_id="j")
+    with pytest.raises(InvalidArgumentError) as info:
+        client.update_policy(tmp_path / "missing")
+    assert "checkpoint.path" in info.value.message
+    with pytest.raises(NotFoundError):
+        client.update_policy(model_dir, job_id="no-such-job")
+    client.raw.cancel_job("j")
+    with pytest.raises(FailedPreconditionError):
+        client.update_policy(write_model_dir(tmp_path / "late"))
+
+
+@pytest.mark.parametrize(
+    ("prompts", "kwargs", "error", "field"),
+    [
+        ([[1, 2]], {"max_new_tokens": 0}, InvalidArgumentError, "sampling.max_new_tokens"),
+        ([[1, 2]], {"temperature": -1.0}, InvalidArgumentError, "sampling.temperature"),
+        ([[1, 2], []], {}, InvalidArgumentError, "prompts[1].token_ids"),
+        ([[1, 2], [3, 4, -5]], {}, InvalidArgumentError, "prompts[1].token_ids[2]"),
+        ([], {}, InvalidArgumentError, "prompts"),
+        ([[1]] * 5, {}, ResourceExhaustedError, "prompts"),
+        ([[1, 2]], {"request_id": "bad id!"}, InvalidArgumentError, "request_id"),
+    ],
+)
+def test_generate_rejections_name_the_field(client, model_dir, prompts, kwargs, error, field):
+    client.create_job(model_dir, job_id="j")
+    with pytest.raises(error) as info:
+        client.generate(prompts, n=2, **kwargs)
+    assert field in info.value.message, info.value.message
+    assert client.job().status == "active"  # the daemon keeps serving
+
+
+def test_generate_job_errors(client, model_dir):
+    with pytest.raises(ValueError, match="no job"):
+        client.generate([[1, 2]])
+    with pytest.raises(NotFoundError):
+        client.generate([[1, 2]], job_id="nope")
+    client.create_job(model_dir, job_id="j")
+    client.raw.cancel_job("j")
+    with pytest.raises(FailedPreconditionError, match="job_id"):
+        client.generate([[1, 2]])
+
+
+def test_generate_on_a_draining_node_is_unavailable(daemon, client, model_dir):
+    client.create_job(model_dir, job_id="j")
+    daemon.node.start_draining("test")
+    with pytest.raises(UnavailableError, match="draining"):
+        list(client.stream([[1, 2]]))
+
+
+def test_client_side_argument_errors(client):
+    client.job_id = "j"
+    with pytest.raises(ValueError, match="speculative"):
+        client.generate([[1]], speculative="fast")
+    with pytest.raises(TypeError, match="temprature"):
+        client.generate([[1]], temprature=1.0)
+
+
+def test_sampling_keywords_override_the_params_object():
+    base = SamplingParams(n=4, temperature=0.0, max_new_tokens=16, seed=3)
+    assert _sampling(None, base, {}) == base
+    assert _sampling(8, base, {"temperature": 1.0}) == SamplingParams(
+        n=8, temperature=1.0, max_new_tokens=16, seed=3
+    )
+    req = _generate_request("j", [(1, 2), [3]], _sampling(2, None, {"seed": 0}), None, "off")
+    assert req.sampling.HasField("seed") and req.sampling.seed == 0
+    assert not req.sampling.HasField("top_p") or req.sampling.top_p == 1.0
+    assert [list(p.token_ids) for p in req.prompts] == [[1, 2], [3]]
+    assert req.speculative == common_pb2.SPECULATIVE_MODE_OFF
+    assert _generate_request("j", [[1]], base, "r1", None).speculative == (
+        common_pb2.SPECULATIVE_MODE_UNSPECIFIED
+    )
+
+
+def test_samples_become_plain_values_grouped_per_prompt():
+    pbs = [
+        rollout_pb2.Sample(
+            request_id="r",
+            prompt_index=p,
+            sample_index=i,
+            token_ids=[5, 6, 2],
+            logprobs=[-0.5, -0.25, -0.125],
+            finish_reason=rollout_pb2.FINISH_REASON_STOP,
+            policy_version=3,
+            drafter_version=1,
+            speculative=rollout_pb2.SpeculativeStats(
+                draft_steps=1, plain_steps=1, accepted_tokens=1, mean_accepted_length=2.0
+            ),
+        )
+        for p, i in [(1, 1), (0, 1), (1, 0), (0, 0)]
+    ]
+    samples = [_sample_from_pb(pb) for pb in pbs]
+    s = samples[0]
+    assert isinstance(s, RolloutSample) and s.finish_reason == "stop"
+    assert s.finish_reason is FinishReason.STOP
+    assert (s.token_ids, s.logprobs, s.num_tokens) == ([5, 6, 2], [-0.5, -0.25, -0.125], 3)
+    assert (s.policy_version, s.drafter_version, s.mean_accepted_length) == (3, 1, 2.0)
+    groups = by_prompt(samples)
+    assert [[(x.prompt_index, x.sample_index) for x in g] for g in groups] == [
+        [(0, 0), (0, 1)],
+        [(1, 0), (1, 1)],
+    ]
+    unknown = _sample_from_pb(rollout_pb2.Sample(finish_reason=99))
+    assert unknown.finish_reason is FinishReason.FAILED
+
+
+def test_async_client(daemon, model_dir, tmp_path):
+    async def scenario() -> None:
+        async with AsyncRolloutClient(daemon.target) as client:
+            info = await client.create_job(model_dir, job_id="aj")
+            assert info.job_id == client.job_id == "aj"
+            assert await client.update_policy(write_model_dir(tmp_path / "s1")) == 1
+            assert (await client.job()).policy_version == 1
+            with pytest.raises(InvalidArgumentError, match="sampling.max_new_tokens"):
+                await client.generate([[1, 2]], n=2, max_new_tokens=0)
+            with pytest.raises(NotFoundError):
+                async for _ in client.stream([[1]], job_id="missing"):
+                    pass
+            with pytest.raises(InvalidArgumentError, match="checkpoint.path"):
+                await client.update_policy(tmp_path / "missing")
+
+    asyncio.run(scenario())
+
+
+def test_tokens_reach_the_daemon(sqlite_store, tmp_path, model_dir):
+    seed_devices(sqlite_store)
+    tokens = {ADMIN_TOKEN: "admin", TRAINER_TOKEN: "trainer"}
+    d = DaemonThread(make_settings(tmp_path, tokens=tokens), sqlite_store).start()
+    try:
+        with RolloutClient(d.target) as anonymous:
+            with pytest.raises(UnauthenticatedError):
+                anonymous.create_job(model_dir)
+        with RolloutClient(d.target, token=TRAINER_TOKEN) as trainer:
+            assert trainer.create_job(model_dir, job_id="t").job_id == "t"
+            assert trainer.update_policy(write_model_dir(tmp_path / "s1")) == 1
+            with pytest.raises(PermissionDeniedError):
+                trainer.raw.cordon("cpu:0")
+
+        async def anonymous_async() -> None:
+            async with AsyncRolloutClient(d.target, "t") as client:
+                await client.job()
+
+        with pytest.raises(UnauthenticatedError) as info:
+            asyncio.run(anonymous_async())
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        d.stop()

@@ -1,0 +1,142 @@
+"""Shared fixtures: real databases (a SQLite file, a fresh PostgreSQL database), a migrated Store.
+
+- `sqlite_url`: URL of a SQLite file in the test's tmp dir (no tables yet).
+- `pg_url`: URL of a freshly created, uniquely named PostgreSQL database (no tables yet),
+  dropped after the test. Server from env `TLTD_TEST_PG_URL` (default
+  postgresql://postgres@127.0.0.1:5432/test). Unreachable server: the test fails when env
+  `CI` is "true"/"1", otherwise it is skipped.
+- `db_url`: parametrized over "sqlite" and "postgresql" (the PG case is marked `postgres`):
+  a fresh, empty database on each backend (use it to test migrations or a daemon that
+  migrates at start).
+- `store`: parametrized the same way: a `tltd.store.Store` on a migrated, empty database;
+  closed afterwards. `store.url` reopens the same database. On PostgreSQL one migrated
+  database is shared by the session and emptied before each test, because
+  creating and dropping a database per test costs about a second.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from tltd.store import Store
+from tltd.store.engine import make_engine
+from tltd.store.migrate import upgrade
+from tltd.store.models import Base
+
+PG_ADMIN_URL = os.environ.get("TLTD_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+@contextmanager
+def _fresh_pg_database() -> Iterator[str]:
+    """Create a uniquely named database on the test server; drop it afterwards."""
+    psycopg = pytest.importorskip("psycopg")
+    admin = make_url(PG_ADMIN_URL)
+    conninfo = admin.set(drivername="postgresql").render_as_string(hide_password=False)
+    name = f"tltd_test_{uuid.uuid4().hex[:12]}"
+    try:
+        conn = psycopg.connect(conninfo, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        msg = f"PostgreSQL not reachable at {PG_ADMIN_URL}: {str(exc).strip()}"
+        if _in_ci():
+            pytest.fail(msg)
+        pytest.skip(msg)
+    with conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield admin.set(drivername="postgresql+psycopg", database=name).render_as_string(
+            hide_password=False
+        )
+    finally:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            # FORCE: a test that failed mid-way may still hold connections.
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'tltd.db'}"
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    with _fresh_pg_database() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request) -> str:
+    """A fresh, empty database URL on each backend."""
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+
+
+@pytest.fixture(scope="session")
+def migrated_pg_url() -> Iterator[str]:
+    """One migrated PostgreSQL database for the whole session (see `store`)."""
+    with _fresh_pg_database() as url:
+        upgrade(url)
+        yield url
+
+
+def _empty_all_tables(url: str) -> None:
+    # DELETE, not TRUNCATE: on a handful of rows it is ~10x faster (no new relation files).
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            # Fail fast instead of hanging if a previous test leaked an open transaction.
+            conn.execute(text("SET LOCAL lock_timeout = '5s'"))
+            for table in reversed(Base.metadata.sorted_tables):
+                conn.execute(table.delete())
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def store(request) -> Iterator[Store]:
+    """A Store on a migrated, empty database, on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        url = request.getfixturevalue("sqlite_url")
+        upgrade(url)
+    else:
+        url = request.getfixturevalue("migrated_pg_url")
+        _empty_all_tables(url)
+    s = Store(url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def sqlite_store(sqlite_url) -> Iterator[Store]:
+    """A migrated SQLite store, where the database is not what is under test."""
+    upgrade(sqlite_url)
+    s = Store(sqlite_url)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """A tiny random Qwen2-shaped HF checkpoint: the rollout and training tests' policy."""
+    from tests.rollout.support import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "policy")
+
+
+@pytest.fixture(scope="session")
+def ckpt2(tmp_path_factory):
+    """Same shape, other weights: a new policy version."""
+    from tests.rollout.support import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt2") / "policy", seed=1)

@@ -1,0 +1,106 @@
+"""The drafter-training worker as a real spawned process: preempt, resume, restart from disk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.drafter.helpers import (
+    fill_buffer,
+    load_target,
+    make_target_dir,
+    new_drafter,
+    rollout_samples,
+)
+from tltd.domain import DrafterStatus, Job
+from tltd.store import Store
+from tltd.store.migrate import upgrade
+from workers.drafter.buffer import TrainingBuffer
+from workers.drafter.forward import target_hidden
+from workers.drafter.trainer import Trainer, TrainerConfig, latest_checkpoint
+from workers.drafter.worker import DrafterWorker, WorkerSpec
+
+CFG = TrainerConfig(items_per_micro=2, micro_per_step=3, warmup_steps=3, lr=3e-3, row_len=64)
+STEPS = 14
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # module scope: it must precede the module-scoped model fixtures
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _payload(target, samples):
+    return [{"token_ids": t, "response_start": rs, "policy_version": 0, "step": 0,
+             "hidden": target_hidden(target, [torch.tensor(t)])[0]} for t, rs in samples]
+
+
+@pytest.mark.slow
+def test_preempted_k_times_and_restarted_ends_like_uninterrupted(tmp_path, sqlite_url):
+    model_dir = make_target_dir(tmp_path / "target")
+    target = load_target(model_dir)
+    samples = rollout_samples(target, 10, seed=2)
+
+    # Reference: uninterrupted, in this process, same seed and data.
+    buf = TrainingBuffer(1 << 24)
+    fill_buffer(buf, target, samples)
+    ref = Trainer(new_drafter(target, seed=0), buf, CFG)
+    ref_ids = [ref.train_step().item_ids for _ in range(STEPS)]
+
+    spec = WorkerSpec(model_path=str(model_dir), checkpoint_dir=str(tmp_path / "ckpt"),
+                      trainer=CFG, drafter_seed=0)
+    payload = _payload(target, samples)
+    w = DrafterWorker(spec)
+    latencies = []
+    try:
+        assert w.start()["step"] == 0
+        w.add(payload)
+        w.train(STEPS)
+        for k in range(3):  # preempt while training, idle, resume in the same process
+            while len(w.steps) < 2 * (k + 1):
+                w.wait_for("step")
+            latencies.append(w.preempt())
+            w.wait_for("checkpointed")
+            w.train(STEPS)
+        while len(w.steps) < 9:
+            w.wait_for("step")
+        latencies.append(w.preempt())
+        stopped = w.stop()  # exit; a new process resumes from the checkpoint on disk
+    finally:
+        w.kill()
+    assert stopped["step"] == len(w.steps)
+
+    w2 = DrafterWorker(spec)
+    try:
+        ready = w2.start()
+        assert ready["step"] == len(w.steps) and ready["resumed_from"]
+        w2.add(payload)  # the buffer is volatile: the daemon re-feeds the same samples
+        w2.train(STEPS)
+        assert w2.wait_for("idle")["reason"] == "max_steps"
+        # Publishing from the worker: a version row through the real store.
+        upgrade(sqlite_url)
+        store = Store(sqlite_url)
+        store.create_job(Job(job_id="j", model_path=str(model_dir)))
+        held = [{"token_ids": t, "response_start": rs} for t, rs in
+                rollout_samples(target, 3, seed=8)]
+        dv = w2.publish(job_id="j", db_url=sqlite_url, policy_version=2, held_out=held,
+                        out_dir=str(tmp_path / "versions"))
+        assert dv["version"] == 1 and dv["train_steps"] == STEPS and dv["policy_version"] == 2
+        assert dv["status"] in (DrafterStatus.PROMOTED, DrafterStatus.REJECTED)
+        assert store.get_drafter("j", 1).acceptance_length == dv["acceptance_length"] >= 1.0
+        store.close()
+        w2.stop()
+    finally:
+        w2.kill()
+
+    got_ids = [tuple(s["item_ids"]) for s in w.steps + w2.steps]
+    assert [s["step"] for s in w.steps + w2.steps] == list(range(1, STEPS + 1))
+    assert got_ids == ref_ids, "an item was trained twice or skipped"
+    final = load_file(str(latest_checkpoint(spec.checkpoint_dir) / "model.safetensors"))
+    assert set(final) == set(ref.params)
+    for n, p in ref.params.items():
+        torch.testing.assert_close(final[n], p.detach(), atol=1e-5, rtol=1e-4)
+    assert all(lat < 10 for lat in latencies)  # sanity only; timing lives in the benchmark

@@ -1,0 +1,54 @@
+"""Tiny random HF checkpoints (Qwen2 / Llama) written to a temp dir, for engine tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def make_checkpoint(
+    path: Path,
+    arch: str = "qwen2",
+    *,
+    vocab: int = 64,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tie: bool = True,
+    seed: int = 0,
+    logit_scale: float = 1.0,
+    head_dim: int | None = None,
+) -> Path:
+    """Save a random model; logit_scale > 1 sharpens its distributions (peaked logits)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        rope_theta=5000.0,
+        tie_word_embeddings=tie,
+    )
+    if head_dim is not None:
+        kw["head_dim"] = head_dim
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Random weights (HF init is tiny) so outputs vary with context; biases too.
+            if p.dim() > 1:
+                p.normal_(0, 0.5 / p.shape[1] ** 0.5 * 2)
+            elif "bias" in name:
+                p.normal_(0, 0.1)
+        model.model.norm.weight.mul_(logit_scale)
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,133 @@
+"""Sampled SD is lossless: the law of the first generated tokens matches the model's exactly.
+
+A tiny-vocabulary model (V = 8) makes the joint law of the first three tokens small enough to
+compute exactly (from the transformers model and transformers' own temperature / top-p
+warpers) and to test with a chi-square goodness-of-fit test. All seeds are fixed, so every
+p-value here is deterministic. Threshold: a correct sampler gives p-values ~ U(0, 1), so
+p > 1e-3 fails a correct implementation with probability 0.1% per (fixed) draw; the sanity
+check shows the same test rejects a subtly wrong rule (always keep the drafts) with p < 1e-6.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tests.engine.helpers import make_checkpoint
+from tltd.domain import SamplingParams
+from workers.engine import engine as engine_mod
+from workers.engine.bandit import Strategy
+from workers.engine.eagle import EagleDrafter
+from workers.engine.engine import Engine, EngineConfig, Request
+
+V = 8
+TEMPERATURE, TOP_P = 0.8, 0.9
+# Every bigram over the vocabulary occurs in the prompt, so the n-gram drafter always proposes.
+PROMPT = [a for a, b in itertools.product(range(V), repeat=2) for a in (a, b)][:40]
+N_SAMPLES = 4000
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "m",
+        "llama",
+        vocab=V,
+        hidden=32,
+        heads=2,
+        kv_heads=1,
+        seed=5,
+        logit_scale=3.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def exact(ckpt):
+    """P(t1, t2, t3) under the processed distribution, by enumeration of all prefixes."""
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).eval()
+    warp = [TemperatureLogitsWarper(TEMPERATURE), TopPLogitsWarper(TOP_P)]
+
+    def probs(prefixes):
+        ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+        with torch.no_grad():
+            scores = model(ids).logits[:, -1]
+        for w in warp:
+            scores = w(ids, scores)
+        return torch.softmax(scores, -1)
+
+    p1 = probs([()])[0]
+    p2 = probs([(a,) for a in range(V)])
+    pairs = list(itertools.product(range(V), repeat=2))
+    p3 = probs(pairs)
+    law = {}
+    for (a, b), row in zip(pairs, p3, strict=True):
+        for c in range(V):
+            law[(a, b, c)] = float(p1[a] * p2[a, b] * row[c])
+    return law
+
+
+def _sample(ckpt, mode, strategy=None, eagle=False, seed=0):
+    cfg = EngineConfig(
+        max_batch=64,
+        max_seq_len=64,
+        spec_mode=mode,
+        batch_threshold=64,
+        strategies=(strategy or Strategy("ngram", 2),),
+        seed=seed,
+    )
+    e = Engine(str(ckpt), cfg)
+    if eagle:
+        e.set_drafter(EagleDrafter.random_init(e.model, seed=1), version=1)
+    sp = SamplingParams(n=50, temperature=TEMPERATURE, top_p=TOP_P, max_new_tokens=4)
+    outs = e.generate([Request(f"r{i}", PROMPT, sp) for i in range(N_SAMPLES // 50)])
+    return Counter(tuple(o.token_ids[:3]) for o in outs), e.stats.summary()
+
+
+def _p_value(counts, law):
+    n = sum(counts.values())
+    big = [c for c, p in law.items() if p * n >= 5]  # pool the cells too rare for chi-square
+    obs = [counts.get(c, 0) for c in big]
+    exp = [law[c] * n for c in big]
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+    return chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize(
+    "mode,strategy,eagle",
+    [
+        ("off", None, False),
+        ("fixed", Strategy("ngram", 2), False),
+        ("fixed", Strategy("eagle", 2), True),
+    ],
+    ids=["no-sd", "ngram", "eagle"],
+)
+def test_sampled_speculative_matches_exact_law(ckpt, exact, mode, strategy, eagle):
+    counts, summary = _sample(ckpt, mode, strategy, eagle)
+    assert _p_value(counts, exact) > 1e-3
+    if mode != "off":
+        # The test only means something if drafts were both accepted and rejected.
+        assert 0.05 < summary["acceptance_rate"] < 0.95, summary
+
+
+def test_the_chi_square_test_rejects_a_wrong_rule(ckpt, exact, monkeypatch):
+    real = engine_mod.accept_drafts
+
+    def always_accept(p, draft, draft_len, q, greedy, u_accept, u_sample):
+        _, nxt = real(p, draft, torch.zeros_like(draft_len), None, greedy, u_accept, u_sample)
+        rows = torch.arange(p.shape[0])
+        # keep every draft, then sample the next token from p after them
+        from workers.engine.sampling import sample_from
+
+        return draft_len, sample_from(p[rows, draft_len], u_sample[rows, draft_len])
+
+    monkeypatch.setattr(engine_mod, "accept_drafts", always_accept)
+    counts, _ = _sample(ckpt, "fixed", Strategy("ngram", 2))
+    assert _p_value(counts, exact) < 1e-6

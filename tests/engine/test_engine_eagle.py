@@ -1,0 +1,124 @@
+"""EAGLE drafter: persistence, training path = inference path, hot swap; policy reload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.engine.helpers import make_checkpoint
+from tltd.domain import SamplingParams
+from workers.engine.bandit import Strategy
+from workers.engine.eagle import EagleDrafter
+from workers.engine.engine import Engine, EngineConfig, Request
+from workers.engine.model import Batch, load_model, read_state_dict
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8], [9, 10, 11, 12, 9, 10]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(
+        tmp_path_factory.mktemp("m") / "m", "llama", vocab=32, seed=2, logit_scale=2.0, tie=False
+    )
+
+
+def test_save_and_load_keep_only_the_drafters_own_weights(ckpt, tmp_path):
+    model = load_model(ckpt)
+    drafter = EagleDrafter.random_init(model, seed=3)
+    drafter.save_pretrained(tmp_path / "d")
+    saved = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert saved and all(k.startswith(("fc.", "layer.")) for k in saved)
+    assert not any("embed" in k or "lm_head" in k for k in saved)
+    again = EagleDrafter.from_pretrained(tmp_path / "d", model)
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(again.state_dict()[k], v)
+    assert again.target is model  # shared by reference
+    assert sum(p.numel() for p in drafter.parameters()) == sum(v.numel() for v in saved.values())
+
+
+def test_training_forward_matches_the_cached_drafting_path(ckpt):
+    model = load_model(ckpt)
+    drafter = EagleDrafter.random_init(model, seed=4)
+    seq = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5]])
+    cache = model.new_cache(1, 32)
+    _, h = model(
+        seq, cache, Batch.make([0], None, seq.shape[1], 0, cache.trash, "cpu"), return_hidden=True
+    )
+    t = seq.shape[1] - 1
+    feats = drafter(h[:, :t], seq[:, 1 : t + 1])  # training path: predicted h_1..h_t
+    seen: list[torch.Tensor] = []
+
+    def choose(logits, i):
+        seen.append(logits)
+        return logits.argmax(-1), None
+
+    dcache = drafter.new_cache(1, 40)
+    drafts, q = drafter.propose(dcache, [h[0, :t]], [seq[0, 1 : t + 1].tolist()], 3, choose)
+    assert q is None and drafts.shape == (1, 3) and dcache.lens[0] == t
+    torch.testing.assert_close(seen[0], drafter.logits(feats[:, -1]), atol=1e-5, rtol=1e-5)
+    # Second draft step: feeds (predicted h_t, draft 1) at position t.
+    feats2 = drafter(
+        torch.cat([h[:, :t], feats[:, -1:]], 1), torch.cat([seq[:, 1 : t + 1], drafts[:, :1]], 1)
+    )
+    torch.testing.assert_close(seen[1], drafter.logits(feats2[:, -1]), atol=1e-5, rtol=1e-5)
+
+
+def test_drafter_hot_swap_mid_run_stays_lossless_and_catches_up(ckpt):
+    sp = SamplingParams(n=2, temperature=0.0, max_new_tokens=40)
+    reqs = [Request(f"r{i}", p, sp) for i, p in enumerate(PROMPTS)]
+    ref = {
+        (o.request_id, o.sample_index): o.token_ids
+        for o in Engine(str(ckpt), EngineConfig(spec_mode="off")).generate(reqs)
+    }
+
+    e = Engine(
+        str(ckpt), EngineConfig(max_batch=8, spec_mode="fixed", strategies=(Strategy("eagle", 3),))
+    )
+    e.set_drafter(EagleDrafter.random_init(e.model, seed=1), version=1)
+    for r in reqs:
+        e.add_request(r.request_id, r.prompt_ids, r.sampling)
+    outs = []
+    for _ in range(6):
+        outs.extend(e.step())
+    e.set_drafter(EagleDrafter.random_init(e.model, seed=2), version=2)  # between steps
+    while e.has_work():
+        outs.extend(e.step())
+    assert {(o.request_id, o.sample_index): o.token_ids for o in outs} == ref
+    assert all(o.drafter_version == 2 for o in outs)  # in-flight samples used the new drafter
+    e.set_drafter(None, version=0)
+    assert e.generate([Request("x", PROMPTS[0], sp)])[0].token_ids == ref[("r0", 0)]
+
+
+def test_load_policy_between_steps(ckpt, tmp_path):
+    other = make_checkpoint(
+        tmp_path / "other", "llama", vocab=32, seed=9, logit_scale=2.0, tie=False
+    )
+    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=16)
+    want = Engine(str(other)).generate([Request("a", PROMPTS[1], sp)])[0].token_ids
+    e = Engine(str(ckpt))
+    before = e.generate([Request("a", PROMPTS[1], sp)])[0]
+    assert before.token_ids != want and before.policy_version == 0
+    e.load_policy(str(other), version=3)
+    after = e.generate([Request("b", PROMPTS[1], sp)])[0]
+    assert after.token_ids == want and after.policy_version == 3
+    e.load_policy(read_state_dict(ckpt), version=4)
+    assert e.generate([Request("c", PROMPTS[1], sp)])[0].token_ids == before.token_ids
+
+
+def test_training_forward_on_packed_rows_equals_separate_sequences(ckpt):
+    model = load_model(ckpt)
+    drafter = EagleDrafter.random_init(model, seed=5)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 9, model.config.hidden_size, generator=g)
+    x = torch.randint(0, 32, (1, 9), generator=g)
+    # Row = sequence A (5 positions) then sequence B (4), no attention across them.
+    seg = torch.tensor([0] * 5 + [1] * 4)
+    pos = torch.tensor([list(range(5)) + list(range(4))])
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    mask = (causal & (seg[:, None] == seg[None, :]))[None, None]
+    with torch.no_grad():
+        packed = drafter(h, x, positions=pos, attn_mask=mask)
+        a = drafter(h[:, :5], x[:, :5])
+        b = drafter(h[:, 5:], x[:, 5:])
+    torch.testing.assert_close(packed, torch.cat([a, b], 1), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,363 @@
+"""Real rollouts through the daemon: gRPC in, real worker processes, samples streamed back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from clients.errors import AlreadyExistsError
+from tests.api.support import sampling
+from tests.rollout.support import direct_outputs
+from tltd.domain import DeviceState, DrafterStatus, DrafterVersion, SamplingParams
+from tltd.v1 import common_pb2, rollout_pb2
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [3, 1, 4, 1, 5]]
+FR = rollout_pb2.FinishReason
+
+
+def _by_key(samples) -> dict:
+    return {(s.prompt_index, s.sample_index): tuple(s.token_ids) for s in samples}
+
+
+def _wait(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise TimeoutError(what)
+
+
+def _settled(sup) -> bool:
+    """Every worker's last heartbeat covers all work sent to it and it runs nothing."""
+    return all(
+        s.heartbeat is not None
+        and s.heartbeat.acked_seq == s.seq
+        and s.heartbeat.running_samples == 0
+        for s in sup.slots.values()
+        if s.alive
+    )
+
+
+class Stream(threading.Thread):
+    """Consume a Generate stream in the background (samples, then the error if any)."""
+
+    def __init__(self, client, *args, **kw) -> None:
+        super().__init__(daemon=True)
+        self.client, self.args, self.kw = client, args, kw
+        self.samples: list = []
+        self.error: Exception | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            for s in self.client.generate(*self.args, **self.kw):
+                self.samples.append(s)
+        except Exception as exc:
+            self.error = exc
+
+    def result(self, timeout: float = 120.0) -> list:
+        self.join(timeout)
+        assert not self.is_alive(), "stream did not end"
+        return self.samples
+
+
+def test_batch_streams_back_complete_and_lossless(daemon, ckpt):
+    params = dict(n=3, temperature=0.0, max_new_tokens=12)
+    with daemon.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        daemon.wait_workers_ready(2)
+        got = list(c.generate("job", PROMPTS, sampling=sampling(**params), request_id="b-1"))
+        req = c.get_request("b-1", include_samples=True)
+        workers = c.list_workers()
+    assert len(got) == len(PROMPTS) * 3
+    assert _by_key(got) == direct_outputs(ckpt, PROMPTS, SamplingParams(**params))
+    assert all(not s.partial and s.policy_version == 0 for s in got)
+    assert all(len(s.logprobs) == len(s.token_ids) for s in got)
+    assert req.request.status == rollout_pb2.REQUEST_STATUS_COMPLETED
+    assert req.request.samples_done == 15 and len(req.samples) == 15
+    # Both devices worked (the n samples of the batch spread) and are reported.
+    assert sorted(w.worker_id for w in workers) == ["rollout-cpu:0", "rollout-cpu:1"]
+    assert all(w.kind == "rollout" and w.pid and w.job_id == "job" for w in workers)
+    _wait(lambda: _settled(daemon.supervisor), what="heartbeats caught up")
+    prefills = [st["prefills"] for st in daemon.supervisor.worker_stats().values()]
+    assert len(prefills) == 2 and all(p > 0 for p in prefills)
+    # Device states follow the work: rollout while it ran, idle after the idle grace.
+    _wait(
+        lambda: {dv.state for dv in daemon.store.list_devices()} == {DeviceState.IDLE},
+        what="devices idle",
+    )
+    for dev in ("cpu:0", "cpu:1"):
+        states = [e.new_status for e in daemon.store.list_events("device", dev)]
+        assert "rollout" in states and states[-1] == "idle"
+
+
+def test_seeded_sampling_is_reproducible_across_workers(sqlite_daemon, ckpt):
+    """Sampled (T=1) samples spread over two workers equal the engine's for the same seed."""
+    params = dict(n=4, temperature=1.0, max_new_tokens=10, seed=5)
+    with sqlite_daemon.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        sqlite_daemon.wait_workers_ready(2)
+        off = common_pb2.SPECULATIVE_MODE_OFF
+        got = list(c.generate("job", PROMPTS[:3], sampling=sampling(**params), speculative=off))
+    expected = direct_outputs(ckpt, PROMPTS[:3], SamplingParams(**params), speculative=False)
+    assert _by_key(got) == expected
+
+
+def test_worker_killed_mid_batch_the_batch_still_completes(sqlite_daemon, ckpt):
+    d, sup = sqlite_daemon, sqlite_daemon.supervisor
+    params = dict(n=4, temperature=0.0, max_new_tokens=600)
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        stream = Stream(c, "job", PROMPTS[:4], sampling=sampling(**params), request_id="k-1")
+        _wait(lambda: sup.queue.inflight("rollout-cpu:0") > 0, what="work on cpu:0")
+        victim = sup.slots["rollout-cpu:0"].proc.pid
+        os.kill(victim, signal.SIGKILL)
+        got = stream.result()
+        assert stream.error is None
+        d.wait_workers_ready(2)  # the restarted worker (the batch may have finished first)
+        workers = {w.worker_id: w for w in c.list_workers()}
+    assert len(got) == 16 and len(_by_key(got)) == 16
+    # Re-run samples reproduce the same tokens: the batch is identical to the engine's.
+    assert _by_key(got) == direct_outputs(ckpt, PROMPTS[:4], SamplingParams(**params))
+    assert sup.assigned_samples > 16  # the lost samples ran again
+    restarted = workers["rollout-cpu:0"]
+    assert restarted.pid != victim and restarted.state in ("ready", "busy")
+    events = d.store.list_events("worker", "rollout-cpu:0")
+    assert any(e.new_status == "failed" and "exit code" in e.reason for e in events)
+    assert any(e.old_status == "failed" and e.new_status == "starting" for e in events)
+
+
+def test_retry_attaches_to_the_same_work(sqlite_daemon, ckpt):
+    d, sup = sqlite_daemon, sqlite_daemon.supervisor
+    params = dict(n=4, temperature=0.0, max_new_tokens=400)
+    with d.client() as c1, d.client() as c2:
+        c1.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        first = Stream(c1, "job", PROMPTS[:3], sampling=sampling(**params), request_id="idem")
+        _wait(lambda: sup.assigned_samples == 12, what="all samples assigned")
+        # A retry (e.g. the trainer lost its connection) while the work runs.
+        second = list(
+            c2.generate("job", PROMPTS[:3], sampling=sampling(**params), request_id="idem")
+        )
+        assert len(first.result()) == 12 and first.error is None
+        # ...and once it is done: the stored samples, nothing runs.
+        third = list(
+            c2.generate("job", PROMPTS[:3], sampling=sampling(**params), request_id="idem")
+        )
+        with pytest.raises(AlreadyExistsError, match="request_id"):
+            list(c2.generate("job", PROMPTS[:2], sampling=sampling(**params), request_id="idem"))
+    assert _by_key(second) == _by_key(first.samples) == _by_key(third)
+    assert len(second) == len(third) == 12
+    assert sup.assigned_samples == 12  # no sample ran twice
+    _wait(lambda: _settled(sup), what="heartbeats caught up")
+    assert sum(st["prefills"] for st in sup.worker_stats().values()) <= 6  # 3 prompts, 2 workers
+    assert len(d.store.list_samples("idem")) == 12
+
+
+def test_cancel_stops_the_work_promptly(sqlite_daemon, ckpt):
+    d, sup = sqlite_daemon, sqlite_daemon.supervisor
+    params = dict(n=4, temperature=0.0, max_new_tokens=1000)
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        stream = Stream(c, "job", PROMPTS, sampling=sampling(**params), request_id="c-1")
+        _wait(lambda: sup.assigned_samples > 0, what="work assigned")
+        time.sleep(0.2)
+        cancelled = c.cancel_request("c-1", reason="trainer moved on")
+        got = stream.result(timeout=30)
+        req = c.get_request("c-1")
+    assert cancelled.status == rollout_pb2.REQUEST_STATUS_CANCELLED
+    assert stream.error is None  # the stream ends normally, every sample accounted for
+    assert len(got) == 20 and {s.finish_reason for s in got} == {FR.FINISH_REASON_CANCELLED}
+    assert all(s.partial and len(s.token_ids) < 1000 for s in got)
+    assert req.request.status == rollout_pb2.REQUEST_STATUS_CANCELLED
+    assert "trainer moved on" in req.request.status_reason
+    _wait(lambda: all(sup.queue.inflight(w) == 0 for w in sup.slots), what="workers free")
+    assert len(sup.queue) == 0
+
+
+def test_policy_update_mid_stream_old_requests_finish_on_their_version(sqlite_daemon, ckpt, ckpt2):
+    """Stated semantics: a request runs on the policy version current when it was accepted;
+    new requests run on the new version; every sample says which version produced it."""
+    d, sup = sqlite_daemon, sqlite_daemon.supervisor
+    old = dict(n=2, temperature=0.0, max_new_tokens=500)
+    new = dict(n=2, temperature=0.0, max_new_tokens=20)
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        a = Stream(c, "job", PROMPTS[:2], sampling=sampling(**old), request_id="old")
+        _wait(lambda: sup.assigned_samples == 4, what="old request running")
+        assert c.update_policy("job", str(ckpt2)).version == 1
+        b = Stream(c, "job", PROMPTS[2:4], sampling=sampling(**new), request_id="new")
+        got_a, got_b = a.result(), b.result()
+        assert a.error is None and b.error is None
+        assert c.get_job("job").policy_version == 1
+    assert {s.policy_version for s in got_a} == {0}
+    assert {s.policy_version for s in got_b} == {1}
+    # The tokens prove which weights made them, not just the label.
+    assert _by_key(got_a) == direct_outputs(ckpt, PROMPTS[:2], SamplingParams(**old))
+    expected_b = direct_outputs(ckpt2, PROMPTS[2:4], SamplingParams(**new))
+    assert _by_key(got_b) == expected_b
+    assert all(s.policy_version == 1 for s in sup.slots.values())
+    stored = d.store.list_samples("new")
+    assert {s.policy_version for s in stored} == {1}
+
+
+def test_foreign_device_is_vacated_and_its_work_moves(sqlite_daemon, ckpt):
+    from tltd.domain import Device, DeviceKind, DeviceProcess
+
+    d, sup = sqlite_daemon, sqlite_daemon.supervisor
+    params = dict(n=4, temperature=0.0, max_new_tokens=600)
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        stream = Stream(c, "job", PROMPTS[:2], sampling=sampling(**params), request_id="f-1")
+        _wait(lambda: sup.queue.inflight("rollout-cpu:1") > 0, what="work on cpu:1")
+        # The inventory reports a foreign process on cpu:1 (as device discovery would).
+        d.store.upsert_devices(
+            [
+                Device("cpu:0", DeviceKind.CPU, 0),
+                Device(
+                    "cpu:1",
+                    DeviceKind.CPU,
+                    1,
+                    processes=(DeviceProcess(4242, 1 << 30),),
+                    foreign=True,
+                    state_reason="foreign pid 4242",
+                ),
+            ]
+        )
+        sup.kick_threadsafe()
+        got = stream.result()
+        workers = {w.worker_id: w for w in c.list_workers()}
+    assert stream.error is None and len(got) == 8
+    assert _by_key(got) == direct_outputs(ckpt, PROMPTS[:2], SamplingParams(**params))
+    assert workers["rollout-cpu:1"].state == "stopped"
+    assert "foreign" in workers["rollout-cpu:1"].state_reason
+    assert not sup.slots["rollout-cpu:1"].alive
+
+
+def test_silent_worker_is_reaped_and_its_work_requeued(sqlite_store, tmp_path, ckpt):
+    """A worker that stops heartbeating (SIGSTOP: alive but hung) is killed by the periodic
+    reaper after the timeout; its samples run again elsewhere."""
+    from tests.api.support import make_settings
+    from tests.rollout.support import InProcessDaemon
+
+    settings = make_settings(
+        tmp_path,
+        cpu_slots=2,
+        worker_max_batch=16,
+        worker_max_seq_len=1024,
+        worker_heartbeat_seconds=0.2,
+        worker_heartbeat_timeout_seconds=1.5,
+        device_refresh_seconds=3600.0,
+    )
+    d = InProcessDaemon(settings, sqlite_store).start()
+    try:
+        sup = d.supervisor
+        params = dict(n=4, temperature=0.0, max_new_tokens=800)
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready(2)
+            stream = Stream(c, "job", PROMPTS[:2], sampling=sampling(**params), request_id="h")
+            _wait(lambda: sup.queue.inflight("rollout-cpu:1") > 0, what="work on cpu:1")
+            hung = sup.slots["rollout-cpu:1"].proc.pid
+            os.kill(hung, signal.SIGSTOP)
+            got = stream.result()
+        assert stream.error is None and len(got) == 8
+        assert _by_key(got) == direct_outputs(ckpt, PROMPTS[:2], SamplingParams(**params))
+        events = d.store.list_events("worker", "rollout-cpu:1")
+        assert any(e.new_status == "failed" and "no heartbeat" in e.reason for e in events)
+    finally:
+        d.kill()
+
+
+def test_node_drain_returns_partial_samples_and_fails_the_request(sqlite_store, tmp_path, ckpt):
+    """`tltctl drain --node`: no new rollouts; after drain_grace_seconds what still runs comes
+    back partial and the request fails with the reason; the daemon keeps serving reads."""
+    from clients.errors import UnavailableError
+    from tests.api.support import make_settings
+    from tests.rollout.support import InProcessDaemon
+
+    settings = make_settings(
+        tmp_path,
+        cpu_slots=2,
+        worker_max_batch=16,
+        worker_max_seq_len=1024,
+        worker_heartbeat_seconds=0.2,
+        drain_grace_seconds=0.5,
+        device_refresh_seconds=3600.0,
+    )
+    d = InProcessDaemon(settings, sqlite_store).start()
+    try:
+        params = dict(n=4, temperature=0.0, max_new_tokens=1000)
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready(2)
+            stream = Stream(c, "job", PROMPTS, sampling=sampling(**params), request_id="dr")
+            _wait(lambda: d.supervisor.assigned_samples > 0, what="running")
+            c.drain(node=True)
+            got = stream.result(30)
+            with pytest.raises(UnavailableError, match="draining"):
+                list(c.generate("job", PROMPTS[:1], sampling=sampling(max_new_tokens=2)))
+            req = c.get_request("dr", include_samples=True)
+        assert isinstance(stream.error, UnavailableError) and "drained" in str(stream.error)
+        assert len(got) == 20 and any(s.partial for s in got)
+        assert all(s.finish_reason == FR.FINISH_REASON_ABORTED for s in got if s.partial)
+        assert req.request.status == rollout_pb2.REQUEST_STATUS_FAILED
+        assert len(req.samples) == 20
+    finally:
+        d.kill()
+
+
+def test_cancelling_the_job_cancels_its_running_request(sqlite_daemon, ckpt):
+    d = sqlite_daemon
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        params = dict(n=2, temperature=0.0, max_new_tokens=1000)
+        stream = Stream(c, "job", PROMPTS[:2], sampling=sampling(**params), request_id="j-1")
+        _wait(lambda: d.supervisor.assigned_samples == 4, what="running")
+        c.cancel_job("job", reason="experiment over")
+        got = stream.result(30)
+        req = c.get_request("j-1").request
+    assert stream.error is None and len(got) == 4
+    assert {s.finish_reason for s in got} == {FR.FINISH_REASON_CANCELLED}
+    assert req.status == rollout_pb2.REQUEST_STATUS_CANCELLED
+    assert "experiment over" in req.status_reason
+
+
+def test_promoted_drafter_is_hot_swapped_into_workers_and_stays_lossless(
+    sqlite_daemon, ckpt, tmp_path
+):
+    from workers.engine.eagle import EagleDrafter
+    from workers.engine.model import load_model
+
+    d, sup = sqlite_daemon, sqlite_daemon.supervisor
+    EagleDrafter.random_init(load_model(ckpt), seed=3).save_pretrained(tmp_path / "drafter")
+    params = dict(n=2, temperature=0.0, max_new_tokens=40)
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        dv = d.store.add_drafter_version(
+            DrafterVersion("job", 0, policy_version=0, path=str(tmp_path / "drafter"))
+        )
+        d.store.set_drafter_status("job", dv.version, DrafterStatus.PROMOTED, "test")
+        sup.kick_threadsafe()
+        _wait(
+            lambda: all(
+                s.drafter_version == dv.version and not s.loading for s in sup.slots.values()
+            ),
+            what="drafter loaded by every worker",
+        )
+        got = list(c.generate("job", PROMPTS, sampling=sampling(**params)))
+    # A random drafter is mostly rejected, but the output is still exactly the target's.
+    assert _by_key(got) == direct_outputs(ckpt, PROMPTS, SamplingParams(**params))
+    assert {s.drafter_version for s in got} <= {0, dv.version}
+    assert any(s.drafter_version == dv.version for s in got)  # EAGLE steps ran

@@ -1,0 +1,111 @@
+"""The rollout worker process on its own: real process, real pipe, real tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.rollout.support import WorkerProcess, direct_outputs, make_checkpoint
+from tltd.domain import FinishReason, SamplingParams
+from workers.rollout.protocol import (
+    AddWork,
+    Cancel,
+    Drain,
+    Drained,
+    EngineSpec,
+    Finished,
+    Heartbeat,
+    LoadFailed,
+    LoadModel,
+    Ready,
+    Shutdown,
+)
+from workers.rollout.worker import contiguous_runs
+
+PROMPTS = [(1, 2, 3), (4, 5, 6, 7), (8, 9)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "m")
+
+
+@pytest.fixture
+def worker():
+    w = WorkerProcess()
+    yield w
+    w.close()
+
+
+def _collect(w: WorkerProcess, count: int) -> dict:
+    got = {}
+    while len(got) < count:
+        s = w.recv(Finished).sample
+        got[(s.prompt_index, s.sample_index)] = s
+    return got
+
+
+def test_contiguous_runs():
+    assert contiguous_runs([5, 0, 1, 2, 6]) == [(0, 3), (5, 2)]
+    assert contiguous_runs([]) == []
+
+
+def test_worker_matches_engine_and_splits_samples(worker, ckpt):
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=11)
+    expected = direct_outputs(ckpt, PROMPTS, sampling, speculative=False)
+    assert worker.recv(Ready).job_id == ""
+    worker.send(LoadModel("job", str(ckpt), 3, EngineSpec(max_batch=16, max_seq_len=128)))
+    assert worker.recv(Ready).policy_version == 3
+    # The samples of a prompt may be spread over sends (and workers): any slice reproduces
+    # exactly what the engine makes for those indices.
+    seq = 0
+    for i, p in enumerate(PROMPTS):
+        for chunk in ((0, 2), (1, 3)):
+            seq += 1
+            worker.send(AddWork(seq, "req", i, chunk, p, sampling, speculative=False))
+    got = _collect(worker, 12)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v for k, v in expected.items()}
+    assert all(s.policy_version == 3 and not s.partial for s in got.values())
+    hb = worker.recv(Heartbeat, timeout=5)
+    assert hb.acked_seq == seq and hb.stats["prefills"] == 12
+    worker.send(Shutdown())
+    worker.proc.join(10)
+    assert worker.proc.exitcode == 0
+
+
+def test_cancel_and_drain_return_partials(worker, ckpt):
+    worker.recv(Ready)
+    worker.send(LoadModel("job", str(ckpt), 0, EngineSpec(max_batch=8, max_seq_len=256)))
+    worker.recv(Ready)
+    long = SamplingParams(n=2, temperature=1.0, max_new_tokens=200, seed=1)
+    worker.send(AddWork(1, "a", 0, (0, 1), (1, 2), long))
+    worker.send(Cancel("a"))
+    got = _collect(worker, 2)
+    assert {s.finish_reason for s in got.values()} == {FinishReason.CANCELLED}
+    assert all(s.partial for s in got.values())
+
+    worker.send(AddWork(2, "b", 0, (0, 1, 2), (3, 4), long))
+    worker.send(Drain(0.05))
+    kept: list = []
+    drained = worker.recv(Drained, keep=kept)
+    finished = [m.sample for m in kept if isinstance(m, Finished)]
+    assert drained.partial == 3 and len(finished) == 3
+    assert all(s.partial and s.finish_reason is FinishReason.ABORTED for s in finished)
+    assert all(len(s.token_ids) < 200 for s in finished)
+
+
+def test_bad_model_and_bad_work(worker, tmp_path, ckpt):
+    worker.recv(Ready)
+    worker.send(AddWork(1, "x", 0, (0,), (1,), SamplingParams(max_new_tokens=2)))
+    s = worker.recv(Finished).sample
+    assert s.finish_reason is FinishReason.FAILED and "no model" in s.error
+    worker.send(LoadModel("job", str(tmp_path / "missing"), 0))
+    failed = worker.recv(LoadFailed)
+    assert failed.job_id == "job" and "missing" in failed.message
+    worker.send(LoadModel("job", str(ckpt), 0, EngineSpec(max_batch=4, max_seq_len=16)))
+    worker.recv(Ready)
+    worker.send(AddWork(2, "y", 0, (0, 1), tuple(range(20)), SamplingParams(n=2, max_new_tokens=2)))
+    got = _collect(worker, 2)
+    assert all(
+        s.finish_reason is FinishReason.FAILED and "max_seq_len" in s.error for s in got.values()
+    )
+    assert worker.proc.is_alive()

@@ -1,0 +1,96 @@
+"""The work queue's bookkeeping and the scheduler's policy-version rule (pure, no processes)."""
+
+from __future__ import annotations
+
+from tltd.domain import RequestStatus, RolloutRequest, SamplingParams
+from tltd.scheduler import (
+    DeviceView,
+    JobView,
+    PendingWork,
+    RolloutWorkerView,
+    SchedulerConfig,
+    Snapshot,
+    schedule,
+)
+from tltd.workqueue import WorkQueue
+
+
+def _req(rid: str = "r", prompts: int = 2, n: int = 3) -> RolloutRequest:
+    return RolloutRequest(rid, "job", tuple((1, 2) for _ in range(prompts)), SamplingParams(n=n))
+
+
+def test_add_is_idempotent_and_skips_finished_samples():
+    q = WorkQueue()
+    live, created = q.add(_req(), 4, {(0, 1)}, now=1.0)
+    assert created and live.pending == {0: [0, 2], 1: [0, 1, 2]} and live.finished == {(0, 1)}
+    again, created = q.add(_req(), 9, set(), now=2.0)
+    assert again is live and not created and again.policy_version == 4
+    work = q.pending_work()
+    assert [(w.prompt_index, w.samples, w.policy_version) for w in work] == [(0, 2, 4), (1, 3, 4)]
+
+
+def test_take_finish_and_done():
+    q = WorkQueue()
+    live, _ = q.add(_req(prompts=1, n=3), 0, set(), 0.0)
+    assert q.take("r", 0, 2, "w0") == [0, 1] and q.take("r", 0, 5, "w1") == [2]
+    assert q.inflight("w0") == 2 and q.inflight("w1") == 1 and not live.pending
+    assert q.finish("r", (0, 0)) is live
+    assert q.finish("r", (0, 0)) is None  # a duplicate
+    q.finish("r", (0, 1), failed_error="boom")
+    assert not live.done and live.failed == 1 and live.first_error == "boom"
+    q.finish("r", (0, 2))
+    assert live.done and q.inflight("w0") == q.inflight("w1") == 0
+
+
+def test_lost_worker_requeues_until_attempts_run_out():
+    q = WorkQueue()
+    live, _ = q.add(_req(prompts=1, n=2), 0, set(), 0.0)
+    q.take("r", 0, 2, "w0")
+    assert q.lose_worker("w0", max_attempts=2) == []
+    assert live.pending == {0: [0, 1]} and q.inflight("w0") == 0
+    q.take("r", 0, 1, "w1")
+    give_up = q.lose_worker("w1", max_attempts=2)  # sample 0's second loss
+    assert [(lv.request_id, key) for lv, key in give_up] == [("r", (0, 0))]
+    assert live.pending == {0: [1]}
+
+
+def test_close_stops_handing_out_and_returns_pending():
+    q = WorkQueue()
+    live, _ = q.add(_req(prompts=2, n=2), 0, set(), 0.0)
+    q.take("r", 0, 2, "w0")
+    assert q.close("r", RequestStatus.CANCELLED, "bye") == [(1, 0), (1, 1)]
+    assert q.pending_work() == [] and q.take("r", 1, 2, "w0") == []
+    # A closing request's running samples are not retried when their worker dies.
+    assert len(q.lose_worker("w0", max_attempts=5)) == 2
+    for key in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        q.finish("r", key)
+    assert live.done and live.outcome is RequestStatus.CANCELLED
+
+
+def _snap(workers, pending):
+    return Snapshot(
+        now=10.0,
+        devices=(DeviceView("cpu:0", True), DeviceView("cpu:1", True)),
+        workers=tuple(workers),
+        training=(),
+        pending=tuple(pending),
+        jobs=(JobView("j"),),
+    )
+
+
+def test_scheduler_places_work_only_on_workers_with_its_policy_version():
+    old = RolloutWorkerView("w0", "cpu:0", "j", True, policy_version=0)
+    new = RolloutWorkerView("w1", "cpu:1", "j", True, policy_version=1)
+    cfg = SchedulerConfig(max_samples_per_worker=8)
+    cases = [
+        ("v0 work -> the v0 worker", [PendingWork("a", 0, "j", 4, 10, 0.0, 0)], {"w0": 4}),
+        ("v1 work -> the v1 worker", [PendingWork("b", 0, "j", 4, 10, 0.0, 1)], {"w1": 4}),
+        ("any version spreads", [PendingWork("c", 0, "j", 4, 10, 0.0, None)], {"w0": 2, "w1": 2}),
+        ("no worker has v2: waits", [PendingWork("d", 0, "j", 4, 10, 0.0, 2)], {}),
+    ]
+    for name, pending, expected in cases:
+        decision = schedule(_snap([old, new], pending), cfg)
+        placed: dict[str, int] = {}
+        for a in decision.assignments:
+            placed[a.worker_id] = placed.get(a.worker_id, 0) + a.samples
+        assert placed == expected, name

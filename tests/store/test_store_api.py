@@ -1,0 +1,539 @@
+"""Store behaviour on a real SQLite file and a real PostgreSQL database."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from datetime import UTC
+
+import pytest
+
+from tltd.domain import (
+    Device,
+    DeviceKind,
+    DeviceProcess,
+    DeviceState,
+    DrafterStatus,
+    DrafterVersion,
+    FinishReason,
+    Job,
+    JobStatus,
+    RequestStatus,
+    RolloutRequest,
+    Sample,
+    SamplingParams,
+    SpeculativeConfig,
+    SpeculativeStats,
+    Worker,
+    WorkerKind,
+    WorkerState,
+)
+from tltd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from tltd.store import Store
+
+JOB = Job(job_id="job-1", model_path="/models/tiny", name="grpo", priority=2, weight=0.5)
+PROMPTS = ((1, 2, 3), (4, 5))
+SAMPLING = SamplingParams(
+    n=2, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=16, stop_token_ids=(0,), seed=1234
+)
+
+
+def _request(request_id: str = "req-1", **kw) -> RolloutRequest:
+    return RolloutRequest(
+        request_id=request_id, job_id=JOB.job_id, prompts=PROMPTS, sampling=SAMPLING, **kw
+    )
+
+
+def _sample(p: int, s: int, tokens=(7, 8, 9), **kw) -> Sample:
+    return Sample(
+        request_id="req-1",
+        prompt_index=p,
+        sample_index=s,
+        token_ids=tokens,
+        logprobs=tuple(-0.5 for _ in tokens),
+        finish_reason=FinishReason.STOP,
+        **kw,
+    )
+
+
+def _events(store: Store, entity: str, entity_id: str) -> list[tuple[str, str, str]]:
+    return [
+        (e.old_status, e.new_status, e.reason)
+        for e in store.list_events(entity=entity, entity_id=entity_id)
+    ]
+
+
+# ---- jobs ---------------------------------------------------------------------------------
+
+
+def test_dialect(store: Store) -> None:
+    assert store.dialect == ("sqlite" if store.url.startswith("sqlite") else "postgresql")
+
+
+def test_create_job_is_idempotent(store: Store) -> None:
+    job, created = store.create_job(JOB)
+    assert created
+    assert (job.status, job.policy_version, job.drafter_version) == (JobStatus.ACTIVE, 0, 0)
+    assert job.created_at is not None and job.created_at.tzinfo == UTC
+    again, created = store.create_job(JOB)
+    assert not created
+    assert again == job
+    assert store.get_job(JOB.job_id) == job
+    assert _events(store, "job", JOB.job_id) == [("", "active", "created")]
+
+
+def test_create_job_conflict_names_the_field(store: Store) -> None:
+    store.create_job(JOB)
+    spec = SpeculativeConfig(batch_threshold=8)
+    with pytest.raises(AlreadyExists) as exc:
+        store.create_job(replace(JOB, model_path="/other", speculative=spec))
+    assert exc.value.field == "job_id"
+    assert "model_path" in str(exc.value) and "speculative" in str(exc.value)
+    assert str(exc.value).startswith("job_id: ")
+
+
+def test_round_trips_every_job_field(store: Store) -> None:
+    spec = SpeculativeConfig(
+        batch_threshold=4, draft_lengths=(1, 3), drafter="ngram", online_training=False
+    )
+    job, _ = store.create_job(replace(JOB, speculative=spec))
+    assert job.speculative == spec
+    assert (job.name, job.priority, job.weight) == ("grpo", 2, 0.5)
+
+
+def test_not_found_names_the_field(store: Store) -> None:
+    with pytest.raises(NotFound, match=r"^job_id: job 'nope' not found$"):
+        store.get_job("nope")
+    with pytest.raises(NotFound, match=r"^request_id: rollout request 'nope' not found$"):
+        store.get_request("nope")
+    with pytest.raises(NotFound, match=r"^device_id: "):
+        store.get_device("cuda:9")
+    with pytest.raises(NotFound, match=r"^worker_id: "):
+        store.set_worker_state("w-x", WorkerState.READY, "")
+    with pytest.raises(NotFound, match=r"^job_id: "):
+        store.create_request(_request())
+    store.create_job(JOB)
+    with pytest.raises(NotFound, match=r"^version: drafter version 3 of job 'job-1' not found"):
+        store.get_drafter(JOB.job_id, 3)
+    with pytest.raises(NotFound, match=r"^version: policy version 7"):
+        store.get_policy_version(JOB.job_id, 7)
+
+
+def test_list_jobs_newest_first_and_filtered(store: Store) -> None:
+    for i in range(3):
+        store.create_job(replace(JOB, job_id=f"j{i}"))
+    store.set_job_status("j1", JobStatus.CANCELLED, "done")
+    assert [j.job_id for j in store.list_jobs()] == ["j2", "j1", "j0"]
+    assert [j.job_id for j in store.list_jobs([JobStatus.ACTIVE])] == ["j2", "j0"]
+    assert [j.job_id for j in store.list_jobs(limit=1)] == ["j2"]
+
+
+def test_job_transitions(store: Store) -> None:
+    store.create_job(JOB)
+    job = store.set_job_status(JOB.job_id, JobStatus.CANCELLED, "trainer finished")
+    assert (job.status, job.status_reason) == (JobStatus.CANCELLED, "trainer finished")
+    # Same status again is a harmless no-op; leaving a final status is not allowed.
+    assert store.set_job_status(JOB.job_id, JobStatus.CANCELLED, "again").status_reason == (
+        "trainer finished"
+    )
+    with pytest.raises(FailedPrecondition, match="job 'job-1' cannot go from cancelled to active"):
+        store.set_job_status(JOB.job_id, JobStatus.ACTIVE, "revive")
+    assert _events(store, "job", JOB.job_id) == [
+        ("", "active", "created"),
+        ("active", "cancelled", "trainer finished"),
+    ]
+    with pytest.raises(FailedPrecondition, match="job_id: job 'job-1' is cancelled"):
+        store.create_request(_request())
+    with pytest.raises(FailedPrecondition):
+        store.add_policy_version(JOB.job_id, "checkpoint", "/ckpt/1")
+
+
+def test_concurrent_identical_creates_all_succeed(store: Store) -> None:
+    """Retries racing each other (a trainer re-sending before the first answer): exactly one
+    creates, the others get the same row back, none sees an error."""
+    results: list[tuple[str, bool]] = []
+    errors: list[BaseException] = []
+
+    def create(i: int) -> None:
+        try:
+            if i % 2:
+                job, created = store.create_job(JOB)
+                results.append(("job", created))
+            else:
+                while True:  # the request needs the job; spin until a creator committed it
+                    try:
+                        _, created = store.create_request(_request())
+                        break
+                    except NotFound:
+                        continue
+                results.append(("request", created))
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(results).count(("job", True)) == 1
+    assert sorted(results).count(("request", True)) == 1
+    assert len(results) == 8
+
+
+# ---- policy versions ----------------------------------------------------------------------
+
+
+def test_policy_versions_increment(store: Store) -> None:
+    store.create_job(JOB)
+    v0 = store.get_policy_version(JOB.job_id)
+    assert (v0.version, v0.source, v0.path) == (0, "initial", JOB.model_path)
+    v1 = store.add_policy_version(JOB.job_id, "checkpoint", "/ckpt/1", note="step 1")
+    v2 = store.add_policy_version(JOB.job_id, "checkpoint", "/ckpt/2")
+    assert (v1.version, v2.version, v1.note) == (1, 2, "step 1")
+    assert store.get_job(JOB.job_id).policy_version == 2
+    assert store.get_policy_version(JOB.job_id) == v2
+    assert store.get_policy_version(JOB.job_id, 1) == v1
+    assert [v.version for v in store.list_policy_versions(JOB.job_id)] == [0, 1, 2]
+
+
+def test_concurrent_policy_versions_get_distinct_numbers(store: Store) -> None:
+    store.create_job(JOB)
+    errors: list[BaseException] = []
+
+    def push(i: int) -> None:
+        try:
+            store.add_policy_version(JOB.job_id, "checkpoint", f"/ckpt/{i}")
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [v.version for v in store.list_policy_versions(JOB.job_id)] == list(range(7))
+
+
+# ---- requests and samples -----------------------------------------------------------------
+
+
+def test_create_request_is_idempotent(store: Store) -> None:
+    store.create_job(JOB)
+    req, created = store.create_request(_request())
+    assert created and req.status == RequestStatus.QUEUED and req.samples_done == 0
+    assert (req.prompts, req.sampling) == (PROMPTS, SAMPLING)
+    again, created = store.create_request(_request())
+    assert not created and again == req
+    with pytest.raises(AlreadyExists, match=r"^request_id: .*'req-1'.*sampling"):
+        store.create_request(replace(_request(), sampling=replace(SAMPLING, n=3)))
+    with pytest.raises(AlreadyExists, match="prompts"):
+        store.create_request(replace(_request(), prompts=((1, 2, 3),)))
+
+
+def test_list_requests_queue_order_and_filters(store: Store) -> None:
+    store.create_job(JOB)
+    store.create_job(replace(JOB, job_id="job-2"))
+    for i in range(3):
+        store.create_request(_request(f"r{i}"))
+    store.create_request(replace(_request("other"), job_id="job-2"))
+    store.set_request_status("r1", RequestStatus.RUNNING, "picked")
+    assert [r.request_id for r in store.list_requests(job_id=JOB.job_id)] == ["r0", "r1", "r2"]
+    queued = store.list_requests([RequestStatus.QUEUED], job_id=JOB.job_id)
+    assert [r.request_id for r in queued] == ["r0", "r2"]
+    assert len(store.list_requests(limit=2)) == 2
+    assert len(store.list_requests()) == 4
+
+
+def test_request_transitions_and_events(store: Store) -> None:
+    store.create_job(JOB)
+    store.create_request(_request())
+    store.set_request_status("req-1", RequestStatus.RUNNING, "worker w0")
+    store.set_request_status("req-1", RequestStatus.QUEUED, "worker lost")  # requeue
+    store.set_request_status("req-1", RequestStatus.RUNNING, "worker w1")
+    req = store.set_request_status("req-1", RequestStatus.COMPLETED, "all samples")
+    assert (req.status, req.status_reason) == (RequestStatus.COMPLETED, "all samples")
+    with pytest.raises(FailedPrecondition, match="request 'req-1' cannot go from completed"):
+        store.set_request_status("req-1", RequestStatus.CANCELLED, "too late")
+    assert _events(store, "request", "req-1") == [
+        ("", "queued", "submitted"),
+        ("queued", "running", "worker w0"),
+        ("running", "queued", "worker lost"),
+        ("queued", "running", "worker w1"),
+        ("running", "completed", "all samples"),
+    ]
+    store.create_request(_request("req-2"))
+    with pytest.raises(FailedPrecondition, match="from queued to completed"):
+        store.set_request_status("req-2", RequestStatus.COMPLETED, "")
+
+
+def test_add_sample_idempotent_and_counts(store: Store) -> None:
+    store.create_job(JOB)
+    store.create_request(_request())
+    spec = SpeculativeStats(
+        draft_steps=2, plain_steps=1, accepted_tokens=5, mean_accepted_length=2.5
+    )
+    first = _sample(1, 1, policy_version=3, drafter_version=2, speculative=spec)
+    assert store.add_sample(first) is True
+    assert store.add_sample(first) is False
+    assert store.add_sample(replace(first, token_ids=(1,), logprobs=(-1.0,))) is False
+    assert store.add_sample(_sample(0, 1)) is True
+    assert store.add_sample(_sample(0, 0)) is True
+    assert store.get_request("req-1").samples_done == 3
+    got = store.list_samples("req-1")
+    assert [(s.prompt_index, s.sample_index) for s in got] == [(0, 0), (0, 1), (1, 1)]
+    assert got[2] == first  # every field round-trips, including spec stats
+
+
+def test_partial_sample_is_replaced_by_complete_one(store: Store) -> None:
+    store.create_job(JOB)
+    store.create_request(_request())
+    partial = replace(_sample(0, 0, tokens=(7,)), partial=True, finish_reason=FinishReason.ABORTED)
+    assert store.add_sample(partial) is True
+    assert store.get_request("req-1").samples_done == 0  # partial samples are not "done"
+    assert store.add_sample(_sample(0, 0)) is True
+    assert store.add_sample(partial) is False
+    assert store.get_request("req-1").samples_done == 1
+    (only,) = store.list_samples("req-1")
+    assert (only.partial, only.token_ids) == (False, (7, 8, 9))
+
+
+def test_add_sample_validates(store: Store) -> None:
+    with pytest.raises(NotFound, match="^request_id: "):
+        store.add_sample(_sample(0, 0))
+    store.create_job(JOB)
+    store.create_request(_request())
+    with pytest.raises(InvalidArgument, match="^prompt_index: "):
+        store.add_sample(_sample(2, 0))
+    with pytest.raises(InvalidArgument, match="^sample_index: "):
+        store.add_sample(_sample(0, 2))
+
+
+# ---- drafters -----------------------------------------------------------------------------
+
+
+def _drafter(version: int = 99) -> DrafterVersion:
+    return DrafterVersion(
+        job_id=JOB.job_id,
+        version=version,
+        policy_version=1,
+        path="/drafters/x",
+        train_steps=100,
+        loss=0.25,
+        acceptance_length=3.5,
+    )
+
+
+def test_drafter_numbering_and_active(store: Store) -> None:
+    store.create_job(JOB)
+    assert store.active_drafter_version(JOB.job_id) == 0
+    d1 = store.add_drafter_version(_drafter())
+    d2 = store.add_drafter_version(_drafter())
+    assert (d1.version, d2.version) == (1, 2)  # dv.version is ignored
+    assert (d1.status, d1.active, d1.loss, d1.train_steps) == (
+        DrafterStatus.CANDIDATE,
+        False,
+        0.25,
+        100,
+    )
+    assert store.active_drafter_version(JOB.job_id) == 0  # candidates are not active
+    store.set_drafter_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "acceptance 3.5")
+    assert store.active_drafter_version(JOB.job_id) == 1
+    store.set_drafter_status(JOB.job_id, 2, DrafterStatus.PROMOTED, "acceptance 4.0")
+    assert store.active_drafter_version(JOB.job_id) == 2
+    assert store.get_job(JOB.job_id).drafter_version == 2
+    assert [j.drafter_version for j in store.list_jobs()] == [2]
+    assert [d.active for d in store.list_drafters(JOB.job_id)] == [False, True]
+    assert store.get_drafter(JOB.job_id, 2).active
+    # Versions are numbered per job.
+    store.create_job(replace(JOB, job_id="job-2"))
+    assert store.add_drafter_version(replace(_drafter(), job_id="job-2")).version == 1
+
+
+def test_pin_unpin_and_retire(store: Store) -> None:
+    store.create_job(JOB)
+    for _ in range(3):
+        store.add_drafter_version(_drafter())
+    store.set_drafter_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "")
+    store.set_drafter_status(JOB.job_id, 2, DrafterStatus.PROMOTED, "")
+    assert store.pin_drafter(JOB.job_id, 1) == 1  # roll back to an older version
+    assert store.get_job(JOB.job_id).drafter_version == 1
+    assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [True, False, False]
+    assert store.pin_drafter(JOB.job_id, 3) == 3  # a candidate may be pinned; moves the pin
+    assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [False, False, True]
+    assert store.pin_drafter(JOB.job_id, 0) == 2  # unpin -> newest promoted
+    store.pin_drafter(JOB.job_id, 2)
+    retired = store.set_drafter_status(JOB.job_id, 2, DrafterStatus.RETIRED, "regressed")
+    assert (retired.pinned, retired.active) == (False, False)  # retiring drops the pin
+    assert store.active_drafter_version(JOB.job_id) == 1
+    with pytest.raises(FailedPrecondition, match="^version: drafter version 2 .* retired"):
+        store.pin_drafter(JOB.job_id, 2)
+    store.set_drafter_status(JOB.job_id, 3, DrafterStatus.REJECTED, "worse")
+    with pytest.raises(FailedPrecondition, match="rejected"):
+        store.pin_drafter(JOB.job_id, 3)
+    with pytest.raises(NotFound, match="^version: "):
+        store.pin_drafter(JOB.job_id, 42)
+    with pytest.raises(FailedPrecondition, match="drafter 'job-1/3' cannot go from rejected"):
+        store.set_drafter_status(JOB.job_id, 3, DrafterStatus.PROMOTED, "")
+    assert ("candidate", "promoted", "") in _events(store, "drafter", "job-1/1")
+    assert ("pinned", "unpinned", "retired: regressed") in _events(store, "drafter", "job-1/2")
+
+
+# ---- devices and workers ------------------------------------------------------------------
+
+
+def _gpu(i: int, **kw) -> Device:
+    return Device(
+        device_id=f"cuda:{i}",
+        kind=DeviceKind.CUDA,
+        index=i,
+        uuid=f"GPU-{i}",
+        name="H100",
+        memory_total_bytes=80 << 30,
+        **kw,
+    )
+
+
+def test_device_upsert_preserves_operator_flags(store: Store) -> None:
+    devs = store.upsert_devices([_gpu(0), _gpu(1)])
+    assert [d.device_id for d in devs] == ["cuda:0", "cuda:1"]
+    store.set_device_flags("cuda:0", cordoned=True, reason="bad fan")
+    store.set_device_flags("cuda:1", draining=True, reason="maintenance")
+    store.set_device_state("cuda:1", DeviceState.ROLLOUT, "worker w1")
+    proc = DeviceProcess(pid=4242, used_memory_bytes=1 << 30)
+    devs = store.upsert_devices(
+        [
+            _gpu(0, memory_used_bytes=5 << 30, utilization=0.5, processes=(proc,)),
+            _gpu(1),
+        ]
+    )
+    d0, d1 = devs
+    assert (d0.cordoned, d0.draining, d0.memory_used_bytes, d0.utilization) == (
+        True,
+        False,
+        5 << 30,
+        0.5,
+    )
+    assert d0.processes == (proc,)
+    assert (d1.cordoned, d1.draining, d1.state) == (False, True, DeviceState.ROLLOUT)
+    assert not d0.schedulable and not d1.schedulable
+    assert _events(store, "device", "cuda:0") == [
+        ("", "idle", "discovered"),
+        ("schedulable", "cordoned", "bad fan"),
+    ]
+    store.set_device_flags("cuda:0", cordoned=False, reason="fixed")
+    assert store.get_device("cuda:0").schedulable
+
+
+def test_vanished_device_becomes_unavailable_and_returns(store: Store) -> None:
+    store.upsert_devices([_gpu(0), _gpu(1)])
+    store.set_device_flags("cuda:1", cordoned=True, reason="x")
+    d0, d1 = store.upsert_devices([_gpu(0)])
+    assert d1.state == DeviceState.UNAVAILABLE and d1.state_reason
+    assert d0.state == DeviceState.IDLE
+    d1 = store.upsert_devices([_gpu(0), _gpu(1)])[1]
+    assert (d1.state, d1.cordoned) == (DeviceState.IDLE, True)
+    assert [e[:2] for e in _events(store, "device", "cuda:1")][-2:] == [
+        ("idle", "unavailable"),
+        ("unavailable", "idle"),
+    ]
+
+
+def test_foreign_device_reason(store: Store) -> None:
+    store.upsert_devices([_gpu(0)])
+    (d,) = store.upsert_devices([_gpu(0, foreign=True, state_reason="foreign process pid 7")])
+    assert d.foreign and d.state_reason == "foreign process pid 7" and not d.schedulable
+    (d,) = store.upsert_devices([_gpu(0)])
+    assert not d.foreign and d.state_reason == ""
+    assert [e[:2] for e in _events(store, "device", "cuda:0")][-2:] == [
+        ("ours", "foreign"),
+        ("foreign", "ours"),
+    ]
+
+
+def test_worker_lifecycle(store: Store) -> None:
+    w = store.upsert_worker(
+        Worker(
+            worker_id="w0", kind=WorkerKind.ROLLOUT, device_id="cpu:0", job_id=JOB.job_id, pid=123
+        )
+    )
+    assert w.state == WorkerState.STARTING and w.started_at is not None
+    store.upsert_worker(Worker(worker_id="w1", kind=WorkerKind.DRAFTER_TRAINING, device_id="cpu:1"))
+    store.set_worker_state("w0", WorkerState.READY, "loaded")
+    store.set_worker_state("w0", WorkerState.BUSY, "req-1")
+    store.set_worker_state("w0", WorkerState.READY, "done")
+    with pytest.raises(FailedPrecondition, match="worker 'w0' cannot go from ready to stopped"):
+        store.set_worker_state("w0", WorkerState.STOPPED, "")
+    store.set_worker_state("w0", WorkerState.STOPPING, "shutdown")
+    store.set_worker_state("w0", WorkerState.STOPPED, "exited 0")
+    with pytest.raises(FailedPrecondition):
+        store.set_worker_state("w0", WorkerState.READY, "")
+    # A stopped worker slot can be started again (a restart), with a new pid.
+    w = store.upsert_worker(replace(w, pid=456, state=WorkerState.STARTING))
+    assert (w.state, w.pid) == (WorkerState.STARTING, 456)
+    hb = store.heartbeat_worker("w0")
+    assert hb.last_heartbeat is not None
+    assert [x.worker_id for x in store.list_workers()] == ["w0", "w1"]
+    assert [x.worker_id for x in store.list_workers("cpu:1")] == ["w1"]
+    assert [e[1] for e in _events(store, "worker", "w0")] == [
+        "starting",
+        "ready",
+        "busy",
+        "ready",
+        "stopping",
+        "stopped",
+        "starting",
+    ]
+    store.set_worker_state("w1", WorkerState.FAILED, "crashed")
+    assert store.get_worker("w1").state_reason == "crashed"
+
+
+# ---- events and stats ---------------------------------------------------------------------
+
+
+def test_list_events_filters_and_limit(store: Store) -> None:
+    store.create_job(JOB)
+    for i in range(3):
+        store.create_request(_request(f"r{i}"))
+    events = store.list_events()
+    assert [e.entity for e in events] == ["job", "request", "request", "request"]
+    ids = [e.event_id for e in events]
+    assert ids == sorted(ids)
+    assert [e.entity_id for e in store.list_events(limit=2)] == ["r1", "r2"]  # latest two
+    assert [e.entity_id for e in store.list_events(entity="request", entity_id="r0")] == ["r0"]
+
+
+def test_stats(store: Store) -> None:
+    empty = store.stats()
+    assert empty["samples_total"] == 0 and empty["mean_accepted_length"] == 0.0
+    assert empty["requests_by_status"] == {s.value: 0 for s in RequestStatus}
+    store.create_job(JOB)
+    store.create_job(replace(JOB, job_id="gone"))
+    store.set_job_status("gone", JobStatus.FAILED, "oom")
+    store.create_request(_request())
+    store.create_request(_request("req-2"))
+    store.set_request_status("req-2", RequestStatus.RUNNING, "")
+    # Accepted length weighted by draft steps: (2*2.0 + 6*4.0) / 8 = 3.5; plain samples ignored.
+    store.add_sample(_sample(0, 0, tokens=(1, 2, 3), speculative=SpeculativeStats(2, 0, 4, 2.0)))
+    store.add_sample(_sample(0, 1, tokens=(1,) * 10, speculative=SpeculativeStats(6, 1, 24, 4.0)))
+    store.add_sample(_sample(1, 0, tokens=(1, 2)))
+    stats = store.stats()
+    assert stats["requests_by_status"]["queued"] == 1
+    assert stats["requests_by_status"]["running"] == 1
+    assert stats["samples_total"] == 3
+    assert stats["tokens_generated"] == 15
+    assert stats["mean_accepted_length"] == pytest.approx(3.5)
+    assert stats["jobs_active"] == 1
+
+
+def test_state_survives_reopen(store: Store) -> None:
+    store.create_job(JOB)
+    store.create_request(_request())
+    store.close()
+    reopened = Store(store.url)
+    try:
+        assert reopened.get_request("req-1").sampling == SAMPLING
+        assert reopened.get_job(JOB.job_id).created_at.tzinfo == UTC
+    finally:
+        reopened.close()

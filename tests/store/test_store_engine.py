@@ -1,0 +1,113 @@
+"""Engine setup: SQLite pragmas really applied, URL handling, UTC datetimes, concurrent writers."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError, StatementError
+
+from tltd.domain import FinishReason, Job, RolloutRequest, Sample, SamplingParams
+from tltd.store import Store
+from tltd.store.engine import make_engine, normalize_url
+from tltd.store.migrate import upgrade
+from tltd.store.models import JobRow, utcnow
+
+
+def test_sqlite_pragmas_applied_on_every_connection(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'a' / 'b' / 'x.db'}"  # parent dirs are created
+    engine = make_engine(url)
+    try:
+        conns = [engine.connect() for _ in range(2)]  # two pooled connections, both set up
+        for conn in conns:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 10_000
+        for conn in conns:
+            conn.close()
+    finally:
+        engine.dispose()
+    assert (tmp_path / "a" / "b" / "x.db").exists()
+
+
+def test_sqlite_foreign_keys_enforced(sqlite_url: str) -> None:
+    upgrade(sqlite_url)
+    engine = make_engine(sqlite_url)
+    try:
+        with pytest.raises(IntegrityError, match="FOREIGN KEY"), engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO policy_versions (job_id, version, source, path, note, created_at)"
+                    " VALUES ('missing', 0, 'initial', '/m', '', '2026-01-01 00:00:00')"
+                )
+            )
+    finally:
+        engine.dispose()
+
+
+def test_url_normalization() -> None:
+    assert normalize_url("postgresql://u@h:5432/d").drivername == "postgresql+psycopg"
+    assert normalize_url("postgres://u@h/d").drivername == "postgresql+psycopg"
+    assert normalize_url("postgresql+psycopg://u@h/d").drivername == "postgresql+psycopg"
+    assert normalize_url("sqlite:///x.db").drivername == "sqlite"
+    with pytest.raises(ValueError, match="unsupported database URL"):
+        make_engine("mysql://u@h/d")
+
+
+def test_datetimes_are_aware_utc(store: Store) -> None:
+    from sqlalchemy.orm import Session
+
+    plus2 = timezone(timedelta(hours=2))
+    at = datetime(2026, 1, 1, 12, 0, tzinfo=plus2)
+    job, _ = store.create_job(Job(job_id="j", model_path="/m"))
+    with Session(store.engine) as s, s.begin():
+        s.get(JobRow, "j").updated_at = at
+    with Session(store.engine) as s:
+        got = s.get(JobRow, "j").updated_at
+    assert got == at and got.tzinfo == UTC and got.hour == 10
+    with pytest.raises(StatementError, match="naive datetime"):
+        with Session(store.engine) as s, s.begin():
+            s.get(JobRow, "j").updated_at = datetime(2026, 1, 1)
+    assert abs(utcnow() - job.created_at) < timedelta(minutes=1)
+
+
+def test_concurrent_writers_on_sqlite_do_not_fail(sqlite_url: str) -> None:
+    """Two Store instances (two pools) writing at once: BEGIN IMMEDIATE + busy_timeout serialize
+    them instead of failing with "database is locked"."""
+    upgrade(sqlite_url)
+    a, b = Store(sqlite_url), Store(sqlite_url)
+    try:
+        a.create_job(Job(job_id="j", model_path="/m"))
+        a.create_request(
+            RolloutRequest(
+                request_id="r", job_id="j", prompts=((1,),) * 40, sampling=SamplingParams(n=2)
+            )
+        )
+        errors: list[BaseException] = []
+
+        def write(store: Store, prompt_indices: range) -> None:
+            try:
+                for p in prompt_indices:
+                    for s in range(2):
+                        store.add_sample(Sample("r", p, s, (1, 2), (-0.1, -0.2), FinishReason.STOP))
+                        store.get_request("r")
+            except BaseException as exc:  # collected and asserted below
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=write, args=(a, range(0, 40))),
+            threading.Thread(target=write, args=(b, range(0, 40))),  # same keys: duplicates
+            threading.Thread(target=write, args=(b, range(20, 40))),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert a.get_request("r").samples_done == 80
+        assert len(b.list_samples("r")) == 80
+    finally:
+        a.close()
+        b.close()

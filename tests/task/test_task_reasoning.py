@@ -1,0 +1,89 @@
+"""Tests for the count-up task: determinism, long-tailed lengths, and the reward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from workers.task.reasoning import (
+    MAX_STEPS,
+    MIN_STEPS,
+    format_prompt,
+    generate_problem,
+    make_dataset,
+    make_problem,
+    parse_answer,
+    reward,
+    size_at_quantile,
+)
+
+
+def test_generation_is_deterministic_per_seed():
+    assert make_dataset(50, seed=7) == make_dataset(50, seed=7)
+    assert make_dataset(50, seed=7) != make_dataset(50, seed=8)
+
+
+def test_problem_fields_are_consistent():
+    p = make_problem(start=17, step=38, count=3)
+    assert format_prompt(p) == "start 0017 step 38 count 0003\n"
+    lines = ["0017+0038=0055,0002", "0055+0038=0093,0001", "0093+0038=0131,0000", "answer:   0131"]
+    assert p.solution == "\n".join(lines)
+    assert p.answer == 131 and p.num_steps == 3
+
+
+@pytest.mark.parametrize(
+    ("start", "step", "count", "field"),
+    [(-1, 20, 3, "start"), (5, 100, 3, "step"), (5, 20, 0, "count"), (0, 10, 25, "count")],
+)
+def test_make_problem_rejects_out_of_range_numbers(start, step, count, field):
+    with pytest.raises(ValueError, match=field):
+        make_problem(start, step, count)
+
+
+def test_requested_step_count_is_exact_and_sizes_stay_in_range():
+    for k in (MIN_STEPS, 2, 13, MAX_STEPS):
+        assert all(p.num_steps == k for p in make_dataset(30, seed=k, num_steps=k))
+    rng = random.Random(0)
+    sizes = [generate_problem(rng).num_steps for _ in range(2000)]
+    assert min(sizes) == MIN_STEPS and max(sizes) <= MAX_STEPS
+    assert size_at_quantile(0.0) == MIN_STEPS and size_at_quantile(0.999999) == MAX_STEPS
+    with pytest.raises(ValueError, match="num_steps"):
+        generate_problem(rng, num_steps=MAX_STEPS + 1)
+
+
+def test_reference_lengths_are_long_tailed():
+    lengths = sorted(len(p.solution) for p in make_dataset(5000, seed=0))
+    median = lengths[len(lengths) // 2]
+    p90 = lengths[int(0.9 * len(lengths))]
+    assert p90 / median > 3
+    assert lengths[-1] > 8 * median
+    assert lengths[-1] > 400  # the tail reaches the hundreds of tokens
+
+
+def test_reward_is_one_for_the_reference_solution():
+    for p in make_dataset(200, seed=3):
+        assert reward(p, p.solution) == 1.0
+
+
+def test_reward_is_zero_for_a_wrong_final_answer():
+    p = make_problem(17, 38, 3)
+    assert reward(p, p.solution.replace("answer:   0131", "answer:   0130")) == 0.0
+    assert reward(p, "answer: 93") == 0.0
+
+
+def test_reward_is_zero_for_truncated_or_rambling_answers():
+    p = make_problem(17, 38, 3)
+    assert reward(p, p.solution[: p.solution.index("answer")]) == 0.0
+    rambling = "\n".join(["0017+0038=0055,0002"] * 20)
+    assert reward(p, rambling) == 0.0
+    # The right number followed by more text, or given twice, is not a clean final answer.
+    assert reward(p, p.solution + "\n0131+0038=0169,0000") == 0.0
+    assert reward(p, p.solution + "\n" + p.solution) == 0.0
+
+
+def test_parse_answer_tolerates_trailing_whitespace_only():
+    assert parse_answer("0001+0010=0011,0000\nanswer: 11\n") == 11
+    assert parse_answer("answer: 0011") == 11
+    assert parse_answer("answer: 11 x") is None
+    assert parse_answer("") is None

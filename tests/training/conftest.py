@@ -1,0 +1,52 @@
+"""Fixtures for the drafter-training tests: a tiny policy and a real daemon that trains."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.api.support import make_settings
+from tests.rollout.support import InProcessDaemon
+
+
+def training_settings(tmp_path, **overrides):
+    """Two CPU slots and small training thresholds, so a round starts right after a batch."""
+    values = dict(
+        cpu_slots=2,
+        worker_max_batch=16,
+        worker_max_seq_len=1024,
+        worker_heartbeat_seconds=0.2,
+        shutdown_grace_seconds=10.0,
+        device_refresh_seconds=3600.0,
+        training_idle_grace_seconds=0.2,
+        training_min_fresh_samples=4,
+        training_cadence_seconds=0.5,
+        training_held_out_every=3,
+    )
+    return make_settings(tmp_path, **(values | overrides))
+
+
+@pytest.fixture
+def start_daemon(sqlite_store, tmp_path) -> Iterator:
+    """start_daemon(**settings) -> a started InProcessDaemon (killed after the test)."""
+    started = []
+
+    def start(**overrides) -> InProcessDaemon:
+        d = InProcessDaemon(training_settings(tmp_path, **overrides), sqlite_store).start()
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,63 @@
+"""The periodic drafter GC: keeps the newest N, every pinned and the active version."""
+
+from __future__ import annotations
+
+from tltd.domain import DrafterStatus, DrafterVersion, Job
+from tltd.periodic import build_scheduler, gc_drafters
+from tltd.training import DrafterTraining
+
+
+def _version(store, job_id: str, path, status: DrafterStatus) -> int:
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"x")
+    dv = store.add_drafter_version(DrafterVersion(job_id, 0, policy_version=0, path=str(path)))
+    store.set_drafter_status(job_id, dv.version, status, "evaluated")
+    return dv.version
+
+
+def test_gc_keeps_newest_pinned_and_active(sqlite_store, tmp_path):
+    store, root = sqlite_store, tmp_path / "drafters"
+    store.create_job(Job("job", str(tmp_path / "policy")))
+    P, R = DrafterStatus.PROMOTED, DrafterStatus.REJECTED
+    statuses = [P, R, P, R, R, P, R]  # v1..v7; v6 is the newest promoted = active
+    for i, st in enumerate(statuses, 1):
+        _version(store, "job", root / "job" / f"v{i}", st)
+    store.pin_drafter("job", 1)  # pinned: kept, and it is the active one now
+    outside = tmp_path / "elsewhere" / "v8"  # registered by hand outside the daemon's dir
+    _version(store, "job", outside, R)
+    store.add_drafter_version(DrafterVersion("job", 0, policy_version=0, path=str(root / "c")))
+
+    retired = gc_drafters(store, 3, root)
+
+    assert sorted(v for _, v in retired) == [2, 3, 4, 5]
+    by_version = {v.version: v for v in store.list_drafters("job")}
+    for v in (2, 3, 4, 5):
+        assert by_version[v].status is DrafterStatus.RETIRED
+        assert not (root / "job" / f"v{v}").exists()
+    assert by_version[1].pinned and by_version[1].active and (root / "job" / "v1").is_dir()
+    for v in (6, 7):  # newest three evaluated: 6, 7, 8
+        assert by_version[v].status is statuses[v - 1] and (root / "job" / f"v{v}").is_dir()
+    assert by_version[8].status is R and outside.is_dir()
+    assert by_version[9].status is DrafterStatus.CANDIDATE  # being evaluated: left alone
+    assert gc_drafters(store, 3, root) == []  # idempotent
+
+    # After an unpin the old pinned version is collected too (v6 is active again).
+    store.pin_drafter("job", 0)
+    assert gc_drafters(store, 3, root) == [("job", 1)]
+    assert not (root / "job" / "v1").exists()
+
+
+def test_gc_is_a_declared_periodic_job(sqlite_store, tmp_path):
+    from tests.training.conftest import training_settings
+
+    settings = training_settings(tmp_path, drafter_gc_seconds=60.0)
+    training = DrafterTraining(sqlite_store, settings)
+    jobs = {
+        j.id: j for j in build_scheduler(settings, sqlite_store, None, None, training).get_jobs()
+    }
+    gc = jobs["drafter-gc"]
+    assert gc.func is gc_drafters and gc.args == (sqlite_store, 5, training.root)
+    assert gc.trigger.interval.total_seconds() == 60.0 and gc.max_instances == 1
+    assert "drafter-gc" not in {
+        j.id for j in build_scheduler(settings, sqlite_store, None).get_jobs()
+    }

@@ -1,0 +1,1 @@
+"""gRPC transport: the proto<->domain converter, thin servicers, interceptors and the server."""

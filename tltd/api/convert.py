@@ -1,0 +1,365 @@
+"""The one proto <-> domain converter: enums, timestamps and request defaults live here only."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+
+from google.protobuf import timestamp_pb2
+
+from tltd import domain as d
+from tltd.services.jobs import NewJob
+from tltd.v1 import (
+    admin_pb2,
+    common_pb2,
+    drafter_pb2,
+    job_pb2,
+    policy_pb2,
+    rollout_pb2,
+)
+
+# ---- enums: explicit tables (both directions) so a renamed member fails loudly -------------
+
+_BACKEND = {common_pb2.BACKEND_TORCH: d.Backend.TORCH, common_pb2.BACKEND_SGLANG: d.Backend.SGLANG}
+_SPEC_MODE = {
+    common_pb2.SPECULATIVE_MODE_AUTO: d.SpeculativeMode.AUTO,
+    common_pb2.SPECULATIVE_MODE_OFF: d.SpeculativeMode.OFF,
+}
+_JOB_STATUS = {
+    job_pb2.JOB_STATUS_ACTIVE: d.JobStatus.ACTIVE,
+    job_pb2.JOB_STATUS_CANCELLED: d.JobStatus.CANCELLED,
+    job_pb2.JOB_STATUS_FAILED: d.JobStatus.FAILED,
+}
+_REQUEST_STATUS = {
+    rollout_pb2.REQUEST_STATUS_QUEUED: d.RequestStatus.QUEUED,
+    rollout_pb2.REQUEST_STATUS_RUNNING: d.RequestStatus.RUNNING,
+    rollout_pb2.REQUEST_STATUS_COMPLETED: d.RequestStatus.COMPLETED,
+    rollout_pb2.REQUEST_STATUS_CANCELLED: d.RequestStatus.CANCELLED,
+    rollout_pb2.REQUEST_STATUS_FAILED: d.RequestStatus.FAILED,
+}
+_FINISH = {
+    rollout_pb2.FINISH_REASON_STOP: d.FinishReason.STOP,
+    rollout_pb2.FINISH_REASON_LENGTH: d.FinishReason.LENGTH,
+    rollout_pb2.FINISH_REASON_CANCELLED: d.FinishReason.CANCELLED,
+    rollout_pb2.FINISH_REASON_ABORTED: d.FinishReason.ABORTED,
+    rollout_pb2.FINISH_REASON_FAILED: d.FinishReason.FAILED,
+}
+_DRAFTER_STATUS = {
+    drafter_pb2.DRAFTER_STATUS_CANDIDATE: d.DrafterStatus.CANDIDATE,
+    drafter_pb2.DRAFTER_STATUS_PROMOTED: d.DrafterStatus.PROMOTED,
+    drafter_pb2.DRAFTER_STATUS_REJECTED: d.DrafterStatus.REJECTED,
+    drafter_pb2.DRAFTER_STATUS_RETIRED: d.DrafterStatus.RETIRED,
+}
+
+
+def _inverse(table: dict) -> dict:
+    return {v: k for k, v in table.items()}
+
+
+_BACKEND_PB = _inverse(_BACKEND)
+_SPEC_MODE_PB = _inverse(_SPEC_MODE)
+_JOB_STATUS_PB = _inverse(_JOB_STATUS)
+_REQUEST_STATUS_PB = _inverse(_REQUEST_STATUS)
+_FINISH_PB = _inverse(_FINISH)
+_DRAFTER_STATUS_PB = _inverse(_DRAFTER_STATUS)
+
+
+def backend_from_pb(value: int) -> d.Backend | None:
+    """UNSPECIFIED (and unknown future values) -> None: the daemon's default."""
+    return _BACKEND.get(value)
+
+
+def speculative_mode_from_pb(value: int) -> d.SpeculativeMode | None:
+    """UNSPECIFIED -> None: inherit (request -> job -> AUTO)."""
+    return _SPEC_MODE.get(value)
+
+
+def job_statuses_from_pb(values) -> list[d.JobStatus]:
+    return [_JOB_STATUS[v] for v in values if v in _JOB_STATUS]
+
+
+def job_status_to_pb(value: d.JobStatus) -> int:
+    return _JOB_STATUS_PB[value]
+
+
+def request_status_to_pb(value: d.RequestStatus) -> int:
+    return _REQUEST_STATUS_PB[value]
+
+
+def drafter_status_to_pb(value: d.DrafterStatus) -> int:
+    return _DRAFTER_STATUS_PB[value]
+
+
+# ---- timestamps ----------------------------------------------------------------------------
+
+
+def ts(value: datetime | None) -> timestamp_pb2.Timestamp | None:
+    """Domain datetimes are UTC; a naive one (SQLite drops tzinfo) is taken as UTC."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    out = timestamp_pb2.Timestamp()
+    out.FromDatetime(value)
+    return out
+
+
+def from_ts(value: timestamp_pb2.Timestamp) -> datetime:
+    return value.ToDatetime(tzinfo=UTC)
+
+
+# ---- jobs ----------------------------------------------------------------------------------
+
+
+def speculative_from_pb(pb: common_pb2.SpeculativeConfig) -> d.SpeculativeConfig:
+    """Proto zero values mean "default"; batch_threshold stays 0 for the service to resolve."""
+    defaults = d.SpeculativeConfig()
+    return d.SpeculativeConfig(
+        mode=speculative_mode_from_pb(pb.mode) or defaults.mode,
+        batch_threshold=pb.batch_threshold,
+        draft_lengths=tuple(pb.draft_lengths) or defaults.draft_lengths,
+        drafter=pb.drafter or defaults.drafter,
+        online_training=pb.online_training,
+    )
+
+
+def speculative_to_pb(spec: d.SpeculativeConfig) -> common_pb2.SpeculativeConfig:
+    return common_pb2.SpeculativeConfig(
+        mode=_SPEC_MODE_PB[spec.mode],
+        batch_threshold=spec.batch_threshold,
+        draft_lengths=list(spec.draft_lengths),
+        drafter=spec.drafter,
+        online_training=spec.online_training,
+    )
+
+
+def new_job_from_pb(pb: job_pb2.CreateJobRequest) -> NewJob:
+    return NewJob(
+        job_id=pb.job_id,
+        model_path=pb.model_path,
+        name=pb.name,
+        backend=backend_from_pb(pb.backend),
+        priority=pb.priority,
+        weight=pb.weight,
+        speculative=speculative_from_pb(pb.speculative) if pb.HasField("speculative") else None,
+    )
+
+
+def job_to_pb(job: d.Job) -> job_pb2.Job:
+    return job_pb2.Job(
+        job_id=job.job_id,
+        name=job.name,
+        model_path=job.model_path,
+        backend=_BACKEND_PB[job.backend],
+        priority=job.priority,
+        weight=job.weight,
+        speculative=speculative_to_pb(job.speculative),
+        status=job_status_to_pb(job.status),
+        status_reason=job.status_reason,
+        policy_version=job.policy_version,
+        drafter_version=job.drafter_version,
+        created_at=ts(job.created_at),
+        updated_at=ts(job.updated_at),
+    )
+
+
+# ---- rollouts ------------------------------------------------------------------------------
+
+
+def sampling_from_pb(pb: rollout_pb2.SamplingParams) -> d.SamplingParams:
+    """Apply the documented defaults: n 0 -> 1, top_p unset -> 1, top_k 0 / -1 -> disabled (0).
+
+    Everything else passes through unchanged so validation can name a bad value (top_k < -1,
+    top_p = 0, NaN temperature, max_new_tokens = 0).
+    """
+    return d.SamplingParams(
+        n=pb.n or 1,
+        temperature=pb.temperature,
+        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+        top_k=0 if pb.top_k in (0, -1) else pb.top_k,
+        max_new_tokens=pb.max_new_tokens,
+        stop_token_ids=tuple(pb.stop_token_ids),
+        seed=pb.seed if pb.HasField("seed") else None,
+    )
+
+
+def sampling_to_pb(s: d.SamplingParams) -> rollout_pb2.SamplingParams:
+    pb = rollout_pb2.SamplingParams(
+        n=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_new_tokens=s.max_new_tokens,
+        stop_token_ids=list(s.stop_token_ids),
+    )
+    if s.seed is not None:
+        pb.seed = s.seed
+    return pb
+
+
+def rollout_from_pb(
+    pb: rollout_pb2.GenerateRequest,
+) -> tuple[d.RolloutRequest, d.SpeculativeMode | None]:
+    """The request plus its speculative override (None = inherit the job's mode)."""
+    req = d.RolloutRequest(
+        request_id=pb.request_id,
+        job_id=pb.job_id,
+        prompts=tuple(tuple(p.token_ids) for p in pb.prompts),
+        sampling=sampling_from_pb(pb.sampling),
+    )
+    return req, speculative_mode_from_pb(pb.speculative)
+
+
+def rollout_to_pb(r: d.RolloutRequest) -> rollout_pb2.RolloutRequest:
+    return rollout_pb2.RolloutRequest(
+        request_id=r.request_id,
+        job_id=r.job_id,
+        status=request_status_to_pb(r.status),
+        num_prompts=len(r.prompts),
+        sampling=sampling_to_pb(r.sampling),
+        samples_total=r.samples_total,
+        samples_done=r.samples_done,
+        status_reason=r.status_reason,
+        created_at=ts(r.created_at),
+        updated_at=ts(r.updated_at),
+    )
+
+
+def sample_to_pb(s: d.Sample) -> rollout_pb2.Sample:
+    return rollout_pb2.Sample(
+        request_id=s.request_id,
+        prompt_index=s.prompt_index,
+        sample_index=s.sample_index,
+        token_ids=list(s.token_ids),
+        logprobs=list(s.logprobs),
+        finish_reason=_FINISH_PB[s.finish_reason],
+        policy_version=s.policy_version,
+        drafter_version=s.drafter_version,
+        speculative=rollout_pb2.SpeculativeStats(
+            draft_steps=s.speculative.draft_steps,
+            plain_steps=s.speculative.plain_steps,
+            accepted_tokens=s.speculative.accepted_tokens,
+            mean_accepted_length=s.speculative.mean_accepted_length,
+        ),
+        partial=s.partial,
+        error=s.error,
+    )
+
+
+def sample_from_pb(pb: rollout_pb2.Sample) -> d.Sample:
+    return d.Sample(
+        request_id=pb.request_id,
+        prompt_index=pb.prompt_index,
+        sample_index=pb.sample_index,
+        token_ids=tuple(pb.token_ids),
+        logprobs=tuple(pb.logprobs),
+        finish_reason=_FINISH.get(pb.finish_reason, d.FinishReason.FAILED),
+        policy_version=pb.policy_version,
+        drafter_version=pb.drafter_version,
+        speculative=d.SpeculativeStats(
+            draft_steps=pb.speculative.draft_steps,
+            plain_steps=pb.speculative.plain_steps,
+            accepted_tokens=pb.speculative.accepted_tokens,
+            mean_accepted_length=pb.speculative.mean_accepted_length,
+        ),
+        partial=pb.partial,
+        error=pb.error,
+    )
+
+
+# ---- policy / drafters ---------------------------------------------------------------------
+
+
+def policy_source_from_pb(pb: policy_pb2.UpdatePolicyRequest) -> tuple[str | None, str]:
+    """Which oneof arm is set ("checkpoint" | "tensors" | "nccl" | None) and the checkpoint path."""
+    source = pb.WhichOneof("source")
+    return source, (pb.checkpoint.path if source == "checkpoint" else "")
+
+
+def policy_to_pb(p: d.PolicyVersion) -> policy_pb2.PolicyVersion:
+    return policy_pb2.PolicyVersion(
+        job_id=p.job_id,
+        version=p.version,
+        source=p.source,
+        path=p.path,
+        created_at=ts(p.created_at),
+        note=p.note,
+    )
+
+
+def drafter_to_pb(v: d.DrafterVersion) -> drafter_pb2.DrafterVersion:
+    return drafter_pb2.DrafterVersion(
+        job_id=v.job_id,
+        version=v.version,
+        policy_version=v.policy_version,
+        path=v.path,
+        train_steps=v.train_steps,
+        loss=_finite(v.loss),
+        acceptance_length=_finite(v.acceptance_length),
+        status=drafter_status_to_pb(v.status),
+        pinned=v.pinned,
+        active=v.active,
+        created_at=ts(v.created_at),
+    )
+
+
+def _finite(x: float) -> float:
+    # NaN would survive the wire but breaks JSON output in tltctl; 0 reads as "not measured".
+    return x if math.isfinite(x) else 0.0
+
+
+# ---- admin ---------------------------------------------------------------------------------
+
+
+def device_to_pb(dev: d.Device) -> admin_pb2.Device:
+    return admin_pb2.Device(
+        device_id=dev.device_id,
+        kind=dev.kind.value,
+        index=dev.index,
+        uuid=dev.uuid,
+        name=dev.name,
+        memory_total_bytes=dev.memory_total_bytes,
+        memory_used_bytes=dev.memory_used_bytes,
+        utilization=dev.utilization,
+        processes=[
+            admin_pb2.DeviceProcess(pid=p.pid, used_memory_bytes=p.used_memory_bytes, ours=p.ours)
+            for p in dev.processes
+        ],
+        foreign=dev.foreign,
+        cordoned=dev.cordoned,
+        draining=dev.draining,
+        state=dev.state.value,
+        state_reason=dev.state_reason,
+        updated_at=ts(dev.updated_at),
+    )
+
+
+def worker_to_pb(w: d.Worker) -> admin_pb2.Worker:
+    return admin_pb2.Worker(
+        worker_id=w.worker_id,
+        kind=w.kind.value,
+        device_id=w.device_id,
+        job_id=w.job_id,
+        state=w.state.value,
+        pid=w.pid,
+        started_at=ts(w.started_at),
+        last_heartbeat=ts(w.last_heartbeat),
+        state_reason=w.state_reason,
+    )
+
+
+def stats_to_pb(s: d.Stats) -> admin_pb2.Stats:
+    return admin_pb2.Stats(
+        version=s.version,
+        uptime_seconds=s.uptime_seconds,
+        database=s.database,
+        devices=s.devices,
+        devices_schedulable=s.devices_schedulable,
+        workers=s.workers,
+        jobs_active=s.jobs_active,
+        requests_by_status={str(k): int(v) for k, v in s.requests_by_status.items()},
+        samples_total=s.samples_total,
+        tokens_generated=s.tokens_generated,
+        mean_accepted_length=_finite(s.mean_accepted_length),
+        draining=s.draining,
+    )

@@ -1,0 +1,180 @@
+"""The daemon's lifecycle, top to bottom: settings -> migrate -> store -> devices -> supervisor ->
+server -> periodic -> wait for SIGTERM/SIGINT -> drain -> ordered graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+
+from tltd.api.server import build_server
+from tltd.devices import Nvml, PynvmlBackend
+from tltd.errors import ConfigError
+from tltd.metrics import MetricsServer, start_metrics_server
+from tltd.periodic import build_scheduler, refresh_devices, roll_up_metrics
+from tltd.scheduler import SchedulerConfig
+from tltd.services import NodeState, build_services
+from tltd.settings import Settings
+from tltd.store import Store
+from tltd.store.migrate import upgrade
+from tltd.supervisor import Supervisor
+from tltd.training import DrafterTraining
+
+log = logging.getLogger(__name__)
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+async def serve(settings: Settings, port_file: str | None = None) -> int:
+    """Run until SIGTERM/SIGINT, then shut down in order; returns the process exit status."""
+    url = settings.resolved_database_url
+    if not settings.database_url:
+        Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        upgrade(url)
+    except SQLAlchemyError as exc:
+        # An unreachable or unwritable database is a configuration problem: say so, exit 2.
+        shown = make_url(url).render_as_string(hide_password=True)
+        raise ConfigError(f"cannot open database {shown}: {exc.__class__.__name__}: {exc}") from exc
+    store = Store(url)
+    try:
+        return await _serve_with_store(settings, store, port_file)
+    finally:
+        store.close()  # last: everything above that uses the store has stopped
+
+
+async def _serve_with_store(settings: Settings, store: Store, port_file: str | None) -> int:
+    daemon = Daemon(settings, store, PynvmlBackend())
+    # Signals are caught before serving so that a SIGTERM during start-up is not lost.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in _SIGNALS:
+        loop.add_signal_handler(sig, _on_signal, sig, stop)
+    await daemon.start()
+    if port_file:
+        _write_atomically(port_file, f"{daemon.api.port}\n")
+    await stop.wait()
+    await daemon.shutdown()
+    for sig in _SIGNALS:
+        loop.remove_signal_handler(sig)
+    log.info("tltd stopped")
+    return 0
+
+
+class Daemon:
+    """The running parts in start order; `shutdown` stops them in reverse, draining first."""
+
+    def __init__(self, settings: Settings, store: Store, nvml: Nvml | None) -> None:
+        self.settings = settings
+        self.store = store
+        self.nvml = nvml
+        self.node = NodeState()
+        # Drafter training on idle devices, for jobs with speculative.online_training.
+        self.training = DrafterTraining(store, settings) if settings.drafter_training else None
+        self.supervisor = Supervisor(
+            store, settings, training=self.training, scheduler_config=scheduler_config(settings)
+        )
+        if self.training is not None:
+            self.training.on_change = self.supervisor.kick
+        self.services = build_services(store, settings, self.node, self.supervisor)
+        self.api = build_server(settings, self.services)
+        self.scheduler: AsyncIOScheduler | None = None
+        self.metrics: MetricsServer | None = None
+
+    async def start(self) -> None:
+        settings, loop = self.settings, asyncio.get_running_loop()
+        devices = await asyncio.to_thread(
+            refresh_devices, self.store, self.nvml, settings.cpu_slots
+        )
+        self.metrics = await asyncio.to_thread(_start_metrics, settings, self.store)
+        await self.supervisor.start()  # re-queues what a crashed daemon left open
+        # `tltctl drain --node`: stop admitting and drain the workers, keep serving reads.
+        self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))
+        await self.api.start()
+        self.scheduler = build_scheduler(
+            settings, self.store, self.nvml, self.supervisor, self.training
+        )
+        self.scheduler.start()
+        log.info(
+            "tltd serving",
+            extra={
+                "address": self.api.address,
+                "database": self.store.dialect,
+                "devices": len(devices),
+                "auth": "on" if settings.tokens else "off",
+                "tls": bool(settings.tls_cert),
+            },
+        )
+
+    def _drain_node(self) -> None:
+        """A drained node finishes its rollouts and trains no more (trainers checkpoint)."""
+        self.supervisor.start_drain(
+            self.settings.drain_grace_seconds, f"node drained: {self.node.draining_reason}"
+        )
+        if self.training is not None:
+            self.training.close(f"node drained: {self.node.draining_reason}")
+
+    async def shutdown(self) -> None:
+        """Stop admitting, give work most of the grace, return the rest as partial samples,
+        close the API, stop periodic jobs, stop the workers."""
+        grace = self.settings.shutdown_grace_seconds
+        started = time.monotonic()
+        log.info("shutting down", extra={"grace_seconds": grace})
+        work_seconds = max(0.0, grace - min(5.0, 0.25 * grace))
+        drain = self.supervisor.start_drain(work_seconds)  # before the node listener's drain
+        self.node.start_draining("daemon shutting down")  # new Generate -> UNAVAILABLE
+        # Training yields to the drain at once; each trainer checkpoints before it exits.
+        stopping = self.training.close() if self.training is not None else asyncio.sleep(0)
+        await asyncio.gather(drain, stopping)
+        left = max(0.5, grace - (time.monotonic() - started))
+        await self.api.stop(left)  # health NOT_SERVING, then the (ended) streams close
+        if self.scheduler is not None:
+            self.scheduler.shutdown(wait=True)  # a device refresh in flight finishes first
+        await self.supervisor.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+
+
+def _start_metrics(settings: Settings, store: Store) -> MetricsServer | None:
+    """The Prometheus endpoint (settings.metrics_port, 0 = off); a taken port fails start-up."""
+    if not settings.metrics_port:
+        return None
+    roll_up_metrics(store)  # the first scrape already sees every device
+    try:
+        server = start_metrics_server(settings.metrics_port, settings.host)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve metrics on port {settings.metrics_port}: {exc}") from exc
+    log.info("metrics endpoint", extra={"url": f"http://{settings.host}:{server.port}/metrics"})
+    return server
+
+
+def scheduler_config(settings: Settings) -> SchedulerConfig:
+    """The scheduling policy's knobs, from the settings."""
+    return SchedulerConfig(
+        idle_grace_seconds=settings.training_idle_grace_seconds,
+        min_fresh_samples=settings.training_min_fresh_samples,
+        training_cadence_seconds=settings.training_cadence_seconds,
+        max_samples_per_worker=settings.worker_max_batch,
+    )
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    if stop.is_set():
+        log.warning("already shutting down", extra={"signal": sig.name})
+        return
+    log.info("signal received", extra={"signal": sig.name})
+    stop.set()
+
+
+def _write_atomically(path: str, text: str) -> None:
+    # A reader polling for the file must never see it half-written.
+    tmp = f"{path}.{os.getpid()}.tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,357 @@
+"""Prometheus metrics: every tltd metric, the small API that updates them, and the endpoint.
+
+Other parts of the daemon call the update methods of the process-wide `METRICS` (or of a
+`Metrics` they were given: tests build their own on a private registry)::
+
+    from tltd.metrics import METRICS
+    METRICS.record_sample(job_id, sample)     # each finished tltd.domain.Sample, or:
+    METRICS.observe_sample(job_id, tokens=..., finish_reason="stop", draft_steps=...,
+                           plain_steps=..., accepted_tokens=...)
+    METRICS.observe_decode_steps(device_id, plain_steps=..., spec_steps=...,
+                                 accepted_lengths={1: 3, 4: 10})   # engine stats deltas
+    METRICS.observe_engine_summary(device_id, previous, current)  # EngineStats.summary()s
+    METRICS.set_queue_depth(job_id, samples_waiting)
+    METRICS.set_device_state(device_id, "rollout" | "idle" | "training" | "unavailable")
+    METRICS.set_drafter_version(job_id, version); METRICS.set_policy_version(job_id, version)
+    METRICS.record_preemption(device_id, reason="rollout_arrived", latency_seconds=0.12)
+    METRICS.forget_job(job_id)   # a finished job's labelled series disappear
+
+All methods are thread-safe (prometheus-client's metrics are, and the device-state clock has
+its own lock) and cheap enough to call per sample. `start_metrics_server` serves the
+exposition over HTTP (`settings.metrics_port`, 0 = off).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tltd.domain import Sample
+
+DEVICE_STATES = ("idle", "rollout", "training", "unavailable")
+# Tokens a sequence gains per SD step (accepted drafts + 1): 1 = nothing accepted.
+_ACCEPTED_LENGTH_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+_PREEMPTION_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _DeviceClock(Collector):
+    """Seconds each device spent in each state, exact at every scrape.
+
+    A counter bumped on transitions would lag by the whole time of the current state (a long
+    training phase would show up only when it ends), so the current state's open interval is
+    added at collection time instead.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._closed: dict[tuple[str, str], float] = {}
+        self._current: dict[str, tuple[str, float]] = {}  # device -> (state, since)
+
+    def set_state(self, device_id: str, state: str) -> None:
+        now = self._clock()
+        with self._lock:
+            old = self._current.get(device_id)
+            if old is not None and old[0] == state:
+                return
+            if old is not None:
+                key = (device_id, old[0])
+                self._closed[key] = self._closed.get(key, 0.0) + now - old[1]
+            self._current[device_id] = (state, now)
+
+    def seconds(self) -> dict[tuple[str, str], float]:
+        now = self._clock()
+        with self._lock:
+            out = dict(self._closed)
+            for device, (state, since) in self._current.items():
+                out[(device, state)] = out.get((device, state), 0.0) + now - since
+            return out
+
+    def states(self) -> dict[str, str]:
+        with self._lock:
+            return {d: s for d, (s, _) in self._current.items()}
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        seconds = CounterMetricFamily(
+            "tltd_device_state_seconds",
+            "Seconds each device spent in each state (rollout, idle, training, unavailable)",
+            labels=["device_id", "state"],
+        )
+        for (device, state), value in sorted(self.seconds().items()):
+            seconds.add_metric([device, state], value)
+        current = GaugeMetricFamily(
+            "tltd_device_state",
+            "1 for the state each device is in now, 0 for the others",
+            labels=["device_id", "state"],
+        )
+        for device, state in sorted(self.states().items()):
+            for s in dict.fromkeys((*DEVICE_STATES, state)):
+                current.add_metric([device, s], 1.0 if s == state else 0.0)
+        yield seconds
+        yield current
+
+
+@dataclass
+class _SpecTotals:
+    draft_steps: int = 0
+    plain_steps: int = 0
+    accepted_tokens: int = 0
+
+
+class _SpecRatios(Collector):
+    """Per-job SD share of steps and mean accepted length, derived from the sample counters
+    (also derivable in PromQL from the counters; these gauges save readers the arithmetic)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.totals: dict[str, _SpecTotals] = {}
+
+    def add(self, job_id: str, draft_steps: int, plain_steps: int, accepted: int) -> None:
+        with self._lock:
+            t = self.totals.setdefault(job_id, _SpecTotals())
+            t.draft_steps += draft_steps
+            t.plain_steps += plain_steps
+            t.accepted_tokens += accepted
+
+    def forget(self, job_id: str) -> None:
+        with self._lock:
+            self.totals.pop(job_id, None)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        share = GaugeMetricFamily(
+            "tltd_sd_step_share",
+            "Share of sample decode steps that used speculative decoding, per job",
+            labels=["job_id"],
+        )
+        length = GaugeMetricFamily(
+            "tltd_mean_accepted_length",
+            "Tokens gained per speculative step (accepted drafts + 1), per job",
+            labels=["job_id"],
+        )
+        with self._lock:
+            items = sorted((j, _SpecTotals(**vars(t))) for j, t in self.totals.items())
+        for job, t in items:
+            steps = t.draft_steps + t.plain_steps
+            if steps:
+                share.add_metric([job], t.draft_steps / steps)
+            if t.draft_steps:
+                length.add_metric([job], (t.accepted_tokens + t.draft_steps) / t.draft_steps)
+        yield share
+        yield length
+
+
+class Metrics:
+    """All tltd metrics on one registry (module docstring lists the update API)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.tokens = Counter(
+            "tltd_rollout_tokens",
+            "Output tokens of finished samples (rate() = rollout tokens/s)",
+            ["job_id"],
+            registry=r,
+        )
+        self.samples = Counter(
+            "tltd_rollout_samples", "Finished samples", ["job_id", "finish_reason"], registry=r
+        )
+        self.sample_steps = Counter(
+            "tltd_sample_decode_steps",
+            "Decode steps of finished samples by mode (speculative or plain)",
+            ["job_id", "mode"],
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            "tltd_accepted_draft_tokens",
+            "Draft tokens accepted by the target in finished samples",
+            ["job_id"],
+            registry=r,
+        )
+        self.decode_steps = Counter(
+            "tltd_engine_decode_steps",
+            "Engine decode steps (whole batch) by mode (speculative or plain), per device",
+            ["device_id", "mode"],
+            registry=r,
+        )
+        self.accepted_length = Histogram(
+            "tltd_accepted_length",
+            "Tokens a sequence gained per speculative step (accepted drafts + 1)",
+            ["device_id"],
+            buckets=_ACCEPTED_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "tltd_queue_depth", "Samples accepted but not finished, per job", ["job_id"], registry=r
+        )
+        self.drafter_version = Gauge(
+            "tltd_drafter_version",
+            "Learned drafter version in use (0 = none)",
+            ["job_id"],
+            registry=r,
+        )
+        self.policy_version = Gauge(
+            "tltd_policy_version", "Current policy version", ["job_id"], registry=r
+        )
+        self.preemptions = Counter(
+            "tltd_preemptions",
+            "Preemptions of drafter training (or of any work) on a device",
+            ["device_id", "reason"],
+            registry=r,
+        )
+        self.preemption_latency = Histogram(
+            "tltd_preemption_latency_seconds",
+            "From the preemption decision to the device being free",
+            buckets=_PREEMPTION_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._devices = _DeviceClock(clock)
+        self._spec = _SpecRatios()
+        r.register(self._devices)
+        r.register(self._spec)
+
+    # -- rollout -------------------------------------------------------------------------------
+
+    def observe_sample(
+        self,
+        job_id: str,
+        *,
+        tokens: int,
+        finish_reason: str,
+        draft_steps: int = 0,
+        plain_steps: int = 0,
+        accepted_tokens: int = 0,
+    ) -> None:
+        """One finished sample (any finish reason) with its speculative stats."""
+        self.tokens.labels(job_id).inc(tokens)
+        self.samples.labels(job_id, str(finish_reason)).inc()
+        self.sample_steps.labels(job_id, "speculative").inc(draft_steps)
+        self.sample_steps.labels(job_id, "plain").inc(plain_steps)
+        self.accepted_tokens.labels(job_id).inc(accepted_tokens)
+        self._spec.add(job_id, draft_steps, plain_steps, accepted_tokens)
+
+    def record_sample(self, job_id: str, sample: Sample) -> None:
+        """observe_sample for a domain Sample."""
+        spec = sample.speculative
+        self.observe_sample(
+            job_id,
+            tokens=len(sample.token_ids),
+            finish_reason=sample.finish_reason.value,
+            draft_steps=spec.draft_steps,
+            plain_steps=spec.plain_steps,
+            accepted_tokens=spec.accepted_tokens,
+        )
+
+    def observe_decode_steps(
+        self,
+        device_id: str,
+        *,
+        plain_steps: int = 0,
+        spec_steps: int = 0,
+        accepted_lengths: Mapping[int, int] | None = None,
+    ) -> None:
+        """Engine decode steps since the last report; `accepted_lengths` maps tokens gained
+        per sequence per SD step -> how often (EngineStats.accepted_length_hist's delta)."""
+        self.decode_steps.labels(device_id, "plain").inc(plain_steps)
+        self.decode_steps.labels(device_id, "speculative").inc(spec_steps)
+        hist = self.accepted_length.labels(device_id)
+        for length, count in (accepted_lengths or {}).items():
+            for _ in range(int(count)):
+                hist.observe(length)
+
+    def observe_engine_summary(
+        self,
+        device_id: str,
+        previous: Mapping[str, Any] | None,
+        current: Mapping[str, Any],
+    ) -> None:
+        """Feed the difference between two cumulative `EngineStats.summary()`s of one worker
+        (e.g. consecutive heartbeats). A fresh engine (a reload) restarts its counters: then
+        the current summary is the delta."""
+        cur_steps = current.get("steps") or {}
+        prev_steps = (previous or {}).get("steps") or {}
+        plain = int(cur_steps.get("plain", 0)) - int(prev_steps.get("plain", 0))
+        spec = int(cur_steps.get("spec", 0)) - int(prev_steps.get("spec", 0))
+        cur_hist = current.get("accepted_length_hist") or {}
+        prev_hist = (previous or {}).get("accepted_length_hist") or {}
+        if plain < 0 or spec < 0:  # counters went back: a new engine
+            plain, spec = int(cur_steps.get("plain", 0)), int(cur_steps.get("spec", 0))
+            prev_hist = {}
+        hist = {int(k): int(v) - int(prev_hist.get(k, 0)) for k, v in cur_hist.items()}
+        self.observe_decode_steps(
+            device_id,
+            plain_steps=plain,
+            spec_steps=spec,
+            accepted_lengths={k: v for k, v in hist.items() if v > 0},
+        )
+
+    def set_queue_depth(self, job_id: str, samples: int) -> None:
+        self.queue_depth.labels(job_id).set(samples)
+
+    # -- devices, versions, preemption ---------------------------------------------------------
+
+    def set_device_state(self, device_id: str, state: str) -> None:
+        """The device's state from now on; time accrues to the previous state until now."""
+        self._devices.set_state(device_id, str(state))
+
+    def device_seconds(self) -> dict[tuple[str, str], float]:
+        """(device_id, state) -> seconds so far (what the endpoint exports)."""
+        return self._devices.seconds()
+
+    def set_drafter_version(self, job_id: str, version: int) -> None:
+        self.drafter_version.labels(job_id).set(version)
+
+    def set_policy_version(self, job_id: str, version: int) -> None:
+        self.policy_version.labels(job_id).set(version)
+
+    def record_preemption(
+        self, device_id: str, reason: str = "rollout", latency_seconds: float | None = None
+    ) -> None:
+        self.preemptions.labels(device_id, reason).inc()
+        if latency_seconds is not None:
+            self.preemption_latency.observe(latency_seconds)
+
+    def forget_job(self, job_id: str) -> None:
+        """Drop a finished job's per-job gauges (counters keep their totals)."""
+        for gauge in (self.queue_depth, self.drafter_version, self.policy_version):
+            try:
+                gauge.remove(job_id)
+            except KeyError:
+                pass
+        self._spec.forget(job_id)
+
+
+# The daemon process's metrics. Tests that assert exact values build their own Metrics.
+METRICS = Metrics()
+
+
+@dataclass
+class MetricsServer:
+    server: ThreadingHTTPServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1", metrics: Metrics = METRICS):
+    """Serve /metrics on host:port in a daemon thread (port 0: any free port)."""
+    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return MetricsServer(server, thread)

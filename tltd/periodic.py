@@ -1,0 +1,146 @@
+"""All periodic work, declared in one place (APScheduler 3.x); job bodies are plain functions."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from datetime import UTC
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.interval import IntervalTrigger
+
+from tltd.devices import discover
+from tltd.domain import Device, DrafterStatus, JobStatus, RequestStatus
+from tltd.metrics import METRICS, Metrics
+from tltd.settings import Settings
+
+if TYPE_CHECKING:
+    from tltd.devices import Nvml
+    from tltd.store import Store
+    from tltd.supervisor import Supervisor
+    from tltd.training import DrafterTraining
+
+log = logging.getLogger(__name__)
+
+# Often enough for a scrape every few seconds to see queue and device changes; one cheap query.
+_METRICS_ROLL_UP_SECONDS = 2.0
+
+
+def our_pids(store: Store) -> set[int]:
+    """The daemon and its workers: their GPU use does not make a device foreign."""
+    return {os.getpid()} | {w.pid for w in store.list_workers() if w.pid}
+
+
+def refresh_devices(store: Store, nvml: Nvml | None, cpu_slots: int) -> list[Device]:
+    """Re-read the device inventory and store it (cordon/drain flags are kept by the store)."""
+    devices = store.upsert_devices(discover(nvml, cpu_slots, our_pids(store)))
+    log.debug("devices refreshed", extra={"devices": len(devices)})
+    return devices
+
+
+def roll_up_metrics(store: Store, metrics: Metrics = METRICS) -> None:
+    """Mirror what the store knows into the gauges: device states, queue depth and the policy
+    and drafter versions of every active job (workers report finer events themselves)."""
+    for device in store.list_devices():
+        metrics.set_device_state(device.device_id, device.state.value)
+    unfinished = store.list_requests([RequestStatus.QUEUED, RequestStatus.RUNNING], limit=100_000)
+    depth: dict[str, int] = {}
+    for req in unfinished:
+        depth[req.job_id] = depth.get(req.job_id, 0) + req.samples_total - req.samples_done
+    for job in store.list_jobs([JobStatus.ACTIVE], limit=10_000):
+        metrics.set_queue_depth(job.job_id, depth.get(job.job_id, 0))
+        metrics.set_policy_version(job.job_id, job.policy_version)
+        metrics.set_drafter_version(job.job_id, job.drafter_version)
+
+
+async def reap_workers(supervisor: Supervisor) -> list[str]:
+    """Lease/heartbeat reaper: a worker that exited, or stopped heartbeating, is killed, its
+    unfinished samples are re-queued and it is restarted. Returns the ids found dead."""
+    return await supervisor.reap()
+
+
+def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, int]]:
+    """Retire old drafter versions of every job: keep the newest `keep` evaluated versions
+    and every pinned or active one; a retired version's checkpoint directory is deleted when
+    it lies under `root` (the daemon's own drafter directory: paths an operator registered
+    elsewhere are never deleted). Candidates (being evaluated) are left alone. Returns the
+    (job id, version) pairs retired."""
+    root = Path(root).resolve()
+    retired = []
+    for job in store.list_jobs(None, 1 << 30):
+        versions = [
+            v
+            for v in store.list_drafters(job.job_id)
+            if v.status in (DrafterStatus.PROMOTED, DrafterStatus.REJECTED)
+        ]
+        newest = {v.version for v in sorted(versions, key=lambda v: v.version)[-keep:]}
+        for v in versions:
+            if v.version in newest or v.pinned or v.active:
+                continue
+            why = f"garbage-collected: not among the newest {keep}, not pinned, not active"
+            store.set_drafter_status(job.job_id, v.version, DrafterStatus.RETIRED, why)
+            path = Path(v.path).resolve()
+            if path.is_dir() and path.is_relative_to(root) and path != root:
+                shutil.rmtree(path, ignore_errors=True)
+            retired.append((job.job_id, v.version))
+    if retired:
+        log.info("drafter versions retired", extra={"versions": len(retired)})
+    return retired
+
+
+def build_scheduler(
+    settings: Settings,
+    store: Store,
+    nvml: Nvml | None,
+    supervisor: Supervisor | None = None,
+    training: DrafterTraining | None = None,
+) -> AsyncIOScheduler:
+    """Every periodic job with its trigger. Synchronous bodies (the store is) run in the
+    scheduler's thread pool, off the event loop; coroutine bodies (the supervisor's) run on
+    the loop. One instance at a time, missed runs coalesced into one.
+
+    The scheduling tick itself is not here: it is event-driven (see `tltd.supervisor`)."""
+    scheduler = AsyncIOScheduler(timezone=UTC, job_defaults={"max_instances": 1, "coalesce": True})
+    scheduler.add_job(
+        refresh_devices,
+        IntervalTrigger(seconds=settings.device_refresh_seconds),
+        args=(store, nvml, settings.cpu_slots),
+        id="device-refresh",
+        name="device inventory refresh",
+        max_instances=1,
+        coalesce=True,
+    )
+    if supervisor is not None:
+        scheduler.add_job(
+            reap_workers,
+            IntervalTrigger(seconds=max(0.5, 2 * settings.worker_heartbeat_seconds)),
+            args=(supervisor,),
+            id="worker-reaper",
+            name="dead/silent worker reaper",
+            max_instances=1,
+            coalesce=True,
+        )
+    if training is not None:
+        scheduler.add_job(
+            gc_drafters,
+            IntervalTrigger(seconds=settings.drafter_gc_seconds),
+            args=(store, settings.drafter_keep_versions, training.root),
+            id="drafter-gc",
+            name="old drafter checkpoints GC",
+            max_instances=1,
+            coalesce=True,
+        )
+    if settings.metrics_port:
+        scheduler.add_job(
+            roll_up_metrics,
+            IntervalTrigger(seconds=_METRICS_ROLL_UP_SECONDS),
+            args=(store,),
+            id="metrics-roll-up",
+            name="metrics roll-up from the store",
+            max_instances=1,
+            coalesce=True,
+        )
+    return scheduler

@@ -1,0 +1,58 @@
+"""Use cases over the store and settings: plain domain objects in and out, no transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tltd.services.admin import AdminService
+from tltd.services.drafters import DrafterService
+from tltd.services.jobs import JobService, NewJob
+from tltd.services.node import NodeState
+from tltd.services.policy import PolicyService
+from tltd.services.rollouts import RolloutService
+from tltd.settings import Settings
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+    from tltd.supervisor import Supervisor
+
+__all__ = [
+    "AdminService",
+    "DrafterService",
+    "JobService",
+    "NewJob",
+    "NodeState",
+    "PolicyService",
+    "RolloutService",
+    "Services",
+    "build_services",
+]
+
+
+@dataclass(frozen=True)
+class Services:
+    jobs: JobService
+    rollouts: RolloutService
+    policy: PolicyService
+    drafters: DrafterService
+    admin: AdminService
+    node: NodeState
+
+
+def build_services(
+    store: Store,
+    settings: Settings,
+    node: NodeState | None = None,
+    supervisor: Supervisor | None = None,
+) -> Services:
+    """Without a supervisor (API-only tests) Generate answers UNIMPLEMENTED."""
+    node = node or NodeState()
+    return Services(
+        jobs=JobService(store, settings, supervisor),
+        rollouts=RolloutService(store, settings, node, supervisor),
+        policy=PolicyService(store, supervisor),
+        drafters=DrafterService(store),
+        admin=AdminService(store, node),
+        node=node,
+    )

@@ -1,0 +1,85 @@
+"""Operator use cases: devices, workers, cordon / uncordon / drain, node statistics."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import tltd
+from tltd.domain import Device, Stats, Worker
+from tltd.errors import InvalidArgument
+from tltd.services.node import NodeState
+from tltd.services.validation import check_id
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+
+
+class AdminService:
+    def __init__(self, store: Store, node: NodeState) -> None:
+        self.store = store
+        self.node = node
+
+    def list_devices(self) -> list[Device]:
+        return self.store.list_devices()
+
+    def list_workers(self, device_id: str = "") -> list[Worker]:
+        if device_id:
+            self.store.get_device(device_id)  # NotFound rather than a silent empty list
+        return self.store.list_workers(device_id=device_id or None)
+
+    def cordon(self, device_id: str, reason: str = "") -> Device:
+        """No new work is placed on the device; what runs there keeps running."""
+        self._check_device_id(device_id)
+        return self.store.set_device_flags(
+            device_id, cordoned=True, reason=reason or "cordoned by operator"
+        )
+
+    def uncordon(self, device_id: str) -> Device:
+        """Make the device schedulable again (clears both cordon and a device-level drain)."""
+        self._check_device_id(device_id)
+        return self.store.set_device_flags(
+            device_id, cordoned=False, draining=False, reason="uncordoned by operator"
+        )
+
+    def drain(self, device_id: str = "", node: bool = False, reason: str = "") -> list[Device]:
+        """Mark one device, or with node=True every device and the daemon, as draining.
+
+        A draining node refuses new rollouts (UNAVAILABLE) so trainers go elsewhere; work in
+        flight finishes or is returned partial once workers exist (later issue).
+        """
+        if node:
+            if device_id:
+                raise InvalidArgument(
+                    "give either device_id or node=true, not both", field="device_id"
+                )
+            reason = reason or "node drained by operator"
+            self.node.start_draining(reason)
+            return [
+                self.store.set_device_flags(d.device_id, draining=True, reason=reason)
+                for d in self.store.list_devices()
+            ]
+        self._check_device_id(device_id)
+        reason = reason or "drained by operator"
+        return [self.store.set_device_flags(device_id, draining=True, reason=reason)]
+
+    def stats(self) -> Stats:
+        s = self.store.stats()
+        devices = self.store.list_devices()
+        return Stats(
+            version=tltd.__version__,
+            uptime_seconds=self.node.uptime_seconds(),
+            database=self.store.dialect,
+            devices=len(devices),
+            devices_schedulable=sum(d.schedulable for d in devices),
+            workers=len(self.store.list_workers()),
+            jobs_active=s["jobs_active"],
+            requests_by_status=dict(s["requests_by_status"]),
+            samples_total=s["samples_total"],
+            tokens_generated=s["tokens_generated"],
+            mean_accepted_length=s["mean_accepted_length"],
+            draining=self.node.draining,
+        )
+
+    @staticmethod
+    def _check_device_id(device_id: str) -> None:
+        check_id(device_id, "device_id")

@@ -1,0 +1,85 @@
+"""Drafter use cases: list, inspect, pin and export learned drafter versions of a job."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tltd.domain import DrafterVersion
+from tltd.errors import FailedPrecondition, InvalidArgument
+from tltd.services.validation import check_id
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+
+EXPORT_FORMATS = ("sglang-eagle",)
+
+log = logging.getLogger(__name__)
+
+
+class DrafterService:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def list(self, job_id: str) -> tuple[list[DrafterVersion], int]:
+        """All versions of a job's drafter and the version workers use now (0 = none)."""
+        check_id(job_id, "job_id")
+        self.store.get_job(job_id)  # NotFound for an unknown job, not an empty list
+        return self.store.list_drafters(job_id), self.store.active_drafter_version(job_id)
+
+    def get(self, job_id: str, version: int) -> DrafterVersion:
+        check_id(job_id, "job_id")
+        if version < 1:
+            raise InvalidArgument("must be >= 1", field="version")
+        return self.store.get_drafter(job_id, version)
+
+    def pin(self, job_id: str, version: int) -> tuple[DrafterVersion | None, int]:
+        """Pin a version (0 unpins); returns the pinned drafter (None when unpinned) and the
+        version now active."""
+        check_id(job_id, "job_id")
+        self.store.get_job(job_id)
+        if version:
+            self.store.get_drafter(job_id, version)  # NotFound names the version
+        active = self.store.pin_drafter(job_id, version)
+        return (self.store.get_drafter(job_id, version) if version else None), active
+
+    def export(
+        self, job_id: str, version: int, output_dir: str, fmt: str = ""
+    ) -> tuple[str, list[str]]:
+        """Write a version as a standalone SGLang EAGLE checkpoint (see
+        `workers.drafter.versions.export_sglang` for the name mapping); returns the output
+        directory and the files written. FAILED_PRECONDITION when the version's checkpoint or
+        its target policy's files are gone."""
+        dv = self.get(job_id, version)
+        fmt = fmt or EXPORT_FORMATS[0]
+        if fmt not in EXPORT_FORMATS:
+            raise InvalidArgument(f"must be one of {', '.join(EXPORT_FORMATS)}", field="format")
+        if not output_dir:
+            raise InvalidArgument("must not be empty", field="output_dir")
+        policy = self.store.get_policy_version(job_id, dv.policy_version)
+        needed = [Path(dv.path) / "model.safetensors", Path(dv.path) / "config.json"]
+        needed.append(Path(policy.path) / "config.json")
+        for f in needed:
+            if not f.is_file():
+                raise FailedPrecondition(
+                    f"drafter version {version} of job {job_id!r} cannot be exported: {f} "
+                    "is missing",
+                    field="version",
+                )
+        # Imported here: the drafter package pulls in torch, which the API layer otherwise
+        # does not need.
+        from safetensors import SafetensorError
+
+        from workers.drafter.versions import export_sglang
+
+        try:
+            result = export_sglang(dv.path, policy.path, output_dir)
+        except (OSError, ValueError, KeyError, SafetensorError) as exc:
+            raise FailedPrecondition(
+                f"drafter version {version} of job {job_id!r} cannot be exported: {exc}",
+                field="version",
+            ) from exc
+        for note in result.notes:
+            log.warning("drafter export: %s", note, extra={"job_id": job_id, "version": version})
+        return str(result.path), sorted(p.name for p in result.path.iterdir())

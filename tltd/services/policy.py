@@ -1,0 +1,55 @@
+"""Policy use cases: record new policy weights pushed by the trainer, read versions."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tltd.domain import JobStatus, PolicyVersion
+from tltd.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from tltd.services.checkpoints import check_model_dir
+from tltd.services.validation import check_id
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+    from tltd.supervisor import Supervisor
+
+
+class PolicyService:
+    def __init__(self, store: Store, supervisor: Supervisor | None = None) -> None:
+        self.store = store
+        self.supervisor = supervisor
+
+    def update(
+        self, job_id: str, source: str | None, path: str = "", note: str = ""
+    ) -> PolicyVersion:
+        """Record a new policy version for an active job; new requests run on it.
+
+        Requests accepted before keep running on the version they started with (every sample
+        records the version that produced it); workers switch once they are free of them.
+
+        `source` is which arm of the request's oneof was set: "checkpoint" (a Hugging Face
+        directory with config.json and *.safetensors), "tensors" or "nccl" (not yet), None.
+        """
+        check_id(job_id, "job_id")
+        if source is None:
+            raise InvalidArgument("one of checkpoint, tensors or nccl is required", field="source")
+        if source in ("tensors", "nccl"):
+            raise Unimplemented(
+                f"policy updates from {source} are not implemented yet; "
+                "push a checkpoint directory (UpdatePolicyRequest.checkpoint) instead"
+            )
+        if source != "checkpoint":
+            raise InvalidArgument(f"unknown source {source!r}", field="source")
+        job = self.store.get_job(job_id)
+        if job.status is not JobStatus.ACTIVE:
+            raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
+        resolved = check_model_dir(path, "checkpoint.path", require_weights=True)
+        version = self.store.add_policy_version(job_id, "checkpoint", str(resolved), note=note)
+        if self.supervisor is not None:
+            # Idle workers load it now; busy ones once their old-version work is done.
+            self.supervisor.kick_threadsafe()
+        return version
+
+    def get(self, job_id: str, version: int | None = None) -> PolicyVersion:
+        check_id(job_id, "job_id")
+        return self.store.get_policy_version(job_id, version)

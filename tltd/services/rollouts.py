@@ -1,0 +1,144 @@
+"""Rollout use cases: validate and submit generation requests, read and cancel stored ones."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from tltd.domain import JobStatus, RequestStatus, RolloutRequest, Sample, SpeculativeMode
+from tltd.errors import FailedPrecondition, Unavailable, Unimplemented
+from tltd.services.checkpoints import vocab_size
+from tltd.services.node import NodeState
+from tltd.services.validation import check_id, validate_rollout
+from tltd.settings import Settings
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+    from tltd.supervisor import Supervisor
+
+_TERMINAL = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+
+
+def derived_seed(request_id: str) -> int:
+    """The seed of a request that gave none: fixed by its id, so that a retried or re-queued
+    sample reproduces the same tokens."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
+
+
+class RolloutService:
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        node: NodeState,
+        supervisor: Supervisor | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.node = node
+        self.supervisor = supervisor
+
+    def prepare(
+        self, req: RolloutRequest, speculative: SpeculativeMode | None = None
+    ) -> RolloutRequest:
+        """Validate a request against the daemon's limits and its job; resolve defaults.
+
+        Order matters for callers: a draining node refuses before anything else (the trainer
+        should go elsewhere), then the request's own fields, then the job's state.
+        """
+        if self.node.draining:
+            raise Unavailable("node is draining: not accepting new rollouts")
+        validate_rollout(req, self.settings, vocab_size=None)
+        job = self.store.get_job(req.job_id)  # NotFound names job_id
+        if job.status is not JobStatus.ACTIVE:
+            raise FailedPrecondition(f"job {job.job_id} is {job.status.value}", field="job_id")
+        # Token ids beyond the vocabulary are only known once the job's model is.
+        vocab = vocab_size(job.model_path)
+        if vocab is not None:
+            validate_rollout(req, self.settings, vocab_size=vocab)
+        return replace(
+            req,
+            request_id=req.request_id or f"req-{uuid.uuid4().hex}",
+            speculative=speculative or job.speculative.mode,
+        )
+
+    async def generate(
+        self, req: RolloutRequest, speculative: SpeculativeMode | None = None
+    ) -> AsyncIterator[Sample]:
+        """Stream every sample of the request as it finishes (each stored before it is sent).
+
+        The request is persisted (QUEUED) before anything runs. A retry with the same
+        request_id attaches to the same work: the samples already stored come first, then the
+        live ones, and nothing runs twice. A request runs on the job's policy version current
+        at its acceptance. The stream ends after the last sample; a request that ends FAILED
+        (drained, or a sample that could not be produced) ends the stream with UNAVAILABLE
+        naming the reason, after its partial samples.
+        """
+        # The store is synchronous: keep its I/O off the event loop.
+        req = await asyncio.to_thread(self.prepare, req, speculative)
+        sup = self.supervisor
+        if sup is None:
+            raise Unimplemented("this daemon runs no rollout workers")
+        if req.sampling.seed is None:
+            req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
+        stored, _created = await asyncio.to_thread(self.store.create_request, req)
+        job = await asyncio.to_thread(self.store.get_job, req.job_id)
+        rid = stored.request_id
+        # Subscribe before reading what is stored: a sample is stored before it is published,
+        # so each one is either in the read below or arrives on the subscription (or both).
+        events = sup.subscribe(rid)
+        try:
+            if stored.status not in _TERMINAL:
+                await sup.submit(stored, job.policy_version)
+            seen: set[tuple[int, int]] = set()
+            for sample in await asyncio.to_thread(self.store.list_samples, rid):
+                seen.add((sample.prompt_index, sample.sample_index))
+                yield sample
+            if stored.status in _TERMINAL:
+                _end(rid, stored.status, stored.status_reason)
+                return
+            while True:
+                event = await events.get()
+                if event.sample is None:
+                    _end(rid, event.status, event.reason)
+                    return
+                key = (event.sample.prompt_index, event.sample.sample_index)
+                if key not in seen:
+                    seen.add(key)
+                    yield event.sample
+        finally:
+            sup.unsubscribe(rid, events)
+
+    def get(
+        self, request_id: str, include_samples: bool = False
+    ) -> tuple[RolloutRequest, list[Sample]]:
+        check_id(request_id, "request_id")
+        req = self.store.get_request(request_id)
+        samples = self.store.list_samples(request_id) if include_samples else []
+        return req, samples
+
+    def cancel(self, request_id: str, reason: str = "") -> RolloutRequest:
+        """Cancel an unfinished request; cancelling a cancelled one is a no-op."""
+        check_id(request_id, "request_id")
+        req = self.store.get_request(request_id)
+        if req.status is RequestStatus.CANCELLED:
+            return req
+        if req.status in _TERMINAL:
+            raise FailedPrecondition(
+                f"request {request_id} already {req.status.value}", field="request_id"
+            )
+        reason = reason or "cancelled by caller"
+        req = self.store.set_request_status(request_id, RequestStatus.CANCELLED, reason)
+        if self.supervisor is not None:
+            self.supervisor.cancel_threadsafe(request_id, reason)
+        return req
+
+
+def _end(request_id: str, status: RequestStatus | None, reason: str) -> None:
+    """How a Generate stream ends: normally, unless the request failed."""
+    if status is RequestStatus.FAILED:
+        raise Unavailable(f"request {request_id} failed: {reason}")

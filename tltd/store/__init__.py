@@ -1,0 +1,7 @@
+"""Persistence: the Store (SQLite or PostgreSQL) and its Alembic migrations."""
+
+from __future__ import annotations
+
+from tltd.store.store import Store
+
+__all__ = ["Store"]

@@ -1,0 +1,270 @@
+"""Explicit conversions between ORM rows and domain dataclasses (the only place both meet)."""
+
+from __future__ import annotations
+
+from tltd.domain import (
+    Backend,
+    Device,
+    DeviceKind,
+    DeviceProcess,
+    DeviceState,
+    DrafterStatus,
+    DrafterVersion,
+    Event,
+    FinishReason,
+    Job,
+    JobStatus,
+    PolicyVersion,
+    RequestStatus,
+    RolloutRequest,
+    Sample,
+    SamplingParams,
+    SpeculativeConfig,
+    SpeculativeMode,
+    SpeculativeStats,
+    Worker,
+    WorkerKind,
+    WorkerState,
+)
+from tltd.store.models import (
+    DeviceRow,
+    DrafterVersionRow,
+    EventRow,
+    JobRow,
+    PolicyVersionRow,
+    RolloutRequestRow,
+    SampleRow,
+    WorkerRow,
+)
+
+
+def job_to_row(job: Job, row: JobRow | None = None) -> JobRow:
+    row = row or JobRow(job_id=job.job_id)
+    spec = job.speculative
+    row.name = job.name
+    row.model_path = job.model_path
+    row.backend = str(job.backend)
+    row.priority = job.priority
+    row.weight = job.weight
+    row.spec_mode = str(spec.mode)
+    row.spec_batch_threshold = spec.batch_threshold
+    row.spec_draft_lengths = list(spec.draft_lengths)
+    row.spec_drafter = spec.drafter
+    row.spec_online_training = spec.online_training
+    row.status = str(job.status)
+    row.status_reason = job.status_reason
+    row.policy_version = job.policy_version
+    return row
+
+
+def job_from_row(row: JobRow, drafter_version: int = 0) -> Job:
+    return Job(
+        job_id=row.job_id,
+        model_path=row.model_path,
+        name=row.name,
+        backend=Backend(row.backend),
+        priority=row.priority,
+        weight=row.weight,
+        speculative=SpeculativeConfig(
+            mode=SpeculativeMode(row.spec_mode),
+            batch_threshold=row.spec_batch_threshold,
+            draft_lengths=tuple(int(x) for x in row.spec_draft_lengths),
+            drafter=row.spec_drafter,
+            online_training=row.spec_online_training,
+        ),
+        status=JobStatus(row.status),
+        status_reason=row.status_reason,
+        policy_version=row.policy_version,
+        drafter_version=drafter_version,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+def policy_version_from_row(row: PolicyVersionRow) -> PolicyVersion:
+    return PolicyVersion(
+        job_id=row.job_id,
+        version=row.version,
+        source=row.source,
+        path=row.path,
+        note=row.note,
+        created_at=row.created_at,
+    )
+
+
+def request_to_row(req: RolloutRequest) -> RolloutRequestRow:
+    sp = req.sampling
+    return RolloutRequestRow(
+        request_id=req.request_id,
+        job_id=req.job_id,
+        prompts=[list(p) for p in req.prompts],
+        n=sp.n,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        max_new_tokens=sp.max_new_tokens,
+        stop_token_ids=list(sp.stop_token_ids),
+        seed=sp.seed,
+        speculative=str(req.speculative),
+        status=str(req.status),
+        status_reason=req.status_reason,
+        samples_done=req.samples_done,
+    )
+
+
+def request_from_row(row: RolloutRequestRow) -> RolloutRequest:
+    return RolloutRequest(
+        request_id=row.request_id,
+        job_id=row.job_id,
+        prompts=tuple(tuple(int(t) for t in p) for p in row.prompts),
+        sampling=SamplingParams(
+            n=row.n,
+            temperature=row.temperature,
+            top_p=row.top_p,
+            top_k=row.top_k,
+            max_new_tokens=row.max_new_tokens,
+            stop_token_ids=tuple(int(t) for t in row.stop_token_ids),
+            seed=row.seed,
+        ),
+        speculative=SpeculativeMode(row.speculative),
+        status=RequestStatus(row.status),
+        status_reason=row.status_reason,
+        samples_done=row.samples_done,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+def sample_to_row(s: Sample) -> SampleRow:
+    spec = s.speculative
+    return SampleRow(
+        request_id=s.request_id,
+        prompt_index=s.prompt_index,
+        sample_index=s.sample_index,
+        token_ids=list(s.token_ids),
+        logprobs=[float(x) for x in s.logprobs],
+        num_tokens=len(s.token_ids),
+        finish_reason=str(s.finish_reason),
+        policy_version=s.policy_version,
+        drafter_version=s.drafter_version,
+        spec_draft_steps=spec.draft_steps,
+        spec_plain_steps=spec.plain_steps,
+        spec_accepted_tokens=spec.accepted_tokens,
+        spec_mean_accepted_length=spec.mean_accepted_length,
+        partial=s.partial,
+        error=s.error,
+    )
+
+
+def sample_from_row(row: SampleRow) -> Sample:
+    return Sample(
+        request_id=row.request_id,
+        prompt_index=row.prompt_index,
+        sample_index=row.sample_index,
+        token_ids=tuple(int(t) for t in row.token_ids),
+        logprobs=tuple(float(x) for x in row.logprobs),
+        finish_reason=FinishReason(row.finish_reason),
+        policy_version=row.policy_version,
+        drafter_version=row.drafter_version,
+        speculative=SpeculativeStats(
+            draft_steps=row.spec_draft_steps,
+            plain_steps=row.spec_plain_steps,
+            accepted_tokens=row.spec_accepted_tokens,
+            mean_accepted_length=row.spec_mean_accepted_length,
+        ),
+        partial=row.partial,
+        error=row.error,
+    )
+
+
+def drafter_to_row(dv: DrafterVersion, version: int) -> DrafterVersionRow:
+    return DrafterVersionRow(
+        job_id=dv.job_id,
+        version=version,
+        policy_version=dv.policy_version,
+        path=dv.path,
+        train_steps=dv.train_steps,
+        loss=dv.loss,
+        acceptance_length=dv.acceptance_length,
+        status=str(dv.status),
+        pinned=False,  # pinning goes through Store.pin_drafter only
+    )
+
+
+def drafter_from_row(row: DrafterVersionRow, active_version: int) -> DrafterVersion:
+    return DrafterVersion(
+        job_id=row.job_id,
+        version=row.version,
+        policy_version=row.policy_version,
+        path=row.path,
+        train_steps=row.train_steps,
+        loss=row.loss,
+        acceptance_length=row.acceptance_length,
+        status=DrafterStatus(row.status),
+        pinned=row.pinned,
+        active=row.version == active_version,
+        created_at=row.created_at,
+    )
+
+
+def processes_to_json(processes: tuple[DeviceProcess, ...]) -> list[dict[str, object]]:
+    return [
+        {"pid": p.pid, "used_memory_bytes": p.used_memory_bytes, "ours": p.ours} for p in processes
+    ]
+
+
+def processes_from_json(data: list[dict[str, object]] | None) -> tuple[DeviceProcess, ...]:
+    return tuple(
+        DeviceProcess(
+            pid=int(p["pid"]),  # type: ignore[call-overload]
+            used_memory_bytes=int(p.get("used_memory_bytes", 0)),  # type: ignore[call-overload]
+            ours=bool(p.get("ours", False)),
+        )
+        for p in data or []
+    )
+
+
+def device_from_row(row: DeviceRow) -> Device:
+    return Device(
+        device_id=row.device_id,
+        kind=DeviceKind(row.kind),
+        index=row.device_index,
+        uuid=row.uuid,
+        name=row.name,
+        memory_total_bytes=row.memory_total_bytes,
+        memory_used_bytes=row.memory_used_bytes,
+        utilization=row.utilization,
+        processes=processes_from_json(row.processes),
+        foreign=row.foreign,
+        cordoned=row.cordoned,
+        draining=row.draining,
+        state=DeviceState(row.state),
+        state_reason=row.state_reason,
+        updated_at=row.updated_at,
+    )
+
+
+def worker_from_row(row: WorkerRow) -> Worker:
+    return Worker(
+        worker_id=row.worker_id,
+        kind=WorkerKind(row.kind),
+        device_id=row.device_id,
+        job_id=row.job_id,
+        state=WorkerState(row.state),
+        pid=row.pid,
+        state_reason=row.state_reason,
+        started_at=row.started_at,
+        last_heartbeat=row.last_heartbeat,
+    )
+
+
+def event_from_row(row: EventRow) -> Event:
+    return Event(
+        entity=row.entity,
+        entity_id=row.entity_id,
+        old_status=row.old_status,
+        new_status=row.new_status,
+        reason=row.reason,
+        at=row.at,
+        event_id=row.id,
+    )

@@ -1,0 +1,60 @@
+"""Engine construction: SQLite (WAL, foreign keys, busy timeout) or PostgreSQL via psycopg 3."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Connection, Engine, create_engine, make_url
+
+log = logging.getLogger(__name__)
+
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+# Execution option that marks a connection as about to write (see _sqlite_begin).
+WRITE_OPTION = "tltd_write"
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Return the URL with PostgreSQL pinned to the psycopg 3 driver."""
+    u = make_url(url)
+    if u.drivername in ("postgresql", "postgres"):
+        u = u.set(drivername="postgresql+psycopg")
+    return u
+
+
+def make_engine(url: str | URL, **kwargs: Any) -> Engine:
+    """Create an engine; SQLite connections get WAL, foreign keys and a busy timeout."""
+    u = normalize_url(url)
+    if u.get_backend_name() == "sqlite":
+        return _sqlite_engine(u, **kwargs)
+    if u.get_backend_name() == "postgresql":
+        return create_engine(u, pool_pre_ping=True, **kwargs)
+    raise ValueError(f"unsupported database URL {u.render_as_string(hide_password=True)!r}")
+
+
+def _sqlite_engine(u: URL, **kwargs: Any) -> Engine:
+    if u.database and u.database != ":memory:" and not u.database.startswith("file:"):
+        Path(u.database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(u, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not pysqlite, decide when transactions begin (see _sqlite_begin).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL, much cheaper than FULL
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _sqlite_begin(conn: Connection) -> None:
+        # A deferred transaction that reads and then writes can fail with SQLITE_BUSY at once
+        # (busy_timeout does not apply to lock upgrades); writers take the lock up front.
+        write = conn.get_execution_options().get(WRITE_OPTION, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    return engine

@@ -1,0 +1,229 @@
+"""ORM rows: the SQL schema of the daemon's state (only the store imports these)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+# Deterministic constraint names so that Alembic can drop/alter them on every dialect
+# (SQLite batch mode needs names to recreate tables).
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+ID = String(128)  # job/request/worker ids are client-chosen strings
+STATUS = String(32)  # enums are stored as their string values, never as native DB enums
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every dialect.
+
+    PostgreSQL stores timestamptz; SQLite has no timezone support, so values are stored as
+    naive UTC and made aware again on the way out.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: the store only accepts aware datetimes")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY, so BigInteger ids map to Integer there.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+
+    job_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    name: Mapped[str] = mapped_column(String(256), default="")
+    model_path: Mapped[str] = mapped_column(Text)
+    backend: Mapped[str] = mapped_column(STATUS)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    spec_mode: Mapped[str] = mapped_column(STATUS)
+    spec_batch_threshold: Mapped[int] = mapped_column(Integer)
+    spec_draft_lengths: Mapped[list[Any]] = mapped_column(JSON)
+    spec_drafter: Mapped[str] = mapped_column(STATUS)
+    spec_online_training: Mapped[bool] = mapped_column(Boolean)
+    status: Mapped[str] = mapped_column(STATUS, index=True)
+    status_reason: Mapped[str] = mapped_column(Text, default="")
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class PolicyVersionRow(Base):
+    __tablename__ = "policy_versions"
+
+    job_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("jobs.job_id", ondelete="CASCADE"), primary_key=True
+    )
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    source: Mapped[str] = mapped_column(STATUS)
+    path: Mapped[str] = mapped_column(Text)
+    note: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class RolloutRequestRow(Base):
+    __tablename__ = "rollout_requests"
+
+    request_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    job_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("jobs.job_id", ondelete="CASCADE"), index=True
+    )
+    prompts: Mapped[list[Any]] = mapped_column(JSON)  # list of token-id lists
+    n: Mapped[int] = mapped_column(Integer)
+    temperature: Mapped[float] = mapped_column(Float)
+    top_p: Mapped[float] = mapped_column(Float)
+    top_k: Mapped[int] = mapped_column(Integer)
+    max_new_tokens: Mapped[int] = mapped_column(Integer)
+    stop_token_ids: Mapped[list[Any]] = mapped_column(JSON)
+    seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    speculative: Mapped[str] = mapped_column(STATUS)
+    status: Mapped[str] = mapped_column(STATUS, index=True)
+    status_reason: Mapped[str] = mapped_column(Text, default="")
+    samples_done: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class SampleRow(Base):
+    __tablename__ = "samples"
+    __table_args__ = (UniqueConstraint("request_id", "prompt_index", "sample_index"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("rollout_requests.request_id", ondelete="CASCADE")
+    )
+    prompt_index: Mapped[int] = mapped_column(Integer)
+    sample_index: Mapped[int] = mapped_column(Integer)
+    token_ids: Mapped[list[Any]] = mapped_column(JSON)
+    logprobs: Mapped[list[Any]] = mapped_column(JSON)
+    # Kept beside token_ids because summing JSON array lengths is not portable SQL.
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str] = mapped_column(STATUS)
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    drafter_version: Mapped[int] = mapped_column(Integer, default=0)
+    spec_draft_steps: Mapped[int] = mapped_column(Integer, default=0)
+    spec_plain_steps: Mapped[int] = mapped_column(Integer, default=0)
+    spec_accepted_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    spec_mean_accepted_length: Mapped[float] = mapped_column(Float, default=0.0)
+    partial: Mapped[bool] = mapped_column(Boolean, default=False)
+    error: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class DrafterVersionRow(Base):
+    __tablename__ = "drafter_versions"
+    __table_args__ = (UniqueConstraint("job_id", "version"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ID, ForeignKey("jobs.job_id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    policy_version: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    train_steps: Mapped[int] = mapped_column(Integer, default=0)
+    loss: Mapped[float] = mapped_column(Float, default=0.0)
+    acceptance_length: Mapped[float] = mapped_column(Float, default=0.0)
+    status: Mapped[str] = mapped_column(STATUS)
+    status_reason: Mapped[str] = mapped_column(Text, default="")
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class DeviceRow(Base):
+    __tablename__ = "devices"
+
+    device_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(STATUS)
+    # "index" is an SQL keyword; a plain column name avoids quoting surprises in raw SQL.
+    device_index: Mapped[int] = mapped_column(Integer)
+    uuid: Mapped[str] = mapped_column(String(128), default="")
+    name: Mapped[str] = mapped_column(String(256), default="")
+    memory_total_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    memory_used_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    utilization: Mapped[float] = mapped_column(Float, default=0.0)
+    processes: Mapped[list[Any]] = mapped_column(JSON)  # [{"pid", "used_memory_bytes", "ours"}]
+    foreign: Mapped[bool] = mapped_column(Boolean, default=False)
+    cordoned: Mapped[bool] = mapped_column(Boolean, default=False)
+    draining: Mapped[bool] = mapped_column(Boolean, default=False)
+    state: Mapped[str] = mapped_column(STATUS)
+    state_reason: Mapped[str] = mapped_column(Text, default="")
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class WorkerRow(Base):
+    __tablename__ = "workers"
+
+    worker_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    kind: Mapped[str] = mapped_column(STATUS)
+    # No foreign keys to devices/jobs: a worker row outlives a vanished device or a GC'd job.
+    device_id: Mapped[str] = mapped_column(String(64), index=True)
+    job_id: Mapped[str] = mapped_column(ID, default="")
+    state: Mapped[str] = mapped_column(STATUS, index=True)
+    pid: Mapped[int] = mapped_column(Integer, default=0)
+    state_reason: Mapped[str] = mapped_column(Text, default="")
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    last_heartbeat: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # Lease for preemptible work (DESIGN §5.9): every update is conditional on the token.
+    lease_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_entity_entity_id", "entity", "entity_id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    entity: Mapped[str] = mapped_column(STATUS)
+    entity_id: Mapped[str] = mapped_column(String(256))
+    old_status: Mapped[str] = mapped_column(String(64), default="")
+    new_status: Mapped[str] = mapped_column(String(64), default="")
+    reason: Mapped[str] = mapped_column(Text, default="")
+    at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -1,0 +1,95 @@
+"""The one place statuses change: an allowed-transitions map per entity plus an event per change."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy.orm import Session
+
+from tltd.domain import DrafterStatus, JobStatus, RequestStatus, WorkerState
+from tltd.errors import FailedPrecondition
+from tltd.store.models import EventRow, utcnow
+
+_J, _R, _D, _W = JobStatus, RequestStatus, DrafterStatus, WorkerState
+
+TRANSITIONS: dict[str, dict[str, frozenset[str]]] = {
+    "job": {
+        _J.ACTIVE: frozenset({_J.CANCELLED, _J.FAILED}),
+    },
+    "request": {
+        _R.QUEUED: frozenset({_R.RUNNING, _R.CANCELLED, _R.FAILED}),
+        # running -> queued is a requeue (worker lost, lease expired, preempted).
+        _R.RUNNING: frozenset({_R.COMPLETED, _R.CANCELLED, _R.FAILED, _R.QUEUED}),
+    },
+    "drafter": {
+        _D.CANDIDATE: frozenset({_D.PROMOTED, _D.REJECTED}),
+        _D.PROMOTED: frozenset({_D.RETIRED}),
+        _D.REJECTED: frozenset({_D.RETIRED}),
+    },
+    "worker": {
+        _W.STARTING: frozenset({_W.READY, _W.STOPPING, _W.FAILED}),
+        _W.READY: frozenset({_W.BUSY, _W.STOPPING, _W.FAILED}),
+        _W.BUSY: frozenset({_W.READY, _W.STOPPING, _W.FAILED}),
+        _W.STOPPING: frozenset({_W.STOPPED, _W.FAILED}),
+    },
+}
+
+# Rows carry their status in different columns ("status" for most, "state" for workers).
+_COLUMN = {"job": "status", "request": "status", "drafter": "status", "worker": "state"}
+
+
+def check_transition(entity: str, entity_id: str, old: str, new: str) -> None:
+    """Raise FailedPrecondition unless `old -> new` is allowed for this entity."""
+    allowed = TRANSITIONS[entity].get(old, frozenset())
+    if new not in allowed:
+        raise FailedPrecondition(
+            f"{entity} {entity_id!r} cannot go from {old} to {new}"
+            + (f" (allowed: {', '.join(sorted(allowed))})" if allowed else f" ({old} is final)")
+        )
+
+
+def switch_status(
+    session: Session, entity: str, entity_id: str, row: object, new: str, reason: str
+) -> bool:
+    """Move `row` to status `new` if allowed and append an event, in the caller's transaction.
+
+    Setting the status a row already has is a no-op (returns False, records nothing), so that
+    retried calls (a second cancel) are harmless; any other disallowed move raises
+    FailedPrecondition naming the entity and both states.
+    """
+    column = _COLUMN[entity]
+    old = str(getattr(row, column))
+    new = str(new)
+    if old == new:
+        return False
+    check_transition(entity, entity_id, old, new)
+    now = utcnow()
+    setattr(row, column, new)
+    setattr(row, f"{column}_reason", reason)
+    if hasattr(row, "updated_at"):
+        row.updated_at = now  # type: ignore[attr-defined]
+    record_event(session, entity, entity_id, old, new, reason, at=now)
+    return True
+
+
+def record_event(
+    session: Session,
+    entity: str,
+    entity_id: str,
+    old: str,
+    new: str,
+    reason: str,
+    *,
+    at: datetime | None = None,
+) -> None:
+    """Append an event row (also used for changes outside the transition maps: device flags)."""
+    session.add(
+        EventRow(
+            entity=entity,
+            entity_id=entity_id,
+            old_status=old,
+            new_status=new,
+            reason=reason,
+            at=at or utcnow(),
+        )
+    )

@@ -1,0 +1,747 @@
+"""The Store: short synchronous SQL transactions that speak domain dataclasses and TltErrors."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from tltd.domain import (
+    Device,
+    DeviceState,
+    DrafterStatus,
+    DrafterVersion,
+    Event,
+    Job,
+    JobStatus,
+    PolicyVersion,
+    RequestStatus,
+    RolloutRequest,
+    Sample,
+    Worker,
+    WorkerState,
+)
+from tltd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from tltd.store import convert
+from tltd.store.engine import WRITE_OPTION, make_engine
+from tltd.store.models import (
+    DeviceRow,
+    DrafterVersionRow,
+    EventRow,
+    JobRow,
+    PolicyVersionRow,
+    RolloutRequestRow,
+    SampleRow,
+    WorkerRow,
+    utcnow,
+)
+from tltd.store.status import check_transition, record_event, switch_status
+
+log = logging.getLogger(__name__)
+
+_JOB_PARAMS = ("model_path", "name", "backend", "priority", "weight", "speculative")
+_REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
+_FINAL_WORKER_STATES = (WorkerState.STOPPED, WorkerState.FAILED)
+
+
+def _diff(a: object, b: object, fields: Sequence[str]) -> list[str]:
+    return [f for f in fields if getattr(a, f) != getattr(b, f)]
+
+
+def _flags(row: DeviceRow) -> str:
+    names = [n for n in ("cordoned", "draining") if getattr(row, n)]
+    return "+".join(names) or "schedulable"
+
+
+class Store:
+    """All persistent state of the daemon; tables come from `tltd.store.migrate.upgrade`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        self._reader = sessionmaker(self.engine, expire_on_commit=False)
+        # Writers announce themselves so that SQLite takes its write lock at BEGIN.
+        writer_engine = self.engine.execution_options(**{WRITE_OPTION: True})
+        self._writer = sessionmaker(writer_engine, expire_on_commit=False)
+
+    @property
+    def dialect(self) -> str:
+        """ "sqlite" or "postgresql"."""
+        return self.engine.dialect.name
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self, write: bool = True) -> Iterator[Session]:
+        with (self._writer if write else self._reader).begin() as session:
+            yield session
+
+    # ---- lookups shared by the methods below -------------------------------------------
+
+    @staticmethod
+    def _job_row(s: Session, job_id: str, *, lock: bool = False) -> JobRow:
+        row = s.get(JobRow, job_id, with_for_update=lock)
+        if row is None:
+            raise NotFound(f"job {job_id!r} not found", field="job_id")
+        return row
+
+    @staticmethod
+    def _request_row(s: Session, request_id: str, *, lock: bool = False) -> RolloutRequestRow:
+        row = s.get(RolloutRequestRow, request_id, with_for_update=lock)
+        if row is None:
+            raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
+        return row
+
+    @staticmethod
+    def _drafter_row(s: Session, job_id: str, version: int) -> DrafterVersionRow:
+        Store._job_row(s, job_id)
+        row = s.scalar(
+            select(DrafterVersionRow).where(
+                DrafterVersionRow.job_id == job_id, DrafterVersionRow.version == version
+            )
+        )
+        if row is None:
+            raise NotFound(
+                f"drafter version {version} of job {job_id!r} not found", field="version"
+            )
+        return row
+
+    @staticmethod
+    def _device_row(s: Session, device_id: str) -> DeviceRow:
+        row = s.get(DeviceRow, device_id)
+        if row is None:
+            raise NotFound(f"device {device_id!r} not found", field="device_id")
+        return row
+
+    @staticmethod
+    def _worker_row(s: Session, worker_id: str) -> WorkerRow:
+        row = s.get(WorkerRow, worker_id)
+        if row is None:
+            raise NotFound(f"worker {worker_id!r} not found", field="worker_id")
+        return row
+
+    @staticmethod
+    def _active_versions(s: Session, job_ids: Sequence[str]) -> dict[str, int]:
+        """Active drafter per job: the pinned version if any, else the newest promoted, else 0."""
+        if not job_ids:
+            return {}
+        dv = DrafterVersionRow
+        pinned = dict(
+            s.execute(select(dv.job_id, dv.version).where(dv.job_id.in_(job_ids), dv.pinned)).all()
+        )
+        promoted = dict(
+            s.execute(
+                select(dv.job_id, func.max(dv.version))
+                .where(dv.job_id.in_(job_ids), dv.status == DrafterStatus.PROMOTED.value)
+                .group_by(dv.job_id)
+            ).all()
+        )
+        return {j: int(pinned.get(j) or promoted.get(j) or 0) for j in job_ids}
+
+    def _job(self, s: Session, row: JobRow) -> Job:
+        return convert.job_from_row(row, self._active_versions(s, [row.job_id])[row.job_id])
+
+    # ---- jobs and policy versions -------------------------------------------------------
+
+    def create_job(self, job: Job) -> tuple[Job, bool]:
+        """Create a job (with policy version 0 = its model_path); a retry with the same
+        parameters returns the existing job and False, different parameters raise AlreadyExists."""
+        try:
+            with self._tx() as s:
+                existing = s.get(JobRow, job.job_id)
+                if existing is not None:
+                    return self._same_job(s, existing, job), False
+                now = utcnow()
+                row = convert.job_to_row(job)
+                row.status, row.status_reason, row.policy_version = JobStatus.ACTIVE.value, "", 0
+                row.created_at = row.updated_at = now
+                s.add(row)
+                s.add(
+                    PolicyVersionRow(
+                        job_id=job.job_id,
+                        version=0,
+                        source="initial",
+                        path=job.model_path,
+                        note="",
+                        created_at=now,
+                    )
+                )
+                record_event(s, "job", job.job_id, "", JobStatus.ACTIVE, "created", at=now)
+                s.flush()
+                return convert.job_from_row(row, 0), True
+        except IntegrityError:
+            # A concurrent create of the same id committed first: answer as a retry would.
+            with self._tx(write=False) as s:
+                existing = s.get(JobRow, job.job_id)
+                if existing is None:
+                    raise
+                return self._same_job(s, existing, job), False
+
+    def _same_job(self, s: Session, existing: JobRow, job: Job) -> Job:
+        current = self._job(s, existing)
+        diff = _diff(current, job, _JOB_PARAMS)
+        if diff:
+            raise AlreadyExists(
+                f"job {job.job_id!r} already exists with different {', '.join(diff)}",
+                field="job_id",
+            )
+        return current
+
+    def get_job(self, job_id: str) -> Job:
+        with self._tx(write=False) as s:
+            return self._job(s, self._job_row(s, job_id))
+
+    def list_jobs(self, statuses: Sequence[JobStatus] | None = None, limit: int = 100) -> list[Job]:
+        """Jobs, newest first."""
+        with self._tx(write=False) as s:
+            q = select(JobRow).order_by(JobRow.created_at.desc(), JobRow.job_id.desc())
+            if statuses:
+                q = q.where(JobRow.status.in_([str(x) for x in statuses]))
+            rows = s.scalars(q.limit(limit)).all()
+            active = self._active_versions(s, [r.job_id for r in rows])
+            return [convert.job_from_row(r, active[r.job_id]) for r in rows]
+
+    def set_job_status(self, job_id: str, new: JobStatus, reason: str) -> Job:
+        with self._tx() as s:
+            row = self._job_row(s, job_id, lock=True)
+            switch_status(s, "job", job_id, row, new, reason)
+            return self._job(s, row)
+
+    def add_policy_version(
+        self, job_id: str, source: str, path: str, note: str = ""
+    ) -> PolicyVersion:
+        """Record a new policy version (current + 1) and make it the job's current one."""
+        with self._tx() as s:
+            job = self._job_row(s, job_id, lock=True)  # the lock serializes version numbering
+            if job.status != JobStatus.ACTIVE:
+                raise FailedPrecondition(f"job {job_id!r} is {job.status}", field="job_id")
+            now = utcnow()
+            pv = PolicyVersionRow(
+                job_id=job_id,
+                version=job.policy_version + 1,
+                source=source,
+                path=path,
+                note=note,
+                created_at=now,
+            )
+            s.add(pv)
+            job.policy_version, job.updated_at = pv.version, now
+            s.flush()
+            return convert.policy_version_from_row(pv)
+
+    def get_policy_version(self, job_id: str, version: int | None = None) -> PolicyVersion:
+        """A policy version of the job; None = the current one."""
+        with self._tx(write=False) as s:
+            job = self._job_row(s, job_id)
+            v = job.policy_version if version is None else version
+            row = s.get(PolicyVersionRow, (job_id, v))
+            if row is None:
+                raise NotFound(f"policy version {v} of job {job_id!r} not found", field="version")
+            return convert.policy_version_from_row(row)
+
+    def list_policy_versions(self, job_id: str) -> list[PolicyVersion]:
+        with self._tx(write=False) as s:
+            self._job_row(s, job_id)
+            rows = s.scalars(
+                select(PolicyVersionRow)
+                .where(PolicyVersionRow.job_id == job_id)
+                .order_by(PolicyVersionRow.version)
+            ).all()
+            return [convert.policy_version_from_row(r) for r in rows]
+
+    # ---- rollout requests and samples ---------------------------------------------------
+
+    def create_request(self, req: RolloutRequest) -> tuple[RolloutRequest, bool]:
+        """Queue a rollout request; idempotent on request_id (see create_job). The job must
+        exist (NotFound) and be active (FailedPrecondition)."""
+        try:
+            with self._tx() as s:
+                existing = s.get(RolloutRequestRow, req.request_id)
+                if existing is not None:
+                    return self._same_request(existing, req), False
+                job = self._job_row(s, req.job_id)
+                if job.status != JobStatus.ACTIVE:
+                    raise FailedPrecondition(f"job {req.job_id!r} is {job.status}", field="job_id")
+                now = utcnow()
+                row = convert.request_to_row(req)
+                row.status, row.status_reason, row.samples_done = RequestStatus.QUEUED.value, "", 0
+                row.created_at = row.updated_at = now
+                s.add(row)
+                record_event(
+                    s, "request", req.request_id, "", RequestStatus.QUEUED, "submitted", at=now
+                )
+                s.flush()
+                return convert.request_from_row(row), True
+        except IntegrityError:
+            with self._tx(write=False) as s:
+                existing = s.get(RolloutRequestRow, req.request_id)
+                if existing is None:
+                    raise
+                return self._same_request(existing, req), False
+
+    @staticmethod
+    def _same_request(existing: RolloutRequestRow, req: RolloutRequest) -> RolloutRequest:
+        current = convert.request_from_row(existing)
+        diff = _diff(current, req, _REQUEST_PARAMS)
+        if diff:
+            raise AlreadyExists(
+                f"rollout request {req.request_id!r} already exists with different "
+                f"{', '.join(diff)}",
+                field="request_id",
+            )
+        return current
+
+    def get_request(self, request_id: str) -> RolloutRequest:
+        with self._tx(write=False) as s:
+            return convert.request_from_row(self._request_row(s, request_id))
+
+    def list_requests(
+        self,
+        statuses: Sequence[RequestStatus] | None = None,
+        job_id: str | None = None,
+        limit: int = 1000,
+    ) -> list[RolloutRequest]:
+        """Requests, oldest first (queue order)."""
+        with self._tx(write=False) as s:
+            q = select(RolloutRequestRow)
+            if statuses:
+                q = q.where(RolloutRequestRow.status.in_([str(x) for x in statuses]))
+            if job_id is not None:
+                q = q.where(RolloutRequestRow.job_id == job_id)
+            q = q.order_by(RolloutRequestRow.created_at, RolloutRequestRow.request_id)
+            return [convert.request_from_row(r) for r in s.scalars(q.limit(limit)).all()]
+
+    def set_request_status(
+        self, request_id: str, new: RequestStatus, reason: str
+    ) -> RolloutRequest:
+        with self._tx() as s:
+            row = self._request_row(s, request_id, lock=True)
+            switch_status(s, "request", request_id, row, new, reason)
+            return convert.request_from_row(row)
+
+    def add_sample(self, sample: Sample) -> bool:
+        """Store a finished (or partial) sample; idempotent on (request_id, prompt_index,
+        sample_index).
+
+        Returns True when stored: a new sample, or a complete one replacing a partial one
+        (a drained request that was resumed). Returns False for a duplicate. samples_done
+        counts complete (non-partial) samples only, so it reaches samples_total exactly
+        when every sample is done.
+        """
+        try:
+            with self._tx() as s:
+                req = self._request_row(s, sample.request_id, lock=True)
+                if not 0 <= sample.prompt_index < len(req.prompts):
+                    raise InvalidArgument(
+                        f"{sample.prompt_index} out of range for {len(req.prompts)} prompts",
+                        field="prompt_index",
+                    )
+                if not 0 <= sample.sample_index < req.n:
+                    raise InvalidArgument(
+                        f"{sample.sample_index} out of range for n={req.n}", field="sample_index"
+                    )
+                existing = s.scalar(
+                    select(SampleRow).where(
+                        SampleRow.request_id == sample.request_id,
+                        SampleRow.prompt_index == sample.prompt_index,
+                        SampleRow.sample_index == sample.sample_index,
+                    )
+                )
+                if existing is not None and not (existing.partial and not sample.partial):
+                    return False
+                now = utcnow()
+                row = convert.sample_to_row(sample)
+                row.created_at = now
+                if existing is not None:
+                    row.id = existing.id
+                    s.merge(row)
+                else:
+                    s.add(row)
+                if not sample.partial:
+                    req.samples_done += 1
+                req.updated_at = now
+                return True
+        except IntegrityError:
+            # Only a concurrent insert of the same key gets here (PostgreSQL locks the
+            # request row above, SQLite serializes writers): the other one stored it.
+            return False
+
+    def list_samples(self, request_id: str) -> list[Sample]:
+        """Samples of a request ordered by (prompt_index, sample_index)."""
+        with self._tx(write=False) as s:
+            self._request_row(s, request_id)
+            rows = s.scalars(
+                select(SampleRow)
+                .where(SampleRow.request_id == request_id)
+                .order_by(SampleRow.prompt_index, SampleRow.sample_index)
+            ).all()
+            return [convert.sample_from_row(r) for r in rows]
+
+    # ---- drafter versions ---------------------------------------------------------------
+
+    def add_drafter_version(self, dv: DrafterVersion) -> DrafterVersion:
+        """Record a drafter checkpoint; its version is max + 1 per job (dv.version is ignored)."""
+        with self._tx() as s:
+            self._job_row(s, dv.job_id, lock=True)  # serializes version numbering per job
+            last = s.scalar(
+                select(func.max(DrafterVersionRow.version)).where(
+                    DrafterVersionRow.job_id == dv.job_id
+                )
+            )
+            now = utcnow()
+            row = convert.drafter_to_row(dv, (last or 0) + 1)
+            row.created_at = row.updated_at = now
+            s.add(row)
+            record_event(
+                s, "drafter", f"{dv.job_id}/{row.version}", "", dv.status, "created", at=now
+            )
+            s.flush()
+            active = self._active_versions(s, [dv.job_id])[dv.job_id]
+            return convert.drafter_from_row(row, active)
+
+    def get_drafter(self, job_id: str, version: int) -> DrafterVersion:
+        with self._tx(write=False) as s:
+            row = self._drafter_row(s, job_id, version)
+            return convert.drafter_from_row(row, self._active_versions(s, [job_id])[job_id])
+
+    def list_drafters(self, job_id: str) -> list[DrafterVersion]:
+        """Drafter versions of a job, oldest first, with `active` set on the active one."""
+        with self._tx(write=False) as s:
+            self._job_row(s, job_id)
+            rows = s.scalars(
+                select(DrafterVersionRow)
+                .where(DrafterVersionRow.job_id == job_id)
+                .order_by(DrafterVersionRow.version)
+            ).all()
+            active = self._active_versions(s, [job_id])[job_id]
+            return [convert.drafter_from_row(r, active) for r in rows]
+
+    def active_drafter_version(self, job_id: str) -> int:
+        """The pinned version if any, else the newest PROMOTED one, else 0 (no learned drafter)."""
+        with self._tx(write=False) as s:
+            self._job_row(s, job_id)
+            return self._active_versions(s, [job_id])[job_id]
+
+    def set_drafter_status(
+        self, job_id: str, version: int, new: DrafterStatus, reason: str
+    ) -> DrafterVersion:
+        """Move a drafter version through candidate -> promoted|rejected -> retired. A
+        rejected or retired version loses its pin (the active version falls back)."""
+        with self._tx() as s:
+            row = self._drafter_row(s, job_id, version)
+            entity_id = f"{job_id}/{version}"
+            now = utcnow()
+            changed = switch_status(s, "drafter", entity_id, row, new, reason)
+            if changed and row.pinned and new in (DrafterStatus.REJECTED, DrafterStatus.RETIRED):
+                row.pinned = False
+                record_event(
+                    s, "drafter", entity_id, "pinned", "unpinned", f"{new}: {reason}", at=now
+                )
+            s.flush()
+            return convert.drafter_from_row(row, self._active_versions(s, [job_id])[job_id])
+
+    def pin_drafter(self, job_id: str, version: int) -> int:
+        """Pin `version` as the job's active drafter (0 unpins); returns the active version."""
+        with self._tx() as s:
+            self._job_row(s, job_id, lock=True)
+            target = None
+            if version:
+                target = self._drafter_row(s, job_id, version)
+                if target.status in (DrafterStatus.REJECTED, DrafterStatus.RETIRED):
+                    raise FailedPrecondition(
+                        f"drafter version {version} of job {job_id!r} is {target.status} "
+                        "and cannot be pinned",
+                        field="version",
+                    )
+            now = utcnow()
+            for row in s.scalars(
+                select(DrafterVersionRow).where(
+                    DrafterVersionRow.job_id == job_id, DrafterVersionRow.pinned
+                )
+            ).all():
+                if row is not target:
+                    row.pinned, row.updated_at = False, now
+                    record_event(
+                        s,
+                        "drafter",
+                        f"{job_id}/{row.version}",
+                        "pinned",
+                        "unpinned",
+                        "operator pin",
+                        at=now,
+                    )
+            if target is not None and not target.pinned:
+                target.pinned, target.updated_at = True, now
+                record_event(
+                    s,
+                    "drafter",
+                    f"{job_id}/{version}",
+                    "unpinned",
+                    "pinned",
+                    "operator pin",
+                    at=now,
+                )
+            s.flush()
+            return self._active_versions(s, [job_id])[job_id]
+
+    # ---- devices ------------------------------------------------------------------------
+
+    def upsert_devices(self, devices: Sequence[Device]) -> list[Device]:
+        """Apply an inventory refresh.
+
+        Observed fields (memory, utilization, processes, foreign, ...) are overwritten;
+        operator flags (cordoned, draining) and the scheduler's state are kept. A device that
+        was UNAVAILABLE and is seen again takes the observed state; a device missing from
+        `devices` becomes UNAVAILABLE. Returns the whole inventory.
+        """
+        with self._tx() as s:
+            now = utcnow()
+            rows = {r.device_id: r for r in s.scalars(select(DeviceRow)).all()}
+            seen = set()
+            for d in devices:
+                seen.add(d.device_id)
+                row = rows.get(d.device_id)
+                if row is None:
+                    row = DeviceRow(
+                        device_id=d.device_id,
+                        cordoned=d.cordoned,
+                        draining=d.draining,
+                        state=str(d.state),
+                        state_reason=d.state_reason,
+                    )
+                    s.add(row)
+                    record_event(s, "device", d.device_id, "", d.state, "discovered", at=now)
+                else:
+                    self._refresh_device(s, row, d, now)
+                row.kind, row.device_index, row.uuid, row.name = (
+                    str(d.kind),
+                    d.index,
+                    d.uuid,
+                    d.name,
+                )
+                row.memory_total_bytes, row.memory_used_bytes = (
+                    d.memory_total_bytes,
+                    d.memory_used_bytes,
+                )
+                row.utilization = d.utilization
+                row.processes = convert.processes_to_json(d.processes)
+                if row.foreign != d.foreign and d.device_id in rows:
+                    record_event(
+                        s,
+                        "device",
+                        d.device_id,
+                        "foreign" if row.foreign else "ours",
+                        "foreign" if d.foreign else "ours",
+                        d.state_reason,
+                        at=now,
+                    )
+                row.foreign = d.foreign
+                row.updated_at = now
+            for device_id, row in rows.items():
+                if device_id not in seen and row.state != DeviceState.UNAVAILABLE:
+                    reason = "not found by the last inventory refresh"
+                    record_event(
+                        s, "device", device_id, row.state, DeviceState.UNAVAILABLE, reason, at=now
+                    )
+                    row.state, row.state_reason, row.updated_at = (
+                        DeviceState.UNAVAILABLE.value,
+                        reason,
+                        now,
+                    )
+            s.flush()
+            return [convert.device_from_row(r) for r in self._device_rows(s)]
+
+    @staticmethod
+    def _refresh_device(s: Session, row: DeviceRow, d: Device, now: datetime) -> None:
+        """Decide state/state_reason of a known device from an observation (see upsert_devices)."""
+        if row.state == DeviceState.UNAVAILABLE or d.state == DeviceState.UNAVAILABLE:
+            if row.state != d.state:
+                record_event(
+                    s,
+                    "device",
+                    row.device_id,
+                    row.state,
+                    d.state,
+                    d.state_reason or "seen by inventory refresh",
+                    at=now,
+                )
+            row.state, row.state_reason = str(d.state), d.state_reason
+        elif d.state_reason or row.foreign:
+            # Discovery's reason (a foreign pid) replaces the old one; clear it once ours again.
+            row.state_reason = d.state_reason
+
+    @staticmethod
+    def _device_rows(s: Session) -> Sequence[DeviceRow]:
+        return s.scalars(select(DeviceRow).order_by(DeviceRow.kind, DeviceRow.device_index)).all()
+
+    def list_devices(self) -> list[Device]:
+        """All devices ever seen, by kind then index."""
+        with self._tx(write=False) as s:
+            return [convert.device_from_row(r) for r in self._device_rows(s)]
+
+    def get_device(self, device_id: str) -> Device:
+        with self._tx(write=False) as s:
+            return convert.device_from_row(self._device_row(s, device_id))
+
+    def set_device_flags(
+        self,
+        device_id: str,
+        *,
+        cordoned: bool | None = None,
+        draining: bool | None = None,
+        reason: str = "",
+    ) -> Device:
+        """Set operator flags (None leaves a flag as is); records an event when they change."""
+        with self._tx() as s:
+            row = self._device_row(s, device_id)
+            old = _flags(row)
+            if cordoned is not None:
+                row.cordoned = cordoned
+            if draining is not None:
+                row.draining = draining
+            if _flags(row) != old:
+                row.updated_at = utcnow()
+                record_event(s, "device", device_id, old, _flags(row), reason, at=row.updated_at)
+            return convert.device_from_row(row)
+
+    def set_device_state(self, device_id: str, new: DeviceState, reason: str) -> Device:
+        """Record what a device is doing (idle/rollout/training/unavailable), with an event."""
+        with self._tx() as s:
+            row = self._device_row(s, device_id)
+            if row.state != new:
+                now = utcnow()
+                record_event(s, "device", device_id, row.state, new, reason, at=now)
+                row.state, row.state_reason, row.updated_at = str(new), reason, now
+            return convert.device_from_row(row)
+
+    # ---- workers ------------------------------------------------------------------------
+
+    def upsert_worker(self, worker: Worker) -> Worker:
+        """Register a worker or update its process facts (pid, device, job, heartbeat).
+
+        A state change goes through the transition map; a stopped/failed worker may come back
+        as STARTING (a restart of the same slot). Every state change records an event.
+        """
+        with self._tx() as s:
+            now = utcnow()
+            row = s.get(WorkerRow, worker.worker_id)
+            if row is None:
+                row = WorkerRow(worker_id=worker.worker_id, state=str(worker.state))
+                s.add(row)
+                record_event(
+                    s,
+                    "worker",
+                    worker.worker_id,
+                    "",
+                    worker.state,
+                    worker.state_reason or "registered",
+                    at=now,
+                )
+            elif row.state != worker.state:
+                restart = row.state in _FINAL_WORKER_STATES and worker.state == WorkerState.STARTING
+                if not restart:
+                    check_transition("worker", worker.worker_id, row.state, worker.state)
+                record_event(
+                    s,
+                    "worker",
+                    worker.worker_id,
+                    row.state,
+                    worker.state,
+                    worker.state_reason or ("restarted" if restart else ""),
+                    at=now,
+                )
+                row.state = str(worker.state)
+            row.kind, row.device_id, row.job_id = str(worker.kind), worker.device_id, worker.job_id
+            row.pid, row.state_reason = worker.pid, worker.state_reason
+            row.started_at = worker.started_at or row.started_at or now
+            row.last_heartbeat = worker.last_heartbeat or row.last_heartbeat
+            row.updated_at = now
+            s.flush()
+            return convert.worker_from_row(row)
+
+    def get_worker(self, worker_id: str) -> Worker:
+        with self._tx(write=False) as s:
+            return convert.worker_from_row(self._worker_row(s, worker_id))
+
+    def list_workers(self, device_id: str | None = None) -> list[Worker]:
+        with self._tx(write=False) as s:
+            q = select(WorkerRow).order_by(WorkerRow.worker_id)
+            if device_id is not None:
+                q = q.where(WorkerRow.device_id == device_id)
+            return [convert.worker_from_row(r) for r in s.scalars(q).all()]
+
+    def set_worker_state(self, worker_id: str, new: WorkerState, reason: str) -> Worker:
+        with self._tx() as s:
+            row = self._worker_row(s, worker_id)
+            switch_status(s, "worker", worker_id, row, new, reason)
+            return convert.worker_from_row(row)
+
+    def heartbeat_worker(self, worker_id: str) -> Worker:
+        """Stamp last_heartbeat = now (the supervisor's liveness record)."""
+        with self._tx() as s:
+            now = utcnow()
+            result = s.execute(
+                update(WorkerRow)
+                .where(WorkerRow.worker_id == worker_id)
+                .values(last_heartbeat=now, updated_at=now)
+            )
+            if result.rowcount == 0:  # type: ignore[attr-defined]
+                raise NotFound(f"worker {worker_id!r} not found", field="worker_id")
+            return convert.worker_from_row(self._worker_row(s, worker_id))
+
+    # ---- events and stats ---------------------------------------------------------------
+
+    def list_events(
+        self, entity: str | None = None, entity_id: str | None = None, limit: int = 1000
+    ) -> list[Event]:
+        """The latest `limit` events matching the filters, in the order they happened."""
+        with self._tx(write=False) as s:
+            q = select(EventRow).order_by(EventRow.id.desc()).limit(limit)
+            if entity is not None:
+                q = q.where(EventRow.entity == entity)
+            if entity_id is not None:
+                q = q.where(EventRow.entity_id == entity_id)
+            return [convert.event_from_row(r) for r in reversed(s.scalars(q).all())]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the Stats RPC and metrics.
+
+        mean_accepted_length is the per-sample mean weighted by each sample's draft steps,
+        i.e. accepted tokens per speculative step over all samples that used SD.
+        """
+        with self._tx(write=False) as s:
+            by_status = {str(st): 0 for st in RequestStatus}
+            for status, count in s.execute(
+                select(RolloutRequestRow.status, func.count()).group_by(RolloutRequestRow.status)
+            ).all():
+                by_status[status] = int(count)
+            n, tokens, weighted, steps = s.execute(
+                select(
+                    func.count(SampleRow.id),
+                    func.coalesce(func.sum(SampleRow.num_tokens), 0),
+                    func.coalesce(
+                        func.sum(SampleRow.spec_mean_accepted_length * SampleRow.spec_draft_steps),
+                        0.0,
+                    ),
+                    func.coalesce(func.sum(SampleRow.spec_draft_steps), 0),
+                )
+            ).one()
+            jobs_active = s.scalar(
+                select(func.count())
+                .select_from(JobRow)
+                .where(JobRow.status == JobStatus.ACTIVE.value)
+            )
+            return {
+                "requests_by_status": by_status,
+                "samples_total": int(n),
+                "tokens_generated": int(tokens),
+                "mean_accepted_length": float(weighted) / int(steps) if steps else 0.0,
+                "jobs_active": int(jobs_active or 0),
+            }

@@ -1,0 +1,485 @@
+"""Drafter training on idle devices: the supervisor's `TrainingHook` over DrafterWorker processes.
+
+The scheduler decides (`start_training`, `preempt_training`); this module carries it out:
+- finished rollout samples (token ids only: hidden states are recomputed on the training device
+  with one target prefill, see workers/drafter/trainer.py) are kept per job; every
+  `training_held_out_every`-th one is held out to measure acceptance at publish time;
+- `start` spawns (or reuses) one `DrafterWorker` process per job, feeds it the new samples and
+  runs one round of `training_steps_per_round` optimizer steps on the device it was given;
+- `preempt` asks the worker for the device back and records the measured latency
+  (request -> "device_free"); the trainer keeps its state in memory and resumes next round;
+- at the end of a round the worker publishes a drafter version (`versions.publish`: a store row,
+  promoted only when its held-out acceptance beats the active one), and the supervisor then
+  hot-swaps a promoted version into the rollout workers;
+- `close` (SIGTERM / drain) stops every worker, which writes its trainer checkpoint first.
+
+The worker's messages are read by one thread per process and handled, in order, by one task
+on the event loop; store writes go through `asyncio.to_thread` so the loop never waits on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue as threading_queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tltd.domain import DeviceKind, DeviceState, Sample, Worker, WorkerKind, WorkerState
+from tltd.errors import TltError
+from tltd.metrics import METRICS
+from tltd.scheduler import TrainingView
+from tltd.settings import Settings
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+    from workers.drafter.worker import DrafterWorker
+
+log = logging.getLogger(__name__)
+
+# Phases in which the run holds its device (what `views()` reports to the scheduler).
+_HOLDING = ("starting", "training", "publishing")
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """One preemption: how long the device took to come back (request -> device free)."""
+
+    job_id: str
+    device_id: str
+    reason: str
+    latency_seconds: float
+    step: int
+
+
+@dataclass
+class _Run:
+    """One job's drafter-training worker process and what the daemon knows of it."""
+
+    job_id: str
+    device_id: str
+    torch_device: str
+    policy_version: int
+    # starting|training|publishing|releasing|preempting|idle|stopping|stopped
+    phase: str = "starting"
+    worker: DrafterWorker | None = None
+    outbox: threading_queue.Queue | None = None
+    step: int = 0
+    loss: float = 0.0
+    published_step: int = 0
+    preempt_at: float | None = None
+    preempt_reason: str = ""
+    checkpoint: str = ""
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    launch: asyncio.Task | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return f"drafter-{self.job_id}"
+
+    @property
+    def alive(self) -> bool:
+        return self.worker is not None and self.phase not in ("stopping", "stopped")
+
+    def send(self, kind: str, payload: Any = None) -> None:
+        if self.outbox is not None:
+            self.outbox.put((kind, payload))
+
+
+class DrafterTraining:
+    """The `tltd.supervisor.TrainingHook` of the daemon (one per node)."""
+
+    def __init__(self, store: Store, settings: Settings) -> None:
+        self.store = store
+        self.settings = settings
+        self.root = Path(settings.data_dir) / "drafters"
+        self.on_change: Callable[[], None] | None = None  # the supervisor's kick
+        self.preemptions: list[Preemption] = []
+        self._runs: dict[str, _Run] = {}
+        self._recent: dict[str, deque[dict]] = {}
+        self._unsent: dict[str, list[dict]] = {}
+        self._held: dict[str, deque[dict]] = {}
+        self._seen: Counter[str] = Counter()
+        self._fresh: Counter[str] = Counter()
+        self._last_start: dict[str, float] = {}
+        self._closed = False
+        self._closing: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: asyncio.Queue | None = None
+        self._consumer: asyncio.Task | None = None
+        self._write_lock: asyncio.Lock | None = None
+
+    # ---- the TrainingHook protocol (event loop) ------------------------------------------
+
+    def views(self) -> tuple[TrainingView, ...]:
+        return tuple(
+            TrainingView(r.device_id, r.job_id) for r in self._runs.values() if r.phase in _HOLDING
+        )
+
+    def job_view(self, job_id: str) -> tuple[int, float | None]:
+        return self._fresh[job_id], self._last_start.get(job_id)
+
+    def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
+        item = {
+            "token_ids": [*prompt, *sample.token_ids],
+            "response_start": len(prompt),
+            "policy_version": sample.policy_version,
+            # The rollout "step" of the one-step offset: a policy version is one RL step.
+            "step": sample.policy_version,
+            "hidden": None,
+        }
+        if len(item["token_ids"]) <= len(prompt) + 1:
+            return  # nothing a drafter position could be trained on
+        self._seen[job_id] += 1
+        if self._seen[job_id] % self.settings.training_held_out_every == 0:
+            held = self._held.setdefault(
+                job_id, deque(maxlen=self.settings.training_held_out_samples)
+            )
+            held.append(item)
+            return
+        n = self.settings.training_recent_samples
+        self._recent.setdefault(job_id, deque(maxlen=n)).append(item)
+        unsent = self._unsent.setdefault(job_id, [])
+        unsent.append(item)
+        del unsent[:-n]  # bounded like `recent`: a trainer never needs more than that
+        self._fresh[job_id] += 1
+
+    async def start(self, device_id: str, job_id: str) -> None:
+        """Train `job_id`'s drafter on `device_id` for one round (spawning its worker if needed)."""
+        self._ensure_loop()
+        run = self._runs.get(job_id)
+        if self._closed or (run is not None and run.phase not in ("idle", "stopped")):
+            return
+        job = await asyncio.to_thread(self.store.get_job, job_id)
+        device = await asyncio.to_thread(self.store.get_device, device_id)
+        torch_device = "cpu" if device.kind is DeviceKind.CPU else device_id
+        self._last_start[job_id] = time.monotonic()
+        self._fresh[job_id] = 0
+        reason = f"training the drafter of job {job_id} on idle device {device_id}"
+        if (
+            run is not None
+            and run.alive
+            and (run.policy_version != job.policy_version or run.torch_device != torch_device)
+        ):
+            # The trainer's target is loaded at spawn: a new policy (or device) needs a new
+            # process, which resumes from the checkpoint this stop writes.
+            await self._stop_run(run, f"restarting for policy version {job.policy_version}")
+            run = None
+        await self._set_device(device_id, DeviceState.TRAINING, reason)
+        if run is None or not run.alive:
+            run = _Run(job_id, device_id, torch_device, job.policy_version)
+            self._runs[job_id] = run
+            await self._record(run, WorkerState.STARTING, f"spawning: {reason}")
+            run.launch = asyncio.ensure_future(self._launch(run, job.drafter_version, reason))
+            return
+        run.device_id = device_id
+        await self._begin_round(run, reason)
+
+    async def preempt(self, device_id: str, reason: str) -> None:
+        """Ask the training on `device_id` to yield now; `device_free` completes it."""
+        for run in self._runs.values():
+            if run.device_id != device_id or run.phase not in _HOLDING:
+                continue
+            run.preempt_at, run.preempt_reason = time.monotonic(), reason
+            if run.phase == "starting":
+                run.phase = "preempting"  # _launch releases it once the process is up
+                continue
+            run.phase = "preempting"
+            run.send("preempt")
+            log.info("preempting drafter training", extra={"job_id": run.job_id, "reason": reason})
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def close(self, why: str = "daemon shutting down", timeout: float = 60.0) -> asyncio.Future:
+        """Stop every trainer; each writes its checkpoint before it exits (SIGTERM, drain).
+        Idempotent: a close already under way (a node drain, then SIGTERM) is returned."""
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.ensure_future(self._close(why, timeout))
+        return self._closing
+
+    async def _close(self, why: str, timeout: float) -> None:
+        for run in list(self._runs.values()):
+            if run.launch is not None and not run.launch.done():
+                await asyncio.wait(
+                    [run.launch], timeout=self.settings.training_start_timeout_seconds
+                )
+            if run.alive:
+                await self._stop_run(run, why, timeout)
+        if self._consumer is not None:
+            self._consumer.cancel()
+            await asyncio.gather(self._consumer, return_exceptions=True)
+
+    async def abort(self) -> None:
+        """Kill every trainer without a checkpoint (a daemon crash, in tests)."""
+        self._closed = True
+        for run in self._runs.values():
+            if run.worker is not None:
+                await asyncio.to_thread(run.worker.kill)
+            if run.outbox is not None:
+                run.outbox.put(None)
+        if self._consumer is not None:
+            self._consumer.cancel()
+            await asyncio.gather(self._consumer, return_exceptions=True)
+
+    async def _stop_run(self, run: _Run, why: str, timeout: float = 60.0) -> None:
+        holding = run.phase in (*_HOLDING, "preempting", "releasing")
+        run.phase = "stopping"  # its exit is expected from here on
+        await self._record(run, WorkerState.STOPPING, why)
+        run.send("stop")
+        try:
+            await asyncio.wait_for(run.stopped.wait(), timeout)
+        except TimeoutError:
+            log.error("drafter trainer did not stop in time", extra={"job_id": run.job_id})
+        worker = run.worker
+        if worker is not None:
+            await asyncio.to_thread(worker.proc.join, 10.0)
+            await asyncio.to_thread(worker.kill)
+        run.phase = "stopped"
+        if run.outbox is not None:
+            run.outbox.put(None)
+        ckpt = f"; checkpoint {run.checkpoint}" if run.checkpoint else "; no checkpoint written"
+        await self._record(run, WorkerState.STOPPED, f"{why}{ckpt}")
+        if holding:
+            await self._set_device(run.device_id, DeviceState.IDLE, why)
+
+    # ---- rounds ---------------------------------------------------------------------------
+
+    async def _launch(self, run: _Run, active_drafter: int, reason: str) -> None:
+        from workers.drafter.worker import DrafterWorker, WorkerSpec
+
+        try:
+            policy = await asyncio.to_thread(
+                self.store.get_policy_version, run.job_id, run.policy_version
+            )
+            start_from = None
+            if active_drafter:  # a fresh trainer starts from the drafter the workers use
+                dv = await asyncio.to_thread(self.store.get_drafter, run.job_id, active_drafter)
+                start_from = dv.path if Path(dv.path).is_dir() else None
+            spec = WorkerSpec(
+                model_path=policy.path,
+                checkpoint_dir=str(self.root / run.job_id / "train"),
+                device=run.torch_device,
+                buffer_bytes=self.settings.training_buffer_bytes,
+                keep_hidden=False,
+                drafter_path=start_from,
+                threads=self.settings.worker_threads,
+            )
+            worker = DrafterWorker(spec)
+            info = await asyncio.to_thread(
+                worker.start, self.settings.training_start_timeout_seconds
+            )
+        except Exception as exc:
+            log.exception("drafter trainer failed to start", extra={"job_id": run.job_id})
+            run.phase = "stopped"
+            run.stopped.set()
+            await self._record(run, WorkerState.FAILED, f"cannot start: {exc}")
+            await self._set_device(run.device_id, DeviceState.IDLE, "trainer failed")
+            self._kick()
+            return
+        run.worker, run.step = worker, int(info["step"])
+        run.published_step = run.step
+        run.outbox = threading_queue.Queue()
+        threading.Thread(
+            target=_write_pipe,
+            args=(run.outbox, worker.conn),
+            daemon=True,
+            name=f"{run.worker_id}-tx",
+        ).start()
+        threading.Thread(
+            target=self._read_pipe, args=(run,), daemon=True, name=f"{run.worker_id}-rx"
+        ).start()
+        resumed = f", resumed from {info['resumed_from']}" if info.get("resumed_from") else ""
+        await self._record(run, WorkerState.READY, f"up at step {run.step}{resumed}")
+        # A new process has an empty buffer: refill it with the recent samples.
+        run.send("add", list(self._recent.get(run.job_id, ())))
+        self._unsent.pop(run.job_id, None)
+        if run.phase == "preempting":  # preempted while loading: free the device at once
+            run.send("preempt")
+            return
+        await self._begin_round(run, reason)
+
+    async def _begin_round(self, run: _Run, reason: str) -> None:
+        unsent = self._unsent.pop(run.job_id, [])
+        if unsent:
+            run.send("add", unsent)
+        run.phase = "training"
+        target = run.step + self.settings.training_steps_per_round
+        run.send("train", target)
+        await self._record(run, WorkerState.BUSY, f"{reason} (steps {run.step} -> {target})")
+
+    async def _end_round(self, run: _Run, why: str) -> None:
+        held = list(self._held.get(run.job_id, ()))
+        if run.step > run.published_step and held:
+            run.phase = "publishing"
+            run.send(
+                "publish",
+                {
+                    "db_url": self.store.url,
+                    "job_id": run.job_id,
+                    "policy_version": run.policy_version,
+                    "out_dir": str(self.root / run.job_id / "versions"),
+                    "held_out": held,
+                },
+            )
+            return
+        await self._release(run, why)
+
+    async def _release(self, run: _Run, why: str) -> None:
+        """The round is over: free the device (moves state off an accelerator, checkpoints)."""
+        run.phase = "releasing"
+        run.preempt_reason = why
+        run.send("preempt")
+
+    # ---- worker messages (one consumer task, in order) -------------------------------------
+
+    def _read_pipe(self, run: _Run) -> None:
+        assert run.worker is not None
+        conn = run.worker.conn
+        while True:
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:
+                log.exception("bad message from drafter trainer", extra={"job_id": run.job_id})
+                break
+            self._post(run, kind, payload)
+        self._post(run, "exit", None)
+
+    def _post(self, run: _Run, kind: str, payload: Any) -> None:
+        loop, inbox = self._loop, self._inbox
+        if loop is not None and inbox is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, (run, kind, payload))
+            except RuntimeError:
+                pass  # the loop closed while we were reading
+
+    async def _consume(self) -> None:
+        assert self._inbox is not None
+        while True:
+            run, kind, payload = await self._inbox.get()
+            try:
+                await self._handle(run, kind, payload)
+            except Exception:
+                log.exception("drafter trainer message failed", extra={"kind": kind})
+
+    async def _handle(self, run: _Run, kind: str, payload: Any) -> None:
+        if kind == "step":
+            run.step, run.loss = int(payload["step"]), float(payload["loss"])
+        elif kind == "idle" and run.phase == "training":
+            await self._end_round(run, f"round done at step {run.step} ({payload['reason']})")
+        elif kind == "published":
+            run.published_step = int(payload["train_steps"])
+            status = str(payload["status"])
+            log.info(
+                "drafter version published",
+                extra={"job_id": run.job_id, "version": payload["version"], "status": status},
+            )
+            self._kick()  # a promoted version is hot-swapped by the supervisor's next tick
+            if run.phase == "publishing":
+                await self._release(
+                    run, f"round done: published version {payload['version']} ({status})"
+                )
+        elif kind == "device_free":
+            await self._on_device_free(run, payload)
+        elif kind == "checkpointed":
+            run.checkpoint = str(payload.get("path", run.checkpoint))
+        elif kind == "stopped":
+            run.checkpoint = str(payload.get("path") or run.checkpoint)
+            run.stopped.set()
+        elif kind in ("error", "exit"):
+            run.stopped.set()
+            if run.phase not in ("stopping", "stopped") and not self._closed:
+                await self._on_died(run, str(payload or "process exited"))
+
+    async def _on_device_free(self, run: _Run, payload: dict) -> None:
+        if run.phase not in ("preempting", "releasing"):
+            return
+        why = run.preempt_reason
+        if run.phase == "preempting" and run.preempt_at is not None:
+            latency = time.monotonic() - run.preempt_at
+            self.preemptions.append(
+                Preemption(run.job_id, run.device_id, why, latency, int(payload.get("step", 0)))
+            )
+            METRICS.record_preemption(run.device_id, "rollout", latency_seconds=latency)
+            why = f"preempted: {why}; device free after {latency * 1000:.0f} ms"
+            log.info(
+                "drafter training preempted",
+                extra={"job_id": run.job_id, "latency_ms": round(latency * 1000, 1)},
+            )
+        run.phase, run.preempt_at = "idle", None
+        await self._record(run, WorkerState.READY, why)
+        await self._set_device(run.device_id, DeviceState.IDLE, why)
+        self._kick()
+
+    async def _set_device(self, device_id: str, state: DeviceState, why: str) -> None:
+        METRICS.set_device_state(device_id, state.value)  # exact training seconds
+        await self._write(self.store.set_device_state, device_id, state, why)
+
+    async def _on_died(self, run: _Run, why: str) -> None:
+        holding = run.phase in (*_HOLDING, "preempting", "releasing")
+        run.phase = "stopped"
+        if run.outbox is not None:
+            run.outbox.put(None)
+        if run.worker is not None:
+            await asyncio.to_thread(run.worker.kill)
+        last = why.strip().splitlines()[-1] if why.strip() else why
+        log.error("drafter trainer died", extra={"job_id": run.job_id, "error": why})
+        await self._record(run, WorkerState.FAILED, f"trainer died: {last}")
+        if holding:
+            await self._set_device(run.device_id, DeviceState.IDLE, "trainer died")
+        self._kick()
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._inbox = asyncio.Queue()
+            self._write_lock = asyncio.Lock()
+            self._consumer = asyncio.ensure_future(self._consume())
+
+    def _kick(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    async def _write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        assert self._write_lock is not None
+        async with self._write_lock:  # in order: READY is never overtaken by BUSY
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except TltError as exc:
+                log.warning("training store write refused: %s", exc)
+                return None
+
+    async def _record(self, run: _Run, state: WorkerState, reason: str) -> None:
+        from tltd.supervisor import _upsert_worker
+
+        worker = Worker(
+            worker_id=run.worker_id,
+            kind=WorkerKind.DRAFTER_TRAINING,
+            device_id=run.device_id,
+            job_id=run.job_id,
+            state=state,
+            pid=(run.worker.proc.pid or 0) if run.worker is not None else 0,
+            state_reason=reason,
+        )
+        await self._write(_upsert_worker, self.store, worker)
+
+
+def _write_pipe(outbox: threading_queue.Queue, conn: Any) -> None:
+    """Writer thread: a large sample batch never blocks the event loop."""
+    while True:
+        m = outbox.get()
+        if m is None:
+            return
+        try:
+            conn.send(m)
+        except (OSError, ValueError):
+            return  # the worker is gone; the reader notices

@@ -1,0 +1,90 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PolicyVersion(_message.Message):
+    __slots__ = ("job_id", "version", "source", "path", "created_at", "note")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    version: int
+    source: str
+    path: str
+    created_at: _timestamp_pb2.Timestamp
+    note: str
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., note: _Optional[str] = ...) -> None: ...
+
+class CheckpointSource(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class TensorSource(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class NcclSource(_message.Message):
+    __slots__ = ("master_address", "master_port", "world_size", "group_name")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., group_name: _Optional[str] = ...) -> None: ...
+
+class UpdatePolicyRequest(_message.Message):
+    __slots__ = ("job_id", "checkpoint", "tensors", "nccl", "note")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NCCL_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    checkpoint: CheckpointSource
+    tensors: TensorSource
+    nccl: NcclSource
+    note: str
+    def __init__(self, job_id: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointSource, _Mapping]] = ..., tensors: _Optional[_Union[TensorSource, _Mapping]] = ..., nccl: _Optional[_Union[NcclSource, _Mapping]] = ..., note: _Optional[str] = ...) -> None: ...
+
+class UpdatePolicyResponse(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: PolicyVersion
+    def __init__(self, policy: _Optional[_Union[PolicyVersion, _Mapping]] = ...) -> None: ...
+
+class GetPolicyRequest(_message.Message):
+    __slots__ = ("job_id", "version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    version: int
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,202 @@
+"""In-memory bookkeeping of live rollout requests: which samples wait, which worker runs which.
+
+Pure data structure (no I/O, no asyncio, no clock): the supervisor owns one and calls it from
+the event loop only. Every sample of a live request is in exactly one place: pending (waiting
+for a worker), running (on a worker) or finished (stored: complete, partial, cancelled or
+failed). A request is done when every sample is finished.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tltd.domain import RequestStatus, RolloutRequest
+from tltd.scheduler import PendingWork
+
+Key = tuple[int, int]  # (prompt_index, sample_index)
+
+
+@dataclass
+class LiveRequest:
+    req: RolloutRequest
+    policy_version: int  # every sample runs on this version (see `tltd.supervisor`)
+    enqueued_at: float
+    pending: dict[int, list[int]]  # prompt index -> sample indices waiting for a worker
+    running: dict[Key, str] = field(default_factory=dict)  # -> worker id
+    finished: set[Key] = field(default_factory=set)
+    failed: int = 0  # finished with FinishReason.FAILED
+    first_error: str = ""
+    attempts: Counter[Key] = field(default_factory=Counter)  # workers lost while running it
+    started: bool = False  # some sample was handed to a worker (request -> RUNNING)
+    outcome: RequestStatus | None = None  # CANCELLED / FAILED once decided: run nothing more
+    reason: str = ""
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def job_id(self) -> str:
+        return self.req.job_id
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.req.samples_total
+
+    def pending_keys(self) -> list[Key]:
+        return [(p, s) for p, idx in sorted(self.pending.items()) for s in idx]
+
+
+class WorkQueue:
+    def __init__(self) -> None:
+        self._live: dict[str, LiveRequest] = {}
+        self._by_worker: dict[str, set[tuple[str, Key]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self):
+        return iter(list(self._live.values()))
+
+    def get(self, request_id: str) -> LiveRequest | None:
+        return self._live.get(request_id)
+
+    def add(
+        self, req: RolloutRequest, policy_version: int, finished: set[Key], now: float
+    ) -> tuple[LiveRequest, bool]:
+        """Make a request live with every sample not in `finished` pending; idempotent: a
+        request already live is returned as is (False)."""
+        live = self._live.get(req.request_id)
+        if live is not None:
+            return live, False
+        pending: dict[int, list[int]] = {}
+        for p in range(len(req.prompts)):
+            todo = [s for s in range(req.sampling.n) if (p, s) not in finished]
+            if todo:
+                pending[p] = todo
+        live = LiveRequest(req, policy_version, now, pending, finished=set(finished))
+        self._live[req.request_id] = live
+        return live, True
+
+    def remove(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            for key, wid in live.running.items():
+                self._by_worker.get(wid, set()).discard((request_id, key))
+
+    def pending_work(self) -> list[PendingWork]:
+        """One entry per prompt with waiting samples, for the scheduler's snapshot."""
+        return [
+            PendingWork(
+                live.request_id,
+                p,
+                live.job_id,
+                len(idx),
+                live.req.sampling.max_new_tokens,
+                live.enqueued_at,
+                live.policy_version,
+            )
+            for live in self._live.values()
+            if live.outcome is None
+            for p, idx in sorted(live.pending.items())
+        ]
+
+    def take(self, request_id: str, prompt_index: int, count: int, worker_id: str) -> list[int]:
+        """Move up to `count` pending samples of a prompt to `worker_id`; returns their indices."""
+        live = self._live.get(request_id)
+        if live is None or live.outcome is not None:
+            return []
+        idx = live.pending.get(prompt_index, [])
+        taken, rest = idx[:count], idx[count:]
+        if rest:
+            live.pending[prompt_index] = rest
+        else:
+            live.pending.pop(prompt_index, None)
+        slot = self._by_worker.setdefault(worker_id, set())
+        for s in taken:
+            live.running[(prompt_index, s)] = worker_id
+            slot.add((request_id, (prompt_index, s)))
+        return taken
+
+    def finish(
+        self, request_id: str, key: Key, failed_error: str | None = None
+    ) -> LiveRequest | None:
+        """Record a finished sample; None when it is not live or already finished (a duplicate).
+
+        `failed_error` is not None for a sample that finished FAILED.
+        """
+        live = self._live.get(request_id)
+        if live is None or key in live.finished:
+            return None
+        wid = live.running.pop(key, None)
+        if wid is not None:
+            self._by_worker.get(wid, set()).discard((request_id, key))
+        else:  # finished without running (cancelled or aborted while pending)
+            idx = live.pending.get(key[0], [])
+            if key[1] in idx:
+                idx.remove(key[1])
+                if not idx:
+                    live.pending.pop(key[0], None)
+        live.finished.add(key)
+        if failed_error is not None:
+            live.failed += 1
+            live.first_error = live.first_error or failed_error
+        return live
+
+    def running_on(self, worker_id: str) -> list[tuple[LiveRequest, Key]]:
+        return [
+            (self._live[rid], key)
+            for rid, key in sorted(self._by_worker.get(worker_id, ()))
+            if rid in self._live
+        ]
+
+    def inflight(self, worker_id: str) -> int:
+        return len(self._by_worker.get(worker_id, ()))
+
+    def requests_on(self, worker_id: str) -> set[str]:
+        return {rid for rid, _ in self._by_worker.get(worker_id, ())}
+
+    def lose_worker(self, worker_id: str, max_attempts: int) -> list[tuple[LiveRequest, Key]]:
+        """A worker died: its samples go back to pending (retried), except those of requests
+        that are closing or that exhausted `max_attempts`: those are returned, for the caller
+        to finish (cancelled / aborted / failed)."""
+        give_up: list[tuple[LiveRequest, Key]] = []
+        for live, key in self.running_on(worker_id):
+            del live.running[key]
+            live.attempts[key] += 1
+            if live.outcome is not None or live.attempts[key] >= max_attempts:
+                give_up.append((live, key))
+                continue
+            idx = live.pending.setdefault(key[0], [])
+            idx.append(key[1])
+            idx.sort()
+        self._by_worker.pop(worker_id, None)
+        return give_up
+
+    def requeue(self, request_id: str, key: Key, max_attempts: int) -> bool:
+        """Put one running sample back to pending (an attempt lost); True when it has used up
+        `max_attempts` (or its request is closing): then the caller finishes it instead."""
+        live = self._live.get(request_id)
+        if live is None or key not in live.running:
+            return False
+        wid = live.running.pop(key)
+        self._by_worker.get(wid, set()).discard((request_id, key))
+        live.attempts[key] += 1
+        if live.outcome is not None or live.attempts[key] >= max_attempts:
+            return True
+        idx = live.pending.setdefault(key[0], [])
+        idx.append(key[1])
+        idx.sort()
+        return False
+
+    def close(self, request_id: str, outcome: RequestStatus, reason: str) -> list[Key]:
+        """Stop a request (cancel / fail): nothing more is handed out; returns its pending
+        samples, which the caller finishes itself. Running ones finish on their workers."""
+        live = self._live.get(request_id)
+        if live is None:
+            return []
+        if live.outcome is None:
+            live.outcome, live.reason = outcome, reason
+        # Pending samples stay unfinished until the caller reports them through finish().
+        return live.pending_keys()

@@ -1,0 +1,1 @@
+"""Worker-side code: the torch rollout engine, the toy task, and drafter training."""

@@ -1,0 +1,1 @@
+"""Online EAGLE drafter training: data buffer, objective, preemptible trainer."""

@@ -1,0 +1,80 @@
+"""Sequence packing for drafter training: several samples in one row, no attention across them.
+
+Positions restart at 0 for each sample and the attention mask is block-diagonal causal, so a
+packed row computes exactly what each sample would compute alone (tests/drafter prove it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.drafter.objective import EagleExample
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    hidden_in: torch.Tensor  # [B, L, H]
+    next_ids: torch.Tensor  # [B, L]
+    hidden_target: torch.Tensor  # [B, L, H]
+    loss_mask: torch.Tensor  # [B, L] bool (False on padding)
+    positions: torch.Tensor  # [B, L] restart at 0 per sample
+    segments: torch.Tensor  # [B, L] sample index within the row, -1 = padding
+    attn_mask: torch.Tensor  # [B, 1, L, L] bool, True = may attend
+
+
+def pack(examples: Sequence[EagleExample], row_len: int) -> PackedBatch:
+    """First-fit pack examples (each <= row_len positions, longer ones truncated) into rows."""
+    rows: list[list[EagleExample]] = []
+    used: list[int] = []
+    for ex in examples:
+        ex = _truncate(ex, row_len)
+        n = ex.next_ids.shape[0]
+        for r, u in enumerate(used):
+            if u + n <= row_len:
+                rows[r].append(ex)
+                used[r] += n
+                break
+        else:
+            rows.append([ex])
+            used.append(n)
+    H = examples[0].hidden_in.shape[-1]
+    dtype = examples[0].hidden_in.dtype
+    B = len(rows)
+    out = PackedBatch(
+        hidden_in=torch.zeros(B, row_len, H, dtype=dtype),
+        next_ids=torch.zeros(B, row_len, dtype=torch.int64),
+        hidden_target=torch.zeros(B, row_len, H, dtype=dtype),
+        loss_mask=torch.zeros(B, row_len, dtype=torch.bool),
+        positions=torch.zeros(B, row_len, dtype=torch.int64),
+        segments=torch.full((B, row_len), -1, dtype=torch.int64),
+        attn_mask=torch.zeros(B, 1, row_len, row_len, dtype=torch.bool),
+    )
+    for b, row in enumerate(rows):
+        start = 0
+        for seg, ex in enumerate(row):
+            n = ex.next_ids.shape[0]
+            sl = slice(start, start + n)
+            out.hidden_in[b, sl] = ex.hidden_in
+            out.next_ids[b, sl] = ex.next_ids
+            out.hidden_target[b, sl] = ex.hidden_target
+            out.loss_mask[b, sl] = ex.loss_mask
+            out.positions[b, sl] = torch.arange(n)
+            out.segments[b, sl] = seg
+            start += n
+    same = out.segments.unsqueeze(-1) == out.segments.unsqueeze(-2)
+    causal = torch.ones(row_len, row_len, dtype=torch.bool).tril()
+    valid = (out.segments >= 0).unsqueeze(-1)
+    mask = same & causal & valid
+    # Padding rows attend to themselves only, so softmax never sees an all-masked row.
+    mask |= torch.eye(row_len, dtype=torch.bool)
+    out.attn_mask[:, 0] = mask
+    return out
+
+
+def _truncate(ex: EagleExample, n: int) -> EagleExample:
+    if ex.next_ids.shape[0] <= n:
+        return ex
+    return EagleExample(ex.hidden_in[:n], ex.next_ids[:n], ex.hidden_target[:n], ex.loss_mask[:n])

@@ -1,0 +1,184 @@
+"""Drafter versions: acceptance on held-out rollouts, publish (promote or reject), SGLang export."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from tltd.domain import DrafterStatus, DrafterVersion
+from workers.drafter.forward import chain_accepted_lengths, target_hidden
+from workers.engine.eagle import EagleDrafter
+from workers.engine.model import ModelConfig, read_state_dict
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A recent rollout sample kept out of training, to measure acceptance on."""
+
+    token_ids: Tensor  # [T] prompt + response
+    response_start: int
+    hidden: Tensor | None = None  # [N <= T, H] target features; None: recomputed by prefill
+
+
+def mean_accepted_length(drafter: EagleDrafter, held_out: Sequence[HeldOut], k: int = 4) -> float:
+    """Mean tokens per speculative step of the drafter's greedy k-chains over the held-out
+    samples' response positions (1.0 = no draft ever accepted; k + 1 = all accepted)."""
+    p = next(drafter.parameters())
+    lengths = []
+    for s in held_out:
+        ids = torch.as_tensor(s.token_ids, dtype=torch.long)
+        h = s.hidden if s.hidden is not None else target_hidden(drafter.target, [ids])[0]
+        lengths.append(chain_accepted_lengths(drafter, h.to(p.device, p.dtype), ids,
+                                              s.response_start, k))
+    allv = torch.cat(lengths) if lengths else torch.zeros(0)
+    return float(allv.mean()) if allv.numel() else 0.0
+
+
+def publish(
+    store,
+    job_id: str,
+    drafter: EagleDrafter,
+    held_out: Sequence[HeldOut],
+    *,
+    policy_version: int,
+    train_steps: int,
+    loss: float,
+    out_dir: str | Path,
+    k: int = 4,
+    min_gain: float = 0.0,
+) -> DrafterVersion:
+    """Save the drafter, record it as a version, and promote it only if it beats the active one.
+
+    The active version (pinned, else newest promoted) is re-measured on the *same* held-out
+    samples, since acceptance measured on older data is not comparable; with no active learned
+    drafter the baseline is 1.0 token per step. A candidate must exceed the baseline by more
+    than `min_gain` to be PROMOTED; otherwise it is REJECTED (kept on disk for inspection).
+    `store` is a tltd.store.Store.
+    """
+    path = Path(out_dir) / f"drafter-p{policy_version}-s{train_steps}-{uuid.uuid4().hex[:8]}"
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        drafter.save_pretrained(path)
+        acceptance = mean_accepted_length(drafter, held_out, k)
+        active = store.active_drafter_version(job_id)
+        base, against = 1.0, "no learned drafter"
+        if active:
+            current = store.get_drafter(job_id, active)
+            against = f"active version {active}"
+            try:
+                old = EagleDrafter.from_pretrained(current.path, drafter.target)
+                base = mean_accepted_length(old, held_out, k)
+            except (FileNotFoundError, OSError, ValueError):
+                # Its checkpoint is gone or unreadable: fall back to its recorded acceptance.
+                base, against = current.acceptance_length, f"{against} (recorded)"
+    finally:
+        drafter.train(was_training)
+    dv = store.add_drafter_version(DrafterVersion(
+        job_id=job_id, version=0, policy_version=policy_version, path=str(path),
+        train_steps=train_steps, loss=float(loss), acceptance_length=acceptance,
+    ))
+    better = acceptance > base + min_gain
+    reason = (f"held-out acceptance {acceptance:.3f} vs {base:.3f} of {against} "
+              f"on {len(held_out)} samples, k={k}")
+    new = DrafterStatus.PROMOTED if better else DrafterStatus.REJECTED
+    return store.set_drafter_status(job_id, dv.version, new, reason)
+
+
+def load_active(store, job_id: str, target) -> tuple[EagleDrafter | None, int]:
+    """The job's active drafter (pinned, else newest promoted) loaded onto `target`, and its
+    version; (None, 0) when there is none. A rollout worker calls this after a promotion and
+    hands the result to `Engine.set_drafter` (swapped between decode steps)."""
+    version = store.active_drafter_version(job_id)
+    if not version:
+        return None, 0
+    return EagleDrafter.from_pretrained(store.get_drafter(job_id, version).path, target), version
+
+
+# -- export for SGLang ---------------------------------------------------------------------------
+
+EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    exact: bool  # False: the drafter has a layer-0 input norm SGLang's EAGLE model does not run
+    notes: tuple[str, ...] = ()
+
+
+def export_sglang(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
+                  *, include_embeddings: bool = True) -> ExportResult:
+    """Write a drafter version as a standalone EAGLE checkpoint for SGLang's
+    `LlamaForCausalLMEagle` / `Qwen2ForCausalLMEagle` (speculative-algorithm EAGLE).
+
+    Name mapping (ours -> SGLang checkpoint; SGLang's loader prefixes "model."):
+      fc.weight [H, 2H]                   -> fc.weight with its column halves swapped: we
+                                             compute fc([hidden; embed]), SGLang (and EAGLE's
+                                             cnets.py) fc([embed; hidden])
+      fc.bias                             -> fc.bias
+      layer.qkv.weight / .bias            -> layers.0.self_attn.{q,k,v}_proj.weight / .bias
+                                             (rows split nq*hd, nkv*hd, nkv*hd)
+      layer.o_proj.weight                 -> layers.0.self_attn.o_proj.weight
+      layer.gate_up.weight                -> layers.0.mlp.{gate,up}_proj.weight (row halves)
+      layer.down_proj.weight              -> layers.0.mlp.down_proj.weight
+      layer.post_attention_layernorm.weight -> layers.0.post_attention_layernorm.weight
+      layer.input_layernorm.weight        -> (none: SGLang's EAGLE layer 0 has no input norm,
+                                             it runs identity; a drafter trained with one is
+                                             exported inexactly, `exact=False`)
+      target model.embed_tokens.weight    -> embed_tokens.weight (if include_embeddings; SGLang
+                                             also shares the target's at load time)
+      lm_head                             -> never written (SGLang uses the target's)
+    config.json is the target's HF config with architectures=[<Eagle class>] and
+    num_hidden_layers=1. No final norm: the drafter's output goes straight to lm_head, as in
+    SGLang's EAGLE model (it returns hidden + residual).
+    """
+    drafter_dir, target_dir, out = Path(drafter_dir), Path(target_dir), Path(out_dir)
+    ours = load_file(str(drafter_dir / "model.safetensors"))
+    cfg = ModelConfig(**json.loads((drafter_dir / "config.json").read_text())["target"])
+    hf_cfg = json.loads((target_dir / "config.json").read_text())
+    model_type = str(hf_cfg.get("model_type", "llama"))
+    if model_type not in EAGLE_ARCHITECTURES:
+        raise ValueError(f"no SGLang EAGLE architecture for model_type {model_type!r}")
+    H = cfg.hidden_size
+    tensors: dict[str, Tensor] = {
+        "fc.weight": torch.cat([ours["fc.weight"][:, H:], ours["fc.weight"][:, :H]], dim=1),
+        "fc.bias": ours["fc.bias"],
+    }
+    p = "layers.0."
+    sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+             cfg.num_kv_heads * cfg.head_dim]
+    for kind in ("weight", "bias"):
+        if f"layer.qkv.{kind}" in ours:
+            for n, t in zip("qkv", ours[f"layer.qkv.{kind}"].split(sizes), strict=True):
+                tensors[f"{p}self_attn.{n}_proj.{kind}"] = t
+    tensors[p + "self_attn.o_proj.weight"] = ours["layer.o_proj.weight"]
+    gate, up = ours["layer.gate_up.weight"].chunk(2, dim=0)
+    tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"] = gate, up
+    tensors[p + "mlp.down_proj.weight"] = ours["layer.down_proj.weight"]
+    tensors[p + "post_attention_layernorm.weight"] = ours["layer.post_attention_layernorm.weight"]
+    notes: list[str] = []
+    exact = "layer.input_layernorm.weight" not in ours
+    if not exact:
+        notes.append("layer.input_layernorm dropped: SGLang's EAGLE layer 0 runs no input norm, "
+                     "so the exported drafter differs from the trained one")
+    if include_embeddings:
+        target_sd = read_state_dict(target_dir)
+        tensors["embed_tokens.weight"] = target_sd["model.embed_tokens.weight"]
+    dtype = next(iter(ours.values())).dtype
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    cfg_out = dict(hf_cfg)
+    cfg_out.update(architectures=[EAGLE_ARCHITECTURES[model_type]], num_hidden_layers=1,
+                   torch_dtype=str(dtype).removeprefix("torch."))
+    if isinstance(cfg_out.get("layer_types"), list):  # per-layer lists follow the layer count
+        cfg_out["layer_types"] = cfg_out["layer_types"][:1]
+    (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
+    return ExportResult(out, exact, tuple(notes))

@@ -1,0 +1,1 @@
+"""The torch rollout engine: continuous batching, KV cache, lossless speculative decoding."""

@@ -1,0 +1,112 @@
+"""The engine's public data types: its configuration, a request, a finished sample."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tltd.domain import (
+    FinishReason,
+    Sample,
+    SamplingParams,
+    SpeculativeConfig,
+    SpeculativeMode,
+    SpeculativeStats,
+)
+from workers.engine.bandit import Strategy
+
+DEFAULT_STRATEGIES = tuple(Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 4, 6))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 64
+    max_seq_len: int = 2048  # prompt + generated tokens per sample
+    spec_mode: str = "adaptive"  # "off" | "adaptive" (bandit) | "fixed" (strategies[0])
+    batch_threshold: int = 32  # speculate only while the running batch is <= this
+    # Adaptive mode also measures plain decoding at each batch bucket and decodes plainly
+    # where that beats the bandit's pick (see engine.prefer_plain). An extension of TLT for
+    # devices where verifying k+1 tokens is not nearly free, e.g. CPUs.
+    plain_arm: bool = True
+    strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES
+    epsilon: float = 0.1
+    window: int = 300
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    ngram_max_match: int = 8
+    ngram_min_match: int = 2
+    max_prefill_tokens: int = 8192  # padded prompt tokens per prefill forward
+    seed: int = 0
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_speculative(cls, spec: SpeculativeConfig, **kw: Any) -> EngineConfig:
+        """Map a job's `SpeculativeConfig` (mode auto|off, draft lengths, drafter) to a config."""
+        drafters = ("ngram", "eagle") if spec.drafter == "auto" else (spec.drafter,)
+        if spec.drafter not in ("auto", "ngram", "eagle"):
+            raise ValueError(f"speculative.drafter must be auto|ngram|eagle, got {spec.drafter!r}")
+        strategies = tuple(Strategy(d, k) for d in drafters for k in spec.draft_lengths)
+        mode = "off" if spec.mode == SpeculativeMode.OFF else "adaptive"
+        return cls(
+            spec_mode=mode, batch_threshold=spec.batch_threshold, strategies=strategies, **kw
+        )
+
+
+@dataclass(frozen=True)
+class Request:
+    """Input of `Engine.generate` (same fields as `Engine.add_request`)."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_index: int = 0
+    return_hidden_states: bool = False
+    speculative: bool = True
+
+
+@dataclass
+class SampleOutput:
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int = 0  # the policy version when the sample started
+    drafter_version: int = 0  # the EAGLE drafter version of its last EAGLE step (0: none)
+    draft_steps: int = 0  # SD steps it took part in
+    plain_steps: int = 0
+    accepted_tokens: int = 0  # draft tokens accepted over all its SD steps
+    hidden_states: Tensor | None = None
+
+    def to_domain(self) -> Sample:
+        """The `tltd.domain.Sample` the daemon stores and streams (hidden states dropped)."""
+        return Sample(
+            request_id=self.request_id,
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            token_ids=tuple(self.token_ids),
+            logprobs=tuple(self.logprobs),
+            finish_reason=self.finish_reason,
+            policy_version=self.policy_version,
+            drafter_version=self.drafter_version,
+            speculative=SpeculativeStats(
+                draft_steps=self.draft_steps,
+                plain_steps=self.plain_steps,
+                accepted_tokens=self.accepted_tokens,
+                mean_accepted_length=self.mean_accepted_length,
+            ),
+        )
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per SD step (accepted drafts + 1), 0 when it never speculated."""
+        return (
+            (self.accepted_tokens + self.draft_steps) / self.draft_steps
+            if self.draft_steps
+            else 0.0
+        )

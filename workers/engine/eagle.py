@@ -1,0 +1,159 @@
+"""EAGLE-style learned drafter: fc([hidden; embed(next)]) -> one decoder layer -> target lm_head."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from workers.engine.kv_cache import KVCache
+from workers.engine.model import Batch, CausalLM, DecoderLayer, ModelConfig
+
+# choose(logits [B, V], step i) -> (draft tokens [B], processed q [B, V] or None if all greedy)
+Chooser = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]
+
+
+class EagleDrafter(nn.Module):
+    """Predicts the target's next final-norm hidden state from (hidden state, next token).
+
+    Position t of the drafter consumes (h_t, x_{t+1}): the target's hidden state at t and the
+    token that followed, and predicts h_{t+1}; the target's lm_head turns a prediction into a
+    draft distribution. The target's embeddings and lm_head are used by reference (not
+    submodules), so they are neither trained nor saved with the drafter.
+    """
+
+    def __init__(self, target: CausalLM) -> None:
+        super().__init__()
+        cfg = target.config
+        self.config = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.layer = DecoderLayer(cfg)
+        self._target = [target]  # a list hides it from nn.Module registration
+
+    @property
+    def target(self) -> CausalLM:
+        return self._target[0]
+
+    def attach(self, target: CausalLM) -> None:
+        """Use another target's (e.g. reloaded) embeddings and lm_head."""
+        if target.config.hidden_size != self.config.hidden_size:
+            raise ValueError("target hidden size differs from the drafter's")
+        self._target[0] = target
+
+    # -- construction / persistence ---------------------------------------------------------
+
+    @classmethod
+    def random_init(cls, target: CausalLM, seed: int = 0) -> EagleDrafter:
+        p = next(target.parameters())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            drafter = cls(target)
+        return drafter.to(dtype=p.dtype, device=p.device).eval()
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """config.json + model.safetensors holding the drafter's own (trainable) parameters."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(tensors, str(out / "model.safetensors"))
+        cfg = {"architecture": "eagle1", "target": asdict(self.config)}
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: CausalLM) -> EagleDrafter:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        if ModelConfig(**cfg["target"]).hidden_size != target.config.hidden_size:
+            raise ValueError(f"drafter at {path} was built for another hidden size")
+        drafter = cls(target)
+        drafter.load_state_dict(load_file(str(Path(path) / "model.safetensors")))
+        p = next(target.parameters())
+        return drafter.to(dtype=p.dtype, device=p.device).eval()
+
+    # -- training path (no cache) ---------------------------------------------------------------
+
+    def forward(
+        self,
+        hidden: Tensor,
+        next_tokens: Tensor,
+        positions: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
+        """hidden [B, T, H] (h_0..h_{T-1}), next_tokens [B, T] (x_1..x_T) -> predicted h_1..h_T.
+
+        The drafter trainer's path (no KV cache): causal attention over the T positions, or
+        packed sequences with `positions` [B, T] (restarting at 0 per sequence) and
+        `attn_mask` [B, 1, T, T] (True = may attend).
+        """
+        x = self.fc(torch.cat([hidden, self.target.embed_tokens(next_tokens)], dim=-1))
+        b, t = next_tokens.shape
+        if positions is None:
+            positions = torch.arange(t, device=hidden.device)[None].expand(b, t)
+        cos, sin = self.target.rope(int(positions.max()) + 1).tables(positions)
+        return self.layer(x, None, cos, sin, None, None, attn_mask)
+
+    def logits(self, features: Tensor) -> Tensor:
+        return self.target.logits(features)
+
+    # -- inference path -------------------------------------------------------------------------
+
+    def new_cache(self, slots: int, max_len: int) -> KVCache:
+        p = next(self.parameters())
+        c = self.config
+        return KVCache(1, slots, max_len, c.num_kv_heads, c.head_dim, p.dtype, p.device)
+
+    def _step(self, feats: Tensor, tokens: Tensor, batch: Batch, cache: KVCache) -> Tensor:
+        x = self.fc(torch.cat([feats, self.target.embed_tokens(tokens)], dim=-1))
+        cos, sin = self.target.rope(cache.max_len).tables(batch.positions)
+        return self.layer(x, batch, cos, sin, cache.k[0], cache.v[0])
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        cache: KVCache,
+        feats: Sequence[Tensor | None],
+        tokens: Sequence[Sequence[int]],
+        k: int,
+        choose: Chooser,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Draft k tokens for rows [0, B) of `cache` (the engine's compacted slots).
+
+        feats[b] [c_b, H] / tokens[b] (c_b ints) are the (h_t, x_{t+1}) pairs of row b the
+        drafter has not consumed yet (c_b = 0: the row has no drafter state; its drafts are
+        garbage and the caller discards them). They are appended to the drafter cache for
+        good; the k - 1 positions fed with the drafter's own predictions are rolled back.
+        Returns drafts [B, k] and, if `choose` gave them, q [B, k, V].
+        """
+        b = len(feats)
+        dev = cache.k.device
+        c = [len(t) for t in tokens]
+        width = max(max(c), 1)
+        h = torch.zeros(b, width, self.config.hidden_size, dtype=cache.k.dtype, device=dev)
+        x = torch.zeros(b, width, dtype=torch.long, device=dev)
+        for i, (f, t) in enumerate(zip(feats, tokens, strict=True)):
+            if c[i]:
+                h[i, : c[i]] = f
+                x[i, : c[i]] = torch.tensor(t, dtype=torch.long)
+        lens = cache.lens[:b]
+        batch = Batch.make(lens, c, width, 0, cache.trash, dev)
+        out = self._step(h, x, batch, cache)
+        last = out[torch.arange(b, device=dev), (batch.n_new - 1).clamp(min=0)]
+        committed = [n + m for n, m in zip(lens, c, strict=True)]
+        one = [1 if m else 0 for m in c]
+        drafts: list[Tensor] = []
+        qs: list[Tensor] = []
+        for i in range(k):
+            tok, q = choose(self.logits(last), i)
+            drafts.append(tok)
+            if q is not None:
+                qs.append(q)
+            if i + 1 < k:
+                pos = [n + i for n in committed]
+                batch = Batch.make(pos, one, 1, 0, cache.trash, dev)
+                last = self._step(last[:, None], tok[:, None], batch, cache)[:, 0]
+        cache.lens[:b] = committed  # roll back the positions fed with predicted features
+        return torch.stack(drafts, dim=1), (torch.stack(qs, dim=1) if qs else None)

@@ -1,0 +1,706 @@
+"""The rollout engine: continuous batching over a KV cache with adaptive lossless speculation.
+
+Public API (used by the rollout worker and the drafter trainer)::
+
+    engine = Engine(model_or_path, EngineConfig(max_batch=64, max_seq_len=2048))
+    engine.add_request(request_id, prompt_ids, SamplingParams(n=8, temperature=1.0, seed=1),
+                       prompt_index=0, return_hidden_states=False, speculative=True)
+    while engine.has_work():
+        for out in engine.step():   # one schedule -> execute -> record iteration
+            ...                      # SampleOutput of every sample that finished in that step
+    engine.generate([Request(...), ...]) -> list[SampleOutput]   # run to completion
+    engine.cancel(request_id)        # its samples finish as CANCELLED (returned by next step())
+    engine.set_drafter(EagleDrafter | None, version)   # hot swap between steps
+    engine.load_policy(path_or_hf_state_dict, version) # new target weights between steps
+    engine.stats -> EngineStats      # engine.strategy_snapshot() -> per-bucket arms + "plain"
+    # EngineConfig, Request, SampleOutput live in workers.engine.api (re-exported here)
+    EngineConfig.from_speculative(job.speculative, max_batch=...)  # a job's config -> engine's
+    SampleOutput.to_domain() -> tltd.domain.Sample
+
+Semantics:
+- A request is one prompt with `sampling.n` samples; its prompt is prefilled once and the KV
+  copied into the n slots. Requests wait FIFO and join the running batch at a step boundary
+  when all n samples fit; finished samples leave at once (the last running row moves into the
+  freed slot so that the batch stays compacted in slots [0, B)).
+- token_ids include the stop token that ended a sample (finish STOP); LENGTH when
+  max_new_tokens (or max_seq_len) is reached; CANCELLED keeps the tokens emitted so far.
+- logprobs[i] is log p(token_i) under the *processed* target distribution (sampling.py):
+  log_softmax(restrict(logits / T)) for T > 0, log_softmax(logits) for greedy rows. With
+  speculation they are still the target's (computed in the verify pass).
+- Randomness is counter-based per (seed, prompt_index, sample_index, position): a seeded
+  sample is the same whatever else is in the batch, for a fixed speculative mode and
+  strategy (spec "off", or "fixed" while the batch stays <= batch_threshold; "adaptive" picks
+  strategies from timings, so its sampled outputs are equal in distribution but not bitwise
+  reproducible). Greedy output is the same in every mode. Requests without a seed get one
+  from EngineConfig.seed and their arrival order.
+- Speculation: when spec_mode != "off" and the running batch is <= batch_threshold, each
+  decode step drafts with the strategy (drafter, k) the bandit picks ("fixed": always
+  strategies[0]; "adaptive" with plain_arm also decodes plainly where measured plain
+  throughput at that batch bucket beats the pick's median reward), verifies every row's
+  drafts in one target forward and keeps what the rule in spec.py accepts; rejected
+  positions are dropped by shortening the slot's length (target and EAGLE caches). Above
+  the threshold, or for requests with speculative=False, rows decode one token per step.
+  While an EAGLE drafter is set the engine keeps each sample's hidden states (positions x
+  hidden floats per sample) so that a hot-swapped drafter can catch up.
+- hidden_states (return_hidden_states=True): the target's final-norm hidden state at every
+  position fed to it, [len(prompt) + len(token_ids) - 1, H] (the last token is never fed).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tltd.domain import FinishReason, SamplingParams
+from workers.engine.api import EngineConfig, Request, SampleOutput
+from workers.engine.bandit import (
+    BucketedEpsilonGreedy,
+    FixedStrategy,
+    NoStrategyAvailable,
+    Strategy,
+)
+from workers.engine.eagle import EagleDrafter
+from workers.engine.kv_cache import KVCache
+from workers.engine.model import Batch, CausalLM, load_model, load_weights, read_state_dict
+from workers.engine.ngram import NgramDrafter
+from workers.engine.sampling import (
+    ACCEPT,
+    DRAFT,
+    SAMPLE,
+    RowParams,
+    log_probs,
+    row_key,
+    sample_from,
+    uniforms,
+)
+from workers.engine.spec import accept_drafts
+from workers.engine.stats import EngineStats
+
+PLAIN_PROBES = 3  # plain steps measured per batch bucket before SD is compared with them
+
+
+def prefer_plain(plain: Sequence[float], sd_median: float | None, explore: bool) -> bool:
+    """Whether an adaptive decode step at some batch bucket should skip speculation.
+
+    `plain`: recent plain-decoding throughputs (tokens/s) at this bucket; `sd_median`: the
+    bandit's median reward (tokens/s too) for the strategy it picked, None while untried.
+    The baseline is measured first, re-measured on exploration, and SD runs unless its
+    median is known to be worse than plain decoding's.
+    """
+    if len(plain) < PLAIN_PROBES or explore:
+        return True
+    return sd_median is not None and statistics.median(plain) > sd_median
+
+
+@dataclass
+class _Group:
+    """One prompt of a request and its n samples."""
+
+    request_id: str
+    prompt_index: int
+    prompt: list[int]
+    sampling: SamplingParams
+    seed: int
+    return_hidden: bool
+    speculative: bool
+    policy_version: int
+    gid: str = ""
+    live: int = 0
+    sample_offset: int = 0  # sample indices of this group are offset .. offset + n - 1
+
+
+class _Seq:
+    """A running sample: its emitted tokens and the bookkeeping of its cache rows."""
+
+    __slots__ = (
+        "group",
+        "index",
+        "key",
+        "tokens",
+        "logprobs",
+        "stop",
+        "max_new",
+        "draft_steps",
+        "plain_steps",
+        "accepted",
+        "drafter_version",
+        "history",
+        "eg_h",
+        "eg_tok",
+        "eagle_ok",
+    )
+
+    def __init__(self, group: _Group, index: int, key: int, max_new: int) -> None:
+        self.group = group
+        self.index = index
+        self.key = key
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.stop = frozenset(group.sampling.stop_token_ids)
+        self.max_new = max_new
+        self.draft_steps = self.plain_steps = self.accepted = self.drafter_version = 0
+        self.history: list[Tensor] | None = [] if group.return_hidden else None
+        self.eg_h: list[Tensor] = []  # hidden states the EAGLE drafter has not consumed
+        self.eg_tok: list[int] = []  # ... and the token that followed each
+        self.eagle_ok = False
+
+    @property
+    def sid(self) -> str:
+        return str(self.index)
+
+
+class Engine:
+    """Continuous-batching rollout engine (module docstring)."""
+
+    def __init__(self, model_or_path: CausalLM | str | Path, config: EngineConfig | None = None):
+        self.config = cfg = config or EngineConfig()
+        if cfg.spec_mode not in ("off", "adaptive", "fixed"):
+            raise ValueError(f"spec_mode must be off|adaptive|fixed, got {cfg.spec_mode!r}")
+        if isinstance(model_or_path, CausalLM):
+            self.model = model_or_path.to(dtype=cfg.dtype, device=cfg.device).eval()
+        else:
+            self.model = load_model(model_or_path, cfg.dtype, cfg.device)
+        self.device = torch.device(cfg.device)
+        self.cache = self.model.new_cache(cfg.max_batch, cfg.max_seq_len)
+        self.running: list[_Seq] = []  # running[i] lives in cache slot i
+        self.waiting: deque[_Group] = deque()
+        self.ngram = NgramDrafter(cfg.ngram_max_match, cfg.ngram_min_match)
+        # Indexing every emitted token costs Python time: only when n-grams may be proposed.
+        self._ngram_on = cfg.spec_mode != "off" and any(
+            st.drafter == "ngram" for st in cfg.strategies
+        )
+        self.drafter: EagleDrafter | None = None
+        self.drafter_version = 0
+        self.eagle_cache: KVCache | None = None
+        self.policy_version = 0
+        self.stats = EngineStats()
+        if cfg.spec_mode == "fixed":
+            self.bandit: BucketedEpsilonGreedy | FixedStrategy = FixedStrategy(cfg.strategies[0])
+        else:
+            self.bandit = BucketedEpsilonGreedy(
+                cfg.strategies, cfg.buckets, cfg.epsilon, cfg.window, cfg.seed
+            )
+        self.prefills = 0  # prefill forwards run (one per prompt, shared by its n samples)
+        self._outputs: list[SampleOutput] = []  # finished outside step() (cancel)
+        self._next_seed = cfg.seed
+        self._rng = random.Random(cfg.seed)
+        self._plain_rewards: dict[int, deque[float]] = {}  # bucket -> plain tokens/s
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        prompt_index: int = 0,
+        return_hidden_states: bool = False,
+        speculative: bool = True,
+        sample_offset: int = 0,
+    ) -> None:
+        """Queue one prompt with sampling.n samples; it joins the batch at a step boundary.
+
+        `sample_offset` numbers the samples offset .. offset + n - 1 (their index and their
+        randomness key), so that a worker can run any contiguous slice of a prompt's samples and
+        a retried slice reproduces the same tokens.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt_ids must be in [0, {vocab})")
+        if len(prompt) >= self.config.max_seq_len:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens >= max_seq_len {self.config.max_seq_len}"
+            )
+        if not 1 <= sampling.n <= self.config.max_batch:
+            raise ValueError(f"sampling.n must be in [1, max_batch={self.config.max_batch}]")
+        if sampling.max_new_tokens < 1:
+            raise ValueError("sampling.max_new_tokens must be >= 1")
+        if not 0.0 < sampling.top_p <= 1.0 or sampling.top_k < 0 or sampling.temperature < 0:
+            raise ValueError("need 0 < top_p <= 1, top_k >= 0, temperature >= 0")
+        if sample_offset < 0:
+            raise ValueError("sample_offset must be >= 0")
+        gid = f"{request_id}\x00{prompt_index}\x00{sample_offset}"
+        if any(g.gid == gid for g in self.waiting) or any(s.group.gid == gid for s in self.running):
+            raise ValueError(
+                f"request {request_id!r} prompt {prompt_index} offset {sample_offset} is already "
+                "queued"
+            )
+        seed = sampling.seed
+        if seed is None:
+            seed, self._next_seed = self._next_seed, self._next_seed + 1_000_003
+        group = _Group(
+            request_id,
+            prompt_index,
+            prompt,
+            sampling,
+            seed,
+            return_hidden_states,
+            speculative,
+            self.policy_version,
+            gid,
+            sample_offset=sample_offset,
+        )
+        self.waiting.append(group)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._outputs)
+
+    def cancel(self, request_id: str) -> None:
+        """Finish every sample of the request as CANCELLED (reported by the next step())."""
+        for g in [g for g in self.waiting if g.request_id == request_id]:
+            self.waiting.remove(g)
+            for i in range(g.sampling.n):
+                self._outputs.append(
+                    SampleOutput(
+                        request_id,
+                        g.prompt_index,
+                        g.sample_offset + i,
+                        [],
+                        [],
+                        FinishReason.CANCELLED,
+                        g.policy_version,
+                    )
+                )
+        done = {
+            i: FinishReason.CANCELLED
+            for i, s in enumerate(self.running)
+            if s.group.request_id == request_id
+        }
+        self._outputs.extend(self._finish(done))
+
+    def generate(self, requests: Iterable[Request]) -> list[SampleOutput]:
+        """Queue the requests and step until everything finished; outputs in finish order."""
+        for r in requests:
+            self.add_request(
+                r.request_id,
+                r.prompt_ids,
+                r.sampling,
+                prompt_index=r.prompt_index,
+                return_hidden_states=r.return_hidden_states,
+                speculative=r.speculative,
+            )
+        out: list[SampleOutput] = []
+        while self.has_work():
+            out.extend(self.step())
+        return out
+
+    def strategy_snapshot(self) -> dict[int, dict[str, dict[str, float | int | None]]]:
+        """Per batch bucket: the bandit's arms (count, median reward tokens/s) and "plain"."""
+        snap = self.bandit.snapshot()
+        for bucket, window in self._plain_rewards.items():
+            median = statistics.median(window) if window else None
+            snap.setdefault(bucket, {})["plain"] = {"count": len(window), "median_reward": median}
+        return snap
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def set_drafter(self, drafter: EagleDrafter | None, version: int) -> None:
+        """Swap the EAGLE drafter between steps (None: n-gram only).
+
+        Samples that started while a drafter was set keep their target hidden states, so a
+        new drafter catches up on them (one drafter prefill at their next EAGLE step) and the
+        long-tail samples benefit from a drafter trained while they run. Samples that started
+        without any drafter have no such history and keep using the n-gram drafter.
+        """
+        self.drafter = drafter
+        self.drafter_version = version if drafter is not None else 0
+        if drafter is not None:
+            drafter.attach(self.model)
+            if self.eagle_cache is None:
+                # Drafting writes up to k - 1 positions past a sequence's committed length.
+                margin = max(st.k for st in self.config.strategies)
+                self.eagle_cache = drafter.new_cache(
+                    self.config.max_batch, self.config.max_seq_len + margin
+                )
+            self.eagle_cache.reset()
+        else:
+            self.eagle_cache = None
+        for s in self.running:
+            s.eagle_ok = drafter is not None and s.history is not None
+            s.eg_h, s.eg_tok = [], []
+            if s.eagle_ok and s.history:
+                s.eg_h = [torch.cat(s.history)]
+                s.eg_tok = (s.group.prompt + s.tokens)[1:]
+
+    def load_policy(self, path_or_state_dict: str | Path | dict[str, Tensor], version: int) -> None:
+        """Load new target weights (HF names) between steps; later samples carry `version`.
+
+        Running samples keep the KV computed by the previous weights: drain or cancel them first
+        if every sample must come from a single policy version.
+        """
+        sd = path_or_state_dict
+        if not isinstance(sd, dict):
+            sd = read_state_dict(sd)
+        p = next(self.model.parameters())
+        load_weights(self.model, {k: v.to(dtype=p.dtype, device=p.device) for k, v in sd.items()})
+        self.policy_version = version
+        for g in self.waiting:
+            g.policy_version = version
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[SampleOutput]:
+        """One iteration: admit + prefill waiting prompts if they fit, else one decode step."""
+        out, self._outputs = self._outputs, []
+        admitted = self._schedule()
+        if admitted:
+            out.extend(self._prefill(admitted))
+        elif self.running:
+            out.extend(self._decode())
+        return out
+
+    def _schedule(self) -> list[_Group]:
+        """FIFO admission of whole prompts (all n samples) while slots and the budget allow."""
+        free = self.config.max_batch - len(self.running)
+        admitted: list[_Group] = []
+        width = 0
+        while self.waiting and self.waiting[0].sampling.n <= free:
+            g = self.waiting[0]
+            w = max(width, len(g.prompt))
+            if admitted and w * (len(admitted) + 1) > self.config.max_prefill_tokens:
+                break
+            admitted.append(self.waiting.popleft())
+            free -= g.sampling.n
+            width = w
+        return admitted
+
+    def _need_hidden(self, seqs: Iterable[_Seq]) -> bool:
+        return self.drafter is not None or any(s.history is not None for s in seqs)
+
+    def _prefill(self, groups: list[_Group]) -> list[SampleOutput]:
+        """Prefill each prompt once (leader slots), fork its KV into its n sample slots."""
+        t0 = time.perf_counter()
+        b0, n_groups = len(self.running), len(groups)
+        width = max(len(g.prompt) for g in groups)
+        tokens = torch.zeros(n_groups, width, dtype=torch.long)
+        for i, g in enumerate(groups):
+            tokens[i, : len(g.prompt)] = torch.tensor(g.prompt)
+        lens = [len(g.prompt) for g in groups]
+        batch = Batch.make([0] * n_groups, lens, width, b0, self.cache.trash, self.device)
+        need_hidden = self.drafter is not None or any(g.return_hidden for g in groups)
+        logits, hidden = self.model(
+            tokens.to(self.device), self.cache, batch, last_only=True, return_hidden=need_hidden
+        )
+        self.prefills += n_groups
+        new, order = self._place(groups, b0, lens)
+        # Every sample draws its own first token from its prompt's last-position logits.
+        row_logits = logits[torch.tensor(order, device=self.device)]
+        toks, lps = self._sample(new, row_logits)
+        done: dict[int, FinishReason] = {}
+        for r, s in enumerate(new):
+            g = s.group
+            if hidden is not None:
+                gi = order[r]
+                h = hidden[gi, : len(g.prompt)]
+                if s.history is not None:
+                    s.history.append(h)
+                if s.eagle_ok:
+                    s.eg_h.append(h)
+                    s.eg_tok.extend(g.prompt[1:])
+            reason = self._emit(s, [toks[r]], [lps[r]], hidden_rows=None)
+            if reason is not None:
+                done[b0 + r] = reason
+        self.stats.record_phase("prefill", time.perf_counter() - t0)
+        return self._finish(done)
+
+    def _place(
+        self, groups: list[_Group], b0: int, lens: list[int]
+    ) -> tuple[list[_Seq], list[int]]:
+        """Give the prefilled prompts their n slots each; returns the new rows and their group.
+
+        Leaders (sample 0 of each group) sit in the prefilled slots [b0, b0 + G); the other
+        samples follow group by group, their KV copied from the leader.
+        """
+        leaders: list[_Seq] = []
+        followers: list[_Seq] = []
+        nxt = b0 + len(groups)
+        for i, g in enumerate(groups):
+            self.cache.lens[b0 + i] = lens[i]
+            self.cache.fork(b0 + i, nxt, nxt + g.sampling.n - 1)
+            nxt += g.sampling.n - 1
+            if self._ngram_on:
+                self.ngram.add_group(g.gid, g.prompt)
+            g.live = g.sampling.n
+            max_new = min(g.sampling.max_new_tokens, self.config.max_seq_len - len(g.prompt))
+            for j in range(g.sampling.n):
+                idx = g.sample_offset + j
+                s = _Seq(g, idx, row_key(g.seed, g.prompt_index, idx), max_new)
+                s.eagle_ok = self.drafter is not None
+                if s.eagle_ok and s.history is None:
+                    s.history = []  # lets a later drafter version catch up on this sample
+                if self._ngram_on:
+                    self.ngram.add_sequence(g.gid, s.sid)
+                (leaders if j == 0 else followers).append(s)
+        self.running.extend(leaders + followers)
+        order = list(range(len(groups))) + [
+            i for i, g in enumerate(groups) for _ in range(g.sampling.n - 1)
+        ]
+        return leaders + followers, order
+
+    def _decode(self) -> list[SampleOutput]:
+        b = len(self.running)
+        cfg = self.config
+        strategy = None
+        if (
+            cfg.spec_mode != "off"
+            and b <= cfg.batch_threshold
+            and any(s.group.speculative for s in self.running)
+        ):
+            available = {"ngram"}
+            if self.drafter is not None and any(s.eagle_ok for s in self.running):
+                available.add("eagle")
+            try:
+                strategy = self.bandit.choose(b, available)
+            except NoStrategyAvailable:
+                strategy = None
+        if strategy is not None and cfg.spec_mode == "adaptive" and cfg.plain_arm:
+            bucket = self.bandit.bucket(b)
+            plain = self._plain_rewards.setdefault(bucket, deque(maxlen=cfg.window))
+            med = self.bandit.snapshot()[bucket][strategy.name]["median_reward"]
+            sd = None if med is None else float(med)
+            explore = self._rng.random() < cfg.epsilon / (len(cfg.strategies) + 1)
+            if prefer_plain(plain, sd, explore):
+                strategy = None
+        if strategy is None:
+            return self._plain_step()
+        return self._spec_step(strategy)
+
+    def _params(self) -> RowParams:
+        ss = [s.group.sampling for s in self.running]
+        return RowParams.make(
+            [p.temperature for p in ss], [p.top_k for p in ss], [p.top_p for p in ss], self.device
+        )
+
+    def _keys(self, seqs: Sequence[_Seq]) -> Tensor:
+        return torch.tensor([s.key for s in seqs], dtype=torch.long, device=self.device)
+
+    def _sample(self, seqs: Sequence[_Seq], logits: Tensor) -> tuple[list[int], list[float]]:
+        """Draw one token per row from logits [B, V]; returns tokens and their logprobs."""
+        ss = [s.group.sampling for s in seqs]
+        params = RowParams.make(
+            [p.temperature for p in ss], [p.top_k for p in ss], [p.top_p for p in ss], self.device
+        )
+        logp = log_probs(logits, params)
+        if params.all_greedy:
+            tok = logp.argmax(dim=-1)
+        else:
+            pos = torch.tensor([[len(s.tokens)] for s in seqs], device=self.device)
+            u = uniforms(self._keys(seqs), pos, SAMPLE)[:, 0]
+            tok = sample_from(logp.exp(), u)
+            if params.any_greedy:
+                tok = torch.where(params.greedy, logp.argmax(dim=-1), tok)
+        lp = logp.gather(-1, tok[:, None])[:, 0]
+        return tok.tolist(), lp.tolist()
+
+    def _plain_step(self) -> list[SampleOutput]:
+        t0 = time.perf_counter()
+        seqs, lens = self.running, self.cache.lens
+        b = len(seqs)
+        tokens = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
+        batch = Batch.make(lens[:b], None, 1, 0, self.cache.trash, self.device)
+        need_hidden = self._need_hidden(seqs)
+        logits, hidden = self.model(
+            tokens, self.cache, batch, last_only=True, return_hidden=need_hidden
+        )
+        toks, lps = self._sample(seqs, logits)
+        done: dict[int, FinishReason] = {}
+        for i, s in enumerate(seqs):
+            lens[i] += 1
+            s.plain_steps += 1
+            reason = self._emit(s, [toks[i]], [lps[i]], hidden[i] if hidden is not None else None)
+            if reason is not None:
+                done[i] = reason
+        dt = time.perf_counter() - t0
+        self.stats.record_plain_step(b, b, dt)
+        if self.config.spec_mode == "adaptive" and b <= self.config.batch_threshold:
+            bucket = self.bandit.bucket(b)
+            self._plain_rewards.setdefault(bucket, deque(maxlen=self.config.window)).append(
+                b / max(dt, 1e-9)
+            )
+        return self._finish(done)
+
+    def _spec_step(self, strategy: Strategy) -> list[SampleOutput]:
+        """Draft up to k tokens per row, verify all rows in one target forward, accept/reject."""
+        t0 = time.perf_counter()
+        seqs, lens = self.running, self.cache.lens
+        b = len(seqs)
+        params = self._params()
+        drafts, dlen, q = self._propose(strategy, params)
+        t1 = time.perf_counter()
+        # Row i feeds its pending token + its dlen[i] drafts (padding to the widest row).
+        width = 1 + max(dlen)
+        rows = [
+            [s.tokens[-1]] + d[:n] + [0] * (width - 1 - n)
+            for s, d, n in zip(seqs, drafts, dlen, strict=True)
+        ]
+        tokens = torch.tensor(rows, device=self.device)
+        batch = Batch.make(lens[:b], [1 + n for n in dlen], width, 0, self.cache.trash, self.device)
+        logits, hidden = self.model(
+            tokens, self.cache, batch, return_hidden=self._need_hidden(seqs)
+        )
+        logp = log_probs(logits, params)  # [B, width, V]: p at every verified position
+        keys = self._keys(seqs)
+        base = torch.tensor([len(s.tokens) for s in seqs], device=self.device)
+        pos = base[:, None] + torch.arange(width, device=self.device)[None, :]
+        draft_t = tokens[:, 1:]
+        n_acc, nxt = accept_drafts(
+            logp.exp(),
+            draft_t,
+            batch.n_new - 1,
+            None if q is None else q[:, : width - 1],
+            params.greedy,
+            uniforms(keys, pos[:, :-1], ACCEPT),
+            uniforms(keys, pos, SAMPLE),
+        )
+        # Row i emits draft[:n_i] + [next_i]; logprobs come from the target's p.
+        emitted = torch.cat([draft_t, torch.zeros_like(nxt)[:, None]], dim=1)
+        emitted[torch.arange(b, device=self.device), n_acc] = nxt
+        emitted_lp = logp.gather(-1, emitted[..., None])[..., 0]
+        n_list, em, em_lp = n_acc.tolist(), emitted.tolist(), emitted_lp.tolist()
+        done: dict[int, FinishReason] = {}
+        for i, s in enumerate(seqs):
+            n = n_list[i]
+            lens[i] += 1 + n  # rejected positions past this are stale: the rollback
+            s.draft_steps += 1
+            s.accepted += n
+            if strategy.drafter == "eagle":
+                s.drafter_version = self.drafter_version
+            h = hidden[i] if hidden is not None else None
+            reason = self._emit(s, em[i][: n + 1], em_lp[i][: n + 1], h)
+            if reason is not None:
+                done[i] = reason
+        t2 = time.perf_counter()
+        gained = [n + 1 for n in n_list]
+        self.bandit.record(b, strategy, sum(gained) / b, t2 - t0)
+        self.stats.record_spec_step(b, strategy, dlen, n_list, gained, t1 - t0, t2 - t1)
+        return self._finish(done)
+
+    def _propose(
+        self, strategy: Strategy, params: RowParams
+    ) -> tuple[list[list[int]], list[int], Tensor | None]:
+        """Drafts per row, how many of them to verify, and q (None: deterministic drafts)."""
+        seqs, k = self.running, strategy.k
+        # Per-row budget: leave room for the target's own token within max_new_tokens (which
+        # already includes the max_seq_len limit).
+        cap = [min(k, s.max_new - len(s.tokens) - 1) if s.group.speculative else 0 for s in seqs]
+        q = None
+        if strategy.drafter == "eagle":
+            cap = [c if s.eagle_ok else 0 for c, s in zip(cap, seqs, strict=True)]
+            drafts_t, q = self._eagle_drafts(seqs, params, k)
+            drafts = drafts_t.tolist()
+        else:
+            drafts = [
+                self.ngram.propose(s.group.gid, s.sid, c) if c > 0 else []
+                for s, c in zip(seqs, cap, strict=True)
+            ]
+        dlen = [min(len(d), c) for d, c in zip(drafts, cap, strict=True)]
+        return drafts, dlen, q
+
+    def _eagle_drafts(
+        self, seqs: list[_Seq], params: RowParams, k: int
+    ) -> tuple[Tensor, Tensor | None]:
+        assert self.drafter is not None and self.eagle_cache is not None
+        feats = [torch.cat(s.eg_h) if s.eagle_ok and s.eg_h else None for s in seqs]
+        toks = [s.eg_tok if s.eagle_ok else [] for s in seqs]
+        keys = self._keys(seqs)
+        base = torch.tensor([len(s.tokens) for s in seqs], device=self.device)
+
+        def choose(logits: Tensor, i: int) -> tuple[Tensor, Tensor | None]:
+            logq = log_probs(logits, params)
+            greedy_tok = logq.argmax(dim=-1)
+            if params.all_greedy:
+                return greedy_tok, None
+            qd = logq.exp()
+            u = uniforms(keys, (base + i)[:, None], DRAFT)[:, 0]
+            return torch.where(params.greedy, greedy_tok, sample_from(qd, u)), qd
+
+        drafts, q = self.drafter.propose(self.eagle_cache, feats, toks, k, choose)
+        for s in seqs:
+            s.eg_h, s.eg_tok = [], []
+        return drafts, q
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def _emit(
+        self, s: _Seq, toks: list[int], lps: list[float], hidden_rows: Tensor | None
+    ) -> FinishReason | None:
+        """Append tokens (stopping early at a stop token or the length limit)."""
+        reason = None
+        n = 0
+        for t, lp in zip(toks, lps, strict=True):
+            s.tokens.append(t)
+            s.logprobs.append(lp)
+            n += 1
+            if t in s.stop:
+                reason = FinishReason.STOP
+                break
+            if len(s.tokens) >= s.max_new:
+                reason = FinishReason.LENGTH
+                break
+        if hidden_rows is not None:
+            # hidden_rows[j] is the state at the position fed just before emitted token j.
+            h = hidden_rows[:n]
+            if s.history is not None:
+                s.history.append(h)
+            if s.eagle_ok:
+                s.eg_h.append(h)
+        if s.eagle_ok:
+            s.eg_tok.extend(s.tokens[-n:])
+        g = s.group
+        if self._ngram_on:
+            self.ngram.extend(g.gid, s.sid, s.tokens[-n:])
+        return reason
+
+    def _finish(self, done: dict[int, FinishReason]) -> list[SampleOutput]:
+        """Report finished rows and compact: the last running row moves into each freed slot."""
+        out: list[SampleOutput] = []
+        for slot in sorted(done, reverse=True):
+            s = self.running[slot]
+            out.append(self._output(s, done[slot]))
+            last = len(self.running) - 1
+            self.cache.move(last, slot)
+            if self.eagle_cache is not None:
+                self.eagle_cache.move(last, slot)
+            self.running[slot] = self.running[last]
+            self.running.pop()
+            g = s.group
+            if self._ngram_on:
+                self.ngram.remove_sequence(g.gid, s.sid)
+            g.live -= 1
+            if g.live == 0:
+                if self._ngram_on:
+                    self.ngram.remove_group(g.gid)
+        out.reverse()
+        return out
+
+    def _output(self, s: _Seq, reason: FinishReason) -> SampleOutput:
+        hidden = None
+        if s.group.return_hidden and s.history is not None:
+            hidden = torch.cat(s.history)[: len(s.group.prompt) + len(s.tokens) - 1]
+        g = s.group
+        return SampleOutput(
+            g.request_id,
+            g.prompt_index,
+            s.index,
+            s.tokens,
+            s.logprobs,
+            reason,
+            g.policy_version,
+            s.drafter_version,
+            s.draft_steps,
+            s.plain_steps,
+            s.accepted,
+            hidden,
+        )

@@ -1,0 +1,322 @@
+"""Llama/Qwen2-family decoder in plain torch, run over a ragged batch against a KV cache."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from workers.engine.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, object]) -> ModelConfig:
+        """From a HF config.json dict (qwen2 / llama); rope_theta from rope_parameters in v5."""
+        model_type = str(cfg.get("model_type", "llama"))
+        if model_type not in ("qwen2", "llama"):
+            raise ValueError(f"unsupported model_type {model_type!r} (qwen2 or llama)")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        assert isinstance(rope, dict)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
+        head_dim = cfg.get("head_dim") or hidden // heads
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),  # type: ignore[arg-type]
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),  # type: ignore[arg-type]
+            num_layers=int(cfg["num_hidden_layers"]),  # type: ignore[arg-type]
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),  # type: ignore[arg-type]
+            head_dim=int(head_dim),  # type: ignore[arg-type]
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),  # type: ignore[arg-type]
+            rope_theta=float(theta),  # type: ignore[arg-type]
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),  # type: ignore[arg-type]
+        )
+
+
+@dataclass
+class Batch:
+    """Per-forward metadata shared by all layers: where each row's new tokens go and see.
+
+    Row b of the batch is cache slot row0 + b; it already holds lens[b] positions and brings
+    n_new[b] <= T new tokens (the rest of its T columns is padding).
+    """
+
+    row0: int
+    lens: Tensor  # [B] int64
+    n_new: Tensor  # [B] int64
+    positions: Tensor  # [B, T] rope positions
+    write_rows: Tensor  # [B, T] cache slot of each token
+    write_pos: Tensor  # [B, T] cache column of each token (the trash column for padding)
+    kv_len: int  # attention reads columns [0, kv_len)
+    mask: Tensor | None  # [B, 1, T, kv_len] bool, True = may attend; None = all visible
+
+    @classmethod
+    def make(
+        cls,
+        lens: Sequence[int],
+        n_new: Sequence[int] | None,
+        width: int,
+        row0: int,
+        trash: int,
+        device: torch.device | str,
+    ) -> Batch:
+        b = len(lens)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+        ar = torch.arange(width, device=device)
+        positions = lens_t[:, None] + ar[None, :]
+        if n_new is None:
+            n_new_t = torch.full((b,), width, dtype=torch.long, device=device)
+            kv_len = max(lens) + width
+            write_pos = positions
+        else:
+            n_new_t = torch.tensor(n_new, dtype=torch.long, device=device)
+            kv_len = max(n + m for n, m in zip(lens, n_new, strict=True))
+            write_pos = torch.where(ar[None, :] < n_new_t[:, None], positions, trash)
+            positions = positions.clamp(max=trash)
+        write_rows = (torch.arange(b, device=device) + row0)[:, None].expand(b, width)
+        if width == 1 and n_new is None and min(lens) == max(lens):
+            mask = None  # one token per row, equal lengths: every cached column is visible
+        else:
+            # Causal within the new tokens and no look past a row's own valid length.
+            cols = torch.arange(kv_len, device=device)
+            mask = (cols[None, None, :] <= positions[:, :, None])[:, None]
+        return cls(row0, lens_t, n_new_t, positions, write_rows, write_pos, kv_len, mask)
+
+
+class Rope:
+    """Rotary embedding tables (HF rotate_half convention) for positions [0, max_pos]."""
+
+    def __init__(self, head_dim: int, theta: float, max_pos: int, dtype: torch.dtype, device):
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_pos + 1, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cos[positions][:, :, None, :], self.sin[positions][:, :, None, :]
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention (GQA, RoPE, optional qkv bias) + SwiGLU MLP; fused qkv and gate_up."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(h, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nq * self.hd, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        batch: Batch | None,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor | None,
+        v_cache: Tensor | None,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
+        """With a cache: write the new K/V and attend per `batch`.
+
+        Without (training): causal over the T positions, or `attn_mask` [B, 1, T, T] (True =
+        may attend; e.g. block-diagonal for packed sequences) when given.
+        """
+        # Functional calls on the modules' parameters: nn.Module.__call__ costs more than the
+        # matmuls of a small model at batch 1.
+        b, t, h = x.shape
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = F.linear(F.rms_norm(x, (h,), ln1.weight, ln1.eps), self.qkv.weight, self.qkv.bias)
+        qkv = qkv.view(b, t, self.nq + 2 * self.nkv, self.hd)
+        # One rotation for q and k together (they sit side by side in the fused projection).
+        qk = _rotate(qkv[:, :, : self.nq + self.nkv], cos, sin)
+        q, k = qk.split([self.nq, self.nkv], dim=2)
+        v = qkv[:, :, self.nq + self.nkv :]
+        gqa = self.nq != self.nkv
+        if batch is None or k_cache is None or v_cache is None:
+            att = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=attn_mask,
+                is_causal=attn_mask is None,
+                enable_gqa=gqa,
+            )
+        else:
+            k_cache[batch.write_rows, batch.write_pos] = k
+            v_cache[batch.write_rows, batch.write_pos] = v
+            rows = slice(batch.row0, batch.row0 + b)
+            keys = k_cache[rows, : batch.kv_len].transpose(1, 2)
+            values = v_cache[rows, : batch.kv_len].transpose(1, 2)
+            att = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=batch.mask, enable_gqa=gqa
+            )
+        x = x + F.linear(att.transpose(1, 2).reshape(b, t, self.nq * self.hd), self.o_proj.weight)
+        gate_up = F.linear(F.rms_norm(x, (h,), ln2.weight, ln2.eps), self.gate_up.weight)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+class CausalLM(nn.Module):
+    """The target model. `forward` runs new tokens of B cache rows and returns logits (+hidden)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._rope: Rope | None = None
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """lm_head over final-norm hidden states (also used by the EAGLE drafter)."""
+        return F.linear(hidden, self.lm_head_weight)
+
+    def rope(self, max_pos: int) -> Rope:
+        p = next(self.parameters())
+        if (
+            self._rope is None
+            or self._rope.cos.shape[0] <= max_pos
+            or self._rope.cos.dtype != p.dtype
+        ):
+            self._rope = Rope(
+                self.config.head_dim, self.config.rope_theta, max_pos, p.dtype, p.device
+            )
+        return self._rope
+
+    def new_cache(self, slots: int, max_len: int) -> KVCache:
+        p = next(self.parameters())
+        c = self.config
+        return KVCache(c.num_layers, slots, max_len, c.num_kv_heads, c.head_dim, p.dtype, p.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        batch: Batch,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """tokens [B, T] -> logits [B, T, V] (or [B, V] at each row's last real token).
+
+        The new tokens' K/V are written into the cache; the caller advances cache.lens.
+        The hidden state returned is post final norm (what lm_head consumes), [B, T, H].
+        """
+        cos, sin = self.rope(cache.max_len).tables(batch.positions)
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, batch, cos, sin, cache.k[i], cache.v[i])
+        h = F.rms_norm(x, (x.shape[-1],), self.norm.weight, self.norm.eps)
+        if last_only:
+            h_last = h[torch.arange(h.shape[0], device=h.device), batch.n_new - 1]
+            return self.logits(h_last), (h if return_hidden else None)
+        return self.logits(h), (h if return_hidden else None)
+
+
+def _fuse_state_dict(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """HF parameter names -> ours (q/k/v fused into qkv, gate/up into gate_up)."""
+    out: dict[str, Tensor] = {"embed_tokens.weight": sd["model.embed_tokens.weight"]}
+    out["norm.weight"] = sd["model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        o = f"layers.{i}."
+        out[o + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+        out[o + "post_attention_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        out[o + "qkv.weight"] = torch.cat([sd[a + n + "_proj.weight"] for n in "qkv"])
+        if cfg.qkv_bias:
+            out[o + "qkv.bias"] = torch.cat([sd[a + n + "_proj.bias"] for n in "qkv"])
+        out[o + "o_proj.weight"] = sd[a + "o_proj.weight"]
+        m = p + "mlp."
+        out[o + "gate_up.weight"] = torch.cat(
+            [sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]
+        )
+        out[o + "down_proj.weight"] = sd[m + "down_proj.weight"]
+    return out
+
+
+def load_weights(model: CausalLM, state_dict: Mapping[str, Tensor]) -> None:
+    """Copy HF-named weights into the model in place (new policy weights between steps)."""
+    fused = _fuse_state_dict(state_dict, model.config)
+    missing, unexpected = model.load_state_dict(fused, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the model: missing={missing} unexpected={unexpected}")
+
+
+def read_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """All tensors of a HF checkpoint directory (model.safetensors or sharded *.safetensors)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    sd: dict[str, Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> CausalLM:
+    """Build the model from a HF directory (config.json + safetensors, HF parameter names)."""
+    cfg = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+    model = CausalLM(cfg)
+    load_weights(model, read_state_dict(path))
+    return model.to(dtype=dtype, device=device).eval()

@@ -1,0 +1,70 @@
+"""The lossless accept/reject rule of speculative decoding, for a batch of draft chains."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from workers.engine.sampling import sample_from
+
+
+def accept_drafts(
+    p: Tensor,
+    draft: Tensor,
+    draft_len: Tensor,
+    q: Tensor | None,
+    greedy: Tensor,
+    u_accept: Tensor,
+    u_sample: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Decide how many drafted tokens each row keeps and draw the token that follows them.
+
+    p         [B, K+1, V] the target's processed distribution at each verified position
+              (position i predicts the token after draft[:, :i]); for greedy rows only its
+              argmax matters (the argmax of the logits).
+    draft     [B, K] drafted tokens (padded past draft_len), draft_len [B] in [0, K].
+    q         [B, K, V] the drafter's processed distribution each draft was sampled from, or
+              None when proposals are deterministic (q = one-hot of the draft, e.g. n-grams).
+    greedy    [B] bool, u_accept [B, K], u_sample [B, K+1]: uniforms in [0, 1).
+    Returns (n_accepted [B], next_token [B]): the row emits draft[:n] + [next_token].
+
+    Math (Leviathan et al. 2023; Chen et al. 2023). Draft x ~ q is kept with probability
+    min(1, p(x) / q(x)), i.e. when u * q(x) < p(x). The first rejected position draws from the
+    residual r = normalize(max(0, p - q)); if every draft is kept, a bonus token is drawn from
+    p at the position after the last draft. Then P(emit y) = q(y) min(1, p(y)/q(y)) +
+    (1 - sum_x min(q(x), p(x))) r(y) = min(q(y), p(y)) + max(0, p(y) - q(y)) = p(y): each
+    emitted token is distributed exactly as the target would sample it.
+    With q one-hot at x: accept with probability p(x); residual max(0, p - onehot(x)) is p
+    with x removed, renormalised — the same formula.
+    Greedy rows keep drafts while they equal the target argmax and emit the argmax at the
+    first mismatch (or after the last draft), which reproduces greedy decoding token for token.
+    """
+    b, k = draft.shape
+    rows = torch.arange(b, device=draft.device)
+    if k == 0:  # nothing drafted: plain sampling from p at the only position
+        nxt = torch.where(greedy, p[:, 0].argmax(dim=-1), sample_from(p[:, 0], u_sample[:, 0]))
+        return torch.zeros(b, dtype=torch.long, device=draft.device), nxt
+    p_drafted = p[:, :k].gather(-1, draft[..., None])[..., 0]  # p_i(x_i), [B, K]
+    q_drafted = 1.0 if q is None else q.gather(-1, draft[..., None])[..., 0]
+    argmax = p.argmax(dim=-1)  # [B, K+1]
+    ok = torch.where(greedy[:, None], draft == argmax[:, :k], u_accept * q_drafted < p_drafted)
+    ok &= torch.arange(k, device=draft.device)[None, :] < draft_len[:, None]
+    n = ok.long().cumprod(dim=-1).sum(dim=-1)  # leading accepted drafts, [B]
+
+    # Distribution of the next token: p at position n, minus q there if draft n was rejected.
+    p_n = p[rows, n]
+    rejected = n < draft_len
+    at = n.clamp(max=k - 1)  # only read where rejected, i.e. where n < draft_len <= K
+    if q is None:
+        q_n = torch.zeros_like(p_n)
+        q_n[rows, draft[rows, at]] = 1.0
+    else:
+        q_n = q[rows, at]
+    residual = torch.where(rejected[:, None], (p_n - q_n).clamp(min=0.0), p_n)
+    # p == q up to rounding makes the residual vanish; such a rejection has probability ~0,
+    # and p itself is the right fallback.
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_n, residual)
+    sampled = sample_from(residual, u_sample[rows, n])
+    nxt = torch.where(greedy, argmax[rows, n], sampled)
+    return n, nxt

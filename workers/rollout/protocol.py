@@ -1,0 +1,147 @@
+"""The typed messages between the daemon and a rollout worker process (pickled over a Pipe).
+
+Backend-neutral on purpose: a torch worker and a future SGLang worker speak the same protocol,
+so the supervisor never knows which engine runs behind the pipe. Commands take effect at the
+worker's next step boundary, in the order sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tltd.domain import Sample, SamplingParams
+
+# ---- how to build an engine ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Engine settings a worker needs for a job (mirrors the job's speculative config)."""
+
+    max_batch: int = 64
+    max_seq_len: int = 2048
+    spec_mode: str = "adaptive"  # "off" | "adaptive" | "fixed"
+    batch_threshold: int = 32
+    draft_lengths: tuple[int, ...] = (2, 4, 6)
+    drafter: str = "auto"  # "auto" | "ngram" | "eagle"
+    device: str = "cpu"
+    seed: int = 0
+
+
+# ---- daemon -> worker ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadModel:
+    """(Re)build the engine for a job: its model at `path` is policy version `policy_version`."""
+
+    job_id: str
+    path: str
+    policy_version: int
+    engine: EngineSpec = field(default_factory=EngineSpec)
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    """New weights of the same job (same architecture), loaded between steps."""
+
+    path: str
+    version: int
+
+
+@dataclass(frozen=True)
+class SetDrafter:
+    """Hot-swap the learned drafter (`path` "" = none: n-gram only)."""
+
+    path: str
+    version: int
+
+
+@dataclass(frozen=True)
+class AddWork:
+    """Run these samples of one prompt. `seq` increases per AddWork; heartbeats ack it."""
+
+    seq: int
+    request_id: str
+    prompt_index: int
+    sample_indices: tuple[int, ...]
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    speculative: bool = True
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Finish every sample of the request now as CANCELLED (tokens so far)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Keep working for at most `seconds`, then return what still runs as partial samples."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Exit now (unfinished work is dropped: drain first to keep it)."""
+
+
+# ---- worker -> daemon ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Sent once the process is up and after every LoadModel / LoadPolicy / SetDrafter."""
+
+    pid: int
+    job_id: str = ""
+    policy_version: int = 0
+    drafter_version: int = 0
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    running_samples: int  # in the engine (running + waiting to be admitted)
+    remaining_tokens: int  # upper bound of tokens still to decode for them
+    acked_seq: int  # the last AddWork.seq the engine has taken in
+    idle_since: float | None  # wall clock (time.time()) the engine went empty; None = busy
+    stats: dict[str, object] = field(default_factory=dict)  # engine counters (summary)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One sample is done (stop, length, cancelled, failed, or aborted by a drain: partial)."""
+
+    sample: Sample
+
+
+@dataclass(frozen=True)
+class Drained:
+    """The drain deadline passed: every unfinished sample was sent as partial."""
+
+    partial: int
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    """A LoadModel / LoadPolicy / SetDrafter could not be applied (the worker keeps running)."""
+
+    job_id: str
+    policy_version: int
+    message: str
+    drafter: bool = False  # True: it was the drafter that failed to load
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """Something failed. fatal=True: the worker exits after sending this."""
+
+    message: str
+    fatal: bool = False
+
+
+ToWorker = LoadModel | LoadPolicy | SetDrafter | AddWork | Cancel | Drain | Shutdown
+FromWorker = Ready | Heartbeat | Finished | Drained | LoadFailed | WorkerError

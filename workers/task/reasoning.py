@@ -1,0 +1,126 @@
+"""Synthetic step-by-step reasoning task: add a step to a start `count` times (long-tailed)."""
+
+from __future__ import annotations
+
+import bisect
+import random
+import re
+from dataclasses import dataclass
+
+# Problem size (number of steps) follows a truncated power law: most problems take 1-4 steps,
+# a few take 20-24.  Every step is one fixed-width line, so the answer's length is
+# proportional to the step count and reference lengths are long-tailed like real rollouts.
+MIN_STEPS = 1
+MAX_STEPS = 24
+SIZE_EXPONENT = 1.5
+MAX_START = 999
+MIN_STEP, MAX_STEP = 10, 99
+
+ANSWER_MARKER = "answer:"
+_ANSWER_RE = re.compile(r"answer:\s*(-?\d+)")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Add `step` to `start`, `count` times; the answer is the final total."""
+
+    start: int
+    step: int
+    count: int
+    prompt: str
+    solution: str
+    answer: int
+
+    @property
+    def num_steps(self) -> int:
+        return self.count
+
+
+def _size_cdf(exponent: float) -> list[float]:
+    weights = [k**-exponent for k in range(MIN_STEPS, MAX_STEPS + 1)]
+    total, acc, cdf = sum(weights), 0.0, []
+    for w in weights:
+        acc += w / total
+        cdf.append(acc)
+    cdf[-1] = 1.0
+    return cdf
+
+
+def size_at_quantile(q: float, exponent: float = SIZE_EXPONENT) -> int:
+    """Inverse CDF of the problem-size (step count) distribution, q in [0, 1)."""
+    return MIN_STEPS + bisect.bisect_left(_size_cdf(exponent), q)
+
+
+def sample_num_steps(rng: random.Random, exponent: float = SIZE_EXPONENT) -> int:
+    """Draw a step count from the long-tailed size distribution."""
+    return size_at_quantile(rng.random(), exponent)
+
+
+def format_prompt(problem: Problem) -> str:
+    """The prompt text the policy conditions on (the tokenizer adds <bos> in front)."""
+    return problem.prompt
+
+
+def _solution_text(start: int, step: int, count: int) -> tuple[str, int]:
+    # One fixed-width line per step, "total+step=new,left" where `left` counts down the steps
+    # still to do; the line with left 0000 is the last.  Fixed widths put everything a line
+    # needs at a constant distance in the line above, and digit j of the sum under digit j of
+    # both operands (the step is padded to 4 digits too), which is what lets a small model
+    # learn it in minutes; the repetition is what lets n-gram and EAGLE drafters accept long
+    # drafts.
+    lines, total = [], start
+    for left in range(count - 1, -1, -1):
+        new = total + step
+        lines.append(f"{total:04d}+{step:04d}={new:04d},{left:04d}")
+        total = new
+    # Zero-padded and right under the last total's column, so writing it is the same
+    # copy-from-the-line-above as every other field.
+    lines.append(f"{ANSWER_MARKER}   {total:04d}")
+    return "\n".join(lines), total
+
+
+def make_problem(start: int, step: int, count: int) -> Problem:
+    """Build the problem (prompt, reference solution, answer) for explicit numbers."""
+    if not 0 <= start <= MAX_START:
+        raise ValueError(f"start: must be in [0, {MAX_START}], got {start}")
+    if not MIN_STEP <= step <= MAX_STEP:
+        raise ValueError(f"step: must be in [{MIN_STEP}, {MAX_STEP}], got {step}")
+    if not MIN_STEPS <= count <= MAX_STEPS:
+        raise ValueError(f"count: must be in [{MIN_STEPS}, {MAX_STEPS}], got {count}")
+    prompt = f"start {start:04d} step {step:02d} count {count:04d}\n"
+    solution, answer = _solution_text(start, step, count)
+    return Problem(start, step, count, prompt, solution, answer)
+
+
+def generate_problem(rng: random.Random, num_steps: int | None = None) -> Problem:
+    """Draw one problem; `num_steps` defaults to a draw from the long-tailed distribution."""
+    k = sample_num_steps(rng) if num_steps is None else num_steps
+    if not MIN_STEPS <= k <= MAX_STEPS:
+        raise ValueError(f"num_steps: must be in [{MIN_STEPS}, {MAX_STEPS}], got {k}")
+    start = rng.randint(0, MAX_START)
+    step = rng.randint(MIN_STEP, MAX_STEP)
+    return make_problem(start, step, k)
+
+
+def make_dataset(n: int, seed: int, num_steps: int | None = None) -> list[Problem]:
+    """`n` problems, deterministic for a given seed."""
+    rng = random.Random(seed)
+    return [generate_problem(rng, num_steps) for _ in range(n)]
+
+
+def parse_answer(completion_text: str) -> int | None:
+    """The final answer of a completion, or None when it has none or does not end with it.
+
+    A completion is only judged when it ends with exactly one answer line: a rambling or
+    truncated answer (no marker, text after it, or several answers) gets no credit.
+    """
+    if len(_ANSWER_RE.findall(completion_text)) != 1:
+        return None
+    last = completion_text.rstrip().rsplit("\n", 1)[-1].strip()
+    found = _ANSWER_RE.fullmatch(last)
+    return int(found.group(1)) if found else None
+
+
+def reward(problem: Problem, completion_text: str) -> float:
+    """1.0 when the completion's final answer equals the problem's answer, else 0.0."""
+    return 1.0 if parse_answer(completion_text) == problem.answer else 0.0

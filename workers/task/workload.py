@@ -1,0 +1,34 @@
+"""The long-tail rollout workload used by benchmarks and the demo: prompts for the tiny policy."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from workers.task.reasoning import Problem, format_prompt, generate_problem, size_at_quantile
+from workers.task.tokenizer import EOS_ID, encode_prompt, load_tokenizer
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-policy"
+# Long enough for the largest reference answer (494 tokens); answers where the policy gets
+# lost run into this limit, which is the tail speculative decoding has to handle.
+MAX_NEW_TOKENS = 512
+STOP_TOKEN_ID = EOS_ID
+
+
+def rollout_prompts(
+    num_prompts: int = 16, seed: int = 0, model_dir: str | Path = MODEL_DIR
+) -> list[tuple[Problem, list[int]]]:
+    """`num_prompts` problems with their prompt token ids (<bos> first), deterministic per seed.
+
+    Problem sizes are the size distribution's quantiles (i + 0.5) / num_prompts rather than
+    random draws, so every workload of 16+ prompts has the long tail (a few 11-18 step
+    problems among mostly 1-3 step ones); the terms themselves are random per seed.
+    """
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
+    tok = load_tokenizer(model_dir)
+    rng = random.Random(seed)
+    sizes = [size_at_quantile((i + 0.5) / num_prompts) for i in range(num_prompts)]
+    rng.shuffle(sizes)
+    problems = [generate_problem(rng, num_steps=k) for k in sizes]
+    return [(p, encode_prompt(tok, format_prompt(p))) for p in problems]
