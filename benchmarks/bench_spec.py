@@ -82,7 +82,7 @@ def run_mode(
     per bucket) is not a cost of every batch. Stats are reset before the timed pass.
     """
     drafters = MODES[mode]
-    strategies = tuple(Strategy(d, k) for d in drafters for k in KS)
+    strategies = tuple(Strategy(d, k) for d in drafters for k in args.ks)
     every = [work, *warm]
     threshold = args.threshold
     if mode == "adaptive+":
@@ -95,6 +95,7 @@ def run_mode(
             spec_mode="adaptive" if drafters else "off",
             strategies=strategies or EngineConfig().strategies,
             batch_threshold=threshold,
+            draft_confidence=args.confidence,
             # One bandit bucket per power of two up to the threshold.
             buckets=tuple(1 << i for i in range(max(1, threshold).bit_length())),
             seed=args.seed,
@@ -241,6 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threshold", type=int, default=32, help="speculate at running batch <= N")
+    ap.add_argument(
+        "--ks",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=KS,
+        help="draft lengths the bandit chooses from, e.g. 2,4,6",
+    )
+    ap.add_argument(
+        "--confidence",
+        type=float,
+        default=EngineConfig().draft_confidence,
+        help="EAGLE: verify drafts while their cumulative confidence >= this",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
     ap.add_argument(
         "--warmup", type=int, default=1, help="untimed passes (other prompts) per engine first"

@@ -82,6 +82,16 @@ def test_greedy_speculative_is_token_identical(ckpt, strategy, eagle):
         assert all(o.drafter_version == 7 for o in got.values() if o.draft_steps)
 
 
+def test_greedy_with_confidence_truncated_eagle_drafts_is_token_identical(ckpt):
+    ref = _run_staggered(_engine(ckpt), GREEDY)
+    e = _engine(ckpt, "fixed", Strategy("eagle", 4), True, draft_confidence=0.5)
+    got = _run_staggered(e, GREEDY)
+    for key, o in ref.items():
+        assert got[key].token_ids == o.token_ids, key
+    per = e.stats.summary()["per_strategy"]["eagle/k4"]
+    assert per["drafted"] < 4 * per["rows"], per  # the threshold did cut chains
+
+
 def test_adaptive_mode_speculates_only_at_small_batch(ckpt):
     """A long-tail batch: plain decoding while > threshold rows run, SD in the tail."""
 

@@ -73,7 +73,7 @@ def exact(ckpt):
     return law
 
 
-def _sample(ckpt, mode, strategy=None, eagle=False, seed=0):
+def _sample(ckpt, mode, strategy=None, eagle=False, seed=0, confidence=0.0, drafter_scale=1.0):
     cfg = EngineConfig(
         max_batch=64,
         max_seq_len=64,
@@ -81,10 +81,14 @@ def _sample(ckpt, mode, strategy=None, eagle=False, seed=0):
         batch_threshold=64,
         strategies=(strategy or Strategy("ngram", 2),),
         seed=seed,
+        draft_confidence=confidence,
     )
     e = Engine(str(ckpt), cfg)
     if eagle:
-        e.set_drafter(EagleDrafter.random_init(e.model, seed=1), version=1)
+        drafter = EagleDrafter.random_init(e.model, seed=1)
+        with torch.no_grad():
+            drafter.layer.down_proj.weight.mul_(drafter_scale)
+        e.set_drafter(drafter, version=1)
     sp = SamplingParams(n=50, temperature=TEMPERATURE, top_p=TOP_P, max_new_tokens=4)
     outs = e.generate([Request(f"r{i}", PROMPT, sp) for i in range(N_SAMPLES // 50)])
     return Counter(tuple(o.token_ids[:3]) for o in outs), e.stats.summary()
@@ -131,3 +135,22 @@ def test_the_chi_square_test_rejects_a_wrong_rule(ckpt, exact, monkeypatch):
     monkeypatch.setattr(engine_mod, "accept_drafts", always_accept)
     counts, _ = _sample(ckpt, "fixed", Strategy("ngram", 2))
     assert _p_value(counts, exact) < 1e-6
+
+
+# Truncating EAGLE chains at a confidence that depends on the drafter's distribution only
+# (workers/engine/eagle.py says why it must not look at the drawn token). A random drafter
+# with a scaled-up output varies in confidence, so this threshold cuts some chains, not all.
+CONFIDENCE = 0.2
+
+
+def test_sampled_sd_with_confidence_truncated_drafts_matches_exact_law(ckpt, exact):
+    counts, summary = _sample(
+        ckpt, "fixed", Strategy("eagle", 3), True, confidence=CONFIDENCE, drafter_scale=6.0
+    )
+    assert _p_value(counts, exact) > 1e-3
+    per = summary["per_strategy"]["eagle/k3"]
+    _, full = _sample(ckpt, "fixed", Strategy("eagle", 3), True, drafter_scale=6.0)
+    full_per = full["per_strategy"]["eagle/k3"]
+    # The threshold really cut chains (fewer drafts verified per row than without it).
+    assert 0.2 < per["drafted"] / per["rows"] < 0.9 * full_per["drafted"] / full_per["rows"]
+    assert 0.05 < summary["acceptance_rate"] < 0.95, summary

@@ -36,6 +36,10 @@ class EngineConfig:
     epsilon: float = 0.1
     window: int = 300
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    # EAGLE rows verify only the drafts whose cumulative drafter confidence stays >= this
+    # (at least one); 0 verifies all k. Verification is compute-bound on CPUs, so drafts that
+    # would likely be rejected cost real time there.
+    draft_confidence: float = 0.0
     ngram_max_match: int = 8
     ngram_min_match: int = 2
     max_prefill_tokens: int = 8192  # padded prompt tokens per prefill forward

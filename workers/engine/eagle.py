@@ -14,8 +14,10 @@ from torch import Tensor, nn
 from workers.engine.kv_cache import KVCache
 from workers.engine.model import Batch, CausalLM, DecoderLayer, ModelConfig
 
-# choose(logits [B, V], step i) -> (draft tokens [B], processed q [B, V] or None if all greedy)
-Chooser = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]
+# choose(logits [B, V], step i) -> (draft tokens [B], processed q [B, V] or None if all greedy,
+# confidence [B] in [0, 1]: a function of the drafter's distribution only, never of the token
+# drawn from it, so that truncating on it keeps the proposal law the accept rule assumes)
+Chooser = Callable[[Tensor, int], tuple[Tensor, Tensor | None, Tensor]]
 
 
 class EagleDrafter(nn.Module):
@@ -107,9 +109,10 @@ class EagleDrafter(nn.Module):
         return KVCache(1, slots, max_len, c.num_kv_heads, c.head_dim, p.dtype, p.device)
 
     def _step(self, feats: Tensor, tokens: Tensor, batch: Batch, cache: KVCache) -> Tensor:
-        x = self.fc(torch.cat([feats, self.target.embed_tokens(tokens)], dim=-1))
+        x = batch.pack(torch.cat([feats, self.target.embed_tokens(tokens)], dim=-1))
         cos, sin = self.target.rope(cache.max_len).tables(batch.positions)
-        return self.layer(x, batch, cos, sin, cache.k[0], cache.v[0])
+        out = self.layer(self.fc(x), batch, cos, sin, cache.k[0], cache.v[0])
+        return batch.unpack(out, tokens.shape[0])
 
     @torch.inference_mode()
     def propose(
@@ -119,14 +122,21 @@ class EagleDrafter(nn.Module):
         tokens: Sequence[Sequence[int]],
         k: int,
         choose: Chooser,
-    ) -> tuple[Tensor, Tensor | None]:
+        min_confidence: float = 0.0,
+    ) -> tuple[Tensor, Tensor | None, list[int]]:
         """Draft k tokens for rows [0, B) of `cache` (the engine's compacted slots).
 
         feats[b] [c_b, H] / tokens[b] (c_b ints) are the (h_t, x_{t+1}) pairs of row b the
         drafter has not consumed yet (c_b = 0: the row has no drafter state; its drafts are
         garbage and the caller discards them). They are appended to the drafter cache for
         good; the k - 1 positions fed with the drafter's own predictions are rolled back.
-        Returns drafts [B, k] and, if `choose` gave them, q [B, k, V].
+        Returns drafts [B, k], q [B, k, V] if `choose` gave them, and per row how many leading
+        drafts to verify: those whose cumulative confidence (product over the chain of each
+        step's confidence, an estimate of the chance that the chain survives, as in EAGLE-2)
+        stays >=
+        `min_confidence`, and at least one. Drafting stops early once no row is confident; the
+        drafts past that are padding. Any choice of draft length keeps decoding lossless; a
+        short draft only saves verification work that would likely be rejected.
         """
         b = len(feats)
         dev = cache.k.device
@@ -146,14 +156,25 @@ class EagleDrafter(nn.Module):
         one = [1 if m else 0 for m in c]
         drafts: list[Tensor] = []
         qs: list[Tensor] = []
+        cum = torch.ones(b, dtype=torch.float64, device=dev)
+        lengths = torch.zeros(b, dtype=torch.long, device=dev)
         for i in range(k):
-            tok, q = choose(self.logits(last), i)
+            tok, q, conf = choose(self.logits(last), i)
             drafts.append(tok)
             if q is not None:
                 qs.append(q)
+            cum = cum * conf.double()
+            confident = cum >= min_confidence
+            lengths += confident
+            if i + 1 < k and min_confidence > 0 and not bool(confident.any()):
+                pad = k - 1 - i  # nobody is confident: stop drafting
+                drafts.extend([tok] * pad)
+                qs.extend([q] * pad if q is not None else [])
+                break
             if i + 1 < k:
                 pos = [n + i for n in committed]
                 batch = Batch.make(pos, one, 1, 0, cache.trash, dev)
                 last = self._step(last[:, None], tok[:, None], batch, cache)[:, 0]
         cache.lens[:b] = committed  # roll back the positions fed with predicted features
-        return torch.stack(drafts, dim=1), (torch.stack(qs, dim=1) if qs else None)
+        q_all = torch.stack(qs, dim=1) if qs else None
+        return torch.stack(drafts, dim=1), q_all, lengths.clamp(min=1).tolist()

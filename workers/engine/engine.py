@@ -598,8 +598,9 @@ class Engine:
         q = None
         if strategy.drafter == "eagle":
             cap = [c if s.eagle_ok else 0 for c, s in zip(cap, seqs, strict=True)]
-            drafts_t, q = self._eagle_drafts(seqs, params, k)
+            drafts_t, q, confident = self._eagle_drafts(seqs, params, k)
             drafts = drafts_t.tolist()
+            cap = [min(c, n) for c, n in zip(cap, confident, strict=True)]
         else:
             drafts = [
                 self.ngram.propose(s.group.gid, s.sid, c) if c > 0 else []
@@ -610,26 +611,32 @@ class Engine:
 
     def _eagle_drafts(
         self, seqs: list[_Seq], params: RowParams, k: int
-    ) -> tuple[Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor | None, list[int]]:
         assert self.drafter is not None and self.eagle_cache is not None
         feats = [torch.cat(s.eg_h) if s.eagle_ok and s.eg_h else None for s in seqs]
         toks = [s.eg_tok if s.eagle_ok else [] for s in seqs]
         keys = self._keys(seqs)
         base = torch.tensor([len(s.tokens) for s in seqs], device=self.device)
 
-        def choose(logits: Tensor, i: int) -> tuple[Tensor, Tensor | None]:
+        def choose(logits: Tensor, i: int) -> tuple[Tensor, Tensor | None, Tensor]:
             logq = log_probs(logits, params)
             greedy_tok = logq.argmax(dim=-1)
+            # Confidence = the largest drafter probability: a property of q alone. It must not
+            # depend on the token actually drawn, or dropping unlikely draws would change the
+            # proposal law that the accept rule assumes (and the output would be biased).
+            conf = logq.max(dim=-1).values.exp()
             if params.all_greedy:
-                return greedy_tok, None
+                return greedy_tok, None, conf
             qd = logq.exp()
             u = uniforms(keys, (base + i)[:, None], DRAFT)[:, 0]
-            return torch.where(params.greedy, greedy_tok, sample_from(qd, u)), qd
+            return torch.where(params.greedy, greedy_tok, sample_from(qd, u)), qd, conf
 
-        drafts, q = self.drafter.propose(self.eagle_cache, feats, toks, k, choose)
+        out = self.drafter.propose(
+            self.eagle_cache, feats, toks, k, choose, self.config.draft_confidence
+        )
         for s in seqs:
             s.eg_h, s.eg_tok = [], []
-        return drafts, q
+        return out
 
     # -- bookkeeping ------------------------------------------------------------------------
 

@@ -66,6 +66,11 @@ class Batch:
 
     Row b of the batch is cache slot row0 + b; it already holds lens[b] positions and brings
     n_new[b] <= T new tokens (the rest of its T columns is padding).
+
+    A ragged batch (some row brings fewer than T tokens, e.g. verification of drafts of
+    different lengths) is *packed*: the projections and the MLP run over the real tokens only
+    (`packed`: their flat indices into B x T), which on a compute-bound CPU is most of a
+    forward; only attention sees the padded [B, T] layout.
     """
 
     row0: int
@@ -76,6 +81,9 @@ class Batch:
     write_pos: Tensor  # [B, T] cache column of each token (the trash column for padding)
     kv_len: int  # attention reads columns [0, kv_len)
     mask: Tensor | None  # [B, 1, T, kv_len] bool, True = may attend; None = all visible
+    packed: Tensor | None = None  # [N] flat indices of the real tokens; None = all real
+    last: Tensor | None = None  # [B] index of each row's last real token in packed order
+    width: int = 0  # T, the padded number of new tokens per row
 
     @classmethod
     def make(
@@ -107,7 +115,32 @@ class Batch:
             # Causal within the new tokens and no look past a row's own valid length.
             cols = torch.arange(kv_len, device=device)
             mask = (cols[None, None, :] <= positions[:, :, None])[:, None]
-        return cls(row0, lens_t, n_new_t, positions, write_rows, write_pos, kv_len, mask)
+        packed = last = None
+        if n_new is not None and sum(n_new) < b * width and min(n_new) > 0:
+            real = (ar[None, :] < n_new_t[:, None]).flatten()
+            packed = real.nonzero()[:, 0]
+            last = n_new_t.cumsum(0) - 1
+            positions = positions.flatten()[packed][None]
+            write_rows = write_rows.flatten()[packed][None]
+            write_pos = write_pos.flatten()[packed][None]
+        return cls(
+            row0, lens_t, n_new_t, positions, write_rows, write_pos, kv_len, mask, packed, last,
+            width,
+        )  # fmt: skip
+
+    def unpack(self, x: Tensor, b: int) -> Tensor:
+        """Packed [1, N, ...] -> padded [B, T, ...] (zeros at padding)."""
+        if self.packed is None:
+            return x
+        out = x.new_zeros((b * self.width,) + x.shape[2:])
+        out[self.packed] = x[0]
+        return out.view((b, self.width) + x.shape[2:])
+
+    def pack(self, x: Tensor) -> Tensor:
+        """Padded [B, T, ...] -> packed [1, N, ...]."""
+        if self.packed is None:
+            return x
+        return x.flatten(0, 1)[self.packed][None]
 
 
 class Rope:
@@ -171,6 +204,7 @@ class DecoderLayer(nn.Module):
         """
         # Functional calls on the modules' parameters: nn.Module.__call__ costs more than the
         # matmuls of a small model at batch 1.
+        # A packed batch brings x as [1, N, H] (real tokens only) and rope tables to match.
         b, t, h = x.shape
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv = F.linear(F.rms_norm(x, (h,), ln1.weight, ln1.eps), self.qkv.weight, self.qkv.bias)
@@ -192,12 +226,18 @@ class DecoderLayer(nn.Module):
         else:
             k_cache[batch.write_rows, batch.write_pos] = k
             v_cache[batch.write_rows, batch.write_pos] = v
-            rows = slice(batch.row0, batch.row0 + b)
+            rows_b = batch.lens.shape[0]
+            rows = slice(batch.row0, batch.row0 + rows_b)
             keys = k_cache[rows, : batch.kv_len].transpose(1, 2)
             values = v_cache[rows, : batch.kv_len].transpose(1, 2)
             att = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=batch.mask, enable_gqa=gqa
+                batch.unpack(q, rows_b).transpose(1, 2),
+                keys,
+                values,
+                attn_mask=batch.mask,
+                enable_gqa=gqa,
             )
+            att = batch.pack(att.transpose(1, 2)).transpose(1, 2)
         x = x + F.linear(att.transpose(1, 2).reshape(b, t, self.nq * self.hd), self.o_proj.weight)
         gate_up = F.linear(F.rms_norm(x, (h,), ln2.weight, ln2.eps), self.gate_up.weight)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -259,14 +299,18 @@ class CausalLM(nn.Module):
         The hidden state returned is post final norm (what lm_head consumes), [B, T, H].
         """
         cos, sin = self.rope(cache.max_len).tables(batch.positions)
-        x = self.embed_tokens(tokens)
+        x = batch.pack(self.embed_tokens(tokens))
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, batch, cos, sin, cache.k[i], cache.v[i])
         h = F.rms_norm(x, (x.shape[-1],), self.norm.weight, self.norm.eps)
+        b = tokens.shape[0]
         if last_only:
-            h_last = h[torch.arange(h.shape[0], device=h.device), batch.n_new - 1]
-            return self.logits(h_last), (h if return_hidden else None)
-        return self.logits(h), (h if return_hidden else None)
+            if batch.last is not None:
+                h_last = h[0, batch.last]
+            else:
+                h_last = h[torch.arange(b, device=h.device), batch.n_new - 1]
+            return self.logits(h_last), (batch.unpack(h, b) if return_hidden else None)
+        return batch.unpack(self.logits(h), b), (batch.unpack(h, b) if return_hidden else None)
 
 
 def _fuse_state_dict(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:

@@ -31,6 +31,7 @@ class _SpecTotals:
     def as_dict(self) -> dict[str, float | int | None]:
         return {
             "steps": self.steps,
+            "rows": self.rows,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "emitted": self.emitted,
