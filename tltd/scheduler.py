@@ -64,7 +64,7 @@ class JobView:
     served_tokens: int = 0  # tokens decoded for this job so far (the fair-share account)
     fresh_samples: int = 0  # finished samples not yet used for drafter training
     last_training_at: float | None = None
-    policy_updating: bool = False
+    policy_updating: bool = False  # a worker is loading new policy weights for this job
     online_training: bool = True
 
 

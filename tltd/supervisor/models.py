@@ -92,6 +92,7 @@ class ModelPlanner:
     async def _load(self, slot: WorkerSlot, job: Job, version: int) -> None:
         path = await self._policy_path(job.job_id, version)
         slot.loading, slot.since = True, time.monotonic()
+        slot.policy_load = job.job_id  # cleared by the Ready that ends every load
         if slot.job_id == job.job_id:
             slot.send(msg.LoadPolicy(path, version))
             slot.reason = f"loading policy version {version}"

@@ -47,7 +47,13 @@ def build_snapshot(
     served_tokens: Mapping[str, int],
     training: TrainingHook | None,
 ) -> Snapshot:
-    """The scheduler's input for one tick (live workers only)."""
+    """The scheduler's input for one tick (live workers only).
+
+    A job's policy is updating while any live worker loads its policy weights (UpdatePolicy
+    being applied, or a worker switching to the job): its drafter training must not start then.
+    """
+    slots = [s for s in slots if s.alive]
+    loading = {s.policy_load for s in slots if s.policy_load}
     job_views = []
     for j in jobs:
         fresh, last = training.job_view(j.job_id) if training else (0, None)
@@ -59,13 +65,14 @@ def build_snapshot(
                 served_tokens=served_tokens.get(j.job_id, 0),
                 fresh_samples=fresh,
                 last_training_at=last,
+                policy_updating=j.job_id in loading,
                 online_training=training is not None and j.speculative.online_training,
             )
         )
     return Snapshot(
         now=now,
         devices=tuple(device_view(d) for d in devices),
-        workers=tuple(worker_view(s, queue) for s in slots if s.alive),
+        workers=tuple(worker_view(s, queue) for s in slots),
         training=training.views() if training else (),
         pending=tuple(queue.pending_work()),
         jobs=tuple(job_views),

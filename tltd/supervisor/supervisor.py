@@ -418,7 +418,7 @@ class Supervisor:
         if slot.dead_at is not None:
             return
         slot.dead_at = time.monotonic()
-        slot.ready = False
+        slot.ready, slot.policy_load = False, ""
         if slot.outbox is not None:
             slot.outbox.put(None)
         proc = slot.proc
@@ -457,7 +457,7 @@ class Supervisor:
                 first = not slot.ready
                 slot.ready, slot.loading, slot.failures = True, False, 0
                 slot.job_id, slot.policy_version = m.job_id, m.policy_version
-                slot.target_job = ""
+                slot.target_job = slot.policy_load = ""
                 slot.drafter_version = m.drafter_version
                 slot.reason = (
                     f"job {m.job_id} policy v{m.policy_version} drafter v{m.drafter_version}"

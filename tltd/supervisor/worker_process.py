@@ -51,6 +51,9 @@ class WorkerSlot:
     heartbeat: msg.Heartbeat | None = None
     job_id: str = ""
     target_job: str = ""  # the job a LoadModel in flight is loading
+    # The job whose policy weights a LoadModel/LoadPolicy in flight loads ("" = none): while
+    # set, that job's policy update is being applied and its drafter training must not start.
+    policy_load: str = ""
     policy_version: int = 0
     drafter_version: int = 0
     seq: int = 0
@@ -97,7 +100,7 @@ def spawn(
     slot.ready, slot.loading, slot.since = False, True, time.monotonic()
     slot.dead_at, slot.vacated, slot.heartbeat = None, False, None
     slot.job_id, slot.policy_version, slot.drafter_version = "", 0, 0
-    slot.target_job = ""
+    slot.target_job = slot.policy_load = ""
     slot.unacked.clear()
     slot.idle_since = None
     slot.last_heartbeat = time.monotonic()
