@@ -64,7 +64,7 @@ class JobView:
     served_tokens: int = 0  # tokens decoded for this job so far (the fair-share account)
     fresh_samples: int = 0  # finished samples not yet used for drafter training
     last_training_at: float | None = None
-    policy_updating: bool = False
+    policy_updating: bool = False  # a worker is loading new policy weights for this job
     online_training: bool = True
 
 
@@ -96,37 +96,47 @@ class Decision:
 
 
 def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decision:
-    """One scheduling tick: preempt, place pending work, detect idle devices, start training."""
+    """One scheduling tick: place pending work, preempt training it needs, detect idle devices,
+    start training.
+
+    Rollout always wins over drafter training, for any job's work: training yields on a device
+    whose rollout worker gets work in the balanced placement, and on devices that must switch
+    to a job whose work no worker can take (its workers are full or hold another version).
+    """
     schedulable = {d.device_id for d in snap.devices if d.schedulable}
     jobs = {j.job_id: j for j in snap.jobs}
+    training = {t.device_id for t in snap.training}
     reasons: dict[str, str] = {}
 
-    # Rollout always wins: training yields the moment its device is needed or no longer ours.
-    waiting_jobs = {p.job_id for p in snap.pending}
-    preempt = []
+    preempt = [t.device_id for t in snap.training if t.device_id not in schedulable]
+    for device_id in preempt:
+        reasons[device_id] = "device cordoned, draining or foreign"
+
+    # Place as if training had already yielded, so weighted fair share and load balance decide
+    # alone; a training device whose worker got work is needed now.
+    assignments, load = _place(snap, cfg, schedulable, training, jobs)
+    worker_device = {w.worker_id: w.device_id for w in snap.workers}
+    needed = {worker_device[a.worker_id] for a in assignments} & training
     for t in snap.training:
-        if t.device_id not in schedulable:
-            preempt.append(t.device_id)
-            reasons[t.device_id] = "device cordoned, draining or foreign"
-        elif _device_has_rollout_worker_for(snap, t.device_id, waiting_jobs):
+        if t.device_id in needed and t.device_id not in preempt:
             preempt.append(t.device_id)
             reasons[t.device_id] = "rollout work is waiting"
-    training_devices = {t.device_id for t in snap.training} - set(preempt)
 
-    assignments, load = _place(snap, cfg, schedulable, training_devices, jobs)
+    # Work that fits no worker now needs a free worker switched to its job (the supervisor loads
+    # the model): free rollout devices are used first, training yields only for the rest.
+    reserved, waiting = _reserve_for_unplaced(snap, cfg, schedulable, training, jobs, assignments)
+    for device_id in reserved:
+        if device_id in training and device_id not in preempt:
+            preempt.append(device_id)
+            reasons[device_id] = f"rollout work is waiting (no free worker for job {waiting})"
 
-    idle = _idle_devices(snap, cfg, schedulable, load, training_devices)
-    starts = _training_starts(snap, cfg, idle, jobs, training_devices)
+    # A training device is not idle even when preempted: it is busy yielding this tick.
+    busy = training | set(reserved)
+    idle = _idle_devices(snap, cfg, schedulable, load, busy)
+    starts = _training_starts(snap, cfg, idle, jobs, training - set(preempt))
     for s in starts:
         reasons[s.device_id] = f"idle for >= {cfg.idle_grace_seconds:g}s with fresh data"
     return Decision(tuple(assignments), tuple(idle), tuple(starts), tuple(preempt), reasons)
-
-
-def _device_has_rollout_worker_for(snap: Snapshot, device_id: str, job_ids: set[str]) -> bool:
-    return any(
-        w.device_id == device_id and (w.job_id in job_ids or (w.job_id == "" and job_ids))
-        for w in snap.workers
-    )
 
 
 def _place(
@@ -136,12 +146,16 @@ def _place(
     training_devices: set[str],
     jobs: dict[str, JobView],
 ) -> tuple[list[Assignment], dict[str, tuple[int, int]]]:
-    """Weighted fair share across jobs, least expected remaining work across workers."""
+    """Weighted fair share across jobs, least expected remaining work across workers.
+
+    Workers on training devices count as free (rollout wins), but on a tie a worker whose
+    device is not training is preferred, so training is not preempted for nothing.
+    """
     # (running samples, remaining tokens) per eligible worker; mutated as we place.
     load = {
         w.worker_id: (w.running_samples, w.remaining_tokens)
         for w in snap.workers
-        if w.ready and w.device_id in schedulable and w.device_id not in training_devices
+        if w.ready and w.device_id in schedulable
     }
     by_worker = {w.worker_id: w for w in snap.workers}
     # Virtual time per job: tokens served / weight. Higher priority always goes first.
@@ -172,7 +186,15 @@ def _place(
             ]
             if not candidates:
                 break
-            wid = min(candidates, key=lambda w: (load[w][1], load[w][0], w))
+            wid = min(
+                candidates,
+                key=lambda w: (
+                    load[w][1],
+                    load[w][0],
+                    by_worker[w].device_id in training_devices,
+                    w,
+                ),
+            )
             running, tokens = load[wid]
             load[wid] = (running + 1, tokens + work.expected_tokens)
             per_worker[wid] = per_worker.get(wid, 0) + 1
@@ -193,17 +215,58 @@ def _place(
     return assignments, load
 
 
+def _reserve_for_unplaced(
+    snap: Snapshot,
+    cfg: SchedulerConfig,
+    schedulable: set[str],
+    training_devices: set[str],
+    jobs: dict[str, JobView],
+    assignments: list[Assignment],
+) -> tuple[list[str], str]:
+    """Devices whose free workers should switch to the work left unplaced, and its job ids.
+
+    A worker is free when it runs nothing and got nothing this tick; its device counts for
+    `max_samples_per_worker` per free worker. Free rollout devices come first, then training
+    devices, each in id order, until the unplaced samples are covered.
+    """
+    placed: dict[tuple[str, int], int] = {}
+    for a in assignments:
+        key = (a.request_id, a.prompt_index)
+        placed[key] = placed.get(key, 0) + a.samples
+    unplaced: dict[str, int] = {}
+    for p in snap.pending:
+        left = p.samples - placed.get((p.request_id, p.prompt_index), 0)
+        if left > 0 and p.job_id in jobs:
+            unplaced[p.job_id] = unplaced.get(p.job_id, 0) + left
+    need = sum(unplaced.values())
+    if not need:
+        return [], ""
+    taken = {a.worker_id for a in assignments}
+    in_use = {w.device_id for w in snap.workers if w.running_samples or w.worker_id in taken}
+    capacity: dict[str, int] = {}
+    for w in snap.workers:
+        if w.device_id in schedulable and w.device_id not in in_use:
+            capacity[w.device_id] = capacity.get(w.device_id, 0) + cfg.max_samples_per_worker
+    reserved = []
+    for device_id in sorted(capacity, key=lambda d: (d in training_devices, d)):
+        if need <= 0:
+            break
+        reserved.append(device_id)
+        need -= capacity[device_id]
+    return reserved, ", ".join(sorted(unplaced))
+
+
 def _idle_devices(
     snap: Snapshot,
     cfg: SchedulerConfig,
     schedulable: set[str],
     load: dict[str, tuple[int, int]],
-    training_devices: set[str],
+    busy_devices: set[str],
 ) -> list[str]:
     """A device is idle when no worker on it has work, for at least the idle grace period."""
     idle = []
     for d in snap.devices:
-        if d.device_id not in schedulable or d.device_id in training_devices:
+        if d.device_id not in schedulable or d.device_id in busy_devices:
             continue
         workers = [w for w in snap.workers if w.device_id == d.device_id]
         busy = any(load.get(w.worker_id, (w.running_samples, 0))[0] > 0 for w in workers)

@@ -459,7 +459,7 @@ class DrafterTraining:
                 return None
 
     async def _record(self, run: _Run, state: WorkerState, reason: str) -> None:
-        from tltd.supervisor import _upsert_worker
+        from tltd.supervisor.writes import upsert_worker
 
         worker = Worker(
             worker_id=run.worker_id,
@@ -470,7 +470,7 @@ class DrafterTraining:
             pid=(run.worker.proc.pid or 0) if run.worker is not None else 0,
             state_reason=reason,
         )
-        await self._write(_upsert_worker, self.store, worker)
+        await self._write(upsert_worker, self.store, worker)
 
 
 def _write_pipe(outbox: threading_queue.Queue, conn: Any) -> None:

@@ -16,7 +16,9 @@ from tltd.scheduler import (
 )
 
 CFG = SchedulerConfig(
-    idle_grace_seconds=2.0, min_fresh_samples=10, training_cadence_seconds=30.0,
+    idle_grace_seconds=2.0,
+    min_fresh_samples=10,
+    training_cadence_seconds=30.0,
     max_samples_per_worker=8,
 )
 
@@ -25,13 +27,20 @@ def dev(i: int, ok: bool = True) -> DeviceView:
     return DeviceView(f"cpu:{i}", ok)
 
 
-def wk(i: int, job: str = "j", running: int = 0, tokens: int = 0, idle_since: float | None = None,
-       ready: bool = True) -> RolloutWorkerView:
+def wk(
+    i: int,
+    job: str = "j",
+    running: int = 0,
+    tokens: int = 0,
+    idle_since: float | None = None,
+    ready: bool = True,
+) -> RolloutWorkerView:
     return RolloutWorkerView(f"w{i}", f"cpu:{i}", job, ready, running, tokens, idle_since)
 
 
-def work(req: str, idx: int = 0, job: str = "j", n: int = 1, tokens: int = 100,
-         at: float = 0.0) -> PendingWork:
+def work(
+    req: str, idx: int = 0, job: str = "j", n: int = 1, tokens: int = 100, at: float = 0.0
+) -> PendingWork:
     return PendingWork(req, idx, job, n, tokens, at)
 
 
@@ -39,8 +48,9 @@ DEFAULT_JOBS = (JobView("j"),)
 
 
 def snap(devices=(), workers=(), training=(), pending=(), jobs=DEFAULT_JOBS, now=100.0):
-    return Snapshot(now, tuple(devices), tuple(workers), tuple(training), tuple(pending),
-                    tuple(jobs))
+    return Snapshot(
+        now, tuple(devices), tuple(workers), tuple(training), tuple(pending), tuple(jobs)
+    )
 
 
 def placed(decision) -> dict[str, int]:
@@ -53,18 +63,32 @@ def placed(decision) -> dict[str, int]:
 @pytest.mark.parametrize(
     "name, workers, pending, expected",
     [
-        ("least remaining work wins, not fewest samples",
-         [wk(0, running=1, tokens=900), wk(1, running=3, tokens=300)],
-         [work("r", n=1)], {"w1": 1}),
-        ("n samples of one prompt spread to balance",
-         [wk(0), wk(1)], [work("r", n=4)], {"w0": 2, "w1": 2}),
-        ("spread follows existing load",
-         [wk(0, running=1, tokens=200), wk(1)], [work("r", n=4)], {"w0": 1, "w1": 3}),
+        (
+            "least remaining work wins, not fewest samples",
+            [wk(0, running=1, tokens=900), wk(1, running=3, tokens=300)],
+            [work("r", n=1)],
+            {"w1": 1},
+        ),
+        (
+            "n samples of one prompt spread to balance",
+            [wk(0), wk(1)],
+            [work("r", n=4)],
+            {"w0": 2, "w1": 2},
+        ),
+        (
+            "spread follows existing load",
+            [wk(0, running=1, tokens=200), wk(1)],
+            [work("r", n=4)],
+            {"w0": 1, "w1": 3},
+        ),
         ("capacity caps a worker", [wk(0, running=7, tokens=10)], [work("r", n=4)], {"w0": 1}),
-        ("worker not ready gets nothing", [wk(0, ready=False), wk(1)], [work("r", n=2)],
-         {"w1": 2}),
-        ("worker of another job gets nothing", [wk(0, job="other"), wk(1)], [work("r", n=2)],
-         {"w1": 2}),
+        ("worker not ready gets nothing", [wk(0, ready=False), wk(1)], [work("r", n=2)], {"w1": 2}),
+        (
+            "worker of another job gets nothing",
+            [wk(0, job="other"), wk(1)],
+            [work("r", n=2)],
+            {"w1": 2},
+        ),
     ],
 )
 def test_placement_balances_expected_work(name, workers, pending, expected):
@@ -154,8 +178,12 @@ def test_training_start(name, job, expected):
 def test_one_training_task_per_job_and_none_on_training_device():
     job = JobView("j", fresh_samples=50)
     d = schedule(
-        snap([dev(0), dev(1)], [wk(0, idle_since=0.0), wk(1, idle_since=0.0)],
-             training=[TrainingView("cpu:0", "j")], jobs=[job]),
+        snap(
+            [dev(0), dev(1)],
+            [wk(0, idle_since=0.0), wk(1, idle_since=0.0)],
+            training=[TrainingView("cpu:0", "j")],
+            jobs=[job],
+        ),
         CFG,
     )
     assert d.start_training == () and d.preempt_training == ()
@@ -164,8 +192,12 @@ def test_one_training_task_per_job_and_none_on_training_device():
 
 def test_training_preempted_when_rollout_work_arrives():
     d = schedule(
-        snap([dev(0)], [wk(0, idle_since=0.0)], training=[TrainingView("cpu:0", "j")],
-             pending=[work("r", n=2)]),
+        snap(
+            [dev(0)],
+            [wk(0, idle_since=0.0)],
+            training=[TrainingView("cpu:0", "j")],
+            pending=[work("r", n=2)],
+        ),
         CFG,
     )
     assert d.preempt_training == ("cpu:0",)
@@ -180,10 +212,188 @@ def test_training_preempted_on_cordon_or_foreign_process():
 
 def test_training_not_preempted_by_other_jobs_work():
     d = schedule(
-        snap([dev(0), dev(1)], [wk(0, job="j", idle_since=0.0), wk(1, job="k")],
-             training=[TrainingView("cpu:0", "j")], pending=[work("r", job="k")],
-             jobs=[JobView("j"), JobView("k")]),
+        snap(
+            [dev(0), dev(1)],
+            [wk(0, job="j", idle_since=0.0), wk(1, job="k")],
+            training=[TrainingView("cpu:0", "j")],
+            pending=[work("r", job="k")],
+            jobs=[JobView("j"), JobView("k")],
+        ),
         CFG,
     )
     assert d.preempt_training == ()
     assert placed(d) == {"w1": 1}
+
+
+def test_training_not_preempted_when_a_free_rollout_worker_takes_the_tie():
+    # Same expected work on both workers: the one not training takes it.
+    d = schedule(
+        snap(
+            [dev(0), dev(1)],
+            [wk(0, idle_since=0.0), wk(1, idle_since=0.0)],
+            training=[TrainingView("cpu:0", "j")],
+            pending=[work("r", n=1)],
+        ),
+        CFG,
+    )
+    assert d.preempt_training == () and placed(d) == {"w1": 1}
+
+
+def test_training_preempted_when_balance_needs_its_device():
+    # Two samples: balancing expected work puts one on the training device's worker.
+    d = schedule(
+        snap(
+            [dev(0), dev(1)],
+            [wk(0, idle_since=0.0), wk(1, idle_since=0.0)],
+            training=[TrainingView("cpu:0", "j")],
+            pending=[work("r", n=2)],
+        ),
+        CFG,
+    )
+    assert d.preempt_training == ("cpu:0",) and placed(d) == {"w0": 1, "w1": 1}
+
+
+@pytest.mark.parametrize(
+    "name, workers, pending, expected_preempt, expected_not_idle",
+    [
+        (
+            "another job's workers are full: training of j yields to k's work",
+            [wk(0, job="j", idle_since=0.0), wk(1, job="k", running=8, tokens=800)],
+            [work("r", job="k", n=2)],
+            ("cpu:0",),
+            {"cpu:0"},
+        ),
+        (
+            "k's worker holds another policy version: it needs a switched worker",
+            [wk(0, job="j", idle_since=0.0)],
+            [PendingWork("r", 0, "k", 2, 100, 0.0, policy_version=3)],
+            ("cpu:0",),
+            {"cpu:0"},
+        ),
+        (
+            "a free rollout worker is switched before training yields",
+            [
+                wk(0, job="j", idle_since=0.0),
+                wk(1, job="j", running=8, tokens=800),
+                wk(2, job="j", idle_since=0.0),
+            ],
+            [work("r", job="k", n=2)],
+            (),
+            {"cpu:0", "cpu:2"},
+        ),
+    ],
+)
+def test_training_preempted_by_any_jobs_waiting_work(
+    name, workers, pending, expected_preempt, expected_not_idle
+):
+    devices = [dev(i) for i in range(len(workers))]
+    jobs = [JobView("j"), JobView("k", fresh_samples=50)]
+    d = schedule(
+        snap(devices, workers, training=[TrainingView("cpu:0", "j")], pending=pending, jobs=jobs),
+        CFG,
+    )
+    assert d.preempt_training == expected_preempt, name
+    for device_id in expected_preempt:
+        assert "rollout work is waiting" in d.reasons[device_id]
+        assert "job k" in d.reasons[device_id]
+    # Devices that training yields or workers are switched on are not idle: k's data-rich
+    # job must not start training on the device its work is about to use.
+    assert not expected_not_idle & set(d.idle_devices), name
+    assert d.start_training == (), name
+
+
+def test_only_as_many_training_devices_yield_as_the_waiting_work_needs():
+    workers = [
+        wk(0, job="a", idle_since=0.0),
+        wk(1, job="b", idle_since=0.0),
+        wk(2, job="k", running=8, tokens=800),
+    ]
+    training = [TrainingView("cpu:0", "a"), TrainingView("cpu:1", "b")]
+    jobs = [JobView("a"), JobView("b"), JobView("k")]
+    d = schedule(
+        snap(
+            [dev(0), dev(1), dev(2)],
+            workers,
+            training=training,
+            pending=[work("r", job="k", n=3)],
+            jobs=jobs,
+        ),
+        CFG,  # 8 samples per worker: one device covers 3
+    )
+    assert d.preempt_training == ("cpu:0",)
+
+
+def test_fair_share_holds_on_the_device_training_yields():
+    jobs = [JobView("a", weight=3.0), JobView("b", weight=1.0)]
+    workers = [RolloutWorkerView("w0", "cpu:0", "", True, idle_since=0.0)]
+    pending = [work(f"a{i}", job="a", at=i) for i in range(8)] + [
+        work(f"b{i}", job="b", at=i) for i in range(8)
+    ]
+    d = schedule(
+        snap([dev(0)], workers, training=[TrainingView("cpu:0", "a")], pending=pending, jobs=jobs),
+        CFG,
+    )
+    assert d.preempt_training == ("cpu:0",)
+    order = [a.request_id[0] for a in d.assignments]
+    assert order.count("a") == 6 and order.count("b") == 2  # 3:1 by weight, as without training
+
+
+def test_preempted_device_gets_no_training_start_in_the_same_tick():
+    d = schedule(
+        snap(
+            [dev(0)],
+            [wk(0, job="j", idle_since=0.0)],
+            training=[TrainingView("cpu:0", "j")],
+            pending=[PendingWork("r", 0, "k", 1, 100, 0.0)],
+            jobs=[JobView("j"), JobView("k", fresh_samples=50)],
+        ),
+        CFG,
+    )
+    assert d.preempt_training == ("cpu:0",)
+    assert d.idle_devices == () and d.start_training == ()
+
+
+def test_worker_starting_up_is_not_idle():
+    d = schedule(snap([dev(0)], [wk(0, ready=False, idle_since=None)]), CFG)
+    assert d.idle_devices == ()
+
+
+@pytest.mark.parametrize(
+    "name, workers, expected",
+    [
+        ("idle within the grace: no training yet", [wk(0, idle_since=99.5)], []),
+        ("busy device: no training", [wk(0, running=1, tokens=10, idle_since=None)], []),
+    ],
+)
+def test_training_starts_only_on_idle_devices(name, workers, expected):
+    d = schedule(snap([dev(0)], workers, jobs=[JobView("j", fresh_samples=50)]), CFG)
+    assert [t.device_id for t in d.start_training] == expected, name
+
+
+def test_training_start_goes_to_the_job_with_most_fresh_data_first():
+    jobs = [JobView("a", fresh_samples=20), JobView("b", fresh_samples=40)]
+    d = schedule(snap([dev(0)], [wk(0, job="", idle_since=0.0)], jobs=jobs), CFG)
+    assert [(t.device_id, t.job_id) for t in d.start_training] == [("cpu:0", "b")]
+    d = schedule(
+        snap(
+            [dev(0), dev(1)],
+            [wk(0, job="", idle_since=0.0), wk(1, job="", idle_since=0.0)],
+            jobs=jobs,
+        ),
+        CFG,
+    )
+    assert [(t.device_id, t.job_id) for t in d.start_training] == [("cpu:0", "b"), ("cpu:1", "a")]
+
+
+def test_policy_update_blocks_only_its_own_jobs_training():
+    jobs = [JobView("a", fresh_samples=50, policy_updating=True), JobView("b", fresh_samples=20)]
+    d = schedule(snap([dev(0)], [wk(0, job="", idle_since=0.0)], jobs=jobs), CFG)
+    assert [t.job_id for t in d.start_training] == ["b"]
+
+
+def test_training_is_never_started_on_an_unschedulable_device():
+    d = schedule(
+        snap([dev(0, ok=False)], [wk(0, idle_since=0.0)], jobs=[JobView("j", fresh_samples=50)]),
+        CFG,
+    )
+    assert d.idle_devices == () and d.start_training == ()

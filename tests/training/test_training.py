@@ -84,11 +84,16 @@ def test_round_publishes_a_version_and_shutdown_leaves_a_checkpoint(start_daemon
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
         list(c.generate("job", PROMPTS, sampling=sampling(**PARAMS), request_id="b-1"))
-        listed = _wait(lambda: (r := c.list_drafters("job")).drafters and r, what="a version")
+        evaluated = (drafter_pb2.DRAFTER_STATUS_PROMOTED, drafter_pb2.DRAFTER_STATUS_REJECTED)
+        # publish() inserts the row as CANDIDATE, then evaluates it in a second write.
+        listed = _wait(
+            lambda: (
+                (r := c.list_drafters("job")).drafters and r.drafters[0].status in evaluated and r
+            ),
+            what="an evaluated version",
+        )
         [v] = listed.drafters
         assert v.train_steps == 3 and v.policy_version == 0 and v.acceptance_length > 0
-        evaluated = (drafter_pb2.DRAFTER_STATUS_PROMOTED, drafter_pb2.DRAFTER_STATUS_REJECTED)
-        assert v.status in evaluated
         w = _wait(lambda: (t := _trainer(c)) and t.state == "ready" and t, what="round done")
         assert "published version 1" in w.state_reason
     if v.status == drafter_pb2.DRAFTER_STATUS_PROMOTED:  # the supervisor hot-swaps it in

@@ -1,0 +1,83 @@
+"""The supervisor's state folded into the scheduler's Snapshot (plain values, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tltd.domain import Device, DeviceKind, DeviceState, Job
+from tltd.scheduler import TrainingView
+from tltd.supervisor.snapshot import build_snapshot, device_view
+from tltd.supervisor.worker_process import WorkerSlot
+from tltd.workqueue import WorkQueue
+
+
+def device(i: int = 0, **kw) -> Device:
+    return Device(device_id=f"cpu:{i}", kind=DeviceKind.CPU, index=i, **kw)
+
+
+@pytest.mark.parametrize(
+    "name, d, schedulable",
+    [
+        ("ours and idle", device(), True),
+        ("cordoned", device(cordoned=True), False),
+        ("draining", device(draining=True), False),
+        ("taken by a foreign process", device(foreign=True), False),
+        ("unavailable", device(state=DeviceState.UNAVAILABLE), False),
+        ("training is still ours", device(state=DeviceState.TRAINING), True),
+    ],
+)
+def test_device_view_folds_cordon_drain_foreign_and_unavailable(name, d, schedulable):
+    assert device_view(d).schedulable is schedulable, name
+
+
+def slot(i: int, job: str = "j", alive: bool = True, **kw) -> WorkerSlot:
+    s = WorkerSlot(f"w{i}", device(i), proc=object() if alive else None, job_id=job, **kw)
+    s.ready, s.loading = True, False
+    return s
+
+
+class Hook:
+    def views(self):
+        return (TrainingView("cpu:9", "j"),)
+
+    def job_view(self, job_id):
+        return (7, 1.5)
+
+
+def snap(slots, jobs=("j", "k"), training=None):
+    return build_snapshot(
+        10.0,
+        [device(0)],
+        [Job(job_id=j, model_path="/m") for j in jobs],
+        slots,
+        WorkQueue(),
+        {"j": 40},
+        training,
+    )
+
+
+def test_a_job_is_policy_updating_while_a_live_worker_loads_its_weights():
+    loading = slot(0, policy_load="j")
+    loading.loading = True
+    s = snap([loading, slot(1, job="k")], training=Hook())
+    jobs = {j.job_id: j for j in s.jobs}
+    assert jobs["j"].policy_updating and not jobs["k"].policy_updating
+    assert [w.ready for w in s.workers] == [False, True]  # no work while it loads
+
+
+def test_a_dead_worker_neither_counts_nor_updates():
+    s = snap([slot(0, alive=False, policy_load="j")], training=Hook())
+    assert s.workers == () and not any(j.policy_updating for j in s.jobs)
+
+
+def test_job_accounts_come_from_the_training_hook_and_served_tokens():
+    s = snap([slot(0)], training=Hook())
+    j = next(j for j in s.jobs if j.job_id == "j")
+    assert (j.served_tokens, j.fresh_samples, j.last_training_at, j.online_training) == (
+        40,
+        7,
+        1.5,
+        True,
+    )
+    assert s.training == (TrainingView("cpu:9", "j"),)
+    assert not any(j.online_training for j in snap([slot(0)]).jobs)  # no hook: no training

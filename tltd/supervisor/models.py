@@ -1,0 +1,143 @@
+"""Which model each rollout worker holds: job, policy version and drafter, and loading them.
+
+Policy versions: a request runs entirely on the policy version that was current when it was
+accepted ("finish on the old version"). A worker switches version (or job) only when it has
+nothing running, to the oldest version that still has waiting work, else to its job's current
+version; a promoted drafter is hot-swapped in between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from tltd.domain import DeviceKind, Job, SpeculativeMode
+from tltd.settings import Settings
+from tltd.supervisor.worker_process import WorkerSlot
+from tltd.workqueue import WorkQueue
+from workers.rollout import protocol as msg
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class ModelPlanner:
+    """Points every empty worker at the (job, policy version) it should hold next."""
+
+    def __init__(self, store: Store, settings: Settings) -> None:
+        self.store = store
+        self.settings = settings
+        self.bad_versions: set[tuple[str, int]] = set()  # (job, policy version) failed to load
+        self.bad_drafters: set[tuple[str, int]] = set()  # (job, drafter version) failed to load
+        self._paths: dict[tuple[str, int], str] = {}
+
+    async def plan(
+        self, slots: Mapping[str, WorkerSlot], queue: WorkQueue, jobs: dict[str, Job]
+    ) -> None:
+        """Send each ready worker the load it needs now (policy first, else the drafter)."""
+        pending: dict[str, set[int]] = {}
+        for p in queue.pending_work():
+            pending.setdefault(p.job_id, set()).add(p.policy_version or 0)
+        for slot in slots.values():
+            if not slot.alive or not slot.ready or slot.loading:
+                continue
+            if queue.inflight(slot.worker_id) == 0:
+                target = self._target(slot, slots.values(), jobs, pending)
+                if target is not None and target != (slot.job_id, slot.policy_version):
+                    await self._load(slot, jobs[target[0]], target[1])
+                    continue
+            job = jobs.get(slot.job_id)
+            if job is not None:
+                await self._sync_drafter(slot, job)
+
+    def _target(
+        self,
+        slot: WorkerSlot,
+        slots: Iterable[WorkerSlot],
+        jobs: dict[str, Job],
+        pending: dict[str, set[int]],
+    ) -> tuple[str, int] | None:
+        """What an empty worker should hold: its job's oldest version with waiting work; else
+        the job with waiting work and the fewest workers; else its job's current version (an
+        idle worker pre-loads a pushed policy); a worker with no job takes the newest job."""
+
+        def ok(job_id: str, v: int) -> bool:
+            return (job_id, v) not in self.bad_versions
+
+        def oldest(job_id: str) -> int | None:
+            return min((v for v in pending.get(job_id, ()) if ok(job_id, v)), default=None)
+
+        own = slot.job_id if slot.job_id in jobs else ""
+        if own and (v := oldest(own)) is not None:
+            return own, v  # old requests finish on their version
+        holders = Counter(s.target_job or s.job_id for s in slots if s.alive)
+        waiting = [j for j in pending if j in jobs and oldest(j) is not None]
+        if waiting:
+            job_id = min(waiting, key=lambda j: (holders[j], j))
+            return job_id, oldest(job_id)  # type: ignore[return-value]
+        if own and ok(own, jobs[own].policy_version):
+            return own, jobs[own].policy_version
+        if not own and jobs:
+            newest = max(jobs.values(), key=lambda j: (j.created_at or 0, j.job_id))
+            if ok(newest.job_id, newest.policy_version):
+                return newest.job_id, newest.policy_version
+        return None
+
+    async def _load(self, slot: WorkerSlot, job: Job, version: int) -> None:
+        path = await self._policy_path(job.job_id, version)
+        slot.loading, slot.since = True, time.monotonic()
+        slot.policy_load = job.job_id  # cleared by the Ready that ends every load
+        if slot.job_id == job.job_id:
+            slot.send(msg.LoadPolicy(path, version))
+            slot.reason = f"loading policy version {version}"
+            return
+        spec = job.speculative
+        device = "cpu" if slot.device.kind is DeviceKind.CPU else slot.device.device_id
+        engine = msg.EngineSpec(
+            max_batch=self.settings.worker_max_batch,
+            max_seq_len=self.settings.worker_max_seq_len,
+            spec_mode="off" if spec.mode is SpeculativeMode.OFF else "adaptive",
+            batch_threshold=spec.batch_threshold,
+            draft_lengths=spec.draft_lengths,
+            drafter=spec.drafter,
+            device=device,
+        )
+        slot.target_job = job.job_id
+        slot.send(msg.LoadModel(job.job_id, path, version, engine))
+        slot.reason = f"loading job {job.job_id} policy version {version}"
+
+    async def _policy_path(self, job_id: str, version: int) -> str:
+        key = (job_id, version)
+        if key not in self._paths:
+            pv = await asyncio.to_thread(self.store.get_policy_version, job_id, version)
+            self._paths[key] = pv.path
+        return self._paths[key]
+
+    async def _sync_drafter(self, slot: WorkerSlot, job: Job) -> None:
+        """Hot-swap the job's active learned drafter into the worker (between steps)."""
+        wanted = job.drafter_version
+        if job.speculative.mode is SpeculativeMode.OFF or job.speculative.drafter == "ngram":
+            wanted = 0
+        if wanted == slot.drafter_version or (job.job_id, wanted) in self.bad_drafters:
+            return
+        path = ""
+        if wanted:
+            path = (await asyncio.to_thread(self.store.get_drafter, job.job_id, wanted)).path
+        slot.loading, slot.since = True, time.monotonic()
+        slot.send(msg.SetDrafter(path, wanted))
+
+    def load_failed(self, m: msg.LoadFailed) -> str | None:
+        """Remember a version that cannot load; for a policy, the reason its requests fail."""
+        if m.drafter:
+            self.bad_drafters.add((m.job_id, m.policy_version))
+            log.error("drafter load failed", extra={"job_id": m.job_id, "error": m.message})
+            return None
+        self.bad_versions.add((m.job_id, m.policy_version))
+        log.error("policy load failed", extra={"job_id": m.job_id, "error": m.message})
+        return f"cannot load policy version {m.policy_version} of job {m.job_id}: {m.message}"

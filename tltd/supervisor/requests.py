@@ -1,0 +1,213 @@
+"""The live rollout requests: recovery after a crash, streams, and finishing or failing samples.
+
+Every accepted request ends COMPLETED, CANCELLED or FAILED with a reason; a sample no worker
+will report (cancelled, drained, its workers lost too often) is stored partial with no tokens,
+so the store and the streams always account for all `samples_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from tltd.domain import FinishReason, JobStatus, RequestStatus, RolloutRequest, Sample
+from tltd.settings import Settings
+from tltd.supervisor.writes import TERMINAL, OrderedWrites, add_samples, final_status
+from tltd.workqueue import Key, LiveRequest, WorkQueue
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+
+log = logging.getLogger(__name__)
+
+_OPEN = (RequestStatus.QUEUED, RequestStatus.RUNNING)
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What a Generate stream receives: a stored sample, or (sample None) the request's end."""
+
+    sample: Sample | None = None
+    status: RequestStatus | None = None
+    reason: str = ""
+
+
+class RolloutRequests:
+    """The work queue of live requests, their subscribers, and how their samples end."""
+
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        writes: OrderedWrites,
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+        kick: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.queue = WorkQueue()
+        self._writes = writes
+        self._spawn = spawn
+        self._kick = kick
+        self._subs: dict[str, list[asyncio.Queue[StreamEvent]]] = {}
+        self._finalizing: set[str] = set()
+
+    # ---- streams ----------------------------------------------------------------------------
+
+    def subscribe(self, request_id: str) -> asyncio.Queue[StreamEvent]:
+        q: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._subs.setdefault(request_id, []).append(q)
+        return q
+
+    def unsubscribe(self, request_id: str, q: asyncio.Queue[StreamEvent]) -> None:
+        subs = self._subs.get(request_id, [])
+        if q in subs:
+            subs.remove(q)
+        if not subs:
+            self._subs.pop(request_id, None)
+
+    def publish(self, request_id: str, event: StreamEvent) -> None:
+        for q in self._subs.get(request_id, []):
+            q.put_nowait(event)
+
+    # ---- admission and recovery ---------------------------------------------------------------
+
+    async def submit(self, req: RolloutRequest, policy_version: int) -> bool:
+        """Make a stored request live (idempotent: a live request is left as it is). Samples
+        already stored complete are not run again; a terminal request just ends its streams.
+        True when the request was (re)queued, so there may be work to schedule."""
+        if self.queue.get(req.request_id) is not None:
+            return False
+        cur = await asyncio.to_thread(self.store.get_request, req.request_id)
+        if cur.status in TERMINAL:
+            self.publish(cur.request_id, StreamEvent(None, cur.status, cur.status_reason))
+            return False
+        samples = await asyncio.to_thread(self.store.list_samples, req.request_id)
+        done = {(s.prompt_index, s.sample_index) for s in samples if not s.partial}
+        live, created = self.queue.add(cur, policy_version, done, time.monotonic())
+        if created and live.done:
+            self._spawn(self.finalize(live))
+        return True
+
+    async def recover(self) -> None:
+        """After a crash: every open request is re-queued with its missing samples, or failed
+        with a reason when it cannot run."""
+        open_reqs = await asyncio.to_thread(self.store.list_requests, list(_OPEN), None, 1 << 30)
+        for req in open_reqs:
+            await self._recover_request(req)
+
+    async def _recover_request(self, req: RolloutRequest) -> None:
+        job = await asyncio.to_thread(self.store.get_job, req.job_id)
+        if job.status is not JobStatus.ACTIVE:
+            await self._writes.write(
+                self.store.set_request_status,
+                req.request_id,
+                RequestStatus.FAILED,
+                f"daemon restarted: job {job.job_id} is {job.status.value}",
+            )
+            return
+        samples = await asyncio.to_thread(self.store.list_samples, req.request_id)
+        complete = [s for s in samples if not s.partial]
+        done = {(s.prompt_index, s.sample_index) for s in complete}
+        # Keep the request on the version its finished samples came from.
+        version = complete[0].policy_version if complete else job.policy_version
+        if req.status is RequestStatus.RUNNING:
+            missing = req.samples_total - len(done)
+            await self._writes.write(
+                self.store.set_request_status,
+                req.request_id,
+                RequestStatus.QUEUED,
+                f"daemon restarted: {missing} of {req.samples_total} samples re-queued",
+            )
+            req = replace(req, status=RequestStatus.QUEUED)
+        live, _ = self.queue.add(req, version, done, time.monotonic())
+        log.info(
+            "request recovered",
+            extra={"request_id": req.request_id, "missing": req.samples_total - len(done)},
+        )
+        if live.done:
+            self._spawn(self.finalize(live))
+
+    # ---- samples that end without a worker's report --------------------------------------------
+
+    async def retry_sample(self, live: LiveRequest, key: Key) -> None:
+        """A sample that could not be stored runs again (counts as a lost attempt)."""
+        if self.queue.requeue(live.request_id, key, self.settings.max_sample_attempts):
+            await self.finish_unstarted(live, [key], FinishReason.FAILED, "cannot store sample")
+        self._kick()
+
+    async def lose_worker(self, worker_id: str, why: str) -> None:
+        """A worker is gone: its samples are re-queued, or end when out of attempts or when
+        their request was already closed (cancelled, drained)."""
+        n = self.settings.max_sample_attempts
+        for live, key in self.queue.lose_worker(worker_id, n):
+            if live.outcome is RequestStatus.CANCELLED:
+                reason, error = FinishReason.CANCELLED, live.reason
+            elif live.outcome is RequestStatus.FAILED:
+                reason, error = FinishReason.ABORTED, live.reason
+            else:
+                reason, error = FinishReason.FAILED, f"{n} workers lost running it: {why}"
+            await self.finish_unstarted(live, [key], reason, error)
+
+    def fail_version(self, job_id: str, policy_version: int, reason: str) -> None:
+        """Fail every live request of a policy version that cannot be loaded."""
+        for live in list(self.queue):
+            if live.job_id == job_id and live.policy_version == policy_version:
+                keys = self.queue.close(live.request_id, RequestStatus.FAILED, reason)
+                self._spawn(self.finish_unstarted(live, keys, FinishReason.FAILED, reason))
+
+    async def finish_unstarted(
+        self, live: LiveRequest, keys: list[Key], reason: FinishReason, error: str
+    ) -> None:
+        """Finish samples no worker will report: store them (partial, no tokens), stream them."""
+        samples = [
+            Sample(
+                live.request_id,
+                p,
+                s,
+                (),
+                (),
+                reason,
+                policy_version=live.policy_version,
+                partial=True,
+                error=error,
+            )
+            for p, s in keys
+        ]
+        if samples:
+            await self._writes.write(add_samples, self.store, samples)
+        for sample in samples:
+            key = (sample.prompt_index, sample.sample_index)
+            failed = error if reason is FinishReason.FAILED else None
+            if self.queue.finish(live.request_id, key, failed) is not None:
+                self.publish(live.request_id, StreamEvent(sample))
+        if live.done:
+            await self.finalize(live)
+
+    async def finalize(self, live: LiveRequest) -> None:
+        """Every sample is accounted for: record the request's final status, end the streams."""
+        if live.request_id in self._finalizing:
+            return
+        self._finalizing.add(live.request_id)
+        total = live.req.samples_total
+        if live.outcome is not None:
+            status, reason = live.outcome, live.reason
+        elif live.failed:
+            status = RequestStatus.FAILED
+            reason = f"{live.failed} of {total} samples failed: {live.first_error}"
+        else:
+            status, reason = RequestStatus.COMPLETED, f"all {total} samples finished"
+        try:
+            final = await self._writes.write(
+                final_status, self.store, live.request_id, status, reason
+            )
+            status, reason = final.status, final.status_reason
+        finally:
+            self.queue.remove(live.request_id)
+            self._finalizing.discard(live.request_id)
+            self.publish(live.request_id, StreamEvent(None, status, reason))
+            self._kick()

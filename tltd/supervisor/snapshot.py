@@ -1,0 +1,79 @@
+"""What the scheduler sees: the supervisor's state folded into a `tltd.scheduler.Snapshot`.
+
+Kept apart from the process code so the folding rules (which device is schedulable, which
+worker is ready, what a job's training account is) are plain functions of plain values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from tltd.domain import Device, DeviceState, Job
+from tltd.scheduler import DeviceView, JobView, RolloutWorkerView, Snapshot
+from tltd.supervisor.worker_process import WorkerSlot
+from tltd.workqueue import WorkQueue
+
+if TYPE_CHECKING:
+    from tltd.supervisor.supervisor import TrainingHook
+
+
+def device_view(d: Device) -> DeviceView:
+    """Cordoned, draining, foreign and unavailable devices all get no new work."""
+    return DeviceView(d.device_id, d.schedulable and d.state is not DeviceState.UNAVAILABLE)
+
+
+def worker_view(s: WorkerSlot, queue: WorkQueue) -> RolloutWorkerView:
+    # Work sent but not yet acknowledged by a heartbeat counts at its full token budget.
+    tokens = (s.heartbeat.remaining_tokens if s.heartbeat else 0) + sum(s.unacked.values())
+    return RolloutWorkerView(
+        s.worker_id,
+        s.device.device_id,
+        s.job_id,
+        ready=s.ready and not s.loading and bool(s.job_id),
+        running_samples=queue.inflight(s.worker_id),
+        remaining_tokens=tokens,
+        idle_since=s.idle_since,
+        policy_version=s.policy_version,
+    )
+
+
+def build_snapshot(
+    now: float,
+    devices: Iterable[Device],
+    jobs: Iterable[Job],
+    slots: Iterable[WorkerSlot],
+    queue: WorkQueue,
+    served_tokens: Mapping[str, int],
+    training: TrainingHook | None,
+) -> Snapshot:
+    """The scheduler's input for one tick (live workers only).
+
+    A job's policy is updating while any live worker loads its policy weights (UpdatePolicy
+    being applied, or a worker switching to the job): its drafter training must not start then.
+    """
+    slots = [s for s in slots if s.alive]
+    loading = {s.policy_load for s in slots if s.policy_load}
+    job_views = []
+    for j in jobs:
+        fresh, last = training.job_view(j.job_id) if training else (0, None)
+        job_views.append(
+            JobView(
+                j.job_id,
+                weight=j.weight,
+                priority=j.priority,
+                served_tokens=served_tokens.get(j.job_id, 0),
+                fresh_samples=fresh,
+                last_training_at=last,
+                policy_updating=j.job_id in loading,
+                online_training=training is not None and j.speculative.online_training,
+            )
+        )
+    return Snapshot(
+        now=now,
+        devices=tuple(device_view(d) for d in devices),
+        workers=tuple(worker_view(s, queue) for s in slots),
+        training=training.views() if training else (),
+        pending=tuple(queue.pending_work()),
+        jobs=tuple(job_views),
+    )

@@ -1,0 +1,549 @@
+"""The supervisor: one rollout worker process per device, their health, and the scheduling tick.
+
+The tick is schedule -> execute -> record: build a `Snapshot` (`snapshot`), call the pure
+`tltd.scheduler.schedule`, send the assignments, record device and worker states. It is driven
+by the supervisor's own loop, not by APScheduler: it must react within milliseconds of an event
+(a new request, a finished sample, a worker ready), so every such event kicks it, with
+`scheduler_tick_seconds` as a fallback period. The health reaper (dead or silent workers) is a
+periodic job in `tltd.periodic`.
+
+The parts live next to this module: `worker_process` (a worker's process and pipe threads),
+`requests` (live requests, streams, finishing samples), `models` (which job, policy and drafter
+each worker holds; the policy-version semantics are stated there), `writes` (ordered store
+writes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import time
+from collections import Counter
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tltd.domain import (
+    Device,
+    DeviceState,
+    FinishReason,
+    JobStatus,
+    RequestStatus,
+    RolloutRequest,
+    Sample,
+    SpeculativeMode,
+    Worker,
+    WorkerKind,
+    WorkerState,
+)
+from tltd.metrics import METRICS
+from tltd.scheduler import Decision, SchedulerConfig, TrainingView, schedule
+from tltd.settings import Settings
+from tltd.supervisor.models import ModelPlanner
+from tltd.supervisor.requests import RolloutRequests, StreamEvent
+from tltd.supervisor.snapshot import build_snapshot
+from tltd.supervisor.worker_process import WorkerSlot, spawn
+from tltd.supervisor.writes import OrderedWrites, upsert_worker
+from workers.rollout import protocol as msg
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class TrainingHook(Protocol):
+    """The seam for drafter-training workers (kind `drafter_training`, see workers/drafter).
+
+    The supervisor passes the hook's view into every snapshot and applies the scheduler's
+    training decisions through it; without a hook no training is scheduled.
+    """
+
+    def views(self) -> tuple[TrainingView, ...]: ...
+
+    def job_view(self, job_id: str) -> tuple[int, float | None]:
+        """(fresh samples not yet trained on, when training last started) for a job."""
+        ...
+
+    def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
+        """A complete sample (stop/length) for the training buffer: tokens = prompt +
+        sample.token_ids, the response starting at len(prompt)."""
+        ...
+
+    async def start(self, device_id: str, job_id: str) -> None: ...
+
+    async def preempt(self, device_id: str, reason: str) -> None: ...
+
+
+class Supervisor:
+    """Owns the rollout workers and the live requests; the RolloutService talks to it."""
+
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        *,
+        training: TrainingHook | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.training = training
+        self.sched_cfg = scheduler_config or SchedulerConfig(
+            max_samples_per_worker=settings.worker_max_batch
+        )
+        self.writes = OrderedWrites()
+        self.requests = RolloutRequests(store, settings, self.writes, self._spawn, self.kick)
+        self.queue = self.requests.queue
+        self.models = ModelPlanner(store, settings)
+        self.slots: dict[str, WorkerSlot] = {}
+        self.served_tokens: Counter[str] = Counter()
+        self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
+        self.draining = False
+        self._assigning = True
+        self._closed = False
+        self._device_states: dict[str, DeviceState] = {}
+        self._ctx = mp.get_context("spawn")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._kick: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._drain_task: asyncio.Future | None = None
+        self._tick_lock: asyncio.Lock | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Recover what a previous daemon left open, start workers, start ticking."""
+        self._loop = asyncio.get_running_loop()
+        self._kick = asyncio.Event()
+        self._tick_lock = asyncio.Lock()
+        self.writes.bind()
+        self._tasks.append(asyncio.create_task(self.writes.run(), name="supervisor-writer"))
+        await self.recover()
+        await self.tick()
+        self._tasks.append(asyncio.create_task(self._ticker(), name="supervisor-tick"))
+
+    async def recover(self) -> None:
+        """After a crash: workers of the old process are gone; every open request is
+        re-queued with its missing samples, or failed with a reason when it cannot run."""
+        for w in await asyncio.to_thread(self.store.list_workers):
+            if w.state not in (WorkerState.STOPPED, WorkerState.FAILED):
+                await self.writes.write(
+                    self.store.set_worker_state,
+                    w.worker_id,
+                    WorkerState.FAILED,
+                    "daemon restarted: the previous daemon ended without stopping it",
+                )
+        await self.requests.recover()
+
+    async def drain(self, seconds: float, why: str = "the daemon is shutting down") -> None:
+        """Finish what fits in `seconds`; then workers return what still runs as partial
+        samples (persisted, streamed) and every unfinished request fails with a reason."""
+        await asyncio.shield(self.start_drain(seconds, why))
+
+    def start_drain(
+        self, seconds: float, why: str = "the daemon is shutting down"
+    ) -> asyncio.Future:
+        """Begin draining now (event loop thread); a drain already under way is returned."""
+        if self._drain_task is None:
+            self.draining = True
+            self._drain_task = asyncio.ensure_future(self._drain(seconds, why))
+        return self._drain_task
+
+    async def _drain(self, seconds: float, why: str) -> None:
+        deadline = time.monotonic() + max(0.0, seconds)
+        while len(self.queue) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._assigning = False
+        if not len(self.queue):
+            return
+        reason = f"drained: {why} (grace {seconds:g}s)"
+        log.info("draining workers", extra={"requests": len(self.queue)})
+        busy = [s for s in self.slots.values() if s.alive and self.queue.inflight(s.worker_id)]
+        for slot in busy:
+            slot.drained.clear()
+            slot.send(msg.Drain(0.0))
+        for live in list(self.queue):
+            keys = self.queue.close(live.request_id, RequestStatus.FAILED, reason)
+            await self.requests.finish_unstarted(live, keys, FinishReason.ABORTED, reason)
+        waits = [asyncio.create_task(s.drained.wait()) for s in busy]
+        if waits:
+            await asyncio.wait(waits, timeout=10.0)
+            for w in waits:
+                w.cancel()
+        for slot in busy:  # a worker that did not answer: its samples end with no tokens
+            if self.queue.inflight(slot.worker_id):
+                await self.requests.lose_worker(slot.worker_id, "worker did not drain in time")
+        for _ in range(200):  # final status writes of the requests just failed
+            if not len(self.queue):
+                break
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        """Stop every worker (Shutdown, then kill after 5 s) and record them STOPPED."""
+        self._closed = True
+        for t in self._tasks[1:]:
+            t.cancel()
+        for slot in self.slots.values():
+            if slot.alive:
+                self._record_state(slot, WorkerState.STOPPING, "daemon shutting down")
+                slot.send(msg.Shutdown())
+        for slot in self.slots.values():
+            if slot.proc is not None:
+                await asyncio.to_thread(slot.proc.join, 5.0)
+                if slot.proc.is_alive():
+                    slot.proc.kill()
+                    await asyncio.to_thread(slot.proc.join, 5.0)
+                if slot.state is WorkerState.STOPPING:
+                    self._record_state(slot, WorkerState.STOPPED, "daemon shut down")
+                slot.dead_at = slot.dead_at or time.monotonic()
+                if slot.outbox is not None:
+                    slot.outbox.put(None)
+        await self.writes.join()
+        self._tasks[0].cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- the rollout API (event loop) ----------------------------------------------------
+
+    def subscribe(self, request_id: str) -> asyncio.Queue[StreamEvent]:
+        return self.requests.subscribe(request_id)
+
+    def unsubscribe(self, request_id: str, q: asyncio.Queue[StreamEvent]) -> None:
+        self.requests.unsubscribe(request_id, q)
+
+    async def submit(self, req: RolloutRequest, policy_version: int) -> None:
+        """Make a stored request live (idempotent, see `RolloutRequests.submit`)."""
+        if await self.requests.submit(req, policy_version):
+            self.kick()
+
+    def cancel_threadsafe(self, request_id: str, reason: str) -> None:
+        """Called from any thread after the store marked the request CANCELLED."""
+        if self._loop is not None and not self._closed:
+            asyncio.run_coroutine_threadsafe(self.cancel(request_id, reason), self._loop)
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        """Stop a live request: waiting samples end now, running ones are cancelled in their
+        workers (they come back CANCELLED with the tokens so far)."""
+        live = self.queue.get(request_id)
+        if live is None:
+            return
+        keys = self.queue.close(request_id, RequestStatus.CANCELLED, reason)
+        for wid in set(live.running.values()):
+            self.slots[wid].send(msg.Cancel(request_id))
+        await self.requests.finish_unstarted(live, keys, FinishReason.CANCELLED, reason)
+
+    def kick(self) -> None:
+        if self._kick is not None:
+            self._kick.set()
+
+    def kick_threadsafe(self) -> None:
+        """Something changed in the store (a policy version, a job): tick soon."""
+        if self._loop is not None and not self._closed:
+            self._loop.call_soon_threadsafe(self.kick)
+
+    def worker_stats(self) -> dict[str, dict[str, object]]:
+        """The latest engine counters each worker reported (tests, metrics)."""
+        return {
+            wid: dict(s.heartbeat.stats) for wid, s in self.slots.items() if s.heartbeat is not None
+        }
+
+    # ---- the tick -----------------------------------------------------------------------
+
+    async def _ticker(self) -> None:
+        assert self._kick is not None
+        while not self._closed:
+            try:
+                await asyncio.wait_for(self._kick.wait(), self.settings.scheduler_tick_seconds)
+            except TimeoutError:
+                pass
+            self._kick.clear()
+            try:
+                await self.tick()
+            except Exception:  # one bad tick must not stop scheduling for good
+                log.exception("supervisor tick failed")
+
+    async def tick(self) -> Decision | None:
+        """schedule -> execute -> record, once (the ticker and the reaper never overlap)."""
+        assert self._tick_lock is not None
+        async with self._tick_lock:
+            return await self._tick()
+
+    async def _tick(self) -> Decision | None:
+        if self._closed:
+            return None
+        devices = await asyncio.to_thread(self.store.list_devices)
+        jobs = {
+            j.job_id: j
+            for j in await asyncio.to_thread(self.store.list_jobs, [JobStatus.ACTIVE], 10_000)
+        }
+        await self._reconcile(devices)
+        await self.models.plan(self.slots, self.queue, jobs)
+        if not self._assigning:
+            return None
+        snap = build_snapshot(
+            time.monotonic(),
+            devices,
+            jobs.values(),
+            self.slots.values(),
+            self.queue,
+            self.served_tokens,
+            self.training,
+        )
+        decision = schedule(snap, self.sched_cfg)
+        self._apply(decision, devices)
+        if self.training is not None:
+            for device_id in decision.preempt_training:
+                await self.training.preempt(device_id, decision.reasons.get(device_id, ""))
+            for t in decision.start_training:
+                await self.training.start(t.device_id, t.job_id)
+        return decision
+
+    def _apply(self, decision: Decision, devices: list[Device]) -> None:
+        for a in decision.assignments:
+            live, slot = self.queue.get(a.request_id), self.slots[a.worker_id]
+            indices = self.queue.take(a.request_id, a.prompt_index, a.samples, a.worker_id)
+            if live is None or not indices:
+                continue
+            req = live.req
+            slot.seq += 1
+            slot.send(
+                msg.AddWork(
+                    slot.seq,
+                    req.request_id,
+                    a.prompt_index,
+                    tuple(indices),
+                    req.prompts[a.prompt_index],
+                    req.sampling,
+                    speculative=req.speculative is not SpeculativeMode.OFF,
+                )
+            )
+            slot.unacked[slot.seq] = len(indices) * req.sampling.max_new_tokens
+            slot.idle_since = None
+            self.assigned_samples += len(indices)
+            if not live.started:
+                live.started = True
+                self.writes.write_nowait(
+                    self.store.set_request_status,
+                    req.request_id,
+                    RequestStatus.RUNNING,
+                    f"running on {slot.worker_id}",
+                )
+        idle = set(decision.idle_devices)
+        for d in devices:
+            if d.state is DeviceState.UNAVAILABLE or d.state is DeviceState.TRAINING:
+                continue
+            busy = sum(self.queue.inflight(s.worker_id) for s in self._slots_on(d.device_id))
+            if busy:
+                self._record_device(d.device_id, DeviceState.ROLLOUT, f"{busy} samples running")
+            elif d.device_id in idle:
+                self._record_device(d.device_id, DeviceState.IDLE, "no rollout work")
+        for slot in self.slots.values():
+            if slot.alive and slot.ready:
+                busy = self.queue.inflight(slot.worker_id) > 0
+                state = WorkerState.BUSY if busy else WorkerState.READY
+                self._record_state(slot, state, slot.reason)
+
+    def _slots_on(self, device_id: str) -> list[WorkerSlot]:
+        return [s for s in self.slots.values() if s.device.device_id == device_id]
+
+    # ---- workers: start, vacate, health -------------------------------------------------
+
+    async def _reconcile(self, devices: list[Device]) -> None:
+        """One worker per usable device; a device turned foreign is vacated, not fought over."""
+        now = time.monotonic()
+        for d in devices:
+            wid = f"rollout-{d.device_id}"
+            slot = self.slots.get(wid)
+            usable = d.state is not DeviceState.UNAVAILABLE and not d.foreign and not self.draining
+            if slot is None:
+                if not usable:
+                    continue
+                slot = self.slots[wid] = WorkerSlot(wid, d)
+            slot.device = d
+            if usable and not slot.alive:
+                backoff = min(30.0, 0.5 * 2 ** max(0, slot.failures - 1)) if slot.failures else 0
+                if slot.dead_at is None or now - slot.dead_at >= backoff or slot.vacated:
+                    self._start_worker(slot)
+            elif not usable and slot.alive and (d.foreign or d.state is DeviceState.UNAVAILABLE):
+                why = "device taken by a foreign process" if d.foreign else "device unavailable"
+                slot.vacated = True
+                self._record_state(slot, WorkerState.STOPPING, why)
+                slot.send(msg.Shutdown())
+                await self._mark_dead(slot, why, WorkerState.STOPPED)
+
+    def _start_worker(self, slot: WorkerSlot) -> None:
+        assert self._loop is not None
+        spawn(
+            slot, self._ctx, self.settings, self.store, self._loop, self._on_message, self._on_exit
+        )
+        self._record_state(slot, WorkerState.STARTING, "spawned", pid=slot.proc.pid)
+        log.info(
+            "rollout worker started", extra={"worker_id": slot.worker_id, "pid": slot.proc.pid}
+        )
+
+    async def reap(self) -> list[str]:
+        """Kill workers that stopped answering (the periodic reaper); returns the ids of those
+        found dead."""
+        now = time.monotonic()
+        dead = []
+        s = self.settings
+        for slot in list(self.slots.values()):
+            if not slot.alive:
+                continue
+            if slot.proc.exitcode is not None:
+                why = slot.reason or "process exited"
+            elif slot.loading and now - slot.since > s.worker_start_timeout_seconds:
+                why = f"no Ready within {s.worker_start_timeout_seconds:g}s"
+            elif (
+                not slot.loading and now - slot.last_heartbeat > s.worker_heartbeat_timeout_seconds
+            ):
+                why = f"no heartbeat for {s.worker_heartbeat_timeout_seconds:g}s"
+            else:
+                continue
+            dead.append(slot.worker_id)
+            await self._mark_dead(slot, why, WorkerState.FAILED)
+        if dead:
+            await self.tick()  # restart them now
+        return dead
+
+    def _on_exit(self, slot: WorkerSlot, gen: int) -> None:
+        if gen != slot.generation or slot.dead_at is not None:
+            return
+        if self._closed or slot.state is WorkerState.STOPPING:
+            return  # an exit we asked for: stop() / vacating records it
+        self._spawn(self._mark_dead(slot, slot.reason or "process exited", WorkerState.FAILED))
+
+    async def _mark_dead(self, slot: WorkerSlot, why: str, state: WorkerState) -> None:
+        """The worker is gone (or being vacated): re-queue its samples, record it."""
+        if slot.dead_at is not None:
+            return
+        slot.dead_at = time.monotonic()
+        slot.ready, slot.policy_load = False, ""
+        if slot.outbox is not None:
+            slot.outbox.put(None)
+        proc = slot.proc
+        if proc is not None and proc.is_alive() and state is WorkerState.FAILED:
+            proc.kill()
+        if proc is not None:
+            await asyncio.to_thread(proc.join, 5.0)
+            if proc.exitcode is not None and state is WorkerState.FAILED:
+                why = f"{why} (exit code {proc.exitcode})"
+        if state is WorkerState.FAILED:
+            slot.failures += 1
+        log.warning("rollout worker gone", extra={"worker_id": slot.worker_id, "reason": why})
+        self._record_state(slot, state, why)
+        await self.requests.lose_worker(slot.worker_id, why)
+        self.kick()
+
+    # ---- worker messages (event loop, posted by the worker's reader thread) ---------------
+
+    def _on_message(
+        self, slot: WorkerSlot, gen: int, m: msg.FromWorker, stored: bool | None
+    ) -> None:
+        if gen != slot.generation:
+            return  # from a process that was already replaced
+        now = time.monotonic()
+        slot.last_heartbeat = now
+        match m:
+            case msg.Finished(sample=sample):
+                self._on_finished(slot, sample, stored)
+            case msg.Heartbeat():
+                previous = slot.heartbeat.stats if slot.heartbeat is not None else None
+                METRICS.observe_engine_summary(slot.device.device_id, previous, m.stats)
+                slot.heartbeat = m
+                for seq in [q for q in slot.unacked if q <= m.acked_seq]:
+                    del slot.unacked[seq]
+            case msg.Ready():
+                first = not slot.ready
+                slot.ready, slot.loading, slot.failures = True, False, 0
+                slot.job_id, slot.policy_version = m.job_id, m.policy_version
+                slot.target_job = slot.policy_load = ""
+                slot.drafter_version = m.drafter_version
+                slot.reason = (
+                    f"job {m.job_id} policy v{m.policy_version} drafter v{m.drafter_version}"
+                    if m.job_id
+                    else "no model loaded"
+                )
+                if self.queue.inflight(slot.worker_id) == 0:
+                    slot.idle_since = now
+                self._record_state(
+                    slot, WorkerState.READY if first else slot.state, slot.reason, pid=m.pid
+                )
+                self.kick()
+            case msg.LoadFailed():
+                reason = self.models.load_failed(m)
+                if reason is not None:
+                    self.requests.fail_version(m.job_id, m.policy_version, reason)
+            case msg.Drained():
+                slot.drained.set()
+            case msg.WorkerError(message=text, fatal=fatal):
+                log.error(
+                    "rollout worker error",
+                    extra={"worker_id": slot.worker_id, "fatal": fatal, "error": text},
+                )
+                if fatal:
+                    slot.reason = text.strip().splitlines()[-1] if text.strip() else "fatal error"
+
+    def _on_finished(self, slot: WorkerSlot, sample: Sample, stored: bool | None) -> None:
+        key = (sample.prompt_index, sample.sample_index)
+        live = self.queue.get(sample.request_id)
+        if stored is None:
+            # Not persisted, so not streamed: run it again (counts as a lost attempt).
+            if live is not None and live.running.get(key) == slot.worker_id:
+                self._spawn(self.requests.retry_sample(live, key))
+            return
+        failed = None
+        if sample.finish_reason is FinishReason.FAILED:
+            failed = sample.error or "failed"
+        live = self.queue.finish(sample.request_id, key, failed)
+        if self.queue.inflight(slot.worker_id) == 0:
+            slot.idle_since = time.monotonic()
+        if live is None:
+            return
+        METRICS.record_sample(live.job_id, sample)
+        if sample.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.served_tokens[live.job_id] += len(sample.token_ids)
+            if self.training is not None:
+                self.training.on_sample(live.job_id, live.req.prompts[key[0]], sample)
+        self.requests.publish(live.request_id, StreamEvent(sample))
+        if live.done:
+            self._spawn(self.requests.finalize(live))
+        self.kick()
+
+    # ---- recording ------------------------------------------------------------------------
+
+    def _record_state(
+        self, slot: WorkerSlot, state: WorkerState, reason: str, pid: int | None = None
+    ) -> None:
+        slot.state = state
+        if slot.stored_state == (state, reason) and pid is None:
+            return
+        slot.stored_state = (state, reason)
+        worker = Worker(
+            worker_id=slot.worker_id,
+            kind=WorkerKind.ROLLOUT,
+            device_id=slot.device.device_id,
+            job_id=slot.job_id,
+            state=state,
+            pid=pid if pid is not None else (slot.proc.pid if slot.proc is not None else 0),
+            state_reason=reason,
+        )
+        self.writes.write_nowait(upsert_worker, self.store, worker)
+
+    def _record_device(self, device_id: str, state: DeviceState, reason: str) -> None:
+        if self._device_states.get(device_id) is state:
+            return
+        self._device_states[device_id] = state
+        METRICS.set_device_state(device_id, state.value)  # exact; the roll-up polls the store
+        self.writes.write_nowait(self.store.set_device_state, device_id, state, reason)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("supervisor task failed", exc_info=task.exception())
