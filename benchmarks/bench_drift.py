@@ -2,12 +2,14 @@
 
 Policy: the project's small policy `models/tiny-policy` (count-up task, `workers/task/`).
 Policy updates: U real fine-tuning steps of that policy (each `--policy-steps` AdamW steps of
-supervised next-token training on answer tokens) towards a shifted data mix of the task: fresh
-problems from `workers.task.reasoning.generate_problem`, a share u / U of them written in the
-"spaced" answer layout (`LINE_STYLES`: other separators, 25-character lines instead of 19, so
-every copy-from-the-line-above distance changes) and the rest in the task's own layout. The
-policy's greedy answers really move: they switch layout part-way through and its hidden states
-change with its weights (the table prints the share of rollouts in the new layout).
+supervised next-token training on answer tokens, after a 10-step warm-up) towards a shifted data
+mix of the task: fresh problems from `workers.task.reasoning.generate_problem`, a share
+min(1, u / ramp) of them written in another answer layout (`LINE_STYLES`; default "marks": the
+same fixed-width lines with other separators, `0017*0038>0055.0002` for `0017+0038=0055,0002`;
+"spaced" also widens the lines) and the rest in the task's own layout; updates after the ramp
+keep fine-tuning on the new layout alone. The policy's greedy answers really move: they switch
+layout within a few updates (the table prints the share of rollouts in the new layout) and its
+hidden states keep changing with its weights.
 
 Version 0 is the drafter fitted on the initial policy (`models/tiny-policy-eagle`, made by
 `scripts/fit_drafter.py`); the frozen drafter keeps it, the online drafter starts from it. At
@@ -31,7 +33,13 @@ every RL step u:
 Prints one row per step, the idle device-seconds harvested, and the final ratio online / frozen
 (TLT reports +42%; the issue asks for >= +30%).
 
-    python benchmarks/bench_drift.py --threads 1 [--updates 10] [--devices 4] [--quick]
+    python benchmarks/bench_drift.py --threads 1 [--updates 10] [--devices 4] [--style marks]
+        [--ramp 5] [--quick]
+
+Measured (benchmarks/RESULTS.md): with "spaced" and a ramp over all 10 updates the policy only
+switched layout at update 8 and lost coherence (loss ~0.58, rollouts running to the token
+limit), so both drafters fell to ~1.1-1.2 and the final ratio was 1.11x; "marks" is a shift the
+policy learns within a few updates while staying coherent, which is the drift TLT targets.
 """
 
 from __future__ import annotations
@@ -177,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--per-device", type=int, default=8)
-    ap.add_argument("--style", default="spaced", choices=sorted(set(LINE_STYLES) - {"sum"}),
+    ap.add_argument("--style", default="marks", choices=sorted(set(LINE_STYLES) - {"sum"}),
                     help="answer layout of the shifted data mix")
-    ap.add_argument("--ramp", type=int, default=0,
+    ap.add_argument("--ramp", type=int, default=5,
                     help="updates over which the new layout's share rises to 1 (0: all)")
     ap.add_argument("--policy-steps", type=int, default=20, help="AdamW steps per update")
     ap.add_argument("--policy-batch", type=int, default=8)
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.updates, args.devices, args.per_device = 2, 2, 2
-        args.policy_steps, args.max_new_tokens = 2, 48
+        args.policy_steps, args.max_new_tokens, args.ramp = 2, 48, 2
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     from transformers import AutoModelForCausalLM
