@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tests.drafter.helpers import (
@@ -19,8 +19,9 @@ from tests.drafter.helpers import (
 from tltd.domain import DrafterStatus, Job
 from workers.drafter.buffer import TrainingBuffer
 from workers.drafter.forward import chain_accepted_lengths, drafter_features, target_hidden
-from workers.drafter.trainer import Trainer, TrainerConfig
+from workers.drafter.trainer import Trainer, TrainerConfig, load_state, save_state
 from workers.drafter.versions import HeldOut, export_sglang, mean_accepted_length, publish
+from workers.engine.eagle import LEGACY_INPUT_NORM, EagleDrafter, IncompatibleDrafterCheckpoint
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -126,47 +127,130 @@ def test_publish_promotes_better_and_rejects_worse(store, target, target_dir, tr
     assert v3.status is DrafterStatus.REJECTED
 
 
-def test_sglang_export_names_and_math(target, target_dir, trained, tmp_path):
-    """The exported tensors, loaded by name into HF's own Qwen2 decoder layer (the names
-    SGLang's Qwen2ForCausalLMEagle loads) and run with fc over [embed; hidden], reproduce the
-    drafter's features. SGLang's EAGLE layer 0 runs no input norm while the engine's drafter
-    has one, so the export says it is inexact; the reference below gets that one weight from
-    our checkpoint to check every other tensor exactly."""
-    from transformers import Qwen2Config
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+def _llama_target_dir(path):
+    """A tiny random Llama (no qkv bias, untied lm_head) saved with transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    drafter = trained.drafter
+    torch.manual_seed(3)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False)).save_pretrained(path)
+    return path
+
+
+class _SGLangEagleReference(nn.Module):
+    """SGLang's EAGLE draft model (llama_eagle.py / qwen2_eagle.py, after EAGLE's cnets.py),
+    rebuilt from its documented behaviour with transformers' decoder layer, never our code:
+
+    x = fc(cat(embed_tokens(ids), hidden)); layer 0 with input_layernorm = identity;
+    out = hidden + residual (no final norm); logits = the target's lm_head(out).
+    Weights are read like SGLang's loader: every checkpoint name gets "model." in front, names
+    with "lm_head" are skipped; strict, so a missing or extra tensor fails the load.
+    """
+
+    def __init__(self, export_dir, target_dir):
+        super().__init__()
+        from transformers import AutoConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+        cfg_json = json.loads((export_dir / "config.json").read_text())
+        arch = cfg_json["architectures"][0]
+        self.cfg = AutoConfig.for_model(
+            **{k: v for k, v in cfg_json.items() if k not in ("architectures", "torch_dtype")})
+        self.cfg._attn_implementation = "sdpa"
+        layer_cls = {"Qwen2ForCausalLMEagle": Qwen2DecoderLayer,
+                     "LlamaForCausalLMEagle": LlamaDecoderLayer}[arch]
+        H, V = self.cfg.hidden_size, self.cfg.vocab_size
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(V, H)
+        self.model.fc = nn.Linear(2 * H, H)
+        self.model.layers = nn.ModuleList([layer_cls(self.cfg, 0)])
+        self.model.layers[0].input_layernorm = nn.Identity()  # SGLang: `lambda x: x`
+        weights = {"model." + k: v for k, v in load_file(str(export_dir / "model.safetensors"))
+                   .items() if "lm_head" not in k}
+        self.load_state_dict(weights, strict=True)
+        target_sd = load_file(str(target_dir / "model.safetensors"))
+        # SGLang's EAGLE worker hands the draft model the target's lm_head.
+        self.lm_head = target_sd.get("lm_head.weight", target_sd["model.embed_tokens.weight"])
+
+    def forward(self, ids, hidden, positions):
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        x = self.model.fc(torch.cat([self.model.embed_tokens(ids), hidden], dim=-1))
+        rope = LlamaRotaryEmbedding(self.cfg)(x, positions)
+        out = self.model.layers[0](x, attention_mask=None, position_ids=positions,
+                                   position_embeddings=rope)
+        out = out[0] if isinstance(out, tuple) else out
+        return out @ self.lm_head.T
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_sglang_export_is_exact(family, target_dir, tmp_path):
+    """The exported checkpoint, run by a reference of SGLang's EAGLE forward, gives the draft
+    logits of our drafter (trained, so no weight is at its init value)."""
+    if family == "llama":
+        tdir = _llama_target_dir(tmp_path / "llama")
+    else:
+        tdir = target_dir
+    tgt = load_target(tdir)
+    buf = TrainingBuffer(1 << 24)
+    fill_buffer(buf, tgt, rollout_samples(tgt, 8, new_tokens=12, seed=2))
+    tr = Trainer(new_drafter(tgt, seed=1), buf,
+                 TrainerConfig(items_per_micro=4, micro_per_step=2, lr=1e-2, warmup_steps=1))
+    for _ in range(6):
+        tr.train_step()
+    drafter = tr.drafter.eval()
+    with torch.no_grad():  # make every norm weight differ from 1 so that a dropped norm shows
+        drafter.layer.post_attention_layernorm.weight.mul_(1.5)
+    assert drafter.layer.input_layernorm is None
     drafter.save_pretrained(tmp_path / "ours")
-    res = export_sglang(tmp_path / "ours", target_dir, tmp_path / "sglang")
-    assert not res.exact and "input_layernorm" in res.notes[0]
+    assert "layer.input_layernorm.weight" not in load_file(str(tmp_path / "ours" /
+                                                              "model.safetensors"))
+    res = export_sglang(tmp_path / "ours", tdir, tmp_path / "sglang")
+    assert res.notes == ()
     cfg = json.loads((tmp_path / "sglang" / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen2ForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+    arch = {"qwen2": "Qwen2ForCausalLMEagle", "llama": "LlamaForCausalLMEagle"}[family]
+    assert cfg["architectures"] == [arch] and cfg["num_hidden_layers"] == 1
     sd = load_file(str(tmp_path / "sglang" / "model.safetensors"))
-    assert "fc.weight" in sd and "layers.0.self_attn.q_proj.weight" in sd
     assert not [n for n in sd if "lm_head" in n or "input_layernorm" in n]
+    assert ("layers.0.self_attn.q_proj.bias" in sd) == (family == "qwen2")
 
-    hf_cfg = Qwen2Config(**{k: v for k, v in cfg.items() if k != "architectures"})
-    hf_cfg._attn_implementation = "sdpa"
-    layer = Qwen2DecoderLayer(hf_cfg, 0)
-    missing, unexpected = layer.load_state_dict(
-        {k.removeprefix("layers.0."): v for k, v in sd.items() if k.startswith("layers.0.")},
-        strict=False)
-    assert missing == ["input_layernorm.weight"] and not unexpected
-    with torch.no_grad():
-        layer.input_layernorm.weight.copy_(drafter.layer.input_layernorm.weight)
-    fc = nn.Linear(2 * hf_cfg.hidden_size, hf_cfg.hidden_size)
-    fc.load_state_dict({"weight": sd["fc.weight"], "bias": sd["fc.bias"]})
-
-    ids = torch.tensor(rollout_samples(target, 1, seed=4)[0][0])
-    h = target_hidden(target, [ids])[0][:-1]
+    ref = _SGLangEagleReference(tmp_path / "sglang", tdir).eval()
+    ids = torch.tensor(rollout_samples(tgt, 1, new_tokens=20, seed=4)[0][0])
+    h = target_hidden(tgt, [ids])[0][:-1]
     nxt = ids[1:]
     L = nxt.numel()
+    pos = torch.arange(L)[None]
     with torch.no_grad():
-        x = fc(torch.cat([sd["embed_tokens.weight"][nxt], h], dim=-1))[None]
-        pos = torch.arange(L)[None]
-        theirs = layer(x, attention_mask=None, position_ids=pos,
-                       position_embeddings=Qwen2RotaryEmbedding(hf_cfg)(x, pos))
-        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
-        ours = drafter_features(drafter, h[None], nxt[None], pos,
-                                torch.ones(L, L, dtype=torch.bool).tril()[None, None])
-    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+        theirs = ref(nxt[None], h[None], pos)
+        causal = torch.ones(L, L, dtype=torch.bool).tril()[None, None]
+        ours = drafter.logits(drafter_features(drafter, h[None], nxt[None], pos, causal))
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+    assert (theirs.argmax(-1) == ours.argmax(-1)).all()
+
+
+def _legacy_checkpoint(drafter, path):
+    """A drafter checkpoint as written before the layer lost its input norm."""
+    drafter.save_pretrained(path)
+    sd = load_file(str(path / "model.safetensors"))
+    sd[LEGACY_INPUT_NORM] = torch.ones(drafter.config.hidden_size)
+    save_file(sd, str(path / "model.safetensors"))
+    return path
+
+
+def test_old_checkpoints_with_an_input_norm_fail_clearly(target, target_dir, trained, tmp_path):
+    old = _legacy_checkpoint(trained.drafter, tmp_path / "old")
+    with pytest.raises(IncompatibleDrafterCheckpoint, match="input_layernorm.*Refit"):
+        EagleDrafter.from_pretrained(old, target)
+    with pytest.raises(IncompatibleDrafterCheckpoint, match="input_layernorm"):
+        export_sglang(old, target_dir, tmp_path / "sglang")
+    assert not (tmp_path / "sglang").exists()
+    # A trainer checkpoint (resume path) from before the change is refused the same way.
+    ckpt = save_state(trained.state(), tmp_path / "ckpts")
+    sd = load_file(str(ckpt / "model.safetensors"))
+    sd[LEGACY_INPUT_NORM] = torch.ones(trained.drafter.config.hidden_size)
+    save_file(sd, str(ckpt / "model.safetensors"))
+    with pytest.raises(IncompatibleDrafterCheckpoint, match="input_layernorm"):
+        load_state(ckpt)

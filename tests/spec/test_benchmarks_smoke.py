@@ -1,4 +1,4 @@
-"""Smoke runs of the two benchmarks (`--quick`) on a tiny random checkpoint."""
+"""Smoke runs of the benchmarks (`--quick`) on a tiny random checkpoint."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bench_engine_vs_hf, bench_spec
+from benchmarks import bench_drift, bench_engine_vs_hf, bench_spec
 from tests.engine.helpers import make_checkpoint
 from workers.engine.eagle import EagleDrafter
 from workers.engine.model import load_model
@@ -49,3 +49,13 @@ def test_bench_engine_vs_hf_quick(
     out = capsys.readouterr().out
     assert "greedy decode, batch 1" in out and "greedy decode, batch 16" in out
     assert "long-tail 2x2" in out
+
+
+def test_bench_drift_quick(tiny: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    target, drafter = tiny
+    args = ["--quick", "--model", str(target), "--drafter", str(drafter), "--threads", "1"]
+    assert bench_drift.main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert len(rows) == 3  # step 0 and the two updates
+    assert "idle device time harvested" in out and "online / frozen" in out

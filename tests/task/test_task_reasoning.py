@@ -87,3 +87,20 @@ def test_parse_answer_tolerates_trailing_whitespace_only():
     assert parse_answer("answer: 0011") == 11
     assert parse_answer("answer: 11 x") is None
     assert parse_answer("") is None
+
+
+def test_other_line_styles_keep_the_computation_and_the_reward():
+    from workers.task.reasoning import LINE_STYLES
+    from workers.task.tokenizer import UNK_ID, build_tokenizer
+
+    p = make_problem(17, 38, 2, style="spaced")
+    assert p.solution == "0017 + 0038 = 0055 > 0001\n0055 + 0038 = 0093 > 0000\nanswer:       0093"
+    assert make_problem(17, 38, 2, style="marks").solution.startswith("0017*0038>0055.0001\n")
+    tok = build_tokenizer()
+    for style in LINE_STYLES:
+        q = generate_problem(random.Random(3), 4, style=style)
+        assert q.answer == generate_problem(random.Random(3), 4).answer
+        assert reward(q, q.solution) == 1.0
+        assert UNK_ID not in tok.encode(q.solution, add_special_tokens=False).ids
+    with pytest.raises(ValueError, match="style"):
+        make_problem(17, 38, 2, style="nope")

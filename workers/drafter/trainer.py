@@ -45,7 +45,7 @@ from workers.drafter.buffer import TrainingBuffer, TrainItem
 from workers.drafter.forward import drafter_features, target_hidden
 from workers.drafter.objective import EagleExample, align, eagle_loss
 from workers.drafter.packing import pack
-from workers.engine.eagle import EagleDrafter
+from workers.engine.eagle import EagleDrafter, check_drafter_tensors
 
 
 @dataclass(frozen=True)
@@ -326,6 +326,7 @@ class Trainer:
 
     def restore(self, state: TrainerState) -> None:
         """Put the trainer back exactly where `state` was taken."""
+        check_drafter_tensors(state.params, "state")
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(state.params[n])
@@ -422,7 +423,9 @@ def load_state(path: str | Path) -> TrainerState:
     optim = load_file(str(path / "optimizer.safetensors"))
     rng = optim.pop("rng::torch")
     meta = json.loads((path / "trainer.json").read_text())
-    return TrainerState(load_file(str(path / "model.safetensors")), optim, rng, meta)
+    params = load_file(str(path / "model.safetensors"))
+    check_drafter_tensors(params, path)
+    return TrainerState(params, optim, rng, meta)
 
 
 class CheckpointWriter:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from tltd.domain import DrafterStatus, DrafterVersion
 from workers.drafter.forward import chain_accepted_lengths, target_hidden
-from workers.engine.eagle import EagleDrafter
+from workers.engine.eagle import EagleDrafter, check_drafter_tensors
 from workers.engine.model import ModelConfig, read_state_dict
 
 
@@ -110,38 +110,46 @@ EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausa
 @dataclass(frozen=True)
 class ExportResult:
     path: Path
-    exact: bool  # False: the drafter has a layer-0 input norm SGLang's EAGLE model does not run
     notes: tuple[str, ...] = ()
 
 
 def export_sglang(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
                   *, include_embeddings: bool = True) -> ExportResult:
     """Write a drafter version as a standalone EAGLE checkpoint for SGLang's
-    `LlamaForCausalLMEagle` / `Qwen2ForCausalLMEagle` (speculative-algorithm EAGLE).
+    `LlamaForCausalLMEagle` / `Qwen2ForCausalLMEagle` (speculative-algorithm EAGLE), exactly.
 
-    Name mapping (ours -> SGLang checkpoint; SGLang's loader prefixes "model."):
+    SGLang's EAGLE model (python/sglang/srt/models/llama_eagle.py, qwen2_eagle.py, after
+    EAGLE's cnets.py) computes: x = fc(cat(embed_tokens(ids), hidden)); one decoder layer whose
+    input_layernorm is the identity (layer 0); out = hidden + residual, no final norm; logits
+    from the target's lm_head. Its loader prefixes every checkpoint name with "model." and
+    skips names containing "lm_head". Our drafter is the same network (its layer has no input
+    norm either), so the export only renames, splits and reorders tensors:
+
+      ours (drafter model.safetensors)    -> SGLang EAGLE checkpoint
       fc.weight [H, 2H]                   -> fc.weight with its column halves swapped: we
-                                             compute fc([hidden; embed]), SGLang (and EAGLE's
-                                             cnets.py) fc([embed; hidden])
+                                             compute fc([hidden; embed]), SGLang fc([embed;
+                                             hidden])
       fc.bias                             -> fc.bias
       layer.qkv.weight / .bias            -> layers.0.self_attn.{q,k,v}_proj.weight / .bias
-                                             (rows split nq*hd, nkv*hd, nkv*hd)
+                                             (rows split nq*hd, nkv*hd, nkv*hd; bias: qwen2)
       layer.o_proj.weight                 -> layers.0.self_attn.o_proj.weight
       layer.gate_up.weight                -> layers.0.mlp.{gate,up}_proj.weight (row halves)
       layer.down_proj.weight              -> layers.0.mlp.down_proj.weight
       layer.post_attention_layernorm.weight -> layers.0.post_attention_layernorm.weight
-      layer.input_layernorm.weight        -> (none: SGLang's EAGLE layer 0 has no input norm,
-                                             it runs identity; a drafter trained with one is
-                                             exported inexactly, `exact=False`)
+      (no input norm)                     -> (no layers.0.input_layernorm.weight: SGLang runs
+                                             identity there)
       target model.embed_tokens.weight    -> embed_tokens.weight (if include_embeddings; SGLang
                                              also shares the target's at load time)
-      lm_head                             -> never written (SGLang uses the target's)
+      target lm_head                      -> never written (SGLang uses the target's)
+
     config.json is the target's HF config with architectures=[<Eagle class>] and
-    num_hidden_layers=1. No final norm: the drafter's output goes straight to lm_head, as in
-    SGLang's EAGLE model (it returns hidden + residual).
+    num_hidden_layers=1. A checkpoint trained with an input norm on the layer (older drafters)
+    is refused with `IncompatibleDrafterCheckpoint`: without that norm it is another network.
+    tests/drafter/test_versions.py runs the export through a reference of SGLang's forward.
     """
     drafter_dir, target_dir, out = Path(drafter_dir), Path(target_dir), Path(out_dir)
     ours = load_file(str(drafter_dir / "model.safetensors"))
+    check_drafter_tensors(ours, drafter_dir)
     cfg = ModelConfig(**json.loads((drafter_dir / "config.json").read_text())["target"])
     hf_cfg = json.loads((target_dir / "config.json").read_text())
     model_type = str(hf_cfg.get("model_type", "llama"))
@@ -152,23 +160,26 @@ def export_sglang(drafter_dir: str | Path, target_dir: str | Path, out_dir: str 
         "fc.weight": torch.cat([ours["fc.weight"][:, H:], ours["fc.weight"][:, :H]], dim=1),
         "fc.bias": ours["fc.bias"],
     }
+    used = {"fc.weight", "fc.bias"}
     p = "layers.0."
     sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
              cfg.num_kv_heads * cfg.head_dim]
     for kind in ("weight", "bias"):
         if f"layer.qkv.{kind}" in ours:
+            used.add(f"layer.qkv.{kind}")
             for n, t in zip("qkv", ours[f"layer.qkv.{kind}"].split(sizes), strict=True):
                 tensors[f"{p}self_attn.{n}_proj.{kind}"] = t
-    tensors[p + "self_attn.o_proj.weight"] = ours["layer.o_proj.weight"]
     gate, up = ours["layer.gate_up.weight"].chunk(2, dim=0)
     tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"] = gate, up
-    tensors[p + "mlp.down_proj.weight"] = ours["layer.down_proj.weight"]
-    tensors[p + "post_attention_layernorm.weight"] = ours["layer.post_attention_layernorm.weight"]
-    notes: list[str] = []
-    exact = "layer.input_layernorm.weight" not in ours
-    if not exact:
-        notes.append("layer.input_layernorm dropped: SGLang's EAGLE layer 0 runs no input norm, "
-                     "so the exported drafter differs from the trained one")
+    renames = {"layer.o_proj.weight": p + "self_attn.o_proj.weight",
+               "layer.down_proj.weight": p + "mlp.down_proj.weight",
+               "layer.post_attention_layernorm.weight": p + "post_attention_layernorm.weight"}
+    for src, dst in renames.items():
+        tensors[dst] = ours[src]
+    used |= {"layer.gate_up.weight", *renames}
+    if set(ours) - used:  # a tensor the mapping does not know would be lost silently
+        raise ValueError(f"drafter checkpoint {drafter_dir} has tensors the SGLang export "
+                         f"does not map: {sorted(set(ours) - used)}")
     if include_embeddings:
         target_sd = read_state_dict(target_dir)
         tensors["embed_tokens.weight"] = target_sd["model.embed_tokens.weight"]
@@ -181,4 +192,4 @@ def export_sglang(drafter_dir: str | Path, target_dir: str | Path, out_dir: str 
     if isinstance(cfg_out.get("layer_types"), list):  # per-layer lists follow the layer count
         cfg_out["layer_types"] = cfg_out["layer_types"][:1]
     (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
-    return ExportResult(out, exact, tuple(notes))
+    return ExportResult(out)

@@ -1,9 +1,14 @@
-"""EAGLE-style learned drafter: fc([hidden; embed(next)]) -> one decoder layer -> target lm_head."""
+"""EAGLE-style learned drafter: fc([hidden; embed(next)]) -> one decoder layer -> target lm_head.
+
+The decoder layer has no input norm (identity in front of attention), as EAGLE's layer 0
+(SafeAILab EAGLE `cnets.py`) and SGLang's `LlamaForCausalLMEagle` / `Qwen2ForCausalLMEagle`
+run it, so a drafter exported for SGLang computes exactly what was trained here.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,6 +18,30 @@ from torch import Tensor, nn
 
 from workers.engine.kv_cache import KVCache
 from workers.engine.model import Batch, CausalLM, DecoderLayer, ModelConfig
+
+# A tensor only drafters trained before the layer lost its input norm have.
+LEGACY_INPUT_NORM = "layer.input_layernorm.weight"
+
+
+class IncompatibleDrafterCheckpoint(ValueError):
+    """A drafter checkpoint whose tensors do not fit the current drafter architecture."""
+
+
+def check_drafter_tensors(names: Iterable[str], source: object) -> None:
+    """Refuse a checkpoint trained with an input norm on the drafter's layer.
+
+    Dropping that weight silently is not safe: fc and attention were trained on normalized
+    inputs, so the same weights without the norm draft differently (and worse). Loading it
+    would also make the SGLang export inexact again. Such a drafter must be refitted.
+    """
+    if LEGACY_INPUT_NORM in set(names):
+        raise IncompatibleDrafterCheckpoint(
+            f"drafter checkpoint {source} has {LEGACY_INPUT_NORM!r}: it was trained with an "
+            "input norm on its decoder layer, which the drafter no longer has (EAGLE / SGLang "
+            "layer 0 runs no input norm); its weights cannot be used without that norm. Refit "
+            "it (scripts/fit_drafter.py) or train a new one online."
+        )
+
 
 # choose(logits [B, V], step i) -> (draft tokens [B], processed q [B, V] or None if all greedy,
 # confidence [B] in [0, 1]: a function of the drafter's distribution only, never of the token
@@ -34,7 +63,7 @@ class EagleDrafter(nn.Module):
         cfg = target.config
         self.config = cfg
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
-        self.layer = DecoderLayer(cfg)
+        self.layer = DecoderLayer(cfg, input_norm=False)  # EAGLE's layer 0: no input norm
         self._target = [target]  # a list hides it from nn.Module registration
 
     @property
@@ -71,8 +100,10 @@ class EagleDrafter(nn.Module):
         cfg = json.loads((Path(path) / "config.json").read_text())
         if ModelConfig(**cfg["target"]).hidden_size != target.config.hidden_size:
             raise ValueError(f"drafter at {path} was built for another hidden size")
+        tensors = load_file(str(Path(path) / "model.safetensors"))
+        check_drafter_tensors(tensors, path)
         drafter = cls(target)
-        drafter.load_state_dict(load_file(str(Path(path) / "model.safetensors")))
+        drafter.load_state_dict(tensors)
         p = next(target.parameters())
         return drafter.to(dtype=p.dtype, device=p.device).eval()
 

@@ -174,13 +174,17 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention (GQA, RoPE, optional qkv bias) + SwiGLU MLP; fused qkv and gate_up."""
+    """Pre-norm attention (GQA, RoPE, optional qkv bias) + SwiGLU MLP; fused qkv and gate_up.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    `input_norm=False` drops the attention input norm (identity, no weight): the layout of the
+    EAGLE drafter's only layer, which is SGLang's / EAGLE's layer 0.
+    """
+
+    def __init__(self, cfg: ModelConfig, input_norm: bool = True) -> None:
         super().__init__()
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = cfg.hidden_size
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps) if input_norm else None
         self.qkv = nn.Linear(h, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nq * self.hd, h, bias=False)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -207,7 +211,8 @@ class DecoderLayer(nn.Module):
         # A packed batch brings x as [1, N, H] (real tokens only) and rope tables to match.
         b, t, h = x.shape
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = F.linear(F.rms_norm(x, (h,), ln1.weight, ln1.eps), self.qkv.weight, self.qkv.bias)
+        xn = x if ln1 is None else F.rms_norm(x, (h,), ln1.weight, ln1.eps)
+        qkv = F.linear(xn, self.qkv.weight, self.qkv.bias)
         qkv = qkv.view(b, t, self.nq + 2 * self.nkv, self.hd)
         # One rotation for q and k together (they sit side by side in the fused projection).
         qk = _rotate(qkv[:, :, : self.nq + self.nkv], cos, sin)

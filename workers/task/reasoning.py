@@ -17,6 +17,22 @@ MAX_START = 999
 MIN_STEP, MAX_STEP = 10, 99
 
 ANSWER_MARKER = "answer:"
+# Answer line layouts. "sum" is the task's (what models/tiny-policy learnt); "spaced" is the
+# same computation with other separators and a wider line (25 characters instead of 19, so
+# every copy-from-the-line-above distance changes); "marks" keeps the widths and changes only
+# the separators. They are shifted data mixes for benchmarks/bench_drift.py to fine-tune the
+# policy towards. The answer line keeps its marker; its number sits under the last line's new
+# total in every style.
+LINE_STYLES = {
+    "sum": "{total:04d}+{step:04d}={new:04d},{left:04d}",
+    "spaced": "{total:04d} + {step:04d} = {new:04d} > {left:04d}",
+    "marks": "{total:04d}*{step:04d}>{new:04d}.{left:04d}",
+}
+_ANSWER_LINES = {
+    "sum": ANSWER_MARKER + "   {total:04d}",
+    "spaced": ANSWER_MARKER + "       {total:04d}",
+    "marks": ANSWER_MARKER + "   {total:04d}",
+}
 _ANSWER_RE = re.compile(r"answer:\s*(-?\d+)")
 
 
@@ -61,7 +77,7 @@ def format_prompt(problem: Problem) -> str:
     return problem.prompt
 
 
-def _solution_text(start: int, step: int, count: int) -> tuple[str, int]:
+def _solution_text(start: int, step: int, count: int, style: str = "sum") -> tuple[str, int]:
     # One fixed-width line per step, "total+step=new,left" where `left` counts down the steps
     # still to do; the line with left 0000 is the last.  Fixed widths put everything a line
     # needs at a constant distance in the line above, and digit j of the sum under digit j of
@@ -71,16 +87,19 @@ def _solution_text(start: int, step: int, count: int) -> tuple[str, int]:
     lines, total = [], start
     for left in range(count - 1, -1, -1):
         new = total + step
-        lines.append(f"{total:04d}+{step:04d}={new:04d},{left:04d}")
+        lines.append(LINE_STYLES[style].format(total=total, step=step, new=new, left=left))
         total = new
     # Zero-padded and right under the last total's column, so writing it is the same
     # copy-from-the-line-above as every other field.
-    lines.append(f"{ANSWER_MARKER}   {total:04d}")
+    lines.append(_ANSWER_LINES[style].format(total=total))
     return "\n".join(lines), total
 
 
-def make_problem(start: int, step: int, count: int) -> Problem:
-    """Build the problem (prompt, reference solution, answer) for explicit numbers."""
+def make_problem(start: int, step: int, count: int, style: str = "sum") -> Problem:
+    """Build the problem (prompt, reference solution, answer) for explicit numbers; `style`
+    picks the answer's line layout (LINE_STYLES)."""
+    if style not in LINE_STYLES:
+        raise ValueError(f"style: must be one of {sorted(LINE_STYLES)}, got {style!r}")
     if not 0 <= start <= MAX_START:
         raise ValueError(f"start: must be in [0, {MAX_START}], got {start}")
     if not MIN_STEP <= step <= MAX_STEP:
@@ -88,18 +107,20 @@ def make_problem(start: int, step: int, count: int) -> Problem:
     if not MIN_STEPS <= count <= MAX_STEPS:
         raise ValueError(f"count: must be in [{MIN_STEPS}, {MAX_STEPS}], got {count}")
     prompt = f"start {start:04d} step {step:02d} count {count:04d}\n"
-    solution, answer = _solution_text(start, step, count)
+    solution, answer = _solution_text(start, step, count, style)
     return Problem(start, step, count, prompt, solution, answer)
 
 
-def generate_problem(rng: random.Random, num_steps: int | None = None) -> Problem:
+def generate_problem(
+    rng: random.Random, num_steps: int | None = None, style: str = "sum"
+) -> Problem:
     """Draw one problem; `num_steps` defaults to a draw from the long-tailed distribution."""
     k = sample_num_steps(rng) if num_steps is None else num_steps
     if not MIN_STEPS <= k <= MAX_STEPS:
         raise ValueError(f"num_steps: must be in [{MIN_STEPS}, {MAX_STEPS}], got {k}")
     start = rng.randint(0, MAX_START)
     step = rng.randint(MIN_STEP, MAX_STEP)
-    return make_problem(start, step, k)
+    return make_problem(start, step, k, style)
 
 
 def make_dataset(n: int, seed: int, num_steps: int | None = None) -> list[Problem]:
