@@ -345,12 +345,15 @@ def test_greedy_rows_stay_exact_next_to_sampled_rows_in_one_sd_batch(ckpt, eagle
 
 
 def test_prefer_plain_measures_then_compares():
-    assert prefer_plain([], None, explore=False)  # no baseline yet
-    assert prefer_plain([100.0] * 2, 500.0, explore=False)
-    assert not prefer_plain([100.0] * 3, 500.0, explore=False)  # SD measured faster
-    assert prefer_plain([100.0, 300.0, 400.0], 250.0, explore=False)  # median 300 > 250
-    assert not prefer_plain([100.0] * 3, None, explore=False)  # untried strategy: try it
-    assert prefer_plain([100.0] * 3, 500.0, explore=True)
+    assert prefer_plain([], None, explore=None)  # no baseline yet
+    assert prefer_plain([100.0] * 2, 500.0, explore=None)
+    assert prefer_plain([100.0] * 2, 500.0, explore="sd")  # the baseline comes first
+    assert not prefer_plain([100.0] * 3, 500.0, explore=None)  # SD measured faster
+    assert prefer_plain([100.0, 300.0, 400.0], 250.0, explore=None)  # median 300 > 250
+    assert not prefer_plain([100.0] * 3, None, explore=None)  # untried strategy: try it
+    assert prefer_plain([100.0] * 3, 500.0, explore="plain")
+    # SD looks worse, but an exploration step still runs it (its median may be stale).
+    assert not prefer_plain([100.0, 300.0, 400.0], 250.0, explore="sd")
 
 
 def test_adaptive_with_plain_arm_is_lossless_and_measures_both(ckpt):

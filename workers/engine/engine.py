@@ -87,16 +87,21 @@ from workers.engine.stats import EngineStats
 PLAIN_PROBES = 3  # plain steps measured per batch bucket before SD is compared with them
 
 
-def prefer_plain(plain: Sequence[float], sd_median: float | None, explore: bool) -> bool:
+def prefer_plain(plain: Sequence[float], sd_median: float | None, explore: str | None) -> bool:
     """Whether an adaptive decode step at some batch bucket should skip speculation.
 
     `plain`: recent plain-decoding throughputs (tokens/s) at this bucket; `sd_median`: the
-    bandit's median reward (tokens/s too) for the strategy it picked, None while untried.
-    The baseline is measured first, re-measured on exploration, and SD runs unless its
-    median is known to be worse than plain decoding's.
+    bandit's median reward (tokens/s too) for the strategy it picked, None while untried;
+    `explore`: None, "plain" or "sd" (this step explores that arm). The baseline is measured
+    first, then SD runs unless its median is known to be worse than plain decoding's.
+    Exploration goes both ways: re-measuring plain decoding, and running SD where plain
+    looks better, so that one unlucky early SD step (e.g. a drafter catching up on a long
+    history) cannot lock speculation out of a bucket for good.
     """
-    if len(plain) < PLAIN_PROBES or explore:
+    if len(plain) < PLAIN_PROBES or explore == "plain":
         return True
+    if explore == "sd":
+        return False
     return sd_median is not None and statistics.median(plain) > sd_median
 
 
@@ -470,7 +475,11 @@ class Engine:
             plain = self._plain_rewards.setdefault(bucket, deque(maxlen=cfg.window))
             med = self.bandit.snapshot()[bucket][strategy.name]["median_reward"]
             sd = None if med is None else float(med)
-            explore = self._rng.random() < cfg.epsilon / (len(cfg.strategies) + 1)
+            # With probability epsilon explore, uniformly over plain and the SD arms.
+            r = self._rng.random()
+            explore = None
+            if r < cfg.epsilon:
+                explore = "plain" if r < cfg.epsilon / (len(cfg.strategies) + 1) else "sd"
             if prefer_plain(plain, sd, explore):
                 strategy = None
         if strategy is None:
