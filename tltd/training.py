@@ -35,6 +35,7 @@ from tltd.errors import TltError
 from tltd.metrics import METRICS
 from tltd.scheduler import TrainingView
 from tltd.settings import Settings
+from tltd.supervisor.worker_process import write_pipe
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -286,7 +287,7 @@ class DrafterTraining:
         run.published_step = run.step
         run.outbox = threading_queue.Queue()
         threading.Thread(
-            target=_write_pipe,
+            target=write_pipe,
             args=(run.outbox, worker.conn),
             daemon=True,
             name=f"{run.worker_id}-tx",
@@ -471,15 +472,3 @@ class DrafterTraining:
             state_reason=reason,
         )
         await self._write(upsert_worker, self.store, worker)
-
-
-def _write_pipe(outbox: threading_queue.Queue, conn: Any) -> None:
-    """Writer thread: a large sample batch never blocks the event loop."""
-    while True:
-        m = outbox.get()
-        if m is None:
-            return
-        try:
-            conn.send(m)
-        except (OSError, ValueError):
-            return  # the worker is gone; the reader notices
