@@ -10,6 +10,8 @@ import grpc
 import pytest
 from safetensors.torch import load_file, save_file
 
+from clients.errors import InvalidArgumentError
+from clients.rollout import RolloutClient
 from tests.api.support import fails, sampling
 from tests.rollout.support import direct_outputs, make_checkpoint
 from tltd.domain import SamplingParams
@@ -118,7 +120,10 @@ def test_bad_initial_drafters_are_invalid_arguments_naming_the_field(
                 )
         # Nothing was created, and the daemon keeps serving.
         assert [j.job_id for j in c.list_jobs()] == []
-        job = c.create_job(str(ckpt), job_id="good", initial_drafter=initial_drafter)
+    with RolloutClient(d.target) as rc:  # the trainer-side client passes it the same way
+        job = rc.create_job(ckpt, job_id="good", initial_drafter=initial_drafter)
         assert job.drafter_version == 1
+        with pytest.raises(InvalidArgumentError, match=FIELD):
+            rc.create_job(ckpt, job_id="bad-rc", initial_drafter=tmp_path / "missing")
     versions = Path(d.settings.data_dir) / "drafters"
     assert sorted(p.name for p in versions.iterdir()) == ["good"]  # no stray copies
