@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,16 @@ class TltClient:
         priority: int = 0,
         weight: float = 0.0,
         speculative: common_pb2.SpeculativeConfig | None = None,
+        initial_drafter: str | os.PathLike[str] = "",
     ) -> job_pb2.Job:
+        """`initial_drafter`: an offline-fitted EAGLE drafter directory the job starts from
+        (sets `speculative.initial_drafter_path`)."""
+        if initial_drafter:
+            spec = common_pb2.SpeculativeConfig()
+            if speculative is not None:
+                spec.CopyFrom(speculative)
+            spec.initial_drafter_path = os.fspath(initial_drafter)
+            speculative = spec
         req = job_pb2.CreateJobRequest(
             job_id=job_id,
             name=name,

@@ -178,11 +178,13 @@ def _create_job_request(
     speculative: str | None,
     online_training: bool,
     batch_threshold: int,
+    initial_drafter: str | Path | None = None,
 ) -> job_pb2.CreateJobRequest:
     spec = common_pb2.SpeculativeConfig(
         mode=_speculative_mode(speculative),
         batch_threshold=batch_threshold,
         online_training=online_training,
+        initial_drafter_path=str(initial_drafter) if initial_drafter else "",
     )
     return job_pb2.CreateJobRequest(
         job_id=job_id,
@@ -279,8 +281,13 @@ class RolloutClient(_JobBound):
         speculative: str | None = "auto",
         online_training: bool = True,
         batch_threshold: int = 0,
+        initial_drafter: str | Path | None = None,
     ) -> JobInfo:
-        """Create (idempotently, when job_id is given) a job; this client then uses it."""
+        """Create (idempotently, when job_id is given) a job; this client then uses it.
+
+        `initial_drafter`: an offline-fitted EAGLE drafter directory (as
+        `EagleDrafter.save_pretrained` / scripts/fit_drafter.py write) the job starts from as
+        its drafter version 1; needs speculative "auto" (a learned drafter)."""
         req = _create_job_request(
             model_path,
             job_id,
@@ -290,6 +297,7 @@ class RolloutClient(_JobBound):
             speculative,
             online_training,
             batch_threshold,
+            initial_drafter,
         )
         info = _job_from_pb(self.raw.call(self.raw.jobs.CreateJob, req))
         self.job_id = info.job_id
@@ -433,6 +441,7 @@ class AsyncRolloutClient(_JobBound):
         speculative: str | None = "auto",
         online_training: bool = True,
         batch_threshold: int = 0,
+        initial_drafter: str | Path | None = None,
     ) -> JobInfo:
         req = _create_job_request(
             model_path,
@@ -443,6 +452,7 @@ class AsyncRolloutClient(_JobBound):
             speculative,
             online_training,
             batch_threshold,
+            initial_drafter,
         )
         info = _job_from_pb(await self._call(self._jobs.CreateJob, req))
         self.job_id = info.job_id

@@ -38,6 +38,9 @@ from workers.task import decode, load_tokenizer, reward  # noqa: E402
 from workers.task.workload import MAX_NEW_TOKENS, STOP_TOKEN_ID, rollout_prompts  # noqa: E402
 
 MODEL = ROOT / "models" / "tiny-policy"
+# An EAGLE drafter fitted offline on MODEL (scripts/fit_drafter.py): the TLT run starts from it
+# (its drafter version 1) and online training keeps it aligned as the policy moves.
+DRAFTER = ROOT / "models" / "tiny-policy-eagle"
 MODES = ("tlt", "off")  # TLT first: its drafter warms up while the baseline has nothing to warm
 
 
@@ -189,7 +192,13 @@ class Run:
     """One RL run (one job, one trainer) with speculative decoding adaptive (tlt) or off."""
 
     def __init__(
-        self, mode: str, cfg: DemoConfig, daemon: Daemon, model: Path, work_dir: Path
+        self,
+        mode: str,
+        cfg: DemoConfig,
+        daemon: Daemon,
+        model: Path,
+        work_dir: Path,
+        drafter: Path | None = None,
     ) -> None:
         self.mode, self.cfg, self.daemon, self.model, self.work_dir = (
             mode,
@@ -207,6 +216,7 @@ class Run:
             job_id=f"grpo-{mode}",
             speculative="auto" if tlt else "off",
             online_training=tlt,  # the baseline has no drafter to train
+            initial_drafter=drafter if tlt else None,
         )
         self.rows: list[StepRow] = []
 
@@ -242,7 +252,9 @@ class Run:
         self.client.close()
 
 
-def run_all(cfg: DemoConfig, daemon: Daemon, model: Path, work_dir: Path):
+def run_all(
+    cfg: DemoConfig, daemon: Daemon, model: Path, work_dir: Path, drafter: Path | None = None
+):
     """The TLT run, then the SD-off run, one after the other.
 
     Not interleaved step by step: the TLT job's drafter trains on devices its rollouts leave
@@ -252,7 +264,7 @@ def run_all(cfg: DemoConfig, daemon: Daemon, model: Path, work_dir: Path):
     """
     results = {}
     for mode in MODES:
-        run = Run(mode, cfg, daemon, model, work_dir)
+        run = Run(mode, cfg, daemon, model, work_dir, drafter)
         try:
             run.warm_up()
             for step in range(cfg.steps):
@@ -331,6 +343,15 @@ def print_summary(results: dict[str, list[StepRow]]) -> float:
     return speedup
 
 
+def _initial_drafter(option: str | None, model: Path) -> Path | None:
+    """--drafter, or the drafter fitted on the default policy when --model is that policy (a
+    drafter fitted on another policy would be rejected by the daemon or useless)."""
+    if option is None:
+        default = model == MODEL.resolve() and (DRAFTER / "model.safetensors").exists()
+        return DRAFTER.resolve() if default else None
+    return None if option.lower() == "none" else Path(option).resolve()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 tiny step per mode")
@@ -340,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--cpu-slots", type=int)
     parser.add_argument("--model", type=Path, default=MODEL)
+    parser.add_argument(
+        "--drafter",
+        help="offline-fitted EAGLE drafter the TLT run starts from (default: "
+        f"{DRAFTER.relative_to(ROOT)} with the default --model, else none; 'none' = none)",
+    )
     parser.add_argument("--work-dir", type=Path, help="keep checkpoints and the daemon's data")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else DemoConfig()
@@ -350,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (model / "config.json").exists():
         print(f"no policy at {model} (train it: python scripts/train_policy.py)", file=sys.stderr)
         return 1
+    drafter = _initial_drafter(args.drafter, model)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # the daemon needs cores too
     from transformers.utils import logging as hf_logging
 
@@ -371,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"temperature 1, max {cfg.max_new_tokens} new tokens\n\n{HEADER}",
                 flush=True,
             )
-            results = run_all(cfg, daemon, model, work_dir)
+            results = run_all(cfg, daemon, model, work_dir, drafter)
             print_summary(results)
             code = 0
         except TltClientError as exc:

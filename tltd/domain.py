@@ -84,6 +84,8 @@ class SpeculativeConfig:
     draft_lengths: tuple[int, ...] = (2, 4, 6)
     drafter: str = "auto"  # "auto" | "ngram" | "eagle"
     online_training: bool = True
+    # An offline-fitted drafter checkpoint the job starts from (its drafter version 1); "" = none.
+    initial_drafter_path: str = ""
 
 
 @dataclass(frozen=True)

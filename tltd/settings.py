@@ -78,6 +78,10 @@ class Settings:
             return self.database_url
         return f"sqlite:///{Path(self.data_dir) / 'tltd.db'}"
 
+    def drafter_versions_dir(self, job_id: str) -> Path:
+        """Where a job's drafter version checkpoints live (online ones and the initial one)."""
+        return Path(self.data_dir) / "drafters" / job_id / "versions"
+
     @property
     def is_loopback(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127.")

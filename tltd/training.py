@@ -324,7 +324,7 @@ class DrafterTraining:
                     "db_url": self.store.url,
                     "job_id": run.job_id,
                     "policy_version": run.policy_version,
-                    "out_dir": str(self.root / run.job_id / "versions"),
+                    "out_dir": str(self.settings.drafter_versions_dir(run.job_id)),
                     "held_out": held,
                 },
             )

@@ -80,6 +80,14 @@ def test_new_job_defaults():
     )
     assert new.speculative.drafter == "eagle" and new.speculative.batch_threshold == 0
     assert new.speculative.draft_lengths == d.SpeculativeConfig().draft_lengths
+    assert new.speculative.initial_drafter_path == ""
+
+
+def test_initial_drafter_path_round_trips():
+    spec = d.SpeculativeConfig(initial_drafter_path="/drafters/fitted")
+    pb = c.speculative_to_pb(spec)
+    assert pb.initial_drafter_path == "/drafters/fitted"
+    assert c.speculative_from_pb(pb) == spec
 
 
 def test_timestamps_are_utc():

@@ -254,3 +254,28 @@ def test_old_checkpoints_with_an_input_norm_fail_clearly(target, target_dir, tra
     save_file(sd, str(ckpt / "model.safetensors"))
     with pytest.raises(IncompatibleDrafterCheckpoint, match="input_layernorm"):
         load_state(ckpt)
+
+
+def test_online_versions_must_beat_the_initial_drafter(store, target, target_dir, trained,
+                                                       held_out, tmp_path):
+    from tltd.domain import SpeculativeConfig
+    from tltd.services.jobs import JobService, NewJob
+    from tltd.settings import Settings
+
+    trained.drafter.save_pretrained(tmp_path / "fitted")
+    jobs = JobService(store, Settings(data_dir=str(tmp_path / "data")))
+    spec = SpeculativeConfig(batch_threshold=0, initial_drafter_path=str(tmp_path / "fitted"))
+    job, _ = jobs.create(NewJob(job_id="j1", model_path=str(target_dir), speculative=spec))
+    assert job.drafter_version == 1 and store.active_drafter_version("j1") == 1
+    initial = store.get_drafter("j1", 1)
+    assert initial.status is DrafterStatus.PROMOTED and initial.policy_version == 0
+    # What a rollout worker and a fresh online trainer load: the initial drafter's weights.
+    loaded = EagleDrafter.from_pretrained(initial.path, target)
+    for name, t in loaded.state_dict().items():
+        torch.testing.assert_close(t, trained.drafter.state_dict()[name])
+
+    worse = new_drafter(target, seed=7)
+    v2 = publish(store, "j1", worse, held_out, policy_version=1, train_steps=0, loss=9.9,
+                 out_dir=tmp_path)
+    assert v2.version == 2 and v2.status is DrafterStatus.REJECTED
+    assert store.active_drafter_version("j1") == 1, "the initial drafter stays active"

@@ -120,6 +120,7 @@ def speculative_from_pb(pb: common_pb2.SpeculativeConfig) -> d.SpeculativeConfig
         draft_lengths=tuple(pb.draft_lengths) or defaults.draft_lengths,
         drafter=pb.drafter or defaults.drafter,
         online_training=pb.online_training,
+        initial_drafter_path=pb.initial_drafter_path,
     )
 
 
@@ -130,6 +131,7 @@ def speculative_to_pb(spec: d.SpeculativeConfig) -> common_pb2.SpeculativeConfig
         draft_lengths=list(spec.draft_lengths),
         drafter=spec.drafter,
         online_training=spec.online_training,
+        initial_drafter_path=spec.initial_drafter_path,
     )
 
 

@@ -39,3 +39,79 @@ def vocab_size(model_path: str) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+# The target config fields that shape a drafter's own tensors (its layer is built from them).
+_DRAFTER_SHAPE_FIELDS = (
+    "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "qkv_bias",
+)
+
+
+def _safetensors_names(path: Path) -> list[str]:
+    """Tensor names from a safetensors header (8-byte little-endian length, then JSON), read
+    without loading the tensors."""
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size <= 100_000_000:
+            raise ValueError("not a safetensors file")
+        header = json.loads(f.read(size))
+    return [k for k in header if k != "__metadata__"]
+
+
+def check_drafter_dir(path: str, field: str, model_dir: Path) -> Path:
+    """The resolved directory of an EAGLE drafter checkpoint (`EagleDrafter.save_pretrained`
+    layout) usable on the model in `model_dir`, or InvalidArgument naming `field`: missing
+    files, not a drafter, built for another model shape, or a legacy (input-norm) checkpoint."""
+    if not path:
+        raise InvalidArgument("must not be empty", field=field)
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise InvalidArgument(f"{path} is not a directory readable by the daemon", field=field)
+    for name in ("config.json", "model.safetensors"):
+        if not (p / name).is_file():
+            raise InvalidArgument(
+                f"{path} has no {name} (not a drafter checkpoint)", field=field
+            )
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+        target = cfg["target"]
+        hidden = int(target["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidArgument(
+            f"{path}/config.json is not an EAGLE drafter config (no target.hidden_size: {exc})",
+            field=field,
+        ) from exc
+    try:
+        names = _safetensors_names(p / "model.safetensors")
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(
+            f"{path}/model.safetensors is unreadable: {exc}", field=field
+        ) from exc
+    # Imported here: these modules pull in torch, which the API layer otherwise does not need.
+    from workers.engine.eagle import IncompatibleDrafterCheckpoint, check_drafter_tensors
+    from workers.engine.model import ModelConfig
+
+    try:
+        check_drafter_tensors(names, path)
+    except IncompatibleDrafterCheckpoint as exc:
+        raise InvalidArgument(str(exc), field=field) from exc
+    try:
+        model = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidArgument(
+            f"the job's model config cannot be read to check the drafter: {exc}", field=field
+        ) from exc
+    if hidden != model.hidden_size:
+        raise InvalidArgument(
+            f"{path} was built for hidden size {hidden}, the job's model has "
+            f"{model.hidden_size}",
+            field=field,
+        )
+    for name in _DRAFTER_SHAPE_FIELDS[1:]:
+        if name in target and target[name] != getattr(model, name):
+            raise InvalidArgument(
+                f"{path} was built for {name} {target[name]}, the job's model has "
+                f"{getattr(model, name)}",
+                field=field,
+            )
+    return p.resolve()

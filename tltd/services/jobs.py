@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import shutil
 import uuid
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tltd.domain import Backend, Job, JobStatus, RequestStatus, SpeculativeConfig
+from tltd.domain import (
+    Backend,
+    DrafterVersion,
+    Job,
+    JobStatus,
+    RequestStatus,
+    SpeculativeConfig,
+    SpeculativeMode,
+)
 from tltd.errors import FailedPrecondition, InvalidArgument
-from tltd.services.checkpoints import check_model_dir
+from tltd.services.checkpoints import check_drafter_dir, check_model_dir
 from tltd.services.validation import check_id
 from tltd.settings import Settings
 
@@ -19,6 +29,7 @@ if TYPE_CHECKING:
     from tltd.supervisor import Supervisor
 
 _DRAFTERS = ("auto", "ngram", "eagle")
+_INITIAL_DRAFTER = "speculative.initial_drafter_path"
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,9 @@ class JobService:
     def create(self, new: NewJob) -> tuple[Job, bool]:
         """Create a job, or return the existing one for a retried job_id (created=False).
 
-        A retry with different parameters is ALREADY_EXISTS (raised by the store).
+        A retry with different parameters is ALREADY_EXISTS (raised by the store). With
+        `speculative.initial_drafter_path` the checkpoint is checked against the job's model,
+        copied into the daemon's drafter storage and recorded as drafter version 1, promoted.
         """
         check_id(new.job_id, "job_id", required=False)
         model_path = new.model_path or self.settings.default_model_path
@@ -61,6 +74,11 @@ class JobService:
             raise FailedPrecondition(
                 "sglang backend needs a GPU host with sglang installed", field="backend"
             )
+        spec = self._speculative(new.speculative)
+        source = None
+        if spec.initial_drafter_path:
+            source = self._check_initial_drafter(spec, resolved)
+            spec = replace(spec, initial_drafter_path=str(source))
         job = Job(
             job_id=new.job_id or f"job-{uuid.uuid4().hex[:12]}",
             model_path=str(resolved),
@@ -68,9 +86,46 @@ class JobService:
             backend=backend,
             priority=new.priority,
             weight=new.weight or 1.0,
-            speculative=self._speculative(new.speculative),
+            speculative=spec,
         )
-        return self.store.create_job(job)
+        if source is None:
+            return self.store.create_job(job)
+        return self._create_with_drafter(job, source)
+
+    def _check_initial_drafter(self, spec: SpeculativeConfig, model_dir: Path) -> Path:
+        if spec.mode is SpeculativeMode.OFF or spec.drafter == "ngram":
+            raise InvalidArgument(
+                "needs a learned drafter: speculative mode must not be OFF and drafter must "
+                "not be 'ngram'",
+                field=_INITIAL_DRAFTER,
+            )
+        return check_drafter_dir(spec.initial_drafter_path, _INITIAL_DRAFTER, model_dir)
+
+    def _create_with_drafter(self, job: Job, source: Path) -> tuple[Job, bool]:
+        """Copy the drafter into the daemon's storage (the caller's directory may change or go
+        away), then create the job with it as version 1; a retry drops the fresh copy."""
+        dest = self.settings.drafter_versions_dir(job.job_id) / (
+            f"drafter-initial-{uuid.uuid4().hex[:8]}"
+        )
+        try:
+            dest.mkdir(parents=True)
+            for name in ("config.json", "model.safetensors"):
+                shutil.copyfile(source / name, dest / name)
+        except OSError as exc:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise InvalidArgument(
+                f"cannot copy {source} into the daemon's drafter storage: {exc}",
+                field=_INITIAL_DRAFTER,
+            ) from exc
+        initial = DrafterVersion(job_id=job.job_id, version=1, policy_version=0, path=str(dest))
+        try:
+            created, is_new = self.store.create_job(job, initial)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        if not is_new:
+            shutil.rmtree(dest, ignore_errors=True)
+        return created, is_new
 
     def _speculative(self, spec: SpeculativeConfig | None) -> SpeculativeConfig:
         spec = spec or SpeculativeConfig(batch_threshold=0)

@@ -51,6 +51,7 @@ def job_to_row(job: Job, row: JobRow | None = None) -> JobRow:
     row.spec_draft_lengths = list(spec.draft_lengths)
     row.spec_drafter = spec.drafter
     row.spec_online_training = spec.online_training
+    row.spec_initial_drafter_path = spec.initial_drafter_path
     row.status = str(job.status)
     row.status_reason = job.status_reason
     row.policy_version = job.policy_version
@@ -71,6 +72,7 @@ def job_from_row(row: JobRow, drafter_version: int = 0) -> Job:
             draft_lengths=tuple(int(x) for x in row.spec_draft_lengths),
             drafter=row.spec_drafter,
             online_training=row.spec_online_training,
+            initial_drafter_path=row.spec_initial_drafter_path,
         ),
         status=JobStatus(row.status),
         status_reason=row.status_reason,

@@ -87,6 +87,7 @@ class JobRow(Base):
     spec_draft_lengths: Mapped[list[Any]] = mapped_column(JSON)
     spec_drafter: Mapped[str] = mapped_column(STATUS)
     spec_online_training: Mapped[bool] = mapped_column(Boolean)
+    spec_initial_drafter_path: Mapped[str] = mapped_column(Text, default="")
     status: Mapped[str] = mapped_column(STATUS, index=True)
     status_reason: Mapped[str] = mapped_column(Text, default="")
     policy_version: Mapped[int] = mapped_column(Integer, default=0)

@@ -150,9 +150,16 @@ class Store:
 
     # ---- jobs and policy versions -------------------------------------------------------
 
-    def create_job(self, job: Job) -> tuple[Job, bool]:
+    def create_job(
+        self, job: Job, initial_drafter: DrafterVersion | None = None
+    ) -> tuple[Job, bool]:
         """Create a job (with policy version 0 = its model_path); a retry with the same
-        parameters returns the existing job and False, different parameters raise AlreadyExists."""
+        parameters returns the existing job and False, different parameters raise AlreadyExists.
+
+        `initial_drafter` (a checkpoint already in the daemon's storage) is recorded in the same
+        transaction as drafter version 1 against policy version 0, PROMOTED, so the job is
+        never seen without it; a retry ignores it (the caller removes its copy).
+        """
         try:
             with self._tx() as s:
                 existing = s.get(JobRow, job.job_id)
@@ -174,8 +181,24 @@ class Store:
                     )
                 )
                 record_event(s, "job", job.job_id, "", JobStatus.ACTIVE, "created", at=now)
+                s.flush()  # the job row before its drafter row (foreign key)
+                if initial_drafter is None:
+                    return convert.job_from_row(row, 0), True
+                dv = DrafterVersion(
+                    job_id=job.job_id, version=1, policy_version=0, path=initial_drafter.path,
+                    train_steps=initial_drafter.train_steps, loss=initial_drafter.loss,
+                    acceptance_length=initial_drafter.acceptance_length,
+                    status=DrafterStatus.PROMOTED,
+                )
+                drafter = convert.drafter_to_row(dv, 1)
+                drafter.created_at = drafter.updated_at = now
+                s.add(drafter)
+                why = f"initial drafter from {job.speculative.initial_drafter_path}"
+                record_event(
+                    s, "drafter", f"{job.job_id}/1", "", DrafterStatus.PROMOTED, why, at=now
+                )
                 s.flush()
-                return convert.job_from_row(row, 0), True
+                return convert.job_from_row(row, 1), True
         except IntegrityError:
             # A concurrent create of the same id committed first: answer as a retry would.
             with self._tx(write=False) as s:

@@ -26,15 +26,17 @@ SPECULATIVE_MODE_AUTO: SpeculativeMode
 SPECULATIVE_MODE_OFF: SpeculativeMode
 
 class SpeculativeConfig(_message.Message):
-    __slots__ = ("mode", "batch_threshold", "draft_lengths", "drafter", "online_training")
+    __slots__ = ("mode", "batch_threshold", "draft_lengths", "drafter", "online_training", "initial_drafter_path")
     MODE_FIELD_NUMBER: _ClassVar[int]
     BATCH_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     ONLINE_TRAINING_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_DRAFTER_PATH_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculativeMode
     batch_threshold: int
     draft_lengths: _containers.RepeatedScalarFieldContainer[int]
     drafter: str
     online_training: bool
-    def __init__(self, mode: _Optional[_Union[SpeculativeMode, str]] = ..., batch_threshold: _Optional[int] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., online_training: _Optional[bool] = ...) -> None: ...
+    initial_drafter_path: str
+    def __init__(self, mode: _Optional[_Union[SpeculativeMode, str]] = ..., batch_threshold: _Optional[int] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., online_training: _Optional[bool] = ..., initial_drafter_path: _Optional[str] = ...) -> None: ...
