@@ -47,8 +47,11 @@ def test_training_starts_when_idle_and_is_preempted_by_a_new_batch(start_daemon,
 
         w = _wait(lambda: (t := _trainer(c)) and t.state == "busy" and t, what="training")
         assert w.job_id == "job" and w.worker_id == "drafter-job" and w.pid
-        device = d.store.get_device(w.device_id)
-        assert device.state is DeviceState.TRAINING
+        # The worker row and the device row are separate writes: wait for the second.
+        _wait(
+            lambda: d.store.get_device(w.device_id).state is DeviceState.TRAINING,
+            what="device state training",
+        )
         _wait(lambda: hook._runs["job"].step >= 2, what="two optimizer steps")
 
         got = list(c.generate("job", PROMPTS, sampling=sampling(**PARAMS), request_id="b-2"))

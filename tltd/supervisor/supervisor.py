@@ -329,8 +329,15 @@ class Supervisor:
                     f"running on {slot.worker_id}",
                 )
         idle = set(decision.idle_devices)
+        # A device handed to training this tick gets its state from the training hook; an
+        # IDLE written here too could land after it (another writer) and hide the training.
+        to_training = {t.device_id for t in decision.start_training}
         for d in devices:
-            if d.state is DeviceState.UNAVAILABLE or d.state is DeviceState.TRAINING:
+            if d.state in (DeviceState.UNAVAILABLE, DeviceState.TRAINING):
+                continue
+            if d.device_id in to_training:
+                # Not ours to write, but remembered, so that our next state for it is written.
+                self._device_states[d.device_id] = DeviceState.TRAINING
                 continue
             busy = sum(self.queue.inflight(s.worker_id) for s in self._slots_on(d.device_id))
             if busy:
