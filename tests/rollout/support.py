@@ -240,6 +240,15 @@ class ServeProcess:
         ]
 
 
+def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise TimeoutError(what)
+
+
 def pid_alive(pid: int) -> bool:
     import os
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import grpc
@@ -13,21 +12,12 @@ from safetensors.torch import load_file, save_file
 from clients.errors import InvalidArgumentError
 from clients.rollout import RolloutClient
 from tests.api.support import fails, sampling
-from tests.rollout.support import direct_outputs, make_checkpoint
+from tests.rollout.support import direct_outputs, make_checkpoint, wait_until
 from tltd.domain import SamplingParams
 from tltd.v1 import common_pb2, drafter_pb2
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
 FIELD = "speculative.initial_drafter_path"
-
-
-def _wait(cond, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise TimeoutError(what)
 
 
 def _drafter(model_dir: Path, out: Path, seed: int = 3) -> Path:
@@ -43,9 +33,7 @@ def initial_drafter(ckpt, tmp_path_factory) -> Path:
     return _drafter(ckpt, tmp_path_factory.mktemp("initial") / "drafter")
 
 
-def test_job_starts_from_the_initial_drafter_and_rollouts_use_it(
-    daemon, ckpt, initial_drafter
-):
+def test_job_starts_from_the_initial_drafter_and_rollouts_use_it(daemon, ckpt, initial_drafter):
     d, sup = daemon, daemon.supervisor
     params = dict(n=2, temperature=0.0, max_new_tokens=40)
     with d.client() as c:
@@ -68,7 +56,7 @@ def test_job_starts_from_the_initial_drafter_and_rollouts_use_it(
         again = c.create_job(str(ckpt), job_id="job", initial_drafter=initial_drafter)
         assert again.drafter_version == 1 and len(c.list_drafters("job").drafters) == 1
         d.wait_workers_ready(2)
-        _wait(
+        wait_until(
             lambda: all(s.drafter_version == 1 and not s.loading for s in sup.slots.values()),
             what="initial drafter loaded by every worker",
         )

@@ -10,8 +10,8 @@ import pytest
 
 from clients.errors import NotFoundError, UnavailableError
 from tests.api.support import sampling
-from tests.rollout.support import ServeProcess, direct_outputs, pid_alive
-from tests.rollout.test_rollouts import PROMPTS, Stream, _by_key, _wait
+from tests.rollout.support import ServeProcess, direct_outputs, pid_alive, wait_until
+from tests.rollout.test_rollouts import PROMPTS, Stream, _by_key
 from tltd.domain import FinishReason, RequestStatus, SamplingParams, WorkerState
 from tltd.store import Store
 from tltd.v1 import rollout_pb2
@@ -39,19 +39,19 @@ def test_daemon_kill9_mid_batch_then_restart(db_url, tmp_path, ckpt):
             pids = [w.pid for w in a.wait_workers_ready("job")]
             s1 = Stream(c, "job", PROMPTS[:4], sampling=sampling(**LONG), request_id="r1")
             s2 = Stream(c, "job", PROMPTS[4:], sampling=sampling(**LONG), request_id="r2")
-            _wait(lambda: _status(c, "r1") == RUNNING, what="r1 running")
+            wait_until(lambda: _status(c, "r1") == RUNNING, what="r1 running")
             # Waits until a worker is free of job's work: still queued at the crash.
             s3 = Stream(
                 c, "other", PROMPTS[:1], sampling=sampling(n=2, max_new_tokens=4), request_id="r3"
             )
-            _wait(lambda: _status(c, "r3") is not None, what="r3 stored")
+            wait_until(lambda: _status(c, "r3") is not None, what="r3 stored")
             a.proc.send_signal(signal.SIGKILL)
             a.wait()
             for s in (s1, s2, s3):
                 s.result(30)
                 assert isinstance(s.error, UnavailableError), s.error  # connection lost
         # The workers notice their daemon is gone and exit (no orphans holding devices).
-        _wait(lambda: not any(pid_alive(p) for p in pids), timeout=20, what="workers exit")
+        wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=20, what="workers exit")
     finally:
         a.kill()
 
@@ -103,7 +103,7 @@ def test_sigterm_drains_within_the_grace_and_exits_0(sqlite_url, tmp_path, ckpt)
             # seconds even on an idle machine, so the drain must cut it short.
             params = dict(n=16, temperature=0.0, max_new_tokens=1000)
             long = Stream(c, "job", PROMPTS * 2, sampling=sampling(**params), request_id="big")
-            _wait(
+            wait_until(
                 lambda: _status(c, "big") == RUNNING,
                 what="running",
             )

@@ -11,7 +11,7 @@ import pytest
 
 from clients.errors import AlreadyExistsError
 from tests.api.support import sampling
-from tests.rollout.support import direct_outputs
+from tests.rollout.support import direct_outputs, wait_until
 from tltd.domain import DeviceState, DrafterStatus, DrafterVersion, SamplingParams
 from tltd.v1 import common_pb2, rollout_pb2
 
@@ -21,15 +21,6 @@ FR = rollout_pb2.FinishReason
 
 def _by_key(samples) -> dict:
     return {(s.prompt_index, s.sample_index): tuple(s.token_ids) for s in samples}
-
-
-def _wait(cond, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise TimeoutError(what)
 
 
 def _settled(sup) -> bool:
@@ -83,11 +74,11 @@ def test_batch_streams_back_complete_and_lossless(daemon, ckpt):
     # Both devices worked (the n samples of the batch spread) and are reported.
     assert sorted(w.worker_id for w in workers) == ["rollout-cpu:0", "rollout-cpu:1"]
     assert all(w.kind == "rollout" and w.pid and w.job_id == "job" for w in workers)
-    _wait(lambda: _settled(daemon.supervisor), what="heartbeats caught up")
+    wait_until(lambda: _settled(daemon.supervisor), what="heartbeats caught up")
     prefills = [st["prefills"] for st in daemon.supervisor.worker_stats().values()]
     assert len(prefills) == 2 and all(p > 0 for p in prefills)
     # Device states follow the work: rollout while it ran, idle after the idle grace.
-    _wait(
+    wait_until(
         lambda: {dv.state for dv in daemon.store.list_devices()} == {DeviceState.IDLE},
         what="devices idle",
     )
@@ -115,7 +106,7 @@ def test_worker_killed_mid_batch_the_batch_still_completes(sqlite_daemon, ckpt):
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
         stream = Stream(c, "job", PROMPTS[:4], sampling=sampling(**params), request_id="k-1")
-        _wait(lambda: sup.queue.inflight("rollout-cpu:0") > 0, what="work on cpu:0")
+        wait_until(lambda: sup.queue.inflight("rollout-cpu:0") > 0, what="work on cpu:0")
         victim = sup.slots["rollout-cpu:0"].proc.pid
         os.kill(victim, signal.SIGKILL)
         got = stream.result()
@@ -140,7 +131,7 @@ def test_retry_attaches_to_the_same_work(sqlite_daemon, ckpt):
         c1.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
         first = Stream(c1, "job", PROMPTS[:3], sampling=sampling(**params), request_id="idem")
-        _wait(lambda: sup.assigned_samples == 12, what="all samples assigned")
+        wait_until(lambda: sup.assigned_samples == 12, what="all samples assigned")
         # A retry (e.g. the trainer lost its connection) while the work runs.
         second = list(
             c2.generate("job", PROMPTS[:3], sampling=sampling(**params), request_id="idem")
@@ -155,7 +146,7 @@ def test_retry_attaches_to_the_same_work(sqlite_daemon, ckpt):
     assert _by_key(second) == _by_key(first.samples) == _by_key(third)
     assert len(second) == len(third) == 12
     assert sup.assigned_samples == 12  # no sample ran twice
-    _wait(lambda: _settled(sup), what="heartbeats caught up")
+    wait_until(lambda: _settled(sup), what="heartbeats caught up")
     assert sum(st["prefills"] for st in sup.worker_stats().values()) <= 6  # 3 prompts, 2 workers
     assert len(d.store.list_samples("idem")) == 12
 
@@ -167,7 +158,7 @@ def test_cancel_stops_the_work_promptly(sqlite_daemon, ckpt):
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
         stream = Stream(c, "job", PROMPTS, sampling=sampling(**params), request_id="c-1")
-        _wait(lambda: sup.assigned_samples > 0, what="work assigned")
+        wait_until(lambda: sup.assigned_samples > 0, what="work assigned")
         time.sleep(0.2)
         cancelled = c.cancel_request("c-1", reason="trainer moved on")
         got = stream.result(timeout=30)
@@ -178,7 +169,7 @@ def test_cancel_stops_the_work_promptly(sqlite_daemon, ckpt):
     assert all(s.partial and len(s.token_ids) < 1000 for s in got)
     assert req.request.status == rollout_pb2.REQUEST_STATUS_CANCELLED
     assert "trainer moved on" in req.request.status_reason
-    _wait(lambda: all(sup.queue.inflight(w) == 0 for w in sup.slots), what="workers free")
+    wait_until(lambda: all(sup.queue.inflight(w) == 0 for w in sup.slots), what="workers free")
     assert len(sup.queue) == 0
 
 
@@ -192,7 +183,7 @@ def test_policy_update_mid_stream_old_requests_finish_on_their_version(sqlite_da
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
         a = Stream(c, "job", PROMPTS[:2], sampling=sampling(**old), request_id="old")
-        _wait(lambda: sup.assigned_samples == 4, what="old request running")
+        wait_until(lambda: sup.assigned_samples == 4, what="old request running")
         assert c.update_policy("job", str(ckpt2)).version == 1
         b = Stream(c, "job", PROMPTS[2:4], sampling=sampling(**new), request_id="new")
         got_a, got_b = a.result(), b.result()
@@ -218,7 +209,7 @@ def test_foreign_device_is_vacated_and_its_work_moves(sqlite_daemon, ckpt):
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
         stream = Stream(c, "job", PROMPTS[:2], sampling=sampling(**params), request_id="f-1")
-        _wait(lambda: sup.queue.inflight("rollout-cpu:1") > 0, what="work on cpu:1")
+        wait_until(lambda: sup.queue.inflight("rollout-cpu:1") > 0, what="work on cpu:1")
         # The inventory reports a foreign process on cpu:1 (as device discovery would).
         d.store.upsert_devices(
             [
@@ -266,7 +257,7 @@ def test_silent_worker_is_reaped_and_its_work_requeued(sqlite_store, tmp_path, c
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(2)
             stream = Stream(c, "job", PROMPTS[:2], sampling=sampling(**params), request_id="h")
-            _wait(lambda: sup.queue.inflight("rollout-cpu:1") > 0, what="work on cpu:1")
+            wait_until(lambda: sup.queue.inflight("rollout-cpu:1") > 0, what="work on cpu:1")
             hung = sup.slots["rollout-cpu:1"].proc.pid
             os.kill(hung, signal.SIGSTOP)
             got = stream.result()
@@ -301,7 +292,7 @@ def test_node_drain_returns_partial_samples_and_fails_the_request(sqlite_store, 
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(2)
             stream = Stream(c, "job", PROMPTS, sampling=sampling(**params), request_id="dr")
-            _wait(lambda: d.supervisor.assigned_samples > 0, what="running")
+            wait_until(lambda: d.supervisor.assigned_samples > 0, what="running")
             c.drain(node=True)
             got = stream.result(30)
             with pytest.raises(UnavailableError, match="draining"):
@@ -323,7 +314,7 @@ def test_cancelling_the_job_cancels_its_running_request(sqlite_daemon, ckpt):
         d.wait_workers_ready(2)
         params = dict(n=2, temperature=0.0, max_new_tokens=1000)
         stream = Stream(c, "job", PROMPTS[:2], sampling=sampling(**params), request_id="j-1")
-        _wait(lambda: d.supervisor.assigned_samples == 4, what="running")
+        wait_until(lambda: d.supervisor.assigned_samples == 4, what="running")
         c.cancel_job("job", reason="experiment over")
         got = stream.result(30)
         req = c.get_request("j-1").request
@@ -350,7 +341,7 @@ def test_promoted_drafter_is_hot_swapped_into_workers_and_stays_lossless(
         )
         d.store.set_drafter_status("job", dv.version, DrafterStatus.PROMOTED, "test")
         sup.kick_threadsafe()
-        _wait(
+        wait_until(
             lambda: all(
                 s.drafter_version == dv.version and not s.loading for s in sup.slots.values()
             ),

@@ -143,7 +143,7 @@ class EagleDrafter(nn.Module):
         x = batch.pack(torch.cat([feats, self.target.embed_tokens(tokens)], dim=-1))
         cos, sin = self.target.rope(cache.max_len).tables(batch.positions)
         out = self.layer(self.fc(x), batch, cos, sin, cache.k[0], cache.v[0])
-        return batch.unpack(out, tokens.shape[0])
+        return batch.unpack(out)
 
     @torch.inference_mode()
     def propose(

@@ -128,10 +128,11 @@ class Batch:
             width,
         )  # fmt: skip
 
-    def unpack(self, x: Tensor, b: int) -> Tensor:
+    def unpack(self, x: Tensor) -> Tensor:
         """Packed [1, N, ...] -> padded [B, T, ...] (zeros at padding)."""
         if self.packed is None:
             return x
+        b = self.lens.shape[0]
         out = x.new_zeros((b * self.width,) + x.shape[2:])
         out[self.packed] = x[0]
         return out.view((b, self.width) + x.shape[2:])
@@ -236,7 +237,7 @@ class DecoderLayer(nn.Module):
             keys = k_cache[rows, : batch.kv_len].transpose(1, 2)
             values = v_cache[rows, : batch.kv_len].transpose(1, 2)
             att = F.scaled_dot_product_attention(
-                batch.unpack(q, rows_b).transpose(1, 2),
+                batch.unpack(q).transpose(1, 2),
                 keys,
                 values,
                 attn_mask=batch.mask,
@@ -314,8 +315,8 @@ class CausalLM(nn.Module):
                 h_last = h[0, batch.last]
             else:
                 h_last = h[torch.arange(b, device=h.device), batch.n_new - 1]
-            return self.logits(h_last), (batch.unpack(h, b) if return_hidden else None)
-        return batch.unpack(self.logits(h), b), (batch.unpack(h, b) if return_hidden else None)
+            return self.logits(h_last), (batch.unpack(h) if return_hidden else None)
+        return batch.unpack(self.logits(h)), (batch.unpack(h) if return_hidden else None)
 
 
 def _fuse_state_dict(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
