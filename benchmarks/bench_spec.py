@@ -49,6 +49,9 @@ class Result:
     bandit: dict
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def _requests(work: list, args: argparse.Namespace, tag: str, seed: int) -> list[Request]:
     return [
         Request(
@@ -99,6 +102,7 @@ def run_mode(
             # One bandit bucket per power of two up to the threshold.
             buckets=tuple(1 << i for i in range(max(1, threshold).bit_length())),
             seed=args.seed,
+            dtype=DTYPES[args.dtype],
         ),
     )
     if "eagle" in drafters:
@@ -213,6 +217,7 @@ def step_costs(
                     spec_mode="off" if mode == "off" else "fixed",
                     strategies=(Strategy(mode if mode != "off" else "ngram", k),),
                     batch_threshold=b,
+                    dtype=next(model.parameters()).dtype,
                 ),
             )
             if mode == "eagle":
@@ -261,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="modes interleaved; best wall kept")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="engine weights and activations"
+    )
     ap.add_argument("--no-costs", dest="costs", action="store_false", help="skip step costs")
     args = ap.parse_args(argv)
     if args.quick:
@@ -270,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         modes.insert(0, "off")
     torch.set_num_threads(args.threads)
 
-    model = load_model(args.model)
+    model = load_model(args.model, DTYPES[args.dtype])
     drafter = None
     if args.drafter.is_dir():
         drafter = EagleDrafter.from_pretrained(args.drafter, model)
@@ -281,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"workload: {args.prompts} prompts x {args.samples} samples, T={args.temperature}, "
         f"max_new_tokens {args.max_new_tokens}, SD at batch <= {args.threshold}, "
-        f"threads {args.threads}",
+        f"threads {args.threads}, {args.dtype}",
         flush=True,
     )
     warm = [
