@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -271,6 +273,33 @@ def test_bad_requests_are_rejected(ckpt):
     e.add_request("a", [1], GREEDY)
     with pytest.raises(ValueError, match="already queued"):
         e.add_request("a", [1], GREEDY)
+
+
+def test_a_finished_sample_can_run_again_while_its_siblings_run(ckpt):
+    """A retry of sample 0 (e.g. its result could not be stored) while samples 1.. added with
+    it still run is accepted, and gives the same tokens (seeded randomness)."""
+    for seed in range(100):  # a seed where sample 0 stops first (deterministic search)
+        sp = SamplingParams(
+            n=3, temperature=1.0, max_new_tokens=40, seed=seed, stop_token_ids=(1, 2, 3, 4)
+        )
+        e = _engine(ckpt)
+        e.add_request("r", PROMPTS[0], sp)
+        first: list = []
+        while not first and (e.running or e.waiting):
+            first = e.step()
+        if [o.sample_index for o in first] == [0] and len(e.running) == 2:
+            break
+    else:
+        pytest.fail("no seed where sample 0 finishes alone first")
+    with pytest.raises(ValueError, match=r"samples \[1, 2\] are already queued"):
+        e.add_request("r", PROMPTS[0], replace(sp, n=2), sample_offset=1)
+    e.add_request("r", PROMPTS[0], replace(sp, n=1))  # sample 0 again: accepted
+    rest = []
+    while e.running or e.waiting:
+        rest.extend(e.step())
+    again = [o for o in rest if o.sample_index == 0]
+    assert len(again) == 1 and again[0].token_ids == first[0].token_ids
+    assert sorted(o.sample_index for o in rest) == [0, 1, 2]
 
 
 def test_sample_output_converts_to_the_domain_sample(ckpt):

@@ -17,6 +17,7 @@ from workers.rollout.protocol import (
     LoadFailed,
     LoadModel,
     Ready,
+    SetDrafter,
     Shutdown,
 )
 from workers.rollout.worker import contiguous_runs
@@ -109,3 +110,15 @@ def test_bad_model_and_bad_work(worker, tmp_path, ckpt):
         s.finish_reason is FinishReason.FAILED and "max_seq_len" in s.error for s in got.values()
     )
     assert worker.proc.is_alive()
+
+
+def test_a_drafter_that_cannot_load_is_reported_with_its_version(worker, tmp_path, ckpt):
+    """The supervisor remembers (job, drafter version) as bad: the failure must name it."""
+    worker.recv(Ready)
+    worker.send(LoadModel("job", str(ckpt), 2, EngineSpec(max_batch=4, max_seq_len=64)))
+    assert worker.recv(Ready).policy_version == 2
+    worker.send(SetDrafter(str(tmp_path / "no-drafter"), 7))
+    failed = worker.recv(LoadFailed)
+    assert failed.drafter and failed.policy_version == 7 and failed.job_id == "job"
+    ready = worker.recv(Ready)
+    assert ready.policy_version == 2 and ready.drafter_version == 0

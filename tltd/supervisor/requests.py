@@ -179,7 +179,13 @@ class RolloutRequests:
             for p, s in keys
         ]
         if samples:
-            await self._writes.write(add_samples, self.store, samples)
+            try:
+                await self._writes.write(add_samples, self.store, samples)
+            except Exception:
+                # Finish them in memory anyway (streamed with their reason), or the request
+                # would never complete.
+                rid = live.request_id
+                log.exception("cannot store unstarted samples", extra={"request_id": rid})
         for sample in samples:
             key = (sample.prompt_index, sample.sample_index)
             failed = error if reason is FinishReason.FAILED else None

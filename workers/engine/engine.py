@@ -196,6 +196,7 @@ class Engine:
         self.prefills = 0  # prefill forwards run (one per prompt, shared by its n samples)
         self._outputs: list[SampleOutput] = []  # finished outside step() (cancel)
         self._next_seed = cfg.seed
+        self._groups_added = 0
         self._rng = random.Random(cfg.seed)
         self._plain_rewards: dict[int, deque[float]] = {}  # bucket -> plain tokens/s
 
@@ -236,12 +237,17 @@ class Engine:
             raise ValueError("need 0 < top_p <= 1, top_k >= 0, temperature >= 0")
         if sample_offset < 0:
             raise ValueError("sample_offset must be >= 0")
-        gid = f"{request_id}\x00{prompt_index}\x00{sample_offset}"
-        if any(g.gid == gid for g in self.waiting) or any(s.group.gid == gid for s in self.running):
+        wanted = set(range(sample_offset, sample_offset + sampling.n))
+        if wanted & self._live_samples(request_id, prompt_index):
             raise ValueError(
-                f"request {request_id!r} prompt {prompt_index} offset {sample_offset} is already "
+                f"request {request_id!r} prompt {prompt_index}: samples "
+                f"{sorted(wanted & self._live_samples(request_id, prompt_index))} are already "
                 "queued"
             )
+        # Unique per add: a sample that finished may run again (a retry) while its siblings,
+        # added with it, still run under the old group.
+        gid = f"{request_id}\x00{prompt_index}\x00{sample_offset}\x00{self._groups_added}"
+        self._groups_added += 1
         seed = sampling.seed
         if seed is None:
             seed, self._next_seed = self._next_seed, self._next_seed + 1_000_003
@@ -261,6 +267,18 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._outputs)
+
+    def _live_samples(self, request_id: str, prompt_index: int) -> set[int]:
+        """Sample indices of this prompt that are waiting or running."""
+        live = {
+            s.index
+            for s in self.running
+            if s.group.request_id == request_id and s.group.prompt_index == prompt_index
+        }
+        for g in self.waiting:
+            if g.request_id == request_id and g.prompt_index == prompt_index:
+                live.update(range(g.sample_offset, g.sample_offset + g.sampling.n))
+        return live
 
     def cancel(self, request_id: str) -> None:
         """Finish every sample of the request as CANCELLED (reported by the next step())."""
@@ -408,7 +426,8 @@ class Engine:
             g = s.group
             if hidden is not None:
                 gi = order[r]
-                h = hidden[gi, : len(g.prompt)]
+                # A copy: a view would keep the whole batch's hidden tensor alive.
+                h = hidden[gi, : len(g.prompt)].clone()
                 if s.history is not None:
                     s.history.append(h)
                 if s.eagle_ok:
@@ -579,19 +598,22 @@ class Engine:
         emitted_lp = logp.gather(-1, emitted[..., None])[..., 0]
         n_list, em, em_lp = n_acc.tolist(), emitted.tolist(), emitted_lp.tolist()
         done: dict[int, FinishReason] = {}
+        gained: list[int] = []  # tokens each row emitted (fewer than n + 1 past a stop token)
         for i, s in enumerate(seqs):
             n = n_list[i]
             lens[i] += 1 + n  # rejected positions past this are stale: the rollback
             s.draft_steps += 1
-            s.accepted += n
             if strategy.drafter == "eagle":
                 s.drafter_version = self.drafter_version
             h = hidden[i] if hidden is not None else None
+            before = len(s.tokens)
             reason = self._emit(s, em[i][: n + 1], em_lp[i][: n + 1], h)
+            gained.append(len(s.tokens) - before)
+            n_list[i] = min(n, gained[-1])  # drafts past a stop token do not count as accepted
+            s.accepted += n_list[i]
             if reason is not None:
                 done[i] = reason
         t2 = time.perf_counter()
-        gained = [n + 1 for n in n_list]
         self.bandit.record(b, strategy, sum(gained) / b, t2 - t0)
         self.stats.record_spec_step(b, strategy, dlen, n_list, gained, t1 - t0, t2 - t1)
         return self._finish(done)
@@ -667,7 +689,9 @@ class Engine:
                 break
         if hidden_rows is not None:
             # hidden_rows[j] is the state at the position fed just before emitted token j.
-            h = hidden_rows[:n]
+            # A copy: a view would keep the whole step's [B, width, H] tensor alive for as
+            # long as this (possibly long-tail) sample runs.
+            h = hidden_rows[:n].clone()
             if s.history is not None:
                 s.history.append(h)
             if s.eagle_ok:

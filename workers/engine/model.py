@@ -186,7 +186,7 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, batch: Batch, gro
     nkv = keys.shape[1]
     qg = q.transpose(1, 2).reshape(b, nkv, groups * t, hd)
     att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=batch.grouped_mask(groups))
-    return att.view(b, nq, t, hd)
+    return att.reshape(b, nq, t, hd)  # not view: CUDA kernels may return another layout
 
 
 class RMSNorm(nn.Module):

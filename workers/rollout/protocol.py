@@ -130,7 +130,7 @@ class LoadFailed:
     """A LoadModel / LoadPolicy / SetDrafter could not be applied (the worker keeps running)."""
 
     job_id: str
-    policy_version: int
+    policy_version: int  # the version that failed: a drafter version when `drafter` is True
     message: str
     drafter: bool = False  # True: it was the drafter that failed to load
 

@@ -146,7 +146,8 @@ class RolloutWorker:
             case LoadPolicy(path=path, version=version):
                 self._guarded(version, False, lambda: self.engine.load_policy(path, version))
             case SetDrafter(path=path, version=version):
-                self._guarded(None, True, lambda: self._set_drafter(path, version))
+                # A failure names the drafter version: the supervisor skips that one from now on.
+                self._guarded(version, True, lambda: self._set_drafter(path, version))
             case _:
                 self.conn.send(WorkerError(f"unknown command {type(msg).__name__}"))
 
