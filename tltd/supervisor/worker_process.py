@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from tltd.domain import Device, WorkerState
+from tltd.domain import Device, Sample, WorkerState
 from tltd.errors import TltError
 from tltd.settings import Settings
 from workers.rollout import protocol as msg
@@ -141,6 +141,8 @@ def _read_pipe(
         if isinstance(m, msg.Finished):
             try:
                 stored = store.add_sample(m.sample)
+                if not stored:
+                    m = msg.Finished(_stored_copy(store, m.sample))
             except Exception:
                 log.exception("cannot store sample", extra={"worker_id": slot.worker_id})
         elif isinstance(m, msg.Heartbeat) and time.monotonic() - last_beat >= 2.0:
@@ -152,6 +154,16 @@ def _read_pipe(
         _post(loop, on_message, slot, gen, m, stored)
     conn.close()
     _post(loop, on_exit, slot, gen)
+
+
+def _stored_copy(store: Store, sample: Sample) -> Sample:
+    """The copy the store already holds of a sample that ran twice (e.g. its first result
+    reached the store but not the loop): what the trainer sees must be what is stored."""
+    key = (sample.prompt_index, sample.sample_index)
+    for s in store.list_samples(sample.request_id):
+        if (s.prompt_index, s.sample_index) == key:
+            return s
+    return sample
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

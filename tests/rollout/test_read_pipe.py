@@ -1,0 +1,46 @@
+"""The worker pipe's reader thread stores samples before the loop streams them."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+from dataclasses import replace
+
+from tests.store.test_store_api import JOB, _request, _sample
+from tltd.domain import Device, DeviceKind
+from tltd.store import Store
+from tltd.supervisor.worker_process import WorkerSlot, _read_pipe
+from workers.rollout import protocol as msg
+
+
+def test_a_sample_that_ran_twice_streams_the_stored_copy(store: Store) -> None:
+    """A retry may produce other tokens (SD vs plain, another worker); the trainer must see
+    the copy the store holds, not the new one."""
+    store.create_job(JOB)
+    store.create_request(_request())
+    first = _sample(0, 1, tokens=(7, 8, 9))
+    assert store.add_sample(first)
+    rerun = replace(first, token_ids=(5, 5), logprobs=(-1.0, -2.0))
+    fresh = _sample(1, 0, tokens=(4,))
+
+    got: list[tuple[msg.FromWorker, bool | None]] = []
+    loop = asyncio.new_event_loop()
+    parent, child = multiprocessing.Pipe()
+    slot = WorkerSlot("w0", Device("cpu:0", DeviceKind.CPU, 0))
+    reader = threading.Thread(
+        target=_read_pipe,
+        args=(slot, 1, parent, store, loop, lambda *a: got.append((a[2], a[3])), lambda *a: None),
+    )
+    reader.start()
+    child.send(msg.Finished(rerun))
+    child.send(msg.Finished(fresh))
+    child.close()
+    reader.join(timeout=30)
+    loop.run_until_complete(asyncio.sleep(0))  # run the callbacks the thread posted
+    loop.close()
+
+    (dup, dup_stored), (new, new_stored) = got[:2]
+    assert dup_stored is False and dup.sample == first  # the stored copy, not the rerun
+    assert new_stored is True and new.sample == fresh
+    assert [s.token_ids for s in store.list_samples(first.request_id)] == [(7, 8, 9), (4,)]
