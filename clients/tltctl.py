@@ -259,7 +259,7 @@ def workers(obj: _Ctx, device_id: str) -> None:
 
 @cli.group()
 def jobs() -> None:
-    """List, show and cancel jobs."""
+    """Create, list, show and cancel jobs."""
 
 
 _JOB_STATUSES = {
@@ -267,6 +267,111 @@ _JOB_STATUSES = {
     "cancelled": job_pb2.JOB_STATUS_CANCELLED,
     "failed": job_pb2.JOB_STATUS_FAILED,
 }
+
+
+_UINT32 = click.IntRange(0, 2**32 - 1)  # what the proto fields can carry
+_BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "sglang": common_pb2.BACKEND_SGLANG}
+_SPECULATIVE_MODES = {
+    "auto": common_pb2.SPECULATIVE_MODE_AUTO,
+    "off": common_pb2.SPECULATIVE_MODE_OFF,
+}
+
+
+def _draft_lengths(_ctx: click.Context, _param: click.Parameter, value: str) -> list[int]:
+    """`2,4,6` -> [2, 4, 6]. Only what the proto cannot carry is refused here; the daemon
+    judges the rest (0 included) and names the bad entry."""
+    try:
+        lengths = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        lengths = [-1]
+    if not all(0 <= k < 2**32 for k in lengths):
+        raise click.BadParameter(f"expected comma-separated integers >= 0, got {value!r}")
+    return lengths
+
+
+@jobs.command("create")
+@click.argument("model_path")
+@click.option("--job-id", default="", help="Idempotent when given (default: daemon assigns).")
+@click.option("--name", default="", help="Free-form label.")
+@click.option("--priority", type=_UINT32, default=0, show_default=True)
+@click.option("--weight", type=float, default=0.0, help="Fair-share weight (0 = 1.0).")
+@click.option(
+    "--backend",
+    type=click.Choice(list(_BACKENDS)),
+    default=None,
+    help="Rollout engine (default: the daemon's).",
+)
+@click.option(
+    "--speculative",
+    type=click.Choice(list(_SPECULATIVE_MODES)),
+    default=None,
+    help="auto: speculate in the long tail; off: plain decoding (default: auto).",
+)
+@click.option(
+    "--draft-lengths",
+    default="",
+    callback=_draft_lengths,
+    help="Comma-separated draft lengths for the bandit, e.g. 2,4,6 (default: the daemon's).",
+)
+@click.option(
+    "--drafter",
+    type=click.Choice(["auto", "ngram", "eagle"]),
+    default=None,
+    help="auto: bandit over both; ngram: model-free only; eagle: learned only (default: auto).",
+)
+@click.option(
+    "--batch-threshold",
+    type=_UINT32,
+    default=0,
+    help="Speculate only at running batch <= this (0 = daemon default).",
+)
+@click.option(
+    "--online-training/--no-online-training",
+    default=True,
+    show_default=True,
+    help="Train the learned drafter on idle devices.",
+)
+@click.option(
+    "--initial-drafter",
+    default="",
+    help="Offline-fitted EAGLE drafter directory the job starts from (on the daemon's host).",
+)
+@_output_option
+@pass_ctx
+def jobs_create(
+    obj: _Ctx,
+    model_path: str,
+    job_id: str,
+    name: str,
+    priority: int,
+    weight: float,
+    backend: str | None,
+    speculative: str | None,
+    draft_lengths: list[int],
+    drafter: str | None,
+    batch_threshold: int,
+    online_training: bool,
+    initial_drafter: str,
+) -> None:
+    """Create a job serving MODEL_PATH (a model directory on the daemon's host)."""
+    spec = common_pb2.SpeculativeConfig(
+        mode=_SPECULATIVE_MODES.get(speculative or "", common_pb2.SPECULATIVE_MODE_UNSPECIFIED),
+        batch_threshold=batch_threshold,
+        draft_lengths=draft_lengths,
+        drafter=drafter or "",
+        online_training=online_training,  # always sent: unset would read as False
+        initial_drafter_path=initial_drafter,
+    )
+    job = obj.client.create_job(
+        model_path,
+        job_id=job_id,
+        name=name,
+        backend=_BACKENDS[backend] if backend else common_pb2.BACKEND_UNSPECIFIED,
+        priority=priority,
+        weight=weight,
+        speculative=spec,
+    )
+    _emit_record(obj, job)
 
 
 @jobs.command("ls")

@@ -58,6 +58,75 @@ def test_jobs(ctl, auth_daemon, model_dir):
     assert [j["job_id"] for j in json.loads(out)] == ["job-1"]
 
 
+def test_jobs_create(ctl, auth_daemon, model_dir):
+    args = ("jobs", "create", str(model_dir), "--job-id", "job-2", "--name", "ppo")
+    options = (
+        *("--priority", "2", "--weight", "0.5", "--backend", "torch", "--speculative", "auto"),
+        *("--draft-lengths", "2,4", "--drafter", "ngram", "--batch-threshold", "8"),
+        "--no-online-training",
+    )
+    # trainers own their jobs' lifecycle: a trainer token may create
+    code, out, err = ctl(*args, *options, "-o", "json", token=TRAINER_TOKEN)
+    assert code == 0 and err == ""
+    job = json.loads(out)
+    assert (
+        job["job_id"] == "job-2" and job["name"] == "ppo" and job["status"] == "JOB_STATUS_ACTIVE"
+    )
+    assert job["priority"] == 2 and job["weight"] == 0.5 and job["backend"] == "BACKEND_TORCH"
+    assert job["speculative"] == {
+        "mode": "SPECULATIVE_MODE_AUTO",
+        "batch_threshold": 8,
+        "draft_lengths": [2, 4],
+        "drafter": "ngram",
+        "online_training": False,
+        "initial_drafter_path": "",
+    }
+    stored = auth_daemon.store.get_job("job-2")
+    assert stored.speculative.draft_lengths == (2, 4) and not stored.speculative.online_training
+
+    # Defaults: the daemon assigns the id and fills in its defaults; a table for people.
+    code, out, _ = ctl("jobs", "create", str(model_dir), "--name", "grpo")
+    assert code == 0 and "job_id" in out and "grpo" in out and "active" in out
+    assert "online_training=True" in out and "batch_threshold=32" in out
+    code, out, _ = ctl("jobs", "ls")
+    assert code == 0 and "job-2" in out and "ppo" in out and "grpo" in out
+    assert {j["name"] for j in json.loads(ctl("jobs", "ls", "-o", "json")[1])} == {"ppo", "grpo"}
+    code, out, _ = ctl(*args, *options, "-o", "json")  # a retry: the same job, not a new one
+    assert code == 0 and json.loads(out)["created_at"] == job["created_at"]
+    code, out, err = ctl(*args)  # the same job id with other parameters
+    assert code == 1 and err.startswith("tltctl: already_exists:") and "job-2" in err
+
+
+@pytest.mark.parametrize(
+    "extra, status, field",
+    [
+        (("--draft-lengths", "2,0"), "invalid_argument", "speculative.draft_lengths[1]"),
+        (("--weight", "-1"), "invalid_argument", "weight"),
+        (("--job-id", "bad id"), "invalid_argument", "job_id"),
+        (
+            ("--speculative", "off", "--initial-drafter", "/nowhere"),
+            "invalid_argument",
+            "speculative.initial_drafter_path",
+        ),
+        (("--backend", "sglang"), "failed_precondition", "backend"),
+    ],
+)
+def test_jobs_create_bad_field(ctl, auth_daemon, model_dir, extra, status, field):
+    code, out, err = ctl("jobs", "create", str(model_dir), *extra)
+    assert code == 1 and out == ""
+    assert err.startswith(f"tltctl: {status}: {field}:"), err
+    assert auth_daemon.store.list_jobs() == []  # nothing was created
+
+
+def test_jobs_create_bad_model_path(ctl, auth_daemon, tmp_path):
+    code, out, err = ctl("jobs", "create", str(tmp_path / "nowhere"))
+    assert code == 1 and out == ""
+    assert err.startswith("tltctl: invalid_argument: model_path:") and "nowhere" in err
+    code, out, err = ctl("jobs", "create", str(tmp_path), "--draft-lengths", "2,-1")
+    assert code == 2 and "--draft-lengths" in err  # refused before anything is sent
+    assert json.loads(ctl("jobs", "ls", "-o", "json")[1]) == []
+
+
 def test_drafters(ctl, auth_daemon, model_dir):
     with auth_daemon.client(ADMIN_TOKEN) as c:
         c.create_job(str(model_dir), job_id="job")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from tltd.domain import JobStatus, PolicyVersion
@@ -44,7 +45,11 @@ class PolicyService:
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
         resolved = check_model_dir(path, "checkpoint.path", require_weights=True)
-        version = self.store.add_policy_version(job_id, "checkpoint", str(resolved), note=note)
+        # Announced to the supervisor around the write, so that a tick which read the jobs
+        # before it cannot start drafter training on that stale read (see policy_updates).
+        gate = self.supervisor.policy_updates.updating(job_id) if self.supervisor else nullcontext()
+        with gate:
+            version = self.store.add_policy_version(job_id, "checkpoint", str(resolved), note=note)
         if self.supervisor is not None:
             # Idle workers load it now; busy ones once their old-version work is done.
             self.supervisor.kick_threadsafe()

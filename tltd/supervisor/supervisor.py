@@ -10,7 +10,7 @@ periodic job in `tltd.periodic`.
 The parts live next to this module: `worker_process` (a worker's process and pipe threads),
 `requests` (live requests, streams, finishing samples), `models` (which job, policy and drafter
 each worker holds; the policy-version semantics are stated there), `writes` (ordered store
-writes).
+writes), `policy_updates` (UpdatePolicy writes in flight, which gate training starts).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import multiprocessing as mp
 import time
 from collections import Counter
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tltd.domain import (
@@ -40,6 +41,7 @@ from tltd.metrics import METRICS
 from tltd.scheduler import Decision, SchedulerConfig, TrainingView, schedule
 from tltd.settings import Settings
 from tltd.supervisor.models import ModelPlanner
+from tltd.supervisor.policy_updates import PolicyUpdates
 from tltd.supervisor.requests import RolloutRequests, StreamEvent
 from tltd.supervisor.snapshot import build_snapshot
 from tltd.supervisor.worker_process import WorkerSlot, spawn
@@ -96,6 +98,7 @@ class Supervisor:
         self.requests = RolloutRequests(store, settings, self.writes, self._spawn, self.kick)
         self.queue = self.requests.queue
         self.models = ModelPlanner(store, settings)
+        self.policy_updates = PolicyUpdates()  # the PolicyService wraps its store write in it
         self.slots: dict[str, WorkerSlot] = {}
         self.served_tokens: Counter[str] = Counter()
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
@@ -272,6 +275,7 @@ class Supervisor:
         if self._closed:
             return None
         devices = await asyncio.to_thread(self.store.list_devices)
+        updates = self.policy_updates.mark()  # before the jobs are read: see policy_updates
         jobs = {
             j.job_id: j
             for j in await asyncio.to_thread(self.store.list_jobs, [JobStatus.ACTIVE], 10_000)
@@ -294,8 +298,17 @@ class Supervisor:
         if self.training is not None:
             for device_id in decision.preempt_training:
                 await self.training.preempt(device_id, decision.reasons.get(device_id, ""))
+            started = []
             for t in decision.start_training:
+                # Checked right before each start (earlier starts await): the jobs read above
+                # may predate an UpdatePolicy of this job, whose load the snapshot then missed.
+                if self.policy_updates.changed_since(updates, t.job_id):
+                    log.info("training start dropped: policy update", extra={"job_id": t.job_id})
+                    self.kick()  # the next tick decides on the new version
+                    continue
                 await self.training.start(t.device_id, t.job_id)
+                started.append(t)
+            decision = replace(decision, start_training=tuple(started))
         return decision
 
     def _apply(self, decision: Decision, devices: list[Device]) -> None:
