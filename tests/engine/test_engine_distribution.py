@@ -96,11 +96,18 @@ def _sample(ckpt, mode, strategy=None, eagle=False, seed=0, confidence=0.0, draf
 
 def _p_value(counts, law):
     n = sum(counts.values())
+    if any(law.get(c, 0.0) <= 0.0 for c in counts):
+        return 0.0  # an outcome the exact law forbids (e.g. cut by top-p) was drawn
     big = [c for c, p in law.items() if p * n >= 5]  # pool the cells too rare for chi-square
     obs = [counts.get(c, 0) for c in big]
     exp = [law[c] * n for c in big]
-    obs.append(n - sum(obs))
-    exp.append(n - sum(exp))
+    rest_obs, rest_exp = n - sum(obs), n - sum(exp)
+    if rest_exp > 1e-9 * n:  # the pooled rare cells; absent when the big cells hold all mass
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    elif rest_obs:
+        return 0.0  # draws in cells that hold (numerically) no mass
+    exp = [e * n / sum(exp) for e in exp]  # rounding: chisquare wants equal totals
     return chisquare(obs, exp).pvalue
 
 
