@@ -12,10 +12,10 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from tltd.domain import DeviceKind, Job, SpeculativeMode
+from tltd.domain import Backend, DeviceKind, Job, SpeculativeMode
 from tltd.settings import Settings
 from tltd.supervisor.worker_process import WorkerSlot
 from tltd.workqueue import WorkQueue
@@ -26,13 +26,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Restart a worker's process on another backend (the supervisor owns processes).
+SwitchBackend = Callable[[WorkerSlot, Backend], Awaitable[None]]
+
 
 class ModelPlanner:
     """Points every empty worker at the (job, policy version) it should hold next."""
 
-    def __init__(self, store: Store, settings: Settings) -> None:
+    def __init__(
+        self, store: Store, settings: Settings, switch_backend: SwitchBackend | None = None
+    ) -> None:
         self.store = store
         self.settings = settings
+        self.switch_backend = switch_backend
         self.bad_versions: set[tuple[str, int]] = set()  # (job, policy version) failed to load
         self.bad_drafters: set[tuple[str, int]] = set()  # (job, drafter version) failed to load
         self._paths: dict[tuple[str, int], str] = {}
@@ -90,6 +96,10 @@ class ModelPlanner:
         return None
 
     async def _load(self, slot: WorkerSlot, job: Job, version: int) -> None:
+        if job.backend is not slot.backend and self.switch_backend is not None:
+            # Another engine, another process: the fresh one is empty and gets this load then.
+            await self.switch_backend(slot, job.backend)
+            return
         path = await self._policy_path(job.job_id, version)
         slot.loading, slot.since = True, time.monotonic()
         slot.policy_load = job.job_id  # cleared by the Ready that ends every load

@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tltd.domain import (
+    Backend,
     Device,
     DeviceState,
     FinishReason,
@@ -97,7 +98,7 @@ class Supervisor:
         self.writes = OrderedWrites()
         self.requests = RolloutRequests(store, settings, self.writes, self._spawn, self.kick)
         self.queue = self.requests.queue
-        self.models = ModelPlanner(store, settings)
+        self.models = ModelPlanner(store, settings, self._switch_backend)
         self.policy_updates = PolicyUpdates()  # the PolicyService wraps its store write in it
         self.slots: dict[str, WorkerSlot] = {}
         self.served_tokens: Counter[str] = Counter()
@@ -378,7 +379,8 @@ class Supervisor:
             if slot is None:
                 if not usable:
                     continue
-                slot = self.slots[wid] = WorkerSlot(wid, d)
+                backend = Backend(self.settings.default_backend)
+                slot = self.slots[wid] = WorkerSlot(wid, d, backend)
             slot.device = d
             if usable and not slot.alive:
                 backoff = min(30.0, 0.5 * 2 ** max(0, slot.failures - 1)) if slot.failures else 0
@@ -400,6 +402,22 @@ class Supervisor:
         log.info(
             "rollout worker started", extra={"worker_id": slot.worker_id, "pid": slot.proc.pid}
         )
+
+    async def _switch_backend(self, slot: WorkerSlot, backend: Backend) -> None:
+        """Stop an empty worker so that the next tick starts it on `backend` (the planner
+        switches only workers with nothing running). Rare (a device changing hands between
+        jobs of different backends), so the tick may wait for the old process."""
+        why = f"switching to the {backend} backend"
+        log.info("rollout worker switches backend", extra={"worker_id": slot.worker_id})
+        slot.backend = backend
+        self._record_state(slot, WorkerState.STOPPING, why)
+        slot.send(msg.Shutdown())
+        if slot.proc is not None:
+            # An SGLang worker frees its GPU before it exits: the next process needs it.
+            await asyncio.to_thread(slot.proc.join, 20.0)
+            if slot.proc.is_alive():
+                slot.proc.kill()
+        await self._mark_dead(slot, why, WorkerState.STOPPED)
 
     async def reap(self) -> list[str]:
         """Kill workers that stopped answering (the periodic reaper); returns the ids of those

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from tltd.domain import Device, Sample, WorkerState
+from tltd.domain import Backend, Device, Sample, WorkerState
 from tltd.errors import TltError
 from tltd.settings import Settings
 from workers.rollout import protocol as msg
@@ -39,6 +39,7 @@ class WorkerSlot:
 
     worker_id: str
     device: Device
+    backend: Backend = Backend.TORCH  # the engine its process runs; a switch respawns it
     generation: int = 0  # increments per spawn; messages of an older process are ignored
     proc: Any = None  # multiprocessing Process
     outbox: threading_queue.Queue | None = None
@@ -84,14 +85,13 @@ def spawn(
     on_exit: OnExit,
 ) -> None:
     """Start a fresh process for `slot` (forgetting what the old one held) and its threads."""
-    from workers.rollout.worker import main as worker_main
-
+    target, daemon = worker_entry(slot.backend)
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=worker_main,
+        target=target,
         args=(child, settings.worker_threads, settings.worker_heartbeat_seconds),
         name=slot.worker_id,
-        daemon=True,
+        daemon=daemon,
     )
     proc.start()
     child.close()
@@ -116,6 +116,19 @@ def spawn(
         name=f"{slot.worker_id}-tx",
         daemon=True,
     ).start()
+
+
+def worker_entry(backend: Backend) -> tuple[Callable[..., None], bool]:
+    """The process target of a backend's rollout worker, and whether the process may be
+    daemonic: SGLang's engine starts its own scheduler processes, which a daemonic process
+    may not have (they die with it through SGLang's parent-death signal instead)."""
+    if backend is Backend.SGLANG:
+        from workers.rollout.sglang_worker import main as sglang_main
+
+        return sglang_main, False
+    from workers.rollout.worker import main as torch_main
+
+    return torch_main, True
 
 
 def _read_pipe(

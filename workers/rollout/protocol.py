@@ -1,8 +1,8 @@
 """The typed messages between the daemon and a rollout worker process (pickled over a Pipe).
 
-Backend-neutral on purpose: a torch worker and a future SGLang worker speak the same protocol,
-so the supervisor never knows which engine runs behind the pipe. Commands take effect at the
-worker's next step boundary, in the order sent.
+Backend-neutral on purpose: the torch and the SGLang worker speak the same protocol, so the
+supervisor talks to either the same way. Commands take effect at the worker's next step
+boundary, in the order sent.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class LoadFailed:
     """A LoadModel / LoadPolicy / SetDrafter could not be applied (the worker keeps running)."""
 
     job_id: str
-    policy_version: int  # the version that failed: a drafter version when `drafter` is True
+    policy_version: int  # the version that failed: the drafter's when `drafter` is True
     message: str
     drafter: bool = False  # True: it was the drafter that failed to load
 

@@ -1,0 +1,558 @@
+"""The SGLang rollout worker against a fake SGLang engine (the one fake: sglang cannot run here).
+
+Covers the adapter's own logic: engine arguments per speculative mode, AddWork -> one engine
+request per sample (seeds, stop ids), engine outputs -> Samples (logprobs, finish reasons,
+speculative counters), cancel -> abort, LoadPolicy routed as a target update, SetDrafter routed
+as a draft update (in place, or an engine restart that carries running samples over), drain ->
+partials, heartbeats; one test runs the real worker process over a real pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tests.drafter.helpers import load_target, make_target_dir
+from tests.rollout import fake_sglang
+from tests.rollout.fake_sglang import FakeEngine, reference
+from tltd.domain import FinishReason, SamplingParams
+from workers.engine.eagle import EagleDrafter
+from workers.rollout.protocol import (
+    AddWork,
+    Cancel,
+    Drain,
+    Drained,
+    EngineSpec,
+    Finished,
+    Heartbeat,
+    LoadFailed,
+    LoadModel,
+    LoadPolicy,
+    Ready,
+    SetDrafter,
+    Shutdown,
+)
+from workers.rollout.sglang_worker import SglangWorker
+from workers.sglang.adapter import (
+    MEM_FRACTION_STATIC,
+    Segment,
+    engine_args,
+    finish_reason,
+    gpu_index,
+    read_output,
+    sample_seed,
+    sampling_params,
+)
+
+FACTORY = "tests.rollout.fake_sglang:factory"
+GPU = EngineSpec(device="cuda:0", max_batch=8, max_seq_len=256, seed=7)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fake():
+    FakeEngine.instances.clear()
+    FakeEngine.refuse_eagle = False
+    FakeEngine.in_place_draft = False
+    FakeEngine.tokens_per_poll = 3
+    yield
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """A real tiny Qwen2 checkpoint (the drafter export reads its config)."""
+    return make_target_dir(tmp_path_factory.mktemp("policy") / "v0", seed=3)
+
+
+@pytest.fixture(scope="module")
+def drafters(policy, tmp_path_factory):
+    """Two drafter versions in our checkpoint format, for that policy."""
+    target = load_target(policy)
+    root = tmp_path_factory.mktemp("drafters")
+    paths = []
+    for v in (1, 2):
+        EagleDrafter.random_init(target, seed=v).save_pretrained(root / f"v{v}")
+        paths.append(str(root / f"v{v}"))
+    return paths
+
+
+class Harness:
+    """An SglangWorker driven command by command over a real Pipe, stepping it by hand."""
+
+    def __init__(self) -> None:
+        self.conn, child = mp.Pipe()
+        self.worker = SglangWorker(child, 3600.0, fake_sglang.factory)
+        self.got: list = []
+
+    def send(self, msg) -> list:
+        self.worker._handle(msg)
+        return self.messages()
+
+    def step(self, times: int = 1) -> list:
+        for _ in range(times):
+            if self.worker.busy():
+                self.worker._step()
+        return self.messages()
+
+    def run_idle(self, limit: int = 500) -> list:
+        while self.worker.busy() and limit:
+            self.worker._step()
+            limit -= 1
+        return self.messages()
+
+    def messages(self) -> list:
+        out = []
+        while self.conn.poll():
+            out.append(self.conn.recv())
+        self.got += out
+        return out
+
+    @property
+    def engine(self) -> FakeEngine:
+        return self.worker.engine  # type: ignore[return-value]
+
+
+def finished(msgs) -> dict:
+    return {
+        (m.sample.prompt_index, m.sample.sample_index): m.sample
+        for m in msgs
+        if isinstance(m, Finished)
+    }
+
+
+def of(kind, msgs) -> list:
+    return [m for m in msgs if isinstance(m, kind)]
+
+
+def loaded(policy, spec: EngineSpec = GPU, version: int = 3) -> Harness:
+    h = Harness()
+    ready = of(Ready, h.send(LoadModel("job", str(policy), version, spec)))
+    assert ready[-1].job_id == "job" and ready[-1].policy_version == version
+    return h
+
+
+# ---- engine arguments ---------------------------------------------------------------------
+
+
+def test_engine_args_carry_the_model_device_and_limits():
+    spec = EngineSpec(device="cuda:2", max_batch=48, max_seq_len=4096, seed=11, spec_mode="off")
+    args = engine_args(spec, "/models/p")
+    assert args == {
+        "model_path": "/models/p",
+        "skip_tokenizer_init": True,
+        "base_gpu_id": 2,
+        "tp_size": 1,
+        "random_seed": 11,
+        "max_running_requests": 48,
+        "context_length": 4096,
+        "mem_fraction_static": MEM_FRACTION_STATIC,
+        "log_level": "error",
+    }
+    assert gpu_index("cuda") == 0
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        gpu_index("cpu")
+
+
+EAGLE6 = {
+    "speculative_algorithm": "EAGLE",
+    "speculative_draft_model_path": "/d",
+    "speculative_num_steps": 6,
+    "speculative_eagle_topk": 1,
+    "speculative_num_draft_tokens": 7,
+}
+NGRAM6 = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 7}
+
+
+@pytest.mark.parametrize(
+    "mode, drafter, path, expected",
+    [
+        ("off", "auto", "/d", {}),
+        ("off", "eagle", "", {}),
+        ("adaptive", "auto", "/d", EAGLE6),
+        ("fixed", "eagle", "/d", EAGLE6),
+        ("adaptive", "auto", "", NGRAM6),  # no learned drafter yet: model-free
+        ("adaptive", "ngram", "/d", NGRAM6),  # n-gram only, whatever is learned
+        ("fixed", "eagle", "", {}),  # EAGLE only, none learned yet: plain decoding
+    ],
+)
+def test_speculative_args_per_mode(mode, drafter, path, expected):
+    spec = EngineSpec(device="cuda:0", spec_mode=mode, drafter=drafter, draft_lengths=(2, 6, 4))
+    args = engine_args(spec, "/m", path)
+    assert {k: v for k, v in args.items() if k.startswith("speculative")} == expected
+
+
+# ---- requests and responses ---------------------------------------------------------------
+
+
+def test_sampling_params_translation():
+    s = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, stop_token_ids=(9, 2, 9))
+    assert sampling_params(s, max_new_tokens=33, seed=5) == {
+        "n": 1,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_new_tokens": 33,
+        "ignore_eos": True,
+        "stop_token_ids": [2, 9],
+        "sampling_seed": 5,
+    }
+    p = sampling_params(replace(s, top_k=20, stop_token_ids=()), max_new_tokens=1, seed=None)
+    assert p["top_k"] == 20 and "stop_token_ids" not in p and "sampling_seed" not in p
+
+
+def test_sample_seeds_are_fixed_by_their_indices():
+    seeds = {sample_seed(1, p, i) for p in range(4) for i in range(16)}
+    assert len(seeds) == 64 and all(0 <= x < 2**31 - 1 for x in seeds)
+    assert sample_seed(1, 2, 3) == sample_seed(1, 2, 3) != sample_seed(2, 2, 3)
+    assert sample_seed(1, 2, 3, segment=1) != sample_seed(1, 2, 3)
+
+
+def _out(ids, lps, reason, **meta):
+    triples = [(lp, t, None) for lp, t in zip(lps, ids, strict=False)]
+    info = {"finish_reason": reason, "output_token_logprobs": triples} | meta
+    return {"output_ids": ids, "meta_info": info}
+
+
+def test_read_output_translates_tokens_logprobs_finish_and_spec_counters():
+    seg = read_output(_out([5, 6, 7], [-0.1, -0.2, -0.3], {"type": "length", "length": 3}))
+    assert seg == Segment((5, 6, 7), (-0.1, -0.2, -0.3), "length", plain_steps=3)
+    # 9 tokens: 1 from prefill + 4 verify passes that accepted 4 drafts in all.
+    eagle = _out(list(range(9)), [0.0] * 9, {"type": "stop", "matched": 8}, spec_verify_ct=4)
+    eagle["meta_info"]["spec_num_correct_drafts"] = 4
+    assert read_output(eagle) == Segment(tuple(range(9)), (0.0,) * 9, "stop", "", 4, 4, 1)
+    del eagle["meta_info"]["spec_num_correct_drafts"]  # older SGLang / NGRAM: derived
+    assert read_output(eagle).accepted == 4
+    aborted = {"meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}}}
+    assert read_output(aborted) == Segment((), (), "abort", "Abort before prefill")
+    assert read_output(_out([1], [-1.0], "stop")).finish == "stop"  # a plain string reason
+    with pytest.raises(ValueError, match="do not match"):
+        read_output(_out([1, 2], [-1.0], {"type": "length"}))
+    with pytest.raises(ValueError, match="unknown finish_reason"):
+        read_output(_out([1], [-1.0], {"type": "bogus"}))
+
+
+def test_finish_reasons():
+    def seg(finish, message=""):
+        return Segment((), (), finish, message)
+
+    assert finish_reason(seg("stop"), cancelled=True) == (FinishReason.STOP, "")
+    assert finish_reason(seg("length"), cancelled=False) == (FinishReason.LENGTH, "")
+    assert finish_reason(seg("abort"), cancelled=True) == (FinishReason.CANCELLED, "")
+    reason, error = finish_reason(seg("abort", "input too long"), cancelled=False)
+    assert reason is FinishReason.FAILED and "input too long" in error
+
+
+# ---- the worker ---------------------------------------------------------------------------
+
+
+def test_load_builds_the_engine_and_refuses_what_cannot_run(policy, tmp_path):
+    h = Harness()
+    msgs = h.send(LoadModel("job", str(policy), 0, replace(GPU, device="cpu")))
+    assert "CUDA devices only" in of(LoadFailed, msgs)[0].message
+    assert of(Ready, msgs)[-1].job_id == ""
+    msgs = h.send(LoadModel("job", str(tmp_path / "missing"), 0, GPU))
+    assert "config.json" in of(LoadFailed, msgs)[0].message and not h.worker.loaded()
+    h = loaded(policy)
+    assert h.engine.args == engine_args(GPU, str(policy))
+    assert h.engine.args["speculative_algorithm"] == "NGRAM"  # auto, no learned drafter yet
+
+
+def test_addwork_is_one_request_per_sample_with_its_own_seed(policy):
+    h = loaded(policy)
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=11, stop_token_ids=(3,))
+    h.send(AddWork(1, "r", 2, (0, 1), (4, 5, 6), sampling))
+    h.send(AddWork(2, "r", 2, (3, 2), (4, 5, 6), sampling))  # the rest, spread over a send
+    subs = h.engine.submitted
+    assert [s[1] for s in subs] == [[4, 5, 6]] * 4
+    assert [s[2]["sampling_seed"] for s in subs] == [sample_seed(11, 2, i) for i in (0, 1, 3, 2)]
+    assert all(s[2]["n"] == 1 and s[2]["stop_token_ids"] == [3] for s in subs)
+    assert len({s[0] for s in subs}) == 4  # one engine request id per sample
+    assert h.worker.acked_seq == 2
+
+
+def test_outputs_become_samples_with_logprobs_and_finish_reasons(policy):
+    h = loaded(policy, version=5)
+    prompts = {0: [1, 2, 3], 1: [7, 7]}
+    stop = tuple(reference(prompts[1], 40)[5:6])  # a token the second prompt emits 6th
+    sampling = SamplingParams(n=1, max_new_tokens=12, seed=1, stop_token_ids=stop)
+    for p, ids in prompts.items():
+        h.send(AddWork(p + 1, "r", p, (0,), tuple(ids), sampling))
+    got = finished(h.run_idle())
+    for p, ids in prompts.items():
+        s = got[(p, 0)]
+        want = reference(ids, 12, stop)
+        assert list(s.token_ids) == want
+        ctx = [ids + want[:j] for j in range(len(want))]
+        assert list(s.logprobs) == [
+            fake_sglang.token_logprob(c, t) for c, t in zip(ctx, want, strict=True)
+        ]
+        assert s.policy_version == 5 and not s.partial and s.error == ""
+        stopped = want[-1] in stop
+        assert s.finish_reason is (FinishReason.STOP if stopped else FinishReason.LENGTH)
+        # NGRAM answers spec_verify_ct only (the fake: 2 tokens per verify pass, the first
+        # token from prefill): accepted drafts are derived.
+        spec = s.speculative
+        assert (spec.draft_steps, spec.accepted_tokens) == (
+            len(want) // 2,
+            len(want) - 1 - len(want) // 2,
+        )
+        assert spec.mean_accepted_length == pytest.approx(
+            (spec.accepted_tokens + spec.draft_steps) / spec.draft_steps
+        )
+    assert got[(0, 0)].finish_reason is FinishReason.LENGTH and len(got[(0, 0)].token_ids) == 12
+    assert got[(1, 0)].finish_reason is FinishReason.STOP and len(got[(1, 0)].token_ids) == 6
+
+
+def test_prompt_too_long_and_refused_requests_fail(policy):
+    h = loaded(policy, replace(GPU, max_seq_len=8))
+    msgs = h.send(AddWork(1, "r", 0, (0, 1), tuple(range(8)), SamplingParams(max_new_tokens=4)))
+    assert {(s.finish_reason, "max_seq_len" in s.error) for s in finished(msgs).values()} == {
+        (FinishReason.FAILED, True)
+    }
+    h.send(AddWork(2, "r", 1, (0,), (1, 2), SamplingParams(top_p=0.0, max_new_tokens=4)))
+    s = finished(h.run_idle())[(1, 0)]
+    assert s.finish_reason is FinishReason.FAILED and "bad sampling params" in s.error
+    h.send(AddWork(3, "q", 0, (0,), (1, 2, 3), SamplingParams(max_new_tokens=50, seed=1)))
+    assert h.engine.submitted[-1][2]["max_new_tokens"] == 5  # capped by max_seq_len, as torch
+
+
+def test_cancel_aborts_only_that_request(policy):
+    h = loaded(policy)
+    long = SamplingParams(n=2, max_new_tokens=200, seed=1)
+    h.send(AddWork(1, "a", 0, (0, 1), (1, 2), long))
+    h.send(AddWork(2, "b", 0, (0,), (3, 4), long))
+    h.step(2)
+    a_rids = {rid for rid, s in h.worker.running.items() if s.request_id == "a"}
+    h.send(Cancel("a"))
+    assert set(h.engine.aborted) == a_rids
+    got = finished(h.step())
+    assert len(got) == 2 and all(
+        s.request_id == "a" and s.finish_reason is FinishReason.CANCELLED and s.partial
+        for s in got.values()
+    )
+    assert all(0 < len(s.token_ids) < 200 for s in got.values())
+    assert list(got[(0, 0)].token_ids) == reference([1, 2], 200)[: len(got[(0, 0)].token_ids)]
+    assert [s.request_id for s in h.worker.running.values()] == ["b"]
+
+
+def test_heartbeat_counts_running_samples_and_tokens_left(policy):
+    h = loaded(policy)
+    h.send(AddWork(4, "a", 0, (0, 1, 2), (1, 2), SamplingParams(max_new_tokens=50, seed=1)))
+    h.worker._maybe_heartbeat(force=True)
+    hb = of(Heartbeat, h.messages())[-1]
+    assert (hb.running_samples, hb.remaining_tokens, hb.acked_seq) == (3, 150, 4)
+    assert hb.idle_since is None and hb.stats["backend"] == "sglang"
+    assert hb.stats["prefills"] == 3 and hb.stats["speculative"] == "NGRAM"
+
+
+def test_drain_returns_partials(policy):
+    h = loaded(policy)
+    h.send(AddWork(1, "a", 0, (0, 1, 2), (1, 2), SamplingParams(max_new_tokens=200, seed=2)))
+    h.step(3)
+    assert h.worker._abort_all() == 3
+    got = finished(h.messages())
+    assert len(got) == 3 and all(
+        s.finish_reason is FinishReason.ABORTED and s.partial and 0 < len(s.token_ids) < 200
+        for s in got.values()
+    )
+    assert not h.worker.busy() and h.worker.loaded()
+
+
+def test_load_policy_is_a_target_update_in_place(policy, tmp_path):
+    h = loaded(policy)
+    new = make_target_dir(tmp_path / "v1", seed=4)
+    engine = h.engine
+    ready = of(Ready, h.send(LoadPolicy(str(new), 4)))[-1]
+    assert ready.policy_version == 4 and h.engine is engine  # no restart
+    assert [(u.path, u.selector) for u in engine.updates] == [(str(new), "target")]
+    h.send(AddWork(1, "r", 0, (0,), (1,), SamplingParams(max_new_tokens=3, seed=1)))
+    assert finished(h.run_idle())[(0, 0)].policy_version == 4
+    failed = of(LoadFailed, h.send(LoadPolicy(str(tmp_path / "nope"), 5)))
+    assert failed[0].policy_version == 5 and not failed[0].drafter
+    assert of(Ready, h.got)[-1].policy_version == 4  # unchanged after the failure
+
+
+def test_set_drafter_restarts_with_the_export_and_carries_running_samples(policy, drafters):
+    h = loaded(policy)
+    old = h.engine
+    sampling = SamplingParams(n=2, max_new_tokens=30, seed=9)
+    h.send(AddWork(1, "r", 0, (0, 1), (5, 6, 7), sampling))
+    h.step(2)  # 6 tokens each so far
+    ready = of(Ready, h.send(SetDrafter(drafters[0], 1)))[-1]
+    assert ready.drafter_version == 1
+    new = h.engine
+    assert old.closed and new is not old and set(old.aborted) == {s[0] for s in old.submitted}
+    draft = new.args["speculative_draft_model_path"]
+    assert draft == h.worker.export_dir and new.args == engine_args(GPU, str(policy), draft)
+    assert new.args["speculative_algorithm"] == "EAGLE"
+    cfg = json.loads((Path(draft) / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+    # Carried over: prompt + the tokens so far, the rest of the budget, a fresh seed.
+    for rid, ids, params in new.submitted:
+        s = h.worker.running[rid]
+        assert ids == [5, 6, 7] + s.tokens and len(s.tokens) == 6
+        assert params["max_new_tokens"] == 24
+        assert params["sampling_seed"] == sample_seed(9, 0, s.sample_index, segment=1)
+    got = finished(h.run_idle())
+    want = reference([5, 6, 7], 30)
+    for s in got.values():  # the fake continues from context: as if never interrupted
+        assert list(s.token_ids) == want and len(s.logprobs) == 30
+        assert s.finish_reason is FinishReason.LENGTH and not s.partial
+        assert s.drafter_version == 1 and s.speculative.draft_steps > 0
+    assert h.worker.counters["restarts"] == 1
+    # A new version replaces the export; the old one is deleted.
+    h.send(SetDrafter(drafters[1], 2))
+    assert h.worker.export_dir != draft and not Path(draft).exists()
+
+
+def test_set_drafter_in_place_when_the_engine_can(policy, drafters):
+    FakeEngine.in_place_draft = True  # the TLT fork's draft-weight update
+    h = loaded(policy)
+    h.send(SetDrafter(drafters[0], 1))  # NGRAM -> EAGLE: a restart whatever the engine
+    engine = h.engine
+    h.send(AddWork(1, "r", 0, (0,), (1, 2), SamplingParams(max_new_tokens=30, seed=1)))
+    h.step()
+    ready = of(Ready, h.send(SetDrafter(drafters[1], 2)))[-1]
+    assert ready.drafter_version == 2 and h.engine is engine and not engine.aborted
+    assert [u.selector for u in engine.updates] == ["draft"]
+    assert engine.updates[0].path == h.worker.export_dir
+    assert h.worker.args["speculative_draft_model_path"] == h.worker.export_dir
+    s = finished(h.run_idle())[(0, 0)]
+    assert s.drafter_version == 2 and list(s.token_ids) == reference([1, 2], 30)
+    # No learned drafter any more: back to the model-free drafter (a restart).
+    assert of(Ready, h.send(SetDrafter("", 0)))[-1].drafter_version == 0
+    assert h.engine is not engine and h.engine.args["speculative_algorithm"] == "NGRAM"
+
+
+def test_a_drafter_that_fails_keeps_the_old_engine_and_names_its_version(
+    policy, drafters, tmp_path
+):
+    h = loaded(policy)
+    bad = tmp_path / "not-a-drafter"
+    bad.mkdir()
+    msgs = h.send(SetDrafter(str(bad), 7))
+    failed = of(LoadFailed, msgs)[0]
+    assert failed.drafter and failed.policy_version == 7  # the drafter version that failed
+    assert of(Ready, msgs)[-1].drafter_version == 0 and len(FakeEngine.instances) == 1
+    # An export the engine cannot start with: the old engine comes back, work goes on.
+    h.send(AddWork(1, "r", 0, (0,), (1, 2), SamplingParams(max_new_tokens=30, seed=1)))
+    h.step()
+    FakeEngine.refuse_eagle = True
+    msgs = h.send(SetDrafter(drafters[0], 1))
+    assert "out of memory" in of(LoadFailed, msgs)[0].message
+    assert of(Ready, msgs)[-1].drafter_version == 0
+    assert h.engine.args["speculative_algorithm"] == "NGRAM" and h.worker.export_dir == ""
+    s = finished(h.run_idle())[(0, 0)]
+    assert list(s.token_ids) == reference([1, 2], 30) and s.finish_reason is FinishReason.LENGTH
+
+
+# ---- the real process ---------------------------------------------------------------------
+
+
+def test_worker_process_over_a_pipe(policy, tmp_path, monkeypatch):
+    """The real worker loop in its own process, the fake engine named on its command line."""
+    from workers.rollout.sglang_worker import main
+
+    log = tmp_path / "engine.jsonl"
+    monkeypatch.setenv(fake_sglang.LOG_ENV, str(log))
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=main, args=(child, 1, 0.1, FACTORY))
+    proc.start()
+    child.close()
+
+    def recv(kind, keep=None, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if conn.poll(0.05):
+                m = conn.recv()
+                if isinstance(m, kind):
+                    return m
+                if keep is not None:
+                    keep.append(m)
+        raise TimeoutError(kind)
+
+    try:
+        assert recv(Ready).job_id == ""
+        conn.send(LoadModel("job", str(policy), 2, replace(GPU, max_seq_len=10**6)))
+        assert recv(Ready).policy_version == 2
+        sampling = SamplingParams(n=3, max_new_tokens=8, seed=4)
+        conn.send(AddWork(1, "r", 0, (0, 2), (1, 2, 3), sampling))
+        conn.send(AddWork(2, "r", 0, (1,), (1, 2, 3), sampling))
+        got = {}
+        while len(got) < 3:
+            s = recv(Finished).sample
+            got[s.sample_index] = s
+        assert all(list(s.token_ids) == reference([1, 2, 3], 8) for s in got.values())
+        hb = recv(Heartbeat)
+        while hb.running_samples or hb.acked_seq < 2:
+            hb = recv(Heartbeat)
+        assert hb.stats["prefills"] == 3 and hb.idle_since is not None
+
+        conn.send(AddWork(3, "long", 0, (0, 1), (4, 5), replace(sampling, max_new_tokens=10**5)))
+        conn.send(Cancel("long"))
+        cancelled = [recv(Finished).sample for _ in range(2)]
+        assert {s.finish_reason for s in cancelled} == {FinishReason.CANCELLED}
+        conn.send(AddWork(4, "tail", 0, (0,), (6,), replace(sampling, max_new_tokens=10**5)))
+        conn.send(Drain(0.2))
+        kept: list = []
+        assert recv(Drained, kept).partial == 1
+        (tail,) = [m.sample for m in kept if isinstance(m, Finished)]
+        assert tail.finish_reason is FinishReason.ABORTED and tail.partial and tail.token_ids
+        conn.send(Shutdown())
+        proc.join(20)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "shutdown"  # the engine is shut at exit
+    seeds = [e["params"]["sampling_seed"] for e in events if e["event"] == "submit"][:3]
+    assert seeds == [sample_seed(4, 0, i) for i in (0, 2, 1)]
+    assert kinds.count("abort") == 3  # two cancelled, one drained
+
+
+# ---- the daemon starts it -----------------------------------------------------------------
+
+
+def test_each_backend_has_its_worker_process():
+    from tltd.domain import Backend
+    from tltd.supervisor.worker_process import worker_entry
+    from workers.rollout import sglang_worker, worker
+
+    # SGLang's engine starts scheduler processes: a daemonic process may not have children.
+    assert worker_entry(Backend.SGLANG) == (sglang_worker.main, False)
+    assert worker_entry(Backend.TORCH) == (worker.main, True)
+
+
+def test_a_job_of_another_backend_restarts_the_worker_on_it(sqlite_daemon, ckpt):
+    """A job stored with backend sglang (created on a GPU node sharing the database) reaches
+    a CPU-only daemon: its worker is restarted as an SGLang worker process, whose load fails
+    with a reason naming the problem, the request fails with it, and torch jobs still run."""
+    from clients.errors import UnavailableError
+    from tests.api.support import sampling as pb_sampling
+    from tests.rollout.support import wait_until
+    from tltd.domain import Backend, Job
+
+    d, sup = sqlite_daemon, sqlite_daemon.supervisor
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="t")  # the daemon's default: torch
+        d.wait_workers_ready(2)
+        assert {s.backend for s in sup.slots.values()} == {Backend.TORCH}
+        d.store.create_job(Job("s", str(ckpt), backend=Backend.SGLANG))
+        params = pb_sampling(n=2, max_new_tokens=4)
+        with pytest.raises(UnavailableError, match="CUDA devices only"):
+            list(c.generate("s", [[1, 2]], sampling=params, request_id="on-sglang"))
+        switched = [s for s in sup.slots.values() if s.backend is Backend.SGLANG]
+        assert switched and all(s.proc.daemon is False for s in switched)
+        events = d.store.list_events("worker", switched[0].worker_id)
+        assert any("switching to the sglang backend" in e.reason for e in events)
+        got = list(c.generate("t", [[1, 2]], sampling=params, request_id="on-torch"))
+        assert len(got) == 2 and all(len(s.token_ids) == 4 for s in got)
+        wait_until(lambda: all(s.backend is Backend.TORCH for s in sup.slots.values() if s.job_id))

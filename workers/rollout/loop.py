@@ -1,0 +1,268 @@
+"""The backend-neutral rollout worker loop: commands between engine steps, heartbeats, drain.
+
+A backend subclasses `WorkerLoop` and implements its engine hooks (torch:
+`workers.rollout.worker`, SGLang: `workers.rollout.sglang_worker`). The loop, the command
+dispatch, Ready / LoadFailed / Heartbeat reporting, failing work that cannot run and the drain
+live here once, so every backend speaks `workers.rollout.protocol` the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from multiprocessing.connection import Connection
+
+from tltd.domain import FinishReason, Sample
+from workers.rollout.protocol import (
+    AddWork,
+    Cancel,
+    Drain,
+    Drained,
+    Finished,
+    Heartbeat,
+    LoadFailed,
+    LoadModel,
+    LoadPolicy,
+    Ready,
+    SetDrafter,
+    Shutdown,
+    ToWorker,
+    WorkerError,
+)
+
+
+def serve(conn: Connection, worker: WorkerLoop) -> None:
+    """Run `worker` on its pipe. Returns on Shutdown or a closed pipe; after a fatal error it
+    reports it (when the pipe still works) and exits the process with status 1."""
+    try:
+        worker.run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the daemon is gone: nobody is left to report to
+    except BaseException:
+        try:
+            conn.send(WorkerError(traceback.format_exc(), fatal=True))
+        except OSError:
+            pass
+        os._exit(1)  # skip atexit/finalizers of a possibly broken engine state
+    worker.close()
+
+
+def contiguous_runs(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """[0, 1, 2, 5, 6] -> [(0, 3), (5, 2)]: (first index, count) of each contiguous run."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class WorkerLoop:
+    """One engine, one pipe. Single-threaded: a command never interrupts a step.
+
+    Subclasses implement the engine hooks below; everything else is shared.
+    """
+
+    def __init__(self, conn: Connection, heartbeat_seconds: float) -> None:
+        self.conn = conn
+        self.heartbeat_seconds = heartbeat_seconds
+        self.job_id = ""
+        self.drafter_version = 0
+        self.acked_seq = 0
+        self.idle_since: float | None = time.time()
+        self.drain_deadline: float | None = None
+        self.stopping = False
+        self._last_heartbeat = 0.0
+
+    # -- engine hooks (a backend implements these) ----------------------------------------
+
+    def loaded(self) -> bool:
+        """A model is loaded."""
+        raise NotImplementedError
+
+    def policy_version(self) -> int:
+        """The policy version loaded now (0 when nothing is)."""
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        """The engine holds unfinished work (or results not yet sent)."""
+        raise NotImplementedError
+
+    def step(self) -> list[Sample]:
+        """Advance the engine once; the samples that finished."""
+        raise NotImplementedError
+
+    def load(self, msg: LoadModel) -> None:
+        """Replace the engine with one for `msg` (the old one is gone even when this raises)."""
+        raise NotImplementedError
+
+    def load_policy(self, path: str, version: int) -> None:
+        """New weights of the loaded model (raises when they cannot be applied)."""
+        raise NotImplementedError
+
+    def set_drafter(self, path: str, version: int) -> int:
+        """Swap the learned drafter ("" = none); returns the drafter version now in use."""
+        raise NotImplementedError
+
+    def add(self, msg: AddWork) -> None:
+        """Queue the samples of `msg` (a model is loaded); `fail` those that cannot run."""
+        raise NotImplementedError
+
+    def cancel(self, request_id: str) -> None:
+        """Finish the request's samples soon as CANCELLED (returned by a later `step`)."""
+        raise NotImplementedError
+
+    def abort_everything(self) -> list[Sample]:
+        """End all unfinished work now; what was cut short comes back CANCELLED."""
+        raise NotImplementedError
+
+    def load_summary(self) -> tuple[int, int, dict[str, object]]:
+        """(running samples, upper bound of tokens still to decode, engine counters)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the engine at a normal exit."""
+
+    # -- loop -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._ready()
+        while not self.stopping:
+            timeout = 0.0 if self.busy() else self.heartbeat_seconds
+            if self.drain_deadline is not None:
+                timeout = min(timeout, max(0.0, self.drain_deadline - time.monotonic()))
+            # Commands first: a cancel or drain takes effect before the next step.
+            while self.conn.poll(timeout):
+                self._handle(self.conn.recv())
+                if self.stopping:
+                    return
+                timeout = 0.0
+            if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
+                self.drain_deadline = None
+                self.conn.send(Drained(self._abort_all()))
+            elif self.busy():
+                self._step()
+            self._maybe_heartbeat()
+
+    def _step(self) -> None:
+        for sample in self.step():
+            self.conn.send(Finished(sample))
+        if not self.busy():
+            self.idle_since = time.time()
+
+    def _maybe_heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_heartbeat < self.heartbeat_seconds:
+            return
+        self._last_heartbeat = now
+        running, remaining, stats = self.load_summary() if self.loaded() else (0, 0, {})
+        self.conn.send(
+            Heartbeat(
+                running, remaining, self.acked_seq, None if running else self.idle_since, stats
+            )
+        )
+
+    # -- commands -------------------------------------------------------------------------
+
+    def _handle(self, msg: ToWorker) -> None:
+        match msg:
+            case AddWork():
+                self._add(msg)
+            case Cancel(request_id=rid):
+                if self.loaded():
+                    self.cancel(rid)
+            case Drain(seconds=s):
+                self.drain_deadline = time.monotonic() + max(0.0, s)
+            case Shutdown():
+                self.stopping = True
+            case LoadModel():
+                self._load_model(msg)
+            case LoadPolicy(path=path, version=version):
+                self._guarded(version, False, lambda: self.load_policy(path, version))
+            case SetDrafter(path=path, version=version):
+                self._guarded(version, True, lambda: self._set_drafter(path, version))
+            case _:
+                self.conn.send(WorkerError(f"unknown command {type(msg).__name__}"))
+
+    def _add(self, msg: AddWork) -> None:
+        self.acked_seq = max(self.acked_seq, msg.seq)
+        if not self.loaded():
+            self.fail(msg, msg.sample_indices, "no model loaded on this worker")
+            return
+        self.add(msg)
+        self.idle_since = None
+
+    def fail(self, msg: AddWork, indices: Iterable[int], error: str) -> None:
+        """Send the samples `indices` of `msg` as FAILED with no tokens."""
+        for i in indices:
+            self.conn.send(
+                Finished(
+                    Sample(
+                        msg.request_id,
+                        msg.prompt_index,
+                        i,
+                        (),
+                        (),
+                        FinishReason.FAILED,
+                        policy_version=self.policy_version(),
+                        partial=True,
+                        error=error,
+                    )
+                )
+            )
+
+    def _load_model(self, msg: LoadModel) -> None:
+        if self.busy():
+            self._abort_all(FinishReason.FAILED, "worker switched to another model")
+        try:
+            self.load(msg)
+        except Exception as exc:  # a bad checkpoint is the job's problem, not the worker's
+            self.job_id = ""
+            self.conn.send(LoadFailed(msg.job_id, msg.policy_version, describe(exc)))
+            self._ready()  # tells the daemon what is loaded now: nothing
+            return
+        self.job_id, self.drafter_version = msg.job_id, 0
+        self.idle_since = time.time()
+        self._ready()
+
+    def _set_drafter(self, path: str, version: int) -> None:
+        self.drafter_version = self.set_drafter(path, version)
+
+    def _guarded(self, version: int, drafter: bool, apply: Callable[[], None]) -> None:
+        """Apply a LoadPolicy / SetDrafter; a failure names the version that failed (the
+        drafter's for a drafter, so that the daemon stops offering that one)."""
+        if not self.loaded():
+            self.conn.send(LoadFailed(self.job_id, version, "no model loaded", drafter))
+            self._ready()
+            return
+        try:
+            apply()
+        except Exception as exc:
+            self.conn.send(LoadFailed(self.job_id, version, describe(exc), drafter))
+        self._ready()  # what is loaded now (unchanged after a failure)
+
+    def _ready(self) -> None:
+        self.conn.send(Ready(os.getpid(), self.job_id, self.policy_version(), self.drafter_version))
+        self._maybe_heartbeat(force=True)
+
+    def _abort_all(self, reason: FinishReason = FinishReason.ABORTED, error: str = "") -> int:
+        """Finish everything in the engine now and send it (what was cut short as partial
+        samples); returns how many were partial."""
+        if not self.loaded():
+            return 0
+        partial = 0
+        for sample in self.abort_everything():
+            if sample.finish_reason is FinishReason.CANCELLED:
+                sample = replace(sample, finish_reason=reason, partial=True, error=error)
+            partial += sample.partial
+            self.conn.send(Finished(sample))
+        self.idle_since = time.time()
+        return partial

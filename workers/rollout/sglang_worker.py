@@ -1,0 +1,371 @@
+"""The SGLang rollout worker process: the shared worker loop over an SGLang engine.
+
+Same pipe protocol as the torch worker (`workers.rollout.loop`). The engine is any object with
+the `workers.sglang.adapter.SglangEngine` methods, built by a factory named on the command line
+of the process ("module:function"; default `workers.sglang.engine:make_engine`, which imports
+sglang), so that the tests run this module against a fake engine.
+
+- Every sample is its own engine request (its own seed, abort and result). A "step" is a poll
+  of at most `POLL_SECONDS` for generations that ended.
+- Heartbeats count tokens from the requests' budgets (SGLang reports nothing until a request
+  ends), an upper bound as the protocol asks.
+- `LoadPolicy` updates the target weights in place (`update_weights_from_disk`).
+- `SetDrafter`: the drafter version is exported to an SGLang EAGLE checkpoint
+  (`workers.drafter.versions.export_sglang`) and routed as a draft weight update. Stock SGLang
+  cannot update draft weights in place, so the engine is restarted with the new
+  `speculative_draft_model_path`, and the samples running then are *carried over*: aborted,
+  they keep their tokens and logprobs and continue in the new engine from prompt + tokens so
+  far with the remaining budget and a fresh per-segment seed. The continuation is drawn from
+  the same target given the same prefix, so the sample's distribution is unchanged, and the
+  tail keeps its progress instead of restarting when a better drafter arrives.
+- A request's `speculative` flag cannot be honoured per request: SGLang speculates for the
+  whole engine (losslessly, so only speed differs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tltd.domain import FinishReason, Sample, SamplingParams, SpeculativeStats
+from workers.rollout.loop import WorkerLoop, describe, serve
+from workers.rollout.protocol import AddWork, EngineSpec, LoadModel
+from workers.sglang.adapter import (
+    EngineFactory,
+    Segment,
+    SglangEngine,
+    WeightUpdate,
+    engine_args,
+    finish_reason,
+    read_output,
+    sample_seed,
+    sampling_params,
+)
+
+DEFAULT_FACTORY = "workers.sglang.engine:make_engine"
+POLL_SECONDS = 0.02  # one step: the longest a poll waits (commands are read in between)
+ABORT_WAIT_SECONDS = 10.0  # how long a drain or restart waits for aborted requests to report
+
+
+def main(
+    conn: Connection,
+    threads: int = 1,
+    heartbeat_seconds: float = 0.5,
+    engine_factory: str = DEFAULT_FACTORY,
+) -> None:
+    """Process entry point (multiprocessing spawn target; not daemonic: SGLang starts its own
+    scheduler processes). `threads` is unused: the model runs in SGLang's processes."""
+    serve(conn, SglangWorker(conn, heartbeat_seconds, load_factory(engine_factory)))
+
+
+def load_factory(path: str) -> EngineFactory:
+    """The function a "package.module:function" path names."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _eagle_version(args: dict[str, Any], drafter_version: int) -> int:
+    """The drafter version an engine started with `args` speculates with (0: not EAGLE)."""
+    return drafter_version if args.get("speculative_algorithm") == "EAGLE" else 0
+
+
+@dataclass
+class _Running:
+    """One sample in the engine; its tokens so far survive engine restarts (segments)."""
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    max_new: int  # max_new_tokens capped by max_seq_len
+    policy_version: int
+    rid: str = ""  # the engine request of the current segment
+    segment: int = 0
+    drafter_version: int = 0  # the EAGLE drafter of the current segment (0: none)
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)  # of the segments that ended
+    logprobs: list[float] = field(default_factory=list)
+    spec_steps: int = 0
+    accepted: int = 0
+    plain_steps: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - len(self.tokens)
+
+    def absorb(self, seg: Segment) -> None:
+        self.tokens += seg.token_ids
+        self.logprobs += seg.logprobs
+        self.spec_steps += seg.spec_steps
+        self.accepted += seg.accepted
+        self.plain_steps += seg.plain_steps
+
+    def to_sample(self, reason: FinishReason, error: str = "") -> Sample:
+        return Sample(
+            request_id=self.request_id,
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            token_ids=tuple(self.tokens),
+            logprobs=tuple(self.logprobs),
+            finish_reason=reason,
+            policy_version=self.policy_version,
+            drafter_version=self.drafter_version,
+            speculative=SpeculativeStats(
+                draft_steps=self.spec_steps,
+                plain_steps=self.plain_steps,
+                accepted_tokens=self.accepted,
+                mean_accepted_length=(
+                    (self.accepted + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
+                ),
+            ),
+            partial=reason not in (FinishReason.STOP, FinishReason.LENGTH),
+            error=error,
+        )
+
+
+class SglangWorker(WorkerLoop):
+    """The shared loop over an SGLang engine (see the module docstring)."""
+
+    def __init__(self, conn: Connection, heartbeat_seconds: float, factory: EngineFactory) -> None:
+        super().__init__(conn, heartbeat_seconds)
+        self.factory = factory
+        self.engine: SglangEngine | None = None
+        self.spec = EngineSpec()
+        self.args: dict[str, Any] = {}  # what the running engine was started with
+        self.policy_path = ""
+        self._policy_version = 0
+        self.export_dir = ""  # the current drafter's SGLang export (ours to delete)
+        self.running: dict[str, _Running] = {}  # engine rid -> sample
+        self.done: list[Sample] = []  # ended outside a step (restart): sent by the next step
+        self.counters: Counter[str] = Counter()
+
+    # -- state ----------------------------------------------------------------------------
+
+    def loaded(self) -> bool:
+        return self.engine is not None
+
+    def policy_version(self) -> int:
+        return self._policy_version if self.engine is not None else 0
+
+    def busy(self) -> bool:
+        return bool(self.running or self.done)
+
+    def load_summary(self) -> tuple[int, int, dict[str, object]]:
+        running = len(self.running)
+        remaining = sum(s.remaining for s in self.running.values())
+        stats: dict[str, object] = {
+            "backend": "sglang",
+            "speculative": self.args.get("speculative_algorithm") or "off",
+            **self.counters,
+        }
+        return running, remaining, stats
+
+    # -- work -----------------------------------------------------------------------------
+
+    def add(self, msg: AddWork) -> None:
+        eagle = _eagle_version(self.args, self.drafter_version)
+        room = self.spec.max_seq_len - len(msg.prompt_ids)
+        if room <= 0:  # as the torch engine: the prompt alone fills the context
+            error = f"prompt of {len(msg.prompt_ids)} tokens >= max_seq_len {self.spec.max_seq_len}"
+            self.fail(msg, msg.sample_indices, error)
+            return
+        for i in msg.sample_indices:
+            s = _Running(
+                msg.request_id,
+                msg.prompt_index,
+                i,
+                tuple(msg.prompt_ids),
+                msg.sampling,
+                min(msg.sampling.max_new_tokens, room),
+                self._policy_version,
+            )
+            self._submit(s, eagle)
+
+    def _submit(self, s: _Running, eagle_version: int) -> None:
+        """Start the sample's next segment, or finish it when nothing is left to generate."""
+        assert self.engine is not None
+        if s.tokens and s.tokens[-1] in s.sampling.stop_token_ids:
+            self.done.append(s.to_sample(FinishReason.STOP))  # it stopped as it was carried
+            return
+        if s.remaining <= 0:
+            self.done.append(s.to_sample(FinishReason.LENGTH))
+            return
+        seed = s.sampling.seed
+        if seed is not None:
+            seed = sample_seed(seed, s.prompt_index, s.sample_index, s.segment)
+        params = sampling_params(s.sampling, max_new_tokens=s.remaining, seed=seed)
+        s.rid, s.drafter_version = uuid.uuid4().hex, eagle_version
+        try:
+            self.engine.submit(s.rid, s.prompt + tuple(s.tokens), params)
+        except Exception as exc:  # a request the engine refuses outright
+            self.done.append(s.to_sample(FinishReason.FAILED, describe(exc)))
+            return
+        self.running[s.rid] = s
+        self.counters["prefills"] += 1
+
+    def step(self) -> list[Sample]:
+        finished, self.done = self.done, []
+        if self.engine is None:  # a failed restart left only results to send
+            return finished
+        for rid, out in self.engine.poll(POLL_SECONDS):
+            s = self.running.pop(rid, None)
+            if s is not None:  # else: a segment of a sample already returned
+                finished.append(self._finish(s, out))
+        return finished
+
+    def _finish(self, s: _Running, out: dict[str, Any]) -> Sample:
+        try:
+            seg = read_output(out)
+        except ValueError as exc:
+            return s.to_sample(FinishReason.FAILED, str(exc))
+        s.absorb(seg)
+        reason, error = finish_reason(seg, cancelled=s.cancelled)
+        self.counters["finished"] += 1
+        return s.to_sample(reason, error)
+
+    def cancel(self, request_id: str) -> None:
+        assert self.engine is not None
+        for s in self.running.values():
+            if s.request_id == request_id and not s.cancelled:
+                s.cancelled = True
+                self.engine.abort(s.rid)  # it comes back from a later poll as an abort
+
+    def abort_everything(self) -> list[Sample]:
+        carried = self._suspend_all()
+        samples, self.done = self.done, []
+        return samples + [s.to_sample(FinishReason.CANCELLED) for s in carried]
+
+    def _suspend_all(self) -> list[_Running]:
+        """Abort every request and wait for them; returns the samples cut short (with the
+        tokens they had). Those that ended on their own meanwhile, or were being cancelled,
+        go to `self.done`."""
+        assert self.engine is not None
+        for s in self.running.values():
+            self.engine.abort(s.rid)
+        outs: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + ABORT_WAIT_SECONDS
+        while self.running.keys() - outs.keys() and time.monotonic() < deadline:
+            outs.update(self.engine.poll(POLL_SECONDS))
+        carried = []
+        for rid, s in self.running.items():
+            if rid in outs:  # else it never answered: it keeps the tokens of earlier segments
+                try:
+                    seg = read_output(outs[rid])
+                except ValueError as exc:
+                    self.done.append(s.to_sample(FinishReason.FAILED, str(exc)))
+                    continue
+                s.absorb(seg)
+                if seg.finish != "abort":
+                    self.done.append(s.to_sample(*finish_reason(seg, cancelled=s.cancelled)))
+                    continue
+            if s.cancelled:
+                self.done.append(s.to_sample(FinishReason.CANCELLED))
+                continue
+            s.segment += 1
+            carried.append(s)
+        self.running.clear()
+        return carried
+
+    # -- models ---------------------------------------------------------------------------
+
+    def load(self, msg: LoadModel) -> None:
+        self._stop_engine()  # free the device before the next model starts
+        self.running.clear()
+        self._drop_export()
+        args = engine_args(msg.engine, msg.path)
+        self.engine = self.factory(args)
+        self.spec, self.args = msg.engine, args
+        self.policy_path, self._policy_version = msg.path, msg.policy_version
+        self.counters.clear()
+
+    def load_policy(self, path: str, version: int) -> None:
+        assert self.engine is not None
+        args = self.args | {"model_path": path}  # a later restart starts from these weights
+        if not self.engine.update_weights(WeightUpdate(path, "target")):
+            self._restart(args, _eagle_version(args, self.drafter_version))
+        self.args, self.policy_path, self._policy_version = args, path, version
+
+    def set_drafter(self, path: str, version: int) -> int:
+        assert self.engine is not None
+        export = self._export(path) if path else ""
+        args = engine_args(self.spec, self.policy_path, export)
+        try:
+            # In place only from one EAGLE drafter to another: anything else (NGRAM or none
+            # before, none after) changes the engine's speculative algorithm.
+            eagle_to_eagle = _eagle_version(self.args, 1) == _eagle_version(args, 1) == 1
+            in_place = eagle_to_eagle and self.engine.update_weights(WeightUpdate(export, "draft"))
+            if not in_place and args != self.args:
+                self._restart(args, _eagle_version(args, version))
+        except BaseException:
+            if export:
+                shutil.rmtree(export, ignore_errors=True)
+            raise
+        self._drop_export()
+        self.export_dir, self.args = export, args
+        if in_place:  # running samples continue with the new drafter
+            for s in self.running.values():
+                s.drafter_version = _eagle_version(args, version)
+        return version if path else 0
+
+    def _export(self, drafter_dir: str) -> str:
+        """Our drafter checkpoint -> an SGLang EAGLE checkpoint in a fresh directory."""
+        from workers.drafter.versions import export_sglang
+
+        out = tempfile.mkdtemp(prefix="tltd-sglang-drafter-")
+        try:
+            # No embeddings: SGLang's EAGLE draft model uses the target's embed and head, and
+            # copying them would read the whole target checkpoint.
+            export_sglang(drafter_dir, self.policy_path, out, include_embeddings=False)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+        return out
+
+    def _restart(self, args: dict[str, Any], eagle_version: int) -> None:
+        """Restart the engine with `args`, carrying the running samples over. When the new
+        engine does not start, the old arguments are started again (the work goes on) and
+        the error is raised; when that fails too, nothing is loaded any more."""
+        carried = self._suspend_all()
+        self._stop_engine()
+        try:
+            self.engine = self.factory(args)
+        except Exception:
+            try:
+                self.engine = self.factory(self.args)
+            except Exception as exc:
+                self.done += [s.to_sample(FinishReason.FAILED, describe(exc)) for s in carried]
+                self.job_id = ""  # the daemon then loads the job again from scratch
+                raise
+            self._resume(carried, _eagle_version(self.args, self.drafter_version))
+            raise
+        self.counters["restarts"] += 1
+        self._resume(carried, eagle_version)
+
+    def _resume(self, carried: list[_Running], eagle_version: int) -> None:
+        for s in carried:
+            self._submit(s, eagle_version)
+
+    def _stop_engine(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:
+                pass  # it is gone either way; a device still held fails the next start loudly
+
+    def _drop_export(self) -> None:
+        if self.export_dir:
+            shutil.rmtree(self.export_dir, ignore_errors=True)
+            self.export_dir = ""
+
+    def close(self) -> None:
+        self._stop_engine()
+        self._drop_export()
