@@ -91,8 +91,9 @@ def layout_re(style: str) -> re.Pattern[str]:
     return re.compile(r"\d{4}" + re.escape(sep) + r"\d{4}")
 
 
-def finetune(model, opt, sched, tok, rng: random.Random, steps: int, share_new: float,
-             batch: int, style: str) -> float:
+def finetune(
+    model, opt, sched, tok, rng: random.Random, steps: int, share_new: float, batch: int, style: str
+) -> float:
     """`steps` AdamW steps of next-token cross-entropy on answer tokens of fresh task problems,
     a share `share_new` of them in the new layout; batches of similar lengths (less padding)."""
     model.train()
@@ -133,8 +134,14 @@ def step_prompts(tok, n: int, seed: int) -> list[list[int]]:
     return [encode_prompt(tok, format_prompt(generate_problem(rng, k))) for k in sizes]
 
 
-def rollout(engine: Engine, tok, prompts: list[list[int]], devices: int, max_new: int,
-            new_layout_re: re.Pattern[str]) -> tuple[list[list[HeldOut]], list[float], float]:
+def rollout(
+    engine: Engine,
+    tok,
+    prompts: list[list[int]],
+    devices: int,
+    max_new: int,
+    new_layout_re: re.Pattern[str],
+) -> tuple[list[list[HeldOut]], list[float], float]:
     """Greedy rollouts, `devices` shards run one after another and timed; returns the samples
     per shard, each shard's seconds, and the share of samples in the new layout."""
     shards: list[list[HeldOut]] = []
@@ -142,10 +149,17 @@ def rollout(engine: Engine, tok, prompts: list[list[int]], devices: int, max_new
     per = len(prompts) // devices
     new_layout = 0
     for d in range(devices):
-        reqs = [Request(f"d{d}-{i}", p, SamplingParams(
-                    n=1, temperature=0.0, max_new_tokens=max_new, stop_token_ids=(EOS_ID,)),
-                    return_hidden_states=True)
-                for i, p in enumerate(prompts[d * per : (d + 1) * per])]
+        reqs = [
+            Request(
+                f"d{d}-{i}",
+                p,
+                SamplingParams(
+                    n=1, temperature=0.0, max_new_tokens=max_new, stop_token_ids=(EOS_ID,)
+                ),
+                return_hidden_states=True,
+            )
+            for i, p in enumerate(prompts[d * per : (d + 1) * per])
+        ]
         t0 = time.perf_counter()
         outs = engine.generate(reqs)
         times.append(time.perf_counter() - t0)
@@ -153,8 +167,7 @@ def rollout(engine: Engine, tok, prompts: list[list[int]], devices: int, max_new
         shard = []
         for o in outs:
             prompt = list(by_id[o.request_id].prompt_ids)
-            shard.append(HeldOut(torch.tensor(prompt + o.token_ids), len(prompt),
-                                 o.hidden_states))
+            shard.append(HeldOut(torch.tensor(prompt + o.token_ids), len(prompt), o.hidden_states))
             new_layout += bool(new_layout_re.search(decode(tok, o.token_ids)))
         shards.append(shard)
     return shards, times, new_layout / max(1, sum(len(s) for s in shards))
@@ -162,8 +175,13 @@ def rollout(engine: Engine, tok, prompts: list[list[int]], devices: int, max_new
 
 def add(buf: TrainingBuffer, samples: list[HeldOut], step: int, version: int) -> None:
     for s in samples:
-        buf.add_output(s.token_ids[: s.response_start].tolist(),
-                       s.token_ids[s.response_start :].tolist(), step, version, s.hidden)
+        buf.add_output(
+            s.token_ids[: s.response_start].tolist(),
+            s.token_ids[s.response_start :].tolist(),
+            step,
+            version,
+            s.hidden,
+        )
 
 
 def train_for(trainer: Trainer, seconds: float) -> int:
@@ -185,10 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--per-device", type=int, default=8)
-    ap.add_argument("--style", default="marks", choices=sorted(set(LINE_STYLES) - {"sum"}),
-                    help="answer layout of the shifted data mix")
-    ap.add_argument("--ramp", type=int, default=5,
-                    help="updates over which the new layout's share rises to 1 (0: all)")
+    ap.add_argument(
+        "--style",
+        default="marks",
+        choices=sorted(set(LINE_STYLES) - {"sum"}),
+        help="answer layout of the shifted data mix",
+    )
+    ap.add_argument(
+        "--ramp",
+        type=int,
+        default=5,
+        help="updates over which the new layout's share rises to 1 (0: all)",
+    )
     ap.add_argument("--policy-steps", type=int, default=20, help="AdamW steps per update")
     ap.add_argument("--policy-batch", type=int, default=8)
     ap.add_argument("--policy-lr", type=float, default=1e-3)
@@ -208,34 +234,51 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = load_tokenizer(args.model)
     rng = random.Random(args.seed)
-    policy = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True,
-                                                  dtype=torch.float32)
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.policy_lr, betas=(0.9, 0.95),
-                            weight_decay=0.0)
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.model, local_files_only=True, dtype=torch.float32
+    )
+    opt = torch.optim.AdamW(
+        policy.parameters(), lr=args.policy_lr, betas=(0.9, 0.95), weight_decay=0.0
+    )
     # A short warm-up: full-size first Adam steps would knock the trained policy over.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 10))
     n = args.devices * args.per_device
     ramp = args.ramp or args.updates
     new_re = layout_re(args.style)
-    engine = Engine(str(args.model), EngineConfig(spec_mode="off", max_batch=max(n, 8),
-                                                  max_seq_len=64 + args.max_new_tokens))
+    engine = Engine(
+        str(args.model),
+        EngineConfig(spec_mode="off", max_batch=max(n, 8), max_seq_len=64 + args.max_new_tokens),
+    )
     target = engine.model
     frozen = EagleDrafter.from_pretrained(args.drafter, target)
     online_drafter = EagleDrafter.from_pretrained(args.drafter, target)
     buf = TrainingBuffer(64 << 20)
-    online = Trainer(online_drafter, buf, TrainerConfig(
-        items_per_micro=4, micro_per_step=2, lr=args.drafter_lr, warmup_steps=5, row_len=640,
-        seed=args.seed))
+    online = Trainer(
+        online_drafter,
+        buf,
+        TrainerConfig(
+            items_per_micro=4,
+            micro_per_step=2,
+            lr=args.drafter_lr,
+            warmup_steps=5,
+            row_len=640,
+            seed=args.seed,
+        ),
+    )
 
     load = os.getloadavg()[0]
-    print(f"drift: {args.model.name} through {args.updates} updates of {args.policy_steps} "
-          f"AdamW steps (lr {args.policy_lr:g}, {args.policy_batch} problems each) towards the "
-          f"'{args.style}' answer layout (share min(1, u/{ramp})); "
-          f"version 0 = {args.drafter.name}; "
-          f"{args.devices} emulated devices x {args.per_device} greedy task rollouts per step; "
-          f"k={args.k}; threads {args.threads}; load average {load:.1f}")
-    print("| step | share new (data) | new layout (rollouts) | policy loss | frozen | online "
-          "| online/frozen | step s | idle dev-s | idle % | drafter steps | buffer tokens |")
+    print(
+        f"drift: {args.model.name} through {args.updates} updates of {args.policy_steps} "
+        f"AdamW steps (lr {args.policy_lr:g}, {args.policy_batch} problems each) towards the "
+        f"'{args.style}' answer layout (share min(1, u/{ramp})); "
+        f"version 0 = {args.drafter.name}; "
+        f"{args.devices} emulated devices x {args.per_device} greedy task rollouts per step; "
+        f"k={args.k}; threads {args.threads}; load average {load:.1f}"
+    )
+    print(
+        "| step | share new (data) | new layout (rollouts) | policy loss | frozen | online "
+        "| online/frozen | step s | idle dev-s | idle % | drafter steps | buffer tokens |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     total_idle = total_dev = 0.0
     ratio = acc_f = acc_o = 0.0
@@ -243,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     for u in range(args.updates + 1):
         share = min(1.0, u / ramp)
         prompts = step_prompts(tok, n, seed=10_000 * (args.seed + 1) + u)
-        shards, times, new_frac = rollout(engine, tok, prompts, args.devices,
-                                           args.max_new_tokens, new_re)
+        shards, times, new_frac = rollout(
+            engine, tok, prompts, args.devices, args.max_new_tokens, new_re
+        )
         fresh = [s for shard in shards for s in shard]
         online.drafter.eval()
         acc_f = mean_accepted_length(frozen, fresh, args.k)
@@ -264,20 +308,37 @@ def main(argv: list[str] | None = None) -> int:
         tokens_before = sum(it.response_tokens for it in buf.items())
         steps = train_for(online, idle)
         add(buf, shards[slowest], u + 1, u)
-        print(f"| {u} | {share:.2f} | {new_frac:.2f} | {ploss:.3f} | {acc_f:.2f} | {acc_o:.2f} "
-              f"| {ratio:.2f}x | {wall:.2f} | {idle:.2f} | {100 * idle / (wall * args.devices):.0f}"
-              f" | {steps} | {tokens_before} |", flush=True)
+        print(
+            f"| {u} | {share:.2f} | {new_frac:.2f} | {ploss:.3f} | {acc_f:.2f} | {acc_o:.2f} "
+            f"| {ratio:.2f}x | {wall:.2f} | {idle:.2f} | {100 * idle / (wall * args.devices):.0f}"
+            f" | {steps} | {tokens_before} |",
+            flush=True,
+        )
         if u < args.updates:
-            ploss = finetune(policy, opt, sched, tok, rng, args.policy_steps,
-                             min(1.0, (u + 1) / ramp), args.policy_batch, args.style)
-            engine.load_policy({k: v.detach() for k, v in policy.state_dict().items()},
-                               version=u + 1)
-    print(f"idle device time harvested for drafter training: {total_idle:.1f} s of "
-          f"{total_dev:.1f} device-s ({100 * total_idle / max(total_dev, 1e-9):.1f}%); "
-          f"{online.step} drafter optimizer steps")
-    print(f"final accepted length: frozen {acc_f:.2f}, online {acc_o:.2f}, online / frozen "
-          f"{ratio:.2f}x ({'PASS' if ratio >= 1.3 else 'FAIL'}: >= 1.30 required); "
-          f"runtime {time.perf_counter() - t_start:.0f} s")
+            ploss = finetune(
+                policy,
+                opt,
+                sched,
+                tok,
+                rng,
+                args.policy_steps,
+                min(1.0, (u + 1) / ramp),
+                args.policy_batch,
+                args.style,
+            )
+            engine.load_policy(
+                {k: v.detach() for k, v in policy.state_dict().items()}, version=u + 1
+            )
+    print(
+        f"idle device time harvested for drafter training: {total_idle:.1f} s of "
+        f"{total_dev:.1f} device-s ({100 * total_idle / max(total_dev, 1e-9):.1f}%); "
+        f"{online.step} drafter optimizer steps"
+    )
+    print(
+        f"final accepted length: frozen {acc_f:.2f}, online {acc_o:.2f}, online / frozen "
+        f"{ratio:.2f}x ({'PASS' if ratio >= 1.3 else 'FAIL'}: >= 1.30 required); "
+        f"runtime {time.perf_counter() - t_start:.0f} s"
+    )
     return 0
 
 

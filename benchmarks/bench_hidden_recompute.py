@@ -31,9 +31,16 @@ def make_policy(path: Path, hidden: int, layers: int, vocab: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                      max_position_embeddings=2048, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -62,18 +69,24 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     shapes = [(256, 8, 8192), (512, 8, 8192)]
     load = os.getloadavg()
-    print(f"hidden cache vs recompute, items of 256 tokens, 4 items/step, "
-          f"threads={args.threads}, load average {load[0]:.1f}")
-    print(f"{'H':>5}{'layers':>7}{'cached B/tok':>14}{'ids-only B/tok':>16}"
-          f"{'cached step s':>15}{'recompute step s':>18}{'slowdown':>10}")
+    print(
+        f"hidden cache vs recompute, items of 256 tokens, 4 items/step, "
+        f"threads={args.threads}, load average {load[0]:.1f}"
+    )
+    print(
+        f"{'H':>5}{'layers':>7}{'cached B/tok':>14}{'ids-only B/tok':>16}"
+        f"{'cached step s':>15}{'recompute step s':>18}{'slowdown':>10}"
+    )
     with tempfile.TemporaryDirectory() as d:
         for hidden, layers, vocab in shapes:
             model_dir = make_policy(Path(d) / f"p{hidden}", hidden, layers, vocab)
             c = measure(model_dir, True, args.steps, 16, 256)
             r = measure(model_dir, False, args.steps, 16, 256)
-            print(f"{hidden:>5}{layers:>7}{c['bytes_per_token']:>14.0f}"
-                  f"{r['bytes_per_token']:>16.0f}{c['step_s']:>15.3f}{r['step_s']:>18.3f}"
-                  f"{r['step_s'] / c['step_s']:>10.2f}")
+            print(
+                f"{hidden:>5}{layers:>7}{c['bytes_per_token']:>14.0f}"
+                f"{r['bytes_per_token']:>16.0f}{c['step_s']:>15.3f}{r['step_s']:>18.3f}"
+                f"{r['step_s'] / c['step_s']:>10.2f}"
+            )
 
 
 if __name__ == "__main__":

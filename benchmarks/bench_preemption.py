@@ -35,9 +35,16 @@ def make_policy(path: Path, hidden: int = 256, layers: int = 8, vocab: int = 819
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                      max_position_embeddings=2048, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -49,15 +56,27 @@ def samples(model_dir: Path, n: int, length: int, with_hidden: bool) -> list[dic
     for i in range(n):
         ids = torch.randint(0, target.config.vocab_size, (length,), generator=g)
         h = target_hidden(target, [ids])[0] if with_hidden else None
-        out.append({"token_ids": ids, "response_start": 32, "policy_version": 0, "step": i % 2,
-                    "hidden": h})
+        out.append(
+            {
+                "token_ids": ids,
+                "response_start": 32,
+                "policy_version": 0,
+                "step": i % 2,
+                "hidden": h,
+            }
+        )
     return out
 
 
 def run(model_dir: Path, keep_hidden: bool, n: int, threads: int, tmp: Path) -> dict:
     cfg = TrainerConfig(items_per_micro=1, micro_per_step=4, row_len=256)
-    spec = WorkerSpec(model_path=str(model_dir), checkpoint_dir=str(tmp / f"ckpt-{keep_hidden}"),
-                      trainer=cfg, keep_hidden=keep_hidden, threads=threads)
+    spec = WorkerSpec(
+        model_path=str(model_dir),
+        checkpoint_dir=str(tmp / f"ckpt-{keep_hidden}"),
+        trainer=cfg,
+        keep_hidden=keep_hidden,
+        threads=threads,
+    )
     w = DrafterWorker(spec)
     rng = random.Random(0)
     lat: list[float] = []
@@ -94,14 +113,20 @@ def main() -> None:
         model_dir = make_policy(tmp / "policy")
         rows = [run(model_dir, keep, args.preemptions, args.threads, tmp) for keep in (True, False)]
     load = os.getloadavg()
-    print(f"preemption latency, {args.preemptions} preemptions per row, "
-          f"torch threads={args.threads}, CPU x{os.cpu_count()}, "
-          f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    print(f"{'hidden':<11}{'steps':>6}{'step ms':>9}{'micro ms':>10}"
-          f"{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}{'p99/micro':>10}")
+    print(
+        f"preemption latency, {args.preemptions} preemptions per row, "
+        f"torch threads={args.threads}, CPU x{os.cpu_count()}, "
+        f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
+    )
+    print(
+        f"{'hidden':<11}{'steps':>6}{'step ms':>9}{'micro ms':>10}"
+        f"{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}{'p99/micro':>10}"
+    )
     for r in rows:
-        print(f"{r['hidden']:<11}{r['steps']:>6}{r['step_ms']:>9.1f}{r['micro_ms']:>10.1f}"
-              f"{r['p50']:>8.1f}{r['p99']:>8.1f}{r['max']:>8.1f}{r['p99'] / r['micro_ms']:>10.2f}")
+        print(
+            f"{r['hidden']:<11}{r['steps']:>6}{r['step_ms']:>9.1f}{r['micro_ms']:>10.1f}"
+            f"{r['p50']:>8.1f}{r['p99']:>8.1f}{r['max']:>8.1f}{r['p99'] / r['micro_ms']:>10.2f}"
+        )
     worst = max(r["p99"] for r in rows)
     print(f"target p99 < 200 ms: {'PASS' if worst < 200 else 'FAIL'} (worst p99 {worst:.1f} ms)")
 

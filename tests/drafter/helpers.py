@@ -12,17 +12,32 @@ from workers.engine.eagle import EagleDrafter
 from workers.engine.model import CausalLM, load_model
 
 
-def make_target_dir(path: Path, *, vocab: int = 48, hidden: int = 32, layers: int = 2,
-                    seed: int = 0, logit_scale: float = 3.0) -> Path:
+def make_target_dir(
+    path: Path,
+    *,
+    vocab: int = 48,
+    hidden: int = 32,
+    layers: int = 2,
+    seed: int = 0,
+    logit_scale: float = 3.0,
+) -> Path:
     """Save a random Qwen2 (HF format); logit_scale sharpens its distributions."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, rope_theta=5000.0, tie_word_embeddings=True,
-    ))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rope_theta=5000.0,
+            tie_word_embeddings=True,
+        )
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
@@ -47,8 +62,9 @@ def greedy_rollout(target: CausalLM, prompt: list[int], new_tokens: int) -> list
     return ids
 
 
-def rollout_samples(target: CausalLM, n: int, *, prompt_len: int = 4, new_tokens: int = 12,
-                    seed: int = 0) -> list[tuple[list[int], int]]:
+def rollout_samples(
+    target: CausalLM, n: int, *, prompt_len: int = 4, new_tokens: int = 12, seed: int = 0
+) -> list[tuple[list[int], int]]:
     """n (token ids, response_start) greedy samples from random prompts."""
     g = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
@@ -59,8 +75,9 @@ def rollout_samples(target: CausalLM, n: int, *, prompt_len: int = 4, new_tokens
     return out
 
 
-def fill_buffer(buf: TrainingBuffer, target: CausalLM, samples, *, step: int = 0,
-                version: int = 0) -> list[int]:
+def fill_buffer(
+    buf: TrainingBuffer, target: CausalLM, samples, *, step: int = 0, version: int = 0
+) -> list[int]:
     ids = []
     for tokens, rs in samples:
         h = target_hidden(target, [torch.tensor(tokens)])[0] if buf.keep_hidden else None

@@ -10,8 +10,9 @@ from workers.drafter.buffer import TrainingBuffer
 
 def _add(buf: TrainingBuffer, n_tokens: int, version: int, step: int, hidden: int = 0):
     h = torch.zeros(n_tokens, hidden) if hidden else None
-    return buf.add(list(range(n_tokens)), response_start=2, policy_version=version, step=step,
-                   hidden=h)
+    return buf.add(
+        list(range(n_tokens)), response_start=2, policy_version=version, step=step, hidden=h
+    )
 
 
 def test_byte_bound_drops_oldest_policy_version_first():

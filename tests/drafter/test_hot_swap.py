@@ -37,33 +37,61 @@ def test_promoted_drafter_hot_swaps_mid_generation_losslessly(store, tmp_path):
     collect = Engine(str(target_dir), EngineConfig(spec_mode="off"))
     buf = TrainingBuffer(1 << 24)
     train_prompts = _prompts(16, seed=1)
-    outs = collect.generate([Request(f"t{i}", p, greedy, return_hidden_states=True)
-                             for i, p in enumerate(train_prompts)])
+    outs = collect.generate(
+        [
+            Request(f"t{i}", p, greedy, return_hidden_states=True)
+            for i, p in enumerate(train_prompts)
+        ]
+    )
     for o in outs:
         if o.sample_index == 0:  # greedy: both samples are the same
-            buf.add_output(train_prompts[int(o.request_id[1:])], o.token_ids, step=0,
-                           policy_version=o.policy_version, hidden=o.hidden_states)
+            buf.add_output(
+                train_prompts[int(o.request_id[1:])],
+                o.token_ids,
+                step=0,
+                policy_version=o.policy_version,
+                hidden=o.hidden_states,
+            )
     assert len(buf) == 16
 
     # 2. Train, then publish through the store: promoted over "no learned drafter".
-    tr = Trainer(EagleDrafter.random_init(collect.model, seed=1), buf,
-                 TrainerConfig(items_per_micro=4, micro_per_step=2, lr=1e-2, warmup_steps=5))
+    tr = Trainer(
+        EagleDrafter.random_init(collect.model, seed=1),
+        buf,
+        TrainerConfig(items_per_micro=4, micro_per_step=2, lr=1e-2, warmup_steps=5),
+    )
     for _ in range(60):
         tr.train_step()
-    held = [HeldOut(torch.tensor(p + o.token_ids), len(p)) for p, o in zip(
-        _prompts(4, seed=2),
-        collect.generate([Request(f"h{i}", p, greedy) for i, p in enumerate(_prompts(4, 2))])[::2],
-        strict=True)]
+    held = [
+        HeldOut(torch.tensor(p + o.token_ids), len(p))
+        for p, o in zip(
+            _prompts(4, seed=2),
+            collect.generate([Request(f"h{i}", p, greedy) for i, p in enumerate(_prompts(4, 2))])[
+                ::2
+            ],
+            strict=True,
+        )
+    ]
     store.create_job(Job(job_id="job", model_path=str(target_dir)))
-    dv = publish(store, "job", tr.drafter, held, policy_version=0, train_steps=tr.step,
-                 loss=tr.last_loss, out_dir=tmp_path / "drafters")
+    dv = publish(
+        store,
+        "job",
+        tr.drafter,
+        held,
+        policy_version=0,
+        train_steps=tr.step,
+        loss=tr.last_loss,
+        out_dir=tmp_path / "drafters",
+    )
     assert dv.status is DrafterStatus.PROMOTED
 
     # 3. A running engine (old, untrained drafter) swaps to the promoted one between steps.
     prompts = _prompts(4, seed=3)
     reqs = [Request(f"r{i}", p, greedy) for i, p in enumerate(prompts)]
-    ref = {(o.request_id, o.sample_index): o.token_ids
-           for o in Engine(str(target_dir), EngineConfig(spec_mode="off")).generate(reqs)}
+    ref = {
+        (o.request_id, o.sample_index): o.token_ids
+        for o in Engine(str(target_dir), EngineConfig(spec_mode="off")).generate(reqs)
+    }
     cfg = EngineConfig(max_batch=8, spec_mode="fixed", strategies=(Strategy("eagle", 3),))
 
     def run(swap_after: int | None):

@@ -49,8 +49,9 @@ def samples(target):
 def _alone(drafter, ex):
     L = ex.next_ids.shape[0]
     causal = torch.ones(L, L, dtype=torch.bool).tril()[None, None]
-    return drafter_features(drafter, ex.hidden_in[None], ex.next_ids[None],
-                            torch.arange(L)[None], causal)[0]
+    return drafter_features(
+        drafter, ex.hidden_in[None], ex.next_ids[None], torch.arange(L)[None], causal
+    )[0]
 
 
 def test_packed_row_gives_each_sample_its_alone_outputs(target):
@@ -63,21 +64,29 @@ def test_packed_row_gives_each_sample_its_alone_outputs(target):
         exs.append(align(ids, target_hidden(target, [ids])[0], rs))
     batch = pack(exs, row_len=16)
     assert batch.segments.shape[0] < len(exs), "some samples must share a row"
-    out = drafter_features(drafter, batch.hidden_in, batch.next_ids, batch.positions,
-                           batch.attn_mask)
+    out = drafter_features(
+        drafter, batch.hidden_in, batch.next_ids, batch.positions, batch.attn_mask
+    )
     seen = 0
     for b in range(batch.segments.shape[0]):
         for seg in range(int(batch.segments[b].max()) + 1):
             sel = batch.segments[b] == seg
-            ex = next(e for e in exs if e.next_ids.shape[0] == int(sel.sum())
-                      and torch.equal(e.next_ids, batch.next_ids[b, sel]))
+            ex = next(
+                e
+                for e in exs
+                if e.next_ids.shape[0] == int(sel.sum())
+                and torch.equal(e.next_ids, batch.next_ids[b, sel])
+            )
             torch.testing.assert_close(out[b, sel], _alone(drafter, ex), atol=1e-5, rtol=1e-5)
             seen += 1
     assert seen == len(exs)
     # A mask that lets samples see each other changes the outputs: the check above can fail.
     leaky = torch.ones_like(batch.attn_mask).tril(0) | batch.attn_mask
-    assert not torch.allclose(out, drafter_features(drafter, batch.hidden_in, batch.next_ids,
-                                                     batch.positions, leaky), atol=1e-4)
+    assert not torch.allclose(
+        out,
+        drafter_features(drafter, batch.hidden_in, batch.next_ids, batch.positions, leaky),
+        atol=1e-4,
+    )
 
 
 def test_training_forward_equals_the_engines_cached_inference_path(target):
@@ -97,17 +106,21 @@ def test_training_forward_equals_the_engines_cached_inference_path(target):
 def _trainer(target, samples, *, seed=0, keep_hidden=True, cfg=None, hidden_dtype=torch.float32):
     buf = TrainingBuffer(1 << 24, keep_hidden=keep_hidden, hidden_dtype=hidden_dtype)
     fill_buffer(buf, target, samples)
-    return Trainer(new_drafter(target, seed=seed), buf,
-                   cfg or TrainerConfig(items_per_micro=2, micro_per_step=2, warmup_steps=2,
-                                        lr=3e-3, row_len=64))
+    return Trainer(
+        new_drafter(target, seed=seed),
+        buf,
+        cfg
+        or TrainerConfig(items_per_micro=2, micro_per_step=2, warmup_steps=2, lr=3e-3, row_len=64),
+    )
 
 
 def test_loss_covers_response_positions_only(target, samples):
     tokens, _ = samples[0]
     T = len(tokens)
     for rs in (1, T - 2):
-        tr = _trainer(target, [(tokens, rs)], cfg=TrainerConfig(items_per_micro=1,
-                                                               micro_per_step=1, lr=0.0))
+        tr = _trainer(
+            target, [(tokens, rs)], cfg=TrainerConfig(items_per_micro=1, micro_per_step=1, lr=0.0)
+        )
         init = {n: p.detach().clone() for n, p in tr.params.items()}
         res = tr.train_step()
         assert res.positions == T - rs  # t >= rs - 1 over the T - 1 drafter positions
@@ -119,8 +132,13 @@ def test_loss_covers_response_positions_only(target, samples):
             ex = align(ids, target_hidden(target, [ids])[0], rs)
             pred = _alone(tr.drafter, ex)[rs - 1 :]
             tgt = ex.hidden_target[rs - 1 :]
-            loss, _ = eagle_loss(pred, tgt, target.logits(pred), target.logits(tgt),
-                                 torch.ones(pred.shape[0], dtype=torch.bool))
+            loss, _ = eagle_loss(
+                pred,
+                tgt,
+                target.logits(pred),
+                target.logits(tgt),
+                torch.ones(pred.shape[0], dtype=torch.bool),
+            )
         assert res.loss == pytest.approx(float(loss), rel=1e-5)
 
 
@@ -157,8 +175,9 @@ def test_cursor_trains_every_item_of_an_epoch_exactly_once(target, samples):
 
 def test_recomputed_hidden_trains_like_cached_hidden(target, samples):
     cached = _trainer(target, samples[:6], keep_hidden=True)
-    chunked = TrainerConfig(items_per_micro=2, micro_per_step=2, warmup_steps=2, lr=3e-3,
-                            row_len=64, prefill_chunk=5)  # several KV-cached prefill chunks
+    chunked = TrainerConfig(
+        items_per_micro=2, micro_per_step=2, warmup_steps=2, lr=3e-3, row_len=64, prefill_chunk=5
+    )  # several KV-cached prefill chunks
     recomputed = _trainer(target, samples[:6], keep_hidden=False, cfg=chunked)
     assert all(it.hidden is None for it in recomputed.buffer.items())
     for _ in range(3):
@@ -169,8 +188,7 @@ def test_recomputed_hidden_trains_like_cached_hidden(target, samples):
         torch.testing.assert_close(p, recomputed.params[n], atol=1e-5, rtol=1e-4)
 
 
-def test_preempted_mid_step_and_resumed_from_a_checkpoint_is_exact(
-        target, samples, tmp_path):
+def test_preempted_mid_step_and_resumed_from_a_checkpoint_is_exact(target, samples, tmp_path):
     ref = _trainer(target, samples)
     ref_ids = [ref.train_step().item_ids for _ in range(8)]
 

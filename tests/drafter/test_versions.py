@@ -47,8 +47,11 @@ def trained(target):
     """A drafter trained on the target's greedy rollouts (module-scoped: trained once)."""
     buf = TrainingBuffer(1 << 24)
     fill_buffer(buf, target, rollout_samples(target, 24, new_tokens=16, seed=11))
-    tr = Trainer(new_drafter(target, seed=1), buf,
-                 TrainerConfig(items_per_micro=4, micro_per_step=2, lr=1e-2, warmup_steps=5))
+    tr = Trainer(
+        new_drafter(target, seed=1),
+        buf,
+        TrainerConfig(items_per_micro=4, micro_per_step=2, lr=1e-2, warmup_steps=5),
+    )
     for _ in range(90):
         tr.train_step()
     return tr
@@ -56,8 +59,9 @@ def trained(target):
 
 @pytest.fixture(scope="module")
 def held_out(target):
-    return [HeldOut(torch.tensor(t), rs) for t, rs in
-            rollout_samples(target, 6, new_tokens=16, seed=99)]
+    return [
+        HeldOut(torch.tensor(t), rs) for t, rs in rollout_samples(target, 6, new_tokens=16, seed=99)
+    ]
 
 
 def _naive(drafter, hidden, ids, rs, k):
@@ -69,9 +73,13 @@ def _naive(drafter, hidden, ids, rs, k):
         drafts = []
         for _ in range(k):
             L = len(hs)
-            f = drafter_features(drafter, torch.stack(hs)[None], torch.stack(xs)[None],
-                                 torch.arange(L)[None],
-                                 torch.ones(L, L, dtype=torch.bool).tril()[None, None])[0, -1]
+            f = drafter_features(
+                drafter,
+                torch.stack(hs)[None],
+                torch.stack(xs)[None],
+                torch.arange(L)[None],
+                torch.ones(L, L, dtype=torch.bool).tril()[None, None],
+            )[0, -1]
             d = drafter.logits(f).argmax()
             drafts.append(int(d))
             hs.append(f)
@@ -104,26 +112,44 @@ def test_training_raises_held_out_acceptance(target, trained, held_out):
     assert learned > fresh + 0.3, (fresh, learned)
 
 
-def test_publish_promotes_better_and_rejects_worse(store, target, target_dir, trained, held_out,
-                                                   tmp_path):
+def test_publish_promotes_better_and_rejects_worse(
+    store, target, target_dir, trained, held_out, tmp_path
+):
     store.create_job(Job(job_id="j1", model_path=str(target_dir)))
-    v1 = publish(store, "j1", trained.drafter, held_out, policy_version=0,
-                 train_steps=trained.step, loss=trained.last_loss, out_dir=tmp_path)
+    v1 = publish(
+        store,
+        "j1",
+        trained.drafter,
+        held_out,
+        policy_version=0,
+        train_steps=trained.step,
+        loss=trained.last_loss,
+        out_dir=tmp_path,
+    )
     assert v1.status is DrafterStatus.PROMOTED and v1.acceptance_length > 1.0
     assert store.active_drafter_version("j1") == v1.version
     assert set(load_file(f"{v1.path}/model.safetensors")) == set(trained.params)
 
     worse = new_drafter(target, seed=7)
-    v2 = publish(store, "j1", worse, held_out, policy_version=1, train_steps=0, loss=9.9,
-                 out_dir=tmp_path)
+    v2 = publish(
+        store, "j1", worse, held_out, policy_version=1, train_steps=0, loss=9.9, out_dir=tmp_path
+    )
     assert v2.status is DrafterStatus.REJECTED
     assert v2.acceptance_length < v1.acceptance_length
     assert store.active_drafter_version("j1") == v1.version, "a worse drafter is never active"
     rows = {d.version: d for d in store.list_drafters("j1")}
     assert rows[v2.version].policy_version == 1 and rows[v1.version].train_steps == trained.step
     # The same drafter again is no improvement over itself: rejected too.
-    v3 = publish(store, "j1", trained.drafter, held_out, policy_version=1,
-                 train_steps=trained.step, loss=trained.last_loss, out_dir=tmp_path)
+    v3 = publish(
+        store,
+        "j1",
+        trained.drafter,
+        held_out,
+        policy_version=1,
+        train_steps=trained.step,
+        loss=trained.last_loss,
+        out_dir=tmp_path,
+    )
     assert v3.status is DrafterStatus.REJECTED
 
 
@@ -132,10 +158,18 @@ def _llama_target_dir(path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False)).save_pretrained(path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(path)
     return path
 
 
@@ -158,18 +192,24 @@ class _SGLangEagleReference(nn.Module):
         cfg_json = json.loads((export_dir / "config.json").read_text())
         arch = cfg_json["architectures"][0]
         self.cfg = AutoConfig.for_model(
-            **{k: v for k, v in cfg_json.items() if k not in ("architectures", "torch_dtype")})
+            **{k: v for k, v in cfg_json.items() if k not in ("architectures", "torch_dtype")}
+        )
         self.cfg._attn_implementation = "sdpa"
-        layer_cls = {"Qwen2ForCausalLMEagle": Qwen2DecoderLayer,
-                     "LlamaForCausalLMEagle": LlamaDecoderLayer}[arch]
+        layer_cls = {
+            "Qwen2ForCausalLMEagle": Qwen2DecoderLayer,
+            "LlamaForCausalLMEagle": LlamaDecoderLayer,
+        }[arch]
         H, V = self.cfg.hidden_size, self.cfg.vocab_size
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(V, H)
         self.model.fc = nn.Linear(2 * H, H)
         self.model.layers = nn.ModuleList([layer_cls(self.cfg, 0)])
         self.model.layers[0].input_layernorm = nn.Identity()  # SGLang: `lambda x: x`
-        weights = {"model." + k: v for k, v in load_file(str(export_dir / "model.safetensors"))
-                   .items() if "lm_head" not in k}
+        weights = {
+            "model." + k: v
+            for k, v in load_file(str(export_dir / "model.safetensors")).items()
+            if "lm_head" not in k
+        }
         self.load_state_dict(weights, strict=True)
         target_sd = load_file(str(target_dir / "model.safetensors"))
         # SGLang's EAGLE worker hands the draft model the target's lm_head.
@@ -180,8 +220,9 @@ class _SGLangEagleReference(nn.Module):
 
         x = self.model.fc(torch.cat([self.model.embed_tokens(ids), hidden], dim=-1))
         rope = LlamaRotaryEmbedding(self.cfg)(x, positions)
-        out = self.model.layers[0](x, attention_mask=None, position_ids=positions,
-                                   position_embeddings=rope)
+        out = self.model.layers[0](
+            x, attention_mask=None, position_ids=positions, position_embeddings=rope
+        )
         out = out[0] if isinstance(out, tuple) else out
         return out @ self.lm_head.T
 
@@ -197,8 +238,11 @@ def test_sglang_export_is_exact(family, target_dir, tmp_path):
     tgt = load_target(tdir)
     buf = TrainingBuffer(1 << 24)
     fill_buffer(buf, tgt, rollout_samples(tgt, 8, new_tokens=12, seed=2))
-    tr = Trainer(new_drafter(tgt, seed=1), buf,
-                 TrainerConfig(items_per_micro=4, micro_per_step=2, lr=1e-2, warmup_steps=1))
+    tr = Trainer(
+        new_drafter(tgt, seed=1),
+        buf,
+        TrainerConfig(items_per_micro=4, micro_per_step=2, lr=1e-2, warmup_steps=1),
+    )
     for _ in range(6):
         tr.train_step()
     drafter = tr.drafter.eval()
@@ -206,8 +250,9 @@ def test_sglang_export_is_exact(family, target_dir, tmp_path):
         drafter.layer.post_attention_layernorm.weight.mul_(1.5)
     assert drafter.layer.input_layernorm is None
     drafter.save_pretrained(tmp_path / "ours")
-    assert "layer.input_layernorm.weight" not in load_file(str(tmp_path / "ours" /
-                                                              "model.safetensors"))
+    assert "layer.input_layernorm.weight" not in load_file(
+        str(tmp_path / "ours" / "model.safetensors")
+    )
     res = export_sglang(tmp_path / "ours", tdir, tmp_path / "sglang")
     assert res.notes == ()
     cfg = json.loads((tmp_path / "sglang" / "config.json").read_text())
@@ -256,8 +301,9 @@ def test_old_checkpoints_with_an_input_norm_fail_clearly(target, target_dir, tra
         load_state(ckpt)
 
 
-def test_online_versions_must_beat_the_initial_drafter(store, target, target_dir, trained,
-                                                       held_out, tmp_path):
+def test_online_versions_must_beat_the_initial_drafter(
+    store, target, target_dir, trained, held_out, tmp_path
+):
     from tltd.domain import SpeculativeConfig
     from tltd.services.jobs import JobService, NewJob
     from tltd.settings import Settings
@@ -275,7 +321,8 @@ def test_online_versions_must_beat_the_initial_drafter(store, target, target_dir
         torch.testing.assert_close(t, trained.drafter.state_dict()[name])
 
     worse = new_drafter(target, seed=7)
-    v2 = publish(store, "j1", worse, held_out, policy_version=1, train_steps=0, loss=9.9,
-                 out_dir=tmp_path)
+    v2 = publish(
+        store, "j1", worse, held_out, policy_version=1, train_steps=0, loss=9.9, out_dir=tmp_path
+    )
     assert v2.version == 2 and v2.status is DrafterStatus.REJECTED
     assert store.active_drafter_version("j1") == 1, "the initial drafter stays active"

@@ -34,8 +34,16 @@ def _one_thread():  # module scope: it must precede the module-scoped model fixt
 
 
 def _payload(target, samples):
-    return [{"token_ids": t, "response_start": rs, "policy_version": 0, "step": 0,
-             "hidden": target_hidden(target, [torch.tensor(t)])[0]} for t, rs in samples]
+    return [
+        {
+            "token_ids": t,
+            "response_start": rs,
+            "policy_version": 0,
+            "step": 0,
+            "hidden": target_hidden(target, [torch.tensor(t)])[0],
+        }
+        for t, rs in samples
+    ]
 
 
 @pytest.mark.slow
@@ -50,8 +58,12 @@ def test_preempted_k_times_and_restarted_ends_like_uninterrupted(tmp_path, sqlit
     ref = Trainer(new_drafter(target, seed=0), buf, CFG)
     ref_ids = [ref.train_step().item_ids for _ in range(STEPS)]
 
-    spec = WorkerSpec(model_path=str(model_dir), checkpoint_dir=str(tmp_path / "ckpt"),
-                      trainer=CFG, drafter_seed=0)
+    spec = WorkerSpec(
+        model_path=str(model_dir),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        trainer=CFG,
+        drafter_seed=0,
+    )
     payload = _payload(target, samples)
     w = DrafterWorker(spec)
     latencies = []
@@ -84,10 +96,16 @@ def test_preempted_k_times_and_restarted_ends_like_uninterrupted(tmp_path, sqlit
         upgrade(sqlite_url)
         store = Store(sqlite_url)
         store.create_job(Job(job_id="j", model_path=str(model_dir)))
-        held = [{"token_ids": t, "response_start": rs} for t, rs in
-                rollout_samples(target, 3, seed=8)]
-        dv = w2.publish(job_id="j", db_url=sqlite_url, policy_version=2, held_out=held,
-                        out_dir=str(tmp_path / "versions"))
+        held = [
+            {"token_ids": t, "response_start": rs} for t, rs in rollout_samples(target, 3, seed=8)
+        ]
+        dv = w2.publish(
+            job_id="j",
+            db_url=sqlite_url,
+            policy_version=2,
+            held_out=held,
+            out_dir=str(tmp_path / "versions"),
+        )
         assert dv["version"] == 1 and dv["train_steps"] == STEPS and dv["policy_version"] == 2
         assert dv["status"] in (DrafterStatus.PROMOTED, DrafterStatus.REJECTED)
         assert store.get_drafter("j", 1).acceptance_length == dv["acceptance_length"] >= 1.0

@@ -43,7 +43,12 @@ def vocab_size(model_path: str) -> int | None:
 
 # The target config fields that shape a drafter's own tensors (its layer is built from them).
 _DRAFTER_SHAPE_FIELDS = (
-    "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "qkv_bias",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "qkv_bias",
 )
 
 
@@ -69,9 +74,7 @@ def check_drafter_dir(path: str, field: str, model_dir: Path) -> Path:
         raise InvalidArgument(f"{path} is not a directory readable by the daemon", field=field)
     for name in ("config.json", "model.safetensors"):
         if not (p / name).is_file():
-            raise InvalidArgument(
-                f"{path} has no {name} (not a drafter checkpoint)", field=field
-            )
+            raise InvalidArgument(f"{path} has no {name} (not a drafter checkpoint)", field=field)
     try:
         cfg = json.loads((p / "config.json").read_text())
         target = cfg["target"]
@@ -103,8 +106,7 @@ def check_drafter_dir(path: str, field: str, model_dir: Path) -> Path:
         ) from exc
     if hidden != model.hidden_size:
         raise InvalidArgument(
-            f"{path} was built for hidden size {hidden}, the job's model has "
-            f"{model.hidden_size}",
+            f"{path} was built for hidden size {hidden}, the job's model has {model.hidden_size}",
             field=field,
         )
     for name in _DRAFTER_SHAPE_FIELDS[1:]:

@@ -185,8 +185,12 @@ class Store:
                 if initial_drafter is None:
                     return convert.job_from_row(row, 0), True
                 dv = DrafterVersion(
-                    job_id=job.job_id, version=1, policy_version=0, path=initial_drafter.path,
-                    train_steps=initial_drafter.train_steps, loss=initial_drafter.loss,
+                    job_id=job.job_id,
+                    version=1,
+                    policy_version=0,
+                    path=initial_drafter.path,
+                    train_steps=initial_drafter.train_steps,
+                    loss=initial_drafter.loss,
                     acceptance_length=initial_drafter.acceptance_length,
                     status=DrafterStatus.PROMOTED,
                 )

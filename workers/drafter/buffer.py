@@ -45,8 +45,12 @@ class TrainItem:
 class TrainingBuffer:
     """Bounded in bytes; items get increasing ids so a trainer can record exactly what it used."""
 
-    def __init__(self, capacity_bytes: int, keep_hidden: bool = True,
-                 hidden_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        keep_hidden: bool = True,
+        hidden_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be > 0")
         self.capacity_bytes = capacity_bytes
@@ -64,8 +68,14 @@ class TrainingBuffer:
     def nbytes(self) -> int:
         return self._bytes
 
-    def add(self, token_ids: Sequence[int] | torch.Tensor, response_start: int,
-            policy_version: int, step: int, hidden: torch.Tensor | None = None) -> TrainItem | None:
+    def add(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        response_start: int,
+        policy_version: int,
+        step: int,
+        hidden: torch.Tensor | None = None,
+    ) -> TrainItem | None:
         """Add one finished sample; returns the stored item, or None if it has no response."""
         ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten()
         if not 0 <= response_start < ids.numel():
@@ -85,8 +95,14 @@ class TrainingBuffer:
         self._evict()
         return item if item.item_id in self._items else None
 
-    def add_output(self, prompt_ids: Sequence[int], output_ids: Sequence[int], step: int,
-                   policy_version: int, hidden: torch.Tensor | None = None) -> TrainItem | None:
+    def add_output(
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        step: int,
+        policy_version: int,
+        hidden: torch.Tensor | None = None,
+    ) -> TrainItem | None:
         """Add one finished rollout sample as the engine returns it.
 
         The engine's hidden states cover every token it was fed: len(prompt) + len(output) - 1

@@ -114,7 +114,10 @@ def chain_accepted_lengths(
     starts = starts.to(dev)
     # Position p of the true part: starts index; chain entry (depth j, start s) at s + j - 1.
     feats = drafter_features(
-        drafter, true_h[None], true_x[None], true_pos[None],
+        drafter,
+        true_h[None],
+        true_x[None],
+        true_pos[None],
         torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None, None],
     )[0]
     last = feats[starts]  # f_1 of every start
@@ -131,12 +134,16 @@ def chain_accepted_lengths(
         pos = torch.cat([true_pos] + [starts + d + 1 for d in range(depth)])
         # Key/query metadata: start index of each entry (true part: its own position).
         owner = torch.cat([true_pos] + [starts] * depth)
-        level = torch.cat([torch.zeros(n, dtype=torch.long, device=dev)]
-                          + [torch.full((s_count,), d + 1, device=dev) for d in range(depth)])
+        level = torch.cat(
+            [torch.zeros(n, dtype=torch.long, device=dev)]
+            + [torch.full((s_count,), d + 1, device=dev) for d in range(depth)]
+        )
         is_true = level == 0
         q_owner, k_owner = owner[:, None], owner[None, :]
         mask = (is_true[None, :] & (k_owner <= q_owner)) | (
-            ~is_true[:, None] & ~is_true[None, :] & (k_owner == q_owner)
+            ~is_true[:, None]
+            & ~is_true[None, :]
+            & (k_owner == q_owner)
             & (level[None, :] <= level[:, None])
         )
         out = drafter_features(drafter, h_in[None], x_in[None], pos[None], mask[None, None])[0]

@@ -112,7 +112,8 @@ class _Pending:
     done: int = 0
     seconds: float = 0.0
     sums: dict[str, float] = field(
-        default_factory=lambda: {"loss": 0.0, "reg": 0.0, "ce": 0.0, "top1": 0.0, "positions": 0.0})
+        default_factory=lambda: {"loss": 0.0, "reg": 0.0, "ce": 0.0, "top1": 0.0, "positions": 0.0}
+    )
 
 
 class _Interrupted(Exception):
@@ -133,8 +134,9 @@ def _positions(item: TrainItem, row_len: int) -> int:
 class Trainer:
     """Trains `drafter` (fc + layer) on `buffer`; the target's weights are frozen."""
 
-    def __init__(self, drafter: EagleDrafter, buffer: TrainingBuffer,
-                 config: TrainerConfig | None = None) -> None:
+    def __init__(
+        self, drafter: EagleDrafter, buffer: TrainingBuffer, config: TrainerConfig | None = None
+    ) -> None:
         self.cfg = config or TrainerConfig()
         self.drafter = drafter.train()
         self.buffer = buffer
@@ -145,8 +147,13 @@ class Trainer:
         for p in self.params.values():
             p.requires_grad_(True)
         c = self.cfg
-        self.opt = torch.optim.AdamW(list(self.params.values()), lr=c.lr, betas=c.betas,
-                                     weight_decay=c.weight_decay, foreach=False)
+        self.opt = torch.optim.AdamW(
+            list(self.params.values()),
+            lr=c.lr,
+            betas=c.betas,
+            weight_decay=c.weight_decay,
+            foreach=False,
+        )
         self.step = 0
         self.cursor = Cursor()
         self._pending: _Pending | None = None
@@ -167,8 +174,9 @@ class Trainer:
             return False
         current = max(it.step for it in items)
         seed = self.cfg.seed * 1_000_003 + self.cursor.epoch
-        self.cursor = Cursor(self.cursor.epoch + 1,
-                             self.buffer.epoch_order(current, seed, self.cfg.prev_share), 0)
+        self.cursor = Cursor(
+            self.cursor.epoch + 1, self.buffer.epoch_order(current, seed, self.cfg.prev_share), 0
+        )
         return True
 
     def _take(self, n: int) -> tuple[list[TrainItem], list[int], int] | None:
@@ -197,8 +205,9 @@ class Trainer:
             h = it.hidden
             if h is None:
                 try:  # chunked: a stop never waits for a whole prefill
-                    h = target_hidden(self.drafter.target, [it.token_ids],
-                                      self.cfg.prefill_chunk, stop)[0]
+                    h = target_hidden(
+                        self.drafter.target, [it.token_ids], self.cfg.prefill_chunk, stop
+                    )[0]
                 except InterruptedError:
                     raise _Interrupted from None
             out.append(align(it.token_ids.to(dev), h.to(dev, dtype), it.response_start))
@@ -215,8 +224,9 @@ class Trainer:
         batch = pack(self._examples(items, stop), self.cfg.row_len)
         mask = batch.loss_mask
         _check(stop)
-        pred = drafter_features(self.drafter, batch.hidden_in, batch.next_ids, batch.positions,
-                                batch.attn_mask)[mask]
+        pred = drafter_features(
+            self.drafter, batch.hidden_in, batch.next_ids, batch.positions, batch.attn_mask
+        )[mask]
         target = batch.hidden_target[mask]
         feats = pred.detach().requires_grad_(True)
         n = feats.shape[0]
@@ -227,8 +237,9 @@ class Trainer:
             with torch.no_grad():
                 target_logits = self.drafter.logits(target[sl])
             ones = torch.ones(feats[sl].shape[0], dtype=torch.bool, device=feats.device)
-            loss, parts = eagle_loss(feats[sl], target[sl], self.drafter.logits(feats[sl]),
-                                     target_logits, ones)
+            loss, parts = eagle_loss(
+                feats[sl], target[sl], self.drafter.logits(feats[sl]), target_logits, ones
+            )
             # eagle_loss is a mean over the chunk; weight it to a mean over the whole step.
             (loss * (parts["positions"] / total)).backward()
             parts["loss"] = float(loss.detach())
@@ -270,8 +281,9 @@ class Trainer:
                 return Stop.PREEMPTED
             t0 = time.perf_counter()
             try:
-                parts = self._micro(p.items[p.done : p.done + c.items_per_micro], p.total,
-                                    should_stop)
+                parts = self._micro(
+                    p.items[p.done : p.done + c.items_per_micro], p.total, should_stop
+                )
             except _Interrupted:
                 return Stop.PREEMPTED
             w = parts["positions"] / p.total
@@ -291,9 +303,19 @@ class Trainer:
         self._pending = None
         s = p.sums
         self.last_loss = s["loss"]
-        return StepResult(self.step, s["loss"], s["reg"], s["ce"], s["top1"], int(s["positions"]),
-                          float(grad_norm), lr, tuple(it.item_id for it in p.items),
-                          tuple(p.skipped), p.seconds)
+        return StepResult(
+            self.step,
+            s["loss"],
+            s["reg"],
+            s["ce"],
+            s["top1"],
+            int(s["positions"]),
+            float(grad_norm),
+            lr,
+            tuple(it.item_id for it in p.items),
+            tuple(p.skipped),
+            p.seconds,
+        )
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -307,9 +329,15 @@ class Trainer:
         pending = None
         if self._pending is not None:
             pd = self._pending
-            pending = {"item_ids": [it.item_id for it in pd.items], "skipped": pd.skipped,
-                       "end": pd.end, "total": pd.total, "done": pd.done, "sums": pd.sums,
-                       "seconds": pd.seconds}
+            pending = {
+                "item_ids": [it.item_id for it in pd.items],
+                "skipped": pd.skipped,
+                "end": pd.end,
+                "total": pd.total,
+                "done": pd.done,
+                "sums": pd.sums,
+                "seconds": pd.seconds,
+            }
             for n, p in self.params.items():
                 if p.grad is not None:
                     optim[f"{n}::grad"] = p.grad.detach().to("cpu", copy=True)
@@ -353,8 +381,15 @@ class Trainer:
         # A partial step resumes only with all of its items (a restarted worker whose buffer
         # lost some redoes the step from its start: the cursor has not moved past it).
         if pd and all(it is not None for it in items):
-            self._pending = _Pending(items, list(pd["skipped"]), int(pd["end"]), int(pd["total"]),
-                                     int(pd["done"]), float(pd["seconds"]), dict(pd["sums"]))
+            self._pending = _Pending(
+                items,
+                list(pd["skipped"]),
+                int(pd["end"]),
+                int(pd["total"]),
+                int(pd["done"]),
+                float(pd["seconds"]),
+                dict(pd["sums"]),
+            )
             for n, g in grads.items():
                 self.params[n].grad = g.to(self.params[n].device)
 

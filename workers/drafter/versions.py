@@ -35,8 +35,9 @@ def mean_accepted_length(drafter: EagleDrafter, held_out: Sequence[HeldOut], k: 
     for s in held_out:
         ids = torch.as_tensor(s.token_ids, dtype=torch.long)
         h = s.hidden if s.hidden is not None else target_hidden(drafter.target, [ids])[0]
-        lengths.append(chain_accepted_lengths(drafter, h.to(p.device, p.dtype), ids,
-                                              s.response_start, k))
+        lengths.append(
+            chain_accepted_lengths(drafter, h.to(p.device, p.dtype), ids, s.response_start, k)
+        )
     allv = torch.cat(lengths) if lengths else torch.zeros(0)
     return float(allv.mean()) if allv.numel() else 0.0
 
@@ -81,13 +82,22 @@ def publish(
                 base, against = current.acceptance_length, f"{against} (recorded)"
     finally:
         drafter.train(was_training)
-    dv = store.add_drafter_version(DrafterVersion(
-        job_id=job_id, version=0, policy_version=policy_version, path=str(path),
-        train_steps=train_steps, loss=float(loss), acceptance_length=acceptance,
-    ))
+    dv = store.add_drafter_version(
+        DrafterVersion(
+            job_id=job_id,
+            version=0,
+            policy_version=policy_version,
+            path=str(path),
+            train_steps=train_steps,
+            loss=float(loss),
+            acceptance_length=acceptance,
+        )
+    )
     better = acceptance > base + min_gain
-    reason = (f"held-out acceptance {acceptance:.3f} vs {base:.3f} of {against} "
-              f"on {len(held_out)} samples, k={k}")
+    reason = (
+        f"held-out acceptance {acceptance:.3f} vs {base:.3f} of {against} "
+        f"on {len(held_out)} samples, k={k}"
+    )
     new = DrafterStatus.PROMOTED if better else DrafterStatus.REJECTED
     return store.set_drafter_status(job_id, dv.version, new, reason)
 
@@ -113,8 +123,13 @@ class ExportResult:
     notes: tuple[str, ...] = ()
 
 
-def export_sglang(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
-                  *, include_embeddings: bool = True) -> ExportResult:
+def export_sglang(
+    drafter_dir: str | Path,
+    target_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    include_embeddings: bool = True,
+) -> ExportResult:
     """Write a drafter version as a standalone EAGLE checkpoint for SGLang's
     `LlamaForCausalLMEagle` / `Qwen2ForCausalLMEagle` (speculative-algorithm EAGLE), exactly.
 
@@ -162,8 +177,11 @@ def export_sglang(drafter_dir: str | Path, target_dir: str | Path, out_dir: str 
     }
     used = {"fc.weight", "fc.bias"}
     p = "layers.0."
-    sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-             cfg.num_kv_heads * cfg.head_dim]
+    sizes = [
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    ]
     for kind in ("weight", "bias"):
         if f"layer.qkv.{kind}" in ours:
             used.add(f"layer.qkv.{kind}")
@@ -171,15 +189,19 @@ def export_sglang(drafter_dir: str | Path, target_dir: str | Path, out_dir: str 
                 tensors[f"{p}self_attn.{n}_proj.{kind}"] = t
     gate, up = ours["layer.gate_up.weight"].chunk(2, dim=0)
     tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"] = gate, up
-    renames = {"layer.o_proj.weight": p + "self_attn.o_proj.weight",
-               "layer.down_proj.weight": p + "mlp.down_proj.weight",
-               "layer.post_attention_layernorm.weight": p + "post_attention_layernorm.weight"}
+    renames = {
+        "layer.o_proj.weight": p + "self_attn.o_proj.weight",
+        "layer.down_proj.weight": p + "mlp.down_proj.weight",
+        "layer.post_attention_layernorm.weight": p + "post_attention_layernorm.weight",
+    }
     for src, dst in renames.items():
         tensors[dst] = ours[src]
     used |= {"layer.gate_up.weight", *renames}
     if set(ours) - used:  # a tensor the mapping does not know would be lost silently
-        raise ValueError(f"drafter checkpoint {drafter_dir} has tensors the SGLang export "
-                         f"does not map: {sorted(set(ours) - used)}")
+        raise ValueError(
+            f"drafter checkpoint {drafter_dir} has tensors the SGLang export "
+            f"does not map: {sorted(set(ours) - used)}"
+        )
     if include_embeddings:
         target_sd = read_state_dict(target_dir)
         tensors["embed_tokens.weight"] = target_sd["model.embed_tokens.weight"]
@@ -187,8 +209,11 @@ def export_sglang(drafter_dir: str | Path, target_dir: str | Path, out_dir: str 
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     cfg_out = dict(hf_cfg)
-    cfg_out.update(architectures=[EAGLE_ARCHITECTURES[model_type]], num_hidden_layers=1,
-                   torch_dtype=str(dtype).removeprefix("torch."))
+    cfg_out.update(
+        architectures=[EAGLE_ARCHITECTURES[model_type]],
+        num_hidden_layers=1,
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )
     if isinstance(cfg_out.get("layer_types"), list):  # per-layer lists follow the layer count
         cfg_out["layer_types"] = cfg_out["layer_types"][:1]
     (out / "config.json").write_text(json.dumps(cfg_out, indent=2))

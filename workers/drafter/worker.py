@@ -76,8 +76,9 @@ class _Worker:
             drafter = EagleDrafter.from_pretrained(spec.drafter_path, target)
         else:
             drafter = EagleDrafter.random_init(target, seed=spec.drafter_seed)
-        self.buffer = TrainingBuffer(spec.buffer_bytes, spec.keep_hidden,
-                                     _DTYPES[spec.hidden_dtype])
+        self.buffer = TrainingBuffer(
+            spec.buffer_bytes, spec.keep_hidden, _DTYPES[spec.hidden_dtype]
+        )
         self.trainer = Trainer(drafter, self.buffer, spec.trainer)
         self.writer = CheckpointWriter(spec.checkpoint_dir)
         latest = latest_checkpoint(spec.checkpoint_dir) if spec.resume else None
@@ -99,8 +100,13 @@ class _Worker:
     def handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
             for s in payload:
-                self.buffer.add(s["token_ids"], s["response_start"], s["policy_version"],
-                                s["step"], s.get("hidden"))
+                self.buffer.add(
+                    s["token_ids"],
+                    s["response_start"],
+                    s["policy_version"],
+                    s["step"],
+                    s.get("hidden"),
+                )
         elif kind == "train":
             self.trainer.reclaim_device(self.spec.device)
             self.max_steps = payload
@@ -138,28 +144,45 @@ class _Worker:
         self.training = False
         state = self.trainer.state()  # host copies: the write below does not touch the device
         self.trainer.release_device()
-        self.send("device_free", {"t": time.monotonic(), "step": self.trainer.step,
-                                  "was_training": was_training})
+        self.send(
+            "device_free",
+            {"t": time.monotonic(), "step": self.trainer.step, "was_training": was_training},
+        )
         self.checkpoint(state)
 
     def checkpoint(self, state=None) -> None:
         step = self.trainer.step
         fut = self.writer.submit(state or self.trainer.state())
-        fut.add_done_callback(lambda f: self.send(
-            "checkpointed", {"step": step, "path": str(f.result())} if f.exception() is None
-            else {"step": step, "error": repr(f.exception())}))
+        fut.add_done_callback(
+            lambda f: self.send(
+                "checkpointed",
+                {"step": step, "path": str(f.result())}
+                if f.exception() is None
+                else {"step": step, "error": repr(f.exception())},
+            )
+        )
 
     def publish(self, req: dict) -> None:
         from tltd.store import Store
         from workers.drafter.versions import HeldOut, publish
 
-        held = [HeldOut(torch.as_tensor(s["token_ids"]), s["response_start"], s.get("hidden"))
-                for s in req["held_out"]]
+        held = [
+            HeldOut(torch.as_tensor(s["token_ids"]), s["response_start"], s.get("hidden"))
+            for s in req["held_out"]
+        ]
         store = Store(req["db_url"])
         try:
-            dv = publish(store, req["job_id"], self.trainer.drafter, held,
-                         policy_version=req["policy_version"], train_steps=self.trainer.step,
-                         loss=self.trainer.last_loss, out_dir=req["out_dir"], k=req.get("k", 4))
+            dv = publish(
+                store,
+                req["job_id"],
+                self.trainer.drafter,
+                held,
+                policy_version=req["policy_version"],
+                train_steps=self.trainer.step,
+                loss=self.trainer.last_loss,
+                out_dir=req["out_dir"],
+                k=req.get("k", 4),
+            )
         finally:
             store.close()
         self.trainer.drafter.train()
@@ -168,8 +191,14 @@ class _Worker:
     # -- loop -----------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self.send("ready", {"step": self.trainer.step, "resumed_from": self.resumed_from,
-                            "items": len(self.buffer)})
+        self.send(
+            "ready",
+            {
+                "step": self.trainer.step,
+                "resumed_from": self.resumed_from,
+                "items": len(self.buffer),
+            },
+        )
         while self.running:
             if self._deferred:
                 self.handle(*self._deferred.pop(0))
@@ -221,8 +250,9 @@ class DrafterWorker:
         ctx = mp.get_context("spawn")
         self.spec = spec
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=run_worker, args=(spec, child), daemon=True,
-                                name="tltd-drafter-train")
+        self.proc = ctx.Process(
+            target=run_worker, args=(spec, child), daemon=True, name="tltd-drafter-train"
+        )
         self._child = child
         self.steps: list[dict] = []  # every StepResult reported, in order
         self.events: list[tuple[str, Any]] = []  # everything else
