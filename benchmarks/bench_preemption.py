@@ -30,23 +30,8 @@ from workers.drafter.trainer import TrainerConfig  # noqa: E402
 from workers.drafter.worker import DrafterWorker, WorkerSpec  # noqa: E402
 from workers.engine.model import load_model  # noqa: E402
 
-
-def make_policy(path: Path, hidden: int = 256, layers: int = 8, vocab: int = 8192) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hidden_recompute import make_policy  # noqa: E402
 
 
 def samples(model_dir: Path, n: int, length: int, with_hidden: bool) -> list[dict]:
@@ -110,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        model_dir = make_policy(tmp / "policy")
+        model_dir = make_policy(tmp / "policy", hidden=256, layers=8, vocab=8192)
         rows = [run(model_dir, keep, args.preemptions, args.threads, tmp) for keep in (True, False)]
     load = os.getloadavg()
     print(

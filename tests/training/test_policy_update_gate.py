@@ -53,6 +53,18 @@ async def _until(cond, what: str, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
+def _settings(tmp_path):
+    """One CPU slot; training may start the moment the device is idle."""
+    return make_settings(
+        tmp_path,
+        cpu_slots=1,
+        worker_max_batch=16,
+        worker_max_seq_len=1024,
+        worker_heartbeat_seconds=0.2,
+        training_idle_grace_seconds=0.0,
+    )
+
+
 def test_training_waits_while_workers_load_the_new_policy(
     sqlite_store, tmp_path, ckpt, ckpt2, monkeypatch
 ):
@@ -68,14 +80,7 @@ def test_training_waits_while_workers_load_the_new_policy(
         return decision
 
     monkeypatch.setattr("tltd.supervisor.supervisor.schedule", recording_schedule)
-    settings = make_settings(
-        tmp_path,
-        cpu_slots=1,
-        worker_max_batch=16,
-        worker_max_seq_len=1024,
-        worker_heartbeat_seconds=0.2,
-        training_idle_grace_seconds=0.0,
-    )
+    settings = _settings(tmp_path)
     seed_devices(sqlite_store, 1)
 
     async def main() -> None:
@@ -129,14 +134,7 @@ class RacingSupervisor:
             return decision
 
         monkeypatch.setattr("tltd.supervisor.supervisor.schedule", racing_schedule)
-        settings = make_settings(
-            tmp_path,
-            cpu_slots=1,
-            worker_max_batch=16,
-            worker_max_seq_len=1024,
-            worker_heartbeat_seconds=0.2,
-            training_idle_grace_seconds=0.0,
-        )
+        settings = _settings(tmp_path)
         seed_devices(store, 1)
         hook = HungryTraining()
         self.sup = Supervisor(store, settings, training=hook)

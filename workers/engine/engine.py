@@ -238,11 +238,10 @@ class Engine:
         if sample_offset < 0:
             raise ValueError("sample_offset must be >= 0")
         wanted = set(range(sample_offset, sample_offset + sampling.n))
-        if wanted & self._live_samples(request_id, prompt_index):
+        if dup := wanted & self._live_samples(request_id, prompt_index):
             raise ValueError(
-                f"request {request_id!r} prompt {prompt_index}: samples "
-                f"{sorted(wanted & self._live_samples(request_id, prompt_index))} are already "
-                "queued"
+                f"request {request_id!r} prompt {prompt_index}: samples {sorted(dup)} are "
+                "already queued"
             )
         # Unique per add: a sample that finished may run again (a retry) while its siblings,
         # added with it, still run under the old group.
