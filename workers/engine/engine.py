@@ -32,7 +32,10 @@ Semantics:
   strategy (spec "off", or "fixed" while the batch stays <= batch_threshold; "adaptive" picks
   strategies from timings, so its sampled outputs are equal in distribution but not bitwise
   reproducible). Greedy output is the same in every mode. Requests without a seed get one
-  from EngineConfig.seed and their arrival order.
+  from EngineConfig.seed and their arrival order. The n-gram drafter's corpus is the samples
+  added together (one add_request), so a slice of a prompt's samples run on its own (a
+  retry) reproduces its seeded tokens with SD off or EAGLE drafts, but with n-gram drafts
+  only in distribution.
 - Speculation: when spec_mode != "off" and the running batch is <= batch_threshold, each
   decode step drafts with the strategy (drafter, k) the bandit picks ("fixed": always
   strategies[0]; "adaptive" with plain_arm also decodes plainly where measured plain
@@ -182,6 +185,11 @@ class Engine:
         self._ngram_on = cfg.spec_mode != "off" and any(
             st.drafter == "ngram" for st in cfg.strategies
         )
+        # Tokens emitted this step, indexed at the step's end in (group, sample index) order:
+        # the index keeps the last occurrence of an n-gram, and slot order depends on what
+        # else is in the batch, so indexing in slot order would let other requests change a
+        # seeded sample's drafts and thereby its tokens.
+        self._ngram_pending: list[tuple[str, int, str, list[int]]] = []
         self.drafter: EagleDrafter | None = None
         self.drafter_version = 0
         self.eagle_cache: KVCache | None = None
@@ -217,7 +225,7 @@ class Engine:
 
         `sample_offset` numbers the samples offset .. offset + n - 1 (their index and their
         randomness key), so that a worker can run any contiguous slice of a prompt's samples and
-        a retried slice reproduces the same tokens.
+        a retried slice reproduces the same tokens (n-gram drafts: see the module docstring).
         """
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
@@ -699,11 +707,12 @@ class Engine:
             s.eg_tok.extend(s.tokens[-n:])
         g = s.group
         if self._ngram_on:
-            self.ngram.extend(g.gid, s.sid, s.tokens[-n:])
+            self._ngram_pending.append((g.gid, s.index, s.sid, s.tokens[-n:]))
         return reason
 
     def _finish(self, done: dict[int, FinishReason]) -> list[SampleOutput]:
         """Report finished rows and compact: the last running row moves into each freed slot."""
+        self._index_emitted()
         out: list[SampleOutput] = []
         for slot in sorted(done, reverse=True):
             s = self.running[slot]
@@ -723,6 +732,12 @@ class Engine:
                     self.ngram.remove_group(g.gid)
         out.reverse()
         return out
+
+    def _index_emitted(self) -> None:
+        """Index the step's emitted tokens in the n-gram drafter, in a batch-independent order."""
+        pending, self._ngram_pending = self._ngram_pending, []
+        for gid, _, sid, toks in sorted(pending, key=lambda p: (p[0], p[1])):
+            self.ngram.extend(gid, sid, toks)
 
     def _output(self, s: _Seq, reason: FinishReason) -> SampleOutput:
         hidden = None
