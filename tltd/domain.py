@@ -128,6 +128,8 @@ class RolloutRequest:
     samples_done: int = 0
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    # Set by the store at acceptance (the job's current version); every sample runs on it.
+    policy_version: int = 0
 
     @property
     def samples_total(self) -> int:

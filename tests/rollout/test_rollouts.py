@@ -11,8 +11,16 @@ import pytest
 
 from clients.errors import AlreadyExistsError
 from tests.api.support import sampling
-from tests.rollout.support import direct_outputs, wait_until
-from tltd.domain import DeviceState, DrafterStatus, DrafterVersion, SamplingParams
+from tests.rollout.support import InProcessDaemon, direct_outputs, wait_until
+from tltd.domain import (
+    DeviceState,
+    DrafterStatus,
+    DrafterVersion,
+    Job,
+    RequestStatus,
+    RolloutRequest,
+    SamplingParams,
+)
 from tltd.v1 import common_pb2, rollout_pb2
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [3, 1, 4, 1, 5]]
@@ -198,6 +206,32 @@ def test_policy_update_mid_stream_old_requests_finish_on_their_version(sqlite_da
     assert all(s.policy_version == 1 for s in sup.slots.values())
     stored = d.store.list_samples("new")
     assert {s.policy_version for s in stored} == {1}
+
+
+def test_request_recovered_after_a_crash_runs_on_the_version_it_was_accepted_on(
+    sqlite_store, settings, ckpt, ckpt2
+):
+    """A request accepted on v0 that had no finished sample when the daemon died (what a
+    kill -9 leaves: the rows, no process) runs on v0 after the restart, though the trainer
+    pushed v1 in between."""
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=1)
+    store = sqlite_store
+    store.create_job(Job(job_id="job", model_path=str(ckpt)))
+    store.create_request(RolloutRequest("r", "job", tuple(map(tuple, PROMPTS[:2])), params))
+    store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
+    store.add_policy_version("job", "checkpoint", str(ckpt2))
+    d = InProcessDaemon(settings, store).start()
+    try:
+        wait_until(
+            lambda: store.get_request("r").status is RequestStatus.COMPLETED,
+            timeout=60,
+            what="recovered request completed",
+        )
+    finally:
+        d.kill()
+    got = store.list_samples("r")
+    assert {s.policy_version for s in got} == {0}
+    assert _by_key(got) == direct_outputs(ckpt, PROMPTS[:2], params)
 
 
 def test_foreign_device_is_vacated_and_its_work_moves(sqlite_daemon, ckpt):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import replace
 from datetime import UTC
@@ -308,6 +309,57 @@ def test_add_sample_validates(store: Store) -> None:
         store.add_sample(_sample(2, 0))
     with pytest.raises(InvalidArgument, match="^sample_index: "):
         store.add_sample(_sample(0, 2))
+    # The same refusal on both databases (PostgreSQL's JSON has no NaN, SQLite stored it).
+    for bad in (math.nan, -math.inf, math.inf):
+        with pytest.raises(InvalidArgument, match=r"^logprobs\[1\]: .*not finite"):
+            store.add_sample(replace(_sample(0, 0), logprobs=(-0.5, bad, -0.5)))
+    assert store.list_samples("req-1") == []
+
+
+def test_request_records_the_policy_version_it_was_accepted_on(store: Store) -> None:
+    store.create_job(JOB)
+    store.add_policy_version(JOB.job_id, "checkpoint", "/ckpt/1")
+    req, _ = store.create_request(_request())
+    assert req.policy_version == 1
+    store.add_policy_version(JOB.job_id, "checkpoint", "/ckpt/2")
+    again, created = store.create_request(_request())  # a retry after the update
+    assert not created and again.policy_version == 1
+    assert store.get_request("req-1").policy_version == 1
+    (listed,) = store.list_requests()
+    assert listed.policy_version == 1
+
+
+def test_cancel_job_racing_create_request_leaves_no_open_request(
+    store: Store, tmp_path, monkeypatch
+) -> None:
+    """create_request paused after it found the job ACTIVE, CancelJob meanwhile: the cancel
+    waits for the request (PostgreSQL: the job row is share-locked) and cancels it."""
+    from tests.api.support import make_settings
+    from tltd.services import build_services
+    from tltd.store import convert
+
+    store.create_job(JOB)
+    reached, go = threading.Event(), threading.Event()
+    to_row = convert.request_to_row
+
+    def paused(req):
+        reached.set()
+        go.wait(5)
+        return to_row(req)
+
+    monkeypatch.setattr(convert, "request_to_row", paused)
+    creator = threading.Thread(target=store.create_request, args=(_request(),))
+    creator.start()
+    assert reached.wait(5)
+    jobs = build_services(store, make_settings(tmp_path)).jobs
+    canceller = threading.Thread(target=jobs.cancel, args=(JOB.job_id,))
+    canceller.start()
+    canceller.join(0.5)  # unfixed: the cancel finishes here, before the request exists
+    go.set()
+    creator.join(10)
+    canceller.join(10)
+    assert store.get_job(JOB.job_id).status is JobStatus.CANCELLED
+    assert store.get_request("req-1").status is RequestStatus.CANCELLED
 
 
 # ---- drafters -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tltd.domain import (
 )
 from tltd.errors import FailedPrecondition, InvalidArgument
 from tltd.services.checkpoints import check_drafter_dir, check_model_dir
-from tltd.services.validation import check_id
+from tltd.services.validation import INT32_MAX, check_id, check_max
 from tltd.settings import Settings
 
 if TYPE_CHECKING:
@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from tltd.supervisor import Supervisor
 
 _DRAFTERS = ("auto", "ngram", "eagle")
+_MAX_NAME = 256  # the jobs.name column
+# A draft of k tokens reserves k extra cache positions per sequence; longer drafts are almost
+# never accepted in full.
+MAX_DRAFT_LENGTH = 64
 _INITIAL_DRAFTER = "speculative.initial_drafter_path"
 
 
@@ -67,8 +71,15 @@ class JobService:
         check_id(new.job_id, "job_id", required=False)
         model_path = new.model_path or self.settings.default_model_path
         resolved = check_model_dir(model_path, "model_path")
-        if math.isnan(new.weight) or new.weight < 0:
-            raise InvalidArgument(f"must be >= 0 (0 = 1.0), got {new.weight}", field="weight")
+        if len(new.name) > _MAX_NAME:
+            raise InvalidArgument(
+                f"must be at most {_MAX_NAME} characters, got {len(new.name)}", field="name"
+            )
+        check_max(new.priority, "priority", INT32_MAX)
+        if not math.isfinite(new.weight) or new.weight < 0:
+            raise InvalidArgument(
+                f"must be a finite number > 0 (0 = 1.0), got {new.weight}", field="weight"
+            )
         backend = new.backend or Backend(self.settings.default_backend)
         if backend is Backend.SGLANG and not sglang_available():
             raise FailedPrecondition(
@@ -135,8 +146,12 @@ class JobService:
                 field="speculative.drafter",
             )
         for i, k in enumerate(spec.draft_lengths):
-            if k < 1:
-                raise InvalidArgument("must be >= 1", field=f"speculative.draft_lengths[{i}]")
+            if not 1 <= k <= MAX_DRAFT_LENGTH:
+                raise InvalidArgument(
+                    f"must be in [1, {MAX_DRAFT_LENGTH}], got {k}",
+                    field=f"speculative.draft_lengths[{i}]",
+                )
+        check_max(spec.batch_threshold, "speculative.batch_threshold", INT32_MAX)
         if spec.batch_threshold == 0:
             spec = replace(spec, batch_threshold=self.settings.spec_batch_threshold)
         return spec
@@ -156,7 +171,9 @@ class JobService:
         reason = reason or "cancelled by caller"
         job = self.store.set_job_status(job_id, JobStatus.CANCELLED, reason)
         open_statuses = [RequestStatus.QUEUED, RequestStatus.RUNNING]
-        for req in self.store.list_requests(statuses=open_statuses, job_id=job_id):
+        # All of them (limit=None): the store refuses new requests of a cancelled job, so
+        # this list is complete.
+        for req in self.store.list_requests(statuses=open_statuses, job_id=job_id, limit=None):
             why = f"job cancelled: {reason}"
             self.store.set_request_status(req.request_id, RequestStatus.CANCELLED, why)
             if self.supervisor is not None:

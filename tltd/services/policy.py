@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tltd.domain import JobStatus, PolicyVersion
 from tltd.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from tltd.services.checkpoints import check_model_dir
-from tltd.services.validation import check_id
+from tltd.services.validation import INT32_MAX, check_id, check_max
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -57,4 +57,6 @@ class PolicyService:
 
     def get(self, job_id: str, version: int | None = None) -> PolicyVersion:
         check_id(job_id, "job_id")
+        if version is not None:
+            check_max(version, "version", INT32_MAX)
         return self.store.get_policy_version(job_id, version)

@@ -86,14 +86,14 @@ class RolloutService:
         if req.sampling.seed is None:
             req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
         stored, _created = await asyncio.to_thread(self.store.create_request, req)
-        job = await asyncio.to_thread(self.store.get_job, req.job_id)
         rid = stored.request_id
         # Subscribe before reading what is stored: a sample is stored before it is published,
         # so each one is either in the read below or arrives on the subscription (or both).
         events = sup.subscribe(rid)
         try:
             if stored.status not in _TERMINAL:
-                await sup.submit(stored, job.policy_version)
+                # The version recorded at acceptance: a retry after a policy update stays on it.
+                await sup.submit(stored, stored.policy_version)
             seen: set[tuple[int, int]] = set()
             for sample in await asyncio.to_thread(self.store.list_samples, rid):
                 seen.add((sample.prompt_index, sample.sample_index))

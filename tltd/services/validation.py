@@ -9,8 +9,18 @@ from tltd.domain import RolloutRequest
 from tltd.errors import InvalidArgument, ResourceExhausted
 from tltd.settings import Settings
 
-# Caller-chosen ids end up in logs, paths and SQL: keep them boring.
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+# Caller-chosen ids end up in logs, paths and SQL: keep them boring. Used with fullmatch:
+# `$` would also match before a trailing newline ("job\n").
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+# What the store's columns hold (SQL INTEGER / BIGINT are signed); a larger proto uint32 /
+# uint64 is refused here, by name, instead of failing in the database (differently per dialect).
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+# Below this a temperature is greedy in all but name, and logits / T overflows float32 for
+# temperatures near 1e-38 (NaN logprobs); 1e-4 turns a 0.01 logit gap into 100 nats.
+MIN_TEMPERATURE = 1e-4
 
 
 def check_id(value: str, field: str, *, required: bool = True) -> None:
@@ -19,12 +29,18 @@ def check_id(value: str, field: str, *, required: bool = True) -> None:
         if required:
             raise InvalidArgument("must not be empty", field=field)
         return
-    if not _ID_RE.match(value):
+    if not _ID_RE.fullmatch(value):
         raise InvalidArgument(
             "must be 1-128 characters of letters, digits, '.', '_', ':' or '-' "
             "starting with a letter or digit",
             field=field,
         )
+
+
+def check_max(value: int, field: str, maximum: int) -> None:
+    """Reject a number the store cannot hold (see INT32_MAX / INT64_MAX)."""
+    if value > maximum:
+        raise InvalidArgument(f"must be <= {maximum}, got {value}", field=field)
 
 
 def _check_tokens(tokens: tuple[int, ...], field: str, vocab_size: int | None) -> None:
@@ -46,6 +62,11 @@ def validate_rollout(req: RolloutRequest, settings: Settings, vocab_size: int | 
 
     Sampling values arrive already normalised by the converter (n 0 -> 1, top_p unset -> 1,
     top_k -1 -> 0), so what is checked here is what the engine would run.
+
+    A prompt must leave room for at least one generated token in a worker's sequence
+    (`worker_max_seq_len`, prompt + generated). A prompt + max_new_tokens beyond it is
+    accepted: the sample stops at max_seq_len with finish reason LENGTH, as when it reaches
+    max_new_tokens.
     """
     check_id(req.job_id, "job_id")
     check_id(req.request_id, "request_id", required=False)
@@ -74,6 +95,12 @@ def validate_rollout(req: RolloutRequest, settings: Settings, vocab_size: int | 
                 f"{len(prompt)} tokens exceed the limit of {settings.max_prompt_tokens}",
                 field=field,
             )
+        if len(prompt) >= settings.worker_max_seq_len:
+            raise InvalidArgument(
+                f"{len(prompt)} tokens leave no room to generate: a worker holds "
+                f"{settings.worker_max_seq_len} tokens per sample (prompt + generated)",
+                field=field,
+            )
         _check_tokens(prompt, field, vocab_size)
     if s.max_new_tokens <= 0:
         raise InvalidArgument("must be > 0", field="sampling.max_new_tokens")
@@ -87,11 +114,18 @@ def validate_rollout(req: RolloutRequest, settings: Settings, vocab_size: int | 
             f"must be a finite number >= 0 (0 = greedy), got {s.temperature}",
             field="sampling.temperature",
         )
+    if 0 < s.temperature < MIN_TEMPERATURE:
+        raise InvalidArgument(
+            f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {s.temperature}",
+            field="sampling.temperature",
+        )
     if math.isnan(s.top_p) or not 0.0 < s.top_p <= 1.0:
         raise InvalidArgument(f"must be in (0, 1], got {s.top_p}", field="sampling.top_p")
     if s.top_k < -1:
         raise InvalidArgument(
             f"must be >= 1, or 0 / -1 to disable, got {s.top_k}", field="sampling.top_k"
         )
+    if s.seed is not None:
+        check_max(s.seed, "sampling.seed", INT64_MAX)
     if s.stop_token_ids:
         _check_tokens(s.stop_token_ids, "sampling.stop_token_ids", vocab_size)

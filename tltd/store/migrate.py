@@ -11,6 +11,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
+from sqlalchemy import text
 
 import tltd
 from tltd.store.engine import WRITE_OPTION, make_engine
@@ -18,6 +19,9 @@ from tltd.store.engine import WRITE_OPTION, make_engine
 log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(tltd.__file__).resolve().parent.parent / "migrations"
+
+# PostgreSQL advisory lock key (any constant bigint) that serializes migration commands.
+MIGRATION_LOCK_KEY = 0x746C7464_6D696772  # "tltdmigr"
 
 
 def alembic_config() -> Config:
@@ -36,6 +40,12 @@ def _config_with_connection(url: str) -> Iterator[Config]:
     engine = make_engine(url)
     try:
         with engine.execution_options(**{WRITE_OPTION: True}).begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # Two daemons starting on a fresh database would both CREATE TABLE; the second
+                # waits here until the first commits, then finds the schema at head.
+                conn.execute(
+                    text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY}
+                )
             cfg = alembic_config()
             cfg.attributes["connection"] = conn
             yield cfg

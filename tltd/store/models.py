@@ -124,6 +124,8 @@ class RolloutRequestRow(Base):
     stop_token_ids: Mapped[list[Any]] = mapped_column(JSON)
     seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     speculative: Mapped[str] = mapped_column(STATUS)
+    # The job's policy version when the request was accepted: every sample runs on it.
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
     status: Mapped[str] = mapped_column(STATUS, index=True)
     status_reason: Mapped[str] = mapped_column(Text, default="")
     samples_done: Mapped[int] = mapped_column(Integer, default=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -86,8 +87,9 @@ class Store:
     # ---- lookups shared by the methods below -------------------------------------------
 
     @staticmethod
-    def _job_row(s: Session, job_id: str, *, lock: bool = False) -> JobRow:
-        row = s.get(JobRow, job_id, with_for_update=lock)
+    def _job_row(s: Session, job_id: str, *, lock: bool = False, share: bool = False) -> JobRow:
+        """lock: FOR UPDATE; share: FOR SHARE (PostgreSQL; SQLite serializes writers anyway)."""
+        row = s.get(JobRow, job_id, with_for_update={"read": True} if share else lock)
         if row is None:
             raise NotFound(f"job {job_id!r} not found", field="job_id")
         return row
@@ -293,12 +295,16 @@ class Store:
                 existing = s.get(RolloutRequestRow, req.request_id)
                 if existing is not None:
                     return self._same_request(existing, req), False
-                job = self._job_row(s, req.job_id)
+                # FOR SHARE until commit: a concurrent cancel of the job (FOR UPDATE) waits for
+                # this request and then sees it, and a new policy version waits too, so the
+                # version recorded is the job's current one at acceptance.
+                job = self._job_row(s, req.job_id, share=True)
                 if job.status != JobStatus.ACTIVE:
                     raise FailedPrecondition(f"job {req.job_id!r} is {job.status}", field="job_id")
                 now = utcnow()
                 row = convert.request_to_row(req)
                 row.status, row.status_reason, row.samples_done = RequestStatus.QUEUED.value, "", 0
+                row.policy_version = job.policy_version
                 row.created_at = row.updated_at = now
                 s.add(row)
                 record_event(
@@ -333,9 +339,9 @@ class Store:
         self,
         statuses: Sequence[RequestStatus] | None = None,
         job_id: str | None = None,
-        limit: int = 1000,
+        limit: int | None = 1000,
     ) -> list[RolloutRequest]:
-        """Requests, oldest first (queue order)."""
+        """Requests, oldest first (queue order); limit None = all of them."""
         with self._tx(write=False) as s:
             q = select(RolloutRequestRow)
             if statuses:
@@ -361,7 +367,13 @@ class Store:
         (a drained request that was resumed). Returns False for a duplicate. samples_done
         counts complete (non-partial) samples only, so it reaches samples_total exactly
         when every sample is done.
+
+        Non-finite logprobs are refused (InvalidArgument) on every database: JSON has no
+        NaN/Infinity, PostgreSQL rejects them and SQLite would store them as-is.
         """
+        for i, lp in enumerate(sample.logprobs):
+            if not math.isfinite(lp):
+                raise InvalidArgument(f"logprob {lp} is not finite", field=f"logprobs[{i}]")
         try:
             with self._tx() as s:
                 req = self._request_row(s, sample.request_id, lock=True)

@@ -113,8 +113,6 @@ class RolloutRequests:
         samples = await asyncio.to_thread(self.store.list_samples, req.request_id)
         complete = [s for s in samples if not s.partial]
         done = {(s.prompt_index, s.sample_index) for s in complete}
-        # Keep the request on the version its finished samples came from.
-        version = complete[0].policy_version if complete else job.policy_version
         if req.status is RequestStatus.RUNNING:
             missing = req.samples_total - len(done)
             await self._writes.write(
@@ -124,7 +122,9 @@ class RolloutRequests:
                 f"daemon restarted: {missing} of {req.samples_total} samples re-queued",
             )
             req = replace(req, status=RequestStatus.QUEUED)
-        live, _ = self.queue.add(req, version, done, time.monotonic())
+        # On the version it was accepted on (stored with it), whether or not a sample finished
+        # before the crash: the job may have a newer one by now.
+        live, _ = self.queue.add(req, req.policy_version, done, time.monotonic())
         log.info(
             "request recovered",
             extra={"request_id": req.request_id, "missing": req.samples_total - len(done)},
