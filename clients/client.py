@@ -29,12 +29,30 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+def channel_credentials(
+    tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials, or None for a plaintext channel. A client certificate and its key go
+    together: gRPC's C core aborts the whole process (SIGABRT) when given only one."""
+    if bool(tls_cert) != bool(tls_key):
+        given, missing = ("tls_cert", "tls_key") if tls_cert else ("tls_key", "tls_cert")
+        raise ValueError(f"{given} was given without {missing}: a client certificate needs its key")
+    if not (tls or tls_ca or tls_cert):
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
+        private_key=Path(tls_key).read_bytes() if tls_key else None,
+        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
+    )
+
+
 class TltClient:
     """One channel to one daemon. Methods return the proto messages of tltd.v1 and raise
     `clients.errors.TltClientError` subclasses (NotFoundError, InvalidArgumentError, ...).
 
     TLS is on when `tls_ca` (a PEM file to trust) or `tls=True` (system roots) is given;
-    `tls_cert`/`tls_key` add a client certificate for daemons that require mTLS.
+    `tls_cert`/`tls_key` add a client certificate for daemons that require mTLS (both or
+    neither: ValueError otherwise).
     """
 
     def __init__(
@@ -52,12 +70,8 @@ class TltClient:
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
         ]
-        if tls or tls_ca or tls_cert:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
-                private_key=Path(tls_key).read_bytes() if tls_key else None,
-                certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
-            )
+        creds = channel_credentials(tls, tls_ca, tls_cert, tls_key)
+        if creds is not None:
             self.channel = grpc.secure_channel(target, creds, options=options)
         else:
             self.channel = grpc.insecure_channel(target, options=options)
@@ -166,9 +180,11 @@ class TltClient:
         req = rollout_pb2.GetRequestRequest(request_id=request_id, include_samples=include_samples)
         return self.call(self.rollouts.GetRequest, req)
 
-    def cancel_request(self, request_id: str, reason: str = "") -> rollout_pb2.RolloutRequest:
+    def cancel_request(
+        self, request_id: str, reason: str = "", timeout: float | None = None
+    ) -> rollout_pb2.RolloutRequest:
         req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=reason)
-        return self.call(self.rollouts.CancelRequest, req).request
+        return self.call(self.rollouts.CancelRequest, req, timeout=timeout).request
 
     # -- policy --------------------------------------------------------------------------------
 

@@ -42,6 +42,19 @@ class UnavailableError(TltClientError):
     """The daemon is unreachable or draining: retry elsewhere or later."""
 
 
+class DeadlineExceededError(TltClientError):
+    """The call's timeout passed before the daemon answered (or finished streaming)."""
+
+
+class CallCancelledError(TltClientError):
+    """The call was cancelled on this side (not a cancelled rollout request: those end
+    normally, with samples whose finish_reason is "cancelled")."""
+
+
+class InternalError(TltClientError):
+    """The daemon failed unexpectedly (a bug there, or a broken connection's internals)."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[TltClientError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: NotFoundError,
@@ -52,6 +65,9 @@ _BY_CODE: dict[grpc.StatusCode, type[TltClientError]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.CANCELLED: CallCancelledError,
+    grpc.StatusCode.INTERNAL: InternalError,
 }
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from clients.client import DEFAULT_TARGET, TltClient
-from clients.errors import from_rpc_error
+from clients.client import DEFAULT_TARGET, TltClient, channel_credentials
+from clients.errors import TltClientError, from_rpc_error
 from tltd.domain import FinishReason, SamplingParams
 from tltd.v1 import (
     common_pb2,
@@ -46,6 +49,12 @@ _FINISH = {
     rollout_pb2.FINISH_REASON_FAILED: FinishReason.FAILED,
 }
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# A stream that ends with these was given up on by this side: the daemon still runs the work.
+_GIVEN_UP = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+_CANCEL_TIMEOUT = 5.0
+_ABANDONED = "abandoned by the client (stopped reading the stream, or timed out)"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -136,7 +145,15 @@ def _sampling(
     params = dataclasses.replace(sampling or SamplingParams(), **overrides)
     if n is not None:
         params = dataclasses.replace(params, n=n)
+    # The wire cannot tell n=0 from unset (the daemon would read it as 1): refuse it here.
+    if params.n < 1:
+        raise ValueError(f"n must be >= 1 (samples per prompt), got {params.n}")
     return params
+
+
+def _new_request_id() -> str:
+    """A fresh id per call, so that the daemon can dedupe retries and the client can cancel."""
+    return f"req-{uuid.uuid4().hex}"
 
 
 def _sampling_to_pb(s: SamplingParams) -> rollout_pb2.SamplingParams:
@@ -202,18 +219,6 @@ def _update_policy_request(job_id: str, checkpoint_dir: str | Path, note: str):
     )
 
 
-def _credentials(
-    tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None
-) -> grpc.ChannelCredentials | None:
-    if not (tls or tls_ca or tls_cert):
-        return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
-        private_key=Path(tls_key).read_bytes() if tls_key else None,
-        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
-    )
-
-
 class _JobBound:
     """The job a client talks about: given at construction or set by create_job."""
 
@@ -238,10 +243,17 @@ class RolloutClient(_JobBound):
         version = client.update_policy("ckpt/step-1")
 
     Failures raise the typed errors of `clients.errors` (InvalidArgumentError naming the
-    field, NotFoundError, UnavailableError while the daemon drains, ...); bad arguments that
-    never reach the daemon (an unknown `speculative` mode or sampling field) raise
-    ValueError / TypeError.
+    field, NotFoundError, UnavailableError while the daemon drains, DeadlineExceededError
+    when a `timeout` passes, ...); bad arguments that never reach the daemon (an unknown
+    `speculative` mode or sampling field, n < 1) raise ValueError / TypeError.
+
+    Every rollout has a request id (yours, or a fresh one: `last_request_id`, and each
+    sample's `request_id`). A caller that gives up on a rollout (stops iterating a stream,
+    closes it, or hits its timeout) cancels the request on the daemon; to re-attach to
+    running work after a lost connection, call again with the same `request_id`.
     """
+
+    last_request_id: str | None = None  # the id of the newest stream/generate call
 
     def __init__(
         self,
@@ -319,17 +331,38 @@ class RolloutClient(_JobBound):
         timeout: float | None = None,
         **sampling_kwargs: Any,
     ) -> Iterator[RolloutSample]:
-        """Yield samples the moment they finish (finish order). Arguments as for generate()."""
+        """Yield samples the moment they finish (finish order). Arguments as for generate().
+        Arguments are checked at once; the rollout starts at the first next()."""
         params = _sampling(n, sampling, sampling_kwargs)
-        req = _generate_request(self._job(job_id), prompts, params, request_id, speculative)
+        rid = request_id or _new_request_id()
+        req = _generate_request(self._job(job_id), prompts, params, rid, speculative)
+        self.last_request_id = rid
+        return self._samples(req, timeout)
+
+    def _samples(
+        self, req: rollout_pb2.GenerateRequest, timeout: float | None
+    ) -> Iterator[RolloutSample]:
         call = self.raw.rollouts.Generate(req, metadata=self.raw._metadata, timeout=timeout)
+        given_up = True  # until the stream ends: break, close(), garbage collection, Ctrl-C
         try:
             for resp in call:
                 yield _sample_from_pb(resp.sample)
+            given_up = False
         except grpc.RpcError as exc:
+            given_up = exc.code() in _GIVEN_UP
             raise from_rpc_error(exc) from None
         finally:
-            call.cancel()  # a caller that stops iterating early must not leave work running
+            call.cancel()
+            if given_up:
+                # Closing the stream only detaches (the daemon keeps the work for a retry):
+                # a caller that stops reading must not leave work running.
+                self._cancel_quietly(req.request_id)
+
+    def _cancel_quietly(self, request_id: str) -> None:
+        try:
+            self.raw.cancel_request(request_id, _ABANDONED, timeout=_CANCEL_TIMEOUT)
+        except (TltClientError, ValueError) as exc:  # finished already, or the channel closed
+            log.debug("could not cancel abandoned request %s: %s", request_id, exc)
 
     def generate(
         self,
@@ -348,8 +381,10 @@ class RolloutClient(_JobBound):
 
         Sampling: `sampling=SamplingParams(...)` and/or its fields as keywords (temperature,
         top_p, top_k, max_new_tokens, stop_token_ids, seed); keywords win. `speculative`:
-        "auto" (adaptive SD), "off", or None (the job's mode). `request_id` makes a retry
-        attach to the same work. No overall timeout unless given: rollouts run long.
+        "auto" (adaptive SD), "off", or None (the job's mode). `request_id` (default: a fresh
+        one, see `last_request_id`) makes a retry attach to the same work. No overall timeout
+        unless given: rollouts run long; when it passes, the request is cancelled and
+        DeadlineExceededError raised.
         """
         samples = self.stream(
             prompts,
@@ -385,7 +420,13 @@ class AsyncRolloutClient(_JobBound):
         await client.create_job(model_dir)
         samples = await client.generate(prompts, n=8)
         async for s in client.stream(prompts, n=8): ...
+
+    The client may be built outside a running loop (e.g. in a trainer's __init__): its
+    channel is opened on first use, in the loop that uses it. Request ids, cancellation of
+    abandoned streams and errors as for RolloutClient.
     """
+
+    last_request_id: str | None = None
 
     def __init__(
         self,
@@ -401,22 +442,44 @@ class AsyncRolloutClient(_JobBound):
     ) -> None:
         self.job_id = job_id
         self.timeout = timeout
-        options = [
-            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-        ]
-        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
-        if creds is None:
-            self.channel = grpc.aio.insecure_channel(target, options=options)
-        else:
-            self.channel = grpc.aio.secure_channel(target, creds, options=options)
+        self.target = target
+        self._creds = channel_credentials(tls, tls_ca, tls_cert, tls_key)  # checked now
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._rollouts = rollout_pb2_grpc.RolloutServiceStub(self.channel)
-        self._policy = policy_pb2_grpc.PolicyServiceStub(self.channel)
-        self._jobs = job_pb2_grpc.JobServiceStub(self.channel)
+        self.channel: grpc.aio.Channel | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _open(self) -> grpc.aio.Channel:
+        """The channel of the running loop: a grpc.aio channel is bound to the loop it was
+        created in, so it is created lazily (and anew if the client moved to another loop)."""
+        loop = asyncio.get_running_loop()
+        if self.channel is None or self._loop is not loop:
+            options = [
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ]
+            if self._creds is None:
+                self.channel = grpc.aio.insecure_channel(self.target, options=options)
+            else:
+                self.channel = grpc.aio.secure_channel(self.target, self._creds, options=options)
+            self._loop = loop
+        return self.channel
+
+    @property
+    def _rollouts(self) -> rollout_pb2_grpc.RolloutServiceStub:
+        return rollout_pb2_grpc.RolloutServiceStub(self._open())
+
+    @property
+    def _policy(self) -> policy_pb2_grpc.PolicyServiceStub:
+        return policy_pb2_grpc.PolicyServiceStub(self._open())
+
+    @property
+    def _jobs(self) -> job_pb2_grpc.JobServiceStub:
+        return job_pb2_grpc.JobServiceStub(self._open())
 
     async def close(self) -> None:
-        await self.channel.close()
+        channel, self.channel = self.channel, None
+        if channel is not None and self._loop is asyncio.get_running_loop():
+            await channel.close()
 
     async def __aenter__(self) -> AsyncRolloutClient:
         return self
@@ -424,9 +487,9 @@ class AsyncRolloutClient(_JobBound):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method, request) -> Any:
+    async def _call(self, method, request, timeout: float | None = None) -> Any:
         try:
-            return await method(request, metadata=self._metadata, timeout=self.timeout)
+            return await method(request, metadata=self._metadata, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
@@ -462,7 +525,7 @@ class AsyncRolloutClient(_JobBound):
         req = job_pb2.GetJobRequest(job_id=self._job(job_id))
         return _job_from_pb(await self._call(self._jobs.GetJob, req))
 
-    async def stream(
+    def stream(
         self,
         prompts: Iterable[Sequence[int]],
         n: int | None = None,
@@ -474,16 +537,40 @@ class AsyncRolloutClient(_JobBound):
         timeout: float | None = None,
         **sampling_kwargs: Any,
     ) -> AsyncIterator[RolloutSample]:
+        """An async iterator of samples as they finish (`async for s in client.stream(...)`)."""
         params = _sampling(n, sampling, sampling_kwargs)
-        req = _generate_request(self._job(job_id), prompts, params, request_id, speculative)
+        rid = request_id or _new_request_id()
+        req = _generate_request(self._job(job_id), prompts, params, rid, speculative)
+        self.last_request_id = rid
+        return self._samples(req, timeout)
+
+    async def _samples(
+        self, req: rollout_pb2.GenerateRequest, timeout: float | None
+    ) -> AsyncIterator[RolloutSample]:
         call = self._rollouts.Generate(req, metadata=self._metadata, timeout=timeout)
+        given_up = True  # until the stream ends: aclose(), break, task cancelled (wait_for)
         try:
             async for resp in call:
                 yield _sample_from_pb(resp.sample)
+            given_up = False
         except grpc.RpcError as exc:
+            given_up = exc.code() in _GIVEN_UP
             raise from_rpc_error(exc) from None
         finally:
-            call.cancel()  # a caller that stops iterating early must not leave work running
+            call.cancel()
+            if given_up:
+                # Closing the stream only detaches (the daemon keeps the work for a retry):
+                # a caller that stops reading must not leave work running.
+                await self._cancel_quietly(req.request_id)
+
+    async def _cancel_quietly(self, request_id: str) -> None:
+        if self.channel is None or self._loop is not asyncio.get_running_loop():
+            return  # the client was closed first: nothing to cancel with
+        req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=_ABANDONED)
+        try:
+            await self._call(self._rollouts.CancelRequest, req, timeout=_CANCEL_TIMEOUT)
+        except (TltClientError, grpc.aio.UsageError) as exc:  # finished already, or closing
+            log.debug("could not cancel abandoned request %s: %s", request_id, exc)
 
     async def generate(
         self,
@@ -497,6 +584,7 @@ class AsyncRolloutClient(_JobBound):
         timeout: float | None = None,
         **sampling_kwargs: Any,
     ) -> list[RolloutSample]:
+        """As RolloutClient.generate."""
         samples = [
             s
             async for s in self.stream(

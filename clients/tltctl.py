@@ -9,6 +9,7 @@ from datetime import UTC
 from typing import Any
 
 import click
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from rich.console import Console
@@ -94,6 +95,8 @@ def cli(
     output: str,
 ) -> None:
     """Operate a tltd daemon: devices, workers, jobs, drafters, cordon/drain."""
+    if bool(tls_cert) != bool(tls_key):  # gRPC would abort the process (SIGABRT)
+        raise click.UsageError("--tls-cert and --tls-key must be given together")
     ctx.obj = _Ctx(target, token, output, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
     ctx.call_on_close(lambda: ctx.obj._client and ctx.obj._client.close())
 
@@ -104,10 +107,50 @@ pass_ctx = click.make_pass_decorator(_Ctx)
 # -- rendering -------------------------------------------------------------------------------
 
 
+_INT64 = frozenset(
+    (
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    )
+)
+
+
 def _dict(msg: Message) -> dict[str, Any]:
-    return MessageToDict(
+    data = MessageToDict(
         msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    return _numbers(msg.DESCRIPTOR, data)
+
+
+def _numbers(desc: Descriptor, data: dict[str, Any]) -> dict[str, Any]:
+    """Proto3 JSON writes 64-bit integers as strings (for JavaScript); scripts want numbers."""
+    for f in desc.fields:
+        if f.name not in data:
+            continue
+        value, sub = data[f.name], f.message_type
+        if sub is None:
+            if f.type in _INT64:
+                data[f.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+        elif sub.GetOptions().map_entry:
+            vf = sub.fields_by_name["value"]
+            if vf.type in _INT64:
+                data[f.name] = {k: int(v) for k, v in value.items()}
+            elif vf.message_type is not None and not _well_known(vf.message_type):
+                data[f.name] = {k: _numbers(vf.message_type, v) for k, v in value.items()}
+        elif not _well_known(sub):
+            if isinstance(value, list):
+                data[f.name] = [_numbers(sub, v) for v in value]
+            else:
+                _numbers(sub, value)
+    return data
+
+
+def _well_known(desc: Descriptor) -> bool:
+    """Timestamp, Duration, ...: JSON has their own string forms."""
+    return desc.full_name.startswith("google.protobuf.")
 
 
 def _enum(value: str) -> str:
@@ -258,6 +301,7 @@ def workers(obj: _Ctx, device_id: str) -> None:
 
 
 @cli.group()
+@_output_option
 def jobs() -> None:
     """Create, list, show and cancel jobs."""
 
@@ -270,6 +314,7 @@ _JOB_STATUSES = {
 
 
 _UINT32 = click.IntRange(0, 2**32 - 1)  # what the proto fields can carry
+_VERSION = click.IntRange(1, 2**64 - 1)
 _BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "sglang": common_pb2.BACKEND_SGLANG}
 _SPECULATIVE_MODES = {
     "auto": common_pb2.SPECULATIVE_MODE_AUTO,
@@ -382,7 +427,7 @@ def jobs_create(
     type=click.Choice(list(_JOB_STATUSES)),
     help="Only jobs in this status (repeatable).",
 )
-@click.option("--limit", default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(0, 2**32 - 1), default=100, show_default=True)
 @_output_option
 @pass_ctx
 def jobs_ls(obj: _Ctx, statuses: tuple[str, ...], limit: int) -> None:
@@ -429,6 +474,7 @@ def jobs_cancel(obj: _Ctx, job_id: str, reason: str) -> None:
 
 
 @cli.group()
+@_output_option
 def drafters() -> None:
     """Learned drafter versions of a job: list, show, pin, export."""
 
@@ -481,7 +527,7 @@ def drafters_ls(obj: _Ctx, job_id: str) -> None:
 
 @drafters.command("show")
 @click.argument("job_id")
-@click.argument("version", type=click.IntRange(min=1))
+@click.argument("version", type=_VERSION)
 @_output_option
 @pass_ctx
 def drafters_show(obj: _Ctx, job_id: str, version: int) -> None:
@@ -491,7 +537,7 @@ def drafters_show(obj: _Ctx, job_id: str, version: int) -> None:
 
 @drafters.command("pin")
 @click.argument("job_id")
-@click.argument("version", type=click.IntRange(min=0))
+@click.argument("version", type=click.IntRange(0, 2**64 - 1))
 @_output_option
 @pass_ctx
 def drafters_pin(obj: _Ctx, job_id: str, version: int) -> None:
@@ -501,7 +547,7 @@ def drafters_pin(obj: _Ctx, job_id: str, version: int) -> None:
 
 @drafters.command("export")
 @click.argument("job_id")
-@click.argument("version", type=click.IntRange(min=1))
+@click.argument("version", type=_VERSION)
 @click.option("--output-dir", required=True, help="Directory on the daemon's host.")
 @click.option("--format", "fmt", default="sglang-eagle", show_default=True)
 @_output_option
@@ -570,6 +616,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except OSError as exc:  # e.g. --tls-ca file missing
         click.echo(f"tltctl: {exc}", err=True)
         sys.exit(1)
+    except ValueError as exc:  # a value the client refuses (e.g. out of a field's range)
+        click.echo(f"tltctl: invalid input: {exc}", err=True)
+        sys.exit(2)
     sys.exit(0)
 
 

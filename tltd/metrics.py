@@ -218,6 +218,8 @@ class Metrics:
         )
         self._devices = _DeviceClock(clock)
         self._spec = _SpecRatios()
+        self._jobs_lock = threading.Lock()
+        self._jobs: set[str] = set()  # jobs with per-job gauges (what forget_job drops)
         r.register(self._devices)
         r.register(self._spec)
 
@@ -240,6 +242,7 @@ class Metrics:
         self.sample_steps.labels(job_id, "plain").inc(plain_steps)
         self.accepted_tokens.labels(job_id).inc(accepted_tokens)
         self._spec.add(job_id, draft_steps, plain_steps, accepted_tokens)
+        self._seen(job_id)
 
     def record_sample(self, job_id: str, sample: Sample) -> None:
         """observe_sample for a domain Sample."""
@@ -298,6 +301,7 @@ class Metrics:
 
     def set_queue_depth(self, job_id: str, samples: int) -> None:
         self.queue_depth.labels(job_id).set(samples)
+        self._seen(job_id)
 
     # -- devices, versions, preemption ---------------------------------------------------------
 
@@ -311,9 +315,11 @@ class Metrics:
 
     def set_drafter_version(self, job_id: str, version: int) -> None:
         self.drafter_version.labels(job_id).set(version)
+        self._seen(job_id)
 
     def set_policy_version(self, job_id: str, version: int) -> None:
         self.policy_version.labels(job_id).set(version)
+        self._seen(job_id)
 
     def record_preemption(
         self, device_id: str, reason: str = "rollout", latency_seconds: float | None = None
@@ -322,8 +328,19 @@ class Metrics:
         if latency_seconds is not None:
             self.preemption_latency.observe(latency_seconds)
 
+    def _seen(self, job_id: str) -> None:
+        with self._jobs_lock:
+            self._jobs.add(job_id)
+
+    def job_ids(self) -> set[str]:
+        """Jobs that have per-job gauges now (until forget_job)."""
+        with self._jobs_lock:
+            return set(self._jobs)
+
     def forget_job(self, job_id: str) -> None:
         """Drop a finished job's per-job gauges (counters keep their totals)."""
+        with self._jobs_lock:
+            self._jobs.discard(job_id)
         for gauge in (self.queue_depth, self.drafter_version, self.policy_version):
             try:
                 gauge.remove(job_id)

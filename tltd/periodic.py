@@ -43,17 +43,24 @@ def refresh_devices(store: Store, nvml: Nvml | None, cpu_slots: int) -> list[Dev
 
 def roll_up_metrics(store: Store, metrics: Metrics = METRICS) -> None:
     """Mirror what the store knows into the gauges: device states, queue depth and the policy
-    and drafter versions of every active job (workers report finer events themselves)."""
+    and drafter versions of every active job (workers report finer events themselves); the
+    gauges of jobs that are no longer active are dropped (they would freeze otherwise)."""
+    # Read before the jobs: a job with gauges by now and not listed active below has ended
+    # (one created meanwhile is not in this set, so it cannot be dropped by mistake).
+    had_gauges = metrics.job_ids()
     for device in store.list_devices():
         metrics.set_device_state(device.device_id, device.state.value)
     unfinished = store.list_requests([RequestStatus.QUEUED, RequestStatus.RUNNING], limit=100_000)
     depth: dict[str, int] = {}
     for req in unfinished:
         depth[req.job_id] = depth.get(req.job_id, 0) + req.samples_total - req.samples_done
-    for job in store.list_jobs([JobStatus.ACTIVE], limit=10_000):
+    active = store.list_jobs([JobStatus.ACTIVE], limit=10_000)
+    for job in active:
         metrics.set_queue_depth(job.job_id, depth.get(job.job_id, 0))
         metrics.set_policy_version(job.job_id, job.policy_version)
         metrics.set_drafter_version(job.job_id, job.drafter_version)
+    for job_id in had_gauges - {job.job_id for job in active}:
+        metrics.forget_job(job_id)
 
 
 async def reap_workers(supervisor: Supervisor) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -88,25 +89,79 @@ class Settings:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+# Numbers must be >= 0; these must be > 0 (0 would mean a busy loop, an instant timeout or
+# refusing every request), ports at most 65535.
+_POSITIVE = frozenset(
+    (
+        "device_refresh_seconds",
+        "worker_threads",
+        "worker_heartbeat_seconds",
+        "worker_heartbeat_timeout_seconds",
+        "worker_start_timeout_seconds",
+        "scheduler_tick_seconds",
+        "training_buffer_bytes",
+        "training_start_timeout_seconds",
+        "drafter_gc_seconds",
+        "max_prompts_per_request",
+        "max_samples_per_request",
+        "max_prompt_tokens",
+        "max_new_tokens_limit",
+    )
+)
+_PORTS = frozenset(("port", "metrics_port"))
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """Turn env/flag strings into the field's type; TOML values are already typed."""
+    """The value (a TOML value, an env string or a flag) as the field's type; ValueError saying
+    what was expected otherwise (TOML values are typed, but not necessarily rightly)."""
     default = _FIELDS[name].default
     if name == "tokens":
         if isinstance(value, Mapping):
-            return dict(value)
-        # TLTD_TOKENS="tok1=admin,tok2=trainer"
-        pairs = [p.split("=", 1) for p in str(value).split(",") if p.strip()]
-        return {k.strip(): v.strip() for k, v in pairs}
-    if not isinstance(value, str):
-        return value
+            tokens = dict(value)
+        elif isinstance(value, str):  # TLTD_TOKENS="tok1=admin,tok2=trainer"
+            pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError(f"expected 'token=role,...', got {value!r}")
+            tokens = {k.strip(): v.strip() for k, v in pairs}
+        else:
+            raise ValueError(f"expected a table of token = role, got {value!r}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in tokens.items()):
+            raise ValueError("expected string tokens and roles")
+        return tokens
     if isinstance(default, bool):
-        return value.strip().lower() in ("1", "true", "yes", "on")
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError(f"expected a boolean (true/false), got {value!r}")
     if isinstance(default, int):
-        return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"expected an integer, got {value!r}")
     if isinstance(default, float):
-        return float(value)
+        number = None
+        if isinstance(value, str):
+            try:
+                number = float(value.strip())
+            except ValueError:
+                pass
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            number = float(value)
+        if number is None or not math.isfinite(number):
+            raise ValueError(f"expected a finite number, got {value!r}")
+        return number
+    if isinstance(default, str):
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
     return value
 
 
@@ -118,6 +173,7 @@ def load_settings(
     """Merge defaults < TOML file < TLTD_* env < explicit overrides (flags), then validate."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # field -> where its value came from, for error messages
     path = config_file or env.get("TLTD_CONFIG")
     if path:
         try:
@@ -128,27 +184,52 @@ def load_settings(
         for key, value in data.items():
             if key not in _FIELDS:
                 raise ConfigError(f"unknown setting {key!r} in {path}")
-            values[key] = _coerce(key, value)
+            values[key] = _checked(key, value, f"{key} in {path}")
+            sources[key] = str(path)
     for name in _FIELDS:
         env_name = f"TLTD_{name.upper()}"
         if env_name in env:
-            try:
-                values[name] = _coerce(name, env[env_name])
-            except ValueError as exc:
-                raise ConfigError(f"{env_name}: {exc}") from exc
+            values[name] = _checked(name, env[env_name], env_name)
+            sources[name] = env_name
     for key, value in (overrides or {}).items():
         if value is None:
             continue
         if key not in _FIELDS:
             raise ConfigError(f"unknown setting {key!r}")
-        values[key] = _coerce(key, value)
+        values[key] = _checked(key, value, key)
+        sources[key] = "command line"
     settings = Settings(**values)
-    validate(settings)
+    validate(settings, sources)
     return settings
 
 
-def validate(settings: Settings) -> None:
-    """Refuse configurations that are unsafe or cannot work, saying why."""
+def _checked(name: str, value: Any, where: str) -> Any:
+    try:
+        return _coerce(name, value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _check_ranges(settings: Settings, sources: Mapping[str, str]) -> None:
+    for name, f in _FIELDS.items():
+        if not isinstance(f.default, int | float) or isinstance(f.default, bool):
+            continue
+        value = getattr(settings, name)
+        where = f" (from {sources[name]})" if name in sources else ""
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ConfigError(f"{name} must be a number, got {value!r}{where}")
+        positive = name in _POSITIVE
+        if value < 0 or (positive and value == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise ConfigError(f"{name} must be {bound}, got {value!r}{where}")
+        if name in _PORTS and value > 65535:
+            raise ConfigError(f"{name} must be a port (0-65535), got {value!r}{where}")
+
+
+def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> None:
+    """Refuse configurations that are unsafe or cannot work, saying why (and, given
+    `sources`, where the value came from)."""
+    _check_ranges(settings, sources or {})
     for token, role in settings.tokens.items():
         if role not in ("trainer", "admin"):
             raise ConfigError(f"token role must be 'trainer' or 'admin', got {role!r}")

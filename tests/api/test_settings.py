@@ -78,3 +78,64 @@ def test_serve_config_error_exits_2(tmp_path, monkeypatch):
         tltd_main, ["serve", "--log-level", "LOUD", "--data-dir", str(tmp_path)]
     )
     assert result.exit_code == 2 and "log level" in result.output
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("worker_max_batch = 1.5", r"worker_max_batch in .*expected an integer, got 1\.5"),
+        ("cpu_slots = true", "cpu_slots in .*expected an integer, got True"),
+        ("port = [1]", r"port in .*expected an integer, got \[1\]"),
+        ('tokens = "abc"', "tokens in .*expected 'token=role"),
+        ('log_json = "yes please"', "log_json in .*expected a boolean"),
+        ("log_level = 3", "log_level in .*expected a string"),
+        ('shutdown_grace_seconds = "soon"', "shutdown_grace_seconds in .*finite number"),
+        ("shutdown_grace_seconds = nan", "shutdown_grace_seconds in .*finite number"),
+    ],
+)
+def test_config_file_values_are_type_checked(tmp_path, toml, message):
+    cfg = tmp_path / "tltd.toml"
+    cfg.write_text(toml + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_settings(cfg, env={})
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TLTD_LOG_JSON": "ture"}, "TLTD_LOG_JSON: expected a boolean"),
+        ({"TLTD_DRAFTER_TRAINING": "flase"}, "TLTD_DRAFTER_TRAINING: expected a boolean"),
+        ({"TLTD_TOKENS": "abc"}, "TLTD_TOKENS: expected 'token=role"),
+        ({"TLTD_PORT": "99999"}, r"port must be a port \(0-65535\), got 99999 \(from TLTD_PORT\)"),
+        ({"TLTD_METRICS_PORT": "-5"}, "metrics_port must be >= 0.*TLTD_METRICS_PORT"),
+        ({"TLTD_SHUTDOWN_GRACE_SECONDS": "-1"}, "shutdown_grace_seconds must be >= 0"),
+        ({"TLTD_WORKER_HEARTBEAT_SECONDS": "0"}, "worker_heartbeat_seconds must be > 0"),
+        ({"TLTD_DEVICE_REFRESH_SECONDS": "0"}, "device_refresh_seconds must be > 0"),
+        ({"TLTD_MAX_PROMPT_TOKENS": "0"}, "max_prompt_tokens must be > 0"),
+    ],
+)
+def test_env_values_are_type_and_range_checked(env, message):
+    with pytest.raises(ConfigError, match=message):
+        load_settings(None, env=env)
+
+
+def test_valid_spellings_still_load(tmp_path):
+    s = load_settings(
+        None,
+        env={"TLTD_LOG_JSON": "Off", "TLTD_DRAFTER_TRAINING": "1", "TLTD_PORT": "65535"},
+        overrides={"data_dir": tmp_path, "shutdown_grace_seconds": 0, "metrics_port": 0},
+    )
+    assert (s.log_json, s.drafter_training, s.port) == (False, True, 65535)
+    assert s.data_dir == str(tmp_path) and s.shutdown_grace_seconds == 0.0
+    assert isinstance(s.shutdown_grace_seconds, float)
+
+
+def test_serve_bad_values_exit_2_without_a_traceback(tmp_path, monkeypatch):
+    for var in ("TLTD_TOKENS", "TLTD_CONFIG", "TLTD_HOST", "TLTD_PORT", "TLTD_METRICS_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = tmp_path / "tltd.toml"
+    cfg.write_text('tokens = "abc"\n')
+    for args in (["--config", str(cfg)], ["--metrics-port", "70000"], ["--port", "-1"]):
+        result = CliRunner().invoke(tltd_main, ["serve", "--data-dir", str(tmp_path), *args])
+        assert result.exit_code == 2, result.output
+        assert "configuration error" in result.output and "Traceback" not in result.output

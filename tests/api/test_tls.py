@@ -148,3 +148,25 @@ def test_tltctl_over_mtls(sqlite_store, tmp_path, pki, capsys):
         assert code == 0 and "cpu:0" in out, err
     finally:
         d.stop()
+
+
+def test_client_certificate_without_its_key_is_refused(pki, capsys):
+    """gRPC's C core aborts the process (SIGABRT) when given only one of the pair."""
+    import asyncio
+
+    from clients import AsyncRolloutClient, RolloutClient, TltClient
+
+    half_pairs = [{"tls_cert": pki["client.pem"]}, {"tls_key": pki["client.key"]}]
+    for half in half_pairs:
+        for make in (TltClient, RolloutClient, AsyncRolloutClient):
+            with pytest.raises(ValueError, match="tls_cert|tls_key"):
+                make("127.0.0.1:1", tls_ca=pki["ca.pem"], **half)
+
+    async def built_in_a_loop():  # the async client checks at construction too, not on use
+        AsyncRolloutClient("127.0.0.1:1", tls_cert=pki["client.pem"])
+
+    with pytest.raises(ValueError, match="tls_key"):
+        asyncio.run(built_in_a_loop())
+    for flag, path in (("--tls-cert", pki["client.pem"]), ("--tls-key", pki["client.key"])):
+        code, out, err = run_tltctl(capsys, "--target", "127.0.0.1:1", flag, path, "status")
+        assert code == 2 and out == "" and "--tls-cert and --tls-key" in err

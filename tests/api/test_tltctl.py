@@ -31,6 +31,7 @@ def test_status_and_devices(ctl):
     code, out, _ = ctl("status", "-o", "json")
     data = json.loads(out)
     assert data["health"] == "SERVING" and data["devices"] == 2 and data["database"] == "sqlite"
+    assert data["samples_total"] == 0 and data["requests_by_status"]["queued"] == 0  # uint64s
     assert data["device_states"] == {"cpu:0": "idle", "cpu:1": "idle"}
 
     code, out, _ = ctl("devices")
@@ -56,6 +57,10 @@ def test_jobs(ctl, auth_daemon, model_dir):
     assert json.loads(out) == []
     code, out, _ = ctl("jobs", "ls", "--status", "cancelled", "-o", "json")
     assert [j["job_id"] for j in json.loads(out)] == ["job-1"]
+    code, out, _ = ctl("jobs", "-o", "json", "ls")  # -o works anywhere on the line
+    assert [(j["job_id"], j["policy_version"]) for j in json.loads(out)] == [("job-1", 0)]
+    code, out, err = ctl("jobs", "ls", "--limit", "-1")
+    assert code == 2 and out == "" and "--limit" in err and "Traceback" not in err
 
 
 def test_jobs_create(ctl, auth_daemon, model_dir):
@@ -145,9 +150,10 @@ def test_drafters(ctl, auth_daemon, model_dir):
     code, out, _ = ctl("drafters", "ls", "job")
     assert code == 0 and "promoted" in out and "3.50" in out and "active drafter version 1" in out
     code, out, _ = ctl("drafters", "ls", "job", "-o", "json")
-    assert json.loads(out)["active_version"] == "1"  # uint64 is a string in proto JSON
-    code, out, _ = ctl("drafters", "show", "job", "1", "-o", "json")
-    assert json.loads(out)["train_steps"] == "50"
+    assert json.loads(out)["active_version"] == 1  # uint64: a number, not proto JSON's string
+    assert json.loads(out)["drafters"][0]["policy_version"] == 0
+    code, out, _ = ctl("drafters", "-o", "json", "show", "job", "1")  # -o on the group too
+    assert json.loads(out)["train_steps"] == 50
     code, out, _ = ctl("drafters", "pin", "job", "1", "-o", "json")
     assert json.loads(out)["drafter"]["pinned"] is True
     code, out, err = ctl("drafters", "export", "job", "1", "--output-dir", "/tmp/x")
@@ -183,3 +189,10 @@ def test_error_boundary(ctl, capsys, monkeypatch):
     assert ctl("status", token=None)[0] == 0
     code, out, err = run(capsys, "--target", "127.0.0.1:1", "status")
     assert code == 1 and "unavailable" in err
+
+    def refuse(*_args, **_kw):  # what protobuf raises for a value a field cannot carry
+        raise ValueError("Value out of range: 18446744073709551616")
+
+    monkeypatch.setattr("clients.client.TltClient.stats", refuse)
+    code, out, err = ctl("status")
+    assert code == 2 and out == "" and err.startswith("tltctl: invalid input: Value out of range")

@@ -13,16 +13,21 @@ from clients import (
     RolloutClient,
     RolloutSample,
     SamplingParams,
+    TltClientError,
     by_prompt,
 )
 from clients.errors import (
+    CallCancelledError,
+    DeadlineExceededError,
     FailedPreconditionError,
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    from_rpc_error,
 )
 from clients.rollout import _generate_request, _sample_from_pb, _sampling
 from tests.api.support import (
@@ -34,7 +39,7 @@ from tests.api.support import (
     write_model_dir,
 )
 from tltd.domain import FinishReason
-from tltd.v1 import common_pb2, rollout_pb2
+from tltd.v1 import admin_pb2, common_pb2, rollout_pb2
 
 
 @pytest.fixture
@@ -136,6 +141,48 @@ def test_client_side_argument_errors(client):
         client.generate([[1]], speculative="fast")
     with pytest.raises(TypeError, match="temprature"):
         client.generate([[1]], temprature=1.0)
+    # n=0 would travel as "unset" and come back as one sample per prompt.
+    for n, sampling in ((0, None), (None, SamplingParams(n=0)), (-1, None)):
+        with pytest.raises(ValueError, match="n must be >= 1"):
+            client.generate([[1]], n, sampling=sampling)
+        with pytest.raises(ValueError, match="n must be >= 1"):
+            client.stream([[1]], n, sampling=sampling)  # checked before the first next()
+
+
+def test_timeouts_and_internal_errors_are_typed(daemon, client, monkeypatch):
+    with pytest.raises(DeadlineExceededError) as info:
+        client.raw.call(client.raw.admin.GetStats, admin_pb2.GetStatsRequest(), timeout=1e-6)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def broken():
+        raise RuntimeError("a bug in the daemon")
+
+    monkeypatch.setattr(daemon.services.admin, "stats", broken)
+    with pytest.raises(InternalError, match="internal error"):
+        client.raw.stats()
+
+
+def test_every_status_has_one_mapping():
+    class Failed(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "why"
+
+    cases = {
+        grpc.StatusCode.CANCELLED: CallCancelledError,
+        grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+        grpc.StatusCode.INTERNAL: InternalError,
+        grpc.StatusCode.UNAVAILABLE: UnavailableError,
+        grpc.StatusCode.DATA_LOSS: TltClientError,  # no class of its own: the base
+    }
+    for code, cls in cases.items():
+        err = from_rpc_error(Failed(code))
+        assert type(err) is cls and err.code == code and err.message == "why"
 
 
 def test_sampling_keywords_override_the_params_object():

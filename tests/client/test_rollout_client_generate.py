@@ -11,12 +11,14 @@ from collections.abc import Iterator
 import pytest
 
 from clients import AsyncRolloutClient, RolloutClient, by_prompt
+from clients.errors import DeadlineExceededError
 from tests.api.support import make_settings
 from tests.rollout.support import InProcessDaemon, direct_outputs, make_checkpoint
 from tltd.domain import SamplingParams
 from tltd.metrics import METRICS
 from tltd.store import Store
 from tltd.store.migrate import upgrade
+from tltd.v1 import rollout_pb2
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 
@@ -120,3 +122,90 @@ def test_async_generate_and_stream(daemon, ckpt):
     got, streamed = asyncio.run(scenario())
     assert len(got) == 6 and sorted(streamed, key=lambda s: (s.prompt_index, s.sample_index)) == got
     assert all(len(s.logprobs) == len(s.token_ids) > 0 for s in got)
+
+
+# Enough work that it is still running when the caller gives up: waves of 32 samples.
+LONG = SamplingParams(n=32, temperature=1.0, max_new_tokens=80)
+
+
+def request_status(client: RolloutClient, request_id: str, want: str) -> str:
+    """The request's status, polled briefly until it is `want` (cancelling is asynchronous
+    only on the worker side; the stored status changes with the CancelRequest call)."""
+    deadline = time.monotonic() + 5
+    while True:
+        status = client.raw.get_request(request_id).request.status
+        name = rollout_pb2.RequestStatus.Name(status).removeprefix("REQUEST_STATUS_").lower()
+        if name == want or time.monotonic() > deadline:
+            return name
+        time.sleep(0.05)
+
+
+def cordon_all(target: str) -> None:
+    with RolloutClient(target) as client:
+        for device in client.raw.list_devices():
+            client.raw.cordon(device.device_id, "test: keep requests queued")
+
+
+def test_abandoned_streams_are_cancelled_and_ids_are_fresh(daemon, ckpt):
+    with RolloutClient(daemon.target) as client:
+        client.create_job(ckpt, job_id="abandon", speculative="off")
+        # No request_id given: a fresh one per call, exposed before any sample arrives.
+        stream = client.stream(PROMPTS, sampling=LONG)
+        first_id = client.last_request_id
+        assert first_id and first_id.startswith("req-")
+        sample = next(stream)
+        assert sample.request_id == first_id
+        stream.close()  # the caller stops reading: the daemon must stop the work
+        assert request_status(client, first_id, "cancelled") == "cancelled"
+
+        for _sample in client.stream(PROMPTS, sampling=LONG):
+            break  # same through `break` (CPython closes the generator at once)
+        assert client.last_request_id != first_id
+        assert request_status(client, client.last_request_id, "cancelled") == "cancelled"
+
+        # A stream read to its end is left alone.
+        done = client.generate(PROMPTS[:1], n=1, max_new_tokens=4)
+        assert request_status(client, done[0].request_id, "completed") == "completed"
+
+        # A timeout gives up too: typed error, request cancelled (a retry duplicates nothing).
+        # Cordoned devices keep the request queued, so the deadline surely comes first.
+        cordon_all(daemon.target)
+        with pytest.raises(DeadlineExceededError):
+            client.generate(PROMPTS, sampling=LONG, timeout=0.3)
+        assert request_status(client, client.last_request_id, "cancelled") == "cancelled"
+
+
+def test_async_abandoned_streams_are_cancelled(daemon, ckpt):
+    async def scenario() -> tuple[str, str]:
+        async with AsyncRolloutClient(daemon.target) as client:
+            await client.create_job(ckpt, job_id="async-abandon", speculative="off")
+            stream = client.stream(PROMPTS, sampling=LONG)
+            closed = client.last_request_id
+            assert (await anext(stream)).request_id == closed
+            await stream.aclose()
+            # A caller's own deadline cancels the iterating task inside the generator.
+            await asyncio.to_thread(cordon_all, daemon.target)
+            stream = client.stream(PROMPTS, sampling=LONG, request_id="async-timeout")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(anext(stream), 0.3)
+            return closed, client.last_request_id
+
+    closed, timed_out = asyncio.run(scenario())
+    assert timed_out == "async-timeout"
+    with RolloutClient(daemon.target) as client:
+        assert request_status(client, closed, "cancelled") == "cancelled"
+        assert request_status(client, timed_out, "cancelled") == "cancelled"
+
+
+def test_async_client_built_outside_a_loop(daemon, ckpt):
+    client = AsyncRolloutClient(daemon.target)  # e.g. in a trainer's __init__
+    info = asyncio.run(client.create_job(ckpt, job_id="outside"))
+    assert info.job_id == "outside"
+
+    async def again():  # another loop: the client opens a channel there
+        try:
+            return await client.generate(PROMPTS[:1], n=1, max_new_tokens=4)
+        finally:
+            await client.close()
+
+    assert len(asyncio.run(again())) == 1

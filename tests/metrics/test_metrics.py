@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tltd.domain import DeviceState, Job, RolloutRequest, SamplingParams
+from tltd.domain import DeviceState, Job, JobStatus, RolloutRequest, SamplingParams
 from tltd.metrics import METRICS, Metrics, start_metrics_server
 from tltd.periodic import roll_up_metrics
 from tltd.store import Store
@@ -179,6 +179,25 @@ def test_roll_up_mirrors_the_store(sqlite_url, tmp_path):
         assert value(m, "tltd_drafter_version", job_id="rj") == 0
         assert value(m, "tltd_device_state", device_id="cpu:0", state="idle") == 1
         assert value(m, "tltd_device_state", device_id="cpu:1", state="rollout") == 1
+
+        # A job that left ACTIVE loses its gauges instead of freezing at its last values;
+        # its counters keep their totals. Active jobs keep theirs.
+        store.create_job(Job(job_id="other", model_path=model))
+        m.observe_sample("rj", tokens=5, finish_reason="stop", draft_steps=1, plain_steps=1)
+        roll_up_metrics(store, m)
+        assert value(m, "tltd_sd_step_share", job_id="rj") == 0.5
+        store.set_job_status("rj", JobStatus.CANCELLED, "test")
+        roll_up_metrics(store, m)
+        for name in (
+            "tltd_queue_depth",
+            "tltd_policy_version",
+            "tltd_drafter_version",
+            "tltd_sd_step_share",
+        ):
+            assert value(m, name, job_id="rj") is None, name
+        assert value(m, "tltd_rollout_tokens_total", job_id="rj") == 5
+        assert value(m, "tltd_policy_version", job_id="other") == 0
+        assert m.job_ids() == {"other"}
     finally:
         store.close()
 
