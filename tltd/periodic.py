@@ -30,8 +30,37 @@ _METRICS_ROLL_UP_SECONDS = 2.0
 
 
 def our_pids(store: Store) -> set[int]:
-    """The daemon and its workers: their GPU use does not make a device foreign."""
-    return {os.getpid()} | {w.pid for w in store.list_workers() if w.pid}
+    """The daemon, its workers and every descendant of them (SGLang runs the model in its own
+    subprocesses): their GPU use does not make a device foreign."""
+    return with_descendants({os.getpid()} | {w.pid for w in store.list_workers() if w.pid})
+
+
+def with_descendants(pids: set[int], proc: str = "/proc") -> set[int]:
+    """`pids` and all their descendants, from the parent pid in /proc/<pid>/stat (Linux; where
+    /proc cannot be read, `pids` alone)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return set(pids)
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/stat") as f:
+                stat = f.read()
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            ppid = int(stat[stat.rindex(")") + 1 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(pids), list(pids)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
 
 
 def refresh_devices(store: Store, nvml: Nvml | None, cpu_slots: int) -> list[Device]:

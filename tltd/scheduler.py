@@ -2,10 +2,30 @@
 
 No I/O and no clock: the caller passes `now`, so every decision is reproducible in a table-driven
 test. The supervisor (issue 5) turns a `Decision` into process actions.
+
+Which job a worker serves. A worker holds one job's model, and switching it to another job costs
+a drain (it finishes what it runs) and a model load, so the rule is "stay unless another job is
+owed the worker". Jobs rank by priority, then weighted virtual time (tokens served / weight). A
+job whose waiting work does not fit on the workers holding it ("starved") takes as many workers
+as that work needs (`max_samples_per_worker` each; workers already switching to it count),
+best-ranked starved job first. It may take:
+  1. a spare worker: no model yet, or a job with nothing waiting;
+  2. a worker of a lower-priority job;
+  3. a worker of an equal-priority job Y, when
+     a. it does not lead Y in virtual time and still holds fewer workers per weight than Y
+        after the move ((mine + 1) / my weight < Y's / Y's weight): workers split by weight;
+        the move can never be undone by this same rule, so there is no ping-pong; or
+     b. it holds no worker at all and trails Y by `share_quantum_tokens` (per weight): jobs
+        time-share a worker they cannot split, a quantum at a time.
+Donors: spare workers first, then the worst-ranked job's; among those the emptiest (fewest
+running samples, off a training device, least remaining work). A switched worker takes no new
+work of its old job; once empty, the supervisor loads the new job. A switch whose job no longer
+has any waiting work is called off while the worker still holds its old job.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -15,6 +35,9 @@ class SchedulerConfig:
     min_fresh_samples: int = 32  # fresh rollout samples a job needs before a training round
     training_cadence_seconds: float = 30.0  # minimum time between training starts for one job
     max_samples_per_worker: int = 64  # the engine's batch capacity
+    # How far (tokens per unit of weight) a job with no worker must trail an equal-priority job
+    # before it takes that job's worker: the time slice when jobs share too few workers.
+    share_quantum_tokens: int = 32768
 
 
 @dataclass(frozen=True)
@@ -33,6 +56,12 @@ class RolloutWorkerView:
     remaining_tokens: int = 0  # expected tokens still to decode for what it runs
     idle_since: float | None = None  # when it last had nothing to do; None = busy
     policy_version: int = 0  # the policy version its engine has loaded
+    # The job it was switched to ("" = none): it takes no new work, then loads that job.
+    switching_to: str = ""
+
+    @property
+    def switching(self) -> bool:
+        return bool(self.switching_to) and self.switching_to != self.job_id
 
 
 @dataclass(frozen=True)
@@ -87,8 +116,18 @@ class Assignment:
 
 
 @dataclass(frozen=True)
+class Switch:
+    """Serve `job_id` next: take no new work of the current job, load `job_id` once empty.
+    `job_id` equal to the worker's own job calls off an earlier switch."""
+
+    worker_id: str
+    job_id: str
+
+
+@dataclass(frozen=True)
 class Decision:
     assignments: tuple[Assignment, ...] = ()
+    switches: tuple[Switch, ...] = ()
     idle_devices: tuple[str, ...] = ()
     start_training: tuple[TrainingView, ...] = ()
     preempt_training: tuple[str, ...] = ()  # device ids whose training must yield now
@@ -96,12 +135,12 @@ class Decision:
 
 
 def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decision:
-    """One scheduling tick: place pending work, preempt training it needs, detect idle devices,
-    start training.
+    """One scheduling tick: switch workers between jobs, place pending work, preempt training it
+    needs, detect idle devices, start training.
 
     Rollout always wins over drafter training, for any job's work: training yields on a device
-    whose rollout worker gets work in the balanced placement, and on devices that must switch
-    to a job whose work no worker can take (its workers are full or hold another version).
+    whose rollout worker gets work in the balanced placement, and on devices whose worker is
+    switched to a job whose work no worker can take (see the module docstring for switches).
     """
     schedulable = {d.device_id for d in snap.devices if d.schedulable}
     jobs = {j.job_id: j for j in snap.jobs}
@@ -113,8 +152,15 @@ def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decisi
         reasons[device_id] = "device cordoned, draining or foreign"
 
     # Place as if training had already yielded, so weighted fair share and load balance decide
-    # alone; a training device whose worker got work is needed now.
-    assignments, load = _place(snap, cfg, schedulable, training, jobs)
+    # alone. A first placement shows which jobs' work does not fit; workers switched to those
+    # jobs are then left out of the real one (they drain their old job).
+    switching = {w.worker_id for w in snap.workers if w.switching}
+    assignments, load = _place(snap, cfg, schedulable, training, jobs, switching)
+    switches = _switches(snap, cfg, schedulable, training, jobs, assignments)
+    if switches:
+        switching |= {s.worker_id for s in switches if s.job_id != _job_of(snap, s.worker_id)}
+        switching -= {s.worker_id for s in switches if s.job_id == _job_of(snap, s.worker_id)}
+        assignments, load = _place(snap, cfg, schedulable, training, jobs, switching)
     worker_device = {w.worker_id: w.device_id for w in snap.workers}
     needed = {worker_device[a.worker_id] for a in assignments} & training
     for t in snap.training:
@@ -122,21 +168,36 @@ def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decisi
             preempt.append(t.device_id)
             reasons[t.device_id] = "rollout work is waiting"
 
-    # Work that fits no worker now needs a free worker switched to its job (the supervisor loads
-    # the model): free rollout devices are used first, training yields only for the rest.
-    reserved, waiting = _reserve_for_unplaced(snap, cfg, schedulable, training, jobs, assignments)
-    for device_id in reserved:
+    # A device whose worker is switched to another job is needed by that job: its training
+    # yields and it is not idle.
+    target = {w.worker_id: w.switching_to for w in snap.workers if w.switching}
+    target.update({s.worker_id: s.job_id for s in switches})
+    reserved = {worker_device[wid] for wid in switching}
+    for wid in sorted(switching):
+        device_id = worker_device[wid]
         if device_id in training and device_id not in preempt:
             preempt.append(device_id)
-            reasons[device_id] = f"rollout work is waiting (no free worker for job {waiting})"
+            reasons[device_id] = f"rollout work is waiting (worker switched to job {target[wid]})"
 
     # A training device is not idle even when preempted: it is busy yielding this tick.
-    busy = training | set(reserved)
-    idle = _idle_devices(snap, cfg, schedulable, load, busy)
+    busy = training | reserved
+    waiting = bool(_unplaced(snap, jobs, assignments))
+    idle = _idle_devices(snap, cfg, schedulable, load, busy, waiting)
     starts = _training_starts(snap, cfg, idle, jobs, training - set(preempt))
     for s in starts:
         reasons[s.device_id] = f"idle for >= {cfg.idle_grace_seconds:g}s with fresh data"
-    return Decision(tuple(assignments), tuple(idle), tuple(starts), tuple(preempt), reasons)
+    return Decision(
+        assignments=tuple(assignments),
+        switches=tuple(switches),
+        idle_devices=tuple(idle),
+        start_training=tuple(starts),
+        preempt_training=tuple(preempt),
+        reasons=reasons,
+    )
+
+
+def _job_of(snap: Snapshot, worker_id: str) -> str:
+    return next(w.job_id for w in snap.workers if w.worker_id == worker_id)
 
 
 def _place(
@@ -145,17 +206,19 @@ def _place(
     schedulable: set[str],
     training_devices: set[str],
     jobs: dict[str, JobView],
+    switching: set[str],
 ) -> tuple[list[Assignment], dict[str, tuple[int, int]]]:
     """Weighted fair share across jobs, least expected remaining work across workers.
 
     Workers on training devices count as free (rollout wins), but on a tie a worker whose
-    device is not training is preferred, so training is not preempted for nothing.
+    device is not training is preferred, so training is not preempted for nothing. Workers
+    switching to another job take nothing.
     """
     # (running samples, remaining tokens) per eligible worker; mutated as we place.
     load = {
         w.worker_id: (w.running_samples, w.remaining_tokens)
         for w in snap.workers
-        if w.ready and w.device_id in schedulable
+        if w.ready and w.device_id in schedulable and w.worker_id not in switching
     }
     by_worker = {w.worker_id: w for w in snap.workers}
     # Virtual time per job: tokens served / weight. Higher priority always goes first.
@@ -215,20 +278,10 @@ def _place(
     return assignments, load
 
 
-def _reserve_for_unplaced(
-    snap: Snapshot,
-    cfg: SchedulerConfig,
-    schedulable: set[str],
-    training_devices: set[str],
-    jobs: dict[str, JobView],
-    assignments: list[Assignment],
-) -> tuple[list[str], str]:
-    """Devices whose free workers should switch to the work left unplaced, and its job ids.
-
-    A worker is free when it runs nothing and got nothing this tick; its device counts for
-    `max_samples_per_worker` per free worker. Free rollout devices come first, then training
-    devices, each in id order, until the unplaced samples are covered.
-    """
+def _unplaced(
+    snap: Snapshot, jobs: dict[str, JobView], assignments: list[Assignment]
+) -> dict[str, int]:
+    """Samples per job that no worker got this tick."""
     placed: dict[tuple[str, int], int] = {}
     for a in assignments:
         key = (a.request_id, a.prompt_index)
@@ -238,22 +291,91 @@ def _reserve_for_unplaced(
         left = p.samples - placed.get((p.request_id, p.prompt_index), 0)
         if left > 0 and p.job_id in jobs:
             unplaced[p.job_id] = unplaced.get(p.job_id, 0) + left
-    need = sum(unplaced.values())
-    if not need:
-        return [], ""
-    taken = {a.worker_id for a in assignments}
-    in_use = {w.device_id for w in snap.workers if w.running_samples or w.worker_id in taken}
-    capacity: dict[str, int] = {}
-    for w in snap.workers:
-        if w.device_id in schedulable and w.device_id not in in_use:
-            capacity[w.device_id] = capacity.get(w.device_id, 0) + cfg.max_samples_per_worker
-    reserved = []
-    for device_id in sorted(capacity, key=lambda d: (d in training_devices, d)):
-        if need <= 0:
-            break
-        reserved.append(device_id)
-        need -= capacity[device_id]
-    return reserved, ", ".join(sorted(unplaced))
+    return unplaced
+
+
+def _switches(
+    snap: Snapshot,
+    cfg: SchedulerConfig,
+    schedulable: set[str],
+    training_devices: set[str],
+    jobs: dict[str, JobView],
+    assignments: list[Assignment],
+) -> list[Switch]:
+    """Which workers change job (the rule is in the module docstring)."""
+    unplaced = _unplaced(snap, jobs, assignments)
+    waiting_jobs = {p.job_id for p in snap.pending}
+    # Call off a switch whose job has nothing waiting any more, while the worker still holds
+    # (and has loaded nothing else than) its old job.
+    out = [
+        Switch(w.worker_id, w.job_id)
+        for w in snap.workers
+        if w.switching and w.ready and w.job_id in jobs and w.switching_to not in waiting_jobs
+    ]
+    called_off = {s.worker_id for s in out}
+    if not unplaced:
+        return out
+    workers = [w for w in snap.workers if w.device_id in schedulable]
+
+    def serves(w: RolloutWorkerView) -> str:
+        return w.switching_to if w.switching and w.worker_id not in called_off else w.job_id
+
+    holders = Counter(serves(w) for w in workers)
+
+    def vt(job_id: str) -> float:
+        return jobs[job_id].served_tokens / max(jobs[job_id].weight, 1e-9)
+
+    def spare(w: RolloutWorkerView) -> bool:
+        return w.job_id not in waiting_jobs or w.job_id not in jobs
+
+    def owed(x: str, w: RolloutWorkerView) -> bool:
+        """May starved job `x` take worker `w`?"""
+        if spare(w):
+            return True
+        jx, jy = jobs[x], jobs[w.job_id]
+        if jx.priority != jy.priority:
+            return jx.priority > jy.priority
+        per_weight_after = (holders[x] + 1) / max(jx.weight, 1e-9)
+        if vt(x) <= vt(w.job_id) and per_weight_after < holders[w.job_id] / max(jy.weight, 1e-9):
+            return True
+        return holders[x] == 0 and vt(w.job_id) - vt(x) >= cfg.share_quantum_tokens
+
+    def donor_order(w: RolloutWorkerView) -> tuple:
+        worst = (0, 0.0) if spare(w) else (jobs[w.job_id].priority, -vt(w.job_id))
+        return (
+            not spare(w),
+            *worst,
+            w.running_samples,
+            w.device_id in training_devices,
+            w.remaining_tokens,
+            w.worker_id,
+        )
+
+    switched: set[str] = set()
+    for x in sorted(unplaced, key=lambda j: (-jobs[j].priority, vt(j), j)):
+        coming = sum(1 for w in workers if w.switching and serves(w) == x)
+        need = -(-unplaced[x] // cfg.max_samples_per_worker) - coming
+        while need > 0:
+            donors = [
+                w
+                for w in workers
+                if w.worker_id not in switched
+                and not (w.switching and w.worker_id not in called_off)
+                and serves(w) != x
+                # A ready worker with no job takes any job's work as it is; one not ready
+                # holds a job's load in flight, unless it has no model at all (starting).
+                and (w.ready == bool(w.job_id))
+                and owed(x, w)
+            ]
+            if not donors:
+                break
+            w = min(donors, key=donor_order)
+            switched.add(w.worker_id)
+            holders[serves(w)] -= 1
+            holders[x] += 1
+            out = [s for s in out if s.worker_id != w.worker_id] + [Switch(w.worker_id, x)]
+            need -= 1
+    return out
 
 
 def _idle_devices(
@@ -262,8 +384,11 @@ def _idle_devices(
     schedulable: set[str],
     load: dict[str, tuple[int, int]],
     busy_devices: set[str],
+    work_waiting: bool,
 ) -> list[str]:
-    """A device is idle when no worker on it has work, for at least the idle grace period."""
+    """A device is idle when no worker on it has work, for at least the idle grace period. A
+    device with no live worker (starting, or restarting after a crash) is idle only while no
+    work waits: its worker is about to be needed."""
     idle = []
     for d in snap.devices:
         if d.device_id not in schedulable or d.device_id in busy_devices:
@@ -273,6 +398,8 @@ def _idle_devices(
         if busy:
             continue
         since = min((w.idle_since for w in workers if w.idle_since is not None), default=None)
+        if not workers and work_waiting:
+            continue
         if workers and (since is None or snap.now - since < cfg.idle_grace_seconds):
             continue
         idle.append(d.device_id)

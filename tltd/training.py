@@ -254,6 +254,7 @@ class DrafterTraining:
     async def _launch(self, run: _Run, active_drafter: int, reason: str) -> None:
         from workers.drafter.worker import DrafterWorker, WorkerSpec
 
+        worker = None
         try:
             policy = await asyncio.to_thread(
                 self.store.get_policy_version, run.job_id, run.policy_version
@@ -272,11 +273,17 @@ class DrafterTraining:
                 threads=self.settings.worker_threads,
             )
             worker = DrafterWorker(spec)
+            await asyncio.to_thread(worker.spawn)
+            # Recorded at once: the model loading takes GPU memory, and a pid unknown to the
+            # store would make that use look foreign (the device would be vacated).
+            await self._record(run, WorkerState.STARTING, f"loading: {reason}", pid=worker.proc.pid)
             info = await asyncio.to_thread(
-                worker.start, self.settings.training_start_timeout_seconds
+                worker.wait_for, "ready", self.settings.training_start_timeout_seconds
             )
         except Exception as exc:
             log.exception("drafter trainer failed to start", extra={"job_id": run.job_id})
+            if worker is not None:  # e.g. timed out loading: not left holding the device
+                await asyncio.to_thread(worker.kill)
             run.phase = "stopped"
             run.stopped.set()
             await self._record(run, WorkerState.FAILED, f"cannot start: {exc}")
@@ -459,7 +466,9 @@ class DrafterTraining:
                 log.warning("training store write refused: %s", exc)
                 return None
 
-    async def _record(self, run: _Run, state: WorkerState, reason: str) -> None:
+    async def _record(
+        self, run: _Run, state: WorkerState, reason: str, pid: int | None = None
+    ) -> None:
         from tltd.supervisor.writes import upsert_worker
 
         worker = Worker(
@@ -468,7 +477,7 @@ class DrafterTraining:
             device_id=run.device_id,
             job_id=run.job_id,
             state=state,
-            pid=(run.worker.proc.pid or 0) if run.worker is not None else 0,
+            pid=pid if pid is not None else (run.worker.proc.pid or 0) if run.worker else 0,
             state_reason=reason,
         )
         await self._write(upsert_worker, self.store, worker)

@@ -397,3 +397,125 @@ def test_training_is_never_started_on_an_unschedulable_device():
         CFG,
     )
     assert d.idle_devices == () and d.start_training == ()
+
+
+# ---- which job a worker serves (switches) -------------------------------------------------
+
+
+def sw(i: int, job: str, running: int = 0, tokens: int = 0, to: str = "", ready: bool = True):
+    return RolloutWorkerView(
+        f"w{i}", f"cpu:{i}", job, ready, running, tokens, None, switching_to=to
+    )
+
+
+A_BUSY = [work(f"a{i}", job="a", n=4, at=i) for i in range(10)]  # far more than fits
+
+
+@pytest.mark.parametrize(
+    "name, workers, pending, jobs, expected_switches, expected_placed",
+    [
+        (
+            "a higher-priority job takes a worker while the busy job still waits",
+            [sw(0, "a", running=6, tokens=600), sw(1, "a", running=2, tokens=200)],
+            [*A_BUSY, work("b", job="b", n=1, at=5)],
+            [JobView("a", served_tokens=10), JobView("b", priority=5)],
+            {"w1": "b"},  # the emptiest worker: it drains soonest
+            {"w0": 2},  # w1 takes no more of a's work
+        ),
+        (
+            "a lower-priority job never takes a worker from a higher one",
+            [sw(0, "a", running=8, tokens=800)],
+            [*A_BUSY, work("b", job="b")],
+            [JobView("a", priority=5, served_tokens=10**9), JobView("b")],
+            {},
+            {},
+        ),
+        (
+            "a new equal job gets one worker of two (weights 1:1), not both",
+            [sw(0, "a", running=8, tokens=800), sw(1, "a", running=8, tokens=800)],
+            [*A_BUSY, *[work(f"b{i}", job="b", n=8, at=i) for i in range(4)]],
+            [JobView("a", served_tokens=5000), JobView("b")],
+            {"w0": "b"},
+            {},
+        ),
+        (
+            "weights 3:1 split four workers 3:1",
+            [sw(i, "a", running=8, tokens=800) for i in range(4)],
+            [*A_BUSY, *[work(f"b{i}", job="b", n=8, at=i) for i in range(4)]],
+            [JobView("a", served_tokens=5000), JobView("b", weight=3.0)],
+            {"w0": "b", "w1": "b", "w2": "b"},
+            {},
+        ),
+        (
+            "an even split stays put (no ping-pong)",
+            [sw(0, "a", running=8, tokens=800), sw(1, "b", running=8, tokens=800)],
+            [*A_BUSY, *[work(f"b{i}", job="b", n=8, at=i) for i in range(4)]],
+            [JobView("a", served_tokens=0), JobView("b", served_tokens=10**9)],
+            {},
+            {},
+        ),
+        (
+            "one worker, equal jobs: the trailing job waits for a quantum",
+            [sw(0, "a", running=4, tokens=400)],
+            [*A_BUSY, work("b", job="b")],
+            [JobView("a", served_tokens=1000), JobView("b")],
+            {},
+            {"w0": 4},
+        ),
+        (
+            "one worker, equal jobs: past the quantum the trailing job takes it",
+            [sw(0, "a", running=4, tokens=400)],
+            [*A_BUSY, work("b", job="b")],
+            [JobView("a", served_tokens=40_000), JobView("b")],
+            {"w0": "b"},
+            {},
+        ),
+        (
+            "a worker already switching covers the need: no second switch, no work",
+            [sw(0, "a", running=3, tokens=300, to="b"), sw(1, "a", running=8, tokens=800)],
+            [*A_BUSY, work("b", job="b", n=2)],
+            [JobView("a"), JobView("b", priority=5)],
+            {},
+            {},
+        ),
+        (
+            "a switch whose job has nothing waiting any more is called off",
+            [sw(0, "a", running=3, tokens=300, to="b")],
+            [work("a0", job="a", n=2)],
+            [JobView("a"), JobView("b", priority=5)],
+            {"w0": "a"},
+            {"w0": 2},
+        ),
+        (
+            "a spare worker (its job has nothing waiting) is taken first",
+            [sw(0, "a", running=1, tokens=10), sw(1, "c"), sw(2, "a", running=8, tokens=800)],
+            [*A_BUSY, work("b", job="b", n=2)],
+            [JobView("a"), JobView("b", priority=5), JobView("c")],
+            {"w1": "b"},
+            {"w0": 7},
+        ),
+    ],
+)
+def test_which_job_a_worker_serves(
+    name, workers, pending, jobs, expected_switches, expected_placed
+):
+    devices = [dev(i) for i in range(len(workers))]
+    d = schedule(snap(devices, workers, pending=pending, jobs=jobs), CFG)
+    assert {s.worker_id: s.job_id for s in d.switches} == expected_switches, name
+    assert placed(d) == expected_placed, name
+    switched = {s.worker_id for s in d.switches if s.job_id != "a"}
+    assert not {f"cpu:{w[1:]}" for w in switched} & set(d.idle_devices), name
+
+
+def test_a_device_whose_worker_died_is_not_idle_while_work_waits():
+    # cpu:0's worker is in restart backoff (not in the snapshot); cpu:1's is full.
+    d = schedule(
+        snap(
+            [dev(0), dev(1)],
+            [wk(1, running=8, tokens=800)],
+            pending=[work("r", n=4)],
+            jobs=[JobView("j", fresh_samples=50)],
+        ),
+        CFG,
+    )
+    assert d.idle_devices == () and d.start_training == ()

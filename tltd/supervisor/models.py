@@ -1,9 +1,11 @@
 """Which model each rollout worker holds: job, policy version and drafter, and loading them.
 
-Policy versions: a request runs entirely on the policy version that was current when it was
-accepted ("finish on the old version"). A worker switches version (or job) only when it has
-nothing running, to the oldest version that still has waiting work, else to its job's current
-version; a promoted drafter is hot-swapped in between steps.
+Which job a worker serves is the scheduler's decision (`tltd.scheduler`, a `Switch` sets
+`slot.next_job`); this module carries it out. Policy versions: a request runs entirely on the
+policy version that was current when it was accepted ("finish on the old version"). A worker
+switches version (or job) only when it has nothing running, to the oldest version that still has
+waiting work, else to its job's current version; a promoted drafter is hot-swapped in between
+steps.
 """
 
 from __future__ import annotations
@@ -11,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from tltd.domain import Backend, DeviceKind, Job, SpeculativeMode
@@ -54,7 +55,7 @@ class ModelPlanner:
             if not slot.alive or not slot.ready or slot.loading:
                 continue
             if queue.inflight(slot.worker_id) == 0:
-                target = self._target(slot, slots.values(), jobs, pending)
+                target = self._target(slot, jobs, pending)
                 if target is not None and target != (slot.job_id, slot.policy_version):
                     await self._load(slot, jobs[target[0]], target[1])
                     continue
@@ -65,13 +66,13 @@ class ModelPlanner:
     def _target(
         self,
         slot: WorkerSlot,
-        slots: Iterable[WorkerSlot],
         jobs: dict[str, Job],
         pending: dict[str, set[int]],
     ) -> tuple[str, int] | None:
-        """What an empty worker should hold: its job's oldest version with waiting work; else
-        the job with waiting work and the fewest workers; else its job's current version (an
-        idle worker pre-loads a pushed policy); a worker with no job takes the newest job."""
+        """What an empty worker should hold: the job the scheduler switched it to; else its
+        job's oldest version with waiting work; else its job's current version (an idle worker
+        pre-loads a pushed policy); a worker with no job takes the newest job when no work
+        waits (else the scheduler picks its job)."""
 
         def ok(job_id: str, v: int) -> bool:
             return (job_id, v) not in self.bad_versions
@@ -80,16 +81,19 @@ class ModelPlanner:
             return min((v for v in pending.get(job_id, ()) if ok(job_id, v)), default=None)
 
         own = slot.job_id if slot.job_id in jobs else ""
+        if slot.next_job == slot.job_id or slot.next_job not in jobs:
+            slot.next_job = ""  # done, called off, or its job ended
+        if nxt := slot.next_job:
+            if (v := oldest(nxt)) is not None:
+                return nxt, v
+            if ok(nxt, jobs[nxt].policy_version):
+                return nxt, jobs[nxt].policy_version
+            slot.next_job = ""  # its job cannot be loaded: the scheduler picks again
         if own and (v := oldest(own)) is not None:
             return own, v  # old requests finish on their version
-        holders = Counter(s.target_job or s.job_id for s in slots if s.alive)
-        waiting = [j for j in pending if j in jobs and oldest(j) is not None]
-        if waiting:
-            job_id = min(waiting, key=lambda j: (holders[j], j))
-            return job_id, oldest(job_id)  # type: ignore[return-value]
         if own and ok(own, jobs[own].policy_version):
             return own, jobs[own].policy_version
-        if not own and jobs:
+        if not own and jobs and not pending:
             newest = max(jobs.values(), key=lambda j: (j.created_at or 0, j.job_id))
             if ok(newest.job_id, newest.policy_version):
                 return newest.job_id, newest.policy_version

@@ -35,6 +35,7 @@ def worker_view(s: WorkerSlot, queue: WorkQueue) -> RolloutWorkerView:
         remaining_tokens=tokens,
         idle_since=s.idle_since,
         policy_version=s.policy_version,
+        switching_to=s.next_job or s.target_job,
     )
 
 
@@ -47,11 +48,13 @@ def build_snapshot(
     served_tokens: Mapping[str, int],
     training: TrainingHook | None,
 ) -> Snapshot:
-    """The scheduler's input for one tick (live workers only).
+    """The scheduler's input for one tick (live workers, and dead ones already switched to a
+    job: those restart on another backend, and still count as going to that job).
 
     A job's policy is updating while any live worker loads its policy weights (UpdatePolicy
     being applied, or a worker switching to the job): its drafter training must not start then.
     """
+    switched = [s for s in slots if not s.alive and s.next_job]
     slots = [s for s in slots if s.alive]
     loading = {s.policy_load for s in slots if s.policy_load}
     job_views = []
@@ -72,7 +75,7 @@ def build_snapshot(
     return Snapshot(
         now=now,
         devices=tuple(device_view(d) for d in devices),
-        workers=tuple(worker_view(s, queue) for s in slots),
+        workers=tuple(worker_view(s, queue) for s in [*slots, *switched]),
         training=training.views() if training else (),
         pending=tuple(queue.pending_work()),
         jobs=tuple(job_views),

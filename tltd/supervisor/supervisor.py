@@ -138,6 +138,15 @@ class Supervisor:
                     WorkerState.FAILED,
                     "daemon restarted: the previous daemon ended without stopping it",
                 )
+        # Drafter training of the old process is gone too; nothing else rewrites TRAINING.
+        for d in await asyncio.to_thread(self.store.list_devices):
+            if d.state is DeviceState.TRAINING:
+                await self.writes.write(
+                    self.store.set_device_state,
+                    d.device_id,
+                    DeviceState.IDLE,
+                    "daemon restarted: the previous daemon's drafter training is gone",
+                )
         await self.requests.recover()
 
     async def drain(self, seconds: float, why: str = "the daemon is shutting down") -> None:
@@ -313,6 +322,14 @@ class Supervisor:
         return decision
 
     def _apply(self, decision: Decision, devices: list[Device]) -> None:
+        for s in decision.switches:
+            slot = self.slots[s.worker_id]
+            slot.next_job = s.job_id
+            log.info(
+                "rollout worker switches job", extra={"worker_id": s.worker_id, "job_id": s.job_id}
+            )
+        if decision.switches:
+            self.kick()  # an empty switched worker loads its new job on the next tick
         for a in decision.assignments:
             live, slot = self.queue.get(a.request_id), self.slots[a.worker_id]
             indices = self.queue.take(a.request_id, a.prompt_index, a.samples, a.worker_id)
@@ -356,7 +373,9 @@ class Supervisor:
             busy = sum(self.queue.inflight(s.worker_id) for s in self._slots_on(d.device_id))
             if busy:
                 self._record_device(d.device_id, DeviceState.ROLLOUT, f"{busy} samples running")
-            elif d.device_id in idle:
+            elif d.device_id in idle or not d.schedulable:
+                # A cordoned or draining device never counts as idle for training, but once
+                # its work ends it no longer runs rollouts either.
                 self._record_device(d.device_id, DeviceState.IDLE, "no rollout work")
         for slot in self.slots.values():
             if slot.alive and slot.ready:
@@ -464,6 +483,9 @@ class Supervisor:
             proc.kill()
         if proc is not None:
             await asyncio.to_thread(proc.join, 5.0)
+            if proc.is_alive():  # hung (e.g. vacated while stuck): never leave it running
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5.0)
             if proc.exitcode is not None and state is WorkerState.FAILED:
                 why = f"{why} (exit code {proc.exitcode})"
         if state is WorkerState.FAILED:

@@ -18,7 +18,6 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from tltd.domain import Backend, Device, Sample, WorkerState
-from tltd.errors import TltError
 from tltd.settings import Settings
 from workers.rollout import protocol as msg
 
@@ -52,6 +51,7 @@ class WorkerSlot:
     heartbeat: msg.Heartbeat | None = None
     job_id: str = ""
     target_job: str = ""  # the job a LoadModel in flight is loading
+    next_job: str = ""  # the job the scheduler switched it to (loaded once it is empty)
     # The job whose policy weights a LoadModel/LoadPolicy in flight loads ("" = none): while
     # set, that job's policy update is being applied and its drafter training must not start.
     policy_load: str = ""
@@ -162,8 +162,10 @@ def _read_pipe(
             last_beat = time.monotonic()
             try:
                 store.heartbeat_worker(slot.worker_id)
-            except TltError:
-                pass  # the row is written by the loop's writer; next beat will do
+            except Exception:  # e.g. "database is locked": this thread must keep reading
+                log.warning(
+                    "cannot record heartbeat", extra={"worker_id": slot.worker_id}, exc_info=True
+                )
         _post(loop, on_message, slot, gen, m, stored)
     conn.close()
     _post(loop, on_exit, slot, gen)

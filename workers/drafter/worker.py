@@ -258,10 +258,14 @@ class DrafterWorker:
         self.events: list[tuple[str, Any]] = []  # everything else
 
     def start(self, timeout: float = 120.0) -> dict:
+        self.spawn()
+        return self.wait_for("ready", timeout)
+
+    def spawn(self) -> None:
+        """Start the process (its pid is known from here); `start` also waits for "ready"."""
         Path(self.spec.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         self.proc.start()
         self._child.close()
-        return self.wait_for("ready", timeout)
 
     def send(self, kind: str, payload: Any = None) -> None:
         self.conn.send((kind, payload))

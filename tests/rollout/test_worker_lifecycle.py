@@ -1,0 +1,141 @@
+"""Worker and device lifecycle on a real daemon: job switches, vacating, store hiccups,
+recovery of device states, cordoned devices."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import replace
+
+from sqlalchemy.exc import OperationalError
+
+from tests.api.support import make_settings, sampling
+from tests.rollout.support import InProcessDaemon, pid_alive, wait_until
+from tltd.devices import cpu_devices
+from tltd.domain import DeviceState
+
+
+def _settings(tmp_path, **overrides):
+    values = dict(
+        cpu_slots=2,
+        worker_max_batch=8,
+        worker_max_seq_len=1024,
+        worker_heartbeat_seconds=0.2,
+        device_refresh_seconds=3600.0,
+        drafter_training=False,
+    )
+    return make_settings(tmp_path, **(values | overrides))
+
+
+def test_a_priority_job_gets_a_worker_while_a_busy_job_still_waits(sqlite_store, tmp_path, ckpt):
+    other = shutil.copytree(ckpt, tmp_path / "other")
+    d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
+    done: dict[str, float] = {}
+    t0 = 0.0
+
+    def run(job: str, rid: str, prompts, n: int, max_new: int) -> None:
+        with d.client() as c:
+            s = sampling(n=n, temperature=0.0, max_new_tokens=max_new)
+            list(c.generate(job, prompts, sampling=s, request_id=rid, timeout=120))
+        done[rid] = time.monotonic() - t0
+
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="A")
+            d.wait_workers_ready(2)
+            t0 = time.monotonic()
+            # A keeps both workers full with much more waiting work.
+            a = threading.Thread(target=run, args=("A", "a", [[1, 2, 3], [4, 5]] * 4, 8, 200))
+            a.start()
+            wait_until(lambda: d.supervisor.assigned_samples > 0, what="A running")
+            c.create_job(str(other), job_id="B", priority=10)
+            b = threading.Thread(target=run, args=("B", "b", [[4, 5]], 1, 4))
+            b.start()
+            b.join(120)
+            a.join(120)
+    finally:
+        d.kill()
+    assert done["b"] < 0.5 * done["a"], done
+
+
+def test_vacating_a_hung_worker_kills_its_process(sqlite_store, tmp_path, ckpt):
+    d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
+    pid = 0
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        slot = d.supervisor.slots["rollout-cpu:0"]
+        pid = slot.proc.pid
+        os.kill(pid, signal.SIGSTOP)  # hung: it will not answer Shutdown
+        devs = cpu_devices(2)
+        devs[0] = replace(devs[0], foreign=True, state_reason="foreign process: pid 1")
+        sqlite_store.upsert_devices(devs)
+        d.loop.call_soon_threadsafe(d.supervisor.kick)
+        wait_until(lambda: slot.dead_at is not None, timeout=20, what="vacated")
+        wait_until(lambda: not pid_alive(pid), timeout=15, what="hung worker killed")
+    finally:
+        if pid and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        d.kill()
+
+
+def test_a_store_error_on_a_heartbeat_does_not_stop_reading_the_worker(
+    sqlite_store, tmp_path, ckpt
+):
+    settings = _settings(tmp_path, cpu_slots=1, worker_heartbeat_timeout_seconds=30.0)
+    d = InProcessDaemon(settings, sqlite_store).start()
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready(1)
+            real, calls = sqlite_store.heartbeat_worker, []
+
+            def flaky(worker_id):
+                calls.append(worker_id)
+                if len(calls) == 1:
+                    raise OperationalError("UPDATE workers", {}, Exception("database is locked"))
+                return real(worker_id)
+
+            sqlite_store.heartbeat_worker = flaky
+            wait_until(lambda: calls, timeout=10, what="heartbeat write")
+            s = sampling(n=2, max_new_tokens=8)
+            out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r", timeout=20))
+            assert len(out) == 2
+            assert any(t.name == "rollout-cpu:0-rx" for t in threading.enumerate())
+    finally:
+        d.kill()
+
+
+def test_a_device_left_training_by_a_crashed_daemon_is_idle_again(sqlite_store, tmp_path):
+    sqlite_store.upsert_devices(cpu_devices(2))
+    sqlite_store.set_device_state("cpu:0", DeviceState.TRAINING, "previous daemon (crashed)")
+    d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
+    try:
+        assert sqlite_store.get_device("cpu:0").state is DeviceState.IDLE
+    finally:
+        d.kill()
+
+
+def test_a_cordoned_device_is_idle_once_its_work_ends(sqlite_store, tmp_path, ckpt):
+    d = InProcessDaemon(_settings(tmp_path, cpu_slots=1), sqlite_store).start()
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready(1)
+            s = sampling(n=4, max_new_tokens=64)
+            stream = c.generate("job", [[5, 6, 7]], sampling=s, request_id="r", timeout=60)
+            first = next(iter(stream))  # running on cpu:0 now
+            sqlite_store.set_device_flags("cpu:0", cordoned=True, reason="test")
+            rest = list(stream)
+            assert 1 + len(rest) == 4 and first.token_ids
+            wait_until(
+                lambda: sqlite_store.get_device("cpu:0").state is DeviceState.IDLE,
+                timeout=10,
+                what="cordoned device recorded idle",
+            )
+    finally:
+        d.kill()
