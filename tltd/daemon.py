@@ -53,7 +53,7 @@ async def serve(settings: Settings, port_file: str | None = None) -> int:
 async def _serve_with_store(settings: Settings, store: Store, port_file: str | None) -> int:
     daemon = Daemon(settings, store, PynvmlBackend())
     # Signals are caught before serving so that a SIGTERM during start-up is not lost.
-    stop = asyncio.Event()
+    stop = daemon.stop_requested  # set by a signal or a preemption notice file
     loop = asyncio.get_running_loop()
     for sig in _SIGNALS:
         loop.add_signal_handler(sig, _on_signal, sig, stop)
@@ -87,6 +87,7 @@ class Daemon:
         self.api = build_server(settings, self.services)
         self.scheduler: AsyncIOScheduler | None = None
         self.metrics: MetricsServer | None = None
+        self.stop_requested = asyncio.Event()  # what `serve` waits for before `shutdown`
 
     async def start(self) -> None:
         settings, loop = self.settings, asyncio.get_running_loop()
@@ -99,7 +100,12 @@ class Daemon:
         self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))
         await self.api.start()
         self.scheduler = build_scheduler(
-            settings, self.store, self.nvml, self.supervisor, self.training
+            settings,
+            self.store,
+            self.nvml,
+            self.supervisor,
+            self.training,
+            on_preemption_notice=lambda: loop.call_soon_threadsafe(self._preemption_notice),
         )
         self.scheduler.start()
         log.info(
@@ -115,29 +121,40 @@ class Daemon:
 
     def _drain_node(self) -> None:
         """A drained node finishes its rollouts and trains no more (trainers checkpoint)."""
-        self.supervisor.start_drain(
-            self.settings.drain_grace_seconds, f"node drained: {self.node.draining_reason}"
-        )
+        grace = self.node.drain_grace_seconds or self.settings.drain_grace_seconds
+        why = f"node drained: {self.node.draining_reason}"
+        self.supervisor.start_drain(grace, why)
         if self.training is not None:
-            self.training.close(f"node drained: {self.node.draining_reason}")
+            self.training.close(why)  # a SIGTERM later lowers its deadline to the shutdown's
+
+    def _preemption_notice(self) -> None:
+        """The preemption notice file appeared: the same shutdown as SIGTERM."""
+        if not self.stop_requested.is_set():
+            log.warning("preemption notice", extra={"path": self.settings.preemption_notice_file})
+            self.stop_requested.set()
 
     async def shutdown(self) -> None:
         """Stop admitting, give work most of the grace, return the rest as partial samples,
-        close the API, stop periodic jobs, stop the workers."""
+        close the API, stop periodic jobs, stop the workers. One deadline (the grace's end)
+        bounds every wait, also that of a node drain under way; what is left then is killed."""
         grace = self.settings.shutdown_grace_seconds
-        started = time.monotonic()
+        deadline = time.monotonic() + grace
         log.info("shutting down", extra={"grace_seconds": grace})
         work_seconds = max(0.0, grace - min(5.0, 0.25 * grace))
-        drain = self.supervisor.start_drain(work_seconds)  # before the node listener's drain
+        # Before the node listener's drain; shortens a node drain already under way.
+        drain = self.supervisor.start_drain(work_seconds, end=deadline)
         self.node.start_draining("daemon shutting down")  # new Generate -> UNAVAILABLE
         # Training yields to the drain at once; each trainer checkpoints before it exits.
-        stopping = self.training.close() if self.training is not None else asyncio.sleep(0)
+        if self.training is not None:
+            stopping = self.training.close(deadline=deadline)
+        else:
+            stopping = asyncio.sleep(0)
         await asyncio.gather(drain, stopping)
-        left = max(0.5, grace - (time.monotonic() - started))
+        left = max(0.5, deadline - time.monotonic())
         await self.api.stop(left)  # health NOT_SERVING, then the (ended) streams close
         if self.scheduler is not None:
             self.scheduler.shutdown(wait=True)  # a device refresh in flight finishes first
-        await self.supervisor.stop()
+        await self.supervisor.stop(deadline)
         if self.metrics is not None:
             self.metrics.stop()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # Often enough for a scrape every few seconds to see queue and device changes; one cheap query.
 _METRICS_ROLL_UP_SECONDS = 2.0
+# A preemption notice leaves tens of seconds at best: look often (one stat call).
+_PREEMPTION_NOTICE_SECONDS = 0.5
 
 
 def our_pids(store: Store) -> set[int]:
@@ -98,6 +101,14 @@ async def reap_workers(supervisor: Supervisor) -> list[str]:
     return await supervisor.reap()
 
 
+def check_preemption_notice(path: str, on_notice: Callable[[], None]) -> bool:
+    """The preemption notice file exists: call `on_notice` (it starts the SIGTERM shutdown)."""
+    if not Path(path).exists():
+        return False
+    on_notice()
+    return True
+
+
 def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, int]]:
     """Retire old drafter versions of every job: keep the newest `keep` evaluated versions
     and every pinned or active one; a retired version's checkpoint directory is deleted when
@@ -133,6 +144,7 @@ def build_scheduler(
     nvml: Nvml | None,
     supervisor: Supervisor | None = None,
     training: DrafterTraining | None = None,
+    on_preemption_notice: Callable[[], None] | None = None,
 ) -> AsyncIOScheduler:
     """Every periodic job with its trigger. Synchronous bodies (the store is) run in the
     scheduler's thread pool, off the event loop; coroutine bodies (the supervisor's) run on
@@ -166,6 +178,16 @@ def build_scheduler(
             args=(store, settings.drafter_keep_versions, training.root),
             id="drafter-gc",
             name="old drafter checkpoints GC",
+            max_instances=1,
+            coalesce=True,
+        )
+    if settings.preemption_notice_file and on_preemption_notice is not None:
+        scheduler.add_job(
+            check_preemption_notice,
+            IntervalTrigger(seconds=_PREEMPTION_NOTICE_SECONDS),
+            args=(settings.preemption_notice_file, on_preemption_notice),
+            id="preemption-notice",
+            name="preemption notice file watch",
             max_instances=1,
             coalesce=True,
         )

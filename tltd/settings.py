@@ -65,6 +65,8 @@ class Settings:
     # Lifecycle
     shutdown_grace_seconds: float = 30.0
     drain_grace_seconds: float = 30.0
+    # A file whose appearance (a cloud preemption notice) starts the same shutdown as SIGTERM.
+    preemption_notice_file: str = ""
     metrics_port: int = 0  # 0 = disabled
     log_level: str = "INFO"
     log_json: bool = False

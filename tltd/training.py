@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue as threading_queue
 import threading
 import time
@@ -69,6 +70,7 @@ class _Run:
     # starting|training|publishing|releasing|preempting|idle|stopping|stopped
     phase: str = "starting"
     worker: DrafterWorker | None = None
+    spawning: DrafterWorker | None = None  # while `_launch` waits for its Ready
     outbox: threading_queue.Queue | None = None
     step: int = 0
     loss: float = 0.0
@@ -110,6 +112,7 @@ class DrafterTraining:
         self._last_start: dict[str, float] = {}
         self._closed = False
         self._closing: asyncio.Future | None = None
+        self._close_deadline = math.inf  # monotonic; a later, shorter close lowers it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: asyncio.Queue | None = None
         self._consumer: asyncio.Task | None = None
@@ -196,25 +199,50 @@ class DrafterTraining:
 
     # ---- lifecycle ------------------------------------------------------------------------
 
-    def close(self, why: str = "daemon shutting down", timeout: float = 60.0) -> asyncio.Future:
-        """Stop every trainer; each writes its checkpoint before it exits (SIGTERM, drain).
-        Idempotent: a close already under way (a node drain, then SIGTERM) is returned."""
+    def close(
+        self, why: str = "daemon shutting down", deadline: float | None = None
+    ) -> asyncio.Future:
+        """Stop every trainer; each writes its checkpoint before it exits (SIGTERM, drain)
+        unless `deadline` (monotonic; default 70 s from now) comes first: what is left then
+        is killed. Idempotent: a close already under way (a node drain, then SIGTERM) is
+        returned, its deadline lowered to this one if earlier."""
+        deadline = time.monotonic() + 70.0 if deadline is None else deadline
+        self._close_deadline = min(self._close_deadline, deadline)
         if self._closing is None:
             self._closed = True
-            self._closing = asyncio.ensure_future(self._close(why, timeout))
+            self._closing = asyncio.ensure_future(self._close(why))
         return self._closing
 
-    async def _close(self, why: str, timeout: float) -> None:
-        for run in list(self._runs.values()):
-            if run.launch is not None and not run.launch.done():
-                await asyncio.wait(
-                    [run.launch], timeout=self.settings.training_start_timeout_seconds
-                )
-            if run.alive:
-                await self._stop_run(run, why, timeout)
+    async def _close(self, why: str) -> None:
+        # All at once: each trainer gets the whole time left to checkpoint.
+        runs = list(self._runs.values())
+        await asyncio.gather(*(self._close_run(run, why) for run in runs))
         if self._consumer is not None:
             self._consumer.cancel()
             await asyncio.gather(self._consumer, return_exceptions=True)
+
+    async def _close_run(self, run: _Run, why: str) -> None:
+        if run.launch is not None and not await self._wait(run.launch):
+            # Still loading its target at the deadline: kill what it spawned (its launch then
+            # fails, or finds the daemon closed); there is nothing to checkpoint yet.
+            run.phase = "stopped"
+            if run.spawning is not None:
+                await asyncio.to_thread(run.spawning.kill)
+            await self._record(run, WorkerState.STOPPING, why)
+            await self._record(run, WorkerState.STOPPED, f"{why}; killed while starting")
+            return
+        if run.alive:
+            await self._stop_run(run, why)
+
+    async def _wait(self, fut: asyncio.Future, limit: float = math.inf) -> bool:
+        """Wait for `fut` until `limit` (monotonic) or the close deadline, which a shutdown
+        may lower meanwhile (hence polled); True when it is done."""
+        while not fut.done():
+            left = min(limit, self._close_deadline) - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.wait([fut], timeout=min(left, 0.1))
+        return True
 
     async def abort(self) -> None:
         """Kill every trainer without a checkpoint (a daemon crash, in tests)."""
@@ -229,17 +257,20 @@ class DrafterTraining:
             await asyncio.gather(self._consumer, return_exceptions=True)
 
     async def _stop_run(self, run: _Run, why: str, timeout: float = 60.0) -> None:
+        """Stop one trainer (checkpoint first) within `timeout`, or the close deadline."""
+        limit = time.monotonic() + timeout
         holding = run.phase in (*_HOLDING, "preempting", "releasing")
         run.phase = "stopping"  # its exit is expected from here on
         await self._record(run, WorkerState.STOPPING, why)
         run.send("stop")
-        try:
-            await asyncio.wait_for(run.stopped.wait(), timeout)
-        except TimeoutError:
+        stopped = asyncio.ensure_future(run.stopped.wait())
+        if not await self._wait(stopped, limit):
+            stopped.cancel()
             log.error("drafter trainer did not stop in time", extra={"job_id": run.job_id})
         worker = run.worker
         if worker is not None:
-            await asyncio.to_thread(worker.proc.join, 10.0)
+            left = min(limit, self._close_deadline) - time.monotonic()
+            await asyncio.to_thread(worker.proc.join, min(10.0, max(0.0, left)))
             await asyncio.to_thread(worker.kill)
         run.phase = "stopped"
         if run.outbox is not None:
@@ -272,7 +303,7 @@ class DrafterTraining:
                 drafter_path=start_from,
                 threads=self.settings.worker_threads,
             )
-            worker = DrafterWorker(spec)
+            worker = run.spawning = DrafterWorker(spec)
             await asyncio.to_thread(worker.spawn)
             # Recorded at once: the model loading takes GPU memory, and a pid unknown to the
             # store would make that use look foreign (the device would be vacated).
@@ -281,14 +312,22 @@ class DrafterTraining:
                 worker.wait_for, "ready", self.settings.training_start_timeout_seconds
             )
         except Exception as exc:
-            log.exception("drafter trainer failed to start", extra={"job_id": run.job_id})
             if worker is not None:  # e.g. timed out loading: not left holding the device
                 await asyncio.to_thread(worker.kill)
             run.phase = "stopped"
             run.stopped.set()
+            if self._closed:  # killed by `close` while it loaded: recorded there
+                return
+            log.exception("drafter trainer failed to start", extra={"job_id": run.job_id})
             await self._record(run, WorkerState.FAILED, f"cannot start: {exc}")
             await self._set_device(run.device_id, DeviceState.IDLE, "trainer failed")
             self._kick()
+            return
+        finally:
+            run.spawning = None
+        if run.phase == "stopped":  # up after `close` gave up on it: nobody else stops it
+            await asyncio.to_thread(worker.kill)
+            run.stopped.set()
             return
         run.worker, run.step = worker, int(info["step"])
         run.published_step = run.step

@@ -122,7 +122,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return c.device_to_pb(await to_thread(self.svc.uncordon, request.device_id))
 
     async def Drain(self, request, context):
-        devices = await to_thread(self.svc.drain, request.device_id, request.node)
+        devices = await to_thread(
+            self.svc.drain, request.device_id, request.node, "", request.grace_seconds
+        )
         return admin_pb2.DrainResponse(devices=[c.device_to_pb(d) for d in devices])
 
     async def GetStats(self, request, context):

@@ -41,11 +41,14 @@ class AdminService:
             device_id, cordoned=False, draining=False, reason="uncordoned by operator"
         )
 
-    def drain(self, device_id: str = "", node: bool = False, reason: str = "") -> list[Device]:
+    def drain(
+        self, device_id: str = "", node: bool = False, reason: str = "", grace_seconds: float = 0
+    ) -> list[Device]:
         """Mark one device, or with node=True every device and the daemon, as draining.
 
         A draining node refuses new rollouts (UNAVAILABLE) so trainers go elsewhere; work in
-        flight finishes or is returned partial once workers exist (later issue).
+        flight finishes within `grace_seconds` (0: the daemon's drain_grace_seconds), then
+        comes back partial.
         """
         if node:
             if device_id:
@@ -53,7 +56,7 @@ class AdminService:
                     "give either device_id or node=true, not both", field="device_id"
                 )
             reason = reason or "node drained by operator"
-            self.node.start_draining(reason)
+            self.node.start_draining(reason, grace_seconds or None)
             return [
                 self.store.set_device_flags(d.device_id, draining=True, reason=reason)
                 for d in self.store.list_devices()

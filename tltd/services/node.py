@@ -14,18 +14,20 @@ class NodeState:
     started_monotonic: float = field(default_factory=time.monotonic)
     draining: bool = False
     draining_reason: str = ""
+    drain_grace_seconds: float | None = None  # `tltctl drain --node --grace N`; None: default
     _on_draining: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def uptime_seconds(self, now_monotonic: float | None = None) -> float:
         now = time.monotonic() if now_monotonic is None else now_monotonic
         return max(0.0, now - self.started_monotonic)
 
-    def start_draining(self, reason: str) -> None:
+    def start_draining(self, reason: str, grace_seconds: float | None = None) -> None:
         """Refuse new rollouts from now on; listeners run once, in the caller's thread."""
         if self.draining:
             return
         self.draining = True
         self.draining_reason = reason
+        self.drain_grace_seconds = grace_seconds
         for listener in self._on_draining:
             listener()
 

@@ -60,6 +60,15 @@ class RolloutService:
         vocab = vocab_size(job.model_path)
         if vocab is not None:
             validate_rollout(req, self.settings, vocab_size=vocab)
+        devices = self.store.list_devices()
+        if self.supervisor is not None and not any(d.schedulable for d in devices):
+            # Accepted, it would wait forever (e.g. devices still flagged by a node drain
+            # before a restart): say so, and how to bring a device back.
+            held = ", ".join(d.device_id for d in devices) or "none found"
+            raise FailedPrecondition(
+                f"no schedulable device: all cordoned, draining or foreign ({held}); "
+                "`tltctl uncordon DEVICE_ID` makes a device schedulable again"
+            )
         return replace(
             req,
             request_id=req.request_id or f"req-{uuid.uuid4().hex}",
@@ -85,15 +94,14 @@ class RolloutService:
             raise Unimplemented("this daemon runs no rollout workers")
         if req.sampling.seed is None:
             req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
-        stored, _created = await asyncio.to_thread(self.store.create_request, req)
-        rid = stored.request_id
+        rid = req.request_id
         # Subscribe before reading what is stored: a sample is stored before it is published,
         # so each one is either in the read below or arrives on the subscription (or both).
         events = sup.subscribe(rid)
         try:
-            if stored.status not in _TERMINAL:
-                # The version recorded at acceptance: a retry after a policy update stays on it.
-                await sup.submit(stored, stored.policy_version)
+            # Admission runs to its end even when the caller goes away (deadline, disconnect):
+            # a request once stored is always made live, never left QUEUED with no work.
+            stored = await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
             seen: set[tuple[int, int]] = set()
             for sample in await asyncio.to_thread(self.store.list_samples, rid):
                 seen.add((sample.prompt_index, sample.sample_index))
@@ -112,6 +120,14 @@ class RolloutService:
                     yield event.sample
         finally:
             sup.unsubscribe(rid, events)
+
+    async def _admit(self, req: RolloutRequest, sup: Supervisor) -> RolloutRequest:
+        """Store the request (idempotent) and hand it to the supervisor."""
+        stored, _created = await asyncio.to_thread(self.store.create_request, req)
+        if stored.status not in _TERMINAL:
+            # The version recorded at acceptance: a retry after a policy update stays on it.
+            await sup.submit(stored, stored.policy_version)
+        return stored
 
     def get(
         self, request_id: str, include_samples: bool = False

@@ -76,9 +76,16 @@ class RolloutRequests:
 
     # ---- admission and recovery ---------------------------------------------------------------
 
-    async def submit(self, req: RolloutRequest, policy_version: int) -> bool:
+    async def submit(
+        self,
+        req: RolloutRequest,
+        policy_version: int,
+        refuse: Callable[[str, int], tuple[FinishReason, str] | None] = lambda j, v: None,
+    ) -> bool:
         """Make a stored request live (idempotent: a live request is left as it is). Samples
         already stored complete are not run again; a terminal request just ends its streams.
+        `refuse(job_id, policy_version)` names why a new request can never run (a drain, a
+        version that failed to load): it then fails at once, its streams end with the reason.
         True when the request was (re)queued, so there may be work to schedule."""
         if self.queue.get(req.request_id) is not None:
             return False
@@ -89,6 +96,14 @@ class RolloutRequests:
         samples = await asyncio.to_thread(self.store.list_samples, req.request_id)
         done = {(s.prompt_index, s.sample_index) for s in samples if not s.partial}
         live, created = self.queue.add(cur, policy_version, done, time.monotonic())
+        # Checked right after `add`, with no await between: a drain that began while the
+        # store was read has already looked at the queue and would never see this request.
+        refused = refuse(cur.job_id, policy_version) if created and not live.done else None
+        if refused is not None:
+            finish, why = refused
+            keys = self.queue.close(cur.request_id, RequestStatus.FAILED, why)
+            await self.finish_unstarted(live, keys, finish, why)
+            return False
         if created and live.done:
             self._spawn(self.finalize(live))
         return True

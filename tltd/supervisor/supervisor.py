@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long workers get to answer a node drain's Drain (return what runs as partial samples)
+# after its grace; a shutdown's one deadline replaces it.
+_DRAIN_ANSWER_SECONDS = 5.0
+
 
 class TrainingHook(Protocol):
     """The seam for drafter-training workers (kind `drafter_training`, see workers/drafter).
@@ -112,6 +116,8 @@ class Supervisor:
         self._kick: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._drain_task: asyncio.Future | None = None
+        self._drain_why = ""
+        self._work_end = self._drain_end = 0.0  # monotonic deadlines of the drain
         self._tick_lock: asyncio.Lock | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -155,22 +161,31 @@ class Supervisor:
         await asyncio.shield(self.start_drain(seconds, why))
 
     def start_drain(
-        self, seconds: float, why: str = "the daemon is shutting down"
+        self, seconds: float, why: str = "the daemon is shutting down", end: float | None = None
     ) -> asyncio.Future:
-        """Begin draining now (event loop thread); a drain already under way is returned."""
+        """Begin draining now (event loop thread): work runs `seconds`, then workers have
+        until `end` (monotonic; default `_DRAIN_ANSWER_SECONDS` later) to return what runs.
+        A drain already under way is returned, its deadlines shortened to these if earlier
+        (SIGTERM during a node drain keeps the shutdown's grace)."""
+        work_end = time.monotonic() + max(0.0, seconds)
+        end = work_end + _DRAIN_ANSWER_SECONDS if end is None else end
         if self._drain_task is None:
             self.draining = True
-            self._drain_task = asyncio.ensure_future(self._drain(seconds, why))
+            self._drain_why = f"{why} (grace {seconds:g}s)"
+            self._work_end, self._drain_end = work_end, end
+            self._drain_task = asyncio.ensure_future(self._drain())
+        else:
+            self._work_end = min(self._work_end, work_end)
+            self._drain_end = min(self._drain_end, end)
         return self._drain_task
 
-    async def _drain(self, seconds: float, why: str) -> None:
-        deadline = time.monotonic() + max(0.0, seconds)
-        while len(self.queue) and time.monotonic() < deadline:
+    async def _drain(self) -> None:
+        while len(self.queue) and time.monotonic() < self._work_end:
             await asyncio.sleep(0.05)
         self._assigning = False
         if not len(self.queue):
             return
-        reason = f"drained: {why} (grace {seconds:g}s)"
+        reason = f"drained: {self._drain_why}"
         log.info("draining workers", extra={"requests": len(self.queue)})
         busy = [s for s in self.slots.values() if s.alive and self.queue.inflight(s.worker_id)]
         for slot in busy:
@@ -179,21 +194,31 @@ class Supervisor:
         for live in list(self.queue):
             keys = self.queue.close(live.request_id, RequestStatus.FAILED, reason)
             await self.requests.finish_unstarted(live, keys, FinishReason.ABORTED, reason)
-        waits = [asyncio.create_task(s.drained.wait()) for s in busy]
-        if waits:
-            await asyncio.wait(waits, timeout=10.0)
-            for w in waits:
-                w.cancel()
+        # Polled, not one wait: a shutdown may shorten `_drain_end` meanwhile.
+        while any(not s.drained.is_set() for s in busy) and time.monotonic() < self._drain_end:
+            await asyncio.sleep(0.05)
         for slot in busy:  # a worker that did not answer: its samples end with no tokens
             if self.queue.inflight(slot.worker_id):
                 await self.requests.lose_worker(slot.worker_id, "worker did not drain in time")
-        for _ in range(200):  # final status writes of the requests just failed
-            if not len(self.queue):
-                break
+        # The final status writes of the requests just failed (store writes, not workers:
+        # they get a second past the deadline).
+        writes_end = max(self._drain_end, time.monotonic() + 1.0)
+        while len(self.queue) and time.monotonic() < writes_end:
             await asyncio.sleep(0.05)
 
-    async def stop(self) -> None:
-        """Stop every worker (Shutdown, then kill after 5 s) and record them STOPPED."""
+    def _refusal(self, job_id: str, policy_version: int) -> tuple[FinishReason, str] | None:
+        """Why a request made live now could never run, if it could not."""
+        if self.draining:
+            return FinishReason.ABORTED, f"drained: {self._drain_why}"
+        if (job_id, policy_version) in self.models.bad_versions:
+            why = f"cannot load policy version {policy_version} of job {job_id}"
+            return FinishReason.FAILED, why
+        return None
+
+    async def stop(self, deadline: float | None = None) -> None:
+        """Stop every worker (Shutdown; killed when still there at `deadline`, monotonic,
+        default 5 s from now) and record them STOPPED."""
+        deadline = time.monotonic() + 5.0 if deadline is None else deadline
         self._closed = True
         for t in self._tasks[1:]:
             t.cancel()
@@ -203,7 +228,8 @@ class Supervisor:
                 slot.send(msg.Shutdown())
         for slot in self.slots.values():
             if slot.proc is not None:
-                await asyncio.to_thread(slot.proc.join, 5.0)
+                left = max(0.0, deadline - time.monotonic())
+                await asyncio.to_thread(slot.proc.join, left)
                 if slot.proc.is_alive():
                     slot.proc.kill()
                     await asyncio.to_thread(slot.proc.join, 5.0)
@@ -225,9 +251,18 @@ class Supervisor:
         self.requests.unsubscribe(request_id, q)
 
     async def submit(self, req: RolloutRequest, policy_version: int) -> None:
-        """Make a stored request live (idempotent, see `RolloutRequests.submit`)."""
-        if await self.requests.submit(req, policy_version):
-            self.kick()
+        """Make a stored request live (idempotent, see `RolloutRequests.submit`); one that
+        can never run (draining, a version that failed to load) fails at once."""
+        if not await self.requests.submit(req, policy_version, self._refusal):
+            return
+        self.kick()
+        # A CancelRequest that landed while submit read the store found nothing live to stop
+        # (its `cancel` was a no-op): the store has the last word.
+        cur = await asyncio.to_thread(self.store.get_request, req.request_id)
+        live = self.queue.get(req.request_id)
+        closed = (RequestStatus.CANCELLED, RequestStatus.FAILED)
+        if cur.status in closed and live is not None and live.outcome is None:
+            await self._close(req.request_id, cur.status, cur.status_reason)
 
     def cancel_threadsafe(self, request_id: str, reason: str) -> None:
         """Called from any thread after the store marked the request CANCELLED."""
@@ -237,13 +272,18 @@ class Supervisor:
     async def cancel(self, request_id: str, reason: str) -> None:
         """Stop a live request: waiting samples end now, running ones are cancelled in their
         workers (they come back CANCELLED with the tokens so far)."""
+        await self._close(request_id, RequestStatus.CANCELLED, reason)
+
+    async def _close(self, request_id: str, status: RequestStatus, reason: str) -> None:
         live = self.queue.get(request_id)
         if live is None:
             return
-        keys = self.queue.close(request_id, RequestStatus.CANCELLED, reason)
+        keys = self.queue.close(request_id, status, reason)
         for wid in set(live.running.values()):
             self.slots[wid].send(msg.Cancel(request_id))
-        await self.requests.finish_unstarted(live, keys, FinishReason.CANCELLED, reason)
+        cancelled = status is RequestStatus.CANCELLED
+        finish = FinishReason.CANCELLED if cancelled else FinishReason.ABORTED
+        await self.requests.finish_unstarted(live, keys, finish, reason)
 
     def kick(self) -> None:
         if self._kick is not None:

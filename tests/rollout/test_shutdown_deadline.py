@@ -1,0 +1,106 @@
+"""The shutdown has one deadline, the end of shutdown_grace_seconds: a worker that does not
+answer, a node drain with a longer grace, a drafter trainer still loading do not extend it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from tests.api.support import make_settings, sampling
+from tests.rollout.support import InProcessDaemon, ServeProcess, wait_until
+from tests.rollout.test_lifecycle import RUNNING, _status
+from tests.rollout.test_rollouts import PROMPTS, Stream
+from tltd.domain import RequestStatus, WorkerState
+from tltd.store import Store
+
+GRACE = 2.0
+LONG = dict(n=16, temperature=0.0, max_new_tokens=1000)
+
+
+def test_sigterm_with_a_hung_worker_ends_at_the_grace(sqlite_url, tmp_path, ckpt):
+    d = ServeProcess(tmp_path, sqlite_url, shutdown_grace_seconds=GRACE, drafter_training="false")
+    workers = []
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            workers = d.wait_workers_ready("job")
+            stream = Stream(c, "job", PROMPTS * 2, sampling=sampling(**LONG), request_id="big")
+            wait_until(lambda: _status(c, "big") == RUNNING, what="running")
+            time.sleep(0.3)
+            os.kill(workers[0].pid, signal.SIGSTOP)  # hung in a step: never answers Drain
+            t0 = time.monotonic()
+            d.proc.send_signal(signal.SIGTERM)
+            code = d.wait(timeout=GRACE + 30)
+            took = time.monotonic() - t0
+            stream.result(10)
+    finally:
+        for w in workers:
+            try:
+                os.kill(w.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        d.kill()
+    assert code == 0 and took < GRACE + 3
+    assert "drained" in str(stream.error)
+    store = Store(sqlite_url)
+    try:
+        assert store.get_request("big").status is RequestStatus.FAILED
+        assert all(w.state is WorkerState.STOPPED for w in store.list_workers())
+    finally:
+        store.close()
+
+
+def test_sigterm_during_a_long_node_drain_keeps_the_shutdown_grace(sqlite_url, tmp_path, ckpt):
+    d = ServeProcess(tmp_path, sqlite_url, shutdown_grace_seconds=GRACE,
+                     drain_grace_seconds=60, drafter_training="false")  # fmt: skip
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready("job")
+            stream = Stream(c, "job", PROMPTS * 4, sampling=sampling(**LONG), request_id="big")
+            wait_until(lambda: _status(c, "big") == RUNNING, what="running")
+            c.drain(node=True)  # 60 s of drain grace
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            d.proc.send_signal(signal.SIGTERM)
+            code = d.wait(timeout=60)
+            took = time.monotonic() - t0
+            stream.result(10)
+    finally:
+        d.kill()
+    assert code == 0 and took < GRACE + 3
+    assert "node drained" in str(stream.error)
+
+
+def test_shutdown_does_not_wait_for_a_trainer_still_loading(
+    sqlite_store, tmp_path, ckpt, monkeypatch
+):
+    import workers.drafter.worker as dw
+
+    real_start = dw.DrafterWorker.start
+
+    def slow_start(self, timeout=120.0):  # a big target loading onto a GPU
+        time.sleep(5)
+        return real_start(self, timeout)
+
+    monkeypatch.setattr(dw.DrafterWorker, "start", slow_start)
+    settings = make_settings(tmp_path, cpu_slots=2, worker_max_batch=8, worker_max_seq_len=1024,
+                             worker_heartbeat_seconds=0.2, device_refresh_seconds=3600.0,
+                             shutdown_grace_seconds=GRACE)  # fmt: skip
+    d = InProcessDaemon(settings, sqlite_store).start()
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        d.call(d.daemon.training.start("cpu:1", "job"))
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        d.call(d.daemon.shutdown(), timeout=60)
+        took = time.monotonic() - t0
+        d.daemon = None
+    finally:
+        d.kill()
+    assert took < GRACE + 2
+    trainer = sqlite_store.get_worker("drafter-job")
+    assert trainer.state is WorkerState.STOPPED and "killed while starting" in trainer.state_reason
