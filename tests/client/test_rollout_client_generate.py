@@ -140,10 +140,12 @@ def request_status(client: RolloutClient, request_id: str, want: str) -> str:
         time.sleep(0.05)
 
 
-def cordon_all(target: str) -> None:
-    with RolloutClient(target) as client:
-        for device in client.raw.list_devices():
-            client.raw.cordon(device.device_id, "test: keep requests queued")
+def occupy_workers(client: RolloutClient) -> Iterator:
+    """A running request that fills every worker (3 waves of 32 samples on 2 x 16 slots), so
+    that a request sent next stays queued behind it; close the returned stream to cancel it."""
+    blocker = client.stream(PROMPTS, sampling=LONG)
+    next(blocker)
+    return blocker
 
 
 def test_abandoned_streams_are_cancelled_and_ids_are_fresh(daemon, ckpt):
@@ -168,11 +170,12 @@ def test_abandoned_streams_are_cancelled_and_ids_are_fresh(daemon, ckpt):
         assert request_status(client, done[0].request_id, "completed") == "completed"
 
         # A timeout gives up too: typed error, request cancelled (a retry duplicates nothing).
-        # Cordoned devices keep the request queued, so the deadline surely comes first.
-        cordon_all(daemon.target)
+        # Queued behind a request that fills the workers, the deadline surely comes first.
+        blocker = occupy_workers(client)
         with pytest.raises(DeadlineExceededError):
             client.generate(PROMPTS, sampling=LONG, timeout=0.3)
         assert request_status(client, client.last_request_id, "cancelled") == "cancelled"
+        blocker.close()
 
 
 def test_async_abandoned_streams_are_cancelled(daemon, ckpt):
@@ -184,10 +187,12 @@ def test_async_abandoned_streams_are_cancelled(daemon, ckpt):
             assert (await anext(stream)).request_id == closed
             await stream.aclose()
             # A caller's own deadline cancels the iterating task inside the generator.
-            await asyncio.to_thread(cordon_all, daemon.target)
+            blocker = client.stream(PROMPTS, sampling=LONG)  # fills the workers: see above
+            await anext(blocker)
             stream = client.stream(PROMPTS, sampling=LONG, request_id="async-timeout")
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(anext(stream), 0.3)
+            await blocker.aclose()
             return closed, client.last_request_id
 
     closed, timed_out = asyncio.run(scenario())
