@@ -78,13 +78,14 @@ def test_shutdown_does_not_wait_for_a_trainer_still_loading(
 ):
     import workers.drafter.worker as dw
 
-    real_start = dw.DrafterWorker.start
+    real_wait_for = dw.DrafterWorker.wait_for
 
-    def slow_start(self, timeout=120.0):  # a big target loading onto a GPU
-        time.sleep(5)
-        return real_start(self, timeout)
+    def slow_ready(self, kind, timeout=60.0):  # a big target loading onto a GPU
+        if kind == "ready":
+            time.sleep(5)
+        return real_wait_for(self, kind, timeout)
 
-    monkeypatch.setattr(dw.DrafterWorker, "start", slow_start)
+    monkeypatch.setattr(dw.DrafterWorker, "wait_for", slow_ready)
     settings = make_settings(tmp_path, cpu_slots=2, worker_max_batch=8, worker_max_seq_len=1024,
                              worker_heartbeat_seconds=0.2, device_refresh_seconds=3600.0,
                              shutdown_grace_seconds=GRACE)  # fmt: skip
