@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Any
 import grpc
 
 from clients.client import DEFAULT_TARGET, TltClient, channel_credentials
-from clients.errors import TltClientError, from_rpc_error
+from clients.errors import NotFoundError, TltClientError, from_rpc_error
 from tltd.domain import FinishReason, SamplingParams
 from tltd.v1 import (
     common_pb2,
@@ -52,6 +53,7 @@ _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # A stream that ends with these was given up on by this side: the daemon still runs the work.
 _GIVEN_UP = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 _CANCEL_TIMEOUT = 5.0
+_CANCEL_RETRY_SECONDS = 0.1
 _ABANDONED = "abandoned by the client (stopped reading the stream, or timed out)"
 
 log = logging.getLogger(__name__)
@@ -359,10 +361,21 @@ class RolloutClient(_JobBound):
                 self._cancel_quietly(req.request_id)
 
     def _cancel_quietly(self, request_id: str) -> None:
-        try:
-            self.raw.cancel_request(request_id, _ABANDONED, timeout=_CANCEL_TIMEOUT)
-        except (TltClientError, ValueError) as exc:  # finished already, or the channel closed
-            log.debug("could not cancel abandoned request %s: %s", request_id, exc)
+        # NOT_FOUND: the daemon may still be storing the request (its admission completes
+        # even when the caller has left), so the cancel is retried until it lands.
+        deadline = time.monotonic() + _CANCEL_TIMEOUT
+        while True:
+            try:
+                self.raw.cancel_request(request_id, _ABANDONED, timeout=_CANCEL_TIMEOUT)
+                return
+            except NotFoundError as exc:
+                if time.monotonic() >= deadline:
+                    log.debug("could not cancel abandoned request %s: %s", request_id, exc)
+                    return
+                time.sleep(_CANCEL_RETRY_SECONDS)
+            except (TltClientError, ValueError) as exc:  # finished already, or channel closed
+                log.debug("could not cancel abandoned request %s: %s", request_id, exc)
+                return
 
     def generate(
         self,
@@ -567,10 +580,19 @@ class AsyncRolloutClient(_JobBound):
         if self.channel is None or self._loop is not asyncio.get_running_loop():
             return  # the client was closed first: nothing to cancel with
         req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=_ABANDONED)
-        try:
-            await self._call(self._rollouts.CancelRequest, req, timeout=_CANCEL_TIMEOUT)
-        except (TltClientError, grpc.aio.UsageError) as exc:  # finished already, or closing
-            log.debug("could not cancel abandoned request %s: %s", request_id, exc)
+        deadline = time.monotonic() + _CANCEL_TIMEOUT
+        while True:  # NOT_FOUND retried: see RolloutClient._cancel_quietly
+            try:
+                await self._call(self._rollouts.CancelRequest, req, timeout=_CANCEL_TIMEOUT)
+                return
+            except NotFoundError as exc:
+                if time.monotonic() >= deadline:
+                    log.debug("could not cancel abandoned request %s: %s", request_id, exc)
+                    return
+                await asyncio.sleep(_CANCEL_RETRY_SECONDS)
+            except (TltClientError, grpc.aio.UsageError) as exc:  # finished already, or closing
+                log.debug("could not cancel abandoned request %s: %s", request_id, exc)
+                return
 
     async def generate(
         self,

@@ -172,8 +172,12 @@ def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decisi
     # yields and it is not idle.
     target = {w.worker_id: w.switching_to for w in snap.workers if w.switching}
     target.update({s.worker_id: s.job_id for s in switches})
-    reserved = {worker_device[wid] for wid in switching}
-    for wid in sorted(switching):
+    # Only for a job with work waiting: a worker loading a model on its own (fresh, restarted,
+    # its job ended) with nothing to run must not preempt training or hide an idle device.
+    waiting_jobs = {p.job_id for p in snap.pending}
+    needed_by = {wid for wid in switching if target.get(wid) in waiting_jobs}
+    reserved = {worker_device[wid] for wid in needed_by}
+    for wid in sorted(needed_by):
         device_id = worker_device[wid]
         if device_id in training and device_id not in preempt:
             preempt.append(device_id)

@@ -214,3 +214,21 @@ def test_async_client_built_outside_a_loop(daemon, ckpt):
             await client.close()
 
     assert len(asyncio.run(again())) == 1
+
+
+def test_a_request_abandoned_while_the_daemon_stores_it_is_cancelled(daemon, ckpt, monkeypatch):
+    # The caller's deadline passes while the daemon is still storing the request: the client's
+    # cancel finds nothing yet, and the admission (which completes without its caller) would
+    # then run the request in full for nobody. The client retries the cancel until it lands.
+    real_create = daemon.store.create_request
+
+    def slow_create(req):
+        time.sleep(1.0)
+        return real_create(req)
+
+    with RolloutClient(daemon.target) as client:
+        client.create_job(ckpt, job_id="slow-admission", speculative="off")
+        monkeypatch.setattr(daemon.store, "create_request", slow_create)
+        with pytest.raises(DeadlineExceededError):
+            client.generate(PROMPTS, sampling=LONG, timeout=0.3)
+        assert request_status(client, client.last_request_id, "cancelled") == "cancelled"

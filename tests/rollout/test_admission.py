@@ -117,10 +117,15 @@ def test_no_schedulable_device_refuses_generate_until_uncordoned(sqlite_daemon, 
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
+        params = sampling(n=2, max_new_tokens=4)
+        done = list(c.generate("job", [[1, 2, 3]], sampling=params, request_id="done"))
         for dev in d.store.list_devices():
             d.store.set_device_flags(dev.device_id, draining=True, reason="node drained")
         with pytest.raises(FailedPreconditionError, match="no schedulable device.*uncordon"):
             list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4), timeout=10))
+        # A retry of a stored request still attaches (a client reconnecting reads its samples).
+        again = list(c.generate("job", [[1, 2, 3]], sampling=params, request_id="done"))
+        assert [s.token_ids for s in again] == [s.token_ids for s in done]
         assert not c.uncordon("cpu:0").draining
         got = list(c.generate("job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=4)))
     assert len(got) == 2 and not any(s.partial for s in got)

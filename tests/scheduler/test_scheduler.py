@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tltd.scheduler import (
@@ -519,3 +521,22 @@ def test_a_device_whose_worker_died_is_not_idle_while_work_waits():
         CFG,
     )
     assert d.idle_devices == () and d.start_training == ()
+
+
+def test_a_worker_loading_a_model_with_nothing_waiting_does_not_preempt_training():
+    # cpu:1's worker (re)starts and loads job j on its own; nothing is pending, so the
+    # training running on cpu:1 keeps the device.
+    loading = RolloutWorkerView("w1", "cpu:1", "", ready=False, switching_to="j")
+    s = Snapshot(
+        now=100.0,
+        devices=(DeviceView("cpu:0", True), DeviceView("cpu:1", True)),
+        workers=(RolloutWorkerView("w0", "cpu:0", "j", ready=True, idle_since=0.0), loading),
+        training=(TrainingView("cpu:1", "j"),),
+        pending=(),
+        jobs=(JobView("j"),),
+    )
+    d = schedule(s, CFG)
+    assert d.preempt_training == ()
+    # With work of that job waiting, the loading worker's device is needed: training yields.
+    d = schedule(replace(s, pending=(work("r", n=4, job="j"),)), CFG)
+    assert "cpu:1" in d.preempt_training

@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tltd.domain import JobStatus, RequestStatus, RolloutRequest, Sample, SpeculativeMode
-from tltd.errors import FailedPrecondition, Unavailable, Unimplemented
+from tltd.errors import FailedPrecondition, NotFound, Unavailable, Unimplemented
 from tltd.services.checkpoints import vocab_size
 from tltd.services.node import NodeState
 from tltd.services.validation import check_id, validate_rollout
@@ -61,12 +61,21 @@ class RolloutService:
         if vocab is not None:
             validate_rollout(req, self.settings, vocab_size=vocab)
         devices = self.store.list_devices()
-        if self.supervisor is not None and not any(d.schedulable for d in devices):
-            # Accepted, it would wait forever (e.g. devices still flagged by a node drain
-            # before a restart): say so, and how to bring a device back.
+        if (
+            self.supervisor is not None
+            and not any(d.schedulable for d in devices)
+            and not (req.request_id and self._stored(req.request_id))  # a retry attaches
+        ):
+            # Accepted, it would wait with nothing to run it (e.g. devices still flagged by a
+            # node drain before a restart): say so, and how to bring a device back. A device
+            # taken by a foreign process comes back by itself: retryable.
             held = ", ".join(d.device_id for d in devices) or "none found"
+            if any(d.foreign and not (d.cordoned or d.draining) for d in devices):
+                raise Unavailable(
+                    f"no schedulable device: foreign processes hold the free ones ({held})"
+                )
             raise FailedPrecondition(
-                f"no schedulable device: all cordoned, draining or foreign ({held}); "
+                f"no schedulable device: all cordoned or draining ({held}); "
                 "`tltctl uncordon DEVICE_ID` makes a device schedulable again"
             )
         return replace(
@@ -128,6 +137,13 @@ class RolloutService:
             # The version recorded at acceptance: a retry after a policy update stays on it.
             await sup.submit(stored, stored.policy_version)
         return stored
+
+    def _stored(self, request_id: str) -> bool:
+        try:
+            self.store.get_request(request_id)
+        except NotFound:
+            return False
+        return True
 
     def get(
         self, request_id: str, include_samples: bool = False
