@@ -88,6 +88,7 @@ class Daemon:
         self.scheduler: AsyncIOScheduler | None = None
         self.metrics: MetricsServer | None = None
         self.stop_requested = asyncio.Event()  # what `serve` waits for before `shutdown`
+        self.started_at = time.time()  # wall clock: a preemption notice file older is stale
 
     async def start(self) -> None:
         settings, loop = self.settings, asyncio.get_running_loop()
@@ -106,6 +107,7 @@ class Daemon:
             self.supervisor,
             self.training,
             on_preemption_notice=lambda: loop.call_soon_threadsafe(self._preemption_notice),
+            started_at=self.started_at,
         )
         self.scheduler.start()
         log.info(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +32,9 @@ log = logging.getLogger(__name__)
 _METRICS_ROLL_UP_SECONDS = 2.0
 # A preemption notice leaves tens of seconds at best: look often (one stat call).
 _PREEMPTION_NOTICE_SECONDS = 0.5
+# A notice file is stale when older than the daemon by more than this: file systems with a
+# coarse mtime (FAT: 2 s) may date a notice written just after the start before it.
+_NOTICE_MTIME_SLACK_SECONDS = 2.0
 
 
 def our_pids(store: Store) -> set[int]:
@@ -101,10 +106,37 @@ async def reap_workers(supervisor: Supervisor) -> list[str]:
     return await supervisor.reap()
 
 
-def check_preemption_notice(path: str, on_notice: Callable[[], None]) -> bool:
-    """The preemption notice file exists: call `on_notice` (it starts the SIGTERM shutdown)."""
-    if not Path(path).exists():
+@dataclass
+class NoticeWatch:
+    """What the preemption notice check remembers between runs."""
+
+    path: str
+    started_at: float  # wall-clock time the daemon started: an older notice file is stale
+    stale_mtime: float | None = None  # the stale file's mtime (ignored while it stays)
+    seen_absent: bool = False  # whatever appears after the file was seen gone is a notice
+
+
+def check_preemption_notice(watch: NoticeWatch, on_notice: Callable[[], None]) -> bool:
+    """The preemption notice file exists: call `on_notice` (it starts the SIGTERM shutdown).
+
+    A file older than the daemon (left by the preemption that stopped a previous one) is
+    stale: it is named in one warning and ignored until it is rewritten (its mtime changes)
+    or removed and created again; otherwise a restarted daemon would stop at once."""
+    try:
+        mtime = os.stat(watch.path).st_mtime
+    except OSError:  # absent (or unreadable, as Path.exists() treats it)
+        watch.stale_mtime, watch.seen_absent = None, True
         return False
+    if not watch.seen_absent:
+        if watch.stale_mtime is None and mtime < watch.started_at - _NOTICE_MTIME_SLACK_SECONDS:
+            watch.stale_mtime = mtime
+            log.warning(
+                "stale preemption notice file ignored: it predates this daemon; rewrite or "
+                "recreate it to give notice",
+                extra={"path": watch.path},
+            )
+        if mtime == watch.stale_mtime:
+            return False
     on_notice()
     return True
 
@@ -117,6 +149,7 @@ def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, in
     (job id, version) pairs retired."""
     root = Path(root).resolve()
     retired = []
+    why = f"garbage-collected: not among the newest {keep}, not pinned, not active"
     for job in store.list_jobs(None, 1 << 30):
         versions = [
             v
@@ -124,11 +157,10 @@ def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, in
             if v.status in (DrafterStatus.PROMOTED, DrafterStatus.REJECTED)
         ]
         newest = {v.version for v in sorted(versions, key=lambda v: v.version)[-keep:]}
-        for v in versions:
-            if v.version in newest or v.pinned or v.active:
-                continue
-            why = f"garbage-collected: not among the newest {keep}, not pinned, not active"
-            store.set_drafter_status(job.job_id, v.version, DrafterStatus.RETIRED, why)
+        old = [v.version for v in versions if v.version not in newest]
+        # The store re-checks pinned / active as it retires: a pin may land after the read
+        # above. Only what it retired loses its checkpoint.
+        for v in store.retire_drafters(job.job_id, old, why):
             path = Path(v.path).resolve()
             if path.is_dir() and path.is_relative_to(root) and path != root:
                 shutil.rmtree(path, ignore_errors=True)
@@ -145,10 +177,12 @@ def build_scheduler(
     supervisor: Supervisor | None = None,
     training: DrafterTraining | None = None,
     on_preemption_notice: Callable[[], None] | None = None,
+    started_at: float | None = None,
 ) -> AsyncIOScheduler:
     """Every periodic job with its trigger. Synchronous bodies (the store is) run in the
     scheduler's thread pool, off the event loop; coroutine bodies (the supervisor's) run on
-    the loop. One instance at a time, missed runs coalesced into one.
+    the loop. One instance at a time, missed runs coalesced into one. `started_at` (wall
+    clock, default now) is when the daemon started: an older preemption notice is stale.
 
     The scheduling tick itself is not here: it is event-driven (see `tltd.supervisor`)."""
     scheduler = AsyncIOScheduler(timezone=UTC, job_defaults={"max_instances": 1, "coalesce": True})
@@ -185,7 +219,13 @@ def build_scheduler(
         scheduler.add_job(
             check_preemption_notice,
             IntervalTrigger(seconds=_PREEMPTION_NOTICE_SECONDS),
-            args=(settings.preemption_notice_file, on_preemption_notice),
+            args=(
+                NoticeWatch(
+                    settings.preemption_notice_file,
+                    time.time() if started_at is None else started_at,
+                ),
+                on_preemption_notice,
+            ),
             id="preemption-notice",
             name="preemption notice file watch",
             max_instances=1,

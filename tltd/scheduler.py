@@ -90,7 +90,9 @@ class JobView:
     job_id: str
     weight: float = 1.0
     priority: int = 0
-    served_tokens: int = 0  # tokens decoded for this job so far (the fair-share account)
+    # Tokens decoded for this job (the fair-share account); a job waking from idle comes in
+    # lifted level with the busy ones (`tltd.supervisor.fair_share`), not with credit.
+    served_tokens: int = 0
     fresh_samples: int = 0  # finished samples not yet used for drafter training
     last_training_at: float | None = None
     policy_updating: bool = False  # a worker is loading new policy weights for this job

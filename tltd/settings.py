@@ -66,6 +66,8 @@ class Settings:
     shutdown_grace_seconds: float = 30.0
     drain_grace_seconds: float = 30.0
     # A file whose appearance (a cloud preemption notice) starts the same shutdown as SIGTERM.
+    # One already there and older than the daemon (a past preemption's) is ignored, with a
+    # warning, until it is rewritten or removed and created again.
     preemption_notice_file: str = ""
     metrics_port: int = 0  # 0 = disabled
     log_level: str = "INFO"

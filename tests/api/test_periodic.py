@@ -13,7 +13,14 @@ from apscheduler.triggers.interval import IntervalTrigger
 from tests.api.support import make_settings
 from tltd.devices import discover
 from tltd.domain import Worker, WorkerKind, WorkerState
-from tltd.periodic import build_scheduler, our_pids, refresh_devices, with_descendants
+from tltd.periodic import (
+    NoticeWatch,
+    build_scheduler,
+    check_preemption_notice,
+    our_pids,
+    refresh_devices,
+    with_descendants,
+)
 
 
 def test_refresh_devices_body(store):
@@ -105,3 +112,57 @@ def test_a_gpu_used_by_a_child_of_our_worker_is_not_foreign(store):
         os.kill(engine_pid, signal.SIGKILL)
         worker.kill()
         worker.wait()
+
+
+def test_a_notice_file_older_than_the_daemon_is_ignored_until_rewritten(tmp_path, caplog):
+    notice = tmp_path / "preempted"
+    notice.write_text("")  # left by the preemption that stopped the previous daemon
+    os.utime(notice, (1_000.0, 1_000.0))
+    watch = NoticeWatch(str(notice), started_at=5_000.0)
+    calls = []
+    with caplog.at_level("WARNING", logger="tltd.periodic"):
+        for _ in range(3):
+            assert not check_preemption_notice(watch, lambda: calls.append(1))
+    assert calls == []
+    stale = [r for r in caplog.records if "stale preemption notice" in r.getMessage()]
+    assert len(stale) == 1 and stale[0].path == str(notice)  # warned once, naming the path
+
+    os.utime(notice, (1_001.0, 1_001.0))  # rewritten (even with an old clock): a notice
+    assert check_preemption_notice(watch, lambda: calls.append(1)) and calls == [1]
+
+
+def test_a_stale_notice_file_removed_and_created_again_is_a_notice(tmp_path):
+    notice = tmp_path / "preempted"
+    watch = NoticeWatch(str(notice), started_at=5_000.0)
+    calls = []
+    assert not check_preemption_notice(watch, lambda: calls.append(1))  # none yet
+    notice.write_text("")
+    os.utime(notice, (1_000.0, 1_000.0))  # e.g. moved in with its old mtime kept
+    assert check_preemption_notice(watch, lambda: calls.append(1)) and calls == [1]
+
+    stale = NoticeWatch(str(notice), started_at=5_000.0)
+    assert not check_preemption_notice(stale, lambda: calls.append(2))
+    notice.unlink()
+    assert not check_preemption_notice(stale, lambda: calls.append(2))
+    notice.write_text("")
+    os.utime(notice, (1_000.0, 1_000.0))  # the same old mtime, but a new file
+    assert check_preemption_notice(stale, lambda: calls.append(2)) and calls == [1, 2]
+
+
+def test_a_notice_file_written_after_the_start_is_a_notice(tmp_path):
+    notice = tmp_path / "preempted"
+    notice.write_text("")
+    watch = NoticeWatch(str(notice), started_at=notice.stat().st_mtime - 60)
+    calls = []
+    assert check_preemption_notice(watch, lambda: calls.append(1)) and calls == [1]
+
+
+def test_the_notice_watch_is_declared_with_the_daemons_start(sqlite_store, tmp_path):
+    path = str(tmp_path / "preempted")
+    settings = make_settings(tmp_path, preemption_notice_file=path)
+    scheduler = build_scheduler(
+        settings, sqlite_store, None, on_preemption_notice=lambda: None, started_at=123.0
+    )
+    job = {j.id: j for j in scheduler.get_jobs()}["preemption-notice"]
+    assert job.func is check_preemption_notice
+    assert job.args[0] == NoticeWatch(path, 123.0)

@@ -1,4 +1,4 @@
-"""ModelPlanner: a drafter version that failed to load is not sent to workers again."""
+"""ModelPlanner: a version that failed to load is held back (with a backoff), not for good."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import queue
 
 from tltd.domain import Device, DeviceKind, Job
 from tltd.settings import Settings
-from tltd.supervisor.models import ModelPlanner
+from tltd.supervisor.models import HeldBack, ModelPlanner
 from tltd.supervisor.worker_process import WorkerSlot
 from workers.rollout import protocol as msg
 
@@ -48,3 +48,72 @@ def test_a_failed_drafter_version_is_not_retried():
     # A newer version is tried.
     asyncio.run(planner._sync_drafter(slot, Job("job", "/m", drafter_version=8)))
     assert slot.outbox.get_nowait().version == 8
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_held_back_doubles_from_30s_to_10min_and_clears_on_success():
+    clock = _Clock()
+    held = HeldBack(clock)
+    holds = []
+    for _ in range(8):
+        holds.append(held.fail(("job", 1)))
+        assert ("job", 1) in held and held.retry_in(("job", 1)) == holds[-1]
+        clock.now += holds[-1]  # the hold ends exactly now: free to try again
+        assert ("job", 1) not in held and held.retry_in(("job", 1)) is None
+    assert holds == [30, 60, 120, 240, 480, 600, 600, 600]
+    held.fail(("job", 5))
+    clock.now += 10
+    assert held.fail(("job", 5)) == 20  # a second worker's failure of the same try
+    clock.now += 20
+    assert held.fail(("job", 5)) == 60  # the next try
+    held.clear(("job", 1))  # it loaded: the next failure starts afresh
+    assert held.fail(("job", 1)) == 30
+    assert ("job", 2) not in held and ("other", 1) not in held  # per (job, version)
+
+
+def test_a_policy_version_that_failed_to_load_is_refused_then_retried():
+    clock = _Clock()
+    planner = ModelPlanner(_Store(), Settings(), clock=clock)  # type: ignore[arg-type]
+    slot, jobs = _slot(), {"job": Job("job", "/m", policy_version=1)}
+    assert planner._target(slot, jobs, {}) == ("job", 1)  # an idle worker preloads v1
+
+    reason = planner.load_failed(msg.LoadFailed("job", 1, "CUDA out of memory"))
+    assert reason is not None and "out of memory" in reason and "retried in 30s" in reason
+    assert planner._target(slot, jobs, {}) is None  # not loaded again meanwhile
+    why = planner.refusal("job", 1)
+    assert why == (
+        "cannot load policy version 1 of job job: its last load failed; it is retried in 30s"
+    )
+    clock.now += 20
+    assert planner.refusal("job", 1) is not None and "retried in 10s" in planner.refusal("job", 1)
+    assert planner.refusal("job", 0) is None  # the old version still runs
+
+    clock.now += 10  # the hold is over: requests are taken and the worker tries again
+    assert planner.refusal("job", 1) is None
+    assert planner._target(slot, jobs, {}) == ("job", 1)
+    planner.load_failed(msg.LoadFailed("job", 1, "CUDA out of memory"))  # fails again
+    assert "retried in 60s" in planner.refusal("job", 1)
+
+    # A worker that holds the version (a Ready naming it) clears it for good.
+    planner.loaded(msg.Ready(pid=1, job_id="job", policy_version=1))
+    assert planner.refusal("job", 1) is None
+    assert "retried in 30s" in planner.load_failed(msg.LoadFailed("job", 1, "disk"))
+
+
+def test_a_failed_drafter_version_is_retried_after_its_hold():
+    clock = _Clock()
+    planner = ModelPlanner(_Store(), Settings(), clock=clock)  # type: ignore[arg-type]
+    slot, job = _slot(), Job("job", "/m", drafter_version=7)
+    planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True))
+    asyncio.run(planner._sync_drafter(slot, job))
+    assert slot.outbox.empty()
+    clock.now += 30
+    asyncio.run(planner._sync_drafter(slot, job))
+    assert slot.outbox.get_nowait() == msg.SetDrafter("/drafters/job/7", 7)

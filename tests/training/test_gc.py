@@ -61,3 +61,50 @@ def test_gc_is_a_declared_periodic_job(sqlite_store, tmp_path):
     assert "drafter-gc" not in {
         j.id for j in build_scheduler(settings, sqlite_store, None).get_jobs()
     }
+
+
+def _old_versions(store, tmp_path, root):
+    """A job with v1..v4 promoted (v4 active); with keep=1, v1..v3 are candidates."""
+    store.create_job(Job("job", str(tmp_path / "policy")))
+    for i in range(1, 5):
+        _version(store, "job", root / "job" / f"v{i}", DrafterStatus.PROMOTED)
+
+
+def test_retire_skips_a_version_pinned_after_the_candidates_were_read(store, tmp_path):
+    _old_versions(store, tmp_path, tmp_path / "drafters")
+    candidates = [v.version for v in store.list_drafters("job") if not v.active]
+    assert candidates == [1, 2, 3]
+    store.pin_drafter("job", 2)  # lands between the read and the retire
+
+    retired = store.retire_drafters("job", candidates, "garbage-collected")
+
+    assert [v.version for v in retired] == [1, 3]
+    assert all(v.status is DrafterStatus.RETIRED for v in retired)
+    by_version = {v.version: v for v in store.list_drafters("job")}
+    assert by_version[2].pinned and by_version[2].active
+    assert by_version[2].status is DrafterStatus.PROMOTED
+    # v4 is no longer active (the pin is): asked for, it is retired; a retired version, a
+    # candidate being evaluated and an unknown version are not.
+    store.add_drafter_version(DrafterVersion("job", 0, policy_version=0, path="/c"))
+    assert [v.version for v in store.retire_drafters("job", [1, 4, 5, 99], "gc")] == [4]
+
+
+def test_gc_keeps_the_checkpoint_of_a_version_pinned_during_the_gc(store, tmp_path):
+    root = tmp_path / "drafters"
+    _old_versions(store, tmp_path, root)
+    real = store.list_drafters
+
+    def read_then_pin(job_id):
+        versions = real(job_id)
+        store.pin_drafter(job_id, 1)  # an operator pins v1 right after the GC read the pins
+        return versions
+
+    store.list_drafters = read_then_pin
+    retired = gc_drafters(store, 1, root)
+    store.list_drafters = real
+
+    assert retired == [("job", 2), ("job", 3)]
+    v1 = store.get_drafter("job", 1)
+    assert v1.pinned and v1.active and v1.status is DrafterStatus.PROMOTED
+    assert (root / "job" / "v1" / "model.safetensors").is_file()
+    assert not (root / "job" / "v2").exists() and not (root / "job" / "v3").exists()

@@ -486,6 +486,38 @@ class Store:
             s.flush()
             return convert.drafter_from_row(row, self._active_versions(s, [job_id])[job_id])
 
+    def retire_drafters(
+        self, job_id: str, versions: Sequence[int], reason: str
+    ) -> list[DrafterVersion]:
+        """Retire those of `versions` that are, at the moment of the write, evaluated
+        (promoted or rejected), unpinned and not the active one; returns the retired ones
+        (only their checkpoints may be deleted). The job row is locked as `pin_drafter` locks
+        it, so a pin lands either before (its version is kept) or after (refused: a retired
+        version cannot be pinned), never in between a read of the pins and the retire."""
+        if not versions:
+            return []
+        with self._tx() as s:
+            self._job_row(s, job_id, lock=True)
+            active = self._active_versions(s, [job_id])[job_id]
+            dv = DrafterVersionRow
+            rows = s.scalars(
+                select(dv)
+                .where(
+                    dv.job_id == job_id,
+                    dv.version.in_(list(versions)),
+                    dv.version != active,
+                    ~dv.pinned,
+                    dv.status.in_([DrafterStatus.PROMOTED.value, DrafterStatus.REJECTED.value]),
+                )
+                .order_by(dv.version)
+                .with_for_update()
+            ).all()
+            for row in rows:
+                entity_id = f"{job_id}/{row.version}"
+                switch_status(s, "drafter", entity_id, row, DrafterStatus.RETIRED, reason)
+            s.flush()
+            return [convert.drafter_from_row(r, active) for r in rows]
+
     def pin_drafter(self, job_id: str, version: int) -> int:
         """Pin `version` as the job's active drafter (0 unpins); returns the active version."""
         with self._tx() as s:

@@ -6,14 +6,20 @@ policy version that was current when it was accepted ("finish on the old version
 switches version (or job) only when it has nothing running, to the oldest version that still has
 waiting work, else to its job's current version; a promoted drafter is hot-swapped in between
 steps.
+
+A version that failed to load is held back (not loaded, its new requests refused) for a while
+that doubles with each failure in a row, from 30 s up to 10 min, and is forgotten once it loads:
+a failure may be transient (a disk hiccup, out of memory), so it must not condemn the version
+for the daemon's life, nor be retried in a tight loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import TYPE_CHECKING
 
 from tltd.domain import Backend, DeviceKind, Job, SpeculativeMode
@@ -31,17 +37,60 @@ log = logging.getLogger(__name__)
 SwitchBackend = Callable[[WorkerSlot, Backend], Awaitable[None]]
 
 
+class HeldBack:
+    """Keys (job, version) that failed, each held back until a retry time; the hold starts at
+    `first` seconds and doubles with every failure in a row, up to `longest`. `clock` is
+    monotonic seconds (tests pass their own)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        first: float = 30.0,
+        longest: float = 600.0,
+    ) -> None:
+        self.clock, self.first, self.longest = clock, first, longest
+        self._failures: dict[Hashable, int] = {}  # failures in a row, kept after a hold ends
+        self._until: dict[Hashable, float] = {}
+
+    def fail(self, key: Hashable) -> float:
+        """Record a failure; returns how long `key` is held back. A failure while it is held
+        back already (another worker's load, sent before the first failure) is the same try."""
+        if (left := self.retry_in(key)) is not None:
+            return left
+        n = self._failures[key] = self._failures.get(key, 0) + 1
+        hold = min(self.longest, self.first * 2 ** (n - 1))
+        self._until[key] = self.clock() + hold
+        return hold
+
+    def clear(self, key: Hashable) -> None:
+        """`key` worked: the next failure starts the backoff afresh."""
+        self._failures.pop(key, None)
+        self._until.pop(key, None)
+
+    def retry_in(self, key: Hashable) -> float | None:
+        """Seconds until `key` may be tried again; None when it is not held back."""
+        left = self._until.get(key, 0.0) - self.clock()
+        return left if left > 0 else None
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, Hashable) and self.retry_in(key) is not None
+
+
 class ModelPlanner:
     """Points every empty worker at the (job, policy version) it should hold next."""
 
     def __init__(
-        self, store: Store, settings: Settings, switch_backend: SwitchBackend | None = None
+        self,
+        store: Store,
+        settings: Settings,
+        switch_backend: SwitchBackend | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.settings = settings
         self.switch_backend = switch_backend
-        self.bad_versions: set[tuple[str, int]] = set()  # (job, policy version) failed to load
-        self.bad_drafters: set[tuple[str, int]] = set()  # (job, drafter version) failed to load
+        self.bad_versions = HeldBack(clock)  # (job, policy version) that failed to load
+        self.bad_drafters = HeldBack(clock)  # (job, drafter version) that failed to load
         self._paths: dict[tuple[str, int], str] = {}
 
     async def plan(
@@ -147,11 +196,40 @@ class ModelPlanner:
         slot.send(msg.SetDrafter(path, wanted))
 
     def load_failed(self, m: msg.LoadFailed) -> str | None:
-        """Remember a version that cannot load; for a policy, the reason its requests fail."""
+        """Hold back a version that failed to load; for a policy, the reason its live
+        requests fail."""
+        key = (m.job_id, m.policy_version)
         if m.drafter:
-            self.bad_drafters.add((m.job_id, m.policy_version))
-            log.error("drafter load failed", extra={"job_id": m.job_id, "error": m.message})
+            hold = self.bad_drafters.fail(key)
+            log.error(
+                "drafter load failed",
+                extra={"job_id": m.job_id, "error": m.message, "retry_in_seconds": round(hold)},
+            )
             return None
-        self.bad_versions.add((m.job_id, m.policy_version))
-        log.error("policy load failed", extra={"job_id": m.job_id, "error": m.message})
-        return f"cannot load policy version {m.policy_version} of job {m.job_id}: {m.message}"
+        hold = self.bad_versions.fail(key)
+        log.error(
+            "policy load failed",
+            extra={"job_id": m.job_id, "error": m.message, "retry_in_seconds": round(hold)},
+        )
+        return (
+            f"cannot load policy version {m.policy_version} of job {m.job_id}: {m.message} "
+            f"(retried in {math.ceil(hold)}s)"
+        )
+
+    def loaded(self, m: msg.Ready) -> None:
+        """A worker reports what it holds now: those versions do load (a failure elsewhere was
+        transient or that device's), so they are held back no more."""
+        if m.job_id:
+            self.bad_versions.clear((m.job_id, m.policy_version))
+            if m.drafter_version:
+                self.bad_drafters.clear((m.job_id, m.drafter_version))
+
+    def refusal(self, job_id: str, version: int) -> str | None:
+        """Why a new request on this policy version is refused now, if it is."""
+        left = self.bad_versions.retry_in((job_id, version))
+        if left is None:
+            return None
+        return (
+            f"cannot load policy version {version} of job {job_id}: its last load failed; "
+            f"it is retried in {math.ceil(left)}s"
+        )

@@ -10,7 +10,8 @@ periodic job in `tltd.periodic`.
 The parts live next to this module: `worker_process` (a worker's process and pipe threads),
 `requests` (live requests, streams, finishing samples), `models` (which job, policy and drafter
 each worker holds; the policy-version semantics are stated there), `writes` (ordered store
-writes), `policy_updates` (UpdatePolicy writes in flight, which gate training starts).
+writes), `policy_updates` (UpdatePolicy writes in flight, which gate training starts),
+`fair_share` (the tokens-served accounts, a job waking from idle placed level).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tltd.domain import (
 from tltd.metrics import METRICS
 from tltd.scheduler import Decision, SchedulerConfig, TrainingView, schedule
 from tltd.settings import Settings
+from tltd.supervisor.fair_share import FairShare
 from tltd.supervisor.models import ModelPlanner
 from tltd.supervisor.policy_updates import PolicyUpdates
 from tltd.supervisor.requests import RolloutRequests, StreamEvent
@@ -106,6 +108,7 @@ class Supervisor:
         self.policy_updates = PolicyUpdates()  # the PolicyService wraps its store write in it
         self.slots: dict[str, WorkerSlot] = {}
         self.served_tokens: Counter[str] = Counter()
+        self.fair_share = FairShare(self.served_tokens)  # lifts a job waking from idle
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
         self.draining = False
         self._assigning = True
@@ -210,8 +213,7 @@ class Supervisor:
         """Why a request made live now could never run, if it could not."""
         if self.draining:
             return FinishReason.ABORTED, f"drained: {self._drain_why}"
-        if (job_id, policy_version) in self.models.bad_versions:
-            why = f"cannot load policy version {policy_version} of job {job_id}"
+        if (why := self.models.refusal(job_id, policy_version)) is not None:
             return FinishReason.FAILED, why
         return None
 
@@ -340,7 +342,7 @@ class Supervisor:
             jobs.values(),
             self.slots.values(),
             self.queue,
-            self.served_tokens,
+            self.fair_share.accounts(jobs.values(), self.queue),
             self.training,
         )
         decision = schedule(snap, self.sched_cfg)
@@ -559,6 +561,7 @@ class Supervisor:
                 slot.job_id, slot.policy_version = m.job_id, m.policy_version
                 slot.target_job = slot.policy_load = ""
                 slot.drafter_version = m.drafter_version
+                self.models.loaded(m)  # a version that loads is no longer held back
                 slot.reason = (
                     f"job {m.job_id} policy v{m.policy_version} drafter v{m.drafter_version}"
                     if m.job_id
