@@ -13,8 +13,8 @@ import pytest
 from clients import AsyncRolloutClient, RolloutClient, by_prompt
 from clients.errors import DeadlineExceededError
 from tests.api.support import make_settings
-from tests.rollout.support import InProcessDaemon, direct_outputs, make_checkpoint
-from tltd.domain import SamplingParams
+from tests.rollout.support import InProcessDaemon, direct_outputs, make_checkpoint, wait_until
+from tltd.domain import FinishReason, RequestStatus, SamplingParams
 from tltd.metrics import METRICS
 from tltd.store import Store
 from tltd.store.migrate import upgrade
@@ -232,3 +232,43 @@ def test_a_request_abandoned_while_the_daemon_stores_it_is_cancelled(daemon, ckp
         with pytest.raises(DeadlineExceededError):
             client.generate(PROMPTS, sampling=LONG, timeout=0.3)
         assert request_status(client, client.last_request_id, "cancelled") == "cancelled"
+
+
+def test_async_requests_abandoned_while_the_daemon_stores_them_are_cancelled(
+    daemon, ckpt, monkeypatch
+):
+    # As above, through the asyncio client, both ways an async caller gives up: the call's own
+    # timeout (DEADLINE_EXCEEDED) and asyncio.wait_for cancelling the task that iterates.
+    real_create = daemon.store.create_request
+
+    def slow_create(req):
+        time.sleep(1.0)
+        return real_create(req)
+
+    async def scenario() -> list[str]:
+        async with AsyncRolloutClient(daemon.target) as client:
+            await client.create_job(ckpt, job_id="slow-admission", speculative="off")
+            monkeypatch.setattr(daemon.store, "create_request", slow_create)
+            with pytest.raises(DeadlineExceededError):
+                await client.generate(PROMPTS, sampling=LONG, timeout=0.3)
+            timed_out = client.last_request_id
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    client.generate(PROMPTS, sampling=LONG, request_id="async-held"), 0.3
+                )
+            return [timed_out, "async-held"]
+
+    ids = asyncio.run(scenario())
+    sup = daemon.supervisor
+    for rid in ids:
+        req = daemon.store.get_request(rid)  # stored after the caller left, then cancelled
+        assert req.status is RequestStatus.CANCELLED, (rid, req.status, req.status_reason)
+        assert "abandoned by the client" in req.status_reason
+    # The work stopped: nothing of these requests is live or running, and they did not run in
+    # full (every sample stored is either one finished before the cancel, or cancelled).
+    wait_until(lambda: all(sup.queue.get(rid) is None for rid in ids), what="requests closed")
+    wait_until(lambda: all(sup.queue.inflight(w) == 0 for w in sup.slots), what="workers free")
+    for rid in ids:
+        req, samples = daemon.store.get_request(rid), daemon.store.list_samples(rid)
+        assert req.samples_done < req.samples_total == len(PROMPTS) * LONG.n
+        assert all(not s.partial or s.finish_reason is FinishReason.CANCELLED for s in samples)

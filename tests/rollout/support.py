@@ -85,12 +85,13 @@ class InProcessDaemon:
     gRPC server on port 0, periodic jobs) on an event loop in a thread, so that tests use the
     synchronous client and can look inside the supervisor."""
 
-    def __init__(self, settings, store) -> None:
+    def __init__(self, settings, store, nvml=None) -> None:
         import asyncio
         import threading
 
         self.settings = settings
         self.store = store
+        self.nvml = nvml  # a fake `tltd.devices.Nvml` for GPUs; None: the CPU slots
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.daemon = None
@@ -101,7 +102,7 @@ class InProcessDaemon:
         self._thread.start()
 
         async def start():
-            self.daemon = Daemon(self.settings, self.store, None)
+            self.daemon = Daemon(self.settings, self.store, self.nvml)
             await self.daemon.start()
 
         self.call(start())

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import replace
 
 import pytest
 
 from clients.errors import FailedPreconditionError, UnavailableError
 from tests.api.support import sampling
-from tests.rollout.support import wait_until
-from tests.rollout.test_rollouts import PROMPTS, Stream
-from tltd.domain import FinishReason, RequestStatus
+from tests.rollout.support import direct_outputs, wait_until
+from tests.rollout.test_rollouts import PROMPTS, Stream, _by_key
+from tltd.devices import cpu_devices
+from tltd.domain import DeviceProcess, DeviceState, FinishReason, RequestStatus, SamplingParams
 from tltd.errors import NotFound
+from tltd.periodic import refresh_devices
 from tltd.v1 import rollout_pb2
 
 CANCELLED = rollout_pb2.FINISH_REASON_CANCELLED
@@ -190,3 +193,176 @@ def _running(c) -> bool:
         return c.get_request("big").request.status == rollout_pb2.REQUEST_STATUS_RUNNING
     except NotFoundError:
         return False
+
+
+def _foreign(devices, pid: int = 4242):
+    """The inventory as discovery reports it once another user's process holds each device."""
+    held = (DeviceProcess(pid, 1 << 30),)
+    why = f"foreign process: pid {pid} (1024 MiB)"
+    return [replace(d, processes=held, foreign=True, state_reason=why) for d in devices]
+
+
+def test_devices_held_by_foreign_processes_refuse_generate_as_retryable(sqlite_daemon, ckpt):
+    """Every device taken by someone else's process: a new Generate is refused UNAVAILABLE
+    (the devices come back by themselves), while a retry of a stored request still attaches,
+    to a finished one as to one whose work waits for the devices."""
+    d, sup = sqlite_daemon, sqlite_daemon.supervisor
+    greedy = dict(n=2, temperature=0.0, max_new_tokens=900)
+    with d.client() as c, d.client() as c2:
+        c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        done = list(c.generate("job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=4),
+                               request_id="done"))  # fmt: skip
+        running = Stream(c2, "job", PROMPTS[:2], sampling=sampling(**greedy), request_id="long")
+        wait_until(lambda: sum(map(sup.queue.inflight, sup.slots)) > 0, what="long running")
+        # Device discovery reports a foreign process on both CPU slots (the seam the
+        # inventory writes through); the supervisor vacates them.
+        d.store.upsert_devices(_foreign(cpu_devices(2)))
+        sup.kick_threadsafe()
+        wait_until(lambda: not any(s.alive for s in sup.slots.values()), what="vacated")
+
+        taken = "no schedulable device: the free ones are taken by foreign processes"
+        with pytest.raises(UnavailableError, match=taken) as info:
+            list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4),
+                            request_id="refused", timeout=10))  # fmt: skip
+        assert "(cpu:0 foreign, cpu:1 foreign)" in str(info.value)
+        assert _status(d.store, "refused") is None  # refused before anything was stored
+        # A finished request's retry reads its samples.
+        again = list(c.generate("job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=4),
+                                request_id="done"))  # fmt: skip
+        assert _by_key(again) == _by_key(done)
+        # An open one's retry attaches too: it waits with the request, not refused.
+        retry = Stream(c, "job", PROMPTS[:2], sampling=sampling(**greedy), request_id="long")
+        time.sleep(0.5)
+        assert retry.is_alive() and retry.error is None
+        assert _status(d.store, "long") not in (RequestStatus.COMPLETED, RequestStatus.FAILED)
+
+        # One device cordoned, the other still foreign: still retryable (the foreign one frees).
+        c.cordon("cpu:0", "bad fan")
+        with pytest.raises(UnavailableError, match=r"taken by foreign.*cpu:0 cordoned\+foreign"):
+            list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4), timeout=10))
+        c.uncordon("cpu:0")
+
+        # The foreign processes leave: the next inventory refresh (the periodic job's body)
+        # makes the devices ours again, workers come back and the waiting work finishes.
+        refresh_devices(d.store, None, 2)
+        sup.kick_threadsafe()
+        got_first, got_retry = running.result(), retry.result()
+        assert running.error is None and retry.error is None
+        after = list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4)))
+    expected = direct_outputs(ckpt, PROMPTS[:2], SamplingParams(**greedy))
+    assert _by_key(got_first) == _by_key(got_retry) == expected
+    assert d.store.get_request("long").status is RequestStatus.COMPLETED
+    assert len(after) == 1 and not after[0].partial
+
+
+def test_gpus_held_by_foreign_processes_at_the_hardware_boundary(sqlite_store, tmp_path, ckpt):
+    """The same through device discovery (a fake NVML): GPUs running someone else's processes
+    get no workers, and Generate says so (UNAVAILABLE); a GPU NVML cannot read runs nothing
+    either, so it does not make Generate wait forever; only cordoned and draining devices
+    call for `tltctl uncordon` (FAILED_PRECONDITION)."""
+    import pynvml
+
+    from tests.api.support import make_settings
+    from tests.rollout.support import InProcessDaemon
+    from tests.store.test_devices import FakeNvml, _gpu
+
+    nvml = FakeNvml([_gpu(0, procs=[(4242, 1 << 30)]), _gpu(1, procs=[(4343, 1 << 30)])])
+    settings = make_settings(tmp_path, cpu_slots=2, worker_heartbeat_seconds=0.2,
+                             device_refresh_seconds=3600.0, drafter_training=False)  # fmt: skip
+    d = InProcessDaemon(settings, sqlite_store, nvml=nvml).start()
+    params = sampling(max_new_tokens=4)
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            devices = {dev.device_id: dev for dev in c.list_devices()}
+            assert sorted(devices) == ["cuda:0", "cuda:1"]
+            assert all("foreign process: pid 4" in dev.state_reason for dev in devices.values())
+            taken = r"taken by foreign processes or unavailable \(cuda:0 foreign, cuda:1 foreign\)"
+            with pytest.raises(UnavailableError, match=taken):
+                list(c.generate("job", [[1, 2, 3]], sampling=params, timeout=10))
+
+            # GPU 1 falls off the bus: NVML cannot read it, the inventory marks it unavailable
+            # (and no longer foreign). Nothing can run on either GPU: still refused.
+            nvml.gpus[1] = {"error": pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)}
+            refresh_devices(d.store, nvml, settings.cpu_slots)
+            lost = d.store.get_device("cuda:1")
+            assert lost.state is DeviceState.UNAVAILABLE and not lost.foreign
+            with pytest.raises(UnavailableError, match=r"\(cuda:0 foreign, cuda:1 unavailable\)"):
+                list(c.generate("job", [[1, 2, 3]], sampling=params, timeout=10))
+
+            # Cordoned and drained: only an operator brings them back.
+            c.cordon("cuda:0", "ECC errors")
+            c.drain("cuda:1")
+            drained = r"all cordoned or draining \(cuda:0 cordoned\+foreign, cuda:1 draining\+una"
+            with pytest.raises(FailedPreconditionError, match=drained + ".*uncordon"):
+                list(c.generate("job", [[1, 2, 3]], sampling=params, timeout=10))
+        assert not any(s.alive for s in d.supervisor.slots.values())  # none was ever started
+        assert d.store.list_requests(None, None, 100) == []  # nothing was queued for nobody
+    finally:
+        d.kill()
+
+
+def test_a_retry_after_a_policy_update_runs_on_the_version_recorded_at_acceptance(
+    sqlite_daemon, ckpt, ckpt2, monkeypatch
+):
+    """Stated semantics (README, `RolloutService.generate`): a request runs on the policy
+    version current when it was accepted. Here the retry of a stored request is what makes it
+    live: the first call's deadline passed while its admission was held between storing the
+    request (on v0) and submitting it, the trainer pushed v1, then retried the same id."""
+    import threading
+
+    d, sup = sqlite_daemon, sqlite_daemon.supervisor
+    params = sampling(n=2, temperature=0.0, max_new_tokens=12, seed=3)
+    real_create, gate, calls = d.store.create_request, threading.Event(), []
+
+    def create_then_hold(req):
+        out = real_create(req)
+        calls.append(f"stored v{out[0].policy_version}")
+        if len(calls) == 1:
+            assert gate.wait(60), "the test never released the first admission"
+            calls.append("first admission resumed")
+        return out
+
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        monkeypatch.setattr(d.store, "create_request", create_then_hold)
+        with pytest.raises(Exception, match="(?i)deadline"):
+            list(c.generate("job", PROMPTS[:2], sampling=params, request_id="r", timeout=0.3))
+        assert calls == ["stored v0"] and sup.queue.get("r") is None  # stored, not live
+        assert c.update_policy("job", str(ckpt2)).version == 1
+        retry = Stream(c, "job", PROMPTS[:2], sampling=params, request_id="r", timeout=60)
+        wait_until(lambda: sup.queue.get("r") is not None, what="the retry made it live")
+        gate.set()
+        got = retry.result()
+        wait_until(lambda: "first admission resumed" in calls, what="first admission done")
+        # Finished, a retry reads the same samples; a new request runs on v1.
+        again = list(c.generate("job", PROMPTS[:2], sampling=params, request_id="r"))
+        new = list(c.generate("job", PROMPTS[:2], sampling=params, request_id="new"))
+    assert retry.error is None
+    assert calls[:3] == ["stored v0", "stored v0", "first admission resumed"]
+    assert {s.policy_version for s in got} == {0}
+    same = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=3)
+    assert _by_key(got) == _by_key(again) == direct_outputs(ckpt, PROMPTS[:2], same)
+    assert d.store.get_request("r").policy_version == 0
+    assert {s.policy_version for s in d.store.list_samples("r")} == {0}
+    assert {s.policy_version for s in new} == {1}
+    assert _by_key(new) == direct_outputs(ckpt2, PROMPTS[:2], same)
+
+
+def test_a_node_with_no_device_at_all_refuses_generate(sqlite_store, tmp_path, ckpt):
+    from tests.api.support import make_settings
+    from tests.rollout.support import InProcessDaemon
+
+    settings = make_settings(tmp_path, cpu_slots=0, device_refresh_seconds=3600.0,
+                             drafter_training=False)  # fmt: skip
+    d = InProcessDaemon(settings, sqlite_store).start()  # no NVML, no CPU slot
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            with pytest.raises(FailedPreconditionError, match="no device found.*cpu_slots is 0"):
+                list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4),
+                                timeout=10))  # fmt: skip
+    finally:
+        d.kill()

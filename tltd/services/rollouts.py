@@ -9,8 +9,16 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from tltd.domain import JobStatus, RequestStatus, RolloutRequest, Sample, SpeculativeMode
-from tltd.errors import FailedPrecondition, NotFound, Unavailable, Unimplemented
+from tltd.domain import (
+    Device,
+    DeviceState,
+    JobStatus,
+    RequestStatus,
+    RolloutRequest,
+    Sample,
+    SpeculativeMode,
+)
+from tltd.errors import FailedPrecondition, NotFound, TltError, Unavailable, Unimplemented
 from tltd.services.checkpoints import vocab_size
 from tltd.services.node import NodeState
 from tltd.services.validation import check_id, validate_rollout
@@ -63,21 +71,12 @@ class RolloutService:
         devices = self.store.list_devices()
         if (
             self.supervisor is not None
-            and not any(d.schedulable for d in devices)
+            and not any(_runnable(d) for d in devices)
             and not (req.request_id and self._stored(req.request_id))  # a retry attaches
         ):
             # Accepted, it would wait with nothing to run it (e.g. devices still flagged by a
-            # node drain before a restart): say so, and how to bring a device back. A device
-            # taken by a foreign process comes back by itself: retryable.
-            held = ", ".join(d.device_id for d in devices) or "none found"
-            if any(d.foreign and not (d.cordoned or d.draining) for d in devices):
-                raise Unavailable(
-                    f"no schedulable device: foreign processes hold the free ones ({held})"
-                )
-            raise FailedPrecondition(
-                f"no schedulable device: all cordoned or draining ({held}); "
-                "`tltctl uncordon DEVICE_ID` makes a device schedulable again"
-            )
+            # node drain before a restart): say so, and how to bring a device back.
+            raise _no_device(devices)
         return replace(
             req,
             request_id=req.request_id or f"req-{uuid.uuid4().hex}",
@@ -168,6 +167,40 @@ class RolloutService:
         if self.supervisor is not None:
             self.supervisor.cancel_threadsafe(request_id, reason)
         return req
+
+
+def _runnable(d: Device) -> bool:
+    """Whether the scheduler would give the device work (as `supervisor.snapshot.device_view`
+    folds it): a device the inventory cannot read or no longer finds runs nothing either."""
+    return d.schedulable and d.state is not DeviceState.UNAVAILABLE
+
+
+def _no_device(devices: list[Device]) -> TltError:
+    """Why no device can run a new request. Devices taken by foreign processes or unreadable
+    come back by themselves (an inventory refresh): retryable. Cordoned and draining devices
+    need an operator: say how."""
+    if not devices:
+        return FailedPrecondition("no device found on this node: no GPU seen, and cpu_slots is 0")
+    listed = ", ".join(f"{d.device_id} {_flags(d)}" for d in devices)
+    if any(not (d.cordoned or d.draining) for d in devices):
+        return Unavailable(
+            f"no schedulable device: the free ones are taken by foreign processes or "
+            f"unavailable ({listed})"
+        )
+    return FailedPrecondition(
+        f"no schedulable device: all cordoned or draining ({listed}); "
+        "`tltctl uncordon DEVICE_ID` makes a device schedulable again"
+    )
+
+
+def _flags(d: Device) -> str:
+    on = (
+        ("cordoned", d.cordoned),
+        ("draining", d.draining),
+        ("foreign", d.foreign),
+        ("unavailable", d.state is DeviceState.UNAVAILABLE),
+    )
+    return "+".join(name for name, flag in on if flag)
 
 
 def _end(request_id: str, status: RequestStatus | None, reason: str) -> None:
