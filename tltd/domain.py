@@ -211,7 +211,11 @@ class Device:
 
     @property
     def schedulable(self) -> bool:
-        return not (self.foreign or self.cordoned or self.draining)
+        """Whether new rollout work may go here: not foreign, cordoned or draining, and
+        readable by the inventory (an UNAVAILABLE device runs nothing)."""
+        return not (self.foreign or self.cordoned or self.draining) and (
+            self.state is not DeviceState.UNAVAILABLE
+        )
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,8 @@ def test_one_broken_gpu_does_not_hide_the_others() -> None:
     d0, d1 = discover(nvml, cpu_slots=1, our_pids=set())
     assert d0.state == DeviceState.IDLE
     assert d1.state == DeviceState.UNAVAILABLE and "NVML error" in d1.state_reason
+    # A GPU the inventory cannot read gets no work (admission, the scheduler, admin stats).
+    assert not d1.schedulable and not (d1.foreign or d1.cordoned or d1.draining)
 
 
 def test_nvml_errors_and_no_gpus_fall_back_to_cpu() -> None:

@@ -71,7 +71,7 @@ class RolloutService:
         devices = self.store.list_devices()
         if (
             self.supervisor is not None
-            and not any(_runnable(d) for d in devices)
+            and not any(d.schedulable for d in devices)
             and not (req.request_id and self._stored(req.request_id))  # a retry attaches
         ):
             # Accepted, it would wait with nothing to run it (e.g. devices still flagged by a
@@ -167,12 +167,6 @@ class RolloutService:
         if self.supervisor is not None:
             self.supervisor.cancel_threadsafe(request_id, reason)
         return req
-
-
-def _runnable(d: Device) -> bool:
-    """Whether the scheduler would give the device work (as `supervisor.snapshot.device_view`
-    folds it): a device the inventory cannot read or no longer finds runs nothing either."""
-    return d.schedulable and d.state is not DeviceState.UNAVAILABLE
 
 
 def _no_device(devices: list[Device]) -> TltError:

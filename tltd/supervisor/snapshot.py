@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from tltd.domain import Device, DeviceState, Job
+from tltd.domain import Device, Job
 from tltd.scheduler import DeviceView, JobView, RolloutWorkerView, Snapshot
 from tltd.supervisor.worker_process import WorkerSlot
 from tltd.workqueue import WorkQueue
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def device_view(d: Device) -> DeviceView:
     """Cordoned, draining, foreign and unavailable devices all get no new work."""
-    return DeviceView(d.device_id, d.schedulable and d.state is not DeviceState.UNAVAILABLE)
+    return DeviceView(d.device_id, d.schedulable)
 
 
 def worker_view(s: WorkerSlot, queue: WorkQueue) -> RolloutWorkerView:
