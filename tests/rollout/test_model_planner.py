@@ -24,8 +24,8 @@ class _Store:
         return type("D", (), {"path": f"/drafters/{job_id}/{version}"})()
 
 
-def _slot() -> WorkerSlot:
-    slot = WorkerSlot("w0", Device("cpu:0", DeviceKind.CPU, 0))
+def _slot(worker_id: str = "w0") -> WorkerSlot:
+    slot = WorkerSlot(worker_id, Device(f"cpu:{worker_id[1:]}", DeviceKind.CPU, 0))
     slot.proc, slot.outbox = _Alive(), queue.Queue()
     slot.job_id = "job"
     return slot
@@ -40,7 +40,9 @@ def test_a_failed_drafter_version_is_not_retried():
     assert sent == msg.SetDrafter("/drafters/job/7", 7)
 
     # The worker reports the failure with the drafter's version (not the policy's) ...
-    assert planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True)) is None
+    assert (
+        planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True), slot, {}) is None
+    )
     slot.loading = False
     asyncio.run(planner._sync_drafter(slot, job))
     assert slot.outbox.empty()  # ... so the same version is not sent again (no reload loop)
@@ -84,7 +86,7 @@ def test_a_policy_version_that_failed_to_load_is_refused_then_retried():
     slot, jobs = _slot(), {"job": Job("job", "/m", policy_version=1)}
     assert planner._target(slot, jobs, {}) == ("job", 1)  # an idle worker preloads v1
 
-    reason = planner.load_failed(msg.LoadFailed("job", 1, "CUDA out of memory"))
+    reason = planner.load_failed(msg.LoadFailed("job", 1, "CUDA out of memory"), slot, {})
     assert reason is not None and "out of memory" in reason and "retried in 30s" in reason
     assert planner._target(slot, jobs, {}) is None  # not loaded again meanwhile
     why = planner.refusal("job", 1)
@@ -98,22 +100,49 @@ def test_a_policy_version_that_failed_to_load_is_refused_then_retried():
     clock.now += 10  # the hold is over: requests are taken and the worker tries again
     assert planner.refusal("job", 1) is None
     assert planner._target(slot, jobs, {}) == ("job", 1)
-    planner.load_failed(msg.LoadFailed("job", 1, "CUDA out of memory"))  # fails again
+    planner.load_failed(msg.LoadFailed("job", 1, "CUDA out of memory"), slot, {})  # fails again
     assert "retried in 60s" in planner.refusal("job", 1)
 
     # A worker that holds the version (a Ready naming it) clears it for good.
-    planner.loaded(msg.Ready(pid=1, job_id="job", policy_version=1))
+    planner.loaded(msg.Ready(pid=1, job_id="job", policy_version=1), slot)
     assert planner.refusal("job", 1) is None
-    assert "retried in 30s" in planner.load_failed(msg.LoadFailed("job", 1, "disk"))
+    assert "retried in 30s" in planner.load_failed(msg.LoadFailed("job", 1, "disk"), slot, {})
 
 
 def test_a_failed_drafter_version_is_retried_after_its_hold():
     clock = _Clock()
     planner = ModelPlanner(_Store(), Settings(), clock=clock)  # type: ignore[arg-type]
     slot, job = _slot(), Job("job", "/m", drafter_version=7)
-    planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True))
+    planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True), slot, {})
     asyncio.run(planner._sync_drafter(slot, job))
     assert slot.outbox.empty()
     clock.now += 30
     asyncio.run(planner._sync_drafter(slot, job))
     assert slot.outbox.get_nowait() == msg.SetDrafter("/drafters/job/7", 7)
+
+
+def test_a_version_that_fails_on_one_worker_while_another_runs_it_is_held_back_there_only():
+    clock = _Clock()
+    planner = ModelPlanner(_Store(), Settings(), clock=clock)  # type: ignore[arg-type]
+    a, b = _slot("w0"), _slot("w1")
+    a.ready, a.policy_version = True, 1  # w0 runs v1 of the job
+    b.job_id = ""
+    jobs = {"job": Job("job", "/m", policy_version=1)}
+    assert planner._target(b, jobs, {"job": {1}}) is None  # no job: the scheduler picks
+    b.job_id = "job"
+    assert planner._target(b, jobs, {"job": {1}}) == ("job", 1)
+
+    # Out of memory on w1's device: its requests still run on w0, new ones are taken ...
+    failed = msg.LoadFailed("job", 1, "CUDA out of memory")
+    assert planner.load_failed(failed, b, {"w0": a, "w1": b}) is None
+    assert planner.refusal("job", 1) is None
+    # ... and w1 does not retry it in a loop, while w0 would still be pointed at it.
+    assert planner._target(b, jobs, {"job": {1}}) is None
+    assert planner._target(a, jobs, {"job": {1}}) == ("job", 1)
+    clock.now += 30
+    assert planner._target(b, jobs, {"job": {1}}) == ("job", 1)  # retried after its hold
+
+    # With no other worker running it, the version itself is held back (requests fail).
+    a.ready = False
+    reason = planner.load_failed(failed, b, {"w0": a, "w1": b})
+    assert reason is not None and planner.refusal("job", 1) is not None

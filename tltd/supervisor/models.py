@@ -91,6 +91,9 @@ class ModelPlanner:
         self.switch_backend = switch_backend
         self.bad_versions = HeldBack(clock)  # (job, policy version) that failed to load
         self.bad_drafters = HeldBack(clock)  # (job, drafter version) that failed to load
+        # (worker, job, policy version) that failed on one worker while another runs it: that
+        # device's trouble (out of memory there), not the version's.
+        self.bad_here = HeldBack(clock)
         self._paths: dict[tuple[str, int], str] = {}
 
     async def plan(
@@ -124,7 +127,8 @@ class ModelPlanner:
         waits (else the scheduler picks its job)."""
 
         def ok(job_id: str, v: int) -> bool:
-            return (job_id, v) not in self.bad_versions
+            here = (slot.worker_id, job_id, v)
+            return (job_id, v) not in self.bad_versions and here not in self.bad_here
 
         def oldest(job_id: str) -> int | None:
             return min((v for v in pending.get(job_id, ()) if ok(job_id, v)), default=None)
@@ -195,10 +199,28 @@ class ModelPlanner:
         slot.loading, slot.since = True, time.monotonic()
         slot.send(msg.SetDrafter(path, wanted))
 
-    def load_failed(self, m: msg.LoadFailed) -> str | None:
-        """Hold back a version that failed to load; for a policy, the reason its live
-        requests fail."""
+    def load_failed(
+        self, m: msg.LoadFailed, slot: WorkerSlot, slots: Mapping[str, WorkerSlot]
+    ) -> str | None:
+        """Hold back a version that failed to load on `slot`; for a policy, the reason its
+        live requests fail. A policy version another worker runs is held back on `slot` only:
+        its requests run there, and new ones are taken."""
         key = (m.job_id, m.policy_version)
+        if not m.drafter and any(
+            o is not slot and o.alive and o.ready and (o.job_id, o.policy_version) == key
+            for o in slots.values()
+        ):
+            hold = self.bad_here.fail((slot.worker_id, *key))
+            log.error(
+                "policy load failed on one worker; another runs it",
+                extra={
+                    "job_id": m.job_id,
+                    "worker_id": slot.worker_id,
+                    "error": m.message,
+                    "retry_in_seconds": round(hold),
+                },
+            )
+            return None
         if m.drafter:
             hold = self.bad_drafters.fail(key)
             log.error(
@@ -216,11 +238,12 @@ class ModelPlanner:
             f"(retried in {math.ceil(hold)}s)"
         )
 
-    def loaded(self, m: msg.Ready) -> None:
+    def loaded(self, m: msg.Ready, slot: WorkerSlot) -> None:
         """A worker reports what it holds now: those versions do load (a failure elsewhere was
         transient or that device's), so they are held back no more."""
         if m.job_id:
             self.bad_versions.clear((m.job_id, m.policy_version))
+            self.bad_here.clear((slot.worker_id, m.job_id, m.policy_version))
             if m.drafter_version:
                 self.bad_drafters.clear((m.job_id, m.drafter_version))
 

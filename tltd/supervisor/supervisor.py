@@ -561,7 +561,7 @@ class Supervisor:
                 slot.job_id, slot.policy_version = m.job_id, m.policy_version
                 slot.target_job = slot.policy_load = ""
                 slot.drafter_version = m.drafter_version
-                self.models.loaded(m)  # a version that loads is no longer held back
+                self.models.loaded(m, slot)  # a version that loads is no longer held back
                 slot.reason = (
                     f"job {m.job_id} policy v{m.policy_version} drafter v{m.drafter_version}"
                     if m.job_id
@@ -574,7 +574,7 @@ class Supervisor:
                 )
                 self.kick()
             case msg.LoadFailed():
-                reason = self.models.load_failed(m)
+                reason = self.models.load_failed(m, slot, self.slots)
                 if reason is not None:
                     self.requests.fail_version(m.job_id, m.policy_version, reason)
             case msg.Drained():
