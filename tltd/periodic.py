@@ -106,6 +106,12 @@ async def reap_workers(supervisor: Supervisor) -> list[str]:
     return await supervisor.reap()
 
 
+async def reap_trainers(training: DrafterTraining) -> list[str]:
+    """A drafter trainer that stopped heartbeating (hung) is killed and recorded FAILED, its
+    device given back. Returns the ids of those killed."""
+    return await training.reap()
+
+
 @dataclass
 class NoticeWatch:
     """What the preemption notice check remembers between runs."""
@@ -206,6 +212,15 @@ def build_scheduler(
             coalesce=True,
         )
     if training is not None:
+        scheduler.add_job(
+            reap_trainers,
+            IntervalTrigger(seconds=max(0.5, 2 * settings.worker_heartbeat_seconds)),
+            args=(training,),
+            id="trainer-reaper",
+            name="silent drafter trainer reaper",
+            max_instances=1,
+            coalesce=True,
+        )
         scheduler.add_job(
             gc_drafters,
             IntervalTrigger(seconds=settings.drafter_gc_seconds),

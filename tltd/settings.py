@@ -55,6 +55,8 @@ class Settings:
     training_held_out_every: int = 5  # every n-th finished sample measures acceptance instead
     training_held_out_samples: int = 32  # the newest held-out samples a publish evaluates on
     training_start_timeout_seconds: float = 300.0
+    # A trainer heartbeats every worker_heartbeat_seconds; silent this long while up -> killed.
+    training_heartbeat_timeout_seconds: float = 30.0
     drafter_keep_versions: int = 5  # GC keeps the newest n versions + pinned + active
     drafter_gc_seconds: float = 600.0
     # Limits
@@ -107,6 +109,7 @@ _POSITIVE = frozenset(
         "scheduler_tick_seconds",
         "training_buffer_bytes",
         "training_start_timeout_seconds",
+        "training_heartbeat_timeout_seconds",
         "drafter_gc_seconds",
         "max_prompts_per_request",
         "max_samples_per_request",

@@ -5,13 +5,17 @@ The scheduler decides (`start_training`, `preempt_training`); this module carrie
   with one target prefill, see workers/drafter/trainer.py) are kept per job; every
   `training_held_out_every`-th one is held out to measure acceptance at publish time;
 - `start` spawns (or reuses) one `DrafterWorker` process per job, feeds it the new samples and
-  runs one round of `training_steps_per_round` optimizer steps on the device it was given;
+  runs one round of `training_steps_per_round` optimizer steps on the device it was given; it
+  returns at once (it runs in the supervisor's tick): stopping an old trainer, spawning and
+  loading a new one run in a background task (`_launch`);
 - `preempt` asks the worker for the device back and records the measured latency
   (request -> "device_free"); the trainer keeps its state in memory and resumes next round;
 - at the end of a round the worker publishes a drafter version (`versions.publish`: a store row,
   promoted only when its held-out acceptance beats the active one), and the supervisor then
   hot-swaps a promoted version into the rollout workers;
-- `close` (SIGTERM / drain) stops every worker, which writes its trainer checkpoint first.
+- `close` (SIGTERM / drain) stops every worker, which writes its trainer checkpoint first;
+- a worker heartbeats from a thread; `reap` (a periodic job) kills one silent for
+  `training_heartbeat_timeout_seconds` (hung, not dead: a dead one's pipe closes).
 
 The worker's messages are read by one thread per process and handled, in order, by one task
 on the event loop; store writes go through `asyncio.to_thread` so the loop never waits on them.
@@ -80,6 +84,8 @@ class _Run:
     checkpoint: str = ""
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     launch: asyncio.Task | None = None
+    replaces: _Run | None = None  # the trainer its launch stops first (another policy/device)
+    last_heartbeat: float = 0.0  # monotonic, of any message (set by the pipe reader thread)
 
     @property
     def worker_id(self) -> str:
@@ -92,6 +98,11 @@ class _Run:
     def send(self, kind: str, payload: Any = None) -> None:
         if self.outbox is not None:
             self.outbox.put((kind, payload))
+
+    def processes(self) -> list[DrafterWorker]:
+        """Every trainer process of this run: up, still loading, or the one its launch stops."""
+        old = self.replaces.worker if self.replaces is not None else None
+        return [w for w in (self.worker, self.spawning, old) if w is not None]
 
 
 class DrafterTraining:
@@ -154,7 +165,10 @@ class DrafterTraining:
         self._fresh[job_id] += 1
 
     async def start(self, device_id: str, job_id: str) -> None:
-        """Train `job_id`'s drafter on `device_id` for one round (spawning its worker if needed)."""
+        """Train `job_id`'s drafter on `device_id` for one round (spawning its worker if needed).
+
+        Returns once the device is recorded TRAINING: it runs in the supervisor's tick, so a
+        new trainer process (and the stop of one it replaces) is left to a background task."""
         self._ensure_loop()
         run = self._runs.get(job_id)
         if self._closed or (run is not None and run.phase not in ("idle", "stopped")):
@@ -165,24 +179,18 @@ class DrafterTraining:
         self._last_start[job_id] = time.monotonic()
         self._fresh[job_id] = 0
         reason = f"training the drafter of job {job_id} on idle device {device_id}"
-        if (
-            run is not None
-            and run.alive
-            and (run.policy_version != job.policy_version or run.torch_device != torch_device)
-        ):
-            # The trainer's target is loaded at spawn: a new policy (or device) needs a new
-            # process, which resumes from the checkpoint this stop writes.
-            await self._stop_run(run, f"restarting for policy version {job.policy_version}")
-            run = None
         await self._set_device(device_id, DeviceState.TRAINING, reason)
-        if run is None or not run.alive:
-            run = _Run(job_id, device_id, torch_device, job.policy_version)
-            self._runs[job_id] = run
-            await self._record(run, WorkerState.STARTING, f"spawning: {reason}")
-            run.launch = asyncio.ensure_future(self._launch(run, job.drafter_version, reason))
+        alive = run is not None and run.alive
+        if alive and (run.policy_version, run.torch_device) == (job.policy_version, torch_device):
+            run.device_id = device_id
+            await self._begin_round(run, reason)
             return
-        run.device_id = device_id
-        await self._begin_round(run, reason)
+        # The trainer's target is loaded at spawn: a new policy (or device) needs a new
+        # process, which resumes from the checkpoint the old one writes as it stops.
+        new = _Run(job_id, device_id, torch_device, job.policy_version)
+        new.replaces = run if alive else None
+        self._runs[job_id] = new
+        new.launch = asyncio.ensure_future(self._launch(new, job.drafter_version, reason))
 
     async def preempt(self, device_id: str, reason: str) -> None:
         """Ask the training on `device_id` to yield now; `device_free` completes it."""
@@ -226,10 +234,11 @@ class DrafterTraining:
             # Still loading its target at the deadline: kill what it spawned (its launch then
             # fails, or finds the daemon closed); there is nothing to checkpoint yet.
             run.phase = "stopped"
-            if run.spawning is not None:
-                await asyncio.to_thread(run.spawning.kill)
+            for worker in run.processes():
+                await asyncio.to_thread(worker.kill)
             await self._record(run, WorkerState.STOPPING, why)
             await self._record(run, WorkerState.STOPPED, f"{why}; killed while starting")
+            await self._set_device(run.device_id, DeviceState.IDLE, why)
             return
         if run.alive:
             await self._stop_run(run, why)
@@ -244,12 +253,23 @@ class DrafterTraining:
             await asyncio.wait([fut], timeout=min(left, 0.1))
         return True
 
+    async def reap(self) -> list[str]:
+        """Kill trainers silent for `training_heartbeat_timeout_seconds` (hung, not dead: a
+        dead one's pipe closes and `_on_died` records it); returns their worker ids."""
+        timeout = self.settings.training_heartbeat_timeout_seconds
+        now = time.monotonic()
+        silent = [r for r in self._runs.values() if r.alive and now - r.last_heartbeat > timeout]
+        for run in silent:
+            log.error("drafter trainer silent: killed", extra={"job_id": run.job_id})
+            await self._fail(run, f"killed: no heartbeat for {timeout:g}s")
+        return [run.worker_id for run in silent]
+
     async def abort(self) -> None:
         """Kill every trainer without a checkpoint (a daemon crash, in tests)."""
         self._closed = True
         for run in self._runs.values():
-            if run.worker is not None:
-                await asyncio.to_thread(run.worker.kill)
+            for worker in run.processes():
+                await asyncio.to_thread(worker.kill)
             if run.outbox is not None:
                 run.outbox.put(None)
         if self._consumer is not None:
@@ -283,54 +303,27 @@ class DrafterTraining:
     # ---- rounds ---------------------------------------------------------------------------
 
     async def _launch(self, run: _Run, active_drafter: int, reason: str) -> None:
-        from workers.drafter.worker import DrafterWorker, WorkerSpec
-
-        worker = None
+        """`start`'s background part: stop the trainer `run` replaces, spawn `run`'s, wait for
+        its Ready, begin the round. Every way it can fail records the run and gives the device
+        back: nothing else rewrites a TRAINING device (the supervisor leaves it to us)."""
         try:
-            policy = await asyncio.to_thread(
-                self.store.get_policy_version, run.job_id, run.policy_version
-            )
-            start_from = None
-            if active_drafter:  # a fresh trainer starts from the drafter the workers use
-                dv = await asyncio.to_thread(self.store.get_drafter, run.job_id, active_drafter)
-                start_from = dv.path if Path(dv.path).is_dir() else None
-            spec = WorkerSpec(
-                model_path=policy.path,
-                checkpoint_dir=str(self.root / run.job_id / "train"),
-                device=run.torch_device,
-                buffer_bytes=self.settings.training_buffer_bytes,
-                keep_hidden=False,
-                drafter_path=start_from,
-                threads=self.settings.worker_threads,
-            )
-            worker = run.spawning = DrafterWorker(spec)
-            await asyncio.to_thread(worker.spawn)
-            # Recorded at once: the model loading takes GPU memory, and a pid unknown to the
-            # store would make that use look foreign (the device would be vacated).
-            await self._record(run, WorkerState.STARTING, f"loading: {reason}", pid=worker.proc.pid)
-            info = await asyncio.to_thread(
-                worker.wait_for, "ready", self.settings.training_start_timeout_seconds
-            )
+            started = await self._spawn_worker(run, active_drafter, reason)
         except Exception as exc:
-            if worker is not None:  # e.g. timed out loading: not left holding the device
-                await asyncio.to_thread(worker.kill)
-            run.phase = "stopped"
-            run.stopped.set()
-            if self._closed:  # killed by `close` while it loaded: recorded there
-                return
-            log.exception("drafter trainer failed to start", extra={"job_id": run.job_id})
-            await self._record(run, WorkerState.FAILED, f"cannot start: {exc}")
-            await self._set_device(run.device_id, DeviceState.IDLE, "trainer failed")
-            self._kick()
+            if run.phase != "stopped":  # not killed by `close` (which recorded it)
+                log.exception("drafter trainer failed to start", extra={"job_id": run.job_id})
+            await self._give_up(run, WorkerState.FAILED, f"cannot start: {exc}")
             return
-        finally:
-            run.spawning = None
+        if started is None:
+            await self._give_up(run, WorkerState.STOPPED, "not started: daemon shutting down")
+            return
+        worker, info = started
         if run.phase == "stopped":  # up after `close` gave up on it: nobody else stops it
             await asyncio.to_thread(worker.kill)
             run.stopped.set()
             return
         run.worker, run.step = worker, int(info["step"])
         run.published_step = run.step
+        run.last_heartbeat = time.monotonic()
         run.outbox = threading_queue.Queue()
         threading.Thread(
             target=write_pipe,
@@ -350,6 +343,65 @@ class DrafterTraining:
             run.send("preempt")
             return
         await self._begin_round(run, reason)
+
+    async def _spawn_worker(
+        self, run: _Run, active_drafter: int, reason: str
+    ) -> tuple[DrafterWorker, dict] | None:
+        """Stop the trainer `run` replaces, then spawn `run`'s and wait for its Ready (killed
+        if that fails); None, with nothing spawned, once `close` has begun."""
+        from workers.drafter.worker import DrafterWorker, WorkerSpec
+
+        if run.replaces is not None:
+            why = f"restarting for policy version {run.policy_version}"
+            await self._stop_run(run.replaces, why)
+            run.replaces = None
+        if self._closed:  # (`close` may have recorded this run already: not overwritten)
+            return None
+        await self._record(run, WorkerState.STARTING, f"spawning: {reason}")
+        policy = await asyncio.to_thread(
+            self.store.get_policy_version, run.job_id, run.policy_version
+        )
+        start_from = None
+        if active_drafter:  # a fresh trainer starts from the drafter the workers use
+            dv = await asyncio.to_thread(self.store.get_drafter, run.job_id, active_drafter)
+            start_from = dv.path if Path(dv.path).is_dir() else None
+        spec = WorkerSpec(
+            model_path=policy.path,
+            checkpoint_dir=str(self.root / run.job_id / "train"),
+            device=run.torch_device,
+            buffer_bytes=self.settings.training_buffer_bytes,
+            keep_hidden=False,
+            drafter_path=start_from,
+            threads=self.settings.worker_threads,
+            heartbeat_seconds=self.settings.worker_heartbeat_seconds,
+        )
+        if self._closed:  # right before the spawn: `close` would not stop a process from here
+            return None
+        worker = run.spawning = DrafterWorker(spec)
+        try:
+            await asyncio.to_thread(worker.spawn)
+            # Recorded at once: the model loading takes GPU memory, and a pid unknown to the
+            # store would make that use look foreign (the device would be vacated).
+            await self._record(run, WorkerState.STARTING, f"loading: {reason}", pid=worker.proc.pid)
+            info = await asyncio.to_thread(
+                worker.wait_for, "ready", self.settings.training_start_timeout_seconds
+            )
+        except Exception:
+            await asyncio.to_thread(worker.kill)  # e.g. timed out loading: not left holding it
+            raise
+        finally:
+            run.spawning = None
+        return worker, info
+
+    async def _give_up(self, run: _Run, state: WorkerState, why: str) -> None:
+        """A launch that ends without a trainer: record the run, give the device back."""
+        run.stopped.set()
+        if run.phase == "stopped":  # `close` gave up on it first, and recorded that
+            return
+        run.phase = "stopped"
+        await self._record(run, state, why)
+        await self._set_device(run.device_id, DeviceState.IDLE, why)
+        self._kick()
 
     async def _begin_round(self, run: _Run, reason: str) -> None:
         unsent = self._unsent.pop(run.job_id, [])
@@ -388,6 +440,7 @@ class DrafterTraining:
     def _read_pipe(self, run: _Run) -> None:
         assert run.worker is not None
         conn = run.worker.conn
+        stamped = 0.0
         while True:
             try:
                 kind, payload = conn.recv()
@@ -396,7 +449,17 @@ class DrafterTraining:
             except Exception:
                 log.exception("bad message from drafter trainer", extra={"job_id": run.job_id})
                 break
-            self._post(run, kind, payload)
+            now = time.monotonic()
+            if kind == "heartbeat" and now - stamped >= 2.0:
+                # Shown by `tltctl workers`; written here, off the loop, like a rollout worker's.
+                stamped = now
+                try:
+                    self.store.heartbeat_worker(run.worker_id)
+                except Exception:  # e.g. "database is locked": keep reading
+                    log.warning("cannot record trainer heartbeat", exc_info=True)
+            run.last_heartbeat = now  # here, not on the loop: a busy loop is no hang
+            if kind != "heartbeat":
+                self._post(run, kind, payload)
         self._post(run, "exit", None)
 
     def _post(self, run: _Run, kind: str, payload: Any) -> None:
@@ -470,17 +533,21 @@ class DrafterTraining:
         await self._write(self.store.set_device_state, device_id, state, why)
 
     async def _on_died(self, run: _Run, why: str) -> None:
+        last = why.strip().splitlines()[-1] if why.strip() else why
+        log.error("drafter trainer died", extra={"job_id": run.job_id, "error": why})
+        await self._fail(run, f"trainer died: {last}")
+
+    async def _fail(self, run: _Run, why: str) -> None:
+        """Kill the trainer, record it FAILED and give back the device it held."""
         holding = run.phase in (*_HOLDING, "preempting", "releasing")
         run.phase = "stopped"
         if run.outbox is not None:
             run.outbox.put(None)
         if run.worker is not None:
             await asyncio.to_thread(run.worker.kill)
-        last = why.strip().splitlines()[-1] if why.strip() else why
-        log.error("drafter trainer died", extra={"job_id": run.job_id, "error": why})
-        await self._record(run, WorkerState.FAILED, f"trainer died: {last}")
+        await self._record(run, WorkerState.FAILED, why)
         if holding:
-            await self._set_device(run.device_id, DeviceState.IDLE, "trainer died")
+            await self._set_device(run.device_id, DeviceState.IDLE, why)
         self._kick()
 
     # ---- helpers --------------------------------------------------------------------------

@@ -111,6 +111,10 @@ def test_config_file_values_are_type_checked(tmp_path, toml, message):
         ({"TLTD_SHUTDOWN_GRACE_SECONDS": "-1"}, "shutdown_grace_seconds must be >= 0"),
         ({"TLTD_WORKER_HEARTBEAT_SECONDS": "0"}, "worker_heartbeat_seconds must be > 0"),
         ({"TLTD_DEVICE_REFRESH_SECONDS": "0"}, "device_refresh_seconds must be > 0"),
+        (
+            {"TLTD_TRAINING_HEARTBEAT_TIMEOUT_SECONDS": "0"},
+            "training_heartbeat_timeout_seconds must be > 0",
+        ),
         ({"TLTD_MAX_PROMPT_TOKENS": "0"}, "max_prompt_tokens must be > 0"),
     ],
 )

@@ -15,7 +15,7 @@ from sqlalchemy.exc import OperationalError
 from tests.api.support import make_settings, sampling
 from tests.rollout.support import InProcessDaemon, pid_alive, wait_until
 from tltd.devices import cpu_devices
-from tltd.domain import DeviceState
+from tltd.domain import DeviceState, WorkerState
 
 
 def _settings(tmp_path, **overrides):
@@ -85,6 +85,55 @@ def test_vacating_a_hung_worker_kills_its_process(sqlite_store, tmp_path, ckpt):
         d.loop.call_soon_threadsafe(d.supervisor.kick)
         wait_until(lambda: slot.dead_at is not None, timeout=20, what="vacated")
         wait_until(lambda: not pid_alive(pid), timeout=15, what="hung worker killed")
+    finally:
+        if pid and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        d.kill()
+
+
+def test_vacating_a_hung_worker_does_not_stall_scheduling(
+    sqlite_store, tmp_path, ckpt, monkeypatch
+):
+    # The hung worker gets far longer to exit than the requests below take: the order of
+    # events is then the same on any machine.
+    monkeypatch.setattr("tltd.supervisor.supervisor._EXIT_SECONDS", 120.0)
+    d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
+    pid = 0
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready(2)
+            slot = d.supervisor.slots["rollout-cpu:0"]
+            pid = slot.proc.pid
+            os.kill(pid, signal.SIGSTOP)  # hung: it will not answer Shutdown
+            devs = cpu_devices(2)
+            devs[0] = replace(devs[0], foreign=True, state_reason="foreign process: pid 1")
+            sqlite_store.upsert_devices(devs)
+            d.loop.call_soon_threadsafe(d.supervisor.kick)
+            wait_until(lambda: slot.dead_at is not None, timeout=20, what="vacating")
+            s = sampling(n=2, max_new_tokens=8)
+            # The other device is served while the vacated worker still waits to exit.
+            out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r1", timeout=60))
+            assert len(out) == 2
+            assert pid_alive(pid) and slot.exiting
+            assert sqlite_store.get_worker("rollout-cpu:0").state is WorkerState.STOPPING
+            # The device is free again, but its old process still lives: no second worker.
+            sqlite_store.upsert_devices(cpu_devices(2))
+            out = list(c.generate("job", [[4, 5]], sampling=s, request_id="r2", timeout=60))
+            assert len(out) == 2
+            assert slot.exiting and slot.proc.pid == pid and pid_alive(pid)
+            os.kill(pid, signal.SIGKILL)  # gone: the vacate ends, and a new worker starts
+            wait_until(lambda: slot.alive and slot.proc.pid != pid, timeout=30, what="restart")
+
+        def states() -> list[str]:
+            return [e.new_status for e in sqlite_store.list_events("worker", "rollout-cpu:0")]
+
+        # Store writes are asynchronous (in order): wait for the new process's record.
+        wait_until(lambda: states().count("starting") == 2, timeout=30, what="restart recorded")
+        # The old process was recorded stopped (its samples re-queued) before the new one.
+        got = states()
+        vacated = got.index("stopping")
+        assert got[vacated : vacated + 3] == ["stopping", "stopped", "starting"], got
     finally:
         if pid and pid_alive(pid):
             os.kill(pid, signal.SIGKILL)

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 # How long workers get to answer a node drain's Drain (return what runs as partial samples)
 # after its grace; a shutdown's one deadline replaces it.
 _DRAIN_ANSWER_SECONDS = 5.0
+# How long a stopped (or vacated) worker gets to exit before it is killed.
+_EXIT_SECONDS = 5.0
 
 
 class TrainingHook(Protocol):
@@ -332,7 +334,7 @@ class Supervisor:
             j.job_id: j
             for j in await asyncio.to_thread(self.store.list_jobs, [JobStatus.ACTIVE], 10_000)
         }
-        await self._reconcile(devices)
+        self._reconcile(devices)
         await self.models.plan(self.slots, self.queue, jobs)
         if not self._assigning:
             return None
@@ -430,7 +432,7 @@ class Supervisor:
 
     # ---- workers: start, vacate, health -------------------------------------------------
 
-    async def _reconcile(self, devices: list[Device]) -> None:
+    def _reconcile(self, devices: list[Device]) -> None:
         """One worker per usable device; a device turned foreign is vacated, not fought over."""
         now = time.monotonic()
         for d in devices:
@@ -443,7 +445,9 @@ class Supervisor:
                 backend = Backend(self.settings.default_backend)
                 slot = self.slots[wid] = WorkerSlot(wid, d, backend)
             slot.device = d
-            if usable and not slot.alive:
+            # Not while the old process is still being stopped (`exiting`): its samples are
+            # not re-queued yet, and it may still hold the device.
+            if usable and not slot.alive and not slot.exiting:
                 backoff = min(30.0, 0.5 * 2 ** max(0, slot.failures - 1)) if slot.failures else 0
                 if slot.dead_at is None or now - slot.dead_at >= backoff or slot.vacated:
                     self._start_worker(slot)
@@ -452,7 +456,10 @@ class Supervisor:
                 slot.vacated = True
                 self._record_state(slot, WorkerState.STOPPING, why)
                 slot.send(msg.Shutdown())
-                await self._mark_dead(slot, why, WorkerState.STOPPED)
+                # Out of service now (this tick assigns it nothing); the wait for the process
+                # (`_EXIT_SECONDS`, then a kill, if it hangs) runs beside the tick, not in it.
+                if self._retire(slot):
+                    self._spawn(self._bury(slot, why, WorkerState.STOPPED))
 
     def _start_worker(self, slot: WorkerSlot) -> None:
         assert self._loop is not None
@@ -510,32 +517,47 @@ class Supervisor:
             return
         if self._closed or slot.state is WorkerState.STOPPING:
             return  # an exit we asked for: stop() / vacating records it
-        self._spawn(self._mark_dead(slot, slot.reason or "process exited", WorkerState.FAILED))
+        if self._retire(slot):  # no work for it from now, even before the task runs
+            self._spawn(self._bury(slot, slot.reason or "process exited", WorkerState.FAILED))
 
     async def _mark_dead(self, slot: WorkerSlot, why: str, state: WorkerState) -> None:
-        """The worker is gone (or being vacated): re-queue its samples, record it."""
+        """The worker is gone (or being stopped): re-queue its samples, record it."""
+        if self._retire(slot):
+            await self._bury(slot, why, state)
+
+    def _retire(self, slot: WorkerSlot) -> bool:
+        """Take the worker out of service at once (no work, no restart until `_bury` is
+        done); False when it already was."""
         if slot.dead_at is not None:
-            return
+            return False
         slot.dead_at = time.monotonic()
+        slot.exiting = True
         slot.ready, slot.policy_load = False, ""
         if slot.outbox is not None:
             slot.outbox.put(None)
+        return True
+
+    async def _bury(self, slot: WorkerSlot, why: str, state: WorkerState) -> None:
+        """After `_retire`: wait for (or kill) the process, record it, re-queue its samples."""
         proc = slot.proc
-        if proc is not None and proc.is_alive() and state is WorkerState.FAILED:
-            proc.kill()
-        if proc is not None:
-            await asyncio.to_thread(proc.join, 5.0)
-            if proc.is_alive():  # hung (e.g. vacated while stuck): never leave it running
+        try:
+            if proc is not None and proc.is_alive() and state is WorkerState.FAILED:
                 proc.kill()
-                await asyncio.to_thread(proc.join, 5.0)
-            if proc.exitcode is not None and state is WorkerState.FAILED:
-                why = f"{why} (exit code {proc.exitcode})"
-        if state is WorkerState.FAILED:
-            slot.failures += 1
-        log.warning("rollout worker gone", extra={"worker_id": slot.worker_id, "reason": why})
-        self._record_state(slot, state, why)
-        await self.requests.lose_worker(slot.worker_id, why)
-        self.kick()
+            if proc is not None:
+                await asyncio.to_thread(proc.join, _EXIT_SECONDS)
+                if proc.is_alive():  # hung (e.g. vacated while stuck): never leave it running
+                    proc.kill()
+                    await asyncio.to_thread(proc.join, 5.0)
+                if proc.exitcode is not None and state is WorkerState.FAILED:
+                    why = f"{why} (exit code {proc.exitcode})"
+            if state is WorkerState.FAILED:
+                slot.failures += 1
+            log.warning("rollout worker gone", extra={"worker_id": slot.worker_id, "reason": why})
+            self._record_state(slot, state, why)
+            await self.requests.lose_worker(slot.worker_id, why)
+        finally:
+            slot.exiting = False
+            self.kick()  # its device may get a new worker now
 
     # ---- worker messages (event loop, posted by the worker's reader thread) ---------------
 

@@ -62,6 +62,7 @@ class WorkerSlot:
     idle_since: float | None = None
     dead_at: float | None = None  # monotonic time the process was found dead
     failures: int = 0  # consecutive deaths (restart backoff)
+    exiting: bool = False  # marked dead, its process not yet joined and recorded
     vacated: bool = False  # stopped on purpose (foreign device): not restarted
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     stored_state: tuple[WorkerState, str] | None = None

@@ -11,7 +11,8 @@ Protocol over one duplex pipe (tuples `(kind, payload)`), parent -> worker:
   ("stop", None)           write a checkpoint, wait for it, exit
 worker -> parent: ("ready", info), ("step", StepResult fields), ("idle", info),
   ("device_free", info), ("checkpointed", info), ("published", DrafterVersion fields),
-  ("stopped", info), ("error", traceback).
+  ("stopped", info), ("error", traceback), and ("heartbeat", None) every
+  `heartbeat_seconds` after "ready" (from a thread: a long step or publish is not silence).
 
 A preempt is honoured between micro-steps (`Trainer.train_step(should_stop)`): the partial step
 is dropped, host copies of the trainable + optimizer state are taken, accelerator memory is
@@ -61,6 +62,7 @@ class WorkerSpec:
     resume: bool = True  # continue from checkpoint_dir/LATEST when there is one
     checkpoint_every: int = 0  # optimizer steps between async checkpoints (0: preempt/stop only)
     threads: int = 1
+    heartbeat_seconds: float = 2.0
 
 
 class _Worker:
@@ -188,6 +190,15 @@ class _Worker:
         self.trainer.drafter.train()
         self.send("published", asdict(dv))
 
+    def _beat(self) -> None:
+        """Heartbeat thread: the daemon kills a trainer silent for too long (a hung process)."""
+        while self.running:
+            time.sleep(self.spec.heartbeat_seconds)
+            try:
+                self.send("heartbeat")
+            except (OSError, ValueError):
+                return  # the daemon is gone
+
     # -- loop -----------------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -199,6 +210,7 @@ class _Worker:
                 "items": len(self.buffer),
             },
         )
+        threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
         while self.running:
             if self._deferred:
                 self.handle(*self._deferred.pop(0))
@@ -232,10 +244,16 @@ class _Worker:
 def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     """Process entry point (spawn)."""
     torch.set_num_threads(spec.threads)
+    worker = None
     try:
-        _Worker(spec, conn).run()
+        worker = _Worker(spec, conn)
+        worker.run()
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        error = traceback.format_exc()
+        if worker is not None:
+            worker.send("error", error)  # under its lock: the heartbeat thread sends too
+        else:
+            conn.send(("error", error))
         raise
 
 
@@ -282,6 +300,8 @@ class DrafterWorker:
         kind, payload = self.conn.recv()
         if kind == "error":
             raise WorkerError(payload)
+        if kind == "heartbeat":
+            return kind, payload  # not kept: `events` would grow for as long as it lives
         if kind == "step":
             self.steps.append(payload)
         else:

@@ -1,0 +1,170 @@
+"""A drafter trainer's lifecycle off the supervisor's tick: `start` returns while an old trainer
+is still stopping, a launch during `close` spawns nothing and always gives the device back, and
+a hung trainer is killed by the heartbeat reaper. Real trainer processes, a real store."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+from tests.rollout.support import pid_alive
+from tests.training.conftest import training_settings
+from tltd.devices import cpu_devices
+from tltd.domain import DeviceState, FinishReason, Job, Sample, WorkerState
+from tltd.periodic import build_scheduler, reap_trainers
+from tltd.training import DrafterTraining
+from workers.drafter.worker import DrafterWorker
+
+
+async def _until(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.02)
+
+
+def _setup(store, policy_path) -> None:
+    store.create_job(Job("job", str(policy_path)))
+    store.upsert_devices(cpu_devices(1))
+
+
+def _sample(i: int) -> Sample:
+    tokens = tuple(5 + (i + j) % 40 for j in range(12))
+    return Sample("r", i, 0, tokens, (0.0,) * len(tokens), FinishReason.STOP)
+
+
+def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
+    sqlite_store, tmp_path, ckpt, ckpt2
+):
+    store = sqlite_store
+    _setup(store, ckpt)
+    training = DrafterTraining(store, training_settings(tmp_path))
+
+    async def main() -> None:
+        await training.start("cpu:0", "job")
+        old = training._runs["job"]
+        # No samples: the round ends at once and the trainer idles on policy version 0.
+        await _until(lambda: old.phase == "idle", "round 1 over")
+        pid = old.worker.proc.pid
+        store.add_policy_version("job", "checkpoint", str(ckpt2))
+        os.kill(pid, signal.SIGSTOP)  # hung: it cannot answer the stop of the restart
+        try:
+            # What the supervisor's tick awaits; the bound only turns a hang into a failure.
+            await asyncio.wait_for(training.start("cpu:0", "job"), 30)
+            new = training._runs["job"]
+            # Returned with the old trainer still there and the new one not yet spawned;
+            # the device is recorded training and held by the new run meanwhile.
+            assert pid_alive(pid) and new is not old and new.phase == "starting"
+            assert new.worker is None and new.spawning is None
+            assert store.get_device("cpu:0").state is DeviceState.TRAINING
+            assert [(v.device_id, v.job_id) for v in training.views()] == [("cpu:0", "job")]
+        finally:
+            os.kill(pid, signal.SIGCONT)  # now it stops, writing its checkpoint
+        await _until(lambda: new.worker is not None, "the new trainer up")
+        assert not pid_alive(pid) and new.policy_version == 1
+        await training.close()
+
+    asyncio.run(main())
+    reasons = [e.reason for e in store.list_events("worker", "drafter-job")]
+    restart = next(i for i, r in enumerate(reasons) if "restarting for policy version 1" in r)
+    assert any("resumed from" in r for r in reasons[restart:]), reasons
+
+
+def test_no_trainer_is_spawned_once_close_began(sqlite_store, tmp_path, monkeypatch):
+    store = sqlite_store
+    _setup(store, tmp_path / "policy")
+    spawned = []
+
+    def spawn(self):
+        spawned.append(self)
+        raise RuntimeError("spawned after close")
+
+    monkeypatch.setattr(DrafterWorker, "spawn", spawn)
+    training = DrafterTraining(store, training_settings(tmp_path))
+
+    async def main() -> None:
+        await training.start("cpu:0", "job")  # its launch has not run yet
+        await training.close()
+
+    asyncio.run(main())
+    assert not spawned
+    row = store.get_worker("drafter-job")
+    assert row.state is WorkerState.STOPPED and "shutting down" in row.state_reason
+    assert store.get_device("cpu:0").state is DeviceState.IDLE
+
+
+def test_a_launch_failing_while_closing_gives_the_device_back(sqlite_store, tmp_path, monkeypatch):
+    store = sqlite_store
+    _setup(store, tmp_path / "policy")
+    loading, closing = threading.Event(), threading.Event()
+    procs = []
+
+    def wait_for(self, kind, timeout=60.0):  # the target's load fails once `close` began
+        procs.append(self.proc)
+        loading.set()
+        closing.wait(30)
+        raise RuntimeError("out of memory loading the target")
+
+    monkeypatch.setattr(DrafterWorker, "wait_for", wait_for)
+    training = DrafterTraining(store, training_settings(tmp_path))
+
+    async def main() -> None:
+        await training.start("cpu:0", "job")
+        assert store.get_device("cpu:0").state is DeviceState.TRAINING
+        await asyncio.to_thread(loading.wait, 30)
+        closed = training.close()
+        closing.set()
+        await closed
+
+    asyncio.run(main())
+    row = store.get_worker("drafter-job")
+    assert row.state is WorkerState.FAILED and "out of memory" in row.state_reason
+    assert store.get_device("cpu:0").state is DeviceState.IDLE
+    assert procs and not procs[0].is_alive()
+
+
+def test_a_hung_trainer_is_killed_by_the_heartbeat_reaper(sqlite_store, tmp_path, ckpt):
+    store = sqlite_store
+    _setup(store, ckpt)
+    timeout = 3.0
+    settings = training_settings(
+        tmp_path,
+        training_heartbeat_timeout_seconds=timeout,
+        training_steps_per_round=100_000,
+        training_held_out_every=1000,
+    )
+    training = DrafterTraining(store, settings)
+    jobs = {j.id: j for j in build_scheduler(settings, store, None, training=training).get_jobs()}
+    assert jobs["trainer-reaper"].func is reap_trainers  # declared with the periodic work
+
+    async def main() -> None:
+        await training.start("cpu:0", "job")
+        run = training._runs["job"]
+        await _until(lambda: run.phase == "idle", "round 1 over (no samples yet)")
+        # Idle, its main thread waits for a command: the heartbeat thread keeps it alive.
+        await asyncio.sleep(timeout + 1.0)
+        assert await reap_trainers(training) == []
+        assert store.get_worker("drafter-job").last_heartbeat is not None  # tltctl shows it
+        for i in range(8):
+            training.on_sample("job", (1, 2, 3), _sample(i))
+        await training.start("cpu:0", "job")
+        await _until(lambda: run.step >= 1, "training")
+        assert store.get_device("cpu:0").state is DeviceState.TRAINING
+        pid = run.worker.proc.pid
+        os.kill(pid, signal.SIGSTOP)  # hung, not dead: its pipe stays open
+        killed: list[str] = []
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            killed = await reap_trainers(training)
+            await asyncio.sleep(0.1)
+        assert killed == ["drafter-job"] and not pid_alive(pid)
+        await training.close()
+
+    asyncio.run(main())
+    row = store.get_worker("drafter-job")
+    assert row.state is WorkerState.FAILED and "no heartbeat for 3s" in row.state_reason
+    assert store.get_device("cpu:0").state is DeviceState.IDLE
