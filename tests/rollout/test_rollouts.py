@@ -351,7 +351,20 @@ def test_cancelling_the_job_cancels_its_running_request(sqlite_daemon, ckpt):
         params = dict(n=2, temperature=0.0, max_new_tokens=1000)
         stream = Stream(c, "job", PROMPTS[:2], sampling=sampling(**params), request_id="j-1")
         wait_until(lambda: d.supervisor.assigned_samples == 4, what="running")
-        c.cancel_job("job", reason="experiment over")
+        # Frozen while the cancel lands, so that no sample can reach its token limit first
+        # (on a loaded machine the cancel RPC can take longer than 1000 tiny-model steps).
+        pids = [s.proc.pid for s in d.supervisor.slots.values()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            c.cancel_job("job", reason="experiment over")
+            wait_until(
+                lambda: d.store.get_request("j-1").status is RequestStatus.CANCELLED,
+                what="the cancel stored",
+            )
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
         got = stream.result(30)
         req = c.get_request("j-1").request
     assert stream.error is None and len(got) == 4
