@@ -130,9 +130,12 @@ def check_preemption_notice(watch: NoticeWatch, on_notice: Callable[[], None]) -
     or removed and created again; otherwise a restarted daemon would stop at once."""
     try:
         mtime = os.stat(watch.path).st_mtime
-    except OSError:  # absent (or unreadable, as Path.exists() treats it)
+    except FileNotFoundError:
         watch.stale_mtime, watch.seen_absent = None, True
         return False
+    except OSError as exc:  # unreadable now (EACCES, ESTALE): not "absent", or a stale file
+        log.warning("cannot read the preemption notice file: %s", exc, extra={"path": watch.path})
+        return False  # ... would count as new once readable again
     if not watch.seen_absent:
         if watch.stale_mtime is None and mtime < watch.started_at - _NOTICE_MTIME_SLACK_SECONDS:
             watch.stale_mtime = mtime

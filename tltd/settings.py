@@ -262,6 +262,12 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
         raise ConfigError("worker_max_batch must be >= 1 and worker_max_seq_len >= 2")
     if settings.training_steps_per_round < 1 or settings.training_held_out_every < 2:
         raise ConfigError("training_steps_per_round must be >= 1, training_held_out_every >= 2")
+    beat = settings.worker_heartbeat_seconds
+    for name in ("worker_heartbeat_timeout_seconds", "training_heartbeat_timeout_seconds"):
+        if getattr(settings, name) < 3 * beat:  # a late beat or two must not get one killed
+            raise ConfigError(
+                f"{name} must be at least 3 x worker_heartbeat_seconds ({3 * beat:g}s)"
+            )
     if settings.drafter_keep_versions < 1:
         raise ConfigError("drafter_keep_versions must be >= 1")
     if settings.max_sample_attempts < 1:

@@ -313,6 +313,10 @@ class DrafterTraining:
                 log.exception("drafter trainer failed to start", extra={"job_id": run.job_id})
             await self._give_up(run, WorkerState.FAILED, f"cannot start: {exc}")
             return
+        if started is None and run.phase == "preempting":
+            why = self._note_preemption(run, run.step)
+            await self._give_up(run, WorkerState.STOPPED, f"{why}; before its trainer started")
+            return
         if started is None:
             await self._give_up(run, WorkerState.STOPPED, "not started: daemon shutting down")
             return
@@ -355,7 +359,9 @@ class DrafterTraining:
             why = f"restarting for policy version {run.policy_version}"
             await self._stop_run(run.replaces, why)
             run.replaces = None
-        if self._closed:  # (`close` may have recorded this run already: not overwritten)
+        # `close` may have recorded this run already (not overwritten); a device preempted
+        # meanwhile is rollout's now (a trainer loading there could run it out of memory).
+        if self._closed or run.phase == "preempting":
             return None
         await self._record(run, WorkerState.STARTING, f"spawning: {reason}")
         policy = await asyncio.to_thread(
@@ -375,7 +381,9 @@ class DrafterTraining:
             threads=self.settings.worker_threads,
             heartbeat_seconds=self.settings.worker_heartbeat_seconds,
         )
-        if self._closed:  # right before the spawn: `close` would not stop a process from here
+        if self._closed or run.phase == "preempting":  # again, right before the spawn
+            if run.phase != "stopped":  # (STARTING is recorded: STOPPED only by way of it)
+                await self._record(run, WorkerState.STOPPING, "not spawned")
             return None
         worker = run.spawning = DrafterWorker(spec)
         try:
@@ -449,7 +457,7 @@ class DrafterTraining:
             except Exception:
                 log.exception("bad message from drafter trainer", extra={"job_id": run.job_id})
                 break
-            now = time.monotonic()
+            now = run.last_heartbeat = time.monotonic()  # before a write that may block
             if kind == "heartbeat" and now - stamped >= 2.0:
                 # Shown by `tltctl workers`; written here, off the loop, like a rollout worker's.
                 stamped = now
@@ -457,7 +465,6 @@ class DrafterTraining:
                     self.store.heartbeat_worker(run.worker_id)
                 except Exception:  # e.g. "database is locked": keep reading
                     log.warning("cannot record trainer heartbeat", exc_info=True)
-            run.last_heartbeat = now  # here, not on the loop: a busy loop is no hang
             if kind != "heartbeat":
                 self._post(run, kind, payload)
         self._post(run, "exit", None)
@@ -512,21 +519,28 @@ class DrafterTraining:
         if run.phase not in ("preempting", "releasing"):
             return
         why = run.preempt_reason
-        if run.phase == "preempting" and run.preempt_at is not None:
-            latency = time.monotonic() - run.preempt_at
-            self.preemptions.append(
-                Preemption(run.job_id, run.device_id, why, latency, int(payload.get("step", 0)))
-            )
-            METRICS.record_preemption(run.device_id, "rollout", latency_seconds=latency)
-            why = f"preempted: {why}; device free after {latency * 1000:.0f} ms"
-            log.info(
-                "drafter training preempted",
-                extra={"job_id": run.job_id, "latency_ms": round(latency * 1000, 1)},
-            )
+        if run.phase == "preempting":
+            why = self._note_preemption(run, int(payload.get("step", 0)))
         run.phase, run.preempt_at = "idle", None
         await self._record(run, WorkerState.READY, why)
         await self._set_device(run.device_id, DeviceState.IDLE, why)
         self._kick()
+
+    def _note_preemption(self, run: _Run, step: int) -> str:
+        """Record a preemption whose device is free now (latency from the request); returns
+        the reason to record."""
+        if run.preempt_at is None:
+            return run.preempt_reason
+        latency = time.monotonic() - run.preempt_at
+        self.preemptions.append(
+            Preemption(run.job_id, run.device_id, run.preempt_reason, latency, step)
+        )
+        METRICS.record_preemption(run.device_id, "rollout", latency_seconds=latency)
+        log.info(
+            "drafter training preempted",
+            extra={"job_id": run.job_id, "latency_ms": round(latency * 1000, 1)},
+        )
+        return f"preempted: {run.preempt_reason}; device free after {latency * 1000:.0f} ms"
 
     async def _set_device(self, device_id: str, state: DeviceState, why: str) -> None:
         METRICS.set_device_state(device_id, state.value)  # exact training seconds
@@ -570,6 +584,12 @@ class DrafterTraining:
                 return await asyncio.to_thread(fn, *args)
             except TltError as exc:
                 log.warning("training store write refused: %s", exc)
+                return None
+            except Exception:
+                # e.g. "database is locked" past the busy timeout, a dropped PostgreSQL
+                # connection: logged, never raised into a launch or a stop, which must still
+                # give the device back and stop their processes.
+                log.exception("training store write failed", extra={"fn": fn.__name__})
                 return None
 
     async def _record(

@@ -166,3 +166,24 @@ def test_the_notice_watch_is_declared_with_the_daemons_start(sqlite_store, tmp_p
     job = {j.id: j for j in scheduler.get_jobs()}["preemption-notice"]
     assert job.func is check_preemption_notice
     assert job.args[0] == NoticeWatch(path, 123.0)
+
+
+def test_an_unreadable_stale_notice_file_is_not_taken_for_absent(tmp_path, monkeypatch):
+    notice = tmp_path / "preempted"
+    notice.write_text("")
+    os.utime(notice, (1_000.0, 1_000.0))
+    watch = NoticeWatch(str(notice), started_at=5_000.0)
+    calls = []
+    assert not check_preemption_notice(watch, lambda: calls.append(1))  # stale
+    real_stat = os.stat
+
+    def flaky_stat(path, *args, **kwargs):
+        if str(path) == str(notice):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:  # e.g. an NFS mount answering EACCES/ESTALE for a while
+        m.setattr(os, "stat", flaky_stat)
+        assert not check_preemption_notice(watch, lambda: calls.append(1))
+    # Readable again, unchanged: still the stale file, not a new notice.
+    assert not check_preemption_notice(watch, lambda: calls.append(1)) and calls == []

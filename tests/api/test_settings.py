@@ -116,6 +116,14 @@ def test_config_file_values_are_type_checked(tmp_path, toml, message):
             "training_heartbeat_timeout_seconds must be > 0",
         ),
         ({"TLTD_MAX_PROMPT_TOKENS": "0"}, "max_prompt_tokens must be > 0"),
+        (
+            {"TLTD_TRAINING_HEARTBEAT_TIMEOUT_SECONDS": "1"},
+            r"training_heartbeat_timeout_seconds must be at least 3 x worker_heartbeat_seconds",
+        ),
+        (
+            {"TLTD_WORKER_HEARTBEAT_SECONDS": "20"},  # the 30 s timeouts now too short
+            r"worker_heartbeat_timeout_seconds must be at least 3 x .*\(60s\)",
+        ),
     ],
 )
 def test_env_values_are_type_and_range_checked(env, message):

@@ -5,6 +5,8 @@ and the metrics the supervisor records for every sample."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -258,8 +260,17 @@ def test_async_requests_abandoned_while_the_daemon_stores_them_are_cancelled(
                 )
             return [timed_out, "async-held"]
 
-    ids = asyncio.run(scenario())
+    # The workers are frozen meanwhile: on a loaded machine they could otherwise finish every
+    # sample between the store write and the client's cancel (retried every 0.1 s).
     sup = daemon.supervisor
+    pids = [s.proc.pid for s in sup.slots.values()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        ids = asyncio.run(scenario())
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     for rid in ids:
         req = daemon.store.get_request(rid)  # stored after the caller left, then cancelled
         assert req.status is RequestStatus.CANCELLED, (rid, req.status, req.status_reason)

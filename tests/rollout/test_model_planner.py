@@ -146,3 +146,20 @@ def test_a_version_that_fails_on_one_worker_while_another_runs_it_is_held_back_t
     a.ready = False
     reason = planner.load_failed(failed, b, {"w0": a, "w1": b})
     assert reason is not None and planner.refusal("job", 1) is not None
+
+
+def test_held_back_survives_a_long_failure_loop():
+    # Days of failures in a row (a version that never loads) must not overflow the backoff
+    # (2.0 ** 1024 raises OverflowError, which would break every tick).
+    clock = _Clock()
+    held = HeldBack(clock)
+    for _ in range(1100):
+        clock.now += held.fail(("job", 1))
+    assert held.fail(("job", 1)) == 600
+
+
+def test_the_worker_restart_backoff_is_capped_for_any_crash_loop():
+    from tltd.supervisor.supervisor import restart_backoff
+
+    assert [restart_backoff(n) for n in range(8)] == [0, 0.5, 1, 2, 4, 8, 16, 30]
+    assert restart_backoff(5000) == 30  # no OverflowError after hours of crashes

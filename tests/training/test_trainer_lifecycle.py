@@ -168,3 +168,43 @@ def test_a_hung_trainer_is_killed_by_the_heartbeat_reaper(sqlite_store, tmp_path
     row = store.get_worker("drafter-job")
     assert row.state is WorkerState.FAILED and "no heartbeat for 3s" in row.state_reason
     assert store.get_device("cpu:0").state is DeviceState.IDLE
+
+
+def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
+    sqlite_store, tmp_path, ckpt, ckpt2, monkeypatch
+):
+    store = sqlite_store
+    _setup(store, ckpt)
+    training = DrafterTraining(store, training_settings(tmp_path))
+    spawned = []
+
+    async def main() -> None:
+        await training.start("cpu:0", "job")
+        old = training._runs["job"]
+        await _until(lambda: old.phase == "idle", "round 1 over")
+        pid = old.worker.proc.pid
+        store.add_policy_version("job", "checkpoint", str(ckpt2))
+        os.kill(pid, signal.SIGSTOP)  # the restart's stop waits for it
+        try:
+            await training.start("cpu:0", "job")
+            new = training._runs["job"]
+            real_spawn = DrafterWorker.spawn
+            monkeypatch.setattr(
+                DrafterWorker, "spawn", lambda self: (spawned.append(self), real_spawn(self))
+            )
+            # Rollout work arrives while the launch is still stopping the old trainer.
+            await training.preempt("cpu:0", "rollout work waiting")
+            assert new.phase == "preempting"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await _until(lambda: new.phase == "stopped", "the launch gave up")
+        assert not pid_alive(pid)
+        await training.close()
+
+    asyncio.run(main())
+    # No trainer loaded its target onto a device rollout has taken back.
+    assert spawned == []
+    assert store.get_device("cpu:0").state is DeviceState.IDLE
+    row = store.get_worker("drafter-job")
+    assert "preempted: rollout work waiting" in row.state_reason
+    assert [p.reason for p in training.preemptions] == ["rollout work waiting"]

@@ -58,7 +58,7 @@ class HeldBack:
         if (left := self.retry_in(key)) is not None:
             return left
         n = self._failures[key] = self._failures.get(key, 0) + 1
-        hold = min(self.longest, self.first * 2 ** (n - 1))
+        hold = min(self.longest, self.first * 2 ** min(n - 1, 32))  # no float overflow
         self._until[key] = self.clock() + hold
         return hold
 

@@ -63,6 +63,12 @@ _DRAIN_ANSWER_SECONDS = 5.0
 _EXIT_SECONDS = 5.0
 
 
+def restart_backoff(failures: int) -> float:
+    """Seconds before a worker that died `failures` times in a row is started again: 0, then
+    0.5 doubling to 30 (the exponent capped: 2.0 ** 1024 overflows in a long crash loop)."""
+    return min(30.0, 0.5 * 2 ** min(failures - 1, 16)) if failures > 0 else 0.0
+
+
 class TrainingHook(Protocol):
     """The seam for drafter-training workers (kind `drafter_training`, see workers/drafter).
 
@@ -224,6 +230,8 @@ class Supervisor:
         default 5 s from now) and record them STOPPED."""
         deadline = time.monotonic() + 5.0 if deadline is None else deadline
         self._closed = True
+        # Their `_bury` (which records them) is cancelled here: recorded below instead.
+        exiting = {s.worker_id for s in self.slots.values() if s.exiting}
         for t in self._tasks[1:]:
             t.cancel()
         for slot in self.slots.values():
@@ -237,7 +245,7 @@ class Supervisor:
                 if slot.proc.is_alive():
                     slot.proc.kill()
                     await asyncio.to_thread(slot.proc.join, 5.0)
-                if slot.state is WorkerState.STOPPING:
+                if slot.state is WorkerState.STOPPING or slot.worker_id in exiting:
                     self._record_state(slot, WorkerState.STOPPED, "daemon shut down")
                 slot.dead_at = slot.dead_at or time.monotonic()
                 if slot.outbox is not None:
@@ -448,7 +456,7 @@ class Supervisor:
             # Not while the old process is still being stopped (`exiting`): its samples are
             # not re-queued yet, and it may still hold the device.
             if usable and not slot.alive and not slot.exiting:
-                backoff = min(30.0, 0.5 * 2 ** max(0, slot.failures - 1)) if slot.failures else 0
+                backoff = restart_backoff(slot.failures)
                 if slot.dead_at is None or now - slot.dead_at >= backoff or slot.vacated:
                     self._start_worker(slot)
             elif not usable and slot.alive and (d.foreign or d.state is DeviceState.UNAVAILABLE):
