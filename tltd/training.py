@@ -352,7 +352,8 @@ class DrafterTraining:
         self, run: _Run, active_drafter: int, reason: str
     ) -> tuple[DrafterWorker, dict] | None:
         """Stop the trainer `run` replaces, then spawn `run`'s and wait for its Ready (killed
-        if that fails); None, with nothing spawned, once `close` has begun."""
+        if that fails); None, with nothing spawned, once `close` has begun or the device
+        was preempted back for rollouts."""
         from workers.drafter.worker import DrafterWorker, WorkerSpec
 
         if run.replaces is not None:
