@@ -16,6 +16,7 @@ from tests.api.support import make_settings, sampling
 from tests.rollout.support import InProcessDaemon, pid_alive, wait_until
 from tltd.devices import cpu_devices
 from tltd.domain import DeviceState, WorkerState
+from tltd.supervisor.worker_process import WorkerSlot
 
 
 def _settings(tmp_path, **overrides):
@@ -69,6 +70,19 @@ def test_a_priority_job_gets_a_worker_while_a_busy_job_still_waits(sqlite_store,
     assert a_done_at_b and a_done_at_b[0] < 256 - 2 * 8, a_done_at_b
 
 
+def _hang_and_take_device(d: InProcessDaemon, store) -> WorkerSlot:
+    """Hang cpu:0's worker (SIGSTOP: it will not answer Shutdown), then hand its device to a
+    foreign process; returns the slot once the supervisor has taken it out of service."""
+    slot = d.supervisor.slots["rollout-cpu:0"]
+    os.kill(slot.proc.pid, signal.SIGSTOP)
+    devs = cpu_devices(2)
+    devs[0] = replace(devs[0], foreign=True, state_reason="foreign process: pid 1")
+    store.upsert_devices(devs)
+    d.loop.call_soon_threadsafe(d.supervisor.kick)
+    wait_until(lambda: slot.dead_at is not None, timeout=20, what="vacating")
+    return slot
+
+
 def test_vacating_a_hung_worker_kills_its_process(sqlite_store, tmp_path, ckpt):
     d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
     pid = 0
@@ -76,14 +90,8 @@ def test_vacating_a_hung_worker_kills_its_process(sqlite_store, tmp_path, ckpt):
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        slot = d.supervisor.slots["rollout-cpu:0"]
+        slot = _hang_and_take_device(d, sqlite_store)
         pid = slot.proc.pid
-        os.kill(pid, signal.SIGSTOP)  # hung: it will not answer Shutdown
-        devs = cpu_devices(2)
-        devs[0] = replace(devs[0], foreign=True, state_reason="foreign process: pid 1")
-        sqlite_store.upsert_devices(devs)
-        d.loop.call_soon_threadsafe(d.supervisor.kick)
-        wait_until(lambda: slot.dead_at is not None, timeout=20, what="vacated")
         wait_until(lambda: not pid_alive(pid), timeout=15, what="hung worker killed")
     finally:
         if pid and pid_alive(pid):
@@ -103,14 +111,8 @@ def test_vacating_a_hung_worker_does_not_stall_scheduling(
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(2)
-            slot = d.supervisor.slots["rollout-cpu:0"]
+            slot = _hang_and_take_device(d, sqlite_store)
             pid = slot.proc.pid
-            os.kill(pid, signal.SIGSTOP)  # hung: it will not answer Shutdown
-            devs = cpu_devices(2)
-            devs[0] = replace(devs[0], foreign=True, state_reason="foreign process: pid 1")
-            sqlite_store.upsert_devices(devs)
-            d.loop.call_soon_threadsafe(d.supervisor.kick)
-            wait_until(lambda: slot.dead_at is not None, timeout=20, what="vacating")
             s = sampling(n=2, max_new_tokens=8)
             # The other device is served while the vacated worker still waits to exit.
             out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r1", timeout=60))

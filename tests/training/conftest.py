@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests.api.support import make_settings
 from tests.rollout.support import InProcessDaemon
+
+
+async def until(cond: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+    """Wait (on the event loop) until `cond()` holds; TimeoutError naming `what` after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.02)
 
 
 def training_settings(tmp_path, **overrides):

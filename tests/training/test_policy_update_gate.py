@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
 from tests.api.support import make_settings, seed_devices
+from tests.training.conftest import until
 from tltd import scheduler
 from tltd.services import build_services
 from tltd.services.jobs import NewJob
@@ -43,14 +43,6 @@ class HungryTraining:
 
     async def preempt(self, device_id, reason) -> None:
         pass
-
-
-async def _until(cond, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        await asyncio.sleep(0.02)
 
 
 def _settings(tmp_path):
@@ -92,14 +84,14 @@ def test_training_waits_while_workers_load_the_new_policy(
             services.jobs.create(NewJob(job_id="job", model_path=str(ckpt)))
             sup.kick()
             [slot] = sup.slots.values()
-            await _until(lambda: slot.job_id == "job" and not slot.loading, "version 0 loaded")
-            await _until(lambda: hook.starts, "training starts while nothing loads")
+            await until(lambda: slot.job_id == "job" and not slot.loading, "version 0 loaded")
+            await until(lambda: hook.starts, "training starts while nothing loads")
 
             ticks.clear()
             assert services.policy.update("job", "checkpoint", str(ckpt2)).version == 1
-            await _until(lambda: slot.policy_version == 1 and not slot.loading, "version 1 loaded")
+            await until(lambda: slot.policy_version == 1 and not slot.loading, "version 1 loaded")
             n = len(hook.starts)
-            await _until(lambda: len(hook.starts) > n, "training starts again after the load")
+            await until(lambda: len(hook.starts) > n, "training starts again after the load")
         finally:
             await sup.stop()
 
@@ -155,8 +147,8 @@ class RacingSupervisor:
         await self.sup.start()
         self.services.jobs.create(NewJob(job_id="job", model_path=str(ckpt)))
         self.sup.kick()
-        await _until(lambda: self.slot.job_id == "job" and not self.slot.loading, "v0 loaded")
-        await _until(lambda: self.starts, "training starts while nothing loads")
+        await until(lambda: self.slot.job_id == "job" and not self.slot.loading, "v0 loaded")
+        await until(lambda: self.starts, "training starts while nothing loads")
 
 
 def test_an_update_written_after_a_tick_read_the_jobs_drops_that_ticks_training_start(
@@ -179,10 +171,10 @@ def test_an_update_written_after_a_tick_read_the_jobs_drops_that_ticks_training_
         await r.start(ckpt)
         try:
             armed.set()
-            await _until(lambda: raced, "a tick raced with the update")
-            await _until(lambda: r.slot.policy_version == 1 and not r.slot.loading, "v1 loaded")
+            await until(lambda: raced, "a tick raced with the update")
+            await until(lambda: r.slot.policy_version == 1 and not r.slot.loading, "v1 loaded")
             n = len(r.starts)
-            await _until(lambda: len(r.starts) > n, "training starts again after the load")
+            await until(lambda: len(r.starts) > n, "training starts again after the load")
         finally:
             await r.sup.stop()
 

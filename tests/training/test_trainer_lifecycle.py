@@ -11,20 +11,12 @@ import threading
 import time
 
 from tests.rollout.support import pid_alive
-from tests.training.conftest import training_settings
+from tests.training.conftest import training_settings, until
 from tltd.devices import cpu_devices
 from tltd.domain import DeviceState, FinishReason, Job, Sample, WorkerState
 from tltd.periodic import build_scheduler, reap_trainers
 from tltd.training import DrafterTraining
 from workers.drafter.worker import DrafterWorker
-
-
-async def _until(cond, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        await asyncio.sleep(0.02)
 
 
 def _setup(store, policy_path) -> None:
@@ -48,7 +40,7 @@ def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
         await training.start("cpu:0", "job")
         old = training._runs["job"]
         # No samples: the round ends at once and the trainer idles on policy version 0.
-        await _until(lambda: old.phase == "idle", "round 1 over")
+        await until(lambda: old.phase == "idle", "round 1 over")
         pid = old.worker.proc.pid
         store.add_policy_version("job", "checkpoint", str(ckpt2))
         os.kill(pid, signal.SIGSTOP)  # hung: it cannot answer the stop of the restart
@@ -64,7 +56,7 @@ def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
             assert [(v.device_id, v.job_id) for v in training.views()] == [("cpu:0", "job")]
         finally:
             os.kill(pid, signal.SIGCONT)  # now it stops, writing its checkpoint
-        await _until(lambda: new.worker is not None, "the new trainer up")
+        await until(lambda: new.worker is not None, "the new trainer up")
         assert not pid_alive(pid) and new.policy_version == 1
         await training.close()
 
@@ -144,7 +136,7 @@ def test_a_hung_trainer_is_killed_by_the_heartbeat_reaper(sqlite_store, tmp_path
     async def main() -> None:
         await training.start("cpu:0", "job")
         run = training._runs["job"]
-        await _until(lambda: run.phase == "idle", "round 1 over (no samples yet)")
+        await until(lambda: run.phase == "idle", "round 1 over (no samples yet)")
         # Idle, its main thread waits for a command: the heartbeat thread keeps it alive.
         await asyncio.sleep(timeout + 1.0)
         assert await reap_trainers(training) == []
@@ -152,7 +144,7 @@ def test_a_hung_trainer_is_killed_by_the_heartbeat_reaper(sqlite_store, tmp_path
         for i in range(8):
             training.on_sample("job", (1, 2, 3), _sample(i))
         await training.start("cpu:0", "job")
-        await _until(lambda: run.step >= 1, "training")
+        await until(lambda: run.step >= 1, "training")
         assert store.get_device("cpu:0").state is DeviceState.TRAINING
         pid = run.worker.proc.pid
         os.kill(pid, signal.SIGSTOP)  # hung, not dead: its pipe stays open
@@ -181,7 +173,7 @@ def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
     async def main() -> None:
         await training.start("cpu:0", "job")
         old = training._runs["job"]
-        await _until(lambda: old.phase == "idle", "round 1 over")
+        await until(lambda: old.phase == "idle", "round 1 over")
         pid = old.worker.proc.pid
         store.add_policy_version("job", "checkpoint", str(ckpt2))
         os.kill(pid, signal.SIGSTOP)  # the restart's stop waits for it
@@ -197,7 +189,7 @@ def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
             assert new.phase == "preempting"
         finally:
             os.kill(pid, signal.SIGCONT)
-        await _until(lambda: new.phase == "stopped", "the launch gave up")
+        await until(lambda: new.phase == "stopped", "the launch gave up")
         assert not pid_alive(pid)
         await training.close()
 
