@@ -120,6 +120,7 @@ class NoticeWatch:
     started_at: float  # wall-clock time the daemon started: an older notice file is stale
     stale_mtime: float | None = None  # the stale file's mtime (ignored while it stays)
     seen_absent: bool = False  # whatever appears after the file was seen gone is a notice
+    unreadable: bool = False  # warned that it cannot be read (once, not every 0.5 s)
 
 
 def check_preemption_notice(watch: NoticeWatch, on_notice: Callable[[], None]) -> bool:
@@ -134,8 +135,13 @@ def check_preemption_notice(watch: NoticeWatch, on_notice: Callable[[], None]) -
         watch.stale_mtime, watch.seen_absent = None, True
         return False
     except OSError as exc:  # unreadable now (EACCES, ESTALE): not "absent", or a stale file
-        log.warning("cannot read the preemption notice file: %s", exc, extra={"path": watch.path})
-        return False  # ... would count as new once readable again
+        if not watch.unreadable:  # ... would count as new once readable again
+            log.warning(
+                "cannot read the preemption notice file: %s", exc, extra={"path": watch.path}
+            )
+        watch.unreadable = True
+        return False
+    watch.unreadable = False
     if not watch.seen_absent:
         if watch.stale_mtime is None and mtime < watch.started_at - _NOTICE_MTIME_SLACK_SECONDS:
             watch.stale_mtime = mtime

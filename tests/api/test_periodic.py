@@ -168,7 +168,7 @@ def test_the_notice_watch_is_declared_with_the_daemons_start(sqlite_store, tmp_p
     assert job.args[0] == NoticeWatch(path, 123.0)
 
 
-def test_an_unreadable_stale_notice_file_is_not_taken_for_absent(tmp_path, monkeypatch):
+def test_an_unreadable_stale_notice_file_is_not_taken_for_absent(tmp_path, monkeypatch, caplog):
     notice = tmp_path / "preempted"
     notice.write_text("")
     os.utime(notice, (1_000.0, 1_000.0))
@@ -184,6 +184,9 @@ def test_an_unreadable_stale_notice_file_is_not_taken_for_absent(tmp_path, monke
 
     with monkeypatch.context() as m:  # e.g. an NFS mount answering EACCES/ESTALE for a while
         m.setattr(os, "stat", flaky_stat)
-        assert not check_preemption_notice(watch, lambda: calls.append(1))
+        with caplog.at_level("WARNING", logger="tltd.periodic"):
+            for _ in range(3):
+                assert not check_preemption_notice(watch, lambda: calls.append(1))
+    assert sum("cannot read the preemption notice" in r.getMessage() for r in caplog.records) == 1
     # Readable again, unchanged: still the stale file, not a new notice.
     assert not check_preemption_notice(watch, lambda: calls.append(1)) and calls == []
