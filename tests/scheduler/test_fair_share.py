@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 from tltd.domain import RolloutRequest, SamplingParams
@@ -165,10 +163,11 @@ def test_active_jobs_have_waiting_or_running_samples():
 
 
 def test_fair_share_remembers_who_was_busy_between_ticks():
-    served: Counter[str] = Counter({"a": 50_000, "b": 1_000})
-    fair = FairShare(served)
+    fair = FairShare()
+    served = fair.served  # the counter the supervisor adds served tokens to
+    served.update({"a": 50_000, "b": 1_000})
     jobs = [A, B]
-    assert fair.accounts(jobs, {"a"}) is served  # the supervisor's own counter
+    assert fair.accounts(jobs, {"a"}) is served
     served["a"] += 10_000  # a works alone
     assert fair.accounts(jobs, {"a", "b"}) == {"a": 60_000, "b": 60_000}  # b wakes level
     served["b"] += 500

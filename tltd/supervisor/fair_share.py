@@ -82,17 +82,16 @@ class FairShare:
     """The supervisor's fair-share accounts (`served`: tokens decoded per job, which it adds
     to) and what the lift remembers between ticks."""
 
-    def __init__(self, served: Counter[str] | None = None) -> None:
-        self.served: Counter[str] = served if served is not None else Counter()
+    def __init__(self) -> None:
+        self.served: Counter[str] = Counter()
         self._active: set[str] = set()
         self._floors: dict[int, float] = {}
 
-    def accounts(self, jobs: Iterable[Share], active: Set[str] | WorkQueue) -> Counter[str]:
+    def accounts(self, jobs: Iterable[Share], active: Set[str]) -> Counter[str]:
         """The accounts for this tick's snapshot, waking jobs lifted (see the module
-        docstring); `active` is the jobs with work now, or the queue to read them from."""
-        now = active_jobs(active) if isinstance(active, WorkQueue) else set(active)
-        lifted, self._floors = lift_waking(self.served, jobs, now, self._active, self._floors)
+        docstring); `active` is the jobs with work now (`active_jobs`)."""
+        lifted, self._floors = lift_waking(self.served, jobs, active, self._active, self._floors)
         for job_id, level in lifted.items():
             self.served[job_id] = level
-        self._active = now
+        self._active = set(active)
         return self.served

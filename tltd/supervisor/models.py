@@ -72,8 +72,8 @@ class HeldBack:
         left = self._until.get(key, 0.0) - self.clock()
         return left if left > 0 else None
 
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, Hashable) and self.retry_in(key) is not None
+    def __contains__(self, key: Hashable) -> bool:
+        return self.retry_in(key) is not None
 
 
 class ModelPlanner:

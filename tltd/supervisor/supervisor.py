@@ -20,7 +20,6 @@ import asyncio
 import logging
 import multiprocessing as mp
 import time
-from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -42,7 +41,7 @@ from tltd.domain import (
 from tltd.metrics import METRICS
 from tltd.scheduler import Decision, SchedulerConfig, TrainingView, schedule
 from tltd.settings import Settings
-from tltd.supervisor.fair_share import FairShare
+from tltd.supervisor.fair_share import FairShare, active_jobs
 from tltd.supervisor.models import ModelPlanner
 from tltd.supervisor.policy_updates import PolicyUpdates
 from tltd.supervisor.requests import RolloutRequests, StreamEvent
@@ -115,8 +114,7 @@ class Supervisor:
         self.models = ModelPlanner(store, settings, self._switch_backend)
         self.policy_updates = PolicyUpdates()  # the PolicyService wraps its store write in it
         self.slots: dict[str, WorkerSlot] = {}
-        self.served_tokens: Counter[str] = Counter()
-        self.fair_share = FairShare(self.served_tokens)  # lifts a job waking from idle
+        self.fair_share = FairShare()  # tokens served per job; a job waking from idle lifted
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
         self.draining = False
         self._assigning = True
@@ -352,7 +350,7 @@ class Supervisor:
             jobs.values(),
             self.slots.values(),
             self.queue,
-            self.fair_share.accounts(jobs.values(), self.queue),
+            self.fair_share.accounts(jobs.values(), active_jobs(self.queue)),
             self.training,
         )
         decision = schedule(snap, self.sched_cfg)
@@ -635,7 +633,7 @@ class Supervisor:
             return
         METRICS.record_sample(live.job_id, sample)
         if sample.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.served_tokens[live.job_id] += len(sample.token_ids)
+            self.fair_share.served[live.job_id] += len(sample.token_ids)
             if self.training is not None:
                 self.training.on_sample(live.job_id, live.req.prompts[key[0]], sample)
         self.requests.publish(live.request_id, StreamEvent(sample))
