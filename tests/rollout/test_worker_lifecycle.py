@@ -142,6 +142,49 @@ def test_vacating_a_hung_worker_does_not_stall_scheduling(
         d.kill()
 
 
+def test_a_backend_switch_waits_for_the_old_process_beside_the_tick(
+    sqlite_store, tmp_path, ckpt, monkeypatch
+):
+    """Switching a worker to another backend stops its process; a hung one is waited for
+    (then killed) outside the tick, so the other device keeps being served meanwhile."""
+    import asyncio
+
+    from tltd.domain import Backend
+
+    monkeypatch.setattr("tltd.supervisor.supervisor._SWITCH_EXIT_SECONDS", 120.0)
+    d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
+    pid = 0
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready(2)
+            slot = d.supervisor.slots["rollout-cpu:0"]
+            pid = slot.proc.pid
+            os.kill(pid, signal.SIGSTOP)  # it will not answer Shutdown
+            switch = d.supervisor._switch_backend(slot, Backend.SGLANG)
+            # Returns at once (it used to join the old process for up to 20 s in the tick).
+            asyncio.run_coroutine_threadsafe(switch, d.loop).result(timeout=10)
+            assert pid_alive(pid) and slot.exiting and not slot.alive
+            s = sampling(n=2, max_new_tokens=8)
+            out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r1", timeout=60))
+            assert len(out) == 2 and slot.proc.pid == pid and pid_alive(pid)
+            os.kill(pid, signal.SIGKILL)  # gone: the switch ends, a worker starts on sglang
+            wait_until(lambda: slot.proc.pid != pid, timeout=30, what="restart")
+            assert slot.backend is Backend.SGLANG
+
+        def states() -> list[str]:
+            return [e.new_status for e in sqlite_store.list_events("worker", "rollout-cpu:0")]
+
+        wait_until(lambda: states().count("starting") == 2, timeout=30, what="restart recorded")
+        got = states()
+        switched = got.index("stopping")
+        assert got[switched : switched + 3] == ["stopping", "stopped", "starting"], got
+    finally:
+        if pid and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        d.kill()
+
+
 def test_a_store_error_on_a_heartbeat_does_not_stop_reading_the_worker(
     sqlite_store, tmp_path, ckpt
 ):

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 _DRAIN_ANSWER_SECONDS = 5.0
 # How long a stopped (or vacated) worker gets to exit before it is killed.
 _EXIT_SECONDS = 5.0
+_SWITCH_EXIT_SECONDS = 20.0  # a graceful engine shutdown (SGLang frees its GPU memory)
 
 
 def restart_backoff(failures: int) -> float:
@@ -478,20 +479,17 @@ class Supervisor:
         )
 
     async def _switch_backend(self, slot: WorkerSlot, backend: Backend) -> None:
-        """Stop an empty worker so that the next tick starts it on `backend` (the planner
-        switches only workers with nothing running). Rare (a device changing hands between
-        jobs of different backends), so the tick may wait for the old process."""
+        """Stop an empty worker so that a later tick starts it on `backend` (the planner
+        switches only workers with nothing running). The wait for the old process runs beside
+        the tick, not in it; no new worker starts on the device until the old one is gone."""
         why = f"switching to the {backend} backend"
         log.info("rollout worker switches backend", extra={"worker_id": slot.worker_id})
         slot.backend = backend
         self._record_state(slot, WorkerState.STOPPING, why)
         slot.send(msg.Shutdown())
-        if slot.proc is not None:
-            # An SGLang worker frees its GPU before it exits: the next process needs it.
-            await asyncio.to_thread(slot.proc.join, 20.0)
-            if slot.proc.is_alive():
-                slot.proc.kill()
-        await self._mark_dead(slot, why, WorkerState.STOPPED)
+        if self._retire(slot):
+            # An SGLang worker frees its GPU before it exits: give it time to, then kill.
+            self._spawn(self._bury(slot, why, WorkerState.STOPPED, _SWITCH_EXIT_SECONDS))
 
     async def reap(self) -> list[str]:
         """Kill workers that stopped answering (the periodic reaper); returns the ids of those
@@ -543,14 +541,17 @@ class Supervisor:
             slot.outbox.put(None)
         return True
 
-    async def _bury(self, slot: WorkerSlot, why: str, state: WorkerState) -> None:
-        """After `_retire`: wait for (or kill) the process, record it, re-queue its samples."""
+    async def _bury(
+        self, slot: WorkerSlot, why: str, state: WorkerState, grace: float = _EXIT_SECONDS
+    ) -> None:
+        """After `_retire`: wait `grace` seconds for the process (then kill it), record it,
+        re-queue its samples."""
         proc = slot.proc
         try:
             if proc is not None and proc.is_alive() and state is WorkerState.FAILED:
                 proc.kill()
             if proc is not None:
-                await asyncio.to_thread(proc.join, _EXIT_SECONDS)
+                await asyncio.to_thread(proc.join, grace)
                 if proc.is_alive():  # hung (e.g. vacated while stuck): never leave it running
                     proc.kill()
                     await asyncio.to_thread(proc.join, 5.0)
