@@ -97,6 +97,11 @@ BAD_CREATE_JOB = [
         C.INVALID_ARGUMENT,
         "speculative.draft_lengths[0]",
     ),
+    (  # a repeated length would be a second bandit arm of the same strategy
+        {"speculative": common_pb2.SpeculativeConfig(draft_lengths=[2, 4, 4])},
+        C.INVALID_ARGUMENT,
+        "speculative.draft_lengths[2]",
+    ),
     # Numbers and strings the store's columns cannot hold: named, not INTERNAL.
     ({"weight": math.inf}, C.INVALID_ARGUMENT, "weight"),
     ({"priority": 2**31}, C.INVALID_ARGUMENT, "priority"),
@@ -317,6 +322,10 @@ def test_update_policy_rejects(client, model_dir, tmp_path):
         client.update_policy("job", str(write_model_dir(tmp_path / "no-w", weights=False)))
     with fails(C.INVALID_ARGUMENT, "checkpoint.path"):
         client.update_policy("job", str(tmp_path / "missing"))
+    # Another architecture cannot replace the workers' tensors one by one: refused up front.
+    with fails(C.INVALID_ARGUMENT, "checkpoint.path", "vocab_size"):
+        client.update_policy("job", str(write_model_dir(tmp_path / "resized", vocab=VOCAB + 8)))
+    assert client.get_job("job").policy_version == 0
     with fails(C.INVALID_ARGUMENT, "source"):
         call(stub, policy_pb2.UpdatePolicyRequest(job_id="job"))
     tensors = policy_pb2.TensorSource(tensors=[policy_pb2.NamedTensor(name="w")])

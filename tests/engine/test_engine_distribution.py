@@ -131,7 +131,7 @@ def test_sampled_speculative_matches_exact_law(ckpt, exact, mode, strategy, eagl
 def test_the_chi_square_test_rejects_a_wrong_rule(ckpt, exact, monkeypatch):
     real = engine_mod.accept_drafts
 
-    def always_accept(p, draft, draft_len, q, greedy, u_accept, u_sample):
+    def always_accept(p, draft, draft_len, q, greedy, u_accept, u_sample, target_argmax=None):
         _, nxt = real(p, draft, torch.zeros_like(draft_len), None, greedy, u_accept, u_sample)
         rows = torch.arange(p.shape[0])
         # keep every draft, then sample the next token from p after them

@@ -106,6 +106,23 @@ def test_load_policy_between_steps(ckpt, tmp_path):
     assert e.generate([Request("c", PROMPTS[1], sp)])[0].token_ids == before.token_ids
 
 
+def test_a_policy_that_does_not_fit_leaves_the_model_untouched(tmp_path):
+    """A checkpoint with one tensor of another shape (a resized vocabulary) or more layers is
+    refused before any tensor is copied: the engine keeps its policy and version."""
+    base = make_checkpoint(tmp_path / "base", vocab=32, seed=0)
+    e = Engine(str(base))
+    before = {k: v.clone() for k, v in e.model.state_dict().items()}
+    resized = make_checkpoint(tmp_path / "resized", vocab=40, seed=1)
+    deeper = make_checkpoint(tmp_path / "deeper", vocab=32, layers=3, seed=1)
+    for other, why in ((resized, "shape"), (deeper, "layers")):
+        with pytest.raises(ValueError, match="architecture"):
+            e.load_policy(str(other), version=5)  # from a directory: config.json is compared
+        with pytest.raises(ValueError, match=why):
+            e.load_policy(read_state_dict(other), version=5)  # tensors alone: checked first
+    assert e.policy_version == 0
+    assert all(torch.equal(v, before[k]) for k, v in e.model.state_dict().items())
+
+
 def test_training_forward_on_packed_rows_equals_separate_sequences(ckpt):
     model = load_model(ckpt)
     drafter = EagleDrafter.random_init(model, seed=5)

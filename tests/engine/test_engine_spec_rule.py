@@ -94,3 +94,20 @@ def test_rule_is_exact_by_enumerating_uniforms():
     weight = q[0, x1] / grid**2  # P(draft = x1) x grid cell mass
     law.index_add_(0, first, weight)
     assert torch.allclose(law, p[0], atol=2e-3), (law, p[0])
+
+
+def test_greedy_takes_the_argmax_of_the_logprobs_not_of_their_exp():
+    """Plain greedy decoding takes the argmax of the logprobs; two logprobs one float32 step
+    apart can have the same exp, and p.argmax would then pick the lower id, not the token
+    plain decoding picks. The engine passes the logprobs' argmax."""
+    a = torch.tensor(-0.6931472, dtype=torch.float32)
+    lp = torch.stack([a, torch.nextafter(a, torch.tensor(0.0))])
+    logp = torch.stack([lp, lp])[None]  # [1, K+1 = 2, V = 2]
+    p = logp.exp()
+    assert p[0, 0, 0] == p[0, 0, 1] and int(lp.argmax()) == 1  # the tie exp makes
+    args = (torch.tensor([[0]]), torch.tensor([1]), None, torch.tensor([True]))
+    uniform = (torch.full((1, 1), 0.5), torch.full((1, 2), 0.5))
+    n, nxt = accept_drafts(p, *args, *uniform, logp.argmax(dim=-1))
+    assert (int(n), int(nxt)) == (0, 1)  # draft 0 is not the greedy token; 1 is emitted
+    n, nxt = accept_drafts(p, torch.tensor([[1]]), *args[1:], *uniform, logp.argmax(dim=-1))
+    assert (int(n), int(nxt)) == (1, 1)

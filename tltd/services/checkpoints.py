@@ -41,6 +41,51 @@ def vocab_size(model_path: str) -> int | None:
     return None
 
 
+# config.json fields that fix a model's tensors: a policy update must keep them all.
+_ARCHITECTURE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+
+def _read_config(model_dir: Path) -> dict:
+    config = json.loads((model_dir / "config.json").read_text())
+    if not isinstance(config, dict):
+        raise ValueError("config.json is not a JSON object")
+    return config
+
+
+def check_same_architecture(new_dir: Path, model_dir: Path, field: str) -> None:
+    """InvalidArgument naming `field` when the checkpoint in `new_dir` is not the architecture
+    of the job's model (`model_dir`): new weights replace the old tensor by tensor, so a
+    resized vocabulary or another depth cannot be loaded into the running workers."""
+    try:
+        new = _read_config(new_dir)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"{new_dir}/config.json is unreadable: {exc}", field=field) from exc
+    try:
+        old = _read_config(model_dir)
+    except (OSError, ValueError):
+        return  # the job's own model is gone or unreadable: the workers will say so
+    for new_cfg, old_cfg in ((new, old), (new.get("text_config"), old.get("text_config"))):
+        if not isinstance(new_cfg, dict) or not isinstance(old_cfg, dict):
+            continue
+        for name in _ARCHITECTURE_FIELDS:
+            if new_cfg.get(name) != old_cfg.get(name):
+                raise InvalidArgument(
+                    f"{new_dir} has {name} {new_cfg.get(name)!r}, the job's model "
+                    f"{old_cfg.get(name)!r}: a policy update must keep the model's architecture",
+                    field=field,
+                )
+
+
 # The target config fields that shape a drafter's own tensors (its layer is built from them).
 _DRAFTER_SHAPE_FIELDS = (
     "hidden_size",

@@ -151,6 +151,10 @@ class JobService:
                     f"must be in [1, {MAX_DRAFT_LENGTH}], got {k}",
                     field=f"speculative.draft_lengths[{i}]",
                 )
+            if k in spec.draft_lengths[:i]:  # each length is one arm of the workers' bandit
+                raise InvalidArgument(
+                    f"repeats draft length {k}", field=f"speculative.draft_lengths[{i}]"
+                )
         check_max(spec.batch_threshold, "speculative.batch_threshold", INT32_MAX)
         if spec.batch_threshold == 0:
             spec = replace(spec, batch_threshold=self.settings.spec_batch_threshold)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tltd.domain import JobStatus, PolicyVersion
 from tltd.errors import FailedPrecondition, InvalidArgument, Unimplemented
-from tltd.services.checkpoints import check_model_dir
+from tltd.services.checkpoints import check_model_dir, check_same_architecture
 from tltd.services.validation import INT32_MAX, check_id, check_max
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class PolicyService:
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
         resolved = check_model_dir(path, "checkpoint.path", require_weights=True)
+        check_same_architecture(resolved, Path(job.model_path), "checkpoint.path")
         # Announced to the supervisor around the write, so that a tick which read the jobs
         # before it cannot start drafter training on that stale read (see policy_updates).
         gate = self.supervisor.policy_updates.updating(job_id) if self.supervisor else nullcontext()

@@ -53,7 +53,9 @@ class EngineConfig:
         drafters = ("ngram", "eagle") if spec.drafter == "auto" else (spec.drafter,)
         if spec.drafter not in ("auto", "ngram", "eagle"):
             raise ValueError(f"speculative.drafter must be auto|ngram|eagle, got {spec.drafter!r}")
-        strategies = tuple(Strategy(d, k) for d in drafters for k in spec.draft_lengths)
+        strategies = tuple(
+            Strategy(d, k) for d in drafters for k in dict.fromkeys(spec.draft_lengths)
+        )
         mode = "off" if spec.mode == SpeculativeMode.OFF else "adaptive"
         return cls(
             spec_mode=mode, batch_threshold=spec.batch_threshold, strategies=strategies, **kw

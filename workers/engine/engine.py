@@ -51,6 +51,7 @@ Semantics:
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
@@ -72,7 +73,14 @@ from workers.engine.bandit import (
 )
 from workers.engine.eagle import EagleDrafter
 from workers.engine.kv_cache import KVCache
-from workers.engine.model import Batch, CausalLM, load_model, load_weights, read_state_dict
+from workers.engine.model import (
+    Batch,
+    CausalLM,
+    ModelConfig,
+    load_model,
+    load_weights,
+    read_state_dict,
+)
 from workers.engine.ngram import NgramDrafter
 from workers.engine.sampling import (
     ACCEPT,
@@ -372,6 +380,12 @@ class Engine:
         """
         sd = path_or_state_dict
         if not isinstance(sd, dict):
+            cfg = ModelConfig.from_hf(json.loads((Path(sd) / "config.json").read_text()))
+            if cfg != self.model.config:
+                raise ValueError(
+                    f"{sd} is another architecture than the loaded model: {cfg} != "
+                    f"{self.model.config}"
+                )
             sd = read_state_dict(sd)
         p = next(self.model.parameters())
         load_weights(self.model, {k: v.to(dtype=p.dtype, device=p.device) for k, v in sd.items()})
@@ -598,6 +612,7 @@ class Engine:
             params.greedy,
             uniforms(keys, pos[:, :-1], ACCEPT),
             uniforms(keys, pos, SAMPLE),
+            logp.argmax(dim=-1),
         )
         # Row i emits draft[:n_i] + [next_i]; logprobs come from the target's p.
         emitted = torch.cat([draft_t, torch.zeros_like(nxt)[:, None]], dim=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -363,11 +364,33 @@ def _fuse_state_dict(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Te
 
 
 def load_weights(model: CausalLM, state_dict: Mapping[str, Tensor]) -> None:
-    """Copy HF-named weights into the model in place (new policy weights between steps)."""
-    fused = _fuse_state_dict(state_dict, model.config)
-    missing, unexpected = model.load_state_dict(fused, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"weights do not fit the model: missing={missing} unexpected={unexpected}")
+    """Copy HF-named weights into the model in place (new policy weights between steps).
+
+    All or nothing: every tensor is checked against the model before any is copied
+    (`load_state_dict` copies the tensors that fit before it raises on one that does not,
+    which would leave a model that is neither policy under the old version's name)."""
+    cfg = model.config
+    try:
+        fused = _fuse_state_dict(state_dict, cfg)
+    except KeyError as exc:
+        raise ValueError(f"weights do not fit the model: {exc.args[0]} is missing") from None
+    own = model.state_dict()
+    problems = [f"missing {k}" for k in sorted(own.keys() - fused.keys())]
+    problems += [f"unexpected {k}" for k in sorted(fused.keys() - own.keys())]
+    problems += [
+        f"{k} has shape {tuple(v.shape)}, the model {tuple(own[k].shape)}"
+        for k, v in fused.items()
+        if k in own and v.shape != own[k].shape
+    ]
+    deeper = sorted(
+        {int(k.split(".")[2]) for k in state_dict if re.match(r"model\.layers\.\d+\.", k)}
+        - set(range(cfg.num_layers))
+    )
+    if deeper:
+        problems.append(f"layers {deeper} beyond the model's {cfg.num_layers}")
+    if problems:
+        raise ValueError("weights do not fit the model: " + "; ".join(problems[:5]))
+    model.load_state_dict(fused, strict=True)
 
 
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:

@@ -16,6 +16,7 @@ def accept_drafts(
     greedy: Tensor,
     u_accept: Tensor,
     u_sample: Tensor,
+    target_argmax: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Decide how many drafted tokens each row keeps and draw the token that follows them.
 
@@ -26,6 +27,9 @@ def accept_drafts(
     q         [B, K, V] the drafter's processed distribution each draft was sampled from, or
               None when proposals are deterministic (q = one-hot of the draft, e.g. n-grams).
     greedy    [B] bool, u_accept [B, K], u_sample [B, K+1]: uniforms in [0, 1).
+    target_argmax [B, K+1] the greedy token at each position taken from the logprobs, as plain
+              decoding takes it (exp can round two near-equal logprobs to one probability and
+              p.argmax then picks the lower id); default p.argmax.
     Returns (n_accepted [B], next_token [B]): the row emits draft[:n] + [next_token].
 
     Math (Leviathan et al. 2023; Chen et al. 2023). Draft x ~ q is kept with probability
@@ -42,11 +46,12 @@ def accept_drafts(
     b, k = draft.shape
     rows = torch.arange(b, device=draft.device)
     if k == 0:  # nothing drafted: plain sampling from p at the only position
-        nxt = torch.where(greedy, p[:, 0].argmax(dim=-1), sample_from(p[:, 0], u_sample[:, 0]))
+        top = p[:, 0].argmax(dim=-1) if target_argmax is None else target_argmax[:, 0]
+        nxt = torch.where(greedy, top, sample_from(p[:, 0], u_sample[:, 0]))
         return torch.zeros(b, dtype=torch.long, device=draft.device), nxt
     p_drafted = p[:, :k].gather(-1, draft[..., None])[..., 0]  # p_i(x_i), [B, K]
     q_drafted = 1.0 if q is None else q.gather(-1, draft[..., None])[..., 0]
-    argmax = p.argmax(dim=-1)  # [B, K+1]
+    argmax = p.argmax(dim=-1) if target_argmax is None else target_argmax  # [B, K+1]
     ok = torch.where(greedy[:, None], draft == argmax[:, :k], u_accept * q_drafted < p_drafted)
     ok &= torch.arange(k, device=draft.device)[None, :] < draft_len[:, None]
     n = ok.long().cumprod(dim=-1).sum(dim=-1)  # leading accepted drafts, [B]

@@ -51,7 +51,7 @@ class RolloutWorker(WorkerLoop):
         strategies = tuple(
             Strategy(d, k)
             for d in _DRAFTERS.get(spec.drafter, ("ngram",))
-            for k in spec.draft_lengths
+            for k in dict.fromkeys(spec.draft_lengths)  # a repeat is no second arm
         )
         self.engine = None  # free the old model before loading the next one
         engine = Engine(
