@@ -157,3 +157,60 @@ def test_request_policy_version_is_filled_for_existing_rows(db_url: str) -> None
         engine.dispose()
     assert got == {"sampled": 1, "waiting": 3}
     migrate.check(db_url)
+
+
+# One row per table that cascades from jobs, in the 0001 schema (parents first).
+_ROWS_AT_0001 = (
+    "INSERT INTO jobs (job_id, name, model_path, backend, priority, weight, spec_mode,"
+    " spec_batch_threshold, spec_draft_lengths, spec_drafter, spec_online_training, status,"
+    " status_reason, policy_version, created_at, updated_at) VALUES ('j', '', '/m', 'torch', 0,"
+    " 1.0, 'auto', 32, '[2]', 'auto', false, 'active', '', 0, :t, :t)",
+    "INSERT INTO policy_versions (job_id, version, source, path, note, created_at) VALUES"
+    " ('j', 0, 'initial', '/m', '', :t)",
+    "INSERT INTO drafter_versions (job_id, version, policy_version, path, train_steps, loss,"
+    " acceptance_length, status, status_reason, pinned, created_at, updated_at) VALUES"
+    " ('j', 1, 0, '/d', 10, 0.5, 2.5, 'promoted', '', false, :t, :t)",
+    "INSERT INTO rollout_requests (request_id, job_id, prompts, n, temperature, top_p, top_k,"
+    " max_new_tokens, stop_token_ids, seed, speculative, status, status_reason, samples_done,"
+    " created_at, updated_at) VALUES ('r', 'j', '[[1]]', 1, 1.0, 1.0, 0, 4, '[]', 1, 'auto',"
+    " 'completed', '', 1, :t, :t)",
+    "INSERT INTO samples (request_id, prompt_index, sample_index, token_ids, logprobs,"
+    " num_tokens, finish_reason, policy_version, drafter_version, spec_draft_steps,"
+    " spec_plain_steps, spec_accepted_tokens, spec_mean_accepted_length, partial, error,"
+    " created_at) VALUES ('r', 0, 0, '[5]', '[-0.5]', 1, 'length', 0, 0, 0, 0, 0, 0.0, false,"
+    " '', :t)",
+)
+
+
+def test_upgrades_keep_every_row(db_url: str) -> None:
+    """Each upgrade step keeps the rows of every table. On SQLite, Alembic changes a table by
+    copying it and dropping the old one; with foreign keys on, that DROP used to delete every
+    child row (0002 rebuilt jobs: requests, samples and versions were gone; 0003 rebuilt
+    rollout_requests: every sample was gone), silently."""
+    migrate.upgrade(db_url, "0001")
+    engine = make_engine(db_url)
+    tables = ("jobs", "policy_versions", "drafter_versions", "rollout_requests", "samples")
+
+    def counts() -> dict[str, int]:
+        with engine.connect() as conn:
+            return {t: conn.scalar(text(f"SELECT count(*) FROM {t}")) for t in tables}
+
+    try:
+        with engine.begin() as conn:
+            for sql in _ROWS_AT_0001:
+                conn.execute(text(sql), {"t": "2026-01-01 00:00:00"})
+        assert counts() == dict.fromkeys(tables, 1)
+        script = ScriptDirectory.from_config(migrate.alembic_config())
+        for rev in reversed([r.revision for r in script.walk_revisions()][:-1]):
+            migrate.upgrade(db_url, rev)
+            assert counts() == dict.fromkeys(tables, 1), rev
+    finally:
+        engine.dispose()
+    migrate.check(db_url)
+    if db_url.startswith("sqlite"):  # the store's connections still enforce foreign keys
+        store_engine = make_engine(db_url)
+        try:
+            with store_engine.connect() as conn:
+                assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        finally:
+            store_engine.dispose()

@@ -39,16 +39,32 @@ def _config_with_connection(url: str) -> Iterator[Config]:
     # option makes SQLite take its lock at BEGIN so two daemons starting at once serialize.
     engine = make_engine(url)
     try:
-        with engine.execution_options(**{WRITE_OPTION: True}).begin() as conn:
-            if conn.dialect.name == "postgresql":
-                # Two daemons starting on a fresh database would both CREATE TABLE; the second
-                # waits here until the first commits, then finds the schema at head.
-                conn.execute(
-                    text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY}
-                )
-            cfg = alembic_config()
-            cfg.attributes["connection"] = conn
-            yield cfg
+        with engine.connect() as conn:
+            sqlite = conn.dialect.name == "sqlite"
+            if sqlite:
+                # Alembic changes an SQLite table by copying it, DROP TABLE and a rename; with
+                # foreign keys on, the DROP deletes every child row (ON DELETE CASCADE). Off
+                # for the migration (SQLite ignores the pragma inside a transaction, so before
+                # BEGIN, on the driver's connection) and checked before the commit instead.
+                conn.connection.dbapi_connection.execute("PRAGMA foreign_keys=OFF")
+            try:
+                with conn.execution_options(**{WRITE_OPTION: True}).begin():
+                    if conn.dialect.name == "postgresql":
+                        # Two daemons starting on a fresh database would both CREATE TABLE;
+                        # the second waits here until the first commits, then finds the
+                        # schema at head.
+                        conn.execute(
+                            text("SELECT pg_advisory_xact_lock(:key)"),
+                            {"key": MIGRATION_LOCK_KEY},
+                        )
+                    cfg = alembic_config()
+                    cfg.attributes["connection"] = conn
+                    yield cfg
+                    if sqlite and (bad := conn.exec_driver_sql("PRAGMA foreign_key_check").all()):
+                        raise RuntimeError(f"migration left rows without their parent: {bad[:5]}")
+            finally:
+                if sqlite:
+                    conn.connection.dbapi_connection.execute("PRAGMA foreign_keys=ON")
     finally:
         engine.dispose()
 
