@@ -8,7 +8,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -185,6 +185,20 @@ def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, in
     return retired
 
 
+def prune_history(store: Store, retention_hours: float) -> tuple[int, int]:
+    """Delete requests (with their samples) that ended more than `retention_hours` ago, and
+    events as old: without it the database grows by every rollout's tokens and logprobs.
+    A retry of a pruned request id is a new request."""
+    before = datetime.now(UTC) - timedelta(hours=retention_hours)
+    requests, events = store.prune_history(before)
+    if requests or events:
+        log.info(
+            "history pruned",
+            extra={"requests": requests, "events": events, "retention_hours": retention_hours},
+        )
+    return requests, events
+
+
 def build_scheduler(
     settings: Settings,
     store: Store,
@@ -236,6 +250,16 @@ def build_scheduler(
             args=(store, settings.drafter_keep_versions, training.root),
             id="drafter-gc",
             name="old drafter checkpoints GC",
+            max_instances=1,
+            coalesce=True,
+        )
+    if settings.history_retention_hours > 0:
+        scheduler.add_job(
+            prune_history,
+            IntervalTrigger(seconds=settings.history_gc_seconds),
+            args=(store, settings.history_retention_hours),
+            id="history-gc",
+            name="ended requests, samples and events past the retention GC",
             max_instances=1,
             coalesce=True,
         )

@@ -59,6 +59,9 @@ class Settings:
     training_heartbeat_timeout_seconds: float = 30.0
     drafter_keep_versions: int = 5  # GC keeps the newest n versions + pinned + active
     drafter_gc_seconds: float = 600.0
+    # Ended requests (with their samples) and events older than this are deleted; 0 = never.
+    history_retention_hours: float = 168.0
+    history_gc_seconds: float = 3600.0
     # Limits
     max_prompts_per_request: int = 1024
     max_samples_per_request: int = 4096
@@ -111,6 +114,7 @@ _POSITIVE = frozenset(
         "training_start_timeout_seconds",
         "training_heartbeat_timeout_seconds",
         "drafter_gc_seconds",
+        "history_gc_seconds",
         "max_prompts_per_request",
         "max_samples_per_request",
         "max_prompt_tokens",

@@ -18,6 +18,7 @@ from tltd.periodic import (
     build_scheduler,
     check_preemption_notice,
     our_pids,
+    prune_history,
     refresh_devices,
     with_descendants,
 )
@@ -37,12 +38,19 @@ def test_schedule_declaration(sqlite_store, tmp_path):
     settings = make_settings(tmp_path, device_refresh_seconds=7.5)
     scheduler = build_scheduler(settings, sqlite_store, None)
     jobs = {j.id: j for j in scheduler.get_jobs()}
-    assert set(jobs) == {"device-refresh"}
+    assert set(jobs) == {"device-refresh", "history-gc"}
     job = jobs["device-refresh"]
     assert isinstance(job.trigger, IntervalTrigger)
     assert job.trigger.interval.total_seconds() == 7.5
     assert job.max_instances == 1 and job.coalesce is True
     assert job.func is refresh_devices
+    gc = jobs["history-gc"]
+    assert gc.func is prune_history and gc.args == (sqlite_store, 168.0)
+    assert gc.trigger.interval.total_seconds() == 3600.0
+    keep_all = make_settings(tmp_path, history_retention_hours=0)
+    assert {j.id for j in build_scheduler(keep_all, sqlite_store, None).get_jobs()} == {
+        "device-refresh"
+    }
 
 
 def test_scheduler_runs_the_refresh(sqlite_store, tmp_path):

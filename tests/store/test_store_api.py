@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import replace
-from datetime import UTC
+from datetime import UTC, datetime
 
 import pytest
 
@@ -285,6 +286,41 @@ def test_add_sample_idempotent_and_counts(store: Store) -> None:
     got = store.list_samples("req-1")
     assert [(s.prompt_index, s.sample_index) for s in got] == [(0, 0), (0, 1), (1, 1)]
     assert got[2] == first  # every field round-trips, including spec stats
+
+
+def test_prune_history_deletes_only_ended_requests_and_events_before_the_cut(
+    store: Store,
+) -> None:
+    store.create_job(JOB)
+    for rid in ("old-done", "old-failed", "old-open"):
+        store.create_request(_request(rid))
+    store.set_request_status("old-done", RequestStatus.RUNNING, "w0")
+    store.add_sample(replace(_sample(0, 0), request_id="old-done"))
+    store.set_request_status("old-done", RequestStatus.COMPLETED, "all samples")
+    store.set_request_status("old-failed", RequestStatus.FAILED, "bad")
+    before_cut = len(store.list_events(limit=10_000))
+    time.sleep(0.01)
+    cut = datetime.now(UTC)
+    time.sleep(0.01)
+    store.create_request(_request("new-done"))
+    store.set_request_status("new-done", RequestStatus.RUNNING, "w0")
+    store.add_sample(replace(_sample(0, 0), request_id="new-done"))
+    store.set_request_status("new-done", RequestStatus.COMPLETED, "all samples")
+
+    assert store.prune_history(cut, batch=1) == (2, before_cut)  # batch=1: several rounds
+    for rid in ("old-done", "old-failed"):
+        with pytest.raises(NotFound):
+            store.get_request(rid)
+    assert store.get_request("old-open").status is RequestStatus.QUEUED  # open: kept
+    assert len(store.list_samples("new-done")) == 1
+    assert store.stats()["samples_total"] == 1
+    assert [e[1] for e in _events(store, "request", "new-done")] == [
+        "queued",
+        "running",
+        "completed",
+    ]
+    assert _events(store, "request", "old-open") == []  # its events predate the cut
+    assert store.prune_history(cut) == (0, 0)
 
 
 def test_partial_sample_is_replaced_by_complete_one(store: Store) -> None:

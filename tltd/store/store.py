@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -780,6 +780,41 @@ class Store:
             if entity_id is not None:
                 q = q.where(EventRow.entity_id == entity_id)
             return [convert.event_from_row(r) for r in reversed(s.scalars(q).all())]
+
+    def prune_history(self, before: datetime, batch: int = 500) -> tuple[int, int]:
+        """Delete the requests that ended before `before`, with their samples, and the events
+        recorded before it: the history retention. A few hundred rows per transaction, so
+        that the daemon's own writes never wait long behind it. Returns (requests, events)
+        deleted. Open requests are never touched, whatever their age."""
+        ended = [
+            RequestStatus.COMPLETED.value,
+            RequestStatus.CANCELLED.value,
+            RequestStatus.FAILED.value,
+        ]
+        rr, ev = RolloutRequestRow, EventRow
+        requests = events = 0
+        while True:
+            with self._tx() as s:
+                ids = s.scalars(
+                    select(rr.request_id)
+                    .where(rr.status.in_(ended), rr.updated_at < before)
+                    .limit(batch)
+                ).all()
+                if not ids:
+                    break
+                # Samples first: the cascade is the schema's, but not every SQLite connection
+                # that may have written this file enforced foreign keys.
+                s.execute(delete(SampleRow).where(SampleRow.request_id.in_(ids)))
+                s.execute(delete(rr).where(rr.request_id.in_(ids)))
+                requests += len(ids)
+        while True:
+            with self._tx() as s:
+                old = s.scalars(select(ev.id).where(ev.at < before).limit(batch)).all()
+                if not old:
+                    break
+                s.execute(delete(ev).where(ev.id.in_(old)))
+                events += len(old)
+        return requests, events
 
     def stats(self) -> dict[str, Any]:
         """Counters for the Stats RPC and metrics.
