@@ -51,6 +51,9 @@ class Settings:
     training_cadence_seconds: float = 30.0  # minimum time between rounds of one job
     training_steps_per_round: int = 50  # optimizer steps; a version is published after each
     training_buffer_bytes: int = 64 << 20  # the trainer's sample buffer (token ids only)
+    # Drafter positions per packed training row; a longer sample trains as several windows,
+    # each attending to at most this many positions (activation memory grows with it).
+    training_row_len: int = 512
     training_recent_samples: int = 2048  # kept by the daemon to refill a restarted trainer
     training_held_out_every: int = 5  # every n-th finished sample measures acceptance instead
     training_held_out_samples: int = 32  # the newest held-out samples a publish evaluates on
@@ -111,6 +114,7 @@ _POSITIVE = frozenset(
         "worker_start_timeout_seconds",
         "scheduler_tick_seconds",
         "training_buffer_bytes",
+        "training_row_len",
         "training_start_timeout_seconds",
         "training_heartbeat_timeout_seconds",
         "drafter_gc_seconds",

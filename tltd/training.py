@@ -354,6 +354,7 @@ class DrafterTraining:
         """Stop the trainer `run` replaces, then spawn `run`'s and wait for its Ready (killed
         if that fails); None, with nothing spawned, once `close` has begun or the device
         was preempted back for rollouts."""
+        from workers.drafter.trainer import TrainerConfig
         from workers.drafter.worker import DrafterWorker, WorkerSpec
 
         if run.replaces is not None:
@@ -376,6 +377,7 @@ class DrafterTraining:
             model_path=policy.path,
             checkpoint_dir=str(self.root / run.job_id / "train"),
             device=run.torch_device,
+            trainer=TrainerConfig(row_len=self.settings.training_row_len),
             buffer_bytes=self.settings.training_buffer_bytes,
             keep_hidden=False,
             drafter_path=start_from,

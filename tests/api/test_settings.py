@@ -116,6 +116,7 @@ def test_config_file_values_are_type_checked(tmp_path, toml, message):
             "training_heartbeat_timeout_seconds must be > 0",
         ),
         ({"TLTD_MAX_PROMPT_TOKENS": "0"}, "max_prompt_tokens must be > 0"),
+        ({"TLTD_TRAINING_ROW_LEN": "0"}, "training_row_len must be > 0"),
         (
             {"TLTD_TRAINING_HEARTBEAT_TIMEOUT_SECONDS": "1"},
             r"training_heartbeat_timeout_seconds must be at least 3 x worker_heartbeat_seconds",

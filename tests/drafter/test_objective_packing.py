@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from workers.drafter.objective import align, eagle_loss
-from workers.drafter.packing import pack
+from workers.drafter.packing import context_len, pack, windows
 
 
 def _example(T: int, rs: int, H: int = 4, seed: int = 0):
@@ -67,6 +68,53 @@ def test_packing_restarts_positions_and_blocks_cross_sample_attention():
     assert torch.equal(batch.hidden_in[1, :6], c.hidden_in)
 
 
-def test_packing_truncates_overlong_samples():
-    batch = pack([_example(20, 2)], row_len=8)
-    assert batch.next_ids.shape == (1, 8) and (batch.segments[0] == 0).all()
+def _offset(ex, w) -> int:
+    """Where window w starts in ex (its inputs are a contiguous slice of ex's)."""
+    n = w.next_ids.shape[0]
+    [s] = [
+        s
+        for s in range(ex.next_ids.shape[0] - n + 1)
+        if torch.equal(ex.hidden_in[s : s + n], w.hidden_in)
+    ]
+    assert torch.equal(ex.next_ids[s : s + n], w.next_ids)
+    assert torch.equal(ex.hidden_target[s : s + n], w.hidden_target)
+    return s
+
+
+@pytest.mark.parametrize(("T", "rs"), [(40, 3), (30, 20), (9, 1), (33, 33 - 8)])
+def test_windows_put_every_response_position_in_exactly_one_loss(T, rs):
+    """Long prompts (rs > row_len) and the late part of long responses are all trained."""
+    row_len = 8
+    ex = _example(T, rs)
+    ws = windows(ex, row_len)
+    trained = []
+    for w in ws:
+        n = w.next_ids.shape[0]
+        assert n <= row_len and w.loss_mask.any()
+        s = _offset(ex, w)
+        first = int(w.loss_mask.nonzero()[0])
+        assert first <= context_len(row_len) or s == 0  # context in front, never more
+        assert w.loss_mask[first:].all()  # loss from there on, all of it
+        trained += range(s + first, s + n)
+    assert trained == ex.loss_mask.nonzero().flatten().tolist()
+    if T - 1 <= row_len:
+        assert ws == [ex]  # a sample that fits is left whole
+
+
+def test_packing_windows_overlong_samples_and_keeps_the_row_invariants():
+    long, short = _example(40, 3, seed=1), _example(4, 1, seed=2)
+    batch = pack([long, short], row_len=8)
+    assert batch.next_ids.shape[1] == 8
+    assert int(batch.loss_mask.sum()) == int(long.loss_mask.sum() + short.loss_mask.sum())
+    B = batch.segments.shape[0]
+    assert B == len(windows(long, 8))  # the short sample fits beside the last window
+    for b in range(B):
+        segs = batch.segments[b]
+        m = batch.attn_mask[b, 0]
+        for seg in range(int(segs.max()) + 1):
+            sel = (segs == seg).nonzero().flatten()
+            assert batch.positions[b, sel].tolist() == list(range(len(sel)))  # restart
+            inside = m[sel][:, sel]
+            assert torch.equal(inside, torch.ones_like(inside).tril())  # causal within
+            assert not m[sel][:, segs != seg].any()  # nothing outside
+        assert not batch.loss_mask[b, segs < 0].any()  # padding never counts

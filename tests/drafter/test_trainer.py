@@ -103,6 +103,21 @@ def test_training_forward_equals_the_engines_cached_inference_path(target):
     torch.testing.assert_close(_alone(drafter, ex).detach(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_a_window_computes_what_its_absolute_positions_compute(target):
+    """Windows restart their positions at 0: RoPE makes that the same as the window's true
+    positions in the sample (what the engine's cache uses), the keys before it left out."""
+    drafter = new_drafter(target, seed=5)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, target.config.vocab_size, (40,), generator=g)
+    ex = align(ids, target_hidden(target, [ids])[0], 3)
+    a, n = 23, 12
+    h, x = ex.hidden_in[a : a + n][None], ex.next_ids[a : a + n][None]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    restarted = drafter_features(drafter, h, x, torch.arange(n)[None], causal)
+    absolute = drafter_features(drafter, h, x, torch.arange(a, a + n)[None], causal)
+    torch.testing.assert_close(restarted, absolute, atol=1e-5, rtol=1e-5)
+
+
 def _trainer(target, samples, *, seed=0, keep_hidden=True, cfg=None, hidden_dtype=torch.float32):
     buf = TrainingBuffer(1 << 24, keep_hidden=keep_hidden, hidden_dtype=hidden_dtype)
     fill_buffer(buf, target, samples)
@@ -140,6 +155,23 @@ def test_loss_covers_response_positions_only(target, samples):
                 torch.ones(pred.shape[0], dtype=torch.bool),
             )
         assert res.loss == pytest.approx(float(loss), rel=1e-5)
+
+
+@pytest.mark.parametrize("keep_hidden", [True, False])
+def test_long_prompts_and_the_late_part_of_long_responses_are_trained(target, keep_hidden):
+    """Samples longer than a row train in windows: a prompt longer than the row still trains
+    its response, and a long response trains up to its last token."""
+    g = torch.Generator().manual_seed(7)
+    vocab = target.config.vocab_size
+    cfg = TrainerConfig(items_per_micro=1, micro_per_step=1, lr=0.0, row_len=16)
+    for T, rs in ((50, 30), (60, 2)):  # prompt > row_len; response of 58 positions
+        ids = torch.randint(0, vocab, (T,), generator=g).tolist()
+        res = _trainer(target, [(ids, rs)], keep_hidden=keep_hidden, cfg=cfg).train_step()
+        assert res.positions == T - rs and res.loss > 0
+        # Another last token changes the loss: the sample's final position is in it.
+        other = ids[:-1] + [(ids[-1] + 1) % vocab]
+        res2 = _trainer(target, [(other, rs)], keep_hidden=keep_hidden, cfg=cfg).train_step()
+        assert res2.positions == res.positions and res2.loss != pytest.approx(res.loss)
 
 
 def test_shared_weights_frozen_and_absent_from_checkpoints(target, samples, tmp_path):

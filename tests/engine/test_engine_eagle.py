@@ -139,3 +139,25 @@ def test_training_forward_on_packed_rows_equals_separate_sequences(ckpt):
         a = drafter(h[:, :5], x[:, :5])
         b = drafter(h[:, 5:], x[:, 5:])
     torch.testing.assert_close(packed, torch.cat([a, b], 1), atol=1e-5, rtol=1e-5)
+
+
+def test_only_rows_that_drafted_are_credited_with_draft_steps_and_the_drafter(ckpt):
+    """A speculative=False request sharing EAGLE steps, and rows one token from their limit,
+    decode plainly inside them: plain steps, no draft steps, no drafter version."""
+    e = Engine(
+        str(ckpt), EngineConfig(max_batch=8, spec_mode="fixed", strategies=(Strategy("eagle", 3),))
+    )
+    e.set_drafter(EagleDrafter.random_init(e.model, seed=1), version=7)
+    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+    e.add_request("plain", PROMPTS[0], sp, speculative=False)
+    e.add_request("spec", PROMPTS[1], sp)
+    outs = {}
+    while e.has_work():
+        outs.update({o.request_id: o for o in e.step()})
+    plain, spec = outs["plain"], outs["spec"]
+    assert e.stats.summary()["steps"]["spec"] > 0  # the plain row did share SD steps
+    assert (plain.draft_steps, plain.accepted_tokens, plain.drafter_version) == (0, 0, 0)
+    assert plain.mean_accepted_length == 0.0
+    assert spec.draft_steps > 0 and spec.drafter_version == 7
+    for o in (plain, spec):  # no stop tokens: the prefill's token + one per step + accepted
+        assert len(o.token_ids) == 1 + o.plain_steps + o.draft_steps + o.accepted_tokens

@@ -3,6 +3,7 @@ when a batch arrives, publishes versions, checkpoints on shutdown."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -81,7 +82,8 @@ def test_training_starts_when_idle_and_is_preempted_by_a_new_batch(start_daemon,
 
 
 def test_round_publishes_a_version_and_shutdown_leaves_a_checkpoint(start_daemon, ckpt):
-    d = start_daemon(training_steps_per_round=3)
+    # Rows shorter than the samples: they train in windows (workers/drafter/packing.py).
+    d = start_daemon(training_steps_per_round=3, training_row_len=8)
     data_dir = d.settings.data_dir
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
@@ -111,6 +113,8 @@ def test_round_publishes_a_version_and_shutdown_leaves_a_checkpoint(start_daemon
 
     ckpt_dir = latest_checkpoint(Path(data_dir) / "drafters" / "job" / "train")
     assert ckpt_dir is not None and (ckpt_dir / "model.safetensors").is_file()
+    meta = json.loads((ckpt_dir / "trainer.json").read_text())
+    assert meta["trainer"]["row_len"] == 8  # the daemon setting reached the trainer
     w = d.store.get_worker("drafter-job")
     assert w.state is WorkerState.STOPPED and str(ckpt_dir) in w.state_reason
 

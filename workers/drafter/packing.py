@@ -2,6 +2,13 @@
 
 Positions restart at 0 for each sample and the attention mask is block-diagonal causal, so a
 packed row computes exactly what each sample would compute alone (tests/drafter prove it).
+
+A sample longer than a row is split into windows (`windows`) that together train every response
+position once, each window led by up to `row_len // 4` earlier positions as attention context
+(in the loss only where no earlier window trained them). Positions restart at 0 per window too:
+the drafter's only position dependence is RoPE, whose attention scores depend on position
+differences only, so a window computes what the engine computes at those absolute positions
+with the keys before the window left out (the truncated context is the one approximation).
 """
 
 from __future__ import annotations
@@ -26,11 +33,10 @@ class PackedBatch:
 
 
 def pack(examples: Sequence[EagleExample], row_len: int) -> PackedBatch:
-    """First-fit pack examples (each <= row_len positions, longer ones truncated) into rows."""
+    """First-fit pack examples into rows; one longer than row_len goes in as its `windows`."""
     rows: list[list[EagleExample]] = []
     used: list[int] = []
-    for ex in examples:
-        ex = _truncate(ex, row_len)
+    for ex in (w for e in examples for w in windows(e, row_len)):
         n = ex.next_ids.shape[0]
         for r, u in enumerate(used):
             if u + n <= row_len:
@@ -74,7 +80,29 @@ def pack(examples: Sequence[EagleExample], row_len: int) -> PackedBatch:
     return out
 
 
-def _truncate(ex: EagleExample, n: int) -> EagleExample:
-    if ex.next_ids.shape[0] <= n:
-        return ex
-    return EagleExample(ex.hidden_in[:n], ex.next_ids[:n], ex.hidden_target[:n], ex.loss_mask[:n])
+def context_len(row_len: int) -> int:
+    """Context positions (no loss of their own) in front of each window of a long sample."""
+    return row_len // 4
+
+
+def windows(ex: EagleExample, row_len: int) -> list[EagleExample]:
+    """`ex` if it fits in a row; else windows of <= row_len positions that put every loss
+    position of `ex` in exactly one window's loss, each window starting up to
+    `context_len(row_len)` positions before its first loss position (prompt positions in
+    front of the first loss position are dropped beyond that). No loss position: no window."""
+    n = ex.next_ids.shape[0]
+    if n <= row_len:
+        return [ex]
+    trained = ex.loss_mask.nonzero()
+    if trained.numel() == 0:
+        return []
+    out = []
+    a = int(trained[0])  # first loss position no window has covered yet
+    while a < n:
+        s = max(0, a - context_len(row_len))
+        e = min(n, s + row_len)
+        mask = ex.loss_mask[s:e].clone()
+        mask[: a - s] = False  # context: trained by the previous window, or prompt
+        out.append(EagleExample(ex.hidden_in[s:e], ex.next_ids[s:e], ex.hidden_target[s:e], mask))
+        a = e
+    return out

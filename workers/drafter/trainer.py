@@ -57,7 +57,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     items_per_micro: int = 4
     micro_per_step: int = 2
-    row_len: int = 512  # packed row length (drafter positions); longer samples are truncated
+    row_len: int = 512  # packed row length (drafter positions); longer samples are windowed
     loss_chunk: int = 64  # positions per loss chunk (a stop request is checked between chunks)
     prefill_chunk: int = 64  # tokens per recompute forward (ditto)
     seed: int = 0
@@ -125,10 +125,10 @@ def _check(stop) -> None:
         raise _Interrupted
 
 
-def _positions(item: TrainItem, row_len: int) -> int:
-    """Masked (response) drafter positions of an item after alignment and truncation."""
-    n = min(int(item.token_ids.numel()) - 1, row_len)
-    return max(0, n - max(item.response_start - 1, 0))
+def _positions(item: TrainItem) -> int:
+    """Masked (response) drafter positions of an item after alignment: all are trained (a
+    sample longer than a row is split into windows, workers/drafter/packing.py)."""
+    return max(0, int(item.token_ids.numel()) - 1 - max(item.response_start - 1, 0))
 
 
 class Trainer:
@@ -138,6 +138,8 @@ class Trainer:
         self, drafter: EagleDrafter, buffer: TrainingBuffer, config: TrainerConfig | None = None
     ) -> None:
         self.cfg = config or TrainerConfig()
+        if self.cfg.row_len < 1:
+            raise ValueError(f"row_len must be >= 1, got {self.cfg.row_len}")
         self.drafter = drafter.train()
         self.buffer = buffer
         for p in drafter.target.parameters():
@@ -202,6 +204,8 @@ class Trainer:
         dtype = next(iter(self.params.values())).dtype
         out = []
         for it in items:
+            if not _positions(it):
+                continue  # nothing to train: not worth a prefill
             h = it.hidden
             if h is None:
                 try:  # chunked: a stop never waits for a whole prefill
@@ -221,9 +225,12 @@ class Trainer:
         features, checking `stop` between chunks; the parameters only receive gradients in the
         final backward through the drafter, after the last check.
         """
-        batch = pack(self._examples(items, stop), self.cfg.row_len)
-        mask = batch.loss_mask
+        examples = self._examples(items, stop)
         _check(stop)
+        if not examples:
+            return {"loss": 0.0, "reg": 0.0, "ce": 0.0, "top1": 0.0, "positions": 0.0}
+        batch = pack(examples, self.cfg.row_len)
+        mask = batch.loss_mask
         pred = drafter_features(
             self.drafter, batch.hidden_in, batch.next_ids, batch.positions, batch.attn_mask
         )[mask]
@@ -273,7 +280,7 @@ class Trainer:
                     break
                 self.cursor.pos = end  # only evicted ids left in this epoch: move past them
             self.opt.zero_grad(set_to_none=True)
-            total = sum(_positions(it, c.row_len) for it in items) or 1
+            total = sum(_positions(it) for it in items) or 1
             self._pending = _Pending(items, skipped, end, total)
         p = self._pending
         while p.done < len(p.items):

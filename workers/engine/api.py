@@ -83,9 +83,9 @@ class SampleOutput:
     logprobs: list[float]
     finish_reason: FinishReason
     policy_version: int = 0  # the policy version when the sample started
-    drafter_version: int = 0  # the EAGLE drafter version of its last EAGLE step (0: none)
-    draft_steps: int = 0  # SD steps it took part in
-    plain_steps: int = 0
+    drafter_version: int = 0  # the EAGLE drafter version that last drafted for it (0: none)
+    draft_steps: int = 0  # SD steps in which it drafted at least one token
+    plain_steps: int = 0  # decode steps that gave it one token without drafts
     accepted_tokens: int = 0  # draft tokens accepted over all its SD steps
     hidden_states: Tensor | None = None
 

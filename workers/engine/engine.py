@@ -624,9 +624,12 @@ class Engine:
         for i, s in enumerate(seqs):
             n = n_list[i]
             lens[i] += 1 + n  # rejected positions past this are stale: the rollback
-            s.draft_steps += 1
-            if strategy.drafter == "eagle":
-                s.drafter_version = self.drafter_version
+            if dlen[i]:
+                s.draft_steps += 1
+                if strategy.drafter == "eagle":
+                    s.drafter_version = self.drafter_version
+            else:  # nothing drafted (speculative=False, no EAGLE history, at its limit...):
+                s.plain_steps += 1  # the verify pass was a plain decode step for this row
             h = hidden[i] if hidden is not None else None
             before = len(s.tokens)
             reason = self._emit(s, em[i][: n + 1], em_lp[i][: n + 1], h)
@@ -636,6 +639,8 @@ class Engine:
             if reason is not None:
                 done[i] = reason
         t2 = time.perf_counter()
+        # Over all rows: the reward is the step's throughput (every row's tokens per second, as
+        # the plain arm's b / dt is), and rows that drafted nothing still cost and gain in it.
         self.bandit.record(b, strategy, sum(gained) / b, t2 - t0)
         self.stats.record_spec_step(b, strategy, dlen, n_list, gained, t1 - t0, t2 - t1)
         return self._finish(done)
