@@ -22,6 +22,7 @@ from tltd.domain import (
     DrafterStatus,
     DrafterVersion,
     FinishReason,
+    JobStatus,
     RequestStatus,
     RolloutRequest,
     Sample,
@@ -269,6 +270,47 @@ def test_cancel_job_cancels_its_open_requests(client, daemon, model_dir):
     )
     client.cancel_job("job")
     assert daemon.store.get_request("r").status is RequestStatus.CANCELLED
+
+
+def test_cancel_job_skips_a_request_that_ends_meanwhile(client, daemon, model_dir, monkeypatch):
+    # r1 completes between CancelJob's listing of the open requests and its cancel: r1 keeps
+    # its status, and r2 / r3 (after it in the list) are still cancelled.
+    store = daemon.store
+    client.create_job(str(model_dir), job_id="job")
+    req = RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2))
+    for rid in ("r1", "r2", "r3"):
+        store.create_request(replace(req, request_id=rid))
+    store.set_request_status("r1", RequestStatus.RUNNING, "running")
+    listed = store.list_requests
+
+    def list_then_complete_r1(*args, **kwargs):
+        out = listed(*args, **kwargs)
+        store.set_request_status("r1", RequestStatus.COMPLETED, "all samples finished")
+        return out
+
+    monkeypatch.setattr(store, "list_requests", list_then_complete_r1)
+    assert client.cancel_job("job", "stop").status == job_pb2.JOB_STATUS_CANCELLED
+    status = {rid: store.get_request(rid).status for rid in ("r1", "r2", "r3")}
+    assert status == {
+        "r1": RequestStatus.COMPLETED,
+        "r2": RequestStatus.CANCELLED,
+        "r3": RequestStatus.CANCELLED,
+    }
+    assert store.get_request("r2").status_reason == "job cancelled: stop"
+
+
+def test_cancel_job_again_cancels_requests_left_open(client, daemon, model_dir):
+    # A daemon killed in the middle of CancelJob leaves the job cancelled and some requests
+    # open: a retried CancelJob cancels them (with the reason the job was cancelled for).
+    store = daemon.store
+    client.create_job(str(model_dir), job_id="job")
+    store.create_request(RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2)))
+    store.set_job_status("job", JobStatus.CANCELLED, "first")
+    assert store.get_request("r").status is RequestStatus.QUEUED
+    job = client.cancel_job("job", "second")
+    assert job.status == job_pb2.JOB_STATUS_CANCELLED and job.status_reason == "first"
+    got = store.get_request("r")
+    assert (got.status, got.status_reason) == (RequestStatus.CANCELLED, "job cancelled: first")
 
 
 def test_cancel_job_cancels_more_than_a_thousand_open_requests(sqlite_store, tmp_path, model_dir):

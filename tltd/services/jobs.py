@@ -34,6 +34,7 @@ _MAX_NAME = 256  # the jobs.name column
 # never accepted in full.
 MAX_DRAFT_LENGTH = 64
 _INITIAL_DRAFTER = "speculative.initial_drafter_path"
+_OPEN = (RequestStatus.QUEUED, RequestStatus.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -168,18 +169,28 @@ class JobService:
         return self.store.list_jobs(statuses=statuses or None, limit=limit or 100)
 
     def cancel(self, job_id: str, reason: str = "") -> Job:
-        """Cancel a job and its unfinished requests; cancelling a cancelled job is a no-op."""
-        job = self.get(job_id)
-        if job.status is JobStatus.CANCELLED:
-            return job
-        reason = reason or "cancelled by caller"
-        job = self.store.set_job_status(job_id, JobStatus.CANCELLED, reason)
-        open_statuses = [RequestStatus.QUEUED, RequestStatus.RUNNING]
+        """Cancel a job and its unfinished requests.
+
+        Idempotent and converging: cancelling a cancelled job cancels any of its requests still
+        open (left by a daemon killed mid-cancel), with the reason the job was cancelled for.
+        """
+        check_id(job_id, "job_id")
+        # A no-op returning the job when it is already cancelled (FailedPrecondition if failed).
+        job = self.store.set_job_status(
+            job_id, JobStatus.CANCELLED, reason or "cancelled by caller"
+        )
+        why = f"job cancelled: {job.status_reason}"
         # All of them (limit=None): the store refuses new requests of a cancelled job, so
         # this list is complete.
-        for req in self.store.list_requests(statuses=open_statuses, job_id=job_id, limit=None):
-            why = f"job cancelled: {reason}"
-            self.store.set_request_status(req.request_id, RequestStatus.CANCELLED, why)
+        for req in self.store.list_requests(statuses=_OPEN, job_id=job_id, limit=None):
+            try:
+                self.store.set_request_status(req.request_id, RequestStatus.CANCELLED, why)
+            except FailedPrecondition:
+                # It ended (completed / failed) since the listing: nothing left to cancel,
+                # and the rest of the job's requests must still be cancelled.
+                if self.store.get_request(req.request_id).status in _OPEN:
+                    raise
+                continue
             if self.supervisor is not None:
                 self.supervisor.cancel_threadsafe(req.request_id, why)
         return job
