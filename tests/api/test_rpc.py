@@ -465,6 +465,47 @@ def test_export_drafter_writes_an_sglang_eagle_checkpoint(client, daemon, tmp_pa
     assert not any("lm_head" in k for k in tensors)
 
 
+# ---- free text -------------------------------------------------------------------------------
+
+
+def test_text_with_nul_or_too_long_is_refused_by_name(client, daemon, model_dir, tmp_path):
+    # PostgreSQL text cannot hold NUL (it was INTERNAL there, stored by SQLite): refused by
+    # name on both, as is text beyond its bound; nothing is changed.
+    nul, long_reason = "a\x00b", "x" * 1025
+    with fails(C.INVALID_ARGUMENT, "name", "NUL"):
+        client.create_job(str(model_dir), job_id="job", name=nul)
+    with fails(C.INVALID_ARGUMENT, "name", "256"):
+        client.create_job(str(model_dir), job_id="job", name="x" * 257)
+    with fails(C.INVALID_ARGUMENT, "model_path", "NUL"):
+        client.create_job(str(model_dir) + "\x00")
+    client.create_job(str(model_dir), job_id="job", name="y" * 256)
+    daemon.store.create_request(
+        RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2))
+    )
+    for reason in (nul, long_reason):
+        with fails(C.INVALID_ARGUMENT, "reason"):
+            client.cancel_request("r", reason)
+        with fails(C.INVALID_ARGUMENT, "reason"):
+            client.cancel_job("job", reason)
+        with fails(C.INVALID_ARGUMENT, "reason"):
+            client.cordon("cpu:0", reason)
+        with fails(C.INVALID_ARGUMENT, "note"):
+            client.update_policy("job", str(write_model_dir(tmp_path / "step-1")), note=reason)
+    with fails(C.INVALID_ARGUMENT, "checkpoint.path", "NUL"):
+        client.update_policy("job", str(tmp_path / "step-1") + "\x00")
+    daemon.store.add_drafter_version(
+        DrafterVersion(job_id="job", version=0, policy_version=0, path="/d/1")
+    )
+    with fails(C.INVALID_ARGUMENT, "output_dir", "NUL"):
+        client.export_drafter("job", 1, str(tmp_path / "out") + "\x00")
+    assert daemon.store.get_request("r").status is RequestStatus.QUEUED
+    assert client.get_job("job").status == job_pb2.JOB_STATUS_ACTIVE
+    assert client.get_policy("job").version == 0
+    assert not client.list_devices()[0].cordoned
+    # At the bound: accepted.
+    assert client.cancel_job("job", "z" * 1024).status_reason == "z" * 1024
+
+
 # ---- admin -----------------------------------------------------------------------------------
 
 

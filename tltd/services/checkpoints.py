@@ -7,12 +7,14 @@ import json
 from pathlib import Path
 
 from tltd.errors import InvalidArgument
+from tltd.services.validation import MAX_PATH, check_text
 
 
 def check_model_dir(path: str, field: str, *, require_weights: bool = False) -> Path:
     """The resolved directory, or InvalidArgument naming `field` and saying what is missing."""
     if not path:
         raise InvalidArgument("must not be empty", field=field)
+    check_text(path, field, MAX_PATH)
     p = Path(path).expanduser()
     if not p.is_dir():
         raise InvalidArgument(f"{path} is not a directory readable by the daemon", field=field)
@@ -114,6 +116,7 @@ def check_drafter_dir(path: str, field: str, model_dir: Path) -> Path:
     files, not a drafter, built for another model shape, or a legacy (input-norm) checkpoint."""
     if not path:
         raise InvalidArgument("must not be empty", field=field)
+    check_text(path, field, MAX_PATH)
     p = Path(path).expanduser()
     if not p.is_dir():
         raise InvalidArgument(f"{path} is not a directory readable by the daemon", field=field)

@@ -21,7 +21,14 @@ from tltd.domain import (
 )
 from tltd.errors import FailedPrecondition, InvalidArgument
 from tltd.services.checkpoints import check_drafter_dir, check_model_dir
-from tltd.services.validation import INT32_MAX, check_id, check_max
+from tltd.services.validation import (
+    INT32_MAX,
+    MAX_NAME,
+    MAX_REASON,
+    check_id,
+    check_max,
+    check_text,
+)
 from tltd.settings import Settings
 
 if TYPE_CHECKING:
@@ -29,7 +36,6 @@ if TYPE_CHECKING:
     from tltd.supervisor import Supervisor
 
 _DRAFTERS = ("auto", "ngram", "eagle")
-_MAX_NAME = 256  # the jobs.name column
 # A draft of k tokens reserves k extra cache positions per sequence; longer drafts are almost
 # never accepted in full.
 MAX_DRAFT_LENGTH = 64
@@ -72,10 +78,7 @@ class JobService:
         check_id(new.job_id, "job_id", required=False)
         model_path = new.model_path or self.settings.default_model_path
         resolved = check_model_dir(model_path, "model_path")
-        if len(new.name) > _MAX_NAME:
-            raise InvalidArgument(
-                f"must be at most {_MAX_NAME} characters, got {len(new.name)}", field="name"
-            )
+        check_text(new.name, "name", MAX_NAME)
         check_max(new.priority, "priority", INT32_MAX)
         if not math.isfinite(new.weight) or new.weight < 0:
             raise InvalidArgument(
@@ -175,6 +178,7 @@ class JobService:
         open (left by a daemon killed mid-cancel), with the reason the job was cancelled for.
         """
         check_id(job_id, "job_id")
+        check_text(reason, "reason", MAX_REASON)
         # A no-op returning the job when it is already cancelled (FailedPrecondition if failed).
         job = self.store.set_job_status(
             job_id, JobStatus.CANCELLED, reason or "cancelled by caller"
