@@ -61,6 +61,11 @@ def test_create_get_list_cancel_job(client, model_dir):
     active = client.list_jobs([job_pb2.JOB_STATUS_ACTIVE])
     assert [j.job_id for j in active] == [auto.job_id]
     assert len(client.list_jobs(limit=1)) == 1
+    # Dropping these widened the filter to every job.
+    with fails(C.INVALID_ARGUMENT, "statuses[0]"):
+        client.list_jobs([job_pb2.JOB_STATUS_UNSPECIFIED])
+    with fails(C.INVALID_ARGUMENT, "statuses[1]"):
+        client.list_jobs([job_pb2.JOB_STATUS_ACTIVE, 9])
 
 
 def test_create_job_with_speculative_config(client, model_dir):
@@ -113,6 +118,13 @@ BAD_CREATE_JOB = [
         "speculative.batch_threshold",
     ),
     ({"job_id": "job\n"}, C.INVALID_ARGUMENT, "job_id"),  # `$` matched before the newline
+    # Unknown enum values: refused, not read as the default.
+    ({"backend": 7}, C.INVALID_ARGUMENT, "backend"),
+    (
+        {"speculative": common_pb2.SpeculativeConfig(mode=5)},
+        C.INVALID_ARGUMENT,
+        "speculative.mode",
+    ),
 ]
 
 
@@ -207,6 +219,8 @@ def test_generate_job_checks(client, model_dir):
         _generate(client, job_id="job\n", sampling=sampling())
     with fails(C.INVALID_ARGUMENT, "request_id"):
         _generate(client, sampling=sampling(), request_id="r\n")
+    with fails(C.INVALID_ARGUMENT, "speculative: unknown value 3"):  # was read as "inherit"
+        _generate(client, sampling=sampling(), speculative=3)
     client.cancel_job("job")
     with fails(C.FAILED_PRECONDITION, "job_id", "cancelled"):
         _generate(client, sampling=sampling())
