@@ -142,6 +142,35 @@ def test_create_job_needs_config_json(client, tmp_path):
         client.create_job(str(tmp_path / "empty"))
 
 
+def test_create_job_needs_a_config_json_object(client, tmp_path):
+    # Valid JSON that is not an object passed, then broke every Generate with INTERNAL.
+    for name, text in (("list", "[1, 2]"), ("broken", "{")):
+        path = write_model_dir(tmp_path / name)
+        (path / "config.json").write_text(text)
+        with fails(C.INVALID_ARGUMENT, "model_path", "config.json"):
+            client.create_job(str(path))
+    assert client.list_jobs() == []
+    # Replaced after CreateJob: no token check then, but not INTERNAL either.
+    path = write_model_dir(tmp_path / "replaced")
+    client.create_job(str(path), job_id="job")
+    (path / "config.json").write_text('{"text_config": [1]}')
+    with fails(C.UNIMPLEMENTED, "no rollout workers"):
+        _generate(client, prompts=[[VOCAB]], sampling=sampling())
+
+
+def test_vocab_size_is_read_again_after_a_failed_read(client, model_dir):
+    client.create_job(str(model_dir), job_id="job")
+    config = (model_dir / "config.json").read_text()
+    # Unreadable for a moment (a write in progress): no token check.
+    (model_dir / "config.json").write_text("{")
+    with fails(C.UNIMPLEMENTED, "no rollout workers"):
+        _generate(client, prompts=[[VOCAB]], sampling=sampling())
+    # Readable again: the failed read was not cached, so the vocabulary is checked.
+    (model_dir / "config.json").write_text(config)
+    with fails(C.INVALID_ARGUMENT, "prompts[0].token_ids[0]"):
+        _generate(client, prompts=[[VOCAB]], sampling=sampling())
+
+
 def test_unknown_job(client):
     with fails(C.NOT_FOUND, "job_id"):
         client.get_job("nope")
