@@ -574,6 +574,9 @@ def test_devices_cordon_uncordon_drain(client):
         client.cordon("")
     with fails(C.INVALID_ARGUMENT, "device_id"):
         client.drain("cpu:0", node=True)
+    with fails(C.INVALID_ARGUMENT, "grace_seconds", "node drain only"):  # was ignored
+        client.drain("cpu:0", grace_seconds=5)
+    assert not client.list_devices()[0].draining
     with fails(C.NOT_FOUND, "device_id"):
         client.list_workers("cuda:9")
     assert client.list_workers() == [] and client.list_workers("cpu:0") == []

@@ -47,6 +47,8 @@ class AdminService:
     ) -> list[Device]:
         """Mark one device, or with node=True every device and the daemon, as draining.
 
+        A drained device takes no new work; what runs there finishes (no grace).
+
         A draining node refuses new rollouts (UNAVAILABLE) so trainers go elsewhere; work in
         flight finishes within `grace_seconds` (0: the daemon's drain_grace_seconds), then
         comes back partial.
@@ -64,6 +66,12 @@ class AdminService:
                 for d in self.store.list_devices()
             ]
         self._check_device_id(device_id)
+        if grace_seconds:
+            raise InvalidArgument(
+                "applies to a node drain only: a drained device takes no new work and lets what "
+                "runs there finish",
+                field="grace_seconds",
+            )
         reason = reason or "drained by operator"
         return [self.store.set_device_flags(device_id, draining=True, reason=reason)]
 
