@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -29,6 +30,17 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+class ClientTimeout(enum.Enum):
+    """The type of CLIENT_TIMEOUT (a sentinel: None already means "no deadline")."""
+
+    TOKEN = "client timeout"
+
+
+# `timeout=CLIENT_TIMEOUT` (the default of the methods that take one): the client's own
+# `timeout`. A number is a deadline in seconds; None is no deadline (not "the default").
+CLIENT_TIMEOUT = ClientTimeout.TOKEN
+
+
 def channel_credentials(
     tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None
 ) -> grpc.ChannelCredentials | None:
@@ -53,6 +65,9 @@ class TltClient:
     TLS is on when `tls_ca` (a PEM file to trust) or `tls=True` (system roots) is given;
     `tls_cert`/`tls_key` add a client certificate for daemons that require mTLS (both or
     neither: ValueError otherwise).
+
+    `timeout` is each unary call's deadline in seconds (None: no deadline). The long calls,
+    `generate` and `export_drafter`, have none unless given one.
     """
 
     def __init__(
@@ -87,10 +102,13 @@ class TltClient:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def call(self, method, request, timeout: float | None = None) -> Any:
-        """Call a unary stub method with auth metadata; map failures to typed errors."""
+    def call(self, method, request, timeout: float | None | ClientTimeout = CLIENT_TIMEOUT) -> Any:
+        """Call a unary stub method with auth metadata; map failures to typed errors. `timeout`:
+        seconds, None for no deadline, or CLIENT_TIMEOUT for the client's."""
+        if timeout is CLIENT_TIMEOUT:
+            timeout = self.timeout
         try:
-            return method(request, metadata=self._metadata, timeout=timeout or self.timeout)
+            return method(request, metadata=self._metadata, timeout=timeout)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
@@ -181,7 +199,10 @@ class TltClient:
         return self.call(self.rollouts.GetRequest, req)
 
     def cancel_request(
-        self, request_id: str, reason: str = "", timeout: float | None = None
+        self,
+        request_id: str,
+        reason: str = "",
+        timeout: float | None | ClientTimeout = CLIENT_TIMEOUT,
     ) -> rollout_pb2.RolloutRequest:
         req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=reason)
         return self.call(self.rollouts.CancelRequest, req, timeout=timeout).request
@@ -214,12 +235,19 @@ class TltClient:
         return self.call(self.drafters.PinDrafter, req)
 
     def export_drafter(
-        self, job_id: str, version: int, output_dir: str, fmt: str = ""
+        self,
+        job_id: str,
+        version: int,
+        output_dir: str,
+        fmt: str = "",
+        timeout: float | None = None,
     ) -> drafter_pb2.ExportDrafterResponse:
+        """No deadline unless given (as `generate`): the export copies the target policy's
+        embeddings, about 1 GB for a 7B model."""
         req = drafter_pb2.ExportDrafterRequest(
             job_id=job_id, version=version, output_dir=output_dir, format=fmt
         )
-        return self.call(self.drafters.ExportDrafter, req, timeout=None)
+        return self.call(self.drafters.ExportDrafter, req, timeout=timeout)
 
     # -- admin ---------------------------------------------------------------------------------
 

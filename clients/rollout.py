@@ -14,7 +14,13 @@ from typing import Any
 
 import grpc
 
-from clients.client import DEFAULT_TARGET, TltClient, channel_credentials
+from clients.client import (
+    CLIENT_TIMEOUT,
+    DEFAULT_TARGET,
+    ClientTimeout,
+    TltClient,
+    channel_credentials,
+)
 from clients.errors import NotFoundError, TltClientError, from_rpc_error
 from tltd.domain import FinishReason, SamplingParams
 from tltd.v1 import (
@@ -500,9 +506,13 @@ class AsyncRolloutClient(_JobBound):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method, request, timeout: float | None = None) -> Any:
+    async def _call(
+        self, method, request, timeout: float | None | ClientTimeout = CLIENT_TIMEOUT
+    ) -> Any:
+        if timeout is CLIENT_TIMEOUT:
+            timeout = self.timeout
         try:
-            return await method(request, metadata=self._metadata, timeout=timeout or self.timeout)
+            return await method(request, metadata=self._metadata, timeout=timeout)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 

@@ -589,7 +589,7 @@ def uncordon(obj: _Ctx, device_id: str) -> None:
     "grace_seconds",
     type=click.IntRange(min=0),
     default=0,
-    help="Seconds before in-flight work is aborted (0 = daemon default).",
+    help="With --node: seconds before in-flight work is aborted (0 = daemon default).",
 )
 @_output_option
 @pass_ctx
@@ -597,6 +597,11 @@ def drain(obj: _Ctx, device_id: str, node: bool, grace_seconds: int) -> None:
     """Drain DEVICE_ID, or the whole node with --node."""
     if bool(device_id) == node:
         raise click.UsageError("give a DEVICE_ID or --node (not both)")
+    if grace_seconds and not node:
+        raise click.UsageError(
+            "--grace applies to --node only: a drained device takes no new work and lets what "
+            "runs there finish"
+        )
     _device_result(obj, obj.client.drain(device_id, node=node, grace_seconds=grace_seconds))
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from tltd import domain as d
 from tltd.api import convert as c
+from tltd.errors import InvalidArgument
 from tltd.v1 import common_pb2, drafter_pb2, job_pb2, policy_pb2, rollout_pb2
 
 
@@ -64,10 +65,25 @@ def test_every_domain_enum_member_has_a_proto_value(enum, to_pb, pb_enum):
 def test_backend_and_mode_unspecified_mean_default():
     assert c.backend_from_pb(common_pb2.BACKEND_UNSPECIFIED) is None
     assert c.backend_from_pb(common_pb2.BACKEND_SGLANG) is d.Backend.SGLANG
-    assert c.speculative_mode_from_pb(common_pb2.SPECULATIVE_MODE_UNSPECIFIED) is None
-    assert c.job_statuses_from_pb([job_pb2.JOB_STATUS_UNSPECIFIED, job_pb2.JOB_STATUS_FAILED]) == [
-        d.JobStatus.FAILED
-    ]
+    assert c.speculative_mode_from_pb(common_pb2.SPECULATIVE_MODE_UNSPECIFIED, "m") is None
+    assert c.job_statuses_from_pb([]) == []  # all
+    assert c.job_statuses_from_pb([job_pb2.JOB_STATUS_FAILED]) == [d.JobStatus.FAILED]
+
+
+def test_unknown_enum_values_are_refused_by_name():
+    # A newer client's member (or garbage) is not read as the default / dropped from a filter.
+    with pytest.raises(InvalidArgument, match="backend: unknown value 7"):
+        c.new_job_from_pb(job_pb2.CreateJobRequest(model_path="/m", backend=7))
+    spec = common_pb2.SpeculativeConfig(mode=9)
+    with pytest.raises(InvalidArgument, match="speculative.mode: unknown value 9"):
+        c.new_job_from_pb(job_pb2.CreateJobRequest(model_path="/m", speculative=spec))
+    with pytest.raises(InvalidArgument, match="speculative: unknown value 3"):
+        c.rollout_from_pb(rollout_pb2.GenerateRequest(job_id="j", speculative=3))
+    # [UNSPECIFIED] read as "no filter" listed every job.
+    with pytest.raises(InvalidArgument, match=r"statuses\[1\]: JOB_STATUS_UNSPECIFIED"):
+        c.job_statuses_from_pb([job_pb2.JOB_STATUS_FAILED, job_pb2.JOB_STATUS_UNSPECIFIED])
+    with pytest.raises(InvalidArgument, match=r"statuses\[0\]: unknown value 8"):
+        c.job_statuses_from_pb([8])
 
 
 def test_new_job_defaults():

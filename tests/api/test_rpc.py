@@ -22,6 +22,7 @@ from tltd.domain import (
     DrafterStatus,
     DrafterVersion,
     FinishReason,
+    JobStatus,
     RequestStatus,
     RolloutRequest,
     Sample,
@@ -60,6 +61,11 @@ def test_create_get_list_cancel_job(client, model_dir):
     active = client.list_jobs([job_pb2.JOB_STATUS_ACTIVE])
     assert [j.job_id for j in active] == [auto.job_id]
     assert len(client.list_jobs(limit=1)) == 1
+    # Dropping these widened the filter to every job.
+    with fails(C.INVALID_ARGUMENT, "statuses[0]"):
+        client.list_jobs([job_pb2.JOB_STATUS_UNSPECIFIED])
+    with fails(C.INVALID_ARGUMENT, "statuses[1]"):
+        client.list_jobs([job_pb2.JOB_STATUS_ACTIVE, 9])
 
 
 def test_create_job_with_speculative_config(client, model_dir):
@@ -112,6 +118,13 @@ BAD_CREATE_JOB = [
         "speculative.batch_threshold",
     ),
     ({"job_id": "job\n"}, C.INVALID_ARGUMENT, "job_id"),  # `$` matched before the newline
+    # Unknown enum values: refused, not read as the default.
+    ({"backend": 7}, C.INVALID_ARGUMENT, "backend"),
+    (
+        {"speculative": common_pb2.SpeculativeConfig(mode=5)},
+        C.INVALID_ARGUMENT,
+        "speculative.mode",
+    ),
 ]
 
 
@@ -127,6 +140,35 @@ def test_create_job_needs_config_json(client, tmp_path):
     (tmp_path / "empty").mkdir()
     with fails(C.INVALID_ARGUMENT, "model_path", "config.json"):
         client.create_job(str(tmp_path / "empty"))
+
+
+def test_create_job_needs_a_config_json_object(client, tmp_path):
+    # Valid JSON that is not an object passed, then broke every Generate with INTERNAL.
+    for name, text in (("list", "[1, 2]"), ("broken", "{")):
+        path = write_model_dir(tmp_path / name)
+        (path / "config.json").write_text(text)
+        with fails(C.INVALID_ARGUMENT, "model_path", "config.json"):
+            client.create_job(str(path))
+    assert client.list_jobs() == []
+    # Replaced after CreateJob: no token check then, but not INTERNAL either.
+    path = write_model_dir(tmp_path / "replaced")
+    client.create_job(str(path), job_id="job")
+    (path / "config.json").write_text('{"text_config": [1]}')
+    with fails(C.UNIMPLEMENTED, "no rollout workers"):
+        _generate(client, prompts=[[VOCAB]], sampling=sampling())
+
+
+def test_vocab_size_is_read_again_after_a_failed_read(client, model_dir):
+    client.create_job(str(model_dir), job_id="job")
+    config = (model_dir / "config.json").read_text()
+    # Unreadable for a moment (a write in progress): no token check.
+    (model_dir / "config.json").write_text("{")
+    with fails(C.UNIMPLEMENTED, "no rollout workers"):
+        _generate(client, prompts=[[VOCAB]], sampling=sampling())
+    # Readable again: the failed read was not cached, so the vocabulary is checked.
+    (model_dir / "config.json").write_text(config)
+    with fails(C.INVALID_ARGUMENT, "prompts[0].token_ids[0]"):
+        _generate(client, prompts=[[VOCAB]], sampling=sampling())
 
 
 def test_unknown_job(client):
@@ -206,6 +248,8 @@ def test_generate_job_checks(client, model_dir):
         _generate(client, job_id="job\n", sampling=sampling())
     with fails(C.INVALID_ARGUMENT, "request_id"):
         _generate(client, sampling=sampling(), request_id="r\n")
+    with fails(C.INVALID_ARGUMENT, "speculative: unknown value 3"):  # was read as "inherit"
+        _generate(client, sampling=sampling(), speculative=3)
     client.cancel_job("job")
     with fails(C.FAILED_PRECONDITION, "job_id", "cancelled"):
         _generate(client, sampling=sampling())
@@ -269,6 +313,47 @@ def test_cancel_job_cancels_its_open_requests(client, daemon, model_dir):
     )
     client.cancel_job("job")
     assert daemon.store.get_request("r").status is RequestStatus.CANCELLED
+
+
+def test_cancel_job_skips_a_request_that_ends_meanwhile(client, daemon, model_dir, monkeypatch):
+    # r1 completes between CancelJob's listing of the open requests and its cancel: r1 keeps
+    # its status, and r2 / r3 (after it in the list) are still cancelled.
+    store = daemon.store
+    client.create_job(str(model_dir), job_id="job")
+    req = RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2))
+    for rid in ("r1", "r2", "r3"):
+        store.create_request(replace(req, request_id=rid))
+    store.set_request_status("r1", RequestStatus.RUNNING, "running")
+    listed = store.list_requests
+
+    def list_then_complete_r1(*args, **kwargs):
+        out = listed(*args, **kwargs)
+        store.set_request_status("r1", RequestStatus.COMPLETED, "all samples finished")
+        return out
+
+    monkeypatch.setattr(store, "list_requests", list_then_complete_r1)
+    assert client.cancel_job("job", "stop").status == job_pb2.JOB_STATUS_CANCELLED
+    status = {rid: store.get_request(rid).status for rid in ("r1", "r2", "r3")}
+    assert status == {
+        "r1": RequestStatus.COMPLETED,
+        "r2": RequestStatus.CANCELLED,
+        "r3": RequestStatus.CANCELLED,
+    }
+    assert store.get_request("r2").status_reason == "job cancelled: stop"
+
+
+def test_cancel_job_again_cancels_requests_left_open(client, daemon, model_dir):
+    # A daemon killed in the middle of CancelJob leaves the job cancelled and some requests
+    # open: a retried CancelJob cancels them (with the reason the job was cancelled for).
+    store = daemon.store
+    client.create_job(str(model_dir), job_id="job")
+    store.create_request(RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2)))
+    store.set_job_status("job", JobStatus.CANCELLED, "first")
+    assert store.get_request("r").status is RequestStatus.QUEUED
+    job = client.cancel_job("job", "second")
+    assert job.status == job_pb2.JOB_STATUS_CANCELLED and job.status_reason == "first"
+    got = store.get_request("r")
+    assert (got.status, got.status_reason) == (RequestStatus.CANCELLED, "job cancelled: first")
 
 
 def test_cancel_job_cancels_more_than_a_thousand_open_requests(sqlite_store, tmp_path, model_dir):
@@ -423,6 +508,47 @@ def test_export_drafter_writes_an_sglang_eagle_checkpoint(client, daemon, tmp_pa
     assert not any("lm_head" in k for k in tensors)
 
 
+# ---- free text -------------------------------------------------------------------------------
+
+
+def test_text_with_nul_or_too_long_is_refused_by_name(client, daemon, model_dir, tmp_path):
+    # PostgreSQL text cannot hold NUL (it was INTERNAL there, stored by SQLite): refused by
+    # name on both, as is text beyond its bound; nothing is changed.
+    nul, long_reason = "a\x00b", "x" * 1025
+    with fails(C.INVALID_ARGUMENT, "name", "NUL"):
+        client.create_job(str(model_dir), job_id="job", name=nul)
+    with fails(C.INVALID_ARGUMENT, "name", "256"):
+        client.create_job(str(model_dir), job_id="job", name="x" * 257)
+    with fails(C.INVALID_ARGUMENT, "model_path", "NUL"):
+        client.create_job(str(model_dir) + "\x00")
+    client.create_job(str(model_dir), job_id="job", name="y" * 256)
+    daemon.store.create_request(
+        RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2))
+    )
+    for reason in (nul, long_reason):
+        with fails(C.INVALID_ARGUMENT, "reason"):
+            client.cancel_request("r", reason)
+        with fails(C.INVALID_ARGUMENT, "reason"):
+            client.cancel_job("job", reason)
+        with fails(C.INVALID_ARGUMENT, "reason"):
+            client.cordon("cpu:0", reason)
+        with fails(C.INVALID_ARGUMENT, "note"):
+            client.update_policy("job", str(write_model_dir(tmp_path / "step-1")), note=reason)
+    with fails(C.INVALID_ARGUMENT, "checkpoint.path", "NUL"):
+        client.update_policy("job", str(tmp_path / "step-1") + "\x00")
+    daemon.store.add_drafter_version(
+        DrafterVersion(job_id="job", version=0, policy_version=0, path="/d/1")
+    )
+    with fails(C.INVALID_ARGUMENT, "output_dir", "NUL"):
+        client.export_drafter("job", 1, str(tmp_path / "out") + "\x00")
+    assert daemon.store.get_request("r").status is RequestStatus.QUEUED
+    assert client.get_job("job").status == job_pb2.JOB_STATUS_ACTIVE
+    assert client.get_policy("job").version == 0
+    assert not client.list_devices()[0].cordoned
+    # At the bound: accepted.
+    assert client.cancel_job("job", "z" * 1024).status_reason == "z" * 1024
+
+
 # ---- admin -----------------------------------------------------------------------------------
 
 
@@ -448,6 +574,9 @@ def test_devices_cordon_uncordon_drain(client):
         client.cordon("")
     with fails(C.INVALID_ARGUMENT, "device_id"):
         client.drain("cpu:0", node=True)
+    with fails(C.INVALID_ARGUMENT, "grace_seconds", "node drain only"):  # was ignored
+        client.drain("cpu:0", grace_seconds=5)
+    assert not client.list_devices()[0].draining
     with fails(C.NOT_FOUND, "device_id"):
         client.list_workers("cuda:9")
     assert client.list_workers() == [] and client.list_workers("cpu:0") == []

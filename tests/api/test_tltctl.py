@@ -172,6 +172,9 @@ def test_cordon_uncordon_drain(ctl, auth_daemon):
     assert code == 0 and "draining" in out
     code, out, err = ctl("drain")
     assert code == 2 and "DEVICE_ID or --node" in err  # usage error, nothing sent
+    code, out, err = ctl("drain", "cpu:0", "--grace", "5")  # was accepted and ignored
+    assert code == 2 and "--grace applies to --node only" in err
+    assert not auth_daemon.store.get_device("cpu:0").draining
     code, out, _ = ctl("drain", "--node", "-o", "json")
     assert code == 0 and all(d["draining"] for d in json.loads(out))
     assert auth_daemon.node.draining

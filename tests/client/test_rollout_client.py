@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -38,8 +39,11 @@ from tests.api.support import (
     seed_devices,
     write_model_dir,
 )
-from tltd.domain import FinishReason
+from tltd.domain import FinishReason, RolloutRequest
+from tltd.domain import SamplingParams as DomainSampling
 from tltd.v1 import admin_pb2, common_pb2, rollout_pb2
+
+_REQUEST = RolloutRequest("r", "job", ((1,),), DomainSampling(max_new_tokens=2))
 
 
 @pytest.fixture
@@ -160,6 +164,27 @@ def test_timeouts_and_internal_errors_are_typed(daemon, client, monkeypatch):
     monkeypatch.setattr(daemon.services.admin, "stats", broken)
     with pytest.raises(InternalError, match="internal error"):
         client.raw.stats()
+
+
+def test_timeout_none_is_no_deadline(daemon, monkeypatch):
+    # `timeout or self.timeout` read an explicit None (no deadline) as the client's default.
+    def slow(result):
+        def call(*args):
+            time.sleep(0.5)  # well past the client's 0.1 s
+            return result
+
+        return call
+
+    monkeypatch.setattr(daemon.services.drafters, "export", slow(("/out", ["config.json"])))
+    monkeypatch.setattr(daemon.services.rollouts, "cancel", slow(_REQUEST))
+    with daemon.client(timeout=0.1) as raw:
+        # A long call: no deadline unless given.
+        assert raw.export_drafter("job", 1, "/out").path == "/out"
+        with pytest.raises(DeadlineExceededError):
+            raw.export_drafter("job", 1, "/out", timeout=0.1)
+        assert raw.cancel_request("r", timeout=None).request_id == "r"
+        with pytest.raises(DeadlineExceededError):
+            raw.cancel_request("r")  # the client's timeout
 
 
 def test_every_status_has_one_mapping():

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from google.protobuf import timestamp_pb2
 
 from tltd import domain as d
+from tltd.errors import InvalidArgument
 from tltd.services.jobs import NewJob
 from tltd.v1 import (
     admin_pb2,
@@ -64,18 +65,40 @@ _FINISH_PB = _inverse(_FINISH)
 _DRAFTER_STATUS_PB = _inverse(_DRAFTER_STATUS)
 
 
-def backend_from_pb(value: int) -> d.Backend | None:
-    """UNSPECIFIED (and unknown future values) -> None: the daemon's default."""
-    return _BACKEND.get(value)
+def _known(table: dict, names, value: int, field: str):
+    """The domain member for a proto enum value; None for UNSPECIFIED (0), which the proto
+    documents as "default" / "inherit". Any other value (a newer client's member, or garbage)
+    is refused by name: read as the default it would silently run something not asked for."""
+    if value == 0:
+        return None
+    if value not in table:
+        known = ", ".join(f"{names.Name(k)} ({k})" for k in table)
+        raise InvalidArgument(f"unknown value {value}; known: {known}, or 0 (default)", field=field)
+    return table[value]
 
 
-def speculative_mode_from_pb(value: int) -> d.SpeculativeMode | None:
+def backend_from_pb(value: int, field: str = "backend") -> d.Backend | None:
+    """UNSPECIFIED -> None: the daemon's default."""
+    return _known(_BACKEND, common_pb2.Backend, value, field)
+
+
+def speculative_mode_from_pb(value: int, field: str) -> d.SpeculativeMode | None:
     """UNSPECIFIED -> None: inherit (request -> job -> AUTO)."""
-    return _SPEC_MODE.get(value)
+    return _known(_SPEC_MODE, common_pb2.SpeculativeMode, value, field)
 
 
 def job_statuses_from_pb(values) -> list[d.JobStatus]:
-    return [_JOB_STATUS[v] for v in values if v in _JOB_STATUS]
+    """The statuses to list (empty = all). UNSPECIFIED or an unknown value is refused: dropping
+    it would widen the filter, up to every job for [UNSPECIFIED]."""
+    out = []
+    for i, v in enumerate(values):
+        if v not in _JOB_STATUS:
+            what = "JOB_STATUS_UNSPECIFIED" if v == 0 else f"unknown value {v}"
+            raise InvalidArgument(
+                f"{what} is not a job status (an empty list means all)", field=f"statuses[{i}]"
+            )
+        out.append(_JOB_STATUS[v])
+    return out
 
 
 def job_status_to_pb(value: d.JobStatus) -> int:
@@ -115,7 +138,7 @@ def speculative_from_pb(pb: common_pb2.SpeculativeConfig) -> d.SpeculativeConfig
     """Proto zero values mean "default"; batch_threshold stays 0 for the service to resolve."""
     defaults = d.SpeculativeConfig()
     return d.SpeculativeConfig(
-        mode=speculative_mode_from_pb(pb.mode) or defaults.mode,
+        mode=speculative_mode_from_pb(pb.mode, "speculative.mode") or defaults.mode,
         batch_threshold=pb.batch_threshold,
         draft_lengths=tuple(pb.draft_lengths) or defaults.draft_lengths,
         drafter=pb.drafter or defaults.drafter,
@@ -209,7 +232,7 @@ def rollout_from_pb(
         prompts=tuple(tuple(p.token_ids) for p in pb.prompts),
         sampling=sampling_from_pb(pb.sampling),
     )
-    return req, speculative_mode_from_pb(pb.speculative)
+    return req, speculative_mode_from_pb(pb.speculative, "speculative")
 
 
 def rollout_to_pb(r: d.RolloutRequest) -> rollout_pb2.RolloutRequest:

@@ -8,7 +8,7 @@ import tltd
 from tltd.domain import Device, Stats, Worker
 from tltd.errors import InvalidArgument
 from tltd.services.node import NodeState
-from tltd.services.validation import check_id
+from tltd.services.validation import MAX_REASON, check_id, check_text
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -30,6 +30,7 @@ class AdminService:
     def cordon(self, device_id: str, reason: str = "") -> Device:
         """No new work is placed on the device; what runs there keeps running."""
         self._check_device_id(device_id)
+        check_text(reason, "reason", MAX_REASON)
         return self.store.set_device_flags(
             device_id, cordoned=True, reason=reason or "cordoned by operator"
         )
@@ -46,10 +47,13 @@ class AdminService:
     ) -> list[Device]:
         """Mark one device, or with node=True every device and the daemon, as draining.
 
+        A drained device takes no new work; what runs there finishes (no grace).
+
         A draining node refuses new rollouts (UNAVAILABLE) so trainers go elsewhere; work in
         flight finishes within `grace_seconds` (0: the daemon's drain_grace_seconds), then
         comes back partial.
         """
+        check_text(reason, "reason", MAX_REASON)
         if node:
             if device_id:
                 raise InvalidArgument(
@@ -62,6 +66,12 @@ class AdminService:
                 for d in self.store.list_devices()
             ]
         self._check_device_id(device_id)
+        if grace_seconds:
+            raise InvalidArgument(
+                "applies to a node drain only: a drained device takes no new work and lets what "
+                "runs there finish",
+                field="grace_seconds",
+            )
         reason = reason or "drained by operator"
         return [self.store.set_device_flags(device_id, draining=True, reason=reason)]
 

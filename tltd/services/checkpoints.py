@@ -7,38 +7,52 @@ import json
 from pathlib import Path
 
 from tltd.errors import InvalidArgument
+from tltd.services.validation import MAX_PATH, check_text
 
 
 def check_model_dir(path: str, field: str, *, require_weights: bool = False) -> Path:
     """The resolved directory, or InvalidArgument naming `field` and saying what is missing."""
     if not path:
         raise InvalidArgument("must not be empty", field=field)
+    check_text(path, field, MAX_PATH)
     p = Path(path).expanduser()
     if not p.is_dir():
         raise InvalidArgument(f"{path} is not a directory readable by the daemon", field=field)
     if not (p / "config.json").is_file():
         raise InvalidArgument(f"{path} has no config.json (not a Hugging Face model)", field=field)
+    try:
+        _read_config(p)  # the workers and the token checks read it later
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"{path}/config.json is unreadable: {exc}", field=field) from exc
     if require_weights and not any(p.glob("*.safetensors")):
         raise InvalidArgument(f"{path} has no *.safetensors weights", field=field)
     return p.resolve()
 
 
-@functools.lru_cache(maxsize=64)
 def vocab_size(model_path: str) -> int | None:
-    """The model's vocabulary size from config.json, or None when it cannot be told.
-
-    Cached: a job's model directory does not change under it (policy updates are new dirs).
-    """
+    """The model's vocabulary size from config.json, or None when it cannot be told."""
     try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
+        return _cached_vocab_size(model_path)
+    except LookupError:
         return None
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_vocab_size(model_path: str) -> int:
+    """Cached: a job's model directory does not change under it (policy updates are new dirs).
+    A failure raises LookupError, which lru_cache does not keep: one unreadable moment must
+    not turn the token checks off for the daemon's lifetime."""
+    try:
+        config = _read_config(Path(model_path))
+    except (OSError, ValueError) as exc:
+        raise LookupError(f"{model_path}/config.json: {exc}") from exc
     # Multimodal configs nest the language model's config.
-    for cfg in (config, config.get("text_config") or {}):
+    text = config.get("text_config")
+    for cfg in (config, text if isinstance(text, dict) else {}):
         value = cfg.get("vocab_size")
         if isinstance(value, int) and value > 0:
             return value
-    return None
+    raise LookupError(f"{model_path}/config.json has no vocab_size")
 
 
 # config.json fields that fix a model's tensors: a policy update must keep them all.
@@ -114,6 +128,7 @@ def check_drafter_dir(path: str, field: str, model_dir: Path) -> Path:
     files, not a drafter, built for another model shape, or a legacy (input-norm) checkpoint."""
     if not path:
         raise InvalidArgument("must not be empty", field=field)
+    check_text(path, field, MAX_PATH)
     p = Path(path).expanduser()
     if not p.is_dir():
         raise InvalidArgument(f"{path} is not a directory readable by the daemon", field=field)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from tltd.domain import DrafterVersion
 from tltd.errors import FailedPrecondition, InvalidArgument
-from tltd.services.validation import INT32_MAX, check_id, check_max
+from tltd.services.validation import INT32_MAX, MAX_PATH, check_id, check_max, check_text
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -53,12 +53,13 @@ class DrafterService:
         `workers.drafter.versions.export_sglang` for the name mapping); returns the output
         directory and the files written. FAILED_PRECONDITION when the version's checkpoint or
         its target policy's files are gone."""
-        dv = self.get(job_id, version)
         fmt = fmt or EXPORT_FORMATS[0]
         if fmt not in EXPORT_FORMATS:
             raise InvalidArgument(f"must be one of {', '.join(EXPORT_FORMATS)}", field="format")
         if not output_dir:
             raise InvalidArgument("must not be empty", field="output_dir")
+        check_text(output_dir, "output_dir", MAX_PATH)
+        dv = self.get(job_id, version)
         policy = self.store.get_policy_version(job_id, dv.policy_version)
         needed = [Path(dv.path) / "model.safetensors", Path(dv.path) / "config.json"]
         needed.append(Path(policy.path) / "config.json")

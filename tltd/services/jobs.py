@@ -21,7 +21,14 @@ from tltd.domain import (
 )
 from tltd.errors import FailedPrecondition, InvalidArgument
 from tltd.services.checkpoints import check_drafter_dir, check_model_dir
-from tltd.services.validation import INT32_MAX, check_id, check_max
+from tltd.services.validation import (
+    INT32_MAX,
+    MAX_NAME,
+    MAX_REASON,
+    check_id,
+    check_max,
+    check_text,
+)
 from tltd.settings import Settings
 
 if TYPE_CHECKING:
@@ -29,11 +36,11 @@ if TYPE_CHECKING:
     from tltd.supervisor import Supervisor
 
 _DRAFTERS = ("auto", "ngram", "eagle")
-_MAX_NAME = 256  # the jobs.name column
 # A draft of k tokens reserves k extra cache positions per sequence; longer drafts are almost
 # never accepted in full.
 MAX_DRAFT_LENGTH = 64
 _INITIAL_DRAFTER = "speculative.initial_drafter_path"
+_OPEN = (RequestStatus.QUEUED, RequestStatus.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -71,10 +78,7 @@ class JobService:
         check_id(new.job_id, "job_id", required=False)
         model_path = new.model_path or self.settings.default_model_path
         resolved = check_model_dir(model_path, "model_path")
-        if len(new.name) > _MAX_NAME:
-            raise InvalidArgument(
-                f"must be at most {_MAX_NAME} characters, got {len(new.name)}", field="name"
-            )
+        check_text(new.name, "name", MAX_NAME)
         check_max(new.priority, "priority", INT32_MAX)
         if not math.isfinite(new.weight) or new.weight < 0:
             raise InvalidArgument(
@@ -168,18 +172,29 @@ class JobService:
         return self.store.list_jobs(statuses=statuses or None, limit=limit or 100)
 
     def cancel(self, job_id: str, reason: str = "") -> Job:
-        """Cancel a job and its unfinished requests; cancelling a cancelled job is a no-op."""
-        job = self.get(job_id)
-        if job.status is JobStatus.CANCELLED:
-            return job
-        reason = reason or "cancelled by caller"
-        job = self.store.set_job_status(job_id, JobStatus.CANCELLED, reason)
-        open_statuses = [RequestStatus.QUEUED, RequestStatus.RUNNING]
+        """Cancel a job and its unfinished requests.
+
+        Idempotent and converging: cancelling a cancelled job cancels any of its requests still
+        open (left by a daemon killed mid-cancel), with the reason the job was cancelled for.
+        """
+        check_id(job_id, "job_id")
+        check_text(reason, "reason", MAX_REASON)
+        # A no-op returning the job when it is already cancelled (FailedPrecondition if failed).
+        job = self.store.set_job_status(
+            job_id, JobStatus.CANCELLED, reason or "cancelled by caller"
+        )
+        why = f"job cancelled: {job.status_reason}"
         # All of them (limit=None): the store refuses new requests of a cancelled job, so
         # this list is complete.
-        for req in self.store.list_requests(statuses=open_statuses, job_id=job_id, limit=None):
-            why = f"job cancelled: {reason}"
-            self.store.set_request_status(req.request_id, RequestStatus.CANCELLED, why)
+        for req in self.store.list_requests(statuses=_OPEN, job_id=job_id, limit=None):
+            try:
+                self.store.set_request_status(req.request_id, RequestStatus.CANCELLED, why)
+            except FailedPrecondition:
+                # It ended (completed / failed) since the listing: nothing left to cancel,
+                # and the rest of the job's requests must still be cancelled.
+                if self.store.get_request(req.request_id).status in _OPEN:
+                    raise
+                continue
             if self.supervisor is not None:
                 self.supervisor.cancel_threadsafe(req.request_id, why)
         return job

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from tltd.domain import JobStatus, PolicyVersion
 from tltd.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from tltd.services.checkpoints import check_model_dir, check_same_architecture
-from tltd.services.validation import INT32_MAX, check_id, check_max
+from tltd.services.validation import INT32_MAX, MAX_REASON, check_id, check_max, check_text
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -33,6 +33,7 @@ class PolicyService:
         directory with config.json and *.safetensors), "tensors" or "nccl" (not yet), None.
         """
         check_id(job_id, "job_id")
+        check_text(note, "note", MAX_REASON)
         if source is None:
             raise InvalidArgument("one of checkpoint, tensors or nccl is required", field="source")
         if source in ("tensors", "nccl"):

@@ -21,7 +21,7 @@ from tltd.domain import (
 from tltd.errors import FailedPrecondition, NotFound, TltError, Unavailable, Unimplemented
 from tltd.services.checkpoints import vocab_size
 from tltd.services.node import NodeState
-from tltd.services.validation import check_id, validate_rollout
+from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
 from tltd.settings import Settings
 
 if TYPE_CHECKING:
@@ -155,6 +155,7 @@ class RolloutService:
     def cancel(self, request_id: str, reason: str = "") -> RolloutRequest:
         """Cancel an unfinished request; cancelling a cancelled one is a no-op."""
         check_id(request_id, "request_id")
+        check_text(reason, "reason", MAX_REASON)
         req = self.store.get_request(request_id)
         if req.status is RequestStatus.CANCELLED:
             return req

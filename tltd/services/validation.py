@@ -1,4 +1,5 @@
-"""Validation of rollout requests: every rejection names the offending field (proto path)."""
+"""Validation of caller input (rollout requests, ids, numbers, text): every rejection names the
+offending field (proto path)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ INT64_MAX = 2**63 - 1
 # temperatures near 1e-38 (NaN logprobs); 1e-4 turns a 0.01 logit gap into 100 nats.
 MIN_TEMPERATURE = 1e-4
 
+# Bounds on caller text (see check_text).
+MAX_NAME = 256  # the jobs.name column
+MAX_REASON = 1024  # reasons and notes: CancelJob copies its reason into every open request
+MAX_PATH = 4096  # PATH_MAX on Linux
+
 
 def check_id(value: str, field: str, *, required: bool = True) -> None:
     """Reject empty (when required) or odd-looking ids."""
@@ -35,6 +41,18 @@ def check_id(value: str, field: str, *, required: bool = True) -> None:
             "starting with a letter or digit",
             field=field,
         )
+
+
+def check_text(value: str, field: str, max_chars: int) -> None:
+    """Reject caller text that would fail later, and differently per database: a NUL character
+    (valid in a proto3 string and stored by SQLite, but refused by PostgreSQL text and by file
+    paths) or more than `max_chars` characters."""
+    if len(value) > max_chars:
+        raise InvalidArgument(
+            f"must be at most {max_chars} characters, got {len(value)}", field=field
+        )
+    if "\x00" in value:
+        raise InvalidArgument("must not contain a NUL character (\\x00)", field=field)
 
 
 def check_max(value: int, field: str, maximum: int) -> None:
