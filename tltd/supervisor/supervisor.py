@@ -275,6 +275,14 @@ class Supervisor:
         if cur.status in closed and live is not None and live.outcome is None:
             await self._close(req.request_id, cur.status, cur.status_reason)
 
+    def unfinished(self, request_id: str) -> set[tuple[int, int]]:
+        """The (prompt, sample) keys a live request has not finished yet (waiting or running);
+        empty when it is not live."""
+        live = self.queue.get(request_id)
+        if live is None:
+            return set()
+        return set(live.running) | set(live.pending_keys())
+
     def cancel_threadsafe(self, request_id: str, reason: str) -> None:
         """Called from any thread after the store marked the request CANCELLED."""
         if self._loop is not None and not self._closed:
