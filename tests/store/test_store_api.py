@@ -300,6 +300,29 @@ def test_partial_sample_is_replaced_by_complete_one(store: Store) -> None:
     assert (only.partial, only.token_ids) == (False, (7, 8, 9))
 
 
+def test_an_ended_request_keeps_the_samples_it_streamed(store: Store) -> None:
+    """A late complete sample (from a worker already given up on) does not replace the partial
+    one stored and streamed in its place once the request ended; a sample not stored yet is
+    still recorded (a cancel closes the request in the store before its samples are)."""
+    store.create_job(JOB)
+    store.create_request(_request())
+    lost = replace(_sample(0, 0, tokens=()), partial=True, finish_reason=FinishReason.FAILED)
+    assert store.add_sample(replace(lost, logprobs=())) is True
+    store.set_request_status("req-1", RequestStatus.RUNNING, "")
+    store.set_request_status("req-1", RequestStatus.FAILED, "1 of 4 samples failed")
+    assert store.add_sample(_sample(0, 0)) is False
+    assert store.add_sample(_sample(0, 1)) is True
+    got = store.list_samples("req-1")
+    assert [(s.sample_index, s.partial) for s in got] == [(0, True), (1, False)]
+    assert store.get_request("req-1").samples_done == 1
+    # Still open: a partial one left by a drain is replaced when it runs again.
+    store.create_request(_request("req-2"))
+    aborted = replace(_sample(0, 0, tokens=(7,)), partial=True, finish_reason=FinishReason.ABORTED)
+    assert store.add_sample(replace(aborted, request_id="req-2")) is True
+    assert store.add_sample(replace(_sample(0, 0), request_id="req-2")) is True
+    assert not store.list_samples("req-2")[0].partial
+
+
 def test_add_sample_validates(store: Store) -> None:
     with pytest.raises(NotFound, match="^request_id: "):
         store.add_sample(_sample(0, 0))

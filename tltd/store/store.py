@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 _JOB_PARAMS = ("model_path", "name", "backend", "priority", "weight", "speculative")
 _REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
 _FINAL_WORKER_STATES = (WorkerState.STOPPED, WorkerState.FAILED)
+_ENDED = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED)
 
 
 def _diff(a: object, b: object, fields: Sequence[str]) -> list[str]:
@@ -364,7 +365,9 @@ class Store:
         sample_index).
 
         Returns True when stored: a new sample, or a complete one replacing a partial one
-        (a drained request that was resumed). Returns False for a duplicate. samples_done
+        (a drained request that was resumed). Returns False for a duplicate, and for a
+        replacement once the request has ended: what its streams were given stays what is
+        stored (a late sample from a worker already given up on changes nothing). samples_done
         counts complete (non-partial) samples only, so it reaches samples_total exactly
         when every sample is done.
 
@@ -394,6 +397,10 @@ class Store:
                     )
                 )
                 if existing is not None and not (existing.partial and not sample.partial):
+                    return False
+                # A sample not stored yet is still recorded on an ended request: a cancel
+                # closes the request in the store before its remaining samples are stored.
+                if existing is not None and RequestStatus(req.status) in _ENDED:
                     return False
                 now = utcnow()
                 row = convert.sample_to_row(sample)
