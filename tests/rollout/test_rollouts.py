@@ -234,6 +234,32 @@ def test_request_recovered_after_a_crash_runs_on_the_version_it_was_accepted_on(
     assert _by_key(got) == direct_outputs(ckpt, PROMPTS[:2], params)
 
 
+def test_an_open_request_of_a_cancelled_job_is_cancelled_after_a_restart(
+    sqlite_store, settings, ckpt
+):
+    """A crash in the middle of CancelJob leaves a request open under the cancelled job: the
+    restart ends it CANCELLED with the job's reason, its missing samples stored partial."""
+    from tltd.domain import FinishReason, JobStatus, Sample
+
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=1)
+    store = sqlite_store
+    store.create_job(Job(job_id="job", model_path=str(ckpt)))
+    store.create_request(RolloutRequest("r", "job", (tuple(PROMPTS[0]),), params))
+    store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
+    store.add_sample(Sample("r", 0, 1, (7, 8), (-0.5, -0.5), FinishReason.LENGTH))
+    store.set_job_status("job", JobStatus.CANCELLED, "trainer gone")
+    d = InProcessDaemon(settings, store).start()
+    d.kill()
+    req = store.get_request("r")
+    assert (req.status, req.status_reason) == (
+        RequestStatus.CANCELLED,
+        "job cancelled: trainer gone",
+    )
+    got = {(s.prompt_index, s.sample_index): s for s in store.list_samples("r")}
+    assert not got[(0, 1)].partial and got[(0, 1)].token_ids == (7, 8)
+    assert got[(0, 0)].partial and got[(0, 0)].finish_reason is FinishReason.CANCELLED
+
+
 def test_a_retry_after_a_restart_gets_the_rerun_sample_not_the_partial_one(
     sqlite_store, settings, ckpt
 ):

@@ -112,23 +112,45 @@ class RolloutRequests:
         return True
 
     async def recover(self) -> None:
-        """After a crash: every open request is re-queued with its missing samples, or failed
-        with a reason when it cannot run."""
+        """After a crash: every open request is re-queued with its missing samples; one of a
+        job no longer active ends as that job's live requests do (CANCELLED with the job's
+        reason, or FAILED), its missing samples stored partial."""
         open_reqs = await asyncio.to_thread(self.store.list_requests, list(_OPEN), None, 1 << 30)
         for req in open_reqs:
             await self._recover_request(req)
 
     async def _recover_request(self, req: RolloutRequest) -> None:
         job = await asyncio.to_thread(self.store.get_job, req.job_id)
-        if job.status is not JobStatus.ACTIVE:
-            await self._writes.write(
-                self.store.set_request_status,
-                req.request_id,
-                RequestStatus.FAILED,
-                f"daemon restarted: job {job.job_id} is {job.status.value}",
-            )
-            return
         samples = await asyncio.to_thread(self.store.list_samples, req.request_id)
+        if job.status is not JobStatus.ACTIVE:
+            # Ended as a live request of that job ends (a crash in the middle of CancelJob
+            # left it open): its missing samples stored partial, then its status.
+            if job.status is JobStatus.CANCELLED:
+                status, finish = RequestStatus.CANCELLED, FinishReason.CANCELLED
+                why = f"job cancelled: {job.status_reason}"
+            else:
+                status, finish = RequestStatus.FAILED, FinishReason.FAILED
+                why = f"daemon restarted: job {job.job_id} is {job.status.value}"
+            have = {(s.prompt_index, s.sample_index) for s in samples}
+            missing = [
+                Sample(
+                    req.request_id,
+                    p,
+                    s,
+                    (),
+                    (),
+                    finish,
+                    policy_version=req.policy_version,
+                    partial=True,
+                    error=why,
+                )
+                for p in range(len(req.prompts))
+                for s in range(req.sampling.n)
+                if (p, s) not in have
+            ]
+            await self._writes.write(add_samples, self.store, missing)
+            await self._writes.write(self.store.set_request_status, req.request_id, status, why)
+            return
         complete = [s for s in samples if not s.partial]
         done = {(s.prompt_index, s.sample_index) for s in complete}
         if req.status is RequestStatus.RUNNING:

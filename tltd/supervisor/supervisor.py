@@ -145,7 +145,7 @@ class Supervisor:
 
     async def recover(self) -> None:
         """After a crash: workers of the old process are gone; every open request is
-        re-queued with its missing samples, or failed with a reason when it cannot run."""
+        re-queued with its missing samples, or ended with a reason when it cannot run."""
         for w in await asyncio.to_thread(self.store.list_workers):
             if w.state not in (WorkerState.STOPPED, WorkerState.FAILED):
                 await self.writes.write(
