@@ -435,8 +435,10 @@ def test_pin_unpin_and_retire(store: Store) -> None:
     assert store.pin_drafter(JOB.job_id, 1) == 1  # roll back to an older version
     assert store.get_job(JOB.job_id).drafter_version == 1
     assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [True, False, False]
-    assert store.pin_drafter(JOB.job_id, 3) == 3  # a candidate may be pinned; moves the pin
-    assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [False, False, True]
+    with pytest.raises(FailedPrecondition, match="^version: drafter version 3 .* candidate"):
+        store.pin_drafter(JOB.job_id, 3)  # not judged yet
+    assert store.pin_drafter(JOB.job_id, 2) == 2  # moves the pin
+    assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [False, True, False]
     assert store.pin_drafter(JOB.job_id, 0) == 2  # unpin -> newest promoted
     store.pin_drafter(JOB.job_id, 2)
     retired = store.set_drafter_status(JOB.job_id, 2, DrafterStatus.RETIRED, "regressed")
@@ -453,6 +455,21 @@ def test_pin_unpin_and_retire(store: Store) -> None:
         store.set_drafter_status(JOB.job_id, 3, DrafterStatus.PROMOTED, "")
     assert ("candidate", "promoted", "") in _events(store, "drafter", "job-1/1")
     assert ("pinned", "unpinned", "retired: regressed") in _events(store, "drafter", "job-1/2")
+
+
+def test_candidates_left_by_a_crash_are_rejected(store: Store) -> None:
+    """A kill -9 between recording a drafter version and judging it leaves a candidate: the
+    start-up sweep rejects it (GC can then collect it); judged versions are left alone."""
+    store.create_job(JOB)
+    for _ in range(2):
+        store.add_drafter_version(_drafter())
+    store.set_drafter_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "better")
+    why = "evaluation interrupted by a restart"
+    assert [d.version for d in store.reject_candidate_drafters(why)] == [2]
+    got = store.list_drafters(JOB.job_id)
+    assert [d.status for d in got] == [DrafterStatus.PROMOTED, DrafterStatus.REJECTED]
+    assert ("candidate", "rejected", why) in _events(store, "drafter", "job-1/2")
+    assert store.reject_candidate_drafters(why) == []
 
 
 # ---- devices and workers ------------------------------------------------------------------

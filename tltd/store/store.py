@@ -493,6 +493,26 @@ class Store:
             s.flush()
             return convert.drafter_from_row(row, self._active_versions(s, [job_id])[job_id])
 
+    def reject_candidate_drafters(self, reason: str) -> list[DrafterVersion]:
+        """Reject every drafter version still a candidate: at start-up one is a leftover of an
+        evaluation a crash interrupted (recorded, never judged). Rejected, GC collects it.
+        Returns the versions rejected."""
+        with self._tx(write=False) as s:
+            keys = s.execute(
+                select(DrafterVersionRow.job_id, DrafterVersionRow.version).where(
+                    DrafterVersionRow.status == DrafterStatus.CANDIDATE.value
+                )
+            ).all()
+        rejected = []
+        for job_id, version in keys:
+            try:
+                rejected.append(
+                    self.set_drafter_status(job_id, version, DrafterStatus.REJECTED, reason)
+                )
+            except FailedPrecondition:
+                pass  # judged meanwhile
+        return rejected
+
     def retire_drafters(
         self, job_id: str, versions: Sequence[int], reason: str
     ) -> list[DrafterVersion]:
@@ -526,13 +546,16 @@ class Store:
             return [convert.drafter_from_row(r, active) for r in rows]
 
     def pin_drafter(self, job_id: str, version: int) -> int:
-        """Pin `version` as the job's active drafter (0 unpins); returns the active version."""
+        """Pin `version` (a promoted one) as the job's active drafter (0 unpins); returns the
+        active version."""
         with self._tx() as s:
             self._job_row(s, job_id, lock=True)
             target = None
             if version:
                 target = self._drafter_row(s, job_id, version)
-                if target.status in (DrafterStatus.REJECTED, DrafterStatus.RETIRED):
+                # A candidate is not judged yet (its rejection would then have to race
+                # the pin); only promoted versions are pinned.
+                if target.status != DrafterStatus.PROMOTED:
                     raise FailedPrecondition(
                         f"drafter version {version} of job {job_id!r} is {target.status} "
                         "and cannot be pinned",
