@@ -96,6 +96,11 @@ class Daemon:
             refresh_devices, self.store, self.nvml, settings.cpu_slots
         )
         self.metrics = await asyncio.to_thread(_start_metrics, settings, self.store)
+        # A drafter evaluation a crash interrupted left its version a candidate: never pinned,
+        # never collected, unless rejected.
+        await asyncio.to_thread(
+            self.store.reject_candidate_drafters, "evaluation interrupted by a restart"
+        )
         await self.supervisor.start()  # re-queues what a crashed daemon left open
         # `tltctl drain --node`: stop admitting and drain the workers, keep serving reads.
         self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))

@@ -161,6 +161,49 @@ def test_drain_grace_from_the_request_is_used(sqlite_store, tmp_path, ckpt):
     assert took < 8  # 1 s of grace, then the workers return what runs
 
 
+def test_a_retry_attaches_during_a_node_drain(sqlite_store, tmp_path, ckpt):
+    """While the node drains (its work goes on through the grace), a trainer re-attaching
+    with a stored request_id gets that work's samples; a new request is still refused."""
+    import os
+    import signal
+
+    from tests.api.support import make_settings
+    from tests.rollout.support import InProcessDaemon
+
+    settings = make_settings(tmp_path, cpu_slots=1, worker_max_batch=16, worker_max_seq_len=1024,
+                             worker_heartbeat_seconds=0.2, worker_heartbeat_timeout_seconds=120.0,
+                             device_refresh_seconds=3600.0, drain_grace_seconds=60.0,
+                             drafter_training=False)  # fmt: skip
+    d = InProcessDaemon(settings, sqlite_store).start()
+    pid = 0
+    try:
+        with d.client() as c, d.client() as c2:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready(1)
+            params = sampling(n=2, temperature=0.0, max_new_tokens=300)
+            first = Stream(c, "job", PROMPTS[:1], sampling=params, request_id="r")
+            wait_until(lambda: d.supervisor.queue.inflight("rollout-cpu:0") > 0, what="running")
+            pid = d.supervisor.slots["rollout-cpu:0"].proc.pid
+            os.kill(pid, signal.SIGSTOP)  # the work cannot end before the re-attach
+            c2.drain(node=True, grace_seconds=60)
+            with pytest.raises(UnavailableError, match="draining"):
+                list(c2.generate("job", PROMPTS[:1], sampling=params, request_id="new"))
+            again = Stream(c2, "job", PROMPTS[:1], sampling=params, request_id="r")
+            wait_until(
+                lambda: len(d.supervisor.requests._subs.get("r", ())) == 2 or not again.is_alive(),
+                what="re-attached",
+            )
+            os.kill(pid, signal.SIGCONT)
+            got, got_again = first.result(60), again.result(60)
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+        d.kill()
+    assert again.error is None and first.error is None
+    assert _by_key(got_again) == _by_key(got) and len(got) == 2
+    assert _status(sqlite_store, "r") is RequestStatus.COMPLETED
+
+
 def test_preemption_notice_file_drains_and_exits_0(sqlite_url, tmp_path, ckpt):
     from tests.rollout.support import ServeProcess
 

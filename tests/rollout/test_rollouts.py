@@ -234,6 +234,74 @@ def test_request_recovered_after_a_crash_runs_on_the_version_it_was_accepted_on(
     assert _by_key(got) == direct_outputs(ckpt, PROMPTS[:2], params)
 
 
+def test_an_open_request_of_a_cancelled_job_is_cancelled_after_a_restart(
+    sqlite_store, settings, ckpt
+):
+    """A crash in the middle of CancelJob leaves a request open under the cancelled job: the
+    restart ends it CANCELLED with the job's reason, its missing samples stored partial."""
+    from tltd.domain import FinishReason, JobStatus, Sample
+
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=1)
+    store = sqlite_store
+    store.create_job(Job(job_id="job", model_path=str(ckpt)))
+    store.create_request(RolloutRequest("r", "job", (tuple(PROMPTS[0]),), params))
+    store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
+    store.add_sample(Sample("r", 0, 1, (7, 8), (-0.5, -0.5), FinishReason.LENGTH))
+    store.set_job_status("job", JobStatus.CANCELLED, "trainer gone")
+    d = InProcessDaemon(settings, store).start()
+    d.kill()
+    req = store.get_request("r")
+    assert (req.status, req.status_reason) == (
+        RequestStatus.CANCELLED,
+        "job cancelled: trainer gone",
+    )
+    got = {(s.prompt_index, s.sample_index): s for s in store.list_samples("r")}
+    assert not got[(0, 1)].partial and got[(0, 1)].token_ids == (7, 8)
+    assert got[(0, 0)].partial and got[(0, 0)].finish_reason is FinishReason.CANCELLED
+
+
+def test_a_retry_after_a_restart_gets_the_rerun_sample_not_the_partial_one(
+    sqlite_store, settings, ckpt
+):
+    """A drain stored (0, 0) partial (ABORTED) and the daemon died before failing the request:
+    after the restart (0, 0) runs again. A trainer re-attaching meanwhile gets the stored
+    complete (0, 1) at once, then the complete (0, 0) when it finishes, never the partial."""
+    from dataclasses import replace
+
+    from tltd.devices import cpu_devices
+    from tltd.domain import FinishReason, Sample
+
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=1)
+    store = sqlite_store
+    store.create_job(Job(job_id="job", model_path=str(ckpt)))
+    store.create_request(RolloutRequest("r", "job", (tuple(PROMPTS[0]),), params))
+    store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
+    store.add_sample(Sample("r", 0, 1, (7, 8), (-0.5, -0.5), FinishReason.LENGTH))
+    store.add_sample(
+        Sample("r", 0, 0, (5,), (-0.1,), FinishReason.ABORTED, partial=True, error="drained")
+    )
+    # Nothing runs until the test says so: the re-attach lands before (0, 0) is re-run.
+    store.upsert_devices(cpu_devices(1))
+    store.set_device_flags("cpu:0", cordoned=True, reason="test")
+    d = InProcessDaemon(replace(settings, cpu_slots=1), store).start()
+    try:
+        with d.client() as c:
+            s = sampling(n=2, temperature=0.0, max_new_tokens=12, seed=1)
+            stream = iter(c.generate("job", PROMPTS[:1], sampling=s, request_id="r", timeout=60))
+            first = next(stream)
+            assert (first.prompt_index, first.sample_index) == (0, 1) and not first.partial
+            c.uncordon("cpu:0")
+            d.supervisor.kick_threadsafe()
+            got = [first, *stream]
+    finally:
+        d.kill()
+    assert sorted((x.prompt_index, x.sample_index) for x in got) == [(0, 0), (0, 1)]
+    assert not any(x.partial for x in got)
+    rerun = next(x for x in got if x.sample_index == 0)
+    assert tuple(rerun.token_ids) == direct_outputs(ckpt, PROMPTS[:1], params)[(0, 0)]
+    assert store.get_request("r").status is RequestStatus.COMPLETED
+
+
 def test_foreign_device_is_vacated_and_its_work_moves(sqlite_daemon, ckpt):
     from tltd.domain import Device, DeviceKind, DeviceProcess
 

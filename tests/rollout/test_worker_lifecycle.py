@@ -241,3 +241,37 @@ def test_a_cordoned_device_is_idle_once_its_work_ends(sqlite_store, tmp_path, ck
             )
     finally:
         d.kill()
+
+
+def test_a_store_error_on_the_final_status_is_retried_before_the_stream_ends(
+    sqlite_store, tmp_path, ckpt
+):
+    """The write that marks a request COMPLETED fails twice ("database is locked"): it is
+    retried until it lands, and the stream ends only then, on the stored status. Other writes
+    go on meanwhile (a second request completes)."""
+    from tltd.domain import RequestStatus
+
+    d = InProcessDaemon(_settings(tmp_path, cpu_slots=1), sqlite_store).start()
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready(1)
+            real, failures = sqlite_store.set_request_status, []
+
+            def flaky(request_id, status, *args, **kwargs):
+                if request_id == "r" and status is RequestStatus.COMPLETED and len(failures) < 2:
+                    failures.append(status)
+                    raise OperationalError("UPDATE rollout_requests", {}, Exception("locked"))
+                return real(request_id, status, *args, **kwargs)
+
+            sqlite_store.set_request_status = flaky
+            s = sampling(n=2, max_new_tokens=8)
+            out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r", timeout=30))
+            assert len(out) == 2 and len(failures) == 2
+            assert sqlite_store.get_request("r").status is RequestStatus.COMPLETED
+            assert d.supervisor.queue.get("r") is None
+            out = list(c.generate("job", [[4, 5]], sampling=s, request_id="r2", timeout=30))
+            assert len(out) == 2
+            assert sqlite_store.get_request("r2").status is RequestStatus.COMPLETED
+    finally:
+        d.kill()

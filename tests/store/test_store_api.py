@@ -336,6 +336,29 @@ def test_partial_sample_is_replaced_by_complete_one(store: Store) -> None:
     assert (only.partial, only.token_ids) == (False, (7, 8, 9))
 
 
+def test_an_ended_request_keeps_the_samples_it_streamed(store: Store) -> None:
+    """A late complete sample (from a worker already given up on) does not replace the partial
+    one stored and streamed in its place once the request ended; a sample not stored yet is
+    still recorded (a cancel closes the request in the store before its samples are)."""
+    store.create_job(JOB)
+    store.create_request(_request())
+    lost = replace(_sample(0, 0, tokens=()), partial=True, finish_reason=FinishReason.FAILED)
+    assert store.add_sample(replace(lost, logprobs=())) is True
+    store.set_request_status("req-1", RequestStatus.RUNNING, "")
+    store.set_request_status("req-1", RequestStatus.FAILED, "1 of 4 samples failed")
+    assert store.add_sample(_sample(0, 0)) is False
+    assert store.add_sample(_sample(0, 1)) is True
+    got = store.list_samples("req-1")
+    assert [(s.sample_index, s.partial) for s in got] == [(0, True), (1, False)]
+    assert store.get_request("req-1").samples_done == 1
+    # Still open: a partial one left by a drain is replaced when it runs again.
+    store.create_request(_request("req-2"))
+    aborted = replace(_sample(0, 0, tokens=(7,)), partial=True, finish_reason=FinishReason.ABORTED)
+    assert store.add_sample(replace(aborted, request_id="req-2")) is True
+    assert store.add_sample(replace(_sample(0, 0), request_id="req-2")) is True
+    assert not store.list_samples("req-2")[0].partial
+
+
 def test_add_sample_validates(store: Store) -> None:
     with pytest.raises(NotFound, match="^request_id: "):
         store.add_sample(_sample(0, 0))
@@ -448,8 +471,10 @@ def test_pin_unpin_and_retire(store: Store) -> None:
     assert store.pin_drafter(JOB.job_id, 1) == 1  # roll back to an older version
     assert store.get_job(JOB.job_id).drafter_version == 1
     assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [True, False, False]
-    assert store.pin_drafter(JOB.job_id, 3) == 3  # a candidate may be pinned; moves the pin
-    assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [False, False, True]
+    with pytest.raises(FailedPrecondition, match="^version: drafter version 3 .* candidate"):
+        store.pin_drafter(JOB.job_id, 3)  # not judged yet
+    assert store.pin_drafter(JOB.job_id, 2) == 2  # moves the pin
+    assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [False, True, False]
     assert store.pin_drafter(JOB.job_id, 0) == 2  # unpin -> newest promoted
     store.pin_drafter(JOB.job_id, 2)
     retired = store.set_drafter_status(JOB.job_id, 2, DrafterStatus.RETIRED, "regressed")
@@ -466,6 +491,21 @@ def test_pin_unpin_and_retire(store: Store) -> None:
         store.set_drafter_status(JOB.job_id, 3, DrafterStatus.PROMOTED, "")
     assert ("candidate", "promoted", "") in _events(store, "drafter", "job-1/1")
     assert ("pinned", "unpinned", "retired: regressed") in _events(store, "drafter", "job-1/2")
+
+
+def test_candidates_left_by_a_crash_are_rejected(store: Store) -> None:
+    """A kill -9 between recording a drafter version and judging it leaves a candidate: the
+    start-up sweep rejects it (GC can then collect it); judged versions are left alone."""
+    store.create_job(JOB)
+    for _ in range(2):
+        store.add_drafter_version(_drafter())
+    store.set_drafter_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "better")
+    why = "evaluation interrupted by a restart"
+    assert [d.version for d in store.reject_candidate_drafters(why)] == [2]
+    got = store.list_drafters(JOB.job_id)
+    assert [d.status for d in got] == [DrafterStatus.PROMOTED, DrafterStatus.REJECTED]
+    assert ("candidate", "rejected", why) in _events(store, "drafter", "job-1/2")
+    assert store.reject_candidate_drafters(why) == []
 
 
 # ---- devices and workers ------------------------------------------------------------------

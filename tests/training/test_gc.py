@@ -108,3 +108,24 @@ def test_gc_keeps_the_checkpoint_of_a_version_pinned_during_the_gc(store, tmp_pa
     assert v1.pinned and v1.active and v1.status is DrafterStatus.PROMOTED
     assert (root / "job" / "v1" / "model.safetensors").is_file()
     assert not (root / "job" / "v2").exists() and not (root / "job" / "v3").exists()
+
+
+def test_a_candidate_left_by_a_crash_is_rejected_at_start_then_collected(sqlite_store, tmp_path):
+    """A kill -9 between recording a drafter version and judging it: the next daemon start
+    rejects the candidate (it can no longer be pinned), and GC collects it."""
+    from tests.api.support import make_settings
+    from tests.rollout.support import InProcessDaemon
+
+    store, root = sqlite_store, tmp_path / "drafters"
+    store.create_job(Job("job", str(tmp_path / "policy")))
+    _version(store, "job", root / "job" / "v1", DrafterStatus.PROMOTED)
+    (root / "job" / "v2").mkdir()
+    store.add_drafter_version(
+        DrafterVersion("job", 0, policy_version=0, path=str(root / "job" / "v2"))
+    )
+    _version(store, "job", root / "job" / "v3", DrafterStatus.PROMOTED)
+    settings = make_settings(tmp_path, cpu_slots=0, drafter_training=False)
+    InProcessDaemon(settings, store).start().kill()
+    assert store.get_drafter("job", 2).status is DrafterStatus.REJECTED
+    assert sorted(gc_drafters(store, 1, root)) == [("job", 1), ("job", 2)]
+    assert not (root / "job" / "v2").exists()

@@ -18,7 +18,14 @@ from tltd.domain import (
     Sample,
     SpeculativeMode,
 )
-from tltd.errors import FailedPrecondition, NotFound, TltError, Unavailable, Unimplemented
+from tltd.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    TltError,
+    Unavailable,
+    Unimplemented,
+)
 from tltd.services.checkpoints import vocab_size
 from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
@@ -55,10 +62,11 @@ class RolloutService:
     ) -> RolloutRequest:
         """Validate a request against the daemon's limits and its job; resolve defaults.
 
-        Order matters for callers: a draining node refuses before anything else (the trainer
-        should go elsewhere), then the request's own fields, then the job's state.
+        Order matters for callers: a draining node refuses a new request before anything else
+        (the trainer should go elsewhere), then the request's own fields, then the job's state.
+        A retry of a stored request attaches even then: its work goes on through the grace.
         """
-        if self.node.draining:
+        if self.node.draining and not self._is_retry(req):
             raise Unavailable("node is draining: not accepting new rollouts")
         validate_rollout(req, self.settings, vocab_size=None)
         job = self.store.get_job(req.job_id)  # NotFound names job_id
@@ -72,7 +80,7 @@ class RolloutService:
         if (
             self.supervisor is not None
             and not any(d.schedulable for d in devices)
-            and not (req.request_id and self._stored(req.request_id))  # a retry attaches
+            and not self._is_retry(req)  # a retry attaches
         ):
             # Accepted, it would wait with nothing to run it (e.g. devices still flagged by a
             # node drain before a restart): say so, and how to bring a device back.
@@ -110,9 +118,17 @@ class RolloutService:
             # Admission runs to its end even when the caller goes away (deadline, disconnect):
             # a request once stored is always made live, never left QUEUED with no work.
             stored = await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
+            # Samples the live request still runs: a stored version of one is not final (a
+            # partial one left by a drain before a restart runs again, and its complete sample
+            # replaces it). Each of them arrives on the subscription when it finishes. Taken
+            # before the store read: a sample finishing in between is in both.
+            running = sup.unfinished(rid)
             seen: set[tuple[int, int]] = set()
             for sample in await asyncio.to_thread(self.store.list_samples, rid):
-                seen.add((sample.prompt_index, sample.sample_index))
+                key = (sample.prompt_index, sample.sample_index)
+                if key in running:
+                    continue
+                seen.add(key)
                 yield sample
             if stored.status in _TERMINAL:
                 _end(rid, stored.status, stored.status_reason)
@@ -136,6 +152,16 @@ class RolloutService:
             # The version recorded at acceptance: a retry after a policy update stays on it.
             await sup.submit(stored, stored.policy_version)
         return stored
+
+    def _is_retry(self, req: RolloutRequest) -> bool:
+        """The request_id is stored already: a retry, which attaches to its work."""
+        if not req.request_id:
+            return False
+        try:
+            check_id(req.request_id, "request_id")
+        except InvalidArgument:
+            return False  # never stored (and refused by validation)
+        return self._stored(req.request_id)
 
     def _stored(self, request_id: str) -> bool:
         try:

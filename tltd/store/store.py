@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 _JOB_PARAMS = ("model_path", "name", "backend", "priority", "weight", "speculative")
 _REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
 _FINAL_WORKER_STATES = (WorkerState.STOPPED, WorkerState.FAILED)
+_ENDED = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED)
 
 
 def _diff(a: object, b: object, fields: Sequence[str]) -> list[str]:
@@ -364,7 +365,9 @@ class Store:
         sample_index).
 
         Returns True when stored: a new sample, or a complete one replacing a partial one
-        (a drained request that was resumed). Returns False for a duplicate. samples_done
+        (a drained request that was resumed). Returns False for a duplicate, and for a
+        replacement once the request has ended: what its streams were given stays what is
+        stored (a late sample from a worker already given up on changes nothing). samples_done
         counts complete (non-partial) samples only, so it reaches samples_total exactly
         when every sample is done.
 
@@ -394,6 +397,10 @@ class Store:
                     )
                 )
                 if existing is not None and not (existing.partial and not sample.partial):
+                    return False
+                # A sample not stored yet is still recorded on an ended request: a cancel
+                # closes the request in the store before its remaining samples are stored.
+                if existing is not None and RequestStatus(req.status) in _ENDED:
                     return False
                 now = utcnow()
                 row = convert.sample_to_row(sample)
@@ -486,6 +493,26 @@ class Store:
             s.flush()
             return convert.drafter_from_row(row, self._active_versions(s, [job_id])[job_id])
 
+    def reject_candidate_drafters(self, reason: str) -> list[DrafterVersion]:
+        """Reject every drafter version still a candidate: at start-up one is a leftover of an
+        evaluation a crash interrupted (recorded, never judged). Rejected, GC collects it.
+        Returns the versions rejected."""
+        with self._tx(write=False) as s:
+            keys = s.execute(
+                select(DrafterVersionRow.job_id, DrafterVersionRow.version).where(
+                    DrafterVersionRow.status == DrafterStatus.CANDIDATE.value
+                )
+            ).all()
+        rejected = []
+        for job_id, version in keys:
+            try:
+                rejected.append(
+                    self.set_drafter_status(job_id, version, DrafterStatus.REJECTED, reason)
+                )
+            except FailedPrecondition:
+                pass  # judged meanwhile
+        return rejected
+
     def retire_drafters(
         self, job_id: str, versions: Sequence[int], reason: str
     ) -> list[DrafterVersion]:
@@ -519,13 +546,16 @@ class Store:
             return [convert.drafter_from_row(r, active) for r in rows]
 
     def pin_drafter(self, job_id: str, version: int) -> int:
-        """Pin `version` as the job's active drafter (0 unpins); returns the active version."""
+        """Pin `version` (a promoted one) as the job's active drafter (0 unpins); returns the
+        active version."""
         with self._tx() as s:
             self._job_row(s, job_id, lock=True)
             target = None
             if version:
                 target = self._drafter_row(s, job_id, version)
-                if target.status in (DrafterStatus.REJECTED, DrafterStatus.RETIRED):
+                # A candidate is not judged yet (its rejection would then have to race
+                # the pin); only promoted versions are pinned.
+                if target.status != DrafterStatus.PROMOTED:
                     raise FailedPrecondition(
                         f"drafter version {version} of job {job_id!r} is {target.status} "
                         "and cannot be pinned",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tltd.domain import FinishReason, JobStatus, RequestStatus, RolloutRequest, Sample
+from tltd.errors import TltError
 from tltd.settings import Settings
 from tltd.supervisor.writes import TERMINAL, OrderedWrites, add_samples, final_status
 from tltd.workqueue import Key, LiveRequest, WorkQueue
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _OPEN = (RequestStatus.QUEUED, RequestStatus.RUNNING)
+# Backoff of a final status write that failed (seconds, doubling).
+_FINAL_RETRY_FIRST, _FINAL_RETRY_MAX = 0.1, 5.0
 
 
 @dataclass(frozen=True)
@@ -109,23 +112,45 @@ class RolloutRequests:
         return True
 
     async def recover(self) -> None:
-        """After a crash: every open request is re-queued with its missing samples, or failed
-        with a reason when it cannot run."""
+        """After a crash: every open request is re-queued with its missing samples; one of a
+        job no longer active ends as that job's live requests do (CANCELLED with the job's
+        reason, or FAILED), its missing samples stored partial."""
         open_reqs = await asyncio.to_thread(self.store.list_requests, list(_OPEN), None, 1 << 30)
         for req in open_reqs:
             await self._recover_request(req)
 
     async def _recover_request(self, req: RolloutRequest) -> None:
         job = await asyncio.to_thread(self.store.get_job, req.job_id)
-        if job.status is not JobStatus.ACTIVE:
-            await self._writes.write(
-                self.store.set_request_status,
-                req.request_id,
-                RequestStatus.FAILED,
-                f"daemon restarted: job {job.job_id} is {job.status.value}",
-            )
-            return
         samples = await asyncio.to_thread(self.store.list_samples, req.request_id)
+        if job.status is not JobStatus.ACTIVE:
+            # Ended as a live request of that job ends (a crash in the middle of CancelJob
+            # left it open): its missing samples stored partial, then its status.
+            if job.status is JobStatus.CANCELLED:
+                status, finish = RequestStatus.CANCELLED, FinishReason.CANCELLED
+                why = f"job cancelled: {job.status_reason}"
+            else:
+                status, finish = RequestStatus.FAILED, FinishReason.FAILED
+                why = f"daemon restarted: job {job.job_id} is {job.status.value}"
+            have = {(s.prompt_index, s.sample_index) for s in samples}
+            missing = [
+                Sample(
+                    req.request_id,
+                    p,
+                    s,
+                    (),
+                    (),
+                    finish,
+                    policy_version=req.policy_version,
+                    partial=True,
+                    error=why,
+                )
+                for p in range(len(req.prompts))
+                for s in range(req.sampling.n)
+                if (p, s) not in have
+            ]
+            await self._writes.write(add_samples, self.store, missing)
+            await self._writes.write(self.store.set_request_status, req.request_id, status, why)
+            return
         complete = [s for s in samples if not s.partial]
         done = {(s.prompt_index, s.sample_index) for s in complete}
         if req.status is RequestStatus.RUNNING:
@@ -210,10 +235,16 @@ class RolloutRequests:
             await self.finalize(live)
 
     async def finalize(self, live: LiveRequest) -> None:
-        """Every sample is accounted for: record the request's final status, end the streams."""
-        if live.request_id in self._finalizing:
+        """Every sample is accounted for: record the request's final status, end the streams.
+
+        A store error (a locked SQLite, a lost PostgreSQL connection) leaves the request live
+        with its streams open while the write is retried beside the loop: a stream is never
+        told a status the store does not have. At shutdown the retry stops; the next start's
+        recovery finalizes it."""
+        rid = live.request_id
+        if rid in self._finalizing:
             return
-        self._finalizing.add(live.request_id)
+        self._finalizing.add(rid)
         total = live.req.samples_total
         if live.outcome is not None:
             status, reason = live.outcome, live.reason
@@ -222,13 +253,40 @@ class RolloutRequests:
             reason = f"{live.failed} of {total} samples failed: {live.first_error}"
         else:
             status, reason = RequestStatus.COMPLETED, f"all {total} samples finished"
+        ended = True
         try:
-            final = await self._writes.write(
-                final_status, self.store, live.request_id, status, reason
-            )
+            final = await self._writes.write(final_status, self.store, rid, status, reason)
             status, reason = final.status, final.status_reason
+        except TltError:
+            raise
+        except Exception:
+            log.exception("cannot store the final status, retrying", extra={"request_id": rid})
+            ended = False
+            self._spawn(self._retry_final(live, status, reason))
         finally:
-            self.queue.remove(live.request_id)
-            self._finalizing.discard(live.request_id)
-            self.publish(live.request_id, StreamEvent(None, status, reason))
-            self._kick()
+            if ended:
+                self._end(rid, status, reason)
+
+    async def _retry_final(self, live: LiveRequest, status: RequestStatus, reason: str) -> None:
+        """Retry a final status write until it lands, backing off up to `_FINAL_RETRY_MAX`
+        seconds; each try is queued behind the other writes, so none of them waits on it."""
+        rid, delay = live.request_id, _FINAL_RETRY_FIRST
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                final = await self._writes.write(final_status, self.store, rid, status, reason)
+            except TltError:
+                self._end(rid, status, reason)
+                raise
+            except Exception as exc:
+                log.warning("final status still not stored: %s", exc, extra={"request_id": rid})
+                delay = min(2 * delay, _FINAL_RETRY_MAX)
+                continue
+            self._end(rid, final.status, final.status_reason)
+            return
+
+    def _end(self, request_id: str, status: RequestStatus, reason: str) -> None:
+        self.queue.remove(request_id)
+        self._finalizing.discard(request_id)
+        self.publish(request_id, StreamEvent(None, status, reason))
+        self._kick()

@@ -145,7 +145,7 @@ class Supervisor:
 
     async def recover(self) -> None:
         """After a crash: workers of the old process are gone; every open request is
-        re-queued with its missing samples, or failed with a reason when it cannot run."""
+        re-queued with its missing samples, or ended with a reason when it cannot run."""
         for w in await asyncio.to_thread(self.store.list_workers):
             if w.state not in (WorkerState.STOPPED, WorkerState.FAILED):
                 await self.writes.write(
@@ -274,6 +274,14 @@ class Supervisor:
         closed = (RequestStatus.CANCELLED, RequestStatus.FAILED)
         if cur.status in closed and live is not None and live.outcome is None:
             await self._close(req.request_id, cur.status, cur.status_reason)
+
+    def unfinished(self, request_id: str) -> set[tuple[int, int]]:
+        """The (prompt, sample) keys a live request has not finished yet (waiting or running);
+        empty when it is not live."""
+        live = self.queue.get(request_id)
+        if live is None:
+            return set()
+        return set(live.running) | set(live.pending_keys())
 
     def cancel_threadsafe(self, request_id: str, reason: str) -> None:
         """Called from any thread after the store marked the request CANCELLED."""
