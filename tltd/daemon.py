@@ -156,7 +156,13 @@ class Daemon:
             stopping = self.training.close(deadline=deadline)
         else:
             stopping = asyncio.sleep(0)
-        await asyncio.gather(drain, stopping)
+        for what, result in zip(
+            ("drain", "drafter training stop"),
+            await asyncio.gather(drain, stopping, return_exceptions=True),
+            strict=True,
+        ):
+            if isinstance(result, BaseException):  # the workers must still be stopped below
+                log.error("shutdown: the %s failed", what, exc_info=result)
         left = max(0.5, deadline - time.monotonic())
         await self.api.stop(left)  # health NOT_SERVING, then the (ended) streams close
         if self.scheduler is not None:

@@ -105,3 +105,61 @@ def test_shutdown_does_not_wait_for_a_trainer_still_loading(
     assert took < GRACE + 2
     trainer = sqlite_store.get_worker("drafter-job")
     assert trainer.state is WorkerState.STOPPED and "killed while starting" in trainer.state_reason
+
+
+def _drain_settings(tmp_path):
+    return make_settings(tmp_path, cpu_slots=2, worker_max_batch=8, worker_max_seq_len=1024,
+                         worker_heartbeat_seconds=0.2, device_refresh_seconds=3600.0,
+                         shutdown_grace_seconds=GRACE, drafter_training=False)  # fmt: skip
+
+
+def test_a_request_that_cannot_be_closed_does_not_keep_the_drain_from_the_others(
+    sqlite_store, tmp_path, ckpt, monkeypatch
+):
+    from tltd.supervisor.requests import RolloutRequests
+
+    real = RolloutRequests.finish_unstarted
+
+    async def failing_for_a(self, live, keys, reason, error):
+        if live.request_id == "a" and error.startswith("drained"):
+            raise RuntimeError("store down")
+        return await real(self, live, keys, reason, error)
+
+    monkeypatch.setattr(RolloutRequests, "finish_unstarted", failing_for_a)
+    d = InProcessDaemon(_drain_settings(tmp_path), sqlite_store).start()
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready(2)
+            streams = {
+                rid: Stream(c, "job", PROMPTS * 2, sampling=sampling(**LONG), request_id=rid)
+                for rid in ("a", "b")
+            }
+            wait_until(lambda: _status(c, "b") == RUNNING, what="running")
+            d.call(d.daemon.shutdown(), timeout=GRACE + 60)
+            d.daemon = None
+            streams["b"].result(30)
+    finally:
+        d.kill()
+    assert "drained" in str(streams["b"].error)  # closed by the drain, not cut by the stop
+    assert sqlite_store.get_request("b").status is RequestStatus.FAILED
+
+
+def test_a_failing_drain_still_stops_the_workers(sqlite_store, tmp_path, ckpt, monkeypatch):
+    from tltd.supervisor.supervisor import Supervisor
+
+    async def broken_drain(self):
+        raise RuntimeError("drain bug")
+
+    monkeypatch.setattr(Supervisor, "_drain", broken_drain)
+    d = InProcessDaemon(_drain_settings(tmp_path), sqlite_store).start()
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        d.call(d.daemon.shutdown(), timeout=GRACE + 60)  # used to raise, skipping the stop
+        d.daemon = None
+    finally:
+        d.kill()
+    workers = sqlite_store.list_workers()
+    assert workers and all(w.state is WorkerState.STOPPED for w in workers)

@@ -191,7 +191,10 @@ class RolloutRequests:
                 reason, error = FinishReason.ABORTED, live.reason
             else:
                 reason, error = FinishReason.FAILED, f"{n} workers lost running it: {why}"
-            await self.finish_unstarted(live, [key], reason, error)
+            try:  # one request's failure must not leave the worker's other samples nowhere
+                await self.finish_unstarted(live, [key], reason, error)
+            except Exception:
+                log.exception("cannot finish a lost sample", extra={"request_id": live.request_id})
 
     def fail_version(self, job_id: str, policy_version: int, reason: str) -> None:
         """Fail every live request of a policy version that cannot be loaded."""

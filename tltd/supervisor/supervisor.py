@@ -203,7 +203,12 @@ class Supervisor:
             slot.send(msg.Drain(0.0))
         for live in list(self.queue):
             keys = self.queue.close(live.request_id, RequestStatus.FAILED, reason)
-            await self.requests.finish_unstarted(live, keys, FinishReason.ABORTED, reason)
+            try:  # one request's failure must not keep the others open
+                await self.requests.finish_unstarted(live, keys, FinishReason.ABORTED, reason)
+            except Exception:
+                log.exception(
+                    "cannot close a drained request", extra={"request_id": live.request_id}
+                )
         # Polled, not one wait: a shutdown may shorten `_drain_end` meanwhile.
         while any(not s.drained.is_set() for s in busy) and time.monotonic() < self._drain_end:
             await asyncio.sleep(0.05)
