@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
 import os
 import signal
 import time
@@ -47,6 +48,7 @@ async def serve(settings: Settings, port_file: str | None = None) -> int:
     try:
         return await _serve_with_store(settings, store, port_file)
     finally:
+        _kill_leftover_workers()
         store.close()  # last: everything above that uses the store has stopped
 
 
@@ -193,6 +195,15 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
         training_cadence_seconds=settings.training_cadence_seconds,
         max_samples_per_worker=settings.worker_max_batch,
     )
+
+
+def _kill_leftover_workers() -> None:
+    """Kill worker processes still there (only after a failed start or shutdown): they ignore
+    SIGTERM (`workers.signals`), so multiprocessing's exit handler, which terminates and then
+    joins them, would wait for them for ever."""
+    for proc in mp.active_children():
+        proc.kill()
+        proc.join(5.0)
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:

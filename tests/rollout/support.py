@@ -193,7 +193,10 @@ class ServeProcess:
             "--database-url", db_url, "--cpu-slots", "2", "--log-json",
         ]  # fmt: skip
         self._log = open(self.log_file, "w")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(cmd, cwd=root, env=base, stdout=self._log, stderr=self._log)
+        # Its own process group: a test may signal the whole group (Ctrl-C, systemd's stop).
+        self.proc = subprocess.Popen(
+            cmd, cwd=root, env=base, stdout=self._log, stderr=self._log, start_new_session=True
+        )
         deadline = time.monotonic() + 60
         while not self.port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -136,3 +136,39 @@ def test_sigterm_drains_within_the_grace_and_exits_0(sqlite_url, tmp_path, ckpt)
         store.close()
     messages = [r["msg"] for r in d.logs()]
     assert messages[-1] == "tltd stopped"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_whole_process_group_still_drains(sqlite_url, tmp_path, ckpt, sig):
+    """Ctrl-C in a terminal (SIGINT) and systemd's stop with KillMode=control-group (SIGTERM)
+    signal the daemon and every worker at once: the workers leave the stop to the daemon, so
+    the drain still returns the tokens so far, and no worker process is left behind."""
+    import os
+
+    d = ServeProcess(tmp_path, sqlite_url, shutdown_grace_seconds=2.0)
+    try:
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            pids = [w.pid for w in d.wait_workers_ready("job")]
+            params = dict(n=8, temperature=0.0, max_new_tokens=1000)
+            long = Stream(c, "job", PROMPTS[:4], sampling=sampling(**params), request_id="big")
+            wait_until(lambda: _status(c, "big") == RUNNING, what="running")
+            time.sleep(0.3)
+            os.killpg(d.proc.pid, sig)  # ServeProcess runs in its own session
+            code = d.wait(timeout=40)
+            got = long.result(10)
+    finally:
+        d.kill()
+    assert code == 0
+    assert isinstance(long.error, UnavailableError) and "drained" in str(long.error)
+    assert len(got) == 4 * params["n"]
+    partial = [s for s in got if s.partial]
+    assert partial and all(s.finish_reason == rollout_pb2.FINISH_REASON_ABORTED for s in partial)
+    assert any(0 < len(s.token_ids) < 1000 for s in partial)  # tokens so far, not lost workers
+    store = Store(sqlite_url)
+    try:
+        assert all(w.state is WorkerState.STOPPED for w in store.list_workers())
+    finally:
+        store.close()
+    assert not any(pid_alive(p) for p in pids)

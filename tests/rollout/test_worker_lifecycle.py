@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import replace
 
+import pytest
 from sqlalchemy.exc import OperationalError
 
 from tests.api.support import make_settings, sampling
@@ -274,4 +275,55 @@ def test_a_store_error_on_the_final_status_is_retried_before_the_stream_ends(
             assert len(out) == 2
             assert sqlite_store.get_request("r2").status is RequestStatus.COMPLETED
     finally:
+        d.kill()
+
+
+def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
+    sqlite_store, tmp_path, ckpt, monkeypatch
+):
+    """A load that ends the process (OOM kill, native crash) is a load failure: its version is
+    held back and its requests fail saying so, and the restart backoff keeps growing (the
+    fresh process's first Ready, before any load, used to reset it: a crash loop for ever)."""
+    from clients.errors import UnavailableError
+    from tests.rollout import crashing_worker
+    from tests.rollout.test_rollouts import Stream
+    from tltd.domain import FinishReason, RequestStatus
+
+    monkeypatch.setattr(
+        "tltd.supervisor.worker_process.worker_entry", lambda backend: (crashing_worker.main, True)
+    )
+    d = InProcessDaemon(_settings(tmp_path, cpu_slots=1), sqlite_store).start()
+    sup = d.supervisor
+    pid = 0
+    try:
+        slot = sup.slots["rollout-cpu:0"]
+        wait_until(lambda: slot.ready, what="worker up (no model)")
+        pid = slot.proc.pid
+        os.kill(pid, signal.SIGSTOP)  # the LoadModel waits in its pipe while r1 goes live
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            wait_until(lambda: slot.policy_load == "job", what="LoadModel sent")
+            stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=4),
+                            request_id="r1", timeout=60)  # fmt: skip
+            wait_until(lambda: sup.queue.get("r1") is not None, what="r1 live")
+            os.kill(pid, signal.SIGCONT)  # it loads: os._exit(137)
+            got = stream.result(60)
+            died = "cannot load policy version 0 of job job: the worker process died while"
+            assert len(got) == 2 and all(s.error.startswith(died) for s in got), got
+            req = sqlite_store.get_request("r1")
+            assert req.status is RequestStatus.FAILED and "exit code 137" in req.status_reason
+            assert {s.finish_reason for s in sqlite_store.list_samples("r1")} == {
+                FinishReason.FAILED
+            }
+            assert ("job", 0) in sup.models.bad_versions
+            # The fresh process is up (Ready, nothing loaded: the version is held back), and
+            # its Ready did not forgive the crash.
+            wait_until(lambda: slot.generation == 2 and slot.ready, what="restarted")
+            assert slot.failures == 1 and not slot.job_id and slot.policy_load == ""
+            with pytest.raises(UnavailableError, match="its last load failed"):
+                list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4),
+                                timeout=20))  # fmt: skip
+    finally:
+        if pid and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
         d.kill()

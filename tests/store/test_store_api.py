@@ -568,6 +568,22 @@ def test_vanished_device_becomes_unavailable_and_returns(store: Store) -> None:
     ]
 
 
+def test_an_unavailable_device_is_made_usable_by_the_inventory_only(store: Store) -> None:
+    """Training on a GPU that vanishes: the tick preempts it, and the trainer then gives the
+    device back (IDLE). That write must not make the broken GPU schedulable again."""
+    store.upsert_devices([_gpu(0), _gpu(1)])
+    store.set_device_state("cuda:1", DeviceState.TRAINING, "drafter training job-1")
+    store.upsert_devices([_gpu(0)])  # the refresh no longer sees cuda:1
+    for state in (DeviceState.IDLE, DeviceState.ROLLOUT, DeviceState.TRAINING):
+        d1 = store.set_device_state("cuda:1", state, "training gave the device back")
+        assert d1.state == DeviceState.UNAVAILABLE and not d1.schedulable
+    assert store.get_device("cuda:1").state == DeviceState.UNAVAILABLE
+    assert [e[:2] for e in _events(store, "device", "cuda:1")][-1] == ("training", "unavailable")
+    d1 = store.upsert_devices([_gpu(0), _gpu(1)])[1]  # seen again
+    assert d1.state == DeviceState.IDLE and d1.schedulable
+    assert store.set_device_state("cuda:1", DeviceState.ROLLOUT, "w").state == DeviceState.ROLLOUT
+
+
 def test_foreign_device_reason(store: Store) -> None:
     store.upsert_devices([_gpu(0)])
     (d,) = store.upsert_devices([_gpu(0, foreign=True, state_reason="foreign process pid 7")])

@@ -161,8 +161,13 @@ def test_training_off_by_setting(start_daemon, ckpt):
 
 
 @pytest.mark.slow
-def test_sigterm_while_training_exits_0_with_a_drafter_checkpoint(tmp_path, sqlite_url, ckpt):
-    """`tltd serve` as a real process: SIGTERM mid-round -> the trainer checkpoints, exit 0."""
+@pytest.mark.parametrize("group", [False, True], ids=["daemon", "process-group"])
+def test_sigterm_while_training_exits_0_with_a_drafter_checkpoint(
+    tmp_path, sqlite_url, ckpt, group
+):
+    """`tltd serve` as a real process: SIGTERM mid-round -> the trainer checkpoints, exit 0;
+    also when every process of the daemon gets it (systemd's stop, KillMode=control-group)."""
+    import os
     import signal
     from pathlib import Path
 
@@ -184,7 +189,10 @@ def test_sigterm_while_training_exits_0_with_a_drafter_checkpoint(tmp_path, sqli
             list(c.generate("job", PROMPTS, sampling=sampling(**PARAMS), request_id="b-1"))
             w = _wait(lambda: (t := _trainer(c)) and t.state == "busy" and t, what="training")
             time.sleep(1.0)  # a few optimizer steps
-        serve.proc.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(serve.proc.pid, signal.SIGTERM)  # ServeProcess runs in its own session
+        else:
+            serve.proc.send_signal(signal.SIGTERM)
         assert serve.wait(60) == 0
     finally:
         serve.kill()

@@ -713,9 +713,14 @@ class Store:
             return convert.device_from_row(row)
 
     def set_device_state(self, device_id: str, new: DeviceState, reason: str) -> Device:
-        """Record what a device is doing (idle/rollout/training/unavailable), with an event."""
+        """Record what a device is doing (idle/rollout/training/unavailable), with an event.
+        An UNAVAILABLE device stays so: only an inventory refresh that sees it again
+        (`upsert_devices`) makes it usable, not a worker or trainer giving it back (whose
+        write may land after the refresh that found it broken)."""
         with self._tx() as s:
             row = self._device_row(s, device_id)
+            if row.state == DeviceState.UNAVAILABLE:
+                return convert.device_from_row(row)
             if row.state != new:
                 now = utcnow()
                 record_event(s, "device", device_id, row.state, new, reason, at=now)

@@ -160,6 +160,7 @@ class ModelPlanner:
         path = await self._policy_path(job.job_id, version)
         slot.loading, slot.since = True, time.monotonic()
         slot.policy_load = job.job_id  # cleared by the Ready that ends every load
+        slot.load_in_flight = (job.job_id, version, False)
         if slot.job_id == job.job_id:
             slot.send(msg.LoadPolicy(path, version))
             slot.reason = f"loading policy version {version}"
@@ -197,6 +198,8 @@ class ModelPlanner:
         if wanted:
             path = (await asyncio.to_thread(self.store.get_drafter, job.job_id, wanted)).path
         slot.loading, slot.since = True, time.monotonic()
+        # Unloading (version 0) is not a drafter's load that could be held back.
+        slot.load_in_flight = (job.job_id, wanted, True) if wanted else None
         slot.send(msg.SetDrafter(path, wanted))
 
     def load_failed(

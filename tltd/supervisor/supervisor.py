@@ -514,7 +514,7 @@ class Supervisor:
             if not slot.alive:
                 continue
             if slot.proc.exitcode is not None:
-                why = slot.reason or "process exited"
+                why = slot.fatal or "process exited"
             elif slot.loading and now - slot.since > s.worker_start_timeout_seconds:
                 why = f"no Ready within {s.worker_start_timeout_seconds:g}s"
             elif (
@@ -535,7 +535,7 @@ class Supervisor:
         if self._closed or slot.state is WorkerState.STOPPING:
             return  # an exit we asked for: stop() / vacating records it
         if self._retire(slot):  # no work for it from now, even before the task runs
-            self._spawn(self._bury(slot, slot.reason or "process exited", WorkerState.FAILED))
+            self._spawn(self._bury(slot, slot.fatal or "process exited", WorkerState.FAILED))
 
     async def _mark_dead(self, slot: WorkerSlot, why: str, state: WorkerState) -> None:
         """The worker is gone (or being stopped): re-queue its samples, record it."""
@@ -572,6 +572,13 @@ class Supervisor:
                     why = f"{why} (exit code {proc.exitcode})"
             if state is WorkerState.FAILED:
                 slot.failures += 1
+                if slot.load_in_flight is not None:
+                    # The load killed the process (no LoadFailed can come): the same failure,
+                    # or a fresh process would load it again at once, for ever.
+                    job_id, version, drafter = slot.load_in_flight
+                    died = f"the worker process died while loading it: {why}"
+                    self._load_failed(slot, msg.LoadFailed(job_id, version, died, drafter))
+            slot.load_in_flight = None
             log.warning("rollout worker gone", extra={"worker_id": slot.worker_id, "reason": why})
             self._record_state(slot, state, why)
             await self.requests.lose_worker(slot.worker_id, why)
@@ -599,7 +606,11 @@ class Supervisor:
                     del slot.unacked[seq]
             case msg.Ready():
                 first = not slot.ready
-                slot.ready, slot.loading, slot.failures = True, False, 0
+                slot.ready, slot.loading, slot.load_in_flight = True, False, None
+                if m.job_id:
+                    # Only a loaded model ends a crash loop: every fresh process says Ready
+                    # before its first load, also one whose load is about to kill it again.
+                    slot.failures = 0
                 slot.job_id, slot.policy_version = m.job_id, m.policy_version
                 slot.target_job = slot.policy_load = ""
                 slot.drafter_version = m.drafter_version
@@ -616,9 +627,7 @@ class Supervisor:
                 )
                 self.kick()
             case msg.LoadFailed():
-                reason = self.models.load_failed(m, slot, self.slots)
-                if reason is not None:
-                    self.requests.fail_version(m.job_id, m.policy_version, reason)
+                self._load_failed(slot, m)
             case msg.Drained():
                 slot.drained.set()
             case msg.WorkerError(message=text, fatal=fatal):
@@ -627,7 +636,14 @@ class Supervisor:
                     extra={"worker_id": slot.worker_id, "fatal": fatal, "error": text},
                 )
                 if fatal:
-                    slot.reason = text.strip().splitlines()[-1] if text.strip() else "fatal error"
+                    slot.fatal = text.strip().splitlines()[-1] if text.strip() else "fatal error"
+                    slot.reason = slot.fatal
+
+    def _load_failed(self, slot: WorkerSlot, m: msg.LoadFailed) -> None:
+        """Hold the version back; a policy's live requests fail with the reason."""
+        reason = self.models.load_failed(m, slot, self.slots)
+        if reason is not None:
+            self.requests.fail_version(m.job_id, m.policy_version, reason)
 
     def _on_finished(self, slot: WorkerSlot, sample: Sample, stored: bool | None) -> None:
         key = (sample.prompt_index, sample.sample_index)

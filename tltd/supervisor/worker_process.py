@@ -44,6 +44,7 @@ class WorkerSlot:
     outbox: threading_queue.Queue | None = None
     state: WorkerState = WorkerState.STOPPED
     reason: str = ""
+    fatal: str = ""  # the fatal error the process reported before it exits
     ready: bool = False  # the process said Ready at least once
     loading: bool = True  # a spawn or Load* is in flight (no work until Ready)
     since: float = 0.0  # monotonic: spawn or last load command
@@ -55,13 +56,16 @@ class WorkerSlot:
     # The job whose policy weights a LoadModel/LoadPolicy in flight loads ("" = none): while
     # set, that job's policy update is being applied and its drafter training must not start.
     policy_load: str = ""
+    # (job, version, drafter) of the LoadModel/LoadPolicy/SetDrafter in flight: a process that
+    # dies before its Ready failed that load (an OOM kill, a native crash, a hung load killed).
+    load_in_flight: tuple[str, int, bool] | None = None
     policy_version: int = 0
     drafter_version: int = 0
     seq: int = 0
     unacked: dict[int, int] = field(default_factory=dict)  # AddWork.seq -> expected tokens
     idle_since: float | None = None
     dead_at: float | None = None  # monotonic time the process was found dead
-    failures: int = 0  # consecutive deaths (restart backoff)
+    failures: int = 0  # deaths in a row, until a model loads (restart backoff)
     exiting: bool = False  # marked dead, its process not yet joined and recorded
     vacated: bool = False  # stopped on purpose (foreign device): not restarted
     drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -102,6 +106,7 @@ def spawn(
     slot.dead_at, slot.vacated, slot.heartbeat = None, False, None
     slot.job_id, slot.policy_version, slot.drafter_version = "", 0, 0
     slot.target_job = slot.policy_load = ""
+    slot.load_in_flight, slot.fatal = None, ""
     slot.unacked.clear()
     slot.idle_since = None
     slot.last_heartbeat = time.monotonic()

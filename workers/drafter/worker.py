@@ -44,6 +44,7 @@ from workers.drafter.trainer import (
     latest_checkpoint,
     load_state,
 )
+from workers.signals import ignore_stop_signals
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -243,6 +244,7 @@ class _Worker:
 
 def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     """Process entry point (spawn)."""
+    ignore_stop_signals()
     torch.set_num_threads(spec.threads)
     worker = None
     try:

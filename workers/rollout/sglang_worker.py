@@ -48,6 +48,7 @@ from workers.sglang.adapter import (
     sample_seed,
     sampling_params,
 )
+from workers.signals import ignore_stop_signals
 
 DEFAULT_FACTORY = "workers.sglang.engine:make_engine"
 POLL_SECONDS = 0.02  # one step: the longest a poll waits (commands are read in between)
@@ -62,6 +63,7 @@ def main(
 ) -> None:
     """Process entry point (multiprocessing spawn target; not daemonic: SGLang starts its own
     scheduler processes). `threads` is unused: the model runs in SGLang's processes."""
+    ignore_stop_signals()
     serve(conn, SglangWorker(conn, heartbeat_seconds, load_factory(engine_factory)))
 
 

@@ -8,6 +8,7 @@ from multiprocessing.connection import Connection
 from tltd.domain import FinishReason, Sample, SpeculativeStats
 from workers.rollout.loop import WorkerLoop, contiguous_runs, serve
 from workers.rollout.protocol import AddWork, EngineSpec, LoadModel
+from workers.signals import ignore_stop_signals
 
 __all__ = ["RolloutWorker", "contiguous_runs", "main"]
 
@@ -17,6 +18,7 @@ _DRAFTERS = {"auto": ("ngram", "eagle"), "ngram": ("ngram",), "eagle": ("eagle",
 def main(conn: Connection, threads: int = 1, heartbeat_seconds: float = 0.5) -> None:
     """Process entry point (multiprocessing spawn target). Exit 0 on Shutdown or a closed pipe,
     1 after a fatal error (reported first, when the pipe still works)."""
+    ignore_stop_signals()
     import torch
 
     torch.set_num_threads(max(1, threads))
