@@ -151,7 +151,7 @@ def test_a_signal_to_the_whole_process_group_still_drains(sqlite_url, tmp_path, 
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
             pids = [w.pid for w in d.wait_workers_ready("job")]
-            params = dict(n=8, temperature=0.0, max_new_tokens=1000)
+            params = dict(n=64, temperature=0.0, max_new_tokens=1000)
             long = Stream(c, "job", PROMPTS[:4], sampling=sampling(**params), request_id="big")
             wait_until(lambda: _status(c, "big") == RUNNING, what="running")
             time.sleep(0.3)
