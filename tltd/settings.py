@@ -52,7 +52,8 @@ class Settings:
     training_steps_per_round: int = 50  # optimizer steps; a version is published after each
     training_buffer_bytes: int = 64 << 20  # the trainer's sample buffer (token ids only)
     # Drafter positions per packed training row; a longer sample trains as several windows,
-    # each attending to at most this many positions (activation memory grows with it).
+    # each attending to at most this many positions. All windows of a micro-step's samples
+    # go through one forward: its activation memory grows with their total length.
     training_row_len: int = 512
     training_recent_samples: int = 2048  # kept by the daemon to refill a restarted trainer
     training_held_out_every: int = 5  # every n-th finished sample measures acceptance instead

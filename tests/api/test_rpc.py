@@ -396,6 +396,29 @@ def test_update_and_get_policy(client, model_dir, tmp_path):
             client.get_policy("job", version)
 
 
+def test_update_policy_compares_llama_configs_as_the_engine_reads_them(client, tmp_path):
+    """A `head_dim` written out by a newer transformers is the implied one (accepted); a
+    changed `rope_theta` is another model (refused: every worker's load would fail)."""
+    import json
+
+    base = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}  # fmt: skip
+
+    def model(name: str, **extra) -> str:
+        path = write_model_dir(tmp_path / name)
+        (path / "config.json").write_text(json.dumps(base | extra))
+        return str(path)
+
+    client.create_job(model("m0"), job_id="job")
+    assert client.update_policy("job", model("m1", head_dim=16)).version == 1
+    with fails(C.INVALID_ARGUMENT, "checkpoint.path", "rope_theta"):
+        client.update_policy("job", model("m2", rope_theta=500000.0))
+    with fails(C.INVALID_ARGUMENT, "checkpoint.path", "num_layers"):
+        client.update_policy("job", model("m3", num_hidden_layers=3))
+    assert client.get_job("job").policy_version == 1
+
+
 def test_update_policy_rejects(client, model_dir, tmp_path):
     client.create_job(str(model_dir), job_id="job")
     call = client.call

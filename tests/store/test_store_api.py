@@ -307,6 +307,7 @@ def test_prune_history_deletes_only_ended_requests_and_events_before_the_cut(
     store.add_sample(replace(_sample(0, 0), request_id="new-done"))
     store.set_request_status("new-done", RequestStatus.COMPLETED, "all samples")
 
+    assert store.prune_history(cut, budget_seconds=-1) == (0, 0)  # out of time: next run
     assert store.prune_history(cut, batch=1) == (2, before_cut)  # batch=1: several rounds
     for rid in ("old-done", "old-failed"):
         with pytest.raises(NotFound):

@@ -214,3 +214,27 @@ def test_upgrades_keep_every_row(db_url: str) -> None:
                 assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
         finally:
             store_engine.dispose()
+
+
+def test_rows_orphaned_before_do_not_stop_an_upgrade(sqlite_url: str) -> None:
+    """A row already without its parent (written by a tool with foreign keys off, e.g. the
+    sqlite3 shell) is not a migration's doing: neither the start at head nor an upgrade
+    refuses to run because of it."""
+    import sqlite3
+
+    migrate.upgrade(sqlite_url, "0002")
+    path = make_engine(sqlite_url).url.database
+    con = sqlite3.connect(path)  # foreign keys off: the sqlite3 default
+    con.execute(
+        _ROWS_AT_0001[-1].replace(":t", "'2026-01-01 00:00:00'").replace("('r',", "('gone',")
+    )
+    con.commit()
+    con.close()
+    migrate.upgrade(sqlite_url)  # 0002 -> head, the orphan still there
+    migrate.upgrade(sqlite_url)  # at head
+    engine = make_engine(sqlite_url)
+    try:
+        with engine.connect() as conn:
+            assert conn.scalar(text("SELECT count(*) FROM samples")) == 1
+    finally:
+        engine.dispose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -79,7 +80,11 @@ def _read_config(model_dir: Path) -> dict:
 def check_same_architecture(new_dir: Path, model_dir: Path, field: str) -> None:
     """InvalidArgument naming `field` when the checkpoint in `new_dir` is not the architecture
     of the job's model (`model_dir`): new weights replace the old tensor by tensor, so a
-    resized vocabulary or another depth cannot be loaded into the running workers."""
+    resized vocabulary or another depth cannot be loaded into the running workers.
+
+    A Llama/Qwen2 config is compared as the torch engine reads it (a `head_dim` written out
+    by a newer `transformers` equals the one implied; a changed `rope_theta` is a change);
+    another family by the raw fields both configs state."""
     try:
         new = _read_config(new_dir)
     except (OSError, ValueError) as exc:
@@ -88,14 +93,30 @@ def check_same_architecture(new_dir: Path, model_dir: Path, field: str) -> None:
         old = _read_config(model_dir)
     except (OSError, ValueError):
         return  # the job's own model is gone or unreadable: the workers will say so
+    from workers.engine.model import ModelConfig  # torch: only the API paths that need it
+
+    try:
+        pair = ModelConfig.from_hf(new), ModelConfig.from_hf(old)
+    except (ValueError, KeyError, TypeError):
+        pair = None
+    if pair is not None:
+        for f in dataclasses.fields(ModelConfig):
+            a, b = getattr(pair[0], f.name), getattr(pair[1], f.name)
+            if a != b:
+                raise InvalidArgument(
+                    f"{new_dir} has {f.name} {a!r}, the job's model {b!r}: a policy update "
+                    "must keep the model's architecture",
+                    field=field,
+                )
+        return
     for new_cfg, old_cfg in ((new, old), (new.get("text_config"), old.get("text_config"))):
         if not isinstance(new_cfg, dict) or not isinstance(old_cfg, dict):
             continue
         for name in _ARCHITECTURE_FIELDS:
-            if new_cfg.get(name) != old_cfg.get(name):
+            if name in new_cfg and name in old_cfg and new_cfg[name] != old_cfg[name]:
                 raise InvalidArgument(
-                    f"{new_dir} has {name} {new_cfg.get(name)!r}, the job's model "
-                    f"{old_cfg.get(name)!r}: a policy update must keep the model's architecture",
+                    f"{new_dir} has {name} {new_cfg[name]!r}, the job's model "
+                    f"{old_cfg[name]!r}: a policy update must keep the model's architecture",
                     field=field,
                 )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -816,11 +817,16 @@ class Store:
                 q = q.where(EventRow.entity_id == entity_id)
             return [convert.event_from_row(r) for r in reversed(s.scalars(q).all())]
 
-    def prune_history(self, before: datetime, batch: int = 500) -> tuple[int, int]:
+    def prune_history(
+        self, before: datetime, batch: int = 500, budget_seconds: float = 10.0
+    ) -> tuple[int, int]:
         """Delete the requests that ended before `before`, with their samples, and the events
         recorded before it: the history retention. A few hundred rows per transaction, so
-        that the daemon's own writes never wait long behind it. Returns (requests, events)
-        deleted. Open requests are never touched, whatever their age."""
+        that the daemon's own writes never wait long behind it, and for `budget_seconds` at
+        most (a large backlog is worked off over several runs; a shutdown waits for a run).
+        Returns (requests, events) deleted. Open requests are never touched, whatever their
+        age."""
+        stop_at = time.monotonic() + budget_seconds
         ended = [
             RequestStatus.COMPLETED.value,
             RequestStatus.CANCELLED.value,
@@ -835,7 +841,7 @@ class Store:
                     .where(rr.status.in_(ended), rr.updated_at < before)
                     .limit(batch)
                 ).all()
-                if not ids:
+                if not ids or time.monotonic() > stop_at:
                     break
                 # Samples first: the cascade is the schema's, but not every SQLite connection
                 # that may have written this file enforced foreign keys.
@@ -845,7 +851,7 @@ class Store:
         while True:
             with self._tx() as s:
                 old = s.scalars(select(ev.id).where(ev.at < before).limit(batch)).all()
-                if not old:
+                if not old or time.monotonic() > stop_at:
                     break
                 s.execute(delete(ev).where(ev.id.in_(old)))
                 events += len(old)
