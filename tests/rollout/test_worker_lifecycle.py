@@ -84,6 +84,19 @@ def _hang_and_take_device(d: InProcessDaemon, store) -> WorkerSlot:
     return slot
 
 
+def _assert_stopped_before_restart(store, worker_id: str) -> None:
+    """The old process was recorded stopped (its samples re-queued) before the new one
+    started; store writes are asynchronous (in order), so wait for the new one's record."""
+
+    def states() -> list[str]:
+        return [e.new_status for e in store.list_events("worker", worker_id)]
+
+    wait_until(lambda: states().count("starting") == 2, timeout=30, what="restart recorded")
+    got = states()
+    stopped = got.index("stopping")
+    assert got[stopped : stopped + 3] == ["stopping", "stopped", "starting"], got
+
+
 def test_vacating_a_hung_worker_kills_its_process(sqlite_store, tmp_path, ckpt):
     d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
     pid = 0
@@ -128,15 +141,7 @@ def test_vacating_a_hung_worker_does_not_stall_scheduling(
             os.kill(pid, signal.SIGKILL)  # gone: the vacate ends, and a new worker starts
             wait_until(lambda: slot.alive and slot.proc.pid != pid, timeout=30, what="restart")
 
-        def states() -> list[str]:
-            return [e.new_status for e in sqlite_store.list_events("worker", "rollout-cpu:0")]
-
-        # Store writes are asynchronous (in order): wait for the new process's record.
-        wait_until(lambda: states().count("starting") == 2, timeout=30, what="restart recorded")
-        # The old process was recorded stopped (its samples re-queued) before the new one.
-        got = states()
-        vacated = got.index("stopping")
-        assert got[vacated : vacated + 3] == ["stopping", "stopped", "starting"], got
+        _assert_stopped_before_restart(sqlite_store, "rollout-cpu:0")
     finally:
         if pid and pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
@@ -173,13 +178,7 @@ def test_a_backend_switch_waits_for_the_old_process_beside_the_tick(
             wait_until(lambda: slot.proc.pid != pid, timeout=30, what="restart")
             assert slot.backend is Backend.SGLANG
 
-        def states() -> list[str]:
-            return [e.new_status for e in sqlite_store.list_events("worker", "rollout-cpu:0")]
-
-        wait_until(lambda: states().count("starting") == 2, timeout=30, what="restart recorded")
-        got = states()
-        switched = got.index("stopping")
-        assert got[switched : switched + 3] == ["stopping", "stopped", "starting"], got
+        _assert_stopped_before_restart(sqlite_store, "rollout-cpu:0")
     finally:
         if pid and pid_alive(pid):
             os.kill(pid, signal.SIGKILL)

@@ -69,11 +69,11 @@ def _config_with_connection(url: str) -> Iterator[Config]:
                     cfg = alembic_config()
                     cfg.attributes["connection"] = conn
                     revision = MigrationContext.configure(conn).get_current_revision
-                    at_head = revision() == _head(cfg)
+                    started_at = revision()
                     # Rows already orphaned (e.g. written by a tool with foreign keys off) are
                     # not this migration's doing; at head no migration runs: no scan at all.
+                    at_head = started_at == _head(cfg)
                     before = 0 if not sqlite or at_head else len(_orphans(conn))
-                    started_at = revision()
                     yield cfg
                     if sqlite and revision() != started_at:
                         if len(after := _orphans(conn)) > before:
