@@ -22,7 +22,7 @@ from clients.client import (
     channel_credentials,
 )
 from clients.errors import NotFoundError, TltClientError, from_rpc_error
-from tltd.domain import FinishReason, SamplingParams
+from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance, TokenSource
 from tltd.v1 import (
     common_pb2,
     job_pb2,
@@ -39,6 +39,8 @@ __all__ = [
     "RolloutClient",
     "RolloutSample",
     "SamplingParams",
+    "TokenProvenance",
+    "TokenSource",
     "by_prompt",
 ]
 
@@ -54,6 +56,21 @@ _FINISH = {
     rollout_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
     rollout_pb2.FINISH_REASON_ABORTED: FinishReason.ABORTED,
     rollout_pb2.FINISH_REASON_FAILED: FinishReason.FAILED,
+}
+_LOGPROB_MODE = {
+    LogprobMode.PROCESSED: rollout_pb2.LOGPROB_MODE_PROCESSED,
+    LogprobMode.RAW: rollout_pb2.LOGPROB_MODE_RAW,
+}
+_TOKEN_SOURCE = {
+    rollout_pb2.TOKEN_SOURCE_PLAIN: TokenSource.PLAIN,
+    rollout_pb2.TOKEN_SOURCE_ACCEPTED: TokenSource.ACCEPTED,
+    rollout_pb2.TOKEN_SOURCE_RESIDUAL: TokenSource.RESIDUAL,
+    rollout_pb2.TOKEN_SOURCE_BONUS: TokenSource.BONUS,
+}
+_DRAFTER_KIND = {
+    rollout_pb2.DRAFTER_KIND_UNSPECIFIED: "",
+    rollout_pb2.DRAFTER_KIND_NGRAM: "ngram",
+    rollout_pb2.DRAFTER_KIND_EAGLE: "eagle",
 }
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # A stream that ends with these was given up on by this side: the daemon still runs the work.
@@ -73,20 +90,31 @@ class RolloutSample:
     prompt_index: int
     sample_index: int
     token_ids: list[int]
-    logprobs: list[float]  # the target's logprob of each output token
+    logprobs: list[float]  # the target's logprob of each output token (per logprob_mode)
     finish_reason: FinishReason  # a StrEnum: compares equal to "stop", "length", ...
     policy_version: int
     drafter_version: int  # 0 = no learned drafter was used
-    draft_steps: int = 0  # decode steps that used speculative decoding
-    plain_steps: int = 0
+    # Per-row SD counters (docs/sd-statistics.md); the first token is from the prefill.
+    draft_steps: int = 0  # decode steps in which this sample verified >= 1 draft token
+    plain_steps: int = 0  # decode steps that gave it one token without a draft
     accepted_tokens: int = 0
     mean_accepted_length: float = 0.0  # tokens per SD step (accepted + 1); 0 without SD
     partial: bool = False  # aborted (drain / preemption) before stop or length
     error: str = ""
+    drafted_tokens: int = 0  # draft tokens verified
+    bonus_tokens: int = 0  # drawn from p after a fully accepted chain
+    residual_tokens: int = 0  # drawn from the residual after a rejected draft
+    provenance: list[TokenProvenance] | None = None  # per token, with return_provenance=True
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def sd_step_share(self) -> float:
+        """Share of this sample's decode steps that verified a draft (0 without steps)."""
+        steps = self.draft_steps + self.plain_steps
+        return self.draft_steps / steps if steps else 0.0
 
 
 @dataclass(frozen=True)
@@ -128,7 +156,21 @@ def _sample_from_pb(pb: rollout_pb2.Sample) -> RolloutSample:
         mean_accepted_length=spec.mean_accepted_length,
         partial=pb.partial,
         error=pb.error,
+        drafted_tokens=spec.drafted_tokens,
+        bonus_tokens=spec.bonus_tokens,
+        residual_tokens=spec.residual_tokens,
+        provenance=_provenance_from_pb(pb.provenance) if pb.HasField("provenance") else None,
     )
+
+
+def _provenance_from_pb(pb: rollout_pb2.TokenProvenance) -> list[TokenProvenance]:
+    if not len(pb.source) == len(pb.drafter) == len(pb.draft_length):
+        raise ValueError("provenance arrays of different lengths")
+    # Values this client does not know yet fail loudly rather than pass as plain tokens.
+    return [
+        TokenProvenance(_TOKEN_SOURCE[src], _DRAFTER_KIND[kind], n)
+        for src, kind, n in zip(pb.source, pb.drafter, pb.draft_length, strict=True)
+    ]
 
 
 def _job_from_pb(pb: job_pb2.Job) -> JobInfo:
@@ -156,7 +198,9 @@ def _sampling(
     # The wire cannot tell n=0 from unset (the daemon would read it as 1): refuse it here.
     if params.n < 1:
         raise ValueError(f"n must be >= 1 (samples per prompt), got {params.n}")
-    return params
+    if params.logprob_mode not in _LOGPROB_MODE:  # a StrEnum: "raw" is LogprobMode.RAW
+        raise ValueError(f"logprob_mode must be 'processed' or 'raw', got {params.logprob_mode!r}")
+    return dataclasses.replace(params, logprob_mode=LogprobMode(params.logprob_mode))
 
 
 def _new_request_id() -> str:
@@ -172,6 +216,8 @@ def _sampling_to_pb(s: SamplingParams) -> rollout_pb2.SamplingParams:
         top_k=s.top_k,
         max_new_tokens=s.max_new_tokens,
         stop_token_ids=list(s.stop_token_ids),
+        logprob_mode=_LOGPROB_MODE[s.logprob_mode],
+        return_provenance=bool(s.return_provenance),
     )
     if s.seed is not None:
         pb.seed = s.seed
@@ -399,7 +445,8 @@ class RolloutClient(_JobBound):
         order, once the last has finished.
 
         Sampling: `sampling=SamplingParams(...)` and/or its fields as keywords (temperature,
-        top_p, top_k, max_new_tokens, stop_token_ids, seed); keywords win. `speculative`:
+        top_p, top_k, max_new_tokens, stop_token_ids, seed, logprob_mode "processed" (default)
+        or "raw", return_provenance); keywords win. `speculative`:
         "auto" (adaptive SD), "off", or None (the job's mode). `request_id` (default: a fresh
         one, see `last_request_id`) makes a retry attach to the same work. No overall timeout
         unless given: rollouts run long; when it passes, the request is cancelled and

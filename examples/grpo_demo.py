@@ -65,7 +65,7 @@ class StepRow:
     tail_s: float  # from 90% of samples finished to the last
     samples: int
     tokens: int
-    sd_share: float  # share of sample decode steps that speculated
+    sd_share: float  # share of the samples' decode steps that verified a draft (sd_share())
     accepted_length: float  # tokens per SD step (accepted + 1); 0 without SD
     drafter_version: int
     policy_version: int
@@ -286,9 +286,18 @@ def wait_until_no_training(client: RolloutClient, timeout: float = 120.0) -> Non
         time.sleep(0.5)
 
 
-def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested) -> StepRow:
+def sd_share(samples: list[RolloutSample]) -> float:
+    """Share of the samples' decode steps that verified a draft, counted per sample: a sample
+    that had no draft inside a verify pass (e.g. no n-gram match) decoded a plain step there,
+    and the first token (from the prefill) is no decode step (docs/sd-statistics.md). Not the
+    share of engine passes that were verify passes, which counts such samples as speculating."""
     draft = sum(s.draft_steps for s in samples)
     plain = sum(s.plain_steps for s in samples)
+    return draft / (draft + plain) if draft + plain else 0.0
+
+
+def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested) -> StepRow:
+    draft = sum(s.draft_steps for s in samples)
     accepted = sum(s.accepted_tokens for s in samples)
     return StepRow(
         step=step,
@@ -296,7 +305,7 @@ def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested
         tail_s=tail_seconds(finish),
         samples=len(samples),
         tokens=sum(s.num_tokens for s in samples),
-        sd_share=draft / (draft + plain) if draft + plain else 0.0,
+        sd_share=sd_share(samples),
         accepted_length=(accepted + draft) / draft if draft else 0.0,
         drafter_version=max((s.drafter_version for s in samples), default=0),
         policy_version=max((s.policy_version for s in samples), default=0),

@@ -39,6 +39,22 @@ class FinishReason(enum.StrEnum):
     FAILED = "failed"
 
 
+class LogprobMode(enum.StrEnum):
+    """Which log-probability a sample returns per token (docs/sd-statistics.md)."""
+
+    PROCESSED = "processed"  # under the distribution sampled from (temperature, top-k, top-p)
+    RAW = "raw"  # log_softmax of the raw logits: the unprocessed policy
+
+
+class TokenSource(enum.StrEnum):
+    """Where an output token came from."""
+
+    PLAIN = "plain"  # drawn from p with no draft: the prefill token and plain steps
+    ACCEPTED = "accepted"  # a draft token the target accepted
+    RESIDUAL = "residual"  # drawn from the residual max(0, p - q) after a rejected draft
+    BONUS = "bonus"  # drawn from p after every draft of the step was accepted
+
+
 class DrafterStatus(enum.StrEnum):
     CANDIDATE = "candidate"
     PROMOTED = "promoted"
@@ -97,6 +113,8 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    logprob_mode: LogprobMode = LogprobMode.PROCESSED
+    return_provenance: bool = False  # fill Sample.provenance
 
 
 @dataclass(frozen=True)
@@ -138,10 +156,39 @@ class RolloutRequest:
 
 @dataclass(frozen=True)
 class SpeculativeStats:
-    draft_steps: int = 0
-    plain_steps: int = 0
+    """A sample's SD counters, per row: a verify pass in which it had no draft is a plain step.
+
+    The first token comes from the prefill and is in no step count: a sample has
+    1 + plain_steps + accepted_tokens + residual_tokens + bonus_tokens tokens (0 if none).
+    """
+
+    draft_steps: int = 0  # decode steps in which it verified >= 1 draft token
+    plain_steps: int = 0  # decode steps that gave it one token without a draft
     accepted_tokens: int = 0
-    mean_accepted_length: float = 0.0
+    mean_accepted_length: float = 0.0  # (accepted_tokens + draft_steps) / draft_steps
+    drafted_tokens: int = 0  # draft tokens verified
+    bonus_tokens: int = 0  # drawn from p after a fully accepted chain
+    residual_tokens: int = 0  # drawn from the residual after a rejection
+
+    @property
+    def sd_step_share(self) -> float:
+        """Share of this sample's decode steps that verified a draft (0 without steps)."""
+        steps = self.draft_steps + self.plain_steps
+        return self.draft_steps / steps if steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class TokenProvenance:
+    """Where one output token came from, and the step that produced it."""
+
+    source: TokenSource
+    drafter: str = ""  # "ngram" | "eagle"; "" for a plain token
+    draft_length: int = 0  # drafts verified for this sample in that step; 0 for a plain token
 
 
 @dataclass(frozen=True)
@@ -157,6 +204,8 @@ class Sample:
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
     partial: bool = False
     error: str = ""
+    # One entry per token when the request asked for it (sampling.return_provenance), else None.
+    provenance: tuple[TokenProvenance, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,22 @@ _FINISH = {
     rollout_pb2.FINISH_REASON_ABORTED: d.FinishReason.ABORTED,
     rollout_pb2.FINISH_REASON_FAILED: d.FinishReason.FAILED,
 }
+_LOGPROB_MODE = {
+    rollout_pb2.LOGPROB_MODE_PROCESSED: d.LogprobMode.PROCESSED,
+    rollout_pb2.LOGPROB_MODE_RAW: d.LogprobMode.RAW,
+}
+_TOKEN_SOURCE = {
+    rollout_pb2.TOKEN_SOURCE_PLAIN: d.TokenSource.PLAIN,
+    rollout_pb2.TOKEN_SOURCE_ACCEPTED: d.TokenSource.ACCEPTED,
+    rollout_pb2.TOKEN_SOURCE_RESIDUAL: d.TokenSource.RESIDUAL,
+    rollout_pb2.TOKEN_SOURCE_BONUS: d.TokenSource.BONUS,
+}
+# The drafter of a token's step; "" (a plain token) is UNSPECIFIED on the wire.
+_DRAFTER_KIND = {
+    rollout_pb2.DRAFTER_KIND_UNSPECIFIED: "",
+    rollout_pb2.DRAFTER_KIND_NGRAM: "ngram",
+    rollout_pb2.DRAFTER_KIND_EAGLE: "eagle",
+}
 _DRAFTER_STATUS = {
     drafter_pb2.DRAFTER_STATUS_CANDIDATE: d.DrafterStatus.CANDIDATE,
     drafter_pb2.DRAFTER_STATUS_PROMOTED: d.DrafterStatus.PROMOTED,
@@ -63,6 +79,9 @@ _JOB_STATUS_PB = _inverse(_JOB_STATUS)
 _REQUEST_STATUS_PB = _inverse(_REQUEST_STATUS)
 _FINISH_PB = _inverse(_FINISH)
 _DRAFTER_STATUS_PB = _inverse(_DRAFTER_STATUS)
+_LOGPROB_MODE_PB = _inverse(_LOGPROB_MODE)
+_TOKEN_SOURCE_PB = _inverse(_TOKEN_SOURCE)
+_DRAFTER_KIND_PB = _inverse(_DRAFTER_KIND)
 
 
 def _known(table: dict, names, value: int, field: str):
@@ -192,7 +211,8 @@ def job_to_pb(job: d.Job) -> job_pb2.Job:
 
 
 def sampling_from_pb(pb: rollout_pb2.SamplingParams) -> d.SamplingParams:
-    """Apply the documented defaults: n 0 -> 1, top_p unset -> 1, top_k 0 / -1 -> disabled (0).
+    """Apply the documented defaults: n 0 -> 1, top_p unset -> 1, top_k 0 / -1 -> disabled (0),
+    logprob_mode UNSPECIFIED -> PROCESSED (an unknown mode is refused, naming the field).
 
     Everything else passes through unchanged so validation can name a bad value (top_k < -1,
     top_p = 0, NaN temperature, max_new_tokens = 0).
@@ -205,6 +225,11 @@ def sampling_from_pb(pb: rollout_pb2.SamplingParams) -> d.SamplingParams:
         max_new_tokens=pb.max_new_tokens,
         stop_token_ids=tuple(pb.stop_token_ids),
         seed=pb.seed if pb.HasField("seed") else None,
+        logprob_mode=_known(
+            _LOGPROB_MODE, rollout_pb2.LogprobMode, pb.logprob_mode, "sampling.logprob_mode"
+        )
+        or d.LogprobMode.PROCESSED,
+        return_provenance=pb.return_provenance,
     )
 
 
@@ -216,6 +241,8 @@ def sampling_to_pb(s: d.SamplingParams) -> rollout_pb2.SamplingParams:
         top_k=s.top_k,
         max_new_tokens=s.max_new_tokens,
         stop_token_ids=list(s.stop_token_ids),
+        logprob_mode=_LOGPROB_MODE_PB[s.logprob_mode],
+        return_provenance=s.return_provenance,
     )
     if s.seed is not None:
         pb.seed = s.seed
@@ -250,8 +277,59 @@ def rollout_to_pb(r: d.RolloutRequest) -> rollout_pb2.RolloutRequest:
     )
 
 
+def speculative_stats_to_pb(st: d.SpeculativeStats) -> rollout_pb2.SpeculativeStats:
+    return rollout_pb2.SpeculativeStats(
+        draft_steps=st.draft_steps,
+        plain_steps=st.plain_steps,
+        accepted_tokens=st.accepted_tokens,
+        mean_accepted_length=st.mean_accepted_length,
+        drafted_tokens=st.drafted_tokens,
+        bonus_tokens=st.bonus_tokens,
+        residual_tokens=st.residual_tokens,
+    )
+
+
+def speculative_stats_from_pb(pb: rollout_pb2.SpeculativeStats) -> d.SpeculativeStats:
+    return d.SpeculativeStats(
+        draft_steps=pb.draft_steps,
+        plain_steps=pb.plain_steps,
+        accepted_tokens=pb.accepted_tokens,
+        mean_accepted_length=pb.mean_accepted_length,
+        drafted_tokens=pb.drafted_tokens,
+        bonus_tokens=pb.bonus_tokens,
+        residual_tokens=pb.residual_tokens,
+    )
+
+
+def provenance_to_pb(prov: tuple[d.TokenProvenance, ...]) -> rollout_pb2.TokenProvenance:
+    return rollout_pb2.TokenProvenance(
+        source=[_TOKEN_SOURCE_PB[p.source] for p in prov],
+        drafter=[_DRAFTER_KIND_PB[p.drafter] for p in prov],
+        draft_length=[p.draft_length for p in prov],
+    )
+
+
+def provenance_from_pb(pb: rollout_pb2.TokenProvenance) -> tuple[d.TokenProvenance, ...]:
+    """Parallel arrays -> one record per token. Arrays of different lengths or an unknown
+    source or drafter are refused by name: read as a default they would misstate the token."""
+    if not len(pb.source) == len(pb.drafter) == len(pb.draft_length):
+        raise InvalidArgument(
+            f"source, drafter and draft_length have {len(pb.source)}, {len(pb.drafter)} and "
+            f"{len(pb.draft_length)} entries",
+            field="provenance",
+        )
+    out = []
+    for i, (src, kind, n) in enumerate(zip(pb.source, pb.drafter, pb.draft_length, strict=True)):
+        if src not in _TOKEN_SOURCE:
+            raise InvalidArgument(f"unknown token source {src}", field=f"provenance.source[{i}]")
+        if kind not in _DRAFTER_KIND:
+            raise InvalidArgument(f"unknown drafter kind {kind}", field=f"provenance.drafter[{i}]")
+        out.append(d.TokenProvenance(_TOKEN_SOURCE[src], _DRAFTER_KIND[kind], n))
+    return tuple(out)
+
+
 def sample_to_pb(s: d.Sample) -> rollout_pb2.Sample:
-    return rollout_pb2.Sample(
+    pb = rollout_pb2.Sample(
         request_id=s.request_id,
         prompt_index=s.prompt_index,
         sample_index=s.sample_index,
@@ -260,15 +338,13 @@ def sample_to_pb(s: d.Sample) -> rollout_pb2.Sample:
         finish_reason=_FINISH_PB[s.finish_reason],
         policy_version=s.policy_version,
         drafter_version=s.drafter_version,
-        speculative=rollout_pb2.SpeculativeStats(
-            draft_steps=s.speculative.draft_steps,
-            plain_steps=s.speculative.plain_steps,
-            accepted_tokens=s.speculative.accepted_tokens,
-            mean_accepted_length=s.speculative.mean_accepted_length,
-        ),
+        speculative=speculative_stats_to_pb(s.speculative),
         partial=s.partial,
         error=s.error,
     )
+    if s.provenance is not None:
+        pb.provenance.CopyFrom(provenance_to_pb(s.provenance))
+    return pb
 
 
 def sample_from_pb(pb: rollout_pb2.Sample) -> d.Sample:
@@ -281,14 +357,10 @@ def sample_from_pb(pb: rollout_pb2.Sample) -> d.Sample:
         finish_reason=_FINISH.get(pb.finish_reason, d.FinishReason.FAILED),
         policy_version=pb.policy_version,
         drafter_version=pb.drafter_version,
-        speculative=d.SpeculativeStats(
-            draft_steps=pb.speculative.draft_steps,
-            plain_steps=pb.speculative.plain_steps,
-            accepted_tokens=pb.speculative.accepted_tokens,
-            mean_accepted_length=pb.speculative.mean_accepted_length,
-        ),
+        speculative=speculative_stats_from_pb(pb.speculative),
         partial=pb.partial,
         error=pb.error,
+        provenance=provenance_from_pb(pb.provenance) if pb.HasField("provenance") else None,
     )
 
 

@@ -10,9 +10,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tltd.domain import (
+    Backend,
     Device,
     DeviceState,
+    Job,
     JobStatus,
+    LogprobMode,
     RequestStatus,
     RolloutRequest,
     Sample,
@@ -72,6 +75,7 @@ class RolloutService:
         job = self.store.get_job(req.job_id)  # NotFound names job_id
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job.job_id} is {job.status.value}", field="job_id")
+        _check_backend_options(req, job)
         # Token ids beyond the vocabulary are only known once the job's model is.
         vocab = vocab_size(job.model_path)
         if vocab is not None:
@@ -194,6 +198,26 @@ class RolloutService:
         if self.supervisor is not None:
             self.supervisor.cancel_threadsafe(request_id, reason)
         return req
+
+
+def _check_backend_options(req: RolloutRequest, job: Job) -> None:
+    """Raw logprobs and per-token provenance come from the torch engine: another backend
+    returns what its engine computes and cannot say where a token came from."""
+    if job.backend is Backend.TORCH:
+        return
+    s = req.sampling
+    if s.logprob_mode is not LogprobMode.PROCESSED:
+        raise FailedPrecondition(
+            f"logprob mode {s.logprob_mode.value} needs the torch backend; job {job.job_id} "
+            f"runs on {job.backend.value}",
+            field="sampling.logprob_mode",
+        )
+    if s.return_provenance:
+        raise FailedPrecondition(
+            f"per-token provenance needs the torch backend; job {job.job_id} runs on "
+            f"{job.backend.value}",
+            field="sampling.return_provenance",
+        )
 
 
 def _no_device(devices: list[Device]) -> TltError:

@@ -14,6 +14,7 @@ from tltd.domain import (
     FinishReason,
     Job,
     JobStatus,
+    LogprobMode,
     PolicyVersion,
     RequestStatus,
     RolloutRequest,
@@ -22,6 +23,8 @@ from tltd.domain import (
     SpeculativeConfig,
     SpeculativeMode,
     SpeculativeStats,
+    TokenProvenance,
+    TokenSource,
     Worker,
     WorkerKind,
     WorkerState,
@@ -107,6 +110,8 @@ def request_to_row(req: RolloutRequest) -> RolloutRequestRow:
         max_new_tokens=sp.max_new_tokens,
         stop_token_ids=list(sp.stop_token_ids),
         seed=sp.seed,
+        logprob_mode=str(sp.logprob_mode),
+        return_provenance=sp.return_provenance,
         speculative=str(req.speculative),
         policy_version=req.policy_version,
         status=str(req.status),
@@ -128,6 +133,8 @@ def request_from_row(row: RolloutRequestRow) -> RolloutRequest:
             max_new_tokens=row.max_new_tokens,
             stop_token_ids=tuple(int(t) for t in row.stop_token_ids),
             seed=row.seed,
+            logprob_mode=LogprobMode(row.logprob_mode),
+            return_provenance=row.return_provenance,
         ),
         speculative=SpeculativeMode(row.speculative),
         policy_version=row.policy_version,
@@ -155,6 +162,10 @@ def sample_to_row(s: Sample) -> SampleRow:
         spec_plain_steps=spec.plain_steps,
         spec_accepted_tokens=spec.accepted_tokens,
         spec_mean_accepted_length=spec.mean_accepted_length,
+        spec_drafted_tokens=spec.drafted_tokens,
+        spec_bonus_tokens=spec.bonus_tokens,
+        spec_residual_tokens=spec.residual_tokens,
+        provenance=provenance_to_json(s.provenance),
         partial=s.partial,
         error=s.error,
     )
@@ -175,9 +186,29 @@ def sample_from_row(row: SampleRow) -> Sample:
             plain_steps=row.spec_plain_steps,
             accepted_tokens=row.spec_accepted_tokens,
             mean_accepted_length=row.spec_mean_accepted_length,
+            drafted_tokens=row.spec_drafted_tokens,
+            bonus_tokens=row.spec_bonus_tokens,
+            residual_tokens=row.spec_residual_tokens,
         ),
         partial=row.partial,
         error=row.error,
+        provenance=provenance_from_json(row.provenance),
+    )
+
+
+def provenance_to_json(prov: tuple[TokenProvenance, ...] | None) -> list[list[object]] | None:
+    """One [source, drafter, draft_length] triple per token (None: not asked for)."""
+    if prov is None:
+        return None
+    return [[str(p.source), p.drafter, p.draft_length] for p in prov]
+
+
+def provenance_from_json(data: list[list[object]] | None) -> tuple[TokenProvenance, ...] | None:
+    if data is None:
+        return None
+    return tuple(
+        TokenProvenance(TokenSource(str(src)), str(drafter), int(n))  # type: ignore[call-overload]
+        for src, drafter, n in data
     )
 
 

@@ -123,6 +123,8 @@ class RolloutRequestRow(Base):
     max_new_tokens: Mapped[int] = mapped_column(Integer)
     stop_token_ids: Mapped[list[Any]] = mapped_column(JSON)
     seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    logprob_mode: Mapped[str] = mapped_column(STATUS, default="processed")
+    return_provenance: Mapped[bool] = mapped_column(Boolean, default=False)
     speculative: Mapped[str] = mapped_column(STATUS)
     # The job's policy version when the request was accepted: every sample runs on it.
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
@@ -154,6 +156,11 @@ class SampleRow(Base):
     spec_plain_steps: Mapped[int] = mapped_column(Integer, default=0)
     spec_accepted_tokens: Mapped[int] = mapped_column(Integer, default=0)
     spec_mean_accepted_length: Mapped[float] = mapped_column(Float, default=0.0)
+    spec_drafted_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    spec_bonus_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    spec_residual_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    # Per-token [source, drafter, draft_length] when the request asked for it, else NULL.
+    provenance: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     partial: Mapped[bool] = mapped_column(Boolean, default=False)
     error: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())

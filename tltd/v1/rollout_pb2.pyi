@@ -11,6 +11,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LogprobMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROB_MODE_UNSPECIFIED: _ClassVar[LogprobMode]
+    LOGPROB_MODE_PROCESSED: _ClassVar[LogprobMode]
+    LOGPROB_MODE_RAW: _ClassVar[LogprobMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -20,6 +26,20 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
     FINISH_REASON_FAILED: _ClassVar[FinishReason]
 
+class TokenSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOKEN_SOURCE_UNSPECIFIED: _ClassVar[TokenSource]
+    TOKEN_SOURCE_PLAIN: _ClassVar[TokenSource]
+    TOKEN_SOURCE_ACCEPTED: _ClassVar[TokenSource]
+    TOKEN_SOURCE_RESIDUAL: _ClassVar[TokenSource]
+    TOKEN_SOURCE_BONUS: _ClassVar[TokenSource]
+
+class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFTER_KIND_UNSPECIFIED: _ClassVar[DrafterKind]
+    DRAFTER_KIND_NGRAM: _ClassVar[DrafterKind]
+    DRAFTER_KIND_EAGLE: _ClassVar[DrafterKind]
+
 class RequestStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REQUEST_STATUS_UNSPECIFIED: _ClassVar[RequestStatus]
@@ -28,12 +48,23 @@ class RequestStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REQUEST_STATUS_COMPLETED: _ClassVar[RequestStatus]
     REQUEST_STATUS_CANCELLED: _ClassVar[RequestStatus]
     REQUEST_STATUS_FAILED: _ClassVar[RequestStatus]
+LOGPROB_MODE_UNSPECIFIED: LogprobMode
+LOGPROB_MODE_PROCESSED: LogprobMode
+LOGPROB_MODE_RAW: LogprobMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 FINISH_REASON_FAILED: FinishReason
+TOKEN_SOURCE_UNSPECIFIED: TokenSource
+TOKEN_SOURCE_PLAIN: TokenSource
+TOKEN_SOURCE_ACCEPTED: TokenSource
+TOKEN_SOURCE_RESIDUAL: TokenSource
+TOKEN_SOURCE_BONUS: TokenSource
+DRAFTER_KIND_UNSPECIFIED: DrafterKind
+DRAFTER_KIND_NGRAM: DrafterKind
+DRAFTER_KIND_EAGLE: DrafterKind
 REQUEST_STATUS_UNSPECIFIED: RequestStatus
 REQUEST_STATUS_QUEUED: RequestStatus
 REQUEST_STATUS_RUNNING: RequestStatus
@@ -42,7 +73,7 @@ REQUEST_STATUS_CANCELLED: RequestStatus
 REQUEST_STATUS_FAILED: RequestStatus
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed", "logprob_mode", "return_provenance")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +81,8 @@ class SamplingParams(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_MODE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PROVENANCE_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -57,7 +90,9 @@ class SamplingParams(_message.Message):
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    logprob_mode: LogprobMode
+    return_provenance: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprob_mode: _Optional[_Union[LogprobMode, str]] = ..., return_provenance: _Optional[bool] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("token_ids",)
@@ -80,19 +115,35 @@ class GenerateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeMode, str]] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
-    __slots__ = ("draft_steps", "plain_steps", "accepted_tokens", "mean_accepted_length")
+    __slots__ = ("draft_steps", "plain_steps", "accepted_tokens", "mean_accepted_length", "drafted_tokens", "bonus_tokens", "residual_tokens")
     DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     draft_steps: int
     plain_steps: int
     accepted_tokens: int
     mean_accepted_length: float
-    def __init__(self, draft_steps: _Optional[int] = ..., plain_steps: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
+    drafted_tokens: int
+    bonus_tokens: int
+    residual_tokens: int
+    def __init__(self, draft_steps: _Optional[int] = ..., plain_steps: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., residual_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenProvenance(_message.Message):
+    __slots__ = ("source", "drafter", "draft_length")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    source: _containers.RepeatedScalarFieldContainer[TokenSource]
+    drafter: _containers.RepeatedScalarFieldContainer[DrafterKind]
+    draft_length: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, source: _Optional[_Iterable[_Union[TokenSource, str]]] = ..., drafter: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., draft_length: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("request_id", "prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "policy_version", "drafter_version", "speculative", "partial", "error")
+    __slots__ = ("request_id", "prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "policy_version", "drafter_version", "speculative", "partial", "error", "provenance")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +155,7 @@ class Sample(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROVENANCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_index: int
     sample_index: int
@@ -115,7 +167,8 @@ class Sample(_message.Message):
     speculative: SpeculativeStats
     partial: bool
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., partial: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    provenance: TokenProvenance
+    def __init__(self, request_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., partial: _Optional[bool] = ..., error: _Optional[str] = ..., provenance: _Optional[_Union[TokenProvenance, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("sample",)

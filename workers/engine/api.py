@@ -16,6 +16,7 @@ from tltd.domain import (
     SpeculativeConfig,
     SpeculativeMode,
     SpeculativeStats,
+    TokenProvenance,
 )
 from workers.engine.bandit import Strategy
 
@@ -85,9 +86,13 @@ class SampleOutput:
     policy_version: int = 0  # the policy version when the sample started
     drafter_version: int = 0  # the EAGLE drafter version that last drafted for it (0: none)
     draft_steps: int = 0  # SD steps in which it drafted at least one token
-    plain_steps: int = 0  # decode steps that gave it one token without drafts
+    plain_steps: int = 0  # decode steps that gave it one token without drafts (not the first)
     accepted_tokens: int = 0  # draft tokens accepted over all its SD steps
     hidden_states: Tensor | None = None
+    drafted_tokens: int = 0  # draft tokens verified over all its SD steps
+    bonus_tokens: int = 0  # drawn from p after a fully accepted chain
+    residual_tokens: int = 0  # drawn from the residual after a rejected draft
+    provenance: list[TokenProvenance] | None = None  # per token, when the request asked
 
     def to_domain(self) -> Sample:
         """The `tltd.domain.Sample` the daemon stores and streams (hidden states dropped)."""
@@ -105,7 +110,11 @@ class SampleOutput:
                 plain_steps=self.plain_steps,
                 accepted_tokens=self.accepted_tokens,
                 mean_accepted_length=self.mean_accepted_length,
+                drafted_tokens=self.drafted_tokens,
+                bonus_tokens=self.bonus_tokens,
+                residual_tokens=self.residual_tokens,
             ),
+            provenance=None if self.provenance is None else tuple(self.provenance),
         )
 
     @property

@@ -25,8 +25,14 @@ Semantics:
 - token_ids include the stop token that ended a sample (finish STOP); LENGTH when
   max_new_tokens (or max_seq_len) is reached; CANCELLED keeps the tokens emitted so far.
 - logprobs[i] is log p(token_i) under the *processed* target distribution (sampling.py):
-  log_softmax(restrict(logits / T)) for T > 0, log_softmax(logits) for greedy rows. With
-  speculation they are still the target's (computed in the verify pass).
+  log_softmax(restrict(logits / T)) for T > 0, log_softmax(logits) for greedy rows; with
+  sampling.logprob_mode "raw", log_softmax(logits) for every row (sampling is unchanged).
+  With speculation they are still the target's (computed in the verify pass).
+- Per-row SD counters (SampleOutput, EngineStats): a row without drafts in a verify pass
+  decoded a plain step. The first token of every sample is drawn from its prompt's prefill,
+  never in a decode step. sampling.return_provenance adds, per token, whether it was a plain
+  draw, an accepted draft, a residual draw after a rejection or a bonus token, with the
+  drafter and draft length of its step (docs/sd-statistics.md).
 - Randomness is counter-based per (seed, prompt_index, sample_index, position): a seeded
   sample is the same whatever else is in the batch, for a fixed speculative mode and
   strategy (spec "off", or "fixed" while the batch stays <= batch_threshold; "adaptive" picks
@@ -51,6 +57,7 @@ Semantics:
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import statistics
@@ -63,7 +70,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tltd.domain import FinishReason, SamplingParams
+from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance, TokenSource
 from workers.engine.api import EngineConfig, Request, SampleOutput
 from workers.engine.bandit import (
     BucketedEpsilonGreedy,
@@ -90,12 +97,30 @@ from workers.engine.sampling import (
     log_probs,
     row_key,
     sample_from,
+    token_logprobs,
     uniforms,
 )
 from workers.engine.spec import accept_drafts
 from workers.engine.stats import EngineStats
 
 PLAIN_PROBES = 3  # plain steps measured per batch bucket before SD is compared with them
+_PLAIN = TokenProvenance(TokenSource.PLAIN)
+
+
+@functools.cache
+def _provenance(source: TokenSource, drafter: str, drafts: int) -> TokenProvenance:
+    # Few distinct values (sources x drafters x draft lengths): tokens share these objects.
+    return TokenProvenance(source, drafter, drafts)
+
+
+def _step_provenance(n: int, drafts: int, drafter: str) -> list[TokenProvenance]:
+    """Provenance of what a row may emit in a verify pass: n accepted drafts, then the token
+    drawn by the target (bonus if all `drafts` were kept, else residual); plain if none."""
+    if drafts == 0:
+        return [_PLAIN]
+    last = TokenSource.BONUS if n == drafts else TokenSource.RESIDUAL
+    accepted = _provenance(TokenSource.ACCEPTED, drafter, drafts)
+    return [accepted] * n + [_provenance(last, drafter, drafts)]
 
 
 def prefer_plain(plain: Sequence[float], sd_median: float | None, explore: str | None) -> bool:
@@ -147,6 +172,10 @@ class _Seq:
         "draft_steps",
         "plain_steps",
         "accepted",
+        "drafted",
+        "bonus",
+        "residual",
+        "provenance",
         "drafter_version",
         "history",
         "eg_h",
@@ -163,6 +192,10 @@ class _Seq:
         self.stop = frozenset(group.sampling.stop_token_ids)
         self.max_new = max_new
         self.draft_steps = self.plain_steps = self.accepted = self.drafter_version = 0
+        self.drafted = self.bonus = self.residual = 0
+        self.provenance: list[TokenProvenance] | None = (
+            [] if group.sampling.return_provenance else None
+        )
         self.history: list[Tensor] | None = [] if group.return_hidden else None
         self.eg_h: list[Tensor] = []  # hidden states the EAGLE drafter has not consumed
         self.eg_tok: list[int] = []  # ... and the token that followed each
@@ -457,6 +490,7 @@ class Engine:
             reason = self._emit(s, [toks[r]], [lps[r]], hidden_rows=None)
             if reason is not None:
                 done[b0 + r] = reason
+        self.stats.first_tokens += len(new)
         self.stats.record_phase("prefill", time.perf_counter() - t0)
         return self._finish(done)
 
@@ -527,9 +561,16 @@ class Engine:
         return self._spec_step(strategy)
 
     def _params(self) -> RowParams:
-        ss = [s.group.sampling for s in self.running]
+        return self._row_params(self.running)
+
+    def _row_params(self, seqs: Sequence[_Seq]) -> RowParams:
+        ss = [s.group.sampling for s in seqs]
         return RowParams.make(
-            [p.temperature for p in ss], [p.top_k for p in ss], [p.top_p for p in ss], self.device
+            [p.temperature for p in ss],
+            [p.top_k for p in ss],
+            [p.top_p for p in ss],
+            self.device,
+            raw=[p.logprob_mode is LogprobMode.RAW for p in ss],
         )
 
     def _keys(self, seqs: Sequence[_Seq]) -> Tensor:
@@ -537,10 +578,7 @@ class Engine:
 
     def _sample(self, seqs: Sequence[_Seq], logits: Tensor) -> tuple[list[int], list[float]]:
         """Draw one token per row from logits [B, V]; returns tokens and their logprobs."""
-        ss = [s.group.sampling for s in seqs]
-        params = RowParams.make(
-            [p.temperature for p in ss], [p.top_k for p in ss], [p.top_p for p in ss], self.device
-        )
+        params = self._row_params(seqs)
         logp = log_probs(logits, params)
         if params.all_greedy:
             tok = logp.argmax(dim=-1)
@@ -550,7 +588,7 @@ class Engine:
             tok = sample_from(logp.exp(), u)
             if params.any_greedy:
                 tok = torch.where(params.greedy, logp.argmax(dim=-1), tok)
-        lp = logp.gather(-1, tok[:, None])[:, 0]
+        lp = token_logprobs(logits, logp, tok, params)
         return tok.tolist(), lp.tolist()
 
     def _plain_step(self) -> list[SampleOutput]:
@@ -614,10 +652,11 @@ class Engine:
             uniforms(keys, pos, SAMPLE),
             logp.argmax(dim=-1),
         )
-        # Row i emits draft[:n_i] + [next_i]; logprobs come from the target's p.
+        # Row i emits draft[:n_i] + [next_i]; logprobs come from the target's p (or its raw
+        # logits, for rows asking for raw logprobs).
         emitted = torch.cat([draft_t, torch.zeros_like(nxt)[:, None]], dim=1)
         emitted[torch.arange(b, device=self.device), n_acc] = nxt
-        emitted_lp = logp.gather(-1, emitted[..., None])[..., 0]
+        emitted_lp = token_logprobs(logits, logp, emitted, params)
         n_list, em, em_lp = n_acc.tolist(), emitted.tolist(), emitted_lp.tolist()
         done: dict[int, FinishReason] = {}
         gained: list[int] = []  # tokens each row emitted (fewer than n + 1 past a stop token)
@@ -632,10 +671,19 @@ class Engine:
                 s.plain_steps += 1  # the verify pass was a plain decode step for this row
             h = hidden[i] if hidden is not None else None
             before = len(s.tokens)
-            reason = self._emit(s, em[i][: n + 1], em_lp[i][: n + 1], h)
+            origin = None
+            if s.provenance is not None:
+                origin = _step_provenance(n, dlen[i], strategy.drafter)
+            reason = self._emit(s, em[i][: n + 1], em_lp[i][: n + 1], h, origin)
             gained.append(len(s.tokens) - before)
             n_list[i] = min(n, gained[-1])  # drafts past a stop token do not count as accepted
             s.accepted += n_list[i]
+            s.drafted += dlen[i]
+            if dlen[i] and gained[-1] > n_list[i]:  # the target's own draw was emitted
+                if n == dlen[i]:
+                    s.bonus += 1
+                else:
+                    s.residual += 1
             if reason is not None:
                 done[i] = reason
         t2 = time.perf_counter()
@@ -699,9 +747,15 @@ class Engine:
     # -- bookkeeping ------------------------------------------------------------------------
 
     def _emit(
-        self, s: _Seq, toks: list[int], lps: list[float], hidden_rows: Tensor | None
+        self,
+        s: _Seq,
+        toks: list[int],
+        lps: list[float],
+        hidden_rows: Tensor | None,
+        origin: list[TokenProvenance] | None = None,
     ) -> FinishReason | None:
-        """Append tokens (stopping early at a stop token or the length limit)."""
+        """Append tokens (stopping early at a stop token or the length limit); `origin`:
+        each token's provenance (None: plain draws)."""
         reason = None
         n = 0
         for t, lp in zip(toks, lps, strict=True):
@@ -714,6 +768,8 @@ class Engine:
             if len(s.tokens) >= s.max_new:
                 reason = FinishReason.LENGTH
                 break
+        if s.provenance is not None:
+            s.provenance.extend(origin[:n] if origin is not None else [_PLAIN] * n)
         if hidden_rows is not None:
             # hidden_rows[j] is the state at the position fed just before emitted token j.
             # A copy: a view would keep the whole step's [B, width, H] tensor alive for as
@@ -777,4 +833,8 @@ class Engine:
             s.plain_steps,
             s.accepted,
             hidden,
+            drafted_tokens=s.drafted,
+            bonus_tokens=s.bonus,
+            residual_tokens=s.residual,
+            provenance=s.provenance,
         )

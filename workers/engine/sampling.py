@@ -8,6 +8,9 @@ logprobs refer to (what an RL trainer's importance ratios need):
         most likely tokens whose probability reaches top_p, and sets the rest to -inf;
     greedy rows (temperature == 0): softmax(logits), unrestricted (the argmax is emitted).
 
+A row with logprob mode "raw" still samples from its processed distribution; only the logprob
+it returns is log_softmax(logits) at the drawn token (`token_logprobs`).
+
 Randomness is counter-based: the uniform used for (row key, token position, purpose) is a
 hash of those integers, so a sample's draws do not depend on what else is in the batch.
 """
@@ -78,6 +81,9 @@ class RowParams:
     all_greedy: bool
     any_greedy: bool
     restrict: bool  # some sampled row uses top_k or top_p
+    # [B] bool: sampled rows that return raw logprobs; None when there is none (greedy rows'
+    # processed logprobs are already log_softmax(logits)).
+    raw: Tensor | None = None
 
     @classmethod
     def make(
@@ -86,8 +92,10 @@ class RowParams:
         top_k: Sequence[int],
         top_p: Sequence[float],
         device: torch.device | str,
+        raw: Sequence[bool] | None = None,
     ) -> RowParams:
         greedy = [t <= 0.0 for t in temperature]
+        raw_rows = [r and not g for r, g in zip(raw, greedy, strict=True)] if raw else []
         restrict = any(
             not g and (k > 0 or p < 1.0) for g, k, p in zip(greedy, top_k, top_p, strict=True)
         )
@@ -100,6 +108,7 @@ class RowParams:
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             restrict=restrict,
+            raw=torch.tensor(raw_rows, device=device) if any(raw_rows) else None,
         )
 
 
@@ -111,6 +120,20 @@ def log_probs(logits: Tensor, params: RowParams) -> Tensor:
     if params.restrict:
         x = _restrict(x, params, shape)
     return torch.log_softmax(x, dim=-1)
+
+
+def token_logprobs(logits: Tensor, logp: Tensor, tokens: Tensor, params: RowParams) -> Tensor:
+    """The logprob each row returns for its chosen tokens [B, ...] (logits [B, ..., V]).
+
+    `logp` is log_probs(logits, params), gathered for processed rows; raw rows get
+    log_softmax(logits) at the token, computed as logit - logsumexp only when some row asks.
+    """
+    lp = logp.gather(-1, tokens[..., None])[..., 0]
+    if params.raw is None:
+        return lp
+    x = logits.float()
+    raw = x.gather(-1, tokens[..., None])[..., 0] - torch.logsumexp(x, dim=-1)
+    return torch.where(params.raw.view((-1,) + (1,) * (lp.dim() - 1)), raw, lp)
 
 
 def _restrict(x: Tensor, params: RowParams, shape: tuple[int, ...]) -> Tensor:

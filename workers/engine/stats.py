@@ -1,4 +1,4 @@
-"""Engine statistics: plain vs speculative steps, accepted lengths, time per phase."""
+"""Engine statistics: passes and per-row steps, tokens by source, accepted lengths, phases."""
 
 from __future__ import annotations
 
@@ -11,31 +11,39 @@ from workers.engine.bandit import Strategy
 
 @dataclass
 class _SpecTotals:
-    """Totals of the SD steps taken with one strategy."""
+    """Totals of the verify passes taken with one strategy, and of the rows in them.
 
-    steps: int = 0
-    rows: int = 0  # sum of batch sizes: sequence-steps
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
+    A row that had no draft in a verify pass (the n-gram drafter found nothing, speculative
+    off for its request, no EAGLE history, at its length limit) decoded a plain step there:
+    it is in `rows` and `emitted` but not in `draft_rows`.
+    """
+
+    steps: int = 0  # verify passes (one target forward over the batch each)
+    rows: int = 0  # rows in them (sum of batch sizes): what the passes cost
+    emitted: int = 0  # tokens every row of those passes emitted
     seconds: float = 0.0
+    draft_rows: int = 0  # rows that verified >= 1 draft: SD steps of a sequence
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # draft tokens accepted (not counting drafts past a stop token)
+    bonus: int = 0  # tokens drawn from p after a fully accepted chain
+    residual: int = 0  # tokens drawn from the residual after a rejected draft
 
     def add(self, other: _SpecTotals) -> None:
-        self.steps += other.steps
-        self.rows += other.rows
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        self.emitted += other.emitted
-        self.seconds += other.seconds
+        for name, value in vars(other).items():
+            setattr(self, name, getattr(self, name) + value)
 
     def as_dict(self) -> dict[str, float | int | None]:
         return {
             "steps": self.steps,
             "rows": self.rows,
+            "draft_rows": self.draft_rows,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "bonus": self.bonus,
+            "residual": self.residual,
             "emitted": self.emitted,
-            "mean_accepted_length": _ratio(self.emitted, self.rows),
+            "draft_row_share": _ratio(self.draft_rows, self.rows),
+            "mean_accepted_length": _ratio(self.accepted + self.draft_rows, self.draft_rows),
             "acceptance_rate": _ratio(self.accepted, self.drafted),
             "tokens_per_s": _ratio(self.emitted, self.seconds),
         }
@@ -45,31 +53,41 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-def _total(value: int | Sequence[int]) -> int:
-    return int(value) if isinstance(value, int) else int(sum(value))
+def _per_row(value: int | Sequence[int], batch_size: int, name: str) -> list[int]:
+    """Per-row counts; a bare int is accepted for a batch of one."""
+    rows = [int(value)] if isinstance(value, int) else [int(v) for v in value]
+    if len(rows) != batch_size:
+        raise ValueError(f"{name} has {len(rows)} rows, batch_size is {batch_size}")
+    return rows
 
 
 @dataclass
 class EngineStats:
     """Counters the engine updates once per decode step; `summary()` is what gets reported.
 
-    Accepted length follows the EAGLE/TLT convention: tokens a sequence gains in one SD step
-    (accepted draft tokens + the one the target samples itself), so plain decoding is 1.0.
+    Two levels, both reported (docs/sd-statistics.md): engine passes (a plain pass or a verify
+    pass over the whole batch: what costs time) and row steps (one sequence in one pass: what
+    a sample experiences). A row without a draft in a verify pass is a plain row step, so
+    `sd_step_share` counts only rows that really verified drafts. Accepted length follows the
+    EAGLE/TLT convention: accepted drafts + 1 per row step with a draft (plain decoding is 1).
+    The first token of every sample comes from the prefill (`first_tokens`), never from a
+    decode step.
     """
 
-    plain_steps: int = 0
-    plain_rows: int = 0
+    plain_steps: int = 0  # plain passes
+    plain_rows: int = 0  # rows in them (one token each)
     plain_tokens: int = 0
     plain_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    first_tokens: int = 0  # samples' first tokens, drawn from the prefill's last position
     spec: dict[str, _SpecTotals] = field(default_factory=dict)
-    # emitted tokens per sequence per SD step -> how many times
+    # accepted drafts + 1 per row step with a draft -> how many times
     accepted_length_hist: Counter[int] = field(default_factory=Counter)
     other_seconds: Counter[str] = field(default_factory=Counter)  # prefill, drafter training...
 
     def record_plain_step(self, batch_size: int, tokens: int, seconds: float) -> None:
-        """One ordinary decode step over batch_size sequences producing `tokens` tokens."""
+        """One ordinary decode pass over batch_size sequences producing `tokens` tokens."""
         self.plain_steps += 1
         self.plain_rows += batch_size
         self.plain_tokens += tokens
@@ -85,27 +103,37 @@ class EngineStats:
         draft_seconds: float,
         verify_seconds: float,
     ) -> None:
-        """One draft+verify step over batch_size sequences.
+        """One draft+verify pass over batch_size sequences, with per-row counts.
 
-        drafted / accepted / emitted are per-row counts (a sequence of batch_size ints) or
-        their totals; the accepted-length histogram needs the per-row `emitted`.
+        drafted[i]: drafts verified for row i (0: it decoded plainly in this pass);
+        accepted[i]: how many of them it kept (at most the tokens it emitted); emitted[i]:
+        tokens it gained. A row with drafts that emitted more than it accepted drew one
+        token itself: a bonus token when every draft was kept, else a residual token (a
+        stop token among the accepted drafts ends the row before that draw).
         """
-        if not isinstance(emitted, int):
-            if len(emitted) != batch_size:
-                raise ValueError(f"emitted has {len(emitted)} rows, batch_size is {batch_size}")
-            self.accepted_length_hist.update(int(e) for e in emitted)
-        name = strategy.name if isinstance(strategy, Strategy) else str(strategy)
-        totals = self.spec.setdefault(name, _SpecTotals())
-        totals.add(
-            _SpecTotals(
-                steps=1,
-                rows=batch_size,
-                drafted=_total(drafted),
-                accepted=_total(accepted),
-                emitted=_total(emitted),
-                seconds=draft_seconds + verify_seconds,
-            )
+        d_rows = _per_row(drafted, batch_size, "drafted")
+        a_rows = _per_row(accepted, batch_size, "accepted")
+        e_rows = _per_row(emitted, batch_size, "emitted")
+        step = _SpecTotals(
+            steps=1,
+            rows=batch_size,
+            emitted=sum(e_rows),
+            seconds=draft_seconds + verify_seconds,
         )
+        for d, a, e in zip(d_rows, a_rows, e_rows, strict=True):
+            if d == 0:
+                continue
+            step.draft_rows += 1
+            step.drafted += d
+            step.accepted += a
+            if e > a:
+                if a == d:
+                    step.bonus += 1
+                else:
+                    step.residual += 1
+            self.accepted_length_hist[a + 1] += 1
+        name = strategy.name if isinstance(strategy, Strategy) else str(strategy)
+        self.spec.setdefault(name, _SpecTotals()).add(step)
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
 
@@ -121,25 +149,40 @@ class EngineStats:
         return out
 
     def summary(self) -> dict[str, object]:
-        """A JSON-able digest: steps per mode, tokens/s per mode, accepted length, phases."""
+        """A JSON-able digest: passes and row steps per mode, tokens by source, tokens/s per
+        pass kind, accepted length, phases (docs/sd-statistics.md defines every key)."""
         sd = self.spec_totals
-        steps = self.plain_steps + sd.steps
-        tokens = self.plain_tokens + sd.emitted
+        passes = self.plain_steps + sd.steps
+        pass_tokens = self.plain_tokens + sd.emitted
         decode_seconds = self.plain_seconds + sd.seconds
+        # Row steps without a draft: every row of a plain pass, and the verify-pass rows that
+        # had nothing to verify (each gained exactly one token).
+        plain_rows = self.plain_rows + sd.rows - sd.draft_rows
+        row_steps = plain_rows + sd.draft_rows
+        by_source = {
+            "first": self.first_tokens,
+            "plain": plain_rows,
+            "accepted": sd.accepted,
+            "residual": sd.residual,
+            "bonus": sd.bonus,
+        }
         return {
-            "steps": {"plain": self.plain_steps, "spec": sd.steps, "total": steps},
-            "sd_step_share": _ratio(sd.steps, steps),
-            "tokens": {"plain": self.plain_tokens, "spec": sd.emitted, "total": tokens},
+            "steps": {"plain": self.plain_steps, "spec": sd.steps, "total": passes},
+            "verify_pass_share": _ratio(sd.steps, passes),
+            "row_steps": {"draft": sd.draft_rows, "plain": plain_rows, "total": row_steps},
+            "sd_step_share": _ratio(sd.draft_rows, row_steps),
+            "tokens": by_source | {"total": sum(by_source.values())},
+            "drafted_tokens": sd.drafted,
             "tokens_per_s": {
                 "plain": _ratio(self.plain_tokens, self.plain_seconds),
                 "spec": _ratio(sd.emitted, sd.seconds),
-                "decode": _ratio(tokens, decode_seconds),
+                "decode": _ratio(pass_tokens, decode_seconds),
             },
             "mean_batch": {
                 "plain": _ratio(self.plain_rows, self.plain_steps),
                 "spec": _ratio(sd.rows, sd.steps),
             },
-            "mean_accepted_length": _ratio(sd.emitted, sd.rows),
+            "mean_accepted_length": _ratio(sd.accepted + sd.draft_rows, sd.draft_rows),
             "acceptance_rate": _ratio(sd.accepted, sd.drafted),
             "accepted_length_hist": dict(sorted(self.accepted_length_hist.items())),
             "seconds": {
@@ -159,6 +202,7 @@ class EngineStats:
         self.plain_seconds += other.plain_seconds
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
+        self.first_tokens += other.first_tokens
         for name, t in other.spec.items():
             self.spec.setdefault(name, _SpecTotals()).add(t)
         self.accepted_length_hist.update(other.accepted_length_hist)

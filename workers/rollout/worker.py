@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
-from tltd.domain import FinishReason, Sample, SpeculativeStats
+from tltd.domain import FinishReason, Sample
 from workers.rollout.loop import WorkerLoop, contiguous_runs, serve
 from workers.rollout.protocol import AddWork, EngineSpec, LoadModel
 from workers.signals import ignore_stop_signals
+
+if TYPE_CHECKING:  # the engine (torch) is imported in the worker process only when it loads
+    from workers.engine.api import SampleOutput
 
 __all__ = ["RolloutWorker", "contiguous_runs", "main"]
 
@@ -119,22 +123,6 @@ class RolloutWorker(WorkerLoop):
         return running, remaining, e.stats.summary() | {"prefills": e.prefills}
 
 
-def _sample(out) -> Sample:
-    """Engine SampleOutput -> domain Sample."""
-    return Sample(
-        request_id=out.request_id,
-        prompt_index=out.prompt_index,
-        sample_index=out.sample_index,
-        token_ids=tuple(out.token_ids),
-        logprobs=tuple(out.logprobs),
-        finish_reason=out.finish_reason,
-        policy_version=out.policy_version,
-        drafter_version=out.drafter_version,
-        speculative=SpeculativeStats(
-            draft_steps=out.draft_steps,
-            plain_steps=out.plain_steps,
-            accepted_tokens=out.accepted_tokens,
-            mean_accepted_length=out.mean_accepted_length,
-        ),
-        partial=out.finish_reason is FinishReason.CANCELLED,
-    )
+def _sample(out: SampleOutput) -> Sample:
+    """Engine SampleOutput -> domain Sample (a cancelled one is partial)."""
+    return replace(out.to_domain(), partial=out.finish_reason is FinishReason.CANCELLED)
