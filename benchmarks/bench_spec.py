@@ -179,7 +179,7 @@ def print_table(results: dict[str, Result]) -> None:
                 print(f"  <= {bucket:3d}: {cells}{gain}")
         per_strategy = r.summary["per_strategy"]
         cells = ", ".join(
-            f"{name} {v['mean_accepted_length']:.2f}" for name, v in per_strategy.items()
+            f"{name} {_fmt(v['mean_accepted_length'], '.2f')}" for name, v in per_strategy.items()
         )
         print(f"  mean accepted length per strategy: {cells}")
 
