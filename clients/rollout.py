@@ -166,11 +166,13 @@ def _sample_from_pb(pb: rollout_pb2.Sample) -> RolloutSample:
 def _provenance_from_pb(pb: rollout_pb2.TokenProvenance) -> list[TokenProvenance]:
     if not len(pb.source) == len(pb.drafter) == len(pb.draft_length):
         raise ValueError("provenance arrays of different lengths")
-    # Values this client does not know yet fail loudly rather than pass as plain tokens.
-    return [
-        TokenProvenance(_TOKEN_SOURCE[src], _DRAFTER_KIND[kind], n)
-        for src, kind, n in zip(pb.source, pb.drafter, pb.draft_length, strict=True)
-    ]
+    out = []
+    for src, kind, n in zip(pb.source, pb.drafter, pb.draft_length, strict=True):
+        # A value this client does not know yet fails loudly rather than pass as a plain token.
+        if src not in _TOKEN_SOURCE or kind not in _DRAFTER_KIND:
+            raise ValueError(f"unknown token source {src} or drafter kind {kind}: update tltd")
+        out.append(TokenProvenance(_TOKEN_SOURCE[src], _DRAFTER_KIND[kind], n))
+    return out
 
 
 def _job_from_pb(pb: job_pb2.Job) -> JobInfo:

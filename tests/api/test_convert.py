@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -26,7 +27,15 @@ def test_sampling_defaults():
     pb = rollout_pb2.SamplingParams(
         n=3, temperature=0.5, top_p=0.5, top_k=8, max_new_tokens=9, stop_token_ids=[2, 3], seed=11
     )
+    # Logprob mode UNSPECIFIED is the documented default, processed; provenance is off.
+    s = c.sampling_from_pb(pb)
+    assert (s.logprob_mode, s.return_provenance) == (d.LogprobMode.PROCESSED, False)
+    pb.logprob_mode = rollout_pb2.LOGPROB_MODE_PROCESSED
     assert c.sampling_to_pb(c.sampling_from_pb(pb)) == pb
+    pb.logprob_mode, pb.return_provenance = rollout_pb2.LOGPROB_MODE_RAW, True
+    s = c.sampling_from_pb(pb)
+    assert (s.logprob_mode, s.return_provenance) == (d.LogprobMode.RAW, True)
+    assert c.sampling_to_pb(s) == pb
 
 
 def test_rollout_request_and_speculative_override():
@@ -54,6 +63,8 @@ def test_rollout_request_and_speculative_override():
         (d.JobStatus, c.job_status_to_pb, job_pb2.JobStatus),
         (d.RequestStatus, c.request_status_to_pb, rollout_pb2.RequestStatus),
         (d.DrafterStatus, c.drafter_status_to_pb, drafter_pb2.DrafterStatus),
+        (d.LogprobMode, c._LOGPROB_MODE_PB.get, rollout_pb2.LogprobMode),
+        (d.TokenSource, c._TOKEN_SOURCE_PB.get, rollout_pb2.TokenSource),
     ],
 )
 def test_every_domain_enum_member_has_a_proto_value(enum, to_pb, pb_enum):
@@ -79,6 +90,9 @@ def test_unknown_enum_values_are_refused_by_name():
         c.new_job_from_pb(job_pb2.CreateJobRequest(model_path="/m", speculative=spec))
     with pytest.raises(InvalidArgument, match="speculative: unknown value 3"):
         c.rollout_from_pb(rollout_pb2.GenerateRequest(job_id="j", speculative=3))
+    bad_mode = rollout_pb2.SamplingParams(logprob_mode=5)
+    with pytest.raises(InvalidArgument, match="sampling.logprob_mode: unknown value 5"):
+        c.rollout_from_pb(rollout_pb2.GenerateRequest(job_id="j", sampling=bad_mode))
     # [UNSPECIFIED] read as "no filter" listed every job.
     with pytest.raises(InvalidArgument, match=r"statuses\[1\]: JOB_STATUS_UNSPECIFIED"):
         c.job_statuses_from_pb([job_pb2.JOB_STATUS_FAILED, job_pb2.JOB_STATUS_UNSPECIFIED])
@@ -125,10 +139,34 @@ def test_sample_round_trip():
         finish_reason=d.FinishReason.ABORTED,
         policy_version=3,
         drafter_version=1,
-        speculative=d.SpeculativeStats(2, 3, 4, 2.5),
+        speculative=d.SpeculativeStats(2, 3, 4, 2.5, 5, 1, 1),
         partial=True,
     )
-    assert c.sample_from_pb(c.sample_to_pb(s)) == s
+    pb = c.sample_to_pb(s)
+    assert not pb.HasField("provenance")  # not asked for: absent, not empty
+    assert c.sample_from_pb(pb) == s
+    assert pb.speculative.drafted_tokens == 5 and pb.speculative.bonus_tokens == 1
+    P = d.TokenProvenance
+    prov = (P(d.TokenSource.PLAIN), P(d.TokenSource.ACCEPTED, "eagle", 3))
+    s = replace(s, provenance=prov)
+    pb = c.sample_to_pb(s)
+    assert list(pb.provenance.source) == [
+        rollout_pb2.TOKEN_SOURCE_PLAIN,
+        rollout_pb2.TOKEN_SOURCE_ACCEPTED,
+    ]
+    assert list(pb.provenance.drafter) == [
+        rollout_pb2.DRAFTER_KIND_UNSPECIFIED,
+        rollout_pb2.DRAFTER_KIND_EAGLE,
+    ]
+    assert list(pb.provenance.draft_length) == [0, 3]
+    assert c.sample_from_pb(pb) == s
+    assert c.sample_from_pb(c.sample_to_pb(replace(s, provenance=()))).provenance == ()
+    pb.provenance.source[1] = 9
+    with pytest.raises(InvalidArgument, match=r"provenance.source\[1\]: unknown token source"):
+        c.sample_from_pb(pb)
+    del pb.provenance.drafter[1]
+    with pytest.raises(InvalidArgument, match="provenance: source, drafter and draft_length"):
+        c.sample_from_pb(pb)
 
 
 def test_policy_source():

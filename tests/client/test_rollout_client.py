@@ -39,7 +39,15 @@ from tests.api.support import (
     seed_devices,
     write_model_dir,
 )
-from tltd.domain import FinishReason, RolloutRequest
+from tltd.domain import (
+    Backend,
+    FinishReason,
+    Job,
+    LogprobMode,
+    RolloutRequest,
+    TokenProvenance,
+    TokenSource,
+)
 from tltd.domain import SamplingParams as DomainSampling
 from tltd.v1 import admin_pb2, common_pb2, rollout_pb2
 
@@ -210,6 +218,30 @@ def test_every_status_has_one_mapping():
         assert type(err) is cls and err.code == code and err.message == "why"
 
 
+def test_logprob_mode_and_provenance_keywords():
+    params = _sampling(2, None, {"logprob_mode": "raw", "return_provenance": True})
+    assert params.logprob_mode is LogprobMode.RAW and params.return_provenance
+    req = _generate_request("j", [[1]], params, None, None)
+    assert req.sampling.logprob_mode == rollout_pb2.LOGPROB_MODE_RAW
+    assert req.sampling.return_provenance
+    default = _generate_request("j", [[1]], _sampling(1, None, {}), None, None).sampling
+    assert default.logprob_mode == rollout_pb2.LOGPROB_MODE_PROCESSED
+    assert not default.return_provenance
+    with pytest.raises(ValueError, match="logprob_mode must be 'processed' or 'raw'"):
+        _sampling(1, None, {"logprob_mode": "tempered"})
+
+
+def test_raw_logprobs_and_provenance_need_the_torch_backend(client, sqlite_store, model_dir):
+    """An sglang job returns SGLang's logprobs and knows no per-token provenance: asking for
+    either is refused by name, before anything is stored."""
+    sqlite_store.create_job(Job("sg", str(model_dir), backend=Backend.SGLANG))
+    with pytest.raises(FailedPreconditionError, match="sampling.logprob_mode: .*torch backend"):
+        client.generate([[1]], job_id="sg", max_new_tokens=2, logprob_mode="raw")
+    with pytest.raises(FailedPreconditionError, match="sampling.return_provenance"):
+        client.generate([[1]], job_id="sg", max_new_tokens=2, return_provenance=True)
+    assert sqlite_store.list_requests(job_id="sg") == []
+
+
 def test_sampling_keywords_override_the_params_object():
     base = SamplingParams(n=4, temperature=0.0, max_new_tokens=16, seed=3)
     assert _sampling(None, base, {}) == base
@@ -256,6 +288,40 @@ def test_samples_become_plain_values_grouped_per_prompt():
     ]
     unknown = _sample_from_pb(rollout_pb2.Sample(finish_reason=99))
     assert unknown.finish_reason is FinishReason.FAILED
+    assert s.provenance is None and s.sd_step_share == 0.5
+
+
+def test_sd_counters_and_provenance_become_plain_values():
+    pb = rollout_pb2.Sample(
+        token_ids=[5, 6, 7, 8],
+        speculative=rollout_pb2.SpeculativeStats(
+            draft_steps=1, plain_steps=1, accepted_tokens=1, drafted_tokens=2, residual_tokens=1
+        ),
+        provenance=rollout_pb2.TokenProvenance(
+            source=[
+                rollout_pb2.TOKEN_SOURCE_PLAIN,
+                rollout_pb2.TOKEN_SOURCE_PLAIN,
+                rollout_pb2.TOKEN_SOURCE_ACCEPTED,
+                rollout_pb2.TOKEN_SOURCE_RESIDUAL,
+            ],
+            drafter=[0, 0, rollout_pb2.DRAFTER_KIND_NGRAM, rollout_pb2.DRAFTER_KIND_NGRAM],
+            draft_length=[0, 0, 2, 2],
+        ),
+    )
+    s = _sample_from_pb(pb)
+    assert (s.drafted_tokens, s.residual_tokens, s.bonus_tokens) == (2, 1, 0)
+    assert s.provenance == [
+        TokenProvenance(TokenSource.PLAIN),
+        TokenProvenance(TokenSource.PLAIN),
+        TokenProvenance(TokenSource.ACCEPTED, "ngram", 2),
+        TokenProvenance(TokenSource.RESIDUAL, "ngram", 2),
+    ]
+    # A source this client does not know (a newer daemon's): not read as a plain token.
+    pb.provenance.source.append(42)
+    pb.provenance.drafter.append(0)
+    pb.provenance.draft_length.append(0)
+    with pytest.raises(ValueError, match="unknown token source 42"):
+        _sample_from_pb(pb)
 
 
 def test_async_client(daemon, model_dir, tmp_path):

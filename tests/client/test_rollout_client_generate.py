@@ -283,3 +283,54 @@ def test_async_requests_abandoned_while_the_daemon_stores_them_are_cancelled(
         req, samples = daemon.store.get_request(rid), daemon.store.list_samples(rid)
         assert req.samples_done < req.samples_total == len(PROMPTS) * LONG.n
         assert all(not s.partial or s.finish_reason is FinishReason.CANCELLED for s in samples)
+
+
+def test_logprob_modes_and_provenance_through_the_daemon(daemon, ckpt):
+    """A real request asks for raw logprobs and per-token provenance: the workers compute
+    them, the store keeps them (GetRequest), the stream carries them, and the counts agree
+    with each sample's SD counters. Processed logprobs (the default) are another request."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from clients.errors import AlreadyExistsError
+    from clients.rollout import _sample_from_pb
+    from tltd.domain import TokenSource
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    kw = dict(n=2, temperature=0.7, top_k=8, max_new_tokens=16, seed=5)
+    with RolloutClient(daemon.target) as client:
+        client.create_job(ckpt, job_id="pv-job")
+        raw = client.generate(
+            PROMPTS, request_id="pv-raw", logprob_mode="raw", return_provenance=True, **kw
+        )
+        processed = client.generate(PROMPTS, request_id="pv-proc", **kw)
+        stored = client.raw.get_request("pv-raw", include_samples=True)
+        with pytest.raises(AlreadyExistsError, match="sampling"):  # another mode: not a retry
+            client.generate(PROMPTS, request_id="pv-raw", logprob_mode="processed", **kw)
+    assert stored.request.sampling.logprob_mode == rollout_pb2.LOGPROB_MODE_RAW
+    assert stored.request.sampling.return_provenance
+    stored_samples = {
+        (s.prompt_index, s.sample_index): s for s in map(_sample_from_pb, stored.samples)
+    }
+    assert stored_samples == {(s.prompt_index, s.sample_index): s for s in raw}
+    for s in raw:
+        assert s.provenance is not None and len(s.provenance) == len(s.token_ids)
+        assert s.provenance[0].source is TokenSource.PLAIN  # from the prefill
+        count = {src: sum(p.source is src for p in s.provenance) for src in TokenSource}
+        assert count[TokenSource.PLAIN] == 1 + s.plain_steps
+        assert count[TokenSource.ACCEPTED] == s.accepted_tokens
+        assert count[TokenSource.RESIDUAL] == s.residual_tokens
+        assert count[TokenSource.BONUS] == s.bonus_tokens
+    assert all(s.provenance is None for s in processed)
+    gaps = []
+    for s in raw + processed:
+        ids = torch.tensor([PROMPTS[s.prompt_index] + s.token_ids])
+        with torch.no_grad():
+            logits = hf(ids).logits[0, len(PROMPTS[s.prompt_index]) - 1 : -1]
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, -len(s.token_ids) :, None])[:, 0]
+        gap = float((torch.tensor(s.logprobs) - ref).abs().max())
+        if s.provenance is not None:
+            assert gap < 1e-4  # raw: log_softmax of the logits
+        else:
+            gaps.append(gap)  # processed: at temperature 0.7 and top-k 8, not the raw ones
+    assert min(gaps) > 1e-2

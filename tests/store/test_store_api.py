@@ -20,12 +20,15 @@ from tltd.domain import (
     FinishReason,
     Job,
     JobStatus,
+    LogprobMode,
     RequestStatus,
     RolloutRequest,
     Sample,
     SamplingParams,
     SpeculativeConfig,
     SpeculativeStats,
+    TokenProvenance,
+    TokenSource,
     Worker,
     WorkerKind,
     WorkerState,
@@ -234,6 +237,26 @@ def test_create_request_is_idempotent(store: Store) -> None:
         store.create_request(replace(_request(), prompts=((1, 2, 3),)))
 
 
+def test_logprob_mode_and_provenance_flag_are_request_parameters(store: Store) -> None:
+    """They round-trip, and a retry that asks for other logprobs or provenance is not the
+    same request (its samples would carry something else)."""
+    store.create_job(JOB)
+    raw = replace(SAMPLING, logprob_mode=LogprobMode.RAW, return_provenance=True)
+    req, _ = store.create_request(replace(_request(), sampling=raw))
+    assert store.get_request("req-1").sampling == raw == req.sampling
+    for other in (
+        replace(raw, logprob_mode=LogprobMode.PROCESSED),
+        replace(raw, return_provenance=False),
+    ):
+        with pytest.raises(AlreadyExists, match="sampling"):
+            store.create_request(replace(_request(), sampling=other))
+    req, _ = store.create_request(_request("req-2"))
+    assert (req.sampling.logprob_mode, req.sampling.return_provenance) == (
+        LogprobMode.PROCESSED,
+        False,
+    )
+
+
 def test_list_requests_queue_order_and_filters(store: Store) -> None:
     store.create_job(JOB)
     store.create_job(replace(JOB, job_id="job-2"))
@@ -274,9 +297,20 @@ def test_add_sample_idempotent_and_counts(store: Store) -> None:
     store.create_job(JOB)
     store.create_request(_request())
     spec = SpeculativeStats(
-        draft_steps=2, plain_steps=1, accepted_tokens=5, mean_accepted_length=2.5
+        draft_steps=2,
+        plain_steps=1,
+        accepted_tokens=5,
+        mean_accepted_length=2.5,
+        drafted_tokens=7,
+        bonus_tokens=1,
+        residual_tokens=1,
     )
-    first = _sample(1, 1, policy_version=3, drafter_version=2, speculative=spec)
+    prov = (
+        TokenProvenance(TokenSource.PLAIN),
+        TokenProvenance(TokenSource.ACCEPTED, "ngram", 4),
+        TokenProvenance(TokenSource.RESIDUAL, "ngram", 4),
+    )
+    first = _sample(1, 1, policy_version=3, drafter_version=2, speculative=spec, provenance=prov)
     assert store.add_sample(first) is True
     assert store.add_sample(first) is False
     assert store.add_sample(replace(first, token_ids=(1,), logprobs=(-1.0,))) is False
@@ -285,7 +319,8 @@ def test_add_sample_idempotent_and_counts(store: Store) -> None:
     assert store.get_request("req-1").samples_done == 3
     got = store.list_samples("req-1")
     assert [(s.prompt_index, s.sample_index) for s in got] == [(0, 0), (0, 1), (1, 1)]
-    assert got[2] == first  # every field round-trips, including spec stats
+    assert got[2] == first  # every field round-trips, including spec stats and provenance
+    assert got[0].provenance is None  # not asked for: none stored
 
 
 def test_prune_history_deletes_only_ended_requests_and_events_before_the_cut(

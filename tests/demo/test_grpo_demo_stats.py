@@ -1,0 +1,45 @@
+"""The demo's SD share column on real engine rollouts: it counts the samples' own steps with a
+draft, not every sample of a verify pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clients.rollout import _sample_from_pb
+from examples.grpo_demo import sd_share, summarize
+from tests.engine.helpers import make_checkpoint
+from tltd.api.convert import sample_to_pb
+from tltd.domain import SamplingParams
+from workers.engine.bandit import Strategy
+from workers.engine.engine import Engine, EngineConfig, Request
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_sd_share_column_is_the_per_sample_share(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "m", vocab=32, seed=2, logit_scale=2.0)
+    # n-gram speculation on every decode pass: rows with no match decode plainly inside them.
+    engine = Engine(
+        str(ckpt),
+        EngineConfig(max_batch=16, spec_mode="fixed", strategies=(Strategy("ngram", 3),)),
+    )
+    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=1)
+    prompts = [[1, 2, 3, 1, 2, 3], [7, 8, 9], [4, 4, 5, 4, 4]]
+    outs = engine.generate(Request(f"r{i}", p, sp, prompt_index=i) for i, p in enumerate(prompts))
+    # The client's view of them, as the demo gets them through the daemon.
+    samples = [_sample_from_pb(sample_to_pb(o.to_domain())) for o in outs]
+    summary = engine.stats.summary()
+    assert summary["verify_pass_share"] == 1.0  # what the column used to be able to read
+    share = sd_share(samples)
+    assert 0 < share < 1
+    assert share == pytest.approx(summary["sd_step_share"])
+    row = summarize(0, samples, [1.0] * len(samples), 1.0, [], 0.0, 0.0, 0.0)
+    assert row.sd_share == share
+    assert row.accepted_length == pytest.approx(summary["mean_accepted_length"])
