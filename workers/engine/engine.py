@@ -57,7 +57,6 @@ Semantics:
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import statistics
@@ -70,7 +69,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance, TokenSource
+from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance
 from workers.engine.api import EngineConfig, Request, SampleOutput
 from workers.engine.bandit import (
     BucketedEpsilonGreedy,
@@ -101,26 +100,9 @@ from workers.engine.sampling import (
     uniforms,
 )
 from workers.engine.spec import accept_drafts
-from workers.engine.stats import EngineStats
+from workers.engine.stats import PLAIN_TOKEN, EngineStats, step_provenance
 
 PLAIN_PROBES = 3  # plain steps measured per batch bucket before SD is compared with them
-_PLAIN = TokenProvenance(TokenSource.PLAIN)
-
-
-@functools.cache
-def _provenance(source: TokenSource, drafter: str, drafts: int) -> TokenProvenance:
-    # Few distinct values (sources x drafters x draft lengths): tokens share these objects.
-    return TokenProvenance(source, drafter, drafts)
-
-
-def _step_provenance(n: int, drafts: int, drafter: str) -> list[TokenProvenance]:
-    """Provenance of what a row may emit in a verify pass: n accepted drafts, then the token
-    drawn by the target (bonus if all `drafts` were kept, else residual); plain if none."""
-    if drafts == 0:
-        return [_PLAIN]
-    last = TokenSource.BONUS if n == drafts else TokenSource.RESIDUAL
-    accepted = _provenance(TokenSource.ACCEPTED, drafter, drafts)
-    return [accepted] * n + [_provenance(last, drafter, drafts)]
 
 
 def prefer_plain(plain: Sequence[float], sd_median: float | None, explore: str | None) -> bool:
@@ -673,7 +655,7 @@ class Engine:
             before = len(s.tokens)
             origin = None
             if s.provenance is not None:
-                origin = _step_provenance(n, dlen[i], strategy.drafter)
+                origin = step_provenance(n, dlen[i], strategy.drafter)
             reason = self._emit(s, em[i][: n + 1], em_lp[i][: n + 1], h, origin)
             gained.append(len(s.tokens) - before)
             n_list[i] = min(n, gained[-1])  # drafts past a stop token do not count as accepted
@@ -769,7 +751,7 @@ class Engine:
                 reason = FinishReason.LENGTH
                 break
         if s.provenance is not None:
-            s.provenance.extend(origin[:n] if origin is not None else [_PLAIN] * n)
+            s.provenance.extend(origin[:n] if origin is not None else [PLAIN_TOKEN] * n)
         if hidden_rows is not None:
             # hidden_rows[j] is the state at the position fed just before emitted token j.
             # A copy: a view would keep the whole step's [B, width, H] tensor alive for as

@@ -1,12 +1,32 @@
-"""Engine statistics: passes and per-row steps, tokens by source, accepted lengths, phases."""
+"""Engine statistics: passes and per-row steps, tokens by source and per-token provenance."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tltd.domain import TokenProvenance, TokenSource
 from workers.engine.bandit import Strategy
+
+PLAIN_TOKEN = TokenProvenance(TokenSource.PLAIN)
+
+
+@functools.cache
+def _provenance(source: TokenSource, drafter: str, drafts: int) -> TokenProvenance:
+    # Few distinct values (sources x drafters x draft lengths): tokens share these objects.
+    return TokenProvenance(source, drafter, drafts)
+
+
+def step_provenance(n: int, drafts: int, drafter: str) -> list[TokenProvenance]:
+    """Provenance of what a row may emit in a verify pass: n accepted drafts, then the token
+    drawn by the target (bonus if all `drafts` were kept, else residual); plain if none."""
+    if drafts == 0:
+        return [PLAIN_TOKEN]
+    last = TokenSource.BONUS if n == drafts else TokenSource.RESIDUAL
+    accepted = _provenance(TokenSource.ACCEPTED, drafter, drafts)
+    return [accepted] * n + [_provenance(last, drafter, drafts)]
 
 
 @dataclass

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
 
 from tltd.domain import FinishReason, Sample
 from workers.rollout.loop import WorkerLoop, contiguous_runs, serve
 from workers.rollout.protocol import AddWork, EngineSpec, LoadModel
 from workers.signals import ignore_stop_signals
-
-if TYPE_CHECKING:  # the engine (torch) is imported in the worker process only when it loads
-    from workers.engine.api import SampleOutput
 
 __all__ = ["RolloutWorker", "contiguous_runs", "main"]
 
@@ -123,6 +119,6 @@ class RolloutWorker(WorkerLoop):
         return running, remaining, e.stats.summary() | {"prefills": e.prefills}
 
 
-def _sample(out: SampleOutput) -> Sample:
+def _sample(out) -> Sample:
     """Engine SampleOutput -> domain Sample (a cancelled one is partial)."""
     return replace(out.to_domain(), partial=out.finish_reason is FinishReason.CANCELLED)
