@@ -1,23 +1,33 @@
-"""Speculative decoding on the long-tail rollout workload: off / n-gram / EAGLE / adaptive."""
+"""Speculative decoding on the long-tail rollout workload: off / n-gram / EAGLE / adaptive.
+
+Workload: `--prompts` prompts of the count-up task x `--samples` samples at temperature 1,
+stop at <eos> or `--max-new-tokens` (workers/task/workload.py). Answer lengths are long-tailed
+per prompt (problem size) and per sample (the policy re-checks its work a random number of
+times, at rate care / 10). The length quantiles and the share of SD-off time per running-batch
+bucket are printed above the table, the per-bucket gain of each mode below it. Modes run
+interleaved, `--repeats` times each; every figure is the median over the repeats, with the
+spread (min-max) beside it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tltd.domain import SamplingParams  # noqa: E402
+from tltd.domain import FinishReason, SamplingParams  # noqa: E402
 from workers.engine.bandit import Strategy  # noqa: E402
 from workers.engine.eagle import EagleDrafter  # noqa: E402
-from workers.engine.engine import Engine, EngineConfig, Request  # noqa: E402
+from workers.engine.engine import Engine, EngineConfig, Request, SampleOutput  # noqa: E402
 from workers.engine.model import CausalLM, load_model  # noqa: E402
-from workers.task.reasoning import reward  # noqa: E402
+from workers.task.reasoning import WORKLOAD_CARE, reward  # noqa: E402
 from workers.task.tokenizer import decode, load_tokenizer  # noqa: E402
 from workers.task.workload import (  # noqa: E402
     MAX_NEW_TOKENS,
@@ -28,31 +38,43 @@ from workers.task.workload import (  # noqa: E402
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "tiny-policy-eagle"
 KS = (2, 4, 6)
-MODES: dict[str, tuple[str, ...]] = {
-    "off": (),
-    "ngram": ("ngram",),
-    "eagle": ("eagle",),
-    "adaptive": ("ngram", "eagle"),
-    # Adaptive at every batch size: the engine's plain arm (measured plain throughput per
-    # bucket), not a fixed threshold, decides where speculation pays (TLT's 32 is for GPUs).
-    "adaptive+": ("ngram", "eagle"),
+# mode -> (drafters, gate): "threshold" speculates at running batch <= --threshold (TLT's GPU
+# setting, 32); "measured" wherever the engine's measured costs say speculation pays.
+MODES: dict[str, tuple[tuple[str, ...], str]] = {
+    "off": ((), "threshold"),
+    "ngram": (("ngram",), "measured"),  # TLT-Base: the model-free drafter only
+    "eagle": (("eagle",), "measured"),
+    "adaptive": (("ngram", "eagle"), "measured"),  # TLT: both drafters, bandit per bucket
+    "adaptive@32": (("ngram", "eagle"), "threshold"),  # ablation: the fixed GPU gate
 }
-
-
-@dataclass
-class Result:
-    mode: str
-    seconds: float
-    tokens: int
-    reward: float
-    summary: dict
-    bandit: dict
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _requests(work: list, args: argparse.Namespace, tag: str, seed: int) -> list[Request]:
+def bucket_of(batch: int) -> int:
+    """Running-batch bucket: the smallest power of two >= batch."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+@dataclass
+class Run:
+    """One timed pass of the workload in one mode."""
+
+    mode: str
+    seconds: float
+    outputs: list[SampleOutput]
+    reward: float
+    summary: dict
+    bandit: dict
+    # running-batch bucket -> [decode seconds, tokens emitted]; bucket 0 = prefill
+    per_bucket: dict[int, list[float]] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+def requests_for(work: list, args: argparse.Namespace, tag: str, seed: int) -> list[Request]:
+    """One engine request per prompt, `args.samples` seeded samples each."""
     return [
         Request(
             f"{tag}{i}",
@@ -70,36 +92,48 @@ def _requests(work: list, args: argparse.Namespace, tag: str, seed: int) -> list
     ]
 
 
-def run_mode(
-    mode: str,
-    model: CausalLM,
-    drafter: EagleDrafter | None,
-    work: list,
-    warm: list,
-    args: argparse.Namespace,
-) -> Result:
-    """The workload through a fresh engine in one SD mode, after the `warm` warm-up passes.
+def timed_generate(
+    engine: Engine, requests: list[Request]
+) -> tuple[list[SampleOutput], dict[int, list[float]]]:
+    """Run `requests` to completion, timing every engine step by its running-batch bucket."""
+    for r in requests:
+        engine.add_request(r.request_id, r.prompt_ids, r.sampling, prompt_index=r.prompt_index)
+    outs: list[SampleOutput] = []
+    per_bucket: dict[int, list[float]] = {}
+    while engine.has_work():
+        batch = len(engine.running)
+        before = sum(len(s.tokens) for s in engine.running)
+        t0 = time.perf_counter()
+        done = engine.step()
+        seconds = time.perf_counter() - t0
+        after = sum(len(s.tokens) for s in engine.running) + sum(len(o.token_ids) for o in done)
+        # A step that admitted prompts prefilled them (and decoded nothing).
+        key = 0 if engine.running and len(engine.running) > batch else bucket_of(max(batch, 1))
+        cell = per_bucket.setdefault(key, [0.0, 0.0])
+        cell[0] += seconds
+        cell[1] += after - before
+        outs.extend(done)
+    return outs, per_bucket
 
-    The warm-up runs other prompts through the same engine, untimed: in a daemon the bandit
-    lives across many rollout batches, so its exploration of untried arms (one step per arm
-    per bucket) is not a cost of every batch. Stats are reset before the timed pass.
-    """
-    drafters = MODES[mode]
+
+def make_engine(
+    mode: str, model: CausalLM, drafter: EagleDrafter | None, max_batch: int, max_seq: int,
+    args: argparse.Namespace,
+) -> Engine:  # fmt: skip
+    """A fresh engine for one mode (its bandit and cost estimates start empty)."""
+    drafters, gate = MODES[mode]
     strategies = tuple(Strategy(d, k) for d in drafters for k in args.ks)
-    every = [work, *warm]
-    threshold = args.threshold
-    if mode == "adaptive+":
-        threshold = max(len(w) for w in every) * args.samples
+    threshold = args.threshold if gate == "threshold" else max_batch
     engine = Engine(
         model,
         EngineConfig(
-            max_batch=max(len(w) for w in every) * args.samples,
-            max_seq_len=max(len(p) for w in every for _, p in w) + args.max_new_tokens + 1,
+            max_batch=max_batch,
+            max_seq_len=max_seq,
             spec_mode="adaptive" if drafters else "off",
             strategies=strategies or EngineConfig().strategies,
             batch_threshold=threshold,
             draft_confidence=args.confidence,
-            # One bandit bucket per power of two up to the threshold.
+            # One bandit bucket per power of two up to the gate.
             buckets=tuple(1 << i for i in range(max(1, threshold).bit_length())),
             seed=args.seed,
             dtype=DTYPES[args.dtype],
@@ -108,145 +142,173 @@ def run_mode(
     if "eagle" in drafters:
         assert drafter is not None
         engine.set_drafter(drafter, version=1)
+    return engine
+
+
+def run_mode(
+    mode: str,
+    model: CausalLM,
+    drafter: EagleDrafter | None,
+    work: list,
+    warm: list,
+    args: argparse.Namespace,
+) -> Run:
+    """The workload through a fresh engine in one mode, after the `warm` passes.
+
+    The warm passes run other prompts of the same distribution through the same engine,
+    untimed: in a daemon the engine's bandit and estimates live across a job's rollouts (every
+    RL step replays the same distribution), so exploring untried arms is not a cost of every
+    rollout. Stats are reset before the timed pass.
+    """
+    every = [work, *warm]
+    engine = make_engine(
+        mode,
+        model,
+        drafter,
+        max(len(w) for w in every) * args.samples,
+        max(len(p) for w in every for _, p in w) + args.max_new_tokens + 1,
+        args,
+    )
     for j, w in enumerate(warm):
-        engine.generate(_requests(w, args, f"warm{j}-", 10_000 * (j + 1)))
+        engine.generate(requests_for(w, args, f"warm{j}-", 10_000 * (j + 1)))
     engine.stats.reset()
     t0 = time.perf_counter()
-    outs = engine.generate(_requests(work, args, "w", args.seed))
+    outs, per_bucket = timed_generate(engine, requests_for(work, args, "w", args.seed))
     seconds = time.perf_counter() - t0
     tok = load_tokenizer(args.model)
     rewards = [reward(work[o.prompt_index][0], decode(tok, o.token_ids)) for o in outs]
-    return Result(
+    return Run(
         mode,
         seconds,
-        sum(len(o.token_ids) for o in outs),
+        outs,
         sum(rewards) / len(rewards),
         engine.stats.summary(),
-        engine.strategy_snapshot() if drafters else {},
+        engine.strategy_snapshot() if MODES[mode][0] else {},
+        per_bucket,
     )
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    width = spec.split(".")[0]
-    return "-".rjust(int(width) if width else 0) if x is None else format(x, spec)
+def length_stats(outs: list[SampleOutput]) -> dict[str, float]:
+    """Quantiles of the answer lengths (tokens) and the share stopped by max_new_tokens."""
+    lengths = sorted(len(o.token_ids) for o in outs)
+    n = len(lengths)
+
+    def q(p: float) -> int:
+        return lengths[min(n - 1, int(p * n))]
+
+    capped = sum(o.finish_reason == FinishReason.LENGTH for o in outs)
+    return {
+        "n": n, "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": lengths[-1],
+        "p99/p50": q(0.99) / max(q(0.5), 1), "max/p50": lengths[-1] / max(q(0.5), 1),
+        "capped": capped / n,
+    }  # fmt: skip
 
 
-def print_table(results: dict[str, Result]) -> None:
-    base = results["off"]
+def time_share(run: Run, gate: int) -> float:
+    """Share of the run's decode time spent at running batch <= gate."""
+    decode = {b: c for b, c in run.per_bucket.items() if b}
+    total = sum(c[0] for c in decode.values())
+    return sum(c[0] for b, c in decode.items() if b <= gate) / total if total else 0.0
+
+
+def _spread(values: list[float], spec: str) -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return format(med, spec)
+    return f"{format(med, spec)} [{format(min(values), spec)}-{format(max(values), spec)}]"
+
+
+def print_workload(runs: list[Run]) -> None:
+    """Length quantiles and the SD-off time per running-batch bucket (from the off runs)."""
+    s = length_stats(runs[0].outputs)
     print(
-        "| mode      | wall s | tokens | tok/s  | wall vs off | tok/s vs off | mean acc len "
-        "| SD steps | prefill s | plain s | draft s | verify s | other s | reward |"
+        f"answer lengths (tokens, {s['n']} samples): p50 {s['p50']}, p90 {s['p90']}, "
+        f"p99 {s['p99']}, max {s['max']}; p99/p50 {s['p99/p50']:.1f}, max/p50 "
+        f"{s['max/p50']:.1f}; stopped by max_new_tokens {100 * s['capped']:.1f}%"
+    )
+    buckets = sorted(b for r in runs for b in r.per_bucket)
+    buckets = sorted(set(buckets))
+    total = [sum(c[0] for c in r.per_bucket.values()) for r in runs]
+    print("share of SD-off time per running-batch bucket (0 = prefill):")
+    cells = []
+    for b in buckets:
+        shares = [r.per_bucket.get(b, [0.0, 0.0])[0] / t for r, t in zip(runs, total, strict=True)]
+        label = "prefill" if b == 0 else f"<={b}"
+        cells.append(f"{label} {100 * statistics.median(shares):.0f}%")
+    print("  " + ", ".join(cells))
+
+
+def print_table(runs: dict[str, list[Run]]) -> None:
+    """One row per mode: median wall time and ratio to off over the interleaved repeats."""
+    base = runs["off"]
+    print(
+        "| mode        | wall s | wall vs off (median [min-max]) | tok/s vs off | tokens "
+        "| mean acc len | SD steps | reward |"
     )
     print(
-        "|-----------|-------:|-------:|-------:|------------:|-------------:|-------------:"
-        "|---------:|----------:|--------:|--------:|---------:|--------:|-------:|"
+        "|-------------|-------:|-------------------------------:|-------------:|-------:"
+        "|-------------:|---------:|-------:|"
     )
-    for r in results.values():
-        s = r.summary
-        sec = s["seconds"]
-        share, mal = s["sd_step_share"], s["mean_accepted_length"]
-        phases = sec.get("prefill", 0.0), sec["plain_decode"], sec["draft"], sec["verify"]
-        other = r.seconds - sum(phases)
+    for mode, rs in runs.items():
+        ratios = [b.seconds / r.seconds for b, r in zip(base, rs, strict=True)]
+        tps = [
+            (r.tokens / r.seconds) / (b.tokens / b.seconds) for b, r in zip(base, rs, strict=True)
+        ]
+        mal = [r.summary["mean_accepted_length"] or 0.0 for r in rs]
+        share = [r.summary["sd_step_share"] or 0.0 for r in rs]
         print(
-            f"| {r.mode:<9} | {r.seconds:6.1f} | {r.tokens:6d} | {r.tokens / r.seconds:6.1f} "
-            f"| {base.seconds / r.seconds:10.2f}x "
-            f"| {(r.tokens / r.seconds) / (base.tokens / base.seconds):11.2f}x "
-            f"| {_fmt(mal, '12.2f')} "
-            f"| {_fmt(share and 100 * share, '7.0f')}% "
-            f"| {phases[0]:9.1f} | {phases[1]:7.1f} | {phases[2]:7.1f} | {phases[3]:8.1f} "
-            f"| {other:7.1f} | {r.reward:6.3f} |"
+            f"| {mode:<11} | {statistics.median(r.seconds for r in rs):6.1f} "
+            f"| {_spread(ratios, '.2f') + 'x':>30} | {statistics.median(tps):11.2f}x "
+            f"| {int(statistics.median(r.tokens for r in rs)):6d} "
+            f"| {statistics.median(mal):12.2f} | {100 * statistics.median(share):7.0f}% "
+            f"| {statistics.median(r.reward for r in rs):6.3f} |"
         )
-    for r in results.values():
-        if not r.bandit:
+
+
+def print_bucket_gains(runs: dict[str, list[Run]]) -> None:
+    """Per running-batch bucket: each mode's decode throughput over SD off's (median of the
+    repeats), and the arm the adaptive bandit used most there."""
+    buckets = sorted({b for rs in runs.values() for r in rs for b in r.per_bucket if b})
+    modes = [m for m in runs if m != "off"]
+    print("\nper-bucket gain (decode tok/s vs SD off, median of repeats):")
+    print("| bucket | off tok/s | " + " | ".join(modes) + " | adaptive's most used arm |")
+    print("|---:|---:|" + "---:|" * len(modes) + "---|")
+
+    def tps(r: Run, b: int) -> float | None:
+        s, t = r.per_bucket.get(b, [0.0, 0.0])
+        return t / s if s else None
+
+    for b in buckets:
+        off = [x for r in runs["off"] if (x := tps(r, b))]
+        if not off:
             continue
-        print(f"\n{r.mode}: steps per batch bucket and arm (count, median reward tok/s)")
-        for bucket, per in r.bandit.items():
-            used = {
-                name: v
-                for name, v in per.items()
-                if v["count"]  # type: ignore[index]
-            }
-            if used:
-                cells = ", ".join(
-                    f"{name} {v['count']} ({_fmt(v['median_reward'], '.0f')})"
-                    for name, v in used.items()
-                )
-                plain = per.get("plain", {}).get("median_reward")
-                best = max(
-                    (v["median_reward"] for n, v in used.items() if n != "plain"), default=None
-                )
-                gain = f"  [best SD / plain {best / plain:.2f}x]" if plain and best else ""
-                print(f"  <= {bucket:3d}: {cells}{gain}")
-        per_strategy = r.summary["per_strategy"]
-        cells = ", ".join(
-            f"{name} {_fmt(v['mean_accepted_length'], '.2f')}" for name, v in per_strategy.items()
-        )
-        print(f"  mean accepted length per strategy: {cells}")
-
-
-def step_costs(
-    model: CausalLM,
-    drafter: EagleDrafter | None,
-    prompt: list[int],
-    batches: tuple[int, ...],
-    k: int,
-    tokens: int,
-    temperature: float,
-) -> None:
-    """Per-step cost of plain decoding vs one SD step (draft + verify) at fixed batch sizes.
-
-    Break-even = (draft + verify) / plain: the tokens an SD step must gain per row to pay.
-    No stop token, `tokens` new tokens per row (one prompt, n = batch samples).
-    """
-    drafters = ["ngram"] + (["eagle"] if drafter is not None else [])
-    print(f"\nstep costs (ms/step, T={temperature}, k={k}; break-even = SD step / plain step):")
-    head = "| batch | plain ms |" + "".join(
-        f" {d} draft | {d} verify | {d} break-even | {d} acc len |" for d in drafters
-    )
-    print(head)
-    print("|" + "---:|" * (head.count("|") - 1))
-    for b in batches:
         cells = []
-        plain_ms = None
-        for mode in ["off", *drafters]:
-            engine = Engine(
-                model,
-                EngineConfig(
-                    max_batch=b,
-                    max_seq_len=len(prompt) + tokens + k + 2,
-                    spec_mode="off" if mode == "off" else "fixed",
-                    strategies=(Strategy(mode if mode != "off" else "ngram", k),),
-                    batch_threshold=b,
-                    dtype=next(model.parameters()).dtype,
-                ),
-            )
-            if mode == "eagle":
-                engine.set_drafter(drafter, version=1)
-            sp = SamplingParams(n=b, temperature=temperature, max_new_tokens=tokens, seed=0)
-            engine.generate([Request("c", prompt, sp)])
-            st = engine.stats
-            if mode == "off":
-                plain_ms = 1000 * st.plain_seconds / max(st.plain_steps, 1)
-                continue
-            n = max(st.spec_totals.steps, 1)
-            draft_ms, verify_ms = 1000 * st.draft_seconds / n, 1000 * st.verify_seconds / n
-            assert plain_ms is not None
-            acc = st.summary()["mean_accepted_length"] or 0.0
-            be = (draft_ms + verify_ms) / plain_ms
-            cells.append(f" {draft_ms:.1f} | {verify_ms:.1f} | {be:.2f} | {acc:.2f} |")
-        print(f"| {b} | {plain_ms:.1f} |" + "".join(cells), flush=True)
+        for m in modes:
+            gains = [
+                x / o for r, o in zip(runs[m], off, strict=False) if (x := tps(r, b)) is not None
+            ]
+            cells.append(f"{statistics.median(gains):.2f}x" if gains else "-")
+        arm = "-"
+        if "adaptive" in runs and runs["adaptive"][-1].bandit:
+            per = runs["adaptive"][-1].bandit
+            near = [k for k in per if k >= b]
+            used = per[min(near)] if near else {}
+            counts = {n: v["count"] for n, v in used.items() if v.get("count")}
+            arm = max(counts, key=counts.get) if counts else "-"  # type: ignore[arg-type]
+        print(f"| <={b} | {statistics.median(off):.0f} | " + " | ".join(cells) + f" | {arm} |")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=MODEL_DIR)
     ap.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny workload")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--care", type=int, default=WORKLOAD_CARE, help="re-check rate in tenths")
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--threshold", type=int, default=32, help="speculate at running batch <= N")
+    ap.add_argument("--threshold", type=int, default=32, help="fixed gate of the @32 ablation")
     ap.add_argument(
         "--ks",
         type=lambda v: tuple(int(x) for x in v.split(",")),
@@ -263,16 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--warmup", type=int, default=1, help="untimed passes (other prompts) per engine first"
     )
-    ap.add_argument("--repeats", type=int, default=1, help="modes interleaved; best wall kept")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warm-prompts", type=int, help="prompts per warm pass (default: half)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of every mode")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--dtype", choices=sorted(DTYPES), default="float32", help="engine weights and activations"
     )
-    ap.add_argument("--no-costs", dest="costs", action="store_false", help="skip step costs")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens = 2, 2, min(args.max_new_tokens, 48)
+        args.repeats = 1
     modes = [m for m in args.modes.split(",") if m]
     if "off" not in modes:
         modes.insert(0, "off")
@@ -282,37 +345,37 @@ def main(argv: list[str] | None = None) -> int:
     drafter = None
     if args.drafter.is_dir():
         drafter = EagleDrafter.from_pretrained(args.drafter, model)
-    elif any("eagle" in MODES[m] for m in modes):
+    elif any("eagle" in MODES[m][0] for m in modes):
         print(f"no drafter at {args.drafter}: skipping the EAGLE modes", flush=True)
-        modes = [m for m in modes if "eagle" not in MODES[m]]
-    work = rollout_prompts(args.prompts, args.seed, args.model)
+        modes = [m for m in modes if "eagle" not in MODES[m][0]]
+    work = rollout_prompts(args.prompts, args.seed, args.model, args.care)
     print(
-        f"workload: {args.prompts} prompts x {args.samples} samples, T={args.temperature}, "
-        f"max_new_tokens {args.max_new_tokens}, SD at batch <= {args.threshold}, "
-        f"threads {args.threads}, {args.dtype}",
+        f"workload: {args.prompts} prompts x {args.samples} samples, care {args.care}, "
+        f"T={args.temperature}, max_new_tokens {args.max_new_tokens}, threads {args.threads}, "
+        f"{args.dtype}, {args.repeats} interleaved repeats after {args.warmup} untimed warm-up "
+        f"pass(es) of {args.warm_prompts or max(1, args.prompts // 2)} other prompts",
         flush=True,
     )
+    warm_n = args.warm_prompts or max(1, args.prompts // 2)
     warm = [
-        rollout_prompts(args.prompts, args.seed + 1 + j, args.model) for j in range(args.warmup)
+        rollout_prompts(warm_n, args.seed + 1 + j, args.model, args.care)
+        for j in range(args.warmup)
     ]
-    results: dict[str, Result] = {}
+    runs: dict[str, list[Run]] = {m: [] for m in modes}
     for rep in range(args.repeats):
         for mode in modes:
             r = run_mode(mode, model, drafter, work, warm, args)
+            runs[mode].append(r)
             print(f"  [{rep + 1}/{args.repeats}] {mode}: {r.seconds:.1f}s", flush=True)
-            if mode not in results or r.seconds < results[mode].seconds:
-                results[mode] = r
     print()
-    print_table(results)
+    print_workload(runs["off"])
+    print()
+    print_table(runs)
     print(
-        "\nSD steps: share of decode steps that speculated. Phases come from the engine's "
-        "stats (other = wall - phases: scheduling, bookkeeping, n-gram index updates)."
+        "\nSD steps: share of sample decode steps that speculated. mean acc len: tokens a "
+        "sample gains per SD step (accepted drafts + 1)."
     )
-    if args.costs:
-        longest = max(work, key=lambda w: len(w[0].solution))[1]
-        batches = (1, 4) if args.quick else (1, 4, 16, 64)
-        for temperature in (0.0, args.temperature):
-            step_costs(model, drafter, longest, batches, 4, 16 if args.quick else 96, temperature)
+    print_bucket_gains(runs)
     return 0
 
 

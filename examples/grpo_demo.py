@@ -65,6 +65,10 @@ class StepRow:
     tail_s: float  # from 90% of samples finished to the last
     samples: int
     tokens: int
+    p50: int  # answer length quantiles (tokens)
+    p99: int
+    max_len: int
+    capped: float  # share of samples stopped by max_new_tokens
     sd_share: float  # share of the samples' decode steps that verified a draft (sd_share())
     accepted_length: float  # tokens per SD step (accepted + 1); 0 without SD
     drafter_version: int
@@ -296,7 +300,13 @@ def sd_share(samples: list[RolloutSample]) -> float:
     return draft / (draft + plain) if draft + plain else 0.0
 
 
+def quantile(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0
+
+
 def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested) -> StepRow:
+    lengths = [s.num_tokens for s in samples]
     draft = sum(s.draft_steps for s in samples)
     accepted = sum(s.accepted_tokens for s in samples)
     return StepRow(
@@ -304,7 +314,11 @@ def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested
         rollout_s=rollout_s,
         tail_s=tail_seconds(finish),
         samples=len(samples),
-        tokens=sum(s.num_tokens for s in samples),
+        tokens=sum(lengths),
+        p50=quantile(lengths, 0.5),
+        p99=quantile(lengths, 0.99),
+        max_len=max(lengths, default=0),
+        capped=sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
         sd_share=sd_share(samples),
         accepted_length=(accepted + draft) / draft if draft else 0.0,
         drafter_version=max((s.drafter_version for s in samples), default=0),
@@ -319,7 +333,8 @@ def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested
 # ---- output --------------------------------------------------------------------------------
 
 HEADER = (
-    f"{'mode':<5}{'step':>5}{'rollout s':>11}{'tail s':>8}{'tokens':>8}{'SD share':>10}"
+    f"{'mode':<5}{'step':>5}{'rollout s':>11}{'tail s':>8}{'tokens':>8}{'p50':>6}{'p99':>6}"
+    f"{'max':>6}{'capped':>8}{'SD share':>10}"
     f"{'acc len':>9}{'drafter':>9}{'policy':>8}{'harvest s':>11}{'reward':>8}{'update s':>10}"
 )
 
@@ -327,7 +342,8 @@ HEADER = (
 def print_row(mode: str, r: StepRow) -> None:
     print(
         f"{mode:<5}{r.step:>5}{r.rollout_s:>11.2f}{r.tail_s:>8.2f}{r.tokens:>8}"
-        f"{r.sd_share:>10.2f}{r.accepted_length:>9.2f}{r.drafter_version:>9}"
+        f"{r.p50:>6}{r.p99:>6}{r.max_len:>6}{100 * r.capped:>7.1f}%{r.sd_share:>10.2f}"
+        f"{r.accepted_length:>9.2f}{r.drafter_version:>9}"
         f"{r.policy_version:>8}{r.harvested_s:>11.1f}{r.mean_reward:>8.2f}{r.update_s:>10.1f}",
         flush=True,
     )
@@ -348,6 +364,16 @@ def print_summary(results: dict[str, list[StepRow]]) -> float:
         f"(TLT / off = {tlt / off if off else float('nan'):.2f})"
     )
     print(f"mean reward per step: TLT {rewards['tlt']}  off {rewards['off']}")
+    for mode in MODES:
+        rows = results[mode]
+        if rows:
+            p50 = sorted(r.p50 for r in rows)[len(rows) // 2]
+            print(
+                f"answer lengths ({mode}, per step): p50 {[r.p50 for r in rows]}, p99/p50 "
+                f"{[round(r.p99 / max(r.p50, 1), 1) for r in rows]}, max/p50 "
+                f"{[round(r.max_len / max(r.p50, 1), 1) for r in rows]}, capped "
+                f"{[f'{100 * r.capped:.1f}%' for r in rows]} (median p50 {p50})"
+            )
     print(f"max |trainer logprob - daemon logprob| over the run: {gap:.2e}")
     return speedup
 

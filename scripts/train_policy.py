@@ -19,6 +19,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.task.reasoning import (  # noqa: E402
+    CARE_LEVELS,
+    GUESS_RATE,
     Problem,
     format_prompt,
     generate_problem,
@@ -39,6 +41,7 @@ from workers.task.tokenizer import (  # noqa: E402
 )
 
 NEWLINE_ID = VOCAB.index("\n")
+MAX_NEW_TOKENS = 2048  # the rollout cap of the task's workload (workers/task/workload.py)
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models" / "tiny-policy"
 
 
@@ -46,7 +49,7 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models" / "tiny-policy"
 class TrainConfig:
     seed: int = 0
     steps: int = 1200
-    batch_tokens: int = 1024
+    batch_tokens: int = 4096
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup: int = 100
@@ -57,20 +60,35 @@ class TrainConfig:
     decision_weight: float = 1.0
     # Loss weight of the final "answer: N" line (copying the last total into it).
     final_weight: float = 1.0
+    # Care levels (re-check rate in tenths) and guess rate of the reference solutions
+    # (workers/task/reasoning.py). A first stage at low care learns the arithmetic on short,
+    # cheap sequences (attention over 2k tokens costs several times more per token); the last
+    # stage trains on every level.
+    max_care: int = max(CARE_LEVELS)
+    guess_rate: float = GUESS_RATE
+
+
+# Deep and narrow, so that on a CPU a decode step is bound by per-layer overhead and KV-cache
+# reads rather than by matmul FLOPs: verifying k+1 tokens then costs little more than one
+# token, and a one-layer drafter is ~1/16 of a step, as on a GPU serving a large policy
+# (benchmarks/bench_verify_cost.py prints the curve).
+LAYERS, HIDDEN, MLP = 16, 128, 384
+# Prompt (~35 tokens) + the rollout cap of 2048 new tokens, with room to spare.
+MAX_POSITIONS = 2304
 
 
 def build_model(seed: int) -> torch.nn.Module:
-    """A ~4.4M-parameter Qwen2-shaped causal LM (GQA 4 query / 2 KV heads, untied head)."""
+    """A ~3M-parameter Qwen2-shaped causal LM (GQA 4 query / 2 KV heads, untied head)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=6,
+        hidden_size=HIDDEN,
+        intermediate_size=MLP,
+        num_hidden_layers=LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=MAX_POSITIONS,
         rope_theta=10000.0,
         # Untied so that lm_head.weight is its own tensor in the checkpoint: drafters that
         # borrow the target's frozen head read it by name.
@@ -93,8 +111,12 @@ def batches(tok, cfg: TrainConfig, rng: random.Random):
     """Endless token-budget batches: a pool of problems is sorted by length and cut into
     batches of at most `batch_tokens` padded tokens, so short and long answers never share
     a batch (little padding), then the batches are shuffled."""
+    care = range(cfg.max_care + 1)
     while True:
-        examples = [encode_example(tok, generate_problem(rng)) for _ in range(cfg.pool)]
+        examples = [
+            encode_example(tok, generate_problem(rng, None, "sum", care, cfg.guess_rate))
+            for _ in range(cfg.pool)
+        ]
         examples.sort(key=lambda e: len(e[0]))
         cut, current = [], []
         for ex in examples:
@@ -195,7 +217,7 @@ def train(
     model.generation_config.temperature = 1.0
     model.generation_config.top_k = 0
     model.generation_config.top_p = 1.0
-    model.generation_config.max_new_tokens = 512
+    model.generation_config.max_new_tokens = MAX_NEW_TOKENS
     model.save_pretrained(out, safe_serialization=True)
     return {
         "params": n_params,
@@ -305,31 +327,41 @@ def evaluate(path: Path, n: int, max_new_tokens: int, seed: int) -> dict:
 
 MODEL_CARD = """# tiny-policy
 
-A {params:,}-parameter Qwen2-shaped causal LM (hidden 256, 6 layers, 4 query heads / 2 KV heads
-(GQA), MLP 704, untied lm_head, vocab {vocab} characters, RoPE, max 1024 positions), trained from
-scratch by `scripts/train_policy.py` on the project's synthetic count-up task
+A {params:,}-parameter Qwen2-shaped causal LM (hidden 128, 16 layers, 4 query heads / 2 KV heads
+(GQA), MLP 384, untied lm_head, vocab {vocab} characters, RoPE, max {positions} positions), trained
+from scratch by `scripts/train_policy.py` on the project's synthetic count-up task
 (`workers/task/reasoning.py`). Weights: fp32 safetensors, {size_mb:.1f} MB.
 
-It is deliberately **only partly good** at the task, so that RL has something to improve and
-rollout lengths are long-tailed (short problems mostly finish early; large ones, and answers
-where the model gets lost, run long or to the token limit).
+Deep and narrow on purpose: on a CPU its decode step is bound by per-layer overhead and KV-cache
+reads rather than by matmul FLOPs, so verifying k+1 tokens costs little more than one and a
+one-layer EAGLE drafter costs ~1/16 of a step, as on a GPU serving a large policy
+(`benchmarks/bench_verify_cost.py`). It is deliberately **only partly good** at the task, so
+that RL has something to improve.
 
 ## Task and format
 
 Add `step` to `start`, `count` times; the answer is the final total. Prompt
-`<bos>start 0017 step 38 count 0003\n`; the answer is one fixed-width line per step (total,
-step, new total, steps left) then the result, ended by `<eos>`:
+`<bos>start 0017 step 38 count 0003 care 7\n`; the answer is one fixed-width line per step
+(total, step, new total, steps left), then, with probability care / 10 each time, `check` and
+the whole computation again, then the result, ended by `<eos>`:
 
 ```
+0017+0038=0055,0002
+0055+0038=0093,0001
+0093+0038=0131,0000
+check
 0017+0038=0055,0002
 0055+0038=0093,0001
 0093+0038=0131,0000
 answer:   0131
 ```
 
-The count (1-24) follows a truncated power law (exponent 1.5): reference answer lengths
-p50 ~54, p90 ~214, p99 ~454, max 494 characters (= tokens). Reward: 1.0 when the completion
-ends with exactly one `answer: N` line and N is right, else 0.0.
+A fifth of the reference answers are a bare guess (`answer:   0131` at once), which a policy
+this small mostly gets wrong: RL learns to stop guessing. The count (1-24) follows a
+truncated power law (exponent 1.25); re-checks make lengths long-tailed *per sample* (the same
+prompt: 60 tokens once, 1,500 the next). Reference answers at care 7: p50 ~113, p99 ~1,870,
+max 2,040 characters (= tokens). Reward: 1.0 when the completion ends with exactly one
+`answer: N` line and N is right, else 0.0.
 
 ## Loading
 
@@ -345,17 +377,18 @@ newlines from this character vocabulary. Ids: `<pad>` 0, `<bos>` 1, `<eos>` 2 (s
 `python scripts/train_policy.py` (deterministic for a seed and thread count): AdamW (betas
 0.9/0.95, weight decay 0.1, 100 warmup steps then cosine to 10% of the peak lr), batches of at
 most {batch_tokens} padded tokens bucketed by length, loss on answer tokens only, fresh problems
-from the task distribution, 1 thread on a shared 2-core CPU (torch {torch}). Stages, first
-to last (a later stage starts from the previous one's weights with `--init-from`; tokens are
-answer tokens seen, loss the final EMA of the training loss):
+from the task distribution with care drawn uniformly from 0 to the stage's max care, 1 thread
+on a shared 2-core CPU (torch {torch}). Stages, first to last (a later stage starts from the
+previous one's weights with `--init-from`; tokens are answer tokens seen, loss the final EMA
+of the training loss):
 
-| stage | seed | steps | peak lr | weights (decision / final line) | tokens | loss | min |
+| stage | seed | steps | peak lr | max care | tokens | loss | min |
 |---|---|---|---|---|---|---|---|
 {stages}
 
 ## Evaluation
 
-`python scripts/train_policy.py --eval` (transformers `generate`, max_new_tokens {mnt};
+`python scripts/train_policy.py --eval` (transformers `generate`, max_new_tokens {mnt}, care 7;
 "sampled" is temperature 1, no top-k/top-p; lengths are generated tokens including `<eos>`;
 hit_limit is the fraction that never produced `<eos>`).
 
@@ -380,7 +413,7 @@ def write_card(out: Path, summary: dict, report: dict) -> None:
         c = stage["config"]
         stages.append(
             f"| {{n}} | {c['seed']} | {c['steps']} | {c['lr']} | "
-            f"{c.get('decision_weight', 1.0)} / {c.get('final_weight', 1.0)} | "
+            f"{c.get('max_care', '-')} | "
             f"{stage['answer_tokens_seen']:,} | {stage['final_loss_ema']} | "
             f"{stage['train_seconds'] / 60:.1f} |"
         )
@@ -390,6 +423,7 @@ def write_card(out: Path, summary: dict, report: dict) -> None:
     text = MODEL_CARD.format(
         params=summary["params"],
         vocab=VOCAB_SIZE,
+        positions=MAX_POSITIONS,
         batch_tokens=cfg["batch_tokens"],
         torch=torch.__version__.split("+")[0],
         mnt=report["max_new_tokens"],
@@ -409,6 +443,8 @@ def main() -> None:
     parser.add_argument("--decision-weight", type=float, default=TrainConfig.decision_weight)
     parser.add_argument("--final-weight", type=float, default=TrainConfig.final_weight)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    parser.add_argument("--max-care", type=int, default=TrainConfig.max_care)
+    parser.add_argument("--guess-rate", type=float, default=TrainConfig.guess_rate)
     # One thread: on the shared 2-core machine two intra-op threads mostly wait on each other
     # (a step took ~8 s with two threads vs ~1 s with one here, under varying load), and the
     # float summation order, hence the exact checkpoint, depends on the thread count.
@@ -418,7 +454,7 @@ def main() -> None:
     parser.add_argument("--eval", action="store_true", help="only evaluate the model in --out")
     parser.add_argument("--no-eval", action="store_true", help="train without the final eval")
     parser.add_argument("--eval-n", type=int, default=150)
-    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.init_from is not None and args.init_from.resolve() == args.out.resolve():
@@ -433,6 +469,8 @@ def main() -> None:
             lr=args.lr,
             decision_weight=args.decision_weight,
             final_weight=args.final_weight,
+            max_care=args.max_care,
+            guess_rate=args.guess_rate,
         )
         if args.out.exists():
             shutil.rmtree(args.out)

@@ -36,7 +36,9 @@ class Settings:
     spec_batch_threshold: int = 32
     # Rollout workers (one process per device)
     worker_max_batch: int = 64  # samples one engine runs at once (the scheduler's capacity)
-    worker_max_seq_len: int = 2048  # prompt + generated tokens per sample (KV cache size)
+    # prompt + generated tokens per sample (KV cache size): a ~256-token prompt plus the
+    # 2,048-token cap reasoning rollouts commonly use
+    worker_max_seq_len: int = 2304
     worker_threads: int = 1  # torch threads per CPU worker
     worker_heartbeat_seconds: float = 0.5
     worker_heartbeat_timeout_seconds: float = 30.0  # silent this long while up -> killed

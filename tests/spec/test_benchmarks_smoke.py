@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bench_drift, bench_engine_vs_hf, bench_spec
+from benchmarks import bench_drift, bench_engine_vs_hf, bench_spec, bench_tail_sweep
 from tests.engine.helpers import make_checkpoint
 from workers.engine.eagle import EagleDrafter
 from workers.engine.model import load_model
@@ -36,9 +36,33 @@ def test_bench_spec_quick(tiny: tuple[Path, Path], capsys: pytest.CaptureFixture
     args = ["--quick", "--model", str(target), "--drafter", str(drafter), "--threads", "1"]
     assert bench_spec.main(args) == 0
     out = capsys.readouterr().out
-    for mode in ("off", "ngram", "eagle", "adaptive", "adaptive+"):
-        assert f"| {mode:<9} |" in out
+    for mode in ("off", "ngram", "eagle", "adaptive", "adaptive@32"):
+        assert f"| {mode:<11} |" in out
     assert "1.00x" in out  # off against itself
+    assert "answer lengths (tokens, 4 samples): p50" in out
+    assert "share of SD-off time per running-batch bucket" in out
+    assert "per-bucket gain" in out
+
+
+def test_bench_tail_sweep_quick(
+    tiny: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, drafter = tiny
+    args = ["--quick", "--model", str(target), "--drafter", str(drafter), "--threads", "1"]
+    assert bench_tail_sweep.main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "x [" in line]
+    assert len(rows) == 2  # care 0 and care 8
+
+
+def test_tail_sweep_plot_is_written(tmp_path: Path) -> None:
+    rows = [
+        {"care": c, "share": s, "speedup": x, "speedups": [x - 0.1, x, x + 0.1], "p99/p50": r}
+        for c, s, x, r in ((0, 0.3, 1.2, 4.0), (8, 0.8, 2.1, 15.0))
+    ]
+    path = tmp_path / "sweep.png"
+    bench_tail_sweep.plot(rows, path, gate=32)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_engine_vs_hf_quick(

@@ -1,4 +1,4 @@
-"""Tests for the count-up task: determinism, long-tailed lengths, and the reward."""
+"""Tests for the count-up task: determinism, long-tailed lengths, re-checks, and the reward."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import random
 import pytest
 
 from workers.task.reasoning import (
+    CHECK_MARKER,
+    MAX_SOLUTION_CHARS,
     MAX_STEPS,
     MIN_STEPS,
     format_prompt,
     generate_problem,
     make_dataset,
     make_problem,
+    max_checks,
     parse_answer,
     reward,
     size_at_quantile,
@@ -26,10 +29,45 @@ def test_generation_is_deterministic_per_seed():
 
 def test_problem_fields_are_consistent():
     p = make_problem(start=17, step=38, count=3)
-    assert format_prompt(p) == "start 0017 step 38 count 0003\n"
+    assert format_prompt(p) == "start 0017 step 38 count 0003 care 7\n"
     lines = ["0017+0038=0055,0002", "0055+0038=0093,0001", "0093+0038=0131,0000", "answer:   0131"]
     assert p.solution == "\n".join(lines)
-    assert p.answer == 131 and p.num_steps == 3
+    assert p.answer == 131 and p.num_steps == 3 and (p.checks, p.guess) == (0, False)
+
+
+def test_a_recheck_redoes_the_whole_computation_and_a_guess_skips_it():
+    p = make_problem(17, 38, 2, checks=2, care=3)
+    work = ["0017+0038=0055,0001", "0055+0038=0093,0000"]
+    expected = work + [CHECK_MARKER] + work + [CHECK_MARKER] + work + ["answer:   0093"]
+    assert p.solution == "\n".join(expected) and p.prompt.endswith("care 3\n")
+    assert reward(p, p.solution) == 1.0
+    g = make_problem(17, 38, 2, checks=5, guess=True)
+    assert g.solution == "answer:   0093" and g.checks == 0
+    # Re-checks are dropped to keep a reference solution within MAX_SOLUTION_CHARS.
+    big = make_problem(1, 10, MAX_STEPS, checks=50)
+    assert big.checks == max_checks(MAX_STEPS) and len(big.solution) <= MAX_SOLUTION_CHARS
+    with pytest.raises(ValueError, match="care"):
+        make_problem(17, 38, 2, care=10)
+    with pytest.raises(ValueError, match="checks"):
+        make_problem(17, 38, 2, checks=-1)
+
+
+def test_rechecks_are_geometric_at_the_prompts_care_and_lengthen_the_tail():
+    rng = random.Random(0)
+    for care in (0, 5, 8):
+        probs = [generate_problem(rng, num_steps=1, care=care, guess_rate=0) for _ in range(4000)]
+        # P(checks >= 1) = care / 10 (a geometric law), within sampling noise.
+        share = sum(p.checks >= 1 for p in probs) / len(probs)
+        assert abs(share - care / 10) < 0.03
+    guesses = [generate_problem(rng, care=7).guess for _ in range(4000)]
+    assert abs(sum(guesses) / len(guesses) - 0.2) < 0.03
+
+    def p99_over_median(care: int) -> float:
+        lengths = sorted(len(p.solution) for p in make_dataset(4000, seed=1, care=care))
+        return lengths[int(0.99 * len(lengths))] / lengths[len(lengths) // 2]
+
+    # The same prompts' answers get much longer tails when the policy re-checks more.
+    assert p99_over_median(8) > 12 > 9 > p99_over_median(0)
 
 
 @pytest.mark.parametrize(
@@ -55,10 +93,11 @@ def test_requested_step_count_is_exact_and_sizes_stay_in_range():
 def test_reference_lengths_are_long_tailed():
     lengths = sorted(len(p.solution) for p in make_dataset(5000, seed=0))
     median = lengths[len(lengths) // 2]
-    p90 = lengths[int(0.9 * len(lengths))]
-    assert p90 / median > 3
-    assert lengths[-1] > 8 * median
-    assert lengths[-1] > 400  # the tail reaches the hundreds of tokens
+    p99 = lengths[int(0.99 * len(lengths))]
+    assert 80 <= median <= 200
+    assert p99 / median > 8
+    assert lengths[-1] > 15 * median
+    assert lengths[-1] > 1800  # the tail reaches the thousands of tokens
 
 
 def test_reward_is_one_for_the_reference_solution():
@@ -100,6 +139,7 @@ def test_other_line_styles_keep_the_computation_and_the_reward():
     for style in LINE_STYLES:
         q = generate_problem(random.Random(3), 4, style=style)
         assert q.answer == generate_problem(random.Random(3), 4).answer
+        assert q.checks == generate_problem(random.Random(3), 4).checks
         assert reward(q, q.solution) == 1.0
         assert UNK_ID not in tok.encode(q.solution, add_special_tokens=False).ids
     with pytest.raises(ValueError, match="style"):

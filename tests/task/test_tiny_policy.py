@@ -21,7 +21,7 @@ def model():
 def test_checkpoint_files_and_size():
     for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md"):
         assert (MODEL_DIR / name).is_file(), name
-    assert (MODEL_DIR / "model.safetensors").stat().st_size <= 20 * 1024 * 1024
+    assert (MODEL_DIR / "model.safetensors").stat().st_size <= 25 * 1024 * 1024
 
 
 def test_committed_tokenizer_is_the_task_tokenizer():
@@ -33,11 +33,14 @@ def test_committed_tokenizer_is_the_task_tokenizer():
 def test_checkpoint_shape(model):
     cfg = model.config
     assert cfg.model_type == "qwen2"
-    assert (cfg.num_hidden_layers, cfg.hidden_size) == (6, 256)
+    # Deep and narrow: a CPU decode step bound by per-layer overhead and KV reads.
+    assert (cfg.num_hidden_layers, cfg.hidden_size) == (16, 128)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
     assert cfg.vocab_size == VOCAB_SIZE and cfg.eos_token_id == EOS_ID
+    # Positions cover a prompt plus the workload's 2,048-token cap.
+    assert cfg.max_position_embeddings >= 64 + MAX_NEW_TOKENS
     n_params = sum(p.numel() for p in model.parameters())
-    assert 3_000_000 < n_params < 5_000_000
+    assert 2_500_000 < n_params < 4_000_000
     assert model.dtype == torch.float32
 
 
@@ -54,9 +57,11 @@ def test_greedy_completion_is_well_formed(model):
         pad_token_id=0,
     )[0, len(prompt) :].tolist()
     text = decode(tok, out)
-    # Well-formed: step lines "a+b=c,left" in the task alphabet; correctness is not asserted.
-    assert text and set(text) <= set("0123456789+=,\nanswer: ")
-    assert "+" in text.splitlines()[0] and "=" in text.splitlines()[0]
+    # Well-formed: step lines "a+b=c,left" (or a guessed answer) in the task alphabet;
+    # correctness is not asserted.
+    assert text and set(text) <= set("0123456789+=,\nanswer: check")
+    first = text.splitlines()[0]
+    assert ("+" in first and "=" in first) or first.startswith("answer:")
 
 
 def test_rollout_workload_is_deterministic_and_long_tailed():

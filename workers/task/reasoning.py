@@ -1,18 +1,41 @@
-"""Synthetic step-by-step reasoning task: add a step to a start `count` times (long-tailed)."""
+"""Synthetic step-by-step reasoning task: add a step to a start `count` times, with re-checks.
+
+Answer lengths are long-tailed at two levels, as reasoning RL's are. Per prompt, the problem
+size (step count) follows a power law. Per *sample*, the reference solutions re-check their
+work a random number of times: after the last line, a solution writes "check" and redoes the
+whole computation with probability care / 10 (the prompt's `care` digit), else it writes the
+answer. A policy trained on them samples that choice itself at temperature 1, so one prompt
+gives 60 tokens on one sample and 1,500 on the next, and every tail token is the policy's own
+output; the `care` of the prompts sets how heavy the tail is (benchmarks sweep it).
+
+A share GUESS_RATE of the solutions write the answer at once without working it out; a small
+policy cannot compute `start + step * count` in its head, so those guesses mostly fail, and RL
+has a clear, cheap thing to unlearn.
+"""
 
 from __future__ import annotations
 
 import bisect
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Problem size (number of steps) follows a truncated power law: most problems take 1-4 steps,
-# a few take 20-24.  Every step is one fixed-width line, so the answer's length is
-# proportional to the step count and reference lengths are long-tailed like real rollouts.
+# a few take 20-24.  Every step is one fixed-width line, so a pass's length is proportional to
+# the step count.
 MIN_STEPS = 1
 MAX_STEPS = 24
-SIZE_EXPONENT = 1.5
+SIZE_EXPONENT = 1.25
+# Per-sample tail: the number of re-checks is geometric, P(>= r) = (care / 10) ** r. Training
+# data draws care from CARE_LEVELS; the rollout workload uses WORKLOAD_CARE.
+CARE_LEVELS = tuple(range(9))
+WORKLOAD_CARE = 7
+GUESS_RATE = 0.2
+CHECK_MARKER = "check"
+# Reference solutions are kept within this many characters (re-checks are dropped to fit), so
+# training sequences fit the policy's positions; a sampled answer may still run longer.
+MAX_SOLUTION_CHARS = 2040
 MAX_START = 999
 MIN_STEP, MAX_STEP = 10, 99
 
@@ -38,7 +61,11 @@ _ANSWER_RE = re.compile(r"answer:\s*(-?\d+)")
 
 @dataclass(frozen=True)
 class Problem:
-    """Add `step` to `start`, `count` times; the answer is the final total."""
+    """Add `step` to `start`, `count` times; the answer is the final total.
+
+    `care` (0-9) sets the rate of re-checks, care / 10; `solution` is one reference answer:
+    `checks` re-checks, or a bare guess when `guess`.
+    """
 
     start: int
     step: int
@@ -46,6 +73,9 @@ class Problem:
     prompt: str
     solution: str
     answer: int
+    care: int = 0
+    checks: int = 0
+    guess: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -77,7 +107,7 @@ def format_prompt(problem: Problem) -> str:
     return problem.prompt
 
 
-def _solution_text(start: int, step: int, count: int, style: str = "sum") -> tuple[str, int]:
+def _pass_lines(start: int, step: int, count: int, style: str) -> tuple[list[str], int]:
     # One fixed-width line per step, "total+step=new,left" where `left` counts down the steps
     # still to do; the line with left 0000 is the last.  Fixed widths put everything a line
     # needs at a constant distance in the line above, and digit j of the sum under digit j of
@@ -89,15 +119,53 @@ def _solution_text(start: int, step: int, count: int, style: str = "sum") -> tup
         new = total + step
         lines.append(LINE_STYLES[style].format(total=total, step=step, new=new, left=left))
         total = new
+    return lines, total
+
+
+def _solution_text(
+    start: int, step: int, count: int, style: str = "sum", checks: int = 0, guess: bool = False
+) -> tuple[str, int]:
+    one_pass, total = _pass_lines(start, step, count, style)
+    lines = [] if guess else list(one_pass)
+    if not guess:
+        for _ in range(checks):
+            # A re-check redoes the computation from the prompt, line for line the same: the
+            # span a drafter can copy, as a reasoning model's re-verification repeats itself.
+            lines.append(CHECK_MARKER)
+            lines.extend(one_pass)
     # Zero-padded and right under the last total's column, so writing it is the same
     # copy-from-the-line-above as every other field.
     lines.append(_ANSWER_LINES[style].format(total=total))
     return "\n".join(lines), total
 
 
-def make_problem(start: int, step: int, count: int, style: str = "sum") -> Problem:
+def max_checks(count: int, style: str = "sum") -> int:
+    """The most re-checks a reference solution of `count` steps has (MAX_SOLUTION_CHARS)."""
+    line = len(LINE_STYLES[style].format(total=0, step=0, new=0, left=0)) + 1
+    answer = len(_ANSWER_LINES[style].format(total=0))
+    return max(0, (MAX_SOLUTION_CHARS - answer - count * line) // (count * line + 6))
+
+
+def sample_checks(rng: random.Random, care: int) -> int:
+    """A geometric number of re-checks: each further one with probability care / 10."""
+    checks = 0
+    while rng.random() < care / 10:
+        checks += 1
+    return checks
+
+
+def make_problem(
+    start: int,
+    step: int,
+    count: int,
+    style: str = "sum",
+    checks: int = 0,
+    guess: bool = False,
+    care: int = WORKLOAD_CARE,
+) -> Problem:
     """Build the problem (prompt, reference solution, answer) for explicit numbers; `style`
-    picks the answer's line layout (LINE_STYLES)."""
+    picks the answer's line layout (LINE_STYLES); `checks` re-checks (capped by max_checks),
+    or a bare guess; `care` is the prompt's re-check rate in tenths."""
     if style not in LINE_STYLES:
         raise ValueError(f"style: must be one of {sorted(LINE_STYLES)}, got {style!r}")
     if not 0 <= start <= MAX_START:
@@ -106,27 +174,43 @@ def make_problem(start: int, step: int, count: int, style: str = "sum") -> Probl
         raise ValueError(f"step: must be in [{MIN_STEP}, {MAX_STEP}], got {step}")
     if not MIN_STEPS <= count <= MAX_STEPS:
         raise ValueError(f"count: must be in [{MIN_STEPS}, {MAX_STEPS}], got {count}")
-    prompt = f"start {start:04d} step {step:02d} count {count:04d}\n"
-    solution, answer = _solution_text(start, step, count, style)
-    return Problem(start, step, count, prompt, solution, answer)
+    if checks < 0:
+        raise ValueError(f"checks: must be >= 0, got {checks}")
+    if not 0 <= care <= 9:
+        raise ValueError(f"care: must be in [0, 9], got {care}")
+    checks = 0 if guess else min(checks, max_checks(count, style))
+    prompt = f"start {start:04d} step {step:02d} count {count:04d} care {care}\n"
+    solution, answer = _solution_text(start, step, count, style, checks, guess)
+    return Problem(start, step, count, prompt, solution, answer, care, checks, guess)
 
 
 def generate_problem(
-    rng: random.Random, num_steps: int | None = None, style: str = "sum"
+    rng: random.Random,
+    num_steps: int | None = None,
+    style: str = "sum",
+    care: int | Sequence[int] = WORKLOAD_CARE,
+    guess_rate: float = GUESS_RATE,
 ) -> Problem:
-    """Draw one problem; `num_steps` defaults to a draw from the long-tailed distribution."""
+    """Draw one problem and one reference solution for it; `num_steps` defaults to a draw
+    from the long-tailed size distribution; `care` is fixed or drawn from the levels given;
+    re-checks and guesses follow their rates."""
     k = sample_num_steps(rng) if num_steps is None else num_steps
     if not MIN_STEPS <= k <= MAX_STEPS:
         raise ValueError(f"num_steps: must be in [{MIN_STEPS}, {MAX_STEPS}], got {k}")
     start = rng.randint(0, MAX_START)
     step = rng.randint(MIN_STEP, MAX_STEP)
-    return make_problem(start, step, k, style)
+    level = care if isinstance(care, int) else rng.choice(list(care))
+    guess = rng.random() < guess_rate
+    checks = sample_checks(rng, level)
+    return make_problem(start, step, k, style, checks, guess, level)
 
 
-def make_dataset(n: int, seed: int, num_steps: int | None = None) -> list[Problem]:
+def make_dataset(
+    n: int, seed: int, num_steps: int | None = None, care: int | Sequence[int] = WORKLOAD_CARE
+) -> list[Problem]:
     """`n` problems, deterministic for a given seed."""
     rng = random.Random(seed)
-    return [generate_problem(rng, num_steps) for _ in range(n)]
+    return [generate_problem(rng, num_steps, care=care) for _ in range(n)]
 
 
 def parse_answer(completion_text: str) -> int | None:

@@ -5,24 +5,34 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from workers.task.reasoning import Problem, format_prompt, generate_problem, size_at_quantile
+from workers.task.reasoning import (
+    WORKLOAD_CARE,
+    Problem,
+    format_prompt,
+    generate_problem,
+    size_at_quantile,
+)
 from workers.task.tokenizer import EOS_ID, encode_prompt, load_tokenizer
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-policy"
-# Long enough for the largest reference answer (494 tokens); answers where the policy gets
-# lost run into this limit, which is the tail speculative decoding has to handle.
-MAX_NEW_TOKENS = 512
+# The cap of reasoning RL's rollouts: a few percent of samples (those that re-check many times,
+# or get lost) run into it, which is the tail speculative decoding has to handle.
+MAX_NEW_TOKENS = 2048
 STOP_TOKEN_ID = EOS_ID
 
 
 def rollout_prompts(
-    num_prompts: int = 16, seed: int = 0, model_dir: str | Path = MODEL_DIR
+    num_prompts: int = 16,
+    seed: int = 0,
+    model_dir: str | Path = MODEL_DIR,
+    care: int = WORKLOAD_CARE,
 ) -> list[tuple[Problem, list[int]]]:
     """`num_prompts` problems with their prompt token ids (<bos> first), deterministic per seed.
 
     Problem sizes are the size distribution's quantiles (i + 0.5) / num_prompts rather than
-    random draws, so every workload of 16+ prompts has the long tail (a few 11-18 step
-    problems among mostly 1-3 step ones); the terms themselves are random per seed.
+    random draws, so every workload of 16+ prompts has the prompt-level tail (a few 11-20 step
+    problems among mostly 1-3 step ones); the terms themselves are random per seed. `care`
+    sets the per-sample tail: how often the policy re-checks its work (reasoning.py).
     """
     if num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
@@ -30,5 +40,5 @@ def rollout_prompts(
     rng = random.Random(seed)
     sizes = [size_at_quantile((i + 0.5) / num_prompts) for i in range(num_prompts)]
     rng.shuffle(sizes)
-    problems = [generate_problem(rng, num_steps=k) for k in sizes]
+    problems = [generate_problem(rng, num_steps=k, care=care) for k in sizes]
     return [(p, encode_prompt(tok, format_prompt(p))) for p in problems]

@@ -1,0 +1,137 @@
+"""How TLT's speedup depends on the tail: adaptive SD vs off as the re-check rate (care) grows.
+
+For each care level (the policy re-checks its work with probability care / 10, per sample),
+the workload of bench_spec runs with SD off and adaptive, interleaved `--repeats` times. Each
+row prints the length distribution, the share of SD-off decode time spent at running batch
+<= `--gate`, and the speedup (median [min-max]). The plot (PNG) puts the speedup against that
+share, so a user can read off what to expect from their own rollouts' length distribution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_spec import (  # noqa: E402
+    DEFAULT_DRAFTER,
+    DTYPES,
+    KS,
+    length_stats,
+    run_mode,
+    time_share,
+)
+from workers.engine.eagle import EagleDrafter  # noqa: E402
+from workers.engine.engine import EngineConfig  # noqa: E402
+from workers.engine.model import load_model  # noqa: E402
+from workers.task.workload import MAX_NEW_TOKENS, MODEL_DIR, rollout_prompts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plot(rows: list[dict], path: Path, gate: int) -> None:
+    """Speedup against the SD-off time share at batch <= gate, one point per care level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [100 * r["share"] for r in rows]
+    ys = [r["speedup"] for r in rows]
+    lo = [r["speedup"] - min(r["speedups"]) for r in rows]
+    hi = [max(r["speedups"]) - r["speedup"] for r in rows]
+    ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3)
+    for r, x, y in zip(rows, xs, ys, strict=True):
+        ax.annotate(f"care {r['care']}\np99/p50 {r['p99/p50']:.0f}", (x, y),
+                    textcoords="offset points", xytext=(6, -14), fontsize=7)  # fmt: skip
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel(f"share of SD-off decode time at running batch <= {gate} (%)")
+    ax.set_ylabel("rollout speedup, adaptive SD vs off")
+    ax.set_title("TLT speedup vs tail heaviness (CPU analog, median of repeats)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=MODEL_DIR)
+    ap.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
+    ap.add_argument("--cares", default="0,2,4,6,8", help="re-check rates in tenths")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warm-prompts", type=int, help="prompts per warm pass (default: half)")
+    ap.add_argument("--gate", type=int, default=32, help="batch size the time share is taken at")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "tail_sweep.png")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny workload, no plot")
+    args = ap.parse_args(argv)
+    # The fields bench_spec.run_mode reads.
+    args.temperature, args.ks, args.threshold, args.dtype = 1.0, KS, 32, "float32"
+    args.confidence = EngineConfig().draft_confidence
+    if args.quick:
+        args.prompts, args.samples, args.max_new_tokens, args.repeats = 2, 2, 48, 1
+        args.cares, args.plot = "0,8", None
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, DTYPES[args.dtype])
+    drafter = EagleDrafter.from_pretrained(args.drafter, model)
+    warm_n = args.warm_prompts or max(1, args.prompts // 2)
+    print(
+        f"workload: {args.prompts} prompts x {args.samples} samples, T=1, max_new_tokens "
+        f"{args.max_new_tokens}; warm-up {args.warmup} x {warm_n} prompts; "
+        f"{args.repeats} interleaved repeats; threads {args.threads}",
+        flush=True,
+    )
+    rows = []
+    for care in (int(c) for c in args.cares.split(",")):
+        work = rollout_prompts(args.prompts, args.seed, args.model, care)
+        warm = [rollout_prompts(warm_n, args.seed + 1 + j, args.model, care)
+                for j in range(args.warmup)]  # fmt: skip
+        off, ada = [], []
+        for _ in range(args.repeats):
+            off.append(run_mode("off", model, drafter, work, warm, args))
+            ada.append(run_mode("adaptive", model, drafter, work, warm, args))
+        speedups = [o.seconds / a.seconds for o, a in zip(off, ada, strict=True)]
+        s = length_stats(off[0].outputs)
+        row = {
+            "care": care, **s, "share": statistics.median(time_share(o, args.gate) for o in off),
+            "speedup": statistics.median(speedups), "speedups": speedups,
+            "off_s": statistics.median(o.seconds for o in off),
+        }  # fmt: skip
+        rows.append(row)
+        print(
+            f"  care {care}: p50 {s['p50']} p99 {s['p99']} max {s['max']} p99/p50 "
+            f"{s['p99/p50']:.1f}, off {row['off_s']:.1f}s, time at batch <= {args.gate} "
+            f"{100 * row['share']:.0f}%, speedup {row['speedup']:.2f}x",
+            flush=True,
+        )
+    print(
+        f"\n| care | p50 | p99 | max | p99/p50 | capped | off s | SD-off time at batch <= "
+        f"{args.gate} | adaptive speedup (median [min-max]) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        spread = f"{r['speedup']:.2f}x [{min(r['speedups']):.2f}-{max(r['speedups']):.2f}]"
+        print(
+            f"| {r['care']} | {r['p50']} | {r['p99']} | {r['max']} | {r['p99/p50']:.1f} "
+            f"| {100 * r['capped']:.1f}% | {r['off_s']:.1f} | {100 * r['share']:.0f}% | {spread} |"
+        )
+    if args.plot is not None:
+        plot(rows, args.plot, args.gate)
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
