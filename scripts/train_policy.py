@@ -65,6 +65,7 @@ class TrainConfig:
     # cheap sequences (attention over 2k tokens costs several times more per token); the last
     # stage trains on every level.
     max_care: int = max(CARE_LEVELS)
+    min_care: int = 0
     guess_rate: float = GUESS_RATE
 
 
@@ -111,7 +112,7 @@ def batches(tok, cfg: TrainConfig, rng: random.Random):
     """Endless token-budget batches: a pool of problems is sorted by length and cut into
     batches of at most `batch_tokens` padded tokens, so short and long answers never share
     a batch (little padding), then the batches are shuffled."""
-    care = range(cfg.max_care + 1)
+    care = range(cfg.min_care, cfg.max_care + 1)
     while True:
         examples = [
             encode_example(tok, generate_problem(rng, None, "sum", care, cfg.guess_rate))
@@ -377,12 +378,12 @@ newlines from this character vocabulary. Ids: `<pad>` 0, `<bos>` 1, `<eos>` 2 (s
 `python scripts/train_policy.py` (deterministic for a seed and thread count): AdamW (betas
 0.9/0.95, weight decay 0.1, 100 warmup steps then cosine to 10% of the peak lr), batches of at
 most {batch_tokens} padded tokens bucketed by length, loss on answer tokens only, fresh problems
-from the task distribution with care drawn uniformly from 0 to the stage's max care, 1 thread
+from the task distribution with care drawn uniformly from the stage's range, 1 thread
 on a shared 2-core CPU (torch {torch}). Stages, first to last (a later stage starts from the
 previous one's weights with `--init-from`; tokens are answer tokens seen, loss the final EMA
 of the training loss):
 
-| stage | seed | steps | peak lr | max care | tokens | loss | min |
+| stage | seed | steps | peak lr | care | tokens | loss | min |
 |---|---|---|---|---|---|---|---|
 {stages}
 
@@ -413,7 +414,7 @@ def write_card(out: Path, summary: dict, report: dict) -> None:
         c = stage["config"]
         stages.append(
             f"| {{n}} | {c['seed']} | {c['steps']} | {c['lr']} | "
-            f"{c.get('max_care', '-')} | "
+            f"{c.get('min_care', 0)}-{c.get('max_care', '-')} | "
             f"{stage['answer_tokens_seen']:,} | {stage['final_loss_ema']} | "
             f"{stage['train_seconds'] / 60:.1f} |"
         )
@@ -444,6 +445,7 @@ def main() -> None:
     parser.add_argument("--final-weight", type=float, default=TrainConfig.final_weight)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--max-care", type=int, default=TrainConfig.max_care)
+    parser.add_argument("--min-care", type=int, default=TrainConfig.min_care)
     parser.add_argument("--guess-rate", type=float, default=TrainConfig.guess_rate)
     # One thread: on the shared 2-core machine two intra-op threads mostly wait on each other
     # (a step took ~8 s with two threads vs ~1 s with one here, under varying load), and the
@@ -470,6 +472,7 @@ def main() -> None:
             decision_weight=args.decision_weight,
             final_weight=args.final_weight,
             max_care=args.max_care,
+            min_care=args.min_care,
             guess_rate=args.guess_rate,
         )
         if args.out.exists():
