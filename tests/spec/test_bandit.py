@@ -7,6 +7,7 @@ import math
 import pytest
 
 from workers.engine.bandit import (
+    PLAIN,
     BucketedEpsilonGreedy,
     FixedStrategy,
     NoStrategyAvailable,
@@ -126,3 +127,89 @@ def test_fixed_strategy() -> None:
         fixed.choose(1, available={"ngram"})
     fixed.record(3, EA4, 2.0, 0.1)
     assert fixed.snapshot() == {3: {"eagle/k4": {"count": 1, "median_reward": None}}}
+
+
+# -- priors from a cost model, and plain decoding as an arm --------------------------------
+
+
+def _with_priors(**kw) -> BucketedEpsilonGreedy:
+    return BucketedEpsilonGreedy([NG2, NG4, EA4], plain_arm=True, **kw)
+
+
+PRIORS = {PLAIN: 100.0, "ngram/k2": 150.0, "ngram/k4": 130.0, "eagle/k4": 50.0}
+
+
+def test_without_priors_plain_decoding_is_measured_first() -> None:
+    beg = _with_priors(epsilon=0.0)
+    assert beg.choose(1) is None
+    beg.record_plain(1, 0.01)
+    assert beg.choose(1) == NG2  # then the untried strategies, in order
+    assert beg.snapshot()[1][PLAIN] == {"count": 1, "median_reward": 100.0}
+
+
+def test_priors_start_from_the_predicted_best_without_trying_every_arm() -> None:
+    beg = _with_priors(epsilon=0.0)
+    picks = []
+    for _ in range(20):
+        s = beg.choose(4, priors=PRIORS)
+        picks.append(s)
+        beg.record(4, s, accepted_tokens=150.0 / 4, step_seconds=1.0)  # as predicted
+    assert set(picks) == {NG2}
+
+
+def test_measured_rewards_override_the_prior() -> None:
+    beg = _with_priors(epsilon=0.0)
+    picks = []
+    for _ in range(8):
+        s = beg.choose(1, priors=PRIORS)
+        picks.append(s)
+        if s is None:
+            beg.record_plain(1, 1 / 100.0)  # plain as predicted: 100 tokens/s
+        else:
+            beg.record(1, s, accepted_tokens=60.0, step_seconds=1.0)  # SD far worse than hoped
+    # An arm runs while its estimate (n x 60 + 2 x prior) / (n + 2) is the best: n > 2 x
+    # (prior - 100) / (100 - 60) steps, 3 for ngram/k2 and 2 for ngram/k4; eagle/k4, predicted
+    # below plain, never runs.
+    assert picks == [NG2, NG4, NG2, NG4, NG2, None, None, None]
+
+
+def test_exploration_only_tries_contenders() -> None:
+    beg = _with_priors(epsilon=1.0, explore_margin=0.2, seed=3)  # explore at every step
+    picks = {beg.choose(2, priors=PRIORS) for _ in range(300)}
+    assert picks == {NG2, NG4}  # within 20% of the best (>= 120); plain and eagle are not
+
+
+def test_exploration_rate_with_priors_is_epsilon() -> None:
+    eps, n = 0.1, 20_000
+    beg = _with_priors(epsilon=eps, explore_margin=0.2, seed=5)
+    off_best = sum(beg.choose(1, priors=PRIORS) != NG2 for _ in range(n))
+    p = eps / 2  # exploring picks among the two contenders
+    sd = math.sqrt(n * p * (1 - p))
+    assert abs(off_best - n * p) < 4 * sd
+
+
+def test_a_missing_prior_falls_back_to_trying_untried_arms() -> None:
+    beg = _with_priors(epsilon=0.0)
+    assert beg.choose(1, priors={PLAIN: 100.0, "ngram/k2": 150.0}) is None  # eagle/k4 unknown
+
+
+def test_unavailable_drafters_need_no_prior() -> None:
+    beg = _with_priors(epsilon=0.0)
+    priors = {PLAIN: 100.0, "ngram/k2": 90.0, "ngram/k4": 80.0}
+    assert beg.choose(1, available={"ngram"}, priors=priors) is None
+
+
+def test_forget_drops_one_drafters_rewards() -> None:
+    beg = _with_priors(epsilon=0.0)
+    _tried(beg, 1, {NG2: 10.0, EA4: 30.0})
+    beg.forget("eagle")
+    snap = beg.snapshot()[1]
+    assert snap["eagle/k4"] == {"count": 1, "median_reward": None}
+    assert snap["ngram/k2"] == {"count": 1, "median_reward": 10.0}
+    est = beg.estimates(1, PRIORS)
+    assert est["eagle/k4"] == 50.0 and est["ngram/k2"] == pytest.approx((10 + 2 * 150) / 3)
+
+
+def test_plain_rewards_need_the_plain_arm() -> None:
+    with pytest.raises(ValueError, match="plain arm"):
+        BucketedEpsilonGreedy([NG2]).record_plain(1, 0.1)

@@ -55,7 +55,8 @@ class BucketCost:
 class CostModel:
     """Costs per batch bucket measured on this device; `key` says what they are valid for
     (architecture, dtype, device, threads, context, batch sizes): a cost model measured for
-    one engine is reused by the next one with the same key."""
+    one engine is reused by the next one with the same key (None: any engine it is given to,
+    e.g. numbers stated by a test or a benchmark)."""
 
     buckets: Mapping[int, BucketCost]
     context: int

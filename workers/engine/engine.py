@@ -173,7 +173,8 @@ class Engine:
         gate_state: GateState | None = None,
     ):
         """`costs`: a cost model measured by an earlier engine, used when it fits this one (same
-        architecture, dtype, device, threads, context and buckets), else measured again;
+        architecture, dtype, device, threads, context and buckets; a model without a key is
+        taken as made for this engine), else measured again (cost_budget_s > 0);
         `gate_state`: what an earlier engine of the same job learned, continued when it fits
         (same strategies and buckets)."""
         self.config = cfg = config or EngineConfig()
@@ -226,15 +227,16 @@ class Engine:
                 )
             self.gate_state = gate_state
             self.bandit = gate_state.bandit
-            if self._measured and cfg.cost_budget_s > 0:
+            if self._measured:
                 self.costs = self._cost_model(costs)
         self.prefills = 0  # prefill forwards run (one per prompt, shared by its n samples)
         self._outputs: list[SampleOutput] = []  # finished outside step() (cancel)
         self._next_seed = cfg.seed
         self._groups_added = 0
 
-    def _cost_model(self, earlier: CostModel | None) -> CostModel:
-        """`earlier` if it was measured for this engine's shape, else a fresh measurement."""
+    def _cost_model(self, earlier: CostModel | None) -> CostModel | None:
+        """`earlier` if it was measured for this engine's shape, else a fresh measurement
+        (None with cost_budget_s 0)."""
         cfg = self.config
         buckets = cfg.bucket_sizes()
         context = min(cfg.cost_context, cfg.max_seq_len)
@@ -246,8 +248,10 @@ class Engine:
             context,
             buckets,
         )
-        if earlier is not None and earlier.key == key:
+        if earlier is not None and earlier.key in (None, key):  # None: made for this engine
             return earlier
+        if cfg.cost_budget_s <= 0:
+            return None
         ks = [st.k for st in cfg.strategies]
         return measure_costs(
             self.model, self.cache, buckets, ks, context, cfg.cost_budget_s, key=key

@@ -1,0 +1,139 @@
+"""The measured SD gate in the engine, driven by injected cost models (no timing asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.helpers import make_checkpoint
+from tltd.domain import SamplingParams
+from workers.engine.bandit import Strategy
+from workers.engine.costs import BucketCost, CostModel
+from workers.engine.eagle import EagleDrafter
+from workers.engine.engine import Engine, EngineConfig, Request
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8], [9, 10, 11, 12, 9, 10], [3], [5, 6, 5, 6, 5, 6, 5]]
+STRATEGIES = (Strategy("ngram", 2), Strategy("ngram", 4))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(
+        tmp_path_factory.mktemp("m") / "m", "qwen2", vocab=32, seed=1, logit_scale=2.0
+    )
+
+
+def _costs(plain_ms: float, verify_ms: float, buckets=(1, 2, 4, 8, 16)) -> CostModel:
+    """Stated costs, the same in every bucket (key None: taken by any engine)."""
+    return CostModel(
+        {b: BucketCost(plain_ms, {3: verify_ms, 5: verify_ms}, 0.1) for b in buckets}, 64
+    )
+
+
+def _engine(ckpt, costs=None, mode="adaptive", gate_state=None, **kw) -> Engine:
+    cfg = EngineConfig(max_batch=16, max_seq_len=96, spec_mode=mode, strategies=STRATEGIES, **kw)
+    return Engine(str(ckpt), cfg, costs=costs, gate_state=gate_state)
+
+
+def _run(e: Engine, tag: str = "r", seed: int = 0):
+    reqs = [
+        Request(
+            f"{tag}{i}",
+            p,
+            SamplingParams(n=2, temperature=0.0, max_new_tokens=6 + 8 * i, seed=seed),
+            prompt_index=i,
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+    return {(o.request_id, o.sample_index): o.token_ids for o in e.generate(reqs)}
+
+
+def test_where_sd_is_predicted_to_pay_everywhere_it_speculates_at_every_batch(ckpt):
+    """Verify costs a plain step (the deep-narrow CPU regime): SD from the first decode step,
+    above TLT's threshold too, plain decoding never tried; lossless."""
+    e = _engine(ckpt, _costs(plain_ms=1000.0, verify_ms=1000.0), batch_threshold=2)
+    assert _run(e) == _run(_engine(ckpt, mode="off"))
+    s = e.stats.summary()
+    assert s["steps"]["plain"] == 0 and s["steps"]["spec"] > 0
+    assert s["mean_batch"]["spec"] > 2
+    g = e.gate_snapshot()
+    assert g["gate"] == "measured" and g["speculating_buckets"] == [1, 2, 4, 8, 16]
+    assert all(v["predicted_gain"] > 1 for v in g["buckets"].values())
+
+
+def test_where_sd_is_predicted_to_lose_it_never_speculates(ckpt):
+    e = _engine(ckpt, _costs(plain_ms=1.0, verify_ms=1e6))
+    assert _run(e) == _run(_engine(ckpt, mode="off"))
+    s = e.stats.summary()
+    assert s["steps"]["spec"] == 0 and s["steps"]["plain"] > 0
+    g = e.gate_snapshot()
+    assert g["speculating_buckets"] == []
+    assert all(v["predicted_gain"] < 1 for v in g["buckets"].values())
+    snap = e.strategy_snapshot()
+    assert all(arms["ngram/k2"]["count"] == 0 for arms in snap.values())
+    assert any(arms["plain"]["count"] for arms in snap.values())
+
+
+def test_the_gate_state_carries_over_to_the_next_engine_of_a_job(ckpt):
+    costs = _costs(plain_ms=1000.0, verify_ms=1000.0)
+    first = _engine(ckpt, costs)
+    _run(first, "a")
+    state = first.gate_state
+    assert state is not None
+    counts = {b: arms["ngram/k2"]["count"] for b, arms in first.strategy_snapshot().items()}
+    positions = state.acceptance["ngram"].accepted + state.acceptance["ngram"].rejected
+    assert positions > 0
+
+    second = _engine(ckpt, costs, gate_state=state)
+    assert second.gate_state is state and second.bandit is state.bandit
+    assert second.costs is costs
+    _run(second, "b", seed=1)
+    after = state.acceptance["ngram"]
+    assert after.accepted + after.rejected > positions  # kept learning from where it was
+    snap = second.strategy_snapshot()
+    assert sum(a["ngram/k2"]["count"] for a in snap.values()) >= sum(counts.values())
+
+    other = _engine(ckpt, costs, gate_state=state, buckets=(1, 16))  # another configuration
+    assert other.gate_state is not state
+
+
+def test_a_new_drafter_version_forgets_eagle_rewards_in_the_engine(ckpt):
+    strategies = (Strategy("eagle", 3),)
+    cfg = EngineConfig(max_batch=16, max_seq_len=96, strategies=strategies, cost_budget_s=0)
+    e = Engine(str(ckpt), cfg)
+    e.set_drafter(EagleDrafter.random_init(e.model, seed=0), version=1)
+    _run(e)
+    state = e.gate_state
+    assert state is not None
+    assert any(a["eagle/k3"]["median_reward"] for a in e.strategy_snapshot().values())
+    alpha = state.acceptance["eagle"].alpha
+    e.set_drafter(EagleDrafter.random_init(e.model, seed=1), version=2)
+    e.add_request("x", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=2))
+    e.step()  # prefill
+    e.step()  # a decode step: the gate sees version 2
+    assert state.drafter_version == 2 and state.acceptance["eagle"].prior == pytest.approx(alpha)
+    measured = [a["eagle/k3"]["median_reward"] for a in e.strategy_snapshot().values()]
+    assert sum(m is not None for m in measured) <= 1  # only what this one step measured
+
+
+def test_the_engine_measures_its_cost_model_and_reuses_it(ckpt):
+    e = _engine(ckpt, cost_budget_s=30.0)
+    assert e.costs is not None and set(e.costs.buckets) == {1, 2, 4, 8, 16}
+    assert all(c.plain_ms > 0 for c in e.costs.buckets.values())
+    assert e.gate_snapshot()["costs"]["buckets"].keys() == {1, 2, 4, 8, 16}
+    assert e.cache.lens == [0] * 16  # the scratch use left the cache empty
+    again = _engine(ckpt, e.costs, cost_budget_s=30.0)
+    assert again.costs is e.costs  # same shape: not measured twice
+    longer = _engine(ckpt, e.costs, cost_budget_s=30.0, cost_context=32)
+    assert longer.costs is not e.costs and longer.costs.context == 32
+    assert _engine(ckpt, cost_budget_s=0).costs is None
+    assert _engine(ckpt, mode="adaptive", gate="threshold").costs is None
+
+
+def test_the_fixed_and_threshold_ablations_keep_the_threshold(ckpt):
+    for mode, gate in (("fixed", "measured"), ("adaptive", "threshold")):
+        e = _engine(ckpt, mode=mode, gate=gate, batch_threshold=3)
+        assert _run(e) == _run(_engine(ckpt, mode="off"))
+        s = e.stats.summary()
+        assert s["steps"]["spec"] > 0 and s["mean_batch"]["spec"] <= 3, mode
+    with pytest.raises(ValueError, match="gate"):
+        _engine(ckpt, gate="sometimes")
