@@ -167,10 +167,27 @@ def test_measured_rewards_override_the_prior() -> None:
             beg.record_plain(1, 1 / 100.0)  # plain as predicted: 100 tokens/s
         else:
             beg.record(1, s, accepted_tokens=60.0, step_seconds=1.0)  # SD far worse than hoped
-    # An arm runs while its estimate (n x 60 + 2 x prior) / (n + 2) is the best: n > 2 x
-    # (prior - 100) / (100 - 60) steps, 3 for ngram/k2 and 2 for ngram/k4; eagle/k4, predicted
-    # below plain, never runs.
-    assert picks == [NG2, NG4, NG2, NG4, NG2, None, None, None]
+    # One ngram/k2 step calibrates the n-gram predictions (measured / predicted = 60 / 150):
+    # ngram/k2's estimate (60 + 2 x 0.4 x 150) / 3 = 60 and ngram/k4's 0.4 x 130 = 52 fall
+    # below plain's 100; eagle/k4, predicted below plain, never runs.
+    assert picks == [NG2] + [None] * 7
+    assert beg.calibration("ngram") == pytest.approx(0.4) and beg.calibration(PLAIN) == 1.0
+
+
+def test_a_kind_that_never_ran_keeps_its_optimistic_prediction() -> None:
+    beg = _with_priors(epsilon=0.0)
+    priors = {PLAIN: 100.0, "ngram/k2": 150.0, "ngram/k4": 130.0, "eagle/k4": 140.0}
+    assert beg.choose(1, priors=priors) == NG2
+    beg.record(1, NG2, accepted_tokens=50.0, step_seconds=1.0)  # n-grams: 1/3 of predicted
+    assert beg.choose(1, priors=priors) == EA4  # eagle's 140 not scaled by n-gram's 1/3
+    beg.record(1, EA4, accepted_tokens=70.0, step_seconds=1.0)  # eagle: 1/2 of predicted
+    assert beg.choose(1, priors=priors) is None  # plain 100 > eagle (70 + 2 x 70) / 3
+    beg.record_plain(1, 1 / 90.0)
+    assert beg.calibration(PLAIN) == pytest.approx(0.9)
+    assert beg.choose(1, priors=priors) is None
+    beg.forget("eagle")
+    assert beg.calibration("eagle") == 1.0
+    assert beg.choose(1, priors=priors) == EA4  # forgotten: predicted as it is again
 
 
 def test_exploration_only_tries_contenders() -> None:

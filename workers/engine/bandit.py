@@ -85,6 +85,12 @@ class BucketedEpsilonGreedy:
     `plain_arm` makes plain decoding an arm (choose() returns None for it, rewarded by
     `record_plain`), and `priors` (rewards predicted from costs measured on the device) start
     a bucket from a prediction instead of trying every arm.
+
+    Predictions count bare forwards; a real step also samples, drafts in Python and keeps
+    books. So each kind of arm (plain, or one drafter's strategies) learns a calibration, the
+    median ratio of measured to predicted reward over its recent steps in all buckets, and
+    its predictions are scaled by it. A kind that never ran keeps its predictions as they are:
+    optimistic, so it is tried where it is predicted to win.
     """
 
     def __init__(
@@ -122,6 +128,9 @@ class BucketedEpsilonGreedy:
         }
         self._counts = dict.fromkeys(self._rewards, 0)
         self._median_cache: dict[tuple[int, Strategy | None], float | None] = {}
+        self._predicted: dict[tuple[int, Strategy | None], float] = {}  # at the last choose
+        self._calibration: dict[str, deque[float]] = {}  # kind -> measured / predicted
+        self._calibration_cache: dict[str, float] = {}
 
     @property
     def drafters(self) -> frozenset[str]:
@@ -166,6 +175,8 @@ class BucketedEpsilonGreedy:
             if self._rng.random() < self.epsilon:
                 return arms[self._rng.randrange(len(arms))]
             return max(arms, key=lambda a: estimate(None, self._median(b, a), 0))
+        for a in arms:
+            self._predicted[(b, a)] = priors[arm_name(a)]
         est = {a: self._estimate(b, a, priors[arm_name(a)]) for a in arms}
         best = max(arms, key=est.__getitem__)
         if self._rng.random() < self.epsilon:
@@ -201,6 +212,16 @@ class BucketedEpsilonGreedy:
             if key[1] is not None and key[1].drafter == drafter:
                 window.clear()
                 self._median_cache.pop(key, None)
+        self._calibration.pop(drafter, None)
+        self._calibration_cache.pop(drafter, None)
+
+    def calibration(self, kind: str) -> float:
+        """Median measured / predicted reward of a kind of arm (PLAIN or a drafter); 1.0
+        before it ran with a prediction."""
+        if kind not in self._calibration_cache:
+            ratios = self._calibration.get(kind)
+            self._calibration_cache[kind] = statistics.median(ratios) if ratios else 1.0
+        return self._calibration_cache[kind]
 
     def snapshot(self) -> dict[int, dict[str, dict[str, float | int | None]]]:
         """Per bucket, per arm name (PLAIN too with plain_arm): total count and the window's
@@ -224,12 +245,20 @@ class BucketedEpsilonGreedy:
         }
 
     def _estimate(self, b: int, a: Strategy | None, prior: float | None) -> float:
+        if prior is not None:
+            prior *= self.calibration(_kind(a))
         return estimate(prior, self._median(b, a), len(self._rewards[(b, a)]))
 
     def _add(self, key: tuple[int, Strategy | None], reward: float) -> None:
         self._rewards[key].append(reward)
         self._counts[key] += 1
         self._median_cache.pop(key, None)
+        predicted = self._predicted.pop(key, None)
+        if predicted:
+            kind = _kind(key[1])
+            self._calibration.setdefault(kind, deque(maxlen=self.window))
+            self._calibration[kind].append(reward / predicted)
+            self._calibration_cache.pop(kind, None)
 
     def _median(self, b: int, a: Strategy | None) -> float | None:
         key = (b, a)
@@ -237,6 +266,11 @@ class BucketedEpsilonGreedy:
             window = self._rewards[key]
             self._median_cache[key] = statistics.median(window) if window else None
         return self._median_cache[key]
+
+
+def _kind(arm: Strategy | None) -> str:
+    """The calibration group of an arm: PLAIN, or its drafter."""
+    return PLAIN if arm is None else arm.drafter
 
 
 class FixedStrategy:
