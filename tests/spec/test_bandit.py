@@ -147,18 +147,27 @@ def test_without_priors_plain_decoding_is_measured_first() -> None:
     assert beg.snapshot()[1][PLAIN] == {"count": 1, "median_reward": 100.0}
 
 
+def _measure_plain(beg: BucketedEpsilonGreedy, batch: int, reward: float = 100.0) -> None:
+    """The first step of a bucket with priors: the plain baseline."""
+    assert beg.choose(batch, priors=PRIORS) is None
+    beg.record_plain(batch, batch / reward)
+
+
 def test_priors_start_from_the_predicted_best_without_trying_every_arm() -> None:
     beg = _with_priors(epsilon=0.0)
+    _measure_plain(beg, 4)
     picks = []
     for _ in range(20):
         s = beg.choose(4, priors=PRIORS)
         picks.append(s)
         beg.record(4, s, accepted_tokens=150.0 / 4, step_seconds=1.0)  # as predicted
     assert set(picks) == {NG2}
+    assert beg.choose(8, priors=PRIORS) is None  # another bucket: its baseline first
 
 
 def test_measured_rewards_override_the_prior() -> None:
     beg = _with_priors(epsilon=0.0)
+    _measure_plain(beg, 1)
     picks = []
     for _ in range(8):
         s = beg.choose(1, priors=PRIORS)
@@ -167,31 +176,39 @@ def test_measured_rewards_override_the_prior() -> None:
             beg.record_plain(1, 1 / 100.0)  # plain as predicted: 100 tokens/s
         else:
             beg.record(1, s, accepted_tokens=60.0, step_seconds=1.0)  # SD far worse than hoped
-    # One ngram/k2 step calibrates the n-gram predictions (measured / predicted = 60 / 150):
+    # One ngram/k2 step measures the n-gram efficiency (measured / predicted = 60 / 150):
     # ngram/k2's estimate (60 + 2 x 0.4 x 150) / 3 = 60 and ngram/k4's 0.4 x 130 = 52 fall
     # below plain's 100; eagle/k4, predicted below plain, never runs.
     assert picks == [NG2] + [None] * 7
-    assert beg.calibration("ngram") == pytest.approx(0.4) and beg.calibration(PLAIN) == 1.0
+    assert beg.efficiency(1, "ngram") == pytest.approx(0.4) and beg.efficiency(1, "eagle") == 1
+    assert beg.efficiency(2, "ngram") == 1.0  # another bucket: its own
 
 
-def test_a_kind_that_never_ran_keeps_its_optimistic_prediction() -> None:
+def test_predictions_are_gains_over_measured_plain_decoding() -> None:
     beg = _with_priors(epsilon=0.0)
     priors = {PLAIN: 100.0, "ngram/k2": 150.0, "ngram/k4": 130.0, "eagle/k4": 140.0}
+    _measure_plain(beg, 1, reward=50.0)  # the device is half as fast as when it was timed
+    assert beg.estimates(1, priors) == {
+        PLAIN: 50.0,
+        "ngram/k2": 75.0,  # predicted gain 1.5 x plain's measured 50
+        "ngram/k4": 65.0,
+        "eagle/k4": 70.0,
+    }
     assert beg.choose(1, priors=priors) == NG2
-    beg.record(1, NG2, accepted_tokens=50.0, step_seconds=1.0)  # n-grams: 1/3 of predicted
-    assert beg.choose(1, priors=priors) == EA4  # eagle's 140 not scaled by n-gram's 1/3
-    beg.record(1, EA4, accepted_tokens=70.0, step_seconds=1.0)  # eagle: 1/2 of predicted
-    assert beg.choose(1, priors=priors) is None  # plain 100 > eagle (70 + 2 x 70) / 3
-    beg.record_plain(1, 1 / 90.0)
-    assert beg.calibration(PLAIN) == pytest.approx(0.9)
+    beg.record(1, NG2, accepted_tokens=25.0, step_seconds=1.0)  # 1/3 of the predicted 75
+    assert beg.efficiency(1, "ngram") == pytest.approx(1 / 3)
+    assert beg.choose(1, priors=priors) == EA4  # 70 > plain's 50 > n-grams' (25 + 2 x 25) / 3
+    beg.record(1, EA4, accepted_tokens=17.5, step_seconds=1.0)  # 1/4 of the predicted 70
     assert beg.choose(1, priors=priors) is None
     beg.forget("eagle")
-    assert beg.calibration("eagle") == 1.0
-    assert beg.choose(1, priors=priors) == EA4  # forgotten: predicted as it is again
+    assert beg.efficiency(1, "eagle") == 1.0
+    assert beg.choose(1, priors=priors) == EA4  # forgotten: the predicted gain again
+    assert beg.estimates(2, priors)["ngram/k2"] == float("-inf")  # no plain baseline there
 
 
 def test_exploration_only_tries_contenders() -> None:
     beg = _with_priors(epsilon=1.0, explore_margin=0.2, seed=3)  # explore at every step
+    _measure_plain(beg, 2)
     picks = {beg.choose(2, priors=PRIORS) for _ in range(300)}
     assert picks == {NG2, NG4}  # within 20% of the best (>= 120); plain and eagle are not
 
@@ -199,6 +216,7 @@ def test_exploration_only_tries_contenders() -> None:
 def test_exploration_rate_with_priors_is_epsilon() -> None:
     eps, n = 0.1, 20_000
     beg = _with_priors(epsilon=eps, explore_margin=0.2, seed=5)
+    _measure_plain(beg, 1)
     off_best = sum(beg.choose(1, priors=PRIORS) != NG2 for _ in range(n))
     p = eps / 2  # exploring picks among the two contenders
     sd = math.sqrt(n * p * (1 - p))
@@ -218,6 +236,7 @@ def test_unavailable_drafters_need_no_prior() -> None:
 
 def test_forget_drops_one_drafters_rewards() -> None:
     beg = _with_priors(epsilon=0.0)
+    _measure_plain(beg, 1)
     _tried(beg, 1, {NG2: 10.0, EA4: 30.0})
     beg.forget("eagle")
     snap = beg.snapshot()[1]

@@ -15,6 +15,7 @@ from workers.engine.costs import (
     expected_tokens,
     measure_costs,
     predict,
+    smoothed,
 )
 from workers.engine.model import load_model
 
@@ -71,6 +72,18 @@ def test_compute_bound_policy_speculates_only_at_small_batch():
     pred = predict(costs, tokens)
     assert pred[1].best in ("eagle/k2", "eagle/k4") and pred[1].gain > 1
     assert pred[32].best == PLAIN and pred[32].gain < 1
+
+
+def test_smoothing_drops_a_disturbed_timing():
+    costs = {
+        1: BucketCost(10.0, {3: 11.0}, 1.0),
+        2: BucketCost(12.0, {3: 30.0}, 1.2),  # verify disturbed by another process
+        4: BucketCost(16.0, {3: 17.6}, 1.6),
+    }
+    out = smoothed(costs)
+    assert out[2].verify_ms[3] == pytest.approx(12.0 * 1.1)  # median of 1.1, 2.5, 1.1
+    assert out[1].verify_ms[3] == pytest.approx(10.0 * (1.1 + 2.5) / 2)  # an edge: 2 values
+    assert out[4].draft_ms == pytest.approx(1.6) and out[2].plain_ms == 12.0
 
 
 def test_arm_rewards_are_tokens_per_second():

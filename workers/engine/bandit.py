@@ -86,11 +86,15 @@ class BucketedEpsilonGreedy:
     `record_plain`), and `priors` (rewards predicted from costs measured on the device) start
     a bucket from a prediction instead of trying every arm.
 
-    Predictions count bare forwards; a real step also samples, drafts in Python and keeps
-    books. So each kind of arm (plain, or one drafter's strategies) learns a calibration, the
-    median ratio of measured to predicted reward over its recent steps in all buckets, and
-    its predictions are scaled by it. A kind that never ran keeps its predictions as they are:
-    optimistic, so it is tried where it is predicted to win.
+    Of a prediction only each strategy's gain over plain decoding in the bucket is used: a
+    ratio of forwards timed side by side, which holds on a busier or quieter device. A bucket
+    measures plain decoding first; a strategy's prior there is its predicted gain x that
+    measured plain reward x its drafter's efficiency in the bucket, the median ratio of
+    measured to so-predicted reward over the drafter's recent steps there (1 before it ran:
+    the predicted gain is taken at face value, so the predicted best strategy is tried where
+    it is predicted to pay). The efficiency carries what one strategy measured to the
+    drafter's other draft lengths: what the timed forwards leave out (drafting in Python,
+    sampling, the accept rule) and errors of the predicted accepted length.
     """
 
     def __init__(
@@ -128,9 +132,12 @@ class BucketedEpsilonGreedy:
         }
         self._counts = dict.fromkeys(self._rewards, 0)
         self._median_cache: dict[tuple[int, Strategy | None], float | None] = {}
-        self._predicted: dict[tuple[int, Strategy | None], float] = {}  # at the last choose
-        self._calibration: dict[str, deque[float]] = {}  # kind -> measured / predicted
-        self._calibration_cache: dict[str, float] = {}
+        # The prior (before efficiency) of the strategy the last choose returned, until its
+        # reward is recorded: measured / this is the drafter's efficiency.
+        self._pending: tuple[tuple[int, Strategy], float] | None = None
+        # (bucket, drafter) -> measured / predicted rewards of its strategies there
+        self._efficiency: dict[tuple[int, str], deque[float]] = {}
+        self._efficiency_cache: dict[tuple[int, str], float] = {}
 
     @property
     def drafters(self) -> frozenset[str]:
@@ -157,33 +164,37 @@ class BucketedEpsilonGreedy:
         then with probability epsilon a uniformly random arm; else the best median reward over
         the bucket's window (ties: declaration order).
 
-        With priors (predicted tokens/s per arm name): the best `estimate` runs, so a bucket
-        starts from the prediction and follows the measured rewards. With probability epsilon
-        a random *contender* runs instead, an arm whose estimate is within explore_margin of
-        the best: exploration costs at most epsilon x explore_margin of the best arm's
-        throughput, and arms predicted to be clearly worse are not tried.
+        With priors (predicted tokens/s per arm name, plain_arm only): plain decoding runs
+        once in a bucket first (the baseline); then the best `estimate`, whose prior comes
+        from the predicted gain (class docstring), so a bucket starts from the prediction and
+        follows the measured rewards. With probability epsilon a random *contender* runs
+        instead, an arm whose estimate is within explore_margin of the best: exploration
+        costs at most epsilon x explore_margin of the best arm's throughput, and arms
+        predicted to be clearly worse are not tried.
         """
         b = self.bucket(batch_size)
         sd = [s for s in self.strategies if available is None or s.drafter in available]
         if not sd:
             raise NoStrategyAvailable(f"no strategy uses an available drafter ({available})")
         arms: list[Strategy | None] = ([None] if self.plain_arm else []) + sd
-        if priors is None or any(arm_name(a) not in priors for a in arms):
+        if not self.plain_arm or priors is None or any(arm_name(a) not in priors for a in arms):
             for a in arms:
                 if not self._rewards[(b, a)]:
                     return a
             if self._rng.random() < self.epsilon:
                 return arms[self._rng.randrange(len(arms))]
             return max(arms, key=lambda a: estimate(None, self._median(b, a), 0))
-        for a in arms:
-            self._predicted[(b, a)] = priors[arm_name(a)]
-        est = {a: self._estimate(b, a, priors[arm_name(a)]) for a in arms}
-        best = max(arms, key=est.__getitem__)
+        if not self._rewards[(b, None)]:
+            return None
+        est = self._estimates(b, arms, priors)
+        pick = max(arms, key=est.__getitem__)
         if self._rng.random() < self.epsilon:
-            floor = (1.0 - self.explore_margin) * est[best]
+            floor = (1.0 - self.explore_margin) * est[pick]
             contenders = [a for a in arms if est[a] >= floor]
-            return contenders[self._rng.randrange(len(contenders))]
-        return best
+            pick = contenders[self._rng.randrange(len(contenders))]
+        prior = None if pick is None else self._prior(b, pick, priors)
+        self._pending = None if pick is None or prior is None else ((b, pick), prior)
+        return pick
 
     def record(
         self, batch_size: int, strategy: Strategy, accepted_tokens: float, step_seconds: float
@@ -212,16 +223,18 @@ class BucketedEpsilonGreedy:
             if key[1] is not None and key[1].drafter == drafter:
                 window.clear()
                 self._median_cache.pop(key, None)
-        self._calibration.pop(drafter, None)
-        self._calibration_cache.pop(drafter, None)
+        for b in self.buckets:
+            self._efficiency.pop((b, drafter), None)
+            self._efficiency_cache.pop((b, drafter), None)
 
-    def calibration(self, kind: str) -> float:
-        """Median measured / predicted reward of a kind of arm (PLAIN or a drafter); 1.0
-        before it ran with a prediction."""
-        if kind not in self._calibration_cache:
-            ratios = self._calibration.get(kind)
-            self._calibration_cache[kind] = statistics.median(ratios) if ratios else 1.0
-        return self._calibration_cache[kind]
+    def efficiency(self, batch_size: int, drafter: str) -> float:
+        """Median measured / predicted reward of the drafter's strategies in this batch size's
+        bucket; 1.0 before any ran there with a prediction."""
+        key = (self.bucket(batch_size), drafter)
+        if key not in self._efficiency_cache:
+            ratios = self._efficiency.get(key)
+            self._efficiency_cache[key] = statistics.median(ratios) if ratios else 1.0
+        return self._efficiency_cache[key]
 
     def snapshot(self) -> dict[int, dict[str, dict[str, float | int | None]]]:
         """Per bucket, per arm name (PLAIN too with plain_arm): total count and the window's
@@ -239,26 +252,39 @@ class BucketedEpsilonGreedy:
     ) -> dict[str, float]:
         """Every arm's `estimate` (tokens/s) in this batch size's bucket."""
         b = self.bucket(batch_size)
-        return {
-            arm_name(a): self._estimate(b, a, None if priors is None else priors.get(arm_name(a)))
-            for a in self._arms
-        }
+        return {arm_name(a): e for a, e in self._estimates(b, self._arms, priors).items()}
 
-    def _estimate(self, b: int, a: Strategy | None, prior: float | None) -> float:
-        if prior is not None:
-            prior *= self.calibration(_kind(a))
-        return estimate(prior, self._median(b, a), len(self._rewards[(b, a)]))
+    def _prior(self, b: int, s: Strategy, priors: Mapping[str, float]) -> float | None:
+        """Predicted gain of `s` over plain decoding x plain's measured reward (None when
+        either is unknown), before the drafter's efficiency."""
+        plain = self._median(b, None) if self.plain_arm else None
+        if plain is None or not priors.get(PLAIN) or s.name not in priors:
+            return None
+        return priors[s.name] / priors[PLAIN] * plain
+
+    def _estimates(
+        self, b: int, arms: Sequence[Strategy | None], priors: Mapping[str, float] | None
+    ) -> dict[Strategy | None, float]:
+        out: dict[Strategy | None, float] = {}
+        for a in arms:
+            prior = None
+            if a is not None and priors is not None:
+                prior = self._prior(b, a, priors)
+                if prior is not None:
+                    prior *= self.efficiency(b, a.drafter)
+            out[a] = estimate(prior, self._median(b, a), len(self._rewards[(b, a)]))
+        return out
 
     def _add(self, key: tuple[int, Strategy | None], reward: float) -> None:
         self._rewards[key].append(reward)
         self._counts[key] += 1
         self._median_cache.pop(key, None)
-        predicted = self._predicted.pop(key, None)
-        if predicted:
-            kind = _kind(key[1])
-            self._calibration.setdefault(kind, deque(maxlen=self.window))
-            self._calibration[kind].append(reward / predicted)
-            self._calibration_cache.pop(kind, None)
+        if self._pending is not None and self._pending[0] == key and key[1] is not None:
+            eff = (key[0], key[1].drafter)
+            self._efficiency.setdefault(eff, deque(maxlen=self.window))
+            self._efficiency[eff].append(reward / max(self._pending[1], 1e-12))
+            self._efficiency_cache.pop(eff, None)
+        self._pending = None
 
     def _median(self, b: int, a: Strategy | None) -> float | None:
         key = (b, a)
@@ -266,11 +292,6 @@ class BucketedEpsilonGreedy:
             window = self._rewards[key]
             self._median_cache[key] = statistics.median(window) if window else None
         return self._median_cache[key]
-
-
-def _kind(arm: Strategy | None) -> str:
-    """The calibration group of an arm: PLAIN, or its drafter."""
-    return PLAIN if arm is None else arm.drafter
 
 
 class FixedStrategy:

@@ -13,8 +13,9 @@ pure functions of the measured costs and the accepted-length estimates.
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -124,7 +125,7 @@ def measure_costs(
     ks: Sequence[int],
     context: int,
     budget_s: float,
-    rounds: int = 3,
+    rounds: int = 5,
     key: Hashable = None,
 ) -> CostModel:
     """Time plain, verify and EAGLE-draft forwards of `model` per batch size.
@@ -134,10 +135,13 @@ def measure_costs(
     costs the same as real keys; its lengths are restored. Verification is timed at the
     shortest and longest k + 1 (others are interpolated); the draft step with a randomly
     initialised one-layer drafter of the model's shape (its cost does not depend on weights).
-    Batch sizes go smallest first, in up to `rounds` rounds, each keeping the fastest time
-    (the least disturbed); a batch whose projected time would exceed `budget_s` is not
-    started, so batches not reached in the first round have no cost (the engine then
-    measures them online).
+
+    Within `budget_s`: the first round goes smallest batch first and stops before a batch
+    whose projected time would not fit (batches not reached have no cost; the engine then
+    measures them online); up to `rounds` - 1 more rounds re-time every batch that still
+    fits, keeping each shape's fastest time (the least disturbed). On a shared CPU single
+    timings still swing, so `smoothed` then takes each ratio to the plain step over
+    neighbouring batch sizes.
     """
     start = time.perf_counter()
     batches = sorted(b for b in set(batches) if b <= cache.slots)
@@ -148,44 +152,64 @@ def measure_costs(
     drafter = EagleDrafter.random_init(model)
     dcache = drafter.new_cache(batches[-1], context + 2)
     best: dict[tuple[int, int], float] = {}  # (batch, width; 0 = a draft step) -> seconds
+    took: dict[int, float] = {}  # batch -> seconds its last round took
 
-    def run(b: int, w: int) -> None:
-        t0 = time.perf_counter()
-        if w:
-            _target_forward(model, cache, b, w, context)
-        else:
-            _draft_step(drafter, dcache, b, context)
-        best[(b, w)] = min(best.get((b, w), float("inf")), time.perf_counter() - t0)
+    def fits(seconds: float) -> bool:
+        return time.perf_counter() - start + seconds <= budget_s
 
-    def sweep() -> bool:
-        """One round over the batch sizes; False when the budget ran out."""
-        last: tuple[int, float] | None = None
-        for b in batches:
-            projected = 0.0 if last is None else last[1] * b / last[0]
-            if time.perf_counter() - start + projected > budget_s:
-                return False
+    def time_batch(b: int) -> None:
+        t_batch = time.perf_counter()
+        for w in (1, *widths, 0):
             t0 = time.perf_counter()
-            for w in (1, *widths, 0):
-                run(b, w)
-            last = (b, time.perf_counter() - t0)
-        return True
+            if w:
+                _target_forward(model, cache, b, w, context)
+            else:
+                _draft_step(drafter, dcache, b, context)
+            best[(b, w)] = min(best.get((b, w), float("inf")), time.perf_counter() - t0)
+        took[b] = time.perf_counter() - t_batch
 
     saved = list(cache.lens)
     try:
         _target_forward(model, cache, batches[0], 1, context)  # first-call allocations
-        for _ in range(rounds):
-            if not sweep():
+        for i, b in enumerate(batches):
+            prev = batches[i - 1] if i else None
+            if prev is not None and not fits(took[prev] * b / prev):
                 break
+            time_batch(b)
+        for _ in range(rounds - 1):
+            for b in sorted(took):
+                if fits(took[b]):
+                    time_batch(b)
     finally:
         cache.lens[:] = saved
     costs = {
         b: BucketCost(
             1000 * best[(b, 1)], {w: 1000 * best[(b, w)] for w in widths}, 1000 * best[(b, 0)]
         )
-        for b in batches
-        if (b, 0) in best
+        for b in sorted(took)
     }
-    return CostModel(costs, context, time.perf_counter() - start, key)
+    return CostModel(smoothed(costs), context, time.perf_counter() - start, key)
+
+
+def smoothed(costs: Mapping[int, BucketCost]) -> dict[int, BucketCost]:
+    """Each bucket's verify and draft costs as its plain step x the median, over the bucket and
+    its neighbours, of their ratio to the plain step: the ratio changes slowly with the batch
+    size, while a timing disturbed by another process does not repeat at the next size."""
+    order = sorted(costs)
+    out: dict[int, BucketCost] = {}
+    for i, b in enumerate(order):
+        near = [costs[n] for n in order[max(0, i - 1) : i + 2]]
+        plain = costs[b].plain_ms
+        verify = {
+            w: plain * _median_ratio(near, lambda c, w=w: c.verify_ms[w])
+            for w in costs[b].verify_ms
+        }
+        out[b] = BucketCost(plain, verify, plain * _median_ratio(near, lambda c: c.draft_ms))
+    return out
+
+
+def _median_ratio(costs: Sequence[BucketCost], part: Callable[[BucketCost], float]) -> float:
+    return statistics.median(part(c) / c.plain_ms for c in costs)
 
 
 def _lens(b: int, context: int) -> list[int]:
