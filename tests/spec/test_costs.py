@@ -82,7 +82,8 @@ def test_smoothing_drops_a_disturbed_timing():
     }
     out = smoothed(costs)
     assert out[2].verify_ms[3] == pytest.approx(12.0 * 1.1)  # median of 1.1, 2.5, 1.1
-    assert out[1].verify_ms[3] == pytest.approx(10.0 * (1.1 + 2.5) / 2)  # an edge: 2 values
+    assert out[1].verify_ms[3] == pytest.approx(10.0 * 1.1)  # at an end: the 3 nearest too
+    assert smoothed({1: costs[1], 2: costs[2]})[1].verify_ms[3] == pytest.approx(18.0)  # 2 only
     assert out[4].draft_ms == pytest.approx(1.6) and out[2].plain_ms == 12.0
 
 

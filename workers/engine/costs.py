@@ -192,13 +192,15 @@ def measure_costs(
 
 
 def smoothed(costs: Mapping[int, BucketCost]) -> dict[int, BucketCost]:
-    """Each bucket's verify and draft costs as its plain step x the median, over the bucket and
-    its neighbours, of their ratio to the plain step: the ratio changes slowly with the batch
-    size, while a timing disturbed by another process does not repeat at the next size."""
+    """Each bucket's verify and draft costs as its plain step x the median, over the 3 nearest
+    batch sizes (its own included), of their ratio to the plain step: the ratio changes slowly
+    with the batch size, while a timing disturbed by another process does not repeat at the
+    next size."""
     order = sorted(costs)
     out: dict[int, BucketCost] = {}
     for i, b in enumerate(order):
-        near = [costs[n] for n in order[max(0, i - 1) : i + 2]]
+        lo = max(0, min(i - 1, len(order) - 3))  # the 3 nearest sizes, at the ends too
+        near = [costs[n] for n in order[lo : lo + 3]]
         plain = costs[b].plain_ms
         verify = {
             w: plain * _median_ratio(near, lambda c, w=w: c.verify_ms[w])
