@@ -165,6 +165,8 @@ def measure_costs(
                 _target_forward(model, cache, b, w, context)
             else:
                 _draft_step(drafter, dcache, b, context)
+            if cache.k.is_cuda:  # kernels run asynchronously: wait for them
+                torch.cuda.synchronize(cache.k.device)
             best[(b, w)] = min(best.get((b, w), float("inf")), time.perf_counter() - t0)
         took[b] = time.perf_counter() - t_batch
 
