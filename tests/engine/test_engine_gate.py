@@ -72,6 +72,8 @@ def test_where_sd_is_predicted_to_pay_it_speculates_above_the_threshold(ckpt):
     assert g["gate"] == "measured" and set(g["buckets"]) == {1, 2, 4, 8, 16}
     assert all(v["predicted_gain"] > 1 for v in g["buckets"].values())
     assert g["buckets"][16]["measured_gain"] is not None  # plain and SD both ran there
+    fresh = _engine(ckpt, _costs(plain_ms=1000.0, verify_ms=1000.0)).gate_snapshot()
+    assert fresh["speculating_buckets"] == [1, 2, 4, 8, 16]  # predicted, nothing measured yet
 
 
 def test_where_sd_is_predicted_to_lose_it_never_speculates(ckpt):

@@ -126,6 +126,7 @@ def test_verdicts_compare_predicted_and_measured_gain():
         1: {PLAIN: arm(100.0, None, 100.0), "ngram/k4": arm(200.0, 150.0, 160.0)},
         64: {PLAIN: arm(100.0, 120.0, 115.0), "ngram/k4": arm(110.0, 90.0, 95.0)},
         128: {PLAIN: arm(None, None, None), "ngram/k4": arm(None, None, None)},
+        256: {PLAIN: arm(100.0, None, None), "ngram/k4": arm(120.0, None, None)},  # unvisited
     }
     v = verdicts(snap)
     assert v[1] == {
@@ -139,3 +140,4 @@ def test_verdicts_compare_predicted_and_measured_gain():
     assert v[64]["measured_arm"] == PLAIN and v[64]["measured_gain"] == pytest.approx(0.75)
     assert not v[64]["speculates"]
     assert v[128]["predicted_arm"] is None and not v[128]["speculates"]
+    assert v[256]["speculates"]  # as predicted, until measured

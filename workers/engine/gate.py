@@ -159,19 +159,22 @@ def verdicts(
 ) -> dict[int, dict[str, object]]:
     """Per bucket of an engine's strategy snapshot (per arm: median_reward, predicted_reward,
     estimate): the predicted best arm and its gain over plain decoding (best SD arm's tokens/s
-    / plain's), the same from measured rewards only, and whether the gate's current
-    estimates favour speculation."""
+    / plain's), the same from measured rewards only, and whether the gate speculates there:
+    what its current estimates favour, or the prediction where no strategy has one yet."""
     out: dict[int, dict[str, object]] = {}
     for bucket, arms in sorted(snapshot.items()):
         predicted = _best({n: a.get("predicted_reward") for n, a in arms.items()})
         measured = _best({n: a.get("median_reward") for n, a in arms.items()})
-        now = _best({n: a.get("estimate") for n, a in arms.items()})
+        estimates = {n: a.get("estimate") for n, a in arms.items()}
+        now = _best(estimates)
+        known = any(e is not None and n != PLAIN for n, e in estimates.items())
+        choice = now[0] if known else predicted[0]
         out[bucket] = {
             "predicted_arm": predicted[0],
             "predicted_gain": predicted[1],
             "measured_arm": measured[0],
             "measured_gain": measured[1],
-            "speculates": now[0] is not None and now[0] != PLAIN,
+            "speculates": choice is not None and choice != PLAIN,
         }
     return out
 
