@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.engine.helpers import make_checkpoint
 from workers.engine.api import EngineConfig
@@ -94,7 +93,6 @@ def test_arm_rewards_are_tokens_per_second():
 
 
 def test_measure_costs_times_every_bucket_and_restores_the_cache(tmp_path):
-    torch.set_num_threads(1)
     model = load_model(make_checkpoint(tmp_path / "m", vocab=32))
     cache = model.new_cache(8, 128)
     cache.lens[:3] = [5, 6, 7]

@@ -42,7 +42,8 @@ class EngineConfig:
     window: int = 300
     buckets: tuple[int, ...] = ()  # () = bucket_sizes(): powers of two up to the gate's top
     # Wall seconds spent at start timing plain / verify / draft forwards per bucket (the
-    # measured gate's cost model); 0 = none, the gate then measures every bucket online.
+    # measured gate's cost model); 0 = none: the gate then tries every arm of a bucket
+    # online, plain decoding first (TLT's BEG plus the plain arm).
     cost_budget_s: float = 2.0
     cost_context: int = 512  # positions per row while timing: a long-tail sequence's context
     # EAGLE rows verify only the drafts whose cumulative drafter confidence stays >= this
