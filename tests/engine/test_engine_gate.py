@@ -76,17 +76,23 @@ def test_where_sd_is_predicted_to_pay_it_speculates_above_the_threshold(ckpt):
     assert fresh["speculating_buckets"] == [1, 2, 4, 8, 16]  # predicted, nothing measured yet
 
 
-def test_where_sd_is_predicted_to_lose_it_never_speculates(ckpt):
+def test_where_sd_is_predicted_to_lose_it_speculates_only_to_measure_the_drafter(ckpt):
+    """Verify costs 10^6 plain steps: after the first bucket's baseline the n-gram drafter,
+    never run yet, runs one step (its acceptance is measured, not assumed); no other bucket
+    speculates."""
     e = _engine(ckpt, _costs(plain_ms=1.0, verify_ms=1e6))
     assert _run(e) == _run(_engine(ckpt, mode="off"))
     s = e.stats.summary()
-    assert s["steps"]["spec"] == 0 and s["steps"]["plain"] > 0
-    g = e.gate_snapshot()
-    assert g["speculating_buckets"] == []
-    assert all(v["predicted_gain"] < 1 for v in g["buckets"].values())
+    assert s["steps"]["spec"] >= 1 and s["steps"]["plain"] > 0
+    assert e.gate_state is not None and e.gate_state.acceptance["ngram"].steps >= 1
     snap = e.strategy_snapshot()
-    assert all(arms["ngram/k2"]["count"] == 0 for arms in snap.values())
-    assert any(arms["plain"]["count"] for arms in snap.values())
+    sd_buckets = [
+        b for b, arms in snap.items() if any(a["count"] for n, a in arms.items() if n != "plain")
+    ]
+    assert sd_buckets == [16]  # the first decode steps run 10 rows
+    g = e.gate_snapshot()
+    assert all(v["predicted_gain"] < 1 for v in g["buckets"].values())
+    assert set(g["speculating_buckets"]) <= {16}  # there, the measurement decides
 
 
 def test_the_gate_state_carries_over_to_the_next_engine_of_a_job(ckpt):

@@ -249,3 +249,12 @@ def test_forget_drops_one_drafters_rewards() -> None:
 def test_plain_rewards_need_the_plain_arm() -> None:
     with pytest.raises(ValueError, match="plain arm"):
         BucketedEpsilonGreedy([NG2]).record_plain(1, 0.1)
+
+
+def test_explore_runs_a_drafters_best_strategy_after_the_baseline() -> None:
+    beg = _with_priors(epsilon=0.0)
+    assert beg.choose(1, priors=PRIORS, explore="eagle") is None  # the baseline comes first
+    beg.record_plain(1, 0.01)
+    assert beg.choose(1, priors=PRIORS) == NG2
+    assert beg.choose(1, priors=PRIORS, explore="eagle") == EA4  # predicted below plain
+    assert beg.choose(1, available={"ngram"}, priors=PRIORS, explore="eagle") == NG2

@@ -107,6 +107,16 @@ def test_a_policy_check_waits_for_enough_positions():
     assert s.acceptance["ngram"].accepted == 120
 
 
+def test_a_drafter_is_untried_until_it_ran_since_it_was_set():
+    s = _state()
+    assert s.untried({"ngram", "eagle"}) == "eagle" and s.untried({"ngram"}) == "ngram"
+    _steps(s, "eagle", 2, 1)
+    _steps(s, "ngram", 0, 1)  # one step, good or bad, is a measurement
+    assert s.untried({"ngram", "eagle"}) is None
+    s.sync(0, 5)  # a new drafter version
+    assert s.untried({"ngram", "eagle"}) == "eagle"
+
+
 def test_fits_and_tokens_per_step():
     s = _state()
     assert s.fits([NG4, EA4], (1, 8), plain_arm=True)

@@ -63,6 +63,7 @@ class StrategyPolicy(Protocol):
         batch_size: int,
         available: Collection[str] | None = None,
         priors: Mapping[str, float] | None = None,
+        explore: str | None = None,
     ) -> Strategy | None: ...
 
     def record(
@@ -156,6 +157,7 @@ class BucketedEpsilonGreedy:
         batch_size: int,
         available: Collection[str] | None = None,
         priors: Mapping[str, float] | None = None,
+        explore: str | None = None,
     ) -> Strategy | None:
         """Pick the arm of a step at this batch size: a strategy of an available drafter, or
         None to decode plainly (plain_arm only).
@@ -170,7 +172,9 @@ class BucketedEpsilonGreedy:
         follows the measured rewards. With probability epsilon a random *contender* runs
         instead, an arm whose estimate is within explore_margin of the best: exploration
         costs at most epsilon x explore_margin of the best arm's throughput, and arms
-        predicted to be clearly worse are not tried.
+        predicted to be clearly worse are not tried. `explore` names a drafter to run now
+        whatever the estimates say (its best strategy, after the baseline), e.g. one whose
+        acceptance was never measured.
         """
         b = self.bucket(batch_size)
         sd = [s for s in self.strategies if available is None or s.drafter in available]
@@ -187,8 +191,9 @@ class BucketedEpsilonGreedy:
         if not self._rewards[(b, None)]:
             return None
         est = self._estimates(b, arms, priors)
-        pick = max(arms, key=est.__getitem__)
-        if self._rng.random() < self.epsilon:
+        forced = [s for s in sd if s.drafter == explore]
+        pick = max(forced or arms, key=est.__getitem__)
+        if not forced and self._rng.random() < self.epsilon:
             floor = (1.0 - self.explore_margin) * est[pick]
             contenders = [a for a in arms if est[a] >= floor]
             pick = contenders[self._rng.randrange(len(contenders))]
@@ -311,6 +316,7 @@ class FixedStrategy:
         batch_size: int,
         available: Collection[str] | None = None,
         priors: Mapping[str, float] | None = None,
+        explore: str | None = None,
     ) -> Strategy:
         if available is not None and self.strategy.drafter not in available:
             raise NoStrategyAvailable(f"drafter {self.strategy.drafter!r} is not available")

@@ -584,8 +584,9 @@ class Engine:
         available = {"ngram"}
         if self.drafter is not None and any(s.eagle_ok for s in self.running):
             available.add("eagle")
+        untried = self.gate_state.untried(available) if self.gate_state is not None else None
         try:
-            return self.bandit.choose(b, available, self._priors(b))
+            return self.bandit.choose(b, available, self._priors(b), untried)
         except NoStrategyAvailable:
             return None
 

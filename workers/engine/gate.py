@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from workers.engine.bandit import PLAIN, BucketedEpsilonGreedy, Strategy
@@ -33,6 +33,7 @@ class Acceptance:
     rejected: int = 0
     rows: int = 0
     drafting_rows: int = 0
+    steps: int = 0  # SD steps observed since the drafter was (re)set
     baseline: float | None = None  # alpha when the policy changed, until checked
     since: tuple[int, int] = (0, 0)  # (accepted, rejected) positions since that change
 
@@ -60,6 +61,7 @@ class Acceptance:
         self.rejected += rej
         self.rows += len(drafted)
         self.drafting_rows += sum(1 for d in drafted if d)
+        self.steps += 1
         if self.baseline is None:
             return False
         a, r = self.since[0] + acc, self.since[1] + rej
@@ -80,7 +82,7 @@ class Acceptance:
         """Another drafter (version): the current estimate becomes its prior, worth only
         PRIOR_POSITIONS positions, so the new drafter's own observations soon dominate."""
         self.prior, self.prior_coverage = self.alpha, self.coverage
-        self.accepted = self.rejected = self.rows = self.drafting_rows = 0
+        self.accepted = self.rejected = self.rows = self.drafting_rows = self.steps = 0
         self.baseline, self.since = None, (0, 0)
 
 
@@ -89,7 +91,10 @@ class GateState:
 
     Every RL step replays the same prompt distribution, so what step 1 learned (rewards per
     bucket and arm, acceptance per drafter) is where step 2 starts. The decode costs are not
-    part of it: they depend on the architecture and device, not on weights.
+    part of it: they depend on the architecture and device, not on weights. A drafter that
+    has not run since it was (re)set is `untried`: the engine runs it for one step as soon as
+    it is available, so its acceptance is measured rather than assumed (the prior alone could
+    keep a good drafter from ever running).
 
     Reset rule, applied by `sync` with the versions in use at each decode step:
     - a new EAGLE drafter version: the EAGLE acceptance estimate is demoted to a prior worth
@@ -130,6 +135,10 @@ class GateState:
                 self.acceptance["eagle"].new_drafter()
             self.bandit.forget("eagle")
             self.drafter_version = drafter_version
+
+    def untried(self, available: Collection[str]) -> str | None:
+        """An available drafter with no SD step since it was (re)set, if any."""
+        return next((d for d, a in self.acceptance.items() if d in available and not a.steps), None)
 
     def observe(self, drafter: str, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """Learn from one SD step of `drafter` (per row: drafts verified, drafts accepted)."""
