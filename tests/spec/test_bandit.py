@@ -7,6 +7,7 @@ import math
 import pytest
 
 from workers.engine.bandit import (
+    PLAIN,
     BucketedEpsilonGreedy,
     FixedStrategy,
     NoStrategyAvailable,
@@ -126,3 +127,134 @@ def test_fixed_strategy() -> None:
         fixed.choose(1, available={"ngram"})
     fixed.record(3, EA4, 2.0, 0.1)
     assert fixed.snapshot() == {3: {"eagle/k4": {"count": 1, "median_reward": None}}}
+
+
+# -- priors from a cost model, and plain decoding as an arm --------------------------------
+
+
+def _with_priors(**kw) -> BucketedEpsilonGreedy:
+    return BucketedEpsilonGreedy([NG2, NG4, EA4], plain_arm=True, **kw)
+
+
+PRIORS = {PLAIN: 100.0, "ngram/k2": 150.0, "ngram/k4": 130.0, "eagle/k4": 50.0}
+
+
+def test_without_priors_plain_decoding_is_measured_first() -> None:
+    beg = _with_priors(epsilon=0.0)
+    assert beg.choose(1) is None
+    beg.record_plain(1, 0.01)
+    assert beg.choose(1) == NG2  # then the untried strategies, in order
+    assert beg.snapshot()[1][PLAIN] == {"count": 1, "median_reward": 100.0}
+
+
+def _measure_plain(beg: BucketedEpsilonGreedy, batch: int, reward: float = 100.0) -> None:
+    """The first step of a bucket with priors: the plain baseline."""
+    assert beg.choose(batch, priors=PRIORS) is None
+    beg.record_plain(batch, batch / reward)
+
+
+def test_priors_start_from_the_predicted_best_without_trying_every_arm() -> None:
+    beg = _with_priors(epsilon=0.0)
+    _measure_plain(beg, 4)
+    picks = []
+    for _ in range(20):
+        s = beg.choose(4, priors=PRIORS)
+        picks.append(s)
+        beg.record(4, s, accepted_tokens=150.0 / 4, step_seconds=1.0)  # as predicted
+    assert set(picks) == {NG2}
+    assert beg.choose(8, priors=PRIORS) is None  # another bucket: its baseline first
+
+
+def test_measured_rewards_override_the_prior() -> None:
+    beg = _with_priors(epsilon=0.0)
+    _measure_plain(beg, 1)
+    picks = []
+    for _ in range(8):
+        s = beg.choose(1, priors=PRIORS)
+        picks.append(s)
+        if s is None:
+            beg.record_plain(1, 1 / 100.0)  # plain as predicted: 100 tokens/s
+        else:
+            beg.record(1, s, accepted_tokens=60.0, step_seconds=1.0)  # SD far worse than hoped
+    # One ngram/k2 step measures the n-gram efficiency (measured / predicted = 60 / 150):
+    # ngram/k2's estimate (60 + 2 x 0.4 x 150) / 3 = 60 and ngram/k4's 0.4 x 130 = 52 fall
+    # below plain's 100; eagle/k4, predicted below plain, never runs.
+    assert picks == [NG2] + [None] * 7
+    assert beg.efficiency(1, "ngram") == pytest.approx(0.4) and beg.efficiency(1, "eagle") == 1
+    assert beg.efficiency(2, "ngram") == 1.0  # another bucket: its own
+
+
+def test_predictions_are_gains_over_measured_plain_decoding() -> None:
+    beg = _with_priors(epsilon=0.0)
+    priors = {PLAIN: 100.0, "ngram/k2": 150.0, "ngram/k4": 130.0, "eagle/k4": 140.0}
+    _measure_plain(beg, 1, reward=50.0)  # the device is half as fast as when it was timed
+    assert beg.estimates(1, priors) == {
+        PLAIN: 50.0,
+        "ngram/k2": 75.0,  # predicted gain 1.5 x plain's measured 50
+        "ngram/k4": 65.0,
+        "eagle/k4": 70.0,
+    }
+    assert beg.choose(1, priors=priors) == NG2
+    beg.record(1, NG2, accepted_tokens=25.0, step_seconds=1.0)  # 1/3 of the predicted 75
+    assert beg.efficiency(1, "ngram") == pytest.approx(1 / 3)
+    assert beg.choose(1, priors=priors) == EA4  # 70 > plain's 50 > n-grams' (25 + 2 x 25) / 3
+    beg.record(1, EA4, accepted_tokens=17.5, step_seconds=1.0)  # 1/4 of the predicted 70
+    assert beg.choose(1, priors=priors) is None
+    beg.forget("eagle")
+    assert beg.efficiency(1, "eagle") == 1.0
+    assert beg.choose(1, priors=priors) == EA4  # forgotten: the predicted gain again
+    assert beg.estimates(2, priors)["ngram/k2"] == float("-inf")  # no plain baseline there
+
+
+def test_exploration_only_tries_contenders() -> None:
+    beg = _with_priors(epsilon=1.0, explore_margin=0.2, seed=3)  # explore at every step
+    _measure_plain(beg, 2)
+    picks = {beg.choose(2, priors=PRIORS) for _ in range(300)}
+    assert picks == {NG2, NG4}  # within 20% of the best (>= 120); plain and eagle are not
+
+
+def test_exploration_rate_with_priors_is_epsilon() -> None:
+    eps, n = 0.1, 20_000
+    beg = _with_priors(epsilon=eps, explore_margin=0.2, seed=5)
+    _measure_plain(beg, 1)
+    off_best = sum(beg.choose(1, priors=PRIORS) != NG2 for _ in range(n))
+    p = eps / 2  # exploring picks among the two contenders
+    sd = math.sqrt(n * p * (1 - p))
+    assert abs(off_best - n * p) < 4 * sd
+
+
+def test_a_missing_prior_falls_back_to_trying_untried_arms() -> None:
+    beg = _with_priors(epsilon=0.0)
+    assert beg.choose(1, priors={PLAIN: 100.0, "ngram/k2": 150.0}) is None  # eagle/k4 unknown
+
+
+def test_unavailable_drafters_need_no_prior() -> None:
+    beg = _with_priors(epsilon=0.0)
+    priors = {PLAIN: 100.0, "ngram/k2": 90.0, "ngram/k4": 80.0}
+    assert beg.choose(1, available={"ngram"}, priors=priors) is None
+
+
+def test_forget_drops_one_drafters_rewards() -> None:
+    beg = _with_priors(epsilon=0.0)
+    _measure_plain(beg, 1)
+    _tried(beg, 1, {NG2: 10.0, EA4: 30.0})
+    beg.forget("eagle")
+    snap = beg.snapshot()[1]
+    assert snap["eagle/k4"] == {"count": 1, "median_reward": None}
+    assert snap["ngram/k2"] == {"count": 1, "median_reward": 10.0}
+    est = beg.estimates(1, PRIORS)
+    assert est["eagle/k4"] == 50.0 and est["ngram/k2"] == pytest.approx((10 + 2 * 150) / 3)
+
+
+def test_plain_rewards_need_the_plain_arm() -> None:
+    with pytest.raises(ValueError, match="plain arm"):
+        BucketedEpsilonGreedy([NG2]).record_plain(1, 0.1)
+
+
+def test_explore_runs_a_drafters_best_strategy_after_the_baseline() -> None:
+    beg = _with_priors(epsilon=0.0)
+    assert beg.choose(1, priors=PRIORS, explore="eagle") is None  # the baseline comes first
+    beg.record_plain(1, 0.01)
+    assert beg.choose(1, priors=PRIORS) == NG2
+    assert beg.choose(1, priors=PRIORS, explore="eagle") == EA4  # predicted below plain
+    assert beg.choose(1, available={"ngram"}, priors=PRIORS, explore="eagle") == NG2

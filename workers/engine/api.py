@@ -28,15 +28,25 @@ class EngineConfig:
     max_batch: int = 64
     max_seq_len: int = 2048  # prompt + generated tokens per sample
     spec_mode: str = "adaptive"  # "off" | "adaptive" (bandit) | "fixed" (strategies[0])
-    batch_threshold: int = 32  # speculate only while the running batch is <= this
-    # Adaptive mode also measures plain decoding at each batch bucket and decodes plainly
-    # where that beats the bandit's pick (see engine.prefer_plain). An extension of TLT for
-    # devices where verifying k+1 tokens is not nearly free, e.g. CPUs.
-    plain_arm: bool = True
+    # Where the adaptive mode speculates. "measured": in every bucket where speculation beats
+    # plain decoding, predicted from decode costs measured on the device at start and then
+    # measured per step (plain decoding is an arm of the bandit). "threshold": TLT's
+    # reference rule, while the running batch is <= batch_threshold (an ablation; the
+    # reference's 32 is a GPU setting). The fixed mode always uses the threshold.
+    gate: str = "measured"
+    batch_threshold: int = 32
     strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES
     epsilon: float = 0.1
+    # With a cost model, exploration only tries arms whose estimate is within this fraction
+    # of the best one's, so it costs at most epsilon x explore_margin of the throughput.
+    explore_margin: float = 0.2
     window: int = 300
-    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    buckets: tuple[int, ...] = ()  # () = bucket_sizes(): powers of two up to the gate's top
+    # Wall seconds spent at start timing plain / verify / draft forwards per bucket (the
+    # measured gate's cost model); 0 = none: the gate then tries every arm of a bucket
+    # online, plain decoding first (TLT's BEG plus the plain arm).
+    cost_budget_s: float = 2.0
+    cost_context: int = 512  # positions per row while timing: a long-tail sequence's context
     # EAGLE rows verify only the drafts whose cumulative drafter confidence stays >= this
     # (at least one); 0 verifies all k. Verification is compute-bound on CPUs, so drafts that
     # would likely be rejected cost real time there.
@@ -47,6 +57,15 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
+
+    def bucket_sizes(self) -> tuple[int, ...]:
+        """`buckets`, or else the powers of two below the largest batch that may speculate
+        (max_batch with the measured gate, batch_threshold otherwise) and that batch."""
+        if self.buckets:
+            return self.buckets
+        top = self.max_batch if self.gate == "measured" else self.batch_threshold
+        top = max(1, min(top, self.max_batch))
+        return tuple(1 << i for i in range(top.bit_length()) if 1 << i < top) + (top,)
 
     @classmethod
     def from_speculative(cls, spec: SpeculativeConfig, **kw: Any) -> EngineConfig:

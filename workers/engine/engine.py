@@ -13,6 +13,8 @@ Public API (used by the rollout worker and the drafter trainer)::
     engine.set_drafter(EagleDrafter | None, version)   # hot swap between steps
     engine.load_policy(path_or_hf_state_dict, version) # new target weights between steps
     engine.stats -> EngineStats      # engine.strategy_snapshot() -> per-bucket arms + "plain"
+    engine.gate_snapshot()           # cost model, acceptance, predicted vs measured gain
+    Engine(..., costs=CostModel, gate_state=GateState)  # reuse what another engine measured
     # EngineConfig, Request, SampleOutput live in workers.engine.api (re-exported here)
     EngineConfig.from_speculative(job.speculative, max_batch=...)  # a job's config -> engine's
     SampleOutput.to_domain() -> tltd.domain.Sample
@@ -42,15 +44,21 @@ Semantics:
   added together (one add_request), so a slice of a prompt's samples run on its own (a
   retry) reproduces its seeded tokens with SD off or EAGLE drafts, but with n-gram drafts
   only in distribution.
-- Speculation: when spec_mode != "off" and the running batch is <= batch_threshold, each
-  decode step drafts with the strategy (drafter, k) the bandit picks ("fixed": always
-  strategies[0]; "adaptive" with plain_arm also decodes plainly where measured plain
-  throughput at that batch bucket beats the pick's median reward), verifies every row's
-  drafts in one target forward and keeps what the rule in spec.py accepts; rejected
-  positions are dropped by shortening the slot's length (target and EAGLE caches). Above
-  the threshold, or for requests with speculative=False, rows decode one token per step.
+- Speculation: each decode step of the adaptive mode runs the arm the bandit picks for the
+  running batch's bucket: a strategy (drafter, k) or, with gate "measured", plain decoding.
+  That gate starts each bucket from a cost model timed on the device at start (costs.py:
+  plain / verify / draft ms per bucket) combined with the acceptance observed per drafter
+  (gate.py), so it speculates exactly in the buckets where that is predicted and then
+  measured to pay, at any batch size. Gate "threshold" (and the "fixed" mode, always
+  strategies[0]) speculates while the batch is <= batch_threshold. An SD step verifies every
+  row's drafts in one target forward and keeps what the rule in spec.py accepts; rejected
+  positions are dropped by shortening the slot's length (target and EAGLE caches). Rows of
+  requests with speculative=False decode one token per step.
   While an EAGLE drafter is set the engine keeps each sample's hidden states (positions x
   hidden floats per sample) so that a hot-swapped drafter can catch up.
+- What the gate learned (rewards, acceptance) is `gate_state`: it lives as long as the
+  engine and can be handed to the next engine of the same job; gate.GateState states when
+  a new policy or drafter version drops parts of it.
 - hidden_states (return_hidden_states=True): the target's final-norm hidden state at every
   position fed to it, [len(prompt) + len(token_ids) - 1, H] (the last token is never fed).
 """
@@ -58,8 +66,6 @@ Semantics:
 from __future__ import annotations
 
 import json
-import random
-import statistics
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -77,7 +83,9 @@ from workers.engine.bandit import (
     NoStrategyAvailable,
     Strategy,
 )
+from workers.engine.costs import CostModel, arm_rewards, measure_costs
 from workers.engine.eagle import EagleDrafter
+from workers.engine.gate import GateState, verdicts
 from workers.engine.kv_cache import KVCache
 from workers.engine.model import (
     Batch,
@@ -101,26 +109,6 @@ from workers.engine.sampling import (
 )
 from workers.engine.spec import accept_drafts
 from workers.engine.stats import PLAIN_TOKEN, EngineStats, step_provenance
-
-PLAIN_PROBES = 3  # plain steps measured per batch bucket before SD is compared with them
-
-
-def prefer_plain(plain: Sequence[float], sd_median: float | None, explore: str | None) -> bool:
-    """Whether an adaptive decode step at some batch bucket should skip speculation.
-
-    `plain`: recent plain-decoding throughputs (tokens/s) at this bucket; `sd_median`: the
-    bandit's median reward (tokens/s too) for the strategy it picked, None while untried;
-    `explore`: None, "plain" or "sd" (this step explores that arm). The baseline is measured
-    first, then SD runs unless its median is known to be worse than plain decoding's.
-    Exploration goes both ways: re-measuring plain decoding, and running SD where plain
-    looks better, so that one unlucky early SD step (e.g. a drafter catching up on a long
-    history) cannot lock speculation out of a bucket for good.
-    """
-    if len(plain) < PLAIN_PROBES or explore == "plain":
-        return True
-    if explore == "sd":
-        return False
-    return sd_median is not None and statistics.median(plain) > sd_median
 
 
 @dataclass
@@ -191,10 +179,24 @@ class _Seq:
 class Engine:
     """Continuous-batching rollout engine (module docstring)."""
 
-    def __init__(self, model_or_path: CausalLM | str | Path, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model_or_path: CausalLM | str | Path,
+        config: EngineConfig | None = None,
+        *,
+        costs: CostModel | None = None,
+        gate_state: GateState | None = None,
+    ):
+        """`costs`: a cost model measured by an earlier engine, used when it fits this one (same
+        architecture, dtype, device, threads, context and buckets; a model without a key is
+        taken as made for this engine), else measured again (cost_budget_s > 0);
+        `gate_state`: what an earlier engine of the same job learned, continued when it fits
+        (same strategies and buckets)."""
         self.config = cfg = config or EngineConfig()
         if cfg.spec_mode not in ("off", "adaptive", "fixed"):
             raise ValueError(f"spec_mode must be off|adaptive|fixed, got {cfg.spec_mode!r}")
+        if cfg.gate not in ("measured", "threshold"):
+            raise ValueError(f"gate must be measured|threshold, got {cfg.gate!r}")
         if isinstance(model_or_path, CausalLM):
             self.model = model_or_path.to(dtype=cfg.dtype, device=cfg.device).eval()
         else:
@@ -218,18 +220,57 @@ class Engine:
         self.eagle_cache: KVCache | None = None
         self.policy_version = 0
         self.stats = EngineStats()
+        # The measured gate: plain decoding is an arm, priors come from the cost model.
+        self._measured = cfg.spec_mode == "adaptive" and cfg.gate == "measured"
+        self.gate_state: GateState | None = None
+        self.costs: CostModel | None = None
         if cfg.spec_mode == "fixed":
             self.bandit: BucketedEpsilonGreedy | FixedStrategy = FixedStrategy(cfg.strategies[0])
         else:
-            self.bandit = BucketedEpsilonGreedy(
-                cfg.strategies, cfg.buckets, cfg.epsilon, cfg.window, cfg.seed
-            )
+            buckets = cfg.bucket_sizes()
+            if gate_state is None or not gate_state.fits(cfg.strategies, buckets, self._measured):
+                gate_state = GateState(
+                    BucketedEpsilonGreedy(
+                        cfg.strategies,
+                        buckets,
+                        cfg.epsilon,
+                        cfg.window,
+                        cfg.seed,
+                        plain_arm=self._measured,
+                        explore_margin=cfg.explore_margin,
+                    )
+                )
+            self.gate_state = gate_state
+            self.bandit = gate_state.bandit
+            if self._measured:
+                self.costs = self._cost_model(costs)
         self.prefills = 0  # prefill forwards run (one per prompt, shared by its n samples)
         self._outputs: list[SampleOutput] = []  # finished outside step() (cancel)
         self._next_seed = cfg.seed
         self._groups_added = 0
-        self._rng = random.Random(cfg.seed)
-        self._plain_rewards: dict[int, deque[float]] = {}  # bucket -> plain tokens/s
+
+    def _cost_model(self, earlier: CostModel | None) -> CostModel | None:
+        """`earlier` if it was measured for this engine's shape, else a fresh measurement
+        (None with cost_budget_s 0)."""
+        cfg = self.config
+        buckets = cfg.bucket_sizes()
+        context = min(cfg.cost_context, cfg.max_seq_len)
+        key = (
+            self.model.config,
+            str(cfg.dtype),
+            cfg.device,
+            torch.get_num_threads(),
+            context,
+            buckets,
+        )
+        if earlier is not None and earlier.key in (None, key):  # None: made for this engine
+            return earlier
+        if cfg.cost_budget_s <= 0:
+            return None
+        ks = [st.k for st in cfg.strategies]
+        return measure_costs(
+            self.model, self.cache, buckets, ks, context, cfg.cost_budget_s, key=key
+        )
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -350,12 +391,43 @@ class Engine:
         return out
 
     def strategy_snapshot(self) -> dict[int, dict[str, dict[str, float | int | None]]]:
-        """Per batch bucket: the bandit's arms (count, median reward tokens/s) and "plain"."""
+        """Per batch bucket, per arm ("plain" too with the measured gate): steps taken (count),
+        median measured reward, predicted reward (cost model; None without one) and the
+        estimate the gate decides on, all in tokens/s."""
         snap = self.bandit.snapshot()
-        for bucket, window in self._plain_rewards.items():
-            median = statistics.median(window) if window else None
-            snap.setdefault(bucket, {})["plain"] = {"count": len(window), "median_reward": median}
+        if not isinstance(self.bandit, BucketedEpsilonGreedy):
+            return snap
+        for bucket, arms in snap.items():
+            priors = self._priors(bucket) or {}
+            est = self.bandit.estimates(bucket, priors)
+            for name, arm in arms.items():
+                arm["predicted_reward"] = priors.get(name)
+                arm["estimate"] = est[name] if est[name] > float("-inf") else None
         return snap
+
+    def gate_snapshot(self) -> dict[str, object]:
+        """The SD gate at a glance: gate kind, cost model (ms per bucket), acceptance per
+        drafter, and per bucket the predicted and measured best arm and gain over plain
+        decoding, and whether the gate speculates there now (gate.verdicts)."""
+        cfg = self.config
+        per_bucket = verdicts(self.strategy_snapshot())
+        return {
+            "gate": cfg.gate if cfg.spec_mode == "adaptive" else cfg.spec_mode,
+            "costs": self.costs.as_dict() if self.costs is not None else None,
+            "acceptance": self.gate_state.snapshot() if self.gate_state is not None else {},
+            "buckets": per_bucket,
+            "speculating_buckets": [b for b, v in per_bucket.items() if v["speculates"]],
+        }
+
+    def _priors(self, batch_size: int) -> dict[str, float] | None:
+        """Predicted tokens/s per arm at this batch size's bucket (None: no cost model there)."""
+        if self.costs is None or self.gate_state is None:
+            return None
+        bucket = self.gate_state.bandit.bucket(batch_size)
+        cost = self.costs.buckets.get(bucket)
+        if cost is None:
+            return None
+        return arm_rewards(cost, bucket, self.gate_state.tokens_per_step())
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -511,36 +583,28 @@ class Engine:
         return leaders + followers, order
 
     def _decode(self) -> list[SampleOutput]:
-        b = len(self.running)
-        cfg = self.config
-        strategy = None
-        if (
-            cfg.spec_mode != "off"
-            and b <= cfg.batch_threshold
-            and any(s.group.speculative for s in self.running)
-        ):
-            available = {"ngram"}
-            if self.drafter is not None and any(s.eagle_ok for s in self.running):
-                available.add("eagle")
-            try:
-                strategy = self.bandit.choose(b, available)
-            except NoStrategyAvailable:
-                strategy = None
-        if strategy is not None and cfg.spec_mode == "adaptive" and cfg.plain_arm:
-            bucket = self.bandit.bucket(b)
-            plain = self._plain_rewards.setdefault(bucket, deque(maxlen=cfg.window))
-            med = self.bandit.snapshot()[bucket][strategy.name]["median_reward"]
-            sd = None if med is None else float(med)
-            # With probability epsilon explore, uniformly over plain and the SD arms.
-            r = self._rng.random()
-            explore = None
-            if r < cfg.epsilon:
-                explore = "plain" if r < cfg.epsilon / (len(cfg.strategies) + 1) else "sd"
-            if prefer_plain(plain, sd, explore):
-                strategy = None
+        strategy = self._choose(len(self.running))
         if strategy is None:
             return self._plain_step()
         return self._spec_step(strategy)
+
+    def _choose(self, b: int) -> Strategy | None:
+        """The SD gate: the strategy of the next decode step, None for a plain step."""
+        cfg = self.config
+        if cfg.spec_mode == "off" or not any(s.group.speculative for s in self.running):
+            return None
+        if not self._measured and b > cfg.batch_threshold:
+            return None
+        if self.gate_state is not None:
+            self.gate_state.sync(self.policy_version, self.drafter_version)
+        available = {"ngram"}
+        if self.drafter is not None and any(s.eagle_ok for s in self.running):
+            available.add("eagle")
+        untried = self.gate_state.untried(available) if self.gate_state is not None else None
+        try:
+            return self.bandit.choose(b, available, self._priors(b), untried)
+        except NoStrategyAvailable:
+            return None
 
     def _params(self) -> RowParams:
         return self._row_params(self.running)
@@ -593,11 +657,8 @@ class Engine:
                 done[i] = reason
         dt = time.perf_counter() - t0
         self.stats.record_plain_step(b, b, dt)
-        if self.config.spec_mode == "adaptive" and b <= self.config.batch_threshold:
-            bucket = self.bandit.bucket(b)
-            self._plain_rewards.setdefault(bucket, deque(maxlen=self.config.window)).append(
-                b / max(dt, 1e-9)
-            )
+        if self._measured and isinstance(self.bandit, BucketedEpsilonGreedy):
+            self.bandit.record_plain(b, dt)
         return self._finish(done)
 
     def _spec_step(self, strategy: Strategy) -> list[SampleOutput]:
@@ -640,6 +701,8 @@ class Engine:
         emitted[torch.arange(b, device=self.device), n_acc] = nxt
         emitted_lp = token_logprobs(logits, logp, emitted, params)
         n_list, em, em_lp = n_acc.tolist(), emitted.tolist(), emitted_lp.tolist()
+        if self.gate_state is not None:  # acceptance as drafted, before stop-token clipping
+            self.gate_state.observe(strategy.drafter, dlen, n_list)
         done: dict[int, FinishReason] = {}
         gained: list[int] = []  # tokens each row emitted (fewer than n + 1 past a stop token)
         for i, s in enumerate(seqs):

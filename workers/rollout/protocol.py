@@ -21,7 +21,8 @@ class EngineSpec:
     max_batch: int = 64
     max_seq_len: int = 2048
     spec_mode: str = "adaptive"  # "off" | "adaptive" | "fixed"
-    batch_threshold: int = 32
+    gate: str = "measured"  # adaptive: "measured" (cost model + bandit) | "threshold"
+    batch_threshold: int = 32  # the threshold gate's and the fixed mode's limit
     draft_lengths: tuple[int, ...] = (2, 4, 6)
     drafter: str = "auto"  # "auto" | "ngram" | "eagle"
     device: str = "cpu"

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from tltd.domain import FinishReason, Sample
 from workers.rollout.loop import WorkerLoop, contiguous_runs, serve
 from workers.rollout.protocol import AddWork, EngineSpec, LoadModel
 from workers.signals import ignore_stop_signals
 
+if TYPE_CHECKING:  # the engine (torch) is imported only by the worker process, at load
+    from workers.engine.costs import CostModel
+    from workers.engine.gate import GateState
+
 __all__ = ["RolloutWorker", "contiguous_runs", "main"]
 
 _DRAFTERS = {"auto": ("ngram", "eagle"), "ngram": ("ngram",), "eagle": ("eagle",)}
+# Jobs whose SD gate state a worker keeps (a job that comes back continues where it was).
+GATE_STATES_KEPT = 4
 
 
 def main(conn: Connection, threads: int = 1, heartbeat_seconds: float = 0.5) -> None:
@@ -31,6 +38,10 @@ class RolloutWorker(WorkerLoop):
     def __init__(self, conn: Connection, heartbeat_seconds: float) -> None:
         super().__init__(conn, heartbeat_seconds)
         self.engine = None  # workers.engine.engine.Engine once a LoadModel arrived
+        # Kept across engines: the decode costs measured on this device (reused while the
+        # architecture is the same) and, per job, what the SD gate learned.
+        self.costs: CostModel | None = None
+        self.gate_states: dict[str, GateState] = {}  # by job id, oldest first
 
     def loaded(self) -> bool:
         return self.engine is not None
@@ -62,14 +73,23 @@ class RolloutWorker(WorkerLoop):
                 max_batch=spec.max_batch,
                 max_seq_len=spec.max_seq_len,
                 spec_mode=spec.spec_mode,
+                gate=spec.gate,
                 batch_threshold=spec.batch_threshold,
                 strategies=strategies,
                 device=spec.device,
                 seed=spec.seed,
             ),
+            costs=self.costs,
+            gate_state=self.gate_states.get(msg.job_id),
         )
         engine.policy_version = msg.policy_version
         self.engine = engine
+        self.costs = engine.costs or self.costs
+        self.gate_states.pop(msg.job_id, None)
+        if engine.gate_state is not None:
+            self.gate_states[msg.job_id] = engine.gate_state  # now the newest
+            while len(self.gate_states) > GATE_STATES_KEPT:
+                del self.gate_states[next(iter(self.gate_states))]
 
     def load_policy(self, path: str, version: int) -> None:
         assert self.engine is not None

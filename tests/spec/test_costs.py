@@ -1,0 +1,117 @@
+"""The cost model: interpolation, accepted-length formula, per-bucket prediction, measurement."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.helpers import make_checkpoint
+from workers.engine.api import EngineConfig
+from workers.engine.bandit import PLAIN, Strategy
+from workers.engine.costs import (
+    BucketCost,
+    CostModel,
+    arm_rewards,
+    expected_tokens,
+    measure_costs,
+    predict,
+    smoothed,
+)
+from workers.engine.model import load_model
+
+NG2, NG4, EA2, EA4 = (Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 4))
+
+
+def _model(plain: dict[int, float], verify: dict[int, float], draft: dict[int, float]):
+    """A cost model from per-batch plain ms, verify/plain ratio at width 5 (k=4), plain/draft."""
+    return CostModel(
+        {b: BucketCost(ms, {5: ms * verify[b]}, ms / draft[b]) for b, ms in plain.items()},
+        context=500,
+    )
+
+
+def test_verify_is_piecewise_linear_in_width():
+    c = BucketCost(10.0, {3: 12.0, 7: 20.0}, 1.0)
+    assert c.verify(2) == 12.0 and c.verify(6) == 20.0
+    assert c.verify(4) == pytest.approx(16.0)  # width 5: between 3 and 7
+    assert c.verify(1) == pytest.approx(11.0)  # width 2: between the plain step and 3
+    assert c.verify(8) == pytest.approx(24.0)  # width 9: extrapolated from 3 and 7
+    assert BucketCost(10.0, {}, 1.0).verify(3) == 40.0  # no verify measured: k + 1 steps
+    assert c.step_ms(Strategy("eagle", 4)) == pytest.approx(16.0 + 4 * 1.0)
+    assert c.step_ms(Strategy("ngram", 4)) == pytest.approx(16.0)  # n-gram drafts are free
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens(0.0, 1.0, 4) == 1.0
+    assert expected_tokens(1.0, 1.0, 4) == 5.0
+    assert expected_tokens(0.5, 1.0, 2) == pytest.approx(1.75)
+    assert expected_tokens(0.5, 0.5, 2) == pytest.approx(0.5 * 1.75 + 0.5)  # half never draft
+
+
+def test_deep_narrow_policy_speculates_at_every_batch_size():
+    """The CPU analog (16 layers x hidden 128, 1 thread): plain steps of 10..142 ms from batch
+    1 to 64, verify ~1.2x a plain step, a drafter step 1/15: SD pays in every bucket."""
+    costs = _model(
+        {1: 10.0, 4: 17.0, 16: 39.0, 32: 70.0, 64: 142.0},
+        dict.fromkeys((1, 4, 16, 32, 64), 1.2),
+        dict.fromkeys((1, 4, 16, 32, 64), 15.0),
+    )
+    a = expected_tokens(0.7, 1.0, 4)
+    pred = predict(costs, {EA4: a})
+    assert set(pred) == {1, 4, 16, 32, 64}
+    for b, p in pred.items():
+        assert p.best == "eagle/k4", b
+        assert p.gain == pytest.approx(a / (1.2 + 4 / 15))
+        assert p.rewards[PLAIN] == pytest.approx(1000 * b / costs.buckets[b].plain_ms)
+
+
+def test_compute_bound_policy_speculates_only_at_small_batch():
+    """The first policy (6 x 256): verify 1.05x at batch 1 but 2.2x at 32, drafter 1/6..1/4."""
+    costs = _model({1: 3.0, 32: 16.0}, {1: 1.05, 32: 2.2}, {1: 6.0, 32: 4.0})
+    tokens = {s: expected_tokens(0.5, 1.0, s.k) for s in (EA2, EA4)}
+    pred = predict(costs, tokens)
+    assert pred[1].best in ("eagle/k2", "eagle/k4") and pred[1].gain > 1
+    assert pred[32].best == PLAIN and pred[32].gain < 1
+
+
+def test_smoothing_drops_a_disturbed_timing():
+    costs = {
+        1: BucketCost(10.0, {3: 11.0}, 1.0),
+        2: BucketCost(12.0, {3: 30.0}, 1.2),  # verify disturbed by another process
+        4: BucketCost(16.0, {3: 17.6}, 1.6),
+    }
+    out = smoothed(costs)
+    assert out[2].verify_ms[3] == pytest.approx(12.0 * 1.1)  # median of 1.1, 2.5, 1.1
+    assert out[1].verify_ms[3] == pytest.approx(10.0 * 1.1)  # at an end: the 3 nearest too
+    assert smoothed({1: costs[1], 2: costs[2]})[1].verify_ms[3] == pytest.approx(18.0)  # 2 only
+    assert out[4].draft_ms == pytest.approx(1.6) and out[2].plain_ms == 12.0
+
+
+def test_arm_rewards_are_tokens_per_second():
+    c = BucketCost(10.0, {3: 10.0}, 1.0)
+    r = arm_rewards(c, 8, {NG2: 2.0, EA2: 2.0})
+    assert r == {PLAIN: 800.0, "ngram/k2": 1600.0, "eagle/k2": pytest.approx(1600 * 10 / 12)}
+
+
+def test_measure_costs_times_every_bucket_and_restores_the_cache(tmp_path):
+    model = load_model(make_checkpoint(tmp_path / "m", vocab=32))
+    cache = model.new_cache(8, 128)
+    cache.lens[:3] = [5, 6, 7]
+    costs = measure_costs(model, cache, (1, 2, 4, 8, 16), (2, 4, 6), 64, budget_s=30, rounds=1)
+    assert cache.lens[:4] == [5, 6, 7, 0]
+    assert set(costs.buckets) == {1, 2, 4, 8}  # 16 > the cache's slots
+    for c in costs.buckets.values():
+        assert set(c.verify_ms) == {3, 7} and c.plain_ms > 0 and c.draft_ms > 0
+    assert costs.context == 64 and costs.seconds > 0
+    assert measure_costs(model, cache, (1, 2), (2,), 64, budget_s=0).buckets == {}
+
+
+def test_default_buckets_reach_the_gates_top():
+    assert EngineConfig(max_batch=64).bucket_sizes() == (1, 2, 4, 8, 16, 32, 64)
+    assert EngineConfig(max_batch=48).bucket_sizes() == (1, 2, 4, 8, 16, 32, 48)
+    assert EngineConfig(gate="threshold").bucket_sizes() == (1, 2, 4, 8, 16, 32)
+    assert EngineConfig(gate="threshold", batch_threshold=4, max_batch=3).bucket_sizes() == (
+        1,
+        2,
+        3,
+    )
+    assert EngineConfig(buckets=(1, 8)).bucket_sizes() == (1, 8)
