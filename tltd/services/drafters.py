@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from tltd.domain import DrafterVersion
 from tltd.errors import FailedPrecondition, InvalidArgument
-from tltd.services.validation import INT32_MAX, MAX_PATH, check_id, check_max, check_text
+from tltd.services.validation import MAX_PATH, check_id, check_text
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -32,14 +32,12 @@ class DrafterService:
         check_id(job_id, "job_id")
         if version < 1:
             raise InvalidArgument("must be >= 1", field="version")
-        check_max(version, "version", INT32_MAX)
         return self.store.get_drafter(job_id, version)
 
     def pin(self, job_id: str, version: int) -> tuple[DrafterVersion | None, int]:
         """Pin a version (0 unpins); returns the pinned drafter (None when unpinned) and the
         version now active."""
         check_id(job_id, "job_id")
-        check_max(version, "version", INT32_MAX)
         self.store.get_job(job_id)
         if version:
             self.store.get_drafter(job_id, version)  # NotFound names the version
