@@ -119,17 +119,16 @@ def validate_rollout(
             )
         if len(prompt) >= context:
             raise InvalidArgument(
-                f"{len(prompt)} tokens leave no room to generate: {holder} {context} tokens "
-                "per sample (prompt + generated)",
+                f"{len(prompt)} tokens leave no room to generate: {holder} per sample "
+                "(prompt + generated)",
                 field=field,
             )
         _check_tokens(prompt, field, vocab)
     longest = max(len(p) for p in req.prompts)
     if longest + s.max_new_tokens > context:
         raise InvalidArgument(
-            f"{s.max_new_tokens} new tokens after a prompt of {longest} tokens exceed the "
-            f"{context} tokens {holder} per sample (prompt + generated): at most "
-            f"{context - longest} here",
+            f"{s.max_new_tokens} new tokens after a prompt of {longest} tokens do not fit: "
+            f"{holder} per sample (prompt + generated), so at most {context - longest} here",
             field="sampling.max_new_tokens",
         )
     if math.isnan(s.temperature) or math.isinf(s.temperature) or s.temperature < 0:
@@ -157,9 +156,11 @@ def validate_rollout(
 
 
 def _context_limit(settings: Settings, model: ModelLimits | None) -> tuple[int, str]:
-    """Tokens one sample may hold (prompt + generated), and what holds that many (for
-    messages)."""
+    """Tokens one sample may hold (prompt + generated), and what sets that (for messages)."""
     worker = settings.worker_max_seq_len
     if model is not None and model.max_positions is not None and model.max_positions < worker:
-        return model.max_positions, "the job's model has positions for"
-    return worker, "a worker holds"
+        return (
+            model.max_positions,
+            f"the job's model has positions for {model.max_positions} tokens",
+        )
+    return worker, f"a worker holds {worker} tokens"
