@@ -138,6 +138,7 @@ def test_create_job_takes_the_whole_uint32_range(client, model_dir):
     job = client.create_job(str(model_dir), job_id="job", priority=top, speculative=spec)
     assert job.priority == top and job.speculative.batch_threshold == top
     assert client.get_job("job") == job
+    assert client.list_jobs(limit=top) == [job]
 
 
 def test_create_job_needs_config_json(client, tmp_path):
