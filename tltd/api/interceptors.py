@@ -133,6 +133,7 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
         async def deny(_request, context):
             await context.abort(code, message)
 
+        deny.ignores_request = True  # type: ignore[attr-defined]  # see _guard
         return deny
 
     return _replace_behavior(handler, wrap)
@@ -205,12 +206,14 @@ def _guard(method: str, behavior: Callable, streaming: bool) -> Callable:
     # AbortError means the handler (or a nested abort) already set the status; CancelledError
     # is the client going away. Neither is an error to map.
     passthrough = (grpc.aio.AbortError, asyncio.CancelledError)
+    # A caller without the right token learns that, not whether its bytes decode.
+    check = (lambda r: r) if getattr(behavior, "ignores_request", False) else _checked
 
     if streaming:
 
         async def stream_guard(request, context):
             try:
-                result = behavior(_checked(request), context)
+                result = behavior(check(request), context)
                 if inspect.isasyncgen(result) or hasattr(result, "__aiter__"):
                     async for item in result:
                         yield item
@@ -225,7 +228,7 @@ def _guard(method: str, behavior: Callable, streaming: bool) -> Callable:
 
     async def unary_guard(request, context):
         try:
-            result = behavior(_checked(request), context)
+            result = behavior(check(request), context)
             return await result if inspect.isawaitable(result) else result
         except passthrough:
             raise
