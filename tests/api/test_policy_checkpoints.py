@@ -143,3 +143,22 @@ def test_every_tensor_is_checked_against_the_model(client, job, tmp_path):
     assert client.get_job("job").policy_version == 0
     # The refusals left nothing behind: a good checkpoint is still version 1.
     assert client.update_policy("job", str(_copy(job, tmp_path / "good"))).version == 1
+
+
+def test_create_job_checks_its_model_weights_too(client, policy, tmp_path):
+    from tltd.services.checkpoints import check_model_weights
+    from workers.task.workload import MODEL_DIR
+
+    check_model_weights(Path(MODEL_DIR), "model_path")  # the shipped policy passes
+    truncated = _copy(policy, tmp_path / "truncated")
+    with (truncated / WEIGHTS).open("r+b") as f:
+        f.truncate(1000)
+    with fails(C.INVALID_ARGUMENT, "model_path: ", "not a whole safetensors file"):
+        client.create_job(str(truncated))
+
+    def drop(sd):
+        del sd["model.norm.weight"]
+
+    with fails(C.INVALID_ARGUMENT, "model_path: ", "model.norm.weight is missing"):
+        client.create_job(str(_with_tensors(policy, tmp_path / "no-norm", drop)))
+    assert client.list_jobs() == []

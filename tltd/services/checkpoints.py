@@ -8,9 +8,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tltd.errors import InvalidArgument
 from tltd.services.validation import MAX_PATH, check_text
+
+if TYPE_CHECKING:
+    from workers.engine.model import ModelConfig
 
 
 def check_model_dir(path: str, field: str, *, require_weights: bool = False) -> Path:
@@ -143,7 +147,23 @@ def check_policy_checkpoint(new_dir: Path, model_dir: Path, field: str) -> None:
                 "must keep the model's architecture",
                 field=field,
             )
-    _check_tensors(headers, new_cfg, new_dir, field)
+    _check_tensors(headers, new_cfg, new_dir, field, "the job's model")
+
+
+def check_model_weights(model_dir: Path, field: str) -> None:
+    """InvalidArgument naming `field` unless the *.safetensors in `model_dir` are whole and,
+    for a model the torch engine reads (Llama/Qwen2), are the tensors its own config.json
+    describes: a job on weights its workers cannot load would only fail there."""
+    headers = _read_headers(model_dir, field)
+    if not headers:
+        return
+    from workers.engine.model import ModelConfig  # torch: only the API paths that need it
+
+    try:
+        cfg = ModelConfig.from_hf(_read_config(model_dir))
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return  # another family: its engine checks its own tensors
+    _check_tensors(headers, cfg, model_dir, field, "its config.json")
 
 
 def _check_raw_fields(new: dict, old: dict, new_dir: Path, field: str) -> None:
@@ -176,15 +196,18 @@ def _read_headers(model_dir: Path, field: str) -> dict[str, dict]:
     return tensors
 
 
-def _check_tensors(tensors: dict[str, dict], cfg, new_dir: Path, field: str) -> None:
-    """Names, shapes and dtypes of a checkpoint against what the engine loads for `cfg`."""
+def _check_tensors(
+    tensors: dict[str, dict], cfg: ModelConfig, new_dir: Path, field: str, model: str
+) -> None:
+    """Names, shapes and dtypes of a checkpoint against what the engine loads for `cfg` (the
+    config of `model`, for messages)."""
     from workers.engine.model import hf_tensor_shapes
 
     shapes, optional = hf_tensor_shapes(cfg)
     problems = [f"{n} is missing" for n in sorted(shapes.keys() - tensors.keys() - optional)]
     for name, t in sorted(tensors.items()):
         if name not in shapes:
-            problems.append(f"{name} is not a tensor of the job's model")
+            problems.append(f"{name} is not a tensor of {model}")
         elif tuple(t["shape"]) != shapes[name]:
             problems.append(f"{name} has shape {tuple(t['shape'])}, the model {shapes[name]}")
         elif t["dtype"] not in _FLOAT_DTYPES:
@@ -192,7 +215,7 @@ def _check_tensors(tensors: dict[str, dict], cfg, new_dir: Path, field: str) -> 
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise InvalidArgument(
-            f"{new_dir} does not fit the job's model: {'; '.join(problems[:5])}{more}",
+            f"{new_dir} does not fit {model}: {'; '.join(problems[:5])}{more}",
             field=field,
         )
 

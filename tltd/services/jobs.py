@@ -20,7 +20,7 @@ from tltd.domain import (
     SpeculativeMode,
 )
 from tltd.errors import FailedPrecondition, InvalidArgument
-from tltd.services.checkpoints import check_drafter_dir, check_model_dir
+from tltd.services.checkpoints import check_drafter_dir, check_model_dir, check_model_weights
 from tltd.services.validation import MAX_NAME, MAX_REASON, check_id, check_text
 from tltd.settings import Settings
 
@@ -71,6 +71,7 @@ class JobService:
         check_id(new.job_id, "job_id", required=False)
         model_path = new.model_path or self.settings.default_model_path
         resolved = check_model_dir(model_path, "model_path")
+        check_model_weights(resolved, "model_path")
         check_text(new.name, "name", MAX_NAME)
         if not math.isfinite(new.weight) or new.weight < 0:
             raise InvalidArgument(
