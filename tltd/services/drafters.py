@@ -50,8 +50,9 @@ class DrafterService:
     ) -> tuple[str, list[str]]:
         """Write a version as a standalone SGLang EAGLE checkpoint (see
         `workers.drafter.versions.export_sglang` for the name mapping); returns the output
-        directory and the files written. FAILED_PRECONDITION when the version's checkpoint or
-        its target policy's files are gone."""
+        directory and the files written. INVALID_ARGUMENT naming output_dir when it is relative
+        or the daemon cannot write there; FAILED_PRECONDITION naming version when the version's
+        checkpoint or its target policy's files are gone."""
         fmt = fmt or EXPORT_FORMATS[0]
         if fmt not in EXPORT_FORMATS:
             raise InvalidArgument(f"must be one of {', '.join(EXPORT_FORMATS)}", field="format")
