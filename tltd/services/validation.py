@@ -107,6 +107,35 @@ def validate_rollout(
             field="sampling.max_new_tokens",
         )
     vocab = model.vocab_size if model else None
+    _check_prompts(req, settings, model)
+    if math.isnan(s.temperature) or math.isinf(s.temperature) or s.temperature < 0:
+        raise InvalidArgument(
+            f"must be a finite number >= 0 (0 = greedy), got {s.temperature}",
+            field="sampling.temperature",
+        )
+    if 0 < s.temperature < MIN_TEMPERATURE:
+        raise InvalidArgument(
+            f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {s.temperature}",
+            field="sampling.temperature",
+        )
+    if math.isnan(s.top_p) or not 0.0 < s.top_p <= 1.0:
+        raise InvalidArgument(f"must be in (0, 1], got {s.top_p}", field="sampling.top_p")
+    if s.top_k < -1:
+        raise InvalidArgument(
+            f"must be >= 1, or 0 / -1 to disable, got {s.top_k}", field="sampling.top_k"
+        )
+    if s.seed is not None and not 0 <= s.seed < 2**64:
+        raise InvalidArgument(
+            f"must be a 64-bit unsigned integer, got {s.seed}", field="sampling.seed"
+        )
+    if s.stop_token_ids:
+        _check_tokens(s.stop_token_ids, "sampling.stop_token_ids", vocab)
+
+
+def _check_prompts(req: RolloutRequest, settings: Settings, model: ModelLimits | None) -> None:
+    """Each prompt's tokens, and each sample's context (prompt + max_new_tokens) against the
+    model's positions and a worker's sequence."""
+    s, vocab = req.sampling, model.vocab_size if model else None
     context, holder = _context_limit(settings, model)
     for i, prompt in enumerate(req.prompts):
         field = f"prompts[{i}].token_ids"
@@ -131,28 +160,6 @@ def validate_rollout(
             f"{holder} per sample (prompt + generated), so at most {context - longest} here",
             field="sampling.max_new_tokens",
         )
-    if math.isnan(s.temperature) or math.isinf(s.temperature) or s.temperature < 0:
-        raise InvalidArgument(
-            f"must be a finite number >= 0 (0 = greedy), got {s.temperature}",
-            field="sampling.temperature",
-        )
-    if 0 < s.temperature < MIN_TEMPERATURE:
-        raise InvalidArgument(
-            f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {s.temperature}",
-            field="sampling.temperature",
-        )
-    if math.isnan(s.top_p) or not 0.0 < s.top_p <= 1.0:
-        raise InvalidArgument(f"must be in (0, 1], got {s.top_p}", field="sampling.top_p")
-    if s.top_k < -1:
-        raise InvalidArgument(
-            f"must be >= 1, or 0 / -1 to disable, got {s.top_k}", field="sampling.top_k"
-        )
-    if s.seed is not None and not 0 <= s.seed < 2**64:
-        raise InvalidArgument(
-            f"must be a 64-bit unsigned integer, got {s.seed}", field="sampling.seed"
-        )
-    if s.stop_token_ids:
-        _check_tokens(s.stop_token_ids, "sampling.stop_token_ids", vocab)
 
 
 def _context_limit(settings: Settings, model: ModelLimits | None) -> tuple[int, str]:
