@@ -548,7 +548,7 @@ def drafters_pin(obj: _Ctx, job_id: str, version: int) -> None:
 @drafters.command("export")
 @click.argument("job_id")
 @click.argument("version", type=_VERSION)
-@click.option("--output-dir", required=True, help="Directory on the daemon's host.")
+@click.option("--output-dir", required=True, help="Absolute directory on the daemon's host.")
 @click.option("--format", "fmt", default="sglang-eagle", show_default=True)
 @_output_option
 @pass_ctx

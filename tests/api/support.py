@@ -85,6 +85,17 @@ def write_model_dir(path: Path, vocab: int = VOCAB, weights: bool = True) -> Pat
     return path
 
 
+def write_checkpoint(path: Path, config: dict) -> Path:
+    """A real HF checkpoint: random weights saved by `transformers` for `config`, which is
+    then config.json exactly (the daemon checks a policy update's tensors against it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    model.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 def seed_devices(store, n: int = 2) -> list[Device]:
     return store.upsert_devices(
         [

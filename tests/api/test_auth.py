@@ -153,3 +153,16 @@ def test_reflection_lists_services(auth_daemon):
         with pytest.raises(grpc.RpcError) as info:
             set(ProtoReflectionDescriptorDatabase(channel).get_services())
         assert info.value.code() == C.UNAUTHENTICATED
+
+
+def test_undecodable_bytes_without_a_token_are_unauthenticated(auth_daemon):
+    """Auth answers first: a caller without a token learns nothing about its request."""
+    with grpc.insecure_channel(auth_daemon.target) as channel:
+        get_job = channel.unary_unary("/tltd.v1.JobService/GetJob")  # raw bytes
+        bad = bytes.fromhex("0a02fffe")  # job_id: invalid UTF-8
+        with pytest.raises(grpc.RpcError) as info:
+            get_job(bad, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            get_job(bad, timeout=10, metadata=[("authorization", f"Bearer {TRAINER_TOKEN}")])
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -16,6 +16,7 @@ from tests.api.support import (
     fails,
     make_settings,
     sampling,
+    write_checkpoint,
     write_model_dir,
 )
 from tltd.domain import (
@@ -110,13 +111,7 @@ BAD_CREATE_JOB = [
     ),
     # Numbers and strings the store's columns cannot hold: named, not INTERNAL.
     ({"weight": math.inf}, C.INVALID_ARGUMENT, "weight"),
-    ({"priority": 2**31}, C.INVALID_ARGUMENT, "priority"),
     ({"name": "x" * 257}, C.INVALID_ARGUMENT, "name"),
-    (
-        {"speculative": common_pb2.SpeculativeConfig(batch_threshold=2**32 - 1)},
-        C.INVALID_ARGUMENT,
-        "speculative.batch_threshold",
-    ),
     ({"job_id": "job\n"}, C.INVALID_ARGUMENT, "job_id"),  # `$` matched before the newline
     # Unknown enum values: refused, not read as the default.
     ({"backend": 7}, C.INVALID_ARGUMENT, "backend"),
@@ -134,6 +129,16 @@ def test_create_job_rejects(client, model_dir):
         with fails(code, field):
             client.create_job(kwargs.pop("model_path"), **kwargs)
     assert client.list_jobs() == []  # nothing half-created
+
+
+def test_create_job_takes_the_whole_uint32_range(client, model_dir):
+    """priority and speculative.batch_threshold are uint32: beyond a signed SQL INTEGER."""
+    top = 2**32 - 1
+    spec = common_pb2.SpeculativeConfig(batch_threshold=top)
+    job = client.create_job(str(model_dir), job_id="job", priority=top, speculative=spec)
+    assert job.priority == top and job.speculative.batch_threshold == top
+    assert client.get_job("job") == job
+    assert client.list_jobs(limit=top) == [job]
 
 
 def test_create_job_needs_config_json(client, tmp_path):
@@ -207,7 +212,9 @@ BAD_GENERATE = [
     # No room left in a worker's 32-token sequence (not UNAVAILABLE once it reaches one).
     ([[1], [1] * 32], {}, C.INVALID_ARGUMENT, "prompts[1].token_ids"),
     ([[1]], {"temperature": 1e-40}, C.INVALID_ARGUMENT, "sampling.temperature"),  # NaN logprobs
-    ([[1]], {"seed": 2**63}, C.INVALID_ARGUMENT, "sampling.seed"),  # BIGINT column
+    # Prompt + max_new_tokens beyond the worker's 32 tokens: refused, not cut short (LENGTH).
+    ([[1] * 30], {"max_new_tokens": 3}, C.INVALID_ARGUMENT, "sampling.max_new_tokens"),
+    ([[1], [1] * 25], {"max_new_tokens": 8}, C.INVALID_ARGUMENT, "sampling.max_new_tokens"),
 ]
 
 
@@ -253,6 +260,67 @@ def test_generate_job_checks(client, model_dir):
     client.cancel_job("job")
     with fails(C.FAILED_PRECONDITION, "job_id", "cancelled"):
         _generate(client, sampling=sampling())
+
+
+def test_generate_checks_the_context_against_the_model_and_the_worker(client, tmp_path):
+    """prompt + max_new_tokens must fit the model's positions and a worker's sequence
+    (worker_max_seq_len, default 2304): refused at admission, naming the field, instead of a
+    sample cut short and marked LENGTH."""
+    import json
+
+    def model(name: str, positions: int) -> str:
+        path = write_model_dir(tmp_path / name)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(
+            json.dumps(config | {"max_position_embeddings": positions})
+        )
+        return str(path)
+
+    client.create_job(model("policy", 2304), job_id="job")
+    prompt = [[1] * 40]
+    with fails(C.UNIMPLEMENTED, "no rollout workers"):  # a rollout's usual shape: admitted
+        _generate(client, prompts=prompt, sampling=sampling(max_new_tokens=2048))
+    with fails(C.UNIMPLEMENTED, "no rollout workers"):  # exactly full
+        _generate(client, prompts=prompt, sampling=sampling(max_new_tokens=2264))
+    with fails(C.INVALID_ARGUMENT, "sampling.max_new_tokens: ", "at most 2264"):
+        _generate(client, prompts=prompt, sampling=sampling(max_new_tokens=32768))
+    with fails(C.INVALID_ARGUMENT, "prompts[1].token_ids: ", "2304"):
+        _generate(client, prompts=[[1], [1] * 2304], sampling=sampling())
+    # A model with fewer positions than a worker holds: its own limit counts.
+    client.create_job(model("short", 64), job_id="short")
+    with fails(C.INVALID_ARGUMENT, "prompts[0].token_ids: ", "positions for 64"):
+        _generate(client, "short", prompts=[[1] * 64], sampling=sampling(max_new_tokens=1))
+    with fails(C.INVALID_ARGUMENT, "sampling.max_new_tokens: ", "positions for 64"):
+        _generate(client, "short", prompts=prompt, sampling=sampling(max_new_tokens=25))
+    with fails(C.UNIMPLEMENTED, "no rollout workers"):
+        _generate(client, "short", prompts=prompt, sampling=sampling(max_new_tokens=24))
+
+
+def test_generate_takes_every_uint64_seed(client, model_dir):
+    client.create_job(str(model_dir), job_id="job")
+    for seed in (2**63, 2**64 - 1):  # half of all random 64-bit seeds
+        with fails(C.UNIMPLEMENTED, "no rollout workers"):
+            _generate(client, sampling=sampling(seed=seed))
+
+
+def test_undecodable_request_bytes_are_invalid_argument(daemon):
+    """Bytes that are no message of the method's type are the caller's error, not UNKNOWN."""
+    with grpc.insecure_channel(daemon.target) as channel:
+        # No serializers: the raw bytes go on the wire as given.
+        get_job = channel.unary_unary("/tltd.v1.JobService/GetJob")
+        generate = channel.unary_stream("/tltd.v1.RolloutService/Generate")
+        for call, data in (
+            (get_job, bytes.fromhex("0a02fffe")),  # job_id: invalid UTF-8
+            (get_job, bytes.fromhex("0a05616263")),  # job_id: 5 bytes announced, 3 sent
+            (lambda b, **kw: list(generate(b, **kw)), bytes.fromhex("1202fffe")),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call(data, timeout=10)
+            assert info.value.code() == C.INVALID_ARGUMENT, info.value
+            assert info.value.details().startswith("request: does not decode"), info.value
+        with pytest.raises(grpc.RpcError) as info:  # still serving
+            get_job(job_pb2.GetJobRequest(job_id="x").SerializeToString(), timeout=10)
+        assert info.value.code() == C.NOT_FOUND
 
 
 def test_valid_generate_is_unimplemented_without_workers(client, model_dir):
@@ -391,24 +459,21 @@ def test_update_and_get_policy(client, model_dir, tmp_path):
     assert client.get_job("job").policy_version == 1
     with fails(C.NOT_FOUND):
         client.get_policy("job", 9)
-    for version in (2**31, 2**63):  # beyond the INTEGER column: named, not INTERNAL
-        with fails(C.INVALID_ARGUMENT, "version"):
+    for version in (2**31, 2**63, 2**64 - 1):  # uint64: no such version (not INVALID_ARGUMENT)
+        with fails(C.NOT_FOUND, "version"):
             client.get_policy("job", version)
 
 
 def test_update_policy_compares_llama_configs_as_the_engine_reads_them(client, tmp_path):
     """A `head_dim` written out by a newer transformers is the implied one (accepted); a
     changed `rope_theta` is another model (refused: every worker's load would fail)."""
-    import json
 
     base = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2}  # fmt: skip
 
     def model(name: str, **extra) -> str:
-        path = write_model_dir(tmp_path / name)
-        (path / "config.json").write_text(json.dumps(base | extra))
-        return str(path)
+        return str(write_checkpoint(tmp_path / name, base | extra))
 
     client.create_job(model("m0"), job_id="job")
     assert client.update_policy("job", model("m1", head_dim=16)).version == 1
@@ -489,10 +554,10 @@ def test_drafters_list_get_pin(client, daemon, model_dir):
         client.pin_drafter("job", 7)
     with fails(C.INVALID_ARGUMENT, "version"):
         client.get_drafter("job", 0)
-    for version in (2**31, 2**63):  # beyond the INTEGER column: named, not INTERNAL
-        with fails(C.INVALID_ARGUMENT, "version"):
+    for version in (2**31, 2**63, 2**64 - 1):  # uint64: no such version (not INVALID_ARGUMENT)
+        with fails(C.NOT_FOUND, "version"):
             client.get_drafter("job", version)
-        with fails(C.INVALID_ARGUMENT, "version"):
+        with fails(C.NOT_FOUND, "version"):
             client.pin_drafter("job", version)
     with fails(C.NOT_FOUND, "job_id"):
         client.list_drafters("ghost")
@@ -522,6 +587,14 @@ def test_export_drafter_writes_an_sglang_eagle_checkpoint(client, daemon, tmp_pa
         client.export_drafter("job", 1, str(out), "onnx")
     with fails(C.INVALID_ARGUMENT, "output_dir"):
         client.export_drafter("job", 1, "")
+    # Relative: it would land under the daemon's working directory.
+    with fails(C.INVALID_ARGUMENT, "output_dir", "absolute"):
+        client.export_drafter("job", 1, "export")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for bad in (a_file, a_file / "sub"):  # not a directory; cannot be created
+        with fails(C.INVALID_ARGUMENT, "output_dir: ", str(bad)):
+            client.export_drafter("job", 1, str(bad))
     resp = client.export_drafter("job", 1, str(out))
     assert resp.path == str(out) and set(resp.files) == {"config.json", "model.safetensors"}
     cfg = json.loads((out / "config.json").read_text())

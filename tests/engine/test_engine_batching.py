@@ -395,3 +395,21 @@ def test_measured_gate_without_a_cost_model_measures_plain_first(ckpt):
         if any(a["count"] for name, a in arms.items() if name != "plain"):
             assert arms["plain"]["count"] >= 1
             assert arms["plain"]["median_reward"] > 0
+
+
+def test_a_seed_beyond_int64_is_reproducible_and_its_own(ckpt):
+    """The API's seed is uint64: a seed >= 2**63 (half of all random 64-bit seeds) folds into
+    the int64 row keys (`row_key` masks it), gives the same samples on every run, and
+    other ones than its neighbours."""
+    from workers.engine.sampling import row_key
+
+    def run(seed):
+        sp = SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=seed)
+        outs = _engine(ckpt).generate([Request("x", PROMPTS[2], sp)])
+        return {o.sample_index: tuple(o.token_ids) for o in outs}
+
+    top = 2**64 - 1
+    assert -(2**63) <= row_key(top, 0, 0) < 2**63
+    assert run(top) == run(top)
+    assert len(set(run(top).values())) > 1  # each sample its own randomness
+    assert run(2**63) != run(0) and run(top) != run(2**63)

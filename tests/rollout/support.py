@@ -23,7 +23,9 @@ def make_checkpoint(path: Path, *, seed: int = 0, vocab: int = VOCAB, hidden: in
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        # Room for the daemon tests' long requests (prompt + 1000 new tokens): admission
+        # refuses a context beyond the model's positions.
+        max_position_embeddings=2048,
         tie_word_embeddings=True,
     )
     model = Qwen2ForCausalLM(cfg)

@@ -99,7 +99,10 @@ def test_request_on_a_version_that_failed_to_load_fails_at_once(sqlite_daemon, c
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        c.update_policy("job", str(bad))  # the idle workers preload it: LoadFailed
+        # UpdatePolicy refuses such a checkpoint; a recorded version's files can still go bad
+        # (overwritten or deleted on the node), which the store's version stands for here.
+        d.store.add_policy_version("job", "checkpoint", str(bad))
+        d.supervisor.kick_threadsafe()  # the idle workers preload it: LoadFailed
         bad_versions = d.supervisor.models.bad_versions
         wait_until(lambda: ("job", 1) in bad_versions, what="load failed")
         t0 = time.monotonic()

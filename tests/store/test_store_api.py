@@ -717,3 +717,23 @@ def test_state_survives_reopen(store: Store) -> None:
         assert reopened.get_job(JOB.job_id).created_at.tzinfo == UTC
     finally:
         reopened.close()
+
+
+def test_uint64_seeds_and_uint32_job_numbers_round_trip(store):
+    """The API's whole uint64 seed range in a signed BIGINT column (two's complement, so a
+    seed >= 2**63 is stored negative and read back as given), and uint32 priorities and SD
+    batch thresholds beyond a signed INTEGER."""
+    big = 2**32 - 1
+    job = replace(JOB, priority=big, speculative=SpeculativeConfig(batch_threshold=big))
+    store.create_job(job)
+    got = store.get_job(JOB.job_id)
+    assert got.priority == big and got.speculative.batch_threshold == big
+    for i, seed in enumerate((0, 2**63 - 1, 2**63, 2**64 - 1)):
+        req = replace(_request(f"req-{i}"), sampling=replace(SAMPLING, seed=seed))
+        stored, created = store.create_request(req)
+        assert created and stored.sampling.seed == seed
+        assert store.get_request(f"req-{i}").sampling.seed == seed
+        # A retry with the same seed is the same request (not ALREADY_EXISTS).
+        assert store.create_request(req)[1] is False
+    with pytest.raises(AlreadyExists):
+        store.create_request(replace(_request("req-3"), sampling=replace(SAMPLING, seed=7)))

@@ -276,3 +276,27 @@ def test_rows_orphaned_before_do_not_stop_an_upgrade(sqlite_url: str) -> None:
             assert conn.scalar(text("SELECT count(*) FROM samples")) == 1
     finally:
         engine.dispose()
+
+
+def test_uint32_job_columns_widen_and_clamp_back(db_url: str) -> None:
+    """0005_widen_uint32: priority and the SD batch threshold (API uint32) become BIGINT, rows
+    kept; a downgrade clamps a value INTEGER cannot hold to the largest one it can."""
+    migrate.upgrade(db_url, "0001")  # the rows below are in the 0001 schema
+    engine = make_engine(db_url)
+    top = 2**32 - 1
+    try:
+        with engine.begin() as conn:
+            for sql in _ROWS_AT_0001[:2]:
+                conn.execute(text(sql), {"t": "2026-01-01 00:00:00"})
+        migrate.upgrade(db_url, "0005_widen_uint32")
+        with engine.begin() as conn:
+            assert conn.scalar(text("SELECT spec_batch_threshold FROM jobs")) == 32
+            conn.execute(text(f"UPDATE jobs SET priority = {top}, spec_batch_threshold = {top}"))
+        migrate.check(db_url)
+        migrate.downgrade(db_url, "0004")
+        with engine.connect() as conn:
+            row = conn.execute(text("SELECT priority, spec_batch_threshold FROM jobs")).one()
+            assert tuple(row) == (2**31 - 1, 2**31 - 1)
+            assert conn.scalar(text("SELECT count(*) FROM policy_versions")) == 1
+    finally:
+        engine.dispose()

@@ -9,9 +9,10 @@ import logging
 from collections.abc import Callable, Mapping
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tltd.domain import Role
-from tltd.errors import TltError
+from tltd.errors import InvalidArgument, TltError
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,11 @@ def _bearer(metadata) -> str | None:
     return None
 
 
-def _replace_behavior(handler: grpc.RpcMethodHandler, wrap: Callable) -> grpc.RpcMethodHandler:
-    """A handler of the same kind and (de)serializers with its behavior passed through `wrap`."""
+def _replace_behavior(
+    handler: grpc.RpcMethodHandler, wrap: Callable, deserializer: Callable | None = None
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind and serializer with its behavior passed through `wrap` (and
+    its request deserializer replaced by `deserializer`, when given)."""
     if handler.unary_unary:
         factory, behavior = grpc.unary_unary_rpc_method_handler, handler.unary_unary
     elif handler.unary_stream:
@@ -77,7 +81,7 @@ def _replace_behavior(handler: grpc.RpcMethodHandler, wrap: Callable) -> grpc.Rp
     streaming = bool(handler.unary_stream or handler.stream_stream)
     return factory(
         wrap(behavior, streaming),
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=deserializer or handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
 
@@ -129,6 +133,7 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
         async def deny(_request, context):
             await context.abort(code, message)
 
+        deny.ignores_request = True  # type: ignore[attr-defined]  # see _guard
         return deny
 
     return _replace_behavior(handler, wrap)
@@ -136,7 +141,12 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """TltError -> its status code and message; anything else -> INTERNAL plus a logged
-    traceback. Works for unary and streaming methods, generator- or write()-style."""
+    traceback. Works for unary and streaming methods, generator- or write()-style.
+
+    Request bytes that do not decode (truncated, invalid UTF-8 in a string field) are the
+    caller's error, INVALID_ARGUMENT: grpc runs the deserializer before any handler code and
+    reports its exceptions as UNKNOWN, so the deserializer hands the error over as a value
+    (`_Undecodable`) that the guard raises."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -144,8 +154,44 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
         return _replace_behavior(
-            handler, lambda behavior, streaming: _guard(method, behavior, streaming)
+            handler,
+            lambda behavior, streaming: _guard(method, behavior, streaming),
+            _tolerant(handler.request_deserializer),
         )
+
+
+class _Undecodable:
+    """A request message that failed to decode, in place of the message."""
+
+    def __init__(self, error: InvalidArgument) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable | None) -> Callable | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as exc:  # its message names the request type and the fault
+            return _Undecodable(InvalidArgument(f"does not decode: {exc}", field="request"))
+
+    return deserialize
+
+
+def _checked(request):
+    """The request, unless it did not decode; a request stream checked message by message."""
+    if isinstance(request, _Undecodable):
+        raise request.error
+    if hasattr(request, "__aiter__"):
+        return _checked_stream(request)
+    return request
+
+
+async def _checked_stream(requests):
+    async for request in requests:
+        yield _checked(request)
 
 
 async def _map_error(method: str, exc: BaseException, context) -> None:
@@ -160,12 +206,14 @@ def _guard(method: str, behavior: Callable, streaming: bool) -> Callable:
     # AbortError means the handler (or a nested abort) already set the status; CancelledError
     # is the client going away. Neither is an error to map.
     passthrough = (grpc.aio.AbortError, asyncio.CancelledError)
+    # A caller without the right token learns that, not whether its bytes decode.
+    check = (lambda r: r) if getattr(behavior, "ignores_request", False) else _checked
 
     if streaming:
 
         async def stream_guard(request, context):
             try:
-                result = behavior(request, context)
+                result = behavior(check(request), context)
                 if inspect.isasyncgen(result) or hasattr(result, "__aiter__"):
                     async for item in result:
                         yield item
@@ -180,7 +228,7 @@ def _guard(method: str, behavior: Callable, streaming: bool) -> Callable:
 
     async def unary_guard(request, context):
         try:
-            result = behavior(request, context)
+            result = behavior(check(request), context)
             return await result if inspect.isawaitable(result) else result
         except passthrough:
             raise

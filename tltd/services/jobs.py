@@ -20,15 +20,8 @@ from tltd.domain import (
     SpeculativeMode,
 )
 from tltd.errors import FailedPrecondition, InvalidArgument
-from tltd.services.checkpoints import check_drafter_dir, check_model_dir
-from tltd.services.validation import (
-    INT32_MAX,
-    MAX_NAME,
-    MAX_REASON,
-    check_id,
-    check_max,
-    check_text,
-)
+from tltd.services.checkpoints import check_drafter_dir, check_model_dir, check_model_weights
+from tltd.services.validation import MAX_NAME, MAX_REASON, check_id, check_text
 from tltd.settings import Settings
 
 if TYPE_CHECKING:
@@ -78,8 +71,8 @@ class JobService:
         check_id(new.job_id, "job_id", required=False)
         model_path = new.model_path or self.settings.default_model_path
         resolved = check_model_dir(model_path, "model_path")
+        check_model_weights(resolved, "model_path")
         check_text(new.name, "name", MAX_NAME)
-        check_max(new.priority, "priority", INT32_MAX)
         if not math.isfinite(new.weight) or new.weight < 0:
             raise InvalidArgument(
                 f"must be a finite number > 0 (0 = 1.0), got {new.weight}", field="weight"
@@ -159,7 +152,6 @@ class JobService:
                 raise InvalidArgument(
                     f"repeats draft length {k}", field=f"speculative.draft_lengths[{i}]"
                 )
-        check_max(spec.batch_threshold, "speculative.batch_threshold", INT32_MAX)
         if spec.batch_threshold == 0:
             spec = replace(spec, batch_threshold=self.settings.spec_batch_threshold)
         return spec

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from tltd.domain import JobStatus, PolicyVersion
 from tltd.errors import FailedPrecondition, InvalidArgument, Unimplemented
-from tltd.services.checkpoints import check_model_dir, check_same_architecture
-from tltd.services.validation import INT32_MAX, MAX_REASON, check_id, check_max, check_text
+from tltd.services.checkpoints import check_model_dir, check_policy_checkpoint
+from tltd.services.validation import MAX_REASON, check_id, check_text
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -47,7 +47,7 @@ class PolicyService:
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
         resolved = check_model_dir(path, "checkpoint.path", require_weights=True)
-        check_same_architecture(resolved, Path(job.model_path), "checkpoint.path")
+        check_policy_checkpoint(resolved, Path(job.model_path), "checkpoint.path")
         # Announced to the supervisor around the write, so that a tick which read the jobs
         # before it cannot start drafter training on that stale read (see policy_updates).
         gate = self.supervisor.policy_updates.updating(job_id) if self.supervisor else nullcontext()
@@ -60,6 +60,4 @@ class PolicyService:
 
     def get(self, job_id: str, version: int | None = None) -> PolicyVersion:
         check_id(job_id, "job_id")
-        if version is not None:
-            check_max(version, "version", INT32_MAX)
         return self.store.get_policy_version(job_id, version)

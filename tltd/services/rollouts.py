@@ -29,7 +29,7 @@ from tltd.errors import (
     Unavailable,
     Unimplemented,
 )
-from tltd.services.checkpoints import vocab_size
+from tltd.services.checkpoints import model_limits
 from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
 from tltd.settings import Settings
@@ -71,15 +71,14 @@ class RolloutService:
         """
         if self.node.draining and not self._is_retry(req):
             raise Unavailable("node is draining: not accepting new rollouts")
-        validate_rollout(req, self.settings, vocab_size=None)
+        validate_rollout(req, self.settings)
         job = self.store.get_job(req.job_id)  # NotFound names job_id
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job.job_id} is {job.status.value}", field="job_id")
         _check_backend_options(req, job)
-        # Token ids beyond the vocabulary are only known once the job's model is.
-        vocab = vocab_size(job.model_path)
-        if vocab is not None:
-            validate_rollout(req, self.settings, vocab_size=vocab)
+        # Token ids beyond the vocabulary and contexts beyond the model's positions are only
+        # known once the job's model is.
+        validate_rollout(req, self.settings, model_limits(job.model_path))
         devices = self.store.list_devices()
         if (
             self.supervisor is not None

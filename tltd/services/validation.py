@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import math
 import re
+from typing import TYPE_CHECKING
 
 from tltd.domain import RolloutRequest
 from tltd.errors import InvalidArgument, ResourceExhausted
 from tltd.settings import Settings
 
+if TYPE_CHECKING:  # checkpoints imports this module
+    from tltd.services.checkpoints import ModelLimits
+
 # Caller-chosen ids end up in logs, paths and SQL: keep them boring. Used with fullmatch:
 # `$` would also match before a trailing newline ("job\n").
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-
-# What the store's columns hold (SQL INTEGER / BIGINT are signed); a larger proto uint32 /
-# uint64 is refused here, by name, instead of failing in the database (differently per dialect).
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
 
 # Below this a temperature is greedy in all but name, and logits / T overflows float32 for
 # temperatures near 1e-38 (NaN logprobs); 1e-4 turns a 0.01 logit gap into 100 nats.
@@ -55,12 +54,6 @@ def check_text(value: str, field: str, max_chars: int) -> None:
         raise InvalidArgument("must not contain a NUL character (\\x00)", field=field)
 
 
-def check_max(value: int, field: str, maximum: int) -> None:
-    """Reject a number the store cannot hold (see INT32_MAX / INT64_MAX)."""
-    if value > maximum:
-        raise InvalidArgument(f"must be <= {maximum}, got {value}", field=field)
-
-
 def _check_tokens(tokens: tuple[int, ...], field: str, vocab_size: int | None) -> None:
     # min/max run in C, so a 1024 x 8192 request costs milliseconds; the loop runs only to
     # find the index of a token already known to be bad.
@@ -75,16 +68,18 @@ def _check_tokens(tokens: tuple[int, ...], field: str, vocab_size: int | None) -
                 )
 
 
-def validate_rollout(req: RolloutRequest, settings: Settings, vocab_size: int | None) -> None:
+def validate_rollout(
+    req: RolloutRequest, settings: Settings, model: ModelLimits | None = None
+) -> None:
     """Raise InvalidArgument / ResourceExhausted for the first bad field of a rollout request.
 
     Sampling values arrive already normalised by the converter (n 0 -> 1, top_p unset -> 1,
     top_k -1 -> 0), so what is checked here is what the engine would run.
 
-    A prompt must leave room for at least one generated token in a worker's sequence
-    (`worker_max_seq_len`, prompt + generated). A prompt + max_new_tokens beyond it is
-    accepted: the sample stops at max_seq_len with finish reason LENGTH, as when it reaches
-    max_new_tokens.
+    A sample's context (prompt + max_new_tokens) must fit both the model's positions
+    (`max_position_embeddings`, known once the job's model is: `model`) and a worker's
+    sequence (`worker_max_seq_len`): every sample then ends by a stop token or by reaching
+    max_new_tokens (LENGTH), never cut short by a limit the caller did not set.
     """
     check_id(req.job_id, "job_id")
     check_id(req.request_id, "request_id", required=False)
@@ -104,22 +99,6 @@ def validate_rollout(req: RolloutRequest, settings: Settings, vocab_size: int | 
             f"the limit of {settings.max_samples_per_request} per request",
             field="sampling.n",
         )
-    for i, prompt in enumerate(req.prompts):
-        field = f"prompts[{i}].token_ids"
-        if not prompt:
-            raise InvalidArgument("must not be empty", field=field)
-        if len(prompt) > settings.max_prompt_tokens:
-            raise InvalidArgument(
-                f"{len(prompt)} tokens exceed the limit of {settings.max_prompt_tokens}",
-                field=field,
-            )
-        if len(prompt) >= settings.worker_max_seq_len:
-            raise InvalidArgument(
-                f"{len(prompt)} tokens leave no room to generate: a worker holds "
-                f"{settings.worker_max_seq_len} tokens per sample (prompt + generated)",
-                field=field,
-            )
-        _check_tokens(prompt, field, vocab_size)
     if s.max_new_tokens <= 0:
         raise InvalidArgument("must be > 0", field="sampling.max_new_tokens")
     if s.max_new_tokens > settings.max_new_tokens_limit:
@@ -127,6 +106,8 @@ def validate_rollout(req: RolloutRequest, settings: Settings, vocab_size: int | 
             f"{s.max_new_tokens} exceeds the limit of {settings.max_new_tokens_limit}",
             field="sampling.max_new_tokens",
         )
+    vocab = model.vocab_size if model else None
+    _check_prompts(req, settings, model)
     if math.isnan(s.temperature) or math.isinf(s.temperature) or s.temperature < 0:
         raise InvalidArgument(
             f"must be a finite number >= 0 (0 = greedy), got {s.temperature}",
@@ -143,7 +124,50 @@ def validate_rollout(req: RolloutRequest, settings: Settings, vocab_size: int | 
         raise InvalidArgument(
             f"must be >= 1, or 0 / -1 to disable, got {s.top_k}", field="sampling.top_k"
         )
-    if s.seed is not None:
-        check_max(s.seed, "sampling.seed", INT64_MAX)
+    if s.seed is not None and not 0 <= s.seed < 2**64:
+        raise InvalidArgument(
+            f"must be a 64-bit unsigned integer, got {s.seed}", field="sampling.seed"
+        )
     if s.stop_token_ids:
-        _check_tokens(s.stop_token_ids, "sampling.stop_token_ids", vocab_size)
+        _check_tokens(s.stop_token_ids, "sampling.stop_token_ids", vocab)
+
+
+def _check_prompts(req: RolloutRequest, settings: Settings, model: ModelLimits | None) -> None:
+    """Each prompt's tokens, and each sample's context (prompt + max_new_tokens) against the
+    model's positions and a worker's sequence."""
+    s, vocab = req.sampling, model.vocab_size if model else None
+    context, holder = _context_limit(settings, model)
+    for i, prompt in enumerate(req.prompts):
+        field = f"prompts[{i}].token_ids"
+        if not prompt:
+            raise InvalidArgument("must not be empty", field=field)
+        if len(prompt) > settings.max_prompt_tokens:
+            raise InvalidArgument(
+                f"{len(prompt)} tokens exceed the limit of {settings.max_prompt_tokens}",
+                field=field,
+            )
+        if len(prompt) >= context:
+            raise InvalidArgument(
+                f"{len(prompt)} tokens leave no room to generate: {holder} per sample "
+                "(prompt + generated)",
+                field=field,
+            )
+        _check_tokens(prompt, field, vocab)
+    longest = max(len(p) for p in req.prompts)
+    if longest + s.max_new_tokens > context:
+        raise InvalidArgument(
+            f"{s.max_new_tokens} new tokens after a prompt of {longest} tokens do not fit: "
+            f"{holder} per sample (prompt + generated), so at most {context - longest} here",
+            field="sampling.max_new_tokens",
+        )
+
+
+def _context_limit(settings: Settings, model: ModelLimits | None) -> tuple[int, str]:
+    """Tokens one sample may hold (prompt + generated), and what sets that (for messages)."""
+    worker = settings.worker_max_seq_len
+    if model is not None and model.max_positions is not None and model.max_positions < worker:
+        return (
+            model.max_positions,
+            f"the job's model has positions for {model.max_positions} tokens",
+        )
+    return worker, f"a worker holds {worker} tokens"

@@ -97,6 +97,17 @@ def policy_version_from_row(row: PolicyVersionRow) -> PolicyVersion:
     )
 
 
+def seed_to_column(seed: int) -> int:
+    """A uint64 seed as the signed BIGINT column holds it: its two's complement (lossless; a
+    seed >= 2**63 is stored negative)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def seed_from_column(value: int) -> int:
+    """The uint64 seed back from its signed column value."""
+    return value + (1 << 64) if value < 0 else value
+
+
 def request_to_row(req: RolloutRequest) -> RolloutRequestRow:
     sp = req.sampling
     return RolloutRequestRow(
@@ -109,7 +120,7 @@ def request_to_row(req: RolloutRequest) -> RolloutRequestRow:
         top_k=sp.top_k,
         max_new_tokens=sp.max_new_tokens,
         stop_token_ids=list(sp.stop_token_ids),
-        seed=sp.seed,
+        seed=None if sp.seed is None else seed_to_column(sp.seed),
         logprob_mode=str(sp.logprob_mode),
         return_provenance=sp.return_provenance,
         speculative=str(req.speculative),
@@ -132,7 +143,7 @@ def request_from_row(row: RolloutRequestRow) -> RolloutRequest:
             top_k=row.top_k,
             max_new_tokens=row.max_new_tokens,
             stop_token_ids=tuple(int(t) for t in row.stop_token_ids),
-            seed=row.seed,
+            seed=None if row.seed is None else seed_from_column(row.seed),
             logprob_mode=LogprobMode(row.logprob_mode),
             return_provenance=row.return_provenance,
         ),

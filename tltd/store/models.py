@@ -80,10 +80,11 @@ class JobRow(Base):
     name: Mapped[str] = mapped_column(String(256), default="")
     model_path: Mapped[str] = mapped_column(Text)
     backend: Mapped[str] = mapped_column(STATUS)
-    priority: Mapped[int] = mapped_column(Integer, default=0)
+    # BIGINT: the API's uint32 goes beyond a signed SQL INTEGER.
+    priority: Mapped[int] = mapped_column(BigInteger, default=0)
     weight: Mapped[float] = mapped_column(Float, default=1.0)
     spec_mode: Mapped[str] = mapped_column(STATUS)
-    spec_batch_threshold: Mapped[int] = mapped_column(Integer)
+    spec_batch_threshold: Mapped[int] = mapped_column(BigInteger)
     spec_draft_lengths: Mapped[list[Any]] = mapped_column(JSON)
     spec_drafter: Mapped[str] = mapped_column(STATUS)
     spec_online_training: Mapped[bool] = mapped_column(Boolean)

@@ -51,6 +51,8 @@ _JOB_PARAMS = ("model_path", "name", "backend", "priority", "weight", "speculati
 _REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
 _FINAL_WORKER_STATES = (WorkerState.STOPPED, WorkerState.FAILED)
 _ENDED = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+# Version columns are SQL INTEGER (signed 32-bit): no version is numbered above this.
+MAX_VERSION = 2**31 - 1
 
 
 def _diff(a: object, b: object, fields: Sequence[str]) -> list[str]:
@@ -106,11 +108,13 @@ class Store:
     @staticmethod
     def _drafter_row(s: Session, job_id: str, version: int) -> DrafterVersionRow:
         Store._job_row(s, job_id)
-        row = s.scalar(
-            select(DrafterVersionRow).where(
-                DrafterVersionRow.job_id == job_id, DrafterVersionRow.version == version
+        row = None
+        if version <= MAX_VERSION:  # a larger number names no version (and no SQL integer)
+            row = s.scalar(
+                select(DrafterVersionRow).where(
+                    DrafterVersionRow.job_id == job_id, DrafterVersionRow.version == version
+                )
             )
-        )
         if row is None:
             raise NotFound(
                 f"drafter version {version} of job {job_id!r} not found", field="version"
@@ -272,7 +276,8 @@ class Store:
         with self._tx(write=False) as s:
             job = self._job_row(s, job_id)
             v = job.policy_version if version is None else version
-            row = s.get(PolicyVersionRow, (job_id, v))
+            # A larger number names no version (and may not fit the driver's integers).
+            row = s.get(PolicyVersionRow, (job_id, v)) if v <= MAX_VERSION else None
             if row is None:
                 raise NotFound(f"policy version {v} of job {job_id!r} not found", field="version")
             return convert.policy_version_from_row(row)

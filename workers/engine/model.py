@@ -339,6 +339,37 @@ class CausalLM(nn.Module):
         return batch.unpack(self.logits(h)), (batch.unpack(h) if return_hidden else None)
 
 
+def hf_tensor_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The HF-named tensors `load_weights` reads for `cfg` and their shapes, and which of them
+    may be absent (an untied lm_head falls back to the embeddings). Lets a checkpoint be
+    checked from its safetensors header alone, without loading it."""
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (cfg.vocab_size, h),
+    }
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        a = p + "self_attn."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            a + "q_proj.weight": (q, h),
+            a + "k_proj.weight": (kv, h),
+            a + "v_proj.weight": (kv, h),
+            a + "o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if cfg.qkv_bias:
+            shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
+    # A tied model never reads lm_head; an untied one uses the embeddings when it is missing.
+    return shapes, {"lm_head.weight"}
+
+
 def _fuse_state_dict(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """HF parameter names -> ours (q/k/v fused into qkv, gate/up into gate_up)."""
     out: dict[str, Tensor] = {"embed_tokens.weight": sd["model.embed_tokens.weight"]}
