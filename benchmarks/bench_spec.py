@@ -65,6 +65,7 @@ class Run:
     reward: float
     summary: dict
     bandit: dict
+    gate: dict
     # running-batch bucket -> [decode seconds, tokens emitted]; bucket 0 = prefill
     per_bucket: dict[int, list[float]] = field(default_factory=dict)
 
@@ -123,18 +124,16 @@ def make_engine(
     """A fresh engine for one mode (its bandit and cost estimates start empty)."""
     drafters, gate = MODES[mode]
     strategies = tuple(Strategy(d, k) for d in drafters for k in args.ks)
-    threshold = args.threshold if gate == "threshold" else max_batch
     engine = Engine(
         model,
         EngineConfig(
             max_batch=max_batch,
             max_seq_len=max_seq,
             spec_mode="adaptive" if drafters else "off",
+            gate=gate,
             strategies=strategies or EngineConfig().strategies,
-            batch_threshold=threshold,
+            batch_threshold=args.threshold,
             draft_confidence=args.confidence,
-            # One bandit bucket per power of two up to the gate.
-            buckets=tuple(1 << i for i in range(max(1, threshold).bit_length())),
             seed=args.seed,
             dtype=DTYPES[args.dtype],
         ),
@@ -184,6 +183,7 @@ def run_mode(
         sum(rewards) / len(rewards),
         engine.stats.summary(),
         engine.strategy_snapshot() if MODES[mode][0] else {},
+        engine.gate_snapshot() if MODES[mode][0] else {},
         per_bucket,
     )
 
@@ -298,6 +298,33 @@ def print_bucket_gains(runs: dict[str, list[Run]]) -> None:
         print(f"| <={b} | {statistics.median(off):.0f} | " + " | ".join(cells) + f" | {arm} |")
 
 
+def print_gate(gate: dict) -> None:
+    """The measured gate of the last adaptive run: costs, predicted and measured gains."""
+    costs = (gate.get("costs") or {}).get("buckets", {}) if gate.get("costs") else {}
+    print(
+        f"\nmeasured gate (last adaptive run): speculates at buckets {gate['speculating_buckets']}"
+    )
+    print(
+        "| bucket | plain ms | predicted arm | predicted gain | measured arm | measured gain |"
+    )
+    print("|---:|---:|---|---:|---|---:|")
+    for b, v in gate["buckets"].items():
+        c = costs.get(b) or costs.get(str(b)) or {}
+        plain = c.get("plain_ms")
+        cells = [
+            f"{plain:.1f}" if isinstance(plain, float) else "-",
+            str(v.get("predicted_arm", "-")),
+            _gain(v.get("predicted_gain")),
+            str(v.get("measured_arm", "-")),
+            _gain(v.get("measured_gain")),
+        ]
+        print(f"| <={b} | " + " | ".join(cells) + " |")
+
+
+def _gain(x: object) -> str:
+    return f"{x:.2f}x" if isinstance(x, float) else "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=MODEL_DIR)
@@ -376,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         "sample gains per SD step (accepted drafts + 1)."
     )
     print_bucket_gains(runs)
+    if "adaptive" in runs:
+        print_gate(runs["adaptive"][-1].gate)
     return 0
 
 
