@@ -304,9 +304,7 @@ def print_gate(gate: dict) -> None:
     print(
         f"\nmeasured gate (last adaptive run): speculates at buckets {gate['speculating_buckets']}"
     )
-    print(
-        "| bucket | plain ms | predicted arm | predicted gain | measured arm | measured gain |"
-    )
+    print("| bucket | plain ms | predicted arm | predicted gain | measured arm | measured gain |")
     print("|---:|---:|---|---:|---|---:|")
     for b, v in gate["buckets"].items():
         c = costs.get(b) or costs.get(str(b)) or {}
