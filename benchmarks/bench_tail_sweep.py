@@ -46,7 +46,7 @@ def plot(rows: list[dict], path: Path, gate: int) -> None:
     ys = [r["speedup"] for r in rows]
     lo = [r["speedup"] - min(r["speedups"]) for r in rows]
     hi = [max(r["speedups"]) - r["speedup"] for r in rows]
-    ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3)
+    ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3)  # points: care is not the x axis
     for r, x, y in zip(rows, xs, ys, strict=True):
         ax.annotate(f"care {r['care']}\np99/p50 {r['p99/p50']:.0f}", (x, y),
                     textcoords="offset points", xytext=(6, -14), fontsize=7)  # fmt: skip
