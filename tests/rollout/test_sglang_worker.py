@@ -29,6 +29,7 @@ from tests.rollout import fake_sglang
 from tests.rollout.fake_sglang import FakeEngine, reference
 from tltd.domain import FinishReason, SamplingParams
 from workers.engine.eagle import EagleDrafter
+from workers.rollout import sglang_worker
 from workers.rollout.protocol import (
     AddWork,
     Cancel,
@@ -44,7 +45,6 @@ from workers.rollout.protocol import (
     SetDrafter,
     Shutdown,
 )
-from workers.rollout import sglang_worker
 from workers.rollout.sglang_worker import SglangWorker
 from workers.sglang.adapter import (
     MEM_FRACTION_STATIC,

@@ -34,7 +34,11 @@ def make_engine(args: dict[str, Any]) -> SglangEngineAdapter:
 
 
 def tensor_update_request(
-    io: ModuleType, engine: Any, named: list[tuple[str, Any]], selector: str, version: str,
+    io: ModuleType,
+    engine: Any,
+    named: list[tuple[str, Any]],
+    selector: str,
+    version: str,
     flush_cache: bool,
 ) -> Any:
     """SGLang's request to load `named` tensors into the `selector` runners."""
