@@ -64,7 +64,7 @@ def plot(rows: list[dict], path: Path, gate: int) -> None:
 
 
 def parse_points(spec: str) -> list[tuple[int, int | None]]:
-    """"0,3@6,8" -> [(0, None), (3, 6), (8, None)]: care, and a fixed size or None."""
+    """ "0,3@6,8" -> [(0, None), (3, 6), (8, None)]: care, and a fixed size or None."""
     points = []
     for item in spec.split(","):
         care, _, size = item.strip().partition("@")
@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         spread = f"{r['speedup']:.2f}x [{min(r['speedups']):.2f}-{max(r['speedups']):.2f}]"
         print(
-            f"| {point_label(r['point'])} | {r['p50']} | {r['p99']} | {r['max']} | {r['p99/p50']:.1f} "
+            f"| {point_label(r['point'])} | {r['p50']} | {r['p99']} | {r['max']} "
+            f"| {r['p99/p50']:.1f} "
             f"| {100 * r['capped']:.1f}% | {r['off_s']:.1f} | {100 * r['share']:.0f}% | {spread} |"
         )
     if args.plot is not None:

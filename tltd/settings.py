@@ -287,7 +287,9 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
     if settings.max_sample_attempts < 1:
         raise ConfigError("max_sample_attempts must be >= 1")
     if settings.spec_gate not in ("measured", "threshold"):
-        raise ConfigError(f"spec_gate must be 'measured' or 'threshold', got {settings.spec_gate!r}")
+        raise ConfigError(
+            f"spec_gate must be 'measured' or 'threshold', got {settings.spec_gate!r}"
+        )
     if settings.default_backend not in ("torch", "sglang"):
         raise ConfigError(
             f"default_backend must be 'torch' or 'sglang', got {settings.default_backend!r}"

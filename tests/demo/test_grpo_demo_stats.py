@@ -53,12 +53,29 @@ def test_reward_trend_is_the_per_sample_regression():
     from examples.grpo_demo import StepRow, reward_trend
 
     rng = np.random.default_rng(0)
-    per_step = [rng.binomial(1, p, size=n).astype(float) for p, n in ((0.1, 40), (0.2, 32), (0.35, 48))]
+    sizes = ((0.1, 40), (0.2, 32), (0.35, 48))
+    per_step = [rng.binomial(1, p, size=n).astype(float) for p, n in sizes]
     rows = [
-        StepRow(step=i, rollout_s=1.0, tail_s=0.0, samples=len(y), tokens=0, p50=0, p99=0,
-                max_len=0, capped=0.0, sd_share=0.0, accepted_length=0.0, drafter_version=0,
-                policy_version=0, harvested_s=0.0, mean_reward=float(y.mean()),
-                reward_var=float(y.var()), update_s=0.0, logprob_gap=0.0)  # fmt: skip
+        StepRow(
+            step=i,
+            rollout_s=1.0,
+            tail_s=0.0,
+            samples=len(y),
+            tokens=0,
+            p50=0,
+            p99=0,
+            max_len=0,
+            capped=0.0,
+            sd_share=0.0,
+            accepted_length=0.0,
+            drafter_version=0,
+            policy_version=0,
+            harvested_s=0.0,
+            mean_reward=float(y.mean()),
+            reward_var=float(y.var()),
+            update_s=0.0,
+            logprob_gap=0.0,
+        )  # fmt: skip
         for i, y in enumerate(per_step)
     ]
     x = np.concatenate([np.full(len(y), i, dtype=float) for i, y in enumerate(per_step)])

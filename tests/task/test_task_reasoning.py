@@ -137,7 +137,8 @@ def test_other_line_styles_keep_the_computation_and_the_reward():
     assert p.solution == (
         "care 7\n0017 + 0038 = 0055 > 0001\n0055 + 0038 = 0093 > 0000\ncare 7\nanswer:       0093"
     )
-    assert make_problem(17, 38, 2, style="marks").solution.startswith("care 7\n0017*0038>0055.0001\n")
+    marks = make_problem(17, 38, 2, style="marks").solution
+    assert marks.startswith("care 7\n0017*0038>0055.0001\n")
     tok = build_tokenizer()
     for style in LINE_STYLES:
         q = generate_problem(random.Random(3), 4, style=style)

@@ -4,9 +4,10 @@ Answer lengths are long-tailed at two levels, as reasoning RL's are. Per prompt,
 size (step count) follows a power law. Per *sample*, the reference solutions re-check their
 work a random number of times: after the last line, a solution restates the prompt's `care`
 digit ("care 7", as it did on its first line), then writes "check" and redoes the whole
-computation with probability care / 10, else it writes the answer. A policy trained on them samples that choice itself at temperature 1, so one prompt
-gives 60 tokens on one sample and 1,500 on the next, and every tail token is the policy's own
-output; the `care` of the prompts sets how heavy the tail is (benchmarks sweep it).
+computation with probability care / 10, else it writes the answer. A policy trained on them
+samples that choice itself at temperature 1, so one prompt gives 60 tokens on one sample and
+1,500 on the next, and every tail token is the policy's own output; the `care` of the prompts
+sets how heavy the tail is (benchmarks sweep it).
 
 A share GUESS_RATE of the solutions write the answer at once without working it out; a small
 policy cannot compute `start + step * count` in its head, so those guesses mostly fail, and RL
