@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from tltd.supervisor.worker_process import Phase
+
 VOCAB = 48
 
 
@@ -132,7 +134,7 @@ class InProcessDaemon:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             slots = list(self.supervisor.slots.values())
-            if len(slots) >= n and all(s.ready and not s.loading and s.job_id for s in slots):
+            if len(slots) >= n and all(s.phase is Phase.READY and s.job_id for s in slots):
                 return
             time.sleep(0.05)
         raise TimeoutError("workers not ready")

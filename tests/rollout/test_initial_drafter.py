@@ -14,6 +14,7 @@ from clients.rollout import RolloutClient
 from tests.api.support import fails, sampling
 from tests.rollout.support import direct_outputs, make_checkpoint, wait_until
 from tltd.domain import SamplingParams
+from tltd.supervisor.worker_process import Phase
 from tltd.v1 import common_pb2, drafter_pb2
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
@@ -57,7 +58,9 @@ def test_job_starts_from_the_initial_drafter_and_rollouts_use_it(daemon, ckpt, i
         assert again.drafter_version == 1 and len(c.list_drafters("job").drafters) == 1
         d.wait_workers_ready(2)
         wait_until(
-            lambda: all(s.drafter_version == 1 and not s.loading for s in sup.slots.values()),
+            lambda: all(
+                s.drafter_version == 1 and s.phase is Phase.READY for s in sup.slots.values()
+            ),
             what="initial drafter loaded by every worker",
         )
         got = list(c.generate("job", PROMPTS, sampling=sampling(**params)))

@@ -8,7 +8,7 @@ import queue
 from tltd.domain import Device, DeviceKind, Job
 from tltd.settings import Settings
 from tltd.supervisor.models import HeldBack, ModelPlanner
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.worker_process import Phase, WorkerSlot
 from workers.rollout import protocol as msg
 
 
@@ -27,7 +27,7 @@ class _Store:
 def _slot(worker_id: str = "w0") -> WorkerSlot:
     slot = WorkerSlot(worker_id, Device(f"cpu:{worker_id[1:]}", DeviceKind.CPU, 0))
     slot.proc, slot.outbox = _Alive(), queue.Queue()
-    slot.job_id = "job"
+    slot.job_id, slot.phase = "job", Phase.READY
     return slot
 
 
@@ -43,7 +43,7 @@ def test_a_failed_drafter_version_is_not_retried():
     assert (
         planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True), slot, {}) is None
     )
-    slot.loading = False
+    slot.phase = Phase.READY  # the worker's Ready after its LoadFailed
     asyncio.run(planner._sync_drafter(slot, job))
     assert slot.outbox.empty()  # ... so the same version is not sent again (no reload loop)
 
@@ -125,7 +125,7 @@ def test_a_version_that_fails_on_one_worker_while_another_runs_it_is_held_back_t
     clock = _Clock()
     planner = ModelPlanner(_Store(), Settings(), clock=clock)  # type: ignore[arg-type]
     a, b = _slot("w0"), _slot("w1")
-    a.ready, a.policy_version = True, 1  # w0 runs v1 of the job
+    a.phase, a.policy_version = Phase.READY, 1  # w0 runs v1 of the job
     b.job_id = ""
     jobs = {"job": Job("job", "/m", policy_version=1)}
     assert planner._target(b, jobs, {"job": {1}}) is None  # no job: the scheduler picks
@@ -143,7 +143,7 @@ def test_a_version_that_fails_on_one_worker_while_another_runs_it_is_held_back_t
     assert planner._target(b, jobs, {"job": {1}}) == ("job", 1)  # retried after its hold
 
     # With no other worker running it, the version itself is held back (requests fail).
-    a.ready = False
+    a.phase = Phase.STARTING
     reason = planner.load_failed(failed, b, {"w0": a, "w1": b})
     assert reason is not None and planner.refusal("job", 1) is not None
 
@@ -159,7 +159,7 @@ def test_held_back_survives_a_long_failure_loop():
 
 
 def test_the_worker_restart_backoff_is_capped_for_any_crash_loop():
-    from tltd.supervisor.supervisor import restart_backoff
+    from tltd.supervisor.rollout_workers import restart_backoff
 
     assert [restart_backoff(n) for n in range(8)] == [0, 0.5, 1, 2, 4, 8, 16, 30]
     assert restart_backoff(5000) == 30  # no OverflowError after hours of crashes

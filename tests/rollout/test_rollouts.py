@@ -21,6 +21,7 @@ from tltd.domain import (
     RolloutRequest,
     SamplingParams,
 )
+from tltd.supervisor.worker_process import Phase
 from tltd.v1 import common_pb2, rollout_pb2
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [3, 1, 4, 1, 5]]
@@ -460,7 +461,8 @@ def test_promoted_drafter_is_hot_swapped_into_workers_and_stays_lossless(
         sup.kick_threadsafe()
         wait_until(
             lambda: all(
-                s.drafter_version == dv.version and not s.loading for s in sup.slots.values()
+                s.drafter_version == dv.version and s.phase is Phase.READY
+                for s in sup.slots.values()
             ),
             what="drafter loaded by every worker",
         )

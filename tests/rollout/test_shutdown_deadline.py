@@ -77,11 +77,12 @@ def test_shutdown_does_not_wait_for_a_trainer_still_loading(
     sqlite_store, tmp_path, ckpt, monkeypatch
 ):
     import workers.drafter.worker as dw
+    from workers.drafter.protocol import Ready
 
     real_wait_for = dw.DrafterWorker.wait_for
 
     def slow_ready(self, kind, timeout=60.0):  # a big target loading onto a GPU
-        if kind == "ready":
+        if kind is Ready:
             time.sleep(5)
         return real_wait_for(self, kind, timeout)
 

@@ -17,7 +17,7 @@ from tests.api.support import make_settings, sampling
 from tests.rollout.support import InProcessDaemon, pid_alive, wait_until
 from tltd.devices import cpu_devices
 from tltd.domain import DeviceState, WorkerState
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.worker_process import Phase, WorkerSlot
 
 
 def _settings(tmp_path, **overrides):
@@ -80,7 +80,7 @@ def _hang_and_take_device(d: InProcessDaemon, store) -> WorkerSlot:
     devs[0] = replace(devs[0], foreign=True, state_reason="foreign process: pid 1")
     store.upsert_devices(devs)
     d.loop.call_soon_threadsafe(d.supervisor.kick)
-    wait_until(lambda: slot.dead_at is not None, timeout=20, what="vacating")
+    wait_until(lambda: not slot.alive, timeout=20, what="vacating")
     return slot
 
 
@@ -118,7 +118,7 @@ def test_vacating_a_hung_worker_does_not_stall_scheduling(
 ):
     # The hung worker gets far longer to exit than the requests below take: the order of
     # events is then the same on any machine.
-    monkeypatch.setattr("tltd.supervisor.supervisor._EXIT_SECONDS", 120.0)
+    monkeypatch.setattr("tltd.supervisor.rollout_workers.EXIT_SECONDS", 120.0)
     d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
     pid = 0
     try:
@@ -131,13 +131,13 @@ def test_vacating_a_hung_worker_does_not_stall_scheduling(
             # The other device is served while the vacated worker still waits to exit.
             out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r1", timeout=60))
             assert len(out) == 2
-            assert pid_alive(pid) and slot.exiting
+            assert pid_alive(pid) and slot.phase is Phase.EXITING
             assert sqlite_store.get_worker("rollout-cpu:0").state is WorkerState.STOPPING
             # The device is free again, but its old process still lives: no second worker.
             sqlite_store.upsert_devices(cpu_devices(2))
             out = list(c.generate("job", [[4, 5]], sampling=s, request_id="r2", timeout=60))
             assert len(out) == 2
-            assert slot.exiting and slot.proc.pid == pid and pid_alive(pid)
+            assert slot.phase is Phase.EXITING and slot.proc.pid == pid and pid_alive(pid)
             os.kill(pid, signal.SIGKILL)  # gone: the vacate ends, and a new worker starts
             wait_until(lambda: slot.alive and slot.proc.pid != pid, timeout=30, what="restart")
 
@@ -157,7 +157,7 @@ def test_a_backend_switch_waits_for_the_old_process_beside_the_tick(
 
     from tltd.domain import Backend
 
-    monkeypatch.setattr("tltd.supervisor.supervisor._SWITCH_EXIT_SECONDS", 120.0)
+    monkeypatch.setattr("tltd.supervisor.rollout_workers.SWITCH_EXIT_SECONDS", 120.0)
     d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
     pid = 0
     try:
@@ -167,10 +167,10 @@ def test_a_backend_switch_waits_for_the_old_process_beside_the_tick(
             slot = d.supervisor.slots["rollout-cpu:0"]
             pid = slot.proc.pid
             os.kill(pid, signal.SIGSTOP)  # it will not answer Shutdown
-            switch = d.supervisor._switch_backend(slot, Backend.SGLANG)
+            switch = d.supervisor.workers.switch_backend(slot, Backend.SGLANG)
             # Returns at once (it used to join the old process for up to 20 s in the tick).
             asyncio.run_coroutine_threadsafe(switch, d.loop).result(timeout=10)
-            assert pid_alive(pid) and slot.exiting and not slot.alive
+            assert pid_alive(pid) and slot.phase is Phase.EXITING
             s = sampling(n=2, max_new_tokens=8)
             out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r1", timeout=60))
             assert len(out) == 2 and slot.proc.pid == pid and pid_alive(pid)
@@ -296,7 +296,7 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
     pid = 0
     try:
         slot = sup.slots["rollout-cpu:0"]
-        wait_until(lambda: slot.ready, what="worker up (no model)")
+        wait_until(lambda: slot.phase is Phase.READY, what="worker up (no model)")
         pid = slot.proc.pid
         os.kill(pid, signal.SIGSTOP)  # the LoadModel waits in its pipe while r1 goes live
         with d.client() as c:
@@ -317,7 +317,7 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
             assert ("job", 0) in sup.models.bad_versions
             # The fresh process is up (Ready, nothing loaded: the version is held back), and
             # its Ready did not forgive the crash.
-            wait_until(lambda: slot.generation == 2 and slot.ready, what="restarted")
+            wait_until(lambda: slot.generation == 2 and slot.answered, what="restarted")
             assert slot.failures == 1 and not slot.job_id and slot.policy_load == ""
             with pytest.raises(UnavailableError, match="its last load failed"):
                 list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4),

@@ -7,7 +7,7 @@ import pytest
 from tltd.domain import Device, DeviceKind, DeviceState, Job
 from tltd.scheduler import TrainingView
 from tltd.supervisor.snapshot import build_snapshot, device_view
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.worker_process import Load, LoadKind, Phase, WorkerSlot
 from tltd.workqueue import WorkQueue
 
 
@@ -30,9 +30,12 @@ def test_device_view_folds_cordon_drain_foreign_and_unavailable(name, d, schedul
     assert device_view(d).schedulable is schedulable, name
 
 
-def slot(i: int, job: str = "j", alive: bool = True, **kw) -> WorkerSlot:
-    s = WorkerSlot(f"w{i}", device(i), proc=object() if alive else None, job_id=job, **kw)
-    s.ready, s.loading = True, False
+def slot(i: int, job: str = "j", alive: bool = True, load: str = "") -> WorkerSlot:
+    s = WorkerSlot(f"w{i}", device(i), proc=object(), job_id=job)
+    s.phase = Phase.READY if alive else Phase.DEAD
+    if load:
+        s.phase = Phase.LOADING if alive else Phase.DEAD
+        s.load = Load(LoadKind.POLICY, load, 1)
     return s
 
 
@@ -57,8 +60,7 @@ def snap(slots, jobs=("j", "k"), training=None):
 
 
 def test_a_job_is_policy_updating_while_a_live_worker_loads_its_weights():
-    loading = slot(0, policy_load="j")
-    loading.loading = True
+    loading = slot(0, load="j")
     s = snap([loading, slot(1, job="k")], training=Hook())
     jobs = {j.job_id: j for j in s.jobs}
     assert jobs["j"].policy_updating and not jobs["k"].policy_updating
@@ -66,7 +68,7 @@ def test_a_job_is_policy_updating_while_a_live_worker_loads_its_weights():
 
 
 def test_a_dead_worker_neither_counts_nor_updates():
-    s = snap([slot(0, alive=False, policy_load="j")], training=Hook())
+    s = snap([slot(0, alive=False, load="j")], training=Hook())
     assert s.workers == () and not any(j.policy_updating for j in s.jobs)
 
 

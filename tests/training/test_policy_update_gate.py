@@ -21,6 +21,7 @@ from tltd.services import build_services
 from tltd.services.jobs import NewJob
 from tltd.supervisor import Supervisor
 from tltd.supervisor.policy_updates import PolicyUpdates
+from tltd.supervisor.worker_process import Phase
 
 
 class HungryTraining:
@@ -84,12 +85,16 @@ def test_training_waits_while_workers_load_the_new_policy(
             services.jobs.create(NewJob(job_id="job", model_path=str(ckpt)))
             sup.kick()
             [slot] = sup.slots.values()
-            await until(lambda: slot.job_id == "job" and not slot.loading, "version 0 loaded")
+            await until(
+                lambda: slot.job_id == "job" and slot.phase is Phase.READY, "version 0 loaded"
+            )
             await until(lambda: hook.starts, "training starts while nothing loads")
 
             ticks.clear()
             assert services.policy.update("job", "checkpoint", str(ckpt2)).version == 1
-            await until(lambda: slot.policy_version == 1 and not slot.loading, "version 1 loaded")
+            await until(
+                lambda: slot.policy_version == 1 and slot.phase is Phase.READY, "version 1 loaded"
+            )
             n = len(hook.starts)
             await until(lambda: len(hook.starts) > n, "training starts again after the load")
         finally:
@@ -147,7 +152,9 @@ class RacingSupervisor:
         await self.sup.start()
         self.services.jobs.create(NewJob(job_id="job", model_path=str(ckpt)))
         self.sup.kick()
-        await until(lambda: self.slot.job_id == "job" and not self.slot.loading, "v0 loaded")
+        await until(
+            lambda: self.slot.job_id == "job" and self.slot.phase is Phase.READY, "v0 loaded"
+        )
         await until(lambda: self.starts, "training starts while nothing loads")
 
 
@@ -172,7 +179,9 @@ def test_an_update_written_after_a_tick_read_the_jobs_drops_that_ticks_training_
         try:
             armed.set()
             await until(lambda: raced, "a tick raced with the update")
-            await until(lambda: r.slot.policy_version == 1 and not r.slot.loading, "v1 loaded")
+            await until(
+                lambda: r.slot.policy_version == 1 and r.slot.phase is Phase.READY, "v1 loaded"
+            )
             n = len(r.starts)
             await until(lambda: len(r.starts) > n, "training starts again after the load")
         finally:

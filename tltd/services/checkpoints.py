@@ -6,12 +6,11 @@ import dataclasses
 import functools
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tltd.errors import InvalidArgument
-from tltd.services.validation import MAX_PATH, check_text
+from tltd.services.validation import MAX_PATH, ModelLimits, check_text
 
 if TYPE_CHECKING:
     from workers.engine.model import ModelConfig
@@ -34,14 +33,6 @@ def check_model_dir(path: str, field: str, *, require_weights: bool = False) -> 
     if require_weights and not any(p.glob("*.safetensors")):
         raise InvalidArgument(f"{path} has no *.safetensors weights", field=field)
     return p.resolve()
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What a job's model allows a request: None where its config.json does not say."""
-
-    vocab_size: int | None = None
-    max_positions: int | None = None  # max_position_embeddings: prompt + generated tokens
 
 
 def model_limits(model_path: str) -> ModelLimits:

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from tltd.domain import RolloutRequest
 from tltd.errors import InvalidArgument, ResourceExhausted
 from tltd.settings import Settings
-
-if TYPE_CHECKING:  # checkpoints imports this module
-    from tltd.services.checkpoints import ModelLimits
 
 # Caller-chosen ids end up in logs, paths and SQL: keep them boring. Used with fullmatch:
 # `$` would also match before a trailing newline ("job\n").
@@ -40,6 +37,14 @@ def check_id(value: str, field: str, *, required: bool = True) -> None:
             "starting with a letter or digit",
             field=field,
         )
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a job's model allows a request: None where its config.json does not say."""
+
+    vocab_size: int | None = None
+    max_positions: int | None = None  # max_position_embeddings: prompt + generated tokens
 
 
 def check_text(value: str, field: str, max_chars: int) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from tltd.domain import Backend, DeviceKind, Job, SpeculativeMode
 from tltd.settings import Settings
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.worker_process import Load, LoadKind, Phase, WorkerSlot
 from tltd.workqueue import WorkQueue
 from workers.rollout import protocol as msg
 
@@ -104,7 +104,7 @@ class ModelPlanner:
         for p in queue.pending_work():
             pending.setdefault(p.job_id, set()).add(p.policy_version or 0)
         for slot in slots.values():
-            if not slot.alive or not slot.ready or slot.loading:
+            if slot.phase is not Phase.READY:
                 continue
             if queue.inflight(slot.worker_id) == 0:
                 target = self._target(slot, jobs, pending)
@@ -158,10 +158,8 @@ class ModelPlanner:
             await self.switch_backend(slot, job.backend)
             return
         path = await self._policy_path(job.job_id, version)
-        slot.loading, slot.since = True, time.monotonic()
-        slot.policy_load = job.job_id  # cleared by the Ready that ends every load
-        slot.load_in_flight = (job.job_id, version, False)
         if slot.job_id == job.job_id:
+            slot.start_load(Load(LoadKind.POLICY, job.job_id, version))
             slot.send(msg.LoadPolicy(path, version))
             slot.reason = f"loading policy version {version}"
             return
@@ -176,7 +174,7 @@ class ModelPlanner:
             drafter=spec.drafter,
             device=device,
         )
-        slot.target_job = job.job_id
+        slot.start_load(Load(LoadKind.MODEL, job.job_id, version))
         slot.send(msg.LoadModel(job.job_id, path, version, engine))
         slot.reason = f"loading job {job.job_id} policy version {version}"
 
@@ -197,9 +195,7 @@ class ModelPlanner:
         path = ""
         if wanted:
             path = (await asyncio.to_thread(self.store.get_drafter, job.job_id, wanted)).path
-        slot.loading, slot.since = True, time.monotonic()
-        # Unloading (version 0) is not a drafter's load that could be held back.
-        slot.load_in_flight = (job.job_id, wanted, True) if wanted else None
+        slot.start_load(Load(LoadKind.DRAFTER, job.job_id, wanted))
         slot.send(msg.SetDrafter(path, wanted))
 
     def load_failed(
@@ -210,7 +206,7 @@ class ModelPlanner:
         its requests run there, and new ones are taken."""
         key = (m.job_id, m.policy_version)
         if not m.drafter and any(
-            o is not slot and o.alive and o.ready and (o.job_id, o.policy_version) == key
+            o is not slot and o.answered and (o.job_id, o.policy_version) == key
             for o in slots.values()
         ):
             hold = self.bad_here.fail((slot.worker_id, *key))

@@ -7,15 +7,12 @@ worker is ready, what a job's training account is) are plain functions of plain 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from tltd.domain import Device, Job
 from tltd.scheduler import DeviceView, JobView, RolloutWorkerView, Snapshot
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.training_hook import TrainingHook
+from tltd.supervisor.worker_process import Phase, WorkerSlot
 from tltd.workqueue import WorkQueue
-
-if TYPE_CHECKING:
-    from tltd.supervisor.supervisor import TrainingHook
 
 
 def device_view(d: Device) -> DeviceView:
@@ -30,12 +27,12 @@ def worker_view(s: WorkerSlot, queue: WorkQueue) -> RolloutWorkerView:
         s.worker_id,
         s.device.device_id,
         s.job_id,
-        ready=s.ready and not s.loading and bool(s.job_id),
+        ready=s.phase is Phase.READY and bool(s.job_id),
         running_samples=queue.inflight(s.worker_id),
         remaining_tokens=tokens,
         idle_since=s.idle_since,
         policy_version=s.policy_version,
-        switching_to=s.next_job or s.target_job,
+        switching_to=s.next_job or s.loading_job,
     )
 
 

@@ -1,18 +1,10 @@
 """The drafter-training worker process: trains on the device it is given, yields it on request.
 
-Protocol over one duplex pipe (tuples `(kind, payload)`), parent -> worker:
-  ("add", [sample dicts])  buffer samples: token_ids, response_start, policy_version, step,
-                           hidden ([T, H] tensor or None)
-  ("train", max_steps)     train until `max_steps` optimizer steps in total; None: until
-                           preempted (epochs repeat while the buffer has data)
-  ("preempt", None)        stop within one micro-step, free the device, report, then idle
-  ("checkpoint", None)     write a checkpoint now (between steps, off the training thread)
-  ("publish", {...})       evaluate + record a drafter version (workers.drafter.versions.publish)
-  ("stop", None)           write a checkpoint, wait for it, exit
-worker -> parent: ("ready", info), ("step", StepResult fields), ("idle", info),
-  ("device_free", info), ("checkpointed", info), ("published", DrafterVersion fields),
-  ("stopped", info), ("error", traceback), and ("heartbeat", None) every
-  `heartbeat_seconds` after "ready" (from a thread: a long step or publish is not silence).
+Protocol over one duplex pipe: the typed messages of `workers.drafter.protocol` (commands
+`AddSamples`, `Train`, `Preempt`, `WriteCheckpoint`, `Measure`, `Stop`; reports `Ready`,
+`Stepped`, `Idle`, `DeviceFree`, `Checkpointed`, `Measured`, `Stopped`, `Failed`, and a
+`Heartbeat` every `heartbeat_seconds` after `Ready`, from a thread: a long step or measure is
+not silence). The trainer measures; the daemon decides what becomes a drafter version.
 
 A preempt is honoured between micro-steps (`Trainer.train_step(should_stop)`): the partial step
 is dropped, host copies of the trainable + optimizer state are taken, accelerator memory is
@@ -28,13 +20,14 @@ import multiprocessing as mp
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
 
+from workers.drafter import protocol as proto
 from workers.drafter.buffer import TrainingBuffer
 from workers.drafter.trainer import (
     CheckpointWriter,
@@ -45,6 +38,8 @@ from workers.drafter.trainer import (
     load_state,
 )
 from workers.signals import ignore_stop_signals
+
+M = TypeVar("M", bound=proto.FromTrainer)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,56 +85,53 @@ class _Worker:
         self.resumed_from = str(latest) if latest else None
         self.training = False
         self.max_steps: int | None = None
-        self.interrupt: str | None = None  # "preempt" | "stop" received mid-step
+        self.interrupt: proto.Preempt | proto.Stop | None = None  # received mid-step
         self.running = True
-        self._deferred: list[tuple[str, Any]] = []  # messages that wait for a step boundary
+        self._deferred: list[proto.ToTrainer] = []  # messages that wait for a step boundary
 
-    def send(self, kind: str, payload: Any = None) -> None:
+    def send(self, m: proto.FromTrainer) -> None:
         with self._send_lock:  # the checkpoint thread reports too
-            self.conn.send((kind, payload))
+            self.conn.send(m)
 
     # -- messages -------------------------------------------------------------------------------
 
-    def handle(self, kind: str, payload: Any) -> None:
-        if kind == "add":
-            for s in payload:
-                self.buffer.add(
-                    s["token_ids"],
-                    s["response_start"],
-                    s["policy_version"],
-                    s["step"],
-                    s.get("hidden"),
-                )
-        elif kind == "train":
-            self.trainer.reclaim_device(self.spec.device)
-            self.max_steps = payload
-            self.training = True
-        elif kind == "preempt":
-            self.preempt()
-        elif kind == "checkpoint":
-            self.checkpoint()
-        elif kind == "publish":
-            self.publish(payload)
-        elif kind == "stop":
-            self.training = False
-            self.writer.submit(self.trainer.state())
-            path = self.writer.wait()
-            self.writer.close()
-            self.send("stopped", {"step": self.trainer.step, "path": str(path)})
-            self.running = False
-        else:
-            raise ValueError(f"unknown message {kind!r}")
+    def handle(self, m: proto.ToTrainer) -> None:
+        match m:
+            case proto.AddSamples(samples=samples):
+                for x in samples:
+                    self.buffer.add(
+                        x.token_ids, x.response_start, x.policy_version, x.step, x.hidden
+                    )
+            case proto.Train(max_steps=max_steps):
+                self.trainer.reclaim_device(self.spec.device)
+                self.max_steps = max_steps
+                self.training = True
+            case proto.Preempt():
+                self.preempt()
+            case proto.WriteCheckpoint():
+                self.checkpoint()
+            case proto.Measure():
+                self.measure(m)
+            case proto.Stop():
+                self.training = False
+                self.writer.submit(self.trainer.state())
+                path = self.writer.wait()
+                self.writer.close()
+                self.send(proto.Stopped(self.trainer.step, str(path)))
+                self.running = False
+            case _:
+                raise ValueError(f"unknown message {m!r}")
 
     def should_stop(self) -> bool:
         """Between micro-steps: apply cheap messages at once, interrupt on preempt/stop."""
         while self.interrupt is None and self.conn.poll():
-            kind, payload = self.conn.recv()
-            if kind in ("preempt", "stop"):
-                self.interrupt = kind
-            elif kind in ("add", "train"):
-                self.handle(kind, payload)
+            m = self.conn.recv()
+            if isinstance(m, proto.Preempt | proto.Stop):
+                self.interrupt = m
+            elif isinstance(m, proto.AddSamples | proto.Train):
+                self.handle(m)
             else:
-                self._deferred.append((kind, payload))
+                self._deferred.append(m)
         return self.interrupt is not None
 
     def preempt(self) -> None:
@@ -147,10 +139,7 @@ class _Worker:
         self.training = False
         state = self.trainer.state()  # host copies: the write below does not touch the device
         self.trainer.release_device()
-        self.send(
-            "device_free",
-            {"t": time.monotonic(), "step": self.trainer.step, "was_training": was_training},
-        )
+        self.send(proto.DeviceFree(time.monotonic(), self.trainer.step, was_training))
         self.checkpoint(state)
 
     def checkpoint(self, state=None) -> None:
@@ -158,85 +147,67 @@ class _Worker:
         fut = self.writer.submit(state or self.trainer.state())
         fut.add_done_callback(
             lambda f: self.send(
-                "checkpointed",
-                {"step": step, "path": str(f.result())}
+                proto.Checkpointed(step, path=str(f.result()))
                 if f.exception() is None
-                else {"step": step, "error": repr(f.exception())},
+                else proto.Checkpointed(step, error=repr(f.exception()))
             )
         )
 
-    def publish(self, req: dict) -> None:
-        from tltd.store import Store
-        from workers.drafter.versions import HeldOut, publish
+    def measure(self, m: proto.Measure) -> None:
+        from workers.drafter.versions import HeldOut, measure
 
         held = [
-            HeldOut(torch.as_tensor(s["token_ids"]), s["response_start"], s.get("hidden"))
-            for s in req["held_out"]
+            HeldOut(torch.as_tensor(x.token_ids), x.response_start, x.hidden) for x in m.held_out
         ]
-        store = Store(req["db_url"])
-        try:
-            dv = publish(
-                store,
-                req["job_id"],
-                self.trainer.drafter,
-                held,
-                policy_version=req["policy_version"],
-                train_steps=self.trainer.step,
-                loss=self.trainer.last_loss,
-                out_dir=req["out_dir"],
-                k=req.get("k", 4),
-            )
-        finally:
-            store.close()
+        measured = measure(
+            self.trainer.drafter,
+            held,
+            active=m.active,
+            policy_version=m.policy_version,
+            train_steps=self.trainer.step,
+            loss=self.trainer.last_loss,
+            out_dir=m.out_dir,
+            k=m.k,
+        )
         self.trainer.drafter.train()
-        self.send("published", asdict(dv))
+        self.send(measured)
 
     def _beat(self) -> None:
         """Heartbeat thread: the daemon kills a trainer silent for too long (a hung process)."""
         while self.running:
             time.sleep(self.spec.heartbeat_seconds)
             try:
-                self.send("heartbeat")
+                self.send(proto.Heartbeat())
             except (OSError, ValueError):
                 return  # the daemon is gone
 
     # -- loop -----------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self.send(
-            "ready",
-            {
-                "step": self.trainer.step,
-                "resumed_from": self.resumed_from,
-                "items": len(self.buffer),
-            },
-        )
+        self.send(proto.Ready(self.trainer.step, self.resumed_from, len(self.buffer)))
         threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
         while self.running:
             if self._deferred:
-                self.handle(*self._deferred.pop(0))
+                self.handle(self._deferred.pop(0))
                 continue
             if not self.training:
-                self.handle(*self.conn.recv())
+                self.handle(self.conn.recv())
                 continue
             if self.max_steps is not None and self.trainer.step >= self.max_steps:
                 self.training = False
-                self.send("idle", {"reason": "max_steps", "step": self.trainer.step})
+                self.send(proto.Idle("max_steps", self.trainer.step))
                 continue
             res = self.trainer.train_step(self.should_stop)
             if self.interrupt is not None:
-                kind, self.interrupt = self.interrupt, None
-                if kind == "preempt":
-                    self.preempt()
-                else:
-                    self.handle("stop", None)
+                interrupt, self.interrupt = self.interrupt, None
+                self.handle(interrupt)
                 continue
             if res is Stop.NO_DATA:
                 self.training = False
-                self.send("idle", {"reason": "no_data", "step": self.trainer.step})
+                self.send(proto.Idle("no_data", self.trainer.step))
                 continue
             assert not isinstance(res, Stop)
-            self.send("step", asdict(res))
+            self.send(proto.Stepped(res))
             every = self.spec.checkpoint_every
             if every and self.trainer.step % every == 0:
                 self.checkpoint()
@@ -253,9 +224,9 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     except BaseException:
         error = traceback.format_exc()
         if worker is not None:
-            worker.send("error", error)  # under its lock: the heartbeat thread sends too
+            worker.send(proto.Failed(error))  # under its lock: the heartbeat thread sends too
         else:
-            conn.send(("error", error))
+            conn.send(proto.Failed(error))
         raise
 
 
@@ -274,64 +245,65 @@ class DrafterWorker:
             target=run_worker, args=(spec, child), daemon=True, name="tltd-drafter-train"
         )
         self._child = child
-        self.steps: list[dict] = []  # every StepResult reported, in order
-        self.events: list[tuple[str, Any]] = []  # everything else
+        self.steps: list[proto.StepResult] = []  # every step reported, in order
+        self.events: list[proto.FromTrainer] = []  # everything else but heartbeats
 
-    def start(self, timeout: float = 120.0) -> dict:
+    def start(self, timeout: float = 120.0) -> proto.Ready:
         self.spawn()
-        return self.wait_for("ready", timeout)
+        return self.wait_for(proto.Ready, timeout)
 
     def spawn(self) -> None:
-        """Start the process (its pid is known from here); `start` also waits for "ready"."""
+        """Start the process (its pid is known from here); `start` also waits for `Ready`."""
         Path(self.spec.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         self.proc.start()
         self._child.close()
 
-    def send(self, kind: str, payload: Any = None) -> None:
-        self.conn.send((kind, payload))
+    def send(self, m: proto.ToTrainer) -> None:
+        self.conn.send(m)
 
-    def add(self, samples: list[dict]) -> None:
-        self.send("add", samples)
+    def add(self, samples: list[proto.TrainingSample]) -> None:
+        self.send(proto.AddSamples(tuple(samples)))
 
     def train(self, max_steps: int | None = None) -> None:
-        self.send("train", max_steps)
+        self.send(proto.Train(max_steps))
 
-    def _recv(self, timeout: float) -> tuple[str, Any]:
+    def _recv(self, timeout: float) -> proto.FromTrainer:
         if not self.conn.poll(timeout):
             raise TimeoutError(f"drafter worker sent nothing for {timeout}s")
-        kind, payload = self.conn.recv()
-        if kind == "error":
-            raise WorkerError(payload)
-        if kind == "heartbeat":
-            return kind, payload  # not kept: `events` would grow for as long as it lives
-        if kind == "step":
-            self.steps.append(payload)
-        else:
-            self.events.append((kind, payload))
-        return kind, payload
+        m = self.conn.recv()
+        match m:
+            case proto.Failed(traceback=tb):
+                raise WorkerError(tb)
+            case proto.Heartbeat():
+                pass  # not kept: `events` would grow for as long as it lives
+            case proto.Stepped(result=result):
+                self.steps.append(result)
+            case _:
+                self.events.append(m)
+        return m
 
-    def wait_for(self, kind: str, timeout: float = 60.0) -> Any:
-        """Read messages (recording them) until one of `kind` arrives; return its payload."""
+    def wait_for(self, kind: type[M], timeout: float = 60.0) -> M:
+        """Read messages (recording them) until one of type `kind` arrives; return it."""
         deadline = time.monotonic() + timeout
         while True:
-            got, payload = self._recv(max(0.0, deadline - time.monotonic()))
-            if got == kind:
-                return payload
+            m = self._recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(m, kind):
+                return m
 
     def preempt(self, timeout: float = 30.0) -> float:
-        """Ask for the device back; returns the latency (s) until "device_free" arrived."""
+        """Ask for the device back; returns the latency (s) until `DeviceFree` arrived."""
         t0 = time.monotonic()
-        self.send("preempt")
-        self.wait_for("device_free", timeout)
+        self.send(proto.Preempt())
+        self.wait_for(proto.DeviceFree, timeout)
         return time.monotonic() - t0
 
-    def publish(self, **req: Any) -> dict:
-        self.send("publish", req)
-        return self.wait_for("published", 300.0)
+    def measure(self, m: proto.Measure) -> proto.Measured:
+        self.send(m)
+        return self.wait_for(proto.Measured, 300.0)
 
-    def stop(self, timeout: float = 60.0) -> dict:
-        self.send("stop")
-        info = self.wait_for("stopped", timeout)
+    def stop(self, timeout: float = 60.0) -> proto.Stopped:
+        self.send(proto.Stop())
+        info = self.wait_for(proto.Stopped, timeout)
         self.proc.join(timeout)
         return info
 
