@@ -16,7 +16,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from tltd.devices import discover
-from tltd.domain import Device, DrafterStatus, JobStatus, RequestStatus
+from tltd.domain import OPEN_STATUSES, Device, DrafterStatus, JobStatus
 from tltd.metrics import METRICS, Metrics
 from tltd.settings import Settings
 
@@ -87,7 +87,7 @@ def roll_up_metrics(store: Store, metrics: Metrics = METRICS) -> None:
     had_gauges = metrics.job_ids()
     for device in store.list_devices():
         metrics.set_device_state(device.device_id, device.state.value)
-    unfinished = store.list_requests([RequestStatus.QUEUED, RequestStatus.RUNNING], limit=100_000)
+    unfinished = store.list_requests(list(OPEN_STATUSES), limit=100_000)
     depth: dict[str, int] = {}
     for req in unfinished:
         depth[req.job_id] = depth.get(req.job_id, 0) + req.samples_total - req.samples_done

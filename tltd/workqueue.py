@@ -154,9 +154,6 @@ class WorkQueue:
     def inflight(self, worker_id: str) -> int:
         return len(self._by_worker.get(worker_id, ()))
 
-    def requests_on(self, worker_id: str) -> set[str]:
-        return {rid for rid, _ in self._by_worker.get(worker_id, ())}
-
     def lose_worker(self, worker_id: str, max_attempts: int) -> list[tuple[LiveRequest, Key]]:
         """A worker died: its samples go back to pending (retried), except those of requests
         that are closing or that exhausted `max_attempts`: those are returned, for the caller

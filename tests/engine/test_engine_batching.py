@@ -316,12 +316,14 @@ def test_sample_output_converts_to_the_domain_sample(ckpt):
 
 def test_config_from_a_jobs_speculative_config():
     from tltd.domain import SpeculativeConfig, SpeculativeMode
+    from workers.rollout.protocol import EngineSpec
 
-    cfg = EngineConfig.from_speculative(SpeculativeConfig(draft_lengths=(2, 5)), max_batch=8)
+    job = SpeculativeConfig(draft_lengths=(2, 5, 5))
+    cfg = EngineConfig.from_spec(EngineSpec.for_job(job, max_batch=8))
     assert cfg.spec_mode == "adaptive" and cfg.max_batch == 8 and cfg.batch_threshold == 32
     assert set(cfg.strategies) == {Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 5)}
-    off = EngineConfig.from_speculative(
-        SpeculativeConfig(mode=SpeculativeMode.OFF, drafter="ngram")
+    off = EngineConfig.from_spec(
+        EngineSpec.for_job(SpeculativeConfig(mode=SpeculativeMode.OFF, drafter="ngram"))
     )
     assert off.spec_mode == "off" and {s.drafter for s in off.strategies} == {"ngram"}
 

@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tltd.domain import (
+    ENDED_STATUSES,
     Device,
     DeviceState,
     DrafterStatus,
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 _JOB_PARAMS = ("model_path", "name", "backend", "priority", "weight", "speculative")
 _REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
 _FINAL_WORKER_STATES = (WorkerState.STOPPED, WorkerState.FAILED)
-_ENDED = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED)
 # Version columns are SQL INTEGER (signed 32-bit): no version is numbered above this.
 MAX_VERSION = 2**31 - 1
 
@@ -406,7 +406,7 @@ class Store:
                     return False
                 # A sample not stored yet is still recorded on an ended request: a cancel
                 # closes the request in the store before its remaining samples are stored.
-                if existing is not None and RequestStatus(req.status) in _ENDED:
+                if existing is not None and RequestStatus(req.status) in ENDED_STATUSES:
                     return False
                 now = utcnow()
                 row = convert.sample_to_row(sample)

@@ -163,15 +163,11 @@ class ModelPlanner:
             slot.send(msg.LoadPolicy(path, version))
             slot.reason = f"loading policy version {version}"
             return
-        spec = job.speculative
         device = "cpu" if slot.device.kind is DeviceKind.CPU else slot.device.device_id
-        engine = msg.EngineSpec(
+        engine = msg.EngineSpec.for_job(
+            job.speculative,
             max_batch=self.settings.worker_max_batch,
             max_seq_len=self.settings.worker_max_seq_len,
-            spec_mode="off" if spec.mode is SpeculativeMode.OFF else "adaptive",
-            batch_threshold=spec.batch_threshold,
-            draft_lengths=spec.draft_lengths,
-            drafter=spec.drafter,
             device=device,
         )
         slot.start_load(Load(LoadKind.MODEL, job.job_id, version))

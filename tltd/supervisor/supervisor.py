@@ -164,10 +164,13 @@ class Supervisor:
     def unsubscribe(self, request_id: str, q: asyncio.Queue[StreamEvent]) -> None:
         self.requests.unsubscribe(request_id, q)
 
-    async def submit(self, req: RolloutRequest, policy_version: int) -> None:
+    async def submit(
+        self, req: RolloutRequest, policy_version: int, *, created: bool = False
+    ) -> None:
         """Make a stored request live (idempotent, see `RolloutRequests.submit`); one that
-        can never run (draining, a version that failed to load) fails at once."""
-        if not await self.requests.submit(req, policy_version, self._refusal):
+        can never run (draining, a version that failed to load) fails at once. `created`: the
+        caller has just stored `req` (its row and its samples need no second read)."""
+        if not await self.requests.submit(req, policy_version, self._refusal, created=created):
             return
         self.kick()
         # A CancelRequest that landed while submit read the store found nothing live to stop

@@ -10,6 +10,8 @@ Public API (used by the rollout worker and the drafter trainer)::
             ...                      # SampleOutput of every sample that finished in that step
     engine.generate([Request(...), ...]) -> list[SampleOutput]   # run to completion
     engine.cancel(request_id)        # its samples finish as CANCELLED (returned by next step())
+    engine.abort_all()               # every sample CANCELLED now; returns their outputs
+    engine.load() -> EngineLoad      # samples held, tokens they may still generate
     engine.set_drafter(EagleDrafter | None, version)   # hot swap between steps
     engine.load_policy(path_or_hf_state_dict, version) # new target weights between steps
     engine.stats -> EngineStats      # engine.strategy_snapshot() -> per-bucket arms + "plain"
@@ -76,7 +78,7 @@ import torch
 from torch import Tensor
 
 from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance
-from workers.engine.api import EngineConfig, Request, SampleOutput
+from workers.engine.api import EngineConfig, EngineLoad, Request, SampleOutput
 from workers.engine.bandit import (
     BucketedEpsilonGreedy,
     FixedStrategy,
@@ -373,6 +375,23 @@ class Engine:
             if s.group.request_id == request_id
         }
         self._outputs.extend(self._finish(done))
+
+    def abort_all(self) -> list[SampleOutput]:
+        """Cancel every request, waiting or running; returns their outputs (CANCELLED, with the
+        tokens so far). Nothing is left afterwards."""
+        running = {s.group.request_id for s in self.running}
+        for request_id in running | {g.request_id for g in self.waiting}:
+            self.cancel(request_id)
+        return self.step()
+
+    def load(self) -> EngineLoad:
+        """What the engine holds: samples waiting or running, and the tokens they may still
+        generate at most (each sample's `max_new_tokens` left)."""
+        samples = len(self.running) + sum(g.sampling.n for g in self.waiting)
+        tokens = sum(s.max_new - len(s.tokens) for s in self.running) + sum(
+            g.sampling.n * g.sampling.max_new_tokens for g in self.waiting
+        )
+        return EngineLoad(samples, tokens)
 
     def generate(self, requests: Iterable[Request]) -> list[SampleOutput]:
         """Queue the requests and step until everything finished; outputs in finish order."""
