@@ -103,9 +103,11 @@ def build_model(seed: int) -> torch.nn.Module:
 
 
 def encode_example(tok, problem: Problem) -> tuple[list[int], int]:
-    """Token ids of prompt + answer, and the index where the answer starts."""
+    """Token ids of prompt + answer, and the index where the answer starts. An answer longer
+    than the positions is cut there (no <eos>): the policy learns to keep re-checking, and so
+    runs into max_new_tokens on the samples that re-check that often, as reasoning RL's do."""
     prompt = encode_prompt(tok, format_prompt(problem))
-    return prompt + encode_answer(tok, problem.solution), len(prompt)
+    return (prompt + encode_answer(tok, problem.solution))[:MAX_POSITIONS], len(prompt)
 
 
 def batches(tok, cfg: TrainConfig, rng: random.Random):
@@ -138,9 +140,11 @@ def batches(tok, cfg: TrainConfig, rng: random.Random):
                 ids[row, : len(seq)] = torch.tensor(seq)
                 # Position p predicts token p+1: the loss covers answer tokens (and <eos>).
                 mask[row, start - 1 : len(seq) - 1] = True
-                # Positions predicting the final "answer: N" line (after its newline).
-                last_newline = len(seq) - 1 - seq[::-1].index(NEWLINE_ID)
-                final[row, last_newline : len(seq) - 1] = True
+                # Positions predicting the final "answer: N" line (after its newline), when
+                # the answer was not cut.
+                if seq[-1] == EOS_ID:
+                    last_newline = len(seq) - 1 - seq[::-1].index(NEWLINE_ID)
+                    final[row, last_newline : len(seq) - 1] = True
             yield ids, mask, final
 
 
@@ -376,15 +380,15 @@ newlines from this character vocabulary. Ids: `<pad>` 0, `<bos>` 1, `<eos>` 2 (s
 ## Training
 
 `python scripts/train_policy.py` (deterministic for a seed and thread count): AdamW (betas
-0.9/0.95, weight decay 0.1, 100 warmup steps then cosine to 10% of the peak lr), batches of at
+0.9/0.95, weight decay 0.1, linear warmup then cosine to 10% of the peak lr), batches of at
 most {batch_tokens} padded tokens bucketed by length, loss on answer tokens only, fresh problems
 from the task distribution with care drawn uniformly from the stage's range, 1 thread
 on a shared 2-core CPU (torch {torch}). Stages, first to last (a later stage starts from the
 previous one's weights with `--init-from`; tokens are answer tokens seen, loss the final EMA
 of the training loss):
 
-| stage | seed | steps | peak lr | care | tokens | loss | min |
-|---|---|---|---|---|---|---|---|
+| stage | seed | steps | warmup | peak lr | care | tokens | loss | min |
+|---|---|---|---|---|---|---|---|---|
 {stages}
 
 ## Evaluation
@@ -413,7 +417,7 @@ def write_card(out: Path, summary: dict, report: dict) -> None:
     while stage is not None:
         c = stage["config"]
         stages.append(
-            f"| {{n}} | {c['seed']} | {c['steps']} | {c['lr']} | "
+            f"| {{n}} | {c['seed']} | {c['steps']} | {c.get('warmup', 100)} | {c['lr']} | "
             f"{c.get('min_care', 0)}-{c.get('max_care', '-')} | "
             f"{stage['answer_tokens_seen']:,} | {stage['final_loss_ema']} | "
             f"{stage['train_seconds'] / 60:.1f} |"
@@ -441,6 +445,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--batch-tokens", type=int, default=TrainConfig.batch_tokens)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--warmup", type=int, default=TrainConfig.warmup)
     parser.add_argument("--decision-weight", type=float, default=TrainConfig.decision_weight)
     parser.add_argument("--final-weight", type=float, default=TrainConfig.final_weight)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
@@ -469,6 +474,7 @@ def main() -> None:
             steps=args.steps,
             batch_tokens=args.batch_tokens,
             lr=args.lr,
+            warmup=args.warmup,
             decision_weight=args.decision_weight,
             final_weight=args.final_weight,
             max_care=args.max_care,

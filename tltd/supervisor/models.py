@@ -168,6 +168,7 @@ class ModelPlanner:
             job.speculative,
             max_batch=self.settings.worker_max_batch,
             max_seq_len=self.settings.worker_max_seq_len,
+            gate=self.settings.spec_gate,
             device=device,
         )
         slot.start_load(Load(LoadKind.MODEL, job.job_id, version))

@@ -33,9 +33,9 @@ CARE_LEVELS = tuple(range(9))
 WORKLOAD_CARE = 7
 GUESS_RATE = 0.2
 CHECK_MARKER = "check"
-# Reference solutions are kept within this many characters (re-checks are dropped to fit), so
-# training sequences fit the policy's positions; a sampled answer may still run longer.
-MAX_SOLUTION_CHARS = 2040
+# Re-checks are not capped: a large problem at high care has reference solutions longer than
+# the rollout's max_new_tokens, so a policy that learnt them runs into the length cap on a few
+# percent of samples, as reasoning RL's rollouts do (training truncates them to its positions).
 MAX_START = 999
 MIN_STEP, MAX_STEP = 10, 99
 
@@ -139,13 +139,6 @@ def _solution_text(
     return "\n".join(lines), total
 
 
-def max_checks(count: int, style: str = "sum") -> int:
-    """The most re-checks a reference solution of `count` steps has (MAX_SOLUTION_CHARS)."""
-    line = len(LINE_STYLES[style].format(total=0, step=0, new=0, left=0)) + 1
-    answer = len(_ANSWER_LINES[style].format(total=0))
-    return max(0, (MAX_SOLUTION_CHARS - answer - count * line) // (count * line + 6))
-
-
 def sample_checks(rng: random.Random, care: int) -> int:
     """A geometric number of re-checks: each further one with probability care / 10."""
     checks = 0
@@ -164,7 +157,7 @@ def make_problem(
     care: int = WORKLOAD_CARE,
 ) -> Problem:
     """Build the problem (prompt, reference solution, answer) for explicit numbers; `style`
-    picks the answer's line layout (LINE_STYLES); `checks` re-checks (capped by max_checks),
+    picks the answer's line layout (LINE_STYLES); `checks` re-checks,
     or a bare guess; `care` is the prompt's re-check rate in tenths."""
     if style not in LINE_STYLES:
         raise ValueError(f"style: must be one of {sorted(LINE_STYLES)}, got {style!r}")
@@ -178,7 +171,7 @@ def make_problem(
         raise ValueError(f"checks: must be >= 0, got {checks}")
     if not 0 <= care <= 9:
         raise ValueError(f"care: must be in [0, 9], got {care}")
-    checks = 0 if guess else min(checks, max_checks(count, style))
+    checks = 0 if guess else checks
     prompt = f"start {start:04d} step {step:02d} count {count:04d} care {care}\n"
     solution, answer = _solution_text(start, step, count, style, checks, guess)
     return Problem(start, step, count, prompt, solution, answer, care, checks, guess)
