@@ -1,7 +1,7 @@
 """Pure scheduling policy: from a node snapshot, decide placement, idleness, training, preemption.
 
 No I/O and no clock: the caller passes `now`, so every decision is reproducible in a table-driven
-test. The supervisor (issue 5) turns a `Decision` into process actions.
+test. The supervisor (`tltd.supervisor`) turns a `Decision` into process actions.
 
 Which job a worker serves. A worker holds one job's model, and switching it to another job costs
 a drain (it finishes what it runs) and a model load, so the rule is "stay unless another job is

@@ -158,7 +158,7 @@ def test_a_failing_drain_still_stops_the_workers(sqlite_store, tmp_path, ckpt, m
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        d.call(d.daemon.shutdown(), timeout=GRACE + 60)  # used to raise, skipping the stop
+        d.call(d.daemon.shutdown(), timeout=GRACE + 60)  # must not raise, skipping the stop
         d.daemon = None
     finally:
         d.kill()

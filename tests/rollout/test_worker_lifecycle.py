@@ -168,7 +168,7 @@ def test_a_backend_switch_waits_for_the_old_process_beside_the_tick(
             pid = slot.proc.pid
             os.kill(pid, signal.SIGSTOP)  # it will not answer Shutdown
             switch = d.supervisor.workers.switch_backend(slot, Backend.SGLANG)
-            # Returns at once (it used to join the old process for up to 20 s in the tick).
+            # Returns at once: the old process is joined beside the tick, not in it.
             asyncio.run_coroutine_threadsafe(switch, d.loop).result(timeout=10)
             assert pid_alive(pid) and slot.phase is Phase.EXITING
             s = sampling(n=2, max_new_tokens=8)
@@ -282,7 +282,8 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
 ):
     """A load that ends the process (OOM kill, native crash) is a load failure: its version is
     held back and its requests fail saying so, and the restart backoff keeps growing (the
-    fresh process's first Ready, before any load, used to reset it: a crash loop for ever)."""
+    fresh process's first Ready, before any load, must not reset it: else a crash loop for
+    ever)."""
     from clients.errors import UnavailableError
     from tests.rollout import crashing_worker
     from tests.rollout.test_rollouts import Stream

@@ -222,9 +222,9 @@ _ROWS_AT_0001 = (
 
 def test_upgrades_keep_every_row(db_url: str) -> None:
     """Each upgrade step keeps the rows of every table. On SQLite, Alembic changes a table by
-    copying it and dropping the old one; with foreign keys on, that DROP used to delete every
-    child row (0002 rebuilt jobs: requests, samples and versions were gone; 0003 rebuilt
-    rollout_requests: every sample was gone), silently."""
+    copying it and dropping the old one; with foreign keys on, that DROP would delete every
+    child row (0002 rebuilds jobs: requests, samples and versions would go; 0003 rebuilds
+    rollout_requests: every sample would go), silently."""
     migrate.upgrade(db_url, "0001")
     engine = make_engine(db_url)
     tables = ("jobs", "policy_versions", "drafter_versions", "rollout_requests", "samples")

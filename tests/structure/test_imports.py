@@ -1,4 +1,5 @@
-"""The code's import graph: no circles, and `workers/` never reaches into the daemon's store.
+"""The code's import graph: no circles, and `workers/` takes only the plain domain types from the
+daemon (never its store).
 
 Every import counts, also those under `if TYPE_CHECKING:` and inside functions: a circle hidden
 by a lazy import is still two modules that cannot be understood one without the other.
@@ -118,5 +119,19 @@ def test_workers_do_not_import_the_daemon_store(forbidden):
         if m.startswith("workers")
         for t in targets
         if t == forbidden or t.startswith(forbidden + ".")
+    )
+    assert not bad, bad
+
+
+def test_workers_take_only_the_domain_from_the_daemon():
+    """The daemon and its worker processes share `tltd.domain` (plain dataclasses) and the
+    typed pipe protocols under `workers/`; nothing else of `tltd` runs in a worker."""
+    graph = _graph()
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if m.startswith("workers")
+        for t in targets
+        if t.split(".")[0] == "tltd" and t != "tltd.domain"
     )
     assert not bad, bad

@@ -37,9 +37,9 @@ def check_drafter_tensors(names: Iterable[str], source: object) -> None:
     if LEGACY_INPUT_NORM in set(names):
         raise IncompatibleDrafterCheckpoint(
             f"drafter checkpoint {source} has {LEGACY_INPUT_NORM!r}: it was trained with an "
-            "input norm on its decoder layer, which the drafter no longer has (EAGLE / SGLang "
-            "layer 0 runs no input norm); its weights cannot be used without that norm. Refit "
-            "it (scripts/fit_drafter.py) or train a new one online."
+            "input norm on its decoder layer, which this drafter's network does not have "
+            "(EAGLE / SGLang layer 0 runs no input norm); its weights cannot be used without "
+            "that norm. Refit it (scripts/fit_drafter.py) or train a new one online."
         )
 
 
