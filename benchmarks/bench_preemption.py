@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from workers.drafter.forward import target_hidden  # noqa: E402
 from workers.drafter.protocol import Checkpointed, TrainingSample  # noqa: E402
 from workers.drafter.trainer import TrainerConfig  # noqa: E402
-from workers.drafter.worker import DrafterWorker, WorkerSpec  # noqa: E402
-from workers.engine.model import load_model  # noqa: E402
+from workers.drafter.trainer_process import TrainerProcess, TrainerSpec  # noqa: E402
+from workers.engine.transformer import load_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hidden_recompute import make_policy  # noqa: E402
@@ -48,14 +48,14 @@ def samples(model_dir: Path, n: int, length: int, with_hidden: bool) -> list[Tra
 
 def run(model_dir: Path, keep_hidden: bool, n: int, threads: int, tmp: Path) -> dict:
     cfg = TrainerConfig(items_per_micro=1, micro_per_step=4, row_len=256)
-    spec = WorkerSpec(
+    spec = TrainerSpec(
         model_path=str(model_dir),
         checkpoint_dir=str(tmp / f"ckpt-{keep_hidden}"),
         trainer=cfg,
         keep_hidden=keep_hidden,
         threads=threads,
     )
-    w = DrafterWorker(spec)
+    w = TrainerProcess(spec)
     rng = random.Random(0)
     lat: list[float] = []
     try:

@@ -22,9 +22,9 @@ from tltd.settings import Settings
 
 if TYPE_CHECKING:
     from tltd.devices import Nvml
+    from tltd.drafter_training import DrafterTraining
     from tltd.store import Store
     from tltd.supervisor import Supervisor
-    from tltd.training import DrafterTraining
 
 log = logging.getLogger(__name__)
 

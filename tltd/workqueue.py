@@ -20,7 +20,7 @@ Key = tuple[int, int]  # (prompt_index, sample_index)
 @dataclass
 class LiveRequest:
     req: RolloutRequest
-    policy_version: int  # every sample runs on this version (see `tltd.supervisor.models`)
+    policy_version: int  # every sample runs on this version (see `tltd.supervisor.model_planner`)
     enqueued_at: float
     pending: dict[int, list[int]]  # prompt index -> sample indices waiting for a worker
     running: dict[Key, str] = field(default_factory=dict)  # -> worker id

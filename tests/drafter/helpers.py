@@ -9,7 +9,7 @@ import torch
 from workers.drafter.buffer import TrainingBuffer
 from workers.drafter.forward import target_hidden
 from workers.engine.eagle import EagleDrafter
-from workers.engine.model import CausalLM, load_model
+from workers.engine.transformer import CausalLM, load_model
 
 
 def make_target_dir(

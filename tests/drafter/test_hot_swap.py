@@ -10,8 +10,8 @@ from tltd.domain import DrafterStatus, Job, SamplingParams
 from workers.drafter.buffer import TrainingBuffer
 from workers.drafter.trainer import Trainer, TrainerConfig
 from workers.drafter.versions import HeldOut
-from workers.engine.api import EngineConfig, Request
 from workers.engine.bandit import Strategy
+from workers.engine.datatypes import EngineConfig, Request
 from workers.engine.eagle import EagleDrafter
 from workers.engine.engine import Engine
 

@@ -1,7 +1,7 @@
 """A fake SGLang engine behind the worker's engine port: the one fake of the sglang backend
 (sglang cannot be installed or run on these machines).
 
-It answers as `sglang.Engine` does through `workers.sglang.engine.SglangEngineAdapter`: output
+It answers as `sglang.Engine` does through `workers.sglang.real_engine.SglangEngineAdapter`: output
 dicts with `output_ids`, `meta_info.output_token_logprobs` [(logprob, id, None)],
 `finish_reason` {"type": "stop"|"length"|"abort", ...}, `completion_tokens`, and with a
 speculative algorithm `spec_verify_ct` (EAGLE also `spec_num_correct_drafts`). It refuses

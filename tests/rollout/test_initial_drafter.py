@@ -23,7 +23,7 @@ FIELD = "speculative.initial_drafter_path"
 
 def _drafter(model_dir: Path, out: Path, seed: int = 3) -> Path:
     from workers.engine.eagle import EagleDrafter
-    from workers.engine.model import load_model
+    from workers.engine.transformer import load_model
 
     EagleDrafter.random_init(load_model(model_dir), seed=seed).save_pretrained(out)
     return out
@@ -59,7 +59,7 @@ def test_job_starts_from_the_initial_drafter_and_rollouts_use_it(daemon, ckpt, i
         d.wait_workers_ready(2)
         wait_until(
             lambda: all(
-                s.drafter_version == 1 and s.phase is Phase.READY for s in sup.slots.values()
+                s.drafter_version == 1 and s.phase is Phase.READY for s in sup.handles.values()
             ),
             what="initial drafter loaded by every worker",
         )

@@ -12,8 +12,8 @@ from sqlalchemy import Column, Integer, inspect, make_url, text
 
 from tltd.domain import LogprobMode
 from tltd.store import Store, migrate
-from tltd.store.engine import make_engine
-from tltd.store.models import Base
+from tltd.store.database import make_engine
+from tltd.store.tables import Base
 
 TABLES = {
     "jobs",

@@ -109,7 +109,7 @@ def test_round_publishes_a_version_and_shutdown_leaves_a_checkpoint(start_daemon
         assert "published version 1" in w.state_reason
     if v.status == drafter_pb2.DRAFTER_STATUS_PROMOTED:  # the supervisor hot-swaps it in
         _wait(
-            lambda: all(s.drafter_version == 1 for s in d.supervisor.slots.values()),
+            lambda: all(s.drafter_version == 1 for s in d.supervisor.handles.values()),
             what="promoted drafter in every rollout worker",
         )
     d.shutdown()  # what SIGTERM runs

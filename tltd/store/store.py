@@ -32,8 +32,9 @@ from tltd.domain import (
 )
 from tltd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from tltd.store import convert
-from tltd.store.engine import WRITE_OPTION, make_engine
-from tltd.store.models import (
+from tltd.store.database import WRITE_OPTION, make_engine
+from tltd.store.status import check_transition, record_event, switch_status
+from tltd.store.tables import (
     DeviceRow,
     DrafterVersionRow,
     EventRow,
@@ -44,7 +45,6 @@ from tltd.store.models import (
     WorkerRow,
     utcnow,
 )
-from tltd.store.status import check_transition, record_event, switch_status
 
 log = logging.getLogger(__name__)
 

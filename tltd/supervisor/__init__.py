@@ -1,7 +1,7 @@
 """The supervisor: rollout worker processes, their health, live requests and the scheduling tick.
 
 `supervisor` holds the `Supervisor` (lifecycle, the tick, the rollout API); the other modules are
-its parts: `rollout_workers`, `worker_process`, `requests`, `models`, `snapshot`, `writes`.
+its parts: `rollout_workers`, `worker_process`, `requests`, `model_planner`, `snapshot`, `writes`.
 """
 
 from tltd.supervisor.requests import StreamEvent

@@ -1,6 +1,6 @@
 """The rollout workers' lives: start one per usable device, hear what they say, find the dead.
 
-A worker's phase (`worker_process.Phase`) changes only through `WorkerSlot.to`; this module
+A worker's phase (`worker_process.Phase`) changes only through `WorkerHandle.to`; this module
 decides when. Taking a worker out of service (`_take_out_of_service`) is immediate, so the tick
 that found it gone assigns it nothing; waiting for its process, recording it and re-queueing
 its samples (`_finish_exit`) runs beside the tick, not in it.
@@ -19,9 +19,9 @@ from tltd.domain import Backend, Device, DeviceState, Sample, Worker, WorkerKind
 from tltd.metrics import METRICS
 from tltd.scheduler import Decision
 from tltd.settings import Settings
-from tltd.supervisor.models import ModelPlanner
+from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.requests import RolloutRequests
-from tltd.supervisor.worker_process import Phase, WorkerSlot, spawn
+from tltd.supervisor.worker_process import Phase, WorkerHandle, spawn
 from tltd.supervisor.writes import OrderedWrites, upsert_worker
 from workers.rollout import protocol as msg
 
@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 EXIT_SECONDS = 5.0
 SWITCH_EXIT_SECONDS = 20.0  # a graceful engine shutdown (SGLang frees its GPU memory)
 
-# on_finished(slot, sample, stored): a sample a worker returned (see worker_process.OnMessage).
-OnFinished = Callable[[WorkerSlot, Sample, "bool | None"], None]
+# on_finished(handle, sample, stored): a sample a worker returned (see worker_process.OnMessage).
+OnFinished = Callable[[WorkerHandle, Sample, "bool | None"], None]
 
 
 def restart_backoff(failures: int) -> float:
@@ -65,7 +65,7 @@ class RolloutWorkers:
         self.requests = requests
         self.queue = requests.queue
         self.models = models
-        self.slots: dict[str, WorkerSlot] = {}
+        self.handles: dict[str, WorkerHandle] = {}
         self.closed = False
         self._kick = kick
         self._run_task = run_task
@@ -78,8 +78,8 @@ class RolloutWorkers:
         """Remember the running loop (the supervisor's `start`): pipe threads post to it."""
         self._loop = asyncio.get_running_loop()
 
-    def on(self, device_id: str) -> list[WorkerSlot]:
-        return [s for s in self.slots.values() if s.device.device_id == device_id]
+    def on(self, device_id: str) -> list[WorkerHandle]:
+        return [s for s in self.handles.values() if s.device.device_id == device_id]
 
     async def recover(self) -> None:
         """After a crash: the old daemon's workers, and its drafter training, are gone."""
@@ -108,56 +108,56 @@ class RolloutWorkers:
         now = time.monotonic()
         for d in devices:
             wid = f"rollout-{d.device_id}"
-            slot = self.slots.get(wid)
+            handle = self.handles.get(wid)
             usable = d.state is not DeviceState.UNAVAILABLE and not d.foreign and not draining
-            if slot is None:
+            if handle is None:
                 if not usable:
                     continue
                 backend = Backend(self.settings.default_backend)
-                slot = self.slots[wid] = WorkerSlot(wid, d, backend)
-            slot.device = d
+                handle = self.handles[wid] = WorkerHandle(wid, d, backend)
+            handle.device = d
             # Not while the old process is still EXITING: its samples are not re-queued yet,
             # and it may still hold the device.
-            if usable and slot.phase in (Phase.NEW, Phase.VACATED):
-                self._start(slot)
-            elif usable and slot.phase is Phase.DEAD:
-                assert slot.dead_at is not None
-                if now - slot.dead_at >= restart_backoff(slot.failures):
-                    self._start(slot)
-            elif not usable and slot.alive and (d.foreign or d.state is DeviceState.UNAVAILABLE):
+            if usable and handle.phase in (Phase.NEW, Phase.VACATED):
+                self._start(handle)
+            elif usable and handle.phase is Phase.DEAD:
+                assert handle.dead_at is not None
+                if now - handle.dead_at >= restart_backoff(handle.failures):
+                    self._start(handle)
+            elif not usable and handle.alive and (d.foreign or d.state is DeviceState.UNAVAILABLE):
                 why = "device taken by a foreign process" if d.foreign else "device unavailable"
-                self.record_state(slot, WorkerState.STOPPING, why)
-                slot.send(msg.Shutdown())
+                self.record_state(handle, WorkerState.STOPPING, why)
+                handle.send(msg.Shutdown())
                 # Out of service now (this tick assigns it nothing); the wait for the process
                 # (`EXIT_SECONDS`, then a kill, if it hangs) runs beside the tick, not in it.
-                if self._take_out_of_service(slot):
+                if self._take_out_of_service(handle):
                     self._run_task(
-                        self._finish_exit(slot, why, WorkerState.STOPPED, then=Phase.VACATED)
+                        self._finish_exit(handle, why, WorkerState.STOPPED, then=Phase.VACATED)
                     )
 
-    def _start(self, slot: WorkerSlot) -> None:
+    def _start(self, handle: WorkerHandle) -> None:
         assert self._loop is not None
         spawn(
-            slot, self._ctx, self.settings, self.store, self._loop, self.on_message, self._on_exit
+            handle, self._ctx, self.settings, self.store, self._loop, self.on_message, self._on_exit
         )
-        self.record_state(slot, WorkerState.STARTING, "spawned", pid=slot.proc.pid)
+        self.record_state(handle, WorkerState.STARTING, "spawned", pid=handle.proc.pid)
         log.info(
-            "rollout worker started", extra={"worker_id": slot.worker_id, "pid": slot.proc.pid}
+            "rollout worker started", extra={"worker_id": handle.worker_id, "pid": handle.proc.pid}
         )
 
-    async def switch_backend(self, slot: WorkerSlot, backend: Backend) -> None:
+    async def switch_backend(self, handle: WorkerHandle, backend: Backend) -> None:
         """Stop an empty worker so that a later tick starts it on `backend` (the planner
         switches only workers with nothing running). The wait for the old process runs beside
         the tick, not in it; no new worker starts on the device until the old one is gone."""
         why = f"switching to the {backend} backend"
-        log.info("rollout worker switches backend", extra={"worker_id": slot.worker_id})
-        slot.backend = backend
-        self.record_state(slot, WorkerState.STOPPING, why)
-        slot.send(msg.Shutdown())
-        if self._take_out_of_service(slot):
+        log.info("rollout worker switches backend", extra={"worker_id": handle.worker_id})
+        handle.backend = backend
+        self.record_state(handle, WorkerState.STOPPING, why)
+        handle.send(msg.Shutdown())
+        if self._take_out_of_service(handle):
             # An SGLang worker frees its GPU before it exits: give it time to, then kill.
             self._run_task(
-                self._finish_exit(slot, why, WorkerState.STOPPED, grace=SWITCH_EXIT_SECONDS)
+                self._finish_exit(handle, why, WorkerState.STOPPED, grace=SWITCH_EXIT_SECONDS)
             )
 
     # ---- health ---------------------------------------------------------------------------
@@ -167,50 +167,51 @@ class RolloutWorkers:
         now = time.monotonic()
         dead = []
         s = self.settings
-        for slot in list(self.slots.values()):
-            if not slot.alive:
+        for handle in list(self.handles.values()):
+            if not handle.alive:
                 continue
-            if slot.proc.exitcode is not None:
-                why = slot.fatal or "process exited"
+            if handle.proc.exitcode is not None:
+                why = handle.fatal or "process exited"
             elif (
-                slot.phase is not Phase.READY and now - slot.since > s.worker_start_timeout_seconds
+                handle.phase is not Phase.READY
+                and now - handle.since > s.worker_start_timeout_seconds
             ):
                 why = f"no Ready within {s.worker_start_timeout_seconds:g}s"
             elif (
-                slot.phase is Phase.READY
-                and now - slot.last_heartbeat > s.worker_heartbeat_timeout_seconds
+                handle.phase is Phase.READY
+                and now - handle.last_heartbeat > s.worker_heartbeat_timeout_seconds
             ):
                 why = f"no heartbeat for {s.worker_heartbeat_timeout_seconds:g}s"
             else:
                 continue
-            dead.append(slot.worker_id)
-            if self._take_out_of_service(slot):
-                await self._finish_exit(slot, why, WorkerState.FAILED)
+            dead.append(handle.worker_id)
+            if self._take_out_of_service(handle):
+                await self._finish_exit(handle, why, WorkerState.FAILED)
         return dead
 
-    def _on_exit(self, slot: WorkerSlot, gen: int) -> None:
-        if gen != slot.generation or not slot.alive:
+    def _on_exit(self, handle: WorkerHandle, gen: int) -> None:
+        if gen != handle.generation or not handle.alive:
             return
-        if self.closed or slot.state is WorkerState.STOPPING:
+        if self.closed or handle.state is WorkerState.STOPPING:
             return  # an exit we asked for: stop() / vacating records it
-        if self._take_out_of_service(slot):  # no work for it from now, even before the task
+        if self._take_out_of_service(handle):  # no work for it from now, even before the task
             self._run_task(
-                self._finish_exit(slot, slot.fatal or "process exited", WorkerState.FAILED)
+                self._finish_exit(handle, handle.fatal or "process exited", WorkerState.FAILED)
             )
 
-    def _take_out_of_service(self, slot: WorkerSlot) -> bool:
+    def _take_out_of_service(self, handle: WorkerHandle) -> bool:
         """No work, no restart until `_finish_exit` is done; False when it already was."""
-        if not slot.alive:
+        if not handle.alive:
             return False
-        slot.to(Phase.EXITING)
-        slot.dead_at = time.monotonic()
-        if slot.outbox is not None:
-            slot.outbox.put(None)
+        handle.to(Phase.EXITING)
+        handle.dead_at = time.monotonic()
+        if handle.outbox is not None:
+            handle.outbox.put(None)
         return True
 
     async def _finish_exit(
         self,
-        slot: WorkerSlot,
+        handle: WorkerHandle,
         why: str,
         state: WorkerState,
         grace: float = EXIT_SECONDS,
@@ -218,7 +219,7 @@ class RolloutWorkers:
     ) -> None:
         """After `_take_out_of_service`: wait `grace` seconds for the process (then kill it),
         record it, re-queue its samples."""
-        proc = slot.proc
+        proc = handle.proc
         try:
             if proc is not None and proc.is_alive() and state is WorkerState.FAILED:
                 proc.kill()
@@ -230,125 +231,127 @@ class RolloutWorkers:
                 if proc.exitcode is not None and state is WorkerState.FAILED:
                     why = f"{why} (exit code {proc.exitcode})"
             if state is WorkerState.FAILED:
-                slot.failures += 1
-                if slot.load is not None and slot.load.can_fail:
+                handle.failures += 1
+                if handle.load is not None and handle.load.can_fail:
                     # The load killed the process (no LoadFailed can come): the same failure,
                     # or a fresh process would load it again at once, for ever.
-                    ld = slot.load
+                    ld = handle.load
                     died = f"the worker process died while loading it: {why}"
                     drafter = not ld.policy_weights
-                    self._load_failed(slot, msg.LoadFailed(ld.job_id, ld.version, died, drafter))
-            slot.load = None
-            log.warning("rollout worker gone", extra={"worker_id": slot.worker_id, "reason": why})
-            self.record_state(slot, state, why)
-            await self.requests.lose_worker(slot.worker_id, why)
+                    self._load_failed(handle, msg.LoadFailed(ld.job_id, ld.version, died, drafter))
+            handle.load = None
+            log.warning("rollout worker gone", extra={"worker_id": handle.worker_id, "reason": why})
+            self.record_state(handle, state, why)
+            await self.requests.lose_worker(handle.worker_id, why)
         finally:
             # Not after a shutdown began: `stop` records the workers still exiting itself.
-            if slot.phase is Phase.EXITING and not self.closed:
-                slot.to(then)
+            if handle.phase is Phase.EXITING and not self.closed:
+                handle.to(then)
             self._kick()  # its device may get a new worker now
 
     async def stop(self, deadline: float) -> None:
         """Shutdown to every worker; killed when still there at `deadline` (monotonic)."""
         self.closed = True
-        for slot in self.slots.values():
-            if slot.alive:
-                self.record_state(slot, WorkerState.STOPPING, "daemon shutting down")
-                slot.send(msg.Shutdown())
-        for slot in self.slots.values():
-            if slot.proc is None:
+        for handle in self.handles.values():
+            if handle.alive:
+                self.record_state(handle, WorkerState.STOPPING, "daemon shutting down")
+                handle.send(msg.Shutdown())
+        for handle in self.handles.values():
+            if handle.proc is None:
                 continue
             left = max(0.0, deadline - time.monotonic())
-            await asyncio.to_thread(slot.proc.join, left)
-            if slot.proc.is_alive():
-                slot.proc.kill()
-                await asyncio.to_thread(slot.proc.join, 5.0)
+            await asyncio.to_thread(handle.proc.join, left)
+            if handle.proc.is_alive():
+                handle.proc.kill()
+                await asyncio.to_thread(handle.proc.join, 5.0)
             # An EXITING worker's `_finish_exit` was cancelled with the supervisor's tasks.
-            if slot.state is WorkerState.STOPPING or slot.phase is Phase.EXITING:
-                self.record_state(slot, WorkerState.STOPPED, "daemon shut down")
-            if slot.alive or slot.phase is Phase.EXITING:
-                slot.dead_at = slot.dead_at or time.monotonic()
-                slot.to(Phase.DEAD)
-            if slot.outbox is not None:
-                slot.outbox.put(None)
+            if handle.state is WorkerState.STOPPING or handle.phase is Phase.EXITING:
+                self.record_state(handle, WorkerState.STOPPED, "daemon shut down")
+            if handle.alive or handle.phase is Phase.EXITING:
+                handle.dead_at = handle.dead_at or time.monotonic()
+                handle.to(Phase.DEAD)
+            if handle.outbox is not None:
+                handle.outbox.put(None)
 
-    def ask_to_drain(self) -> list[WorkerSlot]:
+    def ask_to_drain(self) -> list[WorkerHandle]:
         """Drain to every worker with work: it returns what runs as partial samples."""
-        busy = [s for s in self.slots.values() if s.alive and self.queue.inflight(s.worker_id)]
-        for slot in busy:
-            slot.drained.clear()
-            slot.send(msg.Drain(0.0))
+        busy = [s for s in self.handles.values() if s.alive and self.queue.inflight(s.worker_id)]
+        for handle in busy:
+            handle.drained.clear()
+            handle.send(msg.Drain(0.0))
         return busy
 
-    async def await_drained(self, busy: list[WorkerSlot], end: Callable[[], float]) -> None:
+    async def await_drained(self, busy: list[WorkerHandle], end: Callable[[], float]) -> None:
         """Wait until `end()` (monotonic) for their answers; a worker that did not answer
         loses its samples (they end with no tokens)."""
         # Polled, not one wait: a shutdown may move the end earlier meanwhile.
         while any(not s.drained.is_set() for s in busy) and time.monotonic() < end():
             await asyncio.sleep(0.05)
-        for slot in busy:
-            if self.queue.inflight(slot.worker_id):
-                await self.requests.lose_worker(slot.worker_id, "worker did not drain in time")
+        for handle in busy:
+            if self.queue.inflight(handle.worker_id):
+                await self.requests.lose_worker(handle.worker_id, "worker did not drain in time")
 
     # ---- messages (event loop, posted by the worker's reader thread) ----------------------
 
     def on_message(
-        self, slot: WorkerSlot, gen: int, m: msg.FromWorker, stored: bool | None
+        self, handle: WorkerHandle, gen: int, m: msg.FromWorker, stored: bool | None
     ) -> None:
-        if gen != slot.generation:
+        if gen != handle.generation:
             return  # from a process that was already replaced
-        slot.last_heartbeat = time.monotonic()
+        handle.last_heartbeat = time.monotonic()
         match m:
             case msg.Finished(sample=sample):
-                self._on_finished(slot, sample, stored)
+                self._on_finished(handle, sample, stored)
             case msg.Heartbeat():
-                previous = slot.heartbeat.stats if slot.heartbeat is not None else None
-                METRICS.observe_engine_summary(slot.device.device_id, previous, m.stats)
-                slot.heartbeat = m
-                for seq in [q for q in slot.unacked if q <= m.acked_seq]:
-                    del slot.unacked[seq]
+                previous = handle.heartbeat.stats if handle.heartbeat is not None else None
+                METRICS.observe_engine_summary(handle.device.device_id, previous, m.stats)
+                handle.heartbeat = m
+                for seq in [q for q in handle.unacked if q <= m.acked_seq]:
+                    del handle.unacked[seq]
             case msg.Ready():
-                self._on_ready(slot, m)
+                self._on_ready(handle, m)
             case msg.LoadFailed():
-                self._load_failed(slot, m)
+                self._load_failed(handle, m)
             case msg.Drained():
-                slot.drained.set()
+                handle.drained.set()
             case msg.WorkerError(message=text, fatal=fatal):
                 log.error(
                     "rollout worker error",
-                    extra={"worker_id": slot.worker_id, "fatal": fatal, "error": text},
+                    extra={"worker_id": handle.worker_id, "fatal": fatal, "error": text},
                 )
                 if fatal:
-                    slot.fatal = text.strip().splitlines()[-1] if text.strip() else "fatal error"
-                    slot.reason = slot.fatal
+                    handle.fatal = text.strip().splitlines()[-1] if text.strip() else "fatal error"
+                    handle.reason = handle.fatal
 
-    def _on_ready(self, slot: WorkerSlot, m: msg.Ready) -> None:
+    def _on_ready(self, handle: WorkerHandle, m: msg.Ready) -> None:
         """Every load ends with a Ready saying what the worker holds now."""
-        if not slot.alive:
+        if not handle.alive:
             return  # out of service already: it is being stopped
-        first = slot.phase is Phase.STARTING
-        slot.to(Phase.READY)
-        slot.load = None
+        first = handle.phase is Phase.STARTING
+        handle.to(Phase.READY)
+        handle.load = None
         if m.job_id:
             # Only a loaded model ends a crash loop: every fresh process says Ready before its
             # first load, also one whose load is about to kill it again.
-            slot.failures = 0
-        slot.job_id, slot.policy_version = m.job_id, m.policy_version
-        slot.drafter_version = m.drafter_version
-        self.models.loaded(m, slot)  # a version that loads is no longer held back
-        slot.reason = (
+            handle.failures = 0
+        handle.job_id, handle.policy_version = m.job_id, m.policy_version
+        handle.drafter_version = m.drafter_version
+        self.models.loaded(m, handle)  # a version that loads is no longer held back
+        handle.reason = (
             f"job {m.job_id} policy v{m.policy_version} drafter v{m.drafter_version}"
             if m.job_id
             else "no model loaded"
         )
-        if self.queue.inflight(slot.worker_id) == 0:
-            slot.idle_since = time.monotonic()
-        self.record_state(slot, WorkerState.READY if first else slot.state, slot.reason, pid=m.pid)
+        if self.queue.inflight(handle.worker_id) == 0:
+            handle.idle_since = time.monotonic()
+        self.record_state(
+            handle, WorkerState.READY if first else handle.state, handle.reason, pid=m.pid
+        )
         self._kick()
 
-    def _load_failed(self, slot: WorkerSlot, m: msg.LoadFailed) -> None:
+    def _load_failed(self, handle: WorkerHandle, m: msg.LoadFailed) -> None:
         """Hold the version back; a policy's live requests fail with the reason."""
-        reason = self.models.load_failed(m, slot, self.slots)
+        reason = self.models.load_failed(m, handle, self.handles)
         if reason is not None:
             self.requests.fail_version(m.job_id, m.policy_version, reason)
 
@@ -374,26 +377,26 @@ class RolloutWorkers:
                 # A cordoned or draining device never counts as idle for training, but once
                 # its work ends it no longer runs rollouts either.
                 self._record_device(d.device_id, DeviceState.IDLE, "no rollout work")
-        for slot in self.slots.values():
-            if slot.answered:
-                busy = self.queue.inflight(slot.worker_id) > 0
+        for handle in self.handles.values():
+            if handle.answered:
+                busy = self.queue.inflight(handle.worker_id) > 0
                 state = WorkerState.BUSY if busy else WorkerState.READY
-                self.record_state(slot, state, slot.reason)
+                self.record_state(handle, state, handle.reason)
 
     def record_state(
-        self, slot: WorkerSlot, state: WorkerState, reason: str, pid: int | None = None
+        self, handle: WorkerHandle, state: WorkerState, reason: str, pid: int | None = None
     ) -> None:
-        slot.state = state
-        if slot.stored_state == (state, reason) and pid is None:
+        handle.state = state
+        if handle.stored_state == (state, reason) and pid is None:
             return
-        slot.stored_state = (state, reason)
+        handle.stored_state = (state, reason)
         worker = Worker(
-            worker_id=slot.worker_id,
+            worker_id=handle.worker_id,
             kind=WorkerKind.ROLLOUT,
-            device_id=slot.device.device_id,
-            job_id=slot.job_id,
+            device_id=handle.device.device_id,
+            job_id=handle.job_id,
             state=state,
-            pid=pid if pid is not None else (slot.proc.pid if slot.proc is not None else 0),
+            pid=pid if pid is not None else (handle.proc.pid if handle.proc is not None else 0),
             state_reason=reason,
         )
         self.writes.write_nowait(upsert_worker, self.store, worker)

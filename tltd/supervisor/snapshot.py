@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from tltd.domain import Device, Job
 from tltd.scheduler import DeviceView, JobView, RolloutWorkerView, Snapshot
 from tltd.supervisor.training_hook import TrainingHook
-from tltd.supervisor.worker_process import Phase, WorkerSlot
+from tltd.supervisor.worker_process import Phase, WorkerHandle
 from tltd.workqueue import WorkQueue
 
 
@@ -20,7 +20,7 @@ def device_view(d: Device) -> DeviceView:
     return DeviceView(d.device_id, d.schedulable)
 
 
-def worker_view(s: WorkerSlot, queue: WorkQueue) -> RolloutWorkerView:
+def worker_view(s: WorkerHandle, queue: WorkQueue) -> RolloutWorkerView:
     # Work sent but not yet acknowledged by a heartbeat counts at its full token budget.
     tokens = (s.heartbeat.remaining_tokens if s.heartbeat else 0) + sum(s.unacked.values())
     return RolloutWorkerView(
@@ -40,7 +40,7 @@ def build_snapshot(
     now: float,
     devices: Iterable[Device],
     jobs: Iterable[Job],
-    slots: Iterable[WorkerSlot],
+    handles: Iterable[WorkerHandle],
     queue: WorkQueue,
     served_tokens: Mapping[str, int],
     training: TrainingHook | None,
@@ -51,9 +51,9 @@ def build_snapshot(
     A job's policy is updating while any live worker loads its policy weights (UpdatePolicy
     being applied, or a worker switching to the job): its drafter training must not start then.
     """
-    switched = [s for s in slots if not s.alive and s.next_job]
-    slots = [s for s in slots if s.alive]
-    loading = {s.policy_load for s in slots if s.policy_load}
+    switched = [s for s in handles if not s.alive and s.next_job]
+    handles = [s for s in handles if s.alive]
+    loading = {s.policy_load for s in handles if s.policy_load}
     job_views = []
     for j in jobs:
         fresh, last = training.job_view(j.job_id) if training else (0, None)
@@ -72,7 +72,7 @@ def build_snapshot(
     return Snapshot(
         now=now,
         devices=tuple(device_view(d) for d in devices),
-        workers=tuple(worker_view(s, queue) for s in [*slots, *switched]),
+        workers=tuple(worker_view(s, queue) for s in [*handles, *switched]),
         training=training.views() if training else (),
         pending=tuple(queue.pending_work()),
         jobs=tuple(job_views),

@@ -10,9 +10,9 @@ periodic job in `tltd.periodic`.
 
 The parts live next to this module: `rollout_workers` (start, health and messages of the
 workers), `worker_process` (a worker's process, its phases and pipe threads),
-`requests` (live requests, streams, finishing samples), `models` (which job, policy and drafter
-each worker holds; the policy-version semantics are stated there), `writes` (ordered store
-writes), `policy_updates` (UpdatePolicy writes in flight, which gate training starts),
+`requests` (live requests, streams, finishing samples), `model_planner` (which job, policy
+and drafter each worker holds; the policy-version semantics are stated there), `writes` (ordered
+store writes), `policy_updates` (UpdatePolicy writes in flight, which gate training starts),
 `fair_share` (the tokens-served accounts, a job waking from idle placed level).
 """
 
@@ -40,13 +40,13 @@ from tltd.scheduler import Assignment, Decision, SchedulerConfig, schedule
 from tltd.settings import Settings
 from tltd.supervisor.drain import NodeDrain
 from tltd.supervisor.fair_share import FairShare, active_jobs
-from tltd.supervisor.models import ModelPlanner
+from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.policy_updates import PolicyUpdates
 from tltd.supervisor.requests import RolloutRequests, StreamEvent
 from tltd.supervisor.rollout_workers import RolloutWorkers
 from tltd.supervisor.snapshot import build_snapshot
 from tltd.supervisor.training_hook import TrainingHook
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.worker_process import WorkerHandle
 from tltd.supervisor.writes import OrderedWrites
 from workers.rollout import protocol as msg
 
@@ -88,7 +88,7 @@ class Supervisor:
             run_task=self._spawn,
             on_finished=self._on_finished,
         )
-        self.slots = self.workers.slots
+        self.handles = self.workers.handles
         self.models.switch_backend = self.workers.switch_backend
         self.fair_share = FairShare()  # tokens served per job; a job waking from idle lifted
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
@@ -205,7 +205,7 @@ class Supervisor:
             return
         keys = self.queue.close(request_id, status, reason)
         for wid in set(live.running.values()):
-            self.slots[wid].send(msg.Cancel(request_id))
+            self.handles[wid].send(msg.Cancel(request_id))
         cancelled = status is RequestStatus.CANCELLED
         finish = FinishReason.CANCELLED if cancelled else FinishReason.ABORTED
         await self.requests.finish_unstarted(live, keys, finish, reason)
@@ -222,7 +222,9 @@ class Supervisor:
     def worker_stats(self) -> dict[str, dict[str, object]]:
         """The latest engine counters each worker reported (tests, metrics)."""
         return {
-            wid: dict(s.heartbeat.stats) for wid, s in self.slots.items() if s.heartbeat is not None
+            wid: dict(s.heartbeat.stats)
+            for wid, s in self.handles.items()
+            if s.heartbeat is not None
         }
 
     async def reap(self) -> list[str]:
@@ -260,7 +262,7 @@ class Supervisor:
         updates = self.policy_updates.mark()  # before the jobs are read: see policy_updates
         devices, jobs = await asyncio.to_thread(self._read_state)
         self.workers.reconcile(devices, self.draining)
-        await self.models.plan(self.slots, self.queue, jobs)
+        await self.models.plan(self.handles, self.queue, jobs)
         if not self._drain.assigning:
             return None
         accounts = self.fair_share.accounts(jobs.values(), active_jobs(self.queue))
@@ -268,7 +270,7 @@ class Supervisor:
             time.monotonic(),
             devices,
             jobs.values(),
-            self.slots.values(),
+            self.handles.values(),
             self.queue,
             accounts,
             self.training,
@@ -285,7 +287,7 @@ class Supervisor:
     async def _apply(self, decision: Decision, updates: Mapping[str, int]) -> Decision:
         """Carry out a decision; returns it with the training starts that did happen."""
         for s in decision.switches:
-            self.slots[s.worker_id].next_job = s.job_id
+            self.handles[s.worker_id].next_job = s.job_id
             log.info(
                 "rollout worker switches job", extra={"worker_id": s.worker_id, "job_id": s.job_id}
             )
@@ -310,15 +312,15 @@ class Supervisor:
         return replace(decision, start_training=tuple(started))
 
     def _assign(self, a: Assignment) -> None:
-        live, slot = self.queue.get(a.request_id), self.slots[a.worker_id]
+        live, handle = self.queue.get(a.request_id), self.handles[a.worker_id]
         indices = self.queue.take(a.request_id, a.prompt_index, a.samples, a.worker_id)
         if live is None or not indices:
             return
         req = live.req
-        slot.seq += 1
-        slot.send(
+        handle.seq += 1
+        handle.send(
             msg.AddWork(
-                slot.seq,
+                handle.seq,
                 req.request_id,
                 a.prompt_index,
                 tuple(indices),
@@ -327,8 +329,8 @@ class Supervisor:
                 speculative=req.speculative is not SpeculativeMode.OFF,
             )
         )
-        slot.unacked[slot.seq] = len(indices) * req.sampling.max_new_tokens
-        slot.idle_since = None
+        handle.unacked[handle.seq] = len(indices) * req.sampling.max_new_tokens
+        handle.idle_since = None
         self.assigned_samples += len(indices)
         if not live.started:
             live.started = True
@@ -336,25 +338,25 @@ class Supervisor:
                 self.store.set_request_status,
                 req.request_id,
                 RequestStatus.RUNNING,
-                f"running on {slot.worker_id}",
+                f"running on {handle.worker_id}",
             )
 
     # ---- samples back from workers (event loop) ---------------------------------------
 
-    def _on_finished(self, slot: WorkerSlot, sample: Sample, stored: bool | None) -> None:
+    def _on_finished(self, handle: WorkerHandle, sample: Sample, stored: bool | None) -> None:
         key = (sample.prompt_index, sample.sample_index)
         live = self.queue.get(sample.request_id)
         if stored is None:
             # Not persisted, so not streamed: run it again (counts as a lost attempt).
-            if live is not None and live.running.get(key) == slot.worker_id:
+            if live is not None and live.running.get(key) == handle.worker_id:
                 self._spawn(self.requests.retry_sample(live, key))
             return
         failed = None
         if sample.finish_reason is FinishReason.FAILED:
             failed = sample.error or "failed"
         live = self.queue.finish(sample.request_id, key, failed)
-        if self.queue.inflight(slot.worker_id) == 0:
-            slot.idle_since = time.monotonic()
+        if self.queue.inflight(handle.worker_id) == 0:
+            handle.idle_since = time.monotonic()
         if live is None:
             return
         METRICS.record_sample(live.job_id, sample)

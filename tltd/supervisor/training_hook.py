@@ -1,4 +1,4 @@
-"""The seam between the supervisor and drafter training (implemented by `tltd.training`)."""
+"""The seam between the supervisor and drafter training (implemented by `tltd.drafter_training`)."""
 
 from __future__ import annotations
 

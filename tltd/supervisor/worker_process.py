@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# on_message(slot, generation, message, stored): stored is None when a Finished sample could
+# on_message(handle, generation, message, stored): stored is None when a Finished sample could
 # not be persisted (then it is not streamed but run again), else what `add_sample` returned.
-OnMessage = Callable[["WorkerSlot", int, msg.FromWorker, "bool | None"], None]
-OnExit = Callable[["WorkerSlot", int], None]
+OnMessage = Callable[["WorkerHandle", int, msg.FromWorker, "bool | None"], None]
+OnExit = Callable[["WorkerHandle", int], None]
 
 
 class Phase(enum.Enum):
@@ -84,7 +84,7 @@ class Load:
 
 
 @dataclass
-class WorkerSlot:
+class WorkerHandle:
     """One device's rollout worker: the process, its pipe and what the daemon knows of it."""
 
     worker_id: str
@@ -150,7 +150,7 @@ class WorkerSlot:
 
 
 def spawn(
-    slot: WorkerSlot,
+    handle: WorkerHandle,
     ctx: Any,
     settings: Settings,
     store: Store,
@@ -158,35 +158,35 @@ def spawn(
     on_message: OnMessage,
     on_exit: OnExit,
 ) -> None:
-    """Start a fresh process for `slot` (forgetting what the old one held) and its threads."""
-    target, daemon = worker_entry(slot.backend)
+    """Start a fresh process for `handle` (forgetting what the old one held) and its threads."""
+    target, daemon = worker_entry(handle.backend)
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=target,
         args=(child, settings.worker_threads, settings.worker_heartbeat_seconds),
-        name=slot.worker_id,
+        name=handle.worker_id,
         daemon=daemon,
     )
     proc.start()
     child.close()
-    slot.to(Phase.STARTING)
-    slot.generation += 1
-    slot.proc = proc
-    slot.since, slot.dead_at, slot.heartbeat = time.monotonic(), None, None
-    slot.job_id, slot.policy_version, slot.drafter_version = "", 0, 0
-    slot.load, slot.fatal = None, ""
-    slot.unacked.clear()
-    slot.idle_since = None
-    slot.last_heartbeat = time.monotonic()
-    gen = slot.generation
-    stamp = HeartbeatStamp(store, slot.worker_id)
-    slot.outbox = serve_pipe(
-        slot.worker_id,
+    handle.to(Phase.STARTING)
+    handle.generation += 1
+    handle.proc = proc
+    handle.since, handle.dead_at, handle.heartbeat = time.monotonic(), None, None
+    handle.job_id, handle.policy_version, handle.drafter_version = "", 0, 0
+    handle.load, handle.fatal = None, ""
+    handle.unacked.clear()
+    handle.idle_since = None
+    handle.last_heartbeat = time.monotonic()
+    gen = handle.generation
+    stamp = HeartbeatStamp(store, handle.worker_id)
+    handle.outbox = serve_pipe(
+        handle.worker_id,
         parent,
         loop,
         receive=lambda m: store_reported(store, stamp, m),
-        deliver=lambda got: on_message(slot, gen, *got),
-        closed=lambda: on_exit(slot, gen),
+        deliver=lambda got: on_message(handle, gen, *got),
+        closed=lambda: on_exit(handle, gen),
     )
 
 

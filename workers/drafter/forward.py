@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from workers.engine.eagle import EagleDrafter
-from workers.engine.model import Batch, CausalLM
+from workers.engine.transformer import Batch, CausalLM
 
 
 def drafter_features(

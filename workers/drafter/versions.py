@@ -16,7 +16,7 @@ from torch import Tensor
 from workers.drafter.forward import chain_accepted_lengths, target_hidden
 from workers.drafter.protocol import ActiveDrafter, Measured
 from workers.engine.eagle import EagleDrafter, check_drafter_tensors
-from workers.engine.model import ModelConfig, read_state_dict
+from workers.engine.transformer import ModelConfig, read_state_dict
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from workers.engine.bandit import PLAIN, Strategy
 from workers.engine.eagle import EagleDrafter
 from workers.engine.kv_cache import KVCache
-from workers.engine.model import Batch, CausalLM
+from workers.engine.transformer import Batch, CausalLM
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""Drafter training on idle devices: the supervisor's `TrainingHook` over DrafterWorker processes.
+"""Drafter training on idle devices: the supervisor's `TrainingHook` over TrainerProcess processes.
 
 The scheduler decides (`start_training`, `preempt_training`); this module carries it out:
 - finished rollout samples (token ids only: hidden states are recomputed on the training device
   with one target prefill, see workers/drafter/trainer.py) are kept per job; every
   `training_held_out_every`-th one is held out to measure acceptance at publish time;
-- `start` spawns (or reuses) one `DrafterWorker` process per job, feeds it the new samples and
+- `start` spawns (or reuses) one `TrainerProcess` process per job, feeds it the new samples and
   runs one round of `training_steps_per_round` optimizer steps on the device it was given; it
   returns at once (it runs in the supervisor's tick): stopping an old trainer, spawning and
   loading a new one run in a background task (`_launch`);
@@ -47,7 +47,7 @@ from workers.drafter import protocol as proto
 
 if TYPE_CHECKING:
     from tltd.store import Store
-    from workers.drafter.worker import DrafterWorker
+    from workers.drafter.trainer_process import TrainerProcess
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ class _Run:
     policy_version: int
     # starting|training|publishing|releasing|preempting|idle|stopping|stopped
     phase: str = "starting"
-    worker: DrafterWorker | None = None
-    spawning: DrafterWorker | None = None  # while `_launch` waits for its Ready
+    worker: TrainerProcess | None = None
+    spawning: TrainerProcess | None = None  # while `_launch` waits for its Ready
     outbox: threading_queue.Queue | None = None
     step: int = 0
     loss: float = 0.0
@@ -102,7 +102,7 @@ class _Run:
         if self.outbox is not None:
             self.outbox.put(m)
 
-    def processes(self) -> list[DrafterWorker]:
+    def processes(self) -> list[TrainerProcess]:
         """Every trainer process of this run: up, still loading, or the one its launch stops."""
         old = self.replaces.worker if self.replaces is not None else None
         return [w for w in (self.worker, self.spawning, old) if w is not None]
@@ -351,12 +351,12 @@ class DrafterTraining:
 
     async def _spawn_worker(
         self, run: _Run, active_drafter: int, reason: str
-    ) -> tuple[DrafterWorker, proto.Ready] | None:
+    ) -> tuple[TrainerProcess, proto.Ready] | None:
         """Stop the trainer `run` replaces, then spawn `run`'s and wait for its Ready (killed
         if that fails); None, with nothing spawned, once `close` has begun or the device
         was preempted back for rollouts."""
         from workers.drafter.trainer import TrainerConfig
-        from workers.drafter.worker import DrafterWorker, WorkerSpec
+        from workers.drafter.trainer_process import TrainerProcess, TrainerSpec
 
         if run.replaces is not None:
             why = f"restarting for policy version {run.policy_version}"
@@ -374,7 +374,7 @@ class DrafterTraining:
         if active_drafter:  # a fresh trainer starts from the drafter the workers use
             dv = await asyncio.to_thread(self.store.get_drafter, run.job_id, active_drafter)
             start_from = dv.path if Path(dv.path).is_dir() else None
-        spec = WorkerSpec(
+        spec = TrainerSpec(
             model_path=policy.path,
             checkpoint_dir=str(self.root / run.job_id / "train"),
             device=run.torch_device,
@@ -389,7 +389,7 @@ class DrafterTraining:
             if run.phase != "stopped":  # (STARTING is recorded: STOPPED only by way of it)
                 await self._record(run, WorkerState.STOPPING, "not spawned")
             return None
-        worker = run.spawning = DrafterWorker(spec)
+        worker = run.spawning = TrainerProcess(spec)
         try:
             await asyncio.to_thread(worker.spawn)
             # Recorded at once: the model loading takes GPU memory, and a pid unknown to the

@@ -21,7 +21,7 @@ from workers.drafter.buffer import TrainingBuffer
 from workers.drafter.forward import target_hidden
 from workers.drafter.protocol import Checkpointed, Idle, Measure, Stepped, TrainingSample
 from workers.drafter.trainer import Trainer, TrainerConfig, latest_checkpoint
-from workers.drafter.worker import DrafterWorker, WorkerSpec
+from workers.drafter.trainer_process import TrainerProcess, TrainerSpec
 
 CFG = TrainerConfig(items_per_micro=2, micro_per_step=3, warmup_steps=3, lr=3e-3, row_len=64)
 STEPS = 14
@@ -54,14 +54,14 @@ def test_preempted_k_times_and_restarted_ends_like_uninterrupted(tmp_path, sqlit
     ref = Trainer(new_drafter(target, seed=0), buf, CFG)
     ref_ids = [ref.train_step().item_ids for _ in range(STEPS)]
 
-    spec = WorkerSpec(
+    spec = TrainerSpec(
         model_path=str(model_dir),
         checkpoint_dir=str(tmp_path / "ckpt"),
         trainer=CFG,
         drafter_seed=0,
     )
     payload = _payload(target, samples)
-    w = DrafterWorker(spec)
+    w = TrainerProcess(spec)
     latencies = []
     try:
         assert w.start().step == 0
@@ -81,7 +81,7 @@ def test_preempted_k_times_and_restarted_ends_like_uninterrupted(tmp_path, sqlit
         w.kill()
     assert stopped.step == len(w.steps)
 
-    w2 = DrafterWorker(spec)
+    w2 = TrainerProcess(spec)
     try:
         ready = w2.start()
         assert ready.step == len(w.steps) and ready.resumed_from

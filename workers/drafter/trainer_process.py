@@ -45,7 +45,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
+class TrainerSpec:
     model_path: str  # the target (policy) checkpoint, HF layout
     checkpoint_dir: str
     device: str = "cpu"
@@ -61,10 +61,10 @@ class WorkerSpec:
     heartbeat_seconds: float = 2.0
 
 
-class _Worker:
-    def __init__(self, spec: WorkerSpec, conn: Connection) -> None:
+class _TrainingLoop:
+    def __init__(self, spec: TrainerSpec, conn: Connection) -> None:
         from workers.engine.eagle import EagleDrafter
-        from workers.engine.model import load_model
+        from workers.engine.transformer import load_model
 
         self.spec = spec
         self.conn = conn
@@ -213,13 +213,13 @@ class _Worker:
                 self.checkpoint()
 
 
-def run_worker(spec: WorkerSpec, conn: Connection) -> None:
+def run_trainer(spec: TrainerSpec, conn: Connection) -> None:
     """Process entry point (spawn)."""
     ignore_stop_signals()
     torch.set_num_threads(spec.threads)
     worker = None
     try:
-        worker = _Worker(spec, conn)
+        worker = _TrainingLoop(spec, conn)
         worker.run()
     except BaseException:
         error = traceback.format_exc()
@@ -230,19 +230,19 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
         raise
 
 
-class WorkerError(RuntimeError):
+class TrainerFailed(RuntimeError):
     pass
 
 
-class DrafterWorker:
+class TrainerProcess:
     """Parent-side handle of one drafter-training worker process."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: TrainerSpec) -> None:
         ctx = mp.get_context("spawn")
         self.spec = spec
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
-            target=run_worker, args=(spec, child), daemon=True, name="tltd-drafter-train"
+            target=run_trainer, args=(spec, child), daemon=True, name="tltd-drafter-train"
         )
         self._child = child
         self.steps: list[proto.StepResult] = []  # every step reported, in order
@@ -273,7 +273,7 @@ class DrafterWorker:
         m = self.conn.recv()
         match m:
             case proto.Failed(traceback=tb):
-                raise WorkerError(tb)
+                raise TrainerFailed(tb)
             case proto.Heartbeat():
                 pass  # not kept: `events` would grow for as long as it lives
             case proto.Stepped(result=result):
