@@ -97,6 +97,14 @@ class RolloutSample:
         return self.draft_steps / steps if steps else 0.0
 
 
+# RolloutSample's fields copied as they are from the domain sample (the rest are lists).
+_SAMPLE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(RolloutSample)
+    if f.name not in ("token_ids", "logprobs", "provenance")
+)
+
+
 @dataclass(frozen=True)
 class JobInfo:
     job_id: str
@@ -125,27 +133,18 @@ def _sample_from_pb(pb: rollout_pb2.Sample) -> RolloutSample:
         s = convert.sample_from_pb(pb)
     except TltError as exc:
         raise ValueError(f"{exc}: update tltd") from None
-    spec = s.speculative
+    # The domain sample's fields, its speculative counters flattened in (same names).
+    values = {**_fields(s.speculative), **_fields(s)}
     return RolloutSample(
-        request_id=s.request_id,
-        prompt_index=s.prompt_index,
-        sample_index=s.sample_index,
+        **{name: values[name] for name in _SAMPLE_FIELDS},
         token_ids=list(s.token_ids),
         logprobs=list(s.logprobs),
-        finish_reason=s.finish_reason,
-        policy_version=s.policy_version,
-        drafter_version=s.drafter_version,
-        draft_steps=spec.draft_steps,
-        plain_steps=spec.plain_steps,
-        accepted_tokens=spec.accepted_tokens,
-        mean_accepted_length=spec.mean_accepted_length,
-        partial=s.partial,
-        error=s.error,
-        drafted_tokens=spec.drafted_tokens,
-        bonus_tokens=spec.bonus_tokens,
-        residual_tokens=spec.residual_tokens,
         provenance=None if s.provenance is None else list(s.provenance),
     )
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 def _job_from_pb(pb: job_pb2.Job) -> JobInfo:

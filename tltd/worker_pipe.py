@@ -42,37 +42,25 @@ def serve_pipe(
     The reader calls `receive(message)` in its own thread (store writes belong there) and
     posts `deliver(result)` to the loop unless the result is None; `closed()` is posted once
     the pipe ends (the process exited or broke it)."""
+
+    def read() -> None:
+        while True:
+            try:
+                m = conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:  # an unpicklable message: treat the process as broken
+                log.exception("bad message from worker", extra={"worker_id": name})
+                break
+            kept = receive(m)
+            if kept is not None:
+                post(loop, deliver, kept)
+        post(loop, closed)
+
     outbox: threading_queue.Queue = threading_queue.Queue()
     threading.Thread(target=_write, args=(outbox, conn), name=f"{name}-tx", daemon=True).start()
-    threading.Thread(
-        target=_read,
-        args=(name, conn, loop, receive, deliver, closed),
-        name=f"{name}-rx",
-        daemon=True,
-    ).start()
+    threading.Thread(target=read, name=f"{name}-rx", daemon=True).start()
     return outbox
-
-
-def _read(
-    name: str,
-    conn: Connection,
-    loop: asyncio.AbstractEventLoop,
-    receive: Callable[[Any], Any],
-    deliver: Callable[[Any], None],
-    closed: Callable[[], None],
-) -> None:
-    while True:
-        try:
-            m = conn.recv()
-        except (EOFError, OSError):
-            break
-        except Exception:  # an unpicklable message: treat the process as broken
-            log.exception("bad message from worker", extra={"worker_id": name})
-            break
-        kept = receive(m)
-        if kept is not None:
-            post(loop, deliver, kept)
-    post(loop, closed)
 
 
 def _write(outbox: threading_queue.Queue, conn: Connection) -> None:
