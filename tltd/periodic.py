@@ -214,6 +214,7 @@ def build_scheduler(
     clock, default now) is when the daemon started: an older preemption notice is stale.
 
     The scheduling tick itself is not here: it is event-driven (see `tltd.supervisor`)."""
+    # Long on purpose: every periodic job is declared here, in one place (one add_job each).
     scheduler = AsyncIOScheduler(timezone=UTC, job_defaults={"max_instances": 1, "coalesce": True})
     scheduler.add_job(
         refresh_devices,

@@ -86,6 +86,7 @@ def validate_rollout(
     sequence (`worker_max_seq_len`): every sample then ends by a stop token or by reaching
     max_new_tokens (LENGTH), never cut short by a limit the caller did not set.
     """
+    # Long on purpose: one check per field, in the order the caller's message names them.
     check_id(req.job_id, "job_id")
     check_id(req.request_id, "request_id", required=False)
     s = req.sampling

@@ -608,6 +608,7 @@ class Store:
         was UNAVAILABLE and is seen again takes the observed state; a device missing from
         `devices` becomes UNAVAILABLE. Returns the whole inventory.
         """
+        # Long on purpose: one transaction (insert, update, vanish) must see one snapshot.
         with self._tx() as s:
             now = utcnow()
             rows = {r.device_id: r for r in s.scalars(select(DeviceRow)).all()}

@@ -253,6 +253,7 @@ class Trainer:
         with the next micro-step, so preemptions more frequent than a whole step still make
         progress and change nothing in the result.
         """
+        # Long on purpose: one optimizer step with its stop checks between micro-steps.
         c = self.cfg
         if self._pending is None:
             while True:

@@ -169,6 +169,7 @@ class EagleDrafter(nn.Module):
         drafts past that are padding. Any choice of draft length keeps decoding lossless; a
         short draft only saves verification work that would likely be rejected.
         """
+        # Long on purpose: one drafting loop over k steps; its tensors live across steps.
         b = len(feats)
         dev = cache.k.device
         c = [len(t) for t in tokens]

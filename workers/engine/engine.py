@@ -194,6 +194,7 @@ class Engine:
         taken as made for this engine), else measured again (cost_budget_s > 0);
         `gate_state`: what an earlier engine of the same job learned, continued when it fits
         (same strategies and buckets)."""
+        # Long on purpose: the engine's state is declared in one place, in start order.
         self.config = cfg = config or EngineConfig()
         if cfg.spec_mode not in ("off", "adaptive", "fixed"):
             raise ValueError(f"spec_mode must be off|adaptive|fixed, got {cfg.spec_mode!r}")
@@ -293,6 +294,7 @@ class Engine:
         randomness key), so that a worker can run any contiguous slice of a prompt's samples and
         a retried slice reproduces the same tokens (n-gram drafts: see the module docstring).
         """
+        # Long on purpose: the request's checks and its group are built in one pass.
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
         if not prompt:
@@ -682,6 +684,7 @@ class Engine:
 
     def _spec_step(self, strategy: Strategy) -> list[SampleOutput]:
         """Draft up to k tokens per row, verify all rows in one target forward, accept/reject."""
+        # Long on purpose: draft -> verify -> accept -> emit of one step, with shared tensors.
         t0 = time.perf_counter()
         seqs, lens = self.running, self.cache.lens
         b = len(seqs)
