@@ -76,12 +76,19 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
     with d.client() as c, d.client() as c2:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        # submit reads the status, then the samples (slow), then makes the request live.
-        _slow(monkeypatch, d.store, "list_samples", 0.8)
+        # The request is stored (committed), and made live only after this returns.
+        real = d.store.create_request
+
+        def stored_then_slow(req):
+            got = real(req)
+            time.sleep(0.8)
+            return got
+
+        monkeypatch.setattr(d.store, "create_request", stored_then_slow)
         stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=300),
                         request_id="x")  # fmt: skip
         wait_until(lambda: _status(d.store, "x") is not None, what="stored")
-        time.sleep(0.1)  # submit is inside list_samples now: nothing live to cancel
+        time.sleep(0.1)  # admission has not made it live yet: nothing live to cancel
         assert sup.queue.get("x") is None
         c2.cancel_request("x", reason="stop")
         got = stream.result(30)
