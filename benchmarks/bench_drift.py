@@ -1,9 +1,9 @@
 """Drift: frozen version-0 drafter vs the online drafter trained only in rollouts' idle windows.
 
-Policy: the project's small policy `models/tiny-policy` (count-up task, `workers/task/`).
+Policy: the project's small policy `models/tiny-policy` (count-up task, `examples/task/`).
 Policy updates: U real fine-tuning steps of that policy (each `--policy-steps` AdamW steps of
 supervised next-token training on answer tokens, after a 10-step warm-up) towards a shifted data
-mix of the task: fresh problems from `workers.task.reasoning.generate_problem`, a share
+mix of the task: fresh problems from `examples.task.reasoning.generate_problem`, a share
 min(1, u / ramp) of them written in another answer layout (`LINE_STYLES`; default "marks": the
 same fixed-width lines with other separators, `0017*0038>0055.0002` for `0017+0038=0055,0002`;
 "spaced" also widens the lines) and the rest in the task's own layout; updates after the ramp
@@ -57,20 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tltd.domain import SamplingParams  # noqa: E402
-from workers.drafter.buffer import TrainingBuffer  # noqa: E402
-from workers.drafter.trainer import Stop, Trainer, TrainerConfig  # noqa: E402
-from workers.drafter.versions import HeldOut, mean_accepted_length  # noqa: E402
-from workers.engine.api import EngineConfig, Request  # noqa: E402
-from workers.engine.eagle import EagleDrafter  # noqa: E402
-from workers.engine.engine import Engine  # noqa: E402
-from workers.task.reasoning import (  # noqa: E402
+from examples.task.reasoning import (  # noqa: E402
     LINE_STYLES,
     format_prompt,
     generate_problem,
     size_at_quantile,
 )
-from workers.task.tokenizer import (  # noqa: E402
+from examples.task.tokenizer import (  # noqa: E402
     EOS_ID,
     PAD_ID,
     decode,
@@ -78,6 +71,13 @@ from workers.task.tokenizer import (  # noqa: E402
     encode_prompt,
     load_tokenizer,
 )
+from tltd.domain import SamplingParams  # noqa: E402
+from workers.drafter.buffer import TrainingBuffer  # noqa: E402
+from workers.drafter.trainer import Stop, Trainer, TrainerConfig  # noqa: E402
+from workers.drafter.versions import HeldOut, mean_accepted_length  # noqa: E402
+from workers.engine.datatypes import EngineConfig, Request  # noqa: E402
+from workers.engine.eagle import EagleDrafter  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "tiny-policy"

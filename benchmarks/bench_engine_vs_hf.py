@@ -12,16 +12,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tltd.domain import SamplingParams  # noqa: E402
-from workers.engine.engine import Engine, EngineConfig, Request  # noqa: E402
-from workers.engine.model import CausalLM, load_model  # noqa: E402
-from workers.task.tokenizer import PAD_ID  # noqa: E402
-from workers.task.workload import (  # noqa: E402
+from examples.task.tokenizer import PAD_ID  # noqa: E402
+from examples.task.workload import (  # noqa: E402
     MAX_NEW_TOKENS,
     MODEL_DIR,
     STOP_TOKEN_ID,
     rollout_prompts,
 )
+from tltd.domain import SamplingParams  # noqa: E402
+from workers.engine.engine import Engine, EngineConfig, Request  # noqa: E402
+from workers.engine.transformer import CausalLM, load_model  # noqa: E402
 
 
 def best_of(repeats: int, fn: Callable[[], int], warmup: bool = True) -> tuple[float, int]:

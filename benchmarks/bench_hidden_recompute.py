@@ -24,7 +24,7 @@ from workers.drafter.buffer import TrainingBuffer  # noqa: E402
 from workers.drafter.forward import target_hidden  # noqa: E402
 from workers.drafter.trainer import Trainer, TrainerConfig  # noqa: E402
 from workers.engine.eagle import EagleDrafter  # noqa: E402
-from workers.engine.model import load_model  # noqa: E402
+from workers.engine.transformer import load_model  # noqa: E402
 
 
 def make_policy(path: Path, hidden: int, layers: int, vocab: int) -> Path:

@@ -26,43 +26,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from workers.drafter.forward import target_hidden  # noqa: E402
+from workers.drafter.protocol import Checkpointed, TrainingSample  # noqa: E402
 from workers.drafter.trainer import TrainerConfig  # noqa: E402
-from workers.drafter.worker import DrafterWorker, WorkerSpec  # noqa: E402
-from workers.engine.model import load_model  # noqa: E402
+from workers.drafter.trainer_process import TrainerProcess, TrainerSpec  # noqa: E402
+from workers.engine.transformer import load_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hidden_recompute import make_policy  # noqa: E402
 
 
-def samples(model_dir: Path, n: int, length: int, with_hidden: bool) -> list[dict]:
+def samples(model_dir: Path, n: int, length: int, with_hidden: bool) -> list[TrainingSample]:
     target = load_model(model_dir)
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
         ids = torch.randint(0, target.config.vocab_size, (length,), generator=g)
         h = target_hidden(target, [ids])[0] if with_hidden else None
-        out.append(
-            {
-                "token_ids": ids,
-                "response_start": 32,
-                "policy_version": 0,
-                "step": i % 2,
-                "hidden": h,
-            }
-        )
+        out.append(TrainingSample(tuple(ids.tolist()), 32, 0, step=i % 2, hidden=h))
     return out
 
 
 def run(model_dir: Path, keep_hidden: bool, n: int, threads: int, tmp: Path) -> dict:
     cfg = TrainerConfig(items_per_micro=1, micro_per_step=4, row_len=256)
-    spec = WorkerSpec(
+    spec = TrainerSpec(
         model_path=str(model_dir),
         checkpoint_dir=str(tmp / f"ckpt-{keep_hidden}"),
         trainer=cfg,
         keep_hidden=keep_hidden,
         threads=threads,
     )
-    w = DrafterWorker(spec)
+    w = TrainerProcess(spec)
     rng = random.Random(0)
     lat: list[float] = []
     try:
@@ -72,11 +65,11 @@ def run(model_dir: Path, keep_hidden: bool, n: int, threads: int, tmp: Path) -> 
             w.train(None)
             time.sleep(rng.uniform(0.1, 0.8))  # preempt at a random point of a step
             lat.append(w.preempt())
-            w.wait_for("checkpointed")
+            w.wait_for(Checkpointed)
         w.stop()
     finally:
         w.kill()
-    steps = [s["seconds"] for s in w.steps] or [float("nan")]
+    steps = [s.seconds for s in w.steps] or [float("nan")]
     return {
         "hidden": "cached" if keep_hidden else "recomputed",
         "steps": len(steps),

@@ -1,7 +1,7 @@
 """Speculative decoding on the long-tail rollout workload: off / n-gram / EAGLE / adaptive.
 
 Workload: `--prompts` prompts of the count-up task x `--samples` samples at temperature 1,
-stop at <eos> or `--max-new-tokens` (workers/task/workload.py). Answer lengths are long-tailed
+stop at <eos> or `--max-new-tokens` (examples/task/workload.py). Answer lengths are long-tailed
 per prompt (problem size) and per sample (the policy re-checks its work a random number of
 times, at rate care / 10). The length quantiles and the share of SD-off time per running-batch
 bucket are printed above the table, the per-bucket gain of each mode below it. Modes run
@@ -22,19 +22,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tltd.domain import FinishReason, SamplingParams  # noqa: E402
-from workers.engine.bandit import Strategy  # noqa: E402
-from workers.engine.eagle import EagleDrafter  # noqa: E402
-from workers.engine.engine import Engine, EngineConfig, Request, SampleOutput  # noqa: E402
-from workers.engine.model import CausalLM, load_model  # noqa: E402
-from workers.task.reasoning import WORKLOAD_CARE, reward  # noqa: E402
-from workers.task.tokenizer import decode, load_tokenizer  # noqa: E402
-from workers.task.workload import (  # noqa: E402
+from examples.task.reasoning import WORKLOAD_CARE, reward  # noqa: E402
+from examples.task.tokenizer import decode, load_tokenizer  # noqa: E402
+from examples.task.workload import (  # noqa: E402
     MAX_NEW_TOKENS,
     MODEL_DIR,
     STOP_TOKEN_ID,
     rollout_prompts,
 )
+from tltd.domain import FinishReason, SamplingParams  # noqa: E402
+from workers.engine.bandit import Strategy  # noqa: E402
+from workers.engine.eagle import EagleDrafter  # noqa: E402
+from workers.engine.engine import Engine, EngineConfig, Request, SampleOutput  # noqa: E402
+from workers.engine.transformer import CausalLM, load_model  # noqa: E402
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "tiny-policy-eagle"
 KS = (2, 4, 6)

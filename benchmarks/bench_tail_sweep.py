@@ -29,10 +29,10 @@ from benchmarks.bench_spec import (  # noqa: E402
     run_mode,
     time_share,
 )
+from examples.task.workload import MAX_NEW_TOKENS, MODEL_DIR, rollout_prompts  # noqa: E402
 from workers.engine.eagle import EagleDrafter  # noqa: E402
 from workers.engine.engine import EngineConfig  # noqa: E402
-from workers.engine.model import load_model  # noqa: E402
-from workers.task.workload import MAX_NEW_TOKENS, MODEL_DIR, rollout_prompts  # noqa: E402
+from workers.engine.transformer import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

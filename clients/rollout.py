@@ -22,7 +22,9 @@ from clients.client import (
     channel_credentials,
 )
 from clients.errors import NotFoundError, TltClientError, from_rpc_error
+from tltd.api import convert
 from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance, TokenSource
+from tltd.errors import TltError
 from tltd.v1 import (
     common_pb2,
     job_pb2,
@@ -49,28 +51,6 @@ _SPECULATIVE = {
     None: common_pb2.SPECULATIVE_MODE_UNSPECIFIED,
     "auto": common_pb2.SPECULATIVE_MODE_AUTO,
     "off": common_pb2.SPECULATIVE_MODE_OFF,
-}
-_FINISH = {
-    rollout_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    rollout_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    rollout_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
-    rollout_pb2.FINISH_REASON_ABORTED: FinishReason.ABORTED,
-    rollout_pb2.FINISH_REASON_FAILED: FinishReason.FAILED,
-}
-_LOGPROB_MODE = {
-    LogprobMode.PROCESSED: rollout_pb2.LOGPROB_MODE_PROCESSED,
-    LogprobMode.RAW: rollout_pb2.LOGPROB_MODE_RAW,
-}
-_TOKEN_SOURCE = {
-    rollout_pb2.TOKEN_SOURCE_PLAIN: TokenSource.PLAIN,
-    rollout_pb2.TOKEN_SOURCE_ACCEPTED: TokenSource.ACCEPTED,
-    rollout_pb2.TOKEN_SOURCE_RESIDUAL: TokenSource.RESIDUAL,
-    rollout_pb2.TOKEN_SOURCE_BONUS: TokenSource.BONUS,
-}
-_DRAFTER_KIND = {
-    rollout_pb2.DRAFTER_KIND_UNSPECIFIED: "",
-    rollout_pb2.DRAFTER_KIND_NGRAM: "ngram",
-    rollout_pb2.DRAFTER_KIND_EAGLE: "eagle",
 }
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # A stream that ends with these was given up on by this side: the daemon still runs the work.
@@ -117,6 +97,14 @@ class RolloutSample:
         return self.draft_steps / steps if steps else 0.0
 
 
+# RolloutSample's fields copied as they are from the domain sample (the rest are lists).
+_SAMPLE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(RolloutSample)
+    if f.name not in ("token_ids", "logprobs", "provenance")
+)
+
+
 @dataclass(frozen=True)
 class JobInfo:
     job_id: str
@@ -135,44 +123,28 @@ def by_prompt(samples: Iterable[RolloutSample]) -> list[list[RolloutSample]]:
     return [sorted(groups[i], key=lambda s: s.sample_index) for i in sorted(groups)]
 
 
-# ---- proto <-> plain values (the client's own small converter) -----------------------------
+# ---- proto <-> plain values (the daemon's converter, `tltd.api.convert`) ------------------
 
 
 def _sample_from_pb(pb: rollout_pb2.Sample) -> RolloutSample:
-    spec = pb.speculative
+    """A finish reason this client does not know yet is reported as a failure (not dropped);
+    an unknown token source or drafter kind fails loudly (ValueError)."""
+    try:
+        s = convert.sample_from_pb(pb)
+    except TltError as exc:
+        raise ValueError(f"{exc}: update tltd") from None
+    # The domain sample's fields, its speculative counters flattened in (same names).
+    values = {**_fields(s.speculative), **_fields(s)}
     return RolloutSample(
-        request_id=pb.request_id,
-        prompt_index=pb.prompt_index,
-        sample_index=pb.sample_index,
-        token_ids=list(pb.token_ids),
-        logprobs=list(pb.logprobs),
-        # An enum value this client does not know yet is reported as a failure, not dropped.
-        finish_reason=_FINISH.get(pb.finish_reason, FinishReason.FAILED),
-        policy_version=pb.policy_version,
-        drafter_version=pb.drafter_version,
-        draft_steps=spec.draft_steps,
-        plain_steps=spec.plain_steps,
-        accepted_tokens=spec.accepted_tokens,
-        mean_accepted_length=spec.mean_accepted_length,
-        partial=pb.partial,
-        error=pb.error,
-        drafted_tokens=spec.drafted_tokens,
-        bonus_tokens=spec.bonus_tokens,
-        residual_tokens=spec.residual_tokens,
-        provenance=_provenance_from_pb(pb.provenance) if pb.HasField("provenance") else None,
+        **{name: values[name] for name in _SAMPLE_FIELDS},
+        token_ids=list(s.token_ids),
+        logprobs=list(s.logprobs),
+        provenance=None if s.provenance is None else list(s.provenance),
     )
 
 
-def _provenance_from_pb(pb: rollout_pb2.TokenProvenance) -> list[TokenProvenance]:
-    if not len(pb.source) == len(pb.drafter) == len(pb.draft_length):
-        raise ValueError("provenance arrays of different lengths")
-    out = []
-    for src, kind, n in zip(pb.source, pb.drafter, pb.draft_length, strict=True):
-        # A value this client does not know yet fails loudly rather than pass as a plain token.
-        if src not in _TOKEN_SOURCE or kind not in _DRAFTER_KIND:
-            raise ValueError(f"unknown token source {src} or drafter kind {kind}: update tltd")
-        out.append(TokenProvenance(_TOKEN_SOURCE[src], _DRAFTER_KIND[kind], n))
-    return out
+def _fields(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 def _job_from_pb(pb: job_pb2.Job) -> JobInfo:
@@ -200,7 +172,7 @@ def _sampling(
     # The wire cannot tell n=0 from unset (the daemon would read it as 1): refuse it here.
     if params.n < 1:
         raise ValueError(f"n must be >= 1 (samples per prompt), got {params.n}")
-    if params.logprob_mode not in _LOGPROB_MODE:  # a StrEnum: "raw" is LogprobMode.RAW
+    if params.logprob_mode not in set(LogprobMode):  # a StrEnum: "raw" is LogprobMode.RAW
         raise ValueError(f"logprob_mode must be 'processed' or 'raw', got {params.logprob_mode!r}")
     return dataclasses.replace(params, logprob_mode=LogprobMode(params.logprob_mode))
 
@@ -208,22 +180,6 @@ def _sampling(
 def _new_request_id() -> str:
     """A fresh id per call, so that the daemon can dedupe retries and the client can cancel."""
     return f"req-{uuid.uuid4().hex}"
-
-
-def _sampling_to_pb(s: SamplingParams) -> rollout_pb2.SamplingParams:
-    pb = rollout_pb2.SamplingParams(
-        n=s.n,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_new_tokens=s.max_new_tokens,
-        stop_token_ids=list(s.stop_token_ids),
-        logprob_mode=_LOGPROB_MODE[s.logprob_mode],
-        return_provenance=bool(s.return_provenance),
-    )
-    if s.seed is not None:
-        pb.seed = s.seed
-    return pb
 
 
 def _generate_request(
@@ -237,7 +193,7 @@ def _generate_request(
         job_id=job_id,
         request_id=request_id or "",
         prompts=[rollout_pb2.Prompt(token_ids=[int(t) for t in p]) for p in prompts],
-        sampling=_sampling_to_pb(sampling),
+        sampling=convert.sampling_to_pb(sampling),
         speculative=_speculative_mode(speculative),
     )
 

@@ -8,8 +8,8 @@ from alembic import context
 from sqlalchemy import pool
 from sqlalchemy.engine import Connection
 
-from tltd.store.engine import make_engine, normalize_url
-from tltd.store.models import Base
+from tltd.store.database import make_engine, normalize_url
+from tltd.store.tables import Base
 
 config = context.config
 # Only the CLI has an ini file; the daemon keeps its own logging configuration.

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 # Runnable as `python scripts/train_policy.py` from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.task.reasoning import (  # noqa: E402
+from examples.task.reasoning import (  # noqa: E402
     CARE_LEVELS,
     GUESS_RATE,
     Problem,
@@ -27,7 +27,7 @@ from workers.task.reasoning import (  # noqa: E402
     make_dataset,
     reward,
 )
-from workers.task.tokenizer import (  # noqa: E402
+from examples.task.tokenizer import (  # noqa: E402
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -42,7 +42,7 @@ from workers.task.tokenizer import (  # noqa: E402
 
 NEWLINE_ID = VOCAB.index("\n")
 SPACE_ID, E_ID = VOCAB.index(" "), VOCAB.index("e")
-MAX_NEW_TOKENS = 2048  # the rollout cap of the task's workload (workers/task/workload.py)
+MAX_NEW_TOKENS = 2048  # the rollout cap of the task's workload (examples/task/workload.py)
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models" / "tiny-policy"
 
 
@@ -65,7 +65,7 @@ class TrainConfig:
     # and copying it from the prompt is what makes the re-check rate follow the prompt's care.
     care_weight: float = 1.0
     # Care levels (re-check rate in tenths) and guess rate of the reference solutions
-    # (workers/task/reasoning.py). A first stage at low care learns the arithmetic on short,
+    # (examples/task/reasoning.py). A first stage at low care learns the arithmetic on short,
     # cheap sequences (attention over 2k tokens costs several times more per token); the last
     # stage trains on every level.
     max_care: int = max(CARE_LEVELS)
@@ -343,7 +343,7 @@ MODEL_CARD = """# tiny-policy
 A {params:,}-parameter Qwen2-shaped causal LM (hidden 128, 16 layers, 4 query heads / 2 KV heads
 (GQA), MLP 384, untied lm_head, vocab {vocab} characters, RoPE, max {positions} positions), trained
 from scratch by `scripts/train_policy.py` on the project's synthetic count-up task
-(`workers/task/reasoning.py`). Weights: fp32 safetensors, {size_mb:.1f} MB.
+(`examples/task/reasoning.py`). Weights: fp32 safetensors, {size_mb:.1f} MB.
 
 Deep and narrow on purpose: on a CPU its decode step is bound by per-layer overhead and KV-cache
 reads rather than by matmul FLOPs, so verifying k+1 tokens costs little more than one and a
@@ -388,7 +388,7 @@ when the completion ends with exactly one `answer: N` line and N is right, else 
 ## Loading
 
 `transformers.AutoModelForCausalLM.from_pretrained(path)`; the tokenizer with
-`workers.task.load_tokenizer(path)` (a `tokenizers.Tokenizer`) or
+`examples.task.load_tokenizer(path)` (a `tokenizers.Tokenizer`) or
 `transformers.PreTrainedTokenizerFast.from_pretrained(path)`. Not `AutoTokenizer`:
 transformers 5 maps model_type `qwen2` to its `Qwen2Tokenizer`, which drops spaces and
 newlines from this character vocabulary. Ids: `<pad>` 0, `<bos>` 1, `<eos>` 2 (stop token),

@@ -26,9 +26,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from tltd.store import Store
-from tltd.store.engine import make_engine
+from tltd.store.database import make_engine
 from tltd.store.migrate import upgrade
-from tltd.store.models import Base
+from tltd.store.tables import Base
 
 PG_ADMIN_URL = os.environ.get("TLTD_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 

@@ -17,6 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from tltd.api.server import build_server
 from tltd.devices import Nvml, PynvmlBackend
+from tltd.drafter_training import DrafterTraining
 from tltd.errors import ConfigError
 from tltd.metrics import MetricsServer, start_metrics_server
 from tltd.periodic import build_scheduler, refresh_devices, roll_up_metrics
@@ -26,7 +27,6 @@ from tltd.settings import Settings
 from tltd.store import Store
 from tltd.store.migrate import upgrade
 from tltd.supervisor import Supervisor
-from tltd.training import DrafterTraining
 
 log = logging.getLogger(__name__)
 

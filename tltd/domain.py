@@ -31,6 +31,11 @@ class RequestStatus(enum.StrEnum):
     FAILED = "failed"
 
 
+# A request is open until it ends; nothing rewrites an ended request's status.
+OPEN_STATUSES = (RequestStatus.QUEUED, RequestStatus.RUNNING)
+ENDED_STATUSES = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"

@@ -156,6 +156,7 @@ class Metrics:
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # Long on purpose: every metric is declared here, in one list, with its help text.
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.tokens = Counter(

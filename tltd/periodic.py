@@ -16,15 +16,15 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from tltd.devices import discover
-from tltd.domain import Device, DrafterStatus, JobStatus, RequestStatus
+from tltd.domain import OPEN_STATUSES, Device, DrafterStatus, JobStatus
 from tltd.metrics import METRICS, Metrics
 from tltd.settings import Settings
 
 if TYPE_CHECKING:
     from tltd.devices import Nvml
+    from tltd.drafter_training import DrafterTraining
     from tltd.store import Store
     from tltd.supervisor import Supervisor
-    from tltd.training import DrafterTraining
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def roll_up_metrics(store: Store, metrics: Metrics = METRICS) -> None:
     had_gauges = metrics.job_ids()
     for device in store.list_devices():
         metrics.set_device_state(device.device_id, device.state.value)
-    unfinished = store.list_requests([RequestStatus.QUEUED, RequestStatus.RUNNING], limit=100_000)
+    unfinished = store.list_requests(list(OPEN_STATUSES), limit=100_000)
     depth: dict[str, int] = {}
     for req in unfinished:
         depth[req.job_id] = depth.get(req.job_id, 0) + req.samples_total - req.samples_done
@@ -214,6 +214,7 @@ def build_scheduler(
     clock, default now) is when the daemon started: an older preemption notice is stale.
 
     The scheduling tick itself is not here: it is event-driven (see `tltd.supervisor`)."""
+    # Long on purpose: every periodic job is declared here, in one place (one add_job each).
     scheduler = AsyncIOScheduler(timezone=UTC, job_defaults={"max_instances": 1, "coalesce": True})
     scheduler.add_job(
         refresh_devices,

@@ -1,7 +1,7 @@
 """Pure scheduling policy: from a node snapshot, decide placement, idleness, training, preemption.
 
 No I/O and no clock: the caller passes `now`, so every decision is reproducible in a table-driven
-test. The supervisor (issue 5) turns a `Decision` into process actions.
+test. The supervisor (`tltd.supervisor`) turns a `Decision` into process actions.
 
 Which job a worker serves. A worker holds one job's model, and switching it to another job costs
 a drain (it finishes what it runs) and a model load, so the rule is "stay unless another job is
@@ -144,6 +144,7 @@ def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decisi
     whose rollout worker gets work in the balanced placement, and on devices whose worker is
     switched to a job whose work no worker can take (see the module docstring for switches).
     """
+    # Long on purpose: the whole decision reads top to bottom, one step per rule.
     schedulable = {d.device_id for d in snap.devices if d.schedulable}
     jobs = {j.job_id: j for j in snap.jobs}
     training = {t.device_id for t in snap.training}
@@ -220,6 +221,7 @@ def _place(
     device is not training is preferred, so training is not preempted for nothing. Workers
     switching to another job take nothing.
     """
+    # Long on purpose: one placement loop; splitting it would scatter the shared load map.
     # (running samples, remaining tokens) per eligible worker; mutated as we place.
     load = {
         w.worker_id: (w.running_samples, w.remaining_tokens)
@@ -309,6 +311,7 @@ def _switches(
     assignments: list[Assignment],
 ) -> list[Switch]:
     """Which workers change job (the rule is in the module docstring)."""
+    # Long on purpose: the switch rule's cases are read together, in priority order.
     unplaced = _unplaced(snap, jobs, assignments)
     waiting_jobs = {p.job_id for p in snap.pending}
     # Call off a switch whose job has nothing waiting any more, while the worker still holds

@@ -48,7 +48,7 @@ class Settings:
     worker_start_timeout_seconds: float = 300.0  # spawn or model load taking longer -> killed
     max_sample_attempts: int = 3  # workers lost while running one sample before it fails
     scheduler_tick_seconds: float = 0.5  # the supervisor also ticks on every event
-    # Drafter training on idle devices (tltd.training); a job opts in with
+    # Drafter training on idle devices (tltd.drafter_training); a job opts in with
     # speculative.online_training, this switch turns it off for the whole node.
     drafter_training: bool = True
     training_idle_grace_seconds: float = 2.0  # a device idle this long may train

@@ -20,7 +20,7 @@ Key = tuple[int, int]  # (prompt_index, sample_index)
 @dataclass
 class LiveRequest:
     req: RolloutRequest
-    policy_version: int  # every sample runs on this version (see `tltd.supervisor.models`)
+    policy_version: int  # every sample runs on this version (see `tltd.supervisor.model_planner`)
     enqueued_at: float
     pending: dict[int, list[int]]  # prompt index -> sample indices waiting for a worker
     running: dict[Key, str] = field(default_factory=dict)  # -> worker id
@@ -153,9 +153,6 @@ class WorkQueue:
 
     def inflight(self, worker_id: str) -> int:
         return len(self._by_worker.get(worker_id, ()))
-
-    def requests_on(self, worker_id: str) -> set[str]:
-        return {rid for rid, _ in self._by_worker.get(worker_id, ())}
 
     def lose_worker(self, worker_id: str, max_attempts: int) -> list[tuple[LiveRequest, Key]]:
         """A worker died: its samples go back to pending (retried), except those of requests

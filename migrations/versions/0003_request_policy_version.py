@@ -1,7 +1,7 @@
 """Rollout requests: policy_version (the job's version when the request was accepted).
 
 Existing requests get the version of their complete samples if they have any, else their
-job's current version (what recovery used to assume).
+job's current version.
 
 Revision ID: 0003
 Revises: 0002

@@ -155,6 +155,42 @@ def test_reflection_lists_services(auth_daemon):
         assert info.value.code() == C.UNAUTHENTICATED
 
 
+def test_reflection_v1_is_served_too(auth_daemon):
+    """grpcurl and newer clients ask `grpc.reflection.v1`; the wire format is v1alpha's."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as r
+
+    md = (("authorization", f"Bearer {TRAINER_TOKEN}"),)
+    with grpc.insecure_channel(auth_daemon.target) as channel:
+        info = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=r.ServerReflectionRequest.SerializeToString,
+            response_deserializer=r.ServerReflectionResponse.FromString,
+        )
+        asks = [
+            r.ServerReflectionRequest(list_services=""),
+            r.ServerReflectionRequest(file_containing_symbol="tltd.v1.RolloutService"),
+            r.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection"),
+        ]
+        listed, rollout, itself = list(info(iter(asks), metadata=md, timeout=30))
+        services = {s.name for s in listed.list_services_response.service}
+        assert TLTD_SERVICES <= services
+        assert {"grpc.reflection.v1.ServerReflection", "grpc.health.v1.Health"} <= services
+        names = []
+        for resp in (rollout, itself):
+            fd = descriptor_pb2.FileDescriptorProto.FromString(
+                resp.file_descriptor_response.file_descriptor_proto[0]
+            )
+            names.append((fd.name, fd.package))
+        assert names == [
+            ("tltd/v1/rollout.proto", "tltd.v1"),
+            ("grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"),
+        ]
+        with pytest.raises(grpc.RpcError) as err:  # as v1alpha: not without a token
+            list(info(iter(asks[:1]), timeout=30))
+        assert err.value.code() == C.UNAUTHENTICATED
+
+
 def test_undecodable_bytes_without_a_token_are_unauthenticated(auth_daemon):
     """Auth answers first: a caller without a token learns nothing about its request."""
     with grpc.insecure_channel(auth_daemon.target) as channel:

@@ -71,7 +71,7 @@ def test_a_checkpoint_of_another_model_kind_is_refused(client, job, tmp_path):
     """A drafter checkpoint (config.json without hidden_size) was recorded, and every worker
     then failed to load it (KeyError: 'hidden_size')."""
     from workers.engine.eagle import EagleDrafter
-    from workers.engine.model import load_model
+    from workers.engine.transformer import load_model
 
     drafter = tmp_path / "drafter"
     EagleDrafter.random_init(load_model(job), seed=0).save_pretrained(drafter)
@@ -146,8 +146,8 @@ def test_every_tensor_is_checked_against_the_model(client, job, tmp_path):
 
 
 def test_create_job_checks_its_model_weights_too(client, policy, tmp_path):
+    from examples.task.workload import MODEL_DIR
     from tltd.services.checkpoints import check_model_weights
-    from workers.task.workload import MODEL_DIR
 
     check_model_weights(Path(MODEL_DIR), "model_path")  # the shipped policy passes
     truncated = _copy(policy, tmp_path / "truncated")

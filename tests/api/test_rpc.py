@@ -574,7 +574,7 @@ def test_export_drafter_writes_an_sglang_eagle_checkpoint(client, daemon, tmp_pa
 
     from tests.rollout.support import make_checkpoint
     from workers.engine.eagle import EagleDrafter
-    from workers.engine.model import load_model
+    from workers.engine.transformer import load_model
 
     target = make_checkpoint(tmp_path / "policy")
     EagleDrafter.random_init(load_model(target), seed=1).save_pretrained(tmp_path / "drafter")

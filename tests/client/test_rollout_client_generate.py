@@ -263,7 +263,7 @@ def test_async_requests_abandoned_while_the_daemon_stores_them_are_cancelled(
     # The workers are frozen meanwhile: on a loaded machine they could otherwise finish every
     # sample between the store write and the client's cancel (retried every 0.1 s).
     sup = daemon.supervisor
-    pids = [s.proc.pid for s in sup.slots.values()]
+    pids = [s.proc.pid for s in sup.handles.values()]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -278,7 +278,7 @@ def test_async_requests_abandoned_while_the_daemon_stores_them_are_cancelled(
     # The work stopped: nothing of these requests is live or running, and they did not run in
     # full (every sample stored is either one finished before the cancel, or cancelled).
     wait_until(lambda: all(sup.queue.get(rid) is None for rid in ids), what="requests closed")
-    wait_until(lambda: all(sup.queue.inflight(w) == 0 for w in sup.slots), what="workers free")
+    wait_until(lambda: all(sup.queue.inflight(w) == 0 for w in sup.handles), what="workers free")
     for rid in ids:
         req, samples = daemon.store.get_request(rid), daemon.store.list_samples(rid)
         assert req.samples_done < req.samples_total == len(PROMPTS) * LONG.n

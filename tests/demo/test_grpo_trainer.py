@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from examples.grpo_trainer import GRPOTrainer, Scored, clipped_pg_loss, group_advantages
+from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
 from tests.engine.helpers import make_checkpoint
 from tltd.domain import SamplingParams
 from workers.engine.engine import Engine, EngineConfig, Request
-from workers.task.tokenizer import VOCAB_SIZE, save_tokenizer
 
 
 @pytest.fixture(autouse=True)

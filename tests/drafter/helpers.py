@@ -9,7 +9,7 @@ import torch
 from workers.drafter.buffer import TrainingBuffer
 from workers.drafter.forward import target_hidden
 from workers.engine.eagle import EagleDrafter
-from workers.engine.model import CausalLM, load_model
+from workers.engine.transformer import CausalLM, load_model
 
 
 def make_target_dir(
@@ -89,3 +89,21 @@ def fill_buffer(
 
 def new_drafter(target: CausalLM, seed: int = 0) -> EagleDrafter:
     return EagleDrafter.random_init(target, seed=seed)
+
+
+def publish(store, job_id, drafter, held_out, *, policy_version, train_steps, loss, out_dir):
+    """What a training round does: the trainer measures (worker side), the daemon records and
+    decides (`tltd.drafter_versions`)."""
+    from tltd.drafter_versions import active_drafter, record
+    from workers.drafter.versions import measure
+
+    measured = measure(
+        drafter,
+        held_out,
+        active=active_drafter(store, job_id),
+        policy_version=policy_version,
+        train_steps=train_steps,
+        loss=loss,
+        out_dir=out_dir,
+    )
+    return record(store, job_id, measured)

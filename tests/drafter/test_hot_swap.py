@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.drafter.helpers import make_target_dir
+from tests.drafter.helpers import make_target_dir, publish
 from tltd.domain import DrafterStatus, Job, SamplingParams
 from workers.drafter.buffer import TrainingBuffer
 from workers.drafter.trainer import Trainer, TrainerConfig
-from workers.drafter.versions import HeldOut, load_active, publish
-from workers.engine.api import EngineConfig, Request
+from workers.drafter.versions import HeldOut
 from workers.engine.bandit import Strategy
+from workers.engine.datatypes import EngineConfig, Request
 from workers.engine.eagle import EagleDrafter
 from workers.engine.engine import Engine
 
@@ -102,8 +102,9 @@ def test_promoted_drafter_hot_swaps_mid_generation_losslessly(store, tmp_path):
         got, steps = [], 0
         while e.has_work():
             if steps == swap_after:
-                drafter, version = load_active(store, "job", e.model)
-                e.set_drafter(drafter, version)
+                active = store.get_drafter("job", store.active_drafter_version("job"))
+                drafter = EagleDrafter.from_pretrained(active.path, e.model)
+                e.set_drafter(drafter, active.version)
             got.extend(e.step())
             steps += 1
         assert swap_after is None or steps > swap_after, "the swap must happen mid-generation"

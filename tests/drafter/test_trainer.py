@@ -25,7 +25,7 @@ from workers.drafter.trainer import (
     load_state,
     save_state,
 )
-from workers.engine.model import Batch
+from workers.engine.transformer import Batch
 
 
 @pytest.fixture(autouse=True, scope="module")

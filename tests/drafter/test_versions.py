@@ -1,4 +1,5 @@
-"""Held-out acceptance, publish (promote / reject) through the real Store, SGLang export."""
+"""Held-out acceptance, a measured version recorded (promote / reject) in the real Store, SGLang
+export."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from tests.drafter.helpers import (
     load_target,
     make_target_dir,
     new_drafter,
+    publish,
     rollout_samples,
 )
 from tltd.domain import DrafterStatus, Job
 from workers.drafter.buffer import TrainingBuffer
 from workers.drafter.forward import chain_accepted_lengths, drafter_features, target_hidden
 from workers.drafter.trainer import Trainer, TrainerConfig, load_state, save_state
-from workers.drafter.versions import HeldOut, export_sglang, mean_accepted_length, publish
+from workers.drafter.versions import HeldOut, export_sglang, mean_accepted_length
 from workers.engine.eagle import LEGACY_INPUT_NORM, EagleDrafter, IncompatibleDrafterCheckpoint
 
 

@@ -12,7 +12,7 @@ from tltd.domain import FinishReason, SamplingParams
 from workers.engine.bandit import Strategy
 from workers.engine.eagle import EagleDrafter
 from workers.engine.engine import Engine, EngineConfig, Request
-from workers.engine.model import load_model
+from workers.engine.transformer import load_model
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8], [9, 10, 11, 12, 9, 10], [3], [5, 6, 5, 6, 5, 6, 5]]
 
@@ -256,7 +256,7 @@ def test_hidden_states_returned_on_request(ckpt):
         seq = PROMPTS[0] + o.token_ids
         assert o.hidden_states.shape == (len(seq) - 1, model.config.hidden_size)
         cache = model.new_cache(1, 64)
-        from workers.engine.model import Batch
+        from workers.engine.transformer import Batch
 
         batch = Batch.make([0], None, len(seq) - 1, 0, cache.trash, "cpu")
         _, h = model(torch.tensor([seq[:-1]]), cache, batch, return_hidden=True)
@@ -316,12 +316,14 @@ def test_sample_output_converts_to_the_domain_sample(ckpt):
 
 def test_config_from_a_jobs_speculative_config():
     from tltd.domain import SpeculativeConfig, SpeculativeMode
+    from workers.rollout.protocol import EngineSpec
 
-    cfg = EngineConfig.from_speculative(SpeculativeConfig(draft_lengths=(2, 5)), max_batch=8)
+    job = SpeculativeConfig(draft_lengths=(2, 5, 5))
+    cfg = EngineConfig.from_spec(EngineSpec.for_job(job, max_batch=8))
     assert cfg.spec_mode == "adaptive" and cfg.max_batch == 8 and cfg.batch_threshold == 32
     assert set(cfg.strategies) == {Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 5)}
-    off = EngineConfig.from_speculative(
-        SpeculativeConfig(mode=SpeculativeMode.OFF, drafter="ngram")
+    off = EngineConfig.from_spec(
+        EngineSpec.for_job(SpeculativeConfig(mode=SpeculativeMode.OFF, drafter="ngram"))
     )
     assert off.spec_mode == "off" and {s.drafter for s in off.strategies} == {"ngram"}
 

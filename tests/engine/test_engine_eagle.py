@@ -11,7 +11,7 @@ from tltd.domain import SamplingParams
 from workers.engine.bandit import Strategy
 from workers.engine.eagle import EagleDrafter
 from workers.engine.engine import Engine, EngineConfig, Request
-from workers.engine.model import Batch, load_model, read_state_dict
+from workers.engine.transformer import Batch, load_model, read_state_dict
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8], [9, 10, 11, 12, 9, 10]]
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from examples.task import encode_prompt, load_tokenizer, make_dataset
+from examples.task.workload import MODEL_DIR
 from tltd.domain import SamplingParams
 from workers.engine.bandit import Strategy
 from workers.engine.engine import Engine, EngineConfig
-from workers.task import encode_prompt, load_tokenizer, make_dataset
-from workers.task.workload import MODEL_DIR
 
 
 def _run(prompts: list[list[int]], others: int, max_batch: int) -> dict[int, list[int]]:

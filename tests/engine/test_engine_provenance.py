@@ -9,8 +9,8 @@ import pytest
 
 from tests.engine.helpers import make_checkpoint
 from tltd.domain import SamplingParams, TokenProvenance, TokenSource
-from workers.engine.api import SampleOutput
 from workers.engine.bandit import Strategy
+from workers.engine.datatypes import SampleOutput
 from workers.engine.eagle import EagleDrafter
 from workers.engine.engine import Engine, EngineConfig
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from tltd.supervisor.worker_process import Phase
+
 VOCAB = 48
 
 
@@ -131,8 +133,8 @@ class InProcessDaemon:
     def wait_workers_ready(self, n: int, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            slots = list(self.supervisor.slots.values())
-            if len(slots) >= n and all(s.ready and not s.loading and s.job_id for s in slots):
+            handles = list(self.supervisor.handles.values())
+            if len(handles) >= n and all(s.phase is Phase.READY and s.job_id for s in handles):
                 return
             time.sleep(0.05)
         raise TimeoutError("workers not ready")

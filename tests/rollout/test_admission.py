@@ -76,12 +76,19 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
     with d.client() as c, d.client() as c2:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        # submit reads the status, then the samples (slow), then makes the request live.
-        _slow(monkeypatch, d.store, "list_samples", 0.8)
+        # The request is stored (committed), and made live only after this returns.
+        real = d.store.create_request
+
+        def stored_then_slow(req):
+            got = real(req)
+            time.sleep(0.8)
+            return got
+
+        monkeypatch.setattr(d.store, "create_request", stored_then_slow)
         stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=300),
                         request_id="x")  # fmt: skip
         wait_until(lambda: _status(d.store, "x") is not None, what="stored")
-        time.sleep(0.1)  # submit is inside list_samples now: nothing live to cancel
+        time.sleep(0.1)  # admission has not made it live yet: nothing live to cancel
         assert sup.queue.get("x") is None
         c2.cancel_request("x", reason="stop")
         got = stream.result(30)
@@ -186,7 +193,7 @@ def test_a_retry_attaches_during_a_node_drain(sqlite_store, tmp_path, ckpt):
             params = sampling(n=2, temperature=0.0, max_new_tokens=300)
             first = Stream(c, "job", PROMPTS[:1], sampling=params, request_id="r")
             wait_until(lambda: d.supervisor.queue.inflight("rollout-cpu:0") > 0, what="running")
-            pid = d.supervisor.slots["rollout-cpu:0"].proc.pid
+            pid = d.supervisor.handles["rollout-cpu:0"].proc.pid
             os.kill(pid, signal.SIGSTOP)  # the work cannot end before the re-attach
             c2.drain(node=True, grace_seconds=60)
             with pytest.raises(UnavailableError, match="draining"):
@@ -260,12 +267,12 @@ def test_devices_held_by_foreign_processes_refuse_generate_as_retryable(sqlite_d
         done = list(c.generate("job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=4),
                                request_id="done"))  # fmt: skip
         running = Stream(c2, "job", PROMPTS[:2], sampling=sampling(**greedy), request_id="long")
-        wait_until(lambda: sum(map(sup.queue.inflight, sup.slots)) > 0, what="long running")
+        wait_until(lambda: sum(map(sup.queue.inflight, sup.handles)) > 0, what="long running")
         # Device discovery reports a foreign process on both CPU slots (the seam the
         # inventory writes through); the supervisor vacates them.
         d.store.upsert_devices(_foreign(cpu_devices(2)))
         sup.kick_threadsafe()
-        wait_until(lambda: not any(s.alive for s in sup.slots.values()), what="vacated")
+        wait_until(lambda: not any(s.alive for s in sup.handles.values()), what="vacated")
 
         taken = "no schedulable device: the free ones are taken by foreign processes"
         with pytest.raises(UnavailableError, match=taken) as info:
@@ -343,7 +350,7 @@ def test_gpus_held_by_foreign_processes_at_the_hardware_boundary(sqlite_store, t
             drained = r"all cordoned or draining \(cuda:0 cordoned\+foreign, cuda:1 draining\+una"
             with pytest.raises(FailedPreconditionError, match=drained + ".*uncordon"):
                 list(c.generate("job", [[1, 2, 3]], sampling=params, timeout=10))
-        assert not any(s.alive for s in d.supervisor.slots.values())  # none was ever started
+        assert not any(s.alive for s in d.supervisor.handles.values())  # none was ever started
         assert d.store.list_requests(None, None, 100) == []  # nothing was queued for nobody
     finally:
         d.kill()

@@ -14,6 +14,7 @@ from clients.rollout import RolloutClient
 from tests.api.support import fails, sampling
 from tests.rollout.support import direct_outputs, make_checkpoint, wait_until
 from tltd.domain import SamplingParams
+from tltd.supervisor.worker_process import Phase
 from tltd.v1 import common_pb2, drafter_pb2
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
@@ -22,7 +23,7 @@ FIELD = "speculative.initial_drafter_path"
 
 def _drafter(model_dir: Path, out: Path, seed: int = 3) -> Path:
     from workers.engine.eagle import EagleDrafter
-    from workers.engine.model import load_model
+    from workers.engine.transformer import load_model
 
     EagleDrafter.random_init(load_model(model_dir), seed=seed).save_pretrained(out)
     return out
@@ -57,7 +58,9 @@ def test_job_starts_from_the_initial_drafter_and_rollouts_use_it(daemon, ckpt, i
         assert again.drafter_version == 1 and len(c.list_drafters("job").drafters) == 1
         d.wait_workers_ready(2)
         wait_until(
-            lambda: all(s.drafter_version == 1 and not s.loading for s in sup.slots.values()),
+            lambda: all(
+                s.drafter_version == 1 and s.phase is Phase.READY for s in sup.handles.values()
+            ),
             what="initial drafter loaded by every worker",
         )
         got = list(c.generate("job", PROMPTS, sampling=sampling(**params)))

@@ -7,8 +7,8 @@ import queue
 
 from tltd.domain import Device, DeviceKind, Job
 from tltd.settings import Settings
-from tltd.supervisor.models import HeldBack, ModelPlanner
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.model_planner import HeldBack, ModelPlanner
+from tltd.supervisor.worker_process import Phase, WorkerHandle
 from workers.rollout import protocol as msg
 
 
@@ -24,32 +24,33 @@ class _Store:
         return type("D", (), {"path": f"/drafters/{job_id}/{version}"})()
 
 
-def _slot(worker_id: str = "w0") -> WorkerSlot:
-    slot = WorkerSlot(worker_id, Device(f"cpu:{worker_id[1:]}", DeviceKind.CPU, 0))
-    slot.proc, slot.outbox = _Alive(), queue.Queue()
-    slot.job_id = "job"
-    return slot
+def _slot(worker_id: str = "w0") -> WorkerHandle:
+    handle = WorkerHandle(worker_id, Device(f"cpu:{worker_id[1:]}", DeviceKind.CPU, 0))
+    handle.proc, handle.outbox = _Alive(), queue.Queue()
+    handle.job_id, handle.phase = "job", Phase.READY
+    return handle
 
 
 def test_a_failed_drafter_version_is_not_retried():
     planner = ModelPlanner(_Store(), Settings())  # type: ignore[arg-type]
-    slot, job = _slot(), Job("job", "/m", drafter_version=7)
+    handle, job = _slot(), Job("job", "/m", drafter_version=7)
 
-    asyncio.run(planner._sync_drafter(slot, job))
-    sent = slot.outbox.get_nowait()
+    asyncio.run(planner._sync_drafter(handle, job))
+    sent = handle.outbox.get_nowait()
     assert sent == msg.SetDrafter("/drafters/job/7", 7)
 
     # The worker reports the failure with the drafter's version (not the policy's) ...
     assert (
-        planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True), slot, {}) is None
+        planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True), handle, {})
+        is None
     )
-    slot.loading = False
-    asyncio.run(planner._sync_drafter(slot, job))
-    assert slot.outbox.empty()  # ... so the same version is not sent again (no reload loop)
+    handle.phase = Phase.READY  # the worker's Ready after its LoadFailed
+    asyncio.run(planner._sync_drafter(handle, job))
+    assert handle.outbox.empty()  # ... so the same version is not sent again (no reload loop)
 
     # A newer version is tried.
-    asyncio.run(planner._sync_drafter(slot, Job("job", "/m", drafter_version=8)))
-    assert slot.outbox.get_nowait().version == 8
+    asyncio.run(planner._sync_drafter(handle, Job("job", "/m", drafter_version=8)))
+    assert handle.outbox.get_nowait().version == 8
 
 
 class _Clock:
@@ -83,12 +84,12 @@ def test_held_back_doubles_from_30s_to_10min_and_clears_on_success():
 def test_a_policy_version_that_failed_to_load_is_refused_then_retried():
     clock = _Clock()
     planner = ModelPlanner(_Store(), Settings(), clock=clock)  # type: ignore[arg-type]
-    slot, jobs = _slot(), {"job": Job("job", "/m", policy_version=1)}
-    assert planner._target(slot, jobs, {}) == ("job", 1)  # an idle worker preloads v1
+    handle, jobs = _slot(), {"job": Job("job", "/m", policy_version=1)}
+    assert planner._target(handle, jobs, {}) == ("job", 1)  # an idle worker preloads v1
 
-    reason = planner.load_failed(msg.LoadFailed("job", 1, "CUDA out of memory"), slot, {})
+    reason = planner.load_failed(msg.LoadFailed("job", 1, "CUDA out of memory"), handle, {})
     assert reason is not None and "out of memory" in reason and "retried in 30s" in reason
-    assert planner._target(slot, jobs, {}) is None  # not loaded again meanwhile
+    assert planner._target(handle, jobs, {}) is None  # not loaded again meanwhile
     why = planner.refusal("job", 1)
     assert why == (
         "cannot load policy version 1 of job job: its last load failed; it is retried in 30s"
@@ -99,33 +100,33 @@ def test_a_policy_version_that_failed_to_load_is_refused_then_retried():
 
     clock.now += 10  # the hold is over: requests are taken and the worker tries again
     assert planner.refusal("job", 1) is None
-    assert planner._target(slot, jobs, {}) == ("job", 1)
-    planner.load_failed(msg.LoadFailed("job", 1, "CUDA out of memory"), slot, {})  # fails again
+    assert planner._target(handle, jobs, {}) == ("job", 1)
+    planner.load_failed(msg.LoadFailed("job", 1, "CUDA out of memory"), handle, {})  # fails again
     assert "retried in 60s" in planner.refusal("job", 1)
 
     # A worker that holds the version (a Ready naming it) clears it for good.
-    planner.loaded(msg.Ready(pid=1, job_id="job", policy_version=1), slot)
+    planner.loaded(msg.Ready(pid=1, job_id="job", policy_version=1), handle)
     assert planner.refusal("job", 1) is None
-    assert "retried in 30s" in planner.load_failed(msg.LoadFailed("job", 1, "disk"), slot, {})
+    assert "retried in 30s" in planner.load_failed(msg.LoadFailed("job", 1, "disk"), handle, {})
 
 
 def test_a_failed_drafter_version_is_retried_after_its_hold():
     clock = _Clock()
     planner = ModelPlanner(_Store(), Settings(), clock=clock)  # type: ignore[arg-type]
-    slot, job = _slot(), Job("job", "/m", drafter_version=7)
-    planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True), slot, {})
-    asyncio.run(planner._sync_drafter(slot, job))
-    assert slot.outbox.empty()
+    handle, job = _slot(), Job("job", "/m", drafter_version=7)
+    planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True), handle, {})
+    asyncio.run(planner._sync_drafter(handle, job))
+    assert handle.outbox.empty()
     clock.now += 30
-    asyncio.run(planner._sync_drafter(slot, job))
-    assert slot.outbox.get_nowait() == msg.SetDrafter("/drafters/job/7", 7)
+    asyncio.run(planner._sync_drafter(handle, job))
+    assert handle.outbox.get_nowait() == msg.SetDrafter("/drafters/job/7", 7)
 
 
 def test_a_version_that_fails_on_one_worker_while_another_runs_it_is_held_back_there_only():
     clock = _Clock()
     planner = ModelPlanner(_Store(), Settings(), clock=clock)  # type: ignore[arg-type]
     a, b = _slot("w0"), _slot("w1")
-    a.ready, a.policy_version = True, 1  # w0 runs v1 of the job
+    a.phase, a.policy_version = Phase.READY, 1  # w0 runs v1 of the job
     b.job_id = ""
     jobs = {"job": Job("job", "/m", policy_version=1)}
     assert planner._target(b, jobs, {"job": {1}}) is None  # no job: the scheduler picks
@@ -143,7 +144,7 @@ def test_a_version_that_fails_on_one_worker_while_another_runs_it_is_held_back_t
     assert planner._target(b, jobs, {"job": {1}}) == ("job", 1)  # retried after its hold
 
     # With no other worker running it, the version itself is held back (requests fail).
-    a.ready = False
+    a.phase = Phase.STARTING
     reason = planner.load_failed(failed, b, {"w0": a, "w1": b})
     assert reason is not None and planner.refusal("job", 1) is not None
 
@@ -159,7 +160,7 @@ def test_held_back_survives_a_long_failure_loop():
 
 
 def test_the_worker_restart_backoff_is_capped_for_any_crash_loop():
-    from tltd.supervisor.supervisor import restart_backoff
+    from tltd.supervisor.rollout_workers import restart_backoff
 
     assert [restart_backoff(n) for n in range(8)] == [0, 0.5, 1, 2, 4, 8, 16, 30]
     assert restart_backoff(5000) == 30  # no OverflowError after hours of crashes

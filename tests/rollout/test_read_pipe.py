@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import threading
 from dataclasses import replace
 
 from tests.store.test_store_api import JOB, _request, _sample
-from tltd.domain import Device, DeviceKind
 from tltd.store import Store
-from tltd.supervisor.worker_process import WorkerSlot, _read_pipe
+from tltd.supervisor.worker_process import store_reported
+from tltd.worker_pipe import HeartbeatStamp, serve_pipe
 from workers.rollout import protocol as msg
 
 
@@ -25,20 +24,25 @@ def test_a_sample_that_ran_twice_streams_the_stored_copy(store: Store) -> None:
     fresh = _sample(1, 0, tokens=(4,))
 
     got: list[tuple[msg.FromWorker, bool | None]] = []
-    loop = asyncio.new_event_loop()
     parent, child = multiprocessing.Pipe()
-    slot = WorkerSlot("w0", Device("cpu:0", DeviceKind.CPU, 0))
-    reader = threading.Thread(
-        target=_read_pipe,
-        args=(slot, 1, parent, store, loop, lambda *a: got.append((a[2], a[3])), lambda *a: None),
-    )
-    reader.start()
-    child.send(msg.Finished(rerun))
-    child.send(msg.Finished(fresh))
-    child.close()
-    reader.join(timeout=30)
-    loop.run_until_complete(asyncio.sleep(0))  # run the callbacks the thread posted
-    loop.close()
+    stamp = HeartbeatStamp(store, "w0")
+
+    async def serve() -> None:
+        closed = asyncio.Event()
+        serve_pipe(
+            "w0",
+            parent,
+            asyncio.get_running_loop(),
+            receive=lambda m: store_reported(store, stamp, m),
+            deliver=got.append,
+            closed=closed.set,
+        )
+        child.send(msg.Finished(rerun))
+        child.send(msg.Finished(fresh))
+        child.close()
+        await asyncio.wait_for(closed.wait(), 30)
+
+    asyncio.run(serve())
 
     (dup, dup_stored), (new, new_stored) = got[:2]
     assert dup_stored is False and dup.sample == first  # the stored copy, not the rerun

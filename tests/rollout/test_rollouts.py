@@ -21,6 +21,7 @@ from tltd.domain import (
     RolloutRequest,
     SamplingParams,
 )
+from tltd.supervisor.worker_process import Phase
 from tltd.v1 import common_pb2, rollout_pb2
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [3, 1, 4, 1, 5]]
@@ -37,7 +38,7 @@ def _settled(sup) -> bool:
         s.heartbeat is not None
         and s.heartbeat.acked_seq == s.seq
         and s.heartbeat.running_samples == 0
-        for s in sup.slots.values()
+        for s in sup.handles.values()
         if s.alive
     )
 
@@ -115,7 +116,7 @@ def test_worker_killed_mid_batch_the_batch_still_completes(sqlite_daemon, ckpt):
         d.wait_workers_ready(2)
         stream = Stream(c, "job", PROMPTS[:4], sampling=sampling(**params), request_id="k-1")
         wait_until(lambda: sup.queue.inflight("rollout-cpu:0") > 0, what="work on cpu:0")
-        victim = sup.slots["rollout-cpu:0"].proc.pid
+        victim = sup.handles["rollout-cpu:0"].proc.pid
         os.kill(victim, signal.SIGKILL)
         got = stream.result()
         assert stream.error is None
@@ -177,7 +178,7 @@ def test_cancel_stops_the_work_promptly(sqlite_daemon, ckpt):
     assert all(s.partial and len(s.token_ids) < 1000 for s in got)
     assert req.request.status == rollout_pb2.REQUEST_STATUS_CANCELLED
     assert "trainer moved on" in req.request.status_reason
-    wait_until(lambda: all(sup.queue.inflight(w) == 0 for w in sup.slots), what="workers free")
+    wait_until(lambda: all(sup.queue.inflight(w) == 0 for w in sup.handles), what="workers free")
     assert len(sup.queue) == 0
 
 
@@ -203,7 +204,7 @@ def test_policy_update_mid_stream_old_requests_finish_on_their_version(sqlite_da
     assert _by_key(got_a) == direct_outputs(ckpt, PROMPTS[:2], SamplingParams(**old))
     expected_b = direct_outputs(ckpt2, PROMPTS[2:4], SamplingParams(**new))
     assert _by_key(got_b) == expected_b
-    assert all(s.policy_version == 1 for s in sup.slots.values())
+    assert all(s.policy_version == 1 for s in sup.handles.values())
     stored = d.store.list_samples("new")
     assert {s.policy_version for s in stored} == {1}
 
@@ -333,7 +334,7 @@ def test_foreign_device_is_vacated_and_its_work_moves(sqlite_daemon, ckpt):
     assert _by_key(got) == direct_outputs(ckpt, PROMPTS[:2], SamplingParams(**params))
     assert workers["rollout-cpu:1"].state == "stopped"
     assert "foreign" in workers["rollout-cpu:1"].state_reason
-    assert not sup.slots["rollout-cpu:1"].alive
+    assert not sup.handles["rollout-cpu:1"].alive
 
 
 def test_silent_worker_is_reaped_and_its_work_requeued(sqlite_store, tmp_path, ckpt):
@@ -360,7 +361,7 @@ def test_silent_worker_is_reaped_and_its_work_requeued(sqlite_store, tmp_path, c
             d.wait_workers_ready(2)
             stream = Stream(c, "job", PROMPTS[:2], sampling=sampling(**params), request_id="h")
             wait_until(lambda: sup.queue.inflight("rollout-cpu:1") > 0, what="work on cpu:1")
-            hung = sup.slots["rollout-cpu:1"].proc.pid
+            hung = sup.handles["rollout-cpu:1"].proc.pid
             os.kill(hung, signal.SIGSTOP)
             got = stream.result()
         assert stream.error is None and len(got) == 8
@@ -421,7 +422,7 @@ def test_cancelling_the_job_cancels_its_running_request(sqlite_daemon, ckpt):
         wait_until(lambda: d.supervisor.assigned_samples == 4, what="running")
         # Frozen while the cancel lands, so that no sample can reach its token limit first
         # (on a loaded machine the cancel RPC can take longer than 1000 tiny-model steps).
-        pids = [s.proc.pid for s in d.supervisor.slots.values()]
+        pids = [s.proc.pid for s in d.supervisor.handles.values()]
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         try:
@@ -445,7 +446,7 @@ def test_promoted_drafter_is_hot_swapped_into_workers_and_stays_lossless(
     sqlite_daemon, ckpt, tmp_path
 ):
     from workers.engine.eagle import EagleDrafter
-    from workers.engine.model import load_model
+    from workers.engine.transformer import load_model
 
     d, sup = sqlite_daemon, sqlite_daemon.supervisor
     EagleDrafter.random_init(load_model(ckpt), seed=3).save_pretrained(tmp_path / "drafter")
@@ -460,7 +461,8 @@ def test_promoted_drafter_is_hot_swapped_into_workers_and_stays_lossless(
         sup.kick_threadsafe()
         wait_until(
             lambda: all(
-                s.drafter_version == dv.version and not s.loading for s in sup.slots.values()
+                s.drafter_version == dv.version and s.phase is Phase.READY
+                for s in sup.handles.values()
             ),
             what="drafter loaded by every worker",
         )

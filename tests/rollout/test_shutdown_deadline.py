@@ -76,16 +76,17 @@ def test_sigterm_during_a_long_node_drain_keeps_the_shutdown_grace(sqlite_url, t
 def test_shutdown_does_not_wait_for_a_trainer_still_loading(
     sqlite_store, tmp_path, ckpt, monkeypatch
 ):
-    import workers.drafter.worker as dw
+    import workers.drafter.trainer_process as dw
+    from workers.drafter.protocol import Ready
 
-    real_wait_for = dw.DrafterWorker.wait_for
+    real_wait_for = dw.TrainerProcess.wait_for
 
     def slow_ready(self, kind, timeout=60.0):  # a big target loading onto a GPU
-        if kind == "ready":
+        if kind is Ready:
             time.sleep(5)
         return real_wait_for(self, kind, timeout)
 
-    monkeypatch.setattr(dw.DrafterWorker, "wait_for", slow_ready)
+    monkeypatch.setattr(dw.TrainerProcess, "wait_for", slow_ready)
     settings = make_settings(tmp_path, cpu_slots=2, worker_max_batch=8, worker_max_seq_len=1024,
                              worker_heartbeat_seconds=0.2, device_refresh_seconds=3600.0,
                              shutdown_grace_seconds=GRACE)  # fmt: skip
@@ -157,7 +158,7 @@ def test_a_failing_drain_still_stops_the_workers(sqlite_store, tmp_path, ckpt, m
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        d.call(d.daemon.shutdown(), timeout=GRACE + 60)  # used to raise, skipping the stop
+        d.call(d.daemon.shutdown(), timeout=GRACE + 60)  # must not raise, skipping the stop
         d.daemon = None
     finally:
         d.kill()

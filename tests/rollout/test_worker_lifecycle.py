@@ -17,7 +17,7 @@ from tests.api.support import make_settings, sampling
 from tests.rollout.support import InProcessDaemon, pid_alive, wait_until
 from tltd.devices import cpu_devices
 from tltd.domain import DeviceState, WorkerState
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.worker_process import Phase, WorkerHandle
 
 
 def _settings(tmp_path, **overrides):
@@ -71,17 +71,17 @@ def test_a_priority_job_gets_a_worker_while_a_busy_job_still_waits(sqlite_store,
     assert a_done_at_b and a_done_at_b[0] < 256 - 2 * 8, a_done_at_b
 
 
-def _hang_and_take_device(d: InProcessDaemon, store) -> WorkerSlot:
+def _hang_and_take_device(d: InProcessDaemon, store) -> WorkerHandle:
     """Hang cpu:0's worker (SIGSTOP: it will not answer Shutdown), then hand its device to a
-    foreign process; returns the slot once the supervisor has taken it out of service."""
-    slot = d.supervisor.slots["rollout-cpu:0"]
-    os.kill(slot.proc.pid, signal.SIGSTOP)
+    foreign process; returns the handle once the supervisor has taken it out of service."""
+    handle = d.supervisor.handles["rollout-cpu:0"]
+    os.kill(handle.proc.pid, signal.SIGSTOP)
     devs = cpu_devices(2)
     devs[0] = replace(devs[0], foreign=True, state_reason="foreign process: pid 1")
     store.upsert_devices(devs)
     d.loop.call_soon_threadsafe(d.supervisor.kick)
-    wait_until(lambda: slot.dead_at is not None, timeout=20, what="vacating")
-    return slot
+    wait_until(lambda: not handle.alive, timeout=20, what="vacating")
+    return handle
 
 
 def _assert_stopped_before_restart(store, worker_id: str) -> None:
@@ -104,8 +104,8 @@ def test_vacating_a_hung_worker_kills_its_process(sqlite_store, tmp_path, ckpt):
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        slot = _hang_and_take_device(d, sqlite_store)
-        pid = slot.proc.pid
+        handle = _hang_and_take_device(d, sqlite_store)
+        pid = handle.proc.pid
         wait_until(lambda: not pid_alive(pid), timeout=15, what="hung worker killed")
     finally:
         if pid and pid_alive(pid):
@@ -118,28 +118,28 @@ def test_vacating_a_hung_worker_does_not_stall_scheduling(
 ):
     # The hung worker gets far longer to exit than the requests below take: the order of
     # events is then the same on any machine.
-    monkeypatch.setattr("tltd.supervisor.supervisor._EXIT_SECONDS", 120.0)
+    monkeypatch.setattr("tltd.supervisor.rollout_workers.EXIT_SECONDS", 120.0)
     d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
     pid = 0
     try:
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(2)
-            slot = _hang_and_take_device(d, sqlite_store)
-            pid = slot.proc.pid
+            handle = _hang_and_take_device(d, sqlite_store)
+            pid = handle.proc.pid
             s = sampling(n=2, max_new_tokens=8)
             # The other device is served while the vacated worker still waits to exit.
             out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r1", timeout=60))
             assert len(out) == 2
-            assert pid_alive(pid) and slot.exiting
+            assert pid_alive(pid) and handle.phase is Phase.EXITING
             assert sqlite_store.get_worker("rollout-cpu:0").state is WorkerState.STOPPING
             # The device is free again, but its old process still lives: no second worker.
             sqlite_store.upsert_devices(cpu_devices(2))
             out = list(c.generate("job", [[4, 5]], sampling=s, request_id="r2", timeout=60))
             assert len(out) == 2
-            assert slot.exiting and slot.proc.pid == pid and pid_alive(pid)
+            assert handle.phase is Phase.EXITING and handle.proc.pid == pid and pid_alive(pid)
             os.kill(pid, signal.SIGKILL)  # gone: the vacate ends, and a new worker starts
-            wait_until(lambda: slot.alive and slot.proc.pid != pid, timeout=30, what="restart")
+            wait_until(lambda: handle.alive and handle.proc.pid != pid, timeout=30, what="restart")
 
         _assert_stopped_before_restart(sqlite_store, "rollout-cpu:0")
     finally:
@@ -157,26 +157,26 @@ def test_a_backend_switch_waits_for_the_old_process_beside_the_tick(
 
     from tltd.domain import Backend
 
-    monkeypatch.setattr("tltd.supervisor.supervisor._SWITCH_EXIT_SECONDS", 120.0)
+    monkeypatch.setattr("tltd.supervisor.rollout_workers.SWITCH_EXIT_SECONDS", 120.0)
     d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
     pid = 0
     try:
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(2)
-            slot = d.supervisor.slots["rollout-cpu:0"]
-            pid = slot.proc.pid
+            handle = d.supervisor.handles["rollout-cpu:0"]
+            pid = handle.proc.pid
             os.kill(pid, signal.SIGSTOP)  # it will not answer Shutdown
-            switch = d.supervisor._switch_backend(slot, Backend.SGLANG)
-            # Returns at once (it used to join the old process for up to 20 s in the tick).
+            switch = d.supervisor.workers.switch_backend(handle, Backend.SGLANG)
+            # Returns at once: the old process is joined beside the tick, not in it.
             asyncio.run_coroutine_threadsafe(switch, d.loop).result(timeout=10)
-            assert pid_alive(pid) and slot.exiting and not slot.alive
+            assert pid_alive(pid) and handle.phase is Phase.EXITING
             s = sampling(n=2, max_new_tokens=8)
             out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r1", timeout=60))
-            assert len(out) == 2 and slot.proc.pid == pid and pid_alive(pid)
+            assert len(out) == 2 and handle.proc.pid == pid and pid_alive(pid)
             os.kill(pid, signal.SIGKILL)  # gone: the switch ends, a worker starts on sglang
-            wait_until(lambda: slot.proc.pid != pid, timeout=30, what="restart")
-            assert slot.backend is Backend.SGLANG
+            wait_until(lambda: handle.proc.pid != pid, timeout=30, what="restart")
+            assert handle.backend is Backend.SGLANG
 
         _assert_stopped_before_restart(sqlite_store, "rollout-cpu:0")
     finally:
@@ -282,7 +282,8 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
 ):
     """A load that ends the process (OOM kill, native crash) is a load failure: its version is
     held back and its requests fail saying so, and the restart backoff keeps growing (the
-    fresh process's first Ready, before any load, used to reset it: a crash loop for ever)."""
+    fresh process's first Ready, before any load, must not reset it: else a crash loop for
+    ever)."""
     from clients.errors import UnavailableError
     from tests.rollout import crashing_worker
     from tests.rollout.test_rollouts import Stream
@@ -295,13 +296,13 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
     sup = d.supervisor
     pid = 0
     try:
-        slot = sup.slots["rollout-cpu:0"]
-        wait_until(lambda: slot.ready, what="worker up (no model)")
-        pid = slot.proc.pid
+        handle = sup.handles["rollout-cpu:0"]
+        wait_until(lambda: handle.phase is Phase.READY, what="worker up (no model)")
+        pid = handle.proc.pid
         os.kill(pid, signal.SIGSTOP)  # the LoadModel waits in its pipe while r1 goes live
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
-            wait_until(lambda: slot.policy_load == "job", what="LoadModel sent")
+            wait_until(lambda: handle.policy_load == "job", what="LoadModel sent")
             stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=4),
                             request_id="r1", timeout=60)  # fmt: skip
             wait_until(lambda: sup.queue.get("r1") is not None, what="r1 live")
@@ -317,8 +318,8 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
             assert ("job", 0) in sup.models.bad_versions
             # The fresh process is up (Ready, nothing loaded: the version is held back), and
             # its Ready did not forgive the crash.
-            wait_until(lambda: slot.generation == 2 and slot.ready, what="restarted")
-            assert slot.failures == 1 and not slot.job_id and slot.policy_load == ""
+            wait_until(lambda: handle.generation == 2 and handle.answered, what="restarted")
+            assert handle.failures == 1 and not handle.job_id and handle.policy_load == ""
             with pytest.raises(UnavailableError, match="its last load failed"):
                 list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4),
                                 timeout=20))  # fmt: skip

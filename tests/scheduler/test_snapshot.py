@@ -7,7 +7,7 @@ import pytest
 from tltd.domain import Device, DeviceKind, DeviceState, Job
 from tltd.scheduler import TrainingView
 from tltd.supervisor.snapshot import build_snapshot, device_view
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.worker_process import Load, LoadKind, Phase, WorkerHandle
 from tltd.workqueue import WorkQueue
 
 
@@ -30,9 +30,12 @@ def test_device_view_folds_cordon_drain_foreign_and_unavailable(name, d, schedul
     assert device_view(d).schedulable is schedulable, name
 
 
-def slot(i: int, job: str = "j", alive: bool = True, **kw) -> WorkerSlot:
-    s = WorkerSlot(f"w{i}", device(i), proc=object() if alive else None, job_id=job, **kw)
-    s.ready, s.loading = True, False
+def handle(i: int, job: str = "j", alive: bool = True, load: str = "") -> WorkerHandle:
+    s = WorkerHandle(f"w{i}", device(i), proc=object(), job_id=job)
+    s.phase = Phase.READY if alive else Phase.DEAD
+    if load:
+        s.phase = Phase.LOADING if alive else Phase.DEAD
+        s.load = Load(LoadKind.POLICY, load, 1)
     return s
 
 
@@ -44,12 +47,12 @@ class Hook:
         return (7, 1.5)
 
 
-def snap(slots, jobs=("j", "k"), training=None):
+def snap(handles, jobs=("j", "k"), training=None):
     return build_snapshot(
         10.0,
         [device(0)],
         [Job(job_id=j, model_path="/m") for j in jobs],
-        slots,
+        handles,
         WorkQueue(),
         {"j": 40},
         training,
@@ -57,21 +60,20 @@ def snap(slots, jobs=("j", "k"), training=None):
 
 
 def test_a_job_is_policy_updating_while_a_live_worker_loads_its_weights():
-    loading = slot(0, policy_load="j")
-    loading.loading = True
-    s = snap([loading, slot(1, job="k")], training=Hook())
+    loading = handle(0, load="j")
+    s = snap([loading, handle(1, job="k")], training=Hook())
     jobs = {j.job_id: j for j in s.jobs}
     assert jobs["j"].policy_updating and not jobs["k"].policy_updating
     assert [w.ready for w in s.workers] == [False, True]  # no work while it loads
 
 
 def test_a_dead_worker_neither_counts_nor_updates():
-    s = snap([slot(0, alive=False, policy_load="j")], training=Hook())
+    s = snap([handle(0, alive=False, load="j")], training=Hook())
     assert s.workers == () and not any(j.policy_updating for j in s.jobs)
 
 
 def test_job_accounts_come_from_the_training_hook_and_served_tokens():
-    s = snap([slot(0)], training=Hook())
+    s = snap([handle(0)], training=Hook())
     j = next(j for j in s.jobs if j.job_id == "j")
     assert (j.served_tokens, j.fresh_samples, j.last_training_at, j.online_training) == (
         40,
@@ -80,4 +82,4 @@ def test_job_accounts_come_from_the_training_hook_and_served_tokens():
         True,
     )
     assert s.training == (TrainingView("cpu:9", "j"),)
-    assert not any(j.online_training for j in snap([slot(0)]).jobs)  # no hook: no training
+    assert not any(j.online_training for j in snap([handle(0)]).jobs)  # no hook: no training

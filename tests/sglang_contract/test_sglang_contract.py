@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from tests.sglang_contract.conftest import resolved
 from tltd.domain import SamplingParams as OurSamplingParams
 from workers.rollout.protocol import EngineSpec
-from workers.sglang import engine as adapter_engine
+from workers.sglang import real_engine as adapter_engine
 from workers.sglang.adapter import (
     adaptive_config,
     engine_args,

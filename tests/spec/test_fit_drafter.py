@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
+from examples.task.workload import rollout_prompts
 from scripts.fit_drafter import collate, eagle_loss, main, rollout, train
 from tests.engine.helpers import make_checkpoint
 from workers.engine.eagle import EagleDrafter
-from workers.engine.model import load_model
-from workers.task.tokenizer import VOCAB_SIZE, save_tokenizer
-from workers.task.workload import rollout_prompts
+from workers.engine.transformer import load_model
 
 
 @pytest.fixture(scope="module")

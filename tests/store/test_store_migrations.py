@@ -12,8 +12,8 @@ from sqlalchemy import Column, Integer, inspect, make_url, text
 
 from tltd.domain import LogprobMode
 from tltd.store import Store, migrate
-from tltd.store.engine import make_engine
-from tltd.store.models import Base
+from tltd.store.database import make_engine
+from tltd.store.tables import Base
 
 TABLES = {
     "jobs",
@@ -222,9 +222,9 @@ _ROWS_AT_0001 = (
 
 def test_upgrades_keep_every_row(db_url: str) -> None:
     """Each upgrade step keeps the rows of every table. On SQLite, Alembic changes a table by
-    copying it and dropping the old one; with foreign keys on, that DROP used to delete every
-    child row (0002 rebuilt jobs: requests, samples and versions were gone; 0003 rebuilt
-    rollout_requests: every sample was gone), silently."""
+    copying it and dropping the old one; with foreign keys on, that DROP would delete every
+    child row (0002 rebuilds jobs: requests, samples and versions would go; 0003 rebuilds
+    rollout_requests: every sample would go), silently."""
     migrate.upgrade(db_url, "0001")
     engine = make_engine(db_url)
     tables = ("jobs", "policy_versions", "drafter_versions", "rollout_requests", "samples")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from workers.task.reasoning import (
+from examples.task.reasoning import (
     CHECK_MARKER,
     MAX_STEPS,
     MIN_STEPS,
@@ -130,8 +130,8 @@ def test_parse_answer_tolerates_trailing_whitespace_only():
 
 
 def test_other_line_styles_keep_the_computation_and_the_reward():
-    from workers.task.reasoning import LINE_STYLES
-    from workers.task.tokenizer import UNK_ID, build_tokenizer
+    from examples.task.reasoning import LINE_STYLES
+    from examples.task.tokenizer import UNK_ID, build_tokenizer
 
     p = make_problem(17, 38, 2, style="spaced")
     assert p.solution == (

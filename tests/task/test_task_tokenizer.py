@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from workers.task.reasoning import format_prompt, make_dataset
-from workers.task.tokenizer import (
+from examples.task.reasoning import format_prompt, make_dataset
+from examples.task.tokenizer import (
     BOS,
     BOS_ID,
     EOS,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.task.reasoning import make_problem
-from workers.task.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, build_tokenizer, decode
-from workers.task.workload import MAX_NEW_TOKENS, MODEL_DIR, STOP_TOKEN_ID, rollout_prompts
+from examples.task.reasoning import make_problem
+from examples.task.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, build_tokenizer, decode
+from examples.task.workload import MAX_NEW_TOKENS, MODEL_DIR, STOP_TOKEN_ID, rollout_prompts
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def test_checkpoint_files_and_size():
 
 
 def test_committed_tokenizer_is_the_task_tokenizer():
-    from workers.task.tokenizer import load_tokenizer
+    from examples.task.tokenizer import load_tokenizer
 
     assert load_tokenizer(MODEL_DIR).to_str() == build_tokenizer().to_str()
 

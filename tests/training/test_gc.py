@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from tltd.domain import DrafterStatus, DrafterVersion, Job
+from tltd.drafter_training import DrafterTraining
 from tltd.periodic import build_scheduler, gc_drafters
-from tltd.training import DrafterTraining
 
 
 def _version(store, job_id: str, path, status: DrafterStatus) -> int:

@@ -21,6 +21,7 @@ from tltd.services import build_services
 from tltd.services.jobs import NewJob
 from tltd.supervisor import Supervisor
 from tltd.supervisor.policy_updates import PolicyUpdates
+from tltd.supervisor.worker_process import Phase
 
 
 class HungryTraining:
@@ -83,13 +84,18 @@ def test_training_waits_while_workers_load_the_new_policy(
         try:
             services.jobs.create(NewJob(job_id="job", model_path=str(ckpt)))
             sup.kick()
-            [slot] = sup.slots.values()
-            await until(lambda: slot.job_id == "job" and not slot.loading, "version 0 loaded")
+            [handle] = sup.handles.values()
+            await until(
+                lambda: handle.job_id == "job" and handle.phase is Phase.READY, "version 0 loaded"
+            )
             await until(lambda: hook.starts, "training starts while nothing loads")
 
             ticks.clear()
             assert services.policy.update("job", "checkpoint", str(ckpt2)).version == 1
-            await until(lambda: slot.policy_version == 1 and not slot.loading, "version 1 loaded")
+            await until(
+                lambda: handle.policy_version == 1 and handle.phase is Phase.READY,
+                "version 1 loaded",
+            )
             n = len(hook.starts)
             await until(lambda: len(hook.starts) > n, "training starts again after the load")
         finally:
@@ -133,21 +139,23 @@ class RacingSupervisor:
         self.services = build_services(store, settings, None, self.sup)
 
         async def start(device_id, job_id) -> None:  # runs in the tick that decided it
-            self.starts.append((self.ticks[-1][0], self.slot.policy_version))
+            self.starts.append((self.ticks[-1][0], self.handle.policy_version))
 
         hook.start = start  # type: ignore[method-assign]
 
     @property
-    def slot(self):
-        [slot] = self.sup.slots.values()
-        return slot
+    def handle(self):
+        [handle] = self.sup.handles.values()
+        return handle
 
     async def start(self, ckpt) -> None:
         """Start; the worker holds version 0 of `job`, training has started at least once."""
         await self.sup.start()
         self.services.jobs.create(NewJob(job_id="job", model_path=str(ckpt)))
         self.sup.kick()
-        await until(lambda: self.slot.job_id == "job" and not self.slot.loading, "v0 loaded")
+        await until(
+            lambda: self.handle.job_id == "job" and self.handle.phase is Phase.READY, "v0 loaded"
+        )
         await until(lambda: self.starts, "training starts while nothing loads")
 
 
@@ -172,7 +180,9 @@ def test_an_update_written_after_a_tick_read_the_jobs_drops_that_ticks_training_
         try:
             armed.set()
             await until(lambda: raced, "a tick raced with the update")
-            await until(lambda: r.slot.policy_version == 1 and not r.slot.loading, "v1 loaded")
+            await until(
+                lambda: r.handle.policy_version == 1 and r.handle.phase is Phase.READY, "v1 loaded"
+            )
             n = len(r.starts)
             await until(lambda: len(r.starts) > n, "training starts again after the load")
         finally:

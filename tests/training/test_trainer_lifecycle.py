@@ -14,9 +14,9 @@ from tests.rollout.support import pid_alive
 from tests.training.conftest import training_settings, until
 from tltd.devices import cpu_devices
 from tltd.domain import DeviceState, FinishReason, Job, Sample, WorkerState
+from tltd.drafter_training import DrafterTraining
 from tltd.periodic import build_scheduler, reap_trainers
-from tltd.training import DrafterTraining
-from workers.drafter.worker import DrafterWorker
+from workers.drafter.trainer_process import TrainerProcess
 
 
 def _setup(store, policy_path) -> None:
@@ -75,7 +75,7 @@ def test_no_trainer_is_spawned_once_close_began(sqlite_store, tmp_path, monkeypa
         spawned.append(self)
         raise RuntimeError("spawned after close")
 
-    monkeypatch.setattr(DrafterWorker, "spawn", spawn)
+    monkeypatch.setattr(TrainerProcess, "spawn", spawn)
     training = DrafterTraining(store, training_settings(tmp_path))
 
     async def main() -> None:
@@ -101,7 +101,7 @@ def test_a_launch_failing_while_closing_gives_the_device_back(sqlite_store, tmp_
         closing.wait(30)
         raise RuntimeError("out of memory loading the target")
 
-    monkeypatch.setattr(DrafterWorker, "wait_for", wait_for)
+    monkeypatch.setattr(TrainerProcess, "wait_for", wait_for)
     training = DrafterTraining(store, training_settings(tmp_path))
 
     async def main() -> None:
@@ -180,9 +180,9 @@ def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
         try:
             await training.start("cpu:0", "job")
             new = training._runs["job"]
-            real_spawn = DrafterWorker.spawn
+            real_spawn = TrainerProcess.spawn
             monkeypatch.setattr(
-                DrafterWorker, "spawn", lambda self: (spawned.append(self), real_spawn(self))
+                TrainerProcess, "spawn", lambda self: (spawned.append(self), real_spawn(self))
             )
             # Rollout work arrives while the launch is still stopping the old trainer.
             await training.preempt("cpu:0", "rollout work waiting")

@@ -8,8 +8,8 @@ import asyncio
 from tests.training.conftest import training_settings
 from tltd.devices import cpu_devices
 from tltd.domain import Job, WorkerState
-from tltd.training import DrafterTraining
-from workers.drafter.worker import DrafterWorker
+from tltd.drafter_training import DrafterTraining
+from workers.drafter.trainer_process import TrainerProcess
 
 
 def test_trainer_pid_is_recorded_before_its_model_is_loaded(sqlite_store, tmp_path, monkeypatch):
@@ -23,7 +23,7 @@ def test_trainer_pid_is_recorded_before_its_model_is_loaded(sqlite_store, tmp_pa
         seen.update(pid=row.pid, proc_pid=self.proc.pid, state=row.state, proc=self.proc)
         raise TimeoutError("model load timed out")
 
-    monkeypatch.setattr(DrafterWorker, "wait_for", loading)
+    monkeypatch.setattr(TrainerProcess, "wait_for", loading)
     training = DrafterTraining(store, training_settings(tmp_path))
 
     async def main():

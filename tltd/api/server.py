@@ -9,9 +9,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from tltd.api.interceptors import AuthInterceptor, ErrorInterceptor
+from tltd.api.reflection import enable_reflection
 from tltd.api.servicers import add_servicers
 from tltd.errors import ConfigError
 from tltd.services import NodeState, Services
@@ -94,14 +94,7 @@ def build_server(settings: Settings, services: Services) -> ApiServer:
     names = add_servicers(server, services)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [
-            *names,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
+    enable_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
     creds = server_credentials(settings)
     wanted = host_port(settings.host, settings.port)
     try:

@@ -6,15 +6,14 @@ import dataclasses
 import functools
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tltd.errors import InvalidArgument
-from tltd.services.validation import MAX_PATH, check_text
+from tltd.services.validation import MAX_PATH, ModelLimits, check_text
 
 if TYPE_CHECKING:
-    from workers.engine.model import ModelConfig
+    from workers.engine.transformer import ModelConfig
 
 
 def check_model_dir(path: str, field: str, *, require_weights: bool = False) -> Path:
@@ -34,14 +33,6 @@ def check_model_dir(path: str, field: str, *, require_weights: bool = False) -> 
     if require_weights and not any(p.glob("*.safetensors")):
         raise InvalidArgument(f"{path} has no *.safetensors weights", field=field)
     return p.resolve()
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What a job's model allows a request: None where its config.json does not say."""
-
-    vocab_size: int | None = None
-    max_positions: int | None = None  # max_position_embeddings: prompt + generated tokens
 
 
 def model_limits(model_path: str) -> ModelLimits:
@@ -120,7 +111,7 @@ def check_policy_checkpoint(new_dir: Path, model_dir: Path, field: str) -> None:
         old = _read_config(model_dir)
     except (OSError, ValueError):
         return  # the job's own model is gone or unreadable: the workers will say so
-    from workers.engine.model import ModelConfig  # torch: only the API paths that need it
+    from workers.engine.transformer import ModelConfig  # torch: only the API paths that need it
 
     try:
         old_cfg = ModelConfig.from_hf(old)
@@ -157,7 +148,7 @@ def check_model_weights(model_dir: Path, field: str) -> None:
     headers = _read_headers(model_dir, field)
     if not headers:
         return
-    from workers.engine.model import ModelConfig  # torch: only the API paths that need it
+    from workers.engine.transformer import ModelConfig  # torch: only the API paths that need it
 
     try:
         cfg = ModelConfig.from_hf(_read_config(model_dir))
@@ -201,7 +192,7 @@ def _check_tensors(
 ) -> None:
     """Names, shapes and dtypes of a checkpoint against what the engine loads for `cfg` (the
     config of `model`, for messages)."""
-    from workers.engine.model import hf_tensor_shapes
+    from workers.engine.transformer import hf_tensor_shapes
 
     shapes, optional = hf_tensor_shapes(cfg)
     problems = [f"{n} is missing" for n in sorted(shapes.keys() - tensors.keys() - optional)]
@@ -314,7 +305,7 @@ def check_drafter_dir(path: str, field: str, model_dir: Path) -> Path:
         ) from exc
     # Imported here: these modules pull in torch, which the API layer otherwise does not need.
     from workers.engine.eagle import IncompatibleDrafterCheckpoint, check_drafter_tensors
-    from workers.engine.model import ModelConfig
+    from workers.engine.transformer import ModelConfig
 
     try:
         check_drafter_tensors(names, path)

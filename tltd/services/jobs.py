@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tltd.domain import (
+    OPEN_STATUSES,
     Backend,
     DrafterVersion,
     Job,
@@ -33,7 +34,6 @@ _DRAFTERS = ("auto", "ngram", "eagle")
 # never accepted in full.
 MAX_DRAFT_LENGTH = 64
 _INITIAL_DRAFTER = "speculative.initial_drafter_path"
-_OPEN = (RequestStatus.QUEUED, RequestStatus.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -178,13 +178,13 @@ class JobService:
         why = f"job cancelled: {job.status_reason}"
         # All of them (limit=None): the store refuses new requests of a cancelled job, so
         # this list is complete.
-        for req in self.store.list_requests(statuses=_OPEN, job_id=job_id, limit=None):
+        for req in self.store.list_requests(statuses=OPEN_STATUSES, job_id=job_id, limit=None):
             try:
                 self.store.set_request_status(req.request_id, RequestStatus.CANCELLED, why)
             except FailedPrecondition:
                 # It ended (completed / failed) since the listing: nothing left to cancel,
                 # and the rest of the job's requests must still be cancelled.
-                if self.store.get_request(req.request_id).status in _OPEN:
+                if self.store.get_request(req.request_id).status in OPEN_STATUSES:
                     raise
                 continue
             if self.supervisor is not None:

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tltd.domain import (
+    ENDED_STATUSES,
     Backend,
     Device,
     DeviceState,
@@ -37,8 +38,6 @@ from tltd.settings import Settings
 if TYPE_CHECKING:
     from tltd.store import Store
     from tltd.supervisor import Supervisor
-
-_TERMINAL = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED)
 
 
 def derived_seed(request_id: str) -> int:
@@ -120,20 +119,22 @@ class RolloutService:
         try:
             # Admission runs to its end even when the caller goes away (deadline, disconnect):
             # a request once stored is always made live, never left QUEUED with no work.
-            stored = await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
+            stored, created = await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
             # Samples the live request still runs: a stored version of one is not final (a
             # partial one left by a drain before a restart runs again, and its complete sample
             # replaces it). Each of them arrives on the subscription when it finishes. Taken
-            # before the store read: a sample finishing in between is in both.
+            # before the store read: a sample finishing in between is in both. A request this
+            # call created had nothing stored before the subscription: no read.
             running = sup.unfinished(rid)
             seen: set[tuple[int, int]] = set()
-            for sample in await asyncio.to_thread(self.store.list_samples, rid):
+            before = [] if created else await asyncio.to_thread(self.store.list_samples, rid)
+            for sample in before:
                 key = (sample.prompt_index, sample.sample_index)
                 if key in running:
                     continue
                 seen.add(key)
                 yield sample
-            if stored.status in _TERMINAL:
+            if stored.status in ENDED_STATUSES:
                 _end(rid, stored.status, stored.status_reason)
                 return
             while True:
@@ -148,13 +149,14 @@ class RolloutService:
         finally:
             sup.unsubscribe(rid, events)
 
-    async def _admit(self, req: RolloutRequest, sup: Supervisor) -> RolloutRequest:
-        """Store the request (idempotent) and hand it to the supervisor."""
-        stored, _created = await asyncio.to_thread(self.store.create_request, req)
-        if stored.status not in _TERMINAL:
+    async def _admit(self, req: RolloutRequest, sup: Supervisor) -> tuple[RolloutRequest, bool]:
+        """Store the request (idempotent) and hand it to the supervisor; True when this call
+        created it."""
+        stored, created = await asyncio.to_thread(self.store.create_request, req)
+        if stored.status not in ENDED_STATUSES:
             # The version recorded at acceptance: a retry after a policy update stays on it.
-            await sup.submit(stored, stored.policy_version)
-        return stored
+            await sup.submit(stored, stored.policy_version, created=created)
+        return stored, created
 
     def _is_retry(self, req: RolloutRequest) -> bool:
         """The request_id is stored already: a retry, which attaches to its work."""
@@ -188,7 +190,7 @@ class RolloutService:
         req = self.store.get_request(request_id)
         if req.status is RequestStatus.CANCELLED:
             return req
-        if req.status in _TERMINAL:
+        if req.status in ENDED_STATUSES:
             raise FailedPrecondition(
                 f"request {request_id} already {req.status.value}", field="request_id"
             )

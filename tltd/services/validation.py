@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from tltd.domain import RolloutRequest
 from tltd.errors import InvalidArgument, ResourceExhausted
 from tltd.settings import Settings
-
-if TYPE_CHECKING:  # checkpoints imports this module
-    from tltd.services.checkpoints import ModelLimits
 
 # Caller-chosen ids end up in logs, paths and SQL: keep them boring. Used with fullmatch:
 # `$` would also match before a trailing newline ("job\n").
@@ -40,6 +37,14 @@ def check_id(value: str, field: str, *, required: bool = True) -> None:
             "starting with a letter or digit",
             field=field,
         )
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a job's model allows a request: None where its config.json does not say."""
+
+    vocab_size: int | None = None
+    max_positions: int | None = None  # max_position_embeddings: prompt + generated tokens
 
 
 def check_text(value: str, field: str, max_chars: int) -> None:
@@ -81,6 +86,7 @@ def validate_rollout(
     sequence (`worker_max_seq_len`): every sample then ends by a stop token or by reaching
     max_new_tokens (LENGTH), never cut short by a limit the caller did not set.
     """
+    # Long on purpose: one check per field, in the order the caller's message names them.
     check_id(req.job_id, "job_id")
     check_id(req.request_id, "request_id", required=False)
     s = req.sampling

@@ -29,7 +29,7 @@ from tltd.domain import (
     WorkerKind,
     WorkerState,
 )
-from tltd.store.models import (
+from tltd.store.tables import (
     DeviceRow,
     DrafterVersionRow,
     EventRow,

@@ -15,7 +15,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, text
 
 import tltd
-from tltd.store.engine import WRITE_OPTION, make_engine
+from tltd.store.database import WRITE_OPTION, make_engine
 
 log = logging.getLogger(__name__)
 

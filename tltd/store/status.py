@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 
 from tltd.domain import DrafterStatus, JobStatus, RequestStatus, WorkerState
 from tltd.errors import FailedPrecondition
-from tltd.store.models import EventRow, utcnow
+from tltd.store.tables import EventRow, utcnow
 
 _J, _R, _D, _W = JobStatus, RequestStatus, DrafterStatus, WorkerState
 

@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tltd.domain import (
+    ENDED_STATUSES,
     Device,
     DeviceState,
     DrafterStatus,
@@ -31,8 +32,9 @@ from tltd.domain import (
 )
 from tltd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from tltd.store import convert
-from tltd.store.engine import WRITE_OPTION, make_engine
-from tltd.store.models import (
+from tltd.store.database import WRITE_OPTION, make_engine
+from tltd.store.status import check_transition, record_event, switch_status
+from tltd.store.tables import (
     DeviceRow,
     DrafterVersionRow,
     EventRow,
@@ -43,14 +45,12 @@ from tltd.store.models import (
     WorkerRow,
     utcnow,
 )
-from tltd.store.status import check_transition, record_event, switch_status
 
 log = logging.getLogger(__name__)
 
 _JOB_PARAMS = ("model_path", "name", "backend", "priority", "weight", "speculative")
 _REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
 _FINAL_WORKER_STATES = (WorkerState.STOPPED, WorkerState.FAILED)
-_ENDED = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED)
 # Version columns are SQL INTEGER (signed 32-bit): no version is numbered above this.
 MAX_VERSION = 2**31 - 1
 
@@ -406,7 +406,7 @@ class Store:
                     return False
                 # A sample not stored yet is still recorded on an ended request: a cancel
                 # closes the request in the store before its remaining samples are stored.
-                if existing is not None and RequestStatus(req.status) in _ENDED:
+                if existing is not None and RequestStatus(req.status) in ENDED_STATUSES:
                     return False
                 now = utcnow()
                 row = convert.sample_to_row(sample)
@@ -608,6 +608,7 @@ class Store:
         was UNAVAILABLE and is seen again takes the observed state; a device missing from
         `devices` becomes UNAVAILABLE. Returns the whole inventory.
         """
+        # Long on purpose: one transaction (insert, update, vanish) must see one snapshot.
         with self._tx() as s:
             now = utcnow()
             rows = {r.device_id: r for r in s.scalars(select(DeviceRow)).all()}

@@ -14,10 +14,18 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from tltd.domain import FinishReason, JobStatus, RequestStatus, RolloutRequest, Sample
+from tltd.domain import (
+    ENDED_STATUSES,
+    OPEN_STATUSES,
+    FinishReason,
+    JobStatus,
+    RequestStatus,
+    RolloutRequest,
+    Sample,
+)
 from tltd.errors import TltError
 from tltd.settings import Settings
-from tltd.supervisor.writes import TERMINAL, OrderedWrites, add_samples, final_status
+from tltd.supervisor.writes import OrderedWrites, add_samples, final_status
 from tltd.workqueue import Key, LiveRequest, WorkQueue
 
 if TYPE_CHECKING:
@@ -25,7 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_OPEN = (RequestStatus.QUEUED, RequestStatus.RUNNING)
 # Backoff of a final status write that failed (seconds, doubling).
 _FINAL_RETRY_FIRST, _FINAL_RETRY_MAX = 0.1, 5.0
 
@@ -84,19 +91,26 @@ class RolloutRequests:
         req: RolloutRequest,
         policy_version: int,
         refuse: Callable[[str, int], tuple[FinishReason, str] | None] = lambda j, v: None,
+        *,
+        created: bool = False,
     ) -> bool:
         """Make a stored request live (idempotent: a live request is left as it is). Samples
         already stored complete are not run again; a terminal request just ends its streams.
         `refuse(job_id, policy_version)` names why a new request can never run (a drain, a
         version that failed to load): it then fails at once, its streams end with the reason.
-        True when the request was (re)queued, so there may be work to schedule."""
+        True when the request was (re)queued, so there may be work to schedule. `created`: the
+        caller has just stored `req`, which then has no samples yet (nothing is read again)."""
         if self.queue.get(req.request_id) is not None:
             return False
-        cur = await asyncio.to_thread(self.store.get_request, req.request_id)
-        if cur.status in TERMINAL:
+        cur = req
+        if not created:
+            cur = await asyncio.to_thread(self.store.get_request, req.request_id)
+        if cur.status in ENDED_STATUSES:
             self.publish(cur.request_id, StreamEvent(None, cur.status, cur.status_reason))
             return False
-        samples = await asyncio.to_thread(self.store.list_samples, req.request_id)
+        samples = (
+            [] if created else await asyncio.to_thread(self.store.list_samples, cur.request_id)
+        )
         done = {(s.prompt_index, s.sample_index) for s in samples if not s.partial}
         live, created = self.queue.add(cur, policy_version, done, time.monotonic())
         # Checked right after `add`, with no await between: a drain that began while the
@@ -115,7 +129,9 @@ class RolloutRequests:
         """After a crash: every open request is re-queued with its missing samples; one of a
         job no longer active ends as that job's live requests do (CANCELLED with the job's
         reason, or FAILED), its missing samples stored partial."""
-        open_reqs = await asyncio.to_thread(self.store.list_requests, list(_OPEN), None, 1 << 30)
+        open_reqs = await asyncio.to_thread(
+            self.store.list_requests, list(OPEN_STATUSES), None, 1 << 30
+        )
         for req in open_reqs:
             await self._recover_request(req)
 

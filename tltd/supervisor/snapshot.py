@@ -7,15 +7,12 @@ worker is ready, what a job's training account is) are plain functions of plain 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from tltd.domain import Device, Job
 from tltd.scheduler import DeviceView, JobView, RolloutWorkerView, Snapshot
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.training_hook import TrainingHook
+from tltd.supervisor.worker_process import Phase, WorkerHandle
 from tltd.workqueue import WorkQueue
-
-if TYPE_CHECKING:
-    from tltd.supervisor.supervisor import TrainingHook
 
 
 def device_view(d: Device) -> DeviceView:
@@ -23,19 +20,19 @@ def device_view(d: Device) -> DeviceView:
     return DeviceView(d.device_id, d.schedulable)
 
 
-def worker_view(s: WorkerSlot, queue: WorkQueue) -> RolloutWorkerView:
+def worker_view(s: WorkerHandle, queue: WorkQueue) -> RolloutWorkerView:
     # Work sent but not yet acknowledged by a heartbeat counts at its full token budget.
     tokens = (s.heartbeat.remaining_tokens if s.heartbeat else 0) + sum(s.unacked.values())
     return RolloutWorkerView(
         s.worker_id,
         s.device.device_id,
         s.job_id,
-        ready=s.ready and not s.loading and bool(s.job_id),
+        ready=s.phase is Phase.READY and bool(s.job_id),
         running_samples=queue.inflight(s.worker_id),
         remaining_tokens=tokens,
         idle_since=s.idle_since,
         policy_version=s.policy_version,
-        switching_to=s.next_job or s.target_job,
+        switching_to=s.next_job or s.loading_job,
     )
 
 
@@ -43,7 +40,7 @@ def build_snapshot(
     now: float,
     devices: Iterable[Device],
     jobs: Iterable[Job],
-    slots: Iterable[WorkerSlot],
+    handles: Iterable[WorkerHandle],
     queue: WorkQueue,
     served_tokens: Mapping[str, int],
     training: TrainingHook | None,
@@ -54,9 +51,9 @@ def build_snapshot(
     A job's policy is updating while any live worker loads its policy weights (UpdatePolicy
     being applied, or a worker switching to the job): its drafter training must not start then.
     """
-    switched = [s for s in slots if not s.alive and s.next_job]
-    slots = [s for s in slots if s.alive]
-    loading = {s.policy_load for s in slots if s.policy_load}
+    switched = [s for s in handles if not s.alive and s.next_job]
+    handles = [s for s in handles if s.alive]
+    loading = {s.policy_load for s in handles if s.policy_load}
     job_views = []
     for j in jobs:
         fresh, last = training.job_view(j.job_id) if training else (0, None)
@@ -75,7 +72,7 @@ def build_snapshot(
     return Snapshot(
         now=now,
         devices=tuple(device_view(d) for d in devices),
-        workers=tuple(worker_view(s, queue) for s in [*slots, *switched]),
+        workers=tuple(worker_view(s, queue) for s in [*handles, *switched]),
         training=training.views() if training else (),
         pending=tuple(queue.pending_work()),
         jobs=tuple(job_views),

@@ -1,24 +1,23 @@
-"""One rollout worker process: its handle, its spawn, and the two pipe threads that serve it.
+"""One rollout worker process: its handle (phase, load in flight) and its spawn.
 
-Two threads per worker (one reads its pipe and stores what it reports, one writes commands) keep
-a slow or hung worker from ever blocking the daemon's event loop. What they read is handed to
-the loop with `call_soon_threadsafe`; `generation` tells messages of a replaced process apart.
+Its pipe is served by `tltd.worker_pipe` (a reader thread that stores the samples it reports,
+a writer thread); `generation` tells messages of a replaced process apart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import queue as threading_queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from tltd.domain import Backend, Device, Sample, WorkerState
 from tltd.settings import Settings
+from tltd.worker_pipe import HeartbeatStamp, serve_pipe
 from workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
@@ -26,54 +25,124 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# on_message(slot, generation, message, stored): stored is None when a Finished sample could
+# on_message(handle, generation, message, stored): stored is None when a Finished sample could
 # not be persisted (then it is not streamed but run again), else what `add_sample` returned.
-OnMessage = Callable[["WorkerSlot", int, msg.FromWorker, "bool | None"], None]
-OnExit = Callable[["WorkerSlot", int], None]
+OnMessage = Callable[["WorkerHandle", int, msg.FromWorker, "bool | None"], None]
+OnExit = Callable[["WorkerHandle", int], None]
+
+
+class Phase(enum.Enum):
+    """Where a rollout worker is in its life; `TRANSITIONS` says which step may follow which."""
+
+    NEW = "new"  # no process started yet
+    STARTING = "starting"  # spawned; no Ready yet
+    LOADING = "loading"  # a LoadModel/LoadPolicy/SetDrafter in flight (no work until Ready)
+    READY = "ready"  # serving its model
+    EXITING = "exiting"  # out of service; its process not yet joined and recorded
+    DEAD = "dead"  # gone; restarted after the backoff
+    VACATED = "vacated"  # stopped on purpose (device foreign or unavailable): no backoff
+
+
+ALIVE = (Phase.STARTING, Phase.LOADING, Phase.READY)
+TRANSITIONS: dict[Phase, tuple[Phase, ...]] = {
+    Phase.NEW: (Phase.STARTING,),
+    Phase.STARTING: (Phase.READY, Phase.EXITING, Phase.DEAD),
+    Phase.LOADING: (Phase.READY, Phase.EXITING, Phase.DEAD),
+    Phase.READY: (Phase.LOADING, Phase.READY, Phase.EXITING, Phase.DEAD),
+    # DEAD from EXITING: a shutdown joins the process itself (the burial task is cancelled).
+    Phase.EXITING: (Phase.DEAD, Phase.VACATED),
+    Phase.DEAD: (Phase.STARTING, Phase.DEAD),
+    Phase.VACATED: (Phase.STARTING, Phase.DEAD),
+}
+
+
+class LoadKind(enum.Enum):
+    MODEL = "model"  # LoadModel: a job's engine and policy weights
+    POLICY = "policy"  # LoadPolicy: another policy version of the job it holds
+    DRAFTER = "drafter"  # SetDrafter: a learned drafter hot-swapped in (version 0: none)
+
+
+@dataclass(frozen=True)
+class Load:
+    """The load in flight: a process that dies before its Ready failed it (an OOM kill, a
+    native crash, a hung load killed)."""
+
+    kind: LoadKind
+    job_id: str
+    version: int
+
+    @property
+    def policy_weights(self) -> bool:
+        """Loads the job's policy: its policy update is being applied, its drafter training
+        must not start."""
+        return self.kind is not LoadKind.DRAFTER
+
+    @property
+    def can_fail(self) -> bool:
+        """Unloading the drafter (version 0) is no load that could be held back."""
+        return not (self.kind is LoadKind.DRAFTER and self.version == 0)
 
 
 @dataclass
-class WorkerSlot:
+class WorkerHandle:
     """One device's rollout worker: the process, its pipe and what the daemon knows of it."""
 
     worker_id: str
     device: Device
     backend: Backend = Backend.TORCH  # the engine its process runs; a switch respawns it
+    phase: Phase = Phase.NEW
+    load: Load | None = None  # set while phase is LOADING (and until burial if it died then)
     generation: int = 0  # increments per spawn; messages of an older process are ignored
     proc: Any = None  # multiprocessing Process
     outbox: threading_queue.Queue | None = None
     state: WorkerState = WorkerState.STOPPED
     reason: str = ""
     fatal: str = ""  # the fatal error the process reported before it exits
-    ready: bool = False  # the process said Ready at least once
-    loading: bool = True  # a spawn or Load* is in flight (no work until Ready)
     since: float = 0.0  # monotonic: spawn or last load command
     last_heartbeat: float = 0.0
     heartbeat: msg.Heartbeat | None = None
     job_id: str = ""
-    target_job: str = ""  # the job a LoadModel in flight is loading
     next_job: str = ""  # the job the scheduler switched it to (loaded once it is empty)
-    # The job whose policy weights a LoadModel/LoadPolicy in flight loads ("" = none): while
-    # set, that job's policy update is being applied and its drafter training must not start.
-    policy_load: str = ""
-    # (job, version, drafter) of the LoadModel/LoadPolicy/SetDrafter in flight: a process that
-    # dies before its Ready failed that load (an OOM kill, a native crash, a hung load killed).
-    load_in_flight: tuple[str, int, bool] | None = None
     policy_version: int = 0
     drafter_version: int = 0
     seq: int = 0
     unacked: dict[int, int] = field(default_factory=dict)  # AddWork.seq -> expected tokens
     idle_since: float | None = None
-    dead_at: float | None = None  # monotonic time the process was found dead
+    dead_at: float | None = None  # monotonic time it was taken out of service
     failures: int = 0  # deaths in a row, until a model loads (restart backoff)
-    exiting: bool = False  # marked dead, its process not yet joined and recorded
-    vacated: bool = False  # stopped on purpose (foreign device): not restarted
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     stored_state: tuple[WorkerState, str] | None = None
 
+    def to(self, phase: Phase) -> None:
+        """The one place a worker's phase changes."""
+        if phase not in TRANSITIONS[self.phase]:
+            raise AssertionError(f"{self.worker_id}: {self.phase.value} -> {phase.value}")
+        self.phase = phase
+
+    def start_load(self, load: Load) -> None:
+        self.to(Phase.LOADING)
+        self.load, self.since = load, time.monotonic()
+
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.dead_at is None
+        return self.phase in ALIVE
+
+    @property
+    def answered(self) -> bool:
+        """Alive and said Ready at least once (it may be loading again)."""
+        return self.phase in (Phase.LOADING, Phase.READY)
+
+    @property
+    def loading_job(self) -> str:
+        """The job a LoadModel in flight switches it to ("" when none)."""
+        return self.load.job_id if self.load and self.load.kind is LoadKind.MODEL else ""
+
+    @property
+    def policy_load(self) -> str:
+        """The job whose policy weights a live worker loads now ("" when none)."""
+        if self.phase is Phase.LOADING and self.load and self.load.policy_weights:
+            return self.load.job_id
+        return ""
 
     def send(self, m: msg.ToWorker) -> None:
         if self.outbox is not None and self.alive:
@@ -81,7 +150,7 @@ class WorkerSlot:
 
 
 def spawn(
-    slot: WorkerSlot,
+    handle: WorkerHandle,
     ctx: Any,
     settings: Settings,
     store: Store,
@@ -89,39 +158,36 @@ def spawn(
     on_message: OnMessage,
     on_exit: OnExit,
 ) -> None:
-    """Start a fresh process for `slot` (forgetting what the old one held) and its threads."""
-    target, daemon = worker_entry(slot.backend)
+    """Start a fresh process for `handle` (forgetting what the old one held) and its threads."""
+    target, daemon = worker_entry(handle.backend)
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=target,
         args=(child, settings.worker_threads, settings.worker_heartbeat_seconds),
-        name=slot.worker_id,
+        name=handle.worker_id,
         daemon=daemon,
     )
     proc.start()
     child.close()
-    slot.generation += 1
-    slot.proc, slot.outbox = proc, threading_queue.Queue()
-    slot.ready, slot.loading, slot.since = False, True, time.monotonic()
-    slot.dead_at, slot.vacated, slot.heartbeat = None, False, None
-    slot.job_id, slot.policy_version, slot.drafter_version = "", 0, 0
-    slot.target_job = slot.policy_load = ""
-    slot.load_in_flight, slot.fatal = None, ""
-    slot.unacked.clear()
-    slot.idle_since = None
-    slot.last_heartbeat = time.monotonic()
-    threading.Thread(
-        target=_read_pipe,
-        args=(slot, slot.generation, parent, store, loop, on_message, on_exit),
-        name=f"{slot.worker_id}-rx",
-        daemon=True,
-    ).start()
-    threading.Thread(
-        target=write_pipe,
-        args=(slot.outbox, parent),
-        name=f"{slot.worker_id}-tx",
-        daemon=True,
-    ).start()
+    handle.to(Phase.STARTING)
+    handle.generation += 1
+    handle.proc = proc
+    handle.since, handle.dead_at, handle.heartbeat = time.monotonic(), None, None
+    handle.job_id, handle.policy_version, handle.drafter_version = "", 0, 0
+    handle.load, handle.fatal = None, ""
+    handle.unacked.clear()
+    handle.idle_since = None
+    handle.last_heartbeat = time.monotonic()
+    gen = handle.generation
+    stamp = HeartbeatStamp(store, handle.worker_id)
+    handle.outbox = serve_pipe(
+        handle.worker_id,
+        parent,
+        loop,
+        receive=lambda m: store_reported(store, stamp, m),
+        deliver=lambda got: on_message(handle, gen, *got),
+        closed=lambda: on_exit(handle, gen),
+    )
 
 
 def worker_entry(backend: Backend) -> tuple[Callable[..., None], bool]:
@@ -137,44 +203,21 @@ def worker_entry(backend: Backend) -> tuple[Callable[..., None], bool]:
     return torch_main, True
 
 
-def _read_pipe(
-    slot: WorkerSlot,
-    gen: int,
-    conn: Connection,
-    store: Store,
-    loop: asyncio.AbstractEventLoop,
-    on_message: OnMessage,
-    on_exit: OnExit,
-) -> None:
+def store_reported(
+    store: Store, stamp: HeartbeatStamp, m: msg.FromWorker
+) -> tuple[msg.FromWorker, bool | None]:
     """Reader thread: samples are stored here, before the loop streams them."""
-    last_beat = 0.0
-    while True:
+    stored: bool | None = None
+    if isinstance(m, msg.Finished):
         try:
-            m = conn.recv()
-        except (EOFError, OSError):
-            break
-        except Exception:  # an unpicklable message: treat the worker as broken
-            log.exception("bad message from worker", extra={"worker_id": slot.worker_id})
-            break
-        stored: bool | None = None
-        if isinstance(m, msg.Finished):
-            try:
-                stored = store.add_sample(m.sample)
-                if not stored:
-                    m = msg.Finished(_stored_copy(store, m.sample))
-            except Exception:
-                log.exception("cannot store sample", extra={"worker_id": slot.worker_id})
-        elif isinstance(m, msg.Heartbeat) and time.monotonic() - last_beat >= 2.0:
-            last_beat = time.monotonic()
-            try:
-                store.heartbeat_worker(slot.worker_id)
-            except Exception:  # e.g. "database is locked": this thread must keep reading
-                log.warning(
-                    "cannot record heartbeat", extra={"worker_id": slot.worker_id}, exc_info=True
-                )
-        _post(loop, on_message, slot, gen, m, stored)
-    conn.close()
-    _post(loop, on_exit, slot, gen)
+            stored = store.add_sample(m.sample)
+            if not stored:
+                m = msg.Finished(_stored_copy(store, m.sample))
+        except Exception:
+            log.exception("cannot store sample", extra={"request_id": m.sample.request_id})
+    elif isinstance(m, msg.Heartbeat):
+        stamp()
+    return m, stored
 
 
 def _stored_copy(store: Store, sample: Sample) -> Sample:
@@ -185,23 +228,3 @@ def _stored_copy(store: Store, sample: Sample) -> Sample:
         if (s.prompt_index, s.sample_index) == key:
             return s
     return sample
-
-
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
-    if not loop.is_closed():
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            pass  # the loop closed while we were reading
-
-
-def write_pipe(outbox: threading_queue.Queue, conn: Connection) -> None:
-    """Writer thread: a worker busy in a long step never blocks the event loop."""
-    while True:
-        m = outbox.get()
-        if m is None:
-            return
-        try:
-            conn.send(m)
-        except (OSError, ValueError):
-            return  # the worker is gone; the reader notices

@@ -12,15 +12,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tltd.domain import RequestStatus, RolloutRequest, Sample, Worker, WorkerState
+from tltd.domain import ENDED_STATUSES, RequestStatus, RolloutRequest, Sample, Worker, WorkerState
 from tltd.errors import TltError
 
 if TYPE_CHECKING:
     from tltd.store import Store
 
 log = logging.getLogger(__name__)
-
-TERMINAL = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED)
 
 
 class OrderedWrites:
@@ -105,7 +103,7 @@ def final_status(
     """Move a request to its final status; if something else finalized it first (a cancel
     racing completion), that status stands and is returned."""
     cur = store.get_request(request_id)
-    if cur.status in TERMINAL:
+    if cur.status in ENDED_STATUSES:
         return cur
     try:
         if cur.status is RequestStatus.QUEUED and status is RequestStatus.COMPLETED:

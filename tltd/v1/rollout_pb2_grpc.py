@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class RolloutServiceStub:
-    """Rollouts for RL trainers: token ids in, token ids + target logprobs out.
+    """Rollouts for RL trainers: token ids in, token ids + target logprobs out. Every limit named
+    below is a daemon setting (defaults shown); a request over one is refused before it is
+    stored, with a status naming the field (docs/rollouts.md lists them all).
     """
 
     def __init__(self, channel):
@@ -53,12 +55,16 @@ class RolloutServiceStub:
 
 
 class RolloutServiceServicer:
-    """Rollouts for RL trainers: token ids in, token ids + target logprobs out.
+    """Rollouts for RL trainers: token ids in, token ids + target logprobs out. Every limit named
+    below is a daemon setting (defaults shown); a request over one is refused before it is
+    stored, with a status naming the field (docs/rollouts.md lists them all).
     """
 
     def Generate(self, request, context):
         """Streams one GenerateResponse per finished sample, the moment it finishes.
-        Idempotent on request_id: a retry attaches to the same work.
+        Idempotent on request_id: a retry attaches to the same work. A retry must send the same
+        job_id, prompts, sampling and speculative (all SamplingParams fields, compared after the
+        defaults below are applied); any difference is ALREADY_EXISTS naming the fields.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,7 +109,9 @@ def add_RolloutServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RolloutService:
-    """Rollouts for RL trainers: token ids in, token ids + target logprobs out.
+    """Rollouts for RL trainers: token ids in, token ids + target logprobs out. Every limit named
+    below is a daemon setting (defaults shown); a request over one is refused before it is
+    stored, with a status naming the field (docs/rollouts.md lists them all).
     """
 
     @staticmethod

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from workers.engine.eagle import EagleDrafter
-from workers.engine.model import Batch, CausalLM
+from workers.engine.transformer import Batch, CausalLM
 
 
 def drafter_features(
@@ -101,6 +101,7 @@ def chain_accepted_lengths(
     2..j for every start], each chain entry seeing the true prefix up to its start and its own
     chain only.
     """
+    # Long on purpose: the batched chain walk keeps its tensors across the k steps.
     T = int(token_ids.numel())
     n = min(int(hidden.shape[0]), T - 1)  # true positions with a known next token
     starts = torch.arange(max(response_start - 1, 0), min(n, T - 2))

@@ -45,6 +45,7 @@ from workers.drafter.buffer import TrainingBuffer, TrainItem
 from workers.drafter.forward import drafter_features, target_hidden
 from workers.drafter.objective import EagleExample, align, eagle_loss
 from workers.drafter.packing import pack
+from workers.drafter.protocol import StepResult
 from workers.engine.eagle import EagleDrafter, check_drafter_tensors
 
 
@@ -69,21 +70,6 @@ class Cursor:
     epoch: int = 0  # epochs started so far
     order: list[int] = field(default_factory=list)  # item ids of the current epoch
     pos: int = 0  # items of `order` consumed by applied optimizer steps
-
-
-@dataclass(frozen=True)
-class StepResult:
-    step: int  # optimizer steps applied so far (this one included)
-    loss: float
-    reg: float
-    ce: float
-    top1: float
-    positions: int
-    grad_norm: float
-    lr: float
-    item_ids: tuple[int, ...]  # items this step trained on
-    skipped: tuple[int, ...] = ()  # ids of the order that had left the buffer (evicted)
-    seconds: float = 0.0  # wall time of the step
 
 
 class Stop(enum.StrEnum):
@@ -267,6 +253,7 @@ class Trainer:
         with the next micro-step, so preemptions more frequent than a whole step still make
         progress and change nothing in the result.
         """
+        # Long on purpose: one optimizer step with its stop checks between micro-steps.
         c = self.cfg
         if self._pending is None:
             while True:

@@ -1,4 +1,5 @@
-"""Drafter versions: acceptance on held-out rollouts, publish (promote or reject), SGLang export."""
+"""Drafter versions: acceptance on held-out rollouts (a candidate measured against the active
+version), SGLang export."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from tltd.domain import DrafterStatus, DrafterVersion
 from workers.drafter.forward import chain_accepted_lengths, target_hidden
+from workers.drafter.protocol import ActiveDrafter, Measured
 from workers.engine.eagle import EagleDrafter, check_drafter_tensors
-from workers.engine.model import ModelConfig, read_state_dict
+from workers.engine.transformer import ModelConfig, read_state_dict
 
 
 @dataclass(frozen=True)
@@ -42,26 +43,22 @@ def mean_accepted_length(drafter: EagleDrafter, held_out: Sequence[HeldOut], k: 
     return float(allv.mean()) if allv.numel() else 0.0
 
 
-def publish(
-    store,
-    job_id: str,
+def measure(
     drafter: EagleDrafter,
     held_out: Sequence[HeldOut],
     *,
+    active: ActiveDrafter | None,
     policy_version: int,
     train_steps: int,
     loss: float,
     out_dir: str | Path,
     k: int = 4,
-    min_gain: float = 0.0,
-) -> DrafterVersion:
-    """Save the drafter, record it as a version, and promote it only if it beats the active one.
+) -> Measured:
+    """Save the drafter and measure it against the active version on the same held-out samples.
 
-    The active version (pinned, else newest promoted) is re-measured on the *same* held-out
-    samples, since acceptance measured on older data is not comparable; with no active learned
-    drafter the baseline is 1.0 token per step. A candidate must exceed the baseline by more
-    than `min_gain` to be PROMOTED; otherwise it is REJECTED (kept on disk for inspection).
-    `store` is a tltd.store.Store.
+    The active version is re-measured here, since acceptance measured on older data is not
+    comparable; with no active learned drafter the baseline is 1.0 token per step. Whether the
+    candidate is promoted is the daemon's decision (`tltd.drafter_versions.record`).
     """
     path = Path(out_dir) / f"drafter-p{policy_version}-s{train_steps}-{uuid.uuid4().hex[:8]}"
     was_training = drafter.training
@@ -69,47 +66,28 @@ def publish(
     try:
         drafter.save_pretrained(path)
         acceptance = mean_accepted_length(drafter, held_out, k)
-        active = store.active_drafter_version(job_id)
         base, against = 1.0, "no learned drafter"
-        if active:
-            current = store.get_drafter(job_id, active)
-            against = f"active version {active}"
+        if active is not None:
+            against = f"active version {active.version}"
             try:
-                old = EagleDrafter.from_pretrained(current.path, drafter.target)
+                old = EagleDrafter.from_pretrained(active.path, drafter.target)
                 base = mean_accepted_length(old, held_out, k)
             except (FileNotFoundError, OSError, ValueError):
                 # Its checkpoint is gone or unreadable: fall back to its recorded acceptance.
-                base, against = current.acceptance_length, f"{against} (recorded)"
+                base, against = active.recorded_acceptance, f"{against} (recorded)"
     finally:
         drafter.train(was_training)
-    dv = store.add_drafter_version(
-        DrafterVersion(
-            job_id=job_id,
-            version=0,
-            policy_version=policy_version,
-            path=str(path),
-            train_steps=train_steps,
-            loss=float(loss),
-            acceptance_length=acceptance,
-        )
+    return Measured(
+        path=str(path),
+        policy_version=policy_version,
+        train_steps=train_steps,
+        loss=float(loss),
+        acceptance=acceptance,
+        baseline=base,
+        against=against,
+        held_out=len(held_out),
+        k=k,
     )
-    better = acceptance > base + min_gain
-    reason = (
-        f"held-out acceptance {acceptance:.3f} vs {base:.3f} of {against} "
-        f"on {len(held_out)} samples, k={k}"
-    )
-    new = DrafterStatus.PROMOTED if better else DrafterStatus.REJECTED
-    return store.set_drafter_status(job_id, dv.version, new, reason)
-
-
-def load_active(store, job_id: str, target) -> tuple[EagleDrafter | None, int]:
-    """The job's active drafter (pinned, else newest promoted) loaded onto `target`, and its
-    version; (None, 0) when there is none. A rollout worker calls this after a promotion and
-    hands the result to `Engine.set_drafter` (swapped between decode steps)."""
-    version = store.active_drafter_version(job_id)
-    if not version:
-        return None, 0
-    return EagleDrafter.from_pretrained(store.get_drafter(job_id, version).path, target), version
 
 
 # -- export for SGLang ---------------------------------------------------------------------------
@@ -162,6 +140,7 @@ def export_sglang(
     is refused with `IncompatibleDrafterCheckpoint`: without that norm it is another network.
     tests/drafter/test_versions.py runs the export through a reference of SGLang's forward.
     """
+    # Long on purpose: the docstring is the name mapping; the code follows it row by row.
     drafter_dir, target_dir, out = Path(drafter_dir), Path(target_dir), Path(out_dir)
     ours = load_file(str(drafter_dir / "model.safetensors"))
     check_drafter_tensors(ours, drafter_dir)

@@ -8,7 +8,6 @@ import statistics
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 PLAIN = "plain"  # the arm that decodes one token per row, without speculation
 # A predicted reward counts as this many measured steps: measured rewards outweigh it after a
@@ -50,27 +49,6 @@ def estimate(prior: float | None, median: float | None, count: int) -> float:
 
 class NoStrategyAvailable(LookupError):
     """None of a policy's strategies uses an available drafter: decode without SD."""
-
-
-class StrategyPolicy(Protocol):
-    """What the engine needs from a strategy chooser (BEG or a fixed ablation)."""
-
-    @property
-    def drafters(self) -> frozenset[str]: ...
-
-    def choose(
-        self,
-        batch_size: int,
-        available: Collection[str] | None = None,
-        priors: Mapping[str, float] | None = None,
-        explore: str | None = None,
-    ) -> Strategy | None: ...
-
-    def record(
-        self, batch_size: int, strategy: Strategy, accepted_tokens: float, step_seconds: float
-    ) -> None: ...
-
-    def snapshot(self) -> dict[int, dict[str, dict[str, float | int | None]]]: ...
 
 
 class BucketedEpsilonGreedy:

@@ -23,7 +23,7 @@ import torch
 from workers.engine.bandit import PLAIN, Strategy
 from workers.engine.eagle import EagleDrafter
 from workers.engine.kv_cache import KVCache
-from workers.engine.model import Batch, CausalLM
+from workers.engine.transformer import Batch, CausalLM
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,7 @@ def measure_costs(
     timings still swing, so `smoothed` then takes each ratio to the plain step over
     neighbouring batch sizes.
     """
+    # Long on purpose: one timed pass per batch bucket; its steps share the warmed cache.
     start = time.perf_counter()
     batches = sorted(b for b in set(batches) if b <= cache.slots)
     widths = sorted({min(ks) + 1, max(ks) + 1})

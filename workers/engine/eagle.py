@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from workers.engine.kv_cache import KVCache
-from workers.engine.model import Batch, CausalLM, DecoderLayer, ModelConfig
+from workers.engine.transformer import Batch, CausalLM, DecoderLayer, ModelConfig
 
 # A tensor only drafters trained before the layer lost its input norm have.
 LEGACY_INPUT_NORM = "layer.input_layernorm.weight"
@@ -37,9 +37,9 @@ def check_drafter_tensors(names: Iterable[str], source: object) -> None:
     if LEGACY_INPUT_NORM in set(names):
         raise IncompatibleDrafterCheckpoint(
             f"drafter checkpoint {source} has {LEGACY_INPUT_NORM!r}: it was trained with an "
-            "input norm on its decoder layer, which the drafter no longer has (EAGLE / SGLang "
-            "layer 0 runs no input norm); its weights cannot be used without that norm. Refit "
-            "it (scripts/fit_drafter.py) or train a new one online."
+            "input norm on its decoder layer, which this drafter's network does not have "
+            "(EAGLE / SGLang layer 0 runs no input norm); its weights cannot be used without "
+            "that norm. Refit it (scripts/fit_drafter.py) or train a new one online."
         )
 
 
@@ -169,6 +169,7 @@ class EagleDrafter(nn.Module):
         drafts past that are padding. Any choice of draft length keeps decoding lossless; a
         short draft only saves verification work that would likely be rejected.
         """
+        # Long on purpose: one drafting loop over k steps; its tensors live across steps.
         b = len(feats)
         dev = cache.k.device
         c = [len(t) for t in tokens]

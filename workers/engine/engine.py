@@ -10,12 +10,14 @@ Public API (used by the rollout worker and the drafter trainer)::
             ...                      # SampleOutput of every sample that finished in that step
     engine.generate([Request(...), ...]) -> list[SampleOutput]   # run to completion
     engine.cancel(request_id)        # its samples finish as CANCELLED (returned by next step())
+    engine.abort_all()               # every sample CANCELLED now; returns their outputs
+    engine.load() -> EngineLoad      # samples held, tokens they may still generate
     engine.set_drafter(EagleDrafter | None, version)   # hot swap between steps
     engine.load_policy(path_or_hf_state_dict, version) # new target weights between steps
     engine.stats -> EngineStats      # engine.strategy_snapshot() -> per-bucket arms + "plain"
     engine.gate_snapshot()           # cost model, acceptance, predicted vs measured gain
     Engine(..., costs=CostModel, gate_state=GateState)  # reuse what another engine measured
-    # EngineConfig, Request, SampleOutput live in workers.engine.api (re-exported here)
+    # EngineConfig, Request, SampleOutput live in workers.engine.datatypes (re-exported here)
     EngineConfig.from_speculative(job.speculative, max_batch=...)  # a job's config -> engine's
     SampleOutput.to_domain() -> tltd.domain.Sample
 
@@ -76,7 +78,6 @@ import torch
 from torch import Tensor
 
 from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance
-from workers.engine.api import EngineConfig, Request, SampleOutput
 from workers.engine.bandit import (
     BucketedEpsilonGreedy,
     FixedStrategy,
@@ -84,17 +85,10 @@ from workers.engine.bandit import (
     Strategy,
 )
 from workers.engine.costs import CostModel, arm_rewards, measure_costs
+from workers.engine.datatypes import EngineConfig, EngineLoad, Request, SampleOutput
 from workers.engine.eagle import EagleDrafter
 from workers.engine.gate import GateState, verdicts
 from workers.engine.kv_cache import KVCache
-from workers.engine.model import (
-    Batch,
-    CausalLM,
-    ModelConfig,
-    load_model,
-    load_weights,
-    read_state_dict,
-)
 from workers.engine.ngram import NgramDrafter
 from workers.engine.sampling import (
     ACCEPT,
@@ -109,6 +103,14 @@ from workers.engine.sampling import (
 )
 from workers.engine.spec import accept_drafts
 from workers.engine.stats import PLAIN_TOKEN, EngineStats, step_provenance
+from workers.engine.transformer import (
+    Batch,
+    CausalLM,
+    ModelConfig,
+    load_model,
+    load_weights,
+    read_state_dict,
+)
 
 
 @dataclass
@@ -123,7 +125,7 @@ class _Group:
     return_hidden: bool
     speculative: bool
     policy_version: int
-    gid: str = ""
+    group_key: str = ""
     live: int = 0
     sample_offset: int = 0  # sample indices of this group are offset .. offset + n - 1
 
@@ -148,8 +150,8 @@ class _Seq:
         "provenance",
         "drafter_version",
         "history",
-        "eg_h",
-        "eg_tok",
+        "eagle_hidden",
+        "eagle_tokens",
         "eagle_ok",
     )
 
@@ -167,12 +169,12 @@ class _Seq:
             [] if group.sampling.return_provenance else None
         )
         self.history: list[Tensor] | None = [] if group.return_hidden else None
-        self.eg_h: list[Tensor] = []  # hidden states the EAGLE drafter has not consumed
-        self.eg_tok: list[int] = []  # ... and the token that followed each
+        self.eagle_hidden: list[Tensor] = []  # hidden states the EAGLE drafter has not consumed
+        self.eagle_tokens: list[int] = []  # ... and the token that followed each
         self.eagle_ok = False
 
     @property
-    def sid(self) -> str:
+    def sample_key(self) -> str:
         return str(self.index)
 
 
@@ -192,6 +194,7 @@ class Engine:
         taken as made for this engine), else measured again (cost_budget_s > 0);
         `gate_state`: what an earlier engine of the same job learned, continued when it fits
         (same strategies and buckets)."""
+        # Long on purpose: the engine's state is declared in one place, in start order.
         self.config = cfg = config or EngineConfig()
         if cfg.spec_mode not in ("off", "adaptive", "fixed"):
             raise ValueError(f"spec_mode must be off|adaptive|fixed, got {cfg.spec_mode!r}")
@@ -291,6 +294,7 @@ class Engine:
         randomness key), so that a worker can run any contiguous slice of a prompt's samples and
         a retried slice reproduces the same tokens (n-gram drafts: see the module docstring).
         """
+        # Long on purpose: the request's checks and its group are built in one pass.
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
         if not prompt:
@@ -317,7 +321,7 @@ class Engine:
             )
         # Unique per add: a sample that finished may run again (a retry) while its siblings,
         # added with it, still run under the old group.
-        gid = f"{request_id}\x00{prompt_index}\x00{sample_offset}\x00{self._groups_added}"
+        group_key = f"{request_id}\x00{prompt_index}\x00{sample_offset}\x00{self._groups_added}"
         self._groups_added += 1
         seed = sampling.seed
         if seed is None:
@@ -331,7 +335,7 @@ class Engine:
             return_hidden_states,
             speculative,
             self.policy_version,
-            gid,
+            group_key,
             sample_offset=sample_offset,
         )
         self.waiting.append(group)
@@ -373,6 +377,23 @@ class Engine:
             if s.group.request_id == request_id
         }
         self._outputs.extend(self._finish(done))
+
+    def abort_all(self) -> list[SampleOutput]:
+        """Cancel every request, waiting or running; returns their outputs (CANCELLED, with the
+        tokens so far). Nothing is left afterwards."""
+        running = {s.group.request_id for s in self.running}
+        for request_id in running | {g.request_id for g in self.waiting}:
+            self.cancel(request_id)
+        return self.step()
+
+    def load(self) -> EngineLoad:
+        """What the engine holds: samples waiting or running, and the tokens they may still
+        generate at most (each sample's `max_new_tokens` left)."""
+        samples = len(self.running) + sum(g.sampling.n for g in self.waiting)
+        tokens = sum(s.max_new - len(s.tokens) for s in self.running) + sum(
+            g.sampling.n * g.sampling.max_new_tokens for g in self.waiting
+        )
+        return EngineLoad(samples, tokens)
 
     def generate(self, requests: Iterable[Request]) -> list[SampleOutput]:
         """Queue the requests and step until everything finished; outputs in finish order."""
@@ -454,10 +475,10 @@ class Engine:
             self.eagle_cache = None
         for s in self.running:
             s.eagle_ok = drafter is not None and s.history is not None
-            s.eg_h, s.eg_tok = [], []
+            s.eagle_hidden, s.eagle_tokens = [], []
             if s.eagle_ok and s.history:
-                s.eg_h = [torch.cat(s.history)]
-                s.eg_tok = (s.group.prompt + s.tokens)[1:]
+                s.eagle_hidden = [torch.cat(s.history)]
+                s.eagle_tokens = (s.group.prompt + s.tokens)[1:]
 
     def load_policy(self, path_or_state_dict: str | Path | dict[str, Tensor], version: int) -> None:
         """Load new target weights (HF names) between steps; later samples carry `version`.
@@ -539,8 +560,8 @@ class Engine:
                 if s.history is not None:
                     s.history.append(h)
                 if s.eagle_ok:
-                    s.eg_h.append(h)
-                    s.eg_tok.extend(g.prompt[1:])
+                    s.eagle_hidden.append(h)
+                    s.eagle_tokens.extend(g.prompt[1:])
             reason = self._emit(s, [toks[r]], [lps[r]], hidden_rows=None)
             if reason is not None:
                 done[b0 + r] = reason
@@ -564,7 +585,7 @@ class Engine:
             self.cache.fork(b0 + i, nxt, nxt + g.sampling.n - 1)
             nxt += g.sampling.n - 1
             if self._ngram_on:
-                self.ngram.add_group(g.gid, g.prompt)
+                self.ngram.add_group(g.group_key, g.prompt)
             g.live = g.sampling.n
             max_new = min(g.sampling.max_new_tokens, self.config.max_seq_len - len(g.prompt))
             for j in range(g.sampling.n):
@@ -574,7 +595,7 @@ class Engine:
                 if s.eagle_ok and s.history is None:
                     s.history = []  # lets a later drafter version catch up on this sample
                 if self._ngram_on:
-                    self.ngram.add_sequence(g.gid, s.sid)
+                    self.ngram.add_sequence(g.group_key, s.sample_key)
                 (leaders if j == 0 else followers).append(s)
         self.running.extend(leaders + followers)
         order = list(range(len(groups))) + [
@@ -663,6 +684,7 @@ class Engine:
 
     def _spec_step(self, strategy: Strategy) -> list[SampleOutput]:
         """Draft up to k tokens per row, verify all rows in one target forward, accept/reject."""
+        # Long on purpose: draft -> verify -> accept -> emit of one step, with shared tensors.
         t0 = time.perf_counter()
         seqs, lens = self.running, self.cache.lens
         b = len(seqs)
@@ -754,7 +776,7 @@ class Engine:
             cap = [min(c, n) for c, n in zip(cap, confident, strict=True)]
         else:
             drafts = [
-                self.ngram.propose(s.group.gid, s.sid, c) if c > 0 else []
+                self.ngram.propose(s.group.group_key, s.sample_key, c) if c > 0 else []
                 for s, c in zip(seqs, cap, strict=True)
             ]
         dlen = [min(len(d), c) for d, c in zip(drafts, cap, strict=True)]
@@ -764,8 +786,8 @@ class Engine:
         self, seqs: list[_Seq], params: RowParams, k: int
     ) -> tuple[Tensor, Tensor | None, list[int]]:
         assert self.drafter is not None and self.eagle_cache is not None
-        feats = [torch.cat(s.eg_h) if s.eagle_ok and s.eg_h else None for s in seqs]
-        toks = [s.eg_tok if s.eagle_ok else [] for s in seqs]
+        feats = [torch.cat(s.eagle_hidden) if s.eagle_ok and s.eagle_hidden else None for s in seqs]
+        toks = [s.eagle_tokens if s.eagle_ok else [] for s in seqs]
         keys = self._keys(seqs)
         base = torch.tensor([len(s.tokens) for s in seqs], device=self.device)
 
@@ -786,7 +808,7 @@ class Engine:
             self.eagle_cache, feats, toks, k, choose, self.config.draft_confidence
         )
         for s in seqs:
-            s.eg_h, s.eg_tok = [], []
+            s.eagle_hidden, s.eagle_tokens = [], []
         return out
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -823,12 +845,12 @@ class Engine:
             if s.history is not None:
                 s.history.append(h)
             if s.eagle_ok:
-                s.eg_h.append(h)
+                s.eagle_hidden.append(h)
         if s.eagle_ok:
-            s.eg_tok.extend(s.tokens[-n:])
+            s.eagle_tokens.extend(s.tokens[-n:])
         g = s.group
         if self._ngram_on:
-            self._ngram_pending.append((g.gid, s.index, s.sid, s.tokens[-n:]))
+            self._ngram_pending.append((g.group_key, s.index, s.sample_key, s.tokens[-n:]))
         return reason
 
     def _finish(self, done: dict[int, FinishReason]) -> list[SampleOutput]:
@@ -846,19 +868,19 @@ class Engine:
             self.running.pop()
             g = s.group
             if self._ngram_on:
-                self.ngram.remove_sequence(g.gid, s.sid)
+                self.ngram.remove_sequence(g.group_key, s.sample_key)
             g.live -= 1
             if g.live == 0:
                 if self._ngram_on:
-                    self.ngram.remove_group(g.gid)
+                    self.ngram.remove_group(g.group_key)
         out.reverse()
         return out
 
     def _index_emitted(self) -> None:
         """Index the step's emitted tokens in the n-gram drafter, in a batch-independent order."""
         pending, self._ngram_pending = self._ngram_pending, []
-        for gid, _, sid, toks in sorted(pending, key=lambda p: (p[0], p[1])):
-            self.ngram.extend(gid, sid, toks)
+        for group_key, _, sample_key, toks in sorted(pending, key=lambda p: (p[0], p[1])):
+            self.ngram.extend(group_key, sample_key, toks)
 
     def _output(self, s: _Seq, reason: FinishReason) -> SampleOutput:
         hidden = None

@@ -33,12 +33,6 @@ class KVCache:
         self.trash = max_len
         self.lens = [0] * slots
 
-    def rollback(self, slot: int, length: int) -> None:
-        """Forget positions >= length of a slot (rejected draft tokens)."""
-        if not 0 <= length <= self.lens[slot]:
-            raise ValueError(f"cannot roll slot {slot} back to {length} (has {self.lens[slot]})")
-        self.lens[slot] = length
-
     def move(self, src: int, dst: int) -> None:
         """Move a sequence to another slot (compaction after a sequence leaves)."""
         n = self.lens[src]

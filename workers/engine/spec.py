@@ -43,6 +43,7 @@ def accept_drafts(
     Greedy rows keep drafts while they equal the target argmax and emit the argmax at the
     first mismatch (or after the last draft), which reproduces greedy decoding token for token.
     """
+    # Long on purpose: the accept/reject rule in one function, the math beside the code.
     b, k = draft.shape
     rows = torch.arange(b, device=draft.device)
     if k == 0:  # nothing drafted: plain sampling from p at the only position

@@ -8,8 +8,9 @@ boundary, in the order sent.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from tltd.domain import Sample, SamplingParams
+from tltd.domain import Sample, SamplingParams, SpeculativeConfig, SpeculativeMode
 
 # ---- how to build an engine ----------------------------------------------------------------
 
@@ -27,6 +28,18 @@ class EngineSpec:
     drafter: str = "auto"  # "auto" | "ngram" | "eagle"
     device: str = "cpu"
     seed: int = 0
+
+    @classmethod
+    def for_job(cls, spec: SpeculativeConfig, **kw: Any) -> EngineSpec:
+        """A job's speculative config as engine settings (the one place they are mapped);
+        `kw` sets the rest (batch, length, device)."""
+        return cls(
+            spec_mode="off" if spec.mode is SpeculativeMode.OFF else "adaptive",
+            batch_threshold=spec.batch_threshold,
+            draft_lengths=spec.draft_lengths,
+            drafter=spec.drafter,
+            **kw,
+        )
 
 
 # ---- daemon -> worker ----------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Same pipe protocol as the torch worker (`workers.rollout.loop`). The engine is any object with
 the `workers.sglang.adapter.SglangEngine` methods, built by a factory named on the command line
-of the process ("module:function"; default `workers.sglang.engine:make_engine`, which imports
+of the process ("module:function"; default `workers.sglang.real_engine:make_engine`, which imports
 sglang), so that the tests run this module over a fake `sglang.Engine`.
 
 - Every sample is its own engine request (its own seed, abort and result). A "step" is a poll
@@ -60,7 +60,7 @@ from workers.sglang.adapter import (
 )
 from workers.signals import ignore_stop_signals
 
-DEFAULT_FACTORY = "workers.sglang.engine:make_engine"
+DEFAULT_FACTORY = "workers.sglang.real_engine:make_engine"
 POLL_SECONDS = 0.02  # one step: the longest a poll waits (commands are read in between)
 ABORT_WAIT_SECONDS = 10.0  # how long a drain or restart waits for aborted requests to report
 RELEASE_AFTER_SECONDS = 2.0  # idle this long: the GPU memory goes to the drafter trainer

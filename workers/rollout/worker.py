@@ -6,9 +6,9 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-from tltd.domain import FinishReason, Sample
+from tltd.domain import Sample
 from workers.rollout.loop import WorkerLoop, contiguous_runs, serve
-from workers.rollout.protocol import AddWork, EngineSpec, LoadModel
+from workers.rollout.protocol import AddWork, LoadModel
 from workers.signals import ignore_stop_signals
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by the worker process, at load
@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # the engine (torch) is imported only by the worker process, 
 
 __all__ = ["RolloutWorker", "contiguous_runs", "main"]
 
-_DRAFTERS = {"auto": ("ngram", "eagle"), "ngram": ("ngram",), "eagle": ("eagle",)}
 # Jobs whose SD gate state a worker keeps (a job that comes back continues where it was).
 GATE_STATES_KEPT = 4
 
@@ -54,31 +53,15 @@ class RolloutWorker(WorkerLoop):
 
     def step(self) -> list[Sample]:
         assert self.engine is not None
-        return [_sample(out) for out in self.engine.step()]
+        return [out.to_domain() for out in self.engine.step()]
 
     def load(self, msg: LoadModel) -> None:
-        from workers.engine.bandit import Strategy
         from workers.engine.engine import Engine, EngineConfig
 
-        spec: EngineSpec = msg.engine
-        strategies = tuple(
-            Strategy(d, k)
-            for d in _DRAFTERS.get(spec.drafter, ("ngram",))
-            for k in dict.fromkeys(spec.draft_lengths)  # a repeat is no second arm
-        )
         self.engine = None  # free the old model before loading the next one
         engine = Engine(
             msg.path,
-            EngineConfig(
-                max_batch=spec.max_batch,
-                max_seq_len=spec.max_seq_len,
-                spec_mode=spec.spec_mode,
-                gate=spec.gate,
-                batch_threshold=spec.batch_threshold,
-                strategies=strategies,
-                device=spec.device,
-                seed=spec.seed,
-            ),
+            EngineConfig.from_spec(msg.engine),
             costs=self.costs,
             gate_state=self.gate_states.get(msg.job_id),
         )
@@ -124,21 +107,10 @@ class RolloutWorker(WorkerLoop):
 
     def abort_everything(self) -> list[Sample]:
         assert self.engine is not None
-        e = self.engine
-        for rid in {s.group.request_id for s in e.running} | {g.request_id for g in e.waiting}:
-            e.cancel(rid)
-        return [_sample(out) for out in e.step()]  # the cancelled outputs; nothing is left
+        return [out.to_domain() for out in self.engine.abort_all()]
 
     def load_summary(self) -> tuple[int, int, dict[str, object]]:
         assert self.engine is not None
         e = self.engine
-        running = len(e.running) + sum(g.sampling.n for g in e.waiting)
-        remaining = sum(s.max_new - len(s.tokens) for s in e.running) + sum(
-            g.sampling.n * g.sampling.max_new_tokens for g in e.waiting
-        )
-        return running, remaining, e.stats.summary() | {"prefills": e.prefills}
-
-
-def _sample(out) -> Sample:
-    """Engine SampleOutput -> domain Sample (a cancelled one is partial)."""
-    return replace(out.to_domain(), partial=out.finish_reason is FinishReason.CANCELLED)
+        held = e.load()
+        return held.samples, held.remaining_tokens, e.stats.summary() | {"prefills": e.prefills}

@@ -1,24 +1,26 @@
-"""Drafter training on idle devices: the supervisor's `TrainingHook` over DrafterWorker processes.
+"""Drafter training on idle devices: the supervisor's `TrainingHook` over TrainerProcess processes.
 
 The scheduler decides (`start_training`, `preempt_training`); this module carries it out:
 - finished rollout samples (token ids only: hidden states are recomputed on the training device
   with one target prefill, see workers/drafter/trainer.py) are kept per job; every
   `training_held_out_every`-th one is held out to measure acceptance at publish time;
-- `start` spawns (or reuses) one `DrafterWorker` process per job, feeds it the new samples and
+- `start` spawns (or reuses) one `TrainerProcess` process per job, feeds it the new samples and
   runs one round of `training_steps_per_round` optimizer steps on the device it was given; it
   returns at once (it runs in the supervisor's tick): stopping an old trainer, spawning and
   loading a new one run in a background task (`_launch`);
 - `preempt` asks the worker for the device back and records the measured latency
   (request -> "device_free"); the trainer keeps its state in memory and resumes next round;
-- at the end of a round the worker publishes a drafter version (`versions.publish`: a store row,
-  promoted only when its held-out acceptance beats the active one), and the supervisor then
-  hot-swaps a promoted version into the rollout workers;
+- at the end of a round the trainer saves its drafter and measures held-out acceptance against
+  the active version (`Measure`); this module records the version and promotes it only when it
+  beats the active one (`tltd.drafter_versions`), and the supervisor then hot-swaps a promoted
+  version into the rollout workers;
 - `close` (SIGTERM / drain) stops every worker, which writes its trainer checkpoint first;
 - a worker heartbeats from a thread; `reap` (a periodic job) kills one silent for
   `training_heartbeat_timeout_seconds` (hung, not dead: a dead one's pipe closes).
 
-The worker's messages are read by one thread per process and handled, in order, by one task
-on the event loop; store writes go through `asyncio.to_thread` so the loop never waits on them.
+The trainer speaks the typed protocol of `workers.drafter.protocol`. Its messages are read by
+one thread per process (`tltd.worker_pipe`) and handled, in order, by one task on the event
+loop; store writes go through `asyncio.to_thread` so the loop never waits on them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import asyncio
 import logging
 import math
 import queue as threading_queue
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -36,15 +37,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tltd.domain import DeviceKind, DeviceState, Sample, Worker, WorkerKind, WorkerState
+from tltd.drafter_versions import active_drafter, record
 from tltd.errors import TltError
 from tltd.metrics import METRICS
 from tltd.scheduler import TrainingView
 from tltd.settings import Settings
-from tltd.supervisor.worker_process import write_pipe
+from tltd.worker_pipe import HeartbeatStamp, join_or_kill, serve_pipe
+from workers.drafter import protocol as proto
 
 if TYPE_CHECKING:
     from tltd.store import Store
-    from workers.drafter.worker import DrafterWorker
+    from workers.drafter.trainer_process import TrainerProcess
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +76,8 @@ class _Run:
     policy_version: int
     # starting|training|publishing|releasing|preempting|idle|stopping|stopped
     phase: str = "starting"
-    worker: DrafterWorker | None = None
-    spawning: DrafterWorker | None = None  # while `_launch` waits for its Ready
+    worker: TrainerProcess | None = None
+    spawning: TrainerProcess | None = None  # while `_launch` waits for its Ready
     outbox: threading_queue.Queue | None = None
     step: int = 0
     loss: float = 0.0
@@ -95,11 +98,11 @@ class _Run:
     def alive(self) -> bool:
         return self.worker is not None and self.phase not in ("stopping", "stopped")
 
-    def send(self, kind: str, payload: Any = None) -> None:
+    def send(self, m: proto.ToTrainer) -> None:
         if self.outbox is not None:
-            self.outbox.put((kind, payload))
+            self.outbox.put(m)
 
-    def processes(self) -> list[DrafterWorker]:
+    def processes(self) -> list[TrainerProcess]:
         """Every trainer process of this run: up, still loading, or the one its launch stops."""
         old = self.replaces.worker if self.replaces is not None else None
         return [w for w in (self.worker, self.spawning, old) if w is not None]
@@ -115,9 +118,9 @@ class DrafterTraining:
         self.on_change: Callable[[], None] | None = None  # the supervisor's kick
         self.preemptions: list[Preemption] = []
         self._runs: dict[str, _Run] = {}
-        self._recent: dict[str, deque[dict]] = {}
-        self._unsent: dict[str, list[dict]] = {}
-        self._held: dict[str, deque[dict]] = {}
+        self._recent: dict[str, deque[proto.TrainingSample]] = {}
+        self._unsent: dict[str, list[proto.TrainingSample]] = {}
+        self._held: dict[str, deque[proto.TrainingSample]] = {}
         self._seen: Counter[str] = Counter()
         self._fresh: Counter[str] = Counter()
         self._last_start: dict[str, float] = {}
@@ -140,15 +143,14 @@ class DrafterTraining:
         return self._fresh[job_id], self._last_start.get(job_id)
 
     def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
-        item = {
-            "token_ids": [*prompt, *sample.token_ids],
-            "response_start": len(prompt),
-            "policy_version": sample.policy_version,
+        item = proto.TrainingSample(
+            (*prompt, *sample.token_ids),
+            len(prompt),
+            sample.policy_version,
             # The rollout "step" of the one-step offset: a policy version is one RL step.
-            "step": sample.policy_version,
-            "hidden": None,
-        }
-        if len(item["token_ids"]) <= len(prompt) + 1:
+            step=sample.policy_version,
+        )
+        if len(item.token_ids) <= len(prompt) + 1:
             return  # nothing a drafter position could be trained on
         self._seen[job_id] += 1
         if self._seen[job_id] % self.settings.training_held_out_every == 0:
@@ -202,7 +204,7 @@ class DrafterTraining:
                 run.phase = "preempting"  # _launch releases it once the process is up
                 continue
             run.phase = "preempting"
-            run.send("preempt")
+            run.send(proto.Preempt())
             log.info("preempting drafter training", extra={"job_id": run.job_id, "reason": reason})
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -282,7 +284,7 @@ class DrafterTraining:
         holding = run.phase in (*_HOLDING, "preempting", "releasing")
         run.phase = "stopping"  # its exit is expected from here on
         await self._record(run, WorkerState.STOPPING, why)
-        run.send("stop")
+        run.send(proto.Stop())
         stopped = asyncio.ensure_future(run.stopped.wait())
         if not await self._wait(stopped, limit):
             stopped.cancel()
@@ -290,8 +292,7 @@ class DrafterTraining:
         worker = run.worker
         if worker is not None:
             left = min(limit, self._close_deadline) - time.monotonic()
-            await asyncio.to_thread(worker.proc.join, min(10.0, max(0.0, left)))
-            await asyncio.to_thread(worker.kill)
+            await join_or_kill(worker.proc, min(10.0, left))
         run.phase = "stopped"
         if run.outbox is not None:
             run.outbox.put(None)
@@ -320,42 +321,42 @@ class DrafterTraining:
         if started is None:
             await self._give_up(run, WorkerState.STOPPED, "not started: daemon shutting down")
             return
-        worker, info = started
+        worker, ready = started
         if run.phase == "stopped":  # up after `close` gave up on it: nobody else stops it
             await asyncio.to_thread(worker.kill)
             run.stopped.set()
             return
-        run.worker, run.step = worker, int(info["step"])
+        run.worker, run.step = worker, ready.step
         run.published_step = run.step
         run.last_heartbeat = time.monotonic()
-        run.outbox = threading_queue.Queue()
-        threading.Thread(
-            target=write_pipe,
-            args=(run.outbox, worker.conn),
-            daemon=True,
-            name=f"{run.worker_id}-tx",
-        ).start()
-        threading.Thread(
-            target=self._read_pipe, args=(run,), daemon=True, name=f"{run.worker_id}-rx"
-        ).start()
-        resumed = f", resumed from {info['resumed_from']}" if info.get("resumed_from") else ""
+        assert self._loop is not None
+        stamp = HeartbeatStamp(self.store, run.worker_id)
+        run.outbox = serve_pipe(
+            run.worker_id,
+            worker.conn,
+            self._loop,
+            receive=lambda m: self._receive(run, stamp, m),
+            deliver=lambda m: self._inbox_put(run, m),
+            closed=lambda: self._inbox_put(run, None),
+        )
+        resumed = f", resumed from {ready.resumed_from}" if ready.resumed_from else ""
         await self._record(run, WorkerState.READY, f"up at step {run.step}{resumed}")
         # A new process has an empty buffer: refill it with the recent samples.
-        run.send("add", list(self._recent.get(run.job_id, ())))
+        run.send(proto.AddSamples(tuple(self._recent.get(run.job_id, ()))))
         self._unsent.pop(run.job_id, None)
         if run.phase == "preempting":  # preempted while loading: free the device at once
-            run.send("preempt")
+            run.send(proto.Preempt())
             return
         await self._begin_round(run, reason)
 
     async def _spawn_worker(
         self, run: _Run, active_drafter: int, reason: str
-    ) -> tuple[DrafterWorker, dict] | None:
+    ) -> tuple[TrainerProcess, proto.Ready] | None:
         """Stop the trainer `run` replaces, then spawn `run`'s and wait for its Ready (killed
         if that fails); None, with nothing spawned, once `close` has begun or the device
         was preempted back for rollouts."""
         from workers.drafter.trainer import TrainerConfig
-        from workers.drafter.worker import DrafterWorker, WorkerSpec
+        from workers.drafter.trainer_process import TrainerProcess, TrainerSpec
 
         if run.replaces is not None:
             why = f"restarting for policy version {run.policy_version}"
@@ -373,7 +374,7 @@ class DrafterTraining:
         if active_drafter:  # a fresh trainer starts from the drafter the workers use
             dv = await asyncio.to_thread(self.store.get_drafter, run.job_id, active_drafter)
             start_from = dv.path if Path(dv.path).is_dir() else None
-        spec = WorkerSpec(
+        spec = TrainerSpec(
             model_path=policy.path,
             checkpoint_dir=str(self.root / run.job_id / "train"),
             device=run.torch_device,
@@ -388,21 +389,21 @@ class DrafterTraining:
             if run.phase != "stopped":  # (STARTING is recorded: STOPPED only by way of it)
                 await self._record(run, WorkerState.STOPPING, "not spawned")
             return None
-        worker = run.spawning = DrafterWorker(spec)
+        worker = run.spawning = TrainerProcess(spec)
         try:
             await asyncio.to_thread(worker.spawn)
             # Recorded at once: the model loading takes GPU memory, and a pid unknown to the
             # store would make that use look foreign (the device would be vacated).
             await self._record(run, WorkerState.STARTING, f"loading: {reason}", pid=worker.proc.pid)
-            info = await asyncio.to_thread(
-                worker.wait_for, "ready", self.settings.training_start_timeout_seconds
+            ready = await asyncio.to_thread(
+                worker.wait_for, proto.Ready, self.settings.training_start_timeout_seconds
             )
         except Exception:
             await asyncio.to_thread(worker.kill)  # e.g. timed out loading: not left holding it
             raise
         finally:
             run.spawning = None
-        return worker, info
+        return worker, ready
 
     async def _give_up(self, run: _Run, state: WorkerState, why: str) -> None:
         """A launch that ends without a trainer: record the run, give the device back."""
@@ -417,26 +418,19 @@ class DrafterTraining:
     async def _begin_round(self, run: _Run, reason: str) -> None:
         unsent = self._unsent.pop(run.job_id, [])
         if unsent:
-            run.send("add", unsent)
+            run.send(proto.AddSamples(tuple(unsent)))
         run.phase = "training"
         target = run.step + self.settings.training_steps_per_round
-        run.send("train", target)
+        run.send(proto.Train(target))
         await self._record(run, WorkerState.BUSY, f"{reason} (steps {run.step} -> {target})")
 
     async def _end_round(self, run: _Run, why: str) -> None:
-        held = list(self._held.get(run.job_id, ()))
+        held = tuple(self._held.get(run.job_id, ()))
         if run.step > run.published_step and held:
             run.phase = "publishing"
-            run.send(
-                "publish",
-                {
-                    "db_url": self.store.url,
-                    "job_id": run.job_id,
-                    "policy_version": run.policy_version,
-                    "out_dir": str(self.settings.drafter_versions_dir(run.job_id)),
-                    "held_out": held,
-                },
-            )
+            active = await asyncio.to_thread(active_drafter, self.store, run.job_id)
+            out_dir = str(self.settings.drafter_versions_dir(run.job_id))
+            run.send(proto.Measure(held, run.policy_version, out_dir, active))
             return
         await self._release(run, why)
 
@@ -444,86 +438,75 @@ class DrafterTraining:
         """The round is over: free the device (moves state off an accelerator, checkpoints)."""
         run.phase = "releasing"
         run.preempt_reason = why
-        run.send("preempt")
+        run.send(proto.Preempt())
 
     # ---- worker messages (one consumer task, in order) -------------------------------------
 
-    def _read_pipe(self, run: _Run) -> None:
-        assert run.worker is not None
-        conn = run.worker.conn
-        stamped = 0.0
-        while True:
-            try:
-                kind, payload = conn.recv()
-            except (EOFError, OSError):
-                break
-            except Exception:
-                log.exception("bad message from drafter trainer", extra={"job_id": run.job_id})
-                break
-            now = run.last_heartbeat = time.monotonic()  # before a write that may block
-            if kind == "heartbeat" and now - stamped >= 2.0:
-                # Shown by `tltctl workers`; written here, off the loop, like a rollout worker's.
-                stamped = now
-                try:
-                    self.store.heartbeat_worker(run.worker_id)
-                except Exception:  # e.g. "database is locked": keep reading
-                    log.warning("cannot record trainer heartbeat", exc_info=True)
-            if kind != "heartbeat":
-                self._post(run, kind, payload)
-        self._post(run, "exit", None)
+    def _receive(
+        self, run: _Run, stamp: HeartbeatStamp, m: proto.FromTrainer
+    ) -> proto.FromTrainer | None:
+        """Reader thread: any message is a sign of life; heartbeats stop here."""
+        run.last_heartbeat = time.monotonic()
+        if isinstance(m, proto.Heartbeat):
+            stamp()  # shown by `tltctl workers`; written here, off the loop
+            return None
+        return m
 
-    def _post(self, run: _Run, kind: str, payload: Any) -> None:
-        loop, inbox = self._loop, self._inbox
-        if loop is not None and inbox is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(inbox.put_nowait, (run, kind, payload))
-            except RuntimeError:
-                pass  # the loop closed while we were reading
+    def _inbox_put(self, run: _Run, m: proto.FromTrainer | None) -> None:
+        """On the loop: one consumer handles every trainer's messages in order (None: the
+        pipe closed)."""
+        if self._inbox is not None:
+            self._inbox.put_nowait((run, m))
 
     async def _consume(self) -> None:
         assert self._inbox is not None
         while True:
-            run, kind, payload = await self._inbox.get()
+            run, m = await self._inbox.get()
             try:
-                await self._handle(run, kind, payload)
+                await self._handle(run, m)
             except Exception:
-                log.exception("drafter trainer message failed", extra={"kind": kind})
+                log.exception("drafter trainer message failed", extra={"kind": type(m).__name__})
 
-    async def _handle(self, run: _Run, kind: str, payload: Any) -> None:
-        if kind == "step":
-            run.step, run.loss = int(payload["step"]), float(payload["loss"])
-        elif kind == "idle" and run.phase == "training":
-            await self._end_round(run, f"round done at step {run.step} ({payload['reason']})")
-        elif kind == "published":
-            run.published_step = int(payload["train_steps"])
-            status = str(payload["status"])
-            log.info(
-                "drafter version published",
-                extra={"job_id": run.job_id, "version": payload["version"], "status": status},
-            )
-            self._kick()  # a promoted version is hot-swapped by the supervisor's next tick
-            if run.phase == "publishing":
-                await self._release(
-                    run, f"round done: published version {payload['version']} ({status})"
-                )
-        elif kind == "device_free":
-            await self._on_device_free(run, payload)
-        elif kind == "checkpointed":
-            run.checkpoint = str(payload.get("path", run.checkpoint))
-        elif kind == "stopped":
-            run.checkpoint = str(payload.get("path") or run.checkpoint)
-            run.stopped.set()
-        elif kind in ("error", "exit"):
-            run.stopped.set()
-            if run.phase not in ("stopping", "stopped") and not self._closed:
-                await self._on_died(run, str(payload or "process exited"))
+    async def _handle(self, run: _Run, m: proto.FromTrainer | None) -> None:
+        match m:
+            case proto.Stepped(result=r):
+                run.step, run.loss = r.step, r.loss
+            case proto.Idle(reason=reason) if run.phase == "training":
+                await self._end_round(run, f"round done at step {run.step} ({reason})")
+            case proto.Measured():
+                await self._on_measured(run, m)
+            case proto.DeviceFree():
+                await self._on_device_free(run, m)
+            case proto.Checkpointed(path=path):
+                run.checkpoint = path or run.checkpoint
+            case proto.Stopped(path=path):
+                run.checkpoint = path or run.checkpoint
+                run.stopped.set()
+            case proto.Failed() | None:
+                run.stopped.set()
+                if run.phase not in ("stopping", "stopped") and not self._closed:
+                    await self._on_died(run, m.traceback if m else "process exited")
 
-    async def _on_device_free(self, run: _Run, payload: dict) -> None:
+    async def _on_measured(self, run: _Run, m: proto.Measured) -> None:
+        """Record the candidate; the daemon decides whether it is promoted."""
+        run.published_step = m.train_steps
+        dv = await self._write(record, self.store, run.job_id, m)
+        status = dv.status.value if dv is not None else "not recorded"
+        version = dv.version if dv is not None else 0
+        log.info(
+            "drafter version published",
+            extra={"job_id": run.job_id, "version": version, "status": status},
+        )
+        self._kick()  # a promoted version is hot-swapped by the supervisor's next tick
+        if run.phase == "publishing":
+            await self._release(run, f"round done: published version {version} ({status})")
+
+    async def _on_device_free(self, run: _Run, m: proto.DeviceFree) -> None:
         if run.phase not in ("preempting", "releasing"):
             return
         why = run.preempt_reason
         if run.phase == "preempting":
-            why = self._note_preemption(run, int(payload.get("step", 0)))
+            why = self._note_preemption(run, m.step)
         run.phase, run.preempt_at = "idle", None
         await self._record(run, WorkerState.READY, why)
         await self._set_device(run.device_id, DeviceState.IDLE, why)

@@ -14,12 +14,14 @@ from tests.drafter.helpers import (
     rollout_samples,
 )
 from tltd.domain import DrafterStatus, Job
+from tltd.drafter_versions import record
 from tltd.store import Store
 from tltd.store.migrate import upgrade
 from workers.drafter.buffer import TrainingBuffer
 from workers.drafter.forward import target_hidden
+from workers.drafter.protocol import Checkpointed, Idle, Measure, Stepped, TrainingSample
 from workers.drafter.trainer import Trainer, TrainerConfig, latest_checkpoint
-from workers.drafter.worker import DrafterWorker, WorkerSpec
+from workers.drafter.trainer_process import TrainerProcess, TrainerSpec
 
 CFG = TrainerConfig(items_per_micro=2, micro_per_step=3, warmup_steps=3, lr=3e-3, row_len=64)
 STEPS = 14
@@ -35,13 +37,7 @@ def _one_thread():  # module scope: it must precede the module-scoped model fixt
 
 def _payload(target, samples):
     return [
-        {
-            "token_ids": t,
-            "response_start": rs,
-            "policy_version": 0,
-            "step": 0,
-            "hidden": target_hidden(target, [torch.tensor(t)])[0],
-        }
+        TrainingSample(tuple(t), rs, hidden=target_hidden(target, [torch.tensor(t)])[0])
         for t, rs in samples
     ]
 
@@ -58,64 +54,58 @@ def test_preempted_k_times_and_restarted_ends_like_uninterrupted(tmp_path, sqlit
     ref = Trainer(new_drafter(target, seed=0), buf, CFG)
     ref_ids = [ref.train_step().item_ids for _ in range(STEPS)]
 
-    spec = WorkerSpec(
+    spec = TrainerSpec(
         model_path=str(model_dir),
         checkpoint_dir=str(tmp_path / "ckpt"),
         trainer=CFG,
         drafter_seed=0,
     )
     payload = _payload(target, samples)
-    w = DrafterWorker(spec)
+    w = TrainerProcess(spec)
     latencies = []
     try:
-        assert w.start()["step"] == 0
+        assert w.start().step == 0
         w.add(payload)
         w.train(STEPS)
         for k in range(3):  # preempt while training, idle, resume in the same process
             while len(w.steps) < 2 * (k + 1):
-                w.wait_for("step")
+                w.wait_for(Stepped)
             latencies.append(w.preempt())
-            w.wait_for("checkpointed")
+            w.wait_for(Checkpointed)
             w.train(STEPS)
         while len(w.steps) < 9:
-            w.wait_for("step")
+            w.wait_for(Stepped)
         latencies.append(w.preempt())
         stopped = w.stop()  # exit; a new process resumes from the checkpoint on disk
     finally:
         w.kill()
-    assert stopped["step"] == len(w.steps)
+    assert stopped.step == len(w.steps)
 
-    w2 = DrafterWorker(spec)
+    w2 = TrainerProcess(spec)
     try:
         ready = w2.start()
-        assert ready["step"] == len(w.steps) and ready["resumed_from"]
+        assert ready.step == len(w.steps) and ready.resumed_from
         w2.add(payload)  # the buffer is volatile: the daemon re-feeds the same samples
         w2.train(STEPS)
-        assert w2.wait_for("idle")["reason"] == "max_steps"
-        # Publishing from the worker: a version row through the real store.
+        assert w2.wait_for(Idle).reason == "max_steps"
+        # The worker measures a candidate; the daemon records it as a version.
         upgrade(sqlite_url)
         store = Store(sqlite_url)
         store.create_job(Job(job_id="j", model_path=str(model_dir)))
-        held = [
-            {"token_ids": t, "response_start": rs} for t, rs in rollout_samples(target, 3, seed=8)
-        ]
-        dv = w2.publish(
-            job_id="j",
-            db_url=sqlite_url,
-            policy_version=2,
-            held_out=held,
-            out_dir=str(tmp_path / "versions"),
-        )
-        assert dv["version"] == 1 and dv["train_steps"] == STEPS and dv["policy_version"] == 2
-        assert dv["status"] in (DrafterStatus.PROMOTED, DrafterStatus.REJECTED)
-        assert store.get_drafter("j", 1).acceptance_length == dv["acceptance_length"] >= 1.0
+        held = tuple(TrainingSample(tuple(t), rs) for t, rs in rollout_samples(target, 3, seed=8))
+        m = w2.measure(Measure(held, policy_version=2, out_dir=str(tmp_path / "versions")))
+        assert m.train_steps == STEPS and m.baseline == 1.0 and m.held_out == 3
+        dv = record(store, "j", m)
+        assert dv.version == 1 and dv.train_steps == STEPS and dv.policy_version == 2
+        assert dv.status in (DrafterStatus.PROMOTED, DrafterStatus.REJECTED)
+        assert store.get_drafter("j", 1).acceptance_length == m.acceptance >= 1.0
         store.close()
         w2.stop()
     finally:
         w2.kill()
 
-    got_ids = [tuple(s["item_ids"]) for s in w.steps + w2.steps]
-    assert [s["step"] for s in w.steps + w2.steps] == list(range(1, STEPS + 1))
+    got_ids = [tuple(s.item_ids) for s in w.steps + w2.steps]
+    assert [s.step for s in w.steps + w2.steps] == list(range(1, STEPS + 1))
     assert got_ids == ref_ids, "an item was trained twice or skipped"
     final = load_file(str(latest_checkpoint(spec.checkpoint_dir) / "model.safetensors"))
     assert set(final) == set(ref.params)

@@ -11,9 +11,9 @@ from sqlalchemy.exc import IntegrityError, StatementError
 
 from tltd.domain import FinishReason, Job, RolloutRequest, Sample, SamplingParams
 from tltd.store import Store
-from tltd.store.engine import make_engine, normalize_url
+from tltd.store.database import make_engine, normalize_url
 from tltd.store.migrate import upgrade
-from tltd.store.models import JobRow, utcnow
+from tltd.store.tables import JobRow, utcnow
 
 
 def test_sqlite_pragmas_applied_on_every_connection(tmp_path) -> None:

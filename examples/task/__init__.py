@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.task.reasoning import (
+from examples.task.reasoning import (
     Problem,
     format_prompt,
     generate_problem,
@@ -11,7 +11,7 @@ from workers.task.reasoning import (
     parse_answer,
     reward,
 )
-from workers.task.tokenizer import (
+from examples.task.tokenizer import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

@@ -5,14 +5,14 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from workers.task.reasoning import (
+from examples.task.reasoning import (
     WORKLOAD_CARE,
     Problem,
     format_prompt,
     generate_problem,
     size_at_quantile,
 )
-from workers.task.tokenizer import EOS_ID, encode_prompt, load_tokenizer
+from examples.task.tokenizer import EOS_ID, encode_prompt, load_tokenizer
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-policy"
 # The cap of reasoning RL's rollouts: a few percent of samples (those that re-check many times,

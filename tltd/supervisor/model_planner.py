@@ -1,7 +1,7 @@
 """Which model each rollout worker holds: job, policy version and drafter, and loading them.
 
 Which job a worker serves is the scheduler's decision (`tltd.scheduler`, a `Switch` sets
-`slot.next_job`); this module carries it out. Policy versions: a request runs entirely on the
+`handle.next_job`); this module carries it out. Policy versions: a request runs entirely on the
 policy version that was current when it was accepted ("finish on the old version"). A worker
 switches version (or job) only when it has nothing running, to the oldest version that still has
 waiting work, else to its job's current version; a promoted drafter is hot-swapped in between
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from tltd.domain import Backend, DeviceKind, Job, SpeculativeMode
 from tltd.settings import Settings
-from tltd.supervisor.worker_process import WorkerSlot
+from tltd.supervisor.worker_process import Load, LoadKind, Phase, WorkerHandle
 from tltd.workqueue import WorkQueue
 from workers.rollout import protocol as msg
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Restart a worker's process on another backend (the supervisor owns processes).
-SwitchBackend = Callable[[WorkerSlot, Backend], Awaitable[None]]
+SwitchBackend = Callable[[WorkerHandle, Backend], Awaitable[None]]
 
 
 class HeldBack:
@@ -97,27 +97,27 @@ class ModelPlanner:
         self._paths: dict[tuple[str, int], str] = {}
 
     async def plan(
-        self, slots: Mapping[str, WorkerSlot], queue: WorkQueue, jobs: dict[str, Job]
+        self, handles: Mapping[str, WorkerHandle], queue: WorkQueue, jobs: dict[str, Job]
     ) -> None:
         """Send each ready worker the load it needs now (policy first, else the drafter)."""
         pending: dict[str, set[int]] = {}
         for p in queue.pending_work():
             pending.setdefault(p.job_id, set()).add(p.policy_version or 0)
-        for slot in slots.values():
-            if not slot.alive or not slot.ready or slot.loading:
+        for handle in handles.values():
+            if handle.phase is not Phase.READY:
                 continue
-            if queue.inflight(slot.worker_id) == 0:
-                target = self._target(slot, jobs, pending)
-                if target is not None and target != (slot.job_id, slot.policy_version):
-                    await self._load(slot, jobs[target[0]], target[1])
+            if queue.inflight(handle.worker_id) == 0:
+                target = self._target(handle, jobs, pending)
+                if target is not None and target != (handle.job_id, handle.policy_version):
+                    await self._load(handle, jobs[target[0]], target[1])
                     continue
-            job = jobs.get(slot.job_id)
+            job = jobs.get(handle.job_id)
             if job is not None:
-                await self._sync_drafter(slot, job)
+                await self._sync_drafter(handle, job)
 
     def _target(
         self,
-        slot: WorkerSlot,
+        handle: WorkerHandle,
         jobs: dict[str, Job],
         pending: dict[str, set[int]],
     ) -> tuple[str, int] | None:
@@ -127,21 +127,21 @@ class ModelPlanner:
         waits (else the scheduler picks its job)."""
 
         def ok(job_id: str, v: int) -> bool:
-            here = (slot.worker_id, job_id, v)
+            here = (handle.worker_id, job_id, v)
             return (job_id, v) not in self.bad_versions and here not in self.bad_here
 
         def oldest(job_id: str) -> int | None:
             return min((v for v in pending.get(job_id, ()) if ok(job_id, v)), default=None)
 
-        own = slot.job_id if slot.job_id in jobs else ""
-        if slot.next_job == slot.job_id or slot.next_job not in jobs:
-            slot.next_job = ""  # done, called off, or its job ended
-        if nxt := slot.next_job:
+        own = handle.job_id if handle.job_id in jobs else ""
+        if handle.next_job == handle.job_id or handle.next_job not in jobs:
+            handle.next_job = ""  # done, called off, or its job ended
+        if nxt := handle.next_job:
             if (v := oldest(nxt)) is not None:
                 return nxt, v
             if ok(nxt, jobs[nxt].policy_version):
                 return nxt, jobs[nxt].policy_version
-            slot.next_job = ""  # its job cannot be loaded: the scheduler picks again
+            handle.next_job = ""  # its job cannot be loaded: the scheduler picks again
         if own and (v := oldest(own)) is not None:
             return own, v  # old requests finish on their version
         if own and ok(own, jobs[own].policy_version):
@@ -152,34 +152,28 @@ class ModelPlanner:
                 return newest.job_id, newest.policy_version
         return None
 
-    async def _load(self, slot: WorkerSlot, job: Job, version: int) -> None:
-        if job.backend is not slot.backend and self.switch_backend is not None:
+    async def _load(self, handle: WorkerHandle, job: Job, version: int) -> None:
+        if job.backend is not handle.backend and self.switch_backend is not None:
             # Another engine, another process: the fresh one is empty and gets this load then.
-            await self.switch_backend(slot, job.backend)
+            await self.switch_backend(handle, job.backend)
             return
         path = await self._policy_path(job.job_id, version)
-        slot.loading, slot.since = True, time.monotonic()
-        slot.policy_load = job.job_id  # cleared by the Ready that ends every load
-        slot.load_in_flight = (job.job_id, version, False)
-        if slot.job_id == job.job_id:
-            slot.send(msg.LoadPolicy(path, version))
-            slot.reason = f"loading policy version {version}"
+        if handle.job_id == job.job_id:
+            handle.start_load(Load(LoadKind.POLICY, job.job_id, version))
+            handle.send(msg.LoadPolicy(path, version))
+            handle.reason = f"loading policy version {version}"
             return
-        spec = job.speculative
-        device = "cpu" if slot.device.kind is DeviceKind.CPU else slot.device.device_id
-        engine = msg.EngineSpec(
+        device = "cpu" if handle.device.kind is DeviceKind.CPU else handle.device.device_id
+        engine = msg.EngineSpec.for_job(
+            job.speculative,
             max_batch=self.settings.worker_max_batch,
             max_seq_len=self.settings.worker_max_seq_len,
-            spec_mode="off" if spec.mode is SpeculativeMode.OFF else "adaptive",
             gate=self.settings.spec_gate,
-            batch_threshold=spec.batch_threshold,
-            draft_lengths=spec.draft_lengths,
-            drafter=spec.drafter,
             device=device,
         )
-        slot.target_job = job.job_id
-        slot.send(msg.LoadModel(job.job_id, path, version, engine))
-        slot.reason = f"loading job {job.job_id} policy version {version}"
+        handle.start_load(Load(LoadKind.MODEL, job.job_id, version))
+        handle.send(msg.LoadModel(job.job_id, path, version, engine))
+        handle.reason = f"loading job {job.job_id} policy version {version}"
 
     async def _policy_path(self, job_id: str, version: int) -> str:
         key = (job_id, version)
@@ -188,38 +182,36 @@ class ModelPlanner:
             self._paths[key] = pv.path
         return self._paths[key]
 
-    async def _sync_drafter(self, slot: WorkerSlot, job: Job) -> None:
+    async def _sync_drafter(self, handle: WorkerHandle, job: Job) -> None:
         """Hot-swap the job's active learned drafter into the worker (between steps)."""
         wanted = job.drafter_version
         if job.speculative.mode is SpeculativeMode.OFF or job.speculative.drafter == "ngram":
             wanted = 0
-        if wanted == slot.drafter_version or (job.job_id, wanted) in self.bad_drafters:
+        if wanted == handle.drafter_version or (job.job_id, wanted) in self.bad_drafters:
             return
         path = ""
         if wanted:
             path = (await asyncio.to_thread(self.store.get_drafter, job.job_id, wanted)).path
-        slot.loading, slot.since = True, time.monotonic()
-        # Unloading (version 0) is not a drafter's load that could be held back.
-        slot.load_in_flight = (job.job_id, wanted, True) if wanted else None
-        slot.send(msg.SetDrafter(path, wanted))
+        handle.start_load(Load(LoadKind.DRAFTER, job.job_id, wanted))
+        handle.send(msg.SetDrafter(path, wanted))
 
     def load_failed(
-        self, m: msg.LoadFailed, slot: WorkerSlot, slots: Mapping[str, WorkerSlot]
+        self, m: msg.LoadFailed, handle: WorkerHandle, handles: Mapping[str, WorkerHandle]
     ) -> str | None:
-        """Hold back a version that failed to load on `slot`; for a policy, the reason its
-        live requests fail. A policy version another worker runs is held back on `slot` only:
+        """Hold back a version that failed to load on `handle`; for a policy, the reason its
+        live requests fail. A policy version another worker runs is held back on `handle` only:
         its requests run there, and new ones are taken."""
         key = (m.job_id, m.policy_version)
         if not m.drafter and any(
-            o is not slot and o.alive and o.ready and (o.job_id, o.policy_version) == key
-            for o in slots.values()
+            o is not handle and o.answered and (o.job_id, o.policy_version) == key
+            for o in handles.values()
         ):
-            hold = self.bad_here.fail((slot.worker_id, *key))
+            hold = self.bad_here.fail((handle.worker_id, *key))
             log.error(
                 "policy load failed on one worker; another runs it",
                 extra={
                     "job_id": m.job_id,
-                    "worker_id": slot.worker_id,
+                    "worker_id": handle.worker_id,
                     "error": m.message,
                     "retry_in_seconds": round(hold),
                 },
@@ -242,12 +234,12 @@ class ModelPlanner:
             f"(retried in {math.ceil(hold)}s)"
         )
 
-    def loaded(self, m: msg.Ready, slot: WorkerSlot) -> None:
+    def loaded(self, m: msg.Ready, handle: WorkerHandle) -> None:
         """A worker reports what it holds now: those versions do load (a failure elsewhere was
         transient or that device's), so they are held back no more."""
         if m.job_id:
             self.bad_versions.clear((m.job_id, m.policy_version))
-            self.bad_here.clear((slot.worker_id, m.job_id, m.policy_version))
+            self.bad_here.clear((handle.worker_id, m.job_id, m.policy_version))
             if m.drafter_version:
                 self.bad_drafters.clear((m.job_id, m.drafter_version))
 

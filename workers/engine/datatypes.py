@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -13,12 +13,13 @@ from tltd.domain import (
     FinishReason,
     Sample,
     SamplingParams,
-    SpeculativeConfig,
-    SpeculativeMode,
     SpeculativeStats,
     TokenProvenance,
 )
 from workers.engine.bandit import Strategy
+
+if TYPE_CHECKING:
+    from workers.rollout.protocol import EngineSpec
 
 DEFAULT_STRATEGIES = tuple(Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 4, 6))
 
@@ -68,17 +69,26 @@ class EngineConfig:
         return tuple(1 << i for i in range(top.bit_length()) if 1 << i < top) + (top,)
 
     @classmethod
-    def from_speculative(cls, spec: SpeculativeConfig, **kw: Any) -> EngineConfig:
-        """Map a job's `SpeculativeConfig` (mode auto|off, draft lengths, drafter) to a config."""
+    def from_spec(cls, spec: EngineSpec) -> EngineConfig:
+        """The engine settings a rollout worker was sent (`EngineSpec.for_job` maps a job's
+        speculative config to those): one arm per drafter and distinct draft length."""
         drafters = ("ngram", "eagle") if spec.drafter == "auto" else (spec.drafter,)
         if spec.drafter not in ("auto", "ngram", "eagle"):
             raise ValueError(f"speculative.drafter must be auto|ngram|eagle, got {spec.drafter!r}")
         strategies = tuple(
-            Strategy(d, k) for d in drafters for k in dict.fromkeys(spec.draft_lengths)
+            Strategy(d, k)
+            for d in drafters
+            for k in dict.fromkeys(spec.draft_lengths)  # a repeat is no second arm
         )
-        mode = "off" if spec.mode == SpeculativeMode.OFF else "adaptive"
         return cls(
-            spec_mode=mode, batch_threshold=spec.batch_threshold, strategies=strategies, **kw
+            max_batch=spec.max_batch,
+            max_seq_len=spec.max_seq_len,
+            spec_mode=spec.spec_mode,
+            gate=spec.gate,
+            batch_threshold=spec.batch_threshold,
+            strategies=strategies,
+            device=spec.device,
+            seed=spec.seed,
         )
 
 
@@ -92,6 +102,14 @@ class Request:
     prompt_index: int = 0
     return_hidden_states: bool = False
     speculative: bool = True
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine holds (a rollout worker's heartbeat reports it)."""
+
+    samples: int  # waiting or running
+    remaining_tokens: int  # at most, before every held sample ends
 
 
 @dataclass
@@ -134,6 +152,8 @@ class SampleOutput:
                 residual_tokens=self.residual_tokens,
             ),
             provenance=None if self.provenance is None else tuple(self.provenance),
+            # Only a sample that ran to its end is whole; a cancelled one keeps its tokens.
+            partial=self.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH),
         )
 
     @property

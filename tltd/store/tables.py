@@ -220,10 +220,6 @@ class WorkerRow(Base):
     state_reason: Mapped[str] = mapped_column(Text, default="")
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     last_heartbeat: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
-    # Lease for preemptible work (DESIGN §5.9): every update is conditional on the token.
-    lease_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 

@@ -1,0 +1,132 @@
+"""The code's import graph: no circles, and `workers/` takes only the plain domain types from the
+daemon (never its store).
+
+Every import counts, also those under `if TYPE_CHECKING:` and inside functions: a circle hidden
+by a lazy import is still two modules that cannot be understood one without the other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("tltd", "workers", "clients")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if not path.name.endswith("_pb2.py") and not path.name.endswith("_pb2_grpc.py"):
+                found[_module_name(path)] = path
+    return found
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports (a `from pkg import mod` names the module)."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join([*pkg, base] if base else pkg)
+            # `from pkg import mod` names the module; `from mod import name` the module.
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
+        for t in targets:
+            # The deepest project module the import names (a class name is not a module).
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {n: _imports(n, p, known) for n, p in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles():
+    cycles = _cycles(_graph())
+    assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _workers_importing(wrong) -> list[str]:
+    """'module imports target' for every module under workers/ importing a `wrong` target."""
+    graph = _graph()
+    return sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if m.startswith("workers")
+        for t in targets
+        if wrong(t)
+    )
+
+
+def test_workers_do_not_import_the_daemon_store():
+    bad = _workers_importing(lambda t: t == "tltd.store" or t.startswith("tltd.store."))
+    assert not bad, bad
+
+
+def test_workers_take_only_the_domain_from_the_daemon():
+    """The daemon and its worker processes share `tltd.domain` (plain dataclasses) and the
+    typed pipe protocols under `workers/`; nothing else of `tltd` runs in a worker."""
+    bad = _workers_importing(lambda t: t.split(".")[0] == "tltd" and t != "tltd.domain")
+    assert not bad, bad

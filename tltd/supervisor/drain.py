@@ -1,0 +1,75 @@
+"""A node drain: finish what fits in the grace, then return what runs and fail the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from tltd.domain import FinishReason, RequestStatus
+from tltd.supervisor.requests import RolloutRequests
+from tltd.supervisor.rollout_workers import RolloutWorkers
+from tltd.workqueue import WorkQueue
+
+log = logging.getLogger(__name__)
+
+# How long workers get to answer a node drain's Drain (return what runs as partial samples)
+# after its grace; a shutdown's one deadline replaces it.
+DRAIN_ANSWER_SECONDS = 5.0
+
+
+class NodeDrain:
+    """At most one drain per daemon; a later, shorter one only moves its deadlines earlier."""
+
+    def __init__(
+        self, queue: WorkQueue, requests: RolloutRequests, workers: RolloutWorkers
+    ) -> None:
+        self.queue = queue
+        self.requests = requests
+        self.workers = workers
+        self.started = False  # no new request is taken, no worker started
+        self.assigning = True  # work is still handed out (until the grace ends)
+        self.why = ""
+        self._task: asyncio.Future | None = None
+        self._work_end = self._end = 0.0  # monotonic deadlines
+
+    def start(self, seconds: float, why: str, end: float | None = None) -> asyncio.Future:
+        """Begin draining now (event loop thread): work runs `seconds`, then workers have
+        until `end` (monotonic; default `DRAIN_ANSWER_SECONDS` later) to return what runs.
+        A drain already under way is returned, its deadlines shortened to these if earlier
+        (SIGTERM during a node drain keeps the shutdown's grace)."""
+        work_end = time.monotonic() + max(0.0, seconds)
+        end = work_end + DRAIN_ANSWER_SECONDS if end is None else end
+        if self._task is None:
+            self.started = True
+            self.why = f"{why} (grace {seconds:g}s)"
+            self._work_end, self._end = work_end, end
+            self._task = asyncio.ensure_future(self._run())
+        else:
+            self._work_end = min(self._work_end, work_end)
+            self._end = min(self._end, end)
+        return self._task
+
+    async def _run(self) -> None:
+        while len(self.queue) and time.monotonic() < self._work_end:
+            await asyncio.sleep(0.05)
+        self.assigning = False
+        if not len(self.queue):
+            return
+        reason = f"drained: {self.why}"
+        log.info("draining workers", extra={"requests": len(self.queue)})
+        busy = self.workers.ask_to_drain()
+        for live in list(self.queue):
+            keys = self.queue.close(live.request_id, RequestStatus.FAILED, reason)
+            try:  # one request's failure must not keep the others open
+                await self.requests.finish_unstarted(live, keys, FinishReason.ABORTED, reason)
+            except Exception:
+                log.exception(
+                    "cannot close a drained request", extra={"request_id": live.request_id}
+                )
+        await self.workers.await_drained(busy, lambda: self._end)
+        # The final status writes of the requests just failed (store writes, not workers:
+        # they get a second past the deadline).
+        writes_end = max(self._end, time.monotonic() + 1.0)
+        while len(self.queue) and time.monotonic() < writes_end:
+            await asyncio.sleep(0.05)

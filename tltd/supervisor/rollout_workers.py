@@ -1,0 +1,409 @@
+"""The rollout workers' lives: start one per usable device, hear what they say, find the dead.
+
+A worker's phase (`worker_process.Phase`) changes only through `WorkerHandle.to`; this module
+decides when. Taking a worker out of service (`_take_out_of_service`) is immediate, so the tick
+that found it gone assigns it nothing; waiting for its process, recording it and re-queueing
+its samples (`_finish_exit`) runs beside the tick, not in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from tltd.domain import Backend, Device, DeviceState, Sample, Worker, WorkerKind, WorkerState
+from tltd.metrics import METRICS
+from tltd.scheduler import Decision
+from tltd.settings import Settings
+from tltd.supervisor.model_planner import ModelPlanner
+from tltd.supervisor.requests import RolloutRequests
+from tltd.supervisor.worker_process import Phase, WorkerHandle, spawn
+from tltd.supervisor.writes import OrderedWrites, upsert_worker
+from workers.rollout import protocol as msg
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+
+log = logging.getLogger(__name__)
+
+# How long a stopped (or vacated) worker gets to exit before it is killed.
+EXIT_SECONDS = 5.0
+SWITCH_EXIT_SECONDS = 20.0  # a graceful engine shutdown (SGLang frees its GPU memory)
+
+# on_finished(handle, sample, stored): a sample a worker returned (see worker_process.OnMessage).
+OnFinished = Callable[[WorkerHandle, Sample, "bool | None"], None]
+
+
+def restart_backoff(failures: int) -> float:
+    """Seconds before a worker that died `failures` times in a row is started again: 0, then
+    0.5 doubling to 30 (the exponent capped: 2.0 ** 1024 overflows in a long crash loop)."""
+    return min(30.0, 0.5 * 2 ** min(failures - 1, 16)) if failures > 0 else 0.0
+
+
+class RolloutWorkers:
+    """One rollout worker per device: lifecycle, messages, and their recorded states."""
+
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        writes: OrderedWrites,
+        requests: RolloutRequests,
+        models: ModelPlanner,
+        *,
+        kick: Callable[[], None],
+        run_task: Callable[[Coroutine[Any, Any, Any]], None],
+        on_finished: OnFinished,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.writes = writes
+        self.requests = requests
+        self.queue = requests.queue
+        self.models = models
+        self.handles: dict[str, WorkerHandle] = {}
+        self.closed = False
+        self._kick = kick
+        self._run_task = run_task
+        self._on_finished = on_finished
+        self._device_states: dict[str, DeviceState] = {}
+        self._ctx = mp.get_context("spawn")
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self) -> None:
+        """Remember the running loop (the supervisor's `start`): pipe threads post to it."""
+        self._loop = asyncio.get_running_loop()
+
+    def on(self, device_id: str) -> list[WorkerHandle]:
+        return [s for s in self.handles.values() if s.device.device_id == device_id]
+
+    async def recover(self) -> None:
+        """After a crash: the old daemon's workers, and its drafter training, are gone."""
+        for w in await asyncio.to_thread(self.store.list_workers):
+            if w.state not in (WorkerState.STOPPED, WorkerState.FAILED):
+                await self.writes.write(
+                    self.store.set_worker_state,
+                    w.worker_id,
+                    WorkerState.FAILED,
+                    "daemon restarted: the previous daemon ended without stopping it",
+                )
+        # Nothing else rewrites TRAINING.
+        for d in await asyncio.to_thread(self.store.list_devices):
+            if d.state is DeviceState.TRAINING:
+                await self.writes.write(
+                    self.store.set_device_state,
+                    d.device_id,
+                    DeviceState.IDLE,
+                    "daemon restarted: the previous daemon's drafter training is gone",
+                )
+
+    # ---- start, vacate, switch ------------------------------------------------------------
+
+    def reconcile(self, devices: list[Device], draining: bool) -> None:
+        """One worker per usable device; a device turned foreign is vacated, not fought over."""
+        now = time.monotonic()
+        for d in devices:
+            wid = f"rollout-{d.device_id}"
+            handle = self.handles.get(wid)
+            usable = d.state is not DeviceState.UNAVAILABLE and not d.foreign and not draining
+            if handle is None:
+                if not usable:
+                    continue
+                backend = Backend(self.settings.default_backend)
+                handle = self.handles[wid] = WorkerHandle(wid, d, backend)
+            handle.device = d
+            # Not while the old process is still EXITING: its samples are not re-queued yet,
+            # and it may still hold the device.
+            if usable and handle.phase in (Phase.NEW, Phase.VACATED):
+                self._start(handle)
+            elif usable and handle.phase is Phase.DEAD:
+                assert handle.dead_at is not None
+                if now - handle.dead_at >= restart_backoff(handle.failures):
+                    self._start(handle)
+            elif not usable and handle.alive and (d.foreign or d.state is DeviceState.UNAVAILABLE):
+                why = "device taken by a foreign process" if d.foreign else "device unavailable"
+                self.record_state(handle, WorkerState.STOPPING, why)
+                handle.send(msg.Shutdown())
+                # Out of service now (this tick assigns it nothing); the wait for the process
+                # (`EXIT_SECONDS`, then a kill, if it hangs) runs beside the tick, not in it.
+                if self._take_out_of_service(handle):
+                    self._run_task(
+                        self._finish_exit(handle, why, WorkerState.STOPPED, then=Phase.VACATED)
+                    )
+
+    def _start(self, handle: WorkerHandle) -> None:
+        assert self._loop is not None
+        spawn(
+            handle, self._ctx, self.settings, self.store, self._loop, self.on_message, self._on_exit
+        )
+        self.record_state(handle, WorkerState.STARTING, "spawned", pid=handle.proc.pid)
+        log.info(
+            "rollout worker started", extra={"worker_id": handle.worker_id, "pid": handle.proc.pid}
+        )
+
+    async def switch_backend(self, handle: WorkerHandle, backend: Backend) -> None:
+        """Stop an empty worker so that a later tick starts it on `backend` (the planner
+        switches only workers with nothing running). The wait for the old process runs beside
+        the tick, not in it; no new worker starts on the device until the old one is gone."""
+        why = f"switching to the {backend} backend"
+        log.info("rollout worker switches backend", extra={"worker_id": handle.worker_id})
+        handle.backend = backend
+        self.record_state(handle, WorkerState.STOPPING, why)
+        handle.send(msg.Shutdown())
+        if self._take_out_of_service(handle):
+            # An SGLang worker frees its GPU before it exits: give it time to, then kill.
+            self._run_task(
+                self._finish_exit(handle, why, WorkerState.STOPPED, grace=SWITCH_EXIT_SECONDS)
+            )
+
+    # ---- health ---------------------------------------------------------------------------
+
+    async def reap(self) -> list[str]:
+        """Kill workers that stopped answering; returns the ids of those found dead."""
+        now = time.monotonic()
+        dead = []
+        s = self.settings
+        for handle in list(self.handles.values()):
+            if not handle.alive:
+                continue
+            if handle.proc.exitcode is not None:
+                why = handle.fatal or "process exited"
+            elif (
+                handle.phase is not Phase.READY
+                and now - handle.since > s.worker_start_timeout_seconds
+            ):
+                why = f"no Ready within {s.worker_start_timeout_seconds:g}s"
+            elif (
+                handle.phase is Phase.READY
+                and now - handle.last_heartbeat > s.worker_heartbeat_timeout_seconds
+            ):
+                why = f"no heartbeat for {s.worker_heartbeat_timeout_seconds:g}s"
+            else:
+                continue
+            dead.append(handle.worker_id)
+            if self._take_out_of_service(handle):
+                await self._finish_exit(handle, why, WorkerState.FAILED)
+        return dead
+
+    def _on_exit(self, handle: WorkerHandle, gen: int) -> None:
+        if gen != handle.generation or not handle.alive:
+            return
+        if self.closed or handle.state is WorkerState.STOPPING:
+            return  # an exit we asked for: stop() / vacating records it
+        if self._take_out_of_service(handle):  # no work for it from now, even before the task
+            self._run_task(
+                self._finish_exit(handle, handle.fatal or "process exited", WorkerState.FAILED)
+            )
+
+    def _take_out_of_service(self, handle: WorkerHandle) -> bool:
+        """No work, no restart until `_finish_exit` is done; False when it already was."""
+        if not handle.alive:
+            return False
+        handle.to(Phase.EXITING)
+        handle.dead_at = time.monotonic()
+        if handle.outbox is not None:
+            handle.outbox.put(None)
+        return True
+
+    async def _finish_exit(
+        self,
+        handle: WorkerHandle,
+        why: str,
+        state: WorkerState,
+        grace: float = EXIT_SECONDS,
+        then: Phase = Phase.DEAD,
+    ) -> None:
+        """After `_take_out_of_service`: wait `grace` seconds for the process (then kill it),
+        record it, re-queue its samples."""
+        proc = handle.proc
+        try:
+            if proc is not None and proc.is_alive() and state is WorkerState.FAILED:
+                proc.kill()
+            if proc is not None:
+                await asyncio.to_thread(proc.join, grace)
+                if proc.is_alive():  # hung (e.g. vacated while stuck): never leave it running
+                    proc.kill()
+                    await asyncio.to_thread(proc.join, 5.0)
+                if proc.exitcode is not None and state is WorkerState.FAILED:
+                    why = f"{why} (exit code {proc.exitcode})"
+            if state is WorkerState.FAILED:
+                handle.failures += 1
+                if handle.load is not None and handle.load.can_fail:
+                    # The load killed the process (no LoadFailed can come): the same failure,
+                    # or a fresh process would load it again at once, for ever.
+                    ld = handle.load
+                    died = f"the worker process died while loading it: {why}"
+                    drafter = not ld.policy_weights
+                    self._load_failed(handle, msg.LoadFailed(ld.job_id, ld.version, died, drafter))
+            handle.load = None
+            log.warning("rollout worker gone", extra={"worker_id": handle.worker_id, "reason": why})
+            self.record_state(handle, state, why)
+            await self.requests.lose_worker(handle.worker_id, why)
+        finally:
+            # Not after a shutdown began: `stop` records the workers still exiting itself.
+            if handle.phase is Phase.EXITING and not self.closed:
+                handle.to(then)
+            self._kick()  # its device may get a new worker now
+
+    async def stop(self, deadline: float) -> None:
+        """Shutdown to every worker; killed when still there at `deadline` (monotonic)."""
+        self.closed = True
+        for handle in self.handles.values():
+            if handle.alive:
+                self.record_state(handle, WorkerState.STOPPING, "daemon shutting down")
+                handle.send(msg.Shutdown())
+        for handle in self.handles.values():
+            if handle.proc is None:
+                continue
+            left = max(0.0, deadline - time.monotonic())
+            await asyncio.to_thread(handle.proc.join, left)
+            if handle.proc.is_alive():
+                handle.proc.kill()
+                await asyncio.to_thread(handle.proc.join, 5.0)
+            # An EXITING worker's `_finish_exit` was cancelled with the supervisor's tasks.
+            if handle.state is WorkerState.STOPPING or handle.phase is Phase.EXITING:
+                self.record_state(handle, WorkerState.STOPPED, "daemon shut down")
+            if handle.alive or handle.phase is Phase.EXITING:
+                handle.dead_at = handle.dead_at or time.monotonic()
+                handle.to(Phase.DEAD)
+            if handle.outbox is not None:
+                handle.outbox.put(None)
+
+    def ask_to_drain(self) -> list[WorkerHandle]:
+        """Drain to every worker with work: it returns what runs as partial samples."""
+        busy = [s for s in self.handles.values() if s.alive and self.queue.inflight(s.worker_id)]
+        for handle in busy:
+            handle.drained.clear()
+            handle.send(msg.Drain(0.0))
+        return busy
+
+    async def await_drained(self, busy: list[WorkerHandle], end: Callable[[], float]) -> None:
+        """Wait until `end()` (monotonic) for their answers; a worker that did not answer
+        loses its samples (they end with no tokens)."""
+        # Polled, not one wait: a shutdown may move the end earlier meanwhile.
+        while any(not s.drained.is_set() for s in busy) and time.monotonic() < end():
+            await asyncio.sleep(0.05)
+        for handle in busy:
+            if self.queue.inflight(handle.worker_id):
+                await self.requests.lose_worker(handle.worker_id, "worker did not drain in time")
+
+    # ---- messages (event loop, posted by the worker's reader thread) ----------------------
+
+    def on_message(
+        self, handle: WorkerHandle, gen: int, m: msg.FromWorker, stored: bool | None
+    ) -> None:
+        if gen != handle.generation:
+            return  # from a process that was already replaced
+        handle.last_heartbeat = time.monotonic()
+        match m:
+            case msg.Finished(sample=sample):
+                self._on_finished(handle, sample, stored)
+            case msg.Heartbeat():
+                previous = handle.heartbeat.stats if handle.heartbeat is not None else None
+                METRICS.observe_engine_summary(handle.device.device_id, previous, m.stats)
+                handle.heartbeat = m
+                for seq in [q for q in handle.unacked if q <= m.acked_seq]:
+                    del handle.unacked[seq]
+            case msg.Ready():
+                self._on_ready(handle, m)
+            case msg.LoadFailed():
+                self._load_failed(handle, m)
+            case msg.Drained():
+                handle.drained.set()
+            case msg.WorkerError(message=text, fatal=fatal):
+                log.error(
+                    "rollout worker error",
+                    extra={"worker_id": handle.worker_id, "fatal": fatal, "error": text},
+                )
+                if fatal:
+                    handle.fatal = text.strip().splitlines()[-1] if text.strip() else "fatal error"
+                    handle.reason = handle.fatal
+
+    def _on_ready(self, handle: WorkerHandle, m: msg.Ready) -> None:
+        """Every load ends with a Ready saying what the worker holds now."""
+        if not handle.alive:
+            return  # out of service already: it is being stopped
+        first = handle.phase is Phase.STARTING
+        handle.to(Phase.READY)
+        handle.load = None
+        if m.job_id:
+            # Only a loaded model ends a crash loop: every fresh process says Ready before its
+            # first load, also one whose load is about to kill it again.
+            handle.failures = 0
+        handle.job_id, handle.policy_version = m.job_id, m.policy_version
+        handle.drafter_version = m.drafter_version
+        self.models.loaded(m, handle)  # a version that loads is no longer held back
+        handle.reason = (
+            f"job {m.job_id} policy v{m.policy_version} drafter v{m.drafter_version}"
+            if m.job_id
+            else "no model loaded"
+        )
+        if self.queue.inflight(handle.worker_id) == 0:
+            handle.idle_since = time.monotonic()
+        self.record_state(
+            handle, WorkerState.READY if first else handle.state, handle.reason, pid=m.pid
+        )
+        self._kick()
+
+    def _load_failed(self, handle: WorkerHandle, m: msg.LoadFailed) -> None:
+        """Hold the version back; a policy's live requests fail with the reason."""
+        reason = self.models.load_failed(m, handle, self.handles)
+        if reason is not None:
+            self.requests.fail_version(m.job_id, m.policy_version, reason)
+
+    # ---- recording ------------------------------------------------------------------------
+
+    def record(self, decision: Decision, devices: list[Device]) -> None:
+        """Write what changed in device and worker states after a tick's decision."""
+        idle = set(decision.idle_devices)
+        # A device handed to training this tick gets its state from the training hook; an
+        # IDLE written here too could land after it (another writer) and hide the training.
+        to_training = {t.device_id for t in decision.start_training}
+        for d in devices:
+            if d.state in (DeviceState.UNAVAILABLE, DeviceState.TRAINING):
+                continue
+            if d.device_id in to_training:
+                # Not ours to write, but remembered, so that our next state for it is written.
+                self._device_states[d.device_id] = DeviceState.TRAINING
+                continue
+            busy = sum(self.queue.inflight(s.worker_id) for s in self.on(d.device_id))
+            if busy:
+                self._record_device(d.device_id, DeviceState.ROLLOUT, f"{busy} samples running")
+            elif d.device_id in idle or not d.schedulable:
+                # A cordoned or draining device never counts as idle for training, but once
+                # its work ends it no longer runs rollouts either.
+                self._record_device(d.device_id, DeviceState.IDLE, "no rollout work")
+        for handle in self.handles.values():
+            if handle.answered:
+                busy = self.queue.inflight(handle.worker_id) > 0
+                state = WorkerState.BUSY if busy else WorkerState.READY
+                self.record_state(handle, state, handle.reason)
+
+    def record_state(
+        self, handle: WorkerHandle, state: WorkerState, reason: str, pid: int | None = None
+    ) -> None:
+        handle.state = state
+        if handle.stored_state == (state, reason) and pid is None:
+            return
+        handle.stored_state = (state, reason)
+        worker = Worker(
+            worker_id=handle.worker_id,
+            kind=WorkerKind.ROLLOUT,
+            device_id=handle.device.device_id,
+            job_id=handle.job_id,
+            state=state,
+            pid=pid if pid is not None else (handle.proc.pid if handle.proc is not None else 0),
+            state_reason=reason,
+        )
+        self.writes.write_nowait(upsert_worker, self.store, worker)
+
+    def _record_device(self, device_id: str, state: DeviceState, reason: str) -> None:
+        if self._device_states.get(device_id) is state:
+            return
+        self._device_states[device_id] = state
+        METRICS.set_device_state(device_id, state.value)  # exact; the roll-up polls the store
+        self.writes.write_nowait(self.store.set_device_state, device_id, state, reason)
