@@ -40,9 +40,7 @@ def rollout_prompts(
         raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
     tok = load_tokenizer(model_dir)
     rng = random.Random(seed)
-    sizes = [
-        num_steps or size_at_quantile((i + 0.5) / num_prompts) for i in range(num_prompts)
-    ]
+    sizes = [num_steps or size_at_quantile((i + 0.5) / num_prompts) for i in range(num_prompts)]
     rng.shuffle(sizes)
     problems = [generate_problem(rng, num_steps=k, care=care) for k in sizes]
     return [(p, encode_prompt(tok, format_prompt(p))) for p in problems]
