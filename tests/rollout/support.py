@@ -172,7 +172,9 @@ class InProcessDaemon:
 class ServeProcess:
     """`python -m tltd serve` as a real subprocess (port 0, JSON logs to a file)."""
 
-    def __init__(self, tmp_path: Path, db_url: str, name: str = "tltd", **env: str) -> None:
+    def __init__(
+        self, tmp_path: Path, db_url: str, name: str = "tltd", cpu_slots: int = 2, **env: str
+    ) -> None:
         import os
         import subprocess
         import sys
@@ -192,7 +194,7 @@ class ServeProcess:
         cmd = [
             sys.executable, "-m", "tltd", "serve", "--port", "0",
             "--port-file", str(self.port_file), "--data-dir", str(tmp_path / "data"),
-            "--database-url", db_url, "--cpu-slots", "2", "--log-json",
+            "--database-url", db_url, "--cpu-slots", str(cpu_slots), "--log-json",
         ]  # fmt: skip
         self._log = open(self.log_file, "w")  # noqa: SIM115 - closed in wait()
         # Its own process group: a test may signal the whole group (Ctrl-C, systemd's stop).
