@@ -65,7 +65,9 @@ def test_weighted_shares_latency_and_nothing_lost(four_workers, ckpt, size, figu
     d.wait_workers_ready(n=4)
     sampler = WorkerSampler(d.target).start()
     trainers = {
-        job: Trainer(d.target, job, inflight=INFLIGHT[job], prompts=4, n=4, max_new_tokens=16).start()
+        job: Trainer(
+            d.target, job, inflight=INFLIGHT[job], prompts=4, n=4, max_new_tokens=16
+        ).start()
         for job in WEIGHTS
     }
     # Warm-up: the workers load models and switch until the split matches the weights.
