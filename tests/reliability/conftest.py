@@ -3,6 +3,9 @@ and the figures each test records for docs/reliability.md.
 
 - `size`: "short" always runs; "long" is marked `slow` and runs only with
   TLTD_RELIABILITY_LONG=1 (e.g. `TLTD_RELIABILITY_LONG=1 pytest tests/reliability -k long`).
+- `sqlite_serve`: one `tltd serve` process (SQLite, 2 CPU workers) shared by the tests of
+  the session that need a daemon but not its own (each uses its own job): starting one costs
+  the worker spawns and their start-up timing.
 - `figures`: a dict per test; everything recorded is printed in the terminal summary and,
   with TLTD_RELIABILITY_REPORT=<file.json>, merged into that file (benchmarks/reliability.py
   runs the suite that way and prints the tables of docs/reliability.md).
@@ -35,6 +38,21 @@ _FIGURES: dict[str, dict] = {}
 )
 def size(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def sqlite_serve(tmp_path_factory):
+    from tests.rollout.support import ServeProcess
+
+    tmp = tmp_path_factory.mktemp("serve")
+    d = ServeProcess(
+        tmp, f"sqlite:///{tmp / 'tltd.db'}", worker_max_batch=8, worker_max_seq_len=256,
+        drafter_training="false",
+    )  # fmt: skip
+    try:
+        yield d
+    finally:
+        d.kill()
 
 
 @pytest.fixture

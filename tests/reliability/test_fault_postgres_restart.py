@@ -69,6 +69,7 @@ def test_a_postgres_restart_mid_rollout_loses_nothing(cluster, tmp_path, ckpt, s
         completed=len(complete),
         failed_with_reason=len(failed),
         client_errors_retried_or_final=errors[:5],
+        retried_client_errors=sorted({e.split(":")[0] for o in outcomes for e in o.retried}),
         lost=sum(1 for o in failed if not o.error),
         daemon_errors_logged=dict(Counter(db_errors)),
     )

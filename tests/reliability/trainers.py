@@ -28,7 +28,8 @@ class Outcome:
     first_sample: float | None = None
     done: float | None = None
     samples: set = field(default_factory=set)  # (prompt_index, sample_index)
-    error: str = ""  # "CODE: message" of the last failed attempt
+    error: str = ""  # "CODE: message" of the final failure ("" = completed)
+    retried: list = field(default_factory=list)  # errors of attempts that were retried
 
 
 class Trainer:
@@ -101,11 +102,12 @@ class Trainer:
                 out.done = time.monotonic()
                 return out
             except TltClientError as exc:
-                out.error = f"{exc.code.name}: {exc.message}"
+                why = f"{exc.code.name}: {exc.message}"
                 retry = exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
                 if not retry or time.monotonic() > deadline:
-                    out.done = time.monotonic()
+                    out.error, out.done = why, time.monotonic()
                     return out
+                out.retried.append(why)
                 time.sleep(0.2)
 
 
