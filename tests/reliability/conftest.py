@@ -47,7 +47,7 @@ def sqlite_serve(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     d = ServeProcess(
         tmp, f"sqlite:///{tmp / 'tltd.db'}", worker_max_batch=8, worker_max_seq_len=256,
-        drafter_training="false",
+        start_timeout=180, drafter_training="false",
     )  # fmt: skip
     try:
         yield d

@@ -36,7 +36,9 @@ def cluster():
 @pytest.mark.postgres
 def test_a_postgres_restart_mid_rollout_loses_nothing(cluster, tmp_path, ckpt, size, figures):
     restarts, between = {"short": (1, 3.0), "long": (10, 20.0)}[size]
-    d = ServeProcess(tmp_path, cluster.url, worker_max_batch=8, worker_max_seq_len=256)
+    d = ServeProcess(
+        tmp_path, cluster.url, worker_max_batch=8, worker_max_seq_len=256, start_timeout=180
+    )
     try:
         with TltClient(d.target, timeout=120) as c:
             c.create_job(str(ckpt), job_id="job")

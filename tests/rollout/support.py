@@ -173,7 +173,13 @@ class ServeProcess:
     """`python -m tltd serve` as a real subprocess (port 0, JSON logs to a file)."""
 
     def __init__(
-        self, tmp_path: Path, db_url: str, name: str = "tltd", cpu_slots: int = 2, **env: str
+        self,
+        tmp_path: Path,
+        db_url: str,
+        name: str = "tltd",
+        cpu_slots: int = 2,
+        start_timeout: float = 60.0,
+        **env: str,
     ) -> None:
         import os
         import subprocess
@@ -201,7 +207,7 @@ class ServeProcess:
         self.proc = subprocess.Popen(
             cmd, cwd=root, env=base, stdout=self._log, stderr=self._log, start_new_session=True
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + start_timeout
         while not self.port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
