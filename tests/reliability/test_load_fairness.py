@@ -57,7 +57,7 @@ def four_workers(sqlite_url, tmp_path):
 
 def test_weighted_shares_latency_and_nothing_lost(four_workers, ckpt, size, figures):
     d = four_workers
-    warmup, window = {"short": (3.0, 20.0), "long": (10.0, 600.0)}[size]
+    warmup, window = {"short": (3.0, 15.0), "long": (10.0, 600.0)}[size]
     with TltClient(d.target, timeout=120) as c:  # the machine may be loaded: generous deadlines
         for job, w in WEIGHTS.items():
             c.create_job(str(ckpt), job_id=job, weight=w)

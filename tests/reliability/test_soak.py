@@ -63,7 +63,7 @@ def _chatter(target: str, job: str, ids: list[str], stop: threading.Event, calls
 
 def test_memory_and_descriptors_stay_bounded(sqlite_serve, ckpt, ckpt2, size, figures):
     d = sqlite_serve
-    seconds = {"short": 40.0, "long": float(os.environ.get("TLTD_SOAK_SECONDS", "1800"))}[size]
+    seconds = {"short": 25.0, "long": float(os.environ.get("TLTD_SOAK_SECONDS", "1800"))}[size]
     job = f"soak-{size}"
     pid = d.proc.pid
     with TltClient(d.target, timeout=120) as c:
