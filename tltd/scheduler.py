@@ -9,7 +9,9 @@ owed the worker". Jobs rank by priority, then weighted virtual time (tokens serv
 job whose waiting work does not fit on the workers holding it ("starved") takes as many workers
 as that work needs (`max_samples_per_worker` each; workers already switching to it count),
 best-ranked starved job first. It may take:
-  1. a spare worker: no model yet, or a job with nothing waiting;
+  1. a spare worker: no model yet, or an empty worker of a job with nothing waiting (a worker
+     still running its job's samples is not spare: a trainer between two requests would
+     otherwise lose it, win it back a moment later, and each move costs a drain and a load);
   2. a worker of a lower-priority job;
   3. a worker of an equal-priority job Y, when
      a. it does not lead Y in virtual time and still holds fewer workers per weight than Y
@@ -335,7 +337,9 @@ def _switches(
         return jobs[job_id].served_tokens / max(jobs[job_id].weight, 1e-9)
 
     def spare(w: RolloutWorkerView) -> bool:
-        return w.job_id not in waiting_jobs or w.job_id not in jobs
+        if w.job_id not in jobs:
+            return True
+        return w.job_id not in waiting_jobs and w.running_samples == 0
 
     def owed(x: str, w: RolloutWorkerView) -> bool:
         """May starved job `x` take worker `w`?"""

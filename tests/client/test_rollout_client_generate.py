@@ -17,6 +17,7 @@ from clients.errors import DeadlineExceededError
 from tests.api.support import make_settings
 from tests.rollout.support import InProcessDaemon, direct_outputs, make_checkpoint, wait_until
 from tltd.domain import FinishReason, RequestStatus, SamplingParams
+from tltd.errors import NotFound
 from tltd.metrics import METRICS
 from tltd.store import Store
 from tltd.store.migrate import upgrade
@@ -130,10 +131,19 @@ def test_async_generate_and_stream(daemon, ckpt):
 LONG = SamplingParams(n=32, temperature=1.0, max_new_tokens=80)
 
 
+def stored(daemon: InProcessDaemon, request_id: str) -> bool:
+    try:
+        daemon.store.get_request(request_id)
+    except NotFound:
+        return False
+    return True
+
+
 def request_status(client: RolloutClient, request_id: str, want: str) -> str:
     """The request's status, polled briefly until it is `want` (cancelling is asynchronous
-    only on the worker side; the stored status changes with the CancelRequest call)."""
-    deadline = time.monotonic() + 5
+    only on the worker side; the stored status changes with the CancelRequest call, which a
+    loaded machine may make seconds late)."""
+    deadline = time.monotonic() + 30
     while True:
         status = client.raw.get_request(request_id).request.status
         name = rollout_pb2.RequestStatus.Name(status).removeprefix("REQUEST_STATUS_").lower()
@@ -192,8 +202,15 @@ def test_async_abandoned_streams_are_cancelled(daemon, ckpt):
             blocker = client.stream(PROMPTS, sampling=LONG)  # fills the workers: see above
             await anext(blocker)
             stream = client.stream(PROMPTS, sampling=LONG, request_id="async-timeout")
+            waiting = asyncio.ensure_future(anext(stream))
+            # The deadline passes once the daemon holds the request (on a loaded machine a
+            # 0.3 s deadline could pass before the call arrived: nothing would exist to
+            # cancel; a deadline during admission is the test further below).
+            await asyncio.to_thread(
+                wait_until, lambda: stored(daemon, "async-timeout"), 60, "request stored"
+            )
             with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(anext(stream), 0.3)
+                await asyncio.wait_for(waiting, 0.3)
             await blocker.aclose()
             return closed, client.last_request_id
 

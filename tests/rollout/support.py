@@ -174,7 +174,15 @@ class InProcessDaemon:
 class ServeProcess:
     """`python -m tltd serve` as a real subprocess (port 0, JSON logs to a file)."""
 
-    def __init__(self, tmp_path: Path, db_url: str, name: str = "tltd", **env: str) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        db_url: str,
+        name: str = "tltd",
+        cpu_slots: int = 2,
+        start_timeout: float = 60.0,
+        **env: str,
+    ) -> None:
         import os
         import subprocess
         import sys
@@ -194,14 +202,14 @@ class ServeProcess:
         cmd = [
             sys.executable, "-m", "tltd", "serve", "--port", "0",
             "--port-file", str(self.port_file), "--data-dir", str(tmp_path / "data"),
-            "--database-url", db_url, "--cpu-slots", "2", "--log-json",
+            "--database-url", db_url, "--cpu-slots", str(cpu_slots), "--log-json",
         ]  # fmt: skip
         self._log = open(self.log_file, "w")  # noqa: SIM115 - closed in wait()
         # Its own process group: a test may signal the whole group (Ctrl-C, systemd's stop).
         self.proc = subprocess.Popen(
             cmd, cwd=root, env=base, stdout=self._log, stderr=self._log, start_new_session=True
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + start_timeout
         while not self.port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()

@@ -136,7 +136,9 @@ def test_a_request_that_cannot_be_closed_does_not_keep_the_drain_from_the_others
                 rid: Stream(c, "job", PROMPTS * 2, sampling=sampling(**LONG), request_id=rid)
                 for rid in ("a", "b")
             }
-            wait_until(lambda: _status(c, "b") == RUNNING, what="running")
+            # Generous: on a loaded machine the workers' start-up cost timing alone can take
+            # a good part of 30 s before any sample runs.
+            wait_until(lambda: _status(c, "b") == RUNNING, timeout=120, what="running")
             d.call(d.daemon.shutdown(), timeout=GRACE + 60)
             d.daemon = None
             streams["b"].result(30)

@@ -496,6 +496,22 @@ A_BUSY = [work(f"a{i}", job="a", n=4, at=i) for i in range(10)]  # far more than
             {"w1": "b"},
             {"w0": 7},
         ),
+        (
+            "a busy worker of a job between requests stays (it is not spare)",
+            [sw(0, "a", running=6, tokens=600), sw(1, "b", running=8, tokens=800)],
+            [work("b0", job="b", n=8)],
+            [JobView("a"), JobView("b")],
+            {},
+            {},
+        ),
+        (
+            "once empty, it is spare",
+            [sw(0, "a"), sw(1, "b", running=8, tokens=800)],
+            [work("b0", job="b", n=8)],
+            [JobView("a"), JobView("b")],
+            {"w0": "b"},
+            {},
+        ),
     ],
 )
 def test_which_job_a_worker_serves(

@@ -30,6 +30,8 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
+import shutil
 import threading
 import time
 import uuid
@@ -38,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -422,11 +425,17 @@ def save_state(state: TrainerState, root: str | Path) -> Path:
     name = f"step-{state.meta['step']:08d}-{uuid.uuid4().hex[:6]}"
     tmp = root / f".{name}.tmp"
     tmp.mkdir(parents=True)
-    save_file(state.params, str(tmp / "model.safetensors"))
-    save_file({**state.optim, "rng::torch": state.rng}, str(tmp / "optimizer.safetensors"))
-    cfg = {"architecture": state.meta["architecture"], "target": state.meta["target"]}
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    (tmp / "trainer.json").write_text(json.dumps(state.meta))
+    try:
+        save_file(state.params, str(tmp / "model.safetensors"))
+        save_file({**state.optim, "rng::torch": state.rng}, str(tmp / "optimizer.safetensors"))
+        cfg = {"architecture": state.meta["architecture"], "target": state.meta["target"]}
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / "trainer.json").write_text(json.dumps(state.meta))
+    except (OSError, SafetensorError) as exc:
+        # A full disk: free what was written (the previous checkpoint and LATEST are untouched)
+        # and say which checkpoint failed.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(exc, f"drafter checkpoint not written under {root}") from exc
     os.replace(tmp, root / name)
     pointer = root / f".{LATEST}.{uuid.uuid4().hex[:6]}"
     pointer.write_text(name)
@@ -434,6 +443,15 @@ def save_state(state: TrainerState, root: str | Path) -> Path:
     for old in sorted(p for p in root.glob("step-*") if p.name != name)[:-1]:
         _rmtree(old)  # keep the previous checkpoint too, in case the newest is being read
     return root / name
+
+
+def write_error(exc: Exception, what: str) -> OSError:
+    """An OSError saying `what`, with the errno of a failed write (safetensors reports a full
+    disk as SafetensorError "... (os error 28)", not as an OSError)."""
+    code = getattr(exc, "errno", None)
+    if code is None and (m := re.search(r"os error (\d+)", str(exc))):
+        code = int(m.group(1))
+    return OSError(code, f"{what}: {exc}")
 
 
 def _rmtree(path: Path) -> None:

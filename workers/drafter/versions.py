@@ -4,17 +4,20 @@ version), SGLang export."""
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from workers.drafter.forward import chain_accepted_lengths, target_hidden
 from workers.drafter.protocol import ActiveDrafter, Measured
+from workers.drafter.trainer import write_error
 from workers.engine.eagle import EagleDrafter, check_drafter_tensors
 from workers.engine.transformer import ModelConfig, read_state_dict
 
@@ -64,7 +67,11 @@ def measure(
     was_training = drafter.training
     drafter.eval()
     try:
-        drafter.save_pretrained(path)
+        try:
+            drafter.save_pretrained(path)
+        except (OSError, SafetensorError) as exc:  # a full disk: nothing half-written is kept
+            shutil.rmtree(path, ignore_errors=True)
+            raise write_error(exc, f"drafter version not written to {path}") from exc
         acceptance = mean_accepted_length(drafter, held_out, k)
         base, against = 1.0, "no learned drafter"
         if active is not None:

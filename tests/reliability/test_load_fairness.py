@@ -1,0 +1,126 @@
+"""Load and fairness: concurrent trainers of jobs with different weights and priorities
+against one real daemon (`tltd serve` in its own process, 4 CPU rollout workers, SQLite) for
+a bounded time.
+
+The scheduler (tltd/scheduler.py) ranks jobs by priority, then splits the workers among
+equal-priority jobs with waiting work in proportion to their weights. With weights 2:1:1 on
+four workers each job's share of worker-seconds should be 1/2, 1/4, 1/4: checked within
++-10% (relative) over the measured window. The window starts once the split first matches
+the weights (the workers load models and switch at start; how long that took is reported).
+A priority-1 job then arrives: it gets a worker while the
+others stay backlogged. Nothing is lost: every request id sent completes with all samples.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from datetime import UTC
+
+import pytest
+
+from clients.client import TltClient
+from tests.reliability.trainers import Trainer, WorkerSampler, percentile
+from tests.rollout.support import ServeProcess, wait_until
+from tltd.v1.rollout_pb2 import REQUEST_STATUS_COMPLETED
+
+WEIGHTS = {"heavy": 2.0, "light-a": 1.0, "light-b": 1.0}
+STEADY = {"heavy": 2, "light-a": 1, "light-b": 1}  # workers each job holds once converged
+# Requests of 4 prompts x 4 samples in flight per job: 96 and 64 samples against 8 per worker,
+# so every job always has work waiting (the weighted split is what is measured).
+INFLIGHT = {"heavy": 6, "light-a": 4, "light-b": 4}
+
+
+def _split(sampler: WorkerSampler) -> dict[str, int]:
+    """How many workers each job holds now."""
+    held = sampler.timeline[-1][1] if sampler.timeline else ()
+    return dict(Counter(j for j in held if j))
+
+
+def _timeline(sampler: WorkerSampler) -> str:
+    t0 = sampler.timeline[0][0]
+    return "\n".join(f"{t - t0:7.2f} {held}" for t, held in sampler.timeline)
+
+
+@pytest.fixture
+def four_workers(sqlite_url, tmp_path):
+    d = ServeProcess(
+        tmp_path, sqlite_url, cpu_slots=4, start_timeout=180, worker_max_batch=8,
+        worker_max_seq_len=256, drafter_training="false",
+    )  # fmt: skip
+    try:
+        yield d
+    finally:
+        d.kill()
+
+
+def test_weighted_shares_latency_and_nothing_lost(four_workers, ckpt, size, figures):
+    d = four_workers
+    warmup, window = {"short": (3.0, 15.0), "long": (10.0, 600.0)}[size]
+    with TltClient(d.target, timeout=120) as c:  # the machine may be loaded: generous deadlines
+        for job, w in WEIGHTS.items():
+            c.create_job(str(ckpt), job_id=job, weight=w)
+        c.create_job(str(ckpt), job_id="urgent", priority=1)
+    d.wait_workers_ready(n=4)
+    sampler = WorkerSampler(d.target).start()
+    trainers = {
+        job: Trainer(
+            d.target, job, inflight=INFLIGHT[job], prompts=4, n=4, max_new_tokens=16
+        ).start()
+        for job in WEIGHTS
+    }
+    # Warm-up: the workers load models and switch until the split matches the weights.
+    started = time.monotonic()
+    wait_until(lambda: _split(sampler) == STEADY, timeout=120, what="the weighted split")
+    converged = time.monotonic() - started
+    time.sleep(warmup)
+    sampler.measuring.set()
+    time.sleep(window)
+    sampler.measuring.clear()
+
+    # A higher-priority job arrives while the others are backlogged.
+    urgent = Trainer(d.target, "urgent", inflight=1, n=2, max_new_tokens=8)
+    with TltClient(d.target, timeout=120) as c:
+        urgent_outcomes = [urgent.run_one(c, random.Random(i)) for i in range(3)]
+    for t in trainers.values():
+        t.stop()
+    sampler.stop()
+
+    total = sum(sampler.held[j] for j in WEIGHTS)
+    weight_sum = sum(WEIGHTS.values())
+    shares = {j: sampler.held[j] / total for j in WEIGHTS}
+    errors = {j: shares[j] / (WEIGHTS[j] / weight_sum) - 1 for j in WEIGHTS}
+
+    outcomes = [o for t in trainers.values() for o in t.outcomes.values()] + urgent_outcomes
+    lost = [o for o in outcomes if len(o.samples) != o.expected or o.error]
+    with TltClient(d.target, timeout=120) as c:
+        stored = {o.request_id: c.get_request(o.request_id).request for o in outcomes}
+    not_completed = [rid for rid, r in stored.items() if r.status != REQUEST_STATUS_COMPLETED]
+    admission = [
+        stored[o.request_id].created_at.ToDatetime(UTC).timestamp() - o.sent_wall for o in outcomes
+    ]
+    first = [o.first_sample - o.sent for o in outcomes if o.first_sample is not None]
+    urgent_first = [o.first_sample - o.sent for o in urgent_outcomes]
+    figures.update(
+        converged_seconds=round(converged, 1),
+        window_seconds=window,
+        worker_seconds={j: round(sampler.held[j], 1) for j in WEIGHTS},
+        share={j: round(v, 3) for j, v in shares.items()},
+        share_error={j: round(v, 3) for j, v in errors.items()},
+        requests=len(outcomes),
+        samples=sum(len(o.samples) for o in outcomes),
+        lost=len(lost),
+        admission_ms={"p50": round(1e3 * percentile(admission, 50), 1),
+                      "p99": round(1e3 * percentile(admission, 99), 1)},
+        first_sample_s={"p50": round(percentile(first, 50), 2),
+                        "p99": round(percentile(first, 99), 2)},
+        urgent_first_sample_s=[round(v, 2) for v in urgent_first],
+    )  # fmt: skip
+    assert not lost, [(o.request_id, len(o.samples), o.expected, o.error) for o in lost][:5]
+    assert not not_completed, not_completed[:5]
+    print(_timeline(sampler))  # shown when the test fails
+    for job, err in errors.items():
+        assert abs(err) <= 0.10, (job, shares)
+    # The priority-1 job is served although every worker was busy with the others.
+    assert all(o.first_sample is not None for o in urgent_outcomes)
