@@ -29,11 +29,17 @@ def http_daemon(tmp_path_factory, text_model) -> Iterator[HttpDaemon]:
     upgrade(url)
     store = Store(url)
     settings = make_settings(
-        tmp, cpu_slots=1, worker_max_batch=16, worker_max_seq_len=512,
-        worker_heartbeat_seconds=0.2, shutdown_grace_seconds=10.0,
-        device_refresh_seconds=3600.0, drafter_training=False,
-        http_enabled=True, http_port=0,
-    )  # fmt: skip
+        tmp,
+        cpu_slots=1,
+        worker_max_batch=16,
+        worker_max_seq_len=512,
+        worker_heartbeat_seconds=0.2,
+        shutdown_grace_seconds=10.0,
+        device_refresh_seconds=3600.0,
+        drafter_training=False,
+        http_enabled=True,
+        http_port=0,
+    )
     d = HttpDaemon(settings, store).start()
     try:
         with RolloutClient(d.target) as c:

@@ -22,9 +22,15 @@ def oai(http_daemon):
 
 def test_token_id_prompts_n_and_logprobs(oai, http_daemon):
     out = oai.completions.create(
-        model=JOB, prompt=PROMPTS, n=3, max_tokens=6, temperature=1.0, seed=11, logprobs=0,
+        model=JOB,
+        prompt=PROMPTS,
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=11,
+        logprobs=0,
         extra_body={"return_token_ids": True, "ignore_eos": True},
-    )  # fmt: skip
+    )
     assert [c.index for c in out.choices] == list(range(6))  # prompt-major, as vLLM orders them
     assert out.usage.completion_tokens == 6 * 6
     assert out.usage.prompt_tokens == 7
@@ -47,17 +53,26 @@ def test_token_id_prompts_n_and_logprobs(oai, http_daemon):
 
 def test_tokens_as_token_ids(oai):
     out = oai.completions.create(
-        model=JOB, prompt=PROMPTS[0], max_tokens=4, seed=1, logprobs=0,
+        model=JOB,
+        prompt=PROMPTS[0],
+        max_tokens=4,
+        seed=1,
+        logprobs=0,
         extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
-    )  # fmt: skip
+    )
     c = out.choices[0]
     assert c.logprobs.tokens == [f"token_id:{t}" for t in c.model_extra["token_ids"]]
 
 
 def test_seed_reproduces_a_sample_with_sd_off(oai):
     def sample(seed):
-        out = oai.completions.create(model=JOB, prompt=PROMPTS[1], max_tokens=12, seed=seed,
-                                     extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+        out = oai.completions.create(
+            model=JOB,
+            prompt=PROMPTS[1],
+            max_tokens=12,
+            seed=seed,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
         return out.choices[0].model_extra["token_ids"]
 
     first = sample(1234)
@@ -67,9 +82,13 @@ def test_seed_reproduces_a_sample_with_sd_off(oai):
 
 def test_text_prompt_and_stop_string(oai):
     out = oai.completions.create(
-        model=JOB, prompt=["12+3=", "4+4="], max_tokens=20, temperature=0.0, stop=["<eos>", "5"],
+        model=JOB,
+        prompt=["12+3=", "4+4="],
+        max_tokens=20,
+        temperature=0.0,
+        stop=["<eos>", "5"],
         extra_body={"return_token_ids": True},
-    )  # fmt: skip
+    )
     assert len(out.choices) == 2
     for c in out.choices:
         ids = c.model_extra["token_ids"]
@@ -81,10 +100,18 @@ def test_text_prompt_and_stop_string(oai):
 
 
 def test_streaming_one_chunk_per_sample(oai):
-    chunks = list(oai.completions.create(
-        model=JOB, prompt=PROMPTS, n=2, max_tokens=5, seed=3, logprobs=0, stream=True,
-        stream_options={"include_usage": True},
-    ))  # fmt: skip
+    chunks = list(
+        oai.completions.create(
+            model=JOB,
+            prompt=PROMPTS,
+            n=2,
+            max_tokens=5,
+            seed=3,
+            logprobs=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     samples = [ch.choices[0] for ch in chunks if ch.choices]
     assert sorted(c.index for c in samples) == [0, 1, 2, 3]
     assert all(c.finish_reason in ("stop", "length") and c.logprobs.token_logprobs for c in samples)
@@ -95,9 +122,13 @@ def test_streaming_one_chunk_per_sample(oai):
 def test_request_id_header_makes_a_retry_attach(oai, http_daemon):
     def call():
         return oai.completions.create(
-            model=JOB, prompt=PROMPTS[0], max_tokens=5, logprobs=0,
-            extra_headers={"X-Request-Id": "http-retry-1"}, extra_body={"return_token_ids": True},
-        )  # fmt: skip
+            model=JOB,
+            prompt=PROMPTS[0],
+            max_tokens=5,
+            logprobs=0,
+            extra_headers={"X-Request-Id": "http-retry-1"},
+            extra_body={"return_token_ids": True},
+        )
 
     first, again = call(), call()
     assert first.id == again.id == "http-retry-1"

@@ -24,11 +24,22 @@ def _gen(http, path="/generate", **body):
 
 
 def test_single_prompt_returns_one_object_with_slime_keys(http):
-    out = _gen(http, input_ids=[1, 5, 6], return_logprob=True,
-               sampling_params={"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0,
-                                "top_k": -1, "stop_token_ids": [2], "skip_special_tokens": False,
-                                "no_stop_trim": True, "spaces_between_special_tokens": False,
-                                "sampling_seed": 5})  # fmt: skip
+    out = _gen(
+        http,
+        input_ids=[1, 5, 6],
+        return_logprob=True,
+        sampling_params={
+            "max_new_tokens": 6,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "stop_token_ids": [2],
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+            "spaces_between_special_tokens": False,
+            "sampling_seed": 5,
+        },
+    )
     assert isinstance(out, dict)
     meta = out["meta_info"]
     pairs = meta["output_token_logprobs"]
@@ -37,15 +48,24 @@ def test_single_prompt_returns_one_object_with_slime_keys(http):
     assert meta["finish_reason"]["type"] in ("stop", "length")
     assert meta["completion_tokens"] == len(out["output_ids"]) and meta["prompt_tokens"] == 3
     assert meta["weight_version"] == "0"
-    for key in ("spec_verify_ct", "spec_accept_token_num", "spec_draft_token_num",
-                "spec_accept_rate", "spec_accept_length"):  # fmt: skip
+    for key in (
+        "spec_verify_ct",
+        "spec_accept_token_num",
+        "spec_draft_token_num",
+        "spec_accept_rate",
+        "spec_accept_length",
+    ):
         assert key in meta
     assert isinstance(out["text"], str)
 
 
 def test_batch_with_n_is_prompt_major(http):
-    outs = _gen(http, input_ids=[[1, 5, 6], [1, 7]], return_logprob=True,
-                sampling_params={"max_new_tokens": 4, "n": 2, "ignore_eos": True})  # fmt: skip
+    outs = _gen(
+        http,
+        input_ids=[[1, 5, 6], [1, 7]],
+        return_logprob=True,
+        sampling_params={"max_new_tokens": 4, "n": 2, "ignore_eos": True},
+    )
     assert [o["index"] for o in outs] == [0, 1, 2, 3]
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == [3, 3, 2, 2]
     assert all(len(o["output_ids"]) == 4 for o in outs)
@@ -60,8 +80,12 @@ def test_text_input(http):
 
 
 def test_streaming_one_event_per_sample(http):
-    body = {"input_ids": [[1, 5, 6], [1, 7]], "stream": True, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 5, "n": 2, "sampling_seed": 9}}  # fmt: skip
+    body = {
+        "input_ids": [[1, 5, 6], [1, 7]],
+        "stream": True,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 5, "n": 2, "sampling_seed": 9},
+    }
     with http.stream("POST", "/generate", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -76,8 +100,9 @@ def test_streaming_one_event_per_sample(http):
 def test_update_weights_moves_the_version_of_the_next_samples(http, http_daemon, tmp_path):
     ckpt = make_text_checkpoint(tmp_path / "step-1")
     before = _gen(http, input_ids=[1, 5], sampling_params={"max_new_tokens": 2})
-    r = http.post("/update_weights_from_disk",
-                  json={"model_path": str(ckpt), "weight_version": "step-1"})  # fmt: skip
+    r = http.post(
+        "/update_weights_from_disk", json={"model_path": str(ckpt), "weight_version": "step-1"}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["success"] is True
     new = r.json()["weight_version"]
@@ -102,16 +127,24 @@ def test_model_info_and_health(http, text_model):
 def test_bad_input_is_400_naming_the_field_and_the_daemon_keeps_serving(http):
     cases = [
         ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
-        ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}},
-         "sampling_params.temperature"),
-        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}},
-         "sampling_params.max_new_tokens"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}},
+            "sampling_params.temperature",
+        ),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}},
+            "sampling_params.max_new_tokens",
+        ),
         ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
-        ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}},
-         "sampling_params.frequency_penalty"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}},
+            "sampling_params.frequency_penalty",
+        ),
         ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
-        ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": -1}},
-         "sampling_params.sampling_seed"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"sampling_seed": -1}},
+            "sampling_params.sampling_seed",
+        ),
         ({"input_ids": [[1, 2], [3, 100]]}, "input_ids[1][1]"),
         ({"input_ids": [[1, 2], []]}, "input_ids[1]"),
         ({"input_ids": "12"}, "input_ids"),
@@ -119,7 +152,7 @@ def test_bad_input_is_400_naming_the_field_and_the_daemon_keeps_serving(http):
         ({"input_ids": [1, 2], "top_logprobs_num": 3}, "top_logprobs_num"),
         ({"input_ids": [1, 2], "image_data": "x.png"}, "image_data"),
         ({"input_ids": [1, 2], "rid": "no spaces please"}, "rid"),
-    ]  # fmt: skip
+    ]
     for body, param in cases:
         r = http.post("/generate", json=body)
         assert r.status_code == 400, (body, r.text)
@@ -138,8 +171,10 @@ def test_a_second_active_job_needs_the_job_in_the_url(http, http_daemon, text_mo
         try:
             r = http.post("/generate", json={"input_ids": [1, 2]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "job"
-            r = http.post("/jobs/http-other/generate",
-                          json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+            r = http.post(
+                "/jobs/http-other/generate",
+                json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
+            )
             assert r.status_code == 200 and r.json()["meta_info"]["id"]
             assert http.post("/jobs/nope/generate", json={"input_ids": [1]}).status_code == 404
         finally:

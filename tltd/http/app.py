@@ -42,8 +42,13 @@ def build_app(services: Services, tokens) -> Starlette:
     for prefix in ("", "/jobs/{job_id}"):
         routes += [
             route(f"{prefix}/generate", "generate", sglang_api.generate, "POST", sg),
-            route(f"{prefix}/update_weights_from_disk", "update_weights",
-                  sglang_api.update_weights_from_disk, "POST", sg),  # fmt: skip
+            route(
+                f"{prefix}/update_weights_from_disk",
+                "update_weights",
+                sglang_api.update_weights_from_disk,
+                "POST",
+                sg,
+            ),
             route(f"{prefix}/get_model_info", "model_info", sglang_api.get_model_info, "GET", sg),
         ]
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
@@ -57,8 +62,10 @@ async def _guarded(auth, name, renames, services, handler, request: Request) -> 
         return await handler(services, request)
     except TltError as exc:
         status, body = error_body(exc, renames)
-        log.info("http request failed",
-                 extra={"route": name, "code": exc.code.name, "error": body["error"]["message"]})  # fmt: skip
+        log.info(
+            "http request failed",
+            extra={"route": name, "code": exc.code.name, "error": body["error"]["message"]},
+        )
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
         return JSONResponse(body, status_code=status, headers=headers)
     except Exception:
@@ -69,6 +76,12 @@ async def _guarded(auth, name, renames, services, handler, request: Request) -> 
 
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
     """Unknown paths and methods, in the same error shape."""
-    body = {"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
-                      "type": "invalid_request_error", "param": None, "code": "not_found"}}  # fmt: skip
+    body = {
+        "error": {
+            "message": f"{request.method} {request.url.path}: {exc.detail}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "not_found",
+        }
+    }
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)

@@ -3,6 +3,7 @@ extensions), translated to and from the domain's rollout request and samples."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -105,7 +106,8 @@ def _prompts(prompt: Any, vocab: Vocab) -> tuple[tuple[int, ...], ...]:
                 out.append(tuple(p))
             else:
                 raise InvalidArgument(
-                    "must be a string or a non-empty list of integer token ids", field=f"prompt[{i}]"
+                    "must be a string or a non-empty list of integer token ids",
+                    field=f"prompt[{i}]",
                 )
         return tuple(out)
     raise InvalidArgument(
@@ -146,7 +148,9 @@ def to_rollout(body: CompletionRequest, job: Job, vocab: Vocab, request_id: str)
 def choice(body: CompletionRequest, req: RolloutRequest, s: Sample, vocab: Vocab) -> dict:
     """One sample as a completion choice; index = prompt_index * n + sample_index (vLLM's)."""
     ids = s.token_ids
-    stopped = s.finish_reason is FinishReason.STOP and ids and ids[-1] in req.sampling.stop_token_ids
+    stopped = (
+        s.finish_reason is FinishReason.STOP and ids and ids[-1] in req.sampling.stop_token_ids
+    )
     out: dict[str, Any] = {
         "index": s.prompt_index * req.sampling.n + s.sample_index,
         "text": vocab.decode(ids[:-1] if stopped else ids),
@@ -191,13 +195,18 @@ def _tltd_fields(s: Sample) -> dict:
 def _usage(req: RolloutRequest, samples: list[Sample]) -> dict:
     prompt = sum(len(p) for p in req.prompts)
     completion = sum(len(s.token_ids) for s in samples)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 async def completions(services: Services, request: Request) -> JSONResponse | StreamingResponse:
     body = door.parse(CompletionRequest, await request.body())
-    rid = door.request_id(request.headers.get(door.REQUEST_ID_HEADER), body.request_id, "request_id")
+    rid = door.request_id(
+        request.headers.get(door.REQUEST_ID_HEADER), body.request_id, "request_id"
+    )
     job = await door.get_job(services, body.model)  # NotFound -> 404 naming `model`
     vocab = vocab_for(job.model_path)
     req = to_rollout(body, job, vocab, rid)
@@ -210,8 +219,12 @@ async def completions(services: Services, request: Request) -> JSONResponse | St
         )
     done = await door.collect(services, req)
     return JSONResponse(
-        {"id": done[0].request_id, **head, "choices": [choice(body, req, s, vocab) for s in done],
-         "usage": _usage(req, done)}  # fmt: skip
+        {
+            "id": done[0].request_id,
+            **head,
+            "choices": [choice(body, req, s, vocab) for s in done],
+            "usage": _usage(req, done),
+        }
     )
 
 
@@ -224,7 +237,9 @@ async def _events(body, req, samples, vocab, head):
             done.append(s)
             yield door.sse({"id": req.request_id, **head, "choices": [choice(body, req, s, vocab)]})
         if body.stream_options and body.stream_options.include_usage:
-            yield door.sse({"id": req.request_id, **head, "choices": [], "usage": _usage(req, done)})
+            yield door.sse(
+                {"id": req.request_id, **head, "choices": [], "usage": _usage(req, done)}
+            )
     except TltError as exc:
         yield door.sse(error_body(exc, RENAMES)[1])
     except Exception:  # noqa: BLE001 - the stream must end with an error, not silently
@@ -235,8 +250,6 @@ async def _events(body, req, samples, vocab, head):
 
 async def models(services: Services, request: Request) -> JSONResponse:
     """Active jobs, as models: `model` in a completion names one."""
-    import asyncio
-
     jobs = await asyncio.to_thread(services.jobs.list, [JobStatus.ACTIVE], 0)
     return JSONResponse(
         {

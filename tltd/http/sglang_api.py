@@ -57,8 +57,13 @@ class SglangSampling(BaseModel):
     min_p: float = 0.0
 
 
-_NO_OP = {"min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-          "repetition_penalty": 1.0, "min_p": 0.0}  # fmt: skip
+_NO_OP = {
+    "min_new_tokens": 0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+}
 
 
 class GenerateRequest(BaseModel):
@@ -122,8 +127,9 @@ def _prompts(body: GenerateRequest, vocab: Vocab) -> tuple[tuple[tuple[int, ...]
     if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
         for i, p in enumerate(ids):
             if not p or not all(_is_token(t) for t in p):
-                raise InvalidArgument("must be a non-empty list of integer token ids",
-                                      field=f"input_ids[{i}]")  # fmt: skip
+                raise InvalidArgument(
+                    "must be a non-empty list of integer token ids", field=f"input_ids[{i}]"
+                )
         return tuple(tuple(p) for p in ids), False
     raise InvalidArgument(
         "must be a non-empty list of token ids or a list of them", field="input_ids"
@@ -136,11 +142,13 @@ def _is_token(t: Any) -> bool:
 
 def _refuse_unsupported(body: GenerateRequest) -> None:
     if body.logprob_start_len not in (None, -1):
-        raise InvalidArgument("prompt logprobs are not supported: only -1",
-                              field="logprob_start_len")  # fmt: skip
+        raise InvalidArgument(
+            "prompt logprobs are not supported: only -1", field="logprob_start_len"
+        )
     if body.top_logprobs_num not in (None, 0):
-        raise InvalidArgument("top-k alternatives are not available from the engine: only 0",
-                              field="top_logprobs_num")  # fmt: skip
+        raise InvalidArgument(
+            "top-k alternatives are not available from the engine: only 0", field="top_logprobs_num"
+        )
 
 
 def to_rollout(body: GenerateRequest, job: Job, vocab: Vocab, request_id: str):
@@ -173,7 +181,9 @@ def to_rollout(body: GenerateRequest, job: Job, vocab: Vocab, request_id: str):
 def output(body, params, req: RolloutRequest, s: Sample, vocab: Vocab) -> dict:
     """One sample in SGLang's /generate output shape."""
     ids = s.token_ids
-    stopped = s.finish_reason is FinishReason.STOP and ids and ids[-1] in req.sampling.stop_token_ids
+    stopped = (
+        s.finish_reason is FinishReason.STOP and ids and ids[-1] in req.sampling.stop_token_ids
+    )
     if s.finish_reason is FinishReason.STOP:
         finish: dict[str, Any] = {"type": "stop", "matched": ids[-1] if ids else None}
     elif s.finish_reason is FinishReason.LENGTH:
@@ -258,8 +268,9 @@ async def update_weights_from_disk(services: Services, request: Request) -> JSON
             field="abort_all_requests",
         )
     if body.load_format not in (None, "auto"):
-        raise InvalidArgument("only Hugging Face safetensors checkpoints (auto)",
-                              field="load_format")  # fmt: skip
+        raise InvalidArgument(
+            "only Hugging Face safetensors checkpoints (auto)", field="load_format"
+        )
     job = await _job(services, request)
     note = f"weight_version={body.weight_version}" if body.weight_version else ""
     version = await asyncio.to_thread(

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tltd.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,9 @@ def vocab_for(model_path: str) -> Vocab:
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        except (ImportError, OSError, ValueError, Exception):  # noqa: BLE001 - text is optional
-            tokenizer = None
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions
+            # Text is optional on this door: token ids still work. Say why text does not.
+            log.warning("cannot load %s/tokenizer.json: %s", model_path, exc)
     return Vocab(tokenizer, _eos_ids(path))
 
 
