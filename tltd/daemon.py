@@ -65,10 +65,11 @@ async def _serve_with_store(
     for sig in _SIGNALS:
         loop.add_signal_handler(sig, _on_signal, sig, stop)
     await daemon.start()
-    if port_file:
-        _write_atomically(port_file, f"{daemon.api.port}\n")
+    # The HTTP port file first: a reader polling for the gRPC one then finds both.
     if http_port_file and daemon.http is not None:
         _write_atomically(http_port_file, f"{daemon.http.port}\n")
+    if port_file:
+        _write_atomically(port_file, f"{daemon.api.port}\n")
     await stop.wait()
     await daemon.shutdown()
     for sig in _SIGNALS:
