@@ -180,3 +180,15 @@ def test_tltd_serve_with_http_stops_in_order_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_draining_node_is_503_on_health_and_new_rollouts(sqlite_store, tmp_path):
+    d = _serve(sqlite_store, tmp_path)
+    try:
+        d.services.node.start_draining("test")
+        assert httpx.get(f"{d.url}/health").status_code == 503
+        r = httpx.post(f"{d.url}/v1/completions", json={"model": "j1", "prompt": [1, 2]})
+        assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+        assert httpx.get(f"{d.url}/v1/models").status_code == 200  # reads still served
+    finally:
+        d.stop()
