@@ -208,7 +208,7 @@ async def completions(services: Services, request: Request) -> JSONResponse | St
         request.headers.get(door.REQUEST_ID_HEADER), body.request_id, "request_id"
     )
     job = await door.get_job(services, body.model)  # NotFound -> 404 naming `model`
-    vocab = vocab_for(job.model_path)
+    vocab = await asyncio.to_thread(vocab_for, job.model_path)  # reads tokenizer.json once
     req = to_rollout(body, job, vocab, rid)
     created = int(time.time())
     head = {"object": "text_completion", "created": created, "model": body.model}

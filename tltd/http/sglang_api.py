@@ -232,7 +232,7 @@ async def generate(services: Services, request: Request) -> Response:
     body = door.parse(GenerateRequest, await request.body())
     rid = door.request_id(request.headers.get(door.REQUEST_ID_HEADER), body.rid, "rid")
     job = await _job(services, request)
-    vocab = vocab_for(job.model_path)
+    vocab = await asyncio.to_thread(vocab_for, job.model_path)  # reads tokenizer.json once
     req, params, single = to_rollout(body, job, vocab, rid)
     if body.stream:
         req, samples = await door.open_stream(services, req)
@@ -295,7 +295,7 @@ async def health(services: Services, request: Request) -> Response:
 
 async def get_model_info(services: Services, request: Request) -> JSONResponse:
     job = await _job(services, request)
-    vocab = vocab_for(job.model_path)
+    vocab = await asyncio.to_thread(vocab_for, job.model_path)  # reads tokenizer.json once
     return JSONResponse(
         {
             "model_path": job.model_path,
