@@ -1,7 +1,7 @@
 PY ?= .venv/bin/python
 PIP ?= $(PY) -m pip
 
-.PHONY: install stubs test lint demo demo-quick daemon-demo serve
+.PHONY: install stubs test test-sglang lint demo demo-quick daemon-demo serve
 
 # torch==2.13.0 first: on CPU-only machines it is a local CPU build; anything that admits a
 # newer torch would otherwise download a multi-GB CUDA build.
@@ -16,6 +16,14 @@ stubs:
 
 test: install
 	$(PY) -m pytest -q
+
+# The SGLang adapter against the real sglang package, in its own cached environment (CPU
+# torch, sglang with --no-deps: scripts/sglang_contract_env.sh); --confcutdir keeps the
+# suite's database fixtures out of it.
+test-sglang:
+	venv=$$(PYTHON=$(PY) bash scripts/sglang_contract_env.sh) && \
+	TLTD_SGLANG_CONTRACT=1 $$venv/bin/python -m pytest -q -p no:cacheprovider \
+		--confcutdir=tests/sglang_contract tests/sglang_contract
 
 lint:
 	$(PY) -m ruff check .

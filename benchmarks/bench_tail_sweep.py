@@ -1,10 +1,13 @@
-"""How TLT's speedup depends on the tail: adaptive SD vs off as the re-check rate (care) grows.
+"""How TLT's speedup depends on the tail: adaptive SD vs off as the length tail gets heavier.
 
-For each care level (the policy re-checks its work with probability care / 10, per sample),
-the workload of bench_spec runs with SD off and adaptive, interleaved `--repeats` times. Each
-row prints the length distribution, the share of SD-off decode time spent at running batch
-<= `--gate`, and the speedup (median [min-max]). The plot (PNG) puts the speedup against that
-share, so a user can read off what to expect from their own rollouts' length distribution.
+Each point is a workload: a care level (the policy re-checks its work with probability
+care / 10, per sample) on bench_spec's prompts, whose sizes follow the task's power law
+(`--points 7`), or on prompts of one fixed size (`7@6`: 6 steps each, no prompt-level tail),
+which gives the light tails (p99/p50 ~1-4). Each runs with SD off and adaptive, interleaved
+`--repeats` times. Each row prints the length distribution, the share of SD-off decode time
+spent at running batch <= `--gate`, and the speedup (median [min-max]). The plot (PNG) puts the
+speedup against that share, so a user can read off what to expect from their own rollouts'
+length distribution.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def plot(rows: list[dict], path: Path, gate: int) -> None:
-    """Speedup against the SD-off time share at batch <= gate, one point per care level."""
+    """Speedup against the SD-off time share at batch <= gate, one point per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,7 +51,7 @@ def plot(rows: list[dict], path: Path, gate: int) -> None:
     hi = [max(r["speedups"]) - r["speedup"] for r in rows]
     ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3)  # points: care is not the x axis
     for r, x, y in zip(rows, xs, ys, strict=True):
-        ax.annotate(f"care {r['care']}\np99/p50 {r['p99/p50']:.0f}", (x, y),
+        ax.annotate(f"{point_label(r['point'])}\np99/p50 {r['p99/p50']:.0f}", (x, y),
                     textcoords="offset points", xytext=(6, -14), fontsize=7)  # fmt: skip
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel(f"share of SD-off decode time at running batch <= {gate} (%)")
@@ -60,11 +63,29 @@ def plot(rows: list[dict], path: Path, gate: int) -> None:
     fig.savefig(path, dpi=120)
 
 
+def parse_points(spec: str) -> list[tuple[int, int | None]]:
+    """"0,3@6,8" -> [(0, None), (3, 6), (8, None)]: care, and a fixed size or None."""
+    points = []
+    for item in spec.split(","):
+        care, _, size = item.strip().partition("@")
+        points.append((int(care), int(size) if size else None))
+    return points
+
+
+def point_label(point: tuple[int, int | None]) -> str:
+    care, size = point
+    return f"care {care}, " + (f"size {size}" if size else "power-law sizes")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=MODEL_DIR)
     ap.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
-    ap.add_argument("--cares", default="0,2,4,6,8", help="re-check rates in tenths")
+    ap.add_argument(
+        "--points",
+        default="0@6,4@6,0,4,7,8",
+        help="workloads: care (re-check rate in tenths) on power-law sizes, or care@size",
+    )
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
@@ -82,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args.confidence = EngineConfig().draft_confidence
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens, args.repeats = 2, 2, 48, 1
-        args.cares, args.plot = "0,8", None
+        args.points, args.plot = "0@2,8", None
     torch.set_num_threads(args.threads)
     model = load_model(args.model, DTYPES[args.dtype])
     drafter = EagleDrafter.from_pretrained(args.drafter, model)
@@ -94,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     rows = []
-    for care in (int(c) for c in args.cares.split(",")):
-        work = rollout_prompts(args.prompts, args.seed, args.model, care)
-        warm = [rollout_prompts(warm_n, args.seed + 1 + j, args.model, care)
+    for point in parse_points(args.points):
+        care, size = point
+        work = rollout_prompts(args.prompts, args.seed, args.model, care, size)
+        warm = [rollout_prompts(warm_n, args.seed + 1 + j, args.model, care, size)
                 for j in range(args.warmup)]  # fmt: skip
         off, ada = [], []
         for _ in range(args.repeats):
@@ -105,26 +127,26 @@ def main(argv: list[str] | None = None) -> int:
         speedups = [o.seconds / a.seconds for o, a in zip(off, ada, strict=True)]
         s = length_stats(off[0].outputs)
         row = {
-            "care": care, **s, "share": statistics.median(time_share(o, args.gate) for o in off),
+            "point": point, **s, "share": statistics.median(time_share(o, args.gate) for o in off),
             "speedup": statistics.median(speedups), "speedups": speedups,
             "off_s": statistics.median(o.seconds for o in off),
         }  # fmt: skip
         rows.append(row)
         print(
-            f"  care {care}: p50 {s['p50']} p99 {s['p99']} max {s['max']} p99/p50 "
+            f"  {point_label(point)}: p50 {s['p50']} p99 {s['p99']} max {s['max']} p99/p50 "
             f"{s['p99/p50']:.1f}, off {row['off_s']:.1f}s, time at batch <= {args.gate} "
             f"{100 * row['share']:.0f}%, speedup {row['speedup']:.2f}x",
             flush=True,
         )
     print(
-        f"\n| care | p50 | p99 | max | p99/p50 | capped | off s | SD-off time at batch <= "
+        f"\n| workload | p50 | p99 | max | p99/p50 | capped | off s | SD-off time at batch <= "
         f"{args.gate} | adaptive speedup (median [min-max]) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         spread = f"{r['speedup']:.2f}x [{min(r['speedups']):.2f}-{max(r['speedups']):.2f}]"
         print(
-            f"| {r['care']} | {r['p50']} | {r['p99']} | {r['max']} | {r['p99/p50']:.1f} "
+            f"| {point_label(r['point'])} | {r['p50']} | {r['p99']} | {r['max']} | {r['p99/p50']:.1f} "
             f"| {100 * r['capped']:.1f}% | {r['off_s']:.1f} | {100 * r['share']:.0f}% | {spread} |"
         )
     if args.plot is not None:

@@ -76,6 +76,7 @@ class StepRow:
     policy_version: int
     harvested_s: float  # device-seconds of drafter training during the step
     mean_reward: float
+    reward_var: float  # variance of the step's per-sample rewards (for reward_trend)
     update_s: float
     logprob_gap: float
 
@@ -319,6 +320,7 @@ def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested
     lengths = [s.num_tokens for s in samples]
     draft = sum(s.draft_steps for s in samples)
     accepted = sum(s.accepted_tokens for s in samples)
+    mean = sum(s.reward for s in scored) / max(1, len(scored))
     return StepRow(
         step=step,
         rollout_s=rollout_s,
@@ -334,10 +336,28 @@ def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested
         drafter_version=max((s.drafter_version for s in samples), default=0),
         policy_version=max((s.policy_version for s in samples), default=0),
         harvested_s=harvested,
-        mean_reward=sum(s.reward for s in scored) / max(1, len(scored)),
+        mean_reward=mean,
+        reward_var=sum((s.reward - mean) ** 2 for s in scored) / max(1, len(scored)),
         update_s=update_s,
         logprob_gap=gap,
     )
+
+
+def reward_trend(rows: list[StepRow]) -> tuple[float, float]:
+    """Least-squares slope of the per-sample reward against the step index, and its standard
+    error: a slope several standard errors above 0 is a trend, not sampling noise. Computed from
+    each step's sample count, mean and variance (the per-sample regression, exactly)."""
+    n = sum(r.samples for r in rows)
+    if len(rows) < 2 or n < 3:
+        return float("nan"), float("nan")
+    x_bar = sum(r.samples * r.step for r in rows) / n
+    y_bar = sum(r.samples * r.mean_reward for r in rows) / n
+    sxx = sum(r.samples * (r.step - x_bar) ** 2 for r in rows)
+    slope = sum(r.samples * (r.step - x_bar) * (r.mean_reward - y_bar) for r in rows) / sxx
+    fit = {r.step: y_bar + slope * (r.step - x_bar) for r in rows}
+    # Residuals of every sample: its step's spread around the step mean, plus the mean's miss.
+    sse = sum(r.samples * (r.reward_var + (r.mean_reward - fit[r.step]) ** 2) for r in rows)
+    return slope, (sse / (n - 2) / sxx) ** 0.5
 
 
 # ---- output --------------------------------------------------------------------------------
@@ -374,6 +394,11 @@ def print_summary(results: dict[str, list[StepRow]]) -> float:
         f"(TLT / off = {tlt / off if off else float('nan'):.2f})"
     )
     print(f"mean reward per step: TLT {rewards['tlt']}  off {rewards['off']}")
+    for mode in MODES:
+        slope, se = reward_trend(results[mode])
+        if slope == slope:  # not NaN: at least two steps
+            print(f"reward trend ({mode}): {slope:+.3f} per step, standard error {se:.3f} "
+                  f"({slope / se if se else float('inf'):+.1f} standard errors)")  # fmt: skip
     for mode in MODES:
         rows = results[mode]
         if rows:

@@ -41,6 +41,7 @@ from workers.task.tokenizer import (  # noqa: E402
 )
 
 NEWLINE_ID = VOCAB.index("\n")
+SPACE_ID, E_ID = VOCAB.index(" "), VOCAB.index("e")
 MAX_NEW_TOKENS = 2048  # the rollout cap of the task's workload (workers/task/workload.py)
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models" / "tiny-policy"
 
@@ -60,6 +61,9 @@ class TrainConfig:
     decision_weight: float = 1.0
     # Loss weight of the final "answer: N" line (copying the last total into it).
     final_weight: float = 1.0
+    # Loss weight of the digit of each "care N" line: one token in hundreds, easily drowned,
+    # and copying it from the prompt is what makes the re-check rate follow the prompt's care.
+    care_weight: float = 1.0
     # Care levels (re-check rate in tenths) and guess rate of the reference solutions
     # (workers/task/reasoning.py). A first stage at low care learns the arithmetic on short,
     # cheap sequences (attention over 2k tokens costs several times more per token); the last
@@ -103,9 +107,11 @@ def build_model(seed: int) -> torch.nn.Module:
 
 
 def encode_example(tok, problem: Problem) -> tuple[list[int], int]:
-    """Token ids of prompt + answer, and the index where the answer starts."""
+    """Token ids of prompt + answer, and the index where the answer starts. An answer longer
+    than the positions is cut there (no <eos>): the policy learns to keep re-checking, and so
+    runs into max_new_tokens on the samples that re-check that often, as reasoning RL's do."""
     prompt = encode_prompt(tok, format_prompt(problem))
-    return prompt + encode_answer(tok, problem.solution), len(prompt)
+    return (prompt + encode_answer(tok, problem.solution))[:MAX_POSITIONS], len(prompt)
 
 
 def batches(tok, cfg: TrainConfig, rng: random.Random):
@@ -138,9 +144,11 @@ def batches(tok, cfg: TrainConfig, rng: random.Random):
                 ids[row, : len(seq)] = torch.tensor(seq)
                 # Position p predicts token p+1: the loss covers answer tokens (and <eos>).
                 mask[row, start - 1 : len(seq) - 1] = True
-                # Positions predicting the final "answer: N" line (after its newline).
-                last_newline = len(seq) - 1 - seq[::-1].index(NEWLINE_ID)
-                final[row, last_newline : len(seq) - 1] = True
+                # Positions predicting the final "answer: N" line (after its newline), when
+                # the answer was not cut.
+                if seq[-1] == EOS_ID:
+                    last_newline = len(seq) - 1 - seq[::-1].index(NEWLINE_ID)
+                    final[row, last_newline : len(seq) - 1] = True
             yield ids, mask, final
 
 
@@ -188,13 +196,17 @@ def train(
         logits = model(input_ids=ids).logits[:, :-1]
         targets = ids[:, 1:]
         sel = mask[:, :-1]
-        if cfg.decision_weight == 1.0 and cfg.final_weight == 1.0:
+        if cfg.decision_weight == cfg.final_weight == cfg.care_weight == 1.0:
             loss = F.cross_entropy(logits[sel], targets[sel])
         else:
             per_token = F.cross_entropy(logits[sel], targets[sel], reduction="none")
             decision = (ids[:, :-1][sel] == NEWLINE_ID).float()
             weight = 1.0 + (cfg.decision_weight - 1.0) * decision
             weight = weight * (1.0 + (cfg.final_weight - 1.0) * final[:, :-1][sel].float())
+            # Positions after "care " (a space after an "e" occurs nowhere else in answers).
+            inputs = ids[:, :-1]
+            after_care = (inputs == SPACE_ID) & F.pad(inputs[:, :-1] == E_ID, (1, 0))
+            weight = weight * (1.0 + (cfg.care_weight - 1.0) * after_care[sel].float())
             loss = (per_token * weight).sum() / weight.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -343,26 +355,35 @@ that RL has something to improve.
 
 Add `step` to `start`, `count` times; the answer is the final total. Prompt
 `<bos>start 0017 step 38 count 0003 care 7\n`; the answer is one fixed-width line per step
-(total, step, new total, steps left), then, with probability care / 10 each time, `check` and
-the whole computation again, then the result, ended by `<eos>`:
+(total, step, new total, steps left) and a line restating the care; then, with probability
+care / 10 each time, `check` and the whole computation again, then the result, ended by
+`<eos>`:
 
 ```
 0017+0038=0055,0002
 0055+0038=0093,0001
 0093+0038=0131,0000
+care 7
 check
 0017+0038=0055,0002
 0055+0038=0093,0001
 0093+0038=0131,0000
+care 7
 answer:   0131
 ```
+
+The care line sits right before the re-check decision it sets: a policy of this size trained
+without it re-checked at the same rate (~0.65) whatever the prompt's care, because it never
+learnt to look the digit up in the prompt thousands of tokens back.
 
 A fifth of the reference answers are a bare guess (`answer:   0131` at once), which a policy
 this small mostly gets wrong: RL learns to stop guessing. The count (1-24) follows a
 truncated power law (exponent 1.25); re-checks make lengths long-tailed *per sample* (the same
-prompt: 60 tokens once, 1,500 the next). Reference answers at care 7: p50 ~113, p99 ~1,870,
-max 2,040 characters (= tokens). Reward: 1.0 when the completion ends with exactly one
-`answer: N` line and N is right, else 0.0.
+prompt: 60 tokens once, 1,500 the next). Re-checks are not capped: reference answers at care 7
+have p50 ~141, p90 ~774, p99 ~2,730 characters (= tokens), and 1.9% are longer than the
+rollouts' 2,048-token cap (training cuts them at the {positions} positions, without `<eos>`), so
+the policy runs into the cap on a few percent of samples, as reasoning policies do. Reward: 1.0
+when the completion ends with exactly one `answer: N` line and N is right, else 0.0.
 
 ## Loading
 
@@ -376,27 +397,37 @@ newlines from this character vocabulary. Ids: `<pad>` 0, `<bos>` 1, `<eos>` 2 (s
 ## Training
 
 `python scripts/train_policy.py` (deterministic for a seed and thread count): AdamW (betas
-0.9/0.95, weight decay 0.1, 100 warmup steps then cosine to 10% of the peak lr), batches of at
+0.9/0.95, weight decay 0.1, linear warmup then cosine to 10% of the peak lr), batches of at
 most {batch_tokens} padded tokens bucketed by length, loss on answer tokens only, fresh problems
 from the task distribution with care drawn uniformly from the stage's range, 1 thread
 on a shared 2-core CPU (torch {torch}). Stages, first to last (a later stage starts from the
 previous one's weights with `--init-from`; tokens are answer tokens seen, loss the final EMA
 of the training loss):
 
-| stage | seed | steps | peak lr | care | tokens | loss | min |
-|---|---|---|---|---|---|---|---|
+| stage | seed | steps | warmup | peak lr | care | tokens | loss | min |
+|---|---|---|---|---|---|---|---|---|
 {stages}
 
 ## Evaluation
 
 `python scripts/train_policy.py --eval` (transformers `generate`, max_new_tokens {mnt}, care 7;
 "sampled" is temperature 1, no top-k/top-p; lengths are generated tokens including `<eos>`;
-hit_limit is the fraction that never produced `<eos>`).
+hit_limit is the fraction that never produced `<eos>`). Greedy decoding at care 7 re-checks
+forever (P(check) = 0.7 > 0.5 at every decision) and so runs into the cap: the greedy rows
+measure nothing but that; RL rollouts sample at temperature 1.
 
 | set | mode | n | accuracy | p50 | p90 | p99 | max | hit_limit |
 |---|---|---|---|---|---|---|---|---|
 {rows}
 """
+
+
+def _steps(stage: dict) -> str:
+    """A stage's steps; "200 of 300" for one stopped before the end of its lr schedule (the
+    summary of its snapshot records `stopped_at_step`)."""
+    steps = stage["config"]["steps"]
+    stopped = stage.get("stopped_at_step")
+    return f"{stopped} of {steps}" if stopped else str(steps)
 
 
 def write_card(out: Path, summary: dict, report: dict) -> None:
@@ -413,7 +444,7 @@ def write_card(out: Path, summary: dict, report: dict) -> None:
     while stage is not None:
         c = stage["config"]
         stages.append(
-            f"| {{n}} | {c['seed']} | {c['steps']} | {c['lr']} | "
+            f"| {{n}} | {c['seed']} | {_steps(stage)} | {c.get('warmup', 100)} | {c['lr']} | "
             f"{c.get('min_care', 0)}-{c.get('max_care', '-')} | "
             f"{stage['answer_tokens_seen']:,} | {stage['final_loss_ema']} | "
             f"{stage['train_seconds'] / 60:.1f} |"
@@ -441,8 +472,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--batch-tokens", type=int, default=TrainConfig.batch_tokens)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--warmup", type=int, default=TrainConfig.warmup)
     parser.add_argument("--decision-weight", type=float, default=TrainConfig.decision_weight)
     parser.add_argument("--final-weight", type=float, default=TrainConfig.final_weight)
+    parser.add_argument("--care-weight", type=float, default=TrainConfig.care_weight)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--max-care", type=int, default=TrainConfig.max_care)
     parser.add_argument("--min-care", type=int, default=TrainConfig.min_care)
@@ -469,8 +502,10 @@ def main() -> None:
             steps=args.steps,
             batch_tokens=args.batch_tokens,
             lr=args.lr,
+            warmup=args.warmup,
             decision_weight=args.decision_weight,
             final_weight=args.final_weight,
+            care_weight=args.care_weight,
             max_care=args.max_care,
             min_care=args.min_care,
             guess_rate=args.guess_rate,

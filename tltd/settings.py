@@ -34,6 +34,9 @@ class Settings:
     default_backend: str = "torch"
     default_model_path: str = ""
     spec_batch_threshold: int = 32
+    # Torch workers' SD gate: "measured" (step costs timed on the device + bandit) or
+    # "threshold" (SD while the running batch <= the job's batch_threshold; for ablations).
+    spec_gate: str = "measured"
     # Rollout workers (one process per device)
     worker_max_batch: int = 64  # samples one engine runs at once (the scheduler's capacity)
     # prompt + generated tokens per sample (KV cache size): a ~256-token prompt plus the
@@ -287,6 +290,8 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
         raise ConfigError("drafter_keep_versions must be >= 1")
     if settings.max_sample_attempts < 1:
         raise ConfigError("max_sample_attempts must be >= 1")
+    if settings.spec_gate not in ("measured", "threshold"):
+        raise ConfigError(f"spec_gate must be 'measured' or 'threshold', got {settings.spec_gate!r}")
     if settings.default_backend not in ("torch", "sglang"):
         raise ConfigError(
             f"default_backend must be 'torch' or 'sglang', got {settings.default_backend!r}"

@@ -41,6 +41,7 @@ def test_precedence_file_env_flags(tmp_path):
         ({"tls_client_ca": "/ca.pem"}, "mTLS"),
         ({"cpu_slots": -1}, "cpu_slots"),
         ({"default_backend": "vllm"}, "default_backend"),
+        ({"spec_gate": "always"}, "spec_gate"),
         ({"bogus": 1}, "unknown setting"),
     ],
 )

@@ -3,6 +3,8 @@ draft, not every sample of a verify pass."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -43,3 +45,28 @@ def test_sd_share_column_is_the_per_sample_share(tmp_path):
     row = summarize(0, samples, [1.0] * len(samples), 1.0, [], 0.0, 0.0, 0.0)
     assert row.sd_share == share
     assert row.accepted_length == pytest.approx(summary["mean_accepted_length"])
+
+
+def test_reward_trend_is_the_per_sample_regression():
+    import numpy as np
+
+    from examples.grpo_demo import StepRow, reward_trend
+
+    rng = np.random.default_rng(0)
+    per_step = [rng.binomial(1, p, size=n).astype(float) for p, n in ((0.1, 40), (0.2, 32), (0.35, 48))]
+    rows = [
+        StepRow(step=i, rollout_s=1.0, tail_s=0.0, samples=len(y), tokens=0, p50=0, p99=0,
+                max_len=0, capped=0.0, sd_share=0.0, accepted_length=0.0, drafter_version=0,
+                policy_version=0, harvested_s=0.0, mean_reward=float(y.mean()),
+                reward_var=float(y.var()), update_s=0.0, logprob_gap=0.0)  # fmt: skip
+        for i, y in enumerate(per_step)
+    ]
+    x = np.concatenate([np.full(len(y), i, dtype=float) for i, y in enumerate(per_step)])
+    y = np.concatenate(per_step)
+    design = np.stack([np.ones_like(x), x], axis=1)
+    coef, sse, *_ = np.linalg.lstsq(design, y, rcond=None)
+    se = np.sqrt(sse[0] / (len(y) - 2) / ((x - x.mean()) ** 2).sum())
+    slope, slope_se = reward_trend(rows)
+    assert slope == pytest.approx(coef[1]) and slope > 0
+    assert slope_se == pytest.approx(se)
+    assert all(math.isnan(v) for v in reward_trend(rows[:1]))  # one step has no trend

@@ -1,16 +1,23 @@
-"""The SGLang rollout worker against a fake SGLang engine (the one fake: sglang cannot run here).
+"""The SGLang rollout worker and the real engine adapter over a fake `sglang.Engine` (the
+one fake: no GPU here to run SGLang; tests/sglang_contract/ checks the adapter against the
+real package).
 
 Covers the adapter's own logic: engine arguments per speculative mode, AddWork -> one engine
 request per sample (seeds, stop ids), engine outputs -> Samples (logprobs, finish reasons,
-speculative counters), cancel -> abort, LoadPolicy routed as a target update, SetDrafter routed
-as a draft update (in place, or an engine restart that carries running samples over), drain ->
-partials, heartbeats; one test runs the real worker process over a real pipe.
+speculative counters, weight versions), cancel -> abort (also before SGLang registered the
+request), LoadPolicy as a target-only update, SetDrafter as a draft-only update in place (an
+engine restart that carries running samples over only when the speculative algorithm
+changes), drain -> partials, SIGTERM ignored, GPU memory released while idle, heartbeats; one
+test runs the real worker process over a real pipe.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import shutil
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +29,7 @@ from tests.rollout import fake_sglang
 from tests.rollout.fake_sglang import FakeEngine, reference
 from tltd.domain import FinishReason, SamplingParams
 from workers.engine.eagle import EagleDrafter
+from workers.rollout import sglang_worker
 from workers.rollout.protocol import (
     AddWork,
     Cancel,
@@ -41,6 +49,7 @@ from workers.rollout.sglang_worker import SglangWorker
 from workers.sglang.adapter import (
     MEM_FRACTION_STATIC,
     Segment,
+    adaptive_config,
     engine_args,
     finish_reason,
     gpu_index,
@@ -54,12 +63,15 @@ GPU = EngineSpec(device="cuda:0", max_batch=8, max_seq_len=256, seed=7)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_fake():
+def _fresh_fake(monkeypatch):
     FakeEngine.instances.clear()
     FakeEngine.refuse_eagle = False
-    FakeEngine.in_place_draft = False
-    FakeEngine.tokens_per_poll = 3
+    FakeEngine.tokens_per_step = 3
+    monkeypatch.setattr(sglang_worker, "POLL_SECONDS", 0.002)  # the fake decodes per poll
     yield
+    for engine in FakeEngine.instances:  # gives SIGTERM back to the test process
+        if not engine.closed:
+            engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +125,7 @@ class Harness:
 
     @property
     def engine(self) -> FakeEngine:
-        return self.worker.engine  # type: ignore[return-value]
+        return self.worker.engine.engine  # type: ignore[union-attr]
 
 
 def finished(msgs) -> dict:
@@ -143,6 +155,7 @@ def test_engine_args_carry_the_model_device_and_limits():
     args = engine_args(spec, "/models/p")
     assert args == {
         "model_path": "/models/p",
+        "weight_version": "0",
         "skip_tokenizer_init": True,
         "base_gpu_id": 2,
         "tp_size": 1,
@@ -150,8 +163,12 @@ def test_engine_args_carry_the_model_device_and_limits():
         "max_running_requests": 48,
         "context_length": 4096,
         "mem_fraction_static": MEM_FRACTION_STATIC,
+        "enable_deterministic_inference": True,
+        "enable_memory_saver": True,
+        "enable_weights_cpu_backup": True,
         "log_level": "error",
     }
+    assert engine_args(spec, "/m", policy_version=4)["weight_version"] == "4"
     assert gpu_index("cuda") == 0
     with pytest.raises(ValueError, match="CUDA devices only"):
         gpu_index("cpu")
@@ -183,6 +200,24 @@ def test_speculative_args_per_mode(mode, drafter, path, expected):
     spec = EngineSpec(device="cuda:0", spec_mode=mode, drafter=drafter, draft_lengths=(2, 6, 4))
     args = engine_args(spec, "/m", path)
     assert {k: v for k, v in args.items() if k.startswith("speculative")} == expected
+    adaptive = engine_args(spec, "/m", path, "/a.json")
+    extra = {k: v for k, v in adaptive.items() if k not in args}
+    if expected.get("speculative_algorithm") == "EAGLE":  # SGLang adapts EAGLE only
+        assert extra == {"speculative_adaptive": True, "speculative_adaptive_config": "/a.json"}
+    else:
+        assert extra == {}
+
+
+def test_the_gate_and_draft_lengths_as_sglangs_adaptive_config():
+    spec = EngineSpec(spec_mode="adaptive", batch_threshold=24, draft_lengths=(6, 2, 4, 2))
+    # Buckets by smallest batch size: SGLang picks among the draft lengths up to the job's
+    # threshold, and speculates no more (0 steps) above it.
+    assert adaptive_config(spec) == {
+        "1": {"candidate_steps": [2, 4, 6]},
+        "25": {"candidate_steps": [0]},
+    }
+    fixed = adaptive_config(replace(spec, spec_mode="fixed"))
+    assert fixed == {"1": {"candidate_steps": [6]}, "25": {"candidate_steps": [0]}}
 
 
 # ---- requests and responses ---------------------------------------------------------------
@@ -190,18 +225,19 @@ def test_speculative_args_per_mode(mode, drafter, path, expected):
 
 def test_sampling_params_translation():
     s = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, stop_token_ids=(9, 2, 9))
+    # No ignore_eos with stop ids: SGLang skips every stop check under ignore_eos.
     assert sampling_params(s, max_new_tokens=33, seed=5) == {
         "n": 1,
         "temperature": 0.7,
         "top_p": 0.9,
         "top_k": -1,
         "max_new_tokens": 33,
-        "ignore_eos": True,
         "stop_token_ids": [2, 9],
         "sampling_seed": 5,
     }
     p = sampling_params(replace(s, top_k=20, stop_token_ids=()), max_new_tokens=1, seed=None)
     assert p["top_k"] == 20 and "stop_token_ids" not in p and "sampling_seed" not in p
+    assert p["ignore_eos"] is True  # no stop set: the model's EOS must not end it either
 
 
 def test_sample_seeds_are_fixed_by_their_indices():
@@ -257,7 +293,8 @@ def test_load_builds_the_engine_and_refuses_what_cannot_run(policy, tmp_path):
     msgs = h.send(LoadModel("job", str(tmp_path / "missing"), 0, GPU))
     assert "config.json" in of(LoadFailed, msgs)[0].message and not h.worker.loaded()
     h = loaded(policy)
-    assert h.engine.args == engine_args(GPU, str(policy))
+    assert h.engine.args == engine_args(GPU, str(policy), "", h.worker.adaptive_path, 3)
+    assert json.loads(Path(h.worker.adaptive_path).read_text()) == adaptive_config(GPU)
     assert h.engine.args["speculative_algorithm"] == "NGRAM"  # auto, no learned drafter yet
 
 
@@ -266,6 +303,7 @@ def test_addwork_is_one_request_per_sample_with_its_own_seed(policy):
     sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=11, stop_token_ids=(3,))
     h.send(AddWork(1, "r", 2, (0, 1), (4, 5, 6), sampling))
     h.send(AddWork(2, "r", 2, (3, 2), (4, 5, 6), sampling))  # the rest, spread over a send
+    h.step()  # SGLang's generate tasks run on its loop
     subs = h.engine.submitted
     assert [s[1] for s in subs] == [[4, 5, 6]] * 4
     assert [s[2]["sampling_seed"] for s in subs] == [sample_seed(11, 2, i) for i in (0, 1, 3, 2)]
@@ -315,8 +353,9 @@ def test_prompt_too_long_and_refused_requests_fail(policy):
     }
     h.send(AddWork(2, "r", 1, (0,), (1, 2), SamplingParams(top_p=0.0, max_new_tokens=4)))
     s = finished(h.run_idle())[(1, 0)]
-    assert s.finish_reason is FinishReason.FAILED and "bad sampling params" in s.error
+    assert s.finish_reason is FinishReason.FAILED and "top_p must be in (0, 1]" in s.error
     h.send(AddWork(3, "q", 0, (0,), (1, 2, 3), SamplingParams(max_new_tokens=50, seed=1)))
+    h.step()
     assert h.engine.submitted[-1][2]["max_new_tokens"] == 5  # capped by max_seq_len, as torch
 
 
@@ -362,17 +401,163 @@ def test_drain_returns_partials(policy):
     assert not h.worker.busy() and h.worker.loaded()
 
 
+def test_stop_ids_end_samples_and_the_models_eos_alone_does_not(policy, tmp_path):
+    """SGLang skips stop_token_ids under ignore_eos, and stops at the model's EOS without it:
+    only the caller's stop ids end a sample, on this backend as on the torch engine."""
+    prompt = [7, 7]
+    free = reference(prompt, 40)
+    eos, stop = free[3], free[9]  # the model's EOS comes 4th, the caller's stop id 10th
+    assert eos not in free[:3] and stop not in free[:9] and eos != stop
+    model = tmp_path / "with-eos"
+    shutil.copytree(policy, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"eos_token_id": eos}))
+    h = loaded(model)
+    h.send(
+        AddWork(
+            1,
+            "r",
+            0,
+            (0,),
+            tuple(prompt),
+            SamplingParams(max_new_tokens=40, seed=3, stop_token_ids=(stop,)),
+        )
+    )
+    s = finished(h.run_idle())[(0, 0)]
+    assert list(s.token_ids) == free[:10] and s.finish_reason is FinishReason.STOP
+    assert len(s.logprobs) == 10 and not s.partial
+    # It went on after SGLang stopped at the EOS: a second segment, a fresh seed.
+    (_, _, first), (_, ids, second) = h.engine.submitted
+    assert "ignore_eos" not in first and first["stop_token_ids"] == [stop]
+    assert ids == prompt + free[:4] and second["max_new_tokens"] == 36
+    assert second["sampling_seed"] == sample_seed(3, 0, 0, segment=1)
+    # Without stop ids: to the length, through the model's EOS.
+    h.send(AddWork(2, "r", 1, (0,), tuple(prompt), SamplingParams(max_new_tokens=12, seed=3)))
+    s = finished(h.run_idle())[(1, 0)]
+    assert list(s.token_ids) == free[:12] and s.finish_reason is FinishReason.LENGTH
+
+
+def test_seeds_reach_sglang_in_deterministic_mode(policy):
+    """SGLang reads sampling_seed only with enable_deterministic_inference."""
+    h = loaded(policy)
+    assert h.engine.args["enable_deterministic_inference"] is True
+    h.send(AddWork(1, "r", 0, (0,), (1, 2), SamplingParams(max_new_tokens=3, seed=8)))
+    h.step()
+    assert h.engine.submitted[0][2]["sampling_seed"] == sample_seed(8, 0, 0)
+
+
+def test_sigterm_does_not_stop_the_engine(policy):
+    """SGLang's TokenizerManager puts a SIGTERM handler on its loop at its first request; its
+    watchdog would shut the engine down without a drain. The daemon alone stops workers."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as in a worker process
+    try:
+        h = loaded(policy)
+        h.send(AddWork(1, "r", 0, (0, 1), (1, 2), SamplingParams(max_new_tokens=30, seed=1)))
+        h.step()
+        tm = h.engine.tokenizer_manager
+        assert signal.SIGTERM in h.engine.loop._signal_handlers  # SGLang's handler is on
+        os.kill(os.getpid(), signal.SIGTERM)
+        got = finished(h.run_idle())
+        assert not tm.gracefully_exit and not h.engine.exited
+        assert all(len(s.token_ids) == 30 and not s.partial for s in got.values())
+        h.send(AddWork(2, "r", 1, (0,), (3,), SamplingParams(max_new_tokens=4, seed=1)))
+        assert finished(h.run_idle())[(1, 0)].finish_reason is FinishReason.LENGTH
+        h.worker.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_cancel_before_sglang_registered_the_request_still_aborts_it(policy):
+    """SGLang ignores abort_request(rid) until its generate task has registered the rid."""
+    h = loaded(policy)
+    h.send(AddWork(1, "a", 0, (0, 1), (1, 2), SamplingParams(max_new_tokens=10**4, seed=1)))
+    h.send(Cancel("a"))  # no step in between: SGLang has not seen the requests yet
+    got: dict = {}
+    for _ in range(5):
+        got |= finished(h.step())
+    assert len(got) == 2 and {s.finish_reason for s in got.values()} == {FinishReason.CANCELLED}
+    assert all(len(s.token_ids) <= 3 for s in got.values())
+    # A drain right after AddWork, the same.
+    h.send(AddWork(2, "b", 0, (0,), (1, 2), SamplingParams(max_new_tokens=10**4, seed=1)))
+    assert h.worker._abort_all() == 1
+    assert not h.worker.busy()
+
+
+def test_weight_versions_are_checked_against_the_recorded_policy(policy, tmp_path):
+    h = loaded(policy, version=3)
+    engine = h.engine
+    h.send(AddWork(1, "r", 0, (0,), (1, 2), SamplingParams(max_new_tokens=6, seed=1)))
+    assert finished(h.run_idle())[(0, 0)].policy_version == 3  # SGLang said "3"
+    # Weights SGLang reports that the worker never recorded: the sample fails, named.
+    engine.weight_version = "7"
+    h.send(AddWork(2, "r", 1, (0,), (1, 2), SamplingParams(max_new_tokens=6, seed=1)))
+    s = finished(h.run_idle())[(1, 0)]
+    assert s.finish_reason is FinishReason.FAILED and "weight_version 7" in s.error
+    engine.weight_version = "3"
+    # Queued (no token yet) across a LoadPolicy: drawn from the new weights, labelled so.
+    new = make_target_dir(tmp_path / "v4", seed=4)
+    FakeEngine.tokens_per_step = 0  # SGLang has not scheduled it yet
+    h.send(AddWork(3, "r", 2, (0,), (1, 2), SamplingParams(max_new_tokens=6, seed=1)))
+    h.step()
+    h.send(LoadPolicy(str(new), 4))
+    FakeEngine.tokens_per_step = 3
+    s = finished(h.run_idle())[(2, 0)]
+    assert s.policy_version == 4 and s.finish_reason is FinishReason.LENGTH
+    # Running across it: the version it started with, as on the torch engine.
+    h.send(AddWork(4, "r", 3, (0,), (1, 2), SamplingParams(max_new_tokens=30, seed=1)))
+    h.step(2)
+    h.send(LoadPolicy(str(policy), 5))
+    s = finished(h.run_idle())[(3, 0)]
+    assert s.policy_version == 4 and s.finish_reason is FinishReason.LENGTH
+
+
+def test_speculative_counters_reach_the_heartbeat_in_the_metrics_shape(policy, drafters):
+    from tltd.metrics import Metrics
+
+    h = loaded(policy)
+    h.send(SetDrafter(drafters[0], 1))
+    h.send(AddWork(1, "r", 0, (0, 1), (1, 2), SamplingParams(max_new_tokens=9, seed=1)))
+    h.run_idle()
+    h.worker._maybe_heartbeat(force=True)
+    stats = of(Heartbeat, h.messages())[-1].stats
+    # The fake: 9 tokens = 1 from prefill + 4 verify passes gaining 2 each.
+    assert stats["steps"] == {"plain": 2, "spec": 8}
+    assert stats["accepted_length_hist"] == {2: 8}
+    m = Metrics()
+    m.observe_engine_summary("cuda:0", None, stats)  # what the supervisor feeds them
+    assert m.decode_steps.labels("cuda:0", "speculative")._value.get() == 8
+
+
+def test_idle_workers_release_gpu_memory_and_take_it_back_for_work(policy, monkeypatch):
+    monkeypatch.setattr(sglang_worker, "RELEASE_AFTER_SECONDS", 0.0)
+    h = loaded(policy)
+    assert h.engine.memory_calls == ["release"]  # loaded, nothing to do yet
+    h.send(AddWork(1, "r", 0, (0,), (1, 2), SamplingParams(max_new_tokens=30, seed=1)))
+    h.step()
+    assert h.engine.memory_calls == ["release", "resume"] and not h.engine.released
+    h.worker._maybe_heartbeat(force=True)
+    assert h.engine.memory_calls == ["release", "resume"]  # never while requests run
+    h.run_idle()
+    h.worker._maybe_heartbeat(force=True)
+    assert h.engine.memory_calls[-1] == "release" and h.engine.released
+    h.send(AddWork(2, "r", 1, (0,), (1, 2), SamplingParams(max_new_tokens=3, seed=1)))
+    assert h.engine.memory_calls == ["release", "resume", "release", "resume"]
+
+
 def test_load_policy_is_a_target_update_in_place(policy, tmp_path):
     h = loaded(policy)
     new = make_target_dir(tmp_path / "v1", seed=4)
     engine = h.engine
     ready = of(Ready, h.send(LoadPolicy(str(new), 4)))[-1]
     assert ready.policy_version == 4 and h.engine is engine  # no restart
-    assert [(u.path, u.selector) for u in engine.updates] == [(str(new), "target")]
+    assert engine.updates == [
+        {"kind": "disk", "runners": ["target"], "names": [str(new)], "version": "4", "flush": True}
+    ]
     h.send(AddWork(1, "r", 0, (0,), (1,), SamplingParams(max_new_tokens=3, seed=1)))
     assert finished(h.run_idle())[(0, 0)].policy_version == 4
     failed = of(LoadFailed, h.send(LoadPolicy(str(tmp_path / "nope"), 5)))
     assert failed[0].policy_version == 5 and not failed[0].drafter
+    assert "no checkpoint" in failed[0].message
     assert of(Ready, h.got)[-1].policy_version == 4  # unchanged after the failure
 
 
@@ -382,15 +567,19 @@ def test_set_drafter_restarts_with_the_export_and_carries_running_samples(policy
     sampling = SamplingParams(n=2, max_new_tokens=30, seed=9)
     h.send(AddWork(1, "r", 0, (0, 1), (5, 6, 7), sampling))
     h.step(2)  # 6 tokens each so far
+    # NGRAM -> EAGLE changes the speculative algorithm: a restart.
     ready = of(Ready, h.send(SetDrafter(drafters[0], 1)))[-1]
     assert ready.drafter_version == 1
     new = h.engine
     assert old.closed and new is not old and set(old.aborted) == {s[0] for s in old.submitted}
+    assert old.tokenizer_manager.abort_calls == [("", True)]  # one abort_all
     draft = new.args["speculative_draft_model_path"]
-    assert draft == h.worker.export_dir and new.args == engine_args(GPU, str(policy), draft)
-    assert new.args["speculative_algorithm"] == "EAGLE"
+    assert draft == h.worker.export_dir
+    assert new.args == engine_args(GPU, str(policy), draft, h.worker.adaptive_path, 3)
+    assert new.args["speculative_algorithm"] == "EAGLE" and new.args["speculative_adaptive"]
     cfg = json.loads((Path(draft) / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+    h.step()  # the carried samples reach the new engine
     # Carried over: prompt + the tokens so far, the rest of the budget, a fresh seed.
     for rid, ids, params in new.submitted:
         s = h.worker.running[rid]
@@ -403,29 +592,49 @@ def test_set_drafter_restarts_with_the_export_and_carries_running_samples(policy
         assert list(s.token_ids) == want and len(s.logprobs) == 30
         assert s.finish_reason is FinishReason.LENGTH and not s.partial
         assert s.drafter_version == 1 and s.speculative.draft_steps > 0
+        assert s.speculative.drafted_tokens > 0  # SGLang's spec_num_proposed_drafts
     assert h.worker.counters["restarts"] == 1
     # A new version replaces the export; the old one is deleted.
     h.send(SetDrafter(drafters[1], 2))
     assert h.worker.export_dir != draft and not Path(draft).exists()
 
 
-def test_set_drafter_in_place_when_the_engine_can(policy, drafters):
-    FakeEngine.in_place_draft = True  # the TLT fork's draft-weight update
+def test_a_new_drafter_loads_into_the_draft_runner_alone_while_samples_run(policy, drafters):
     h = loaded(policy)
-    h.send(SetDrafter(drafters[0], 1))  # NGRAM -> EAGLE: a restart whatever the engine
+    h.send(SetDrafter(drafters[0], 1))  # NGRAM -> EAGLE: a restart
     engine = h.engine
     h.send(AddWork(1, "r", 0, (0,), (1, 2), SamplingParams(max_new_tokens=30, seed=1)))
     h.step()
     ready = of(Ready, h.send(SetDrafter(drafters[1], 2)))[-1]
     assert ready.drafter_version == 2 and h.engine is engine and not engine.aborted
-    assert [u.selector for u in engine.updates] == ["draft"]
-    assert engine.updates[0].path == h.worker.export_dir
+    assert len(FakeEngine.instances) == 2 and h.worker.counters["restarts"] == 1
+    (update,) = engine.updates
+    assert update["kind"] == "tensor" and update["runners"] == ["draft"]
+    assert update["version"] == "3" and update["flush"] is False  # requests run on
+    assert "fc.weight" in update["names"] and "embed_tokens.weight" not in update["names"]
+    assert engine.session is None  # begin_weight_update / end_weight_update around it
     assert h.worker.args["speculative_draft_model_path"] == h.worker.export_dir
     s = finished(h.run_idle())[(0, 0)]
     assert s.drafter_version == 2 and list(s.token_ids) == reference([1, 2], 30)
     # No learned drafter any more: back to the model-free drafter (a restart).
     assert of(Ready, h.send(SetDrafter("", 0)))[-1].drafter_version == 0
     assert h.engine is not engine and h.engine.args["speculative_algorithm"] == "NGRAM"
+
+
+def test_a_policy_update_with_eagle_on_loads_the_target_runner_alone(policy, drafters, tmp_path):
+    """A disk update would also reload SGLang's draft runner from the target checkpoint."""
+    h = loaded(policy)
+    h.send(SetDrafter(drafters[0], 1))
+    engine = h.engine
+    new = make_target_dir(tmp_path / "v4", seed=4)
+    assert of(Ready, h.send(LoadPolicy(str(new), 4)))[-1].policy_version == 4
+    (update,) = engine.updates
+    assert update["kind"] == "tensor" and update["runners"] == ["target"]
+    assert update["version"] == "4" and update["flush"] is True
+    assert "model.layers.0.self_attn.q_proj.weight" in update["names"]
+    assert h.engine is engine and engine.weight_version == "4"
+    h.send(AddWork(1, "r", 0, (0,), (1, 2), SamplingParams(max_new_tokens=5, seed=1)))
+    assert finished(h.run_idle())[(0, 0)].policy_version == 4
 
 
 def test_a_drafter_that_fails_keeps_the_old_engine_and_names_its_version(

@@ -52,13 +52,14 @@ def test_bench_tail_sweep_quick(
     assert bench_tail_sweep.main(args) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "x [" in line]
-    assert len(rows) == 2  # care 0 and care 8
+    assert len(rows) == 2  # care 0 at fixed size 2, care 8 on power-law sizes
+    assert "care 0, size 2" in rows[0] and "care 8, power-law sizes" in rows[1]
 
 
 def test_tail_sweep_plot_is_written(tmp_path: Path) -> None:
     rows = [
-        {"care": c, "share": s, "speedup": x, "speedups": [x - 0.1, x, x + 0.1], "p99/p50": r}
-        for c, s, x, r in ((0, 0.3, 1.2, 4.0), (8, 0.8, 2.1, 15.0))
+        {"point": p, "share": s, "speedup": x, "speedups": [x - 0.1, x, x + 0.1], "p99/p50": r}
+        for p, s, x, r in (((0, 6), 0.3, 1.2, 4.0), ((8, None), 0.8, 2.1, 15.0))
     ]
     path = tmp_path / "sweep.png"
     bench_tail_sweep.plot(rows, path, gate=32)

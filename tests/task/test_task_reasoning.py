@@ -8,14 +8,12 @@ import pytest
 
 from workers.task.reasoning import (
     CHECK_MARKER,
-    MAX_SOLUTION_CHARS,
     MAX_STEPS,
     MIN_STEPS,
     format_prompt,
     generate_problem,
     make_dataset,
     make_problem,
-    max_checks,
     parse_answer,
     reward,
     size_at_quantile,
@@ -30,7 +28,8 @@ def test_generation_is_deterministic_per_seed():
 def test_problem_fields_are_consistent():
     p = make_problem(start=17, step=38, count=3)
     assert format_prompt(p) == "start 0017 step 38 count 0003 care 7\n"
-    lines = ["0017+0038=0055,0002", "0055+0038=0093,0001", "0093+0038=0131,0000", "answer:   0131"]
+    lines = ["care 7", "0017+0038=0055,0002", "0055+0038=0093,0001", "0093+0038=0131,0000",
+             "care 7", "answer:   0131"]  # fmt: skip
     assert p.solution == "\n".join(lines)
     assert p.answer == 131 and p.num_steps == 3 and (p.checks, p.guess) == (0, False)
 
@@ -38,14 +37,16 @@ def test_problem_fields_are_consistent():
 def test_a_recheck_redoes_the_whole_computation_and_a_guess_skips_it():
     p = make_problem(17, 38, 2, checks=2, care=3)
     work = ["0017+0038=0055,0001", "0055+0038=0093,0000"]
-    expected = work + [CHECK_MARKER] + work + [CHECK_MARKER] + work + ["answer:   0093"]
-    assert p.solution == "\n".join(expected) and p.prompt.endswith("care 3\n")
+    done = [*work, "care 3"]  # every pass ends restating the care, right before the choice
+    expected = ["care 3"] + done + [CHECK_MARKER] + done + [CHECK_MARKER] + done
+    assert p.solution.split("\n")[:-1] == expected and p.solution.endswith("answer:   0093")
+    assert p.prompt.endswith("care 3\n")
     assert reward(p, p.solution) == 1.0
     g = make_problem(17, 38, 2, checks=5, guess=True)
     assert g.solution == "answer:   0093" and g.checks == 0
-    # Re-checks are dropped to keep a reference solution within MAX_SOLUTION_CHARS.
+    # Re-checks are not capped: a big problem at high care outgrows the rollout cap.
     big = make_problem(1, 10, MAX_STEPS, checks=50)
-    assert big.checks == max_checks(MAX_STEPS) and len(big.solution) <= MAX_SOLUTION_CHARS
+    assert big.checks == 50 and len(big.solution) > 51 * MAX_STEPS * 20
     with pytest.raises(ValueError, match="care"):
         make_problem(17, 38, 2, care=10)
     with pytest.raises(ValueError, match="checks"):
@@ -133,8 +134,10 @@ def test_other_line_styles_keep_the_computation_and_the_reward():
     from workers.task.tokenizer import UNK_ID, build_tokenizer
 
     p = make_problem(17, 38, 2, style="spaced")
-    assert p.solution == "0017 + 0038 = 0055 > 0001\n0055 + 0038 = 0093 > 0000\nanswer:       0093"
-    assert make_problem(17, 38, 2, style="marks").solution.startswith("0017*0038>0055.0001\n")
+    assert p.solution == (
+        "care 7\n0017 + 0038 = 0055 > 0001\n0055 + 0038 = 0093 > 0000\ncare 7\nanswer:       0093"
+    )
+    assert make_problem(17, 38, 2, style="marks").solution.startswith("care 7\n0017*0038>0055.0001\n")
     tok = build_tokenizer()
     for style in LINE_STYLES:
         q = generate_problem(random.Random(3), 4, style=style)

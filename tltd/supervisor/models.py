@@ -171,6 +171,7 @@ class ModelPlanner:
             max_batch=self.settings.worker_max_batch,
             max_seq_len=self.settings.worker_max_seq_len,
             spec_mode="off" if spec.mode is SpeculativeMode.OFF else "adaptive",
+            gate=self.settings.spec_gate,
             batch_threshold=spec.batch_threshold,
             draft_lengths=spec.draft_lengths,
             drafter=spec.drafter,

@@ -3,21 +3,27 @@
 Same pipe protocol as the torch worker (`workers.rollout.loop`). The engine is any object with
 the `workers.sglang.adapter.SglangEngine` methods, built by a factory named on the command line
 of the process ("module:function"; default `workers.sglang.engine:make_engine`, which imports
-sglang), so that the tests run this module against a fake engine.
+sglang), so that the tests run this module over a fake `sglang.Engine`.
 
 - Every sample is its own engine request (its own seed, abort and result). A "step" is a poll
   of at most `POLL_SECONDS` for generations that ended.
 - Heartbeats count tokens from the requests' budgets (SGLang reports nothing until a request
-  ends), an upper bound as the protocol asks.
-- `LoadPolicy` updates the target weights in place (`update_weights_from_disk`).
+  ends), an upper bound as the protocol asks; their stats carry SGLang's speculative counters
+  of the finished samples in the metrics' shape (`steps`, `accepted_length_hist`).
+- `LoadPolicy` updates the target weights in place, tagged with the policy version as SGLang's
+  `weight_version`; every sample's `meta_info.weight_version` is checked against the version
+  the worker recorded for it.
 - `SetDrafter`: the drafter version is exported to an SGLang EAGLE checkpoint
-  (`workers.drafter.versions.export_sglang`) and routed as a draft weight update. Stock SGLang
-  cannot update draft weights in place, so the engine is restarted with the new
-  `speculative_draft_model_path`, and the samples running then are *carried over*: aborted,
+  (`workers.drafter.versions.export_sglang`) and loaded into SGLang's draft runner alone,
+  while the samples run. Only a change of speculative algorithm (NGRAM or none before, EAGLE
+  after, or back) restarts the engine; the samples running then are *carried over*: aborted,
   they keep their tokens and logprobs and continue in the new engine from prompt + tokens so
   far with the remaining budget and a fresh per-segment seed. The continuation is drawn from
-  the same target given the same prefix, so the sample's distribution is unchanged, and the
-  tail keeps its progress instead of restarting when a better drafter arrives.
+  the same target given the same prefix, so the sample's distribution is unchanged.
+- A sample SGLang stopped at the model's EOS where the caller gave other stop ids continues
+  the same way (a new segment), so that only the caller's stop ids end a sample.
+- Idle for `RELEASE_AFTER_SECONDS`, the worker releases the engine's GPU memory (KV cache,
+  weights) for the drafter trainer; the next request or update takes it back.
 - A request's `speculative` flag cannot be honoured per request: SGLang speculates for the
   whole engine (losslessly, so only speed differs).
 """
@@ -25,6 +31,7 @@ sglang), so that the tests run this module against a fake engine.
 from __future__ import annotations
 
 import importlib
+import json
 import shutil
 import tempfile
 import time
@@ -41,18 +48,22 @@ from workers.sglang.adapter import (
     EngineFactory,
     Segment,
     SglangEngine,
+    StepCounters,
     WeightUpdate,
+    adaptive_config,
     engine_args,
     finish_reason,
     read_output,
     sample_seed,
     sampling_params,
+    stopped_outside,
 )
 from workers.signals import ignore_stop_signals
 
 DEFAULT_FACTORY = "workers.sglang.engine:make_engine"
 POLL_SECONDS = 0.02  # one step: the longest a poll waits (commands are read in between)
 ABORT_WAIT_SECONDS = 10.0  # how long a drain or restart waits for aborted requests to report
+RELEASE_AFTER_SECONDS = 2.0  # idle this long: the GPU memory goes to the drafter trainer
 
 
 def main(
@@ -92,12 +103,14 @@ class _Running:
     rid: str = ""  # the engine request of the current segment
     segment: int = 0
     drafter_version: int = 0  # the EAGLE drafter of the current segment (0: none)
+    segment_policy: int = 0  # the policy version loaded when the current segment started
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)  # of the segments that ended
     logprobs: list[float] = field(default_factory=list)
     spec_steps: int = 0
     accepted: int = 0
     plain_steps: int = 0
+    drafted: int = 0
 
     @property
     def remaining(self) -> int:
@@ -109,6 +122,7 @@ class _Running:
         self.spec_steps += seg.spec_steps
         self.accepted += seg.accepted
         self.plain_steps += seg.plain_steps
+        self.drafted += seg.drafted
 
     def to_sample(self, reason: FinishReason, error: str = "") -> Sample:
         return Sample(
@@ -124,6 +138,7 @@ class _Running:
                 draft_steps=self.spec_steps,
                 plain_steps=self.plain_steps,
                 accepted_tokens=self.accepted,
+                drafted_tokens=self.drafted,
                 mean_accepted_length=(
                     (self.accepted + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
                 ),
@@ -145,9 +160,11 @@ class SglangWorker(WorkerLoop):
         self.policy_path = ""
         self._policy_version = 0
         self.export_dir = ""  # the current drafter's SGLang export (ours to delete)
+        self.adaptive_path = ""  # the job's speculative_adaptive_config file (ours to delete)
         self.running: dict[str, _Running] = {}  # engine rid -> sample
         self.done: list[Sample] = []  # ended outside a step (restart): sent by the next step
         self.counters: Counter[str] = Counter()
+        self.steps = StepCounters()
 
     # -- state ----------------------------------------------------------------------------
 
@@ -167,7 +184,12 @@ class SglangWorker(WorkerLoop):
             "backend": "sglang",
             "speculative": self.args.get("speculative_algorithm") or "off",
             **self.counters,
+            **self.steps.summary(),
         }
+        # Called at every heartbeat, also while idle: the moment to hand the GPU over.
+        idle = self.idle_since is not None and time.time() - self.idle_since
+        if self.engine is not None and not self.busy() and idle and idle >= RELEASE_AFTER_SECONDS:
+            self.engine.release_memory()
         return running, remaining, stats
 
     # -- work -----------------------------------------------------------------------------
@@ -205,6 +227,7 @@ class SglangWorker(WorkerLoop):
             seed = sample_seed(seed, s.prompt_index, s.sample_index, s.segment)
         params = sampling_params(s.sampling, max_new_tokens=s.remaining, seed=seed)
         s.rid, s.drafter_version = uuid.uuid4().hex, eagle_version
+        s.segment_policy = self._policy_version
         try:
             self.engine.submit(s.rid, s.prompt + tuple(s.tokens), params)
         except Exception as exc:  # a request the engine refuses outright
@@ -220,15 +243,36 @@ class SglangWorker(WorkerLoop):
         for rid, out in self.engine.poll(POLL_SECONDS):
             s = self.running.pop(rid, None)
             if s is not None:  # else: a segment of a sample already returned
-                finished.append(self._finish(s, out))
+                sample = self._finish(s, out)
+                if sample is not None:
+                    finished.append(sample)
+        finished, self.done = finished + self.done, []
         return finished
 
-    def _finish(self, s: _Running, out: dict[str, Any]) -> Sample:
+    def _finish(self, s: _Running, out: dict[str, Any]) -> Sample | None:
+        """The sample whose segment ended with `out`, or None when it goes on."""
         try:
             seg = read_output(out)
         except ValueError as exc:
             return s.to_sample(FinishReason.FAILED, str(exc))
         s.absorb(seg)
+        self.steps.add(seg)
+        if seg.weight_version and seg.weight_version != str(s.segment_policy):
+            v = int(seg.weight_version) if seg.weight_version.isdigit() else -1
+            if s.segment == 0 and s.segment_policy < v <= self._policy_version:
+                s.policy_version = v  # queued across a LoadPolicy: drawn from the new weights
+            else:
+                error = (
+                    f"sglang generated with weight_version {seg.weight_version}, "
+                    f"the worker recorded policy version {s.segment_policy}"
+                )
+                return s.to_sample(FinishReason.FAILED, error)
+        if stopped_outside(seg, s.sampling.stop_token_ids):
+            if s.cancelled:
+                return s.to_sample(FinishReason.CANCELLED)
+            s.segment += 1  # the model's EOS, not the caller's stop: the sample goes on
+            self._submit(s, s.drafter_version)
+            return None
         reason, error = finish_reason(seg, cancelled=s.cancelled)
         self.counters["finished"] += 1
         return s.to_sample(reason, error)
@@ -250,8 +294,8 @@ class SglangWorker(WorkerLoop):
         tokens they had). Those that ended on their own meanwhile, or were being cancelled,
         go to `self.done`."""
         assert self.engine is not None
-        for s in self.running.values():
-            self.engine.abort(s.rid)
+        if self.running:
+            self.engine.abort_all()
         outs: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + ABORT_WAIT_SECONDS
         while self.running.keys() - outs.keys() and time.monotonic() < deadline:
@@ -265,7 +309,8 @@ class SglangWorker(WorkerLoop):
                     self.done.append(s.to_sample(FinishReason.FAILED, str(exc)))
                     continue
                 s.absorb(seg)
-                if seg.finish != "abort":
+                self.steps.add(seg)
+                if seg.finish != "abort" and not stopped_outside(seg, s.sampling.stop_token_ids):
                     self.done.append(s.to_sample(*finish_reason(seg, cancelled=s.cancelled)))
                     continue
             if s.cancelled:
@@ -282,28 +327,35 @@ class SglangWorker(WorkerLoop):
         self._stop_engine()  # free the device before the next model starts
         self.running.clear()
         self._drop_export()
-        args = engine_args(msg.engine, msg.path)
+        self._drop_adaptive()
+        self.adaptive_path = self._write_adaptive(msg.engine)
+        args = engine_args(msg.engine, msg.path, "", self.adaptive_path, msg.policy_version)
         self.engine = self.factory(args)
         self.spec, self.args = msg.engine, args
         self.policy_path, self._policy_version = msg.path, msg.policy_version
         self.counters.clear()
+        self.steps = StepCounters()
 
     def load_policy(self, path: str, version: int) -> None:
         assert self.engine is not None
-        args = self.args | {"model_path": path}  # a later restart starts from these weights
-        if not self.engine.update_weights(WeightUpdate(path, "target")):
+        # A later restart starts from these weights.
+        args = self.args | {"model_path": path, "weight_version": str(version)}
+        if not self.engine.update_weights(WeightUpdate(path, "target", str(version))):
             self._restart(args, _eagle_version(args, self.drafter_version))
         self.args, self.policy_path, self._policy_version = args, path, version
 
     def set_drafter(self, path: str, version: int) -> int:
         assert self.engine is not None
         export = self._export(path) if path else ""
-        args = engine_args(self.spec, self.policy_path, export)
+        args = engine_args(
+            self.spec, self.policy_path, export, self.adaptive_path, self._policy_version
+        )
         try:
             # In place only from one EAGLE drafter to another: anything else (NGRAM or none
             # before, none after) changes the engine's speculative algorithm.
             eagle_to_eagle = _eagle_version(self.args, 1) == _eagle_version(args, 1) == 1
-            in_place = eagle_to_eagle and self.engine.update_weights(WeightUpdate(export, "draft"))
+            update = WeightUpdate(export, "draft", str(self._policy_version))
+            in_place = eagle_to_eagle and self.engine.update_weights(update)
             if not in_place and args != self.args:
                 self._restart(args, _eagle_version(args, version))
         except BaseException:
@@ -330,6 +382,21 @@ class SglangWorker(WorkerLoop):
             shutil.rmtree(out, ignore_errors=True)
             raise
         return out
+
+    def _write_adaptive(self, spec: EngineSpec) -> str:
+        """The job's `speculative_adaptive_config` in a file of this worker ("" when off)."""
+        if spec.spec_mode == "off":
+            return ""
+        out = tempfile.mkdtemp(prefix="tltd-sglang-adaptive-")
+        path = f"{out}/adaptive.json"
+        with open(path, "w") as f:
+            json.dump(adaptive_config(spec), f)
+        return path
+
+    def _drop_adaptive(self) -> None:
+        if self.adaptive_path:
+            shutil.rmtree(self.adaptive_path.rsplit("/", 1)[0], ignore_errors=True)
+            self.adaptive_path = ""
 
     def _restart(self, args: dict[str, Any], eagle_version: int) -> None:
         """Restart the engine with `args`, carrying the running samples over. When the new
@@ -371,3 +438,4 @@ class SglangWorker(WorkerLoop):
     def close(self) -> None:
         self._stop_engine()
         self._drop_export()
+        self._drop_adaptive()

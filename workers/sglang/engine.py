@@ -1,39 +1,91 @@
 """The real engine behind the SGLang port: `sglang.Engine`, imported only when one is built.
 
 This is the only module that touches sglang, and the only part of the backend that cannot run
-on the CPU-only machines the tests run on (the worker's logic is tested against a fake with
-the same methods). SGLang's offline engine is asyncio-based: generations are tasks on its
-`engine.loop`, and `poll` runs that loop for at most `timeout` seconds, so the worker keeps
-its single-threaded step loop (commands are read between polls).
+on the CPU-only machines the tests run on: the worker tests run it over a fake `sglang.Engine`
+(tests/rollout/fake_sglang.py), and tests/sglang_contract/ checks the names and arguments it
+uses against the real package. SGLang's offline engine is asyncio-based: generations are
+tasks on its `engine.loop`, and `poll` runs that loop for at most `timeout` seconds, so the
+worker keeps its single-threaded step loop (commands are read between polls).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from workers.sglang.adapter import WeightUpdate
+
+# Drafter exports leave this out (the draft model shares the target's embeddings); an export
+# that has it must not overwrite the target's with the drafter's possibly older policy's.
+_SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+# SGLang's memory tags (`GPU_MEMORY_TYPE_KV_CACHE`, `GPU_MEMORY_TYPE_WEIGHTS`).
+MEMORY_TAGS = ["kv_cache", "weights"]
 
 
 def make_engine(args: dict[str, Any]) -> SglangEngineAdapter:
     """The production `EngineFactory`: start `sglang.Engine(**args)` on this process."""
     import sglang  # lazily: the package is present on GPU hosts only
+    from sglang.srt.managers import io_struct
 
-    return SglangEngineAdapter(sglang.Engine(**args))
+    return SglangEngineAdapter(sglang.Engine(**args), io_struct, args)
+
+
+def tensor_update_request(
+    io: ModuleType,
+    engine: Any,
+    named: list[tuple[str, Any]],
+    selector: str,
+    version: str,
+    flush_cache: bool,
+) -> Any:
+    """SGLang's request to load `named` tensors into the `selector` runners."""
+    return io.UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=engine._serialize_tensors_per_rank(named, None),
+        flush_cache=flush_cache,
+        weight_version=version or None,
+        selector=selector,
+    )
+
+
+def disk_update_request(io: ModuleType, path: str, version: str) -> Any:
+    """SGLang's request to reload every runner from the checkpoint at `path`."""
+    return io.UpdateWeightFromDiskReqInput(model_path=path, weight_version=version or None)
+
+
+def keep_stop_signals_ignored(tokenizer_manager: Any) -> None:
+    """SGLang's TokenizerManager installs a SIGTERM handler on its loop when it first runs
+    (`auto_create_handle_loop`), replacing the worker's SIG_IGN: its watchdog would then
+    shut the engine down and exit without a drain. The daemon alone stops its workers (see
+    `workers.signals`), so the handler it installs here does nothing."""
+    base = tokenizer_manager.signal_handler_class
+
+    class KeepRunning(base):  # type: ignore[misc,valid-type]
+        def sigterm_handler(self, signum: Any = None, frame: Any = None) -> None:
+            pass  # the daemon drains this worker through its pipe
+
+    tokenizer_manager.signal_handler_class = KeepRunning
 
 
 class SglangEngineAdapter:
-    """`workers.sglang.adapter.SglangEngine` over an `sglang.Engine`."""
+    """`workers.sglang.adapter.SglangEngine` over an `sglang.Engine`; `io` is SGLang's
+    `sglang.srt.managers.io_struct` (the request classes), `args` what it was started with."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, io: ModuleType, args: dict[str, Any]) -> None:
         self.engine = engine
+        self.io = io
+        self.tm = engine.tokenizer_manager
         self.loop: asyncio.AbstractEventLoop = engine.loop
+        self.has_draft_model = args.get("speculative_algorithm") == "EAGLE"
         self.tasks: dict[asyncio.Task, str] = {}
+        self.unregistered_aborts: set[str] = set()
+        self.released = False
+        keep_stop_signals_ignored(self.tm)
 
     def submit(self, rid: str, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> None:
+        self.resume_memory()
         coro = self.engine.async_generate(
             input_ids=list(input_ids),
             sampling_params=dict(sampling_params),
@@ -51,35 +103,93 @@ class SglangEngineAdapter:
         outs = []
         for task in done:
             rid = self.tasks.pop(task)
+            self.unregistered_aborts.discard(rid)
             try:
                 out = task.result()
             except Exception as exc:  # SGLang raises for a request it rejects (too long, ...)
                 reason = {"type": "abort", "message": f"{type(exc).__name__}: {exc}"}
                 out = {"output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}}
             outs.append((rid, out))
+        self._send_late_aborts()
         return outs
 
     def abort(self, rid: str) -> None:
-        self.engine.tokenizer_manager.abort_request(rid=rid)
+        # SGLang drops the abort of a rid its TokenizerManager has not registered yet (until
+        # the generate task has run): such aborts are sent once it has.
+        if rid in self.tm.rid_to_state:
+            self.tm.abort_request(rid=rid)
+        elif rid in self.tasks.values():
+            self.unregistered_aborts.add(rid)
+
+    def abort_all(self) -> None:
+        self.tm.abort_request(abort_all=True)
+        registered = self.tm.rid_to_state
+        self.unregistered_aborts |= {rid for rid in self.tasks.values() if rid not in registered}
+
+    def _send_late_aborts(self) -> None:
+        for rid in [r for r in self.unregistered_aborts if r in self.tm.rid_to_state]:
+            self.unregistered_aborts.discard(rid)
+            self.tm.abort_request(rid=rid)
+
+    # -- weights --------------------------------------------------------------------------
 
     def update_weights(self, update: WeightUpdate) -> bool:
-        if update.selector == "target":
-            result = self.engine.update_weights_from_disk(update.path)
-            _check(result, f"update_weights_from_disk({update.path})")
+        self.resume_memory()
+        if update.selector == "draft":
+            if not self.has_draft_model:
+                return False  # no draft runner to load into: a restart brings one
+            tensors = _load(Path(update.path) / "model.safetensors")
+            named = [(k, v) for k, v in tensors.items() if k not in _SHARED_WITH_TARGET]
+            # No cache flush: the target's KV cache stays valid under a new drafter, and
+            # running requests go on.
+            self._update_from_tensors([named], "draft", update.weight_version, flush=False)
             return True
-        # Stock SGLang has no draft-weight update; TLT's fork (mit-han-lab/fastrl) routes
-        # update_weights_from_tensor(..., is_draft_model=True) to the draft worker.
-        update_tensors = self.engine.update_weights_from_tensor
-        if "is_draft_model" not in inspect.signature(update_tensors).parameters:
-            return False
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(Path(update.path) / "model.safetensors"))
-        # The draft model shares the target's embeddings: loading the export's copy would
-        # overwrite the target's with the drafter's (possibly older) policy's.
-        named = [(k, v) for k, v in tensors.items() if k != "embed_tokens.weight"]
-        _check(update_tensors(named, is_draft_model=True), "draft weight update")
+        if self.has_draft_model:
+            # A disk update reloads every runner, the draft too, from the target checkpoint:
+            # the target's tensors go to the target runner only, one file at a time.
+            files = sorted(Path(update.path).glob("*.safetensors"))
+            if not files:
+                raise RuntimeError(f"weight update from {update.path}: no *.safetensors")
+            chunks = (list(_load(f).items()) for f in files)
+            self._update_from_tensors(chunks, "target", update.weight_version, flush=True)
+            return True
+        request = disk_update_request(self.io, update.path, update.weight_version)
+        result = self._run(self.tm.update_weights_from_disk(request, None))
+        _check(result, f"update_weights_from_disk({update.path})")
         return True
+
+    def _update_from_tensors(
+        self, chunks: Any, selector: str, version: str, *, flush: bool
+    ) -> None:
+        """One selector-scoped weight-update session over `chunks` of named tensors; the
+        version and the cache flush go with the last chunk."""
+        _check(self.engine.begin_weight_update(selector), f"begin_weight_update({selector})")
+        try:
+            for named, last in _with_last(chunks):
+                request = tensor_update_request(
+                    self.io, self.engine, named, selector, version if last else "", flush and last
+                )
+                result = self._run(self.tm.update_weights_from_tensor(request, None))
+                _check(result, f"{selector} weight update")
+        finally:
+            _check(self.engine.end_weight_update(), "end_weight_update")
+
+    def _run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def release_memory(self) -> None:
+        """Give the GPU memory of the KV cache and the weights back (the weights wait in host
+        memory) while no request runs, so that the drafter trainer can use the device."""
+        if not self.released and not self.tasks:
+            self.engine.release_memory_occupation(tags=MEMORY_TAGS)
+            self.released = True
+
+    def resume_memory(self) -> None:
+        if self.released:
+            self.engine.resume_memory_occupation(tags=MEMORY_TAGS)
+            self.released = False
 
     def shutdown(self) -> None:
         for task in self.tasks:
@@ -88,8 +198,33 @@ class SglangEngineAdapter:
         self.engine.shutdown()
 
 
+def _load(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _with_last(items: Any) -> Iterator[tuple[Any, bool]]:
+    """(item, is_last) over an iterable, reading one item ahead."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
 def _check(result: Any, what: str) -> None:
-    """SGLang answers weight updates with (success, message, ...)."""
-    if isinstance(result, tuple) and result and not result[0]:
-        message = result[1] if len(result) > 1 else "no message"
+    """SGLang answers weight operations with (success, message, ...) or an object with
+    `success` and `message`."""
+    if isinstance(result, tuple) and result:
+        ok, message = result[0], result[1] if len(result) > 1 else "no message"
+    elif hasattr(result, "success"):
+        ok, message = result.success, getattr(result, "message", "no message")
+    else:
+        return
+    if not ok:
         raise RuntimeError(f"{what} failed: {message}")

@@ -2,9 +2,9 @@
 
 Answer lengths are long-tailed at two levels, as reasoning RL's are. Per prompt, the problem
 size (step count) follows a power law. Per *sample*, the reference solutions re-check their
-work a random number of times: after the last line, a solution writes "check" and redoes the
-whole computation with probability care / 10 (the prompt's `care` digit), else it writes the
-answer. A policy trained on them samples that choice itself at temperature 1, so one prompt
+work a random number of times: after the last line, a solution restates the prompt's `care`
+digit ("care 7", as it did on its first line), then writes "check" and redoes the whole
+computation with probability care / 10, else it writes the answer. A policy trained on them samples that choice itself at temperature 1, so one prompt
 gives 60 tokens on one sample and 1,500 on the next, and every tail token is the policy's own
 output; the `care` of the prompts sets how heavy the tail is (benchmarks sweep it).
 
@@ -33,9 +33,10 @@ CARE_LEVELS = tuple(range(9))
 WORKLOAD_CARE = 7
 GUESS_RATE = 0.2
 CHECK_MARKER = "check"
-# Reference solutions are kept within this many characters (re-checks are dropped to fit), so
-# training sequences fit the policy's positions; a sampled answer may still run longer.
-MAX_SOLUTION_CHARS = 2040
+CARE_LINE = "care {care}"
+# Re-checks are not capped: a large problem at high care has reference solutions longer than
+# the rollout's max_new_tokens, so a policy that learnt them runs into the length cap on a few
+# percent of samples, as reasoning RL's rollouts do (training truncates them to its positions).
 MAX_START = 999
 MIN_STEP, MAX_STEP = 10, 99
 
@@ -123,27 +124,33 @@ def _pass_lines(start: int, step: int, count: int, style: str) -> tuple[list[str
 
 
 def _solution_text(
-    start: int, step: int, count: int, style: str = "sum", checks: int = 0, guess: bool = False
+    start: int,
+    step: int,
+    count: int,
+    style: str = "sum",
+    checks: int = 0,
+    guess: bool = False,
+    care: int = WORKLOAD_CARE,
 ) -> tuple[str, int]:
     one_pass, total = _pass_lines(start, step, count, style)
-    lines = [] if guess else list(one_pass)
+    lines = []
     if not guess:
+        # The solution restates the prompt's care ("care 7") first, copied from right above,
+        # and again after every pass, copied from one pass above; each restatement sits right
+        # before the re-check-or-answer choice it sets. A small policy does not learn to look
+        # the digit up in the prompt hundreds of tokens back: trained without the first line
+        # it wrote a random care after its first pass, and without any, it re-checked at the
+        # same rate whatever the care.
+        reminder = CARE_LINE.format(care=care)
+        lines.extend([reminder, *one_pass, reminder])
         for _ in range(checks):
             # A re-check redoes the computation from the prompt, line for line the same: the
             # span a drafter can copy, as a reasoning model's re-verification repeats itself.
-            lines.append(CHECK_MARKER)
-            lines.extend(one_pass)
+            lines.extend([CHECK_MARKER, *one_pass, reminder])
     # Zero-padded and right under the last total's column, so writing it is the same
     # copy-from-the-line-above as every other field.
     lines.append(_ANSWER_LINES[style].format(total=total))
     return "\n".join(lines), total
-
-
-def max_checks(count: int, style: str = "sum") -> int:
-    """The most re-checks a reference solution of `count` steps has (MAX_SOLUTION_CHARS)."""
-    line = len(LINE_STYLES[style].format(total=0, step=0, new=0, left=0)) + 1
-    answer = len(_ANSWER_LINES[style].format(total=0))
-    return max(0, (MAX_SOLUTION_CHARS - answer - count * line) // (count * line + 6))
 
 
 def sample_checks(rng: random.Random, care: int) -> int:
@@ -164,7 +171,7 @@ def make_problem(
     care: int = WORKLOAD_CARE,
 ) -> Problem:
     """Build the problem (prompt, reference solution, answer) for explicit numbers; `style`
-    picks the answer's line layout (LINE_STYLES); `checks` re-checks (capped by max_checks),
+    picks the answer's line layout (LINE_STYLES); `checks` re-checks,
     or a bare guess; `care` is the prompt's re-check rate in tenths."""
     if style not in LINE_STYLES:
         raise ValueError(f"style: must be one of {sorted(LINE_STYLES)}, got {style!r}")
@@ -178,9 +185,9 @@ def make_problem(
         raise ValueError(f"checks: must be >= 0, got {checks}")
     if not 0 <= care <= 9:
         raise ValueError(f"care: must be in [0, 9], got {care}")
-    checks = 0 if guess else min(checks, max_checks(count, style))
+    checks = 0 if guess else checks
     prompt = f"start {start:04d} step {step:02d} count {count:04d} care {care}\n"
-    solution, answer = _solution_text(start, step, count, style, checks, guess)
+    solution, answer = _solution_text(start, step, count, style, checks, guess, care)
     return Problem(start, step, count, prompt, solution, answer, care, checks, guess)
 
 

@@ -26,6 +26,7 @@ def rollout_prompts(
     seed: int = 0,
     model_dir: str | Path = MODEL_DIR,
     care: int = WORKLOAD_CARE,
+    num_steps: int | None = None,
 ) -> list[tuple[Problem, list[int]]]:
     """`num_prompts` problems with their prompt token ids (<bos> first), deterministic per seed.
 
@@ -33,12 +34,15 @@ def rollout_prompts(
     random draws, so every workload of 16+ prompts has the prompt-level tail (a few 11-20 step
     problems among mostly 1-3 step ones); the terms themselves are random per seed. `care`
     sets the per-sample tail: how often the policy re-checks its work (reasoning.py).
+    `num_steps` gives every problem that size instead (no prompt-level tail).
     """
     if num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
     tok = load_tokenizer(model_dir)
     rng = random.Random(seed)
-    sizes = [size_at_quantile((i + 0.5) / num_prompts) for i in range(num_prompts)]
+    sizes = [
+        num_steps or size_at_quantile((i + 0.5) / num_prompts) for i in range(num_prompts)
+    ]
     rng.shuffle(sizes)
     problems = [generate_problem(rng, num_steps=k, care=care) for k in sizes]
     return [(p, encode_prompt(tok, format_prompt(p))) for p in problems]
