@@ -3,6 +3,7 @@ a real `tltd serve`, once with TLT (adaptive speculative decoding) and once with
 
     python examples/grpo_demo.py            # 4 RL steps per mode, a few minutes on 2 cores
     python examples/grpo_demo.py --quick    # 1 tiny step per mode, a smoke test
+    python examples/grpo_demo.py --http     # roll out through the openai client (HTTP door)
 
 Each RL step: sample prompts -> the daemon rolls out n answers per prompt (temperature 1) ->
 score them with the task's reward -> group-normalised advantages -> one clipped policy-gradient
@@ -92,8 +93,9 @@ def free_port() -> int:
 class Daemon:
     """`tltd serve` on the embedded defaults (SQLite under `data_dir`, torch backend, CPU slots)."""
 
-    def __init__(self, data_dir: Path, cpu_slots: int) -> None:
+    def __init__(self, data_dir: Path, cpu_slots: int, http: bool = False) -> None:
         self.port_file = data_dir / "port"
+        http_port_file = data_dir / "http.port"
         self.log_path = data_dir / "tltd.log"
         self.metrics_port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TLTD_")}
@@ -103,6 +105,8 @@ class Daemon:
                 sys.executable, "-m", "tltd", "serve", "--port", "0",
                 "--port-file", str(self.port_file), "--data-dir", str(data_dir / "tltd"),
                 "--cpu-slots", str(cpu_slots), "--metrics-port", str(self.metrics_port),
+                *(["--http", "--http-port", "0", "--http-port-file", str(http_port_file)]
+                  if http else []),
             ],
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -113,6 +117,8 @@ class Daemon:
                 raise RuntimeError(f"tltd did not start; its log:\n{self.log_path.read_text()}")
             time.sleep(0.1)
         self.target = f"127.0.0.1:{self.port_file.read_text().strip()}"
+        # --http: rollouts and weight pushes go through the HTTP door (examples/http_rollouts.py)
+        self.http_url = f"http://127.0.0.1:{http_port_file.read_text().strip()}" if http else ""
 
     def training_seconds(self) -> float:
         """Device-seconds spent training the drafter so far (from the metrics endpoint)."""
@@ -223,6 +229,10 @@ class Run:
             online_training=tlt,  # the baseline has no drafter to train
             initial_drafter=drafter if tlt else None,
         )
+        if daemon.http_url:
+            from examples.http_rollouts import HttpRollouts
+
+            self.client = HttpRollouts(daemon.http_url, f"grpo-{mode}", self.client)
         self.rows: list[StepRow] = []
 
     def warm_up(self) -> None:
@@ -427,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{DRAFTER.relative_to(ROOT)} with the default --model, else none; 'none' = none)",
     )
     parser.add_argument("--work-dir", type=Path, help="keep checkpoints and the daemon's data")
+    parser.add_argument(
+        "--http", action="store_true", help="roll out through the openai client (HTTP door)"
+    )
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else DemoConfig()
     overrides = {"steps": args.steps, "prompts": args.prompts, "n": args.n,
@@ -446,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         work_dir = (args.work_dir or Path(tmp)).resolve()
         work_dir.mkdir(parents=True, exist_ok=True)
         print(f"starting tltd serve (SQLite, torch backend, {cfg.cpu_slots} CPU slots)", flush=True)
-        daemon = Daemon(work_dir, cfg.cpu_slots)
+        daemon = Daemon(work_dir, cfg.cpu_slots, http=args.http)
         code = 1
         try:
             print(

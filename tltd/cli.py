@@ -29,6 +29,18 @@ def main() -> None:
 @click.option("--database-url", help="SQLAlchemy URL (sqlite:///... or postgresql+psycopg://...).")
 @click.option("--cpu-slots", type=int, help="CPU device slots where there is no GPU.")
 @click.option("--metrics-port", type=int, help="Prometheus /metrics port (0 = off, the default).")
+@click.option(
+    "--http/--no-http",
+    "http_enabled",
+    default=None,
+    help="Also serve the OpenAI- and SGLang-compatible HTTP API (off by default).",
+)
+@click.option("--http-port", type=int, help="HTTP API port (default 8000; 0 = any free port).")
+@click.option(
+    "--http-port-file",
+    type=click.Path(dir_okay=False),
+    help="Write the bound HTTP port here once serving (useful with --http-port 0).",
+)
 @click.option("--log-level", help="DEBUG, INFO, WARNING, ERROR.")
 @click.option("--log-json/--no-log-json", default=None, help="JSON lines instead of key=value.")
 @click.option(
@@ -44,6 +56,9 @@ def serve(
     database_url,
     cpu_slots,
     metrics_port,
+    http_enabled,
+    http_port,
+    http_port_file,
     log_level,
     log_json,
     port_file,
@@ -56,6 +71,8 @@ def serve(
         "database_url": database_url,
         "cpu_slots": cpu_slots,
         "metrics_port": metrics_port,
+        "http_enabled": http_enabled,
+        "http_port": http_port,
         "log_level": log_level,
         "log_json": log_json,
     }
@@ -65,7 +82,7 @@ def serve(
         # Imported late so that `tltd --help` stays fast and config errors need no database.
         from tltd.daemon import serve as run
 
-        code = asyncio.run(run(settings, port_file=port_file))
+        code = asyncio.run(run(settings, port_file=port_file, http_port_file=http_port_file))
     except ConfigError as exc:
         click.echo(f"tltd: configuration error: {exc}", err=True)
         sys.exit(2)

@@ -19,6 +19,7 @@ from tltd.api.server import build_server
 from tltd.devices import Nvml, PynvmlBackend
 from tltd.drafter_training import DrafterTraining
 from tltd.errors import ConfigError
+from tltd.http.server import HttpServer, build_http_server
 from tltd.metrics import MetricsServer, start_metrics_server
 from tltd.periodic import build_scheduler, refresh_devices, roll_up_metrics
 from tltd.scheduler import SchedulerConfig
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-async def serve(settings: Settings, port_file: str | None = None) -> int:
+async def serve(
+    settings: Settings, port_file: str | None = None, http_port_file: str | None = None
+) -> int:
     """Run until SIGTERM/SIGINT, then shut down in order; returns the process exit status."""
     url = settings.resolved_database_url
     if not settings.database_url:
@@ -46,13 +49,15 @@ async def serve(settings: Settings, port_file: str | None = None) -> int:
         raise ConfigError(f"cannot open database {shown}: {exc.__class__.__name__}: {exc}") from exc
     store = Store(url)
     try:
-        return await _serve_with_store(settings, store, port_file)
+        return await _serve_with_store(settings, store, port_file, http_port_file)
     finally:
         _kill_leftover_workers()
         store.close()  # last: everything above that uses the store has stopped
 
 
-async def _serve_with_store(settings: Settings, store: Store, port_file: str | None) -> int:
+async def _serve_with_store(
+    settings: Settings, store: Store, port_file: str | None, http_port_file: str | None
+) -> int:
     daemon = Daemon(settings, store, PynvmlBackend())
     # Signals are caught before serving so that a SIGTERM during start-up is not lost.
     stop = daemon.stop_requested  # set by a signal or a preemption notice file
@@ -60,6 +65,9 @@ async def _serve_with_store(settings: Settings, store: Store, port_file: str | N
     for sig in _SIGNALS:
         loop.add_signal_handler(sig, _on_signal, sig, stop)
     await daemon.start()
+    # The HTTP port file first: a reader polling for the gRPC one then finds both.
+    if http_port_file and daemon.http is not None:
+        _write_atomically(http_port_file, f"{daemon.http.port}\n")
     if port_file:
         _write_atomically(port_file, f"{daemon.api.port}\n")
     await stop.wait()
@@ -87,6 +95,10 @@ class Daemon:
             self.training.on_change = self.supervisor.kick
         self.services = build_services(store, settings, self.node, self.supervisor)
         self.api = build_server(settings, self.services)
+        # The HTTP door: a second transport over the same services (docs/http.md).
+        self.http: HttpServer | None = (
+            build_http_server(settings, self.services) if settings.http_enabled else None
+        )
         self.scheduler: AsyncIOScheduler | None = None
         self.metrics: MetricsServer | None = None
         self.stop_requested = asyncio.Event()  # what `serve` waits for before `shutdown`
@@ -107,6 +119,8 @@ class Daemon:
         # `tltctl drain --node`: stop admitting and drain the workers, keep serving reads.
         self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))
         await self.api.start()
+        if self.http is not None:
+            await self.http.start()
         self.scheduler = build_scheduler(
             settings,
             self.store,
@@ -121,6 +135,7 @@ class Daemon:
             "tltd serving",
             extra={
                 "address": self.api.address,
+                "http": self.http.url if self.http is not None else "off",
                 "database": self.store.dialect,
                 "devices": len(devices),
                 "auth": "on" if settings.tokens else "off",
@@ -166,7 +181,9 @@ class Daemon:
             if isinstance(result, BaseException):  # the workers must still be stopped below
                 log.error("shutdown: the %s failed", what, exc_info=result)
         left = max(0.5, deadline - time.monotonic())
-        await self.api.stop(left)  # health NOT_SERVING, then the (ended) streams close
+        stopping_http = self.http.stop(left) if self.http is not None else asyncio.sleep(0)
+        # health NOT_SERVING, then the (ended) streams close; both doors at once
+        await asyncio.gather(self.api.stop(left), stopping_http)
         if self.scheduler is not None:
             self.scheduler.shutdown(wait=True)  # a device refresh in flight finishes first
         await self.supervisor.stop(deadline)

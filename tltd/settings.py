@@ -84,6 +84,10 @@ class Settings:
     # warning, until it is rewritten or removed and created again.
     preemption_notice_file: str = ""
     metrics_port: int = 0  # 0 = disabled
+    # The HTTP door (docs/http.md): OpenAI- and SGLang-compatible endpoints on `host`, with the
+    # same tokens and TLS as the gRPC port. Off unless enabled; port 0 = any free port.
+    http_enabled: bool = False
+    http_port: int = 8000
     log_level: str = "INFO"
     log_json: bool = False
 
@@ -131,7 +135,7 @@ _POSITIVE = frozenset(
         "max_new_tokens_limit",
     )
 )
-_PORTS = frozenset(("port", "metrics_port"))
+_PORTS = frozenset(("port", "metrics_port", "http_port"))
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -1,0 +1,83 @@
+"""Helpers for the HTTP tests: a model with a tokenizer, a real daemon serving HTTP on port 0,
+an API-only daemon (no workers) for auth and TLS, and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+from tests.rollout.support import InProcessDaemon, make_checkpoint
+
+
+def make_text_checkpoint(path: Path) -> Path:
+    """A random tiny Qwen2 with the task's character tokenizer (54 ids; <eos> = 2)."""
+    from workers.task.tokenizer import VOCAB_SIZE, save_tokenizer
+
+    make_checkpoint(path, vocab=VOCAB_SIZE)
+    save_tokenizer(path)
+    return path
+
+
+class HttpDaemon(InProcessDaemon):
+    """The real daemon (workers, gRPC and HTTP on port 0) on a loop in a thread."""
+
+    @property
+    def url(self) -> str:
+        return self.daemon.http.url
+
+    def kill(self) -> None:
+        if self.daemon is not None and self.daemon.http is not None:
+            self.call(self.daemon.http.stop(0))
+        super().kill()
+
+
+class ApiOnlyHttp:
+    """The HTTP server exactly as the daemon builds it over services without workers (a
+    rollout answers 501): auth, TLS and the read endpoints need no model."""
+
+    def __init__(self, settings, store) -> None:
+        from tltd.services import build_services
+
+        self.services = build_services(store, settings)
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.http = None
+
+    def start(self) -> ApiOnlyHttp:
+        from tltd.http.server import build_http_server
+
+        self._thread.start()
+
+        async def start():
+            self.http = build_http_server(self.settings, self.services)
+            await self.http.start()
+
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    def stop(self) -> None:
+        if self.http is not None:
+            asyncio.run_coroutine_threadsafe(self.http.stop(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        self.loop.close()
+
+
+def sse_events(lines) -> list:
+    """The JSON payloads of a server-sent event stream, up to [DONE] (which must come)."""
+    events = []
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        if data == "[DONE]":
+            return events
+        events.append(json.loads(data))
+    raise AssertionError(f"stream ended without [DONE] after {len(events)} events")

@@ -1,0 +1,87 @@
+"""The HTTP application: routes, each behind the bearer-token check of the gRPC method it
+stands for, and the one boundary where errors become HTTP statuses."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tltd.errors import TltError
+from tltd.http import openai_api, sglang_api
+from tltd.http.auth import BearerAuth
+from tltd.http.errors import Renames, error_body, internal_error_body
+from tltd.services import Services
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Services, Request], Awaitable[Response]]
+
+
+def build_app(services: Services, tokens) -> Starlette:
+    auth = BearerAuth(tokens)
+
+    def route(path: str, name: str, handler: Handler, method: str, renames: Renames) -> Route:
+        return Route(
+            path, partial(_guarded, auth, name, renames, services, handler), methods=[method]
+        )
+
+    oa, sg = openai_api.RENAMES, sglang_api.RENAMES
+    routes = [
+        route("/v1/completions", "completions", openai_api.completions, "POST", oa),
+        route("/v1/models", "models", openai_api.models, "GET", oa),
+        route("/health", "health", sglang_api.health, "GET", sg),
+    ]
+    # SGLang's endpoints, on the job the URL names or (without one) the only active job.
+    for prefix in ("", "/jobs/{job_id}"):
+        routes += [
+            route(f"{prefix}/generate", "generate", sglang_api.generate, "POST", sg),
+            route(
+                f"{prefix}/update_weights_from_disk",
+                "update_weights",
+                sglang_api.update_weights_from_disk,
+                "POST",
+                sg,
+            ),
+            route(f"{prefix}/get_model_info", "model_info", sglang_api.get_model_info, "GET", sg),
+        ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+
+
+async def _guarded(auth, name, renames, services, handler, request: Request) -> Response:
+    """Auth, then the handler; a typed error -> its status and OpenAI's error JSON, anything
+    else -> 500 with a logged traceback."""
+    try:
+        auth.check(name, request.headers.get("authorization"))
+        return await handler(services, request)
+    except TltError as exc:
+        status, body = error_body(exc, renames)
+        log.info(
+            "http request failed",
+            extra={"route": name, "code": exc.code.name, "error": body["error"]["message"]},
+        )
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return JSONResponse(body, status_code=status, headers=headers)
+    except Exception:
+        log.exception("unexpected error in HTTP %s", name)
+        status, body = internal_error_body()
+        return JSONResponse(body, status_code=status)
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    """Unknown paths and methods, in the same error shape."""
+    body = {
+        "error": {
+            "message": f"{request.method} {request.url.path}: {exc.detail}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "not_found",
+        }
+    }
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)

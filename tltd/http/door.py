@@ -1,0 +1,79 @@
+"""What both HTTP APIs share: body parsing, job lookup, request ids, running a rollout through
+the rollout service (the same admission, idempotency and persistence as gRPC Generate) and
+server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from tltd.domain import Job, JobStatus, RolloutRequest, Sample
+from tltd.errors import InvalidArgument, NotFound
+from tltd.http.errors import from_validation
+from tltd.services import Services
+from tltd.services.validation import check_id
+
+M = TypeVar("M", bound=BaseModel)
+
+REQUEST_ID_HEADER = "x-request-id"  # vLLM's request-id header; a retry with it attaches
+
+
+def parse(model: type[M], body: bytes) -> M:
+    """The body as `model`; InvalidArgument naming the first bad field otherwise."""
+    try:
+        return model.model_validate_json(body or b"null")
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def request_id(header: str | None, body_value: str | None, field: str) -> str:
+    """The caller's idempotency key (header or body; both must agree); "" = a new request."""
+    if header and body_value and header != body_value:
+        raise InvalidArgument(
+            f"differs from the X-Request-Id header ({header!r} vs {body_value!r})", field=field
+        )
+    value = header or body_value or ""
+    check_id(value, field if body_value else "X-Request-Id", required=False)
+    return value
+
+
+async def get_job(services: Services, job_id: str) -> Job:
+    return await asyncio.to_thread(services.jobs.get, job_id)
+
+
+async def sole_active_job(services: Services) -> Job:
+    """The job of a URL that names none: the only active one, or an error saying to name it."""
+    jobs = await asyncio.to_thread(services.jobs.list, [JobStatus.ACTIVE], 2)
+    if not jobs:
+        raise NotFound("no active job (create one with tltctl or gRPC CreateJob)", field="job")
+    if len(jobs) > 1:
+        raise InvalidArgument(
+            "several jobs are active: name one in the URL, /jobs/<job_id>/...", field="job"
+        )
+    return jobs[0]
+
+
+async def collect(services: Services, req: RolloutRequest) -> list[Sample]:
+    """Every sample of the request, in (prompt, sample) order."""
+    samples = [s async for s in services.rollouts.generate(req)]
+    samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
+    return samples
+
+
+async def open_stream(
+    services: Services, req: RolloutRequest
+) -> tuple[RolloutRequest, AsyncIterator[Sample]]:
+    """Validate and admit-check first, so that a bad request is an HTTP error status rather
+    than an error event inside a 200 stream; then the samples as they finish."""
+    prepared = await asyncio.to_thread(services.rollouts.prepare, req)
+    return prepared, services.rollouts.generate(prepared)
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event carrying JSON (or the literal [DONE])."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"

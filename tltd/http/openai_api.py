@@ -1,0 +1,268 @@
+"""OpenAI-compatible `POST /v1/completions` and `GET /v1/models` (with vLLM's token-id
+extensions), translated to and from the domain's rollout request and samples."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from tltd.domain import FinishReason, Job, JobStatus, RolloutRequest, Sample, SamplingParams
+from tltd.errors import InvalidArgument, TltError
+from tltd.http import door
+from tltd.http.errors import error_body, internal_error_body
+from tltd.http.vocab import Vocab, vocab_for
+from tltd.services import Services
+
+log = logging.getLogger(__name__)
+
+# Domain field paths as this API spells them.
+RENAMES = (
+    (r"^job_id$", "model"),
+    (r"^prompts\[(\d+)\]\.token_ids", r"prompt[\1]"),
+    (r"^prompts$", "prompt"),
+    (r"^sampling\.max_new_tokens$", "max_tokens"),
+    (r"^sampling\.", ""),
+)
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # others: vLLM's "abort"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """The fields tltd takes; any other is refused by name (docs/http.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    prompt: Any = None  # checked by _prompts, which names the bad element
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    logprobs: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's records: changes nothing
+    # Accepted at their no-op values only (checked in _refuse_unsupported).
+    echo: bool | None = None
+    best_of: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    request_id: str | None = None
+
+
+def _refuse_unsupported(body: CompletionRequest) -> None:
+    if body.echo:
+        raise InvalidArgument("echo is not supported (the prompt is yours already)", field="echo")
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidArgument("only best_of = n (or unset) is supported", field="best_of")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name):
+            raise InvalidArgument("penalties are not supported: only 0", field=name)
+    if body.logit_bias:
+        raise InvalidArgument("logit_bias is not supported", field="logit_bias")
+    if body.suffix:
+        raise InvalidArgument("suffix is not supported", field="suffix")
+    if body.logprobs is not None and body.logprobs != 0:
+        raise InvalidArgument(
+            "top-k alternatives are not available from the engine: logprobs=0 returns the "
+            "sampled token's logprob at every position",
+            field="logprobs",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise InvalidArgument("only with stream=true", field="stream_options")
+
+
+def _prompts(prompt: Any, vocab: Vocab) -> tuple[tuple[int, ...], ...]:
+    """A string, a list of token ids, or a list of either -> token-id prompts."""
+    if isinstance(prompt, str):
+        return (vocab.encode(prompt, "prompt"),)
+    if isinstance(prompt, list) and prompt:
+        if all(_is_token(t) for t in prompt):
+            return (tuple(prompt),)
+        out = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                out.append(vocab.encode(p, f"prompt[{i}]"))
+            elif isinstance(p, list) and p and all(_is_token(t) for t in p):
+                out.append(tuple(p))
+            else:
+                raise InvalidArgument(
+                    "must be a string or a non-empty list of integer token ids",
+                    field=f"prompt[{i}]",
+                )
+        return tuple(out)
+    raise InvalidArgument(
+        "must be a string, a list of token ids, or a non-empty list of either", field="prompt"
+    )
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def to_rollout(body: CompletionRequest, job: Job, vocab: Vocab, request_id: str) -> RolloutRequest:
+    """The domain request: stop strings become their single tokens, the model's end-of-sequence
+    ids stop a sample unless ignore_eos (as vLLM does)."""
+    _refuse_unsupported(body)
+    prompts = _prompts(body.prompt, vocab)
+    stops = [*(body.stop_token_ids or ())]
+    texts = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    stops += [vocab.stop_token(s, f"stop[{i}]") for i, s in enumerate(texts)]
+    if not body.ignore_eos:
+        stops += vocab.eos_ids
+    return RolloutRequest(
+        request_id=request_id,
+        job_id=job.job_id,
+        prompts=prompts,
+        sampling=SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k in (None, 0, -1) else body.top_k,
+            max_new_tokens=16 if body.max_tokens is None else body.max_tokens,  # OpenAI's default
+            stop_token_ids=tuple(dict.fromkeys(stops)),
+            seed=body.seed,
+        ),
+    )
+
+
+def choice(body: CompletionRequest, req: RolloutRequest, s: Sample, vocab: Vocab) -> dict:
+    """One sample as a completion choice; index = prompt_index * n + sample_index (vLLM's)."""
+    ids = s.token_ids
+    stopped = (
+        s.finish_reason is FinishReason.STOP and ids and ids[-1] in req.sampling.stop_token_ids
+    )
+    out: dict[str, Any] = {
+        "index": s.prompt_index * req.sampling.n + s.sample_index,
+        "text": vocab.decode(ids[:-1] if stopped else ids),
+        "logprobs": None,
+        "finish_reason": _FINISH.get(s.finish_reason, "abort"),
+        "stop_reason": ids[-1] if stopped else None,  # vLLM's: the stop token matched
+    }
+    if body.logprobs is not None:
+        as_ids = body.return_tokens_as_token_ids or vocab.tokenizer is None
+        tokens = [f"token_id:{t}" if as_ids else vocab.piece(t) for t in ids]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        out["logprobs"] = {
+            "tokens": tokens,
+            "token_logprobs": list(s.logprobs),
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+    if body.return_token_ids:
+        out["token_ids"] = list(ids)
+        out["prompt_token_ids"] = list(req.prompts[s.prompt_index])
+    out["tltd"] = _tltd_fields(s)
+    return out
+
+
+def _tltd_fields(s: Sample) -> dict:
+    """What a gRPC sample also carries: versions and speculative statistics."""
+    st = s.speculative
+    return {
+        "policy_version": s.policy_version,
+        "drafter_version": s.drafter_version,
+        "partial": s.partial,
+        "draft_steps": st.draft_steps,
+        "plain_steps": st.plain_steps,
+        "accepted_tokens": st.accepted_tokens,
+        "drafted_tokens": st.drafted_tokens,
+    }
+
+
+def _usage(req: RolloutRequest, samples: list[Sample]) -> dict:
+    prompt = sum(len(p) for p in req.prompts)
+    completion = sum(len(s.token_ids) for s in samples)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def completions(services: Services, request: Request) -> JSONResponse | StreamingResponse:
+    body = door.parse(CompletionRequest, await request.body())
+    rid = door.request_id(
+        request.headers.get(door.REQUEST_ID_HEADER), body.request_id, "request_id"
+    )
+    job = await door.get_job(services, body.model)  # NotFound -> 404 naming `model`
+    vocab = await asyncio.to_thread(vocab_for, job.model_path)  # reads tokenizer.json once
+    req = to_rollout(body, job, vocab, rid)
+    created = int(time.time())
+    head = {"object": "text_completion", "created": created, "model": body.model}
+    if body.stream:
+        req, samples = await door.open_stream(services, req)
+        return StreamingResponse(
+            _events(body, req, samples, vocab, head), media_type="text/event-stream"
+        )
+    done = await door.collect(services, req)
+    return JSONResponse(
+        {
+            "id": done[0].request_id,
+            **head,
+            "choices": [choice(body, req, s, vocab) for s in done],
+            "usage": _usage(req, done),
+        }
+    )
+
+
+async def _events(body, req, samples, vocab, head):
+    """One chunk per finished sample (the whole choice), then usage if asked, then [DONE]. An
+    error after the headers arrives as an event in OpenAI's error shape."""
+    done: list[Sample] = []
+    try:
+        async for s in samples:
+            done.append(s)
+            yield door.sse({"id": req.request_id, **head, "choices": [choice(body, req, s, vocab)]})
+        if body.stream_options and body.stream_options.include_usage:
+            yield door.sse(
+                {"id": req.request_id, **head, "choices": [], "usage": _usage(req, done)}
+            )
+    except TltError as exc:
+        yield door.sse(error_body(exc, RENAMES)[1])
+    except Exception:  # noqa: BLE001 - the stream must end with an error, not silently
+        log.exception("unexpected error in a completions stream")
+        yield door.sse(internal_error_body()[1])
+    yield door.sse("[DONE]")
+
+
+async def models(services: Services, request: Request) -> JSONResponse:
+    """Active jobs, as models: `model` in a completion names one."""
+    jobs = await asyncio.to_thread(services.jobs.list, [JobStatus.ACTIVE], 0)
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": j.job_id,
+                    "object": "model",
+                    "created": int(j.created_at.timestamp()) if j.created_at else 0,
+                    "owned_by": "tltd",
+                    "root": j.model_path,
+                }
+                for j in jobs
+            ],
+        }
+    )

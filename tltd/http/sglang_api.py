@@ -1,0 +1,308 @@
+"""SGLang-compatible `POST /generate`, `POST /update_weights_from_disk`, `GET /health` and
+`GET /get_model_info`, on the job the URL names (/jobs/<job_id>/...) or the only active one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tltd.domain import FinishReason, Job, RolloutRequest, Sample, SamplingParams
+from tltd.errors import InvalidArgument, TltError, Unavailable
+from tltd.http import door
+from tltd.http.errors import error_body, from_validation, internal_error_body
+from tltd.http.vocab import Vocab, vocab_for
+from tltd.services import Services
+
+log = logging.getLogger(__name__)
+
+RENAMES = (
+    (r"^job_id$", "job"),
+    (r"^request_id$", "rid"),
+    (r"^prompts\[(\d+)\]\.token_ids", r"input_ids[\1]"),
+    (r"^prompts$", "input_ids"),
+    (r"^sampling\.seed$", "sampling_params.sampling_seed"),
+    (r"^sampling\.", "sampling_params."),
+    (r"^checkpoint\.path$", "model_path"),
+    (r"^note$", "weight_version"),
+)
+
+
+class SglangSampling(BaseModel):
+    """SGLang's SamplingParams fields tltd runs; others are refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    n: int = 1
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    # Text-side only: how `text` is made from the output ids.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # Accepted at their no-op values only.
+    min_new_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+
+
+_NO_OP = {
+    "min_new_tokens": 0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+}
+
+
+class GenerateRequest(BaseModel):
+    """GenerateReqInput's fields tltd takes (a subset: every body it accepts is a valid
+    GenerateReqInput for SGLang itself)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    input_ids: Any = None  # one list of token ids, or a batch of them
+    text: str | list[str] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | None = None
+    log_metrics: bool = True
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True  # tltd keeps no KV across requests: nothing to flush
+
+
+def _sampling(raw: dict | list | None) -> SglangSampling:
+    """One set of parameters: a batch's per-prompt list must repeat the same one (a tltd
+    request runs its prompts alike)."""
+    if isinstance(raw, list):
+        if not raw or any(r != raw[0] for r in raw):
+            raise InvalidArgument(
+                "a list must hold the same parameters for every prompt", field="sampling_params"
+            )
+        raw = raw[0]
+    try:
+        params = SglangSampling.model_validate(raw or {})
+    except ValidationError as exc:
+        raise from_validation(exc, prefix="sampling_params.") from None
+    for name, value in _NO_OP.items():
+        if getattr(params, name) != value:
+            raise InvalidArgument(f"not supported: only {value}", field=f"sampling_params.{name}")
+    return params
+
+
+def _prompts(body: GenerateRequest, vocab: Vocab) -> tuple[tuple[tuple[int, ...], ...], bool]:
+    """(token-id prompts, whether the input was a single prompt)."""
+    if (body.input_ids is None) == (body.text is None):
+        raise InvalidArgument("give exactly one of input_ids and text", field="input_ids")
+    if body.text is not None:
+        if isinstance(body.text, str):
+            return (vocab.encode(body.text, "text"),), True
+        if not body.text:
+            raise InvalidArgument("must not be empty", field="text")
+        return tuple(vocab.encode(t, f"text[{i}]") for i, t in enumerate(body.text)), False
+    ids = body.input_ids
+    if isinstance(ids, list) and ids and all(_is_token(t) for t in ids):
+        return (tuple(ids),), True
+    if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
+        for i, p in enumerate(ids):
+            if not p or not all(_is_token(t) for t in p):
+                raise InvalidArgument(
+                    "must be a non-empty list of integer token ids", field=f"input_ids[{i}]"
+                )
+        return tuple(tuple(p) for p in ids), False
+    raise InvalidArgument(
+        "must be a non-empty list of token ids or a list of them", field="input_ids"
+    )
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _refuse_unsupported(body: GenerateRequest) -> None:
+    if body.logprob_start_len not in (None, -1):
+        raise InvalidArgument(
+            "prompt logprobs are not supported: only -1", field="logprob_start_len"
+        )
+    if body.top_logprobs_num not in (None, 0):
+        raise InvalidArgument(
+            "top-k alternatives are not available from the engine: only 0", field="top_logprobs_num"
+        )
+
+
+def to_rollout(body: GenerateRequest, job: Job, vocab: Vocab, request_id: str):
+    """(domain request, text-side parameters, whether the input was single)."""
+    _refuse_unsupported(body)
+    params = _sampling(body.sampling_params)
+    prompts, single = _prompts(body, vocab)
+    stops = [*(params.stop_token_ids or ())]
+    texts = [params.stop] if isinstance(params.stop, str) else (params.stop or [])
+    stops += [vocab.stop_token(s, f"sampling_params.stop[{i}]") for i, s in enumerate(texts)]
+    if not params.ignore_eos:
+        stops += vocab.eos_ids  # SGLang stops at the model's EOS unless ignore_eos
+    req = RolloutRequest(
+        request_id=request_id,
+        job_id=job.job_id,
+        prompts=prompts,
+        sampling=SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0 if params.top_k in (0, -1) else params.top_k,
+            max_new_tokens=128 if params.max_new_tokens is None else params.max_new_tokens,
+            stop_token_ids=tuple(dict.fromkeys(stops)),
+            seed=params.sampling_seed,
+        ),
+    )
+    return req, params, single and params.n == 1
+
+
+def output(body, params, req: RolloutRequest, s: Sample, vocab: Vocab) -> dict:
+    """One sample in SGLang's /generate output shape."""
+    ids = s.token_ids
+    stopped = (
+        s.finish_reason is FinishReason.STOP and ids and ids[-1] in req.sampling.stop_token_ids
+    )
+    if s.finish_reason is FinishReason.STOP:
+        finish: dict[str, Any] = {"type": "stop", "matched": ids[-1] if ids else None}
+    elif s.finish_reason is FinishReason.LENGTH:
+        finish = {"type": "length", "length": len(ids)}
+    else:
+        finish = {"type": "abort", "message": s.error or s.finish_reason.value}
+    st = s.speculative
+    meta: dict[str, Any] = {
+        "id": s.request_id,
+        "finish_reason": finish,
+        "prompt_tokens": len(req.prompts[s.prompt_index]),
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "weight_version": str(s.policy_version),
+        # SGLang's speculative statistics; a verify step is one that checked >= 1 draft
+        "spec_verify_ct": st.draft_steps,
+        "spec_draft_token_num": st.drafted_tokens,
+        "spec_accept_token_num": st.accepted_tokens,
+        "spec_accept_rate": st.acceptance_rate,
+        "spec_accept_length": st.mean_accepted_length,
+        # tltd's own
+        "drafter_version": s.drafter_version,
+        "spec_plain_steps": st.plain_steps,
+        "partial": s.partial,
+    }
+    if body.return_logprob:
+        texts = [vocab.piece(t) if body.return_text_in_logprobs else None for t in ids]
+        meta["output_token_logprobs"] = [
+            [lp, t, txt] for lp, t, txt in zip(s.logprobs, ids, texts, strict=True)
+        ]
+    trim = stopped and not params.no_stop_trim
+    return {
+        "text": vocab.decode(ids[:-1] if trim else ids, params.skip_special_tokens),
+        "output_ids": list(ids),
+        "meta_info": meta,
+        "index": s.prompt_index * req.sampling.n + s.sample_index,
+    }
+
+
+async def _job(services: Services, request: Request) -> Job:
+    job_id = request.path_params.get("job_id")
+    return await (door.get_job(services, job_id) if job_id else door.sole_active_job(services))
+
+
+async def generate(services: Services, request: Request) -> Response:
+    body = door.parse(GenerateRequest, await request.body())
+    rid = door.request_id(request.headers.get(door.REQUEST_ID_HEADER), body.rid, "rid")
+    job = await _job(services, request)
+    vocab = await asyncio.to_thread(vocab_for, job.model_path)  # reads tokenizer.json once
+    req, params, single = to_rollout(body, job, vocab, rid)
+    if body.stream:
+        req, samples = await door.open_stream(services, req)
+        return StreamingResponse(
+            _events(body, params, req, samples, vocab), media_type="text/event-stream"
+        )
+    done = await door.collect(services, req)
+    outs = [output(body, params, req, s, vocab) for s in done]
+    return JSONResponse(outs[0] if single else outs)
+
+
+async def _events(body, params, req, samples, vocab):
+    """One event per finished sample (its whole output; `index` says which), then [DONE]."""
+    try:
+        async for s in samples:
+            yield door.sse(output(body, params, req, s, vocab))
+    except TltError as exc:
+        yield door.sse(error_body(exc, RENAMES)[1])
+    except Exception:  # noqa: BLE001 - the stream must end with an error, not silently
+        log.exception("unexpected error in a /generate stream")
+        yield door.sse(internal_error_body()[1])
+    yield door.sse("[DONE]")
+
+
+async def update_weights_from_disk(services: Services, request: Request) -> JSONResponse:
+    """A new policy version from a checkpoint directory (PolicyService.update, as gRPC
+    UpdatePolicy): requests accepted before keep their version, new ones run on it."""
+    body = door.parse(UpdateWeightsRequest, await request.body())
+    if body.abort_all_requests:
+        raise InvalidArgument(
+            "not supported: requests in flight finish on the version they started with "
+            "(cancel them with tltctl or gRPC CancelRequest)",
+            field="abort_all_requests",
+        )
+    if body.load_format not in (None, "auto"):
+        raise InvalidArgument(
+            "only Hugging Face safetensors checkpoints (auto)", field="load_format"
+        )
+    job = await _job(services, request)
+    note = f"weight_version={body.weight_version}" if body.weight_version else ""
+    version = await asyncio.to_thread(
+        services.policy.update, job.job_id, "checkpoint", body.model_path, note
+    )
+    return JSONResponse(
+        {
+            "success": True,
+            "message": f"job {job.job_id} is on policy version {version.version}",
+            "num_paused_requests": 0,
+            "weight_version": str(version.version),
+        }
+    )
+
+
+async def health(services: Services, request: Request) -> Response:
+    """200 while serving rollouts; 503 once the node drains (new rollouts are refused)."""
+    if services.node.draining:
+        raise Unavailable("node is draining: not accepting new rollouts")
+    return Response(status_code=200)
+
+
+async def get_model_info(services: Services, request: Request) -> JSONResponse:
+    job = await _job(services, request)
+    vocab = await asyncio.to_thread(vocab_for, job.model_path)  # reads tokenizer.json once
+    return JSONResponse(
+        {
+            "model_path": job.model_path,
+            "tokenizer_path": job.model_path if vocab.tokenizer is not None else None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(job.policy_version),
+            "job_id": job.job_id,
+        }
+    )
