@@ -29,7 +29,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from clients import RolloutClient  # noqa: E402
-from workers.task.workload import STOP_TOKEN_ID, rollout_prompts  # noqa: E402
+from examples.task.workload import STOP_TOKEN_ID, rollout_prompts  # noqa: E402
 
 MODEL = ROOT / "models" / "tiny-policy"
 JOB = "bench-http"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
 from tests.engine.helpers import make_checkpoint
-from workers.task.tokenizer import VOCAB_SIZE, save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from tests.rollout.support import InProcessDaemon, make_checkpoint
 
 def make_text_checkpoint(path: Path) -> Path:
     """A random tiny Qwen2 with the task's character tokenizer (54 ids; <eos> = 2)."""
-    from workers.task.tokenizer import VOCAB_SIZE, save_tokenizer
+    from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
 
     make_checkpoint(path, vocab=VOCAB_SIZE)
     save_tokenizer(path)

@@ -8,8 +8,8 @@ import openai
 import pytest
 
 from clients import RolloutClient
+from examples.task.tokenizer import EOS_ID, VOCAB
 from tests.http_api.conftest import JOB
-from workers.task.tokenizer import EOS_ID, VOCAB
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 8]]
 
