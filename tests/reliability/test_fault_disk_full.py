@@ -91,13 +91,9 @@ def test_a_full_disk_leaves_no_half_written_drafter_version(small_fs, tmp_path):
     filler = root / "filler"
     filler.write_bytes(b"\0" * (FS_BYTES // 2))  # what the disk already holds
 
-    class NoStore:  # the save fails before the store is asked anything
-        def __getattr__(self, name):
-            raise AssertionError(f"store.{name} called after a failed save")
-
-    with pytest.raises(OSError) as info:
-        versions_mod.publish(
-            NoStore(), "job", drafter, [], policy_version=0, train_steps=1, loss=0.0, out_dir=root
+    with pytest.raises(OSError) as info:  # the save fails before anything is measured
+        versions_mod.measure(
+            drafter, [], active=None, policy_version=0, train_steps=1, loss=0.0, out_dir=root
         )
     assert info.value.errno == errno.ENOSPC
     assert "drafter version not written to" in str(info.value)

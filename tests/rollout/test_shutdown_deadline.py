@@ -149,12 +149,12 @@ def test_a_request_that_cannot_be_closed_does_not_keep_the_drain_from_the_others
 
 
 def test_a_failing_drain_still_stops_the_workers(sqlite_store, tmp_path, ckpt, monkeypatch):
-    from tltd.supervisor.supervisor import Supervisor
+    from tltd.supervisor.drain import NodeDrain
 
     async def broken_drain(self):
         raise RuntimeError("drain bug")
 
-    monkeypatch.setattr(Supervisor, "_drain", broken_drain)
+    monkeypatch.setattr(NodeDrain, "_run", broken_drain)
     d = InProcessDaemon(_drain_settings(tmp_path), sqlite_store).start()
     try:
         with d.client() as c:

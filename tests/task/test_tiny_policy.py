@@ -57,11 +57,13 @@ def test_greedy_completion_is_well_formed(model):
         pad_token_id=0,
     )[0, len(prompt) :].tolist()
     text = decode(tok, out)
-    # Well-formed: step lines "a+b=c,left" (or a guessed answer) in the task alphabet;
-    # correctness is not asserted.
+    # Well-formed: the prompt's care restated, then step lines "a+b=c,left" (or a guessed
+    # answer), in the task alphabet; correctness is not asserted.
     assert text and set(text) <= set("0123456789+=,\nanswer: check")
-    first = text.splitlines()[0]
-    assert ("+" in first and "=" in first) or first.startswith("answer:")
+    lines = text.splitlines()
+    if not lines[0].startswith("answer:"):
+        assert lines[0] == f"care {problem.care}"
+        assert "+" in lines[1] and "=" in lines[1]
 
 
 def test_rollout_workload_is_deterministic_and_long_tailed():
