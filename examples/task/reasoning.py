@@ -138,10 +138,10 @@ def _solution_text(
     if not guess:
         # The solution restates the prompt's care ("care 7") first, copied from right above,
         # and again after every pass, copied from one pass above; each restatement sits right
-        # before the re-check-or-answer choice it sets. A small policy does not learn to look
-        # the digit up in the prompt hundreds of tokens back: trained without the first line
-        # it wrote a random care after its first pass, and without any, it re-checked at the
-        # same rate whatever the care.
+        # before the re-check-or-answer choice it sets. Without these lines a small policy
+        # re-checked at the same rate whatever the care: it never looked the digit up in the
+        # prompt hundreds of tokens back (and it copies even the first line only once that
+        # digit's loss is weighted: scripts/train_policy.py --care-weight).
         reminder = CARE_LINE.format(care=care)
         lines.extend([reminder, *one_pass, reminder])
         for _ in range(checks):
