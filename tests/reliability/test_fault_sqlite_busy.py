@@ -39,7 +39,7 @@ def _writer(path: str, stop: threading.Event, hold: tuple[float, float], counts:
 
 def test_concurrent_writers_and_a_long_lock_lose_nothing(sqlite_serve, ckpt, size, figures):
     if size == "short" and not LONG:
-        # Not in CI: it passes alone but failed in two full-suite runs (docs/reliability.md).
+        # Not in CI: it failed in one of two full runs of the suite (docs/reliability.md).
         pytest.skip("fails inside the full suite, not yet understood: set TLTD_RELIABILITY_LONG=1")
     d = sqlite_serve
     seconds, writers = {"short": (8.0, 3), "long": (120.0, 6)}[size]
