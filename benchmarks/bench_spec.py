@@ -2,9 +2,10 @@
 
 Workload: `--prompts` prompts of the count-up task x `--samples` samples at temperature 1,
 stop at <eos> or `--max-new-tokens` (examples/task/workload.py). Answer lengths are long-tailed
-per prompt (problem size) and per sample (the policy re-checks its work a random number of
-times, at rate care / 10). The length quantiles and the share of SD-off time per running-batch
-bucket are printed above the table, the per-bucket gain of each mode below it. Modes run
+per prompt (problem size, and care: by default half the prompts at care 4, half at 8) and per
+sample (the policy re-checks its work a random number of times, at rate care / 10). The length
+quantiles and the share of SD-off time per running-batch bucket are printed above the table,
+the per-bucket gain of each mode below it. Modes run
 interleaved, `--repeats` times each; every figure is the median over the repeats, with the
 spread (min-max) beside it.
 """
@@ -22,12 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.task.reasoning import WORKLOAD_CARE, reward  # noqa: E402
+from examples.task.reasoning import reward  # noqa: E402
 from examples.task.tokenizer import decode, load_tokenizer  # noqa: E402
 from examples.task.workload import (  # noqa: E402
     MAX_NEW_TOKENS,
     MODEL_DIR,
     STOP_TOKEN_ID,
+    WORKLOAD_CARE,
     rollout_prompts,
 )
 from tltd.domain import FinishReason, SamplingParams  # noqa: E402
@@ -330,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny workload")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--care", type=int, default=WORKLOAD_CARE, help="re-check rate in tenths")
+    ap.add_argument(
+        "--care",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=WORKLOAD_CARE,
+        help="re-check rates in tenths, alternating over the prompts (e.g. 4,8 or 7)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threshold", type=int, default=32, help="fixed gate of the @32 ablation")
@@ -375,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         modes = [m for m in modes if "eagle" not in MODES[m][0]]
     work = rollout_prompts(args.prompts, args.seed, args.model, args.care)
     print(
-        f"workload: {args.prompts} prompts x {args.samples} samples, care {args.care}, "
+        f"workload: {args.prompts} prompts x {args.samples} samples, "
+        f"care {'/'.join(map(str, args.care))}, "
         f"T={args.temperature}, max_new_tokens {args.max_new_tokens}, threads {args.threads}, "
         f"{args.dtype}, {args.repeats} interleaved repeats after {args.warmup} untimed warm-up "
         f"pass(es) of {args.warm_prompts or max(1, args.prompts // 2)} other prompts",

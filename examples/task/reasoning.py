@@ -29,9 +29,10 @@ MIN_STEPS = 1
 MAX_STEPS = 24
 SIZE_EXPONENT = 1.25
 # Per-sample tail: the number of re-checks is geometric, P(>= r) = (care / 10) ** r. Training
-# data draws care from CARE_LEVELS; the rollout workload uses WORKLOAD_CARE.
+# data draws care from CARE_LEVELS; a problem built without one has DEFAULT_CARE (the rollout
+# workload's levels are in workload.py).
 CARE_LEVELS = tuple(range(9))
-WORKLOAD_CARE = 7
+DEFAULT_CARE = 7
 GUESS_RATE = 0.2
 CHECK_MARKER = "check"
 CARE_LINE = "care {care}"
@@ -131,7 +132,7 @@ def _solution_text(
     style: str = "sum",
     checks: int = 0,
     guess: bool = False,
-    care: int = WORKLOAD_CARE,
+    care: int = DEFAULT_CARE,
 ) -> tuple[str, int]:
     one_pass, total = _pass_lines(start, step, count, style)
     lines = []
@@ -169,7 +170,7 @@ def make_problem(
     style: str = "sum",
     checks: int = 0,
     guess: bool = False,
-    care: int = WORKLOAD_CARE,
+    care: int = DEFAULT_CARE,
 ) -> Problem:
     """Build the problem (prompt, reference solution, answer) for explicit numbers; `style`
     picks the answer's line layout (LINE_STYLES); `checks` re-checks,
@@ -196,7 +197,7 @@ def generate_problem(
     rng: random.Random,
     num_steps: int | None = None,
     style: str = "sum",
-    care: int | Sequence[int] = WORKLOAD_CARE,
+    care: int | Sequence[int] = DEFAULT_CARE,
     guess_rate: float = GUESS_RATE,
 ) -> Problem:
     """Draw one problem and one reference solution for it; `num_steps` defaults to a draw
@@ -214,7 +215,7 @@ def generate_problem(
 
 
 def make_dataset(
-    n: int, seed: int, num_steps: int | None = None, care: int | Sequence[int] = WORKLOAD_CARE
+    n: int, seed: int, num_steps: int | None = None, care: int | Sequence[int] = DEFAULT_CARE
 ) -> list[Problem]:
     """`n` problems, deterministic for a given seed."""
     rng = random.Random(seed)
