@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -161,3 +163,70 @@ def test_only_rows_that_drafted_are_credited_with_draft_steps_and_the_drafter(ck
     assert spec.draft_steps > 0 and spec.drafter_version == 7
     for o in (plain, spec):  # no stop tokens: the prefill's token + one per step + accepted
         assert len(o.token_ids) == 1 + o.plain_steps + o.draft_steps + o.accepted_tokens
+
+
+def test_absorbing_a_backlog_then_drafting_equals_drafting_on_it_at_once(ckpt):
+    model = load_model(ckpt)
+    drafter = EagleDrafter.random_init(model, seed=5)
+    seq = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]])
+    cache = model.new_cache(1, 32)
+    _, h = model(
+        seq, cache, Batch.make([0], None, seq.shape[1], 0, cache.trash, "cpu"), return_hidden=True
+    )
+    t = seq.shape[1] - 1
+    feats, toks = h[0, :t], seq[0, 1 : t + 1].tolist()
+
+    def drafting(split: bool):
+        seen: list[torch.Tensor] = []
+
+        def choose(logits, i):
+            seen.append(logits)
+            return logits.argmax(-1), None, torch.ones(logits.shape[0])
+
+        dcache = drafter.new_cache(1, 40)
+        if split:
+            drafter.absorb(dcache, [feats[:-1]], [toks[:-1]])
+            assert dcache.lens[0] == t - 1
+            drafts, _, _ = drafter.propose(dcache, [feats[-1:]], [toks[-1:]], 3, choose)
+        else:
+            drafts, _, _ = drafter.propose(dcache, [feats], [toks], 3, choose)
+        return drafts, seen, dcache.lens[0]
+
+    whole, split = drafting(False), drafting(True)
+    assert torch.equal(whole[0], split[0]) and whole[2] == split[2] == t
+    for a, b in zip(whole[1], split[1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_an_eagle_catch_up_stays_lossless_and_is_not_charged_to_the_step(ckpt):
+    """Long prompts leave the first EAGLE step a backlog: the drafter absorbs it apart (here
+    slowed down on purpose), greedy output is unchanged and the bandit's step time leaves the
+    catch-up out."""
+    prompts = [list(range(1, 25)), [7, 8] * 10, [9, 10, 11] * 6]
+    sp = SamplingParams(n=2, temperature=0.0, max_new_tokens=12)
+    reqs = [Request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+    ref = {
+        (o.request_id, o.sample_index): o.token_ids
+        for o in Engine(str(ckpt), EngineConfig(spec_mode="off")).generate(reqs)
+    }
+    e = Engine(
+        str(ckpt), EngineConfig(max_batch=8, spec_mode="fixed", strategies=(Strategy("eagle", 3),))
+    )
+    drafter = EagleDrafter.random_init(e.model, seed=1)
+    e.set_drafter(drafter, version=1)
+    absorbed: list[int] = []
+    real_absorb = drafter.absorb
+
+    def slow_absorb(cache, feats, tokens):
+        absorbed.append(sum(len(t) for t in tokens))
+        time.sleep(0.3)
+        real_absorb(cache, feats, tokens)
+
+    drafter.absorb = slow_absorb
+    recorded: list[float] = []
+    real_record = e.bandit.record
+    e.bandit.record = lambda b, s, acc, dt: (recorded.append(dt), real_record(b, s, acc, dt))
+    out = {(o.request_id, o.sample_index): o.token_ids for o in e.generate(reqs)}
+    assert out == ref
+    assert absorbed and absorbed[0] >= sum(len(p) - 1 for p in prompts) * 2 - 6
+    assert recorded and max(recorded) < 0.3  # no recorded step carries the 0.3 s catch-up

@@ -146,6 +146,32 @@ class EagleDrafter(nn.Module):
         return batch.unpack(out)
 
     @torch.inference_mode()
+    def absorb(
+        self, cache: KVCache, feats: Sequence[Tensor | None], tokens: Sequence[Sequence[int]]
+    ) -> None:
+        """Append rows' unconsumed (h_t, x_{t+1}) pairs (as `propose` takes them) to the
+        drafter cache without drafting: a catch-up on positions decoded without the drafter."""
+        self._feed(cache, feats, tokens)
+        c = [len(t) for t in tokens]
+        cache.lens[: len(c)] = [n + m for n, m in zip(cache.lens, c)]
+
+    def _feed(
+        self, cache: KVCache, feats: Sequence[Tensor | None], tokens: Sequence[Sequence[int]]
+    ) -> tuple[Tensor, Batch]:
+        """One drafter forward over rows' unconsumed pairs, written into `cache`."""
+        b, dev = len(feats), cache.k.device
+        c = [len(t) for t in tokens]
+        width = max(max(c), 1)
+        h = torch.zeros(b, width, self.config.hidden_size, dtype=cache.k.dtype, device=dev)
+        x = torch.zeros(b, width, dtype=torch.long, device=dev)
+        for i, (f, t) in enumerate(zip(feats, tokens, strict=True)):
+            if c[i]:
+                h[i, : c[i]] = f
+                x[i, : c[i]] = torch.tensor(t, dtype=torch.long)
+        batch = Batch.make(cache.lens[:b], c, width, 0, cache.trash, dev)
+        return self._step(h, x, batch, cache), batch
+
+    @torch.inference_mode()
     def propose(
         self,
         cache: KVCache,
@@ -173,16 +199,8 @@ class EagleDrafter(nn.Module):
         b = len(feats)
         dev = cache.k.device
         c = [len(t) for t in tokens]
-        width = max(max(c), 1)
-        h = torch.zeros(b, width, self.config.hidden_size, dtype=cache.k.dtype, device=dev)
-        x = torch.zeros(b, width, dtype=torch.long, device=dev)
-        for i, (f, t) in enumerate(zip(feats, tokens, strict=True)):
-            if c[i]:
-                h[i, : c[i]] = f
-                x[i, : c[i]] = torch.tensor(t, dtype=torch.long)
-        lens = cache.lens[:b]
-        batch = Batch.make(lens, c, width, 0, cache.trash, dev)
-        out = self._step(h, x, batch, cache)
+        lens = list(cache.lens[:b])
+        out, batch = self._feed(cache, feats, tokens)
         last = out[torch.arange(b, device=dev), (batch.n_new - 1).clamp(min=0)]
         committed = [n + m for n, m in zip(lens, c, strict=True)]
         one = [1 if m else 0 for m in c]
