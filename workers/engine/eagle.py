@@ -153,7 +153,7 @@ class EagleDrafter(nn.Module):
         drafter cache without drafting: a catch-up on positions decoded without the drafter."""
         self._feed(cache, feats, tokens)
         c = [len(t) for t in tokens]
-        cache.lens[: len(c)] = [n + m for n, m in zip(cache.lens, c)]
+        cache.lens[: len(c)] = [n + m for n, m in zip(cache.lens[: len(c)], c, strict=True)]
 
     def _feed(
         self, cache: KVCache, feats: Sequence[Tensor | None], tokens: Sequence[Sequence[int]]
