@@ -1,7 +1,7 @@
 """README command 1: GRPO on the toy running-sum task with the tiny policy, rolling out through
 a real `tltd serve`, once with TLT (adaptive speculative decoding) and once with it off.
 
-    python examples/grpo_demo.py            # 4 RL steps per mode, a few minutes on 2 cores
+    python examples/grpo_demo.py            # 6 RL steps per mode, about 8 minutes on 2 cores
     python examples/grpo_demo.py --quick    # 1 tiny step per mode, a smoke test
     python examples/grpo_demo.py --http     # roll out through the openai client (HTTP door)
 
@@ -47,7 +47,7 @@ MODES = ("tlt", "off")  # TLT first: its drafter warms up while the baseline has
 
 @dataclass(frozen=True)
 class DemoConfig:
-    steps: int = 4
+    steps: int = 6
     prompts: int = 16  # 16+ prompts: every step's workload has the long tail (workload.py)
     n: int = 8
     max_new_tokens: int = MAX_NEW_TOKENS
