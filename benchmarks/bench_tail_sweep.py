@@ -2,8 +2,9 @@
 
 Each point is a workload: a care level (the policy re-checks its work with probability
 care / 10, per sample) on bench_spec's prompts, whose sizes follow the task's power law
-(`--points 7`), or on prompts of one fixed size (`7@6`: 6 steps each, no prompt-level tail),
-which gives the light tails (p99/p50 ~1-4). Each runs with SD off and adaptive, interleaved
+(`--points 7`; `4/8` alternates care 4 and 8 over the prompts, the rollout workload), or on
+prompts of one fixed size (`7@6`: 6 steps each, no prompt-level tail), which gives the light
+tails (p99/p50 ~1-4). Each runs with SD off and adaptive, interleaved
 `--repeats` times. Each row prints the length distribution, the share of SD-off decode time
 spent at running batch <= `--gate`, and the speedup (median [min-max]). The plot (PNG) puts the
 speedup against that share, so a user can read off what to expect from their own rollouts'
@@ -63,18 +64,20 @@ def plot(rows: list[dict], path: Path, gate: int) -> None:
     fig.savefig(path, dpi=120)
 
 
-def parse_points(spec: str) -> list[tuple[int, int | None]]:
-    """ "0,3@6,8" -> [(0, None), (3, 6), (8, None)]: care, and a fixed size or None."""
+def parse_points(spec: str) -> list[tuple[tuple[int, ...], int | None]]:
+    """ "0,3@6,4/8" -> [((0,), None), ((3,), 6), ((4, 8), None)]: the care levels (several
+    alternate over the prompts, as in the rollout workload), and a fixed size or None."""
     points = []
     for item in spec.split(","):
         care, _, size = item.strip().partition("@")
-        points.append((int(care), int(size) if size else None))
+        points.append((tuple(int(c) for c in care.split("/")), int(size) if size else None))
     return points
 
 
-def point_label(point: tuple[int, int | None]) -> str:
+def point_label(point: tuple[tuple[int, ...], int | None]) -> str:
     care, size = point
-    return f"care {care}, " + (f"size {size}" if size else "power-law sizes")
+    levels = "/".join(map(str, care))
+    return f"care {levels}, " + (f"size {size}" if size else "power-law sizes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
     ap.add_argument(
         "--points",
-        default="0@6,4@6,0,4,7,8",
-        help="workloads: care (re-check rate in tenths) on power-law sizes, or care@size",
+        default="0@4,5@4,0,2,4,4/8,6,8",
+        help="workloads: care (re-check rate in tenths; 4/8 alternates levels over the "
+        "prompts) on power-law sizes, or care@size",
     )
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=8)
