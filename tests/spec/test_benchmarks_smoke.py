@@ -59,7 +59,7 @@ def test_bench_tail_sweep_quick(
 def test_tail_sweep_plot_is_written(tmp_path: Path) -> None:
     rows = [
         {"point": p, "share": s, "speedup": x, "speedups": [x - 0.1, x, x + 0.1], "p99/p50": r}
-        for p, s, x, r in (((0, 6), 0.3, 1.2, 4.0), ((8, None), 0.8, 2.1, 15.0))
+        for p, s, x, r in ((((0,), 6), 0.3, 1.2, 4.0), (((4, 8), None), 0.8, 2.1, 15.0))
     ]
     path = tmp_path / "sweep.png"
     bench_tail_sweep.plot(rows, path, gate=32)
