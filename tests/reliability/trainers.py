@@ -49,8 +49,10 @@ class Trainer:
         n: int = 4,
         max_new_tokens: int = 24,
         retry_seconds: float = 120.0,
+        name: str = "",
     ) -> None:
         self.target, self.job_id, self.inflight = target, job_id, inflight
+        self.name = name or job_id  # request ids are "<name>-00001", ...
         self.prompts, self.n, self.max_new_tokens = prompts, n, max_new_tokens
         self.retry_seconds = retry_seconds
         self.outcomes: dict[str, Outcome] = {}
@@ -65,6 +67,10 @@ class Trainer:
             t.start()
             self._threads.append(t)
         return self
+
+    def stop_sending(self) -> None:
+        """No new requests (those in flight go on)."""
+        self._stop.set()
 
     def stop(self, timeout: float = 300.0) -> None:
         """No new requests; wait for those in flight to end."""
@@ -83,10 +89,10 @@ class Trainer:
     def _next_id(self) -> str:
         with self._lock:
             self._seq += 1
-            return f"{self.job_id}-{self._seq:05d}"
+            return f"{self.name}-{self._seq:05d}"
 
     def _loop(self, lane: int) -> None:
-        rng = random.Random(f"{self.job_id}/{lane}")
+        rng = random.Random(f"{self.name}/{lane}")
         with TltClient(self.target, timeout=120) as client:
             while not self._stop.is_set():
                 self.run_one(client, rng)
@@ -151,6 +157,7 @@ class WorkerSampler:
         self.trainers, self.per_worker = trainers if trainers is not None else {}, per_worker
         self.held: dict[str, float] = defaultdict(float)
         self.backlogged: dict[str, float] = defaultdict(float)
+        self.measured = 0.0  # seconds sampled while measuring
         self.timeline: list[tuple[float, tuple[str, ...]]] = []  # (time, job of each worker)
         self.measuring = threading.Event()
         self._stop = threading.Event()
@@ -176,6 +183,7 @@ class WorkerSampler:
                     self.timeline.append((now, tuple(held)))
                 if not self.measuring.is_set():
                     continue
+                self.measured += dt
                 for job in held:
                     if job:
                         self.held[job] += dt
