@@ -1,18 +1,20 @@
 """A database that is locked or down: every RPC that needs it answers UNAVAILABLE naming the
 database (a status a trainer retries), never INTERNAL, and the same call succeeds once the
 database is back. Real SQLite (a lock held by another connection) and a real PostgreSQL
-server (stopped and started)."""
+server (stopped and started), over gRPC and the HTTP door (503)."""
 
 from __future__ import annotations
 
 import sqlite3
 
 import grpc
+import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from tests.api.support import DaemonThread, fails, make_settings, seed_devices
+from tests.http_api.support import ApiOnlyHttp
 from tests.reliability import pg_cluster
 from tltd.errors import ResourceExhausted, Unavailable
 from tltd.store import Store, database
@@ -54,12 +56,14 @@ def test_postgresql_down_is_unavailable_and_served_again_once_up(tmp_path, model
     if why:
         pytest.skip(why)
     cluster = pg_cluster.PgCluster()
-    store = d = None
+    store = d = http = None
     try:
         upgrade(cluster.url)
         store = Store(cluster.url)
         seed_devices(store)
         d = DaemonThread(make_settings(tmp_path), store).start()
+        # The HTTP door over the same services maps errors in its own place.
+        http = ApiOnlyHttp(make_settings(tmp_path, http_enabled=True, http_port=0), store).start()
         with d.client() as c:
             c.create_job(str(model_dir), job_id="job")
             cluster.stop()
@@ -67,11 +71,19 @@ def test_postgresql_down_is_unavailable_and_served_again_once_up(tmp_path, model
                 c.get_job("job")
             with fails(C.UNAVAILABLE, "database unavailable"):
                 c.create_job(str(model_dir), job_id="other")
+            down = httpx.get(f"{http.url}/v1/models", timeout=30)
+            assert down.status_code == 503, down.text
+            assert "database unavailable" in down.json()["error"]["message"]
             assert c.health() == "SERVING"  # the daemon itself is up
             cluster.start()
             assert c.get_job("job").job_id == "job"
             c.create_job(str(model_dir), job_id="other")
+            up = httpx.get(f"{http.url}/v1/models", timeout=30)
+            assert up.status_code == 200
+            assert {m["id"] for m in up.json()["data"]} == {"job", "other"}
     finally:
+        if http is not None:
+            http.stop()
         if d is not None:
             d.stop()
         if store is not None:
