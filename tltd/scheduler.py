@@ -9,9 +9,10 @@ owed the worker". Jobs rank by priority, then weighted virtual time (tokens serv
 job whose waiting work does not fit on the workers holding it ("starved") takes as many workers
 as that work needs (`max_samples_per_worker` each; workers already switching to it count),
 best-ranked starved job first. It may take:
-  1. a spare worker: no model yet, or an empty worker of a job with nothing waiting (a worker
-     still running its job's samples is not spare: a trainer between two requests would
-     otherwise lose it, win it back a moment later, and each move costs a drain and a load);
+  1. a spare worker: no model yet, or a worker of a job with nothing waiting that has been
+     empty for `spare_grace_seconds` (a worker still running its job's samples, or emptied a
+     moment ago, is not spare: a trainer between two requests would otherwise lose it, win it
+     back a moment later, and each move costs a drain and a load);
   2. a worker of a lower-priority job;
   3. a worker of an equal-priority job Y, when
      a. it does not lead Y in virtual time and still holds fewer workers per weight than Y
@@ -40,6 +41,10 @@ class SchedulerConfig:
     # How far (tokens per unit of weight) a job with no worker must trail an equal-priority job
     # before it takes that job's worker: the time slice when jobs share too few workers.
     share_quantum_tokens: int = 32768
+    # How long a job's empty worker stays its job's while the job has nothing waiting, before
+    # another job may take it: the gap between a trainer's requests (a stream's end, the next
+    # request's admission) is shorter, a training step between rollouts is longer.
+    spare_grace_seconds: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -339,7 +344,9 @@ def _switches(
     def spare(w: RolloutWorkerView) -> bool:
         if w.job_id not in jobs:
             return True
-        return w.job_id not in waiting_jobs and w.running_samples == 0
+        if w.job_id in waiting_jobs or w.running_samples:
+            return False
+        return w.idle_since is None or snap.now - w.idle_since >= cfg.spare_grace_seconds
 
     def owed(x: str, w: RolloutWorkerView) -> bool:
         """May starved job `x` take worker `w`?"""

@@ -53,6 +53,10 @@ class PgCluster:
         self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"),
                   "-w", "start")  # fmt: skip
 
+    def stop(self) -> None:
+        """A fast shutdown: every connection is terminated, the server stays down."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
     def restart(self) -> None:
         """What `pg_ctlcluster ... restart` does: a fast shutdown (every connection is
         terminated, open transactions roll back), then a start."""

@@ -512,6 +512,30 @@ A_BUSY = [work(f"a{i}", job="a", n=4, at=i) for i in range(10)]  # far more than
             {"w0": "b"},
             {},
         ),
+        (
+            "emptied within the spare grace (its trainer's next request is on its way): stays",
+            [replace(sw(0, "a"), idle_since=99.5), sw(1, "b", running=8, tokens=800)],
+            [work("b0", job="b", n=8)],
+            [JobView("a"), JobView("b")],
+            {},
+            {},
+        ),
+        (
+            "empty for the spare grace: spare",
+            [replace(sw(0, "a"), idle_since=99.0), sw(1, "b", running=8, tokens=800)],
+            [work("b0", job="b", n=8)],
+            [JobView("a"), JobView("b")],
+            {"w0": "b"},
+            {},
+        ),
+        (
+            "the grace holds a worker for its own job only: a higher priority takes it at once",
+            [replace(sw(0, "a"), idle_since=99.9), sw(1, "b", running=8, tokens=800)],
+            [work("b0", job="b", n=8)],
+            [JobView("a"), JobView("b", priority=5)],
+            {"w0": "b"},
+            {},
+        ),
     ],
 )
 def test_which_job_a_worker_serves(

@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 
 from tltd.domain import Role
 from tltd.errors import InvalidArgument, TltError
+from tltd.store.database import database_error
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """TltError -> its status code and message; anything else -> INTERNAL plus a logged
+    """TltError -> its status code and message; a database that is down or locked ->
+    UNAVAILABLE (`tltd.store.database.database_error`); anything else -> INTERNAL plus a logged
     traceback. Works for unary and streaming methods, generator- or write()-style.
 
     Request bytes that do not decode (truncated, invalid UTF-8 in a string field) are the
@@ -195,6 +197,8 @@ async def _checked_stream(requests):
 
 
 async def _map_error(method: str, exc: BaseException, context) -> None:
+    # A database outage or lock is the caller's to retry (UNAVAILABLE), not a daemon bug.
+    exc = database_error(exc) or exc
     if isinstance(exc, TltError):
         log.info("rpc failed", extra={"method": method, "code": exc.code.name, "error": str(exc)})
         await context.abort(exc.code, str(exc))  # raises AbortError: nothing below runs

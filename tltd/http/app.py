@@ -18,6 +18,7 @@ from tltd.http import openai_api, sglang_api
 from tltd.http.auth import BearerAuth
 from tltd.http.errors import Renames, error_body, internal_error_body
 from tltd.services import Services
+from tltd.store.database import database_error
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,18 @@ def build_app(services: Services, tokens) -> Starlette:
 
 
 async def _guarded(auth, name, renames, services, handler, request: Request) -> Response:
-    """Auth, then the handler; a typed error -> its status and OpenAI's error JSON, anything
-    else -> 500 with a logged traceback."""
+    """Auth, then the handler; a typed error or a database that is down or locked -> its
+    status and OpenAI's error JSON, anything else -> 500 with a logged traceback."""
     try:
         auth.check(name, request.headers.get("authorization"))
         return await handler(services, request)
-    except TltError as exc:
+    except Exception as raised:
+        # A database outage or lock is the caller's to retry (503), not a daemon bug.
+        exc = raised if isinstance(raised, TltError) else database_error(raised)
+        if exc is None:
+            log.exception("unexpected error in HTTP %s", name)
+            status, body = internal_error_body()
+            return JSONResponse(body, status_code=status)
         status, body = error_body(exc, renames)
         log.info(
             "http request failed",
@@ -68,10 +75,6 @@ async def _guarded(auth, name, renames, services, handler, request: Request) -> 
         )
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
         return JSONResponse(body, status_code=status, headers=headers)
-    except Exception:
-        log.exception("unexpected error in HTTP %s", name)
-        status, body = internal_error_body()
-        return JSONResponse(body, status_code=status)
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
