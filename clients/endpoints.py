@@ -94,7 +94,6 @@ class Failover:
     `retries` bounds the retries in a row without progress: a stream that delivered new
     samples since its last failure starts counting again (each restart needs progress)."""
 
-    targets: list[str]
     retries: int
     backoff: Backoff
     what: str  # e.g. "Generate request req-1", for the log and the final error

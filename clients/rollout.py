@@ -271,7 +271,7 @@ class _JobBound:
         self._rotation = Rotation(len(self.targets))
 
     def _failover(self, what: str) -> Failover:
-        return Failover(self.targets, self.retries, self.backoff, what)
+        return Failover(self.retries, self.backoff, what)
 
 
 def _in_order(samples: Iterable[RolloutSample]) -> list[RolloutSample]:

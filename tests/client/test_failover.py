@@ -24,6 +24,7 @@ from clients import (
 from clients.client import TltClient
 from clients.endpoints import Delivered, channel_options, split_targets
 from clients.errors import NotFoundError, UnavailableError
+from clients.rollout import _in_order
 from tests.rollout.support import ServeProcess, direct_outputs
 from tltd.domain import FinishReason, SamplingParams
 
@@ -62,7 +63,7 @@ def two_daemons(tmp_path, ckpt) -> Iterator[list[ServeProcess]]:
             home = tmp_path / name
             home.mkdir()
             d = ServeProcess(home, f"sqlite:///{home / 'tltd.db'}", name, cpu_slots=1,
-                             worker_max_batch="1")  # fmt: skip
+                             worker_max_batch="1", shutdown_grace_seconds="2")  # fmt: skip
             daemons.append(d)
         for d in daemons:
             with TltClient(d.target) as c:
@@ -147,6 +148,34 @@ def test_async_client_fails_over_mid_stream(two_daemons, ckpt):
 
 
 @pytest.mark.slow
+def test_a_draining_node_hands_the_stream_over(two_daemons, ckpt):
+    """SIGTERM to A mid-stream: A drains (grace 2 s), returns its running samples partial
+    (ABORTED) and ends the stream UNAVAILABLE; the client moves to B, whose complete samples
+    follow the partial ones, and `generate` returns one complete sample per key, equal to an
+    undisturbed run (B re-runs the request: the daemons do not share a database)."""
+    a, b = two_daemons
+    params = dict(n=1, temperature=0.0, max_new_tokens=300)  # longer than A's grace
+    seen: list[RolloutSample] = []
+
+    with RolloutClient([a.target, b.target], job_id="job", backoff=FAST) as client:
+        stream = client.stream(PROMPTS, request_id="drained-1", **params)
+        seen.append(next(stream))
+        a.proc.send_signal(signal.SIGTERM)
+        seen.extend(stream)
+        assert a.wait(30) == 0
+    aborted = [s for s in seen if s.finish_reason == FinishReason.ABORTED]
+    assert aborted and all(s.partial for s in aborted)  # A's tokens so far were delivered
+    complete = [s for s in seen if s.finish_reason != FinishReason.ABORTED]
+    keys = [(s.prompt_index, s.sample_index) for s in complete]
+    assert len(keys) == len(PROMPTS) and len(set(keys)) == len(PROMPTS)  # each once
+    ref = direct_outputs(ckpt, PROMPTS, SamplingParams(**params))
+    assert _by_key(complete) == ref
+    assert _by_key(_in_order(seen)) == ref  # what generate() returns: the complete ones
+    with TltClient(b.target) as c:
+        assert c.get_request("drained-1").request.samples_done == len(PROMPTS)
+
+
+@pytest.mark.slow
 def test_a_resolver_target_round_robins_and_fails_over(two_daemons, ckpt):
     """`ipv4:A,B` is resolved by gRPC itself (as `dns:///host:port` is), one channel with the
     round_robin policy: the client kills whichever daemon the stream is on, and the retry on
@@ -224,3 +253,6 @@ def test_delivered_admits_each_sample_once_and_a_complete_one_after_a_partial():
     assert d.admit(s(0, 1, FinishReason.STOP))  # the complete sample replaces it
     assert not d.admit(s(0, 1, FinishReason.ABORTED))
     assert len(d) == 2
+    partial, done = s(0, 1, FinishReason.ABORTED), s(0, 1, FinishReason.STOP)
+    first = s(0, 0, FinishReason.LENGTH)
+    assert _in_order([partial, done, first]) == [first, done]
