@@ -72,19 +72,32 @@ class Backoff:
 
 
 class Rotation:
-    """Round-robin over endpoints: each new call starts on the next one."""
+    """Round-robin over endpoints: each new call starts on the next one, passing over an
+    endpoint that failed less than `cooldown` seconds ago (unless every one did)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, cooldown: float = 5.0) -> None:
         self.count = count
+        self.cooldown = cooldown
         self._next = 0
+        self._failed_at: dict[int, float] = {}
 
-    def start(self) -> int:
-        index = self._next
+    def start(self, now: float) -> int:
+        index = self._first_up(self._next, now)
         self._next = (index + 1) % self.count
         return index
 
-    def after(self, index: int) -> int:
-        return (index + 1) % self.count
+    def after(self, index: int, now: float) -> int:
+        """The endpoint to retry on after `index` failed (recorded as failed now)."""
+        self._failed_at[index] = now
+        return self._first_up((index + 1) % self.count, now)
+
+    def _first_up(self, index: int, now: float) -> int:
+        for step in range(self.count):
+            candidate = (index + step) % self.count
+            failed = self._failed_at.get(candidate)
+            if failed is None or now - failed >= self.cooldown:
+                return candidate
+        return index  # every endpoint failed lately: try them in turn all the same
 
 
 @dataclass

@@ -372,7 +372,7 @@ class RolloutClient(_JobBound):
     def _unary(self, what: str, call: Any) -> Any:
         """`call(raw)` on the next endpoint; on UNAVAILABLE on the one after, with backoff."""
         failover = self._failover(what)
-        index = self._rotation.start()
+        index = self._rotation.start(time.monotonic())
         while True:
             self._current = index
             raw = self._raws[index]
@@ -380,7 +380,7 @@ class RolloutClient(_JobBound):
                 return call(raw)
             except UnavailableError as err:
                 time.sleep(failover.next_delay(raw.target, err))
-                index = self._rotation.after(index)
+                index = self._rotation.after(index, time.monotonic())
 
     def create_job(
         self,
@@ -447,7 +447,7 @@ class RolloutClient(_JobBound):
         deadline = None if timeout is None else time.monotonic() + timeout
         failover = self._failover(f"Generate request {rid}")
         delivered = Delivered()
-        index = self._rotation.start()
+        index = self._rotation.start(time.monotonic())
         raw = self._raws[index]
         given_up = True  # until the stream ends: break, close(), garbage collection, Ctrl-C
         try:
@@ -474,7 +474,7 @@ class RolloutClient(_JobBound):
                     delay = failover.next_delay(raw.target, err, len(delivered))
                     given_up = True
                     time.sleep(min(delay, _remaining(deadline, rid) or delay))
-                    index = self._rotation.after(index)
+                    index = self._rotation.after(index, time.monotonic())
                 finally:
                     call.cancel()
         finally:
@@ -634,13 +634,13 @@ class AsyncRolloutClient(_JobBound):
         """`stub(channel).method(request)` on the next endpoint; on UNAVAILABLE on the one
         after, with backoff."""
         failover = self._failover(what)
-        index = self._rotation.start()
+        index = self._rotation.start(time.monotonic())
         while True:
             try:
                 return await self._call(getattr(stub(self._channel(index)), method), request)
             except UnavailableError as err:
                 await asyncio.sleep(failover.next_delay(self.targets[index], err))
-                index = self._rotation.after(index)
+                index = self._rotation.after(index, time.monotonic())
 
     async def create_job(
         self,
@@ -701,7 +701,7 @@ class AsyncRolloutClient(_JobBound):
         deadline = None if timeout is None else time.monotonic() + timeout
         failover = self._failover(f"Generate request {rid}")
         delivered = Delivered()
-        index = self._rotation.start()
+        index = self._rotation.start(time.monotonic())
         given_up = True  # until the stream ends: aclose(), break, task cancelled (wait_for)
         try:
             while True:
@@ -726,7 +726,7 @@ class AsyncRolloutClient(_JobBound):
                     delay = failover.next_delay(self.targets[index], err, len(delivered))
                     given_up = True
                     await asyncio.sleep(min(delay, _remaining(deadline, rid) or delay))
-                    index = self._rotation.after(index)
+                    index = self._rotation.after(index, time.monotonic())
                 finally:
                     call.cancel()
         finally:

@@ -22,7 +22,7 @@ from clients import (
     RolloutSample,
 )
 from clients.client import TltClient
-from clients.endpoints import Delivered, channel_options, split_targets
+from clients.endpoints import Delivered, Rotation, channel_options, split_targets
 from clients.errors import NotFoundError, UnavailableError
 from clients.rollout import _in_order
 from tests.rollout.support import ServeProcess, direct_outputs
@@ -108,10 +108,12 @@ def test_kill9_mid_stream_fails_over_and_delivers_each_sample_once(two_daemons, 
         took = time.monotonic() - t0
         assert client.raw.target == b.target  # the endpoint that served the end
 
-        for i in range(2, 4):  # A is dead: every call lands on B
+        for i in range(2, 4):  # A is dead: every call lands on B, passing A over at once
             assert _by_key(client.generate(PROMPTS[:1], request_id=f"rr-{i}", **short)) == short_ref
             assert client.raw.target == b.target
-        assert client.job().job_id == "job"  # unary calls fail over too
+        assert client.job().job_id == "job"
+    failovers = [r.getMessage() for r in caplog.records if r.name == "clients.failover"]
+    assert len(failovers) == 1, failovers  # only the stream's: later calls skipped A
     assert on_a < TOTAL  # A died with work left: the rest came from B
     keys = [(s.prompt_index, s.sample_index) for s in received]
     assert len(keys) == TOTAL and len(set(keys)) == TOTAL  # each sample exactly once
@@ -119,8 +121,7 @@ def test_kill9_mid_stream_fails_over_and_delivers_each_sample_once(two_daemons, 
     assert all(s.request_id == "failover-1" for s in received)
     with TltClient(b.target) as c:  # B served the same request id
         assert c.get_request("failover-1").request.samples_done == TOTAL
-    failovers = [r.getMessage() for r in caplog.records if r.name == "clients.failover"]
-    assert any(a.target in m and "failover-1" in m for m in failovers), failovers
+    assert a.target in failovers[0] and "failover-1" in failovers[0]
     assert took < 60
 
 
@@ -256,3 +257,14 @@ def test_delivered_admits_each_sample_once_and_a_complete_one_after_a_partial():
     partial, done = s(0, 1, FinishReason.ABORTED), s(0, 1, FinishReason.STOP)
     first = s(0, 0, FinishReason.LENGTH)
     assert _in_order([partial, done, first]) == [first, done]
+
+
+def test_rotation_passes_over_an_endpoint_that_failed_lately():
+    r = Rotation(3, cooldown=5.0)
+    assert [r.start(0.0), r.start(0.0), r.start(0.0), r.start(0.0)] == [0, 1, 2, 0]
+    assert r.after(1, now=1.0) == 2  # 1 failed: retry on 2
+    assert [r.start(2.0), r.start(2.0), r.start(2.0)] == [2, 0, 2]  # 1 passed over
+    assert [r.start(6.5), r.start(6.5)] == [0, 1]  # its cooldown is over: back in turn
+    for i in range(3):
+        r.after(i, now=10.0)
+    assert r.start(11.0) in (0, 1, 2)  # all failed lately: tried all the same
