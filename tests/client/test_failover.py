@@ -11,6 +11,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import pytest
 
@@ -25,6 +26,7 @@ from clients.client import TltClient
 from clients.endpoints import Delivered, Rotation, channel_options, split_targets
 from clients.errors import NotFoundError, UnavailableError
 from clients.rollout import _in_order
+from tests.conftest import _fresh_pg_database
 from tests.rollout.support import ServeProcess, direct_outputs
 from tltd.domain import FinishReason, SamplingParams
 
@@ -54,29 +56,41 @@ def _kill_node(d: ServeProcess) -> None:
 
 
 @pytest.fixture
-def two_daemons(tmp_path, ckpt) -> Iterator[list[ServeProcess]]:
-    """Two daemons, each with its own SQLite database and one CPU worker, each holding the
-    job "job" on the same checkpoint."""
+def two_daemons(request, tmp_path, ckpt) -> Iterator[list[ServeProcess]]:
+    """Two daemons, each with its own database (SQLite files, or two fresh PostgreSQL
+    databases when parametrized with "postgresql") and one CPU worker, each holding the job
+    "job" on the same checkpoint."""
+    backend = getattr(request, "param", "sqlite")
     daemons: list[ServeProcess] = []
-    try:
-        for name in ("a", "b"):
-            home = tmp_path / name
-            home.mkdir()
-            d = ServeProcess(home, f"sqlite:///{home / 'tltd.db'}", name, cpu_slots=1,
-                             worker_max_batch="1", shutdown_grace_seconds="2")  # fmt: skip
-            daemons.append(d)
-        for d in daemons:
-            with TltClient(d.target) as c:
-                c.create_job(str(ckpt), job_id="job")
-            d.wait_workers_ready("job", n=1)
-        yield daemons
-    finally:
-        for d in daemons:
-            if d.proc.poll() is None:
-                os.killpg(d.proc.pid, signal.SIGKILL)
-            d.kill()
+    with ExitStack() as stack:
+        try:
+            for name in ("a", "b"):
+                home = tmp_path / name
+                home.mkdir()
+                if backend == "postgresql":
+                    url = stack.enter_context(_fresh_pg_database())
+                else:
+                    url = f"sqlite:///{home / 'tltd.db'}"
+                d = ServeProcess(home, url, name, cpu_slots=1, worker_max_batch="1",
+                                 shutdown_grace_seconds="2")  # fmt: skip
+                daemons.append(d)
+            for d in daemons:
+                with TltClient(d.target) as c:
+                    c.create_job(str(ckpt), job_id="job")
+                d.wait_workers_ready("job", n=1)
+            yield daemons
+        finally:
+            for d in daemons:
+                if d.proc.poll() is None:
+                    os.killpg(d.proc.pid, signal.SIGKILL)
+                d.kill()
 
 
+@pytest.mark.parametrize(
+    "two_daemons",
+    ["sqlite", pytest.param("postgresql", marks=[pytest.mark.postgres, pytest.mark.slow])],
+    indirect=True,
+)
 def test_kill9_mid_stream_fails_over_and_delivers_each_sample_once(two_daemons, ckpt, caplog):
     """New calls alternate between the endpoints. A stream then starts on daemon A, whose
     process group is killed with SIGKILL after the first sample: the client re-sends the same
@@ -155,7 +169,7 @@ def test_a_draining_node_hands_the_stream_over(two_daemons, ckpt):
     follow the partial ones, and `generate` returns one complete sample per key, equal to an
     undisturbed run (B re-runs the request: the daemons do not share a database)."""
     a, b = two_daemons
-    params = dict(n=1, temperature=0.0, max_new_tokens=300)  # longer than A's grace
+    params = dict(n=1, temperature=0.0, max_new_tokens=200)  # longer than A's grace
     seen: list[RolloutSample] = []
 
     with RolloutClient([a.target, b.target], job_id="job", backoff=FAST) as client:
