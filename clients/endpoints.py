@@ -17,6 +17,8 @@ from tltd.domain import FinishReason
 log = logging.getLogger("clients.failover")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+KEEPALIVE = 30.0  # seconds between pings on an open connection
+KEEPALIVE_TIMEOUT = 10.0  # a ping unanswered this long closes the connection (UNAVAILABLE)
 # Targets gRPC resolves itself (dns:///host:port, ipv4:a:1,b:2, unix:...): one channel whose
 # round_robin policy spreads calls over every address and skips the ones that are down.
 _RESOLVER_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "xds:")
@@ -45,11 +47,23 @@ def split_targets(target: str | Sequence[str]) -> list[str]:
     return targets
 
 
-def channel_options(target: str) -> list[tuple[str, object]]:
+def channel_options(target: str, keepalive: float | None = KEEPALIVE) -> list[tuple[str, object]]:
+    """Channel options: message sizes; keepalive pings every `keepalive` seconds (None: off)
+    so that a stream from a node that vanished without closing its connection (power loss,
+    a partition, a frozen process) fails after `keepalive` + KEEPALIVE_TIMEOUT seconds
+    instead of hanging; round_robin for resolver targets."""
     options: list[tuple[str, object]] = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
+    if keepalive is not None:
+        options += [
+            ("grpc.keepalive_time_ms", int(keepalive * 1000)),
+            ("grpc.keepalive_timeout_ms", int(min(keepalive, KEEPALIVE_TIMEOUT) * 1000)),
+            # Keep pinging through a long stream that sends nothing for minutes (the daemon
+            # allows pings this often: tltd.api.server).
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
     if is_resolver_target(target):
         options.append(("grpc.service_config", _ROUND_ROBIN))
     return options

@@ -22,6 +22,7 @@ from clients.client import (
     channel_credentials,
 )
 from clients.endpoints import (
+    KEEPALIVE,
     RETRYABLE,
     Backoff,
     Delivered,
@@ -325,6 +326,8 @@ class RolloutClient(_JobBound):
     in a row without progress; a stream is re-sent with the same request id (it re-attaches)
     and never delivers a sample twice. When every retry failed: AllEndpointsUnavailableError
     naming each endpoint's last error. Failovers are logged (logger `clients.failover`).
+    Keepalive pings every `keepalive` seconds (None: off) break a stream whose daemon
+    vanished without closing the connection, so that it fails over too.
     """
 
     last_request_id: str | None = None  # the id of the newest stream/generate call
@@ -342,13 +345,21 @@ class RolloutClient(_JobBound):
         timeout: float | None = 30.0,
         retries: int | None = None,
         backoff: Backoff | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         self.job_id = job_id
         self._bind(target, retries, backoff)
         # One channel per endpoint, with the operator client's auth and error mapping.
         self._raws = [
             TltClient(
-                t, token, tls_ca, tls=tls, tls_cert=tls_cert, tls_key=tls_key, timeout=timeout
+                t,
+                token,
+                tls_ca,
+                tls=tls,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                timeout=timeout,
+                keepalive=keepalive,
             )
             for t in self.targets
         ]
@@ -583,11 +594,13 @@ class AsyncRolloutClient(_JobBound):
         timeout: float | None = 30.0,
         retries: int | None = None,
         backoff: Backoff | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         self.job_id = job_id
         self.timeout = timeout
         self._bind(target, retries, backoff)
         self._creds = channel_credentials(tls, tls_ca, tls_cert, tls_key)  # checked now
+        self._keepalive = keepalive
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channels: list[grpc.aio.Channel] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -603,7 +616,7 @@ class AsyncRolloutClient(_JobBound):
         return self._channels[index]
 
     def _connect(self, target: str) -> grpc.aio.Channel:
-        options = channel_options(target)
+        options = channel_options(target, self._keepalive)
         if self._creds is None:
             return grpc.aio.insecure_channel(target, options=options)
         return grpc.aio.secure_channel(target, self._creds, options=options)

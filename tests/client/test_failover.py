@@ -75,7 +75,7 @@ def two_daemons(request, tmp_path, ckpt) -> Iterator[list[ServeProcess]]:
                                  shutdown_grace_seconds="2")  # fmt: skip
                 daemons.append(d)
             for d in daemons:
-                with TltClient(d.target) as c:
+                with TltClient(d.target, timeout=120) as c:  # loads the model: slow on busy CI
                     c.create_job(str(ckpt), job_id="job")
                 d.wait_workers_ready("job", n=1)
             yield daemons
@@ -160,6 +160,33 @@ def test_async_client_fails_over_mid_stream(two_daemons, ckpt):
     assert _by_key(received) == direct_outputs(ckpt, PROMPTS, SamplingParams(**PARAMS))
     with TltClient(b.target) as c:
         assert c.get_request("failover-async").request.samples_done == TOTAL
+
+
+@pytest.mark.slow
+def test_a_frozen_node_is_noticed_by_keepalive_and_the_stream_fails_over(two_daemons, ckpt, caplog):
+    """SIGSTOP of A's process group mid-stream: its connection stays open but nothing
+    answers, as with a node that vanished from the network. Keepalive pings (every 2 s here,
+    unanswered after 2 s) close the connection and the stream moves to B."""
+    a, b = two_daemons
+    received: list[RolloutSample] = []
+    targets = [a.target, b.target]
+    with RolloutClient(targets, job_id="job", backoff=FAST, keepalive=2.0) as client:
+        stream = client.stream(PROMPTS, request_id="frozen-1", **PARAMS)
+        received.append(next(stream))
+        caplog.set_level(logging.WARNING, logger="clients.failover")
+        os.killpg(a.proc.pid, signal.SIGSTOP)
+        t0 = time.time()
+        received.extend(stream)
+    keys = [(s.prompt_index, s.sample_index) for s in received]
+    assert len(keys) == TOTAL and len(set(keys)) == TOTAL
+    assert _by_key(received) == direct_outputs(ckpt, PROMPTS, SamplingParams(**PARAMS))
+    with TltClient(b.target) as c:
+        assert c.get_request("frozen-1").request.samples_done == TOTAL
+    failover = next(r for r in caplog.records if r.name == "clients.failover")
+    assert "ping timeout" in failover.getMessage() and a.target in failover.getMessage()
+    noticed = failover.created - t0
+    print(f"frozen node noticed after {noticed:.1f}s (keepalive 2 s + 2 s)")
+    assert noticed < 30
 
 
 @pytest.mark.slow
