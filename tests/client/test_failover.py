@@ -198,7 +198,7 @@ def test_a_draining_node_hands_the_stream_over(two_daemons, ckpt):
     follow the partial ones, and `generate` returns one complete sample per key, equal to an
     undisturbed run (B re-runs the request: the daemons do not share a database)."""
     a, b = two_daemons
-    params = dict(n=1, temperature=0.0, max_new_tokens=200)  # longer than A's grace
+    params = dict(n=1, temperature=0.0, max_new_tokens=600)  # one sample outlasts the grace
     seen: list[RolloutSample] = []
 
     with RolloutClient([a.target, b.target], job_id="job", backoff=FAST) as client:
