@@ -1,7 +1,8 @@
 """Python client library for tltd and the `tltctl` operator command."""
 
 from clients.client import TltClient
-from clients.errors import TltClientError
+from clients.endpoints import Backoff
+from clients.errors import AllEndpointsUnavailableError, TltClientError
 from clients.rollout import (
     AsyncRolloutClient,
     JobInfo,
@@ -12,7 +13,9 @@ from clients.rollout import (
 )
 
 __all__ = [
+    "AllEndpointsUnavailableError",
     "AsyncRolloutClient",
+    "Backoff",
     "JobInfo",
     "RolloutClient",
     "RolloutSample",

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.endpoints import KEEPALIVE, channel_options
 from clients.errors import from_rpc_error
 from tltd.v1 import (
     admin_pb2,
@@ -27,7 +28,6 @@ from tltd.v1 import (
 )
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class ClientTimeout(enum.Enum):
@@ -68,6 +68,11 @@ class TltClient:
 
     `timeout` is each unary call's deadline in seconds (None: no deadline). The long calls,
     `generate` and `export_drafter`, have none unless given one.
+
+    A resolver target (`dns:///tltd.example:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`)
+    is one channel over every address it resolves to, with gRPC's `round_robin` policy; this
+    class does not retry (RolloutClient fails over). `keepalive`: seconds between pings that
+    detect a silently dead connection (None: off).
     """
 
     def __init__(
@@ -80,11 +85,9 @@ class TltClient:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         timeout: float | None = 30.0,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
-        options = [
-            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-        ]
+        options = channel_options(target, keepalive)
         creds = channel_credentials(tls, tls_ca, tls_cert, tls_key)
         if creds is not None:
             self.channel = grpc.secure_channel(target, creds, options=options)

@@ -42,6 +42,14 @@ class UnavailableError(TltClientError):
     """The daemon is unreachable or draining: retry elsewhere or later."""
 
 
+class AllEndpointsUnavailableError(UnavailableError):
+    """Every endpoint the client was given failed (down, unreachable or draining) through all
+    its retries; the message names each endpoint and its last error."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
 class DeadlineExceededError(TltClientError):
     """The call's timeout passed before the daemon answered (or finished streaming)."""
 

@@ -21,7 +21,23 @@ from clients.client import (
     TltClient,
     channel_credentials,
 )
-from clients.errors import NotFoundError, TltClientError, from_rpc_error
+from clients.endpoints import (
+    KEEPALIVE,
+    RETRYABLE,
+    Backoff,
+    Delivered,
+    Failover,
+    Rotation,
+    channel_options,
+    split_targets,
+)
+from clients.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    TltClientError,
+    UnavailableError,
+    from_rpc_error,
+)
 from tltd.api import convert
 from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance, TokenSource
 from tltd.errors import TltError
@@ -46,7 +62,6 @@ __all__ = [
     "by_prompt",
 ]
 
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _SPECULATIVE = {
     None: common_pb2.SPECULATIVE_MODE_UNSPECIFIED,
     "auto": common_pb2.SPECULATIVE_MODE_AUTO,
@@ -232,15 +247,54 @@ def _update_policy_request(job_id: str, checkpoint_dir: str | Path, note: str):
 
 
 class _JobBound:
-    """The job a client talks about: given at construction or set by create_job."""
+    """The job a client talks about (given at construction or set by create_job) and the
+    endpoints it talks to (one, a list in round-robin, or a gRPC resolver target)."""
 
     job_id: str | None
+    targets: list[str]
+    retries: int
+    backoff: Backoff
+    _rotation: Rotation
 
     def _job(self, job_id: str | None) -> str:
         job = job_id or self.job_id
         if not job:
             raise ValueError("no job: pass job_id, construct with job_id=..., or create_job()")
         return job
+
+    def _bind(self, target: str | Sequence[str], retries: int | None, backoff: Backoff | None):
+        self.targets = split_targets(target)
+        # Default: every endpoint twice, at least 3 tries of a lone daemon (a restart).
+        self.retries = max(3, 2 * len(self.targets)) if retries is None else retries
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        self.backoff = backoff or Backoff()
+        self._rotation = Rotation(len(self.targets))
+
+    def _failover(self, what: str) -> Failover:
+        return Failover(self.retries, self.backoff, what)
+
+
+def _in_order(samples: Iterable[RolloutSample]) -> list[RolloutSample]:
+    """(prompt, sample) order, one per sample: a complete sample replaces the partial one a
+    drained endpoint delivered before the stream moved on."""
+    by_key: dict[tuple[int, int], RolloutSample] = {}
+    for s in samples:
+        key = (s.prompt_index, s.sample_index)
+        if key not in by_key or by_key[key].finish_reason == FinishReason.ABORTED:
+            by_key[key] = s
+    return [by_key[k] for k in sorted(by_key)]
+
+
+def _remaining(deadline: float | None, request_id: str) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceededError(
+            grpc.StatusCode.DEADLINE_EXCEEDED, f"request {request_id}: timeout passed"
+        )
+    return left
 
 
 # ---- synchronous ---------------------------------------------------------------------------
@@ -263,13 +317,24 @@ class RolloutClient(_JobBound):
     sample's `request_id`). A caller that gives up on a rollout (stops iterating a stream,
     closes it, or hits its timeout) cancels the request on the daemon; to re-attach to
     running work after a lost connection, call again with the same `request_id`.
+
+    Several daemons: `target` may be a list of endpoints (or "host:port,host:port"), each
+    new call starting on the next one (round-robin), or a gRPC resolver target such as
+    `dns:///tltd.example:50051` (one channel, gRPC's `round_robin` over every address). A
+    call that fails with UNAVAILABLE (the daemon is down, unreachable or draining; a stream
+    broken mid-way) is retried on the next endpoint after a backoff, up to `retries` times
+    in a row without progress; a stream is re-sent with the same request id (it re-attaches)
+    and never delivers a sample twice. When every retry failed: AllEndpointsUnavailableError
+    naming each endpoint's last error. Failovers are logged (logger `clients.failover`).
+    Keepalive pings every `keepalive` seconds (None: off) break a stream whose daemon
+    vanished without closing the connection, so that it fails over too.
     """
 
     last_request_id: str | None = None  # the id of the newest stream/generate call
 
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         job_id: str | None = None,
         *,
         token: str | None = None,
@@ -278,21 +343,55 @@ class RolloutClient(_JobBound):
         tls_cert: str | None = None,
         tls_key: str | None = None,
         timeout: float | None = 30.0,
+        retries: int | None = None,
+        backoff: Backoff | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         self.job_id = job_id
-        # One channel, auth and error mapping: the operator client's, reused.
-        self.raw = TltClient(
-            target, token, tls_ca, tls=tls, tls_cert=tls_cert, tls_key=tls_key, timeout=timeout
-        )
+        self._bind(target, retries, backoff)
+        # One channel per endpoint, with the operator client's auth and error mapping.
+        self._raws = [
+            TltClient(
+                t,
+                token,
+                tls_ca,
+                tls=tls,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                timeout=timeout,
+                keepalive=keepalive,
+            )
+            for t in self.targets
+        ]
+        self._current = 0
+
+    @property
+    def raw(self) -> TltClient:
+        """The operator client of the endpoint that served the latest call."""
+        return self._raws[self._current]
 
     def close(self) -> None:
-        self.raw.close()
+        for raw in self._raws:
+            raw.close()
 
     def __enter__(self) -> RolloutClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _unary(self, what: str, call: Any) -> Any:
+        """`call(raw)` on the next endpoint; on UNAVAILABLE on the one after, with backoff."""
+        failover = self._failover(what)
+        index = self._rotation.start(time.monotonic())
+        while True:
+            self._current = index
+            raw = self._raws[index]
+            try:
+                return call(raw)
+            except UnavailableError as err:
+                time.sleep(failover.next_delay(raw.target, err))
+                index = self._rotation.after(index, time.monotonic())
 
     def create_job(
         self,
@@ -323,13 +422,14 @@ class RolloutClient(_JobBound):
             batch_threshold,
             initial_drafter,
         )
-        info = _job_from_pb(self.raw.call(self.raw.jobs.CreateJob, req))
+        pb = self._unary("CreateJob", lambda raw: raw.call(raw.jobs.CreateJob, req))
+        info = _job_from_pb(pb)
         self.job_id = info.job_id
         return info
 
     def job(self, job_id: str | None = None) -> JobInfo:
         req = job_pb2.GetJobRequest(job_id=self._job(job_id))
-        return _job_from_pb(self.raw.call(self.raw.jobs.GetJob, req))
+        return _job_from_pb(self._unary("GetJob", lambda raw: raw.call(raw.jobs.GetJob, req)))
 
     def stream(
         self,
@@ -354,29 +454,53 @@ class RolloutClient(_JobBound):
     def _samples(
         self, req: rollout_pb2.GenerateRequest, timeout: float | None
     ) -> Iterator[RolloutSample]:
-        call = self.raw.rollouts.Generate(req, metadata=self.raw._metadata, timeout=timeout)
+        rid = req.request_id
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failover = self._failover(f"Generate request {rid}")
+        delivered = Delivered()
+        index = self._rotation.start(time.monotonic())
+        raw = self._raws[index]
         given_up = True  # until the stream ends: break, close(), garbage collection, Ctrl-C
         try:
-            for resp in call:
-                yield _sample_from_pb(resp.sample)
-            given_up = False
-        except grpc.RpcError as exc:
-            given_up = exc.code() in _GIVEN_UP
-            raise from_rpc_error(exc) from None
+            while True:
+                self._current = index
+                raw = self._raws[index]
+                call = raw.rollouts.Generate(
+                    req, metadata=raw._metadata, timeout=_remaining(deadline, rid)
+                )
+                try:
+                    for resp in call:
+                        sample = _sample_from_pb(resp.sample)
+                        if delivered.admit(sample):
+                            failover.progress()
+                            yield sample
+                    given_up = False
+                    return
+                except grpc.RpcError as exc:
+                    err = from_rpc_error(exc)
+                    if exc.code() not in RETRYABLE:
+                        given_up = exc.code() in _GIVEN_UP
+                        raise err from None
+                    given_up = False  # unreachable: nothing to cancel there
+                    delay = failover.next_delay(raw.target, err, len(delivered))
+                    given_up = True
+                    time.sleep(min(delay, _remaining(deadline, rid) or delay))
+                    index = self._rotation.after(index, time.monotonic())
+                finally:
+                    call.cancel()
         finally:
-            call.cancel()
             if given_up:
                 # Closing the stream only detaches (the daemon keeps the work for a retry):
                 # a caller that stops reading must not leave work running.
-                self._cancel_quietly(req.request_id)
+                self._cancel_quietly(raw, rid)
 
-    def _cancel_quietly(self, request_id: str) -> None:
+    def _cancel_quietly(self, raw: TltClient, request_id: str) -> None:
         # NOT_FOUND: the daemon may still be storing the request (its admission completes
         # even when the caller has left), so the cancel is retried until it lands.
         deadline = time.monotonic() + _CANCEL_TIMEOUT
         while True:
             try:
-                self.raw.cancel_request(request_id, _ABANDONED, timeout=_CANCEL_TIMEOUT)
+                raw.cancel_request(request_id, _ABANDONED, timeout=_CANCEL_TIMEOUT)
                 return
             except NotFoundError as exc:
                 if time.monotonic() >= deadline:
@@ -420,18 +544,23 @@ class RolloutClient(_JobBound):
             timeout=timeout,
             **sampling_kwargs,
         )
-        return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+        return _in_order(samples)
 
     def cancel(self, request_id: str, reason: str = "") -> None:
-        self.raw.cancel_request(request_id, reason)
+        self._unary("CancelRequest", lambda raw: raw.cancel_request(request_id, reason))
 
     def update_policy(
         self, checkpoint_dir: str | Path, *, note: str = "", job_id: str | None = None
     ) -> int:
         """Push new weights (a Hugging Face checkpoint directory the daemon can read); returns
-        the new policy version, which samples generated from now on carry."""
+        the new policy version, which samples generated from now on carry.
+
+        Retried on the next endpoint on UNAVAILABLE like every call: a connection lost after
+        the daemon recorded the version can record the same checkpoint twice (two versions,
+        the same weights)."""
         req = _update_policy_request(self._job(job_id), checkpoint_dir, note)
-        return int(self.raw.call(self.raw.policy.UpdatePolicy, req).policy.version)
+        pb = self._unary("UpdatePolicy", lambda raw: raw.call(raw.policy.UpdatePolicy, req))
+        return int(pb.policy.version)
 
 
 # ---- asyncio -------------------------------------------------------------------------------
@@ -446,15 +575,15 @@ class AsyncRolloutClient(_JobBound):
         async for s in client.stream(prompts, n=8): ...
 
     The client may be built outside a running loop (e.g. in a trainer's __init__): its
-    channel is opened on first use, in the loop that uses it. Request ids, cancellation of
-    abandoned streams and errors as for RolloutClient.
+    channels are opened on first use, in the loop that uses them. Request ids, cancellation
+    of abandoned streams, errors, several endpoints and failover as for RolloutClient.
     """
 
     last_request_id: str | None = None
 
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         job_id: str | None = None,
         *,
         token: str | None = None,
@@ -463,47 +592,40 @@ class AsyncRolloutClient(_JobBound):
         tls_cert: str | None = None,
         tls_key: str | None = None,
         timeout: float | None = 30.0,
+        retries: int | None = None,
+        backoff: Backoff | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         self.job_id = job_id
         self.timeout = timeout
-        self.target = target
+        self._bind(target, retries, backoff)
         self._creds = channel_credentials(tls, tls_ca, tls_cert, tls_key)  # checked now
+        self._keepalive = keepalive
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.channel: grpc.aio.Channel | None = None
+        self._channels: list[grpc.aio.Channel] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _open(self) -> grpc.aio.Channel:
-        """The channel of the running loop: a grpc.aio channel is bound to the loop it was
-        created in, so it is created lazily (and anew if the client moved to another loop)."""
+    def _channel(self, index: int) -> grpc.aio.Channel:
+        """Endpoint `index`'s channel in the running loop: a grpc.aio channel is bound to the
+        loop it was created in, so channels are created lazily (and anew if the client moved
+        to another loop)."""
         loop = asyncio.get_running_loop()
-        if self.channel is None or self._loop is not loop:
-            options = [
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-            ]
-            if self._creds is None:
-                self.channel = grpc.aio.insecure_channel(self.target, options=options)
-            else:
-                self.channel = grpc.aio.secure_channel(self.target, self._creds, options=options)
+        if not self._channels or self._loop is not loop:
+            self._channels = [self._connect(t) for t in self.targets]
             self._loop = loop
-        return self.channel
+        return self._channels[index]
 
-    @property
-    def _rollouts(self) -> rollout_pb2_grpc.RolloutServiceStub:
-        return rollout_pb2_grpc.RolloutServiceStub(self._open())
-
-    @property
-    def _policy(self) -> policy_pb2_grpc.PolicyServiceStub:
-        return policy_pb2_grpc.PolicyServiceStub(self._open())
-
-    @property
-    def _jobs(self) -> job_pb2_grpc.JobServiceStub:
-        return job_pb2_grpc.JobServiceStub(self._open())
+    def _connect(self, target: str) -> grpc.aio.Channel:
+        options = channel_options(target, self._keepalive)
+        if self._creds is None:
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, self._creds, options=options)
 
     async def close(self) -> None:
-        channel, self.channel = self.channel, None
-        if channel is not None and self._loop is asyncio.get_running_loop():
-            await channel.close()
+        channels, self._channels = self._channels, []
+        if self._loop is asyncio.get_running_loop():
+            for channel in channels:
+                await channel.close()
 
     async def __aenter__(self) -> AsyncRolloutClient:
         return self
@@ -520,6 +642,18 @@ class AsyncRolloutClient(_JobBound):
             return await method(request, metadata=self._metadata, timeout=timeout)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
+
+    async def _unary(self, what: str, stub: type, method: str, request: Any) -> Any:
+        """`stub(channel).method(request)` on the next endpoint; on UNAVAILABLE on the one
+        after, with backoff."""
+        failover = self._failover(what)
+        index = self._rotation.start(time.monotonic())
+        while True:
+            try:
+                return await self._call(getattr(stub(self._channel(index)), method), request)
+            except UnavailableError as err:
+                await asyncio.sleep(failover.next_delay(self.targets[index], err))
+                index = self._rotation.after(index, time.monotonic())
 
     async def create_job(
         self,
@@ -545,13 +679,14 @@ class AsyncRolloutClient(_JobBound):
             batch_threshold,
             initial_drafter,
         )
-        info = _job_from_pb(await self._call(self._jobs.CreateJob, req))
+        pb = await self._unary("CreateJob", job_pb2_grpc.JobServiceStub, "CreateJob", req)
+        info = _job_from_pb(pb)
         self.job_id = info.job_id
         return info
 
     async def job(self, job_id: str | None = None) -> JobInfo:
         req = job_pb2.GetJobRequest(job_id=self._job(job_id))
-        return _job_from_pb(await self._call(self._jobs.GetJob, req))
+        return _job_from_pb(await self._unary("GetJob", job_pb2_grpc.JobServiceStub, "GetJob", req))
 
     def stream(
         self,
@@ -575,30 +710,53 @@ class AsyncRolloutClient(_JobBound):
     async def _samples(
         self, req: rollout_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[RolloutSample]:
-        call = self._rollouts.Generate(req, metadata=self._metadata, timeout=timeout)
+        rid = req.request_id
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failover = self._failover(f"Generate request {rid}")
+        delivered = Delivered()
+        index = self._rotation.start(time.monotonic())
         given_up = True  # until the stream ends: aclose(), break, task cancelled (wait_for)
         try:
-            async for resp in call:
-                yield _sample_from_pb(resp.sample)
-            given_up = False
-        except grpc.RpcError as exc:
-            given_up = exc.code() in _GIVEN_UP
-            raise from_rpc_error(exc) from None
+            while True:
+                stub = rollout_pb2_grpc.RolloutServiceStub(self._channel(index))
+                call = stub.Generate(
+                    req, metadata=self._metadata, timeout=_remaining(deadline, rid)
+                )
+                try:
+                    async for resp in call:
+                        sample = _sample_from_pb(resp.sample)
+                        if delivered.admit(sample):
+                            failover.progress()
+                            yield sample
+                    given_up = False
+                    return
+                except grpc.RpcError as exc:
+                    err = from_rpc_error(exc)
+                    if exc.code() not in RETRYABLE:
+                        given_up = exc.code() in _GIVEN_UP
+                        raise err from None
+                    given_up = False  # unreachable: nothing to cancel there
+                    delay = failover.next_delay(self.targets[index], err, len(delivered))
+                    given_up = True
+                    await asyncio.sleep(min(delay, _remaining(deadline, rid) or delay))
+                    index = self._rotation.after(index, time.monotonic())
+                finally:
+                    call.cancel()
         finally:
-            call.cancel()
             if given_up:
                 # Closing the stream only detaches (the daemon keeps the work for a retry):
                 # a caller that stops reading must not leave work running.
-                await self._cancel_quietly(req.request_id)
+                await self._cancel_quietly(index, rid)
 
-    async def _cancel_quietly(self, request_id: str) -> None:
-        if self.channel is None or self._loop is not asyncio.get_running_loop():
+    async def _cancel_quietly(self, index: int, request_id: str) -> None:
+        if not self._channels or self._loop is not asyncio.get_running_loop():
             return  # the client was closed first: nothing to cancel with
         req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=_ABANDONED)
+        stub = rollout_pb2_grpc.RolloutServiceStub(self._channels[index])
         deadline = time.monotonic() + _CANCEL_TIMEOUT
         while True:  # NOT_FOUND retried: see RolloutClient._cancel_quietly
             try:
-                await self._call(self._rollouts.CancelRequest, req, timeout=_CANCEL_TIMEOUT)
+                await self._call(stub.CancelRequest, req, timeout=_CANCEL_TIMEOUT)
                 return
             except NotFoundError as exc:
                 if time.monotonic() >= deadline:
@@ -635,14 +793,20 @@ class AsyncRolloutClient(_JobBound):
                 **sampling_kwargs,
             )
         ]
-        return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+        return _in_order(samples)
 
     async def cancel(self, request_id: str, reason: str = "") -> None:
         req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=reason)
-        await self._call(self._rollouts.CancelRequest, req)
+        await self._unary(
+            "CancelRequest", rollout_pb2_grpc.RolloutServiceStub, "CancelRequest", req
+        )
 
     async def update_policy(
         self, checkpoint_dir: str | Path, *, note: str = "", job_id: str | None = None
     ) -> int:
+        """As RolloutClient.update_policy (failover included)."""
         req = _update_policy_request(self._job(job_id), checkpoint_dir, note)
-        return int((await self._call(self._policy.UpdatePolicy, req)).policy.version)
+        pb = await self._unary(
+            "UpdatePolicy", policy_pb2_grpc.PolicyServiceStub, "UpdatePolicy", req
+        )
+        return int(pb.policy.version)
