@@ -18,10 +18,12 @@ test: install
 	$(PY) -m pytest -q
 
 # The SGLang adapter against the real sglang package, in its own cached environment (CPU
-# torch, sglang with --no-deps: scripts/sglang_contract_env.sh); --confcutdir keeps the
+# torch, sglang with --no-deps: scripts/sglang_contract_env.sh; the project itself is installed
+# there too, for its package names); --confcutdir keeps the
 # suite's database fixtures out of it.
 test-sglang:
 	venv=$$(PYTHON=$(PY) bash scripts/sglang_contract_env.sh) && \
+	$$venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . && \
 	TLTD_SGLANG_CONTRACT=1 $$venv/bin/python -m pytest -q -p no:cacheprovider \
 		--confcutdir=tests/sglang_contract tests/sglang_contract
 

@@ -20,9 +20,9 @@ every RL step u:
    the step lasts as long as the slowest shard and every other device is idle for the
    difference;
 2. measure: mean accepted length at k (greedy k-chains, the engine's SD rule at temperature 0,
-   `workers.drafter.versions.mean_accepted_length`) of (a) the frozen drafter and (b) the online
-   drafter, on this step's fresh rollouts, which neither drafter has seen;
-3. harvest: the online drafter trains (`workers.drafter.trainer.Trainer`, the buffer's
+   `tltd_workers.drafter.versions.mean_accepted_length`) of (a) the frozen drafter and (b) the
+   online drafter, on this step's fresh rollouts, which neither drafter has seen;
+3. harvest: the online drafter trains (`tltd_workers.drafter.trainer.Trainer`, the buffer's
    one-step-offset order) for exactly the idle device-seconds of this step, stopping mid-step
    when the window closes. Only data that exists during the window is in the buffer: the
    finished shards of this step plus everything from earlier steps; the slowest shard's samples
@@ -72,12 +72,12 @@ from examples.task.tokenizer import (  # noqa: E402
     load_tokenizer,
 )
 from tltd.domain import SamplingParams  # noqa: E402
-from workers.drafter.buffer import TrainingBuffer  # noqa: E402
-from workers.drafter.trainer import Stop, Trainer, TrainerConfig  # noqa: E402
-from workers.drafter.versions import HeldOut, mean_accepted_length  # noqa: E402
-from workers.engine.datatypes import EngineConfig, Request  # noqa: E402
-from workers.engine.eagle import EagleDrafter  # noqa: E402
-from workers.engine.engine import Engine  # noqa: E402
+from tltd_workers.drafter.buffer import TrainingBuffer  # noqa: E402
+from tltd_workers.drafter.trainer import Stop, Trainer, TrainerConfig  # noqa: E402
+from tltd_workers.drafter.versions import HeldOut, mean_accepted_length  # noqa: E402
+from tltd_workers.engine.datatypes import EngineConfig, Request  # noqa: E402
+from tltd_workers.engine.eagle import EagleDrafter  # noqa: E402
+from tltd_workers.engine.engine import Engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "tiny-policy"

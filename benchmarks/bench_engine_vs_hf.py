@@ -20,8 +20,8 @@ from examples.task.workload import (  # noqa: E402
     rollout_prompts,
 )
 from tltd.domain import SamplingParams  # noqa: E402
-from workers.engine.engine import Engine, EngineConfig, Request  # noqa: E402
-from workers.engine.transformer import CausalLM, load_model  # noqa: E402
+from tltd_workers.engine.engine import Engine, EngineConfig, Request  # noqa: E402
+from tltd_workers.engine.transformer import CausalLM, load_model  # noqa: E402
 
 
 def best_of(repeats: int, fn: Callable[[], int], warmup: bool = True) -> tuple[float, int]:

@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from workers.drafter.buffer import TrainingBuffer  # noqa: E402
-from workers.drafter.forward import target_hidden  # noqa: E402
-from workers.drafter.trainer import Trainer, TrainerConfig  # noqa: E402
-from workers.engine.eagle import EagleDrafter  # noqa: E402
-from workers.engine.transformer import load_model  # noqa: E402
+from tltd_workers.drafter.buffer import TrainingBuffer  # noqa: E402
+from tltd_workers.drafter.forward import target_hidden  # noqa: E402
+from tltd_workers.drafter.trainer import Trainer, TrainerConfig  # noqa: E402
+from tltd_workers.engine.eagle import EagleDrafter  # noqa: E402
+from tltd_workers.engine.transformer import load_model  # noqa: E402
 
 
 def make_policy(path: Path, hidden: int, layers: int, vocab: int) -> Path:

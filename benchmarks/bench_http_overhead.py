@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from clients import RolloutClient  # noqa: E402
 from examples.task.workload import STOP_TOKEN_ID, rollout_prompts  # noqa: E402
+from tltd_clients import RolloutClient  # noqa: E402
 
 MODEL = ROOT / "models" / "tiny-policy"
 JOB = "bench-http"

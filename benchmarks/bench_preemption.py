@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from workers.drafter.forward import target_hidden  # noqa: E402
-from workers.drafter.protocol import Checkpointed, TrainingSample  # noqa: E402
-from workers.drafter.trainer import TrainerConfig  # noqa: E402
-from workers.drafter.trainer_process import TrainerProcess, TrainerSpec  # noqa: E402
-from workers.engine.transformer import load_model  # noqa: E402
+from tltd_workers.drafter.forward import target_hidden  # noqa: E402
+from tltd_workers.drafter.protocol import Checkpointed, TrainingSample  # noqa: E402
+from tltd_workers.drafter.trainer import TrainerConfig  # noqa: E402
+from tltd_workers.drafter.trainer_process import TrainerProcess, TrainerSpec  # noqa: E402
+from tltd_workers.engine.transformer import load_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hidden_recompute import make_policy  # noqa: E402

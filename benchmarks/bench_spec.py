@@ -33,10 +33,10 @@ from examples.task.workload import (  # noqa: E402
     rollout_prompts,
 )
 from tltd.domain import FinishReason, SamplingParams  # noqa: E402
-from workers.engine.bandit import Strategy  # noqa: E402
-from workers.engine.eagle import EagleDrafter  # noqa: E402
-from workers.engine.engine import Engine, EngineConfig, Request, SampleOutput  # noqa: E402
-from workers.engine.transformer import CausalLM, load_model  # noqa: E402
+from tltd_workers.engine.bandit import Strategy  # noqa: E402
+from tltd_workers.engine.eagle import EagleDrafter  # noqa: E402
+from tltd_workers.engine.engine import Engine, EngineConfig, Request, SampleOutput  # noqa: E402
+from tltd_workers.engine.transformer import CausalLM, load_model  # noqa: E402
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "tiny-policy-eagle"
 KS = (2, 4, 6)

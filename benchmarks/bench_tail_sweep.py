@@ -31,9 +31,9 @@ from benchmarks.bench_spec import (  # noqa: E402
     time_share,
 )
 from examples.task.workload import MAX_NEW_TOKENS, MODEL_DIR, rollout_prompts  # noqa: E402
-from workers.engine.eagle import EagleDrafter  # noqa: E402
-from workers.engine.engine import EngineConfig  # noqa: E402
-from workers.engine.transformer import load_model  # noqa: E402
+from tltd_workers.engine.eagle import EagleDrafter  # noqa: E402
+from tltd_workers.engine.engine import EngineConfig  # noqa: E402
+from tltd_workers.engine.transformer import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.task.workload import MODEL_DIR  # noqa: E402
-from workers.engine.eagle import EagleDrafter  # noqa: E402
-from workers.engine.transformer import Batch, CausalLM, load_model  # noqa: E402
+from tltd_workers.engine.eagle import EagleDrafter  # noqa: E402
+from tltd_workers.engine.transformer import Batch, CausalLM, load_model  # noqa: E402
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "tiny-policy-eagle"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -1,9 +1,9 @@
 """Python client library for tltd and the `tltctl` operator command."""
 
-from clients.client import TltClient
-from clients.endpoints import Backoff
-from clients.errors import AllEndpointsUnavailableError, TltClientError
-from clients.rollout import (
+from tltd_clients.client import TltClient
+from tltd_clients.endpoints import Backoff
+from tltd_clients.errors import AllEndpointsUnavailableError, TltClientError
+from tltd_clients.rollout import (
     AsyncRolloutClient,
     JobInfo,
     RolloutClient,

@@ -11,8 +11,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.endpoints import KEEPALIVE, channel_options
-from clients.errors import from_rpc_error
 from tltd.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -26,6 +24,8 @@ from tltd.v1 import (
     rollout_pb2,
     rollout_pb2_grpc,
 )
+from tltd_clients.endpoints import KEEPALIVE, channel_options
+from tltd_clients.errors import from_rpc_error
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -60,7 +60,7 @@ def channel_credentials(
 
 class TltClient:
     """One channel to one daemon. Methods return the proto messages of tltd.v1 and raise
-    `clients.errors.TltClientError` subclasses (NotFoundError, InvalidArgumentError, ...).
+    `tltd_clients.errors.TltClientError` subclasses (NotFoundError, InvalidArgumentError, ...).
 
     TLS is on when `tls_ca` (a PEM file to trust) or `tls=True` (system roots) is given;
     `tls_cert`/`tls_key` add a client certificate for daemons that require mTLS (both or

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from clients.errors import AllEndpointsUnavailableError, TltClientError
 from tltd.domain import FinishReason
+from tltd_clients.errors import AllEndpointsUnavailableError, TltClientError
 
-log = logging.getLogger("clients.failover")
+log = logging.getLogger("tltd_clients.failover")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 KEEPALIVE = 30.0  # seconds between pings on an open connection

@@ -14,30 +14,6 @@ from typing import Any
 
 import grpc
 
-from clients.client import (
-    CLIENT_TIMEOUT,
-    DEFAULT_TARGET,
-    ClientTimeout,
-    TltClient,
-    channel_credentials,
-)
-from clients.endpoints import (
-    KEEPALIVE,
-    RETRYABLE,
-    Backoff,
-    Delivered,
-    Failover,
-    Rotation,
-    channel_options,
-    split_targets,
-)
-from clients.errors import (
-    DeadlineExceededError,
-    NotFoundError,
-    TltClientError,
-    UnavailableError,
-    from_rpc_error,
-)
 from tltd.api import convert
 from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance, TokenSource
 from tltd.errors import TltError
@@ -49,6 +25,30 @@ from tltd.v1 import (
     policy_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
+)
+from tltd_clients.client import (
+    CLIENT_TIMEOUT,
+    DEFAULT_TARGET,
+    ClientTimeout,
+    TltClient,
+    channel_credentials,
+)
+from tltd_clients.endpoints import (
+    KEEPALIVE,
+    RETRYABLE,
+    Backoff,
+    Delivered,
+    Failover,
+    Rotation,
+    channel_options,
+    split_targets,
+)
+from tltd_clients.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    TltClientError,
+    UnavailableError,
+    from_rpc_error,
 )
 
 __all__ = [

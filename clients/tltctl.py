@@ -15,9 +15,9 @@ from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
 
-from clients.client import DEFAULT_TARGET, TltClient
-from clients.errors import TltClientError
 from tltd.v1 import admin_pb2, common_pb2, drafter_pb2, job_pb2
+from tltd_clients.client import DEFAULT_TARGET, TltClient
+from tltd_clients.errors import TltClientError
 
 
 class _Ctx:

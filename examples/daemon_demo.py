@@ -21,7 +21,7 @@ MODEL = ROOT / "models" / "tiny-policy"
 def run(*args: str) -> None:
     print(f"\n$ tltctl {' '.join(args)}", flush=True)
     subprocess.run(
-        [sys.executable, "-m", "clients.tltctl", *args],
+        [sys.executable, "-m", "tltd_clients.tltctl", *args],
         check=True,
         cwd=ROOT,
         env={**os.environ, "TLTD_TARGET": os.environ["TLTD_TARGET"]},

@@ -33,10 +33,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients import RolloutClient, RolloutSample, TltClientError, by_prompt  # noqa: E402
 from examples.grpo_trainer import GRPOTrainer, Scored, group_advantages  # noqa: E402
 from examples.task import decode, load_tokenizer, reward  # noqa: E402
 from examples.task.workload import MAX_NEW_TOKENS, STOP_TOKEN_ID, rollout_prompts  # noqa: E402
+from tltd_clients import RolloutClient, RolloutSample, TltClientError, by_prompt  # noqa: E402
 
 MODEL = ROOT / "models" / "tiny-policy"
 # An EAGLE drafter fitted offline on MODEL (scripts/fit_drafter.py): the TLT run starts from it

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from clients import RolloutSample
 from tltd.domain import FinishReason
+from tltd_clients import RolloutSample
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 

@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.task.workload import MAX_NEW_TOKENS, STOP_TOKEN_ID, rollout_prompts  # noqa: E402
 from tltd.domain import SamplingParams  # noqa: E402
-from workers.drafter.objective import eagle_loss as objective_loss  # noqa: E402
-from workers.engine.bandit import Strategy  # noqa: E402
-from workers.engine.eagle import EagleDrafter  # noqa: E402
-from workers.engine.engine import Engine, EngineConfig, Request  # noqa: E402
-from workers.engine.transformer import CausalLM, load_model  # noqa: E402
+from tltd_workers.drafter.objective import eagle_loss as objective_loss  # noqa: E402
+from tltd_workers.engine.bandit import Strategy  # noqa: E402
+from tltd_workers.engine.eagle import EagleDrafter  # noqa: E402
+from tltd_workers.engine.engine import Engine, EngineConfig, Request  # noqa: E402
+from tltd_workers.engine.transformer import CausalLM, load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "tiny-policy"

@@ -18,7 +18,7 @@ The scheduler decides (`start_training`, `preempt_training`); this module carrie
 - a worker heartbeats from a thread; `reap` (a periodic job) kills one silent for
   `training_heartbeat_timeout_seconds` (hung, not dead: a dead one's pipe closes).
 
-The trainer speaks the typed protocol of `workers.drafter.protocol`. Its messages are read by
+The trainer speaks the typed protocol of `tltd_workers.drafter.protocol`. Its messages are read by
 one thread per process (`tltd.worker_pipe`) and handled, in order, by one task on the event
 loop; store writes go through `asyncio.to_thread` so the loop never waits on them.
 """
@@ -43,11 +43,11 @@ from tltd.metrics import METRICS
 from tltd.scheduler import TrainingView
 from tltd.settings import Settings
 from tltd.worker_pipe import HeartbeatStamp, join_or_kill, serve_pipe
-from workers.drafter import protocol as proto
+from tltd_workers.drafter import protocol as proto
 
 if TYPE_CHECKING:
     from tltd.store import Store
-    from workers.drafter.trainer_process import TrainerProcess
+    from tltd_workers.drafter.trainer_process import TrainerProcess
 
 log = logging.getLogger(__name__)
 
@@ -355,8 +355,8 @@ class DrafterTraining:
         """Stop the trainer `run` replaces, then spawn `run`'s and wait for its Ready (killed
         if that fails); None, with nothing spawned, once `close` has begun or the device
         was preempted back for rollouts."""
-        from workers.drafter.trainer import TrainerConfig
-        from workers.drafter.trainer_process import TrainerProcess, TrainerSpec
+        from tltd_workers.drafter.trainer import TrainerConfig
+        from tltd_workers.drafter.trainer_process import TrainerProcess, TrainerSpec
 
         if run.replaces is not None:
             why = f"restarting for policy version {run.policy_version}"

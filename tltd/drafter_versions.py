@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tltd.domain import DrafterStatus, DrafterVersion
-from workers.drafter.protocol import ActiveDrafter, Measured
+from tltd_workers.drafter.protocol import ActiveDrafter, Measured
 
 if TYPE_CHECKING:
     from tltd.store import Store

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from clients.client import TltClient
 from tests.api.support import (
     ADMIN_TOKEN,
     TRAINER_TOKEN,
@@ -16,6 +15,7 @@ from tests.api.support import (
     seed_devices,
     write_model_dir,
 )
+from tltd_clients.client import TltClient
 
 
 @pytest.fixture

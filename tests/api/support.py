@@ -13,14 +13,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients.client import TltClient
-from clients.errors import TltClientError
-from clients.tltctl import main as tltctl_main
 from tltd.api.server import build_server
 from tltd.domain import Device, DeviceKind
 from tltd.services import NodeState, Services, build_services
 from tltd.settings import Settings, load_settings
 from tltd.v1 import rollout_pb2
+from tltd_clients.client import TltClient
+from tltd_clients.errors import TltClientError
+from tltd_clients.tltctl import main as tltctl_main
 
 VOCAB = 100
 ADMIN_TOKEN = "admin-secret-token"

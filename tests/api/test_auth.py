@@ -9,10 +9,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from clients.errors import PermissionDeniedError, UnauthenticatedError
 from tests.api.support import ADMIN_TOKEN, TRAINER_TOKEN, fails, sampling
 from tltd.api.interceptors import AuthInterceptor, required_role
 from tltd.v1 import admin_pb2
+from tltd_clients.errors import PermissionDeniedError, UnauthenticatedError
 
 C = grpc.StatusCode
 

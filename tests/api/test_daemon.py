@@ -15,10 +15,10 @@ import pytest
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
 
-from clients.client import TltClient
-from clients.errors import InvalidArgumentError
 from tests.api.support import write_model_dir
 from tltd.store.migrate import alembic_config, current_revision
+from tltd_clients.client import TltClient
+from tltd_clients.errors import InvalidArgumentError
 
 ROOT = Path(__file__).resolve().parents[2]
 

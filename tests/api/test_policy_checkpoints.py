@@ -70,8 +70,8 @@ def test_copies_of_the_policy_are_accepted(client, job, tmp_path):
 def test_a_checkpoint_of_another_model_kind_is_refused(client, job, tmp_path):
     """A drafter checkpoint (config.json without hidden_size) was recorded, and every worker
     then failed to load it (KeyError: 'hidden_size')."""
-    from workers.engine.eagle import EagleDrafter
-    from workers.engine.transformer import load_model
+    from tltd_workers.engine.eagle import EagleDrafter
+    from tltd_workers.engine.transformer import load_model
 
     drafter = tmp_path / "drafter"
     EagleDrafter.random_init(load_model(job), seed=0).save_pretrained(drafter)

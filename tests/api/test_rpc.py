@@ -9,7 +9,6 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from clients.errors import NotFoundError, TltClientError
 from tests.api.support import (
     VOCAB,
     DaemonThread,
@@ -30,6 +29,7 @@ from tltd.domain import (
     SamplingParams,
 )
 from tltd.v1 import common_pb2, drafter_pb2, job_pb2, policy_pb2, rollout_pb2
+from tltd_clients.errors import NotFoundError, TltClientError
 
 C = grpc.StatusCode
 
@@ -573,8 +573,8 @@ def test_export_drafter_writes_an_sglang_eagle_checkpoint(client, daemon, tmp_pa
     from safetensors.torch import load_file
 
     from tests.rollout.support import make_checkpoint
-    from workers.engine.eagle import EagleDrafter
-    from workers.engine.transformer import load_model
+    from tltd_workers.engine.eagle import EagleDrafter
+    from tltd_workers.engine.transformer import load_model
 
     target = make_checkpoint(tmp_path / "policy")
     EagleDrafter.random_init(load_model(target), seed=1).save_pretrained(tmp_path / "drafter")

@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 
-from clients.errors import UnavailableError
 from tests.api.support import DaemonThread, make_settings, seed_devices
+from tltd_clients.errors import UnavailableError
 
 
 def test_in_flight_call_finishes_during_grace(sqlite_store, tmp_path, model_dir):

@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients.errors import UnavailableError
 from tests.api.support import ADMIN_TOKEN, DaemonThread, make_settings, run_tltctl, seed_devices
+from tltd_clients.errors import UnavailableError
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 
@@ -154,7 +154,7 @@ def test_client_certificate_without_its_key_is_refused(pki, capsys):
     """gRPC's C core aborts the process (SIGABRT) when given only one of the pair."""
     import asyncio
 
-    from clients import AsyncRolloutClient, RolloutClient, TltClient
+    from tltd_clients import AsyncRolloutClient, RolloutClient, TltClient
 
     half_pairs = [{"tls_cert": pki["client.pem"]}, {"tls_key": pki["client.key"]}]
     for half in half_pairs:

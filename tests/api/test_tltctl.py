@@ -196,6 +196,6 @@ def test_error_boundary(ctl, capsys, monkeypatch):
     def refuse(*_args, **_kw):  # what protobuf raises for a value a field cannot carry
         raise ValueError("Value out of range: 18446744073709551616")
 
-    monkeypatch.setattr("clients.client.TltClient.stats", refuse)
+    monkeypatch.setattr("tltd_clients.client.TltClient.stats", refuse)
     code, out, err = ctl("status")
     assert code == 2 and out == "" and err.startswith("tltctl: invalid input: Value out of range")

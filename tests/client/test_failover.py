@@ -15,20 +15,20 @@ from contextlib import ExitStack
 
 import pytest
 
-from clients import (
+from tests.conftest import _fresh_pg_database
+from tests.rollout.support import ServeProcess, direct_outputs
+from tltd.domain import FinishReason, SamplingParams
+from tltd_clients import (
     AllEndpointsUnavailableError,
     AsyncRolloutClient,
     Backoff,
     RolloutClient,
     RolloutSample,
 )
-from clients.client import TltClient
-from clients.endpoints import Delivered, Rotation, channel_options, split_targets
-from clients.errors import NotFoundError, UnavailableError
-from clients.rollout import _in_order
-from tests.conftest import _fresh_pg_database
-from tests.rollout.support import ServeProcess, direct_outputs
-from tltd.domain import FinishReason, SamplingParams
+from tltd_clients.client import TltClient
+from tltd_clients.endpoints import Delivered, Rotation, channel_options, split_targets
+from tltd_clients.errors import NotFoundError, UnavailableError
+from tltd_clients.rollout import _in_order
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [3, 1, 4, 1, 5]]
 # Greedy; one sample at a time per daemon (worker_max_batch 1) so that a stream is still
@@ -101,7 +101,7 @@ def test_kill9_mid_stream_fails_over_and_delivers_each_sample_once(two_daemons, 
     request from scratch; the samples A already delivered are dropped by the client. Greedy
     outputs are deterministic, so the samples from A and from B agree with one reference."""
     a, b = two_daemons
-    caplog.set_level(logging.WARNING, logger="clients.failover")
+    caplog.set_level(logging.WARNING, logger="tltd_clients.failover")
     short = PARAMS | {"max_new_tokens": 4}
     short_ref = direct_outputs(ckpt, PROMPTS[:1], SamplingParams(**short))
     received: list[RolloutSample] = []
@@ -126,7 +126,7 @@ def test_kill9_mid_stream_fails_over_and_delivers_each_sample_once(two_daemons, 
             assert _by_key(client.generate(PROMPTS[:1], request_id=f"rr-{i}", **short)) == short_ref
             assert client.raw.target == b.target
         assert client.job().job_id == "job"
-    failovers = [r.getMessage() for r in caplog.records if r.name == "clients.failover"]
+    failovers = [r.getMessage() for r in caplog.records if r.name == "tltd_clients.failover"]
     assert len(failovers) == 1, failovers  # only the stream's: later calls skipped A
     assert on_a < TOTAL  # A died with work left: the rest came from B
     keys = [(s.prompt_index, s.sample_index) for s in received]
@@ -175,7 +175,7 @@ def test_a_frozen_node_is_noticed_by_keepalive_and_the_stream_fails_over(two_dae
     with RolloutClient(targets, job_id="job", backoff=FAST, keepalive=2.0) as client:
         stream = client.stream(PROMPTS, request_id="frozen-1", **PARAMS)
         received.append(next(stream))
-        caplog.set_level(logging.WARNING, logger="clients.failover")
+        caplog.set_level(logging.WARNING, logger="tltd_clients.failover")
         os.killpg(a.proc.pid, signal.SIGSTOP)
         t0 = time.time()
         received.extend(stream)
@@ -184,7 +184,7 @@ def test_a_frozen_node_is_noticed_by_keepalive_and_the_stream_fails_over(two_dae
     assert _by_key(received) == direct_outputs(ckpt, PROMPTS, SamplingParams(**PARAMS))
     with TltClient(b.target) as c:
         assert c.get_request("frozen-1").request.samples_done == TOTAL
-    failover = next(r for r in caplog.records if r.name == "clients.failover")
+    failover = next(r for r in caplog.records if r.name == "tltd_clients.failover")
     assert "ping timeout" in failover.getMessage() and a.target in failover.getMessage()
     noticed = failover.created - t0
     print(f"frozen node noticed after {noticed:.1f}s (keepalive 2 s)")

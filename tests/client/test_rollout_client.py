@@ -9,28 +9,6 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from clients import (
-    AsyncRolloutClient,
-    RolloutClient,
-    RolloutSample,
-    SamplingParams,
-    TltClientError,
-    by_prompt,
-)
-from clients.errors import (
-    CallCancelledError,
-    DeadlineExceededError,
-    FailedPreconditionError,
-    InternalError,
-    InvalidArgumentError,
-    NotFoundError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
-    UnauthenticatedError,
-    UnavailableError,
-    from_rpc_error,
-)
-from clients.rollout import _generate_request, _sample_from_pb, _sampling
 from tests.api.support import (
     ADMIN_TOKEN,
     TRAINER_TOKEN,
@@ -50,6 +28,28 @@ from tltd.domain import (
 )
 from tltd.domain import SamplingParams as DomainSampling
 from tltd.v1 import admin_pb2, common_pb2, rollout_pb2
+from tltd_clients import (
+    AsyncRolloutClient,
+    RolloutClient,
+    RolloutSample,
+    SamplingParams,
+    TltClientError,
+    by_prompt,
+)
+from tltd_clients.errors import (
+    CallCancelledError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    from_rpc_error,
+)
+from tltd_clients.rollout import _generate_request, _sample_from_pb, _sampling
 
 _REQUEST = RolloutRequest("r", "job", ((1,),), DomainSampling(max_new_tokens=2))
 

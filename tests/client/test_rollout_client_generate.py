@@ -12,8 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from clients import AsyncRolloutClient, RolloutClient, by_prompt
-from clients.errors import DeadlineExceededError
 from tests.api.support import make_settings
 from tests.rollout.support import InProcessDaemon, direct_outputs, make_checkpoint, wait_until
 from tltd.domain import FinishReason, RequestStatus, SamplingParams
@@ -22,6 +20,8 @@ from tltd.metrics import METRICS
 from tltd.store import Store
 from tltd.store.migrate import upgrade
 from tltd.v1 import rollout_pb2
+from tltd_clients import AsyncRolloutClient, RolloutClient, by_prompt
+from tltd_clients.errors import DeadlineExceededError
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 
@@ -309,9 +309,9 @@ def test_logprob_modes_and_provenance_through_the_daemon(daemon, ckpt):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from clients.errors import AlreadyExistsError
-    from clients.rollout import _sample_from_pb
     from tltd.domain import TokenSource
+    from tltd_clients.errors import AlreadyExistsError
+    from tltd_clients.rollout import _sample_from_pb
 
     hf = AutoModelForCausalLM.from_pretrained(ckpt).eval()
     kw = dict(n=2, temperature=0.7, top_k=8, max_new_tokens=16, seed=5)

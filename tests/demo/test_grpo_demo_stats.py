@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from clients.rollout import _sample_from_pb
 from examples.grpo_demo import sd_share, summarize
 from tests.engine.helpers import make_checkpoint
 from tltd.api.convert import sample_to_pb
 from tltd.domain import SamplingParams
-from workers.engine.bandit import Strategy
-from workers.engine.engine import Engine, EngineConfig, Request
+from tltd_clients.rollout import _sample_from_pb
+from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from examples.grpo_trainer import GRPOTrainer, Scored, clipped_pg_loss, group_ad
 from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
 from tests.engine.helpers import make_checkpoint
 from tltd.domain import SamplingParams
-from workers.engine.engine import Engine, EngineConfig, Request
+from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from workers.drafter.buffer import TrainingBuffer
-from workers.drafter.forward import target_hidden
-from workers.engine.eagle import EagleDrafter
-from workers.engine.transformer import CausalLM, load_model
+from tltd_workers.drafter.buffer import TrainingBuffer
+from tltd_workers.drafter.forward import target_hidden
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.transformer import CausalLM, load_model
 
 
 def make_target_dir(
@@ -95,7 +95,7 @@ def publish(store, job_id, drafter, held_out, *, policy_version, train_steps, lo
     """What a training round does: the trainer measures (worker side), the daemon records and
     decides (`tltd.drafter_versions`)."""
     from tltd.drafter_versions import active_drafter, record
-    from workers.drafter.versions import measure
+    from tltd_workers.drafter.versions import measure
 
     measured = measure(
         drafter,

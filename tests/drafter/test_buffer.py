@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.drafter.buffer import TrainingBuffer
+from tltd_workers.drafter.buffer import TrainingBuffer
 
 
 def _add(buf: TrainingBuffer, n_tokens: int, version: int, step: int, hidden: int = 0):

@@ -7,13 +7,13 @@ import torch
 
 from tests.drafter.helpers import make_target_dir, publish
 from tltd.domain import DrafterStatus, Job, SamplingParams
-from workers.drafter.buffer import TrainingBuffer
-from workers.drafter.trainer import Trainer, TrainerConfig
-from workers.drafter.versions import HeldOut
-from workers.engine.bandit import Strategy
-from workers.engine.datatypes import EngineConfig, Request
-from workers.engine.eagle import EagleDrafter
-from workers.engine.engine import Engine
+from tltd_workers.drafter.buffer import TrainingBuffer
+from tltd_workers.drafter.trainer import Trainer, TrainerConfig
+from tltd_workers.drafter.versions import HeldOut
+from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.datatypes import EngineConfig, Request
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.engine import Engine
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.drafter.objective import align, eagle_loss
-from workers.drafter.packing import context_len, pack, windows
+from tltd_workers.drafter.objective import align, eagle_loss
+from tltd_workers.drafter.packing import context_len, pack, windows
 
 
 def _example(T: int, rs: int, H: int = 4, seed: int = 0):

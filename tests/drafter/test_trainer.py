@@ -13,11 +13,11 @@ from tests.drafter.helpers import (
     new_drafter,
     rollout_samples,
 )
-from workers.drafter.buffer import TrainingBuffer
-from workers.drafter.forward import drafter_features, target_hidden
-from workers.drafter.objective import align, eagle_loss
-from workers.drafter.packing import pack
-from workers.drafter.trainer import (
+from tltd_workers.drafter.buffer import TrainingBuffer
+from tltd_workers.drafter.forward import drafter_features, target_hidden
+from tltd_workers.drafter.objective import align, eagle_loss
+from tltd_workers.drafter.packing import pack
+from tltd_workers.drafter.trainer import (
     Stop,
     Trainer,
     TrainerConfig,
@@ -25,7 +25,7 @@ from workers.drafter.trainer import (
     load_state,
     save_state,
 )
-from workers.engine.transformer import Batch
+from tltd_workers.engine.transformer import Batch
 
 
 @pytest.fixture(autouse=True, scope="module")

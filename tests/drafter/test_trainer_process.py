@@ -17,11 +17,11 @@ from tltd.domain import DrafterStatus, Job
 from tltd.drafter_versions import record
 from tltd.store import Store
 from tltd.store.migrate import upgrade
-from workers.drafter.buffer import TrainingBuffer
-from workers.drafter.forward import target_hidden
-from workers.drafter.protocol import Checkpointed, Idle, Measure, Stepped, TrainingSample
-from workers.drafter.trainer import Trainer, TrainerConfig, latest_checkpoint
-from workers.drafter.trainer_process import TrainerProcess, TrainerSpec
+from tltd_workers.drafter.buffer import TrainingBuffer
+from tltd_workers.drafter.forward import target_hidden
+from tltd_workers.drafter.protocol import Checkpointed, Idle, Measure, Stepped, TrainingSample
+from tltd_workers.drafter.trainer import Trainer, TrainerConfig, latest_checkpoint
+from tltd_workers.drafter.trainer_process import TrainerProcess, TrainerSpec
 
 CFG = TrainerConfig(items_per_micro=2, micro_per_step=3, warmup_steps=3, lr=3e-3, row_len=64)
 STEPS = 14

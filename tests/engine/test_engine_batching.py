@@ -9,10 +9,10 @@ import torch
 
 from tests.engine.helpers import make_checkpoint
 from tltd.domain import FinishReason, SamplingParams
-from workers.engine.bandit import Strategy
-from workers.engine.eagle import EagleDrafter
-from workers.engine.engine import Engine, EngineConfig, Request
-from workers.engine.transformer import load_model
+from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.engine import Engine, EngineConfig, Request
+from tltd_workers.engine.transformer import load_model
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8], [9, 10, 11, 12, 9, 10], [3], [5, 6, 5, 6, 5, 6, 5]]
 
@@ -256,7 +256,7 @@ def test_hidden_states_returned_on_request(ckpt):
         seq = PROMPTS[0] + o.token_ids
         assert o.hidden_states.shape == (len(seq) - 1, model.config.hidden_size)
         cache = model.new_cache(1, 64)
-        from workers.engine.transformer import Batch
+        from tltd_workers.engine.transformer import Batch
 
         batch = Batch.make([0], None, len(seq) - 1, 0, cache.trash, "cpu")
         _, h = model(torch.tensor([seq[:-1]]), cache, batch, return_hidden=True)
@@ -316,7 +316,7 @@ def test_sample_output_converts_to_the_domain_sample(ckpt):
 
 def test_config_from_a_jobs_speculative_config():
     from tltd.domain import SpeculativeConfig, SpeculativeMode
-    from workers.rollout.protocol import EngineSpec
+    from tltd_workers.rollout.protocol import EngineSpec
 
     job = SpeculativeConfig(draft_lengths=(2, 5, 5))
     cfg = EngineConfig.from_spec(EngineSpec.for_job(job, max_batch=8))
@@ -403,7 +403,7 @@ def test_a_seed_beyond_int64_is_reproducible_and_its_own(ckpt):
     """The API's seed is uint64: a seed >= 2**63 (half of all random 64-bit seeds) folds into
     the int64 row keys (`row_key` masks it), gives the same samples on every run, and
     other ones than its neighbours."""
-    from workers.engine.sampling import row_key
+    from tltd_workers.engine.sampling import row_key
 
     def run(seed):
         sp = SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=seed)

@@ -19,10 +19,10 @@ from scipy.stats import chisquare
 
 from tests.engine.helpers import make_checkpoint
 from tltd.domain import SamplingParams
-from workers.engine import engine as engine_mod
-from workers.engine.bandit import Strategy
-from workers.engine.eagle import EagleDrafter
-from workers.engine.engine import Engine, EngineConfig, Request
+from tltd_workers.engine import engine as engine_mod
+from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
 V = 8
 TEMPERATURE, TOP_P = 0.8, 0.9
@@ -135,7 +135,7 @@ def test_the_chi_square_test_rejects_a_wrong_rule(ckpt, exact, monkeypatch):
         _, nxt = real(p, draft, torch.zeros_like(draft_len), None, greedy, u_accept, u_sample)
         rows = torch.arange(p.shape[0])
         # keep every draft, then sample the next token from p after them
-        from workers.engine.sampling import sample_from
+        from tltd_workers.engine.sampling import sample_from
 
         return draft_len, sample_from(p[rows, draft_len], u_sample[rows, draft_len])
 

@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 
 from tests.engine.helpers import make_checkpoint
 from tltd.domain import SamplingParams
-from workers.engine.bandit import Strategy
-from workers.engine.eagle import EagleDrafter
-from workers.engine.engine import Engine, EngineConfig, Request
-from workers.engine.transformer import Batch, load_model, read_state_dict
+from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.engine import Engine, EngineConfig, Request
+from tltd_workers.engine.transformer import Batch, load_model, read_state_dict
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8], [9, 10, 11, 12, 9, 10]]
 

@@ -6,10 +6,10 @@ import pytest
 
 from tests.engine.helpers import make_checkpoint
 from tltd.domain import SamplingParams
-from workers.engine.bandit import Strategy
-from workers.engine.costs import BucketCost, CostModel
-from workers.engine.eagle import EagleDrafter
-from workers.engine.engine import Engine, EngineConfig, Request
+from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.costs import BucketCost, CostModel
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8], [9, 10, 11, 12, 9, 10], [3], [5, 6, 5, 6, 5, 6, 5]]
 STRATEGIES = (Strategy("ngram", 2), Strategy("ngram", 4))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.engine.helpers import make_checkpoint
-from workers.engine.transformer import Batch, load_model
+from tltd_workers.engine.transformer import Batch, load_model
 
 
 @pytest.mark.parametrize(

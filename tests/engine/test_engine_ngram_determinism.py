@@ -5,8 +5,8 @@ from __future__ import annotations
 from examples.task import encode_prompt, load_tokenizer, make_dataset
 from examples.task.workload import MODEL_DIR
 from tltd.domain import SamplingParams
-from workers.engine.bandit import Strategy
-from workers.engine.engine import Engine, EngineConfig
+from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.engine import Engine, EngineConfig
 
 
 def _run(prompts: list[list[int]], others: int, max_batch: int) -> dict[int, list[int]]:

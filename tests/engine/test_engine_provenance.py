@@ -9,10 +9,10 @@ import pytest
 
 from tests.engine.helpers import make_checkpoint
 from tltd.domain import SamplingParams, TokenProvenance, TokenSource
-from workers.engine.bandit import Strategy
-from workers.engine.datatypes import SampleOutput
-from workers.engine.eagle import EagleDrafter
-from workers.engine.engine import Engine, EngineConfig
+from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.datatypes import SampleOutput
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.engine import Engine, EngineConfig
 
 # Repeated spans give the n-gram drafter matches at some positions and none at others.
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8, 7, 7], [9, 10, 11, 12, 9, 10], [20, 21]]

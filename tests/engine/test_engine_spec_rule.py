@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from workers.engine.spec import accept_drafts
+from tltd_workers.engine.spec import accept_drafts
 
 
 def _rule(p, draft, q=None, greedy=False, ua=None, us=None, dlen=None):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tltd.domain import LogprobMode, SamplingParams
-from workers.engine.bandit import Strategy
-from workers.engine.engine import Engine, EngineConfig
+from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.engine import Engine, EngineConfig
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-policy"
 TEMPERATURE, TOP_K, TOP_P = 0.7, 20, 0.9

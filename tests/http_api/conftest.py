@@ -6,11 +6,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from clients import RolloutClient
 from tests.api.support import make_settings
 from tests.http_api.support import HttpDaemon, make_text_checkpoint
 from tltd.store import Store
 from tltd.store.migrate import upgrade
+from tltd_clients import RolloutClient
 
 JOB = "http-job"
 

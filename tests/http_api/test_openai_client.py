@@ -7,9 +7,9 @@ import httpx
 import openai
 import pytest
 
-from clients import RolloutClient
 from examples.task.tokenizer import EOS_ID, VOCAB
 from tests.http_api.conftest import JOB
+from tltd_clients import RolloutClient
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 8]]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from clients import RolloutClient
 from tests.http_api.conftest import JOB
 from tests.http_api.support import make_text_checkpoint, sse_events
+from tltd_clients import RolloutClient
 
 
 @pytest.fixture(scope="module")

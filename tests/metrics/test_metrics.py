@@ -301,7 +301,7 @@ def test_record_sample_reads_a_domain_sample():
 
 
 def test_engine_summaries_become_step_deltas_and_survive_a_reload():
-    from workers.engine.stats import EngineStats
+    from tltd_workers.engine.stats import EngineStats
 
     m = Metrics()
     stats = EngineStats()

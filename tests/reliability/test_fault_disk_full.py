@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.drafter import trainer as trainer_mod
-from workers.drafter import versions as versions_mod
-from workers.drafter.trainer import TrainerState, latest_checkpoint, load_state, save_state
+from tltd_workers.drafter import trainer as trainer_mod
+from tltd_workers.drafter import versions as versions_mod
+from tltd_workers.drafter.trainer import TrainerState, latest_checkpoint, load_state, save_state
 
 FS_BYTES = 2 << 20  # room for one checkpoint of the state below (~1.2 MB), not two
 
@@ -51,7 +51,7 @@ def small_fs(tmp_path, monkeypatch) -> Iterator[tuple[Path, str]]:
         return real(tensors, filename, *a, **kw)
 
     monkeypatch.setattr(trainer_mod, "save_file", save_file)
-    monkeypatch.setattr("workers.engine.eagle.save_file", save_file)
+    monkeypatch.setattr("tltd_workers.engine.eagle.save_file", save_file)
     yield mnt, "injected"
 
 
@@ -83,7 +83,7 @@ def test_a_full_disk_keeps_the_previous_trainer_checkpoint(small_fs, figures):
 
 def test_a_full_disk_leaves_no_half_written_drafter_version(small_fs, tmp_path):
     from tests.drafter.helpers import load_target, make_target_dir
-    from workers.engine.eagle import EagleDrafter
+    from tltd_workers.engine.eagle import EagleDrafter
 
     root, _ = small_fs
     target = load_target(make_target_dir(tmp_path / "target", hidden=256, layers=1))

@@ -16,10 +16,10 @@ from collections import Counter
 
 import pytest
 
-from clients.client import TltClient
 from tests.reliability import pg_cluster
 from tests.reliability.trainers import Trainer, account
 from tests.rollout.support import ServeProcess
+from tltd_clients.client import TltClient
 
 
 @pytest.fixture

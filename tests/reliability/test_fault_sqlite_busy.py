@@ -15,9 +15,9 @@ import threading
 import time
 from collections import Counter
 
-from clients.client import TltClient
 from tests.reliability.trainers import Trainer, account
 from tltd.store.database import SQLITE_BUSY_TIMEOUT_MS
+from tltd_clients.client import TltClient
 
 
 def _writer(path: str, stop: threading.Event, hold: tuple[float, float], counts: Counter) -> None:

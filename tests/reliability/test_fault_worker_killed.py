@@ -13,10 +13,10 @@ import os
 import signal
 import time
 
-from clients.client import TltClient
 from tests.reliability.trainers import Trainer
 from tests.rollout.support import pid_alive, wait_until
 from tltd.v1.rollout_pb2 import REQUEST_STATUS_COMPLETED
+from tltd_clients.client import TltClient
 
 
 def _busy_worker(c: TltClient, job: str) -> tuple[str, int]:

@@ -26,10 +26,10 @@ from datetime import UTC
 
 import pytest
 
-from clients.client import TltClient
 from tests.reliability.trainers import Outcome, Trainer, WorkerSampler, percentile
 from tests.rollout.support import ServeProcess, wait_until
 from tltd.v1.rollout_pb2 import REQUEST_STATUS_COMPLETED
+from tltd_clients.client import TltClient
 
 WEIGHTS = {"heavy": 2.0, "light-a": 1.0, "light-b": 1.0}
 STEADY = {"heavy": 2, "light-a": 1, "light-b": 1}  # workers each job holds once converged

@@ -16,10 +16,10 @@ import threading
 import time
 from pathlib import Path
 
-from clients.client import TltClient
-from clients.errors import TltClientError
 from tests.reliability.trainers import Trainer
 from tltd.v1 import rollout_pb2
+from tltd_clients.client import TltClient
+from tltd_clients.errors import TltClientError
 
 RSS_BOUND_MB = 40.0
 FD_BOUND = 8

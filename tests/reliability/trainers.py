@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from clients.client import TltClient
-from clients.errors import NotFoundError, TltClientError
 from tltd.v1 import rollout_pb2
+from tltd_clients.client import TltClient
+from tltd_clients.errors import NotFoundError, TltClientError
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from multiprocessing.connection import Connection
 
-from workers.rollout import worker
+from tltd_workers.rollout import worker
 
 
 def _die(*_args: object) -> None:

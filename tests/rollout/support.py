@@ -41,7 +41,7 @@ def make_checkpoint(path: Path, *, seed: int = 0, vocab: int = VOCAB, hidden: in
 
 def direct_outputs(path: Path, prompts, sampling, speculative: bool = True) -> dict:
     """What the engine produces in-process: {(prompt, sample): token ids}."""
-    from workers.engine.engine import Engine, EngineConfig, Request
+    from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
     engine = Engine(path, EngineConfig(max_batch=16, max_seq_len=1024))
     outs = engine.generate(
@@ -55,7 +55,7 @@ class WorkerProcess:
     """A real rollout worker process (spawn), driven directly over its pipe."""
 
     def __init__(self, heartbeat_seconds: float = 0.2) -> None:
-        from workers.rollout.worker import main
+        from tltd_workers.rollout.worker import main
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -126,7 +126,7 @@ class InProcessDaemon:
         return f"127.0.0.1:{self.daemon.api.port}"
 
     def client(self):
-        from clients.client import TltClient
+        from tltd_clients.client import TltClient
 
         return TltClient(self.target)
 
@@ -218,7 +218,7 @@ class ServeProcess:
         self.target = f"127.0.0.1:{int(self.port_file.read_text())}"
 
     def client(self):
-        from clients.client import TltClient
+        from tltd_clients.client import TltClient
 
         return TltClient(self.target)
 

@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 
-from clients.errors import FailedPreconditionError, UnavailableError
 from tests.api.support import sampling
 from tests.rollout.support import direct_outputs, wait_until
 from tests.rollout.test_rollouts import PROMPTS, Stream, _by_key
@@ -18,6 +17,7 @@ from tltd.domain import DeviceProcess, DeviceState, FinishReason, RequestStatus,
 from tltd.errors import NotFound
 from tltd.periodic import refresh_devices
 from tltd.v1 import rollout_pb2
+from tltd_clients.errors import FailedPreconditionError, UnavailableError
 
 CANCELLED = rollout_pb2.FINISH_REASON_CANCELLED
 
@@ -239,8 +239,8 @@ def test_preemption_notice_file_drains_and_exits_0(sqlite_url, tmp_path, ckpt):
 
 
 def _running(c) -> bool:
-    from clients.errors import NotFoundError
     from tltd.v1 import rollout_pb2
+    from tltd_clients.errors import NotFoundError
 
     try:
         return c.get_request("big").request.status == rollout_pb2.REQUEST_STATUS_RUNNING

@@ -9,21 +9,21 @@ import grpc
 import pytest
 from safetensors.torch import load_file, save_file
 
-from clients.errors import InvalidArgumentError
-from clients.rollout import RolloutClient
 from tests.api.support import fails, sampling
 from tests.rollout.support import direct_outputs, make_checkpoint, wait_until
 from tltd.domain import SamplingParams
 from tltd.supervisor.worker_process import Phase
 from tltd.v1 import common_pb2, drafter_pb2
+from tltd_clients.errors import InvalidArgumentError
+from tltd_clients.rollout import RolloutClient
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
 FIELD = "speculative.initial_drafter_path"
 
 
 def _drafter(model_dir: Path, out: Path, seed: int = 3) -> Path:
-    from workers.engine.eagle import EagleDrafter
-    from workers.engine.transformer import load_model
+    from tltd_workers.engine.eagle import EagleDrafter
+    from tltd_workers.engine.transformer import load_model
 
     EagleDrafter.random_init(load_model(model_dir), seed=seed).save_pretrained(out)
     return out

@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from clients.errors import NotFoundError, UnavailableError
 from tests.api.support import sampling
 from tests.rollout.support import ServeProcess, direct_outputs, pid_alive, wait_until
 from tests.rollout.test_rollouts import PROMPTS, Stream, _by_key
 from tltd.domain import FinishReason, RequestStatus, SamplingParams, WorkerState
 from tltd.store import Store
 from tltd.v1 import rollout_pb2
+from tltd_clients.errors import NotFoundError, UnavailableError
 
 LONG = dict(n=4, temperature=0.0, max_new_tokens=800)
 RUNNING = rollout_pb2.REQUEST_STATUS_RUNNING

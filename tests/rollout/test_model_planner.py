@@ -9,7 +9,7 @@ from tltd.domain import Device, DeviceKind, Job
 from tltd.settings import Settings
 from tltd.supervisor.model_planner import HeldBack, ModelPlanner
 from tltd.supervisor.worker_process import Phase, WorkerHandle
-from workers.rollout import protocol as msg
+from tltd_workers.rollout import protocol as msg
 
 
 class _Alive:

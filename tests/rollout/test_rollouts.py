@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from clients.errors import AlreadyExistsError
 from tests.api.support import sampling
 from tests.rollout.support import InProcessDaemon, direct_outputs, wait_until
 from tltd.domain import (
@@ -23,6 +22,7 @@ from tltd.domain import (
 )
 from tltd.supervisor.worker_process import Phase
 from tltd.v1 import common_pb2, rollout_pb2
+from tltd_clients.errors import AlreadyExistsError
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [3, 1, 4, 1, 5]]
 FR = rollout_pb2.FinishReason
@@ -375,9 +375,9 @@ def test_silent_worker_is_reaped_and_its_work_requeued(sqlite_store, tmp_path, c
 def test_node_drain_returns_partial_samples_and_fails_the_request(sqlite_store, tmp_path, ckpt):
     """`tltctl drain --node`: no new rollouts; after drain_grace_seconds what still runs comes
     back partial and the request fails with the reason; the daemon keeps serving reads."""
-    from clients.errors import UnavailableError
     from tests.api.support import make_settings
     from tests.rollout.support import InProcessDaemon
+    from tltd_clients.errors import UnavailableError
 
     settings = make_settings(
         tmp_path,
@@ -445,8 +445,8 @@ def test_cancelling_the_job_cancels_its_running_request(sqlite_daemon, ckpt):
 def test_promoted_drafter_is_hot_swapped_into_workers_and_stays_lossless(
     sqlite_daemon, ckpt, tmp_path
 ):
-    from workers.engine.eagle import EagleDrafter
-    from workers.engine.transformer import load_model
+    from tltd_workers.engine.eagle import EagleDrafter
+    from tltd_workers.engine.transformer import load_model
 
     d, sup = sqlite_daemon, sqlite_daemon.supervisor
     EagleDrafter.random_init(load_model(ckpt), seed=3).save_pretrained(tmp_path / "drafter")

@@ -28,9 +28,9 @@ from tests.drafter.helpers import load_target, make_target_dir
 from tests.rollout import fake_sglang
 from tests.rollout.fake_sglang import FakeEngine, reference
 from tltd.domain import FinishReason, SamplingParams
-from workers.engine.eagle import EagleDrafter
-from workers.rollout import sglang_worker
-from workers.rollout.protocol import (
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.rollout import sglang_worker
+from tltd_workers.rollout.protocol import (
     AddWork,
     Cancel,
     Drain,
@@ -45,8 +45,8 @@ from workers.rollout.protocol import (
     SetDrafter,
     Shutdown,
 )
-from workers.rollout.sglang_worker import SglangWorker
-from workers.sglang.adapter import (
+from tltd_workers.rollout.sglang_worker import SglangWorker
+from tltd_workers.sglang.adapter import (
     MEM_FRACTION_STATIC,
     Segment,
     adaptive_config,
@@ -664,7 +664,7 @@ def test_a_drafter_that_fails_keeps_the_old_engine_and_names_its_version(
 
 def test_worker_process_over_a_pipe(policy, tmp_path, monkeypatch):
     """The real worker loop in its own process, the fake engine named on its command line."""
-    from workers.rollout.sglang_worker import main
+    from tltd_workers.rollout.sglang_worker import main
 
     log = tmp_path / "engine.jsonl"
     monkeypatch.setenv(fake_sglang.LOG_ENV, str(log))
@@ -733,7 +733,7 @@ def test_worker_process_over_a_pipe(policy, tmp_path, monkeypatch):
 def test_each_backend_has_its_worker_process():
     from tltd.domain import Backend
     from tltd.supervisor.worker_process import worker_entry
-    from workers.rollout import sglang_worker, worker
+    from tltd_workers.rollout import sglang_worker, worker
 
     # SGLang's engine starts scheduler processes: a daemonic process may not have children.
     assert worker_entry(Backend.SGLANG) == (sglang_worker.main, False)
@@ -744,10 +744,10 @@ def test_a_job_of_another_backend_restarts_the_worker_on_it(sqlite_daemon, ckpt)
     """A job stored with backend sglang (created on a GPU node sharing the database) reaches
     a CPU-only daemon: its worker is restarted as an SGLang worker process, whose load fails
     with a reason naming the problem, the request fails with it, and torch jobs still run."""
-    from clients.errors import UnavailableError
     from tests.api.support import sampling as pb_sampling
     from tests.rollout.support import wait_until
     from tltd.domain import Backend, Job
+    from tltd_clients.errors import UnavailableError
 
     d, sup = sqlite_daemon, sqlite_daemon.supervisor
     with d.client() as c:

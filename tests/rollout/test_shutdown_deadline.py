@@ -76,8 +76,8 @@ def test_sigterm_during_a_long_node_drain_keeps_the_shutdown_grace(sqlite_url, t
 def test_shutdown_does_not_wait_for_a_trainer_still_loading(
     sqlite_store, tmp_path, ckpt, monkeypatch
 ):
-    import workers.drafter.trainer_process as dw
-    from workers.drafter.protocol import Ready
+    import tltd_workers.drafter.trainer_process as dw
+    from tltd_workers.drafter.protocol import Ready
 
     real_wait_for = dw.TrainerProcess.wait_for
 

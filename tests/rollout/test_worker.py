@@ -6,7 +6,7 @@ import pytest
 
 from tests.rollout.support import WorkerProcess, direct_outputs, make_checkpoint
 from tltd.domain import FinishReason, SamplingParams
-from workers.rollout.protocol import (
+from tltd_workers.rollout.protocol import (
     AddWork,
     Cancel,
     Drain,
@@ -20,7 +20,7 @@ from workers.rollout.protocol import (
     SetDrafter,
     Shutdown,
 )
-from workers.rollout.worker import contiguous_runs
+from tltd_workers.rollout.worker import contiguous_runs
 
 PROMPTS = [(1, 2, 3), (4, 5, 6, 7), (8, 9)]
 

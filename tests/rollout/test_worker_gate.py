@@ -7,8 +7,8 @@ import multiprocessing as mp
 import pytest
 
 from tests.rollout.support import make_checkpoint
-from workers.rollout.protocol import EngineSpec, LoadModel
-from workers.rollout.worker import GATE_STATES_KEPT, RolloutWorker
+from tltd_workers.rollout.protocol import EngineSpec, LoadModel
+from tltd_workers.rollout.worker import GATE_STATES_KEPT, RolloutWorker
 
 
 @pytest.fixture(scope="module")

@@ -284,10 +284,10 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
     held back and its requests fail saying so, and the restart backoff keeps growing (the
     fresh process's first Ready, before any load, must not reset it: else a crash loop for
     ever)."""
-    from clients.errors import UnavailableError
     from tests.rollout import crashing_worker
     from tests.rollout.test_rollouts import Stream
     from tltd.domain import FinishReason, RequestStatus
+    from tltd_clients.errors import UnavailableError
 
     monkeypatch.setattr(
         "tltd.supervisor.worker_process.worker_entry", lambda backend: (crashing_worker.main, True)

@@ -31,8 +31,8 @@ def target_dir(tmp_path_factory) -> Path:
 def eagle_dir(target_dir, tmp_path_factory) -> Path:
     """The project's drafter exported as an SGLang EAGLE checkpoint, as the worker does."""
     from tests.drafter.helpers import load_target
-    from workers.drafter.versions import export_sglang
-    from workers.engine.eagle import EagleDrafter
+    from tltd_workers.drafter.versions import export_sglang
+    from tltd_workers.engine.eagle import EagleDrafter
 
     root = tmp_path_factory.mktemp("drafter")
     EagleDrafter.random_init(load_target(target_dir), seed=1).save_pretrained(root / "ours")
@@ -68,8 +68,8 @@ def sglang_process(target_dir, eagle_dir, tmp_path_factory):
     from sglang.srt import runtime_context
     from sglang.srt.distributed import parallel_state
 
-    from workers.rollout.protocol import EngineSpec
-    from workers.sglang.adapter import adaptive_config, engine_args
+    from tltd_workers.rollout.protocol import EngineSpec
+    from tltd_workers.sglang.adapter import adaptive_config, engine_args
 
     spec = EngineSpec(device="cuda:0", max_batch=8, max_seq_len=256, batch_threshold=4)
     adaptive = tmp_path_factory.mktemp("adaptive") / "adaptive.json"

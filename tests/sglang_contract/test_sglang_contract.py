@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 
 from tests.sglang_contract.conftest import resolved
 from tltd.domain import SamplingParams as OurSamplingParams
-from workers.rollout.protocol import EngineSpec
-from workers.sglang import real_engine as adapter_engine
-from workers.sglang.adapter import (
+from tltd_workers.rollout.protocol import EngineSpec
+from tltd_workers.sglang import real_engine as adapter_engine
+from tltd_workers.sglang.adapter import (
     adaptive_config,
     engine_args,
     read_output,
@@ -197,7 +197,7 @@ def test_a_real_req_stops_on_the_adapters_stop_token(sglang_process):
 
 
 def test_a_real_req_also_stops_at_the_models_eos_which_the_worker_continues(sglang_process):
-    from workers.sglang.adapter import Segment
+    from tltd_workers.sglang.adapter import Segment
 
     params = sampling_params(_ours(stop_token_ids=(9,)), max_new_tokens=20, seed=1)
     req = _req(params, eos={7})
@@ -376,8 +376,8 @@ def test_the_eagle_export_loads_into_every_parameter_of_sglangs_eagle_model(
 ):
     from tests.drafter.helpers import load_target
     from tests.drafter.test_versions import _llama_target_dir
-    from workers.drafter.versions import export_sglang
-    from workers.engine.eagle import EagleDrafter
+    from tltd_workers.drafter.versions import export_sglang
+    from tltd_workers.engine.eagle import EagleDrafter
 
     if family == "llama":
         target = _llama_target_dir(tmp_path / "llama")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from workers.engine.bandit import (
+from tltd_workers.engine.bandit import (
     PLAIN,
     BucketedEpsilonGreedy,
     FixedStrategy,

@@ -10,8 +10,8 @@ import torch
 from benchmarks import bench_drift, bench_engine_vs_hf, bench_spec, bench_tail_sweep
 from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
 from tests.engine.helpers import make_checkpoint
-from workers.engine.eagle import EagleDrafter
-from workers.engine.transformer import load_model
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.transformer import load_model
 
 
 @pytest.fixture(scope="module")

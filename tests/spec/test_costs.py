@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.helpers import make_checkpoint
-from workers.engine.bandit import PLAIN, Strategy
-from workers.engine.costs import (
+from tltd_workers.engine.bandit import PLAIN, Strategy
+from tltd_workers.engine.costs import (
     BucketCost,
     CostModel,
     arm_rewards,
@@ -15,8 +15,8 @@ from workers.engine.costs import (
     predict,
     smoothed,
 )
-from workers.engine.datatypes import EngineConfig
-from workers.engine.transformer import load_model
+from tltd_workers.engine.datatypes import EngineConfig
+from tltd_workers.engine.transformer import load_model
 
 NG2, NG4, EA2, EA4 = (Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 4))
 

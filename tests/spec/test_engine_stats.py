@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engine.bandit import Strategy
-from workers.engine.stats import EngineStats
+from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.stats import EngineStats
 
 
 def _sample() -> EngineStats:

@@ -11,8 +11,8 @@ from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
 from examples.task.workload import rollout_prompts
 from scripts.fit_drafter import collate, eagle_loss, main, rollout, train
 from tests.engine.helpers import make_checkpoint
-from workers.engine.eagle import EagleDrafter
-from workers.engine.transformer import load_model
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.transformer import load_model
 
 
 @pytest.fixture(scope="module")

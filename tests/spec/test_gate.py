@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engine.bandit import PLAIN, BucketedEpsilonGreedy, Strategy
-from workers.engine.gate import (
+from tltd_workers.engine.bandit import PLAIN, BucketedEpsilonGreedy, Strategy
+from tltd_workers.engine.gate import (
     CHECK_POSITIONS,
     DEFAULT_ACCEPTANCE,
     MAX_DROP,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from workers.engine.ngram import NgramDrafter
+from tltd_workers.engine.ngram import NgramDrafter
 
 PROMPT = [100, 101, 102, 103, 104, 105]
 

@@ -11,11 +11,13 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("tltd", "workers", "clients")
+# folder -> the name it installs as (setup.py)
+PACKAGES = {"tltd": "tltd", "workers": "tltd_workers", "clients": "tltd_clients"}
 
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts[0] = PACKAGES[parts[0]]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -114,7 +116,7 @@ def _workers_importing(wrong) -> list[str]:
     return sorted(
         f"{m} imports {t}"
         for m, targets in graph.items()
-        if m.startswith("workers")
+        if m.split(".")[0] == "tltd_workers"
         for t in targets
         if wrong(t)
     )

@@ -16,7 +16,7 @@ from tltd.devices import cpu_devices
 from tltd.domain import DeviceState, FinishReason, Job, Sample, WorkerState
 from tltd.drafter_training import DrafterTraining
 from tltd.periodic import build_scheduler, reap_trainers
-from workers.drafter.trainer_process import TrainerProcess
+from tltd_workers.drafter.trainer_process import TrainerProcess
 
 
 def _setup(store, policy_path) -> None:

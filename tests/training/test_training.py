@@ -115,7 +115,7 @@ def test_round_publishes_a_version_and_shutdown_leaves_a_checkpoint(start_daemon
     d.shutdown()  # what SIGTERM runs
     from pathlib import Path
 
-    from workers.drafter.trainer import latest_checkpoint
+    from tltd_workers.drafter.trainer import latest_checkpoint
 
     ckpt_dir = latest_checkpoint(Path(data_dir) / "drafters" / "job" / "train")
     assert ckpt_dir is not None and (ckpt_dir / "model.safetensors").is_file()
@@ -178,7 +178,7 @@ def test_sigterm_while_training_exits_0_with_a_drafter_checkpoint(
     from pathlib import Path
 
     from tests.rollout.support import ServeProcess, pid_alive
-    from workers.drafter.trainer import latest_checkpoint
+    from tltd_workers.drafter.trainer import latest_checkpoint
 
     serve = ServeProcess(
         tmp_path,

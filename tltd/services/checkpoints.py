@@ -13,7 +13,7 @@ from tltd.errors import InvalidArgument
 from tltd.services.validation import MAX_PATH, ModelLimits, check_text
 
 if TYPE_CHECKING:
-    from workers.engine.transformer import ModelConfig
+    from tltd_workers.engine.transformer import ModelConfig
 
 
 def check_model_dir(path: str, field: str, *, require_weights: bool = False) -> Path:
@@ -111,7 +111,9 @@ def check_policy_checkpoint(new_dir: Path, model_dir: Path, field: str) -> None:
         old = _read_config(model_dir)
     except (OSError, ValueError):
         return  # the job's own model is gone or unreadable: the workers will say so
-    from workers.engine.transformer import ModelConfig  # torch: only the API paths that need it
+    from tltd_workers.engine.transformer import (
+        ModelConfig,  # torch: only the API paths that need it
+    )
 
     try:
         old_cfg = ModelConfig.from_hf(old)
@@ -148,7 +150,9 @@ def check_model_weights(model_dir: Path, field: str) -> None:
     headers = _read_headers(model_dir, field)
     if not headers:
         return
-    from workers.engine.transformer import ModelConfig  # torch: only the API paths that need it
+    from tltd_workers.engine.transformer import (
+        ModelConfig,  # torch: only the API paths that need it
+    )
 
     try:
         cfg = ModelConfig.from_hf(_read_config(model_dir))
@@ -192,7 +196,7 @@ def _check_tensors(
 ) -> None:
     """Names, shapes and dtypes of a checkpoint against what the engine loads for `cfg` (the
     config of `model`, for messages)."""
-    from workers.engine.transformer import hf_tensor_shapes
+    from tltd_workers.engine.transformer import hf_tensor_shapes
 
     shapes, optional = hf_tensor_shapes(cfg)
     problems = [f"{n} is missing" for n in sorted(shapes.keys() - tensors.keys() - optional)]
@@ -304,8 +308,8 @@ def check_drafter_dir(path: str, field: str, model_dir: Path) -> Path:
             f"{path}/model.safetensors is unreadable: {exc}", field=field
         ) from exc
     # Imported here: these modules pull in torch, which the API layer otherwise does not need.
-    from workers.engine.eagle import IncompatibleDrafterCheckpoint, check_drafter_tensors
-    from workers.engine.transformer import ModelConfig
+    from tltd_workers.engine.eagle import IncompatibleDrafterCheckpoint, check_drafter_tensors
+    from tltd_workers.engine.transformer import ModelConfig
 
     try:
         check_drafter_tensors(names, path)

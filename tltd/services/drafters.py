@@ -49,7 +49,7 @@ class DrafterService:
         self, job_id: str, version: int, output_dir: str, fmt: str = ""
     ) -> tuple[str, list[str]]:
         """Write a version as a standalone SGLang EAGLE checkpoint (see
-        `workers.drafter.versions.export_sglang` for the name mapping); returns the output
+        `tltd_workers.drafter.versions.export_sglang` for the name mapping); returns the output
         directory and the files written. INVALID_ARGUMENT naming output_dir when it is relative
         or the daemon cannot write there; FAILED_PRECONDITION naming version when the version's
         checkpoint or its target policy's files are gone."""
@@ -72,7 +72,7 @@ class DrafterService:
         # does not need.
         from safetensors import SafetensorError
 
-        from workers.drafter.versions import export_sglang
+        from tltd_workers.drafter.versions import export_sglang
 
         _check_writable(out)
         try:

@@ -26,7 +26,7 @@ from tltd.domain import Backend, DeviceKind, Job, SpeculativeMode
 from tltd.settings import Settings
 from tltd.supervisor.worker_process import Load, LoadKind, Phase, WorkerHandle
 from tltd.workqueue import WorkQueue
-from workers.rollout import protocol as msg
+from tltd_workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
     from tltd.store import Store

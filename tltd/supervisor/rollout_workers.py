@@ -23,7 +23,7 @@ from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.requests import RolloutRequests
 from tltd.supervisor.worker_process import Phase, WorkerHandle, spawn
 from tltd.supervisor.writes import OrderedWrites, upsert_worker
-from workers.rollout import protocol as msg
+from tltd_workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
     from tltd.store import Store

@@ -48,7 +48,7 @@ from tltd.supervisor.snapshot import build_snapshot
 from tltd.supervisor.training_hook import TrainingHook
 from tltd.supervisor.worker_process import WorkerHandle
 from tltd.supervisor.writes import OrderedWrites
-from workers.rollout import protocol as msg
+from tltd_workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
     from tltd.store import Store

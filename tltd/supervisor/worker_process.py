@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tltd.domain import Backend, Device, Sample, WorkerState
 from tltd.settings import Settings
 from tltd.worker_pipe import HeartbeatStamp, serve_pipe
-from workers.rollout import protocol as msg
+from tltd_workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -195,10 +195,10 @@ def worker_entry(backend: Backend) -> tuple[Callable[..., None], bool]:
     daemonic: SGLang's engine starts its own scheduler processes, which a daemonic process
     may not have (they die with it through SGLang's parent-death signal instead)."""
     if backend is Backend.SGLANG:
-        from workers.rollout.sglang_worker import main as sglang_main
+        from tltd_workers.rollout.sglang_worker import main as sglang_main
 
         return sglang_main, False
-    from workers.rollout.worker import main as torch_main
+    from tltd_workers.rollout.worker import main as torch_main
 
     return torch_main, True
 

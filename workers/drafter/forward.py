@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from workers.engine.eagle import EagleDrafter
-from workers.engine.transformer import Batch, CausalLM
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.transformer import Batch, CausalLM
 
 
 def drafter_features(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.drafter.objective import EagleExample
+from tltd_workers.drafter.objective import EagleExample
 
 
 @dataclass(frozen=True)

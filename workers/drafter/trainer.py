@@ -44,12 +44,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from workers.drafter.buffer import TrainingBuffer, TrainItem
-from workers.drafter.forward import drafter_features, target_hidden
-from workers.drafter.objective import EagleExample, align, eagle_loss
-from workers.drafter.packing import pack
-from workers.drafter.protocol import StepResult
-from workers.engine.eagle import EagleDrafter, check_drafter_tensors
+from tltd_workers.drafter.buffer import TrainingBuffer, TrainItem
+from tltd_workers.drafter.forward import drafter_features, target_hidden
+from tltd_workers.drafter.objective import EagleExample, align, eagle_loss
+from tltd_workers.drafter.packing import pack
+from tltd_workers.drafter.protocol import StepResult
+from tltd_workers.engine.eagle import EagleDrafter, check_drafter_tensors
 
 
 @dataclass(frozen=True)

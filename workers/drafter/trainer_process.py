@@ -1,6 +1,6 @@
 """The drafter-training worker process: trains on the device it is given, yields it on request.
 
-Protocol over one duplex pipe: the typed messages of `workers.drafter.protocol` (commands
+Protocol over one duplex pipe: the typed messages of `tltd_workers.drafter.protocol` (commands
 `AddSamples`, `Train`, `Preempt`, `WriteCheckpoint`, `Measure`, `Stop`; reports `Ready`,
 `Stepped`, `Idle`, `DeviceFree`, `Checkpointed`, `Measured`, `Stopped`, `Failed`, and a
 `Heartbeat` every `heartbeat_seconds` after `Ready`, from a thread: a long step or measure is
@@ -27,9 +27,9 @@ from typing import TypeVar
 
 import torch
 
-from workers.drafter import protocol as proto
-from workers.drafter.buffer import TrainingBuffer
-from workers.drafter.trainer import (
+from tltd_workers.drafter import protocol as proto
+from tltd_workers.drafter.buffer import TrainingBuffer
+from tltd_workers.drafter.trainer import (
     CheckpointWriter,
     Stop,
     Trainer,
@@ -37,7 +37,7 @@ from workers.drafter.trainer import (
     latest_checkpoint,
     load_state,
 )
-from workers.signals import ignore_stop_signals
+from tltd_workers.signals import ignore_stop_signals
 
 M = TypeVar("M", bound=proto.FromTrainer)
 
@@ -63,8 +63,8 @@ class TrainerSpec:
 
 class _TrainingLoop:
     def __init__(self, spec: TrainerSpec, conn: Connection) -> None:
-        from workers.engine.eagle import EagleDrafter
-        from workers.engine.transformer import load_model
+        from tltd_workers.engine.eagle import EagleDrafter
+        from tltd_workers.engine.transformer import load_model
 
         self.spec = spec
         self.conn = conn
@@ -154,7 +154,7 @@ class _TrainingLoop:
         )
 
     def measure(self, m: proto.Measure) -> None:
-        from workers.drafter.versions import HeldOut, measure
+        from tltd_workers.drafter.versions import HeldOut, measure
 
         held = [
             HeldOut(torch.as_tensor(x.token_ids), x.response_start, x.hidden) for x in m.held_out

@@ -15,11 +15,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from workers.drafter.forward import chain_accepted_lengths, target_hidden
-from workers.drafter.protocol import ActiveDrafter, Measured
-from workers.drafter.trainer import write_error
-from workers.engine.eagle import EagleDrafter, check_drafter_tensors
-from workers.engine.transformer import ModelConfig, read_state_dict
+from tltd_workers.drafter.forward import chain_accepted_lengths, target_hidden
+from tltd_workers.drafter.protocol import ActiveDrafter, Measured
+from tltd_workers.drafter.trainer import write_error
+from tltd_workers.engine.eagle import EagleDrafter, check_drafter_tensors
+from tltd_workers.engine.transformer import ModelConfig, read_state_dict
 
 
 @dataclass(frozen=True)

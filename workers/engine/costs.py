@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.bandit import PLAIN, Strategy
-from workers.engine.eagle import EagleDrafter
-from workers.engine.kv_cache import KVCache
-from workers.engine.transformer import Batch, CausalLM
+from tltd_workers.engine.bandit import PLAIN, Strategy
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.kv_cache import KVCache
+from tltd_workers.engine.transformer import Batch, CausalLM
 
 
 @dataclass(frozen=True)

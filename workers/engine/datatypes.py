@@ -16,10 +16,10 @@ from tltd.domain import (
     SpeculativeStats,
     TokenProvenance,
 )
-from workers.engine.bandit import Strategy
+from tltd_workers.engine.bandit import Strategy
 
 if TYPE_CHECKING:
-    from workers.rollout.protocol import EngineSpec
+    from tltd_workers.rollout.protocol import EngineSpec
 
 DEFAULT_STRATEGIES = tuple(Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 4, 6))
 

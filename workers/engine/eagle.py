@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from workers.engine.kv_cache import KVCache
-from workers.engine.transformer import Batch, CausalLM, DecoderLayer, ModelConfig
+from tltd_workers.engine.kv_cache import KVCache
+from tltd_workers.engine.transformer import Batch, CausalLM, DecoderLayer, ModelConfig
 
 # A tensor only drafters trained before the layer lost its input norm have.
 LEGACY_INPUT_NORM = "layer.input_layernorm.weight"

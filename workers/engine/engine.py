@@ -17,7 +17,7 @@ Public API (used by the rollout worker and the drafter trainer)::
     engine.stats -> EngineStats      # engine.strategy_snapshot() -> per-bucket arms + "plain"
     engine.gate_snapshot()           # cost model, acceptance, predicted vs measured gain
     Engine(..., costs=CostModel, gate_state=GateState)  # reuse what another engine measured
-    # EngineConfig, Request, SampleOutput live in workers.engine.datatypes (re-exported here)
+    # EngineConfig, Request, SampleOutput live in tltd_workers.engine.datatypes (re-exported here)
     EngineConfig.from_speculative(job.speculative, max_batch=...)  # a job's config -> engine's
     SampleOutput.to_domain() -> tltd.domain.Sample
 
@@ -78,19 +78,19 @@ import torch
 from torch import Tensor
 
 from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance
-from workers.engine.bandit import (
+from tltd_workers.engine.bandit import (
     BucketedEpsilonGreedy,
     FixedStrategy,
     NoStrategyAvailable,
     Strategy,
 )
-from workers.engine.costs import CostModel, arm_rewards, measure_costs
-from workers.engine.datatypes import EngineConfig, EngineLoad, Request, SampleOutput
-from workers.engine.eagle import EagleDrafter
-from workers.engine.gate import GateState, verdicts
-from workers.engine.kv_cache import KVCache
-from workers.engine.ngram import NgramDrafter
-from workers.engine.sampling import (
+from tltd_workers.engine.costs import CostModel, arm_rewards, measure_costs
+from tltd_workers.engine.datatypes import EngineConfig, EngineLoad, Request, SampleOutput
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.engine.gate import GateState, verdicts
+from tltd_workers.engine.kv_cache import KVCache
+from tltd_workers.engine.ngram import NgramDrafter
+from tltd_workers.engine.sampling import (
     ACCEPT,
     DRAFT,
     SAMPLE,
@@ -101,9 +101,9 @@ from workers.engine.sampling import (
     token_logprobs,
     uniforms,
 )
-from workers.engine.spec import accept_drafts
-from workers.engine.stats import PLAIN_TOKEN, EngineStats, step_provenance
-from workers.engine.transformer import (
+from tltd_workers.engine.spec import accept_drafts
+from tltd_workers.engine.stats import PLAIN_TOKEN, EngineStats, step_provenance
+from tltd_workers.engine.transformer import (
     Batch,
     CausalLM,
     ModelConfig,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from workers.engine.bandit import PLAIN, BucketedEpsilonGreedy, Strategy
-from workers.engine.costs import expected_tokens
+from tltd_workers.engine.bandit import PLAIN, BucketedEpsilonGreedy, Strategy
+from tltd_workers.engine.costs import expected_tokens
 
 DEFAULT_ACCEPTANCE = 0.5  # per-position acceptance assumed for a drafter never observed
 PRIOR_POSITIONS = 16.0  # the prior acceptance counts as this many drafted positions

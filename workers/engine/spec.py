@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from workers.engine.sampling import sample_from
+from tltd_workers.engine.sampling import sample_from
 
 
 def accept_drafts(

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tltd.domain import TokenProvenance, TokenSource
-from workers.engine.bandit import Strategy
+from tltd_workers.engine.bandit import Strategy
 
 PLAIN_TOKEN = TokenProvenance(TokenSource.PLAIN)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from workers.engine.kv_cache import KVCache
+from tltd_workers.engine.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The backend-neutral rollout worker loop: commands between engine steps, heartbeats, drain.
 
 A backend subclasses `WorkerLoop` and implements its engine hooks (torch:
-`workers.rollout.worker`, SGLang: `workers.rollout.sglang_worker`). The loop, the command
+`tltd_workers.rollout.worker`, SGLang: `tltd_workers.rollout.sglang_worker`). The loop, the command
 dispatch, Ready / LoadFailed / Heartbeat reporting, failing work that cannot run and the drain
-live here once, so every backend speaks `workers.rollout.protocol` the same way.
+live here once, so every backend speaks `tltd_workers.rollout.protocol` the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from tltd.domain import FinishReason, Sample
-from workers.rollout.protocol import (
+from tltd_workers.rollout.protocol import (
     AddWork,
     Cancel,
     Drain,

@@ -1,9 +1,10 @@
 """The SGLang rollout worker process: the shared worker loop over an SGLang engine.
 
-Same pipe protocol as the torch worker (`workers.rollout.loop`). The engine is any object with
-the `workers.sglang.adapter.SglangEngine` methods, built by a factory named on the command line
-of the process ("module:function"; default `workers.sglang.real_engine:make_engine`, which imports
-sglang), so that the tests run this module over a fake `sglang.Engine`.
+Same pipe protocol as the torch worker (`tltd_workers.rollout.loop`). The engine is any object
+with the `tltd_workers.sglang.adapter.SglangEngine` methods, built by a factory named on the
+command line of the process ("module:function"; default
+`tltd_workers.sglang.real_engine:make_engine`, which imports sglang), so that the tests run
+this module over a fake `sglang.Engine`.
 
 - Every sample is its own engine request (its own seed, abort and result). A "step" is a poll
   of at most `POLL_SECONDS` for generations that ended.
@@ -14,7 +15,7 @@ sglang), so that the tests run this module over a fake `sglang.Engine`.
   `weight_version`; every sample's `meta_info.weight_version` is checked against the version
   the worker recorded for it.
 - `SetDrafter`: the drafter version is exported to an SGLang EAGLE checkpoint
-  (`workers.drafter.versions.export_sglang`) and loaded into SGLang's draft runner alone,
+  (`tltd_workers.drafter.versions.export_sglang`) and loaded into SGLang's draft runner alone,
   while the samples run. Only a change of speculative algorithm (NGRAM or none before, EAGLE
   after, or back) restarts the engine; the samples running then are *carried over*: aborted,
   they keep their tokens and logprobs and continue in the new engine from prompt + tokens so
@@ -42,9 +43,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tltd.domain import FinishReason, Sample, SamplingParams, SpeculativeStats
-from workers.rollout.loop import WorkerLoop, describe, serve
-from workers.rollout.protocol import AddWork, EngineSpec, LoadModel
-from workers.sglang.adapter import (
+from tltd_workers.rollout.loop import WorkerLoop, describe, serve
+from tltd_workers.rollout.protocol import AddWork, EngineSpec, LoadModel
+from tltd_workers.sglang.adapter import (
     EngineFactory,
     Segment,
     SglangEngine,
@@ -58,9 +59,9 @@ from workers.sglang.adapter import (
     sampling_params,
     stopped_outside,
 )
-from workers.signals import ignore_stop_signals
+from tltd_workers.signals import ignore_stop_signals
 
-DEFAULT_FACTORY = "workers.sglang.real_engine:make_engine"
+DEFAULT_FACTORY = "tltd_workers.sglang.real_engine:make_engine"
 POLL_SECONDS = 0.02  # one step: the longest a poll waits (commands are read in between)
 ABORT_WAIT_SECONDS = 10.0  # how long a drain or restart waits for aborted requests to report
 RELEASE_AFTER_SECONDS = 2.0  # idle this long: the GPU memory goes to the drafter trainer
@@ -371,7 +372,7 @@ class SglangWorker(WorkerLoop):
 
     def _export(self, drafter_dir: str) -> str:
         """Our drafter checkpoint -> an SGLang EAGLE checkpoint in a fresh directory."""
-        from workers.drafter.versions import export_sglang
+        from tltd_workers.drafter.versions import export_sglang
 
         out = tempfile.mkdtemp(prefix="tltd-sglang-drafter-")
         try:

@@ -7,13 +7,13 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from tltd.domain import Sample
-from workers.rollout.loop import WorkerLoop, contiguous_runs, serve
-from workers.rollout.protocol import AddWork, LoadModel
-from workers.signals import ignore_stop_signals
+from tltd_workers.rollout.loop import WorkerLoop, contiguous_runs, serve
+from tltd_workers.rollout.protocol import AddWork, LoadModel
+from tltd_workers.signals import ignore_stop_signals
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by the worker process, at load
-    from workers.engine.costs import CostModel
-    from workers.engine.gate import GateState
+    from tltd_workers.engine.costs import CostModel
+    from tltd_workers.engine.gate import GateState
 
 __all__ = ["RolloutWorker", "contiguous_runs", "main"]
 
@@ -36,7 +36,7 @@ class RolloutWorker(WorkerLoop):
 
     def __init__(self, conn: Connection, heartbeat_seconds: float) -> None:
         super().__init__(conn, heartbeat_seconds)
-        self.engine = None  # workers.engine.engine.Engine once a LoadModel arrived
+        self.engine = None  # tltd_workers.engine.engine.Engine once a LoadModel arrived
         # Kept across engines: the decode costs measured on this device (reused while the
         # architecture is the same) and, per job, what the SD gate learned.
         self.costs: CostModel | None = None
@@ -56,7 +56,7 @@ class RolloutWorker(WorkerLoop):
         return [out.to_domain() for out in self.engine.step()]
 
     def load(self, msg: LoadModel) -> None:
-        from workers.engine.engine import Engine, EngineConfig
+        from tltd_workers.engine.engine import Engine, EngineConfig
 
         self.engine = None  # free the old model before loading the next one
         engine = Engine(
@@ -79,7 +79,7 @@ class RolloutWorker(WorkerLoop):
         self.engine.load_policy(path, version)
 
     def set_drafter(self, path: str, version: int) -> int:
-        from workers.engine.eagle import EagleDrafter
+        from tltd_workers.engine.eagle import EagleDrafter
 
         assert self.engine is not None
         drafter = EagleDrafter.from_pretrained(path, self.engine.model) if path else None

@@ -1,8 +1,9 @@
 """SGLang adapter logic: engine arguments, request and response translation, the engine port.
 
-Pure functions and a `Protocol`; nothing here imports sglang. `workers.sglang.real_engine` holds
-the one class that talks to a real `sglang.Engine` (python/sglang/srt/entrypoints/engine.py);
-`workers.rollout.sglang_worker` drives any object with the `SglangEngine` methods. The tests
+Pure functions and a `Protocol`; nothing here imports sglang.
+`tltd_workers.sglang.real_engine` holds the one class that talks to a real `sglang.Engine`
+(python/sglang/srt/entrypoints/engine.py);
+`tltd_workers.rollout.sglang_worker` drives any object with the `SglangEngine` methods. The tests
 run that class over a fake `sglang.Engine` (tests/rollout/fake_sglang.py), and check every
 SGLang name used here against the real package (tests/sglang_contract/, `make test-sglang`).
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from tltd.domain import FinishReason, SamplingParams
-from workers.rollout.protocol import EngineSpec
+from tltd_workers.rollout.protocol import EngineSpec
 
 Selector = Literal["target", "draft"]
 
@@ -60,7 +61,7 @@ class WeightUpdate:
 
 class SglangEngine(Protocol):
     """The engine port: what the worker needs of an SGLang engine, one method per SGLang call
-    (`workers.sglang.real_engine.SglangEngineAdapter` is the real one)."""
+    (`tltd_workers.sglang.real_engine.SglangEngineAdapter` is the real one)."""
 
     def submit(self, rid: str, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> None:
         """Start one generation (`async_generate(..., return_logprob=True, rid=rid)`)."""
