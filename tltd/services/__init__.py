@@ -10,6 +10,7 @@ from tltd.services.drafters import DrafterService
 from tltd.services.jobs import JobService, NewJob
 from tltd.services.node import NodeState
 from tltd.services.policy import PolicyService
+from tltd.services.push import PushService
 from tltd.services.rollouts import RolloutService
 from tltd.settings import Settings
 
@@ -24,6 +25,7 @@ __all__ = [
     "NewJob",
     "NodeState",
     "PolicyService",
+    "PushService",
     "RolloutService",
     "Services",
     "build_services",
@@ -35,6 +37,7 @@ class Services:
     jobs: JobService
     rollouts: RolloutService
     policy: PolicyService
+    pushes: PushService
     drafters: DrafterService
     admin: AdminService
     node: NodeState
@@ -48,10 +51,12 @@ def build_services(
 ) -> Services:
     """Without a supervisor (API-only tests) Generate answers UNIMPLEMENTED."""
     node = node or NodeState()
+    policy = PolicyService(store, supervisor)
     return Services(
         jobs=JobService(store, settings, supervisor),
         rollouts=RolloutService(store, settings, node, supervisor),
-        policy=PolicyService(store, supervisor),
+        policy=policy,
+        pushes=PushService(store, settings, policy),
         drafters=DrafterService(store),
         admin=AdminService(store, node),
         node=node,
