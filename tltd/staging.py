@@ -7,6 +7,7 @@ memory, and the finished file is what the workers load, unchanged."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -46,7 +47,13 @@ class StagedTensors:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.pwrite(self._fd, len(raw).to_bytes(8, "little") + raw, 0)
-        os.ftruncate(self._fd, self._data_start + end)  # sparse until written
+        try:  # the blocks reserved now: no allocation per chunk, and a full disk fails here
+            os.posix_fallocate(self._fd, 0, self._data_start + end)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                os.close(self._fd)
+                raise
+            os.ftruncate(self._fd, self._data_start + end)  # sparse until written
 
     def write(self, name: str, offset: int, data: bytes | memoryview) -> None:
         """Bytes of tensor `name` from `offset` (checked by the caller)."""

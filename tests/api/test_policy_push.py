@@ -92,6 +92,20 @@ def test_push_round_trip_is_bit_identical_in_f32_and_bf16(client, job, tmp_path)
     ).read_text()
 
 
+def test_the_trainer_client_pushes_and_pushes_deltas(daemon, job):
+    from clients import RolloutClient
+
+    v1 = _weights(job, seed=1, dtype=torch.bfloat16)
+    v2 = _weights(job, seed=2, dtype=torch.bfloat16)
+    with RolloutClient(daemon.target, job_id="job") as rc:
+        assert rc.push_policy(v1) == 1
+        assert rc.push_policy(v2, base_version=1, base_weights=v1) == 2
+        with pytest.raises(ValueError, match="go together"):
+            rc.push_policy(v2, base_version=1)
+    with daemon.client() as c:
+        assert _same(_stored(c, 2), v2)
+
+
 def test_header_is_checked_against_the_job_model_before_any_byte(client, job):
     sd = _weights(job, seed=1)
     name = "model.layers.0.mlp.up_proj.weight"

@@ -107,18 +107,32 @@ class PushService:
                 lambda f: None if f.cancelled() or f.exception() else self.detach(f.result())
             )
             raise
+        # One chunk is written (in a thread) while the next is received: the stream never
+        # waits for the disk, and a push's chunks are still written one after another.
+        writing: asyncio.Future | None = None
         try:
             async for part in parts:
                 if isinstance(part, TensorChunk):
-                    await asyncio.to_thread(self.apply, push, part)
+                    if writing is not None:
+                        await writing
+                    writing = asyncio.ensure_future(asyncio.to_thread(self.apply, push, part))
                 elif part is True:
+                    if writing is not None:
+                        await writing
                     version = await asyncio.to_thread(self.commit, push)
                     return push.status(version.version), version
                 else:
                     raise InvalidArgument("only the first message is a header", field="header")
+            if writing is not None:
+                await writing
             return push.status(), None
         finally:
-            self.detach(push)
+            if writing is not None and not writing.done():  # the stream broke meanwhile
+                writing.add_done_callback(
+                    lambda f: (f.cancelled() or f.exception(), self.detach(push))
+                )
+            else:
+                self.detach(push)
 
     def attach(self, header: PushHeader) -> _Push:
         """The push `header` starts or resumes, checked, with this stream attached."""
