@@ -16,6 +16,8 @@ Paths (each pushes a new version of the same job, in this order, per size):
               this is the best case of a shared file system)
   grpc-full   PushPolicy with every tensor (client.push_policy(state_dict))
   grpc-delta  PushPolicy of zstd(new XOR previous) over the version the daemon holds
+  gloo        OpenBroadcast: the trainer broadcasts every tensor in a torch.distributed gloo
+              group the daemon opened (client.broadcast_policy), then commits
 
 Models above --worker-max-params run without a rollout worker (the device is cordoned), so
 their first-request time is not measured: a CPU worker holds the model in fp32 and would need
@@ -220,7 +222,7 @@ def run_size(size: str, work: Path, chunk_bytes: int, worker_max_params: float) 
             v3 = optimizer_step(v2, 3)
             changed = sum(int((bits(v3[k]) != bits(v2[k])).sum()) for k in v3)
 
-            def delta(v3) -> tuple[int, int]:
+            def delta(v3, v2=v2) -> tuple[int, int]:
                 seen = []
                 got = c.push_policy(
                     JOB, v3, base_version=2, base_weights=v2, chunk_bytes=chunk_bytes,
@@ -230,6 +232,14 @@ def run_size(size: str, work: Path, chunk_bytes: int, worker_max_params: float) 
 
             measure("grpc-delta", delta, v3)
             rows[-1]["changed_share"] = changed / params
+            del v2
+            v4 = optimizer_step(v3, 4)
+            del v3
+
+            def gloo(v4) -> tuple[int, int]:
+                return c.broadcast_policy(JOB, v4, timeout=900).policy.version, total
+
+            measure("gloo", gloo, v4)
     finally:
         serve.stop()
     return rows
@@ -243,7 +253,7 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         full = next(x for x in rows if x["size"] == r["size"] and x["path"] == "grpc-full")
-        wire = r["wire"] if r["path"] != "disk" else r["model_bytes"]
+        wire = r["wire"] or r["model_bytes"]
         ratio = f"{full['wire'] / wire:.1f}x smaller" if r["path"] == "grpc-delta" else ""
         first = f"{r['first_request']:.2f}" if r["first_request"] is not None else "n/a"
         lines.append(

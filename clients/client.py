@@ -309,6 +309,52 @@ class TltClient:
             if base is not None:
                 base.close()
 
+    def broadcast_policy(
+        self,
+        job_id: str,
+        state_dict: Mapping[str, Any],
+        *,
+        update_id: str | None = None,
+        note: str = "",
+        timeout: float = 300.0,
+    ) -> policy_pb2.PushPolicyResponse:
+        """Send new weights (torch tensors with HF names) by a torch.distributed broadcast
+        (gloo): the daemon opens a group, this process joins it as the source (in a process
+        group object of its own: a default group the trainer trains in is untouched), every
+        tensor is broadcast, then the push is committed. Returns the response whose `policy`
+        is the new version."""
+        import datetime
+
+        import torch.distributed as dist
+
+        update_id = update_id or new_update_id()
+        weights = Weights(state_dict)
+        header = header_pb(job_id, update_id, weights, note, None)
+        weights.close()
+        req = policy_pb2.OpenBroadcastRequest(header=header, timeout_seconds=timeout)
+        group = self.call(self.policy.OpenBroadcast, req)
+        wait = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore(group.address, group.port, group.world_size, False, timeout=wait)
+        pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(group.prefix, store), group.rank, group.world_size, wait
+        )
+        opts = dist.BroadcastOptions()
+        opts.rootRank = group.rank
+        for spec in header.tensors:
+            t = state_dict[spec.name].detach().to("cpu").contiguous()
+            pg.broadcast([t], opts).wait()
+        del pg, store
+        # The daemon may still be writing the last tensor: commit once it holds them all.
+        deadline = time.monotonic() + timeout
+        while (status := self.get_push(job_id, update_id)).bytes_received < status.bytes_total:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the daemon holds {status.bytes_received} of {status.bytes_total} bytes "
+                    f"of broadcast {update_id} after {timeout} s (see its log)"
+                )
+            time.sleep(0.02)
+        return self.push_policy(job_id, state_dict, update_id=update_id, retries=30)
+
     def _push_progress(
         self, job_id: str, update_id: str
     ) -> dict[str, int] | policy_pb2.PushPolicyResponse:

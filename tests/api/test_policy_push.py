@@ -257,3 +257,40 @@ def test_an_abandoned_push_leaves_no_version_and_no_files(daemon, client, job):
         client.get_push("job", "u5")
     assert client.get_job("job").policy_version == 0
     assert not (pushes.versions_root / "job").exists()
+
+
+def test_a_broadcast_the_trainer_never_joins_leaves_no_version(daemon, client, job):
+    sd = _weights(job, seed=1)
+    header = header_pb("job", "gone", Weights(sd), "", None)
+    with fails(C.INVALID_ARGUMENT, "backend: "):
+        client.call(
+            client.policy.OpenBroadcast,
+            policy_pb2.OpenBroadcastRequest(header=header, backend="nccl"),
+        )
+    delta = policy_pb2.PushHeader()
+    delta.CopyFrom(header)
+    delta.base_version = 0
+    with fails(C.INVALID_ARGUMENT, "header.base_version: "):
+        client.call(client.policy.OpenBroadcast, policy_pb2.OpenBroadcastRequest(header=delta))
+    group = client.call(
+        client.policy.OpenBroadcast,
+        policy_pb2.OpenBroadcastRequest(header=header, timeout_seconds=1),
+    )
+    assert group.port > 0 and group.world_size == 2 and group.rank == 0
+    pushes = daemon.services.pushes
+    deadline = time.monotonic() + 60
+    while pushes._pushes["job", "gone"].attached:  # the group waits 1 s for the trainer
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with fails(C.FAILED_PRECONDITION, "commit: ", "incomplete"):
+        _stream(
+            client,
+            iter(
+                [
+                    policy_pb2.PushPolicyRequest(header=header),
+                    policy_pb2.PushPolicyRequest(commit=True),
+                ]
+            ),
+        )
+    assert client.get_job("job").policy_version == 0
+    assert pushes.collect(time.monotonic() + pushes.idle_seconds + 1) == ["gone"]

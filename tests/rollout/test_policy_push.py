@@ -3,6 +3,7 @@ weights, and a push whose trainer was killed midway leaves the old version servi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -100,3 +101,42 @@ def test_a_push_killed_midway_leaves_no_version_and_the_old_one_serving(
         except NotFoundError:
             pass
         assert [v.version for v in d.store.list_policy_versions("job")] == [0]
+
+
+_BROADCASTER = """
+import json, sys
+from safetensors.torch import load_file
+from clients.client import TltClient
+
+sd = load_file(sys.argv[2])
+with TltClient(sys.argv[1]) as c:
+    got = c.broadcast_policy("job", sd, update_id="by-gloo", timeout=120)
+print(json.dumps({"version": got.policy.version, "path": got.policy.path}))
+"""
+
+
+def test_a_gloo_broadcast_from_the_trainer_becomes_the_version_the_workers_run(
+    sqlite_daemon, ckpt, ckpt2
+):
+    d = sqlite_daemon
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        d.wait_workers_ready(2)
+        out = subprocess.run(
+            [sys.executable, "-c", _BROADCASTER, d.target, str(ckpt2 / "model.safetensors")],
+            cwd=ROOT,
+            env=os.environ | {"PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["version"] == 1
+        assert c.get_policy("job", 1).source == "push"
+        samples = list(c.generate("job", PROMPTS, sampling=sampling(**GREEDY)))
+    sd = load_file(str(ckpt2 / "model.safetensors"))
+    stored = load_file(str(Path(got["path"]) / "model.safetensors"))
+    assert stored.keys() == sd.keys() and all(stored[k].equal(sd[k]) for k in sd)
+    assert {s.policy_version for s in samples} == {1}
+    assert _by_key(samples) == direct_outputs(ckpt2, PROMPTS, SamplingParams(**GREEDY))

@@ -388,10 +388,7 @@ def push_part_from_pb(pb: policy_pb2.PushPolicyRequest) -> d.PushHeader | d.Tens
     """One message of a push stream: its header, a chunk, or True for the commit."""
     part = pb.WhichOneof("part")
     if part == "header":
-        h = pb.header
-        specs = tuple(d.TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in h.tensors)
-        base = h.base_version if h.HasField("base_version") else None
-        return d.PushHeader(h.job_id, h.update_id, specs, h.note, base)
+        return push_header_from_pb(pb.header)
     if part == "chunk":
         c = pb.chunk
         return d.TensorChunk(c.name, c.offset, c.length, c.data, c.delta, c.crc32c)
@@ -400,6 +397,12 @@ def push_part_from_pb(pb: policy_pb2.PushPolicyRequest) -> d.PushHeader | d.Tens
             raise InvalidArgument("must be true when set", field="commit")
         return True
     raise InvalidArgument("one of header, chunk or commit is required", field="part")
+
+
+def push_header_from_pb(h: policy_pb2.PushHeader) -> d.PushHeader:
+    specs = tuple(d.TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in h.tensors)
+    base = h.base_version if h.HasField("base_version") else None
+    return d.PushHeader(h.job_id, h.update_id, specs, h.note, base)
 
 
 def push_status_to_pb(s: d.PushStatus) -> policy_pb2.PushStatus:

@@ -37,6 +37,7 @@ _TRAINER_METHODS = frozenset(
         "/tltd.v1.PolicyService/GetPolicy",
         "/tltd.v1.PolicyService/PushPolicy",
         "/tltd.v1.PolicyService/GetPush",
+        "/tltd.v1.PolicyService/OpenBroadcast",
         "/tltd.v1.JobService/CreateJob",
         "/tltd.v1.JobService/GetJob",
         "/tltd.v1.JobService/ListJobs",

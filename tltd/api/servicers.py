@@ -47,6 +47,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     def __init__(self, services: Services) -> None:
         self.svc = services.policy
         self.pushes = services.pushes
+        self.broadcasts = services.broadcasts
 
     async def UpdatePolicy(self, request, context):
         source, path = c.policy_source_from_pb(request)
@@ -62,6 +63,15 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         status, policy = await self.pushes.receive(parts)
         return policy_pb2.PushPolicyResponse(
             status=c.push_status_to_pb(status), policy=c.policy_to_pb(policy) if policy else None
+        )
+
+    async def OpenBroadcast(self, request, context):
+        header = c.push_header_from_pb(request.header)
+        address, port, prefix = await to_thread(
+            self.broadcasts.open, header, request.backend, request.timeout_seconds
+        )
+        return policy_pb2.BroadcastGroup(
+            address=address, port=port, world_size=2, rank=0, prefix=prefix, backend="gloo"
         )
 
     async def GetPush(self, request, context):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tltd.services.admin import AdminService
+from tltd.services.broadcast import BroadcastService
 from tltd.services.drafters import DrafterService
 from tltd.services.jobs import JobService, NewJob
 from tltd.services.node import NodeState
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdminService",
+    "BroadcastService",
     "DrafterService",
     "JobService",
     "NewJob",
@@ -38,6 +40,7 @@ class Services:
     rollouts: RolloutService
     policy: PolicyService
     pushes: PushService
+    broadcasts: BroadcastService
     drafters: DrafterService
     admin: AdminService
     node: NodeState
@@ -52,11 +55,13 @@ def build_services(
     """Without a supervisor (API-only tests) Generate answers UNIMPLEMENTED."""
     node = node or NodeState()
     policy = PolicyService(store, supervisor)
+    pushes = PushService(store, settings, policy)
     return Services(
         jobs=JobService(store, settings, supervisor),
         rollouts=RolloutService(store, settings, node, supervisor),
         policy=policy,
-        pushes=PushService(store, settings, policy),
+        pushes=pushes,
+        broadcasts=BroadcastService(pushes, settings),
         drafters=DrafterService(store),
         admin=AdminService(store, node),
         node=node,

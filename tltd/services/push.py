@@ -214,6 +214,14 @@ class PushService:
         push.received[chunk.name] = max(have, chunk.offset + chunk.length)
         push.touched = time.monotonic()
 
+    def store_tensor(self, push: _Push, name: str, data) -> None:
+        """A whole tensor that arrived by another transport than chunks (a broadcast)."""
+        if len(data) != push.sizes[name]:
+            raise ValueError(f"{name}: {len(data)} bytes, the header says {push.sizes[name]}")
+        push.staging.write(name, 0, data)
+        push.received[name] = push.sizes[name]
+        push.touched = time.monotonic()
+
     def commit(self, push: _Push) -> PolicyVersion:
         """Record the push as the job's next version once every byte is in and the staged
         checkpoint passes UpdatePolicy's checks; nothing of it is visible before."""

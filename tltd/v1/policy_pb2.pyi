@@ -180,3 +180,29 @@ class GetPushRequest(_message.Message):
     job_id: str
     update_id: str
     def __init__(self, job_id: _Optional[str] = ..., update_id: _Optional[str] = ...) -> None: ...
+
+class OpenBroadcastRequest(_message.Message):
+    __slots__ = ("header", "backend", "timeout_seconds")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    backend: str
+    timeout_seconds: float
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class BroadcastGroup(_message.Message):
+    __slots__ = ("address", "port", "world_size", "rank", "prefix", "backend")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    port: int
+    world_size: int
+    rank: int
+    prefix: str
+    backend: str
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., prefix: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...

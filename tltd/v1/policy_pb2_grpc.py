@@ -55,6 +55,11 @@ class PolicyServiceStub:
                 request_serializer=tltd_dot_v1_dot_policy__pb2.GetPushRequest.SerializeToString,
                 response_deserializer=tltd_dot_v1_dot_policy__pb2.PushStatus.FromString,
                 _registered_method=True)
+        self.OpenBroadcast = channel.unary_unary(
+                '/tltd.v1.PolicyService/OpenBroadcast',
+                request_serializer=tltd_dot_v1_dot_policy__pb2.OpenBroadcastRequest.SerializeToString,
+                response_deserializer=tltd_dot_v1_dot_policy__pb2.BroadcastGroup.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -90,6 +95,16 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBroadcast(self, request, context):
+        """The tensors of a push over a torch.distributed group instead of the stream: the daemon
+        opens a group (its TCP store at the returned address), joins it as rank 1 and receives
+        every tensor of the header, in order, broadcast from the trainer (rank 0) into the push's
+        staging file. The trainer then commits with PushPolicy (header, commit), as for a push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +127,11 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.GetPush,
                     request_deserializer=tltd_dot_v1_dot_policy__pb2.GetPushRequest.FromString,
                     response_serializer=tltd_dot_v1_dot_policy__pb2.PushStatus.SerializeToString,
+            ),
+            'OpenBroadcast': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBroadcast,
+                    request_deserializer=tltd_dot_v1_dot_policy__pb2.OpenBroadcastRequest.FromString,
+                    response_serializer=tltd_dot_v1_dot_policy__pb2.BroadcastGroup.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +243,33 @@ class PolicyService:
             '/tltd.v1.PolicyService/GetPush',
             tltd_dot_v1_dot_policy__pb2.GetPushRequest.SerializeToString,
             tltd_dot_v1_dot_policy__pb2.PushStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBroadcast(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tltd.v1.PolicyService/OpenBroadcast',
+            tltd_dot_v1_dot_policy__pb2.OpenBroadcastRequest.SerializeToString,
+            tltd_dot_v1_dot_policy__pb2.BroadcastGroup.FromString,
             options,
             channel_credentials,
             insecure,
