@@ -72,6 +72,9 @@ class Settings:
     # dropped with its staging file (a trainer that died mid-push leaves nothing behind).
     push_idle_seconds: float = 600.0
     push_gc_seconds: float = 60.0
+    # The weights of pushed versions beyond the newest n of a job are deleted when a push is
+    # recorded (each is a whole model on the daemon's disk); 0 = keep them all.
+    push_keep_versions: int = 3
     # Ended requests (with their samples) and events older than this are deleted; 0 = never.
     history_retention_hours: float = 168.0
     history_gc_seconds: float = 3600.0

@@ -81,8 +81,11 @@ class HeldTensors:
     def __init__(self, model_dir: Path) -> None:
         self._where: dict[str, tuple[int, int, str, tuple[int, ...]]] = {}
         self._fds: list[int] = []
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {model_dir} (its weights were deleted?)")
         try:
-            for path in sorted(model_dir.glob("*.safetensors")):
+            for path in files:
                 header = read_safetensors_header(path)
                 with path.open("rb") as f:
                     data_start = 8 + int.from_bytes(f.read(8), "little")

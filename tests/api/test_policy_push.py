@@ -294,3 +294,16 @@ def test_a_broadcast_the_trainer_never_joins_leaves_no_version(daemon, client, j
         )
     assert client.get_job("job").policy_version == 0
     assert pushes.collect(time.monotonic() + pushes.idle_seconds + 1) == ["gone"]
+
+
+def test_pushed_weights_beyond_the_newest_three_versions_are_deleted(client, job):
+    sds = [_weights(job, seed=i, dtype=torch.bfloat16) for i in range(1, 6)]
+    paths = [Path(client.push_policy("job", sd).policy.path) for sd in sds[:4]]
+    assert not paths[0].exists() and all(p.is_dir() for p in paths[1:])
+    assert (job / "model.safetensors").is_file()  # the job's own model is never touched
+    assert [v.version for v in [client.get_policy("job", 1)]] == [1]  # its row stays
+    with fails(C.FAILED_PRECONDITION, "header.base_version: ", "push in full"):
+        client.push_policy("job", sds[4], base_version=1, base_weights=sds[0])
+    got = client.push_policy("job", sds[4], base_version=4, base_weights=sds[3])
+    assert got.policy.version == 5 and _same(_stored(client, 5), sds[4])
+    assert not paths[1].exists() and paths[2].is_dir()

@@ -85,6 +85,7 @@ class PushService:
         self.staging_root = data / "push-staging"
         self.versions_root = data / "policies"
         self.idle_seconds = settings.push_idle_seconds
+        self.keep_versions = settings.push_keep_versions
         self._lock = threading.Lock()
         self._pushes: dict[tuple[str, str], _Push] = {}
 
@@ -257,6 +258,7 @@ class PushService:
             self._pushes.pop(key, None)
         if push.base is not None:
             push.base.close()
+        self._retire_old_versions(h.job_id, version.version)
         log.info(
             "policy pushed",
             extra={"job_id": h.job_id, "version": version.version, "update_id": h.update_id},
@@ -400,6 +402,32 @@ class PushService:
             )
         old = push.base.read(chunk.name, chunk.offset, chunk.length)
         return np.bitwise_xor(np.frombuffer(xor, np.uint8), np.frombuffer(old, np.uint8))
+
+    def _retire_old_versions(self, job_id: str, newest: int) -> list[int]:
+        """Delete the weights of the job's pushed versions beyond the newest `keep_versions`
+        (never a version a push in progress applies a delta to). Their rows stay: a request
+        still on such a version fails to load it, with the reason. Returns their numbers."""
+        if self.keep_versions <= 0:
+            return []
+        with self._lock:
+            bases = {
+                p.header.base_version for (j, _), p in self._pushes.items() if j == job_id
+            }
+        retired = []
+        for v in self.store.list_policy_versions(job_id):
+            path = Path(v.path)
+            if (
+                v.source == "push"
+                and v.version <= newest - self.keep_versions
+                and v.version not in bases
+                and path.parent.parent == self.versions_root
+                and path.is_dir()
+            ):
+                shutil.rmtree(path, ignore_errors=True)
+                retired.append(v.version)
+        if retired:
+            log.info("pushed weights retired", extra={"job_id": job_id, "versions": retired})
+        return retired
 
     def _recorded(self, job_id: str, update_id: str) -> PolicyVersion | None:
         """The version a committed push became (its directory is named after the update id)."""
