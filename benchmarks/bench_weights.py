@@ -126,6 +126,13 @@ class Serve:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def peak_rss_mb(self) -> float:
+        """The daemon process's peak resident memory so far (VmHWM; not its workers)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -194,7 +201,7 @@ def run_size(size: str, work: Path, chunk_bytes: int, worker_max_params: float) 
                 rows.append(
                     dict(size=size, params=params, dtype=dtype, path=path, seconds=seconds,
                          gbps=total / seconds / 1e9, cpu=cpu, gbps_cpu=total / cpu / 1e9,
-                         cpu_trainer=mine, cpu_daemon=its,
+                         cpu_trainer=mine, cpu_daemon=its, daemon_peak_mb=serve.peak_rss_mb(),
                          wire=wire, model_bytes=total, first_request=first)
                 )  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
@@ -248,8 +255,9 @@ def run_size(size: str, work: Path, chunk_bytes: int, worker_max_params: float) 
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | params | dtype | path | s/update | GB/s | CPU s (trainer + daemon) | "
-        "GB per CPU s | wire MB | wire vs full | update start -> first request on it (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "GB per CPU s | wire MB | wire vs full | update start -> first request on it (s) | "
+        "daemon peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         full = next(x for x in rows if x["size"] == r["size"] and x["path"] == "grpc-full")
@@ -259,7 +267,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['size']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {r['path']} | "
             f"{r['seconds']:.2f} | {r['gbps']:.2f} | {r['cpu']:.2f} | {r['gbps_cpu']:.2f} | "
-            f"{wire / 1e6:.1f} | {ratio} | {first} |"
+            f"{wire / 1e6:.1f} | {ratio} | {first} | {r.get('daemon_peak_mb', 0):.0f} |"
         )
     return "\n".join(lines)
 

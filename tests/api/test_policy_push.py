@@ -307,3 +307,12 @@ def test_pushed_weights_beyond_the_newest_three_versions_are_deleted(client, job
     got = client.push_policy("job", sds[4], base_version=4, base_weights=sds[3])
     assert got.policy.version == 5 and _same(_stored(client, 5), sds[4])
     assert not paths[1].exists() and paths[2].is_dir()
+
+
+def test_abandoned_pushes_are_collected_by_a_declared_periodic_job(daemon, store):
+    from tltd.periodic import build_scheduler, drop_abandoned_pushes
+
+    scheduler = build_scheduler(daemon.settings, store, None, pushes=daemon.services.pushes)
+    job = {j.id: j for j in scheduler.get_jobs()}["push-gc"]
+    assert job.func is drop_abandoned_pushes and job.args == (daemon.services.pushes,)
+    assert job.trigger.interval.total_seconds() == daemon.settings.push_gc_seconds
