@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,28 @@ from tltd.v1 import (
     rollout_pb2_grpc,
 )
 from tltd_clients.endpoints import KEEPALIVE, channel_options
-from tltd_clients.errors import from_rpc_error
+from tltd_clients.errors import NotFoundError, from_rpc_error
+from tltd_clients.push import (
+    DEFAULT_CHUNK_BYTES,
+    PushProgress,
+    Weights,
+    header_pb,
+    new_update_id,
+    push_messages,
+)
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+# A push stream that failed with one of these is resumed (what arrived verified stays).
+_RESUMABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 
 
 class ClientTimeout(enum.Enum):
@@ -223,6 +243,134 @@ class TltClient:
     def get_policy(self, job_id: str, version: int | None = None) -> policy_pb2.PolicyVersion:
         req = policy_pb2.GetPolicyRequest(job_id=job_id, version=version)
         return self.call(self.policy.GetPolicy, req)
+
+    def get_push(self, job_id: str, update_id: str) -> policy_pb2.PushStatus:
+        req = policy_pb2.GetPushRequest(job_id=job_id, update_id=update_id)
+        return self.call(self.policy.GetPush, req)
+
+    def push_policy(
+        self,
+        job_id: str,
+        weights: Mapping[str, Any] | str | Path,
+        *,
+        update_id: str | None = None,
+        note: str = "",
+        base_version: int | None = None,
+        base_weights: Mapping[str, Any] | str | Path | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: Callable[[PushProgress], None] | None = None,
+        retries: int = 3,
+        timeout: float | None = None,
+    ) -> policy_pb2.PushPolicyResponse:
+        """Send new policy weights in-band (a state dict of torch tensors with HF names, or a
+        safetensors file or directory): the daemon needs no access to the trainer's disk.
+
+        A stream that breaks (connection lost, daemon busy with another stream of the same
+        push) is resumed up to `retries` times: the daemon says what it holds and only the
+        rest is sent; call again with the same `update_id` to resume later yourself. With
+        `base_version` and `base_weights` (the weights of that version, as the daemon holds
+        them) chunks go as zstd-compressed XOR deltas where that is smaller. Returns the
+        response whose `policy` is the new version."""
+        update_id = update_id or new_update_id()
+        new = Weights(weights)
+        base = Weights(base_weights) if base_weights is not None else None
+        if (base is None) != (base_version is None):
+            raise ValueError("base_version and base_weights go together (a delta needs both)")
+        if base is not None and base.specs != new.specs:
+            raise ValueError("base_weights must hold the same tensors, dtypes and shapes")
+        header = header_pb(job_id, update_id, new, note, base_version)
+        total = sum(len(new.data(n)) for n in new.specs)
+        wire = 0
+        try:
+            for attempt in range(retries + 1):
+                have = self._push_progress(job_id, update_id)
+                if isinstance(have, policy_pb2.PushPolicyResponse):
+                    return have  # a committed push whose answer was lost
+                done = sum(have.values())
+
+                def sent(chunk: policy_pb2.TensorChunk) -> None:
+                    nonlocal done, wire
+                    done, wire = done + chunk.length, wire + len(chunk.data)
+                    if progress is not None:
+                        progress(PushProgress(update_id, done, total, wire))
+
+                messages = push_messages(
+                    header, new, have, base=base, chunk_bytes=chunk_bytes, on_chunk=sent
+                )
+                try:
+                    return self.policy.PushPolicy(
+                        messages, metadata=self._metadata, timeout=timeout
+                    )
+                except grpc.RpcError as exc:
+                    if attempt < retries and exc.code() in _RESUMABLE:
+                        time.sleep(min(2.0, 0.1 * 2**attempt))
+                        continue
+                    raise from_rpc_error(exc) from None
+            raise AssertionError("unreachable")
+        finally:
+            new.close()
+            if base is not None:
+                base.close()
+
+    def broadcast_policy(
+        self,
+        job_id: str,
+        state_dict: Mapping[str, Any],
+        *,
+        update_id: str | None = None,
+        note: str = "",
+        timeout: float = 300.0,
+    ) -> policy_pb2.PushPolicyResponse:
+        """Send new weights (torch tensors with HF names) by a torch.distributed broadcast
+        (gloo): the daemon opens a group, this process joins it as the source (in a process
+        group object of its own: a default group the trainer trains in is untouched), every
+        tensor is broadcast, then the push is committed. Returns the response whose `policy`
+        is the new version."""
+        import datetime
+
+        import torch.distributed as dist
+
+        update_id = update_id or new_update_id()
+        weights = Weights(state_dict)
+        header = header_pb(job_id, update_id, weights, note, None)
+        weights.close()
+        req = policy_pb2.OpenBroadcastRequest(header=header, timeout_seconds=timeout)
+        group = self.call(self.policy.OpenBroadcast, req)
+        wait = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore(group.address, group.port, group.world_size, False, timeout=wait)
+        pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(group.prefix, store), group.rank, group.world_size, wait
+        )
+        opts = dist.BroadcastOptions()
+        opts.rootRank = group.rank
+        for spec in header.tensors:
+            t = state_dict[spec.name].detach().to("cpu").contiguous()
+            pg.broadcast([t], opts).wait()
+        del pg, store
+        # The daemon may still be writing the last tensor: commit once it holds them all.
+        deadline = time.monotonic() + timeout
+        while (status := self.get_push(job_id, update_id)).bytes_received < status.bytes_total:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the daemon holds {status.bytes_received} of {status.bytes_total} bytes "
+                    f"of broadcast {update_id} after {timeout} s (see its log)"
+                )
+            time.sleep(0.02)
+        return self.push_policy(job_id, state_dict, update_id=update_id, retries=30)
+
+    def _push_progress(
+        self, job_id: str, update_id: str
+    ) -> dict[str, int] | policy_pb2.PushPolicyResponse:
+        """Bytes the daemon holds per tensor of a push (none yet: {}), or, for a push already
+        recorded, a response naming its version."""
+        try:
+            status = self.get_push(job_id, update_id)
+        except NotFoundError:
+            return {}
+        if status.version:
+            policy = self.get_policy(job_id, status.version)
+            return policy_pb2.PushPolicyResponse(status=status, policy=policy)
+        return {t.name: t.received for t in status.tensors}
 
     # -- drafters ------------------------------------------------------------------------------
 

@@ -562,6 +562,13 @@ class RolloutClient(_JobBound):
         pb = self._unary("UpdatePolicy", lambda raw: raw.call(raw.policy.UpdatePolicy, req))
         return int(pb.policy.version)
 
+    def push_policy(self, weights: Any, *, job_id: str | None = None, **kwargs: Any) -> int:
+        """Push new weights in-band (a state dict of torch tensors with HF names, or a
+        safetensors file or directory): the daemon needs no access to the trainer's disk.
+        Resumable, optionally a delta (`base_version=`, `base_weights=`); see
+        `TltClient.push_policy` for the keyword arguments. Returns the new policy version."""
+        return int(self.raw.push_policy(self._job(job_id), weights, **kwargs).policy.version)
+
 
 # ---- asyncio -------------------------------------------------------------------------------
 

@@ -116,6 +116,8 @@ class Daemon:
             self.store.reject_candidate_drafters, "evaluation interrupted by a restart"
         )
         await self.supervisor.start()  # re-queues what a crashed daemon left open
+        # Pushes a previous run was receiving cannot resume: their progress was in its memory.
+        await asyncio.to_thread(self.services.pushes.clean_start)
         # `tltctl drain --node`: stop admitting and drain the workers, keep serving reads.
         self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))
         await self.api.start()
@@ -129,6 +131,7 @@ class Daemon:
             self.training,
             on_preemption_notice=lambda: loop.call_soon_threadsafe(self._preemption_notice),
             started_at=self.started_at,
+            pushes=self.services.pushes,
         )
         self.scheduler.start()
         log.info(

@@ -217,7 +217,7 @@ class Sample:
 class PolicyVersion:
     job_id: str
     version: int
-    source: str  # "initial" | "checkpoint" | "tensors" | "nccl"
+    source: str  # "initial" | "checkpoint" | "push" | "nccl"
     path: str
     note: str = ""
     created_at: datetime | None = None
@@ -312,3 +312,57 @@ class Stats:
     tokens_generated: int
     mean_accepted_length: float
     draining: bool
+
+
+# ---- pushed policy weights ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a pushed policy, as stored: safetensors name, dtype and shape."""
+
+    name: str
+    dtype: str  # "F32", "BF16", "F16", "F64"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    """What a push of policy weights will carry; every stream of the push starts with it."""
+
+    job_id: str
+    update_id: str
+    tensors: tuple[TensorSpec, ...]
+    note: str = ""
+    base_version: int | None = None  # delta chunks are XORed onto this version's tensors
+
+
+@dataclass(frozen=True)
+class TensorChunk:
+    """Bytes [offset, offset + length) of one tensor: raw, or zstd(new XOR base) when delta;
+    crc32c is of the new bytes either way."""
+
+    name: str
+    offset: int
+    length: int
+    data: bytes
+    delta: bool
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class PushStatus:
+    """What the daemon holds of a push: verified bytes per tensor; version once recorded."""
+
+    job_id: str
+    update_id: str
+    received: tuple[tuple[str, int, int], ...]  # (name, bytes received, bytes total)
+    version: int = 0
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(r for _, r, _ in self.received)
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(t for _, _, t in self.received)

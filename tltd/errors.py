@@ -47,6 +47,12 @@ class Unimplemented(TltError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
 
+class Aborted(TltError):
+    """A conflict with a concurrent call (retry once it is over)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class Unavailable(TltError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -23,6 +23,7 @@ from tltd.settings import Settings
 if TYPE_CHECKING:
     from tltd.devices import Nvml
     from tltd.drafter_training import DrafterTraining
+    from tltd.services.push import PushService
     from tltd.store import Store
     from tltd.supervisor import Supervisor
 
@@ -98,6 +99,12 @@ def roll_up_metrics(store: Store, metrics: Metrics = METRICS) -> None:
         metrics.set_drafter_version(job.job_id, job.drafter_version)
     for job_id in had_gauges - {job.job_id for job in active}:
         metrics.forget_job(job_id)
+
+
+def drop_abandoned_pushes(pushes: PushService) -> list[str]:
+    """Policy pushes no stream has sent into for `push_idle_seconds` are dropped with their
+    staging files. Returns their update ids."""
+    return pushes.collect()
 
 
 async def reap_workers(supervisor: Supervisor) -> list[str]:
@@ -207,6 +214,7 @@ def build_scheduler(
     training: DrafterTraining | None = None,
     on_preemption_notice: Callable[[], None] | None = None,
     started_at: float | None = None,
+    pushes: PushService | None = None,
 ) -> AsyncIOScheduler:
     """Every periodic job with its trigger. Synchronous bodies (the store is) run in the
     scheduler's thread pool, off the event loop; coroutine bodies (the supervisor's) run on
@@ -261,6 +269,16 @@ def build_scheduler(
             args=(store, settings.history_retention_hours),
             id="history-gc",
             name="ended requests, samples and events past the retention GC",
+            max_instances=1,
+            coalesce=True,
+        )
+    if pushes is not None:
+        scheduler.add_job(
+            drop_abandoned_pushes,
+            IntervalTrigger(seconds=settings.push_gc_seconds),
+            args=(pushes,),
+            id="push-gc",
+            name="abandoned policy pushes GC",
             max_instances=1,
             coalesce=True,
         )

@@ -68,6 +68,13 @@ class Settings:
     training_heartbeat_timeout_seconds: float = 30.0
     drafter_keep_versions: int = 5  # GC keeps the newest n versions + pinned + active
     drafter_gc_seconds: float = 600.0
+    # Pushed policy weights (PushPolicy): a push no stream has sent into for this long is
+    # dropped with its staging file (a trainer that died mid-push leaves nothing behind).
+    push_idle_seconds: float = 600.0
+    push_gc_seconds: float = 60.0
+    # The weights of pushed versions beyond the newest n of a job are deleted when a push is
+    # recorded (each is a whole model on the daemon's disk); 0 = keep them all.
+    push_keep_versions: int = 3
     # Ended requests (with their samples) and events older than this are deleted; 0 = never.
     history_retention_hours: float = 168.0
     history_gc_seconds: float = 3600.0
@@ -129,6 +136,8 @@ _POSITIVE = frozenset(
         "training_heartbeat_timeout_seconds",
         "drafter_gc_seconds",
         "history_gc_seconds",
+        "push_idle_seconds",
+        "push_gc_seconds",
         "max_prompts_per_request",
         "max_samples_per_request",
         "max_prompt_tokens",

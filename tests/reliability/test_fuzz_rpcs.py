@@ -91,6 +91,15 @@ def _templates(ckpt2, tmp) -> dict:
             job_id="fuzz-job", checkpoint=policy_pb2.CheckpointSource(path=str(ckpt2))
         ),
         "GetPolicy": policy_pb2.GetPolicyRequest(job_id="fuzz-job"),
+        "GetPush": policy_pb2.GetPushRequest(job_id="fuzz-job", update_id="fuzz-push"),
+        # One message of a push stream: the header (it announces one of the model's tensors).
+        "PushPolicy": policy_pb2.PushPolicyRequest(
+            header=policy_pb2.PushHeader(
+                job_id="fuzz-job",
+                update_id="fuzz-push",
+                tensors=[policy_pb2.TensorSpec(name="model.norm.weight", dtype="F32", shape=[32])],
+            )
+        ),
         "ListDrafters": drafter_pb2.ListDraftersRequest(job_id="fuzz-job"),
         "GetDrafter": drafter_pb2.GetDrafterRequest(job_id="fuzz-job", version=1),
         "PinDrafter": drafter_pb2.PinDrafterRequest(job_id="fuzz-job", version=0),

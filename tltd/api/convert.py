@@ -384,6 +384,38 @@ def policy_to_pb(p: d.PolicyVersion) -> policy_pb2.PolicyVersion:
     )
 
 
+def push_part_from_pb(pb: policy_pb2.PushPolicyRequest) -> d.PushHeader | d.TensorChunk | bool:
+    """One message of a push stream: its header, a chunk, or True for the commit."""
+    part = pb.WhichOneof("part")
+    if part == "header":
+        return push_header_from_pb(pb.header)
+    if part == "chunk":
+        c = pb.chunk
+        return d.TensorChunk(c.name, c.offset, c.length, c.data, c.delta, c.crc32c)
+    if part == "commit":
+        if not pb.commit:
+            raise InvalidArgument("must be true when set", field="commit")
+        return True
+    raise InvalidArgument("one of header, chunk or commit is required", field="part")
+
+
+def push_header_from_pb(h: policy_pb2.PushHeader) -> d.PushHeader:
+    specs = tuple(d.TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in h.tensors)
+    base = h.base_version if h.HasField("base_version") else None
+    return d.PushHeader(h.job_id, h.update_id, specs, h.note, base)
+
+
+def push_status_to_pb(s: d.PushStatus) -> policy_pb2.PushStatus:
+    return policy_pb2.PushStatus(
+        job_id=s.job_id,
+        update_id=s.update_id,
+        tensors=[policy_pb2.TensorProgress(name=n, received=r, total=t) for n, r, t in s.received],
+        bytes_received=s.bytes_received,
+        bytes_total=s.bytes_total,
+        version=s.version,
+    )
+
+
 def drafter_to_pb(v: d.DrafterVersion) -> drafter_pb2.DrafterVersion:
     return drafter_pb2.DrafterVersion(
         job_id=v.job_id,

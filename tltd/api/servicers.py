@@ -46,6 +46,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     def __init__(self, services: Services) -> None:
         self.svc = services.policy
+        self.pushes = services.pushes
+        self.broadcasts = services.broadcasts
 
     async def UpdatePolicy(self, request, context):
         source, path = c.policy_source_from_pb(request)
@@ -55,6 +57,26 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     async def GetPolicy(self, request, context):
         version = request.version if request.HasField("version") else None
         return c.policy_to_pb(await to_thread(self.svc.get, request.job_id, version))
+
+    async def PushPolicy(self, request_iterator, context):
+        parts = (c.push_part_from_pb(m) async for m in request_iterator)
+        status, policy = await self.pushes.receive(parts)
+        return policy_pb2.PushPolicyResponse(
+            status=c.push_status_to_pb(status), policy=c.policy_to_pb(policy) if policy else None
+        )
+
+    async def OpenBroadcast(self, request, context):
+        header = c.push_header_from_pb(request.header)
+        address, port, prefix = await to_thread(
+            self.broadcasts.open, header, request.backend, request.timeout_seconds
+        )
+        return policy_pb2.BroadcastGroup(
+            address=address, port=port, world_size=2, rank=0, prefix=prefix, backend="gloo"
+        )
+
+    async def GetPush(self, request, context):
+        status = await to_thread(self.pushes.status, request.job_id, request.update_id)
+        return c.push_status_to_pb(status)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):

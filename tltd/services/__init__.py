@@ -6,10 +6,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tltd.services.admin import AdminService
+from tltd.services.broadcast import BroadcastService
 from tltd.services.drafters import DrafterService
 from tltd.services.jobs import JobService, NewJob
 from tltd.services.node import NodeState
 from tltd.services.policy import PolicyService
+from tltd.services.push import PushService
 from tltd.services.rollouts import RolloutService
 from tltd.settings import Settings
 
@@ -19,11 +21,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdminService",
+    "BroadcastService",
     "DrafterService",
     "JobService",
     "NewJob",
     "NodeState",
     "PolicyService",
+    "PushService",
     "RolloutService",
     "Services",
     "build_services",
@@ -35,6 +39,8 @@ class Services:
     jobs: JobService
     rollouts: RolloutService
     policy: PolicyService
+    pushes: PushService
+    broadcasts: BroadcastService
     drafters: DrafterService
     admin: AdminService
     node: NodeState
@@ -48,10 +54,14 @@ def build_services(
 ) -> Services:
     """Without a supervisor (API-only tests) Generate answers UNIMPLEMENTED."""
     node = node or NodeState()
+    policy = PolicyService(store, supervisor)
+    pushes = PushService(store, settings, policy)
     return Services(
         jobs=JobService(store, settings, supervisor),
         rollouts=RolloutService(store, settings, node, supervisor),
-        policy=PolicyService(store, supervisor),
+        policy=policy,
+        pushes=pushes,
+        broadcasts=BroadcastService(pushes, settings),
         drafters=DrafterService(store),
         admin=AdminService(store, node),
         node=node,

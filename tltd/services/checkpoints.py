@@ -161,6 +161,22 @@ def check_model_weights(model_dir: Path, field: str) -> None:
     _check_tensors(headers, cfg, model_dir, field, "its config.json")
 
 
+def check_policy_tensors(tensors: dict[str, dict], model_dir: Path, what: str, field: str) -> None:
+    """InvalidArgument naming `field` unless tensors announced before their bytes ({name:
+    {"dtype", "shape"}}, called `what` in messages) are those the job's model (`model_dir`)
+    loads, each with its shape and a floating-point dtype. A model family the torch engine does
+    not run is left to `check_policy_checkpoint` once the file is whole."""
+    from tltd_workers.engine.transformer import (
+        ModelConfig,  # torch: only the API paths that need it
+    )
+
+    try:
+        cfg = ModelConfig.from_hf(_read_config(model_dir))
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return
+    _check_tensors(tensors, cfg, what, field, "the job's model")
+
+
 def _check_raw_fields(new: dict, old: dict, new_dir: Path, field: str) -> None:
     for new_cfg, old_cfg in ((new, old), (new.get("text_config"), old.get("text_config"))):
         if not isinstance(new_cfg, dict) or not isinstance(old_cfg, dict):
@@ -192,7 +208,7 @@ def _read_headers(model_dir: Path, field: str) -> dict[str, dict]:
 
 
 def _check_tensors(
-    tensors: dict[str, dict], cfg: ModelConfig, new_dir: Path, field: str, model: str
+    tensors: dict[str, dict], cfg: ModelConfig, new_dir: Path | str, field: str, model: str
 ) -> None:
     """Names, shapes and dtypes of a checkpoint against what the engine loads for `cfg` (the
     config of `model`, for messages)."""

@@ -38,8 +38,8 @@ class PolicyService:
             raise InvalidArgument("one of checkpoint, tensors or nccl is required", field="source")
         if source in ("tensors", "nccl"):
             raise Unimplemented(
-                f"policy updates from {source} are not implemented yet; "
-                "push a checkpoint directory (UpdatePolicyRequest.checkpoint) instead"
+                f"policy updates from {source} are not implemented yet; push a checkpoint "
+                "directory (UpdatePolicyRequest.checkpoint) or the tensors (PushPolicy) instead"
             )
         if source != "checkpoint":
             raise InvalidArgument(f"unknown source {source!r}", field="source")
@@ -48,11 +48,16 @@ class PolicyService:
             raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
         resolved = check_model_dir(path, "checkpoint.path", require_weights=True)
         check_policy_checkpoint(resolved, Path(job.model_path), "checkpoint.path")
+        return self.record(job_id, "checkpoint", str(resolved), note)
+
+    def record(self, job_id: str, source: str, path: str, note: str) -> PolicyVersion:
+        """Make the checked checkpoint in `path` the job's next version (every path to a new
+        version ends here: a checkpoint directory, a push)."""
         # Announced to the supervisor around the write, so that a tick which read the jobs
         # before it cannot start drafter training on that stale read (see policy_updates).
         gate = self.supervisor.policy_updates.updating(job_id) if self.supervisor else nullcontext()
         with gate:
-            version = self.store.add_policy_version(job_id, "checkpoint", str(resolved), note=note)
+            version = self.store.add_policy_version(job_id, source, path, note=note)
         if self.supervisor is not None:
             # Idle workers load it now; busy ones once their old-version work is done.
             self.supervisor.kick_threadsafe()

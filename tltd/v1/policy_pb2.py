@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tltd/v1/policy.proto\x12\x07tltd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8c\x01\n\rPolicyVersion\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04note\x18\x06 \x01(\t\" \n\x10\x43heckpointSource\x12\x0c\n\x04path\x18\x01 \x01(\t\"5\n\x0cTensorSource\x12%\n\x07tensors\x18\x01 \x03(\x0b\x32\x14.tltd.v1.NamedTensor\"G\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"a\n\nNcclSource\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x12\n\ngroup_name\x18\x04 \x01(\t\"\xbd\x01\n\x13UpdatePolicyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12/\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x19.tltd.v1.CheckpointSourceH\x00\x12(\n\x07tensors\x18\x03 \x01(\x0b\x32\x15.tltd.v1.TensorSourceH\x00\x12#\n\x04nccl\x18\x04 \x01(\x0b\x32\x13.tltd.v1.NcclSourceH\x00\x12\x0c\n\x04note\x18\x05 \x01(\tB\x08\n\x06source\">\n\x14UpdatePolicyResponse\x12&\n\x06policy\x18\x01 \x01(\x0b\x32\x16.tltd.v1.PolicyVersion\"D\n\x10GetPolicyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x07version\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\n\n\x08_version2\x9c\x01\n\rPolicyService\x12K\n\x0cUpdatePolicy\x12\x1c.tltd.v1.UpdatePolicyRequest\x1a\x1d.tltd.v1.UpdatePolicyResponse\x12>\n\tGetPolicy\x12\x19.tltd.v1.GetPolicyRequest\x1a\x16.tltd.v1.PolicyVersionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tltd/v1/policy.proto\x12\x07tltd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8c\x01\n\rPolicyVersion\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04note\x18\x06 \x01(\t\" \n\x10\x43heckpointSource\x12\x0c\n\x04path\x18\x01 \x01(\t\"5\n\x0cTensorSource\x12%\n\x07tensors\x18\x01 \x03(\x0b\x32\x14.tltd.v1.NamedTensor\"G\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"a\n\nNcclSource\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x12\n\ngroup_name\x18\x04 \x01(\t\"\xbd\x01\n\x13UpdatePolicyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12/\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x19.tltd.v1.CheckpointSourceH\x00\x12(\n\x07tensors\x18\x03 \x01(\x0b\x32\x15.tltd.v1.TensorSourceH\x00\x12#\n\x04nccl\x18\x04 \x01(\x0b\x32\x13.tltd.v1.NcclSourceH\x00\x12\x0c\n\x04note\x18\x05 \x01(\tB\x08\n\x06source\">\n\x14UpdatePolicyResponse\x12&\n\x06policy\x18\x01 \x01(\x0b\x32\x16.tltd.v1.PolicyVersion\"D\n\x10GetPolicyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x07version\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\n\n\x08_version\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\"\x8f\x01\n\nPushHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tupdate_id\x18\x02 \x01(\t\x12$\n\x07tensors\x18\x03 \x03(\x0b\x32\x13.tltd.v1.TensorSpec\x12\x0c\n\x04note\x18\x04 \x01(\t\x12\x19\n\x0c\x62\x61se_version\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_base_version\"h\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x08\x12\x0e\n\x06\x63rc32c\x18\x06 \x01(\r\"{\n\x11PushPolicyRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.tltd.v1.PushHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.tltd.v1.TensorChunkH\x00\x12\x10\n\x06\x63ommit\x18\x03 \x01(\x08H\x00\x42\x06\n\x04part\"?\n\x0eTensorProgress\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08received\x18\x02 \x01(\x04\x12\r\n\x05total\x18\x03 \x01(\x04\"\x97\x01\n\nPushStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tupdate_id\x18\x02 \x01(\t\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.tltd.v1.TensorProgress\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x05 \x01(\x04\x12\x0f\n\x07version\x18\x06 \x01(\x04\"a\n\x12PushPolicyResponse\x12#\n\x06status\x18\x01 \x01(\x0b\x32\x13.tltd.v1.PushStatus\x12&\n\x06policy\x18\x02 \x01(\x0b\x32\x16.tltd.v1.PolicyVersion\"3\n\x0eGetPushRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tupdate_id\x18\x02 \x01(\t\"e\n\x14OpenBroadcastRequest\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.tltd.v1.PushHeader\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"r\n\x0e\x42roadcastGroup\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x0e\n\x06prefix\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t2\xe7\x02\n\rPolicyService\x12K\n\x0cUpdatePolicy\x12\x1c.tltd.v1.UpdatePolicyRequest\x1a\x1d.tltd.v1.UpdatePolicyResponse\x12>\n\tGetPolicy\x12\x19.tltd.v1.GetPolicyRequest\x1a\x16.tltd.v1.PolicyVersion\x12G\n\nPushPolicy\x12\x1a.tltd.v1.PushPolicyRequest\x1a\x1b.tltd.v1.PushPolicyResponse(\x01\x12\x37\n\x07GetPush\x12\x17.tltd.v1.GetPushRequest\x1a\x13.tltd.v1.PushStatus\x12G\n\rOpenBroadcast\x12\x1d.tltd.v1.OpenBroadcastRequest\x1a\x17.tltd.v1.BroadcastGroupb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,6 +48,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPDATEPOLICYRESPONSE']._serialized_end=724
   _globals['_GETPOLICYREQUEST']._serialized_start=726
   _globals['_GETPOLICYREQUEST']._serialized_end=794
-  _globals['_POLICYSERVICE']._serialized_start=797
-  _globals['_POLICYSERVICE']._serialized_end=953
+  _globals['_TENSORSPEC']._serialized_start=796
+  _globals['_TENSORSPEC']._serialized_end=852
+  _globals['_PUSHHEADER']._serialized_start=855
+  _globals['_PUSHHEADER']._serialized_end=998
+  _globals['_TENSORCHUNK']._serialized_start=1000
+  _globals['_TENSORCHUNK']._serialized_end=1104
+  _globals['_PUSHPOLICYREQUEST']._serialized_start=1106
+  _globals['_PUSHPOLICYREQUEST']._serialized_end=1229
+  _globals['_TENSORPROGRESS']._serialized_start=1231
+  _globals['_TENSORPROGRESS']._serialized_end=1294
+  _globals['_PUSHSTATUS']._serialized_start=1297
+  _globals['_PUSHSTATUS']._serialized_end=1448
+  _globals['_PUSHPOLICYRESPONSE']._serialized_start=1450
+  _globals['_PUSHPOLICYRESPONSE']._serialized_end=1547
+  _globals['_GETPUSHREQUEST']._serialized_start=1549
+  _globals['_GETPUSHREQUEST']._serialized_end=1600
+  _globals['_OPENBROADCASTREQUEST']._serialized_start=1602
+  _globals['_OPENBROADCASTREQUEST']._serialized_end=1703
+  _globals['_BROADCASTGROUP']._serialized_start=1705
+  _globals['_BROADCASTGROUP']._serialized_end=1819
+  _globals['_POLICYSERVICE']._serialized_start=1822
+  _globals['_POLICYSERVICE']._serialized_end=2181
 # @@protoc_insertion_point(module_scope)

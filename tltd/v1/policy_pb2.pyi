@@ -88,3 +88,121 @@ class GetPolicyRequest(_message.Message):
     job_id: str
     version: int
     def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("job_id", "update_id", "tensors", "note", "base_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    update_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    note: str
+    base_version: int
+    def __init__(self, job_id: _Optional[str] = ..., update_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., note: _Optional[str] = ..., base_version: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "offset", "length", "data", "delta", "crc32c")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    length: int
+    data: bytes
+    delta: bool
+    crc32c: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ..., delta: _Optional[bool] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class PushPolicyRequest(_message.Message):
+    __slots__ = ("header", "chunk", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: TensorChunk
+    commit: bool
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[bool] = ...) -> None: ...
+
+class TensorProgress(_message.Message):
+    __slots__ = ("name", "received", "total")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    received: int
+    total: int
+    def __init__(self, name: _Optional[str] = ..., received: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class PushStatus(_message.Message):
+    __slots__ = ("job_id", "update_id", "tensors", "bytes_received", "bytes_total", "version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    update_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorProgress]
+    bytes_received: int
+    bytes_total: int
+    version: int
+    def __init__(self, job_id: _Optional[str] = ..., update_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorProgress, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PushPolicyResponse(_message.Message):
+    __slots__ = ("status", "policy")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    status: PushStatus
+    policy: PolicyVersion
+    def __init__(self, status: _Optional[_Union[PushStatus, _Mapping]] = ..., policy: _Optional[_Union[PolicyVersion, _Mapping]] = ...) -> None: ...
+
+class GetPushRequest(_message.Message):
+    __slots__ = ("job_id", "update_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    update_id: str
+    def __init__(self, job_id: _Optional[str] = ..., update_id: _Optional[str] = ...) -> None: ...
+
+class OpenBroadcastRequest(_message.Message):
+    __slots__ = ("header", "backend", "timeout_seconds")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    backend: str
+    timeout_seconds: float
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class BroadcastGroup(_message.Message):
+    __slots__ = ("address", "port", "world_size", "rank", "prefix", "backend")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    port: int
+    world_size: int
+    rank: int
+    prefix: str
+    backend: str
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., prefix: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...

@@ -45,6 +45,21 @@ class PolicyServiceStub:
                 request_serializer=tltd_dot_v1_dot_policy__pb2.GetPolicyRequest.SerializeToString,
                 response_deserializer=tltd_dot_v1_dot_policy__pb2.PolicyVersion.FromString,
                 _registered_method=True)
+        self.PushPolicy = channel.stream_unary(
+                '/tltd.v1.PolicyService/PushPolicy',
+                request_serializer=tltd_dot_v1_dot_policy__pb2.PushPolicyRequest.SerializeToString,
+                response_deserializer=tltd_dot_v1_dot_policy__pb2.PushPolicyResponse.FromString,
+                _registered_method=True)
+        self.GetPush = channel.unary_unary(
+                '/tltd.v1.PolicyService/GetPush',
+                request_serializer=tltd_dot_v1_dot_policy__pb2.GetPushRequest.SerializeToString,
+                response_deserializer=tltd_dot_v1_dot_policy__pb2.PushStatus.FromString,
+                _registered_method=True)
+        self.OpenBroadcast = channel.unary_unary(
+                '/tltd.v1.PolicyService/OpenBroadcast',
+                request_serializer=tltd_dot_v1_dot_policy__pb2.OpenBroadcastRequest.SerializeToString,
+                response_deserializer=tltd_dot_v1_dot_policy__pb2.BroadcastGroup.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -63,6 +78,33 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPolicy(self, request_iterator, context):
+        """Weights sent in-band, in chunks, to a daemon that shares no disk with the trainer. Every
+        stream of a push starts with its header; a broken stream is resumed by a new stream with
+        the same update_id, sending what GetPush says is missing. The version is recorded once a
+        stream ends with `commit` and every tensor has arrived and verified.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPush(self, request, context):
+        """What the daemon holds of a push (NOT_FOUND when nothing: start from the beginning).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenBroadcast(self, request, context):
+        """The tensors of a push over a torch.distributed group instead of the stream: the daemon
+        opens a group (its TCP store at the returned address), joins it as rank 1 and receives
+        every tensor of the header, in order, broadcast from the trainer (rank 0) into the push's
+        staging file. The trainer then commits with PushPolicy (header, commit), as for a push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +117,21 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.GetPolicy,
                     request_deserializer=tltd_dot_v1_dot_policy__pb2.GetPolicyRequest.FromString,
                     response_serializer=tltd_dot_v1_dot_policy__pb2.PolicyVersion.SerializeToString,
+            ),
+            'PushPolicy': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushPolicy,
+                    request_deserializer=tltd_dot_v1_dot_policy__pb2.PushPolicyRequest.FromString,
+                    response_serializer=tltd_dot_v1_dot_policy__pb2.PushPolicyResponse.SerializeToString,
+            ),
+            'GetPush': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPush,
+                    request_deserializer=tltd_dot_v1_dot_policy__pb2.GetPushRequest.FromString,
+                    response_serializer=tltd_dot_v1_dot_policy__pb2.PushStatus.SerializeToString,
+            ),
+            'OpenBroadcast': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBroadcast,
+                    request_deserializer=tltd_dot_v1_dot_policy__pb2.OpenBroadcastRequest.FromString,
+                    response_serializer=tltd_dot_v1_dot_policy__pb2.BroadcastGroup.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +189,87 @@ class PolicyService:
             '/tltd.v1.PolicyService/GetPolicy',
             tltd_dot_v1_dot_policy__pb2.GetPolicyRequest.SerializeToString,
             tltd_dot_v1_dot_policy__pb2.PolicyVersion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPolicy(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tltd.v1.PolicyService/PushPolicy',
+            tltd_dot_v1_dot_policy__pb2.PushPolicyRequest.SerializeToString,
+            tltd_dot_v1_dot_policy__pb2.PushPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tltd.v1.PolicyService/GetPush',
+            tltd_dot_v1_dot_policy__pb2.GetPushRequest.SerializeToString,
+            tltd_dot_v1_dot_policy__pb2.PushStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBroadcast(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tltd.v1.PolicyService/OpenBroadcast',
+            tltd_dot_v1_dot_policy__pb2.OpenBroadcastRequest.SerializeToString,
+            tltd_dot_v1_dot_policy__pb2.BroadcastGroup.FromString,
             options,
             channel_credentials,
             insecure,
