@@ -198,7 +198,9 @@ def test_a_draining_node_hands_the_stream_over(two_daemons, ckpt):
     follow the partial ones, and `generate` returns one complete sample per key, equal to an
     undisturbed run (B re-runs the request: the daemons do not share a database)."""
     a, b = two_daemons
-    params = dict(n=1, temperature=0.0, max_new_tokens=600)  # one sample outlasts the grace
+    # 60 samples of 400 tokens on one worker: the work outlasts the 2 s grace on a quiet
+    # machine too (5 samples of 600 tokens ended inside it there).
+    params = dict(n=12, temperature=0.0, max_new_tokens=400)
     seen: list[RolloutSample] = []
 
     with RolloutClient([a.target, b.target], job_id="job", backoff=FAST) as client:
@@ -211,12 +213,13 @@ def test_a_draining_node_hands_the_stream_over(two_daemons, ckpt):
     assert aborted and all(s.partial for s in aborted)  # A's tokens so far were delivered
     complete = [s for s in seen if s.finish_reason != FinishReason.ABORTED]
     keys = [(s.prompt_index, s.sample_index) for s in complete]
-    assert len(keys) == len(PROMPTS) and len(set(keys)) == len(PROMPTS)  # each once
+    total = len(PROMPTS) * params["n"]
+    assert len(keys) == total and len(set(keys)) == total  # each once
     ref = direct_outputs(ckpt, PROMPTS, SamplingParams(**params))
     assert _by_key(complete) == ref
     assert _by_key(_in_order(seen)) == ref  # what generate() returns: the complete ones
     with TltClient(b.target) as c:
-        assert c.get_request("drained-1").request.samples_done == len(PROMPTS)
+        assert c.get_request("drained-1").request.samples_done == total
 
 
 @pytest.mark.slow
