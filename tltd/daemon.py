@@ -21,7 +21,7 @@ from tltd.drafter_training import DrafterTraining
 from tltd.errors import ConfigError
 from tltd.http.server import HttpServer, build_http_server
 from tltd.metrics import MetricsServer, start_metrics_server
-from tltd.periodic import build_scheduler, refresh_devices, roll_up_metrics
+from tltd.periodic import NodeBeat, build_scheduler, refresh_devices, roll_up_metrics
 from tltd.scheduler import SchedulerConfig
 from tltd.services import NodeState, build_services
 from tltd.settings import Settings
@@ -47,7 +47,7 @@ async def serve(
         # An unreachable or unwritable database is a configuration problem: say so, exit 2.
         shown = make_url(url).render_as_string(hide_password=True)
         raise ConfigError(f"cannot open database {shown}: {exc.__class__.__name__}: {exc}") from exc
-    store = Store(url)
+    store = Store(url, node_id=settings.resolved_node_id)
     try:
         return await _serve_with_store(settings, store, port_file, http_port_file)
     finally:
@@ -106,6 +106,8 @@ class Daemon:
 
     async def start(self) -> None:
         settings, loop = self.settings, asyncio.get_running_loop()
+        # First: the epoch fences every write below that depends on what this node owns.
+        await asyncio.to_thread(self.store.join_node, settings.address, settings.node_down_seconds)
         devices = await asyncio.to_thread(
             refresh_devices, self.store, self.nvml, settings.cpu_slots
         )
@@ -129,6 +131,13 @@ class Daemon:
             self.training,
             on_preemption_notice=lambda: loop.call_soon_threadsafe(self._preemption_notice),
             started_at=self.started_at,
+            node=NodeBeat(
+                self.api.address,
+                on_new_epoch=lambda: asyncio.run_coroutine_threadsafe(
+                    self.supervisor.on_new_epoch(), loop
+                ),
+                on_fenced=lambda: loop.call_soon_threadsafe(self._fenced),
+            ),
         )
         self.scheduler.start()
         log.info(
@@ -150,6 +159,13 @@ class Daemon:
         self.supervisor.start_drain(grace, why)
         if self.training is not None:
             self.training.close(why)  # a SIGTERM later lowers its deadline to the shutdown's
+
+    def _fenced(self) -> None:
+        """Another daemon joined under this node id: this one stops (two processes must never
+        hold one node's work)."""
+        if not self.stop_requested.is_set():
+            log.error("another daemon joined as node %s: stopping", self.store.node_id)
+            self.stop_requested.set()
 
     def _preemption_notice(self) -> None:
         """The preemption notice file appeared: the same shutdown as SIGTERM."""
@@ -187,6 +203,10 @@ class Daemon:
         if self.scheduler is not None:
             self.scheduler.shutdown(wait=True)  # a device refresh in flight finishes first
         await self.supervisor.stop(deadline)
+        try:
+            await asyncio.to_thread(self.store.leave_node)
+        except Exception:  # the database may be what failed; the node then shows DOWN
+            log.warning("cannot record the node as left", exc_info=True)
         if self.metrics is not None:
             self.metrics.stop()
 

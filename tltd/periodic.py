@@ -17,6 +17,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from tltd.devices import discover
 from tltd.domain import OPEN_STATUSES, Device, DrafterStatus, JobStatus
+from tltd.errors import Fenced
 from tltd.metrics import METRICS, Metrics
 from tltd.settings import Settings
 
@@ -199,6 +200,36 @@ def prune_history(store: Store, retention_hours: float) -> tuple[int, int]:
     return requests, events
 
 
+@dataclass
+class NodeBeat:
+    """The node heartbeat job's callbacks (both called from the scheduler's thread)."""
+
+    address: str
+    on_new_epoch: Callable[[], object]  # back after being DOWN: drop the old epoch's work
+    on_fenced: Callable[[], None]  # another daemon joined under this node id
+
+
+def beat_node(store: Store, settings: Settings, beat: NodeBeat) -> int:
+    """Stamp this node's heartbeat (others see it DOWN without one for node_down_seconds);
+    a beat after such a silence takes a new epoch, and what the node ran is dropped."""
+    before = store.epoch
+    try:
+        epoch = store.beat_node(settings.node_down_seconds, beat.address)
+    except Fenced as exc:
+        log.error("node fenced: %s", exc)
+        beat.on_fenced()
+        return before
+    if epoch != before:
+        beat.on_new_epoch()
+    return epoch
+
+
+async def renew_leases(supervisor: Supervisor) -> set[tuple[str, int]]:
+    """Renew the work units this node holds, a third of a lease before it would expire;
+    stop those it lost; follow cancels recorded on other nodes."""
+    return await supervisor.renew_leases()
+
+
 def build_scheduler(
     settings: Settings,
     store: Store,
@@ -207,6 +238,7 @@ def build_scheduler(
     training: DrafterTraining | None = None,
     on_preemption_notice: Callable[[], None] | None = None,
     started_at: float | None = None,
+    node: NodeBeat | None = None,
 ) -> AsyncIOScheduler:
     """Every periodic job with its trigger. Synchronous bodies (the store is) run in the
     scheduler's thread pool, off the event loop; coroutine bodies (the supervisor's) run on
@@ -225,7 +257,26 @@ def build_scheduler(
         max_instances=1,
         coalesce=True,
     )
+    if node is not None:
+        scheduler.add_job(
+            beat_node,
+            IntervalTrigger(seconds=settings.node_heartbeat_seconds),
+            args=(store, settings, node),
+            id="node-heartbeat",
+            name="node heartbeat (epoch fencing)",
+            max_instances=1,
+            coalesce=True,
+        )
     if supervisor is not None:
+        scheduler.add_job(
+            renew_leases,
+            IntervalTrigger(seconds=settings.lease_seconds / 3),
+            args=(supervisor,),
+            id="lease-renewal",
+            name="work unit lease renewal",
+            max_instances=1,
+            coalesce=True,
+        )
         scheduler.add_job(
             reap_workers,
             IntervalTrigger(seconds=max(0.5, 2 * settings.worker_heartbeat_seconds)),

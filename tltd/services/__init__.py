@@ -53,6 +53,6 @@ def build_services(
         rollouts=RolloutService(store, settings, node, supervisor),
         policy=PolicyService(store, supervisor),
         drafters=DrafterService(store),
-        admin=AdminService(store, node),
+        admin=AdminService(store, node, settings.node_down_seconds),
         node=node,
     )
