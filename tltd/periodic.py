@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
@@ -189,9 +190,14 @@ def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, in
 def prune_history(store: Store, retention_hours: float) -> tuple[int, int]:
     """Delete requests (with their samples) that ended more than `retention_hours` ago, and
     events as old: without it the database grows by every rollout's tokens and logprobs.
-    A retry of a pruned request id is a new request."""
+    A retry of a pruned request id is a new request. One node at a time (an advisory lock on
+    PostgreSQL): a node that finds another one pruning skips this run."""
     before = datetime.now(UTC) - timedelta(hours=retention_hours)
-    requests, events = store.prune_history(before)
+    with store.cluster_lock("history-gc") as mine:
+        if not mine:
+            log.debug("history pruning runs on another node")
+            return 0, 0
+        requests, events = store.prune_history(before)
     if requests or events:
         log.info(
             "history pruned",
@@ -258,12 +264,15 @@ def build_scheduler(
         coalesce=True,
     )
     if node is not None:
+        # Its own thread: a heartbeat queued behind busy store calls would make the node DOWN.
+        scheduler.add_executor(ThreadPoolExecutor(1), "node")
         scheduler.add_job(
             beat_node,
             IntervalTrigger(seconds=settings.node_heartbeat_seconds),
             args=(store, settings, node),
             id="node-heartbeat",
             name="node heartbeat (epoch fencing)",
+            executor="node",
             max_instances=1,
             coalesce=True,
         )

@@ -258,3 +258,37 @@ def test_cancel_and_update_policy_on_one_node_act_on_another(cluster: Cluster, c
         ca.update_policy("remote", str(ckpt2))
         [s0, _] = list(cb.generate("remote", [[5, 6, 7]], sampling=_greedy(8), request_id="new"))
         assert s0.policy_version == 1
+
+
+@long_only
+def test_a_drained_node_hands_its_work_to_the_others(cluster: Cluster, ckpt) -> None:
+    """SIGTERM with a short grace on a node that runs work: the other node finishes it,
+    nothing fails."""
+    a = cluster.start("node-a")
+    b = cluster.start("node-b", shutdown_grace_seconds=0.5)
+    with a.client() as c:
+        c.create_job(str(ckpt), job_id="handover")
+    a.wait_workers_ready("handover", n=1, timeout=240)
+    b.wait_workers_ready("handover", n=1, timeout=240)
+    result: dict = {}
+    runner = threading.Thread(
+        target=lambda: result.update(out=_run_batch([a.target], "handover", 8, 2, 240, "h"))
+    )
+    runner.start()
+    wait_until(
+        lambda: cluster.sql(
+            "SELECT count(*) FROM work_units WHERE owner_node = 'node-b' AND state = 'leased'"
+        )[0][0] > 0,
+        timeout=240, what="node-b holds work",
+    )  # fmt: skip
+    with b.client() as cb:  # its worker runs the units (not only claimed)
+        wait_until(
+            lambda: any(w.state == "busy" for w in cb.list_workers()), timeout=60, what="busy"
+        )
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.wait(60) == 0
+    runner.join(600)
+    assert all(len(s) == 4 and not any(x.partial for x in s) for s in result["out"].values())
+    assert cluster.sql("SELECT DISTINCT status FROM rollout_requests") == [("completed",)]
+    assert _duplicates(cluster) == 0
+    assert any("handed to the other nodes" in r.get("msg", "") for r in b.logs())

@@ -221,3 +221,48 @@ def test_nodes_are_down_after_a_missed_heartbeat_and_back_with_a_new_epoch(
             a2.close()
     finally:
         a.close()
+
+
+@pytest.mark.postgres
+def test_cluster_wide_job_runs_on_one_node_at_a_time(pg_store: Store) -> None:
+    from tltd.periodic import prune_history
+
+    a, b = _node(pg_store, "a"), _node(pg_store, "b")
+    _requests(pg_store, 1, 1)
+    pg_store.set_request_status("r0000", RequestStatus.CANCELLED, "old")
+    try:
+        with a.cluster_lock("history-gc") as mine:
+            assert mine
+            with b.cluster_lock("history-gc") as theirs:
+                assert not theirs  # not waited for: skipped
+            assert prune_history(b, retention_hours=1e-9) == (0, 0)
+            assert b.get_request("r0000").status is RequestStatus.CANCELLED
+        with b.cluster_lock("history-gc") as theirs:
+            assert theirs  # released at the end of a's block
+        time.sleep(0.01)
+        requests, _ = prune_history(b, retention_hours=1e-9)
+        assert requests == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_cancel_ends_the_units_no_node_holds(store: Store) -> None:
+    _requests(store, 1, 2)
+    a = _node(store, "a")
+    try:
+        [held] = a.claim_units(capacity=2, lease_seconds=LONG_LEASE)  # prompt 0 only
+        assert held.prompt_index == 0
+        store.set_request_status("r0000", RequestStatus.CANCELLED, "stop")
+        assert store.end_queued_units("r0000", FinishReason.CANCELLED, "stop") == 1
+        req, open_units, samples, _ = store.stream_state("r0000", 0)
+        assert open_units == 1  # a's unit: a ends it
+        assert {(s.prompt_index, s.finish_reason, s.partial) for s in samples} == {
+            (1, FinishReason.CANCELLED, True)
+        }
+        for i in range(SAMPLING.n):
+            a.add_sample(Sample("r0000", 0, i, (), (), FinishReason.CANCELLED, partial=True))
+        req, left = a.finish_unit("r0000", 0, RequestStatus.CANCELLED, "stop")
+        assert left == 0 and req.status is RequestStatus.CANCELLED
+    finally:
+        a.close()

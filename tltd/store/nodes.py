@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
-from sqlalchemy import case, select, update
+from sqlalchemy import case, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -113,6 +114,25 @@ class NodeRegistry:
         self.epoch = int(epoch)
         return self.epoch
 
+    @contextmanager
+    def cluster_lock(self, name: str) -> Iterator[bool]:
+        """Hold PostgreSQL's session advisory lock `name` for the block if no other node
+        holds it (yields False then, without waiting): a cluster-wide periodic job runs on
+        one node at a time. SQLite has one node: always True."""
+        if self.dialect != "postgresql":
+            yield True
+            return
+        key = _lock_key(name)
+        with self.engine.connect() as conn:  # type: ignore[attr-defined]
+            held = bool(conn.scalar(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}))
+            conn.commit()
+            try:
+                yield held
+            finally:
+                if held:
+                    conn.scalar(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                    conn.commit()
+
     def leave_node(self) -> None:
         """A clean shutdown: the node is LEFT (not DOWN) until it joins again."""
         with self._tx() as s:
@@ -132,6 +152,12 @@ class NodeRegistry:
                 _node(row, (now - row.heartbeat_at).total_seconds(), down_seconds)
                 for row in s.scalars(select(NodeRow).order_by(NodeRow.node_id))
             ]
+
+
+def _lock_key(name: str) -> int:
+    """A stable signed 64-bit key per job name (advisory locks take a bigint)."""
+    digest = hashlib.sha256(f"tltd:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def _node(row: NodeRow, age: float, down_seconds: float) -> Node:

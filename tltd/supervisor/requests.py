@@ -188,18 +188,23 @@ class RolloutRequests:
         for rid, p in sorted(units):
             self._writes.write_nowait(self.store.release_unit, rid, p)
 
-    def lose_units(self, lost: set[tuple[str, int]]) -> list[tuple[str, str]]:
+    def lose_units(
+        self, lost: set[tuple[str, int]], why: str = "unit lease lost"
+    ) -> list[tuple[str, str]]:
         """Units whose lease this node lost (expired, taken over, an old epoch): forget them,
         writing nothing (the store would refuse it). Returns (worker, request) pairs whose
         samples must be cancelled on the worker; the caller also releases the request's other
         units here, since a worker cancels by request."""
         cancels = []
         for rid, p in sorted(lost):
+            live = self.queue.get(rid)
+            if live is None or p not in live.units:
+                continue  # recorded done meanwhile (the renewal read the queue before)
             if (rid, p) in self._finalizing:
                 continue  # being recorded: that write is fenced or lands, either way it ends
             for wid in self.queue.drop_unit(rid, p):
                 cancels.append((wid, rid))
-            log.warning("unit lease lost", extra={"request_id": rid, "prompt_index": p})
+            log.warning(why, extra={"request_id": rid, "prompt_index": p})
         return cancels
 
     # ---- samples that end without a worker's report --------------------------------------------

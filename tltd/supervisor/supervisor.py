@@ -93,8 +93,8 @@ class Supervisor:
         self.models.switch_backend = self.workers.switch_backend
         self.fair_share = FairShare()  # tokens served per job; a job waking from idle lifted
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
-        self._drain = NodeDrain(self.queue, self.requests, self.workers)
         self.leases = UnitLeases(store, settings, self.requests, self.handles, self._close)
+        self._drain = NodeDrain(self.queue, self.requests, self.workers, self.leases)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None

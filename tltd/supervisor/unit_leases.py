@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from tltd.domain import ENDED_STATUSES, FinishReason, NodeStatus, RequestStatus
@@ -40,6 +41,7 @@ class UnitLeases:
         self._close = close  # closes a live request (a cancel or failure decided elsewhere)
         self.claim_soon = True  # a request was just stored here: claim at the next tick
         self._last_claim = 0.0
+        self._renewer = ThreadPoolExecutor(1, thread_name_prefix="lease-renewal")
 
     def free_capacity(self) -> int:
         """Samples this node's ready workers could take beyond what they run and what waits."""
@@ -79,6 +81,22 @@ class UnitLeases:
             await self.requests.take_claims(claims, refuse)
         return len(claims)
 
+    def hand_over(self) -> int:
+        """A draining node with others up gives them every unit it holds: its workers cancel
+        what runs (their late samples are fenced, not stored), the units go back to the
+        queue, and another node re-runs their missing samples. Returns the units."""
+        units = {(live.request_id, p) for live in self.queue for p in live.units}
+        for wid, rid in self.requests.lose_units(units, "unit handed to the other nodes"):
+            handle = self.handles.get(wid)
+            if handle is not None:
+                handle.send(msg.Cancel(rid))
+        self.requests.release(units)
+        return len(units)
+
+    def others_up(self) -> bool:
+        """Another node is up (its heartbeat younger than node_down_seconds)."""
+        return self._others_up()
+
     def _others_up(self) -> bool:
         nodes = self.store.list_nodes(self.settings.node_down_seconds)
         return any(n.status is NodeStatus.UP and n.node_id != self.store.node_id for n in nodes)
@@ -88,7 +106,10 @@ class UnitLeases:
         node may run them now) and close requests ended elsewhere (a cancel on another node).
         Returns the units lost."""
         held = {(live.request_id, p) for live in self.queue for p in live.units}
-        renewed = await asyncio.to_thread(self.store.renew_leases, self.settings.lease_seconds)
+        # Its own thread: a renewal queued behind busy store calls could let leases lapse.
+        renewed = await asyncio.get_running_loop().run_in_executor(
+            self._renewer, self.store.renew_leases, self.settings.lease_seconds
+        )
         lost = held - renewed
         if lost:
             self.stop(lost)
