@@ -27,6 +27,7 @@ from tltd.services import NodeState, build_services
 from tltd.settings import Settings
 from tltd.store import Store
 from tltd.store.migrate import upgrade
+from tltd.store.notifications import Listener
 from tltd.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class Daemon:
             build_http_server(settings, self.services) if settings.http_enabled else None
         )
         self.scheduler: AsyncIOScheduler | None = None
+        self.listener: Listener | None = None
         self.metrics: MetricsServer | None = None
         self.stop_requested = asyncio.Event()  # what `serve` waits for before `shutdown`
         self.started_at = time.time()  # wall clock: a preemption notice file older is stale
@@ -118,6 +120,11 @@ class Daemon:
             self.store.reject_candidate_drafters, "evaluation interrupted by a restart"
         )
         await self.supervisor.start()  # re-queues what a crashed daemon left open
+        if self.store.dialect == "postgresql":  # other nodes' samples, cancels and new work
+            self.listener = Listener(
+                self.store.url,
+                lambda ch, rid: loop.call_soon_threadsafe(self.supervisor.on_notify, ch, rid),
+            ).start()
         # `tltctl drain --node`: stop admitting and drain the workers, keep serving reads.
         self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))
         await self.api.start()
@@ -203,6 +210,8 @@ class Daemon:
         if self.scheduler is not None:
             self.scheduler.shutdown(wait=True)  # a device refresh in flight finishes first
         await self.supervisor.stop(deadline)
+        if self.listener is not None:
+            await asyncio.to_thread(self.listener.stop)
         try:
             await asyncio.to_thread(self.store.leave_node)
         except Exception:  # the database may be what failed; the node then shows DOWN

@@ -235,7 +235,11 @@ def test_cancel_and_update_policy_on_one_node_act_on_another(cluster: Cluster, c
     a.wait_workers_ready("remote", n=1, timeout=240)
     b.wait_workers_ready("remote", n=1, timeout=240)
     with a.client() as ca, b.client() as cb:
-        ca.cordon("cpu:0", "runs nothing: the work goes to node-b")
+        # Through node-b: node-a's device, named NODE/DEVICE, takes no more work.
+        assert cb.cordon("node-a/cpu:0", "the work goes to node-b").cordoned
+        wait_until(
+            lambda: all(w.state != "busy" for w in ca.list_workers()), timeout=30, what="idle"
+        )
         got: list = []
         sampling = rollout_pb2.SamplingParams(n=2, temperature=1.0, max_new_tokens=200, seed=3)
         t = threading.Thread(

@@ -100,4 +100,9 @@ class AdminService:
 
     @staticmethod
     def _check_device_id(device_id: str) -> None:
-        check_id(device_id, "device_id")
+        """DEVICE on this node, or NODE/DEVICE on any node of the database: its daemon reads
+        the flags at its next scheduling tick."""
+        node, slash, device = device_id.rpartition("/")
+        if slash:
+            check_id(node, "device_id")
+        check_id(device, "device_id")

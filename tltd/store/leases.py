@@ -19,6 +19,7 @@ from tltd.domain import ENDED_STATUSES, FinishReason, RequestStatus, RolloutRequ
 from tltd.errors import Fenced, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_now
+from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import switch_status
 from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
@@ -138,6 +139,7 @@ class WorkLeases:
                     .select_from(wu)
                     .where(wu.request_id == rid, wu.state == LEASED)
                 )
+                notify(s, WORK, rid)
                 if req is not None and req.status == RequestStatus.RUNNING and not running:
                     why = f"daemon restarted: {units} units of node {self.node_id} re-queued"
                     switch_status(s, "request", rid, req, RequestStatus.QUEUED, why)
@@ -153,6 +155,8 @@ class WorkLeases:
                 .where(self._held(s))
                 .values(state=QUEUED, owner_node=None, lease_expires_at=None, updated_at=utcnow())
             )
+            if result.rowcount:  # type: ignore[attr-defined]
+                notify(s, WORK, request_id)
             return bool(result.rowcount)  # type: ignore[attr-defined]
 
     def check_held(self, s: Session, request_id: str, prompt_index: int) -> None:
@@ -204,6 +208,7 @@ class WorkLeases:
                 if req.status == RequestStatus.QUEUED and status is RequestStatus.COMPLETED:
                     switch_status(s, "request", request_id, req, RequestStatus.RUNNING, "resumed")
                 switch_status(s, "request", request_id, req, status, why)
+                notify(s, REQUEST, request_id)
             s.flush()
             return convert.request_from_row(req), left
 

@@ -36,6 +36,7 @@ from tltd.store import convert
 from tltd.store.database import WRITE_OPTION, make_engine
 from tltd.store.leases import WorkLeases
 from tltd.store.nodes import NodeRegistry
+from tltd.store.notifications import REQUEST, SAMPLE, WORK, notify
 from tltd.store.status import check_transition, record_event, switch_status
 from tltd.store.tables import (
     DeviceRow,
@@ -131,7 +132,9 @@ class Store(NodeRegistry, WorkLeases):
         return row
 
     def _device_row(self, s: Session, device_id: str) -> DeviceRow:
-        row = s.get(DeviceRow, (self.node_id, device_id))
+        """This node's device, or another node's as "NODE/DEVICE" (device ids have no "/")."""
+        node, _, device = device_id.rpartition("/")
+        row = s.get(DeviceRow, (node or self.node_id, device))
         if row is None:
             raise NotFound(f"device {device_id!r} not found", field="device_id")
         return row
@@ -339,6 +342,7 @@ class Store(NodeRegistry, WorkLeases):
                 record_event(
                     s, "request", req.request_id, "", RequestStatus.QUEUED, "submitted", at=now
                 )
+                notify(s, WORK, req.request_id)
                 s.flush()
                 return convert.request_from_row(row), True
         except IntegrityError:
@@ -385,7 +389,8 @@ class Store(NodeRegistry, WorkLeases):
     ) -> RolloutRequest:
         with self._tx() as s:
             row = self._request_row(s, request_id, lock=True)
-            switch_status(s, "request", request_id, row, new, reason)
+            if switch_status(s, "request", request_id, row, new, reason):
+                notify(s, REQUEST, request_id)  # streams and the nodes running it look now
             return convert.request_from_row(row)
 
     def add_sample(self, sample: Sample) -> bool:
@@ -443,6 +448,7 @@ class Store(NodeRegistry, WorkLeases):
                 if not sample.partial:
                     req.samples_done += 1
                 req.updated_at = now
+                notify(s, SAMPLE, sample.request_id)
                 return True
         except IntegrityError:
             # Only a concurrent insert of the same key gets here (PostgreSQL locks the

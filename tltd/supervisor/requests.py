@@ -40,7 +40,9 @@ _FINAL_RETRY_FIRST, _FINAL_RETRY_MAX = 0.1, 5.0
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """What a Generate stream receives: a stored sample, or (sample None) the request's end."""
+    """What a Generate stream receives: a stored sample, or (sample None) a reason to read
+    the store again: the request's end here (status set), or a notification from another
+    node (status None)."""
 
     sample: Sample | None = None
     status: RequestStatus | None = None

@@ -38,6 +38,7 @@ from tltd.domain import (
 from tltd.metrics import METRICS
 from tltd.scheduler import Assignment, Decision, SchedulerConfig, schedule
 from tltd.settings import Settings
+from tltd.store import notifications
 from tltd.supervisor.drain import NodeDrain
 from tltd.supervisor.fair_share import FairShare, active_jobs
 from tltd.supervisor.model_planner import ModelPlanner
@@ -218,6 +219,19 @@ class Supervisor:
         cancelled = status is RequestStatus.CANCELLED
         finish = FinishReason.CANCELLED if cancelled else FinishReason.ABORTED
         await self.requests.finish_unstarted(live, keys, finish, reason)
+
+    def on_notify(self, channel: str, request_id: str) -> None:
+        """A notification from another node (event loop): streams of the request re-read the
+        store, a request ended elsewhere stops here, new work is claimed soon."""
+        if self._closed:
+            return
+        if channel in (notifications.SAMPLE, notifications.REQUEST):
+            self.requests.publish(request_id, StreamEvent())  # a wake-up: re-read the store
+        if channel == notifications.REQUEST:
+            self._spawn(self.leases.follow(request_id))
+        elif channel == notifications.WORK:
+            self.leases.claim_soon = True
+            self.kick()
 
     def kick(self) -> None:
         if self._kick is not None:

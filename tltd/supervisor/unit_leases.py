@@ -121,6 +121,16 @@ class UnitLeases:
                 await self._close(rid, RequestStatus(status), reason)
         return lost
 
+    async def follow(self, request_id: str) -> None:
+        """A request ended on another node (a notification): close it here if it runs here."""
+        live = self.queue.get(request_id)
+        if live is None or live.outcome is not None:
+            return
+        statuses = await asyncio.to_thread(self.store.request_statuses, [request_id])
+        status, reason = statuses.get(request_id, ("", ""))
+        if status in ENDED_STATUSES:
+            await self._close(request_id, RequestStatus(status), reason)
+
     def stop(self, lost: set[tuple[str, int]]) -> None:
         """Forget lost units; a worker running samples of one cancels its request's samples
         (workers cancel by request), so every other unit of it held here is given back."""
