@@ -45,6 +45,7 @@ def upgrade() -> None:
         sa.Column("request_id", sa.String(length=128), nullable=False),
         sa.Column("prompt_index", sa.Integer(), nullable=False),
         sa.Column("samples", sa.Integer(), nullable=False),
+        sa.Column("priority", sa.BigInteger(), nullable=False),
         sa.Column("state", sa.String(length=32), nullable=False),
         sa.Column("owner_node", sa.String(length=128), nullable=True),
         sa.Column("owner_epoch", sa.BigInteger(), nullable=False),
@@ -88,13 +89,16 @@ def _units_for_open_requests() -> None:
         sa.column("prompts", sa.JSON()),
         sa.column("n", sa.Integer()),
         sa.column("status", sa.String()),
+        sa.column("job_id", sa.String()),
         sa.column("created_at", UTCDateTime()),
     )
+    jobs = sa.table("jobs", sa.column("job_id", sa.String()), sa.column("priority", sa.BigInteger()))
     units = sa.table(
         "work_units",
         sa.column("request_id", sa.String()),
         sa.column("prompt_index", sa.Integer()),
         sa.column("samples", sa.Integer()),
+        sa.column("priority", sa.BigInteger()),
         sa.column("state", sa.String()),
         sa.column("owner_epoch", sa.BigInteger()),
         sa.column("attempts", sa.Integer()),
@@ -104,7 +108,9 @@ def _units_for_open_requests() -> None:
     )
     now = datetime.now(UTC)
     rows = bind.execute(
-        sa.select(requests).where(requests.c.status.in_(["queued", "running"]))
+        sa.select(requests, jobs.c.priority)
+        .join(jobs, jobs.c.job_id == requests.c.job_id)
+        .where(requests.c.status.in_(["queued", "running"]))
     ).all()
     values = []
     for r in rows:
@@ -112,7 +118,8 @@ def _units_for_open_requests() -> None:
         for p in range(len(prompts)):
             values.append(
                 dict(
-                    request_id=r.request_id, prompt_index=p, samples=r.n, state="queued",
+                    request_id=r.request_id, prompt_index=p, samples=r.n,
+                    priority=r.priority, state="queued",
                     owner_epoch=0, attempts=0, reason="", created_at=r.created_at or now,
                     updated_at=now,
                 )

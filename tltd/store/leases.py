@@ -61,10 +61,10 @@ class WorkLeases:
             return []
         wu, now = WorkUnitRow, db_now(self.dialect)
         claimable = or_(wu.state == QUEUED, and_(wu.state == LEASED, wu.lease_expires_at < now))
-        order = (wu.created_at, wu.request_id, wu.prompt_index)
+        order = (wu.priority.desc(), wu.created_at, wu.request_id, wu.prompt_index)
         # Each unit holds at least one sample: `capacity` rows bound what can fit.
         cand = (
-            select(wu.request_id, wu.prompt_index, wu.samples, wu.created_at)
+            select(wu.request_id, wu.prompt_index, wu.samples, wu.priority, wu.created_at)
             .where(claimable)
             .order_by(*order)
             .limit(capacity)
@@ -73,7 +73,12 @@ class WorkLeases:
         )
         before = (
             func.sum(cand.c.samples).over(
-                order_by=(cand.c.created_at, cand.c.request_id, cand.c.prompt_index)
+                order_by=(
+                    cand.c.priority.desc(),
+                    cand.c.created_at,
+                    cand.c.request_id,
+                    cand.c.prompt_index,
+                )
             )
             - cand.c.samples
         )

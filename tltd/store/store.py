@@ -330,6 +330,7 @@ class Store(NodeRegistry, WorkLeases):
                         request_id=req.request_id,
                         prompt_index=p,
                         samples=req.sampling.n,
+                        priority=job.priority,
                         state="queued",
                         owner_epoch=0,
                         attempts=0,

@@ -213,6 +213,7 @@ class WorkUnitRow(Base):
     )
     prompt_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     samples: Mapped[int] = mapped_column(Integer)  # the request's n: the claim's size
+    priority: Mapped[int] = mapped_column(BigInteger, default=0)  # the job's: claimed first
     state: Mapped[str] = mapped_column(STATUS)  # "queued" | "leased" | "done" | "failed"
     owner_node: Mapped[str | None] = mapped_column(ID, nullable=True, index=True)
     owner_epoch: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -164,9 +164,13 @@ class Supervisor:
         return self._drain.started
 
     def _refusal(self, job_id: str, policy_version: int) -> tuple[FinishReason, str] | None:
-        """Why a request made live now could never run, if it could not."""
+        """Why a unit claimed now could never run, if it could not."""
         if self._drain.started:
             return FinishReason.ABORTED, f"drained: {self._drain.why}"
+        return self._version_refusal(job_id, policy_version)
+
+    def _version_refusal(self, job_id: str, policy_version: int) -> tuple[FinishReason, str] | None:
+        """A policy version that failed to load here fails its units at once."""
         if (why := self.models.refusal(job_id, policy_version)) is not None:
             return FinishReason.FAILED, why
         return None
@@ -286,9 +290,10 @@ class Supervisor:
         devices, jobs = await asyncio.to_thread(self._read_state)
         self.workers.reconcile(devices, self.draining)
         await self.models.plan(self.handles, self.queue, jobs)
-        # A draining node still claims while it is alone: its refusal then ends what is queued.
-        await self.leases.claim(self._refusal, draining=self._drain.started)
-        if not self._drain.assigning:
+        if self._drain.assigning:  # (also in a drain's grace: alone, the node runs its work)
+            await self.leases.claim(self._version_refusal, draining=self._drain.started)
+        else:  # after the grace, alone: what is still queued ends "drained" (nobody else runs it)
+            await self.leases.claim(self._refusal, draining=True, everything=True)
             return None
         accounts = self.fair_share.accounts(jobs.values(), active_jobs(self.queue))
         snap = build_snapshot(

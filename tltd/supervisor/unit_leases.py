@@ -41,6 +41,7 @@ class UnitLeases:
         self._close = close  # closes a live request (a cancel or failure decided elsewhere)
         self.claim_soon = True  # a request was just stored here: claim at the next tick
         self._last_claim = 0.0
+        self._others: tuple[float, bool] = (-1e9, False)  # (when read, another node up)
         self._renewer = ThreadPoolExecutor(1, thread_name_prefix="lease-renewal")
 
     def free_capacity(self) -> int:
@@ -57,22 +58,24 @@ class UnitLeases:
     async def claim(
         self,
         refuse: Callable[[str, int], tuple[FinishReason, str] | None],
+        *,
         draining: bool = False,
+        everything: bool = False,
     ) -> int:
         """Claim what fits (at most every `claim_interval_seconds`, sooner after a local
-        submit); returns the units claimed. A draining node claims nothing while another node
-        is up to run the work; alone, it claims every queued unit, and `refuse` ends them
-        (nobody else would)."""
+        submit); returns the units claimed. With other nodes up, a node claims what its free
+        capacity fits, so that work spreads; alone, it claims every queued unit, so that its
+        scheduler's priorities and fair share see all the work. A draining node claims nothing
+        while another node is up to run the work; alone, it goes on claiming during the grace
+        and then (`everything`) ends what is queued through `refuse`: nobody else would."""
         now = time.monotonic()
         if not self.claim_soon and now - self._last_claim < self.settings.claim_interval_seconds:
             return 0
-        if draining:
+        others = await asyncio.to_thread(self.others_up)
+        if draining and others:
             self._last_claim, self.claim_soon = now, False
-            if await asyncio.to_thread(self._others_up):
-                return 0
-            free = _ALL
-        else:
-            free = self.free_capacity()
+            return 0
+        free = _ALL if everything or not others else self.free_capacity()
         if free <= 0:
             return 0
         self._last_claim, self.claim_soon = now, False
@@ -94,8 +97,12 @@ class UnitLeases:
         return len(units)
 
     def others_up(self) -> bool:
-        """Another node is up (its heartbeat younger than node_down_seconds)."""
-        return self._others_up()
+        """Another node is up (its heartbeat younger than node_down_seconds); read at most
+        once per heartbeat period."""
+        now = time.monotonic()
+        if now - self._others[0] >= self.settings.node_heartbeat_seconds:
+            self._others = (now, self._others_up())
+        return self._others[1]
 
     def _others_up(self) -> bool:
         nodes = self.store.list_nodes(self.settings.node_down_seconds)
