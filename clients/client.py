@@ -423,6 +423,9 @@ class TltClient:
         req = admin_pb2.DrainRequest(device_id=device_id, node=node, grace_seconds=grace_seconds)
         return list(self.call(self.admin.Drain, req).devices)
 
+    def list_nodes(self) -> list[admin_pb2.Node]:
+        return list(self.call(self.admin.ListNodes, admin_pb2.ListNodesRequest()).nodes)
+
     def stats(self) -> admin_pb2.Stats:
         return self.call(self.admin.GetStats, admin_pb2.GetStatsRequest())
 

@@ -263,6 +263,21 @@ def devices(obj: _Ctx) -> None:
     )
 
 
+@cli.command()
+@_output_option
+@pass_ctx
+def nodes(obj: _Ctx) -> None:
+    """Every daemon on the shared database: DOWN when its heartbeat is too old."""
+    ns = obj.client.list_nodes()
+    rows = [(n.node_id, n.address, n.state, n.epoch, f"{n.heartbeat_age_seconds:.1f}s") for n in ns]
+    _emit(
+        obj,
+        [_dict(n) for n in ns],
+        ("NODE", "ADDRESS", "STATE", "EPOCH", "HEARTBEAT AGE"),
+        rows,
+    )
+
+
 def _flags(d: admin_pb2.Device) -> str:
     flags = [
         name

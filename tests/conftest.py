@@ -140,3 +140,15 @@ def ckpt2(tmp_path_factory):
     from tests.rollout.support import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("ckpt2") / "policy", seed=1)
+
+
+@pytest.fixture
+def pg_store(migrated_pg_url) -> Iterator[Store]:
+    """A Store on the session's migrated PostgreSQL database, emptied first (several nodes
+    share one database only on PostgreSQL)."""
+    _empty_all_tables(migrated_pg_url)
+    s = Store(migrated_pg_url)
+    try:
+        yield s
+    finally:
+        s.close()

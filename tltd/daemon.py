@@ -21,12 +21,13 @@ from tltd.drafter_training import DrafterTraining
 from tltd.errors import ConfigError
 from tltd.http.server import HttpServer, build_http_server
 from tltd.metrics import MetricsServer, start_metrics_server
-from tltd.periodic import build_scheduler, refresh_devices, roll_up_metrics
+from tltd.periodic import NodeBeat, build_scheduler, refresh_devices, roll_up_metrics
 from tltd.scheduler import SchedulerConfig
 from tltd.services import NodeState, build_services
 from tltd.settings import Settings
 from tltd.store import Store
 from tltd.store.migrate import upgrade
+from tltd.store.notifications import Listener
 from tltd.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ async def serve(
         # An unreachable or unwritable database is a configuration problem: say so, exit 2.
         shown = make_url(url).render_as_string(hide_password=True)
         raise ConfigError(f"cannot open database {shown}: {exc.__class__.__name__}: {exc}") from exc
-    store = Store(url)
+    store = Store(url, node_id=settings.resolved_node_id)
     try:
         return await _serve_with_store(settings, store, port_file, http_port_file)
     finally:
@@ -100,12 +101,15 @@ class Daemon:
             build_http_server(settings, self.services) if settings.http_enabled else None
         )
         self.scheduler: AsyncIOScheduler | None = None
+        self.listener: Listener | None = None
         self.metrics: MetricsServer | None = None
         self.stop_requested = asyncio.Event()  # what `serve` waits for before `shutdown`
         self.started_at = time.time()  # wall clock: a preemption notice file older is stale
 
     async def start(self) -> None:
         settings, loop = self.settings, asyncio.get_running_loop()
+        # First: the epoch fences every write below that depends on what this node owns.
+        await asyncio.to_thread(self.store.join_node, settings.address, settings.node_down_seconds)
         devices = await asyncio.to_thread(
             refresh_devices, self.store, self.nvml, settings.cpu_slots
         )
@@ -118,6 +122,11 @@ class Daemon:
         await self.supervisor.start()  # re-queues what a crashed daemon left open
         # Pushes a previous run was receiving cannot resume: their progress was in its memory.
         await asyncio.to_thread(self.services.pushes.clean_start)
+        if self.store.dialect == "postgresql":  # other nodes' samples, cancels and new work
+            self.listener = Listener(
+                self.store.url,
+                lambda ch, rid: loop.call_soon_threadsafe(self.supervisor.on_notify, ch, rid),
+            ).start()
         # `tltctl drain --node`: stop admitting and drain the workers, keep serving reads.
         self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))
         await self.api.start()
@@ -132,6 +141,13 @@ class Daemon:
             on_preemption_notice=lambda: loop.call_soon_threadsafe(self._preemption_notice),
             started_at=self.started_at,
             pushes=self.services.pushes,
+            node=NodeBeat(
+                self.api.address,
+                on_new_epoch=lambda: asyncio.run_coroutine_threadsafe(
+                    self.supervisor.on_new_epoch(), loop
+                ),
+                on_fenced=lambda: loop.call_soon_threadsafe(self._fenced),
+            ),
         )
         self.scheduler.start()
         log.info(
@@ -153,6 +169,13 @@ class Daemon:
         self.supervisor.start_drain(grace, why)
         if self.training is not None:
             self.training.close(why)  # a SIGTERM later lowers its deadline to the shutdown's
+
+    def _fenced(self) -> None:
+        """Another daemon joined under this node id: this one stops (two processes must never
+        hold one node's work)."""
+        if not self.stop_requested.is_set():
+            log.error("another daemon joined as node %s: stopping", self.store.node_id)
+            self.stop_requested.set()
 
     def _preemption_notice(self) -> None:
         """The preemption notice file appeared: the same shutdown as SIGTERM."""
@@ -190,6 +213,12 @@ class Daemon:
         if self.scheduler is not None:
             self.scheduler.shutdown(wait=True)  # a device refresh in flight finishes first
         await self.supervisor.stop(deadline)
+        if self.listener is not None:
+            await asyncio.to_thread(self.listener.stop)
+        try:
+            await asyncio.to_thread(self.store.leave_node)
+        except Exception:  # the database may be what failed; the node then shows DOWN
+            log.warning("cannot record the node as left", exc_info=True)
         if self.metrics is not None:
             self.metrics.stop()
 

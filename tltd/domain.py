@@ -93,6 +93,12 @@ class WorkerState(enum.StrEnum):
     FAILED = "failed"
 
 
+class NodeStatus(enum.StrEnum):
+    UP = "up"
+    DOWN = "down"  # its heartbeat is older than the threshold (not stored: read from the age)
+    LEFT = "left"  # shut down cleanly
+
+
 class Role(enum.StrEnum):
     TRAINER = "trainer"
     ADMIN = "admin"
@@ -283,6 +289,19 @@ class Worker:
     state_reason: str = ""
     started_at: datetime | None = None
     last_heartbeat: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Node:
+    """One daemon on the shared database."""
+
+    node_id: str
+    address: str
+    status: NodeStatus
+    epoch: int  # incremented by every start: the node's fencing token
+    heartbeat_age_seconds: float  # by the database's clock
+    heartbeat_at: datetime | None = None
+    started_at: datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,11 @@ class FailedPrecondition(TltError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Fenced(FailedPrecondition):
+    """A write that depends on ownership came from a node that no longer owns the thing (its
+    lease expired or was taken over, or its epoch is not the current one): it changed nothing."""
+
+
 class ResourceExhausted(TltError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -12,11 +12,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from tltd.devices import discover
 from tltd.domain import OPEN_STATUSES, Device, DrafterStatus, JobStatus
+from tltd.errors import Fenced
 from tltd.metrics import METRICS, Metrics
 from tltd.settings import Settings
 
@@ -195,15 +197,50 @@ def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, in
 def prune_history(store: Store, retention_hours: float) -> tuple[int, int]:
     """Delete requests (with their samples) that ended more than `retention_hours` ago, and
     events as old: without it the database grows by every rollout's tokens and logprobs.
-    A retry of a pruned request id is a new request."""
+    A retry of a pruned request id is a new request. One node at a time (an advisory lock on
+    PostgreSQL): a node that finds another one pruning skips this run."""
     before = datetime.now(UTC) - timedelta(hours=retention_hours)
-    requests, events = store.prune_history(before)
+    with store.cluster_lock("history-gc") as mine:
+        if not mine:
+            log.debug("history pruning runs on another node")
+            return 0, 0
+        requests, events = store.prune_history(before)
     if requests or events:
         log.info(
             "history pruned",
             extra={"requests": requests, "events": events, "retention_hours": retention_hours},
         )
     return requests, events
+
+
+@dataclass
+class NodeBeat:
+    """The node heartbeat job's callbacks (both called from the scheduler's thread)."""
+
+    address: str
+    on_new_epoch: Callable[[], object]  # back after being DOWN: drop the old epoch's work
+    on_fenced: Callable[[], None]  # another daemon joined under this node id
+
+
+def beat_node(store: Store, settings: Settings, beat: NodeBeat) -> int:
+    """Stamp this node's heartbeat (others see it DOWN without one for node_down_seconds);
+    a beat after such a silence takes a new epoch, and what the node ran is dropped."""
+    before = store.epoch
+    try:
+        epoch = store.beat_node(settings.node_down_seconds, beat.address)
+    except Fenced as exc:
+        log.error("node fenced: %s", exc)
+        beat.on_fenced()
+        return before
+    if epoch != before:
+        beat.on_new_epoch()
+    return epoch
+
+
+async def renew_leases(supervisor: Supervisor) -> set[tuple[str, int]]:
+    """Renew the work units this node holds, a third of a lease before it would expire;
+    stop those it lost; follow cancels recorded on other nodes."""
+    return await supervisor.renew_leases()
 
 
 def build_scheduler(
@@ -215,6 +252,7 @@ def build_scheduler(
     on_preemption_notice: Callable[[], None] | None = None,
     started_at: float | None = None,
     pushes: PushService | None = None,
+    node: NodeBeat | None = None,
 ) -> AsyncIOScheduler:
     """Every periodic job with its trigger. Synchronous bodies (the store is) run in the
     scheduler's thread pool, off the event loop; coroutine bodies (the supervisor's) run on
@@ -233,7 +271,29 @@ def build_scheduler(
         max_instances=1,
         coalesce=True,
     )
+    if node is not None:
+        # Its own thread: a heartbeat queued behind busy store calls would make the node DOWN.
+        scheduler.add_executor(ThreadPoolExecutor(1), "node")
+        scheduler.add_job(
+            beat_node,
+            IntervalTrigger(seconds=settings.node_heartbeat_seconds),
+            args=(store, settings, node),
+            id="node-heartbeat",
+            name="node heartbeat (epoch fencing)",
+            executor="node",
+            max_instances=1,
+            coalesce=True,
+        )
     if supervisor is not None:
+        scheduler.add_job(
+            renew_leases,
+            IntervalTrigger(seconds=settings.lease_seconds / 3),
+            args=(supervisor,),
+            id="lease-renewal",
+            name="work unit lease renewal",
+            max_instances=1,
+            coalesce=True,
+        )
         scheduler.add_job(
             reap_workers,
             IntervalTrigger(seconds=max(0.5, 2 * settings.worker_heartbeat_seconds)),

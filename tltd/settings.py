@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -12,6 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from tltd.errors import ConfigError
+
+
+def default_node_id() -> str:
+    """The host name: one daemon per node."""
+    return socket.gethostname() or "localhost"
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,15 @@ class Settings:
     # Ended requests (with their samples) and events older than this are deleted; 0 = never.
     history_retention_hours: float = 168.0
     history_gc_seconds: float = 3600.0
+    # Several nodes on one PostgreSQL database (docs/reliability.md). node_id: empty -> the
+    # host name. A node whose heartbeat is older than node_down_seconds is DOWN; a unit's
+    # lease lasts lease_seconds (renewed every third of it) by the database's clock.
+    node_id: str = ""
+    node_heartbeat_seconds: float = 1.0
+    node_down_seconds: float = 10.0
+    lease_seconds: float = 10.0
+    claim_interval_seconds: float = 0.5  # how often a node with free capacity claims work
+    stream_poll_seconds: float = 0.5  # a Generate stream reads the store this often
     # Limits
     max_prompts_per_request: int = 1024
     max_samples_per_request: int = 4096
@@ -113,6 +128,10 @@ class Settings:
         return Path(self.data_dir) / "drafters" / job_id / "versions"
 
     @property
+    def resolved_node_id(self) -> str:
+        return self.node_id or default_node_id()
+
+    @property
     def is_loopback(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127.")
 
@@ -138,6 +157,11 @@ _POSITIVE = frozenset(
         "history_gc_seconds",
         "push_idle_seconds",
         "push_gc_seconds",
+        "node_heartbeat_seconds",
+        "node_down_seconds",
+        "lease_seconds",
+        "claim_interval_seconds",
+        "stream_poll_seconds",
         "max_prompts_per_request",
         "max_samples_per_request",
         "max_prompt_tokens",
@@ -295,6 +319,10 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
             raise ConfigError(
                 f"{name} must be at least 3 x worker_heartbeat_seconds ({3 * beat:g}s)"
             )
+    if settings.node_down_seconds < 3 * settings.node_heartbeat_seconds:
+        raise ConfigError("node_down_seconds must be at least 3 x node_heartbeat_seconds")
+    if len(settings.node_id) > 128:
+        raise ConfigError("node_id must be at most 128 characters")
     if settings.drafter_keep_versions < 1:
         raise ConfigError("drafter_keep_versions must be >= 1")
     if settings.max_sample_attempts < 1:

@@ -3,7 +3,8 @@
 Pure data structure (no I/O, no asyncio, no clock): the supervisor owns one and calls it from
 the event loop only. Every sample of a live request is in exactly one place: pending (waiting
 for a worker), running (on a worker) or finished (stored: complete, partial, cancelled or
-failed). A request is done when every sample is finished.
+failed). A request is live here for the prompts (work units) this node claimed; a unit is
+complete when every one of its samples is finished.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class LiveRequest:
     policy_version: int  # every sample runs on this version (see `tltd.supervisor.model_planner`)
     enqueued_at: float
     pending: dict[int, list[int]]  # prompt index -> sample indices waiting for a worker
+    units: set[int] = field(default_factory=set)  # prompt indices claimed by this node
     running: dict[Key, str] = field(default_factory=dict)  # -> worker id
     finished: set[Key] = field(default_factory=set)
     failed: int = 0  # finished with FinishReason.FAILED
@@ -42,7 +44,14 @@ class LiveRequest:
 
     @property
     def done(self) -> bool:
-        return len(self.finished) == self.req.samples_total
+        """Every sample of every unit held here is finished."""
+        return all(self.unit_complete(p) for p in self.units)
+
+    def unit_complete(self, prompt_index: int) -> bool:
+        return all((prompt_index, s) in self.finished for s in range(self.req.sampling.n))
+
+    def complete_units(self) -> list[int]:
+        return sorted(p for p in self.units if self.unit_complete(p))
 
     def pending_keys(self) -> list[Key]:
         return [(p, s) for p, idx in sorted(self.pending.items()) for s in idx]
@@ -63,21 +72,49 @@ class WorkQueue:
         return self._live.get(request_id)
 
     def add(
-        self, req: RolloutRequest, policy_version: int, finished: set[Key], now: float
+        self,
+        req: RolloutRequest,
+        policy_version: int,
+        finished: set[Key],
+        now: float,
+        units: set[int] | None = None,
     ) -> tuple[LiveRequest, bool]:
-        """Make a request live with every sample not in `finished` pending; idempotent: a
-        request already live is returned as is (False)."""
+        """Make the prompts `units` (default: all) of a request live, every sample of them not
+        in `finished` pending; True when the request was not live. A unit already live is
+        left as it is."""
         live = self._live.get(req.request_id)
-        if live is not None:
-            return live, False
-        pending: dict[int, list[int]] = {}
-        for p in range(len(req.prompts)):
-            todo = [s for s in range(req.sampling.n) if (p, s) not in finished]
+        created = live is None
+        if live is None:
+            live = LiveRequest(req, policy_version, now, {})
+            self._live[req.request_id] = live
+        for p in sorted(set(range(len(req.prompts))) if units is None else units):
+            if p in live.units:
+                continue
+            live.units.add(p)
+            done = {(p, s) for s in range(req.sampling.n) if (p, s) in finished}
+            live.finished |= done
+            todo = [s for s in range(req.sampling.n) if (p, s) not in done]
             if todo:
-                pending[p] = todo
-        live = LiveRequest(req, policy_version, now, pending, finished=set(finished))
-        self._live[req.request_id] = live
-        return live, True
+                live.pending[p] = todo
+        return live, created
+
+    def drop_unit(self, request_id: str, prompt_index: int) -> list[str]:
+        """Forget a unit (finished and recorded, or its lease lost); the request goes when
+        it has no unit left. Returns the workers still running samples of it."""
+        live = self._live.get(request_id)
+        if live is None or prompt_index not in live.units:
+            return []
+        live.units.discard(prompt_index)
+        live.pending.pop(prompt_index, None)
+        workers = []
+        for key in [k for k in live.running if k[0] == prompt_index]:
+            wid = live.running.pop(key)
+            self._by_worker.get(wid, set()).discard((request_id, key))
+            workers.append(wid)
+        live.finished = {k for k in live.finished if k[0] != prompt_index}
+        if not live.units:
+            self.remove(request_id)
+        return sorted(set(workers))
 
     def remove(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -127,7 +164,7 @@ class WorkQueue:
         `failed_error` is not None for a sample that finished FAILED.
         """
         live = self._live.get(request_id)
-        if live is None or key in live.finished:
+        if live is None or key in live.finished or key[0] not in live.units:
             return None
         wid = live.running.pop(key, None)
         if wid is not None:

@@ -199,3 +199,16 @@ def test_error_boundary(ctl, capsys, monkeypatch):
     monkeypatch.setattr("tltd_clients.client.TltClient.stats", refuse)
     code, out, err = ctl("status")
     assert code == 2 and out == "" and err.startswith("tltctl: invalid input: Value out of range")
+
+
+def test_nodes(ctl, auth_daemon):
+    """A node that joined the database shows up in `tltctl nodes` (`tltd serve` joins at
+    start; this API-only daemon joins here)."""
+    auth_daemon.store.join_node("127.0.0.1:1", down_seconds=30.0)
+    code, out, err = ctl("nodes")
+    assert code == 0 and err == "" and "NODE" in out and "EPOCH" in out
+    code, out, _ = ctl("nodes", "-o", "json")
+    [node] = json.loads(out)
+    assert node["state"] == "up" and int(node["epoch"]) >= 1
+    assert node["node_id"] == auth_daemon.store.node_id
+    assert node["heartbeat_age_seconds"] < 30

@@ -256,15 +256,16 @@ def test_a_store_error_on_the_final_status_is_retried_before_the_stream_ends(
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(1)
-            real, failures = sqlite_store.set_request_status, []
+            # The unit's record is the write that ends the request (its last unit).
+            real, failures = sqlite_store.finish_unit, []
 
-            def flaky(request_id, status, *args, **kwargs):
-                if request_id == "r" and status is RequestStatus.COMPLETED and len(failures) < 2:
-                    failures.append(status)
-                    raise OperationalError("UPDATE rollout_requests", {}, Exception("locked"))
-                return real(request_id, status, *args, **kwargs)
+            def flaky(request_id, *args, **kwargs):
+                if request_id == "r" and len(failures) < 2:
+                    failures.append(request_id)
+                    raise OperationalError("UPDATE work_units", {}, Exception("locked"))
+                return real(request_id, *args, **kwargs)
 
-            sqlite_store.set_request_status = flaky
+            sqlite_store.finish_unit = flaky
             s = sampling(n=2, max_new_tokens=8)
             out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r", timeout=30))
             assert len(out) == 2 and len(failures) == 2

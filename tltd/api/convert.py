@@ -477,6 +477,17 @@ def worker_to_pb(w: d.Worker) -> admin_pb2.Worker:
     )
 
 
+def node_to_pb(n: d.Node) -> admin_pb2.Node:
+    return admin_pb2.Node(
+        node_id=n.node_id,
+        address=n.address,
+        state=n.status.value,
+        epoch=n.epoch,
+        heartbeat_age_seconds=n.heartbeat_age_seconds,
+        started_at=ts(n.started_at),
+    )
+
+
 def stats_to_pb(s: d.Stats) -> admin_pb2.Stats:
     return admin_pb2.Stats(
         version=s.version,

@@ -152,6 +152,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def GetStats(self, request, context):
         return c.stats_to_pb(await to_thread(self.svc.stats))
 
+    async def ListNodes(self, request, context):
+        nodes = await to_thread(self.svc.list_nodes)
+        return admin_pb2.ListNodesResponse(nodes=[c.node_to_pb(n) for n in nodes])
+
 
 def add_servicers(server, services: Services) -> list[str]:
     """Register every tltd service on `server`; returns their full names (for health/reflection)."""

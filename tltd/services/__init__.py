@@ -63,6 +63,6 @@ def build_services(
         pushes=pushes,
         broadcasts=BroadcastService(pushes, settings),
         drafters=DrafterService(store),
-        admin=AdminService(store, node),
+        admin=AdminService(store, node, settings.node_down_seconds),
         node=node,
     )

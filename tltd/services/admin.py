@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import tltd
-from tltd.domain import Device, Stats, Worker
+from tltd.domain import Device, Node, Stats, Worker
 from tltd.errors import InvalidArgument
 from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text
@@ -15,9 +15,14 @@ if TYPE_CHECKING:
 
 
 class AdminService:
-    def __init__(self, store: Store, node: NodeState) -> None:
+    def __init__(self, store: Store, node: NodeState, down_seconds: float = 10.0) -> None:
         self.store = store
         self.node = node
+        self.down_seconds = down_seconds  # settings.node_down_seconds
+
+    def list_nodes(self) -> list[Node]:
+        """Every daemon on the database; DOWN when its heartbeat is older than the threshold."""
+        return self.store.list_nodes(self.down_seconds)
 
     def list_devices(self) -> list[Device]:
         return self.store.list_devices()
@@ -95,4 +100,9 @@ class AdminService:
 
     @staticmethod
     def _check_device_id(device_id: str) -> None:
-        check_id(device_id, "device_id")
+        """DEVICE on this node, or NODE/DEVICE on any node of the database: its daemon reads
+        the flags at its next scheduling tick."""
+        node, slash, device = device_id.rpartition("/")
+        if slash:
+            check_id(node, "device_id")
+        check_id(device, "device_id")

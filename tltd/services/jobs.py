@@ -14,6 +14,7 @@ from tltd.domain import (
     OPEN_STATUSES,
     Backend,
     DrafterVersion,
+    FinishReason,
     Job,
     JobStatus,
     RequestStatus,
@@ -187,6 +188,7 @@ class JobService:
                 if self.store.get_request(req.request_id).status in OPEN_STATUSES:
                     raise
                 continue
+            self.store.end_queued_units(req.request_id, FinishReason.CANCELLED, why)
             if self.supervisor is not None:
                 self.supervisor.cancel_threadsafe(req.request_id, why)
         return job

@@ -14,6 +14,7 @@ from tltd.domain import (
     Backend,
     Device,
     DeviceState,
+    FinishReason,
     Job,
     JobStatus,
     LogprobMode,
@@ -83,6 +84,7 @@ class RolloutService:
             self.supervisor is not None
             and not any(d.schedulable for d in devices)
             and not self._is_retry(req)  # a retry attaches
+            and not self.supervisor.leases.others_up()  # another node runs it
         ):
             # Accepted, it would wait with nothing to run it (e.g. devices still flagged by a
             # node drain before a restart): say so, and how to bring a device back.
@@ -96,14 +98,18 @@ class RolloutService:
     async def generate(
         self, req: RolloutRequest, speculative: SpeculativeMode | None = None
     ) -> AsyncIterator[Sample]:
-        """Stream every sample of the request as it finishes (each stored before it is sent).
+        """Stream every sample of the request as it is stored, whichever node runs it.
 
-        The request is persisted (QUEUED) before anything runs. A retry with the same
-        request_id attaches to the same work: the samples already stored come first, then the
-        live ones, and nothing runs twice. A request runs on the job's policy version current
-        at its acceptance. The stream ends after the last sample; a request that ends FAILED
-        (drained, or a sample that could not be produced) ends the stream with UNAVAILABLE
-        naming the reason, after its partial samples.
+        The request is persisted (QUEUED, one work unit per prompt) before anything runs; any
+        node claims its units. A retry with the same request_id, on this node or another,
+        attaches to the same work: the samples already stored come first, then the others as
+        they are stored, each once, and nothing runs twice. Samples stored on this node
+        arrive at once; those stored elsewhere are read from the store every
+        `stream_poll_seconds`. A partial sample is sent once the request has ended (until
+        then it may still be run again). A request runs on the job's policy version current
+        at its acceptance. The stream ends once the request has ended and none of its units
+        is open; a request that ends FAILED ends the stream with UNAVAILABLE naming the
+        reason, after its partial samples.
         """
         # The store is synchronous: keep its I/O off the event loop.
         req = await asyncio.to_thread(self.prepare, req, speculative)
@@ -113,49 +119,53 @@ class RolloutService:
         if req.sampling.seed is None:
             req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
         rid = req.request_id
-        # Subscribe before reading what is stored: a sample is stored before it is published,
-        # so each one is either in the read below or arrives on the subscription (or both).
+        # Subscribe before anything is stored: a sample stored here is then either read from
+        # the store or received on the subscription (or both).
         events = sup.subscribe(rid)
         try:
             # Admission runs to its end even when the caller goes away (deadline, disconnect):
-            # a request once stored is always made live, never left QUEUED with no work.
-            stored, created = await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
-            # Samples the live request still runs: a stored version of one is not final (a
-            # partial one left by a drain before a restart runs again, and its complete sample
-            # replaces it). Each of them arrives on the subscription when it finishes. Taken
-            # before the store read: a sample finishing in between is in both. A request this
-            # call created had nothing stored before the subscription: no read.
-            running = sup.unfinished(rid)
+            # a request once stored is always claimable.
+            await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
             seen: set[tuple[int, int]] = set()
-            before = [] if created else await asyncio.to_thread(self.store.list_samples, rid)
-            for sample in before:
-                key = (sample.prompt_index, sample.sample_index)
-                if key in running:
-                    continue
-                seen.add(key)
-                yield sample
-            if stored.status in ENDED_STATUSES:
-                _end(rid, stored.status, stored.status_reason)
-                return
+            cursor, poll = 0, self.settings.stream_poll_seconds
             while True:
-                event = await events.get()
-                if event.sample is None:
-                    _end(rid, event.status, event.reason)
+                cur, open_units, samples, cursor = await asyncio.to_thread(
+                    self.store.stream_state, rid, cursor
+                )
+                ended = cur.status in ENDED_STATUSES and open_units == 0
+                if ended:  # everything final now, also partial samples read before
+                    samples = await asyncio.to_thread(self.store.list_samples, rid)
+                for sample in samples:
+                    key = (sample.prompt_index, sample.sample_index)
+                    if key not in seen and (ended or not sample.partial):
+                        seen.add(key)
+                        yield sample
+                if ended:
+                    _end(rid, cur.status, cur.status_reason)
                     return
-                key = (event.sample.prompt_index, event.sample.sample_index)
-                if key not in seen:
-                    seen.add(key)
-                    yield event.sample
+                # Samples stored here arrive at once; a request's end too; the rest is polled.
+                deadline = asyncio.get_running_loop().time() + poll
+                while True:
+                    left = deadline - asyncio.get_running_loop().time()
+                    try:
+                        event = await asyncio.wait_for(events.get(), max(0.0, left))
+                    except TimeoutError:
+                        break
+                    if event.sample is None:
+                        break
+                    key = (event.sample.prompt_index, event.sample.sample_index)
+                    if key not in seen and not event.sample.partial:
+                        seen.add(key)
+                        yield event.sample
         finally:
             sup.unsubscribe(rid, events)
 
     async def _admit(self, req: RolloutRequest, sup: Supervisor) -> tuple[RolloutRequest, bool]:
-        """Store the request (idempotent) and hand it to the supervisor; True when this call
-        created it."""
+        """Store the request (idempotent) and ask for its units to be claimed; True when this
+        call created it."""
         stored, created = await asyncio.to_thread(self.store.create_request, req)
         if stored.status not in ENDED_STATUSES:
-            # The version recorded at acceptance: a retry after a policy update stays on it.
-            await sup.submit(stored, stored.policy_version, created=created)
+            await sup.submit(stored)
         return stored, created
 
     def _is_retry(self, req: RolloutRequest) -> bool:
@@ -196,6 +206,8 @@ class RolloutService:
             )
         reason = reason or "cancelled by caller"
         req = self.store.set_request_status(request_id, RequestStatus.CANCELLED, reason)
+        # Units no node holds end here; a node running one stops it at its next renewal.
+        self.store.end_queued_units(request_id, FinishReason.CANCELLED, reason)
         if self.supervisor is not None:
             self.supervisor.cancel_threadsafe(request_id, reason)
         return req

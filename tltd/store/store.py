@@ -31,8 +31,12 @@ from tltd.domain import (
     WorkerState,
 )
 from tltd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from tltd.settings import default_node_id
 from tltd.store import convert
 from tltd.store.database import WRITE_OPTION, make_engine
+from tltd.store.leases import WorkLeases
+from tltd.store.nodes import NodeRegistry
+from tltd.store.notifications import REQUEST, SAMPLE, WORK, notify
 from tltd.store.status import check_transition, record_event, switch_status
 from tltd.store.tables import (
     DeviceRow,
@@ -43,6 +47,7 @@ from tltd.store.tables import (
     RolloutRequestRow,
     SampleRow,
     WorkerRow,
+    WorkUnitRow,
     utcnow,
 )
 
@@ -64,11 +69,16 @@ def _flags(row: DeviceRow) -> str:
     return "+".join(names) or "schedulable"
 
 
-class Store:
-    """All persistent state of the daemon; tables come from `tltd.store.migrate.upgrade`."""
+class Store(NodeRegistry, WorkLeases):
+    """All persistent state of the daemon; tables come from `tltd.store.migrate.upgrade`.
 
-    def __init__(self, url: str) -> None:
+    `node_id` names the node whose devices and workers this store reads and writes (default:
+    the host name); `epoch` is set when the node joins (`join_node`)."""
+
+    def __init__(self, url: str, node_id: str = "") -> None:
         self.url = url
+        self.node_id = node_id or default_node_id()
+        self.epoch = 0
         self.engine = make_engine(url)
         self._reader = sessionmaker(self.engine, expire_on_commit=False)
         # Writers announce themselves so that SQLite takes its write lock at BEGIN.
@@ -121,16 +131,16 @@ class Store:
             )
         return row
 
-    @staticmethod
-    def _device_row(s: Session, device_id: str) -> DeviceRow:
-        row = s.get(DeviceRow, device_id)
+    def _device_row(self, s: Session, device_id: str) -> DeviceRow:
+        """This node's device, or another node's as "NODE/DEVICE" (device ids have no "/")."""
+        node, _, device = device_id.rpartition("/")
+        row = s.get(DeviceRow, (node or self.node_id, device))
         if row is None:
             raise NotFound(f"device {device_id!r} not found", field="device_id")
         return row
 
-    @staticmethod
-    def _worker_row(s: Session, worker_id: str) -> WorkerRow:
-        row = s.get(WorkerRow, worker_id)
+    def _worker_row(self, s: Session, worker_id: str) -> WorkerRow:
+        row = s.get(WorkerRow, (self.node_id, worker_id))
         if row is None:
             raise NotFound(f"worker {worker_id!r} not found", field="worker_id")
         return row
@@ -314,9 +324,26 @@ class Store:
                 row.policy_version = job.policy_version
                 row.created_at = row.updated_at = now
                 s.add(row)
+                # One work unit per prompt: what nodes claim (tltd.store.leases).
+                s.add_all(
+                    WorkUnitRow(
+                        request_id=req.request_id,
+                        prompt_index=p,
+                        samples=req.sampling.n,
+                        priority=job.priority,
+                        state="queued",
+                        owner_epoch=0,
+                        attempts=0,
+                        reason="",
+                        created_at=now,
+                        updated_at=now,
+                    )  # fmt: skip
+                    for p in range(len(req.prompts))
+                )
                 record_event(
                     s, "request", req.request_id, "", RequestStatus.QUEUED, "submitted", at=now
                 )
+                notify(s, WORK, req.request_id)
                 s.flush()
                 return convert.request_from_row(row), True
         except IntegrityError:
@@ -363,7 +390,8 @@ class Store:
     ) -> RolloutRequest:
         with self._tx() as s:
             row = self._request_row(s, request_id, lock=True)
-            switch_status(s, "request", request_id, row, new, reason)
+            if switch_status(s, "request", request_id, row, new, reason):
+                notify(s, REQUEST, request_id)  # streams and the nodes running it look now
             return convert.request_from_row(row)
 
     def add_sample(self, sample: Sample) -> bool:
@@ -395,6 +423,8 @@ class Store:
                     raise InvalidArgument(
                         f"{sample.sample_index} out of range for n={req.n}", field="sample_index"
                     )
+                if self.epoch:  # a joined node writes only into units it holds
+                    self.check_held(s, sample.request_id, sample.prompt_index)
                 existing = s.scalar(
                     select(SampleRow).where(
                         SampleRow.request_id == sample.request_id,
@@ -419,6 +449,7 @@ class Store:
                 if not sample.partial:
                     req.samples_done += 1
                 req.updated_at = now
+                notify(s, SAMPLE, sample.request_id)
                 return True
         except IntegrityError:
             # Only a concurrent insert of the same key gets here (PostgreSQL locks the
@@ -611,13 +642,15 @@ class Store:
         # Long on purpose: one transaction (insert, update, vanish) must see one snapshot.
         with self._tx() as s:
             now = utcnow()
-            rows = {r.device_id: r for r in s.scalars(select(DeviceRow)).all()}
+            mine = select(DeviceRow).where(DeviceRow.node_id == self.node_id)
+            rows = {r.device_id: r for r in s.scalars(mine).all()}
             seen = set()
             for d in devices:
                 seen.add(d.device_id)
                 row = rows.get(d.device_id)
                 if row is None:
                     row = DeviceRow(
+                        node_id=self.node_id,
                         device_id=d.device_id,
                         cordoned=d.cordoned,
                         draining=d.draining,
@@ -685,9 +718,13 @@ class Store:
             # Discovery's reason (a foreign pid) replaces the old one; clear it once ours again.
             row.state_reason = d.state_reason
 
-    @staticmethod
-    def _device_rows(s: Session) -> Sequence[DeviceRow]:
-        return s.scalars(select(DeviceRow).order_by(DeviceRow.kind, DeviceRow.device_index)).all()
+    def _device_rows(self, s: Session) -> Sequence[DeviceRow]:
+        """This node's devices (another node's devices are its own business)."""
+        return s.scalars(
+            select(DeviceRow)
+            .where(DeviceRow.node_id == self.node_id)
+            .order_by(DeviceRow.kind, DeviceRow.device_index)
+        ).all()
 
     def list_devices(self) -> list[Device]:
         """All devices ever seen, by kind then index."""
@@ -744,9 +781,11 @@ class Store:
         """
         with self._tx() as s:
             now = utcnow()
-            row = s.get(WorkerRow, worker.worker_id)
+            row = s.get(WorkerRow, (self.node_id, worker.worker_id))
             if row is None:
-                row = WorkerRow(worker_id=worker.worker_id, state=str(worker.state))
+                row = WorkerRow(
+                    node_id=self.node_id, worker_id=worker.worker_id, state=str(worker.state)
+                )
                 s.add(row)
                 record_event(
                     s,
@@ -785,7 +824,11 @@ class Store:
 
     def list_workers(self, device_id: str | None = None) -> list[Worker]:
         with self._tx(write=False) as s:
-            q = select(WorkerRow).order_by(WorkerRow.worker_id)
+            q = (
+                select(WorkerRow)
+                .where(WorkerRow.node_id == self.node_id)
+                .order_by(WorkerRow.worker_id)
+            )
             if device_id is not None:
                 q = q.where(WorkerRow.device_id == device_id)
             return [convert.worker_from_row(r) for r in s.scalars(q).all()]
@@ -802,7 +845,7 @@ class Store:
             now = utcnow()
             result = s.execute(
                 update(WorkerRow)
-                .where(WorkerRow.worker_id == worker_id)
+                .where(WorkerRow.node_id == self.node_id, WorkerRow.worker_id == worker_id)
                 .values(last_heartbeat=now, updated_at=now)
             )
             if result.rowcount == 0:  # type: ignore[attr-defined]

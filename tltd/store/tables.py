@@ -186,9 +186,49 @@ class DrafterVersionRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
+class NodeRow(Base):
+    """One daemon. DOWN is not stored: it is a heartbeat older than the threshold, read
+    against the database's clock."""
+
+    __tablename__ = "nodes"
+
+    node_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    address: Mapped[str] = mapped_column(String(256), default="")
+    state: Mapped[str] = mapped_column(STATUS)  # "up" | "left" (a clean shutdown)
+    # Incremented by every start (and by a return after missing heartbeats): the fencing
+    # token every ownership-dependent write of the node carries.
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class WorkUnitRow(Base):
+    """One prompt of a rollout request: what a node claims, under a lease, to run."""
+
+    __tablename__ = "work_units"
+    __table_args__ = (Index("ix_work_units_state_created_at", "state", "created_at"),)
+
+    request_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("rollout_requests.request_id", ondelete="CASCADE"), primary_key=True
+    )
+    prompt_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    samples: Mapped[int] = mapped_column(Integer)  # the request's n: the claim's size
+    priority: Mapped[int] = mapped_column(BigInteger, default=0)  # the job's: claimed first
+    state: Mapped[str] = mapped_column(STATUS)  # "queued" | "leased" | "done" | "failed"
+    owner_node: Mapped[str | None] = mapped_column(ID, nullable=True, index=True)
+    owner_epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # claims so far
+    reason: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
 class DeviceRow(Base):
     __tablename__ = "devices"
 
+    # Device ids ("cpu:0", "cuda:0") repeat on every node: a device is (node, device).
+    node_id: Mapped[str] = mapped_column(ID, primary_key=True)
     device_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     kind: Mapped[str] = mapped_column(STATUS)
     # "index" is an SQL keyword; a plain column name avoids quoting surprises in raw SQL.
@@ -210,6 +250,7 @@ class DeviceRow(Base):
 class WorkerRow(Base):
     __tablename__ = "workers"
 
+    node_id: Mapped[str] = mapped_column(ID, primary_key=True)
     worker_id: Mapped[str] = mapped_column(ID, primary_key=True)
     kind: Mapped[str] = mapped_column(STATUS)
     # No foreign keys to devices/jobs: a worker row outlives a vanished device or a GC'd job.

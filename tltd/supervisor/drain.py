@@ -1,4 +1,5 @@
-"""A node drain: finish what fits in the grace, then return what runs and fail the rest."""
+"""A node drain: finish what fits in the grace, then hand the rest to the other nodes, or,
+alone, return what runs and fail the rest."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from tltd.domain import FinishReason, RequestStatus
 from tltd.supervisor.requests import RolloutRequests
 from tltd.supervisor.rollout_workers import RolloutWorkers
+from tltd.supervisor.unit_leases import UnitLeases
 from tltd.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -22,9 +24,14 @@ class NodeDrain:
     """At most one drain per daemon; a later, shorter one only moves its deadlines earlier."""
 
     def __init__(
-        self, queue: WorkQueue, requests: RolloutRequests, workers: RolloutWorkers
+        self,
+        queue: WorkQueue,
+        requests: RolloutRequests,
+        workers: RolloutWorkers,
+        leases: UnitLeases | None = None,
     ) -> None:
         self.queue = queue
+        self.leases = leases
         self.requests = requests
         self.workers = workers
         self.started = False  # no new request is taken, no worker started
@@ -55,6 +62,11 @@ class NodeDrain:
             await asyncio.sleep(0.05)
         self.assigning = False
         if not len(self.queue):
+            return
+        if self.leases is not None and await asyncio.to_thread(self.leases.others_up):
+            # Other nodes finish it: nothing fails (the partial tokens are not kept).
+            units = self.leases.hand_over()
+            log.info("drain: units handed to the other nodes", extra={"units": units})
             return
         reason = f"drained: {self.why}"
         log.info("draining workers", extra={"requests": len(self.queue)})

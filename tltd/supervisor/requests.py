@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tltd.domain import (
@@ -23,9 +23,10 @@ from tltd.domain import (
     RolloutRequest,
     Sample,
 )
-from tltd.errors import TltError
+from tltd.errors import Fenced, NotFound, TltError
 from tltd.settings import Settings
-from tltd.supervisor.writes import OrderedWrites, add_samples, final_status
+from tltd.store.leases import Claim
+from tltd.supervisor.writes import OrderedWrites, add_samples
 from tltd.workqueue import Key, LiveRequest, WorkQueue
 
 if TYPE_CHECKING:
@@ -39,7 +40,9 @@ _FINAL_RETRY_FIRST, _FINAL_RETRY_MAX = 0.1, 5.0
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """What a Generate stream receives: a stored sample, or (sample None) the request's end."""
+    """What a Generate stream receives: a stored sample, or (sample None) a reason to read
+    the store again: the request's end here (status set), or a notification from another
+    node (status None)."""
 
     sample: Sample | None = None
     status: RequestStatus | None = None
@@ -64,7 +67,7 @@ class RolloutRequests:
         self._spawn = spawn
         self._kick = kick
         self._subs: dict[str, list[asyncio.Queue[StreamEvent]]] = {}
-        self._finalizing: set[str] = set()
+        self._finalizing: set[tuple[str, int]] = set()  # units whose record is being written
 
     # ---- streams ----------------------------------------------------------------------------
 
@@ -84,109 +87,127 @@ class RolloutRequests:
         for q in self._subs.get(request_id, []):
             q.put_nowait(event)
 
-    # ---- admission and recovery ---------------------------------------------------------------
+    # ---- claimed work units -----------------------------------------------------------------
 
-    async def submit(
+    async def take_claims(
         self,
-        req: RolloutRequest,
-        policy_version: int,
+        claims: list[Claim],
         refuse: Callable[[str, int], tuple[FinishReason, str] | None] = lambda j, v: None,
-        *,
-        created: bool = False,
-    ) -> bool:
-        """Make a stored request live (idempotent: a live request is left as it is). Samples
-        already stored complete are not run again; a terminal request just ends its streams.
-        `refuse(job_id, policy_version)` names why a new request can never run (a drain, a
-        version that failed to load): it then fails at once, its streams end with the reason.
-        True when the request was (re)queued, so there may be work to schedule. `created`: the
-        caller has just stored `req`, which then has no samples yet (nothing is read again)."""
-        if self.queue.get(req.request_id) is not None:
-            return False
-        cur = req
-        if not created:
-            cur = await asyncio.to_thread(self.store.get_request, req.request_id)
-        if cur.status in ENDED_STATUSES:
-            self.publish(cur.request_id, StreamEvent(None, cur.status, cur.status_reason))
-            return False
-        samples = (
-            [] if created else await asyncio.to_thread(self.store.list_samples, cur.request_id)
-        )
-        done = {(s.prompt_index, s.sample_index) for s in samples if not s.partial}
-        live, created = self.queue.add(cur, policy_version, done, time.monotonic())
-        # Checked right after `add`, with no await between: a drain that began while the
-        # store was read has already looked at the queue and would never see this request.
-        refused = refuse(cur.job_id, policy_version) if created and not live.done else None
-        if refused is not None:
-            finish, why = refused
-            keys = self.queue.close(cur.request_id, RequestStatus.FAILED, why)
-            await self.finish_unstarted(live, keys, finish, why)
-            return False
-        if created and live.done:
-            self._spawn(self.finalize(live))
-        return True
+    ) -> None:
+        """Make units this node just claimed live with their missing samples (stored ones are
+        not run again: a takeover re-runs only what the lost node did not store, with the
+        request's stored seed). A unit claimed more than `max_sample_attempts` times, one of a
+        request that ended or whose job is no longer active, or one `refuse` names a reason
+        for (a drain, a version that failed to load) ends at once, its missing samples
+        stored partial."""
+        by_request: dict[str, list[Claim]] = {}
+        for c in claims:
+            by_request.setdefault(c.request_id, []).append(c)
+        for rid, units in by_request.items():
+            try:
+                await self._take(rid, units, refuse)
+            except Exception:  # the lease then expires and the unit is claimed again
+                log.exception("cannot take a claimed unit", extra={"request_id": rid})
 
-    async def recover(self) -> None:
-        """After a crash: every open request is re-queued with its missing samples; one of a
-        job no longer active ends as that job's live requests do (CANCELLED with the job's
-        reason, or FAILED), its missing samples stored partial."""
+    async def _take(
+        self,
+        rid: str,
+        claims: list[Claim],
+        refuse: Callable[[str, int], tuple[FinishReason, str] | None],
+    ) -> None:
+        req = await asyncio.to_thread(self.store.get_request, rid)
+        samples = await asyncio.to_thread(self.store.list_samples, rid)
+        job = await asyncio.to_thread(self.store.get_job, req.job_id)
+        done = {(s.prompt_index, s.sample_index) for s in samples if not s.partial}
+        if req.status in ENDED_STATUSES:
+            # Ended elsewhere (a cancel) while this unit was queued or held by a lost node.
+            done |= {(s.prompt_index, s.sample_index) for s in samples}
+        units = {c.prompt_index for c in claims}
+        live, _ = self.queue.add(req, req.policy_version, done, time.monotonic(), units)
+        log.info("units claimed", extra={"request_id": rid, "prompts": sorted(units)})
+        closing = self._closing(req, job.status, job.status_reason, refuse)
+        if closing is not None:
+            status, finish, why = closing
+            keys = self.queue.close(rid, status, why)
+            await self.finish_unstarted(live, keys, finish, why)
+            return
+        n = self.settings.max_sample_attempts
+        for c in claims:
+            if c.attempts > n:
+                why = f"claimed {c.attempts - 1} times by nodes that lost it (limit {n})"
+                keys = [(c.prompt_index, s) for s in live.pending.get(c.prompt_index, [])]
+                await self.finish_unstarted(live, keys, FinishReason.FAILED, why)
+        if live.complete_units():
+            await self.finalize(live)
+
+    @staticmethod
+    def _closing(
+        req: RolloutRequest,
+        job_status: JobStatus,
+        job_reason: str,
+        refuse: Callable[[str, int], tuple[FinishReason, str] | None],
+    ) -> tuple[RequestStatus, FinishReason, str] | None:
+        """How a claimed unit of a request that cannot run ends, if it cannot."""
+        if req.status is RequestStatus.CANCELLED:
+            return RequestStatus.CANCELLED, FinishReason.CANCELLED, req.status_reason
+        if req.status in ENDED_STATUSES:
+            return req.status, FinishReason.ABORTED, req.status_reason
+        if job_status is JobStatus.CANCELLED:
+            why = f"job cancelled: {job_reason}"
+            return RequestStatus.CANCELLED, FinishReason.CANCELLED, why
+        if job_status is not JobStatus.ACTIVE:
+            why = f"job {req.job_id} is {job_status.value}"
+            return RequestStatus.FAILED, FinishReason.FAILED, why
+        refused = refuse(req.job_id, req.policy_version)
+        if refused is not None:
+            return RequestStatus.FAILED, refused[0], refused[1]
+        return None
+
+    async def end_requests_of_ended_jobs(self) -> None:
+        """Open requests of a job no longer active (a daemon died in the middle of CancelJob)
+        end as that job's live requests do: CANCELLED with the job's reason, or FAILED; their
+        units no node holds end at once, the others when their node renews or loses them."""
         open_reqs = await asyncio.to_thread(
             self.store.list_requests, list(OPEN_STATUSES), None, 1 << 30
         )
+        jobs: dict[str, tuple[JobStatus, str]] = {}
         for req in open_reqs:
-            await self._recover_request(req)
+            if req.job_id not in jobs:
+                job = await asyncio.to_thread(self.store.get_job, req.job_id)
+                jobs[req.job_id] = (job.status, job.status_reason)
+            closing = self._closing(req, *jobs[req.job_id], lambda j, v: None)
+            if closing is None:
+                continue
+            status, finish, why = closing
+            try:
+                await self._writes.write(self.store.set_request_status, req.request_id, status, why)
+                await self._writes.write(self.store.end_queued_units, req.request_id, finish, why)
+            except TltError:
+                log.info("request ended meanwhile", extra={"request_id": req.request_id})
 
-    async def _recover_request(self, req: RolloutRequest) -> None:
-        job = await asyncio.to_thread(self.store.get_job, req.job_id)
-        samples = await asyncio.to_thread(self.store.list_samples, req.request_id)
-        if job.status is not JobStatus.ACTIVE:
-            # Ended as a live request of that job ends (a crash in the middle of CancelJob
-            # left it open): its missing samples stored partial, then its status.
-            if job.status is JobStatus.CANCELLED:
-                status, finish = RequestStatus.CANCELLED, FinishReason.CANCELLED
-                why = f"job cancelled: {job.status_reason}"
-            else:
-                status, finish = RequestStatus.FAILED, FinishReason.FAILED
-                why = f"daemon restarted: job {job.job_id} is {job.status.value}"
-            have = {(s.prompt_index, s.sample_index) for s in samples}
-            missing = [
-                Sample(
-                    req.request_id,
-                    p,
-                    s,
-                    (),
-                    (),
-                    finish,
-                    policy_version=req.policy_version,
-                    partial=True,
-                    error=why,
-                )
-                for p in range(len(req.prompts))
-                for s in range(req.sampling.n)
-                if (p, s) not in have
-            ]
-            await self._writes.write(add_samples, self.store, missing)
-            await self._writes.write(self.store.set_request_status, req.request_id, status, why)
-            return
-        complete = [s for s in samples if not s.partial]
-        done = {(s.prompt_index, s.sample_index) for s in complete}
-        if req.status is RequestStatus.RUNNING:
-            missing = req.samples_total - len(done)
-            await self._writes.write(
-                self.store.set_request_status,
-                req.request_id,
-                RequestStatus.QUEUED,
-                f"daemon restarted: {missing} of {req.samples_total} samples re-queued",
-            )
-            req = replace(req, status=RequestStatus.QUEUED)
-        # On the version it was accepted on (stored with it), whether or not a sample finished
-        # before the crash: the job may have a newer one by now.
-        live, _ = self.queue.add(req, req.policy_version, done, time.monotonic())
-        log.info(
-            "request recovered",
-            extra={"request_id": req.request_id, "missing": req.samples_total - len(done)},
-        )
-        if live.done:
-            self._spawn(self.finalize(live))
+    def release(self, units: set[tuple[str, int]]) -> None:
+        """Give units held here back to the queue (ordered behind the writes before)."""
+        for rid, p in sorted(units):
+            self._writes.write_nowait(self.store.release_unit, rid, p)
+
+    def lose_units(
+        self, lost: set[tuple[str, int]], why: str = "unit lease lost"
+    ) -> list[tuple[str, str]]:
+        """Units whose lease this node lost (expired, taken over, an old epoch): forget them,
+        writing nothing (the store would refuse it). Returns (worker, request) pairs whose
+        samples must be cancelled on the worker; the caller also releases the request's other
+        units here, since a worker cancels by request."""
+        cancels = []
+        for rid, p in sorted(lost):
+            live = self.queue.get(rid)
+            if live is None or p not in live.units:
+                continue  # recorded done meanwhile (the renewal read the queue before)
+            if (rid, p) in self._finalizing:
+                continue  # being recorded: that write is fenced or lands, either way it ends
+            for wid in self.queue.drop_unit(rid, p):
+                cancels.append((wid, rid))
+            log.warning(why, extra={"request_id": rid, "prompt_index": p})
+        return cancels
 
     # ---- samples that end without a worker's report --------------------------------------------
 
@@ -250,62 +271,57 @@ class RolloutRequests:
             failed = error if reason is FinishReason.FAILED else None
             if self.queue.finish(live.request_id, key, failed) is not None:
                 self.publish(live.request_id, StreamEvent(sample))
-        if live.done:
+        if live.complete_units():
             await self.finalize(live)
 
     async def finalize(self, live: LiveRequest) -> None:
-        """Every sample is accounted for: record the request's final status, end the streams.
+        """Record every complete unit of `live` done; the last unit of a request records its
+        final status too (`WorkLeases.finish_unit`), and then its streams here end.
 
-        A store error (a locked SQLite, a lost PostgreSQL connection) leaves the request live
-        with its streams open while the write is retried beside the loop: a stream is never
-        told a status the store does not have. At shutdown the retry stops; the next start's
-        recovery finalizes it."""
+        A store error leaves the unit live while the write is retried beside the loop: a
+        stream is never told a status the store does not have. At shutdown the retry stops;
+        the lease then expires and another claim records it. A unit the store says is no
+        longer ours (Fenced) is forgotten: its new owner records it."""
+        for p in live.complete_units():
+            unit = (live.request_id, p)
+            if unit in self._finalizing:
+                continue
+            self._finalizing.add(unit)
+            try:
+                await self._finish_unit(live, p)
+            except Exception:
+                log.exception("cannot record a unit, retrying", extra={"request_id": unit[0]})
+                self._spawn(self._retry_unit(live, p))
+
+    async def _finish_unit(self, live: LiveRequest, p: int) -> None:
         rid = live.request_id
-        if rid in self._finalizing:
-            return
-        self._finalizing.add(rid)
-        total = live.req.samples_total
-        if live.outcome is not None:
-            status, reason = live.outcome, live.reason
-        elif live.failed:
-            status = RequestStatus.FAILED
-            reason = f"{live.failed} of {total} samples failed: {live.first_error}"
-        else:
-            status, reason = RequestStatus.COMPLETED, f"all {total} samples finished"
-        ended = True
         try:
-            final = await self._writes.write(final_status, self.store, rid, status, reason)
-            status, reason = final.status, final.status_reason
-        except TltError:
-            raise
-        except Exception:
-            log.exception("cannot store the final status, retrying", extra={"request_id": rid})
-            ended = False
-            self._spawn(self._retry_final(live, status, reason))
-        finally:
-            if ended:
-                self._end(rid, status, reason)
+            req, _ = await self._writes.write(
+                self.store.finish_unit, rid, p, live.outcome, live.reason
+            )
+        except (Fenced, NotFound) as exc:
+            log.warning("unit not recorded: %s", exc, extra={"request_id": rid})
+            self._drop(rid, p)
+            return
+        self._drop(rid, p)
+        if req.status in ENDED_STATUSES:
+            self.publish(rid, StreamEvent(None, req.status, req.status_reason))
 
-    async def _retry_final(self, live: LiveRequest, status: RequestStatus, reason: str) -> None:
-        """Retry a final status write until it lands, backing off up to `_FINAL_RETRY_MAX`
-        seconds; each try is queued behind the other writes, so none of them waits on it."""
-        rid, delay = live.request_id, _FINAL_RETRY_FIRST
+    async def _retry_unit(self, live: LiveRequest, p: int) -> None:
+        """Retry a unit's write until it lands, backing off up to `_FINAL_RETRY_MAX` seconds;
+        each try is queued behind the other writes, so none of them waits on it."""
+        delay = _FINAL_RETRY_FIRST
         while True:
             await asyncio.sleep(delay)
             try:
-                final = await self._writes.write(final_status, self.store, rid, status, reason)
-            except TltError:
-                self._end(rid, status, reason)
-                raise
+                await self._finish_unit(live, p)
+                return
             except Exception as exc:
-                log.warning("final status still not stored: %s", exc, extra={"request_id": rid})
+                rid = live.request_id
+                log.warning("unit still not recorded: %s", exc, extra={"request_id": rid})
                 delay = min(2 * delay, _FINAL_RETRY_MAX)
-                continue
-            self._end(rid, final.status, final.status_reason)
-            return
 
-    def _end(self, request_id: str, status: RequestStatus, reason: str) -> None:
-        self.queue.remove(request_id)
-        self._finalizing.discard(request_id)
-        self.publish(request_id, StreamEvent(None, status, reason))
+    def _drop(self, request_id: str, p: int) -> None:
+        self.queue.drop_unit(request_id, p)
+        self._finalizing.discard((request_id, p))
         self._kick()

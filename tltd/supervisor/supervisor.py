@@ -38,6 +38,7 @@ from tltd.domain import (
 from tltd.metrics import METRICS
 from tltd.scheduler import Assignment, Decision, SchedulerConfig, schedule
 from tltd.settings import Settings
+from tltd.store import notifications
 from tltd.supervisor.drain import NodeDrain
 from tltd.supervisor.fair_share import FairShare, active_jobs
 from tltd.supervisor.model_planner import ModelPlanner
@@ -46,6 +47,7 @@ from tltd.supervisor.requests import RolloutRequests, StreamEvent
 from tltd.supervisor.rollout_workers import RolloutWorkers
 from tltd.supervisor.snapshot import build_snapshot
 from tltd.supervisor.training_hook import TrainingHook
+from tltd.supervisor.unit_leases import UnitLeases
 from tltd.supervisor.worker_process import WorkerHandle
 from tltd.supervisor.writes import OrderedWrites
 from tltd_workers.rollout import protocol as msg
@@ -92,7 +94,8 @@ class Supervisor:
         self.models.switch_backend = self.workers.switch_backend
         self.fair_share = FairShare()  # tokens served per job; a job waking from idle lifted
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
-        self._drain = NodeDrain(self.queue, self.requests, self.workers)
+        self.leases = UnitLeases(store, settings, self.requests, self.handles, self._close)
+        self._drain = NodeDrain(self.queue, self.requests, self.workers, self.leases)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
@@ -114,10 +117,36 @@ class Supervisor:
         self._tasks.append(asyncio.create_task(self._ticker(), name="supervisor-tick"))
 
     async def recover(self) -> None:
-        """After a crash: workers of the old process are gone; every open request is
-        re-queued with its missing samples, or ended with a reason when it cannot run."""
+        """After a crash: this node's workers of the old process are gone, and the work units
+        it held under its old epoch go back to the queue (claimed again, here or elsewhere,
+        with their missing samples). Other nodes' rows are not touched."""
         await self.workers.recover()
-        await self.requests.recover()
+        await self.requests.end_requests_of_ended_jobs()
+        released = await asyncio.to_thread(self.store.release_stale_leases)
+        if released:
+            log.info("units of the previous process re-queued", extra={"units": released})
+
+    async def on_new_epoch(self) -> None:
+        """The node came back after being DOWN (paused, cut off): everything it ran under the
+        old epoch may run elsewhere now. Stop it all, writing nothing, and re-queue what is
+        still held under the old epoch."""
+        lost = {(live.request_id, p) for live in self.queue for p in live.units}
+        if lost:
+            self.leases.stop(lost)
+        await self.recover_leases()
+
+    async def recover_leases(self) -> None:
+        await asyncio.to_thread(self.store.release_stale_leases)
+        self.kick()
+
+    async def renew_leases(self) -> set[tuple[str, int]]:
+        """The periodic lease renewal (see `UnitLeases.renew`)."""
+        if self._closed:
+            return set()
+        lost = await self.leases.renew()
+        if lost:
+            self.kick()
+        return lost
 
     async def drain(self, seconds: float, why: str = "the daemon is shutting down") -> None:
         """Finish what fits in `seconds`; then workers return what still runs as partial
@@ -135,9 +164,13 @@ class Supervisor:
         return self._drain.started
 
     def _refusal(self, job_id: str, policy_version: int) -> tuple[FinishReason, str] | None:
-        """Why a request made live now could never run, if it could not."""
+        """Why a unit claimed now could never run, if it could not."""
         if self._drain.started:
             return FinishReason.ABORTED, f"drained: {self._drain.why}"
+        return self._version_refusal(job_id, policy_version)
+
+    def _version_refusal(self, job_id: str, policy_version: int) -> tuple[FinishReason, str] | None:
+        """A policy version that failed to load here fails its units at once."""
         if (why := self.models.refusal(job_id, policy_version)) is not None:
             return FinishReason.FAILED, why
         return None
@@ -164,30 +197,11 @@ class Supervisor:
     def unsubscribe(self, request_id: str, q: asyncio.Queue[StreamEvent]) -> None:
         self.requests.unsubscribe(request_id, q)
 
-    async def submit(
-        self, req: RolloutRequest, policy_version: int, *, created: bool = False
-    ) -> None:
-        """Make a stored request live (idempotent, see `RolloutRequests.submit`); one that
-        can never run (draining, a version that failed to load) fails at once. `created`: the
-        caller has just stored `req` (its row and its samples need no second read)."""
-        if not await self.requests.submit(req, policy_version, self._refusal, created=created):
-            return
+    async def submit(self, req: RolloutRequest) -> None:
+        """A request was just stored here: claim its units (here, if there is room, or on
+        another node) at the next tick."""
+        self.leases.claim_soon = True
         self.kick()
-        # A CancelRequest that landed while submit read the store found nothing live to stop
-        # (its `cancel` was a no-op): the store has the last word.
-        cur = await asyncio.to_thread(self.store.get_request, req.request_id)
-        live = self.queue.get(req.request_id)
-        closed = (RequestStatus.CANCELLED, RequestStatus.FAILED)
-        if cur.status in closed and live is not None and live.outcome is None:
-            await self._close(req.request_id, cur.status, cur.status_reason)
-
-    def unfinished(self, request_id: str) -> set[tuple[int, int]]:
-        """The (prompt, sample) keys a live request has not finished yet (waiting or running);
-        empty when it is not live."""
-        live = self.queue.get(request_id)
-        if live is None:
-            return set()
-        return set(live.running) | set(live.pending_keys())
 
     def cancel_threadsafe(self, request_id: str, reason: str) -> None:
         """Called from any thread after the store marked the request CANCELLED."""
@@ -209,6 +223,19 @@ class Supervisor:
         cancelled = status is RequestStatus.CANCELLED
         finish = FinishReason.CANCELLED if cancelled else FinishReason.ABORTED
         await self.requests.finish_unstarted(live, keys, finish, reason)
+
+    def on_notify(self, channel: str, request_id: str) -> None:
+        """A notification from another node (event loop): streams of the request re-read the
+        store, a request ended elsewhere stops here, new work is claimed soon."""
+        if self._closed:
+            return
+        if channel in (notifications.SAMPLE, notifications.REQUEST):
+            self.requests.publish(request_id, StreamEvent())  # a wake-up: re-read the store
+        if channel == notifications.REQUEST:
+            self._spawn(self.leases.follow(request_id))
+        elif channel == notifications.WORK:
+            self.leases.claim_soon = True
+            self.kick()
 
     def kick(self) -> None:
         if self._kick is not None:
@@ -263,7 +290,10 @@ class Supervisor:
         devices, jobs = await asyncio.to_thread(self._read_state)
         self.workers.reconcile(devices, self.draining)
         await self.models.plan(self.handles, self.queue, jobs)
-        if not self._drain.assigning:
+        if self._drain.assigning:  # (also in a drain's grace: alone, the node runs its work)
+            await self.leases.claim(self._version_refusal, draining=self._drain.started)
+        else:  # after the grace, alone: what is still queued ends "drained" (nobody else runs it)
+            await self.leases.claim(self._refusal, draining=True, everything=True)
             return None
         accounts = self.fair_share.accounts(jobs.values(), active_jobs(self.queue))
         snap = build_snapshot(
@@ -365,7 +395,7 @@ class Supervisor:
             if self.training is not None:
                 self.training.on_sample(live.job_id, live.req.prompts[key[0]], sample)
         self.requests.publish(live.request_id, StreamEvent(sample))
-        if live.done:
+        if live.unit_complete(key[0]):
             self._spawn(self.requests.finalize(live))
         self.kick()
 

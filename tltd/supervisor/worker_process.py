@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tltd.domain import Backend, Device, Sample, WorkerState
+from tltd.errors import Fenced
 from tltd.settings import Settings
 from tltd.worker_pipe import HeartbeatStamp, serve_pipe
 from tltd_workers.rollout import protocol as msg
@@ -213,6 +214,8 @@ def store_reported(
             stored = store.add_sample(m.sample)
             if not stored:
                 m = msg.Finished(_stored_copy(store, m.sample))
+        except Fenced as exc:  # the unit's lease was lost: its new owner runs the sample
+            log.warning("sample not stored: %s", exc, extra={"request_id": m.sample.request_id})
         except Exception:
             log.exception("cannot store sample", extra={"request_id": m.sample.request_id})
     elif isinstance(m, msg.Heartbeat):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tltd.domain import ENDED_STATUSES, RequestStatus, RolloutRequest, Sample, Worker, WorkerState
+from tltd.domain import Sample, Worker, WorkerState
 from tltd.errors import TltError
 
 if TYPE_CHECKING:
@@ -95,19 +95,3 @@ def upsert_worker(store: Store, worker: Worker) -> None:
     ):
         store.set_worker_state(worker.worker_id, WorkerState.FAILED, "replaced by a new process")
     store.upsert_worker(worker)
-
-
-def final_status(
-    store: Store, request_id: str, status: RequestStatus, reason: str
-) -> RolloutRequest:
-    """Move a request to its final status; if something else finalized it first (a cancel
-    racing completion), that status stands and is returned."""
-    cur = store.get_request(request_id)
-    if cur.status in ENDED_STATUSES:
-        return cur
-    try:
-        if cur.status is RequestStatus.QUEUED and status is RequestStatus.COMPLETED:
-            store.set_request_status(request_id, RequestStatus.RUNNING, "resumed")
-        return store.set_request_status(request_id, status, reason)
-    except TltError:
-        return store.get_request(request_id)

@@ -65,6 +65,11 @@ class AdminServiceStub:
                 request_serializer=tltd_dot_v1_dot_admin__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=tltd_dot_v1_dot_admin__pb2.Stats.FromString,
                 _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/tltd.v1.AdminService/ListNodes',
+                request_serializer=tltd_dot_v1_dot_admin__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=tltd_dot_v1_dot_admin__pb2.ListNodesResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -107,6 +112,13 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListNodes(self, request, context):
+        """Every daemon on the shared database, with its heartbeat's age by the database's clock.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +151,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=tltd_dot_v1_dot_admin__pb2.GetStatsRequest.FromString,
                     response_serializer=tltd_dot_v1_dot_admin__pb2.Stats.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=tltd_dot_v1_dot_admin__pb2.ListNodesRequest.FromString,
+                    response_serializer=tltd_dot_v1_dot_admin__pb2.ListNodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +321,33 @@ class AdminService:
             '/tltd.v1.AdminService/GetStats',
             tltd_dot_v1_dot_admin__pb2.GetStatsRequest.SerializeToString,
             tltd_dot_v1_dot_admin__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tltd.v1.AdminService/ListNodes',
+            tltd_dot_v1_dot_admin__pb2.ListNodesRequest.SerializeToString,
+            tltd_dot_v1_dot_admin__pb2.ListNodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,61 @@
+"""Several real `tltd serve` daemons on one fresh PostgreSQL database, one CPU slot each.
+
+The long tests (a node killed, a node paused, a restart) run only with TLTD_MULTINODE_LONG=1:
+three daemons with torch workers on a 2-core machine take minutes. The short three-node batch
+runs in the default suite.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from sqlalchemy import text
+
+from tltd.store.database import make_engine
+
+LONG = os.environ.get("TLTD_MULTINODE_LONG", "").strip().lower() in ("1", "true", "yes")
+long_only = pytest.mark.skipif(not LONG, reason="long multi-node test: set TLTD_MULTINODE_LONG=1")
+
+# Short leases so that a takeover happens within seconds.
+NODE_ENV = dict(
+    worker_max_batch=4, worker_max_seq_len=256, drafter_training="false",
+    lease_seconds=3, node_heartbeat_seconds=0.5, node_down_seconds=3,
+    claim_interval_seconds=0.3, stream_poll_seconds=0.3,
+)  # fmt: skip
+
+
+class Cluster:
+    def __init__(self, tmp_path, db_url: str) -> None:
+        self.tmp_path, self.db_url = tmp_path, db_url
+        self.nodes: dict[str, object] = {}
+        self.engine = make_engine(db_url)
+
+    def start(self, node_id: str, **env):
+        from tests.rollout.support import ServeProcess
+
+        (self.tmp_path / node_id).mkdir(exist_ok=True)
+        d = ServeProcess(
+            self.tmp_path / node_id, self.db_url, name=node_id, cpu_slots=1,
+            start_timeout=240, node_id=node_id, **(NODE_ENV | env),
+        )  # fmt: skip
+        self.nodes[node_id] = d
+        return d
+
+    def sql(self, query: str, **params) -> list:
+        with self.engine.connect() as conn:
+            return list(conn.execute(text(query), params).all())
+
+    def close(self) -> None:
+        for d in self.nodes.values():
+            d.kill()
+        self.engine.dispose()
+
+
+@pytest.fixture
+def cluster(tmp_path, pg_url):
+    c = Cluster(tmp_path, pg_url)
+    try:
+        yield c
+    finally:
+        c.close()

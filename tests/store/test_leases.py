@@ -1,0 +1,268 @@
+"""Work units under leases, on SQLite and PostgreSQL: claims sized to capacity, no unit held
+twice while its lease is live (concurrent claimers), expiry and takeover, fencing of late
+writes, a request finished by its last unit."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from tests.store.test_store_api import JOB, SAMPLING
+from tltd.domain import FinishReason, NodeStatus, RequestStatus, RolloutRequest, Sample
+from tltd.errors import ConfigError, Fenced
+from tltd.store import Store
+
+LONG_LEASE = 120.0
+
+
+def _node(store: Store, node_id: str) -> Store:
+    other = Store(store.url, node_id=node_id)
+    other.join_node(f"{node_id}:1", down_seconds=30.0)
+    return other
+
+
+def _requests(store: Store, count: int, prompts: int) -> None:
+    store.create_job(JOB)
+    for i in range(count):
+        prompt_ids = tuple((1, 2, p) for p in range(prompts))
+        store.create_request(RolloutRequest(f"r{i:04d}", JOB.job_id, prompt_ids, SAMPLING))
+
+
+def _sample(rid: str, p: int, s: int) -> Sample:
+    return Sample(rid, p, s, (7, 8), (-0.5, -0.5), FinishReason.STOP)
+
+
+def test_claim_is_sized_to_capacity(store: Store) -> None:
+    _requests(store, 3, 2)  # 6 units of n=2 samples
+    a = _node(store, "a")
+    try:
+        got = a.claim_units(capacity=3, lease_seconds=LONG_LEASE)
+        # Units are taken while the samples before each stay under 3: 2 units (4 samples).
+        assert [(c.request_id, c.prompt_index, c.attempts) for c in got] == [
+            ("r0000", 0, 1), ("r0000", 1, 1)
+        ]  # fmt: skip
+        assert len(a.claim_units(capacity=100, lease_seconds=LONG_LEASE)) == 4
+        assert a.claim_units(capacity=100, lease_seconds=LONG_LEASE) == []
+    finally:
+        a.close()
+
+
+def _several_nodes(store: Store, count: int) -> list[Store]:
+    """`count` nodes on PostgreSQL; on SQLite (one node) `count` claimers of one node."""
+    if store.dialect == "sqlite":
+        one = _node(store, "only")
+        return [one] * count
+    return [_node(store, f"n{i}") for i in range(count)]
+
+
+def test_concurrent_claimers_never_share_a_live_unit(store: Store) -> None:
+    """Hundreds of units, four claimers at once in small bites: each unit is claimed exactly
+    once (the leases are long: none expires during the test)."""
+    _requests(store, 100, 3)  # 300 units
+    nodes = _several_nodes(store, 4)
+    claimed: list[tuple[str, str, int]] = []
+    lock = threading.Lock()
+
+    def claimer(node: Store) -> None:
+        while True:
+            got = node.claim_units(capacity=5, lease_seconds=LONG_LEASE)
+            if not got:
+                return
+            with lock:
+                claimed.extend((node.node_id, c.request_id, c.prompt_index) for c in got)
+
+    threads = [threading.Thread(target=claimer, args=(n,)) for n in nodes]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        per_unit = Counter((rid, p) for _, rid, p in claimed)
+        assert len(per_unit) == 300
+        assert max(per_unit.values()) == 1, [k for k, v in per_unit.items() if v > 1][:5]
+        per_node = Counter(n for n, _, _ in claimed)
+        assert sum(per_node.values()) == 300
+        if store.dialect == "postgresql":
+            assert len(per_node) >= 2, per_node
+    finally:
+        for n in set(nodes):
+            n.close()
+
+
+@pytest.mark.postgres
+def test_expired_lease_is_taken_over_and_the_late_owner_is_fenced(pg_store: Store) -> None:
+    store = pg_store
+    _requests(store, 1, 1)
+    a, b = _node(store, "a"), _node(store, "b")
+    try:
+        [first] = a.claim_units(capacity=10, lease_seconds=0.3)
+        a.add_sample(_sample(first.request_id, 0, 0))  # while held: stored
+        assert b.claim_units(capacity=10, lease_seconds=LONG_LEASE) == []  # still live
+        time.sleep(0.6)
+        assert a.renew_leases(0.3) == set()  # expired: not renewed, the owner must stop
+        [taken] = b.claim_units(capacity=10, lease_seconds=LONG_LEASE)
+        assert (taken.request_id, taken.prompt_index, taken.attempts) == ("r0000", 0, 2)
+        with pytest.raises(Fenced):
+            a.add_sample(_sample("r0000", 0, 1))  # a late write changes nothing
+        with pytest.raises(Fenced):
+            a.finish_unit("r0000", 0, None, "")
+        assert b.add_sample(_sample("r0000", 0, 1))
+        assert not b.add_sample(_sample("r0000", 0, 0))  # first writer wins
+        req, left = b.finish_unit("r0000", 0, None, "")
+        assert left == 0 and req.status is RequestStatus.COMPLETED
+        assert req.samples_done == SAMPLING.n
+        assert b.renew_leases(LONG_LEASE) == set()  # done: nothing left to renew
+    finally:
+        a.close()
+        b.close()
+
+
+def test_unit_needs_every_sample_before_it_is_done(store: Store) -> None:
+    _requests(store, 1, 2)
+    a = _node(store, "a")
+    try:
+        a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
+        a.add_sample(_sample("r0000", 0, 0))
+        with pytest.raises(Fenced):
+            a.finish_unit("r0000", 0, None, "")
+        a.add_sample(_sample("r0000", 0, 1))
+        req, left = a.finish_unit("r0000", 0, None, "")
+        assert left == 1 and req.status is RequestStatus.QUEUED  # prompt 1 still open
+        assert a.renew_leases(LONG_LEASE) == {("r0000", 1)}
+    finally:
+        a.close()
+
+
+@pytest.mark.postgres
+def test_restart_releases_only_its_own_stale_leases(pg_store: Store) -> None:
+    store = pg_store
+    _requests(store, 2, 1)
+    a, b = _node(store, "a"), _node(store, "b")
+    try:
+        a.claim_units(capacity=2, lease_seconds=LONG_LEASE)
+        b_got = b.claim_units(capacity=2, lease_seconds=LONG_LEASE)
+        assert len(b_got) == 1
+        a2 = _node(store, "a")  # a restarted: a new epoch
+        try:
+            assert a2.epoch == a.epoch + 1
+            assert a2.release_stale_leases() == 1
+            assert b.renew_leases(LONG_LEASE) == {(b_got[0].request_id, 0)}  # b's untouched
+            again = a2.claim_units(capacity=2, lease_seconds=LONG_LEASE)
+            assert [c.attempts for c in again] == [2]
+            with pytest.raises(Fenced):  # the old process (epoch) is fenced
+                a.add_sample(_sample(again[0].request_id, 0, 0))
+        finally:
+            a2.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sqlite_restart_takes_its_expired_work_back(sqlite_store: Store) -> None:
+    """SQLite's one node: a restart (new epoch) reclaims what the old process held; the old
+    process's writes are fenced."""
+    _requests(sqlite_store, 1, 1)
+    old = _node(sqlite_store, "solo")
+    new = None
+    try:
+        old.claim_units(capacity=10, lease_seconds=LONG_LEASE)
+        new = _node(sqlite_store, "solo")
+        assert new.release_stale_leases() == 1
+        assert [c.attempts for c in new.claim_units(10, LONG_LEASE)] == [2]
+        with pytest.raises(Fenced):
+            old.add_sample(_sample("r0000", 0, 0))
+        assert new.add_sample(_sample("r0000", 0, 0))
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
+
+
+def test_sqlite_refuses_a_second_live_node(sqlite_store: Store) -> None:
+    a = _node(sqlite_store, "a")
+    b = Store(sqlite_store.url, node_id="b")
+    try:
+        with pytest.raises(ConfigError, match="in use by node 'a'"):
+            b.join_node("b:1", down_seconds=30.0)
+        a.leave_node()  # a clean shutdown frees the database for another node
+        assert b.join_node("b:1", down_seconds=30.0) == 1
+        # A node silent for longer than the threshold does not hold it either.
+        c = Store(sqlite_store.url, node_id="c")
+        try:
+            time.sleep(0.3)
+            assert c.join_node("c:1", down_seconds=0.2) == 1
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_nodes_are_down_after_a_missed_heartbeat_and_back_with_a_new_epoch(
+    sqlite_store: Store,
+) -> None:
+    a = _node(sqlite_store, "a")
+    try:
+        [n] = a.list_nodes(down_seconds=0.2)
+        assert (n.node_id, n.status, n.epoch, n.address) == ("a", NodeStatus.UP, 1, "a:1")
+        assert a.beat_node(down_seconds=5.0) == 1  # on time: same epoch
+        time.sleep(0.3)
+        assert a.list_nodes(down_seconds=0.2)[0].status is NodeStatus.DOWN
+        assert a.beat_node(down_seconds=0.2) == 2  # back after being DOWN: a new epoch
+        assert a.list_nodes(down_seconds=0.2)[0].status is NodeStatus.UP
+        a2 = _node(sqlite_store, "a")  # another process joins with the same id
+        try:
+            with pytest.raises(Fenced):
+                a.beat_node(down_seconds=5.0)
+        finally:
+            a2.close()
+    finally:
+        a.close()
+
+
+@pytest.mark.postgres
+def test_cluster_wide_job_runs_on_one_node_at_a_time(pg_store: Store) -> None:
+    from tltd.periodic import prune_history
+
+    a, b = _node(pg_store, "a"), _node(pg_store, "b")
+    _requests(pg_store, 1, 1)
+    pg_store.set_request_status("r0000", RequestStatus.CANCELLED, "old")
+    try:
+        with a.cluster_lock("history-gc") as mine:
+            assert mine
+            with b.cluster_lock("history-gc") as theirs:
+                assert not theirs  # not waited for: skipped
+            assert prune_history(b, retention_hours=1e-9) == (0, 0)
+            assert b.get_request("r0000").status is RequestStatus.CANCELLED
+        with b.cluster_lock("history-gc") as theirs:
+            assert theirs  # released at the end of a's block
+        time.sleep(0.01)
+        requests, _ = prune_history(b, retention_hours=1e-9)
+        assert requests == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_cancel_ends_the_units_no_node_holds(store: Store) -> None:
+    _requests(store, 1, 2)
+    a = _node(store, "a")
+    try:
+        [held] = a.claim_units(capacity=2, lease_seconds=LONG_LEASE)  # prompt 0 only
+        assert held.prompt_index == 0
+        store.set_request_status("r0000", RequestStatus.CANCELLED, "stop")
+        assert store.end_queued_units("r0000", FinishReason.CANCELLED, "stop") == 1
+        req, open_units, samples, _ = store.stream_state("r0000", 0)
+        assert open_units == 1  # a's unit: a ends it
+        assert {(s.prompt_index, s.finish_reason, s.partial) for s in samples} == {
+            (1, FinishReason.CANCELLED, True)
+        }
+        for i in range(SAMPLING.n):
+            a.add_sample(Sample("r0000", 0, i, (), (), FinishReason.CANCELLED, partial=True))
+        req, left = a.finish_unit("r0000", 0, RequestStatus.CANCELLED, "stop")
+        assert left == 0 and req.status is RequestStatus.CANCELLED
+    finally:
+        a.close()

@@ -1,0 +1,27 @@
+"""The database's clock: leases and heartbeats are read against one clock every node shares."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Interval, func, literal, select
+from sqlalchemy.orm import Session
+
+from tltd.store.tables import UTCDateTime, utcnow
+
+
+def db_now(dialect: str, plus_seconds: float = 0.0) -> Any:
+    """`now() + plus_seconds` as an SQL expression. PostgreSQL's now() is the one clock all
+    nodes read (a node's own clock may be off); SQLite serves one node, whose clock it is."""
+    if dialect == "postgresql":
+        now = func.now(type_=UTCDateTime())
+        return now + literal(timedelta(seconds=plus_seconds), Interval()) if plus_seconds else now
+    return literal(utcnow() + timedelta(seconds=plus_seconds), UTCDateTime())
+
+
+def read_db_now(s: Session) -> datetime:
+    """The database's time now (aware UTC)."""
+    if s.get_bind().dialect.name == "postgresql":
+        return s.scalar(select(func.now(type_=UTCDateTime())))
+    return utcnow()

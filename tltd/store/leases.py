@@ -1,0 +1,320 @@
+"""Work units under leases: one per prompt of a request, claimed by a node with one
+`FOR UPDATE SKIP LOCKED` statement, renewed while it runs, fenced by owner and epoch.
+
+Expiry is read from the database's clock (`tltd.store.clock`). On SQLite (one node) the same
+statements run: SKIP LOCKED is not rendered there, and SQLite serializes writers anyway.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from tltd.domain import ENDED_STATUSES, FinishReason, RequestStatus, RolloutRequest, Sample
+from tltd.errors import Fenced, NotFound
+from tltd.store import convert
+from tltd.store.clock import db_now
+from tltd.store.notifications import REQUEST, WORK, notify
+from tltd.store.status import switch_status
+from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
+
+UnitKey = tuple[str, int]  # (request_id, prompt_index)
+
+QUEUED, LEASED, DONE, FAILED = "queued", "leased", "done", "failed"
+
+
+@dataclass(frozen=True, order=True)
+class Claim:
+    request_id: str
+    prompt_index: int
+    attempts: int  # this claim included
+
+
+class WorkLeases:
+    """Mixed into the Store (uses its `node_id`, `epoch`, `dialect` and `_tx`)."""
+
+    node_id: str
+    epoch: int
+    dialect: str
+    _tx: Callable[..., AbstractContextManager[Session]]
+
+    def _held(self, s: Session) -> object:
+        """The condition of a unit this node holds now: its owner and epoch, lease alive."""
+        wu = WorkUnitRow
+        return and_(
+            wu.state == LEASED,
+            wu.owner_node == self.node_id,
+            wu.owner_epoch == self.epoch,
+            wu.lease_expires_at > db_now(self.dialect),
+        )
+
+    def claim_units(self, capacity: int, lease_seconds: float) -> list[Claim]:
+        """Claim queued units, and units whose lease expired, oldest first, while the samples
+        of those claimed before each one stay under `capacity`: one statement. Rows another
+        node is claiming at the same moment are skipped, not waited for."""
+        if capacity <= 0 or not self.epoch:
+            return []
+        wu, now = WorkUnitRow, db_now(self.dialect)
+        claimable = or_(wu.state == QUEUED, and_(wu.state == LEASED, wu.lease_expires_at < now))
+        order = (wu.priority.desc(), wu.created_at, wu.request_id, wu.prompt_index)
+        # Each unit holds at least one sample: `capacity` rows bound what can fit.
+        cand = (
+            select(wu.request_id, wu.prompt_index, wu.samples, wu.priority, wu.created_at)
+            .where(claimable)
+            .order_by(*order)
+            .limit(capacity)
+            .with_for_update(skip_locked=True)
+            .cte("cand")
+        )
+        before = (
+            func.sum(cand.c.samples).over(
+                order_by=(
+                    cand.c.priority.desc(),
+                    cand.c.created_at,
+                    cand.c.request_id,
+                    cand.c.prompt_index,
+                )
+            )
+            - cand.c.samples
+        )
+        ranked = select(cand.c.request_id, cand.c.prompt_index, before.label("before")).subquery(
+            "ranked"
+        )
+        picked = (
+            select(ranked.c.request_id, ranked.c.prompt_index)
+            .where(ranked.c.before < capacity)
+            .subquery("picked")
+        )
+        stmt = (
+            update(wu)
+            .where(wu.request_id == picked.c.request_id, wu.prompt_index == picked.c.prompt_index)
+            .values(
+                state=LEASED,
+                owner_node=self.node_id,
+                owner_epoch=self.epoch,
+                lease_expires_at=db_now(self.dialect, lease_seconds),
+                attempts=wu.attempts + 1,
+                updated_at=utcnow(),
+            )
+            .returning(wu.request_id, wu.prompt_index, wu.attempts)
+        )
+        with self._tx() as s:
+            rows = s.execute(stmt).all()
+        return sorted(Claim(r[0], int(r[1]), int(r[2])) for r in rows)
+
+    def renew_leases(self, lease_seconds: float) -> set[UnitKey]:
+        """Extend every lease this node still holds; returns the units renewed (one this node
+        believes it runs and that is not among them is lost: stop running it)."""
+        wu = WorkUnitRow
+        with self._tx() as s:
+            rows = s.execute(
+                update(wu)
+                .where(self._held(s))
+                .values(lease_expires_at=db_now(self.dialect, lease_seconds))
+                .returning(wu.request_id, wu.prompt_index)
+            ).all()
+        return {(r[0], int(r[1])) for r in rows}
+
+    def release_stale_leases(self) -> int:
+        """Units this node holds under an older epoch (a previous process, or this one before
+        it was taken for DOWN) go back to the queue; returns how many. A request of theirs
+        that then runs nowhere goes back to QUEUED, with the reason."""
+        wu = WorkUnitRow
+        with self._tx() as s:
+            rows = s.execute(
+                update(wu)
+                .where(
+                    wu.state == LEASED,
+                    wu.owner_node == self.node_id,
+                    wu.owner_epoch < self.epoch,
+                )
+                .values(state=QUEUED, owner_node=None, lease_expires_at=None, updated_at=utcnow())
+                .returning(wu.request_id)
+            ).all()
+            released = Counter(r[0] for r in rows)
+            for rid, units in sorted(released.items()):
+                req = s.get(RolloutRequestRow, rid, with_for_update=True)
+                running = s.scalar(
+                    select(func.count())
+                    .select_from(wu)
+                    .where(wu.request_id == rid, wu.state == LEASED)
+                )
+                notify(s, WORK, rid)
+                if req is not None and req.status == RequestStatus.RUNNING and not running:
+                    why = f"daemon restarted: {units} units of node {self.node_id} re-queued"
+                    switch_status(s, "request", rid, req, RequestStatus.QUEUED, why)
+            return len(rows)
+
+    def release_unit(self, request_id: str, prompt_index: int) -> bool:
+        """Give a unit this node holds back to the queue (its samples stored so far stay)."""
+        wu = WorkUnitRow
+        with self._tx() as s:
+            result = s.execute(
+                update(wu)
+                .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
+                .where(self._held(s))
+                .values(state=QUEUED, owner_node=None, lease_expires_at=None, updated_at=utcnow())
+            )
+            if result.rowcount:  # type: ignore[attr-defined]
+                notify(s, WORK, request_id)
+            return bool(result.rowcount)  # type: ignore[attr-defined]
+
+    def check_held(self, s: Session, request_id: str, prompt_index: int) -> None:
+        """Raise Fenced unless this node holds the unit (called with the request row locked:
+        a sample write then lands only while the lease is alive)."""
+        wu = WorkUnitRow
+        held = s.scalar(
+            select(wu.prompt_index).where(
+                wu.request_id == request_id, wu.prompt_index == prompt_index, self._held(s)
+            )
+        )
+        if held is None:
+            raise Fenced(
+                f"unit {request_id}/{prompt_index} is not held by node {self.node_id!r} "
+                f"epoch {self.epoch}"
+            )
+
+    def finish_unit(
+        self, request_id: str, prompt_index: int, outcome: RequestStatus | None, reason: str
+    ) -> tuple[RolloutRequest, int]:
+        """Mark a held unit done once every one of its samples is stored; when it was the
+        request's last open unit, record the request's final status: `outcome` (a cancel or a
+        drain decided here) if given, else FAILED when a sample failed, else COMPLETED; a
+        status already final stands. Returns the request and its open units left. Raises
+        Fenced when the unit is not held or a sample is missing."""
+        wu, sr = WorkUnitRow, SampleRow
+        with self._tx() as s:
+            req = s.get(RolloutRequestRow, request_id, with_for_update=True)
+            if req is None:
+                raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
+            self.check_held(s, request_id, prompt_index)
+            stored = s.scalar(
+                select(func.count())
+                .select_from(sr)
+                .where(sr.request_id == request_id, sr.prompt_index == prompt_index)
+            )
+            if stored < req.n:
+                raise Fenced(f"unit {request_id}/{prompt_index}: {stored} of {req.n} stored")
+            s.execute(
+                update(wu)
+                .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
+                .values(state=DONE, lease_expires_at=None, updated_at=utcnow())
+            )
+            left = _open_units(s, request_id)
+            if left == 0 and RequestStatus(req.status) not in ENDED_STATUSES:
+                status, why = outcome, reason
+                if status is None:
+                    status, why = _final_status(s, req)
+                if req.status == RequestStatus.QUEUED and status is RequestStatus.COMPLETED:
+                    switch_status(s, "request", request_id, req, RequestStatus.RUNNING, "resumed")
+                switch_status(s, "request", request_id, req, status, why)
+                notify(s, REQUEST, request_id)
+            s.flush()
+            return convert.request_from_row(req), left
+
+    def end_queued_units(self, request_id: str, finish: FinishReason, why: str) -> int:
+        """End the units of an ended request that no node holds (a cancel): their missing
+        samples stored partial with `why`, the units done. Units held by a node are ended by
+        it (or, if it is lost, by whichever node claims them next). Returns units ended."""
+        wu, sr = WorkUnitRow, SampleRow
+        with self._tx() as s:
+            req = s.get(RolloutRequestRow, request_id, with_for_update=True)
+            if req is None:
+                raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
+            now = db_now(self.dialect)
+            free = or_(wu.state == QUEUED, and_(wu.state == LEASED, wu.lease_expires_at < now))
+            prompts = s.scalars(
+                select(wu.prompt_index)
+                .where(wu.request_id == request_id, free)
+                .with_for_update(skip_locked=True)
+            ).all()
+            if not prompts:
+                return 0
+            have = set(
+                s.execute(
+                    select(sr.prompt_index, sr.sample_index).where(
+                        sr.request_id == request_id, sr.prompt_index.in_(prompts)
+                    )
+                ).all()
+            )
+            stamp = utcnow()
+            for p in prompts:
+                for i in range(req.n):
+                    if (p, i) not in have:
+                        row = convert.sample_to_row(
+                            Sample(
+                                request_id, p, i, (), (), finish,
+                                policy_version=req.policy_version, partial=True, error=why,
+                            )
+                        )  # fmt: skip
+                        row.created_at = stamp
+                        s.add(row)
+            s.execute(
+                update(wu)
+                .where(wu.request_id == request_id, wu.prompt_index.in_(prompts))
+                .values(state=DONE, owner_node=None, lease_expires_at=None, updated_at=stamp)
+            )
+            return len(prompts)
+
+    def stream_state(self, request_id: str, after_id: int) -> tuple[RolloutRequest, int, list, int]:
+        """What a Generate stream on any node reads: the request, its open units, the samples
+        stored after row `after_id` and the largest row id seen."""
+        with self._tx(write=False) as s:
+            req = s.get(RolloutRequestRow, request_id)
+            if req is None:
+                raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
+            rows = s.scalars(
+                select(SampleRow)
+                .where(SampleRow.request_id == request_id, SampleRow.id > after_id)
+                .order_by(SampleRow.id)
+            ).all()
+            last = max((r.id for r in rows), default=after_id)
+            return (
+                convert.request_from_row(req),
+                _open_units(s, request_id),
+                [convert.sample_from_row(r) for r in rows],
+                last,
+            )
+
+    def request_statuses(self, request_ids: Sequence[str]) -> dict[str, tuple[str, str]]:
+        """status and reason of each request (the renew loop's view of cancels elsewhere)."""
+        if not request_ids:
+            return {}
+        rr = RolloutRequestRow
+        with self._tx(write=False) as s:
+            rows = s.execute(
+                select(rr.request_id, rr.status, rr.status_reason).where(
+                    rr.request_id.in_(list(request_ids))
+                )
+            ).all()
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+
+def _open_units(s: Session, request_id: str) -> int:
+    wu = WorkUnitRow
+    return int(
+        s.scalar(
+            select(func.count())
+            .select_from(wu)
+            .where(wu.request_id == request_id, wu.state.in_((QUEUED, LEASED)))
+        )
+        or 0
+    )
+
+
+def _final_status(s: Session, req: RolloutRequestRow) -> tuple[RequestStatus, str]:
+    total = len(req.prompts) * req.n
+    failed, first = s.execute(
+        select(func.count(), func.min(SampleRow.error)).where(
+            SampleRow.request_id == req.request_id,
+            SampleRow.finish_reason == FinishReason.FAILED.value,
+        )
+    ).one()
+    if failed:
+        return RequestStatus.FAILED, f"{failed} of {total} samples failed: {first}"
+    return RequestStatus.COMPLETED, f"all {total} samples finished"

@@ -1,0 +1,176 @@
+"""The nodes table: a node joins with a new epoch (its fencing token), heartbeats, leaves."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+from sqlalchemy import case, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from tltd.domain import Node, NodeStatus
+from tltd.errors import ConfigError, Fenced
+from tltd.store.clock import db_now, read_db_now
+from tltd.store.status import record_event
+from tltd.store.tables import DeviceRow, NodeRow, WorkerRow
+
+log = logging.getLogger(__name__)
+
+
+class NodeRegistry:
+    """Mixed into the Store: `node_id` and `epoch` say who writes (epoch 0: not joined)."""
+
+    node_id: str
+    epoch: int
+    dialect: str
+    _tx: Callable[..., AbstractContextManager[Session]]
+
+    def join_node(self, address: str, down_seconds: float) -> int:
+        """Register this node and increment its epoch in one statement; returns the epoch.
+
+        SQLite is single-node: a join is refused (ConfigError) while another node's row is up
+        with a heartbeat younger than `down_seconds` (SQLite's write lock, taken at BEGIN,
+        makes the check and the join one step). Rows written before nodes existed (node id
+        "") become this node's."""
+        with self._tx() as s:
+            if self.dialect == "sqlite":
+                self._refuse_second_node(s, down_seconds)
+            insert = (postgresql if self.dialect == "postgresql" else sqlite).insert
+            now = db_now(self.dialect)
+            stmt = insert(NodeRow).values(
+                node_id=self.node_id, address=address, state="up", epoch=1,
+                heartbeat_at=now, started_at=now,
+            )  # fmt: skip
+            stmt = stmt.on_conflict_do_update(
+                index_elements=[NodeRow.node_id],
+                set_={
+                    "epoch": NodeRow.epoch + 1,
+                    "address": stmt.excluded.address,
+                    "state": "up",
+                    "heartbeat_at": stmt.excluded.heartbeat_at,
+                    "started_at": stmt.excluded.started_at,
+                },
+            ).returning(NodeRow.epoch)
+            epoch = int(s.execute(stmt).scalar_one())
+            for table in (DeviceRow, WorkerRow):
+                key = table.device_id if table is DeviceRow else table.worker_id
+                taken = select(key).where(table.node_id == self.node_id).scalar_subquery()
+                s.execute(
+                    update(table)
+                    .where(table.node_id == "", key.not_in(taken))
+                    .values(node_id=self.node_id)
+                )
+            record_event(s, "node", self.node_id, "", "up", f"joined with epoch {epoch}")
+        self.epoch = epoch
+        log.info("node joined", extra={"node_id": self.node_id, "epoch": epoch})
+        return epoch
+
+    def _refuse_second_node(self, s: Session, down_seconds: float) -> None:
+        now = read_db_now(s)
+        for row in s.scalars(
+            select(NodeRow).where(NodeRow.node_id != self.node_id, NodeRow.state == "up")
+        ):
+            age = (now - row.heartbeat_at).total_seconds()
+            if age < down_seconds:
+                raise ConfigError(
+                    f"this SQLite database is in use by node {row.node_id!r} (heartbeat "
+                    f"{age:.1f}s ago): SQLite serves one node; several nodes share a "
+                    "PostgreSQL database (database_url)"
+                )
+
+    def beat_node(self, down_seconds: float, address: str | None = None) -> int:
+        """Stamp this node's heartbeat; returns its epoch. A beat after a silence longer than
+        `down_seconds` (the node was DOWN: paused, cut off) takes a new epoch in the same
+        statement, so whatever it held under the old one is fenced. Raises Fenced when
+        another process has joined under this node id since."""
+        with self._tx() as s:
+            stale = NodeRow.heartbeat_at < db_now(self.dialect, -down_seconds)
+            values: dict = {
+                "heartbeat_at": db_now(self.dialect),
+                "state": "up",
+                "epoch": case((stale, NodeRow.epoch + 1), else_=NodeRow.epoch),
+            }
+            if address is not None:
+                values["address"] = address
+            epoch = s.execute(
+                update(NodeRow)
+                .where(NodeRow.node_id == self.node_id, NodeRow.epoch == self.epoch)
+                .values(**values)
+                .returning(NodeRow.epoch)
+            ).scalar_one_or_none()
+            if epoch is None:
+                raise Fenced(
+                    f"node {self.node_id!r} epoch {self.epoch} is no longer current: another "
+                    "daemon joined with this node id"
+                )
+            if epoch != self.epoch:
+                why = f"back after more than {down_seconds:g}s without a heartbeat"
+                record_event(s, "node", self.node_id, "down", "up", f"{why}: epoch {epoch}")
+        if epoch != self.epoch:
+            log.warning("node rejoined", extra={"node_id": self.node_id, "epoch": epoch})
+        self.epoch = int(epoch)
+        return self.epoch
+
+    @contextmanager
+    def cluster_lock(self, name: str) -> Iterator[bool]:
+        """Hold PostgreSQL's session advisory lock `name` for the block if no other node
+        holds it (yields False then, without waiting): a cluster-wide periodic job runs on
+        one node at a time. SQLite has one node: always True."""
+        if self.dialect != "postgresql":
+            yield True
+            return
+        key = _lock_key(name)
+        with self.engine.connect() as conn:  # type: ignore[attr-defined]
+            held = bool(conn.scalar(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}))
+            conn.commit()
+            try:
+                yield held
+            finally:
+                if held:
+                    conn.scalar(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                    conn.commit()
+
+    def leave_node(self) -> None:
+        """A clean shutdown: the node is LEFT (not DOWN) until it joins again."""
+        with self._tx() as s:
+            s.execute(
+                update(NodeRow)
+                .where(NodeRow.node_id == self.node_id, NodeRow.epoch == self.epoch)
+                .values(state="left")
+            )
+            record_event(s, "node", self.node_id, "up", "left", "shut down")
+
+    def list_nodes(self, down_seconds: float) -> list[Node]:
+        """Every node ever joined, by id; DOWN when its heartbeat is older than
+        `down_seconds` by the database's clock."""
+        with self._tx(write=False) as s:
+            now = read_db_now(s)
+            return [
+                _node(row, (now - row.heartbeat_at).total_seconds(), down_seconds)
+                for row in s.scalars(select(NodeRow).order_by(NodeRow.node_id))
+            ]
+
+
+def _lock_key(name: str) -> int:
+    """A stable signed 64-bit key per job name (advisory locks take a bigint)."""
+    digest = hashlib.sha256(f"tltd:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _node(row: NodeRow, age: float, down_seconds: float) -> Node:
+    if row.state == "left":
+        status = NodeStatus.LEFT
+    else:
+        status = NodeStatus.DOWN if age >= down_seconds else NodeStatus.UP
+    return Node(
+        node_id=row.node_id,
+        address=row.address,
+        status=status,
+        epoch=row.epoch,
+        heartbeat_age_seconds=max(0.0, age),
+        heartbeat_at=row.heartbeat_at,
+        started_at=row.started_at,
+    )

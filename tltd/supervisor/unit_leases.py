@@ -1,0 +1,154 @@
+"""This node's side of the work leases: claim units sized to the free capacity, renew what it
+holds, stop what it lost, and follow cancels recorded by other nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from tltd.domain import ENDED_STATUSES, FinishReason, NodeStatus, RequestStatus
+from tltd.settings import Settings
+from tltd.supervisor.requests import RolloutRequests
+from tltd.supervisor.worker_process import Phase, WorkerHandle
+from tltd_workers.rollout import protocol as msg
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+
+log = logging.getLogger(__name__)
+
+_ALL = 1 << 20  # a claim with no capacity bound (a draining node alone ends what is queued)
+
+
+class UnitLeases:
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        requests: RolloutRequests,
+        handles: Mapping[str, WorkerHandle],
+        close: Callable[[str, RequestStatus, str], Awaitable[None]],
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.requests = requests
+        self.queue = requests.queue
+        self.handles = handles
+        self._close = close  # closes a live request (a cancel or failure decided elsewhere)
+        self.claim_soon = True  # a request was just stored here: claim at the next tick
+        self._last_claim = 0.0
+        self._others: tuple[float, bool] = (-1e9, False)  # (when read, another node up)
+        self._renewer = ThreadPoolExecutor(1, thread_name_prefix="lease-renewal")
+
+    def free_capacity(self) -> int:
+        """Samples this node's ready workers could take beyond what they run and what waits."""
+        cap = self.settings.worker_max_batch
+        free = sum(
+            cap - self.queue.inflight(h.worker_id)
+            for h in self.handles.values()
+            if h.phase is Phase.READY and h.device.schedulable
+        )
+        waiting = sum(len(idx) for live in self.queue for idx in live.pending.values())
+        return max(0, free - waiting)
+
+    async def claim(
+        self,
+        refuse: Callable[[str, int], tuple[FinishReason, str] | None],
+        *,
+        draining: bool = False,
+        everything: bool = False,
+    ) -> int:
+        """Claim what fits (at most every `claim_interval_seconds`, sooner after a local
+        submit); returns the units claimed. With other nodes up, a node claims what its free
+        capacity fits, so that work spreads; alone, it claims every queued unit, so that its
+        scheduler's priorities and fair share see all the work. A draining node claims nothing
+        while another node is up to run the work; alone, it goes on claiming during the grace
+        and then (`everything`) ends what is queued through `refuse`: nobody else would."""
+        now = time.monotonic()
+        if not self.claim_soon and now - self._last_claim < self.settings.claim_interval_seconds:
+            return 0
+        others = await asyncio.to_thread(self.others_up)
+        if draining and others:
+            self._last_claim, self.claim_soon = now, False
+            return 0
+        free = _ALL if everything or not others else self.free_capacity()
+        if free <= 0:
+            return 0
+        self._last_claim, self.claim_soon = now, False
+        claims = await asyncio.to_thread(self.store.claim_units, free, self.settings.lease_seconds)
+        if claims:
+            await self.requests.take_claims(claims, refuse)
+        return len(claims)
+
+    def hand_over(self) -> int:
+        """A draining node with others up gives them every unit it holds: its workers cancel
+        what runs (their late samples are fenced, not stored), the units go back to the
+        queue, and another node re-runs their missing samples. Returns the units."""
+        units = {(live.request_id, p) for live in self.queue for p in live.units}
+        for wid, rid in self.requests.lose_units(units, "unit handed to the other nodes"):
+            handle = self.handles.get(wid)
+            if handle is not None:
+                handle.send(msg.Cancel(rid))
+        self.requests.release(units)
+        return len(units)
+
+    def others_up(self) -> bool:
+        """Another node is up (its heartbeat younger than node_down_seconds); read at most
+        once per heartbeat period."""
+        now = time.monotonic()
+        if now - self._others[0] >= self.settings.node_heartbeat_seconds:
+            self._others = (now, self._others_up())
+        return self._others[1]
+
+    def _others_up(self) -> bool:
+        nodes = self.store.list_nodes(self.settings.node_down_seconds)
+        return any(n.status is NodeStatus.UP and n.node_id != self.store.node_id for n in nodes)
+
+    async def renew(self) -> set[tuple[str, int]]:
+        """Renew every lease held; stop the units not renewed (their lease expired: another
+        node may run them now) and close requests ended elsewhere (a cancel on another node).
+        Returns the units lost."""
+        held = {(live.request_id, p) for live in self.queue for p in live.units}
+        # Its own thread: a renewal queued behind busy store calls could let leases lapse.
+        renewed = await asyncio.get_running_loop().run_in_executor(
+            self._renewer, self.store.renew_leases, self.settings.lease_seconds
+        )
+        lost = held - renewed
+        if lost:
+            self.stop(lost)
+        ids = [live.request_id for live in self.queue if live.outcome is None]
+        statuses = await asyncio.to_thread(self.store.request_statuses, ids)
+        for rid, (status, reason) in statuses.items():
+            live = self.queue.get(rid)
+            if live is not None and live.outcome is None and status in ENDED_STATUSES:
+                await self._close(rid, RequestStatus(status), reason)
+        return lost
+
+    async def follow(self, request_id: str) -> None:
+        """A request ended on another node (a notification): close it here if it runs here."""
+        live = self.queue.get(request_id)
+        if live is None or live.outcome is not None:
+            return
+        statuses = await asyncio.to_thread(self.store.request_statuses, [request_id])
+        status, reason = statuses.get(request_id, ("", ""))
+        if status in ENDED_STATUSES:
+            await self._close(request_id, RequestStatus(status), reason)
+
+    def stop(self, lost: set[tuple[str, int]]) -> None:
+        """Forget lost units; a worker running samples of one cancels its request's samples
+        (workers cancel by request), so every other unit of it held here is given back."""
+        cancels = self.requests.lose_units(lost)
+        for wid, rid in cancels:
+            handle = self.handles.get(wid)
+            if handle is not None:
+                handle.send(msg.Cancel(rid))
+        for rid in {rid for _, rid in cancels}:
+            live = self.queue.get(rid)
+            if live is not None:
+                units = {(rid, p) for p in live.units}
+                self.requests.lose_units(units)
+                self.requests.release(units)
