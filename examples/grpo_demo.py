@@ -1,7 +1,7 @@
 """README command 1: GRPO on the toy running-sum task with the tiny policy, rolling out through
 a real `tltd serve`, once with TLT (adaptive speculative decoding) and once with it off.
 
-    python examples/grpo_demo.py            # 6 RL steps per mode, about 8 minutes on 2 cores
+    python examples/grpo_demo.py            # 6 RL steps per mode, about 7 minutes on 2 cores
     python examples/grpo_demo.py --quick    # 1 tiny step per mode, a smoke test
     python examples/grpo_demo.py --http     # roll out through the openai client (HTTP door)
 
