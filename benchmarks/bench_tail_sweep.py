@@ -64,6 +64,23 @@ def plot(rows: list[dict], path: Path, gate: int) -> None:
     fig.savefig(path, dpi=120)
 
 
+MIX_KEYS = ("sd", "eagle", "acc")
+
+
+def run_mix(run) -> dict[str, float]:
+    """What the adaptive run chose: its share of row steps that verified a draft, EAGLE's share
+    of those, and the mean accepted length (tokens gained per SD step)."""
+    summary = run.summary
+    per = summary["per_strategy"]
+    drafts = sum(t["draft_rows"] for t in per.values())
+    eagle = sum(t["draft_rows"] for name, t in per.items() if name.startswith("eagle"))
+    return {
+        "sd": summary["sd_step_share"] or 0.0,
+        "eagle": eagle / drafts if drafts else 0.0,
+        "acc": summary["mean_accepted_length"] or 0.0,
+    }
+
+
 def parse_points(spec: str) -> list[tuple[tuple[int, ...], int | None]]:
     """ "0,3@6,4/8" -> [((0,), None), ((3,), 6), ((4, 8), None)]: the care levels (several
     alternate over the prompts, as in the rollout workload), and a fixed size or None."""
@@ -134,25 +151,29 @@ def main(argv: list[str] | None = None) -> int:
             "point": point, **s, "share": statistics.median(time_share(o, args.gate) for o in off),
             "speedup": statistics.median(speedups), "speedups": speedups,
             "off_s": statistics.median(o.seconds for o in off),
+            **{k: statistics.median(run_mix(a)[k] for a in ada) for k in MIX_KEYS},
         }  # fmt: skip
         rows.append(row)
         print(
             f"  {point_label(point)}: p50 {s['p50']} p99 {s['p99']} max {s['max']} p99/p50 "
             f"{s['p99/p50']:.1f}, off {row['off_s']:.1f}s, time at batch <= {args.gate} "
-            f"{100 * row['share']:.0f}%, speedup {row['speedup']:.2f}x",
+            f"{100 * row['share']:.0f}%, speedup {row['speedup']:.2f}x (adaptive: SD steps "
+            f"{100 * row['sd']:.0f}%, EAGLE {100 * row['eagle']:.0f}% of them, acc len "
+            f"{row['acc']:.2f})",
             flush=True,
         )
     print(
         f"\n| workload | p50 | p99 | max | p99/p50 | capped | off s | SD-off time at batch <= "
-        f"{args.gate} | adaptive speedup (median [min-max]) |"
+        f"{args.gate} | adaptive speedup (median [min-max]) | SD steps | EAGLE share | acc len |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         spread = f"{r['speedup']:.2f}x [{min(r['speedups']):.2f}-{max(r['speedups']):.2f}]"
         print(
             f"| {point_label(r['point'])} | {r['p50']} | {r['p99']} | {r['max']} "
             f"| {r['p99/p50']:.1f} "
-            f"| {100 * r['capped']:.1f}% | {r['off_s']:.1f} | {100 * r['share']:.0f}% | {spread} |"
+            f"| {100 * r['capped']:.1f}% | {r['off_s']:.1f} | {100 * r['share']:.0f}% | {spread} "
+            f"| {100 * r['sd']:.0f}% | {100 * r['eagle']:.0f}% | {r['acc']:.2f} |"
         )
     if args.plot is not None:
         plot(rows, args.plot, args.gate)

@@ -18,10 +18,14 @@ Paths (each pushes a new version of the same job, in this order, per size):
   grpc-delta  PushPolicy of zstd(new XOR previous) over the version the daemon holds
   gloo        OpenBroadcast: the trainer broadcasts every tensor in a torch.distributed gloo
               group the daemon opened (client.broadcast_policy), then commits
+  grpc-full, recycled file
+              grpc-full again in steady state: after one more (unmeasured) push, version 2
+              is retired and this push is staged over its weights file (page-cache pages
+              already allocated)
 
-Models above --worker-max-params run without a rollout worker (the device is cordoned), so
-their first-request time is not measured: a CPU worker holds the model in fp32 and would need
-~4x the bf16 size in memory on a machine shared with others.
+Models above --worker-max-params run without a rollout worker (the daemon gets no CPU device
+slot), so their first-request time is not measured: a CPU worker holds the model in fp32 and
+would need ~4x the bf16 size in memory on a machine shared with others.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,8 +103,9 @@ def optimizer_step(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
 class Serve:
     """`tltd serve` on a free port (SQLite in a temp dir, one CPU slot, no drafter training)."""
 
-    def __init__(self, data: Path) -> None:
+    def __init__(self, data: Path, cpu_slots: int = 1) -> None:
         data.mkdir(parents=True, exist_ok=True)
+        self.data = data
         port = data / "port"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TLTD_")}
         env |= {
@@ -111,7 +117,7 @@ class Serve:
         self.log = open(data / "tltd.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tltd", "serve", "--port", "0", "--port-file", str(port),
-             "--data-dir", str(data / "tltd"), "--cpu-slots", "1"],
+             "--data-dir", str(data / "tltd"), "--cpu-slots", str(cpu_slots)],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         deadline = time.monotonic() + 120
@@ -132,6 +138,11 @@ class Serve:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
+
+    def broadcast_ranks(self) -> int:
+        """The world size of the last broadcast group the daemon opened (from its log)."""
+        sizes = re.findall(r"world_size=(\d+)", (self.data / "tltd.log").read_text())
+        return int(sizes[-1]) if sizes else 0
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -179,14 +190,13 @@ def run_size(size: str, work: Path, chunk_bytes: int, worker_max_params: float) 
     params = sum(t.numel() for t in v0.values())
     total = nbytes(v0)
     dtype = str(next(iter(v0.values())).dtype).removeprefix("torch.")
-    serve = Serve(work / f"{size}-daemon")
+    with_worker = params <= worker_max_params
+    # Without a worker the daemon has no device: a worker on a cordoned device would still
+    # load the job (and every pushed version) and take the CPU the transfer is measured on.
+    serve = Serve(work / f"{size}-daemon", cpu_slots=1 if with_worker else 0)
     rows = []
     try:
         with TltClient(serve.target, timeout=900) as c:
-            with_worker = params <= worker_max_params
-            if not with_worker:
-                for dev in c.list_devices():
-                    c.cordon(dev.device_id, reason="bench: no worker for this size")
             c.create_job(str(model_dir), job_id=JOB)
             if with_worker:
                 wait_ready(c)
@@ -251,6 +261,13 @@ def run_size(size: str, work: Path, chunk_bytes: int, worker_max_params: float) 
                 return c.broadcast_policy(JOB, v4, timeout=900).policy.version, total
 
             measure("gloo", gloo, v4)
+            # The trainer, the daemon and the workers that held the job (they switch from memory).
+            rows[-1]["path"] = f"gloo, {serve.broadcast_ranks()} ranks"
+            # Steady state: once pushed versions retire (beyond push_keep_versions, 3), the
+            # daemon stages the next push over a retired version's file. The push after the
+            # gloo one retires version 2 (the first grpc-full); the one after it reuses its file.
+            c.push_policy(JOB, v4, chunk_bytes=chunk_bytes)
+            measure("grpc-full, recycled file", full, v4)
     finally:
         serve.stop()
     return rows

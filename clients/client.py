@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -37,6 +38,7 @@ from tltd_clients.push import (
 )
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+log = logging.getLogger(__name__)
 
 
 # A push stream that failed with one of these is resumed (what arrived verified stays).
@@ -118,6 +120,12 @@ class TltClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.rollouts = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         self.policy = policy_pb2_grpc.PolicyServiceStub(self.channel)
+        # PushPolicy with messages serialized by `tltd_clients.push` (bytes sent as they are).
+        self._push_serialized = self.channel.stream_unary(
+            "/tltd.v1.PolicyService/PushPolicy",
+            request_serializer=bytes,
+            response_deserializer=policy_pb2.PushPolicyResponse.FromString,
+        )
         self.drafters = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.jobs = job_pb2_grpc.JobServiceStub(self.channel)
         self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
@@ -157,9 +165,12 @@ class TltClient:
         weight: float = 0.0,
         speculative: common_pb2.SpeculativeConfig | None = None,
         initial_drafter: str | os.PathLike[str] = "",
+        policy_switch: int = job_pb2.POLICY_SWITCH_UNSPECIFIED,
     ) -> job_pb2.Job:
         """`initial_drafter`: an offline-fitted EAGLE drafter directory the job starts from
-        (sets `speculative.initial_drafter_path`)."""
+        (sets `speculative.initial_drafter_path`). `policy_switch`
+        POLICY_SWITCH_NEXT_STEP: running requests move to a new policy version between decode
+        steps (Sample.policy_spans says which tokens came from which version)."""
         if initial_drafter:
             spec = common_pb2.SpeculativeConfig()
             if speculative is not None:
@@ -174,6 +185,7 @@ class TltClient:
             priority=priority,
             weight=weight,
             speculative=speculative,
+            policy_switch=policy_switch,
         )
         return self.call(self.jobs.CreateJob, req)
 
@@ -200,14 +212,17 @@ class TltClient:
         request_id: str = "",
         speculative: int = common_pb2.SPECULATIVE_MODE_UNSPECIFIED,
         timeout: float | None = None,
+        return_partial: bool = False,
     ) -> Iterator[rollout_pb2.Sample]:
-        """Stream samples as they finish (no overall timeout unless given: rollouts run long)."""
+        """Stream samples as they finish (no overall timeout unless given: rollouts run long);
+        `return_partial` as in GenerateRequest."""
         req = rollout_pb2.GenerateRequest(
             job_id=job_id,
             request_id=request_id,
             prompts=[rollout_pb2.Prompt(token_ids=list(p)) for p in prompts],
             sampling=sampling,
             speculative=speculative,
+            return_partial=return_partial,
         )
         try:
             for resp in self.rollouts.Generate(req, metadata=self._metadata, timeout=timeout):
@@ -288,19 +303,23 @@ class TltClient:
                     return have  # a committed push whose answer was lost
                 done = sum(have.values())
 
-                def sent(chunk: policy_pb2.TensorChunk) -> None:
+                def sent(length: int, payload: int) -> None:
                     nonlocal done, wire
-                    done, wire = done + chunk.length, wire + len(chunk.data)
+                    done, wire = done + length, wire + payload
                     if progress is not None:
                         progress(PushProgress(update_id, done, total, wire))
 
                 messages = push_messages(
-                    header, new, have, base=base, chunk_bytes=chunk_bytes, on_chunk=sent
+                    header,
+                    new,
+                    have,
+                    base=base,
+                    chunk_bytes=chunk_bytes,
+                    on_chunk=sent,
+                    serialized=True,
                 )
                 try:
-                    return self.policy.PushPolicy(
-                        messages, metadata=self._metadata, timeout=timeout
-                    )
+                    return self._push_serialized(messages, metadata=self._metadata, timeout=timeout)
                 except grpc.RpcError as exc:
                     if attempt < retries and exc.code() in _RESUMABLE:
                         time.sleep(min(2.0, 0.1 * 2**attempt))
@@ -320,35 +339,75 @@ class TltClient:
         update_id: str | None = None,
         note: str = "",
         timeout: float = 300.0,
+        fallback: bool = True,
+        backend: str = "gloo",
+        device: str = "cuda",
     ) -> policy_pb2.PushPolicyResponse:
-        """Send new weights (torch tensors with HF names) by a torch.distributed broadcast
-        (gloo): the daemon opens a group, this process joins it as the source (in a process
-        group object of its own: a default group the trainer trains in is untouched), every
-        tensor is broadcast, then the push is committed. Returns the response whose `policy`
-        is the new version."""
-        import datetime
+        """Send new weights (torch tensors with HF names) by a torch.distributed broadcast:
+        the daemon opens a group (itself and, with gloo, the job's workers), this process
+        joins it as the source (in a process group object of its own: a default group the
+        trainer trains in is untouched), every tensor is broadcast, then the push is
+        committed. Returns the response whose `policy` is the new version.
 
-        import torch.distributed as dist
+        `backend="nccl"`: the daemon still receives over gloo (it is a CPU process); the job's
+        workers on CUDA devices receive in an NCCL group of their own, which this process joins
+        on `device` too, and every tensor goes to both groups.
 
+        A broadcast is one collective: a rank that dies or never joins fails it, after
+        `timeout` seconds at the most. Then, with `fallback`, the weights go by `push_policy`
+        (gRPC) under a new update id, and the daemon drops the broadcast's unfinished push
+        once idle; without it the error is raised."""
         update_id = update_id or new_update_id()
         weights = Weights(state_dict)
         header = header_pb(job_id, update_id, weights, note, None)
         weights.close()
-        req = policy_pb2.OpenBroadcastRequest(header=header, timeout_seconds=timeout)
+        req = policy_pb2.OpenBroadcastRequest(
+            header=header, backend=backend, timeout_seconds=timeout
+        )
         group = self.call(self.policy.OpenBroadcast, req)
+        try:
+            self._broadcast(group, header, state_dict, timeout, device)
+        except (RuntimeError, TimeoutError) as exc:  # torch.distributed's errors included
+            if not fallback:
+                raise
+            log.warning("policy broadcast %s failed (%s): pushing by gRPC instead", update_id, exc)
+            return self.push_policy(job_id, state_dict, note=note)
+        return self.push_policy(job_id, state_dict, update_id=update_id, retries=30)
+
+    def _broadcast(
+        self, group, header, state_dict: Mapping[str, Any], timeout: float, device: str
+    ) -> None:
+        """Join `group` (and its workers' group) as the source, broadcast every tensor of
+        `header`, and wait until the daemon holds them all."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from tltd_workers.rollout.broadcast import process_group  # the workers' own groups
+
         wait = datetime.timedelta(seconds=timeout)
         store = dist.TCPStore(group.address, group.port, group.world_size, False, timeout=wait)
-        pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(group.prefix, store), group.rank, group.world_size, wait
-        )
+        pg = process_group("gloo", store, group.prefix, group.rank, group.world_size, wait)
+        workers = None
+        if group.HasField("workers"):
+            w = group.workers
+            workers = process_group(w.backend, store, w.prefix, 0, w.world_size, wait)
         opts = dist.BroadcastOptions()
         opts.rootRank = group.rank
         for spec in header.tensors:
-            t = state_dict[spec.name].detach().to("cpu").contiguous()
-            pg.broadcast([t], opts).wait()
-        del pg, store
+            t = state_dict[spec.name].detach()
+            pg.broadcast([t.to("cpu").contiguous()], opts).wait()
+            if workers is not None:
+                on = device if group.workers.backend == "nccl" else "cpu"
+                workers.broadcast([t.to(on).contiguous()], opts).wait()
+        if workers is not None and group.workers.backend == "nccl":
+            import torch
+
+            torch.cuda.synchronize(device)  # NCCL's wait() does not block the host
+        del pg, workers, store
         # The daemon may still be writing the last tensor: commit once it holds them all.
         deadline = time.monotonic() + timeout
+        job_id, update_id = header.job_id, header.update_id
         while (status := self.get_push(job_id, update_id)).bytes_received < status.bytes_total:
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -356,7 +415,6 @@ class TltClient:
                     f"of broadcast {update_id} after {timeout} s (see its log)"
                 )
             time.sleep(0.02)
-        return self.push_policy(job_id, state_dict, update_id=update_id, retries=30)
 
     def _push_progress(
         self, job_id: str, update_id: str
@@ -409,18 +467,22 @@ class TltClient:
         req = admin_pb2.ListWorkersRequest(device_id=device_id)
         return list(self.call(self.admin.ListWorkers, req).workers)
 
-    def cordon(self, device_id: str, reason: str = "") -> admin_pb2.Device:
-        return self.call(
-            self.admin.Cordon, admin_pb2.CordonRequest(device_id=device_id, reason=reason)
-        )
+    def cordon(self, device_id: str, reason: str = "", node_id: str = "") -> admin_pb2.Device:
+        """Cordon a device, or with `node_id` (and no device) every device of that node."""
+        req = admin_pb2.CordonRequest(device_id=device_id, reason=reason, node_id=node_id)
+        return self.call(self.admin.Cordon, req)
 
-    def uncordon(self, device_id: str) -> admin_pb2.Device:
-        return self.call(self.admin.Uncordon, admin_pb2.UncordonRequest(device_id=device_id))
+    def uncordon(self, device_id: str, node_id: str = "") -> admin_pb2.Device:
+        req = admin_pb2.UncordonRequest(device_id=device_id, node_id=node_id)
+        return self.call(self.admin.Uncordon, req)
 
     def drain(
-        self, device_id: str = "", node: bool = False, grace_seconds: int = 0
+        self, device_id: str = "", node: bool = False, grace_seconds: int = 0, node_id: str = ""
     ) -> list[admin_pb2.Device]:
-        req = admin_pb2.DrainRequest(device_id=device_id, node=node, grace_seconds=grace_seconds)
+        """Drain a device, or with node=True this node, or with `node_id` too that node."""
+        req = admin_pb2.DrainRequest(
+            device_id=device_id, node=node, grace_seconds=grace_seconds, node_id=node_id
+        )
         return list(self.call(self.admin.Drain, req).devices)
 
     def list_nodes(self) -> list[admin_pb2.Node]:

@@ -160,8 +160,9 @@ class Delivered:
     """The samples a caller already has, by (prompt index, sample index): a stream re-attached
     on another endpoint (or re-run there from scratch) delivers each sample once.
 
-    A partial sample left by a drain (ABORTED) does not end its sample: the complete one that
-    replaces it is delivered too (as the daemon itself does after a restart)."""
+    A partial sample left by a drain (ABORTED: the tokens so far of a sample a drained node
+    handed to another node, streamed to a call with `return_partial`) does not end its
+    sample: the complete one that replaces it is delivered too."""
 
     def __init__(self) -> None:
         self._final: set[tuple[int, int]] = set()

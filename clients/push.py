@@ -106,22 +106,66 @@ def header_pb(
     )
 
 
-def _chunk(
-    name: str, new: memoryview, old: memoryview | None, offset: int
-) -> policy_pb2.TensorChunk:
-    """One chunk's message: raw bytes, or zstd(new XOR old) when a base is given and that is
-    worth it; the checksum is of the new bytes either way."""
+@dataclass(frozen=True)
+class _Chunk:
+    """One chunk before it is a message: `data` is a view of the weights (raw) or the zstd
+    frame of new XOR base (delta)."""
+
+    name: str
+    offset: int
+    length: int
+    data: bytes | memoryview
+    delta: bool
+    crc32c: int
+
+    def message(self) -> policy_pb2.TensorChunk:
+        return policy_pb2.TensorChunk(
+            name=self.name,
+            offset=self.offset,
+            length=self.length,
+            data=bytes(self.data),
+            delta=self.delta,
+            crc32c=self.crc32c,
+        )
+
+    def request_bytes(self) -> bytes:
+        """The serialized PushPolicyRequest{chunk: ...}, built with one copy of the data (the
+        protobuf runtime would copy it into the message, into the request, and out again).
+        Protobuf wire format: the fields in any order, the data last so it is appended."""
+        name = self.name.encode()
+        head = b"".join(
+            (
+                b"\x0a" + _varint(len(name)) + name,  # 1: name
+                b"\x10" + _varint(self.offset),  # 2: offset
+                b"\x18" + _varint(self.length),  # 3: length
+                b"\x28\x01" if self.delta else b"",  # 5: delta
+                b"\x30" + _varint(self.crc32c),  # 6: crc32c
+                b"\x22" + _varint(len(self.data)),  # 4: data (its bytes follow)
+            )
+        )
+        # PushPolicyRequest field 2 (chunk), length-delimited.
+        return b"".join((b"\x12", _varint(len(head) + len(self.data)), head, self.data))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _chunk(name: str, new: memoryview, old: memoryview | None, offset: int) -> _Chunk:
+    """One chunk: raw bytes, or zstd(new XOR old) when a base is given and that is worth it;
+    the checksum is of the new bytes either way."""
     crc = crc32c.crc32c(new)
     if old is not None:
         xor = np.bitwise_xor(np.frombuffer(new, np.uint8), np.frombuffer(old, np.uint8))
         packed = zstandard.ZstdCompressor(level=1).compress(xor)
         if len(packed) < _DELTA_WORTH * len(new):
-            return policy_pb2.TensorChunk(
-                name=name, offset=offset, length=len(new), data=packed, delta=True, crc32c=crc
-            )
-    return policy_pb2.TensorChunk(
-        name=name, offset=offset, length=len(new), data=bytes(new), crc32c=crc
-    )
+            return _Chunk(name, offset, len(new), packed, True, crc)
+    return _Chunk(name, offset, len(new), new, False, crc)
 
 
 def push_messages(
@@ -131,36 +175,47 @@ def push_messages(
     *,
     base: Weights | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    on_chunk: Callable[[policy_pb2.TensorChunk], None] | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
     commit: bool = True,
-) -> Iterator[policy_pb2.PushPolicyRequest]:
+    serialized: bool = False,
+) -> Iterator[policy_pb2.PushPolicyRequest | bytes]:
     """The messages of one stream: the header, every chunk the daemon lacks (`have`: bytes it
     holds per tensor), the commit. Chunks are prepared two ahead in a thread pool (checksum,
-    XOR and compression release the GIL) while gRPC sends."""
-    yield policy_pb2.PushPolicyRequest(header=header)
+    XOR, compression and the copy into the message release the GIL) while gRPC sends.
+    `serialized`: every message as its serialized bytes (for a stub that sends bytes as they
+    are; chunks are then built without the protobuf runtime's copies). `on_chunk(length,
+    wire)` after each chunk: its bytes of the tensor, its payload bytes on the wire."""
+
+    def out(m: policy_pb2.PushPolicyRequest) -> policy_pb2.PushPolicyRequest | bytes:
+        return m.SerializeToString() if serialized else m
+
+    yield out(policy_pb2.PushPolicyRequest(header=header))
     todo = [
         (name, offset)
         for name in weights.specs
         for offset in range(have.get(name, 0), len(weights.data(name)), chunk_bytes)
     ]
 
-    def make(item: tuple[str, int]) -> policy_pb2.TensorChunk:
+    def make(item: tuple[str, int]) -> tuple[_Chunk, policy_pb2.PushPolicyRequest | bytes]:
         name, offset = item
         new = weights.data(name)[offset : offset + chunk_bytes]
         old = base.data(name)[offset : offset + chunk_bytes] if base is not None else None
-        return _chunk(name, new, old, offset)
+        c = _chunk(name, new, old, offset)
+        if serialized:
+            return c, c.request_bytes()
+        return c, policy_pb2.PushPolicyRequest(chunk=c.message())
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         pending = [pool.submit(make, item) for item in todo[:2]]
         for i in range(len(todo)):
-            chunk = pending.pop(0).result()
+            chunk, message = pending.pop(0).result()
             if i + 2 < len(todo):
                 pending.append(pool.submit(make, todo[i + 2]))
-            yield policy_pb2.PushPolicyRequest(chunk=chunk)
+            yield message
             if on_chunk is not None:
-                on_chunk(chunk)
+                on_chunk(chunk.length, len(chunk.data))
     if commit:
-        yield policy_pb2.PushPolicyRequest(commit=True)
+        yield out(policy_pb2.PushPolicyRequest(commit=True))
 
 
 def new_update_id() -> str:

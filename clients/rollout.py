@@ -203,6 +203,7 @@ def _generate_request(
     sampling: SamplingParams,
     request_id: str | None,
     speculative: str | None,
+    return_partial: bool = False,
 ) -> rollout_pb2.GenerateRequest:
     return rollout_pb2.GenerateRequest(
         job_id=job_id,
@@ -210,6 +211,7 @@ def _generate_request(
         prompts=[rollout_pb2.Prompt(token_ids=[int(t) for t in p]) for p in prompts],
         sampling=convert.sampling_to_pb(sampling),
         speculative=_speculative_mode(speculative),
+        return_partial=return_partial,
     )
 
 
@@ -441,13 +443,21 @@ class RolloutClient(_JobBound):
         speculative: str | None = None,
         job_id: str | None = None,
         timeout: float | None = None,
+        return_partial: bool = False,
         **sampling_kwargs: Any,
     ) -> Iterator[RolloutSample]:
         """Yield samples the moment they finish (finish order). Arguments as for generate().
-        Arguments are checked at once; the rollout starts at the first next()."""
+        Arguments are checked at once; the rollout starts at the first next().
+
+        `return_partial`: when a node running a sample is drained and hands it to another
+        node, also yield its tokens so far (finish_reason ABORTED, partial=True) before the
+        complete sample, which has the same (prompt_index, sample_index) and replaces it.
+        Without it each sample is yielded once."""
         params = _sampling(n, sampling, sampling_kwargs)
         rid = request_id or _new_request_id()
-        req = _generate_request(self._job(job_id), prompts, params, rid, speculative)
+        req = _generate_request(
+            self._job(job_id), prompts, params, rid, speculative, return_partial
+        )
         self.last_request_id = rid
         return self._samples(req, timeout)
 
@@ -705,12 +715,16 @@ class AsyncRolloutClient(_JobBound):
         speculative: str | None = None,
         job_id: str | None = None,
         timeout: float | None = None,
+        return_partial: bool = False,
         **sampling_kwargs: Any,
     ) -> AsyncIterator[RolloutSample]:
-        """An async iterator of samples as they finish (`async for s in client.stream(...)`)."""
+        """An async iterator of samples as they finish (`async for s in client.stream(...)`);
+        `return_partial` as for `RolloutClient.stream`."""
         params = _sampling(n, sampling, sampling_kwargs)
         rid = request_id or _new_request_id()
-        req = _generate_request(self._job(job_id), prompts, params, rid, speculative)
+        req = _generate_request(
+            self._job(job_id), prompts, params, rid, speculative, return_partial
+        )
         self.last_request_id = rid
         return self._samples(req, timeout)
 

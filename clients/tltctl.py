@@ -269,11 +269,22 @@ def devices(obj: _Ctx) -> None:
 def nodes(obj: _Ctx) -> None:
     """Every daemon on the shared database: DOWN when its heartbeat is too old."""
     ns = obj.client.list_nodes()
-    rows = [(n.node_id, n.address, n.state, n.epoch, f"{n.heartbeat_age_seconds:.1f}s") for n in ns]
+    rows = [
+        (
+            n.node_id,
+            n.address,
+            n.state,
+            n.epoch,
+            f"{n.heartbeat_age_seconds:.1f}s",
+            ",".join(f for f, on in (("cordoned", n.cordoned), ("draining", n.draining)) if on)
+            or "-",
+        )
+        for n in ns
+    ]
     _emit(
         obj,
         [_dict(n) for n in ns],
-        ("NODE", "ADDRESS", "STATE", "EPOCH", "HEARTBEAT AGE"),
+        ("NODE", "ADDRESS", "STATE", "EPOCH", "HEARTBEAT AGE", "FLAGS"),
         rows,
     )
 
@@ -331,6 +342,10 @@ _JOB_STATUSES = {
 _UINT32 = click.IntRange(0, 2**32 - 1)  # what the proto fields can carry
 _VERSION = click.IntRange(1, 2**64 - 1)
 _BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "sglang": common_pb2.BACKEND_SGLANG}
+_POLICY_SWITCHES = {
+    "finish-on-start-version": job_pb2.POLICY_SWITCH_FINISH_ON_START_VERSION,
+    "next-step": job_pb2.POLICY_SWITCH_NEXT_STEP,
+}
 _SPECULATIVE_MODES = {
     "auto": common_pb2.SPECULATIVE_MODE_AUTO,
     "off": common_pb2.SPECULATIVE_MODE_OFF,
@@ -396,6 +411,13 @@ def _draft_lengths(_ctx: click.Context, _param: click.Parameter, value: str) -> 
     default="",
     help="Offline-fitted EAGLE drafter directory the job starts from (on the daemon's host).",
 )
+@click.option(
+    "--policy-switch",
+    type=click.Choice(["finish-on-start-version", "next-step"]),
+    default=None,
+    help="What running requests do on a new policy version (default: finish on their start "
+    "version; next-step: continue on the new one from the next decode step, torch only).",
+)
 @_output_option
 @pass_ctx
 def jobs_create(
@@ -412,6 +434,7 @@ def jobs_create(
     batch_threshold: int,
     online_training: bool,
     initial_drafter: str,
+    policy_switch: str | None,
 ) -> None:
     """Create a job serving MODEL_PATH (a model directory on the daemon's host)."""
     spec = common_pb2.SpeculativeConfig(
@@ -430,6 +453,7 @@ def jobs_create(
         priority=priority,
         weight=weight,
         speculative=spec,
+        policy_switch=_POLICY_SWITCHES.get(policy_switch or "", job_pb2.POLICY_SWITCH_UNSPECIFIED),
     )
     _emit_record(obj, job)
 
@@ -505,6 +529,7 @@ def _drafter_rows(vs: Sequence[drafter_pb2.DrafterVersion]) -> list[tuple]:
             f"{v.acceptance_length:.2f}",
             "yes" if v.pinned else "",
             "yes" if v.active else "",
+            (v.node_id or "-") + (" (shared)" if v.shared else ""),
             _when(v, "created_at"),
         )
         for v in vs
@@ -520,6 +545,7 @@ _DRAFTER_COLUMNS = (
     "ACCEPT LEN",
     "PINNED",
     "ACTIVE",
+    "NODE",
     "CREATED",
 )
 
@@ -577,28 +603,50 @@ def _device_result(obj: _Ctx, devs: Sequence[admin_pb2.Device]) -> None:
     _emit(obj, [_dict(d) for d in devs], ("DEVICE", "STATE", "FLAGS", "REASON"), rows)
 
 
-@cli.command()
-@click.argument("device_id")
-@click.option("--reason", default="", help="Recorded with the change.")
-@_output_option
-@pass_ctx
-def cordon(obj: _Ctx, device_id: str, reason: str) -> None:
-    """Place no new work on DEVICE_ID (what runs there keeps running)."""
-    _device_result(obj, [obj.client.cordon(device_id, reason or "cordoned with tltctl")])
-
-
-@cli.command()
-@click.argument("device_id")
-@_output_option
-@pass_ctx
-def uncordon(obj: _Ctx, device_id: str) -> None:
-    """Make DEVICE_ID schedulable again."""
-    _device_result(obj, [obj.client.uncordon(device_id)])
+def _one_target(device_id: str, node_id: str) -> None:
+    if bool(device_id) == bool(node_id):
+        raise click.UsageError("give a DEVICE_ID or --node NODE_ID (not both)")
 
 
 @cli.command()
 @click.argument("device_id", required=False, default="")
-@click.option("--node", is_flag=True, help="Drain every device; the daemon refuses new rollouts.")
+@click.option("--node", "node_id", default="", help="Cordon every device of this node.")
+@click.option("--reason", default="", help="Recorded with the change.")
+@_output_option
+@pass_ctx
+def cordon(obj: _Ctx, device_id: str, node_id: str, reason: str) -> None:
+    """Place no new work on DEVICE_ID, or on every device of a node with --node NODE_ID (any
+    node of the database; what runs there keeps running)."""
+    _one_target(device_id, node_id)
+    why = reason or "cordoned with tltctl"
+    _device_result(obj, [obj.client.cordon(device_id, why, node_id=node_id)])
+
+
+@cli.command()
+@click.argument("device_id", required=False, default="")
+@click.option("--node", "node_id", default="", help="Uncordon every device of this node.")
+@_output_option
+@pass_ctx
+def uncordon(obj: _Ctx, device_id: str, node_id: str) -> None:
+    """Make DEVICE_ID (or every device of --node NODE_ID) schedulable again."""
+    _one_target(device_id, node_id)
+    _device_result(obj, [obj.client.uncordon(device_id, node_id=node_id)])
+
+
+_THIS_NODE = "\0this node"
+
+
+@cli.command()
+@click.argument("device_id", required=False, default="")
+@click.option(
+    "--node",
+    is_flag=False,
+    flag_value=_THIS_NODE,
+    default=None,
+    help="Drain the whole node: this daemon's, or NODE_ID's (any node of the database); it "
+    "refuses new rollouts and finishes or hands over its work.",
+    metavar="[NODE_ID]",
+)
 @click.option(
     "--grace",
     "grace_seconds",
@@ -608,16 +656,20 @@ def uncordon(obj: _Ctx, device_id: str) -> None:
 )
 @_output_option
 @pass_ctx
-def drain(obj: _Ctx, device_id: str, node: bool, grace_seconds: int) -> None:
-    """Drain DEVICE_ID, or the whole node with --node."""
-    if bool(device_id) == node:
+def drain(obj: _Ctx, device_id: str, node: str | None, grace_seconds: int) -> None:
+    """Drain DEVICE_ID, or the whole node with --node (another one with --node NODE_ID)."""
+    if bool(device_id) == (node is not None):
         raise click.UsageError("give a DEVICE_ID or --node (not both)")
-    if grace_seconds and not node:
+    if grace_seconds and node is None:
         raise click.UsageError(
             "--grace applies to --node only: a drained device takes no new work and lets what "
             "runs there finish"
         )
-    _device_result(obj, obj.client.drain(device_id, node=node, grace_seconds=grace_seconds))
+    node_id = "" if node in (None, _THIS_NODE) else node
+    devices = obj.client.drain(
+        device_id, node=node is not None, grace_seconds=grace_seconds, node_id=node_id
+    )
+    _device_result(obj, devices)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

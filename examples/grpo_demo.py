@@ -51,7 +51,7 @@ class DemoConfig:
     prompts: int = 16  # 16+ prompts: every step's workload has the long tail (workload.py)
     n: int = 8
     max_new_tokens: int = MAX_NEW_TOKENS
-    lr: float = 1e-4  # one optimizer step per RL step: large enough for a visible trend in 6
+    lr: float = 1e-4  # one AdamW step per RL step (benchmarks/bench_rl_trend.py compares)
     seed: int = 0
     cpu_slots: int = 2
 

@@ -25,16 +25,13 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
+from tests.ci import skip_unless_ci
 from tltd.store import Store
 from tltd.store.database import make_engine
 from tltd.store.migrate import upgrade
 from tltd.store.tables import Base
 
 PG_ADMIN_URL = os.environ.get("TLTD_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("true", "1")
 
 
 @contextmanager
@@ -47,10 +44,7 @@ def _fresh_pg_database() -> Iterator[str]:
     try:
         conn = psycopg.connect(conninfo, autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as exc:
-        msg = f"PostgreSQL not reachable at {PG_ADMIN_URL}: {str(exc).strip()}"
-        if _in_ci():
-            pytest.fail(msg)
-        pytest.skip(msg)
+        skip_unless_ci(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {str(exc).strip()}")
     with conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     try:

@@ -4,6 +4,7 @@ server -> periodic -> wait for SIGTERM/SIGINT -> drain -> ordered graceful shutd
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -27,7 +28,7 @@ from tltd.services import NodeState, build_services
 from tltd.settings import Settings
 from tltd.store import Store
 from tltd.store.migrate import upgrade
-from tltd.store.notifications import Listener
+from tltd.store.notifications import NODE, Listener
 from tltd.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ async def _serve_with_store(
     for sig in _SIGNALS:
         loop.add_signal_handler(sig, _on_signal, sig, stop)
     await daemon.start()
+    # Everything allocated so far (the imported modules, the services) lives as long as the
+    # daemon: out of the collector's reach, a full collection does not walk it again and
+    # again (one costs tens of ms with torch imported, and a push triggers many).
+    gc.freeze()
     # The HTTP port file first: a reader polling for the gRPC one then finds both.
     if http_port_file and daemon.http is not None:
         _write_atomically(http_port_file, f"{daemon.http.port}\n")
@@ -125,7 +130,7 @@ class Daemon:
         if self.store.dialect == "postgresql":  # other nodes' samples, cancels and new work
             self.listener = Listener(
                 self.store.url,
-                lambda ch, rid: loop.call_soon_threadsafe(self.supervisor.on_notify, ch, rid),
+                lambda ch, rid: loop.call_soon_threadsafe(self._on_notify, ch, rid),
             ).start()
         # `tltctl drain --node`: stop admitting and drain the workers, keep serving reads.
         self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))
@@ -147,6 +152,7 @@ class Daemon:
                     self.supervisor.on_new_epoch(), loop
                 ),
                 on_fenced=lambda: loop.call_soon_threadsafe(self._fenced),
+                on_drain_requested=self._drain_requested,
             ),
         )
         self.scheduler.start()
@@ -169,6 +175,26 @@ class Daemon:
         self.supervisor.start_drain(grace, why)
         if self.training is not None:
             self.training.close(why)  # a SIGTERM later lowers its deadline to the shutdown's
+
+    def _on_notify(self, channel: str, payload: str) -> None:
+        """A notification from another node (event loop)."""
+        if channel == NODE:
+            if payload == self.store.node_id:  # an operator's request for this node
+                asyncio.ensure_future(asyncio.to_thread(self._check_requests))
+            return
+        self.supervisor.on_notify(channel, payload)
+
+    def _check_requests(self) -> None:
+        requested = self.store.requested_drain()
+        if requested is not None:
+            self._drain_requested(*requested)
+
+    def _drain_requested(self, reason: str, grace_seconds: float) -> None:
+        """A drain of this node asked through the database (any thread): as `tltctl drain
+        --node` on this node."""
+        if not self.node.draining:
+            log.warning("node drain requested through the database", extra={"reason": reason})
+        self.node.start_draining(reason, grace_seconds or None)
 
     def _fenced(self) -> None:
         """Another daemon joined under this node id: this one stops (two processes must never

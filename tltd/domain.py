@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import ClassVar
 
 
 class Backend(enum.StrEnum):
@@ -15,6 +16,13 @@ class Backend(enum.StrEnum):
 class SpeculativeMode(enum.StrEnum):
     AUTO = "auto"
     OFF = "off"
+
+
+class PolicySwitch(enum.StrEnum):
+    """What a running request does when its job gets a new policy version."""
+
+    FINISH_ON_START_VERSION = "finish_on_start_version"  # its samples stay on their version
+    NEXT_STEP = "next_step"  # workers load it between decode steps; samples continue on it
 
 
 class JobStatus(enum.StrEnum):
@@ -143,6 +151,7 @@ class Job:
     drafter_version: int = 0
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    policy_switch: PolicySwitch = PolicySwitch.FINISH_ON_START_VERSION
 
 
 @dataclass(frozen=True)
@@ -217,6 +226,9 @@ class Sample:
     error: str = ""
     # One entry per token when the request asked for it (sampling.return_provenance), else None.
     provenance: tuple[TokenProvenance, ...] | None = None
+    # (first token index, policy version) per version that produced its tokens, when it is more
+    # than one (PolicySwitch.NEXT_STEP); () = every token came from `policy_version`.
+    policy_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -242,6 +254,25 @@ class DrafterVersion:
     pinned: bool = False
     active: bool = False
     created_at: datetime | None = None
+    node_id: str = ""  # the node that wrote the checkpoint ("": the single node)
+    shared: bool = False  # `path` is on storage every node reads (settings.shared_dir)
+
+    def readable_on(self, node_id: str) -> bool:
+        """Whether `node_id` can load the checkpoint: shared storage, or its own."""
+        return self.shared or self.node_id in ("", node_id)
+
+
+@dataclass(frozen=True)
+class DrafterLease:
+    """This node's hold on training a job's drafter. `lease_epoch` is the fencing token a
+    publish carries; `taken_from` is the node that held it before when that was another one
+    (training continues from the last published version, not from a local checkpoint)."""
+
+    job_id: str
+    lease_epoch: int
+    cursor: int  # the last sample id consumed
+    published_version: int  # the last version published under any lease (0: none)
+    taken_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -302,6 +333,8 @@ class Node:
     heartbeat_age_seconds: float  # by the database's clock
     heartbeat_at: datetime | None = None
     started_at: datetime | None = None
+    cordoned: bool = False  # claims no new work (an operator's request through any node)
+    draining: bool = False  # a drain was requested (through any node)
 
 
 @dataclass(frozen=True)
@@ -340,6 +373,14 @@ class Stats:
 class TensorSpec:
     """One tensor of a pushed policy, as stored: safetensors name, dtype and shape."""
 
+    # The torch dtype (its attribute name) of each safetensors dtype code a push may carry.
+    TORCH_DTYPES: ClassVar[dict[str, str]] = {
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+    }
+
     name: str
     dtype: str  # "F32", "BF16", "F16", "F64"
     shape: tuple[int, ...]
@@ -364,7 +405,7 @@ class TensorChunk:
     name: str
     offset: int
     length: int
-    data: bytes
+    data: bytes | memoryview  # a view of the received message (tltd.api.push_wire)
     delta: bool
     crc32c: int
 

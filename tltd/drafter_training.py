@@ -18,6 +18,16 @@ The scheduler decides (`start_training`, `preempt_training`); this module carrie
 - a worker heartbeats from a thread; `reap` (a periodic job) kills one silent for
   `training_heartbeat_timeout_seconds` (hung, not dead: a dead one's pipe closes).
 
+Several nodes on PostgreSQL (`cluster`): a job's drafter trains on one node at a time, under
+the drafter lease of `tltd.store.drafter_leases`. A round starts only on the node that holds
+(or takes) the lease; `renew` (a periodic job) extends it while the trainer lives and stops a
+trainer whose lease was lost; a stopped trainer releases it. Samples come from the store, every
+node's, after the lease's cursor (the held-out ones are those whose row id is a multiple of
+`training_held_out_every`, the same on every node); a publish is fenced by the lease epoch and
+moves the cursor to the last sample read before it (what a holder read and never published is
+read again by the next one). A node that takes the lease from another one starts from the last
+published version (and its step count), not from its own older checkpoint.
+
 The trainer speaks the typed protocol of `tltd_workers.drafter.protocol`. Its messages are read by
 one thread per process (`tltd.worker_pipe`) and handled, in order, by one task on the event
 loop; store writes go through `asyncio.to_thread` so the loop never waits on them.
@@ -29,16 +39,26 @@ import asyncio
 import logging
 import math
 import queue as threading_queue
+import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tltd.domain import DeviceKind, DeviceState, Sample, Worker, WorkerKind, WorkerState
-from tltd.drafter_versions import active_drafter, record
-from tltd.errors import TltError
+from tltd.domain import (
+    DeviceKind,
+    DeviceState,
+    DrafterLease,
+    Sample,
+    Worker,
+    WorkerKind,
+    WorkerState,
+)
+from tltd.drafter_versions import active_drafter, publish, record
+from tltd.errors import Fenced, TltError
 from tltd.metrics import METRICS
 from tltd.scheduler import TrainingView
 from tltd.settings import Settings
@@ -47,6 +67,7 @@ from tltd_workers.drafter import protocol as proto
 
 if TYPE_CHECKING:
     from tltd.store import Store
+    from tltd.store.drafter_leases import FinishedSample
     from tltd_workers.drafter.trainer_process import TrainerProcess
 
 log = logging.getLogger(__name__)
@@ -88,6 +109,10 @@ class _Run:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     launch: asyncio.Task | None = None
     replaces: _Run | None = None  # the trainer its launch stops first (another policy/device)
+    lease_epoch: int = 0  # several nodes: the drafter lease this trainer runs under
+    taken_over: bool = False  # the lease came from another node: start from its last version
+    start_version: int = 0  # the drafter version a new trainer starts from (0: the active one)
+    measured_to: int = 0  # several nodes: the last sample id read before the publish asked
     last_heartbeat: float = 0.0  # monotonic, of any message (set by the pipe reader thread)
 
     @property
@@ -114,9 +139,17 @@ class DrafterTraining:
     def __init__(self, store: Store, settings: Settings) -> None:
         self.store = store
         self.settings = settings
-        self.root = Path(settings.data_dir) / "drafters"
+        self.root = Path(settings.data_dir) / "drafters"  # this node's trainer checkpoints
+        self.cluster = store.dialect == "postgresql"
+        self._leases: dict[str, DrafterLease] = {}  # several nodes: the leases held here
+        self._backlog: dict[str, int] = {}  # unconsumed samples of every node, per job
+        self._asked: set[str] = set()  # jobs the scheduler asked about
+        self._renewer = ThreadPoolExecutor(1, thread_name_prefix="drafter-lease")
+        self._pulled: dict[str, int] = {}  # job -> lease epoch its buffers were filled under
+        self._read_to: dict[str, int] = {}  # job -> the last sample id read into its buffers
         self.on_change: Callable[[], None] | None = None  # the supervisor's kick
         self.preemptions: list[Preemption] = []
+        self.fenced: list[tuple[str, int]] = []  # (job, lease epoch) of publishes refused
         self._runs: dict[str, _Run] = {}
         self._recent: dict[str, deque[proto.TrainingSample]] = {}
         self._unsent: dict[str, list[proto.TrainingSample]] = {}
@@ -140,6 +173,11 @@ class DrafterTraining:
         )
 
     def job_view(self, job_id: str) -> tuple[int, float | None]:
+        if self.cluster:
+            self._asked.add(job_id)
+            return max(self._fresh[job_id], self._backlog.get(job_id, 0)), self._last_start.get(
+                job_id
+            )
         return self._fresh[job_id], self._last_start.get(job_id)
 
     def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
@@ -152,6 +190,9 @@ class DrafterTraining:
         )
         if len(item.token_ids) <= len(prompt) + 1:
             return  # nothing a drafter position could be trained on
+        if self.cluster:
+            self._fresh[job_id] += 1  # a hint: training reads every node's samples by cursor
+            return
         self._seen[job_id] += 1
         if self._seen[job_id] % self.settings.training_held_out_every == 0:
             held = self._held.setdefault(
@@ -175,24 +216,40 @@ class DrafterTraining:
         run = self._runs.get(job_id)
         if self._closed or (run is not None and run.phase not in ("idle", "stopped")):
             return
+        lease = None
+        if self.cluster:
+            self._last_start[job_id] = time.monotonic()  # a refused claim waits the cadence
+            lease = await self._claim(job_id)
+            if lease is None or not await self._pull(job_id, lease):
+                return
         job = await asyncio.to_thread(self.store.get_job, job_id)
         device = await asyncio.to_thread(self.store.get_device, device_id)
         torch_device = "cpu" if device.kind is DeviceKind.CPU else device_id
         self._last_start[job_id] = time.monotonic()
         self._fresh[job_id] = 0
+        self._backlog.pop(job_id, None)
         reason = f"training the drafter of job {job_id} on idle device {device_id}"
         await self._set_device(device_id, DeviceState.TRAINING, reason)
         alive = run is not None and run.alive
-        if alive and (run.policy_version, run.torch_device) == (job.policy_version, torch_device):
+        lease_epoch = lease.lease_epoch if lease is not None else 0
+        same = (run.policy_version, run.torch_device, run.lease_epoch) if run else None
+        if alive and same == (job.policy_version, torch_device, lease_epoch):
             run.device_id = device_id
             await self._begin_round(run, reason)
             return
         # The trainer's target is loaded at spawn: a new policy (or device) needs a new
-        # process, which resumes from the checkpoint the old one writes as it stops.
-        new = _Run(job_id, device_id, torch_device, job.policy_version)
+        # process, which resumes from the checkpoint the old one writes as it stops. A new
+        # lease taken from another node starts from the last version published.
+        new = _Run(job_id, device_id, torch_device, job.policy_version, lease_epoch=lease_epoch)
+        if lease is not None:
+            new.taken_over = bool(lease.taken_from) or (
+                run is not None and run.lease_epoch not in (0, lease_epoch)
+            )
+            new.start_version = lease.published_version
         new.replaces = run if alive else None
         self._runs[job_id] = new
-        new.launch = asyncio.ensure_future(self._launch(new, job.drafter_version, reason))
+        start_version = new.start_version or job.drafter_version
+        new.launch = asyncio.ensure_future(self._launch(new, start_version, reason))
 
     async def preempt(self, device_id: str, reason: str) -> None:
         """Ask the training on `device_id` to yield now; `device_free` completes it."""
@@ -300,6 +357,7 @@ class DrafterTraining:
         await self._record(run, WorkerState.STOPPED, f"{why}{ckpt}")
         if holding:
             await self._set_device(run.device_id, DeviceState.IDLE, why)
+        await self._release_lease(run)
 
     # ---- rounds ---------------------------------------------------------------------------
 
@@ -370,10 +428,12 @@ class DrafterTraining:
         policy = await asyncio.to_thread(
             self.store.get_policy_version, run.job_id, run.policy_version
         )
-        start_from = None
+        start_from, start_step = None, 0
         if active_drafter:  # a fresh trainer starts from the drafter the workers use
             dv = await asyncio.to_thread(self.store.get_drafter, run.job_id, active_drafter)
-            start_from = dv.path if Path(dv.path).is_dir() else None
+            if dv.readable_on(self.store.node_id) and Path(dv.path).is_dir():
+                start_from = dv.path
+                start_step = dv.train_steps if run.taken_over else 0
         spec = TrainerSpec(
             model_path=policy.path,
             checkpoint_dir=str(self.root / run.job_id / "train"),
@@ -382,6 +442,9 @@ class DrafterTraining:
             buffer_bytes=self.settings.training_buffer_bytes,
             keep_hidden=False,
             drafter_path=start_from,
+            start_step=start_step,
+            # Another node trained since this one's checkpoint: it is older than `start_from`.
+            resume=not run.taken_over,
             threads=self.settings.worker_threads,
             heartbeat_seconds=self.settings.worker_heartbeat_seconds,
         )
@@ -413,6 +476,7 @@ class DrafterTraining:
         run.phase = "stopped"
         await self._record(run, state, why)
         await self._set_device(run.device_id, DeviceState.IDLE, why)
+        await self._release_lease(run)
         self._kick()
 
     async def _begin_round(self, run: _Run, reason: str) -> None:
@@ -430,6 +494,7 @@ class DrafterTraining:
             run.phase = "publishing"
             active = await asyncio.to_thread(active_drafter, self.store, run.job_id)
             out_dir = str(self.settings.drafter_versions_dir(run.job_id))
+            run.measured_to = self._read_to.get(run.job_id, 0)
             run.send(proto.Measure(held, run.policy_version, out_dir, active))
             return
         await self._release(run, why)
@@ -488,9 +553,27 @@ class DrafterTraining:
                     await self._on_died(run, m.traceback if m else "process exited")
 
     async def _on_measured(self, run: _Run, m: proto.Measured) -> None:
-        """Record the candidate; the daemon decides whether it is promoted."""
+        """Record the candidate; the daemon decides whether it is promoted. Several nodes: the
+        publish is fenced by the lease; a refused one is deleted and its trainer stopped."""
         run.published_step = m.train_steps
-        dv = await self._write(record, self.store, run.job_id, m)
+        shared = bool(self.settings.shared_dir)
+        if self.cluster:
+            args = (run.job_id, m, run.lease_epoch, shared, run.measured_to)
+            try:
+                dv = await self._write(publish, self.store, *args, fenced=True)
+            except Fenced as exc:
+                log.warning(
+                    "drafter version not published: lease lost",
+                    extra={"job_id": run.job_id, "error": str(exc)},
+                )
+                self.fenced.append((run.job_id, run.lease_epoch))
+                await asyncio.to_thread(shutil.rmtree, m.path, True)
+                self._leases.pop(run.job_id, None)
+                if run.alive:  # not awaited: its Stopped comes through this consumer
+                    asyncio.ensure_future(self._stop_run(run, f"drafter lease lost: {exc}"))
+                return
+        else:
+            dv = await self._write(record, self.store, run.job_id, m, 0.0, shared)
         status = dv.status.value if dv is not None else "not recorded"
         version = dv.version if dv is not None else 0
         log.info(
@@ -548,7 +631,136 @@ class DrafterTraining:
         await self._record(run, WorkerState.FAILED, why)
         if holding:
             await self._set_device(run.device_id, DeviceState.IDLE, why)
+        await self._release_lease(run)
         self._kick()
+
+    # ---- several nodes: the drafter lease and the sample cursor ----------------------------
+
+    async def _claim(self, job_id: str) -> DrafterLease | None:
+        """Take or extend the job's drafter lease; None while another node holds it."""
+        try:
+            lease = await asyncio.to_thread(
+                self.store.claim_drafter_lease, job_id, self.settings.drafter_lease_seconds
+            )
+        except Exception:
+            log.exception("drafter lease claim failed", extra={"job_id": job_id})
+            return None
+        if lease is None:
+            log.debug("drafter training runs on another node", extra={"job_id": job_id})
+            self._leases.pop(job_id, None)
+            return None
+        held = self._leases.get(job_id)
+        if held is None or held.lease_epoch != lease.lease_epoch:
+            log.info(
+                "drafter lease taken",
+                extra={
+                    "job_id": job_id,
+                    "lease_epoch": lease.lease_epoch,
+                    "taken_from": lease.taken_from or "-",
+                    "cursor": lease.cursor,
+                },
+            )
+        self._leases[job_id] = lease
+        return lease
+
+    async def _pull(self, job_id: str, lease: DrafterLease) -> bool:
+        """Read the job's samples (every node's) after what this node has read under the
+        lease, at first after the lease's cursor, into the buffers; a new lease first refills
+        them with the newest samples up to the cursor (what the drafter was trained on). The
+        cursor moves when a version is published. False when the samples cannot be read."""
+        store, cfg = self.store, self.settings
+        recent = cfg.training_recent_samples
+        try:
+            if self._pulled.get(job_id) != lease.lease_epoch:
+                for q in (self._recent, self._held, self._unsent):
+                    q.pop(job_id, None)
+                n = recent + cfg.training_held_out_samples * cfg.training_held_out_every
+                older = await asyncio.to_thread(
+                    store.finished_samples, job_id, 0, n, up_to=lease.cursor, newest=True
+                )
+                self._take(job_id, older)
+                self._pulled[job_id] = lease.lease_epoch
+                self._read_to[job_id] = lease.cursor
+            after = max(self._read_to.get(job_id, 0), lease.cursor)
+            new = await asyncio.to_thread(store.finished_samples, job_id, after, recent)
+        except Exception:
+            log.exception("drafter samples not read", extra={"job_id": job_id})
+            return False
+        if new:
+            self._take(job_id, new)
+            self._read_to[job_id] = new[-1].sample_id
+        return True
+
+    def _take(self, job_id: str, samples: list[FinishedSample]) -> None:
+        """Samples read from the store into the buffers: held out when their row id is a
+        multiple of training_held_out_every (the same split on every node)."""
+        cfg = self.settings
+        for f in samples:
+            item = proto.TrainingSample(
+                (*f.prompt, *f.token_ids), len(f.prompt), f.policy_version, step=f.policy_version
+            )
+            if len(item.token_ids) <= len(f.prompt) + 1:
+                continue
+            if f.sample_id % cfg.training_held_out_every == 0:
+                held = self._held.setdefault(job_id, deque(maxlen=cfg.training_held_out_samples))
+                held.append(item)
+                continue
+            n = cfg.training_recent_samples
+            self._recent.setdefault(job_id, deque(maxlen=n)).append(item)
+            unsent = self._unsent.setdefault(job_id, [])
+            unsent.append(item)
+            del unsent[:-n]
+
+    async def renew(self) -> list[str]:
+        """Several nodes (a periodic job): extend the lease of every job whose trainer lives
+        here, stop a trainer whose lease was lost (another node may train that drafter now),
+        and read how many samples of every node wait for each job. Returns the jobs lost."""
+        if not self.cluster:
+            return []
+        lost = []
+        for job_id, lease in list(self._leases.items()):
+            run = self._runs.get(job_id)
+            if run is None or run.phase == "stopped" or run.lease_epoch != lease.lease_epoch:
+                continue
+            try:
+                # Its own thread: a renewal queued behind busy store calls could let it lapse.
+                ok = await asyncio.get_running_loop().run_in_executor(
+                    self._renewer,
+                    self.store.renew_drafter_lease,
+                    job_id,
+                    lease.lease_epoch,
+                    self.settings.drafter_lease_seconds,
+                )
+            except Exception:
+                log.exception("drafter lease renewal failed", extra={"job_id": job_id})
+                continue
+            if ok:
+                continue
+            lost.append(job_id)
+            self._leases.pop(job_id, None)
+            log.warning("drafter lease lost: trainer stopped", extra={"job_id": job_id})
+            if run.alive:
+                asyncio.ensure_future(self._stop_run(run, "drafter lease lost"))
+        try:
+            self._backlog = await asyncio.get_running_loop().run_in_executor(
+                self._renewer, self.store.drafter_backlog, sorted(self._asked), dict(self._read_to)
+            )
+        except Exception:
+            log.exception("drafter backlog not read")
+        if any(n >= self.settings.training_min_fresh_samples for n in self._backlog.values()):
+            self._kick()
+        return lost
+
+    async def _release_lease(self, run: _Run) -> None:
+        """A stopped trainer gives its lease up at once (not when it would expire), unless a
+        newer trainer of the job runs under it."""
+        lease = self._leases.get(run.job_id)
+        if not self.cluster or lease is None or lease.lease_epoch != run.lease_epoch:
+            return
+        if self._runs.get(run.job_id) is not run:
+            return
+        self._leases.pop(run.job_id, None)
+        await self._write(self.store.release_drafter_lease, run.job_id, run.lease_epoch)
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -563,11 +775,18 @@ class DrafterTraining:
         if self.on_change is not None:
             self.on_change()
 
-    async def _write(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _write(self, fn: Callable[..., Any], *args: Any, fenced: bool = False) -> Any:
+        """`fn(*args)` in a thread, in order; errors logged, not raised (Fenced is, with
+        `fenced`)."""
         assert self._write_lock is not None
         async with self._write_lock:  # in order: READY is never overtaken by BUSY
             try:
                 return await asyncio.to_thread(fn, *args)
+            except Fenced:
+                if fenced:
+                    raise
+                log.warning("training store write fenced", extra={"fn": fn.__name__})
+                return None
             except TltError as exc:
                 log.warning("training store write refused: %s", exc)
                 return None

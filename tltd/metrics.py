@@ -14,6 +14,7 @@ Other parts of the daemon call the update methods of the process-wide `METRICS` 
     METRICS.set_device_state(device_id, "rollout" | "idle" | "training" | "unavailable")
     METRICS.set_drafter_version(job_id, version); METRICS.set_policy_version(job_id, version)
     METRICS.record_preemption(device_id, reason="rollout_arrived", latency_seconds=0.12)
+    METRICS.record_worker_failure(worker_id, cause="oom_kill" | "exited" | "killed")
     METRICS.forget_job(job_id)   # a finished job's labelled series disappear
 
 All methods are thread-safe (prometheus-client's metrics are, and the device-state clock has
@@ -217,6 +218,14 @@ class Metrics:
             buckets=_PREEMPTION_LATENCY_BUCKETS,
             registry=r,
         )
+        self.worker_failures = Counter(
+            "tltd_rollout_worker_failures",
+            "Rollout worker processes lost, by cause: oom_kill (the OOM killer, over "
+            "worker_memory_limit_mb), exited (crashed or died by itself), killed (unresponsive, "
+            "killed by the daemon)",
+            ["worker_id", "cause"],
+            registry=r,
+        )
         self._devices = _DeviceClock(clock)
         self._spec = _SpecRatios()
         self._jobs_lock = threading.Lock()
@@ -328,6 +337,9 @@ class Metrics:
         self.preemptions.labels(device_id, reason).inc()
         if latency_seconds is not None:
             self.preemption_latency.observe(latency_seconds)
+
+    def record_worker_failure(self, worker_id: str, cause: str) -> None:
+        self.worker_failures.labels(worker_id, cause).inc()
 
     def _seen(self, job_id: str) -> None:
         with self._jobs_lock:

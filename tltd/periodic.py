@@ -115,6 +115,12 @@ async def reap_workers(supervisor: Supervisor) -> list[str]:
     return await supervisor.reap()
 
 
+async def renew_drafter_leases(training: DrafterTraining) -> list[str]:
+    """Several nodes: extend the drafter leases of the trainers running here, stop those whose
+    lease was lost, read the samples waiting per job."""
+    return await training.renew()
+
+
 async def reap_trainers(training: DrafterTraining) -> list[str]:
     """A drafter trainer that stopped heartbeating (hung) is killed and recorded FAILED, its
     device given back. Returns the ids of those killed."""
@@ -167,13 +173,28 @@ def check_preemption_notice(watch: NoticeWatch, on_notice: Callable[[], None]) -
 
 def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, int]]:
     """Retire old drafter versions of every job: keep the newest `keep` evaluated versions
-    and every pinned or active one; a retired version's checkpoint directory is deleted when
-    it lies under `root` (the daemon's own drafter directory: paths an operator registered
-    elsewhere are never deleted). Candidates (being evaluated) are left alone. Returns the
-    (job id, version) pairs retired."""
-    root = Path(root).resolve()
-    retired = []
+    and every pinned or active one. Candidates (being evaluated) are left alone. Retiring is
+    cluster-wide, one node at a time (an advisory lock on PostgreSQL: a node that finds
+    another one retiring skips that part). Deleting is each node's own: every node deletes
+    the checkpoint directory of each retired version it can read (its own, or on
+    `shared_dir`) that lies under `root` (its drafter directory: paths an operator registered
+    elsewhere are never deleted), whichever node retired it. Returns the (job id, version)
+    pairs this call retired."""
+    retired: list[tuple[str, int]] = []
+    with store.cluster_lock("drafter-gc") as mine:
+        if mine:
+            retired = _retire_drafters(store, keep)
+        else:
+            log.debug("drafter versions are retired on another node")
+    deleted = _delete_retired_checkpoints(store, Path(root).resolve())
+    if retired or deleted:
+        log.info("drafter versions retired", extra={"versions": len(retired), "deleted": deleted})
+    return retired
+
+
+def _retire_drafters(store: Store, keep: int) -> list[tuple[str, int]]:
     why = f"garbage-collected: not among the newest {keep}, not pinned, not active"
+    retired = []
     for job in store.list_jobs(None, 1 << 30):
         versions = [
             v
@@ -184,14 +205,23 @@ def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, in
         old = [v.version for v in versions if v.version not in newest]
         # The store re-checks pinned / active as it retires: a pin may land after the read
         # above. Only what it retired loses its checkpoint.
-        for v in store.retire_drafters(job.job_id, old, why):
+        retired += [(job.job_id, v.version) for v in store.retire_drafters(job.job_id, old, why)]
+    return retired
+
+
+def _delete_retired_checkpoints(store: Store, root: Path) -> int:
+    """Delete the directories of retired versions this node can read under `root`; returns
+    how many it deleted (none when they are gone already)."""
+    deleted = 0
+    for job in store.list_jobs(None, 1 << 30):
+        for v in store.list_drafters(job.job_id):
+            if v.status is not DrafterStatus.RETIRED or not v.readable_on(store.node_id):
+                continue  # another node's own storage: that node's GC deletes it
             path = Path(v.path).resolve()
             if path.is_dir() and path.is_relative_to(root) and path != root:
                 shutil.rmtree(path, ignore_errors=True)
-            retired.append((job.job_id, v.version))
-    if retired:
-        log.info("drafter versions retired", extra={"versions": len(retired)})
-    return retired
+                deleted += 1
+    return deleted
 
 
 def prune_history(store: Store, retention_hours: float) -> tuple[int, int]:
@@ -220,6 +250,9 @@ class NodeBeat:
     address: str
     on_new_epoch: Callable[[], object]  # back after being DOWN: drop the old epoch's work
     on_fenced: Callable[[], None]  # another daemon joined under this node id
+    # A drain of this node requested through the database (`tltctl drain --node ID` on any
+    # node): (reason, grace seconds). Checked at every heartbeat; idempotent.
+    on_drain_requested: Callable[[str, float], None] | None = None
 
 
 def beat_node(store: Store, settings: Settings, beat: NodeBeat) -> int:
@@ -234,6 +267,10 @@ def beat_node(store: Store, settings: Settings, beat: NodeBeat) -> int:
         return before
     if epoch != before:
         beat.on_new_epoch()
+    if beat.on_drain_requested is not None and store.dialect == "postgresql":
+        requested = store.requested_drain()
+        if requested is not None:
+            beat.on_drain_requested(*requested)
     return epoch
 
 
@@ -313,10 +350,20 @@ def build_scheduler(
             max_instances=1,
             coalesce=True,
         )
+        if store.dialect == "postgresql":
+            scheduler.add_job(
+                renew_drafter_leases,
+                IntervalTrigger(seconds=settings.drafter_lease_seconds / 3),
+                args=(training,),
+                id="drafter-lease-renewal",
+                name="drafter training lease renewal",
+                max_instances=1,
+                coalesce=True,
+            )
         scheduler.add_job(
             gc_drafters,
             IntervalTrigger(seconds=settings.drafter_gc_seconds),
-            args=(store, settings.drafter_keep_versions, training.root),
+            args=(store, settings.drafter_keep_versions, settings.drafters_root),
             id="drafter-gc",
             name="old drafter checkpoints GC",
             max_instances=1,

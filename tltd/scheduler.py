@@ -250,6 +250,18 @@ def _place(
             key=lambda j: (-jobs[j].priority, served[j] / max(jobs[j].weight, 1e-9), j),
         )
         work = queues[job_id][0]
+        if not any(
+            by_worker[wid].job_id in (job_id, "")
+            and work.policy_version in (None, by_worker[wid].policy_version)
+            for wid in load
+        ):
+            # No worker holds its version yet (the planner loads it once the older versions'
+            # work is done): it waits without holding up the job's work on a version a worker
+            # does hold, or the two would wait for each other.
+            queues[job_id].pop(0)
+            if not queues[job_id]:
+                del queues[job_id]
+            continue
         per_worker: dict[str, int] = {}
         remaining = work.samples
         # One sample at a time to the worker with the least expected remaining work, so the n

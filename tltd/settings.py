@@ -33,11 +33,20 @@ class Settings:
     # State
     data_dir: str = "var/tltd"
     database_url: str = ""  # empty -> sqlite file under data_dir
+    # A directory every node of one database reads and writes (NFS, a shared volume): drafter
+    # versions and pushed policy weights are written there, so that any node loads a drafter
+    # another one trained or a version another one received. Empty: under data_dir, readable
+    # by the node that wrote them only (other nodes run the job without such a drafter, and
+    # cannot load such a policy version).
+    shared_dir: str = ""
     # Devices
     cpu_slots: int = 1  # used where NVML is absent
     device_refresh_seconds: float = 10.0
     # Engine defaults
     default_backend: str = "torch"
+    # The function ("module:function") SGLang workers build their engine with: sglang.Engine
+    # by default; another for a wrapped engine (the tests name a fake engine here).
+    sglang_engine_factory: str = "tltd_workers.sglang.real_engine:make_engine"
     default_model_path: str = ""
     spec_batch_threshold: int = 32
     # Torch workers' SD gate: "measured" (step costs timed on the device + bandit) or
@@ -52,6 +61,10 @@ class Settings:
     worker_heartbeat_seconds: float = 0.5
     worker_heartbeat_timeout_seconds: float = 30.0  # silent this long while up -> killed
     worker_start_timeout_seconds: float = 300.0  # spawn or model load taking longer -> killed
+    # Memory limit of each rollout worker process (and its engine's subprocesses), in MiB, in
+    # a memory cgroup of its own (tltd.memory_cgroup); 0 = none. Over it, the kernel's OOM
+    # killer ends the worker: recorded as such, its samples re-run on a fresh process.
+    worker_memory_limit_mb: int = 0
     max_sample_attempts: int = 3  # workers lost while running one sample before it fails
     scheduler_tick_seconds: float = 0.5  # the supervisor also ticks on every event
     # Drafter training on idle devices (tltd.drafter_training); a job opts in with
@@ -72,6 +85,9 @@ class Settings:
     training_start_timeout_seconds: float = 300.0
     # A trainer heartbeats every worker_heartbeat_seconds; silent this long while up -> killed.
     training_heartbeat_timeout_seconds: float = 30.0
+    # Several nodes (PostgreSQL): one node trains a job's drafter at a time under a lease this
+    # long, renewed every third of it while its trainer lives; a lapsed lease is taken over.
+    drafter_lease_seconds: float = 30.0
     drafter_keep_versions: int = 5  # GC keeps the newest n versions + pinned + active
     drafter_gc_seconds: float = 600.0
     # Pushed policy weights (PushPolicy): a push no stream has sent into for this long is
@@ -81,6 +97,10 @@ class Settings:
     # The weights of pushed versions beyond the newest n of a job are deleted when a push is
     # recorded (each is a whole model on the daemon's disk); 0 = keep them all.
     push_keep_versions: int = 3
+    # A policy broadcast (OpenBroadcast) is also received by the job's live torch workers, as
+    # ranks of the trainer's group: each holds the new weights in memory (one more copy of the
+    # model, until the version is recorded) and switches without reading the daemon's file.
+    broadcast_to_workers: bool = True
     # Ended requests (with their samples) and events older than this are deleted; 0 = never.
     history_retention_hours: float = 168.0
     history_gc_seconds: float = 3600.0
@@ -123,9 +143,23 @@ class Settings:
             return self.database_url
         return f"sqlite:///{Path(self.data_dir) / 'tltd.db'}"
 
+    @property
+    def drafters_root(self) -> Path:
+        """Where drafter versions live: under shared_dir when set, else under data_dir."""
+        return Path(self.shared_dir or self.data_dir) / "drafters"
+
+    @property
+    def pushes_root(self) -> Path:
+        """Where pushed policy versions are staged and kept: under shared_dir when set (every
+        node loads them; staging per node, on the same filesystem so that a version appears
+        by one rename), else under data_dir (only this node's workers can load them)."""
+        if self.shared_dir:
+            return Path(self.shared_dir).resolve()
+        return Path(self.data_dir).resolve()
+
     def drafter_versions_dir(self, job_id: str) -> Path:
         """Where a job's drafter version checkpoints live (online ones and the initial one)."""
-        return Path(self.data_dir) / "drafters" / job_id / "versions"
+        return self.drafters_root / job_id / "versions"
 
     @property
     def resolved_node_id(self) -> str:
@@ -160,6 +194,7 @@ _POSITIVE = frozenset(
         "node_heartbeat_seconds",
         "node_down_seconds",
         "lease_seconds",
+        "drafter_lease_seconds",
         "claim_interval_seconds",
         "stream_poll_seconds",
         "max_prompts_per_request",

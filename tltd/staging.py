@@ -3,7 +3,11 @@ filled chunk by chunk at its offsets, and the tensors of a held version read bac
 
 The file's header is written first and the file sized to its final length, so each chunk goes
 straight to its place (one `pwrite`): the daemon never holds more than a chunk of a push in
-memory, and the finished file is what the workers load, unchanged."""
+memory, and the finished file is what the workers load, unchanged.
+
+A push may be staged over the weights file of a retired version (`reuse`): writing into pages
+the page cache holds already costs a small fraction of the CPU of writing into fresh ones
+(which the kernel must allocate and zero first), the main cost of receiving a push."""
 
 from __future__ import annotations
 
@@ -28,7 +32,9 @@ def tensor_bytes(spec: TensorSpec) -> int:
 class StagedTensors:
     """A safetensors file of `specs` (in their order), created full size and written in place."""
 
-    def __init__(self, path: Path, specs: tuple[TensorSpec, ...]) -> None:
+    def __init__(self, path: Path, specs: tuple[TensorSpec, ...], reuse: bool = False) -> None:
+        """`reuse`: `path` is an existing file to overwrite (every byte of it is written
+        before the push can commit; its old bytes are never read)."""
         self.path = path
         self.specs = {s.name: s for s in specs}
         header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
@@ -47,8 +53,10 @@ class StagedTensors:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned, as safetensors writes it
         self._data_start = 8 + len(raw)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if reuse else os.O_TRUNC), 0o644)
         os.pwrite(self._fd, len(raw).to_bytes(8, "little") + raw, 0)
+        if reuse and os.fstat(self._fd).st_size > self._data_start + end:
+            os.ftruncate(self._fd, self._data_start + end)
         try:  # the blocks reserved now: no allocation per chunk, and a full disk fails here
             os.posix_fallocate(self._fd, 0, self._data_start + end)
         except OSError as exc:
@@ -64,6 +72,12 @@ class StagedTensors:
         while view:  # pwrite may write less than asked
             n = os.pwrite(self._fd, view, pos)
             view, pos = view[n:], pos + n
+
+    def sync(self) -> None:
+        """The bytes written so far are on the disk (ValueError once closed)."""
+        if self._fd < 0:
+            raise ValueError("closed")
+        os.fdatasync(self._fd)
 
     def finish(self) -> None:
         """Flush to the disk and close: the file is then what a version's path holds."""

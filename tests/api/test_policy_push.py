@@ -3,6 +3,7 @@ checksummed, resumable, deltas over a held version, a version only once all arri
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -259,14 +260,25 @@ def test_an_abandoned_push_leaves_no_version_and_no_files(daemon, client, job):
     assert not (pushes.versions_root / "job").exists()
 
 
-def test_a_broadcast_the_trainer_never_joins_leaves_no_version(daemon, client, job):
+def test_a_broadcast_the_trainer_never_joins_leaves_no_version(daemon, client, job, monkeypatch):
+    from tltd.services import broadcast
+
     sd = _weights(job, seed=1)
     header = header_pb("job", "gone", Weights(sd), "", None)
-    with fails(C.INVALID_ARGUMENT, "backend: "):
+    with fails(C.INVALID_ARGUMENT, "backend: ", "mpi"):
+        client.call(
+            client.policy.OpenBroadcast,
+            policy_pb2.OpenBroadcastRequest(header=header, backend="mpi"),
+        )
+    # A torch without NCCL (this CPU build's answer, made certain): refused, nothing staged.
+    monkeypatch.setattr(broadcast, "nccl_available", lambda: False)
+    with fails(C.FAILED_PRECONDITION, "backend: ", "NCCL", "use gloo"):
         client.call(
             client.policy.OpenBroadcast,
             policy_pb2.OpenBroadcastRequest(header=header, backend="nccl"),
         )
+    with fails(C.NOT_FOUND, "update_id"):
+        client.get_push("job", "gone")
     delta = policy_pb2.PushHeader()
     delta.CopyFrom(header)
     delta.base_version = 0
@@ -277,6 +289,7 @@ def test_a_broadcast_the_trainer_never_joins_leaves_no_version(daemon, client, j
         policy_pb2.OpenBroadcastRequest(header=header, timeout_seconds=1),
     )
     assert group.port > 0 and group.world_size == 2 and group.rank == 0
+    assert group.backend == "gloo" and not group.HasField("workers")
     pushes = daemon.services.pushes
     deadline = time.monotonic() + 60
     while pushes._pushes["job", "gone"].attached:  # the group waits 1 s for the trainer
@@ -316,3 +329,134 @@ def test_abandoned_pushes_are_collected_by_a_declared_periodic_job(daemon, store
     job = {j.id: j for j in scheduler.get_jobs()}["push-gc"]
     assert job.func is drop_abandoned_pushes and job.args == (daemon.services.pushes,)
     assert job.trigger.interval.total_seconds() == daemon.settings.push_gc_seconds
+
+
+def test_a_retired_versions_file_is_reused_for_the_next_push_and_holds_only_its_bytes(
+    daemon, client, job
+):
+    """The next push is staged over the weights file of the version retired last (same
+    inode), grown or cut to its size, and the version it becomes holds exactly its tensors."""
+    pushes = daemon.services.pushes
+    recycled = pushes.recycle_root / "job.safetensors"
+    dtypes = [torch.bfloat16] * 4 + [torch.float32] * 4 + [torch.bfloat16]
+    for i, dtype in enumerate(dtypes, start=1):
+        sd = _weights(job, seed=i, dtype=dtype)
+        inode = recycled.stat().st_ino if recycled.exists() else None
+        got = client.push_policy("job", sd, chunk_bytes=4096)
+        assert got.policy.version == i
+        weights = Path(got.policy.path) / "model.safetensors"
+        assert (weights.stat().st_ino == inode) == (i >= 5), i  # v1 retires at v4's commit
+        assert _same(load_file(str(weights)), sd), i
+    # Version 9 (bf16) was staged over version 5's f32 file: cut to its own size.
+    size = sum(t.numel() * 2 for t in _weights(job, seed=0).values())
+    assert size < weights.stat().st_size < size + 4096
+    pushes.clean_start()
+    assert not pushes.recycle_root.exists()
+
+
+def test_a_retired_file_a_worker_may_still_read_is_not_written_into(
+    daemon, client, job, monkeypatch
+):
+    """The version whose file was recycled is held or loaded by a worker when the next push
+    starts (a load sent just before the file was retired): that push writes a fresh file."""
+    pushes = daemon.services.pushes
+    recycled = pushes.recycle_root / "job.safetensors"
+    for i in range(1, 5):
+        client.push_policy("job", _weights(job, seed=i, dtype=torch.bfloat16))
+    inode = recycled.stat().st_ino  # version 1's file, retired at version 4's commit
+    monkeypatch.setattr(pushes, "in_use", lambda job_id: {1})
+    sd = _weights(job, seed=5, dtype=torch.bfloat16)
+    weights = Path(client.push_policy("job", sd).policy.path) / "model.safetensors"
+    assert weights.stat().st_ino != inode and _same(load_file(str(weights)), sd)
+    assert recycled.stat().st_ino != inode  # v2's file now; v1's file was left to its reader
+
+
+def test_a_push_records_its_progress_while_its_stream_still_runs(
+    daemon, client, job, store, monkeypatch
+):
+    """Every `_CHECKPOINT_BYTES` the staged bytes are synced and recorded, beside the stream:
+    a daemon killed mid-push resumes from there. The record never claims more than arrived."""
+    import tltd.services.push as push_module
+
+    monkeypatch.setattr(push_module, "_CHECKPOINT_BYTES", 8 << 10)
+    seen: list[int] = []
+
+    def recorded() -> int:
+        rows = [r for r in store.list_pushes() if r[:2] == ("job", "mid")]
+        return sum(rows[0][3].values()) if rows else 0
+
+    def progress(p) -> None:
+        if p.bytes_done >= p.bytes_total // 2 and not seen:
+            deadline = time.monotonic() + 30
+            while (got := recorded()) < 8 << 10:
+                assert time.monotonic() < deadline, "no progress recorded mid-stream"
+                time.sleep(0.02)
+            seen.append(got)
+            assert got <= p.bytes_done
+
+    sd = _weights(job, seed=1)
+    got = client.push_policy("job", sd, update_id="mid", chunk_bytes=4 << 10, progress=progress)
+    assert seen and got.policy.version == 1 and _same(_stored(client, 1), sd)
+    assert recorded() == 0  # committed: the record of the unfinished push is gone
+
+
+def test_an_unfinished_push_resumes_after_a_daemon_restart(sqlite_store, tmp_path, policy):
+    """The staging file and the push's record survive a restart: the same update id resumes
+    where the first daemon's record says and commits the exact weights."""
+    from itertools import islice
+
+    from tests.api.support import DaemonThread, make_settings, seed_devices
+
+    seed_devices(sqlite_store)
+    settings = make_settings(tmp_path)
+    sd = _weights(policy, seed=7, dtype=torch.bfloat16)
+    w = Weights(sd)
+    header = header_pb("job", "across", w, "", None)
+    first = DaemonThread(settings, sqlite_store).start()
+    try:
+        with first.client() as c:
+            c.create_job(str(policy), job_id="job")
+            messages = push_messages(header, w, {}, chunk_bytes=4096, commit=False)
+            status = _stream(c, islice(messages, 1 + 5)).status  # the header, 5 chunks
+            held = status.bytes_received
+            assert 0 < held < sum(t.numel() * 2 for t in sd.values())
+    finally:
+        first.stop()
+    assert [r[:2] for r in sqlite_store.list_pushes()] == [("job", "across")]
+
+    second = DaemonThread(settings, sqlite_store)
+    second.services.pushes.clean_start()  # as the daemon does at start
+    second.start()
+    try:
+        with second.client() as c:
+            assert c.get_push("job", "across").bytes_received == held
+            seen = []
+            got = c.push_policy("job", sd, update_id="across", progress=seen.append)
+            total = sum(t.numel() * 2 for t in sd.values())
+            assert seen[-1].wire_bytes == total - held  # only the rest was sent
+            assert got.policy.version == 1 and _same(_stored(c, 1), sd)
+    finally:
+        second.stop()
+    assert sqlite_store.list_pushes() == []
+
+
+def test_a_restart_drops_recorded_pushes_whose_file_is_gone(sqlite_store, tmp_path, policy):
+    from tests.api.support import DaemonThread, make_settings, seed_devices
+
+    seed_devices(sqlite_store)
+    settings = make_settings(tmp_path)
+    d = DaemonThread(settings, sqlite_store).start()
+    try:
+        with d.client() as c:
+            c.create_job(str(policy), job_id="job")
+            w = Weights(_weights(policy, seed=8))
+            header = header_pb("job", "lost", w, "", None)
+            _stream(c, push_messages(header, w, {}, chunk_bytes=4096, commit=False))
+    finally:
+        d.stop()
+    from tltd.services.push import PushService
+
+    pushes = PushService(sqlite_store, settings, d.services.policy)  # the next start's
+    shutil.rmtree(pushes.staging_root / "job" / "lost")
+    pushes.clean_start()
+    assert sqlite_store.list_pushes() == [] and not pushes._pushes

@@ -69,6 +69,7 @@ def test_jobs_create(ctl, auth_daemon, model_dir):
         *("--priority", "2", "--weight", "0.5", "--backend", "torch", "--speculative", "auto"),
         *("--draft-lengths", "2,4", "--drafter", "ngram", "--batch-threshold", "8"),
         "--no-online-training",
+        *("--policy-switch", "next-step"),
     )
     # trainers own their jobs' lifecycle: a trainer token may create
     code, out, err = ctl(*args, *options, "-o", "json", token=TRAINER_TOKEN)
@@ -86,8 +87,10 @@ def test_jobs_create(ctl, auth_daemon, model_dir):
         "online_training": False,
         "initial_drafter_path": "",
     }
+    assert job["policy_switch"] == "POLICY_SWITCH_NEXT_STEP"
     stored = auth_daemon.store.get_job("job-2")
     assert stored.speculative.draft_lengths == (2, 4) and not stored.speculative.online_training
+    assert stored.policy_switch.value == "next_step"
 
     # Defaults: the daemon assigns the id and fills in its defaults; a table for people.
     code, out, _ = ctl("jobs", "create", str(model_dir), "--name", "grpo")

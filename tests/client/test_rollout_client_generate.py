@@ -5,8 +5,10 @@ and the metrics the supervisor records for every sample."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -190,11 +192,6 @@ def test_abandoned_streams_are_cancelled_and_ids_are_fresh(daemon, ckpt):
         blocker.close()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="timing: in a full-suite run the timed-out stream got a sample within 0.3 s "
-    "(the blocker no longer held every worker); passes alone",
-)
 def test_async_abandoned_streams_are_cancelled(daemon, ckpt):
     async def scenario() -> tuple[str, str]:
         async with AsyncRolloutClient(daemon.target) as client:
@@ -203,20 +200,20 @@ def test_async_abandoned_streams_are_cancelled(daemon, ckpt):
             closed = client.last_request_id
             assert (await anext(stream)).request_id == closed
             await stream.aclose()
-            # A caller's own deadline cancels the iterating task inside the generator.
-            blocker = client.stream(PROMPTS, sampling=LONG)  # fills the workers: see above
-            await anext(blocker)
-            stream = client.stream(PROMPTS, sampling=LONG, request_id="async-timeout")
-            waiting = asyncio.ensure_future(anext(stream))
-            # The deadline passes once the daemon holds the request (on a loaded machine a
-            # 0.3 s deadline could pass before the call arrived: nothing would exist to
-            # cancel; a deadline during admission is the test further below).
-            await asyncio.to_thread(
-                wait_until, lambda: stored(daemon, "async-timeout"), 60, "request stored"
-            )
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(waiting, 0.3)
-            await blocker.aclose()
+            # A caller's own deadline cancels the iterating task inside the generator. The
+            # workers are paused (SIGSTOP) first: the request then cannot get a sample before
+            # the deadline, however loaded the machine.
+            with paused_workers(daemon):
+                stream = client.stream(PROMPTS, sampling=LONG, request_id="async-timeout")
+                waiting = asyncio.ensure_future(anext(stream))
+                # The deadline passes once the daemon holds the request (on a loaded machine
+                # a 0.3 s deadline could pass before the call arrived: nothing would exist to
+                # cancel; a deadline during admission is the test further below).
+                await asyncio.to_thread(
+                    wait_until, lambda: stored(daemon, "async-timeout"), 60, "request stored"
+                )
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(waiting, 0.3)
             return closed, client.last_request_id
 
     closed, timed_out = asyncio.run(scenario())
@@ -224,6 +221,19 @@ def test_async_abandoned_streams_are_cancelled(daemon, ckpt):
     with RolloutClient(daemon.target) as client:
         assert request_status(client, closed, "cancelled") == "cancelled"
         assert request_status(client, timed_out, "cancelled") == "cancelled"
+
+
+@contextlib.contextmanager
+def paused_workers(daemon: InProcessDaemon) -> Iterator[None]:
+    """Every rollout worker process stopped (SIGSTOP) for the block, then continued."""
+    pids = [h.proc.pid for h in daemon.supervisor.handles.values() if h.proc is not None]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def test_async_client_built_outside_a_loop(daemon, ckpt):
@@ -240,21 +250,36 @@ def test_async_client_built_outside_a_loop(daemon, ckpt):
     assert len(asyncio.run(again())) == 1
 
 
+# A deadline the daemon's admission outlives; a cancel before the daemon even began to store the
+# request would store nothing, which is not the case under test.
+_ADMISSION_DEADLINE = 1.5
+
+
+def slow_admission(daemon: InProcessDaemon, monkeypatch) -> threading.Event:
+    """Make storing a request take longer than `_ADMISSION_DEADLINE` from the moment it starts;
+    the event is set once the daemon is storing one."""
+    real_create = daemon.store.create_request
+    storing = threading.Event()
+
+    def slow_create(req):
+        storing.set()
+        time.sleep(_ADMISSION_DEADLINE + 0.5)
+        return real_create(req)
+
+    monkeypatch.setattr(daemon.store, "create_request", slow_create)
+    return storing
+
+
 def test_a_request_abandoned_while_the_daemon_stores_it_is_cancelled(daemon, ckpt, monkeypatch):
     # The caller's deadline passes while the daemon is still storing the request: the client's
     # cancel finds nothing yet, and the admission (which completes without its caller) would
     # then run the request in full for nobody. The client retries the cancel until it lands.
-    real_create = daemon.store.create_request
-
-    def slow_create(req):
-        time.sleep(1.0)
-        return real_create(req)
-
     with RolloutClient(daemon.target) as client:
         client.create_job(ckpt, job_id="slow-admission", speculative="off")
-        monkeypatch.setattr(daemon.store, "create_request", slow_create)
+        storing = slow_admission(daemon, monkeypatch)
         with pytest.raises(DeadlineExceededError):
-            client.generate(PROMPTS, sampling=LONG, timeout=0.3)
+            client.generate(PROMPTS, sampling=LONG, timeout=_ADMISSION_DEADLINE)
+        assert storing.is_set()
         assert request_status(client, client.last_request_id, "cancelled") == "cancelled"
 
 
@@ -262,24 +287,24 @@ def test_async_requests_abandoned_while_the_daemon_stores_them_are_cancelled(
     daemon, ckpt, monkeypatch
 ):
     # As above, through the asyncio client, both ways an async caller gives up: the call's own
-    # timeout (DEADLINE_EXCEEDED) and asyncio.wait_for cancelling the task that iterates.
-    real_create = daemon.store.create_request
-
-    def slow_create(req):
-        time.sleep(1.0)
-        return real_create(req)
-
+    # timeout (DEADLINE_EXCEEDED) and the task that iterates being cancelled (as
+    # asyncio.wait_for does at its timeout), once the daemon is storing the request.
     async def scenario() -> list[str]:
         async with AsyncRolloutClient(daemon.target) as client:
             await client.create_job(ckpt, job_id="slow-admission", speculative="off")
-            monkeypatch.setattr(daemon.store, "create_request", slow_create)
+            storing = slow_admission(daemon, monkeypatch)
             with pytest.raises(DeadlineExceededError):
-                await client.generate(PROMPTS, sampling=LONG, timeout=0.3)
+                await client.generate(PROMPTS, sampling=LONG, timeout=_ADMISSION_DEADLINE)
+            assert storing.is_set()
             timed_out = client.last_request_id
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(
-                    client.generate(PROMPTS, sampling=LONG, request_id="async-held"), 0.3
-                )
+            storing.clear()
+            held = asyncio.ensure_future(
+                client.generate(PROMPTS, sampling=LONG, request_id="async-held")
+            )
+            assert await asyncio.to_thread(storing.wait, 30.0)
+            held.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await held
             return [timed_out, "async-held"]
 
     # The workers are frozen meanwhile: on a loaded machine they could otherwise finish every

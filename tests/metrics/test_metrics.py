@@ -283,6 +283,7 @@ def test_the_process_wide_metrics_exist():
         "tltd_device_state_seconds",
         "tltd_drafter_version",
         "tltd_preemptions",
+        "tltd_rollout_worker_failures",
     ):
         assert name in names, name
 

@@ -1,21 +1,18 @@
 """Several real `tltd serve` daemons on one fresh PostgreSQL database, one CPU slot each.
 
-The long tests (a node killed, a node paused, a restart) run only with TLTD_MULTINODE_LONG=1:
-three daemons with torch workers on a 2-core machine take minutes. The short three-node batch
-runs in the default suite.
+Every test runs in the default suite (about 5 minutes for the directory on a 2-core machine).
+The ones that kill, pause or restart a node or a drafter trainer are marked `slow`:
+`-m "not slow"` leaves them out of a quick local run.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 from sqlalchemy import text
 
 from tltd.store.database import make_engine
 
-LONG = os.environ.get("TLTD_MULTINODE_LONG", "").strip().lower() in ("1", "true", "yes")
-long_only = pytest.mark.skipif(not LONG, reason="long multi-node test: set TLTD_MULTINODE_LONG=1")
+long_only = pytest.mark.slow
 
 # Short leases so that a takeover happens within seconds.
 NODE_ENV = dict(

@@ -11,12 +11,12 @@ other tests share is never touched.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 
 import pytest
 
+from tests.ci import skip_unless_ci
 from tests.reliability import pg_cluster
 from tests.reliability.trainers import Trainer, account
 from tests.rollout.support import ServeProcess
@@ -27,7 +27,7 @@ from tltd_clients.client import TltClient
 def cluster():
     why = pg_cluster.available()
     if why:
-        pytest.skip(why)
+        skip_unless_ci(why)
     c = pg_cluster.PgCluster()
     try:
         yield c
@@ -37,10 +37,6 @@ def cluster():
 
 @pytest.mark.postgres
 def test_a_postgres_restart_mid_rollout_loses_nothing(cluster, tmp_path, ckpt, size, figures):
-    if size == "short" and not os.environ.get("TLTD_RELIABILITY_LONG"):
-        # Since requests became SQL work units under leases, a trainer's requests hung after
-        # the restart in one full-suite run (docs/reliability.md): out of CI until explained.
-        pytest.skip("held out of CI: requests hung after a restart with work-unit leases")
     restarts, between = {"short": (1, 2.0), "long": (10, 20.0)}[size]
     d = ServeProcess(
         tmp_path, cluster.url, worker_max_batch=8, worker_max_seq_len=256, start_timeout=180

@@ -179,13 +179,14 @@ def _cancel_open_rollouts(store, channel) -> None:
 
 def _expected_special(method, code: C, details: str) -> bool:
     """A rollout still streaming when the test's deadline ends it; UpdatePolicy from tensors or
-    NCCL, which the API declares and the daemon refuses as not implemented (documented)."""
+    NCCL, arms the API reserves and the daemon refuses as not implemented (documented: they
+    point to PushPolicy and OpenBroadcast)."""
     if method.server_streaming and code == C.DEADLINE_EXCEEDED:
         return True
     return (
         method.name == "UpdatePolicy"
         and code == C.UNIMPLEMENTED
-        and details.startswith(("policy updates from tensors", "policy updates from nccl"))
+        and details.startswith(("UpdatePolicy from tensors", "UpdatePolicy from nccl"))
     )
 
 

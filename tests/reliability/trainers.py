@@ -110,6 +110,19 @@ class Trainer:
             self.outcomes[rid] = out
         return self._send(client, out)
 
+    def send(
+        self, client: TltClient, prompts: list[list[int]], sampling: rollout_pb2.SamplingParams
+    ) -> Outcome:
+        """One request of the caller's own (prompts, sampling), recorded and retried like the
+        others."""
+        rid = self._next_id()
+        expected = len(prompts) * sampling.n
+        out = Outcome(rid, self.job_id, expected, time.time(), time.monotonic())
+        out.prompts, out.sampling = prompts, sampling
+        with self._lock:
+            self.outcomes[rid] = out
+        return self._send(client, out)
+
     def resend(self, client: TltClient, earlier: Outcome, patience: float = 10.0) -> Outcome:
         """The same request (id, prompts, sampling) sent again, as a trainer retries one that
         ended in an error, retrying for `patience` seconds; a fresh outcome (not recorded in

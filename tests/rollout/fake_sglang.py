@@ -20,6 +20,14 @@ package by tests/sglang_contract/):
   and `end_weight_update()`, to the runners `selector` names; `update_weights_from_disk`
   reloads every runner, the draft too; both set `weight_version` when given one.
 - `release_memory_occupation` only while no request runs; generating while released fails.
+- Distributed weight updates: `init_weights_update_group` joins the trainer's gloo group as
+  SGLang does (a `tcp://` rendezvous as a client of the master's TCP store, the store keys
+  `init_custom_process_group` and torch's group helper build, ranks rank_offset + tp_rank, one
+  per tensor-parallel rank); `update_weights_from_distributed` only inside a weight-update
+  session, receives every tensor from rank 0 (all broadcasts posted, then waited, as SGLang's
+  receive) and loads them only once all arrived; it fails when requests still run (SGLang
+  refuses the cache flush); no decoding while it receives. The blocking parts run on a thread,
+  as they run in SGLang's scheduler process while the TokenizerManager's loop awaits them.
 
 SGLang's scheduler decodes in its own process while the loop waits; here one decode step
 (`tokens_per_step` tokens for every registered request) runs each time the loop is entered,
@@ -30,14 +38,19 @@ so a test's outputs do not depend on timing. The next token is a function of the
 from __future__ import annotations
 
 import asyncio
+import datetime
+import hashlib
 import json
 import os
 import signal
 import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
+
+import torch
 
 from tltd_workers.sglang.real_engine import SglangEngineAdapter
 
@@ -87,9 +100,60 @@ class UpdateWeightFromDiskReqInput:
     flush_cache: bool = True
 
 
+@dataclass(kw_only=True)
+class BeginWeightUpdateReqInput:
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+@dataclass(kw_only=True)
+class EndWeightUpdateReqInput:
+    pass
+
+
+@dataclass(kw_only=True)
+class InitWeightsUpdateGroupReqInput:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass(kw_only=True)
+class UpdateWeightsFromDistributedReqInput:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+@dataclass(kw_only=True)
+class DestroyWeightsUpdateGroupReqInput:
+    group_name: str = "weight_update_group"
+
+
+@dataclass(kw_only=True)
+class UpdateWeightVersionReqInput:
+    new_version: str
+    abort_all_requests: bool = True
+
+
 io_struct = types.SimpleNamespace(
     UpdateWeightsFromTensorReqInput=UpdateWeightsFromTensorReqInput,
     UpdateWeightFromDiskReqInput=UpdateWeightFromDiskReqInput,
+    BeginWeightUpdateReqInput=BeginWeightUpdateReqInput,
+    EndWeightUpdateReqInput=EndWeightUpdateReqInput,
+    InitWeightsUpdateGroupReqInput=InitWeightsUpdateGroupReqInput,
+    UpdateWeightsFromDistributedReqInput=UpdateWeightsFromDistributedReqInput,
+    DestroyWeightsUpdateGroupReqInput=DestroyWeightsUpdateGroupReqInput,
+    UpdateWeightVersionReqInput=UpdateWeightVersionReqInput,
 )
 
 
@@ -168,6 +232,67 @@ class FakeTokenizerManager:
         e._record_update("tensor", obj.selector, names, obj.weight_version, obj.flush_cache)
         return True, "Success"
 
+    async def begin_weight_update(self, obj: Any, request: Any = None):
+        e = self.engine
+        if e.session is not None:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        e.session = obj.selector
+        return True, "Success"
+
+    async def end_weight_update(self, obj: Any, request: Any = None):
+        e = self.engine
+        if e.session is None:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        e.session = None
+        return True, "Success"
+
+    async def init_weights_update_group(self, obj: Any, request: Any = None):
+        self.auto_create_handle_loop()
+        try:
+            await asyncio.to_thread(self.engine._join_group, obj)
+        except Exception as exc:
+            return False, f"Failed to initialize custom process group: {exc}."
+        return True, "Succeeded to initialize custom process group."
+
+    async def update_weights_from_distributed(self, obj: Any, request: Any = None):
+        e = self.engine
+        if e.session is None:
+            return False, (
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
+        e.receiving = True
+        try:
+            received = await asyncio.to_thread(e._receive_group, obj)
+        except Exception as exc:
+            return False, f"Failed to receive weights: {exc}"
+        finally:
+            e.receiving = False
+        e.weights.update(received)
+        checksums = {
+            n: hashlib.sha256(t.view(-1).view(torch.uint8).numpy()).hexdigest()
+            for n, t in received.items()
+        }
+        e._log("received", group=obj.group_name, checksums=checksums)
+        e._record_update("distributed", obj.selector, list(received), obj.weight_version, True)
+        if obj.flush_cache and self.rid_to_state:
+            return False, (
+                "Weights were updated, but the cache was not flushed because requests are "
+                "still running or queued."
+            )
+        return True, "Succeeded to update parameter online."
+
+    async def destroy_weights_update_group(self, obj: Any, request: Any = None):
+        if self.engine.groups.pop(obj.group_name, None) is None:
+            return False, "The group to be destroyed does not exist."
+        return True, "Succeeded to destroy custom process group."
+
+    async def update_weight_version(self, obj: Any) -> None:
+        self.auto_create_handle_loop()
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        self.engine._set_version(obj.new_version)
+
     async def update_weights_from_disk(self, obj: Any, request: Any = None):
         e = self.engine
         if not (Path(obj.model_path) / "config.json").is_file():
@@ -220,6 +345,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.updates: list[dict[str, Any]] = []
         self.session: str | None = None
+        self.groups: dict[str, list[Any]] = {}  # weight-update groups: one per TP rank
+        self.weights: dict[str, Any] = {}  # what distributed updates loaded, by name
+        self.receiving = False
         self.released = False
         self.memory_calls: list[str] = []
         self.closed = self.exited = False
@@ -265,6 +393,8 @@ class FakeEngine:
         return await g.done
 
     def _decode_step(self) -> None:
+        if self.receiving:  # SGLang's scheduler is inside the collective
+            return
         for g in list(self.tokenizer_manager.rid_to_state.values()):
             if g.abort_requested:
                 self._finish(g, {"type": "abort", "message": "Abort in waiting queue"})
@@ -323,26 +453,88 @@ class FakeEngine:
             {"kind": kind, "runners": runners, "names": names, "version": version, "flush": flush}
         )
         self._log("update_weights", kind=kind, runners=runners)
-        if version is not None:  # running requests with tokens get a new version span
-            for g in self.tokenizer_manager.rid_to_state.values():
-                if g.out:
-                    g.versions[-1]["end"] = len(g.out)
-                    g.versions.append({"version": version, "start": len(g.out), "end": 0})
-                else:
-                    g.versions[-1]["version"] = version
-            self.weight_version = version
+        if version is not None:
+            self._set_version(version)
+
+    def _set_version(self, version: str) -> None:
+        # Running requests with tokens get a new version span.
+        for g in self.tokenizer_manager.rid_to_state.values():
+            if g.out:
+                g.versions[-1]["end"] = len(g.out)
+                g.versions.append({"version": version, "start": len(g.out), "end": 0})
+            else:
+                g.versions[-1]["version"] = version
+        self.weight_version = version
+        self._log("weight_version", version=version)
 
     def begin_weight_update(self, selector: str = "all"):
-        if self.session is not None:
-            return False, "a weight-update session is already open; call end_weight_update() first"
-        self.session = selector
-        return True, "Success"
+        obj = BeginWeightUpdateReqInput(selector=selector)
+        return self.loop.run_until_complete(self.tokenizer_manager.begin_weight_update(obj))
 
     def end_weight_update(self):
-        if self.session is None:
-            return False, "no weight-update session is open; call begin_weight_update() first"
-        self.session = None
-        return True, "Success"
+        obj = EndWeightUpdateReqInput()
+        return self.loop.run_until_complete(self.tokenizer_manager.end_weight_update(obj))
+
+    # -- distributed weight updates (SGLang's Engine methods, and what its scheduler does) --
+
+    def init_weights_update_group(
+        self, master_address, master_port, rank_offset, world_size, group_name, backend="nccl"
+    ):
+        obj = InitWeightsUpdateGroupReqInput(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+        return self.loop.run_until_complete(self.tokenizer_manager.init_weights_update_group(obj))
+
+    def update_weights_from_distributed(
+        self,
+        names,
+        dtypes,
+        shapes,
+        group_name="weight_update_group",
+        flush_cache=True,
+        load_format=None,
+    ):
+        obj = UpdateWeightsFromDistributedReqInput(
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            flush_cache=flush_cache,
+            load_format=load_format,
+        )
+        coro = self.tokenizer_manager.update_weights_from_distributed(obj)
+        return self.loop.run_until_complete(coro)
+
+    def destroy_weights_update_group(self, group_name):
+        obj = DestroyWeightsUpdateGroupReqInput(group_name=group_name)
+        coro = self.tokenizer_manager.destroy_weights_update_group(obj)
+        return self.loop.run_until_complete(coro)
+
+    def _join_group(self, obj: Any) -> None:
+        """Every tensor-parallel rank joins, as rank_offset + tp_rank (SGLang's scheduler)."""
+        if obj.backend != "gloo":
+            raise RuntimeError(f"backend {obj.backend!r} needs CUDA devices (fake: gloo only)")
+        if obj.group_name in self.groups:
+            raise ValueError(f"group {obj.group_name!r} exists")
+        tp = int(self.args.get("tp_size", 1))
+        ranks = [obj.rank_offset + tp_rank for tp_rank in range(tp)]
+        with ThreadPoolExecutor(tp) as pool:
+            self.groups[obj.group_name] = list(pool.map(lambda r: _sglang_group(obj, r), ranks))
+
+    def _receive_group(self, obj: Any) -> dict[str, Any]:
+        """Every rank receives every tensor (posted at once, then waited); the weights change
+        only once all arrived."""
+        groups = self.groups[obj.group_name]
+        with ThreadPoolExecutor(len(groups)) as pool:
+            per_rank = list(pool.map(lambda g: _receive(g, obj), groups))
+        for other in per_rank[1:]:  # tensor-parallel ranks hold the same broadcast
+            assert all(torch.equal(other[n], per_rank[0][n]) for n in obj.names)
+        return per_rank[0]
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         """`Engine.update_weights_from_tensor`: every runner, no weight_version."""
@@ -377,6 +569,39 @@ class FakeEngine:
             self.loop.remove_signal_handler(signal.SIGTERM)
             signal.signal(signal.SIGTERM, self.saved_sigterm)
         self._log("shutdown")
+
+
+class Group:
+    timeout = datetime.timedelta(seconds=60)  # SGLang: torch's default (30 min)
+
+
+def _sglang_group(obj: Any, rank: int) -> Any:
+    """One rank of a weight-update group, with the store keys SGLang's group has: its
+    `init_custom_process_group` wraps the rendezvous store in PrefixStore(group_name), and
+    torch's group helper adds "<group_name>/" and the backend's device ("cpu/" for gloo)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        obj.master_address, obj.master_port, obj.world_size, False, timeout=Group.timeout
+    )
+    name = obj.group_name
+    keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
+    return dist.ProcessGroupGloo(keys, rank, obj.world_size, Group.timeout)
+
+
+def _receive(group: Any, obj: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0  # SGLang: src=0, the trainer
+    tensors = {
+        n: torch.empty(shape, dtype=getattr(torch, dtype))
+        for n, dtype, shape in zip(obj.names, obj.dtypes, obj.shapes, strict=True)
+    }
+    works = [group.broadcast([t], opts) for t in tensors.values()]
+    for w in works:
+        w.wait()
+    return tensors
 
 
 def factory(args: dict[str, Any]) -> SglangEngineAdapter:

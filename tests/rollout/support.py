@@ -276,3 +276,15 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def reference_logprobs(path, prompt: list[int], tokens: list[int]):
+    """Logprobs of `tokens` after `prompt` under the transformers model at `path`, and the
+    model's argmax at each of those positions."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(ref(torch.tensor([prompt + tokens])).logits[0], -1)
+    at = logp[len(prompt) - 1 : -1]
+    return at.gather(-1, torch.tensor(tokens)[:, None])[:, 0], at.argmax(-1)

@@ -34,9 +34,11 @@ def test_daemon_kill9_mid_batch_then_restart(db_url, tmp_path, ckpt):
     a = ServeProcess(tmp_path, db_url, "a")
     try:
         with a.client() as c:
-            c.create_job(str(other), job_id="other")
-            c.create_job(str(ckpt), job_id="job")  # the newest: idle workers load it
+            c.create_job(str(ckpt), job_id="job")  # the only job: both workers load it
             pids = [w.pid for w in a.wait_workers_ready("job")]
+            # Created once both hold "job" (a worker keeps its job while no work waits): a
+            # worker ready between two creations would have taken "other" for good.
+            c.create_job(str(other), job_id="other")
             s1 = Stream(c, "job", PROMPTS[:4], sampling=sampling(**LONG), request_id="r1")
             s2 = Stream(c, "job", PROMPTS[4:], sampling=sampling(**LONG), request_id="r2")
             wait_until(lambda: _status(c, "r1") == RUNNING, what="r1 running")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from pathlib import Path
 
-from tltd.domain import Device, DeviceKind, Job
+from tltd.domain import Device, DeviceKind, DrafterStatus, DrafterVersion, Job
 from tltd.settings import Settings
 from tltd.supervisor.model_planner import HeldBack, ModelPlanner
 from tltd.supervisor.worker_process import Phase, WorkerHandle
@@ -18,10 +19,19 @@ class _Alive:
 
 
 class _Store:
-    """Only what `_sync_drafter` reads: where a drafter version lives."""
+    """Only what `_sync_drafter` reads: a drafter version, its directory under `root` on this
+    node's storage (test_drafter_fallback.py runs the planner on real store rows)."""
 
-    def get_drafter(self, job_id: str, version: int):
-        return type("D", (), {"path": f"/drafters/{job_id}/{version}"})()
+    node_id = "n0"
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root
+
+    def get_drafter(self, job_id: str, version: int) -> DrafterVersion:
+        assert self.root is not None
+        path = self.root / job_id / str(version)
+        path.mkdir(parents=True, exist_ok=True)
+        return DrafterVersion(job_id, version, 0, str(path), status=DrafterStatus.PROMOTED)
 
 
 def _slot(worker_id: str = "w0") -> WorkerHandle:
@@ -31,13 +41,13 @@ def _slot(worker_id: str = "w0") -> WorkerHandle:
     return handle
 
 
-def test_a_failed_drafter_version_is_not_retried():
-    planner = ModelPlanner(_Store(), Settings())  # type: ignore[arg-type]
+def test_a_failed_drafter_version_is_not_retried(tmp_path):
+    planner = ModelPlanner(_Store(tmp_path), Settings())  # type: ignore[arg-type]
     handle, job = _slot(), Job("job", "/m", drafter_version=7)
 
     asyncio.run(planner._sync_drafter(handle, job))
     sent = handle.outbox.get_nowait()
-    assert sent == msg.SetDrafter("/drafters/job/7", 7)
+    assert sent == msg.SetDrafter(str(tmp_path / "job" / "7"), 7)
 
     # The worker reports the failure with the drafter's version (not the policy's) ...
     assert (
@@ -110,16 +120,16 @@ def test_a_policy_version_that_failed_to_load_is_refused_then_retried():
     assert "retried in 30s" in planner.load_failed(msg.LoadFailed("job", 1, "disk"), handle, {})
 
 
-def test_a_failed_drafter_version_is_retried_after_its_hold():
+def test_a_failed_drafter_version_is_retried_after_its_hold(tmp_path):
     clock = _Clock()
-    planner = ModelPlanner(_Store(), Settings(), clock=clock)  # type: ignore[arg-type]
+    planner = ModelPlanner(_Store(tmp_path), Settings(), clock=clock)  # type: ignore[arg-type]
     handle, job = _slot(), Job("job", "/m", drafter_version=7)
     planner.load_failed(msg.LoadFailed("job", 7, "bad tensor", drafter=True), handle, {})
     asyncio.run(planner._sync_drafter(handle, job))
     assert handle.outbox.empty()
     clock.now += 30
     asyncio.run(planner._sync_drafter(handle, job))
-    assert handle.outbox.get_nowait() == msg.SetDrafter("/drafters/job/7", 7)
+    assert handle.outbox.get_nowait() == msg.SetDrafter(str(tmp_path / "job" / "7"), 7)
 
 
 def test_a_version_that_fails_on_one_worker_while_another_runs_it_is_held_back_there_only():
@@ -164,3 +174,43 @@ def test_the_worker_restart_backoff_is_capped_for_any_crash_loop():
 
     assert [restart_backoff(n) for n in range(8)] == [0, 0.5, 1, 2, 4, 8, 16, 30]
     assert restart_backoff(5000) == 30  # no OverflowError after hours of crashes
+
+
+class _Busy:
+    """A work queue whose only worker has samples in flight and nothing else waits."""
+
+    def pending_work(self) -> list:
+        return []
+
+    def inflight(self, worker_id: str) -> int:
+        return 3
+
+
+class _Versions:
+    """The store's policy versions: version 1 of the job was recorded from `path`."""
+
+    node_id = "n0"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def get_policy_version(self, job_id: str, version: int):
+        return type("PolicyVersion", (), {"path": self.path})()
+
+
+def test_an_engine_in_a_recorded_broadcast_switches_with_its_samples_waiting():
+    """An SGLang engine that received a broadcast holds its samples (none runs) until that
+    version loads: the planner sends it the load although work is in flight; an engine whose
+    broadcast is not the recorded version keeps its samples and version."""
+    job = Job("job", "/m", policy_version=1)
+    planner = ModelPlanner(_Versions("/v/job/u1"), Settings())  # type: ignore[arg-type]
+    handle = _slot()
+    handle.broadcast_path = "/v/job/u1"
+    asyncio.run(planner.plan({"w0": handle}, _Busy(), {"job": job}))  # type: ignore[arg-type]
+    assert handle.outbox.get_nowait() == msg.LoadPolicy("/v/job/u1", 1)
+    assert handle.phase is Phase.LOADING
+
+    other = _slot("w1")
+    other.broadcast_path = "/v/job/u2"  # a broadcast that did not become version 1
+    asyncio.run(planner.plan({"w1": other}, _Busy(), {"job": job}))  # type: ignore[arg-type]
+    assert other.outbox.empty() and other.phase is Phase.READY

@@ -291,13 +291,25 @@ def test_a_retry_after_a_restart_gets_the_rerun_sample_not_the_partial_one(
             stream = iter(c.generate("job", PROMPTS[:1], sampling=s, request_id="r", timeout=60))
             first = next(stream)
             assert (first.prompt_index, first.sample_index) == (0, 1) and not first.partial
+            # A stream that asks for partial samples gets the stored one at once.
+            asked = iter(
+                c.generate("job", PROMPTS[:1], sampling=s, request_id="r", timeout=60,
+                           return_partial=True)
+            )  # fmt: skip
+            early = [next(asked), next(asked)]
+            assert [(x.sample_index, x.partial) for x in early] == [(1, False), (0, True)]
+            assert early[1].finish_reason == rollout_pb2.FINISH_REASON_ABORTED
             c.uncordon("cpu:0")
             d.supervisor.kick_threadsafe()
             got = [first, *stream]
+            late = list(asked)
     finally:
         d.kill()
     assert sorted((x.prompt_index, x.sample_index) for x in got) == [(0, 0), (0, 1)]
     assert not any(x.partial for x in got)
+    # Then the complete (0, 0), which the partial one's tokens begin.
+    assert [(x.sample_index, x.partial) for x in late] == [(0, False)]
+    assert list(late[0].token_ids) == [x.token_ids for x in got if x.sample_index == 0][0]
     rerun = next(x for x in got if x.sample_index == 0)
     assert tuple(rerun.token_ids) == direct_outputs(ckpt, PROMPTS[:1], params)[(0, 0)]
     assert store.get_request("r").status is RequestStatus.COMPLETED

@@ -13,16 +13,19 @@ test runs the real worker process over a real pipe.
 
 from __future__ import annotations
 
+import datetime
 import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.drafter.helpers import load_target, make_target_dir
 from tests.rollout import fake_sglang
@@ -30,6 +33,7 @@ from tests.rollout.fake_sglang import FakeEngine, reference
 from tltd.domain import FinishReason, SamplingParams
 from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.rollout import sglang_worker
+from tltd_workers.rollout.broadcast import assign_ranks, group_prefix, received_tensors
 from tltd_workers.rollout.protocol import (
     AddWork,
     Cancel,
@@ -38,18 +42,21 @@ from tltd_workers.rollout.protocol import (
     EngineSpec,
     Finished,
     Heartbeat,
+    JoinBroadcast,
     LoadFailed,
     LoadModel,
     LoadPolicy,
     Ready,
     SetDrafter,
     Shutdown,
+    WorkerError,
 )
 from tltd_workers.rollout.sglang_worker import SglangWorker
 from tltd_workers.sglang.adapter import (
     MEM_FRACTION_STATIC,
     Segment,
     adaptive_config,
+    distributed_join,
     engine_args,
     finish_reason,
     gpu_index,
@@ -657,6 +664,202 @@ def test_a_drafter_that_fails_keeps_the_old_engine_and_names_its_version(
     assert h.engine.args["speculative_algorithm"] == "NGRAM" and h.worker.export_dir == ""
     s = finished(h.run_idle())[(0, 0)]
     assert list(s.token_ids) == reference([1, 2], 30) and s.finish_reason is FinishReason.LENGTH
+
+
+# ---- a policy broadcast through SGLang's distributed weight update --------------------------
+
+WEIGHTS = {"w.a": torch.randn(4, 3).to(torch.bfloat16), "w.b": torch.arange(5.0)}
+SPECS = tuple(
+    (n, {torch.bfloat16: "BF16", torch.float32: "F32"}[t.dtype], tuple(t.shape))
+    for n, t in WEIGHTS.items()
+)
+
+
+class Trainer:
+    """Rank 0 of a gloo group in a thread: hosts the store, broadcasts WEIGHTS."""
+
+    def __init__(self, group: str, world: int = 2) -> None:
+        import torch.distributed as dist
+
+        wait = datetime.timedelta(seconds=30)
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=wait
+        )
+        self.error: BaseException | None = None
+
+        def send() -> None:
+            try:
+                keys = dist.PrefixStore(group_prefix(group), self.store)
+                pg = dist.ProcessGroupGloo(keys, 0, world, wait)
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0
+                for t in WEIGHTS.values():
+                    pg.broadcast([t.clone()], opts).wait()
+            except BaseException as exc:  # noqa: BLE001 - reported to the test
+                self.error = exc
+
+        self.thread = threading.Thread(target=send, daemon=True)
+        self.thread.start()
+
+    def join(self, path: str, group: str, timeout: float = 30.0, **kw) -> JoinBroadcast:
+        return JoinBroadcast(path, "127.0.0.1", self.store.port, group, 1, 2, SPECS, timeout, **kw)
+
+
+def step_until(h: Harness, done, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        h.worker._step()
+        h.messages()
+    assert done()
+
+
+def test_a_broadcast_arrives_through_sglangs_distributed_update_while_samples_wait(policy):
+    """A sample running at the join is started over and new ones wait while the engine
+    receives; the version the daemon then records only names the weights, and every sample
+    runs on it from its first token."""
+    h = loaded(policy, version=3)
+    engine = h.engine
+    long = SamplingParams(max_new_tokens=40, seed=1)
+    h.send(AddWork(1, "r", 0, (0, 1), (1, 2), long))
+    h.step(2)
+    trainer = Trainer("g1")
+    h.send(trainer.join("/v/4", "g1"))
+    assert sorted(engine.aborted) == sorted(r for r, _, _ in engine.submitted)  # stopped
+    h.send(AddWork(2, "r", 1, (0,), (3,), long))
+    submitted = len(engine.submitted)
+    step_until(h, lambda: h.worker.broadcast is not None and h.worker.broadcast.received)
+    trainer.thread.join(30)
+    assert trainer.error is None
+    assert engine.weights.keys() == WEIGHTS.keys()
+    assert all(
+        torch.equal(engine.weights[n].view(torch.uint8), t.view(torch.uint8))
+        for n, t in WEIGHTS.items()
+    )
+    assert engine.updates[-1] == {
+        "kind": "distributed",
+        "runners": ["target"],
+        "names": list(WEIGHTS),
+        "version": None,
+        "flush": True,
+    }
+    assert engine.groups == {} and engine.session is None  # destroyed, session closed
+    h.step(5)
+    assert len(engine.submitted) == submitted  # nothing runs on unrecorded weights
+    assert engine.weight_version == "3"
+    ready = of(Ready, h.send(LoadPolicy("/v/4", 4)))[-1]
+    assert (ready.policy_version, ready.policy_source) == (4, "broadcast")
+    assert engine.weight_version == "4" and engine.updates[-1]["kind"] == "distributed"
+    got = finished(h.run_idle())
+    # Started over on the new weights: no sample mixes two versions' tokens.
+    assert {k: s.policy_version for k, s in got.items()} == {(0, 0): 4, (0, 1): 4, (1, 0): 4}
+    assert list(got[(0, 0)].token_ids) == reference([1, 2], 40)
+    assert list(got[(1, 0)].token_ids) == reference([3], 40)
+    assert all(s.finish_reason is FinishReason.LENGTH for s in got.values())
+
+
+def test_a_broadcast_the_engine_cannot_join_puts_the_recorded_weights_back(policy):
+    h = loaded(policy, version=3)
+    engine = h.engine
+    h.send(AddWork(1, "r", 0, (0,), (1, 2), SamplingParams(max_new_tokens=40, seed=1)))
+    h.step()
+    h.send(JoinBroadcast("/v/4", "127.0.0.1", 1, "g2", 1, 2, SPECS, 30.0, backend="nccl"))
+    step_until(h, lambda: h.worker.broadcast is None)
+    (error,) = h.worker.broadcast_errors()
+    assert error.startswith("policy broadcast to /v/4 failed") and "nccl" in error
+    assert engine.updates[-1]["kind"] == "disk" and engine.updates[-1]["names"] == [str(policy)]
+    assert engine.updates[-1]["version"] == "3" and engine.session is None
+    s = finished(h.run_idle())[(0, 0)]
+    assert s.policy_version == 3 and list(s.token_ids) == reference([1, 2], 40)
+
+
+def test_a_received_broadcast_never_recorded_is_undone(policy):
+    h = loaded(policy, version=3)
+    engine = h.engine
+    trainer = Trainer("g3")
+    h.send(trainer.join("/v/4", "g3", timeout=0.3))
+    step_until(h, lambda: h.worker.broadcast is None)
+    (error,) = h.worker.broadcast_errors()
+    assert "was not recorded within" in error and "back to policy version 3" in error
+    assert [u["kind"] for u in engine.updates] == ["distributed", "disk"]
+    assert engine.weight_version == "3"
+    # A LoadPolicy of another version while one was received loads that one from its file.
+    trainer = Trainer("g4")
+    h.send(trainer.join("/v/5", "g4"))
+    step_until(h, lambda: h.worker.broadcast is not None and h.worker.broadcast.received)
+    ready = of(Ready, h.send(LoadPolicy(str(policy), 6)))[-1]
+    assert (ready.policy_version, ready.policy_source) == (6, "")
+    assert engine.updates[-1]["kind"] == "disk" and engine.weight_version == "6"
+
+
+def test_an_engine_waiting_for_a_trainer_that_never_came_restarts_on_the_next_version(
+    policy, tmp_path, monkeypatch
+):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(fake_sglang.Group, "timeout", datetime.timedelta(seconds=3))
+    h = loaded(policy, version=3)
+    first = h.engine
+    h.send(AddWork(1, "r", 0, (0,), (1, 2), SamplingParams(max_new_tokens=40, seed=1)))
+    h.step()
+    wait = datetime.timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=wait)
+    h.send(JoinBroadcast("/v/4", "127.0.0.1", store.port, "g6", 1, 2, SPECS, 30.0))
+    h.step(3)
+    assert h.worker.broadcast is not None and not h.worker.broadcast.received
+    # The trainer fell back to a gRPC push: that version is recorded and offered.
+    new = make_target_dir(tmp_path / "v4", seed=4)
+    ready = of(Ready, h.send(LoadPolicy(str(new), 4)))[-1]
+    assert (ready.policy_version, ready.policy_source) == (4, "")
+    assert h.worker.broadcast is None and h.engine is not first and first.closed
+    assert h.engine.args["model_path"] == str(new) and h.engine.weight_version == "4"
+    (error,) = [m.message for m in of(WorkerError, h.got)]  # sent with the Ready
+    assert "abandoned" in error and "/v/4" in error
+    s = finished(h.run_idle())[(0, 0)]  # started over at the join, run in the new engine
+    assert s.policy_version == 4 and list(s.token_ids) == reference([1, 2], 40)
+
+
+def test_ranks_and_group_keys_of_a_broadcast():
+    assert assign_ranks([1, 2, 1]) == ([2, 3, 5], 6)  # a TP-2 engine takes ranks 3 and 4
+    assert assign_ranks([]) == ([], 2)
+    with pytest.raises(ValueError):
+        assign_ranks([0])
+    assert group_prefix("g") == "g/g//cpu/" and group_prefix("g", "nccl") == "g/g//cuda/"
+    j = distributed_join(JoinBroadcast("/v", "h", 7, "g", 3, 6, SPECS, 1.0))
+    assert (j.rank_offset, j.world_size, j.group_name, j.backend) == (3, 6, "g", "gloo")
+    assert j.names == ("w.a", "w.b") and j.dtypes == ("bfloat16", "float32")
+    assert j.shapes == ((4, 3), (5,))
+
+
+def test_a_tensor_parallel_fake_engine_takes_consecutive_ranks(policy):
+    """Trainer 0, a stand-in daemon 1, a TP-2 engine at rank_offset 2: all receive."""
+    import torch.distributed as dist
+
+    trainer = Trainer("g5", world=4)
+    got = {}
+
+    def daemon() -> None:
+        wait = datetime.timedelta(seconds=30)
+        store = dist.TCPStore("127.0.0.1", trainer.store.port, 4, False, timeout=wait)
+        got["daemon"] = dict(received_tensors(store, group_prefix("g5"), 1, 4, SPECS, wait))
+
+    t = threading.Thread(target=daemon)
+    t.start()
+    engine = FakeEngine(model_path=str(policy), tp_size=2)
+    assert engine.init_weights_update_group(
+        "127.0.0.1", trainer.store.port, 2, 4, "g5", "gloo"
+    ) == (True, "Succeeded to initialize custom process group.")
+    assert len(engine.groups["g5"]) == 2
+    engine.begin_weight_update("target")
+    ok, _ = engine.update_weights_from_distributed(
+        [n for n, _, _ in SPECS], ["bfloat16", "float32"], [list(s) for _, _, s in SPECS], "g5"
+    )
+    engine.end_weight_update()
+    t.join(30)
+    assert ok and trainer.error is None
+    for name, tensor in WEIGHTS.items():
+        assert torch.equal(engine.weights[name].float(), tensor.float())
+        assert torch.equal(got["daemon"][name].float(), tensor.float())
+    assert engine.destroy_weights_update_group("g5")[0] and not dist.is_initialized()
 
 
 # ---- the real process ---------------------------------------------------------------------

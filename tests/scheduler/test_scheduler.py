@@ -580,3 +580,26 @@ def test_a_worker_loading_a_model_with_nothing_waiting_does_not_preempt_training
     # With work of that job waiting, the loading worker's device is needed: training yields.
     d = schedule(replace(s, pending=(work("r", n=4, job="j"),)), CFG)
     assert "cpu:1" in d.preempt_training
+
+
+def test_work_on_a_version_no_worker_holds_does_not_hold_up_the_job():
+    """A request accepted on version 91 just after one on version 90 was (the 91 one claimed
+    first) while both workers hold 90: the planner keeps them on 90 for the older request,
+    so its work must be placed; waiting behind the 91 work would leave both stuck for good."""
+    workers = [
+        RolloutWorkerView("w0", "cpu:0", "j", True, idle_since=0.0, policy_version=90),
+        RolloutWorkerView("w1", "cpu:1", "j", True, idle_since=0.0, policy_version=90),
+    ]
+    pending = [
+        PendingWork("new", 0, "j", 2, 100, 1.0, policy_version=91),
+        PendingWork("old", 0, "j", 2, 100, 2.0, policy_version=90),
+    ]
+    d = schedule(snap([dev(0), dev(1)], workers, pending=pending), CFG)
+    assert {(a.request_id, a.worker_id) for a in d.assignments} == {("old", "w0"), ("old", "w1")}
+    # Once a worker holds 91, each request goes to the worker of its version.
+    workers[0] = replace(workers[0], policy_version=91)
+    d = schedule(snap([dev(0), dev(1)], workers, pending=pending), CFG)
+    assert {(a.request_id, a.worker_id, a.samples) for a in d.assignments} == {
+        ("new", "w0", 2),
+        ("old", "w1", 2),
+    }

@@ -13,7 +13,7 @@ import inspect
 import json
 import tomllib
 from array import array
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import msgspec
@@ -24,10 +24,12 @@ from safetensors.torch import load_file
 
 from tests.sglang_contract.conftest import resolved
 from tltd.domain import SamplingParams as OurSamplingParams
-from tltd_workers.rollout.protocol import EngineSpec
+from tltd_workers.rollout.protocol import EngineSpec, JoinBroadcast
 from tltd_workers.sglang import real_engine as adapter_engine
 from tltd_workers.sglang.adapter import (
+    DistributedJoin,
     adaptive_config,
+    distributed_join,
     engine_args,
     read_output,
     sampling_params,
@@ -441,3 +443,132 @@ def test_asyncio_loop_of_the_adapter_is_what_sglang_uses():
 
     for method in (Engine.begin_weight_update, Engine.release_memory_occupation):
         assert "self.loop.run_until_complete" in inspect.getsource(method)
+
+
+# ---- a policy broadcast through SGLang's distributed weight update --------------------------
+
+
+def _join() -> DistributedJoin:
+    return distributed_join(
+        JoinBroadcast("/v/1", "127.0.0.1", 29500, "tltd/job/u1", 2, 4,
+                      (("w", "BF16", (2, 3)), ("b", "F32", (3,))), 30.0, ranks=1)
+    )  # fmt: skip
+
+
+def test_the_distributed_update_methods_take_the_adapters_arguments():
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    j, e, tm = _join(), object(), object()
+    _bind(Engine.init_weights_update_group, e, j.address, j.port, j.rank_offset, j.world_size,
+          j.group_name, j.backend)  # fmt: skip
+    _bind(Engine.update_weights_from_distributed, e, list(j.names), list(j.dtypes),
+          [list(s) for s in j.shapes], j.group_name, True)  # fmt: skip
+    _bind(Engine.destroy_weights_update_group, e, j.group_name)
+    for name in (
+        "init_weights_update_group",
+        "update_weights_from_distributed",
+        "destroy_weights_update_group",
+        "begin_weight_update",
+        "end_weight_update",
+    ):
+        method = getattr(TokenizerManager, name)
+        assert inspect.iscoroutinefunction(method), name
+        _bind(method, tm, object(), None)
+    assert inspect.iscoroutinefunction(TokenizerManager.update_weight_version)
+    _bind(TokenizerManager.update_weight_version, tm, object())
+    # The fake engine the worker tests run has the same Engine methods.
+    from tests.rollout.fake_sglang import FakeEngine
+
+    for name in ("init_weights_update_group", "update_weights_from_distributed",
+                 "destroy_weights_update_group"):  # fmt: skip
+        real = list(inspect.signature(getattr(Engine, name)).parameters)
+        assert list(inspect.signature(getattr(FakeEngine, name)).parameters) == real, name
+
+
+def test_distributed_update_requests_are_valid_sglang_requests():
+    from sglang.srt.managers import io_struct
+
+    from tests.rollout import fake_sglang
+
+    j = _join()
+    init = adapter_engine.init_group_request(io_struct, j)
+    update = adapter_engine.distributed_update_request(io_struct, j)
+    version = io_struct.UpdateWeightVersionReqInput(new_version="4", abort_all_requests=False)
+    begin = io_struct.BeginWeightUpdateReqInput(selector="target")
+    destroy = io_struct.DestroyWeightsUpdateGroupReqInput(group_name=j.group_name)
+    for req in (init, update, version, begin, destroy):
+        back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=type(req))
+        assert back == req
+        # The fake's request classes have SGLang's fields.
+        fake = {f.name for f in fields(getattr(fake_sglang.io_struct, type(req).__name__))}
+        assert fake == set(type(req).__struct_fields__) - {"rid", "http_worker_ipc"}
+    assert (init.rank_offset, init.world_size, init.backend) == (2, 4, "gloo")
+    assert update.weight_version is None and update.selector == "target" and update.flush_cache
+    assert [getattr(torch, d) for d in update.dtypes] == [torch.bfloat16, torch.float32]
+    assert update.shapes == [[2, 3], [3]] and update.names == ["w", "b"]
+
+
+def test_sglangs_distributed_update_requires_the_session_the_adapter_opens():
+    from sglang.srt.managers.scheduler_components.weight_updater import (
+        SchedulerWeightUpdaterManager,
+    )
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    source = inspect.getsource(SchedulerWeightUpdaterManager.update_weights_from_distributed)
+    assert "self._session is None" in source and "record_weight_version_after_update" in source
+    # An engine with tensor parallelism takes tp_size consecutive ranks from rank_offset.
+    assert "rank = rank_offset + self.tp_rank" in inspect.getsource(
+        WeightUpdater.init_weights_update_group
+    )
+
+
+def test_sglangs_own_receive_joins_the_daemons_group_and_gets_every_tensor(sglang_process):
+    """The daemon's store and keys, the trainer's rank 0 as the client sends it, the daemon's
+    rank 1 as it receives, and SGLang's real WeightUpdater joining at rank_offset 2 with its
+    init_custom_process_group and receiving with its own code."""
+    import datetime
+    import threading
+    import types
+
+    import torch.distributed as dist
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    from tltd_workers.rollout.broadcast import group_prefix, received_tensors
+
+    wait = datetime.timedelta(seconds=60)
+    weights = {"w": torch.randn(2, 3).to(torch.bfloat16), "b": torch.arange(3.0)}
+    specs = (("w", "BF16", (2, 3)), ("b", "F32", (3,)))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=wait)
+    group, got = "tltd/job/u1", {}
+
+    def trainer() -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, 3, False, timeout=wait)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(group_prefix(group), client), 0, 3, wait)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for t in weights.values():
+            pg.broadcast([t.clone()], opts).wait()
+
+    def daemon() -> None:
+        got["daemon"] = dict(received_tensors(store, group_prefix(group), 1, 3, specs, wait))
+
+    threads = [threading.Thread(target=f) for f in (trainer, daemon)]
+    for t in threads:
+        t.start()
+    updater = types.SimpleNamespace(tp_rank=0, _model_update_group={}, device="cpu")
+    ok, message = WeightUpdater.init_weights_update_group(
+        updater, "127.0.0.1", store.port, 2, 3, group, "gloo"
+    )
+    assert ok, message
+    received = WeightUpdater.receive_weights_from_distributed(
+        updater, names=["w", "b"], dtypes=["bfloat16", "float32"], shapes=[[2, 3], [3]],
+        group_name=group,
+    )  # fmt: skip
+    for t in threads:
+        t.join(60)
+    assert [n for n, _ in received] == ["w", "b"]
+    for name, tensor in received:
+        assert torch.equal(tensor.view(torch.uint8), weights[name].view(torch.uint8))
+        assert torch.equal(got["daemon"][name].view(torch.uint8), weights[name].view(torch.uint8))
+    assert WeightUpdater.destroy_weights_update_group(updater, group)[0]

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bench_drift, bench_engine_vs_hf, bench_spec, bench_tail_sweep
+from benchmarks import (
+    bench_drift,
+    bench_engine_vs_hf,
+    bench_rl_trend,
+    bench_spec,
+    bench_tail_sweep,
+)
 from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
 from tests.engine.helpers import make_checkpoint
 from tltd_workers.engine.eagle import EagleDrafter
@@ -84,3 +90,22 @@ def test_bench_drift_quick(tiny: tuple[Path, Path], capsys: pytest.CaptureFixtur
     rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
     assert len(rows) == 3  # step 0 and the two updates
     assert "idle device time harvested" in out and "online / frozen" in out
+
+
+def test_bench_rl_trend_quick(tiny: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    target, _ = tiny
+    args = ["--model", str(target), "--steps", "2", "--prompts", "2", "--n", "2",
+            "--held-out-prompts", "1", "--max-new-tokens", "8", "--threads", "1",
+            "--configs", "demo,sgd0.3"]  # fmt: skip
+    assert bench_rl_trend.main(args) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[-2:]}
+    assert set(rows) == {"demo", "sgd0.3"}
+    for cells in rows.values():
+        assert len(cells) == 2 + 6  # a reward per step, trend, SEs, before, after, change, SEs
+        assert all(0.0 <= float(c) <= 1.0 for c in cells[:2] + cells[4:6])
+
+
+def test_paired_change_of_held_out_rewards() -> None:
+    mean, se = bench_rl_trend.paired([0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 1.0])
+    assert mean == 0.25 and se == pytest.approx(0.25)

@@ -102,7 +102,8 @@ def test_expired_lease_is_taken_over_and_the_late_owner_is_fenced(pg_store: Stor
         a.add_sample(_sample(first.request_id, 0, 0))  # while held: stored
         assert b.claim_units(capacity=10, lease_seconds=LONG_LEASE) == []  # still live
         time.sleep(0.6)
-        assert a.renew_leases(0.3) == set()  # expired: not renewed, the owner must stop
+        # Expired: not renewed, the owner must stop.
+        assert a.renew_leases({("r0000", 0)}, 0.3) == set()
         [taken] = b.claim_units(capacity=10, lease_seconds=LONG_LEASE)
         assert (taken.request_id, taken.prompt_index, taken.attempts) == ("r0000", 0, 2)
         with pytest.raises(Fenced):
@@ -114,10 +115,31 @@ def test_expired_lease_is_taken_over_and_the_late_owner_is_fenced(pg_store: Stor
         req, left = b.finish_unit("r0000", 0, None, "")
         assert left == 0 and req.status is RequestStatus.COMPLETED
         assert req.samples_done == SAMPLING.n
-        assert b.renew_leases(LONG_LEASE) == set()  # done: nothing left to renew
+        assert b.renew_leases({("r0000", 0)}, LONG_LEASE) == set()  # done: nothing left to renew
     finally:
         a.close()
         b.close()
+
+
+def test_only_the_units_a_node_runs_are_renewed(store: Store) -> None:
+    """A unit leased to a node that does not run it (its claim's answer was lost in a
+    database outage) is not renewed with the others: its lease lapses and it is claimed
+    again, instead of being held forever."""
+    _requests(store, 2, 1)
+    a = _node(store, "a")
+    try:
+        got = a.claim_units(capacity=10, lease_seconds=0.5)
+        assert [c.request_id for c in got] == ["r0000", "r0001"]
+        assert a.renew_leases({("r0000", 0)}, LONG_LEASE) == {("r0000", 0)}
+        assert a.renew_leases(set(), LONG_LEASE) == set()
+        time.sleep(0.8)
+        [again] = a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
+        assert (again.request_id, again.prompt_index, again.attempts) == ("r0001", 0, 2)
+        assert a.renew_leases({("r0000", 0), ("r0001", 0)}, LONG_LEASE) == {
+            ("r0000", 0), ("r0001", 0)
+        }  # fmt: skip
+    finally:
+        a.close()
 
 
 def test_unit_needs_every_sample_before_it_is_done(store: Store) -> None:
@@ -131,7 +153,7 @@ def test_unit_needs_every_sample_before_it_is_done(store: Store) -> None:
         a.add_sample(_sample("r0000", 0, 1))
         req, left = a.finish_unit("r0000", 0, None, "")
         assert left == 1 and req.status is RequestStatus.QUEUED  # prompt 1 still open
-        assert a.renew_leases(LONG_LEASE) == {("r0000", 1)}
+        assert a.renew_leases({("r0000", 0), ("r0000", 1)}, LONG_LEASE) == {("r0000", 1)}
     finally:
         a.close()
 
@@ -149,7 +171,8 @@ def test_restart_releases_only_its_own_stale_leases(pg_store: Store) -> None:
         try:
             assert a2.epoch == a.epoch + 1
             assert a2.release_stale_leases() == 1
-            assert b.renew_leases(LONG_LEASE) == {(b_got[0].request_id, 0)}  # b's untouched
+            b_unit = (b_got[0].request_id, 0)
+            assert b.renew_leases({b_unit}, LONG_LEASE) == {b_unit}  # b's untouched
             again = a2.claim_units(capacity=2, lease_seconds=LONG_LEASE)
             assert [c.attempts for c in again] == [2]
             with pytest.raises(Fenced):  # the old process (epoch) is fenced
@@ -264,5 +287,22 @@ def test_a_cancel_ends_the_units_no_node_holds(store: Store) -> None:
             a.add_sample(Sample("r0000", 0, i, (), (), FinishReason.CANCELLED, partial=True))
         req, left = a.finish_unit("r0000", 0, RequestStatus.CANCELLED, "stop")
         assert left == 0 and req.status is RequestStatus.CANCELLED
+    finally:
+        a.close()
+
+
+def test_a_unit_given_back_is_not_a_lost_attempt(store: Store) -> None:
+    """A release (a drain's hand-over, units a node cannot start) takes its claim's attempt
+    back; a lease that lapsed counts."""
+    _requests(store, 1, 1)
+    a = _node(store, "a")
+    try:
+        [first] = a.claim_units(capacity=10, lease_seconds=0.3)
+        assert first.attempts == 1 and a.release_unit("r0000", 0)
+        [again] = a.claim_units(capacity=10, lease_seconds=0.3)
+        assert again.attempts == 1
+        time.sleep(0.5)  # lapsed: not given back
+        [third] = a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
+        assert third.attempts == 2
     finally:
         a.close()

@@ -365,11 +365,16 @@ def test_partial_sample_is_replaced_by_complete_one(store: Store) -> None:
     partial = replace(_sample(0, 0, tokens=(7,)), partial=True, finish_reason=FinishReason.ABORTED)
     assert store.add_sample(partial) is True
     assert store.get_request("req-1").samples_done == 0  # partial samples are not "done"
+    _, _, [seen], cursor = store.stream_state("req-1", 0)
+    assert seen.partial
     assert store.add_sample(_sample(0, 0)) is True
     assert store.add_sample(partial) is False
     assert store.get_request("req-1").samples_done == 1
     (only,) = store.list_samples("req-1")
     assert (only.partial, only.token_ids) == (False, (7, 8, 9))
+    # A stream that read the partial one reads the complete one after it (a new row id).
+    _, _, [after], _ = store.stream_state("req-1", cursor)
+    assert (after.partial, after.token_ids) == (False, (7, 8, 9))
 
 
 def test_an_ended_request_keeps_the_samples_it_streamed(store: Store) -> None:

@@ -111,3 +111,30 @@ def test_concurrent_writers_on_sqlite_do_not_fail(sqlite_url: str) -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.postgres
+def test_a_frozen_transaction_does_not_hold_its_row_locks_for_ever(pg_url: str) -> None:
+    """A node frozen mid-transaction (SIGSTOP) holds row locks that block every other node's
+    writes to those rows: the server ends its session once it has been idle in the
+    transaction for PG_IDLE_IN_TRANSACTION_MS, and the other writer goes on."""
+    import time
+
+    from tltd.store.database import PG_IDLE_IN_TRANSACTION_MS
+
+    engine = make_engine(pg_url)
+    with engine.begin() as c:
+        c.execute(text("CREATE TABLE t (id int PRIMARY KEY, v int)"))
+        c.execute(text("INSERT INTO t VALUES (1, 0)"))
+    frozen = engine.connect()
+    frozen.begin()
+    frozen.execute(text("SELECT v FROM t WHERE id = 1 FOR UPDATE"))  # then it stops
+    start = time.monotonic()
+    with engine.begin() as other:
+        other.execute(text("UPDATE t SET v = 1 WHERE id = 1"))
+    waited = time.monotonic() - start
+    assert PG_IDLE_IN_TRANSACTION_MS / 1000 - 1 < waited < PG_IDLE_IN_TRANSACTION_MS / 1000 + 10
+    with pytest.raises(Exception, match="idle-in-transaction|terminat|closed"):
+        frozen.execute(text("SELECT 1"))  # its session is gone: a late write fails
+    frozen.close()
+    engine.dispose()

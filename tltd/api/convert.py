@@ -9,6 +9,7 @@ from google.protobuf import timestamp_pb2
 
 from tltd import domain as d
 from tltd.errors import InvalidArgument
+from tltd.services.broadcast import OpenedBroadcast
 from tltd.services.jobs import NewJob
 from tltd.v1 import (
     admin_pb2,
@@ -94,6 +95,18 @@ def _known(table: dict, names, value: int, field: str):
         known = ", ".join(f"{names.Name(k)} ({k})" for k in table)
         raise InvalidArgument(f"unknown value {value}; known: {known}, or 0 (default)", field=field)
     return table[value]
+
+
+_POLICY_SWITCH = {
+    job_pb2.POLICY_SWITCH_FINISH_ON_START_VERSION: d.PolicySwitch.FINISH_ON_START_VERSION,
+    job_pb2.POLICY_SWITCH_NEXT_STEP: d.PolicySwitch.NEXT_STEP,
+}
+_POLICY_SWITCH_PB = _inverse(_POLICY_SWITCH)
+
+
+def policy_switch_from_pb(value: int, field: str = "policy_switch") -> d.PolicySwitch | None:
+    """UNSPECIFIED -> None: FINISH_ON_START_VERSION."""
+    return _known(_POLICY_SWITCH, job_pb2.PolicySwitch, value, field)
 
 
 def backend_from_pb(value: int, field: str = "backend") -> d.Backend | None:
@@ -186,6 +199,7 @@ def new_job_from_pb(pb: job_pb2.CreateJobRequest) -> NewJob:
         priority=pb.priority,
         weight=pb.weight,
         speculative=speculative_from_pb(pb.speculative) if pb.HasField("speculative") else None,
+        policy_switch=policy_switch_from_pb(pb.policy_switch),
     )
 
 
@@ -204,6 +218,7 @@ def job_to_pb(job: d.Job) -> job_pb2.Job:
         drafter_version=job.drafter_version,
         created_at=ts(job.created_at),
         updated_at=ts(job.updated_at),
+        policy_switch=_POLICY_SWITCH_PB[job.policy_switch],
     )
 
 
@@ -344,6 +359,8 @@ def sample_to_pb(s: d.Sample) -> rollout_pb2.Sample:
     )
     if s.provenance is not None:
         pb.provenance.CopyFrom(provenance_to_pb(s.provenance))
+    for first, version in s.policy_spans:
+        pb.policy_spans.add(first_token=first, policy_version=version)
     return pb
 
 
@@ -361,6 +378,7 @@ def sample_from_pb(pb: rollout_pb2.Sample) -> d.Sample:
         partial=pb.partial,
         error=pb.error,
         provenance=provenance_from_pb(pb.provenance) if pb.HasField("provenance") else None,
+        policy_spans=tuple((x.first_token, x.policy_version) for x in pb.policy_spans),
     )
 
 
@@ -405,6 +423,24 @@ def push_header_from_pb(h: policy_pb2.PushHeader) -> d.PushHeader:
     return d.PushHeader(h.job_id, h.update_id, specs, h.note, base)
 
 
+def broadcast_group_to_pb(b: OpenedBroadcast) -> policy_pb2.BroadcastGroup:
+    workers = None
+    if b.workers is not None:
+        w = b.workers
+        workers = policy_pb2.WorkerGroup(
+            prefix=w.prefix, world_size=w.world_size, backend=w.backend
+        )
+    return policy_pb2.BroadcastGroup(
+        address=b.address,
+        port=b.port,
+        world_size=b.world_size,
+        rank=0,
+        prefix=b.prefix,
+        backend="gloo",
+        workers=workers,
+    )
+
+
 def push_status_to_pb(s: d.PushStatus) -> policy_pb2.PushStatus:
     return policy_pb2.PushStatus(
         job_id=s.job_id,
@@ -429,6 +465,8 @@ def drafter_to_pb(v: d.DrafterVersion) -> drafter_pb2.DrafterVersion:
         pinned=v.pinned,
         active=v.active,
         created_at=ts(v.created_at),
+        node_id=v.node_id,
+        shared=v.shared,
     )
 
 
@@ -485,6 +523,8 @@ def node_to_pb(n: d.Node) -> admin_pb2.Node:
         epoch=n.epoch,
         heartbeat_age_seconds=n.heartbeat_age_seconds,
         started_at=ts(n.started_at),
+        cordoned=n.cordoned,
+        draining=n.draining,
     )
 
 

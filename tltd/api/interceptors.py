@@ -153,6 +153,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     reports its exceptions as UNKNOWN, so the deserializer hands the error over as a value
     (`_Undecodable`) that the guard raises."""
 
+    def __init__(self, deserializers: Mapping[str, Callable] | None = None) -> None:
+        # Per method, a deserializer in place of the generated one (PushPolicy's chunks).
+        self._deserializers = dict(deserializers or {})
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
@@ -161,7 +165,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return _replace_behavior(
             handler,
             lambda behavior, streaming: _guard(method, behavior, streaming),
-            _tolerant(handler.request_deserializer),
+            _tolerant(self._deserializers.get(method, handler.request_deserializer)),
         )
 
 

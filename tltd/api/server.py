@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tltd.api.interceptors import AuthInterceptor, ErrorInterceptor
+from tltd.api.push_wire import PUSH_POLICY_METHOD, push_request_from_bytes
 from tltd.api.reflection import enable_reflection
 from tltd.api.servicers import add_servicers
 from tltd.errors import ConfigError
@@ -83,7 +84,10 @@ def host_port(host: str, port: int) -> str:
 def build_server(settings: Settings, services: Services) -> ApiServer:
     """Create and bind (not start) the server; port 0 binds a free port, reported in `.port`."""
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(), AuthInterceptor(settings.tokens)],
+        interceptors=[
+            ErrorInterceptor({PUSH_POLICY_METHOD: push_request_from_bytes}),
+            AuthInterceptor(settings.tokens),
+        ],
         options=[
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),

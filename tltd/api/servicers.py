@@ -6,6 +6,7 @@ from __future__ import annotations
 from asyncio import to_thread
 
 from tltd.api import convert as c
+from tltd.domain import TensorChunk
 from tltd.services import Services
 from tltd.v1 import (
     admin_pb2,
@@ -29,7 +30,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def Generate(self, request, context):
         req, speculative = c.rollout_from_pb(request)
-        async for sample in self.svc.generate(req, speculative):
+        async for sample in self.svc.generate(req, speculative, request.return_partial):
             yield rollout_pb2.GenerateResponse(sample=c.sample_to_pb(sample))
 
     async def GetRequest(self, request, context):
@@ -59,7 +60,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         return c.policy_to_pb(await to_thread(self.svc.get, request.job_id, version))
 
     async def PushPolicy(self, request_iterator, context):
-        parts = (c.push_part_from_pb(m) async for m in request_iterator)
+        # Chunks arrive decoded already (tltd.api.push_wire), other messages as protobufs.
+        parts = (
+            m if isinstance(m, TensorChunk) else c.push_part_from_pb(m)
+            async for m in request_iterator
+        )
         status, policy = await self.pushes.receive(parts)
         return policy_pb2.PushPolicyResponse(
             status=c.push_status_to_pb(status), policy=c.policy_to_pb(policy) if policy else None
@@ -67,12 +72,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
 
     async def OpenBroadcast(self, request, context):
         header = c.push_header_from_pb(request.header)
-        address, port, prefix = await to_thread(
+        opened = await to_thread(
             self.broadcasts.open, header, request.backend, request.timeout_seconds
         )
-        return policy_pb2.BroadcastGroup(
-            address=address, port=port, world_size=2, rank=0, prefix=prefix, backend="gloo"
-        )
+        return c.broadcast_group_to_pb(opened)
 
     async def GetPush(self, request, context):
         status = await to_thread(self.pushes.status, request.job_id, request.update_id)
@@ -138,14 +141,25 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.ListWorkersResponse(workers=[c.worker_to_pb(w) for w in workers])
 
     async def Cordon(self, request, context):
+        if request.node_id and not request.device_id:
+            devices = await to_thread(self.svc.cordon_node, request.node_id, request.reason)
+            return c.device_to_pb(devices[0]) if devices else admin_pb2.Device()
         return c.device_to_pb(await to_thread(self.svc.cordon, request.device_id, request.reason))
 
     async def Uncordon(self, request, context):
+        if request.node_id and not request.device_id:
+            devices = await to_thread(self.svc.uncordon_node, request.node_id)
+            return c.device_to_pb(devices[0]) if devices else admin_pb2.Device()
         return c.device_to_pb(await to_thread(self.svc.uncordon, request.device_id))
 
     async def Drain(self, request, context):
         devices = await to_thread(
-            self.svc.drain, request.device_id, request.node, "", request.grace_seconds
+            self.svc.drain,
+            request.device_id,
+            request.node,
+            "",
+            request.grace_seconds,
+            request.node_id,
         )
         return admin_pb2.DrainResponse(devices=[c.device_to_pb(d) for d in devices])
 

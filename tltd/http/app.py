@@ -13,12 +13,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tltd.errors import TltError
 from tltd.http import openai_api, sglang_api
 from tltd.http.auth import BearerAuth
-from tltd.http.errors import Renames, error_body, internal_error_body
+from tltd.http.errors import Renames, failure_body
 from tltd.services import Services
-from tltd.store.database import database_error
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +60,16 @@ async def _guarded(auth, name, renames, services, handler, request: Request) -> 
         auth.check(name, request.headers.get("authorization"))
         return await handler(services, request)
     except Exception as raised:
-        # A database outage or lock is the caller's to retry (503), not a daemon bug.
-        exc = raised if isinstance(raised, TltError) else database_error(raised)
-        if exc is None:
-            log.exception("unexpected error in HTTP %s", name)
-            status, body = internal_error_body()
-            return JSONResponse(body, status_code=status)
-        status, body = error_body(exc, renames)
-        log.info(
-            "http request failed",
-            extra={"route": name, "code": exc.code.name, "error": body["error"]["message"]},
-        )
+        status, body = failure_body(raised, renames, f"HTTP {name}")
+        if status != 500:
+            log.info(
+                "http request failed",
+                extra={
+                    "route": name,
+                    "code": body["error"]["code"].upper(),
+                    "error": body["error"]["message"],
+                },
+            )
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
         return JSONResponse(body, status_code=status, headers=headers)
 

@@ -3,6 +3,7 @@ in OpenAI's error JSON, naming the field as the HTTP caller spelled it."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 
@@ -10,6 +11,9 @@ import grpc
 from pydantic import ValidationError
 
 from tltd.errors import InvalidArgument, TltError
+from tltd.store.database import database_error
+
+log = logging.getLogger(__name__)
 
 # The status an HTTP caller sees for each gRPC code (google.rpc's own HTTP mapping, except
 # FAILED_PRECONDITION: a cancelled job or a finished request is a conflict with the
@@ -64,6 +68,17 @@ def error_body(exc: TltError, renames: Renames = ()) -> tuple[int, dict]:
             "code": exc.code.name.lower(),
         }
     }
+
+
+def failure_body(raised: BaseException, renames: Renames, where: str) -> tuple[int, dict]:
+    """(HTTP status, body) for whatever a handler or a stream raised: a typed error as it
+    maps; a database that is down or locked as the caller's to retry (503), not a daemon bug;
+    anything else 500, its traceback logged (`where` says in what)."""
+    exc = raised if isinstance(raised, TltError) else database_error(raised)
+    if exc is None:
+        log.error("unexpected error in %s", where, exc_info=raised)
+        return internal_error_body()
+    return error_body(exc, renames)
 
 
 def internal_error_body() -> tuple[int, dict]:

@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tltd.domain import FinishReason, Job, JobStatus, RolloutRequest, Sample, SamplingParams
-from tltd.errors import InvalidArgument, TltError
+from tltd.errors import InvalidArgument
 from tltd.http import door
-from tltd.http.errors import error_body, internal_error_body
+from tltd.http.errors import failure_body
 from tltd.http.vocab import Vocab, vocab_for
 from tltd.services import Services
 
@@ -240,11 +240,8 @@ async def _events(body, req, samples, vocab, head):
             yield door.sse(
                 {"id": req.request_id, **head, "choices": [], "usage": _usage(req, done)}
             )
-    except TltError as exc:
-        yield door.sse(error_body(exc, RENAMES)[1])
-    except Exception:  # noqa: BLE001 - the stream must end with an error, not silently
-        log.exception("unexpected error in a completions stream")
-        yield door.sse(internal_error_body()[1])
+    except Exception as raised:  # noqa: BLE001 - the stream must end with an error, not silently
+        yield door.sse(failure_body(raised, RENAMES, "a completions stream")[1])
     yield door.sse("[DONE]")
 
 

@@ -12,9 +12,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tltd.domain import FinishReason, Job, RolloutRequest, Sample, SamplingParams
-from tltd.errors import InvalidArgument, TltError, Unavailable
+from tltd.errors import InvalidArgument, Unavailable
 from tltd.http import door
-from tltd.http.errors import error_body, from_validation, internal_error_body
+from tltd.http.errors import failure_body, from_validation
 from tltd.http.vocab import Vocab, vocab_for
 from tltd.services import Services
 
@@ -249,11 +249,8 @@ async def _events(body, params, req, samples, vocab):
     try:
         async for s in samples:
             yield door.sse(output(body, params, req, s, vocab))
-    except TltError as exc:
-        yield door.sse(error_body(exc, RENAMES)[1])
-    except Exception:  # noqa: BLE001 - the stream must end with an error, not silently
-        log.exception("unexpected error in a /generate stream")
-        yield door.sse(internal_error_body()[1])
+    except Exception as raised:  # noqa: BLE001 - the stream must end with an error, not silently
+        yield door.sse(failure_body(raised, RENAMES, "a /generate stream")[1])
     yield door.sse("[DONE]")
 
 

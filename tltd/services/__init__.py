@@ -61,7 +61,7 @@ def build_services(
         rollouts=RolloutService(store, settings, node, supervisor),
         policy=policy,
         pushes=pushes,
-        broadcasts=BroadcastService(pushes, settings),
+        broadcasts=BroadcastService(pushes, settings, supervisor),
         drafters=DrafterService(store),
         admin=AdminService(store, node, settings.node_down_seconds),
         node=node,

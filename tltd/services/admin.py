@@ -47,8 +47,23 @@ class AdminService:
             device_id, cordoned=False, draining=False, reason="uncordoned by operator"
         )
 
+    def cordon_node(self, node_id: str, reason: str = "") -> list[Device]:
+        """Cordon every device of a node (this one or another of the database)."""
+        check_id(node_id, "node_id")
+        check_text(reason, "reason", MAX_REASON)
+        return self.store.set_node_cordon(node_id, True, reason or "node cordoned by operator")
+
+    def uncordon_node(self, node_id: str) -> list[Device]:
+        check_id(node_id, "node_id")
+        return self.store.set_node_cordon(node_id, False, "node uncordoned by operator")
+
     def drain(
-        self, device_id: str = "", node: bool = False, reason: str = "", grace_seconds: float = 0
+        self,
+        device_id: str = "",
+        node: bool = False,
+        reason: str = "",
+        grace_seconds: float = 0,
+        node_id: str = "",
     ) -> list[Device]:
         """Mark one device, or with node=True every device and the daemon, as draining.
 
@@ -56,15 +71,22 @@ class AdminService:
 
         A draining node refuses new rollouts (UNAVAILABLE) so trainers go elsewhere; work in
         flight finishes within `grace_seconds` (0: the daemon's drain_grace_seconds), then
-        comes back partial.
+        comes back partial (or, with other nodes up, is handed over to them). `node_id` names
+        another node of the database: the request goes through the store, and that node
+        starts draining at the notification or its next heartbeat.
         """
         check_text(reason, "reason", MAX_REASON)
+        if node_id and not node:
+            raise InvalidArgument("applies to a node drain (node=true) only", field="node_id")
         if node:
             if device_id:
                 raise InvalidArgument(
                     "give either device_id or node=true, not both", field="device_id"
                 )
             reason = reason or "node drained by operator"
+            if node_id and node_id != self.store.node_id:
+                check_id(node_id, "node_id")
+                return self.store.request_node_drain(node_id, reason, grace_seconds)
             self.node.start_draining(reason, grace_seconds or None)
             return [
                 self.store.set_device_flags(d.device_id, draining=True, reason=reason)

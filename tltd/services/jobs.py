@@ -17,6 +17,7 @@ from tltd.domain import (
     FinishReason,
     Job,
     JobStatus,
+    PolicySwitch,
     RequestStatus,
     SpeculativeConfig,
     SpeculativeMode,
@@ -48,6 +49,7 @@ class NewJob:
     priority: int = 0
     weight: float = 0.0  # 0 -> 1.0
     speculative: SpeculativeConfig | None = None  # batch_threshold 0 -> settings default
+    policy_switch: PolicySwitch | None = None  # None -> FINISH_ON_START_VERSION
 
 
 def sglang_available() -> bool:
@@ -79,6 +81,13 @@ class JobService:
                 f"must be a finite number > 0 (0 = 1.0), got {new.weight}", field="weight"
             )
         backend = new.backend or Backend(self.settings.default_backend)
+        switch = new.policy_switch or PolicySwitch.FINISH_ON_START_VERSION
+        if switch is PolicySwitch.NEXT_STEP and backend is not Backend.TORCH:
+            raise InvalidArgument(
+                "NEXT_STEP (switching running samples to a new policy version) is implemented "
+                "by the torch backend only",
+                field="policy_switch",
+            )
         if backend is Backend.SGLANG and not sglang_available():
             raise FailedPrecondition(
                 "sglang backend needs a GPU host with sglang installed", field="backend"
@@ -96,6 +105,7 @@ class JobService:
             priority=new.priority,
             weight=new.weight or 1.0,
             speculative=spec,
+            policy_switch=switch,
         )
         if source is None:
             return self.store.create_job(job)
@@ -126,7 +136,14 @@ class JobService:
                 f"cannot copy {source} into the daemon's drafter storage: {exc}",
                 field=_INITIAL_DRAFTER,
             ) from exc
-        initial = DrafterVersion(job_id=job.job_id, version=1, policy_version=0, path=str(dest))
+        initial = DrafterVersion(
+            job_id=job.job_id,
+            version=1,
+            policy_version=0,
+            path=str(dest),
+            node_id=self.store.node_id,
+            shared=bool(self.settings.shared_dir),
+        )
         try:
             created, is_new = self.store.create_job(job, initial)
         except BaseException:

@@ -30,17 +30,20 @@ class PolicyService:
         records the version that produced it); workers switch once they are free of them.
 
         `source` is which arm of the request's oneof was set: "checkpoint" (a Hugging Face
-        directory with config.json and *.safetensors), "tensors" or "nccl" (not yet), None.
+        directory with config.json and *.safetensors), "tensors" or "nccl" (reserved arms:
+        PushPolicy and OpenBroadcast carry those), None.
         """
         check_id(job_id, "job_id")
         check_text(note, "note", MAX_REASON)
         if source is None:
             raise InvalidArgument("one of checkpoint, tensors or nccl is required", field="source")
         if source in ("tensors", "nccl"):
-            raise Unimplemented(
-                f"policy updates from {source} are not implemented yet; push a checkpoint "
-                "directory (UpdatePolicyRequest.checkpoint) or the tensors (PushPolicy) instead"
-            )
+            instead = {
+                "tensors": "send the tensors with PushPolicy (chunked, resumable, or a delta)",
+                "nccl": "open a broadcast with OpenBroadcast (backend gloo or nccl), then "
+                "commit it with PushPolicy",
+            }[source]
+            raise Unimplemented(f"UpdatePolicy from {source} is reserved: {instead}")
         if source != "checkpoint":
             raise InvalidArgument(f"unknown source {source!r}", field="source")
         job = self.store.get_job(job_id)

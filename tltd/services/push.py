@@ -8,7 +8,18 @@ arrived verified; a new stream with the same update id sends the rest (`status` 
 is). Only a commit with every byte in makes a version: the staged directory is checked as an
 UpdatePolicy checkpoint is, moved under the daemon's policies directory and recorded; workers
 then load it like any checkpoint. Pushes left without a stream for `push_idle_seconds` are
-dropped with their files, and a restart drops every unfinished one.
+dropped with their files.
+
+An unfinished push is recorded in the database (its header and how many bytes of each tensor
+its staging file holds, synced to disk first): at every stream's end and every
+`_CHECKPOINT_BYTES` received. A restarted daemon takes up the pushes its node recorded, so the
+same update id resumes from what the record says (what came after the last record is sent
+again); a push whose staging file is gone or whose job ended is dropped then.
+
+The weights file of a pushed version retired beyond `push_keep_versions` is kept (one per job)
+and the job's next push is staged over it (`tltd.staging`): in steady state a push writes into
+pages the page cache holds already instead of fresh ones. A file is recycled only while no
+worker holds or loads its version (the supervisor says which do).
 """
 
 from __future__ import annotations
@@ -27,7 +38,14 @@ import crc32c
 import numpy as np
 import zstandard
 
-from tltd.domain import JobStatus, PolicyVersion, PushHeader, PushStatus, TensorChunk
+from tltd.domain import (
+    JobStatus,
+    PolicyVersion,
+    PushHeader,
+    PushStatus,
+    TensorChunk,
+    TensorSpec,
+)
 from tltd.errors import (
     Aborted,
     AlreadyExists,
@@ -53,6 +71,8 @@ _MAX_DIM = 1 << 40
 # Besides weights, a version's directory holds the job model's small files (config.json, the
 # tokenizer): the workers and the checks read config.json from it.
 _MAX_SIDE_FILE = 64 << 20
+# An unfinished push's progress is synced and recorded at least this often (bytes received).
+_CHECKPOINT_BYTES = 256 << 20
 
 
 @dataclass
@@ -64,6 +84,8 @@ class _Push:
     base: HeldTensors | None
     attached: bool = False  # a stream is sending into it
     touched: float = field(default_factory=time.monotonic)
+    unrecorded: int = 0  # bytes received since its progress was last recorded
+    recording: threading.Lock = field(default_factory=threading.Lock)  # a record under way
 
     def status(self, version: int = 0) -> PushStatus:
         h = self.header
@@ -81,13 +103,19 @@ class PushService:
     def __init__(self, store: Store, settings: Settings, policy: PolicyService) -> None:
         self.store = store
         self.policy = policy
-        data = Path(settings.data_dir).resolve()  # versions record absolute paths
-        self.staging_root = data / "push-staging"
-        self.versions_root = data / "policies"
+        root = settings.pushes_root  # versions record absolute paths
+        # On a shared directory each node stages and recycles in its own folder.
+        node = (settings.resolved_node_id,) if settings.shared_dir else ()
+        self.staging_root = root.joinpath("push-staging", *node)
+        self.recycle_root = root.joinpath("push-recycle", *node)  # a retired file per job
+        self.versions_root = root / "policies"
+        # Not on a shared directory: another node's worker may be reading a retired file.
+        self.recycling = not settings.shared_dir
         self.idle_seconds = settings.push_idle_seconds
         self.keep_versions = settings.push_keep_versions
         self._lock = threading.Lock()
         self._pushes: dict[tuple[str, str], _Push] = {}
+        self._recycled: dict[str, int] = {}  # job id -> the version its recycled file was
 
     # ---- the stream -------------------------------------------------------------------------
 
@@ -126,14 +154,15 @@ class PushService:
                     raise InvalidArgument("only the first message is a header", field="header")
             if writing is not None:
                 await writing
+            await asyncio.to_thread(self.record_progress, push)
             return push.status(), None
         finally:
             if writing is not None and not writing.done():  # the stream broke meanwhile
                 writing.add_done_callback(
-                    lambda f: (f.cancelled() or f.exception(), self.detach(push))
+                    lambda f: (f.cancelled() or f.exception(), self._detach_recorded(push))
                 )
             else:
-                self.detach(push)
+                self._detach_recorded(push)
 
     def attach(self, header: PushHeader) -> _Push:
         """The push `header` starts or resumes, checked, with this stream attached."""
@@ -175,11 +204,47 @@ class PushService:
                     field="header.update_id",
                 )
             self._pushes[key] = push
+        self.store.save_push(header.job_id, header.update_id, _header_json(header), push.received)
         return push
 
     def detach(self, push: _Push) -> None:
         with self._lock:
             push.attached, push.touched = False, time.monotonic()
+
+    def _detach_recorded(self, push: _Push) -> None:
+        """Detach, and record the progress of a push still unfinished (in a thread: the
+        stream may be gone already)."""
+        self.detach(push)
+        if push.unrecorded:
+            asyncio.get_running_loop().run_in_executor(None, self.record_progress, push)
+
+    def record_progress(self, push: _Push, wait: bool = True) -> None:
+        """Sync the staging file and record what it holds (never more than is on disk: the
+        counts are read before the sync). A push committed or dropped meanwhile is left: a
+        commit or a drop holds `push.recording`, so no record lands after it forgot the push.
+        `wait=False`: skip it when another record is under way."""
+        if not push.recording.acquire(blocking=wait):
+            return
+        try:
+            h = push.header
+            received = dict(push.received)
+            push.unrecorded = 0
+            try:
+                push.staging.sync()
+            except (OSError, ValueError):
+                return  # closed: committed or dropped
+            with self._lock:
+                if self._pushes.get((h.job_id, h.update_id)) is not push:
+                    return
+            self.store.save_push(h.job_id, h.update_id, _header_json(h), received)
+        finally:
+            push.recording.release()
+
+    def _record_in_background(self, push: _Push) -> None:
+        try:
+            self.record_progress(push, wait=False)
+        except Exception:  # noqa: BLE001 - a thread of its own; the next record tries again
+            log.exception("cannot record a push's progress", extra={"job_id": push.header.job_id})
 
     def apply(self, push: _Push, chunk: TensorChunk) -> None:
         """Check one chunk and write its bytes in place; InvalidArgument naming the field of
@@ -213,6 +278,13 @@ class PushService:
         push.staging.write(chunk.name, chunk.offset, data)
         push.received[chunk.name] = max(have, chunk.offset + chunk.length)
         push.touched = time.monotonic()
+        push.unrecorded += chunk.length
+        if push.unrecorded >= _CHECKPOINT_BYTES and not push.recording.locked():
+            # Synced and recorded beside the stream: the chunks keep coming while the disk
+            # writes back (a sync of fresh blocks takes about as long as their transfer).
+            threading.Thread(
+                target=self._record_in_background, args=(push,), name="push-record", daemon=True
+            ).start()
 
     def store_tensor(self, push: _Push, name: str, data) -> None:
         """A whole tensor that arrived by another transport than chunks (a broadcast)."""
@@ -234,6 +306,11 @@ class PushService:
                 "send their remaining chunks (GetPush says which bytes the daemon holds)",
                 field="commit",
             )
+        with push.recording:  # a progress record under way lands first; none after
+            return self._commit(push)
+
+    def _commit(self, push: _Push) -> PolicyVersion:
+        h = push.header
         key = (h.job_id, h.update_id)
         staged, final = push.staging.path.parent, self.versions_root / h.job_id / h.update_id
         try:
@@ -252,9 +329,11 @@ class PushService:
             with self._lock:
                 self._pushes.pop(key, None)
             push.drop()
+            self._forget(h)
             raise
         with self._lock:
             self._pushes.pop(key, None)
+        self._forget(h)
         if push.base is not None:
             push.base.close()
         self._retire_old_versions(h.job_id, version.version)
@@ -291,14 +370,66 @@ class PushService:
             ]
             dropped = [self._pushes.pop(k) for k in stale]
         for p in dropped:
-            p.drop()
+            with p.recording:  # no progress record lands after the push is forgotten
+                p.drop()
+                self._forget(p.header)
             log.info("abandoned push dropped", extra={"job_id": p.header.job_id})
         return [p.header.update_id for p in dropped]
 
     def clean_start(self) -> None:
-        """At start: pushes of a previous run cannot be resumed (their progress was in its
-        memory), so their staging files go."""
-        shutil.rmtree(self.staging_root, ignore_errors=True)
+        """At start: take up the unfinished pushes this node recorded, each resumable from
+        what its record says; staging files without a record go (and the retired files kept
+        for reuse)."""
+        shutil.rmtree(self.recycle_root, ignore_errors=True)
+        kept: set[Path] = set()
+        for job_id, update_id, header, received in self.store.list_pushes():
+            try:
+                push = self._restore(job_id, update_id, header, received)
+            except Exception as exc:  # its file, its job or its base is gone: drop it
+                log.info(
+                    "unfinished push dropped at start",
+                    extra={"job_id": job_id, "update_id": update_id, "reason": str(exc)},
+                )
+                shutil.rmtree(self.staging_root / job_id / update_id, ignore_errors=True)
+                self.store.delete_push(job_id, update_id)
+                continue
+            with self._lock:
+                self._pushes[job_id, update_id] = push
+            kept.add(push.staging.path.parent)
+        for job_dir in self.staging_root.iterdir() if self.staging_root.is_dir() else ():
+            for d in job_dir.iterdir() if job_dir.is_dir() else (job_dir,):
+                if d not in kept:
+                    shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink()
+
+    def _restore(self, job_id: str, update_id: str, header: dict, received: dict) -> _Push:
+        h = PushHeader(
+            job_id,
+            update_id,
+            tuple(TensorSpec(n, dt, tuple(shape)) for n, dt, shape in header["tensors"]),
+            header.get("note", ""),
+            header.get("base_version"),
+        )
+        job = self.store.get_job(job_id)
+        if job.status is not JobStatus.ACTIVE:
+            raise FailedPrecondition(f"job {job_id} is {job.status.value}")
+        path = self.staging_root / job_id / update_id / WEIGHTS_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is gone")
+        sizes = {t.name: tensor_bytes(t) for t in h.tensors}
+        if path.stat().st_size < sum(sizes.values()):
+            raise ValueError(f"{path} is shorter than the push")
+        base = self._base(h) if h.base_version is not None else None
+        staging = StagedTensors(path, h.tensors, reuse=True)
+        have = {n: min(int(received.get(n, 0)), sizes[n]) for n in sizes}
+        log.info("unfinished push taken up", extra={"job_id": job_id, "update_id": update_id})
+        return _Push(h, staging, sizes, have, base)
+
+    def _forget(self, h: PushHeader) -> None:
+        """The push's record goes (committed, or dropped with its files)."""
+        try:
+            self.store.delete_push(h.job_id, h.update_id)
+        except Exception:  # the row is dropped at the next start when its file is gone
+            log.warning("push record not deleted", extra={"job_id": h.job_id}, exc_info=True)
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -341,6 +472,9 @@ class PushService:
         shutil.rmtree(path.parent, ignore_errors=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         need = sum(tensor_bytes(t) for t in h.tensors)
+        reuse = self._take_recycled(h.job_id, path)
+        if reuse:
+            need -= path.stat().st_size
         free = shutil.disk_usage(path.parent).free
         if need > free:
             shutil.rmtree(path.parent, ignore_errors=True)
@@ -349,7 +483,7 @@ class PushService:
                 field="header.tensors",
             )
         base = self._base(h) if h.base_version is not None else None
-        staging = StagedTensors(path, h.tensors)
+        staging = StagedTensors(path, h.tensors, reuse=reuse)
         sizes = {t.name: tensor_bytes(t) for t in h.tensors}
         return _Push(h, staging, sizes, dict.fromkeys(sizes, 0), base, attached=True)
 
@@ -408,6 +542,7 @@ class PushService:
             return []
         with self._lock:
             bases = {p.header.base_version for (j, _), p in self._pushes.items() if j == job_id}
+        in_use = self.in_use(job_id)
         retired = []
         for v in self.store.list_policy_versions(job_id):
             path = Path(v.path)
@@ -418,11 +553,48 @@ class PushService:
                 and path.parent.parent == self.versions_root
                 and path.is_dir()
             ):
+                if self.recycling and v.version not in in_use:
+                    self._recycle(job_id, v.version, path / WEIGHTS_FILE)
                 shutil.rmtree(path, ignore_errors=True)
                 retired.append(v.version)
         if retired:
             log.info("pushed weights retired", extra={"job_id": job_id, "versions": retired})
         return retired
+
+    def in_use(self, job_id: str) -> set[int]:
+        """The job's policy versions a worker holds or is loading (their files are not
+        recycled: a load may be reading one)."""
+        supervisor = self.policy.supervisor
+        return supervisor.policy_versions_in_use(job_id) if supervisor is not None else set()
+
+    def _recycle(self, job_id: str, version: int, weights: Path) -> None:
+        """Keep a retired version's weights file for the job's next push (the newest one)."""
+        if not weights.is_file():
+            return
+        self.recycle_root.mkdir(parents=True, exist_ok=True)
+        try:
+            weights.replace(self.recycle_root / f"{job_id}.safetensors")
+        except OSError:
+            return  # another file system, or gone: the push writes a fresh file then
+        with self._lock:
+            self._recycled[job_id] = version
+
+    def _take_recycled(self, job_id: str, path: Path) -> bool:
+        """Move the job's recycled weights file to `path`; False when there is none, or when
+        a worker holds or loads the version it was: a load sent just before the file was
+        retired may still be reading it, and the push would write into its pages (a worker
+        that starts a load later finds no file at the version's path and fails cleanly)."""
+        with self._lock:
+            version = self._recycled.get(job_id)
+        if version is not None and version in self.in_use(job_id):
+            return False
+        try:
+            (self.recycle_root / f"{job_id}.safetensors").replace(path)
+        except OSError:
+            return False
+        with self._lock:
+            self._recycled.pop(job_id, None)
+        return True
 
     def _recorded(self, job_id: str, update_id: str) -> PolicyVersion | None:
         """The version a committed push became (its directory is named after the update id)."""
@@ -432,6 +604,14 @@ class PushService:
         except NotFound:
             return None
         return next((v for v in versions if v.source == "push" and v.path == path), None)
+
+
+def _header_json(h: PushHeader) -> dict:
+    return {
+        "tensors": [[t.name, t.dtype, list(t.shape)] for t in h.tensors],
+        "note": h.note,
+        "base_version": h.base_version,
+    }
 
 
 def _copy_side_files(model_dir: Path, dest: Path) -> None:

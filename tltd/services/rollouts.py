@@ -96,7 +96,10 @@ class RolloutService:
         )
 
     async def generate(
-        self, req: RolloutRequest, speculative: SpeculativeMode | None = None
+        self,
+        req: RolloutRequest,
+        speculative: SpeculativeMode | None = None,
+        return_partial: bool = False,
     ) -> AsyncIterator[Sample]:
         """Stream every sample of the request as it is stored, whichever node runs it.
 
@@ -106,10 +109,13 @@ class RolloutService:
         they are stored, each once, and nothing runs twice. Samples stored on this node
         arrive at once; those stored elsewhere are read from the store every
         `stream_poll_seconds`. A partial sample is sent once the request has ended (until
-        then it may still be run again). A request runs on the job's policy version current
-        at its acceptance. The stream ends once the request has ended and none of its units
-        is open; a request that ends FAILED ends the stream with UNAVAILABLE naming the
-        reason, after its partial samples.
+        then it may still be run again); with `return_partial` it is sent once stored (a
+        drained node's tokens so far), and the complete sample that replaces it follows.
+        A request runs on the job's policy version current at its acceptance. The stream
+        ends once the request has ended and none of its units is open; a request that ends
+        FAILED ends the stream with UNAVAILABLE naming the reason, after its partial samples.
+        A node that handed its work to the other nodes (a drain) ends its streams with
+        UNAVAILABLE after what they had: the caller re-attaches on another node.
         """
         # The store is synchronous: keep its I/O off the event loop.
         req = await asyncio.to_thread(self.prepare, req, speculative)
@@ -126,7 +132,7 @@ class RolloutService:
             # Admission runs to its end even when the caller goes away (deadline, disconnect):
             # a request once stored is always claimable.
             await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
-            seen: set[tuple[int, int]] = set()
+            sent = _Sent(return_partial)
             cursor, poll = 0, self.settings.stream_poll_seconds
             while True:
                 cur, open_units, samples, cursor = await asyncio.to_thread(
@@ -136,13 +142,16 @@ class RolloutService:
                 if ended:  # everything final now, also partial samples read before
                     samples = await asyncio.to_thread(self.store.list_samples, rid)
                 for sample in samples:
-                    key = (sample.prompt_index, sample.sample_index)
-                    if key not in seen and (ended or not sample.partial):
-                        seen.add(key)
+                    if sent.admit(sample, ended):
                         yield sample
                 if ended:
                     _end(rid, cur.status, cur.status_reason)
                     return
+                if sup.handed_over:  # this node is going away; its work goes on elsewhere
+                    raise Unavailable(
+                        f"node {self.store.node_id} is drained and handed its work to the "
+                        f"other nodes: retry request {rid} there (it re-attaches)"
+                    )
                 # Samples stored here arrive at once; a request's end too; the rest is polled.
                 deadline = asyncio.get_running_loop().time() + poll
                 while True:
@@ -153,9 +162,7 @@ class RolloutService:
                         break
                     if event.sample is None:
                         break
-                    key = (event.sample.prompt_index, event.sample.sample_index)
-                    if key not in seen and not event.sample.partial:
-                        seen.add(key)
+                    if sent.admit(event.sample, False):
                         yield event.sample
         finally:
             sup.unsubscribe(rid, events)
@@ -259,6 +266,33 @@ def _flags(d: Device) -> str:
         ("unavailable", d.state is DeviceState.UNAVAILABLE),
     )
     return "+".join(name for name, flag in on if flag)
+
+
+class _Sent:
+    """What one Generate stream has sent, by (prompt index, sample index): each sample once,
+    the final one; with `return_partial`, a partial one before it as well (once)."""
+
+    def __init__(self, return_partial: bool) -> None:
+        self.return_partial = return_partial
+        self._partial: set[tuple[int, int]] = set()
+        self._final: set[tuple[int, int]] = set()
+
+    def admit(self, sample: Sample, ended: bool) -> bool:
+        """True when `sample` is to be sent now (and records it). Before the request ends a
+        stored partial sample may still be replaced by its complete one: it is final only
+        once the request has ended."""
+        key = (sample.prompt_index, sample.sample_index)
+        if key in self._final:
+            return False
+        if not sample.partial or ended:
+            if sample.partial and key in self._partial:
+                return False  # the partial one sent before turned out final
+            self._final.add(key)
+            return True
+        if self.return_partial and key not in self._partial:
+            self._partial.add(key)
+            return True
+        return False
 
 
 def _end(request_id: str, status: RequestStatus | None, reason: str) -> None:

@@ -15,6 +15,7 @@ from tltd.domain import (
     Job,
     JobStatus,
     LogprobMode,
+    PolicySwitch,
     PolicyVersion,
     RequestStatus,
     RolloutRequest,
@@ -55,6 +56,7 @@ def job_to_row(job: Job, row: JobRow | None = None) -> JobRow:
     row.spec_drafter = spec.drafter
     row.spec_online_training = spec.online_training
     row.spec_initial_drafter_path = spec.initial_drafter_path
+    row.policy_switch = str(job.policy_switch)
     row.status = str(job.status)
     row.status_reason = job.status_reason
     row.policy_version = job.policy_version
@@ -83,6 +85,7 @@ def job_from_row(row: JobRow, drafter_version: int = 0) -> Job:
         drafter_version=drafter_version,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        policy_switch=PolicySwitch(row.policy_switch),
     )
 
 
@@ -177,6 +180,7 @@ def sample_to_row(s: Sample) -> SampleRow:
         spec_bonus_tokens=spec.bonus_tokens,
         spec_residual_tokens=spec.residual_tokens,
         provenance=provenance_to_json(s.provenance),
+        policy_spans=[list(x) for x in s.policy_spans] or None,
         partial=s.partial,
         error=s.error,
     )
@@ -204,6 +208,7 @@ def sample_from_row(row: SampleRow) -> Sample:
         partial=row.partial,
         error=row.error,
         provenance=provenance_from_json(row.provenance),
+        policy_spans=tuple((int(i), int(v)) for i, v in row.policy_spans or ()),
     )
 
 
@@ -234,6 +239,8 @@ def drafter_to_row(dv: DrafterVersion, version: int) -> DrafterVersionRow:
         acceptance_length=dv.acceptance_length,
         status=str(dv.status),
         pinned=False,  # pinning goes through Store.pin_drafter only
+        node_id=dv.node_id,
+        shared=dv.shared,
     )
 
 
@@ -250,6 +257,8 @@ def drafter_from_row(row: DrafterVersionRow, active_version: int) -> DrafterVers
         pinned=row.pinned,
         active=row.version == active_version,
         created_at=row.created_at,
+        node_id=row.node_id,
+        shared=row.shared,
     )
 
 

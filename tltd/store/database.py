@@ -63,13 +63,23 @@ def normalize_url(url: str | URL) -> URL:
     return u
 
 
+# Longer than any transaction the daemon holds open, far shorter than a frozen node's pause.
+PG_IDLE_IN_TRANSACTION_MS = 10_000
+
+
 def make_engine(url: str | URL, **kwargs: Any) -> Engine:
     """Create an engine; SQLite connections get WAL, foreign keys and a busy timeout."""
     u = normalize_url(url)
     if u.get_backend_name() == "sqlite":
         return _sqlite_engine(u, **kwargs)
     if u.get_backend_name() == "postgresql":
-        return create_engine(u, pool_pre_ping=True, **kwargs)
+        # A node frozen mid-transaction (SIGSTOP, a paused VM) would hold its row locks, and
+        # every other node's writes to those rows, for as long as it stays frozen: the server
+        # ends such a session instead (the frozen node's late writes then fail and retry,
+        # fenced like any other).
+        options = f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_MS}"
+        args = {"options": options} | kwargs.pop("connect_args", {})
+        return create_engine(u, pool_pre_ping=True, connect_args=args, **kwargs)
     raise ValueError(f"unsupported database URL {u.render_as_string(hide_password=True)!r}")
 
 

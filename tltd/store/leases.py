@@ -8,11 +8,11 @@ statements run: SKIP LOCKED is not rendered there, and SQLite serializes writers
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from tltd.domain import ENDED_STATUSES, FinishReason, RequestStatus, RolloutRequest, Sample
@@ -26,6 +26,8 @@ from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 UnitKey = tuple[str, int]  # (request_id, prompt_index)
 
 QUEUED, LEASED, DONE, FAILED = "queued", "leased", "done", "failed"
+
+_RENEW_CHUNK = 500  # units per renewal statement (bound parameters stay well under limits)
 
 
 @dataclass(frozen=True, order=True)
@@ -107,18 +109,30 @@ class WorkLeases:
             rows = s.execute(stmt).all()
         return sorted(Claim(r[0], int(r[1]), int(r[2])) for r in rows)
 
-    def renew_leases(self, lease_seconds: float) -> set[UnitKey]:
-        """Extend every lease this node still holds; returns the units renewed (one this node
-        believes it runs and that is not among them is lost: stop running it)."""
+    def renew_leases(self, units: Collection[UnitKey], lease_seconds: float) -> set[UnitKey]:
+        """Extend the leases of `units` (those this node runs) that it still holds; returns
+        the units renewed (one of `units` not among them is lost: stop running it).
+
+        Only the units named are renewed: a unit leased to this node that it does not run (a
+        claim whose answer was lost, or whose request could not be read, while the database
+        was unreachable) must not be kept alive forever; its lease lapses and it is claimed
+        again."""
         wu = WorkUnitRow
+        keys = sorted(set(units))
+        renewed: set[UnitKey] = set()
+        if not keys:
+            return renewed
         with self._tx() as s:
-            rows = s.execute(
-                update(wu)
-                .where(self._held(s))
-                .values(lease_expires_at=db_now(self.dialect, lease_seconds))
-                .returning(wu.request_id, wu.prompt_index)
-            ).all()
-        return {(r[0], int(r[1])) for r in rows}
+            for i in range(0, len(keys), _RENEW_CHUNK):
+                rows = s.execute(
+                    update(wu)
+                    .where(tuple_(wu.request_id, wu.prompt_index).in_(keys[i : i + _RENEW_CHUNK]))
+                    .where(self._held(s))
+                    .values(lease_expires_at=db_now(self.dialect, lease_seconds))
+                    .returning(wu.request_id, wu.prompt_index)
+                ).all()
+                renewed |= {(r[0], int(r[1])) for r in rows}
+        return renewed
 
     def release_stale_leases(self) -> int:
         """Units this node holds under an older epoch (a previous process, or this one before
@@ -151,14 +165,21 @@ class WorkLeases:
             return len(rows)
 
     def release_unit(self, request_id: str, prompt_index: int) -> bool:
-        """Give a unit this node holds back to the queue (its samples stored so far stay)."""
+        """Give a unit this node holds back to the queue (its samples stored so far stay).
+        Given back, not lost: its claim does not count toward `max_sample_attempts`."""
         wu = WorkUnitRow
         with self._tx() as s:
             result = s.execute(
                 update(wu)
                 .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
                 .where(self._held(s))
-                .values(state=QUEUED, owner_node=None, lease_expires_at=None, updated_at=utcnow())
+                .values(
+                    state=QUEUED,
+                    owner_node=None,
+                    lease_expires_at=None,
+                    attempts=wu.attempts - 1,
+                    updated_at=utcnow(),
+                )
             )
             if result.rowcount:  # type: ignore[attr-defined]
                 notify(s, WORK, request_id)

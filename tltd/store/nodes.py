@@ -11,11 +11,13 @@ from sqlalchemy import case, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from tltd.domain import Node, NodeStatus
-from tltd.errors import ConfigError, Fenced
+from tltd.domain import Device, Node, NodeStatus
+from tltd.errors import ConfigError, Fenced, NotFound
+from tltd.store import convert
 from tltd.store.clock import db_now, read_db_now
+from tltd.store.notifications import NODE, notify
 from tltd.store.status import record_event
-from tltd.store.tables import DeviceRow, NodeRow, WorkerRow
+from tltd.store.tables import DeviceRow, NodeRow, WorkerRow, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,10 @@ class NodeRegistry:
                     "state": "up",
                     "heartbeat_at": stmt.excluded.heartbeat_at,
                     "started_at": stmt.excluded.started_at,
+                    # A drain asked of the previous process ends with it (a cordon stays).
+                    "drain_requested": False,
+                    "drain_reason": "",
+                    "drain_grace_seconds": 0.0,
                 },
             ).returning(NodeRow.epoch)
             epoch = int(s.execute(stmt).scalar_one())
@@ -143,6 +149,66 @@ class NodeRegistry:
             )
             record_event(s, "node", self.node_id, "up", "left", "shut down")
 
+    def request_node_drain(self, node_id: str, reason: str, grace_seconds: float) -> list[Device]:
+        """Ask node `node_id` (any node of the database) to drain: recorded on its row with
+        its devices marked draining, and announced (NODE notification); the node starts
+        draining at the notification or its next heartbeat. Returns its devices."""
+        with self._tx() as s:
+            row = self._node_row(s, node_id)
+            if not row.drain_requested:
+                record_event(s, "node", node_id, "", "drain requested", reason)
+            row.drain_requested = True
+            row.drain_reason = reason
+            row.drain_grace_seconds = grace_seconds
+            devices = self._flag_devices(s, node_id, reason, draining=True)
+            notify(s, NODE, node_id)
+            return devices
+
+    def set_node_cordon(self, node_id: str, cordoned: bool, reason: str) -> list[Device]:
+        """Cordon (or uncordon) every device of node `node_id`: it is given no new work
+        (what runs there keeps running); its scheduler reads the flags at its next tick."""
+        with self._tx() as s:
+            row = self._node_row(s, node_id)
+            if row.cordoned != cordoned:
+                new = "cordoned" if cordoned else "uncordoned"
+                record_event(s, "node", node_id, "", new, reason)
+            row.cordoned = cordoned
+            return self._flag_devices(s, node_id, reason, cordoned=cordoned)
+
+    def requested_drain(self) -> tuple[str, float] | None:
+        """(reason, grace seconds) when a drain of this node was requested through the store."""
+        with self._tx(write=False) as s:
+            row = s.get(NodeRow, self.node_id)
+            if row is None or not row.drain_requested:
+                return None
+            return row.drain_reason, row.drain_grace_seconds
+
+    @staticmethod
+    def _node_row(s: Session, node_id: str) -> NodeRow:
+        row = s.get(NodeRow, node_id, with_for_update=True)
+        if row is None:
+            raise NotFound(f"node {node_id!r} not found", field="node_id")
+        return row
+
+    @staticmethod
+    def _flag_devices(s: Session, node_id: str, reason: str, **flags: bool) -> list[Device]:
+        rows = s.scalars(
+            select(DeviceRow)
+            .where(DeviceRow.node_id == node_id)
+            .order_by(DeviceRow.kind, DeviceRow.device_index)
+        ).all()
+        now = utcnow()
+        for row in rows:
+            old = "+".join(n for n in ("cordoned", "draining") if getattr(row, n)) or "schedulable"
+            for name, value in flags.items():
+                setattr(row, name, value)
+            new = "+".join(n for n in ("cordoned", "draining") if getattr(row, n)) or "schedulable"
+            if new != old:
+                row.updated_at = now
+                record_event(s, "device", f"{node_id}/{row.device_id}", old, new, reason, at=now)
+        s.flush()
+        return [convert.device_from_row(r) for r in rows]
+
     def list_nodes(self, down_seconds: float) -> list[Node]:
         """Every node ever joined, by id; DOWN when its heartbeat is older than
         `down_seconds` by the database's clock."""
@@ -173,4 +239,6 @@ def _node(row: NodeRow, age: float, down_seconds: float) -> Node:
         heartbeat_age_seconds=max(0.0, age),
         heartbeat_at=row.heartbeat_at,
         started_at=row.started_at,
+        cordoned=row.cordoned,
+        draining=row.drain_requested,
     )

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 SAMPLE = "tltd_sample"  # payload: request id; a sample of it was stored
 REQUEST = "tltd_request"  # payload: request id; it ended (cancelled, failed)
 WORK = "tltd_work"  # payload: request id; units to claim
-CHANNELS = (SAMPLE, REQUEST, WORK)
+NODE = "tltd_node"  # payload: node id; an operator request for that node (a drain)
+CHANNELS = (SAMPLE, REQUEST, WORK, NODE)
 
 _RECONNECT_SECONDS = 1.0
 

@@ -34,6 +34,7 @@ from tltd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotF
 from tltd.settings import default_node_id
 from tltd.store import convert
 from tltd.store.database import WRITE_OPTION, make_engine
+from tltd.store.drafter_leases import DrafterLeases
 from tltd.store.leases import WorkLeases
 from tltd.store.nodes import NodeRegistry
 from tltd.store.notifications import REQUEST, SAMPLE, WORK, notify
@@ -44,6 +45,7 @@ from tltd.store.tables import (
     EventRow,
     JobRow,
     PolicyVersionRow,
+    PushRow,
     RolloutRequestRow,
     SampleRow,
     WorkerRow,
@@ -53,7 +55,15 @@ from tltd.store.tables import (
 
 log = logging.getLogger(__name__)
 
-_JOB_PARAMS = ("model_path", "name", "backend", "priority", "weight", "speculative")
+_JOB_PARAMS = (
+    "model_path",
+    "name",
+    "backend",
+    "priority",
+    "weight",
+    "speculative",
+    "policy_switch",
+)
 _REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
 _FINAL_WORKER_STATES = (WorkerState.STOPPED, WorkerState.FAILED)
 # Version columns are SQL INTEGER (signed 32-bit): no version is numbered above this.
@@ -69,7 +79,7 @@ def _flags(row: DeviceRow) -> str:
     return "+".join(names) or "schedulable"
 
 
-class Store(NodeRegistry, WorkLeases):
+class Store(NodeRegistry, WorkLeases, DrafterLeases):
     """All persistent state of the daemon; tables come from `tltd.store.migrate.upgrade`.
 
     `node_id` names the node whose devices and workers this store reads and writes (default:
@@ -211,6 +221,8 @@ class Store(NodeRegistry, WorkLeases):
                     loss=initial_drafter.loss,
                     acceptance_length=initial_drafter.acceptance_length,
                     status=DrafterStatus.PROMOTED,
+                    node_id=initial_drafter.node_id,
+                    shared=initial_drafter.shared,
                 )
                 drafter = convert.drafter_to_row(dv, 1)
                 drafter.created_at = drafter.updated_at = now
@@ -280,6 +292,35 @@ class Store(NodeRegistry, WorkLeases):
             job.policy_version, job.updated_at = pv.version, now
             s.flush()
             return convert.policy_version_from_row(pv)
+
+    # ---- unfinished pushes of this node ------------------------------------------------
+
+    def save_push(
+        self, job_id: str, update_id: str, header: dict[str, Any], received: dict[str, int]
+    ) -> None:
+        """Record (or update) what this node's staging file of a push holds."""
+        with self._tx() as s:
+            row = s.get(PushRow, (self.node_id, job_id, update_id))
+            if row is None:
+                row = PushRow(node_id=self.node_id, job_id=job_id, update_id=update_id)
+                s.add(row)
+            row.header, row.received, row.updated_at = header, dict(received), utcnow()
+
+    def list_pushes(self) -> list[tuple[str, str, dict[str, Any], dict[str, int]]]:
+        """This node's unfinished pushes: (job id, update id, header, received)."""
+        with self._tx(write=False) as s:
+            rows = s.scalars(select(PushRow).where(PushRow.node_id == self.node_id)).all()
+            return [(r.job_id, r.update_id, r.header, dict(r.received)) for r in rows]
+
+    def delete_push(self, job_id: str, update_id: str) -> None:
+        with self._tx() as s:
+            s.execute(
+                delete(PushRow).where(
+                    PushRow.node_id == self.node_id,
+                    PushRow.job_id == job_id,
+                    PushRow.update_id == update_id,
+                )
+            )
 
     def get_policy_version(self, job_id: str, version: int | None = None) -> PolicyVersion:
         """A policy version of the job; None = the current one."""
@@ -442,10 +483,15 @@ class Store(NodeRegistry, WorkLeases):
                 row = convert.sample_to_row(sample)
                 row.created_at = now
                 if existing is not None:
-                    row.id = existing.id
-                    s.merge(row)
-                else:
-                    s.add(row)
+                    # A new, larger row id: a stream reads its request's samples past the
+                    # last row id it saw, and must see the complete sample that replaced a
+                    # partial one (the request row's lock keeps one request's ids in commit
+                    # order; SQLite would give the id freed by the delete again).
+                    if self.dialect == "sqlite":
+                        row.id = int(s.scalar(select(func.max(SampleRow.id))) or 0) + 1
+                    s.delete(existing)
+                    s.flush()
+                s.add(row)
                 if not sample.partial:
                     req.samples_done += 1
                 req.updated_at = now
@@ -531,15 +577,17 @@ class Store(NodeRegistry, WorkLeases):
             return convert.drafter_from_row(row, self._active_versions(s, [job_id])[job_id])
 
     def reject_candidate_drafters(self, reason: str) -> list[DrafterVersion]:
-        """Reject every drafter version still a candidate: at start-up one is a leftover of an
-        evaluation a crash interrupted (recorded, never judged). Rejected, GC collects it.
-        Returns the versions rejected."""
+        """Reject every drafter version this node wrote that is still a candidate: at
+        start-up one is a leftover of an evaluation a crash interrupted (recorded, never
+        judged). Rejected, GC collects it. On PostgreSQL only this node's (and those with no
+        node): another node's candidate may be under evaluation there now. Returns the
+        versions rejected."""
+        dv = DrafterVersionRow
+        query = select(dv.job_id, dv.version).where(dv.status == DrafterStatus.CANDIDATE.value)
+        if self.dialect == "postgresql":
+            query = query.where(dv.node_id.in_((self.node_id, "")))
         with self._tx(write=False) as s:
-            keys = s.execute(
-                select(DrafterVersionRow.job_id, DrafterVersionRow.version).where(
-                    DrafterVersionRow.status == DrafterStatus.CANDIDATE.value
-                )
-            ).all()
+            keys = s.execute(query).all()
         rejected = []
         for job_id, version in keys:
             try:

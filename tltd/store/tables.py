@@ -89,6 +89,7 @@ class JobRow(Base):
     spec_drafter: Mapped[str] = mapped_column(STATUS)
     spec_online_training: Mapped[bool] = mapped_column(Boolean)
     spec_initial_drafter_path: Mapped[str] = mapped_column(Text, default="")
+    policy_switch: Mapped[str] = mapped_column(STATUS, default="finish_on_start_version")
     status: Mapped[str] = mapped_column(STATUS, index=True)
     status_reason: Mapped[str] = mapped_column(Text, default="")
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
@@ -162,6 +163,8 @@ class SampleRow(Base):
     spec_residual_tokens: Mapped[int] = mapped_column(Integer, default=0)
     # Per-token [source, drafter, draft_length] when the request asked for it, else NULL.
     provenance: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    # [[first token index, policy version], ...] when more than one version produced it.
+    policy_spans: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     partial: Mapped[bool] = mapped_column(Boolean, default=False)
     error: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
@@ -182,7 +185,46 @@ class DrafterVersionRow(Base):
     status: Mapped[str] = mapped_column(STATUS)
     status_reason: Mapped[str] = mapped_column(Text, default="")
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The node that wrote the checkpoint, and whether `path` is on storage every node reads
+    # (`shared_dir`); otherwise only that node can load it.
+    node_id: Mapped[str] = mapped_column(ID, default="")
+    shared: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class DrafterLeaseRow(Base):
+    """Who trains a job's drafter: one node at a time, under a lease read against the
+    database's clock. `lease_epoch` grows with every acquisition (not with a renewal): the
+    fencing token a publish carries. `cursor` is the last sample id training has consumed,
+    whichever node produced the samples."""
+
+    __tablename__ = "drafter_leases"
+
+    job_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("jobs.job_id", ondelete="CASCADE"), primary_key=True
+    )
+    owner_node: Mapped[str] = mapped_column(ID, default="")
+    owner_epoch: Mapped[int] = mapped_column(BigInteger, default=0)  # the node's epoch
+    lease_epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    cursor: Mapped[int] = mapped_column(BigInteger, default=0)
+    published_version: Mapped[int] = mapped_column(Integer, default=0)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class PushRow(Base):
+    """An unfinished policy push staged on a node: what its staging file holds, so that the
+    same update id resumes after a daemon restart (tltd.services.push)."""
+
+    __tablename__ = "pushes"
+    node_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    job_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("jobs.job_id", ondelete="CASCADE"), primary_key=True
+    )
+    update_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    header: Mapped[dict[str, Any]] = mapped_column(JSON)  # tensors, note, base_version
+    received: Mapped[dict[str, Any]] = mapped_column(JSON)  # tensor name -> bytes on disk
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
@@ -200,6 +242,12 @@ class NodeRow(Base):
     epoch: Mapped[int] = mapped_column(BigInteger)
     heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
     started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # Set by an operator through any node (`tltctl cordon|drain --node ID`); the node reads
+    # them at its heartbeat (or at once, on a notification). A start clears them.
+    cordoned: Mapped[bool] = mapped_column(Boolean, default=False)
+    drain_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    drain_reason: Mapped[str] = mapped_column(Text, default="")
+    drain_grace_seconds: Mapped[float] = mapped_column(Float, default=0.0)
 
 
 class WorkUnitRow(Base):

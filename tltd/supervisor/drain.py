@@ -1,5 +1,5 @@
-"""A node drain: finish what fits in the grace, then hand the rest to the other nodes, or,
-alone, return what runs and fail the rest."""
+"""A node drain: finish what fits in the grace, then hand the rest to the other nodes (what
+runs comes back as partial samples first), or, alone, return what runs and fail the rest."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ class NodeDrain:
         self.workers = workers
         self.started = False  # no new request is taken, no worker started
         self.assigning = True  # work is still handed out (until the grace ends)
+        # Units go to the other nodes: a partial sample a worker returns now is the tokens so
+        # far of a sample another node runs again, not the end of it.
+        self.handing_over = False
+        self.handed_over = False  # streams here end: their callers re-attach elsewhere
         self.why = ""
         self._task: asyncio.Future | None = None
         self._work_end = self._end = 0.0  # monotonic deadlines
@@ -64,9 +68,7 @@ class NodeDrain:
         if not len(self.queue):
             return
         if self.leases is not None and await asyncio.to_thread(self.leases.others_up):
-            # Other nodes finish it: nothing fails (the partial tokens are not kept).
-            units = self.leases.hand_over()
-            log.info("drain: units handed to the other nodes", extra={"units": units})
+            await self._hand_over(self.leases)
             return
         reason = f"drained: {self.why}"
         log.info("draining workers", extra={"requests": len(self.queue)})
@@ -85,3 +87,22 @@ class NodeDrain:
         writes_end = max(self._end, time.monotonic() + 1.0)
         while len(self.queue) and time.monotonic() < writes_end:
             await asyncio.sleep(0.05)
+
+    async def _hand_over(self, leases: UnitLeases) -> None:
+        """Other nodes finish the work, nothing fails. The workers first return what runs as
+        partial samples (ABORTED, the tokens so far), stored while this node still holds the
+        units: streams that asked for partial samples get them, on any node. Then every unit
+        goes back to the queue; another node runs its missing samples again from the stored
+        seed, and each complete sample replaces its partial one."""
+        self.handing_over = True
+        busy = self.workers.ask_to_drain()
+        log.info(
+            "drain: workers return what runs before the hand-over", extra={"workers": len(busy)}
+        )
+        # A worker's samples are stored (by its pipe's reader) before its Drained is seen.
+        while any(not h.drained.is_set() for h in busy) and time.monotonic() < self._end:
+            await asyncio.sleep(0.05)
+        units = leases.hand_over()
+        self.handed_over = True
+        self.requests.wake_streams()
+        log.info("drain: units handed to the other nodes", extra={"units": units})

@@ -5,7 +5,13 @@ Which job a worker serves is the scheduler's decision (`tltd.scheduler`, a `Swit
 policy version that was current when it was accepted ("finish on the old version"). A worker
 switches version (or job) only when it has nothing running, to the oldest version that still has
 waiting work, else to its job's current version; a promoted drafter is hot-swapped in between
-steps.
+steps. A job with PolicySwitch.NEXT_STEP opts out: its workers load its current version as soon
+as it is recorded, busy or not, and running samples continue on it from their next decode step
+(the engine records the switch per sample); its waiting work runs on whatever version a worker
+holds.
+
+A node runs the active drafter version when it can read it (shared storage, or its own, and
+the directory is there); otherwise the newest promoted version it can read, else none.
 
 A version that failed to load is held back (not loaded, its new requests refused) for a while
 that doubles with each failure in a row, from 30 s up to 10 min, and is forgotten once it loads:
@@ -20,9 +26,18 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tltd.domain import Backend, DeviceKind, Job, SpeculativeMode
+from tltd.domain import (
+    Backend,
+    DeviceKind,
+    DrafterStatus,
+    DrafterVersion,
+    Job,
+    PolicySwitch,
+    SpeculativeMode,
+)
 from tltd.settings import Settings
 from tltd.supervisor.worker_process import Load, LoadKind, Phase, WorkerHandle
 from tltd.workqueue import WorkQueue
@@ -35,6 +50,15 @@ log = logging.getLogger(__name__)
 
 # Restart a worker's process on another backend (the supervisor owns processes).
 SwitchBackend = Callable[[WorkerHandle, Backend], Awaitable[None]]
+
+# How long a node runs another drafter version than the active one before it looks again
+# whether it can read the active one (a shared mount back, a directory copied in).
+_DRAFTER_RECHECK_SECONDS = 30.0
+
+
+def switches_at_step(job: Job | None) -> bool:
+    """The job's running samples move to a new policy version at the next decode step."""
+    return job is not None and job.policy_switch is PolicySwitch.NEXT_STEP
 
 
 class HeldBack:
@@ -91,6 +115,10 @@ class ModelPlanner:
         self.switch_backend = switch_backend
         self.bad_versions = HeldBack(clock)  # (job, policy version) that failed to load
         self.bad_drafters = HeldBack(clock)  # (job, drafter version) that failed to load
+        self.clock = clock
+        # (job, active drafter version) -> (version run here, its path, until when)
+        self._drafters: dict[tuple[str, int], tuple[int, str, float]] = {}
+        self._told: set[tuple[str, int]] = set()  # unreadable active versions already logged
         # (worker, job, policy version) that failed on one worker while another runs it: that
         # device's trouble (out of memory there), not the version's.
         self.bad_here = HeldBack(clock)
@@ -102,16 +130,32 @@ class ModelPlanner:
         """Send each ready worker the load it needs now (policy first, else the drafter)."""
         pending: dict[str, set[int]] = {}
         for p in queue.pending_work():
-            pending.setdefault(p.job_id, set()).add(p.policy_version or 0)
+            if not switches_at_step(jobs.get(p.job_id)):
+                pending.setdefault(p.job_id, set()).add(p.policy_version or 0)
         for handle in handles.values():
             if handle.phase is not Phase.READY:
+                continue
+            job = jobs.get(handle.job_id)
+            if await self._broadcast_recorded(handle, job):
+                # An SGLang engine holds the recorded version's weights already and its
+                # samples wait for them (none runs): switch now, whatever is in flight.
+                await self._load(handle, job, job.policy_version)  # type: ignore[union-attr]
                 continue
             if queue.inflight(handle.worker_id) == 0:
                 target = self._target(handle, jobs, pending)
                 if target is not None and target != (handle.job_id, handle.policy_version):
                     await self._load(handle, jobs[target[0]], target[1])
                     continue
-            job = jobs.get(handle.job_id)
+            elif (
+                job is not None
+                and switches_at_step(job)
+                and not handle.next_job
+                and handle.policy_version < job.policy_version
+                and (job.job_id, job.policy_version) not in self.bad_versions
+                and (handle.worker_id, job.job_id, job.policy_version) not in self.bad_here
+            ):
+                await self._load(handle, job, job.policy_version)  # between two steps
+                continue
             if job is not None:
                 await self._sync_drafter(handle, job)
 
@@ -175,6 +219,14 @@ class ModelPlanner:
         handle.send(msg.LoadModel(job.job_id, path, version, engine))
         handle.reason = f"loading job {job.job_id} policy version {version}"
 
+    async def _broadcast_recorded(self, handle: WorkerHandle, job: Job | None) -> bool:
+        """The broadcast the worker's engine joined became the job's current version."""
+        if not handle.broadcast_path or job is None or handle.policy_version >= job.policy_version:
+            return False
+        if (job.job_id, job.policy_version) in self.bad_versions:
+            return False  # it failed to load: the usual path retries it after the backoff
+        return await self._policy_path(job.job_id, job.policy_version) == handle.broadcast_path
+
     async def _policy_path(self, job_id: str, version: int) -> str:
         key = (job_id, version)
         if key not in self._paths:
@@ -183,17 +235,61 @@ class ModelPlanner:
         return self._paths[key]
 
     async def _sync_drafter(self, handle: WorkerHandle, job: Job) -> None:
-        """Hot-swap the job's active learned drafter into the worker (between steps)."""
-        wanted = job.drafter_version
+        """Hot-swap the job's learned drafter into the worker (between steps): the active
+        version, or the one this node runs in its place (`_drafter_here`)."""
+        wanted, path = job.drafter_version, ""
         if job.speculative.mode is SpeculativeMode.OFF or job.speculative.drafter == "ngram":
             wanted = 0
+        if wanted:
+            wanted, path = await self._drafter_here(job.job_id, wanted)
         if wanted == handle.drafter_version or (job.job_id, wanted) in self.bad_drafters:
             return
-        path = ""
-        if wanted:
-            path = (await asyncio.to_thread(self.store.get_drafter, job.job_id, wanted)).path
         handle.start_load(Load(LoadKind.DRAFTER, job.job_id, wanted))
         handle.send(msg.SetDrafter(path, wanted))
+
+    async def _drafter_here(self, job_id: str, active: int) -> tuple[int, str]:
+        """The drafter version this node runs for `active` and its path (0, "": none)."""
+        key = (job_id, active)
+        hit = self._drafters.get(key)
+        if hit is None or hit[2] <= self.clock():
+            hit = await asyncio.to_thread(self._choose_drafter, job_id, active)
+            self._drafters[key] = hit
+        return hit[0], hit[1]
+
+    def _choose_drafter(self, job_id: str, active: int) -> tuple[int, str, float]:
+        """`active` when this node can read it; else the newest promoted version it can read
+        (one it trained itself, one on shared storage), else none, looked at again after
+        `_DRAFTER_RECHECK_SECONDS`. Why the active one is not run is logged once."""
+        dv = self.store.get_drafter(job_id, active)
+        why = self._unreadable(dv)
+        if why is None:
+            return active, dv.path, math.inf
+        readable = [
+            v
+            for v in self.store.list_drafters(job_id)
+            if v.version != active
+            and v.status is DrafterStatus.PROMOTED
+            and self._unreadable(v) is None
+        ]
+        version, path = (readable[-1].version, readable[-1].path) if readable else (0, "")
+        if (job_id, active) not in self._told:
+            self._told.add((job_id, active))
+            log.warning(
+                "active drafter version %d not readable on this node (%s): running %s",
+                active,
+                why,
+                f"version {version}" if version else "without a learned drafter",
+                extra={"job_id": job_id, "version": active, "fallback_version": version},
+            )
+        return version, path, self.clock() + _DRAFTER_RECHECK_SECONDS
+
+    def _unreadable(self, dv: DrafterVersion) -> str | None:
+        """Why this node cannot load `dv`, or None when it can."""
+        if not dv.readable_on(self.store.node_id):
+            return f"on node {dv.node_id}'s own storage"
+        if not Path(dv.path).is_dir():
+            return f"no directory {dv.path} on this node"
+        return None
 
     def load_failed(
         self, m: msg.LoadFailed, handle: WorkerHandle, handles: Mapping[str, WorkerHandle]

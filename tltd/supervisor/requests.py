@@ -87,6 +87,12 @@ class RolloutRequests:
         for q in self._subs.get(request_id, []):
             q.put_nowait(event)
 
+    def wake_streams(self) -> None:
+        """Every stream here reads the store and the node's state again."""
+        for subs in self._subs.values():
+            for q in subs:
+                q.put_nowait(StreamEvent())
+
     # ---- claimed work units -----------------------------------------------------------------
 
     async def take_claims(
@@ -106,8 +112,11 @@ class RolloutRequests:
         for rid, units in by_request.items():
             try:
                 await self._take(rid, units, refuse)
-            except Exception:  # the lease then expires and the unit is claimed again
-                log.exception("cannot take a claimed unit", extra={"request_id": rid})
+            except Exception:  # not renewed (not live here): its lease lapses, it is claimed again
+                log.exception(
+                    "cannot take a claimed unit: claimed again once its lease lapses",
+                    extra={"request_id": rid, "prompts": [c.prompt_index for c in units]},
+                )
 
     async def _take(
         self,
@@ -281,11 +290,22 @@ class RolloutRequests:
         A store error leaves the unit live while the write is retried beside the loop: a
         stream is never told a status the store does not have. At shutdown the retry stops;
         the lease then expires and another claim records it. A unit the store says is no
-        longer ours (Fenced) is forgotten: its new owner records it."""
-        for p in live.complete_units():
-            unit = (live.request_id, p)
-            if unit in self._finalizing:
-                continue
+        longer ours (Fenced) is forgotten: its new owner records it.
+
+        The complete units are read again after each write: while this call waits, another
+        call (or a retry) may record a unit, and that unit must not be recorded twice."""
+        rid, tried = live.request_id, set[int]()
+        while True:
+            todo = [
+                p
+                for p in live.complete_units()
+                if p not in tried and (rid, p) not in self._finalizing
+            ]
+            if not todo:
+                return
+            p = todo[0]
+            unit = (rid, p)
+            tried.add(p)
             self._finalizing.add(unit)
             try:
                 await self._finish_unit(live, p)

@@ -16,12 +16,13 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from tltd.domain import Backend, Device, DeviceState, Sample, Worker, WorkerKind, WorkerState
+from tltd.memory_cgroup import MemoryCgroups
 from tltd.metrics import METRICS
 from tltd.scheduler import Decision
 from tltd.settings import Settings
 from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.requests import RolloutRequests
-from tltd.supervisor.worker_process import Phase, WorkerHandle, spawn
+from tltd.supervisor.worker_process import LoadKind, Phase, WorkerHandle, spawn
 from tltd.supervisor.writes import OrderedWrites, upsert_worker
 from tltd_workers.rollout import protocol as msg
 
@@ -73,10 +74,15 @@ class RolloutWorkers:
         self._device_states: dict[str, DeviceState] = {}
         self._ctx = mp.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.cgroups: MemoryCgroups | None = None
 
     def bind(self) -> None:
-        """Remember the running loop (the supervisor's `start`): pipe threads post to it."""
+        """Remember the running loop (the supervisor's `start`): pipe threads post to it.
+        With `worker_memory_limit_mb`, make the workers' memory cgroups (ConfigError when
+        this machine cannot)."""
         self._loop = asyncio.get_running_loop()
+        if self.settings.worker_memory_limit_mb and self.cgroups is None:
+            self.cgroups = MemoryCgroups.create(self.settings.worker_memory_limit_mb)
 
     def on(self, device_id: str) -> list[WorkerHandle]:
         return [s for s in self.handles.values() if s.device.device_id == device_id]
@@ -138,8 +144,9 @@ class RolloutWorkers:
     def _start(self, handle: WorkerHandle) -> None:
         assert self._loop is not None
         spawn(
-            handle, self._ctx, self.settings, self.store, self._loop, self.on_message, self._on_exit
-        )
+            handle, self._ctx, self.settings, self.store, self._loop, self.on_message,
+            self._on_exit, self.cgroups,
+        )  # fmt: skip
         self.record_state(handle, WorkerState.STARTING, "spawned", pid=handle.proc.pid)
         log.info(
             "rollout worker started", extra={"worker_id": handle.worker_id, "pid": handle.proc.pid}
@@ -221,6 +228,7 @@ class RolloutWorkers:
         record it, re-queue its samples."""
         proc = handle.proc
         try:
+            exited = proc is None or not proc.is_alive()  # by itself (not killed here)
             if proc is not None and proc.is_alive() and state is WorkerState.FAILED:
                 proc.kill()
             if proc is not None:
@@ -230,7 +238,14 @@ class RolloutWorkers:
                     await asyncio.to_thread(proc.join, 5.0)
                 if proc.exitcode is not None and state is WorkerState.FAILED:
                     why = f"{why} (exit code {proc.exitcode})"
+            limit = self._oom_kill(handle)
+            if limit is not None:
+                why = f"killed by the OOM killer: over its memory limit of {limit >> 20} MiB; {why}"
+                cause = "oom_kill"
+            else:
+                cause = "exited" if exited else "killed"
             if state is WorkerState.FAILED:
+                METRICS.record_worker_failure(handle.worker_id, cause)
                 handle.failures += 1
                 if handle.load is not None and handle.load.can_fail:
                     # The load killed the process (no LoadFailed can come): the same failure,
@@ -240,7 +255,10 @@ class RolloutWorkers:
                     drafter = not ld.policy_weights
                     self._load_failed(handle, msg.LoadFailed(ld.job_id, ld.version, died, drafter))
             handle.load = None
-            log.warning("rollout worker gone", extra={"worker_id": handle.worker_id, "reason": why})
+            log.warning(
+                "rollout worker gone",
+                extra={"worker_id": handle.worker_id, "reason": why, "cause": cause},
+            )
             self.record_state(handle, state, why)
             await self.requests.lose_worker(handle.worker_id, why)
         finally:
@@ -248,6 +266,18 @@ class RolloutWorkers:
             if handle.phase is Phase.EXITING and not self.closed:
                 handle.to(then)
             self._kick()  # its device may get a new worker now
+
+    @staticmethod
+    def _oom_kill(handle: WorkerHandle) -> int | None:
+        """Its process is gone: the memory limit (bytes) it was killed for by the OOM
+        killer, or None. Its memory cgroup is removed."""
+        group, handle.memory_group = handle.memory_group, None
+        if group is None:
+            return None
+        limit = group.limit() if group.oom_kills() else None
+        if not group.remove():
+            log.debug("memory cgroup still in use", extra={"cgroup": str(group.path)})
+        return limit
 
     async def stop(self, deadline: float) -> None:
         """Shutdown to every worker; killed when still there at `deadline` (monotonic)."""
@@ -272,6 +302,9 @@ class RolloutWorkers:
                 handle.to(Phase.DEAD)
             if handle.outbox is not None:
                 handle.outbox.put(None)
+            self._oom_kill(handle)
+        if self.cgroups is not None:
+            self.cgroups.close()
 
     def ask_to_drain(self) -> list[WorkerHandle]:
         """Drain to every worker with work: it returns what runs as partial samples."""
@@ -315,6 +348,8 @@ class RolloutWorkers:
             case msg.Drained():
                 handle.drained.set()
             case msg.WorkerError(message=text, fatal=fatal):
+                if text.startswith("policy broadcast"):  # it failed there: nothing to load
+                    handle.broadcast_path = ""
                 log.error(
                     "rollout worker error",
                     extra={"worker_id": handle.worker_id, "fatal": fatal, "error": text},
@@ -329,12 +364,22 @@ class RolloutWorkers:
             return  # out of service already: it is being stopped
         first = handle.phase is Phase.STARTING
         handle.to(Phase.READY)
+        load = handle.load
+        if (
+            load is None
+            or load.kind is LoadKind.MODEL
+            or (load.kind is LoadKind.POLICY and m.policy_version == load.version)
+        ):
+            # A joined broadcast ends with the load of a version (or of a model); an engine
+            # still receiving answers a LoadPolicy with its old version: offered again.
+            handle.broadcast_path = ""
         handle.load = None
         if m.job_id:
             # Only a loaded model ends a crash loop: every fresh process says Ready before its
             # first load, also one whose load is about to kill it again.
             handle.failures = 0
         handle.job_id, handle.policy_version = m.job_id, m.policy_version
+        handle.policy_source = m.policy_source
         handle.drafter_version = m.drafter_version
         self.models.loaded(m, handle)  # a version that loads is no longer held back
         handle.reason = (

@@ -7,8 +7,9 @@ worker is ready, what a job's training account is) are plain functions of plain 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
-from tltd.domain import Device, Job
+from tltd.domain import Device, Job, PolicySwitch
 from tltd.scheduler import DeviceView, JobView, RolloutWorkerView, Snapshot
 from tltd.supervisor.training_hook import TrainingHook
 from tltd.supervisor.worker_process import Phase, WorkerHandle
@@ -51,6 +52,7 @@ def build_snapshot(
     A job's policy is updating while any live worker loads its policy weights (UpdatePolicy
     being applied, or a worker switching to the job): its drafter training must not start then.
     """
+    jobs = list(jobs)
     switched = [s for s in handles if not s.alive and s.next_job]
     handles = [s for s in handles if s.alive]
     loading = {s.policy_load for s in handles if s.policy_load}
@@ -69,11 +71,16 @@ def build_snapshot(
                 online_training=training is not None and j.speculative.online_training,
             )
         )
+    # A job whose samples switch version between steps: its waiting work runs on any version.
+    at_step = {j.job_id for j in jobs if j.policy_switch is PolicySwitch.NEXT_STEP}
+    pending = tuple(
+        replace(p, policy_version=None) if p.job_id in at_step else p for p in queue.pending_work()
+    )
     return Snapshot(
         now=now,
         devices=tuple(device_view(d) for d in devices),
         workers=tuple(worker_view(s, queue) for s in [*handles, *switched]),
         training=training.views() if training else (),
-        pending=tuple(queue.pending_work()),
+        pending=pending,
         jobs=tuple(job_views),
     )

@@ -21,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tltd.domain import (
+    Backend,
     Device,
+    DeviceKind,
     FinishReason,
     Job,
     JobStatus,
@@ -48,14 +50,18 @@ from tltd.supervisor.rollout_workers import RolloutWorkers
 from tltd.supervisor.snapshot import build_snapshot
 from tltd.supervisor.training_hook import TrainingHook
 from tltd.supervisor.unit_leases import UnitLeases
-from tltd.supervisor.worker_process import WorkerHandle
+from tltd.supervisor.worker_process import WorkerHandle, broadcast_ranks
 from tltd.supervisor.writes import OrderedWrites
 from tltd_workers.rollout import protocol as msg
+from tltd_workers.rollout.broadcast import assign_ranks
 
 if TYPE_CHECKING:
     from tltd.store import Store
 
 log = logging.getLogger(__name__)
+
+# (first rank, world size, ranks) -> the JoinBroadcast a worker is sent
+JoinFactory = Callable[[int, int, int], msg.JoinBroadcast]
 
 
 class Supervisor:
@@ -163,6 +169,11 @@ class Supervisor:
     def draining(self) -> bool:
         return self._drain.started
 
+    @property
+    def handed_over(self) -> bool:
+        """A drain gave this node's work to the other nodes."""
+        return self._drain.handed_over
+
     def _refusal(self, job_id: str, policy_version: int) -> tuple[FinishReason, str] | None:
         """Why a unit claimed now could never run, if it could not."""
         if self._drain.started:
@@ -240,6 +251,61 @@ class Supervisor:
     def kick(self) -> None:
         if self._kick is not None:
             self._kick.set()
+
+    def policy_versions_in_use(self, job_id: str) -> set[int]:
+        """The job's policy versions a live worker holds or is loading (read from any thread:
+        a snapshot of the handles)."""
+        used = set()
+        for h in list(self.handles.values()):
+            if not h.alive:
+                continue
+            if h.job_id == job_id:
+                used.add(h.policy_version)
+            load = h.load
+            if load is not None and load.job_id == job_id and load.policy_weights:
+                used.add(load.version)
+        return used
+
+    def join_broadcast_threadsafe(
+        self, job_id: str, join: JoinFactory, first_rank: int = 2, cuda_only: bool = False
+    ) -> int:
+        """Called from any thread: the job's live workers join a policy broadcast from
+        `first_rank` on (after the trainer, rank 0, and in the daemon's group the daemon, rank
+        1), each with as many ranks as its engine takes; `cuda_only`: those on CUDA devices
+        only (NCCL). `join(first_rank, world_size, ranks)` is what each is sent. Returns how
+        many ranks the workers took."""
+        if self._loop is None or self._closed:
+            return 0
+        coro = self._join_broadcast(job_id, join, first_rank, cuda_only)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=30)
+
+    async def _join_broadcast(
+        self, job_id: str, join: JoinFactory, first_rank: int, cuda_only: bool
+    ) -> int:
+        # One pass on the event loop: the world size and every rank are fixed together.
+        joined = [
+            h
+            for h in self.handles.values()
+            if h.answered
+            and h.job_id == job_id
+            and not h.loading_job
+            and (not cuda_only or h.device.kind is DeviceKind.CUDA)
+            # SGLang receives into the weights it serves: only an idle engine joins, so no
+            # running sample sees its weights change (torch workers hold a copy aside), and
+            # one still in another broadcast does not (it would refuse, failing this one).
+            and (
+                h.backend is Backend.TORCH
+                or (self.queue.inflight(h.worker_id) == 0 and not h.broadcast_path)
+            )
+        ]
+        counts = [broadcast_ranks(h.backend) for h in joined]
+        firsts, world = assign_ranks(counts, first_rank)
+        for h, first, count in zip(joined, firsts, counts, strict=True):
+            m = join(first, world, count)
+            if h.backend is not Backend.TORCH:
+                h.broadcast_path = m.path
+            h.send(m)
+        return sum(counts)
 
     def kick_threadsafe(self) -> None:
         """Something changed in the store (a policy version, a job): tick soon."""
@@ -376,6 +442,12 @@ class Supervisor:
     def _on_finished(self, handle: WorkerHandle, sample: Sample, stored: bool | None) -> None:
         key = (sample.prompt_index, sample.sample_index)
         live = self.queue.get(sample.request_id)
+        if sample.finish_reason is FinishReason.ABORTED and self._drain.handing_over:
+            # The tokens so far of a unit handed to another node: streamed to the callers
+            # that asked for partial samples; the sample itself stays unfinished here.
+            if stored is not None and live is not None:
+                self.requests.publish(live.request_id, StreamEvent(sample))
+            return
         if stored is None:
             # Not persisted, so not streamed: run it again (counts as a lost attempt).
             if live is not None and live.running.get(key) == handle.worker_id:

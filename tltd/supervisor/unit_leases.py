@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tltd.domain import ENDED_STATUSES, FinishReason, NodeStatus, RequestStatus
 from tltd.settings import Settings
 from tltd.supervisor.requests import RolloutRequests
-from tltd.supervisor.worker_process import Phase, WorkerHandle
+from tltd.supervisor.worker_process import ALIVE, Phase, WorkerHandle
 from tltd_workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
@@ -46,14 +46,45 @@ class UnitLeases:
 
     def free_capacity(self) -> int:
         """Samples this node's ready workers could take beyond what they run and what waits."""
+        free, waiting = self._slots((Phase.READY,))
+        return max(0, free - waiting)
+
+    def _slots(self, phases: tuple[Phase, ...]) -> tuple[int, int]:
+        """(free slots of the workers in `phases`, samples waiting for one) on this node."""
         cap = self.settings.worker_max_batch
         free = sum(
             cap - self.queue.inflight(h.worker_id)
             for h in self.handles.values()
-            if h.phase is Phase.READY and h.device.schedulable
+            if h.phase in phases and h.device.schedulable
         )
         waiting = sum(len(idx) for live in self.queue for idx in live.pending.values())
-        return max(0, free - waiting)
+        return free, waiting
+
+    def release_excess(self) -> int:
+        """With other nodes up, give back units none of whose samples started here while more
+        samples wait than this node's free slots (it claimed everything while alone, or lost
+        a worker, or a device was cordoned): the others run them. The youngest go first, and
+        only while what stays still fills the free slots, so nothing is claimed straight
+        back. Returns the units released."""
+        # A worker loading a policy or starting again keeps its slots: a push does not give
+        # the backlog away.
+        free, waiting = self._slots(ALIVE)
+        excess, units = waiting - free, set[tuple[str, int]]()
+        lives = sorted(self.queue, key=lambda live: live.enqueued_at, reverse=True)
+        for live in lives:
+            started = {p for p, _ in live.running} | {p for p, _ in live.finished}
+            # A unit that lost a worker stays: given back, its claim would not count, and a
+            # sample that kills workers would go from node to node for ever.
+            started |= {p for (p, _), n in live.attempts.items() if n}
+            for p in sorted(live.units - started, reverse=True):
+                size = len(live.pending.get(p, ()))
+                if 0 < size <= excess:
+                    units.add((live.request_id, p))
+                    excess -= size
+        if units:
+            self.requests.lose_units(units, "unit released: another node has room")
+            self.requests.release(units)
+        return len(units)
 
     async def claim(
         self,
@@ -65,8 +96,9 @@ class UnitLeases:
         """Claim what fits (at most every `claim_interval_seconds`, sooner after a local
         submit); returns the units claimed. With other nodes up, a node claims what its free
         capacity fits, so that work spreads; alone, it claims every queued unit, so that its
-        scheduler's priorities and fair share see all the work. A draining node claims nothing
-        while another node is up to run the work; alone, it goes on claiming during the grace
+        scheduler's priorities and fair share see all the work; once others are up, it gives
+        back what it cannot start (`release_excess`). A draining node claims nothing while
+        another node is up to run the work; alone, it goes on claiming during the grace
         and then (`everything`) ends what is queued through `refuse`: nobody else would."""
         now = time.monotonic()
         if not self.claim_soon and now - self._last_claim < self.settings.claim_interval_seconds:
@@ -75,6 +107,8 @@ class UnitLeases:
         if draining and others:
             self._last_claim, self.claim_soon = now, False
             return 0
+        if others and not everything:
+            self.release_excess()
         free = _ALL if everything or not others else self.free_capacity()
         if free <= 0:
             return 0
@@ -85,8 +119,9 @@ class UnitLeases:
         return len(claims)
 
     def hand_over(self) -> int:
-        """A draining node with others up gives them every unit it holds: its workers cancel
-        what runs (their late samples are fenced, not stored), the units go back to the
+        """A draining node with others up gives them every unit it holds (after its workers
+        returned what runs as partial samples, see `NodeDrain`): a worker still running one
+        cancels it (its late samples are fenced, not stored), the units go back to the
         queue, and another node re-runs their missing samples. Returns the units."""
         units = {(live.request_id, p) for live in self.queue for p in live.units}
         for wid, rid in self.requests.lose_units(units, "unit handed to the other nodes"):
@@ -109,13 +144,15 @@ class UnitLeases:
         return any(n.status is NodeStatus.UP and n.node_id != self.store.node_id for n in nodes)
 
     async def renew(self) -> set[tuple[str, int]]:
-        """Renew every lease held; stop the units not renewed (their lease expired: another
-        node may run them now) and close requests ended elsewhere (a cancel on another node).
-        Returns the units lost."""
+        """Renew the lease of every unit this node runs; stop the units not renewed (their
+        lease expired: another node may run them now) and close requests ended elsewhere (a
+        cancel on another node). A unit leased here that runs nowhere here (its claim met a
+        database outage) is not renewed: its lease lapses and it is claimed again. Returns
+        the units lost."""
         held = {(live.request_id, p) for live in self.queue for p in live.units}
         # Its own thread: a renewal queued behind busy store calls could let leases lapse.
         renewed = await asyncio.get_running_loop().run_in_executor(
-            self._renewer, self.store.renew_leases, self.settings.lease_seconds
+            self._renewer, self.store.renew_leases, held, self.settings.lease_seconds
         )
         lost = held - renewed
         if lost:

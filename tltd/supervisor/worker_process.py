@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tltd.domain import Backend, Device, Sample, WorkerState
 from tltd.errors import Fenced
+from tltd.memory_cgroup import MemoryCgroups, WorkerGroup
 from tltd.settings import Settings
 from tltd.worker_pipe import HeartbeatStamp, serve_pipe
 from tltd_workers.rollout import protocol as msg
@@ -105,6 +106,10 @@ class WorkerHandle:
     job_id: str = ""
     next_job: str = ""  # the job the scheduler switched it to (loaded once it is empty)
     policy_version: int = 0
+    policy_source: str = ""  # "broadcast": its policy weights came from a joined broadcast
+    # SGLang: the version directory of the broadcast its engine joined (until the load that
+    # follows, or the broadcast's failure): it holds its samples until that version loads.
+    broadcast_path: str = ""
     drafter_version: int = 0
     seq: int = 0
     unacked: dict[int, int] = field(default_factory=dict)  # AddWork.seq -> expected tokens
@@ -113,6 +118,7 @@ class WorkerHandle:
     failures: int = 0  # deaths in a row, until a model loads (restart backoff)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     stored_state: tuple[WorkerState, str] | None = None
+    memory_group: WorkerGroup | None = None  # its process's memory cgroup (a limit is set)
 
     def to(self, phase: Phase) -> None:
         """The one place a worker's phase changes."""
@@ -158,18 +164,32 @@ def spawn(
     loop: asyncio.AbstractEventLoop,
     on_message: OnMessage,
     on_exit: OnExit,
+    cgroups: MemoryCgroups | None = None,
 ) -> None:
-    """Start a fresh process for `handle` (forgetting what the old one held) and its threads."""
+    """Start a fresh process for `handle` (forgetting what the old one held) and its threads;
+    with `cgroups`, in a memory cgroup of its own with the limit, before it loads anything."""
     target, daemon = worker_entry(handle.backend)
     parent, child = ctx.Pipe()
+    args: tuple[Any, ...] = (child, settings.worker_threads, settings.worker_heartbeat_seconds)
+    if handle.backend is Backend.SGLANG:
+        args += (settings.sglang_engine_factory,)
     proc = ctx.Process(
         target=target,
-        args=(child, settings.worker_threads, settings.worker_heartbeat_seconds),
+        args=args,
         name=handle.worker_id,
         daemon=daemon,
     )
     proc.start()
     child.close()
+    handle.memory_group = None
+    if cgroups is not None:
+        try:
+            handle.memory_group = cgroups.place(handle.worker_id, proc.pid)
+        except OSError:
+            log.exception(
+                "cannot put the rollout worker in its memory cgroup: it runs without the limit",
+                extra={"worker_id": handle.worker_id},
+            )
     handle.to(Phase.STARTING)
     handle.generation += 1
     handle.proc = proc
@@ -202,6 +222,16 @@ def worker_entry(backend: Backend) -> tuple[Callable[..., None], bool]:
     from tltd_workers.rollout.worker import main as torch_main
 
     return torch_main, True
+
+
+def broadcast_ranks(backend: Backend) -> int:
+    """How many ranks a worker of `backend` takes in a policy broadcast: a torch worker one,
+    an SGLang engine one per tensor-parallel GPU."""
+    if backend is Backend.SGLANG:
+        from tltd_workers.sglang.adapter import TP_SIZE
+
+        return TP_SIZE
+    return 1
 
 
 def store_reported(

@@ -10,20 +10,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "address", "state", "epoch", "heartbeat_age_seconds", "started_at")
+    __slots__ = ("node_id", "address", "state", "epoch", "heartbeat_age_seconds", "started_at", "cordoned", "draining")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    CORDONED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     state: str
     epoch: int
     heartbeat_age_seconds: float
     started_at: _timestamp_pb2.Timestamp
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., epoch: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    cordoned: bool
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., epoch: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
@@ -124,28 +128,34 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
 
 class CordonRequest(_message.Message):
-    __slots__ = ("device_id", "reason")
+    __slots__ = ("device_id", "reason", "node_id")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     reason: str
-    def __init__(self, device_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    node_id: str
+    def __init__(self, device_id: _Optional[str] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class UncordonRequest(_message.Message):
-    __slots__ = ("device_id",)
+    __slots__ = ("device_id", "node_id")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     device_id: str
-    def __init__(self, device_id: _Optional[str] = ...) -> None: ...
+    node_id: str
+    def __init__(self, device_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("device_id", "node", "grace_seconds")
+    __slots__ = ("device_id", "node", "grace_seconds", "node_id")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     node: bool
     grace_seconds: int
-    def __init__(self, device_id: _Optional[str] = ..., node: _Optional[bool] = ..., grace_seconds: _Optional[int] = ...) -> None: ...
+    node_id: str
+    def __init__(self, device_id: _Optional[str] = ..., node: _Optional[bool] = ..., grace_seconds: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("devices",)

@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tltd/v1/drafter.proto\x12\x07tltd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8d\x02\n\x0e\x44rafterVersion\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x13\n\x0btrain_steps\x18\x05 \x01(\x04\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x07 \x01(\x01\x12&\n\x06status\x18\x08 \x01(\x0e\x32\x16.tltd.v1.DrafterStatus\x12\x0e\n\x06pinned\x18\t \x01(\x08\x12\x0e\n\x06\x61\x63tive\x18\n \x01(\x08\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"%\n\x13ListDraftersRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"Y\n\x14ListDraftersResponse\x12)\n\x08\x64rafters\x18\x01 \x03(\x0b\x32\x17.tltd.v1.DrafterVersion\x12\x16\n\x0e\x61\x63tive_version\x18\x02 \x01(\x04\"4\n\x11GetDrafterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"4\n\x11PinDrafterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"V\n\x12PinDrafterResponse\x12(\n\x07\x64rafter\x18\x01 \x01(\x0b\x32\x17.tltd.v1.DrafterVersion\x12\x16\n\x0e\x61\x63tive_version\x18\x02 \x01(\x04\"[\n\x14\x45xportDrafterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x12\n\noutput_dir\x18\x03 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\"4\n\x15\x45xportDrafterResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x66iles\x18\x02 \x03(\t*\xa3\x01\n\rDrafterStatus\x12\x1e\n\x1a\x44RAFTER_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x44RAFTER_STATUS_CANDIDATE\x10\x01\x12\x1b\n\x17\x44RAFTER_STATUS_PROMOTED\x10\x02\x12\x1b\n\x17\x44RAFTER_STATUS_REJECTED\x10\x03\x12\x1a\n\x16\x44RAFTER_STATUS_RETIRED\x10\x04\x32\xb7\x02\n\x0e\x44rafterService\x12K\n\x0cListDrafters\x12\x1c.tltd.v1.ListDraftersRequest\x1a\x1d.tltd.v1.ListDraftersResponse\x12\x41\n\nGetDrafter\x12\x1a.tltd.v1.GetDrafterRequest\x1a\x17.tltd.v1.DrafterVersion\x12\x45\n\nPinDrafter\x12\x1a.tltd.v1.PinDrafterRequest\x1a\x1b.tltd.v1.PinDrafterResponse\x12N\n\rExportDrafter\x12\x1d.tltd.v1.ExportDrafterRequest\x1a\x1e.tltd.v1.ExportDrafterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tltd/v1/drafter.proto\x12\x07tltd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xae\x02\n\x0e\x44rafterVersion\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x13\n\x0btrain_steps\x18\x05 \x01(\x04\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x07 \x01(\x01\x12&\n\x06status\x18\x08 \x01(\x0e\x32\x16.tltd.v1.DrafterStatus\x12\x0e\n\x06pinned\x18\t \x01(\x08\x12\x0e\n\x06\x61\x63tive\x18\n \x01(\x08\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07node_id\x18\x0c \x01(\t\x12\x0e\n\x06shared\x18\r \x01(\x08\"%\n\x13ListDraftersRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"Y\n\x14ListDraftersResponse\x12)\n\x08\x64rafters\x18\x01 \x03(\x0b\x32\x17.tltd.v1.DrafterVersion\x12\x16\n\x0e\x61\x63tive_version\x18\x02 \x01(\x04\"4\n\x11GetDrafterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"4\n\x11PinDrafterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"V\n\x12PinDrafterResponse\x12(\n\x07\x64rafter\x18\x01 \x01(\x0b\x32\x17.tltd.v1.DrafterVersion\x12\x16\n\x0e\x61\x63tive_version\x18\x02 \x01(\x04\"[\n\x14\x45xportDrafterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x12\n\noutput_dir\x18\x03 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\"4\n\x15\x45xportDrafterResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x66iles\x18\x02 \x03(\t*\xa3\x01\n\rDrafterStatus\x12\x1e\n\x1a\x44RAFTER_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x44RAFTER_STATUS_CANDIDATE\x10\x01\x12\x1b\n\x17\x44RAFTER_STATUS_PROMOTED\x10\x02\x12\x1b\n\x17\x44RAFTER_STATUS_REJECTED\x10\x03\x12\x1a\n\x16\x44RAFTER_STATUS_RETIRED\x10\x04\x32\xb7\x02\n\x0e\x44rafterService\x12K\n\x0cListDrafters\x12\x1c.tltd.v1.ListDraftersRequest\x1a\x1d.tltd.v1.ListDraftersResponse\x12\x41\n\nGetDrafter\x12\x1a.tltd.v1.GetDrafterRequest\x1a\x17.tltd.v1.DrafterVersion\x12\x45\n\nPinDrafter\x12\x1a.tltd.v1.PinDrafterRequest\x1a\x1b.tltd.v1.PinDrafterResponse\x12N\n\rExportDrafter\x12\x1d.tltd.v1.ExportDrafterRequest\x1a\x1e.tltd.v1.ExportDrafterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tltd.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTERSTATUS']._serialized_start=813
-  _globals['_DRAFTERSTATUS']._serialized_end=976
+  _globals['_DRAFTERSTATUS']._serialized_start=846
+  _globals['_DRAFTERSTATUS']._serialized_end=1009
   _globals['_DRAFTERVERSION']._serialized_start=68
-  _globals['_DRAFTERVERSION']._serialized_end=337
-  _globals['_LISTDRAFTERSREQUEST']._serialized_start=339
-  _globals['_LISTDRAFTERSREQUEST']._serialized_end=376
-  _globals['_LISTDRAFTERSRESPONSE']._serialized_start=378
-  _globals['_LISTDRAFTERSRESPONSE']._serialized_end=467
-  _globals['_GETDRAFTERREQUEST']._serialized_start=469
-  _globals['_GETDRAFTERREQUEST']._serialized_end=521
-  _globals['_PINDRAFTERREQUEST']._serialized_start=523
-  _globals['_PINDRAFTERREQUEST']._serialized_end=575
-  _globals['_PINDRAFTERRESPONSE']._serialized_start=577
-  _globals['_PINDRAFTERRESPONSE']._serialized_end=663
-  _globals['_EXPORTDRAFTERREQUEST']._serialized_start=665
-  _globals['_EXPORTDRAFTERREQUEST']._serialized_end=756
-  _globals['_EXPORTDRAFTERRESPONSE']._serialized_start=758
-  _globals['_EXPORTDRAFTERRESPONSE']._serialized_end=810
-  _globals['_DRAFTERSERVICE']._serialized_start=979
-  _globals['_DRAFTERSERVICE']._serialized_end=1290
+  _globals['_DRAFTERVERSION']._serialized_end=370
+  _globals['_LISTDRAFTERSREQUEST']._serialized_start=372
+  _globals['_LISTDRAFTERSREQUEST']._serialized_end=409
+  _globals['_LISTDRAFTERSRESPONSE']._serialized_start=411
+  _globals['_LISTDRAFTERSRESPONSE']._serialized_end=500
+  _globals['_GETDRAFTERREQUEST']._serialized_start=502
+  _globals['_GETDRAFTERREQUEST']._serialized_end=554
+  _globals['_PINDRAFTERREQUEST']._serialized_start=556
+  _globals['_PINDRAFTERREQUEST']._serialized_end=608
+  _globals['_PINDRAFTERRESPONSE']._serialized_start=610
+  _globals['_PINDRAFTERRESPONSE']._serialized_end=696
+  _globals['_EXPORTDRAFTERREQUEST']._serialized_start=698
+  _globals['_EXPORTDRAFTERREQUEST']._serialized_end=789
+  _globals['_EXPORTDRAFTERRESPONSE']._serialized_start=791
+  _globals['_EXPORTDRAFTERRESPONSE']._serialized_end=843
+  _globals['_DRAFTERSERVICE']._serialized_start=1012
+  _globals['_DRAFTERSERVICE']._serialized_end=1323
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ DRAFTER_STATUS_REJECTED: DrafterStatus
 DRAFTER_STATUS_RETIRED: DrafterStatus
 
 class DrafterVersion(_message.Message):
-    __slots__ = ("job_id", "version", "policy_version", "path", "train_steps", "loss", "acceptance_length", "status", "pinned", "active", "created_at")
+    __slots__ = ("job_id", "version", "policy_version", "path", "train_steps", "loss", "acceptance_length", "status", "pinned", "active", "created_at", "node_id", "shared")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class DrafterVersion(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     version: int
     policy_version: int
@@ -47,7 +49,9 @@ class DrafterVersion(_message.Message):
     pinned: bool
     active: bool
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., policy_version: _Optional[int] = ..., path: _Optional[str] = ..., train_steps: _Optional[int] = ..., loss: _Optional[float] = ..., acceptance_length: _Optional[float] = ..., status: _Optional[_Union[DrafterStatus, str]] = ..., pinned: _Optional[bool] = ..., active: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    node_id: str
+    shared: bool
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., policy_version: _Optional[int] = ..., path: _Optional[str] = ..., train_steps: _Optional[int] = ..., loss: _Optional[float] = ..., acceptance_length: _Optional[float] = ..., status: _Optional[_Union[DrafterStatus, str]] = ..., pinned: _Optional[bool] = ..., active: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class ListDraftersRequest(_message.Message):
     __slots__ = ("job_id",)

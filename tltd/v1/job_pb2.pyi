@@ -17,13 +17,22 @@ class JobStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATUS_ACTIVE: _ClassVar[JobStatus]
     JOB_STATUS_CANCELLED: _ClassVar[JobStatus]
     JOB_STATUS_FAILED: _ClassVar[JobStatus]
+
+class PolicySwitch(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POLICY_SWITCH_UNSPECIFIED: _ClassVar[PolicySwitch]
+    POLICY_SWITCH_FINISH_ON_START_VERSION: _ClassVar[PolicySwitch]
+    POLICY_SWITCH_NEXT_STEP: _ClassVar[PolicySwitch]
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_ACTIVE: JobStatus
 JOB_STATUS_CANCELLED: JobStatus
 JOB_STATUS_FAILED: JobStatus
+POLICY_SWITCH_UNSPECIFIED: PolicySwitch
+POLICY_SWITCH_FINISH_ON_START_VERSION: PolicySwitch
+POLICY_SWITCH_NEXT_STEP: PolicySwitch
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative", "status", "status_reason", "policy_version", "drafter_version", "created_at", "updated_at")
+    __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative", "status", "status_reason", "policy_version", "drafter_version", "created_at", "updated_at", "policy_switch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +46,7 @@ class Job(_message.Message):
     DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_SWITCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     model_path: str
@@ -50,10 +60,11 @@ class Job(_message.Message):
     drafter_version: int
     created_at: _timestamp_pb2.Timestamp
     updated_at: _timestamp_pb2.Timestamp
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., model_path: _Optional[str] = ..., backend: _Optional[_Union[_common_pb2.Backend, str]] = ..., priority: _Optional[int] = ..., weight: _Optional[float] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, str]] = ..., status_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    policy_switch: PolicySwitch
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., model_path: _Optional[str] = ..., backend: _Optional[_Union[_common_pb2.Backend, str]] = ..., priority: _Optional[int] = ..., weight: _Optional[float] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, str]] = ..., status_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_switch: _Optional[_Union[PolicySwitch, str]] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
-    __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative")
+    __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative", "policy_switch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +72,7 @@ class CreateJobRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_SWITCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     model_path: str
@@ -68,7 +80,8 @@ class CreateJobRequest(_message.Message):
     priority: int
     weight: float
     speculative: _common_pb2.SpeculativeConfig
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., model_path: _Optional[str] = ..., backend: _Optional[_Union[_common_pb2.Backend, str]] = ..., priority: _Optional[int] = ..., weight: _Optional[float] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeConfig, _Mapping]] = ...) -> None: ...
+    policy_switch: PolicySwitch
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., model_path: _Optional[str] = ..., backend: _Optional[_Union[_common_pb2.Backend, str]] = ..., priority: _Optional[int] = ..., weight: _Optional[float] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeConfig, _Mapping]] = ..., policy_switch: _Optional[_Union[PolicySwitch, str]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

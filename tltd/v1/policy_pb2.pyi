@@ -192,17 +192,29 @@ class OpenBroadcastRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class BroadcastGroup(_message.Message):
-    __slots__ = ("address", "port", "world_size", "rank", "prefix", "backend")
+    __slots__ = ("address", "port", "world_size", "rank", "prefix", "backend", "workers")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     address: str
     port: int
     world_size: int
     rank: int
     prefix: str
     backend: str
-    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., prefix: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    workers: WorkerGroup
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., prefix: _Optional[str] = ..., backend: _Optional[str] = ..., workers: _Optional[_Union[WorkerGroup, _Mapping]] = ...) -> None: ...
+
+class WorkerGroup(_message.Message):
+    __slots__ = ("prefix", "world_size", "backend")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    world_size: int
+    backend: str
+    def __init__(self, prefix: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...

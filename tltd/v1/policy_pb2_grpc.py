@@ -100,6 +100,8 @@ class PolicyServiceServicer:
         opens a group (its TCP store at the returned address), joins it as rank 1 and receives
         every tensor of the header, in order, broadcast from the trainer (rank 0) into the push's
         staging file. The trainer then commits with PushPolicy (header, commit), as for a push.
+        The job's live workers receive the tensors too: with gloo in the daemon's group, with
+        nccl in a second group on the same store (`BroadcastGroup.workers`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

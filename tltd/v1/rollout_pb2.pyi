@@ -101,18 +101,20 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("job_id", "request_id", "prompts", "sampling", "speculative")
+    __slots__ = ("job_id", "request_id", "prompts", "sampling", "speculative", "return_partial")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
     speculative: _common_pb2.SpeculativeMode
-    def __init__(self, job_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeMode, str]] = ...) -> None: ...
+    return_partial: bool
+    def __init__(self, job_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeMode, str]] = ..., return_partial: _Optional[bool] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
     __slots__ = ("draft_steps", "plain_steps", "accepted_tokens", "mean_accepted_length", "drafted_tokens", "bonus_tokens", "residual_tokens")
@@ -142,8 +144,16 @@ class TokenProvenance(_message.Message):
     draft_length: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, source: _Optional[_Iterable[_Union[TokenSource, str]]] = ..., drafter: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., draft_length: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PolicySpan(_message.Message):
+    __slots__ = ("first_token", "policy_version")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    policy_version: int
+    def __init__(self, first_token: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
 class Sample(_message.Message):
-    __slots__ = ("request_id", "prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "policy_version", "drafter_version", "speculative", "partial", "error", "provenance")
+    __slots__ = ("request_id", "prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "policy_version", "drafter_version", "speculative", "partial", "error", "provenance", "policy_spans")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +166,7 @@ class Sample(_message.Message):
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROVENANCE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_SPANS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_index: int
     sample_index: int
@@ -168,7 +179,8 @@ class Sample(_message.Message):
     partial: bool
     error: str
     provenance: TokenProvenance
-    def __init__(self, request_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., partial: _Optional[bool] = ..., error: _Optional[str] = ..., provenance: _Optional[_Union[TokenProvenance, _Mapping]] = ...) -> None: ...
+    policy_spans: _containers.RepeatedCompositeFieldContainer[PolicySpan]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., partial: _Optional[bool] = ..., error: _Optional[str] = ..., provenance: _Optional[_Union[TokenProvenance, _Mapping]] = ..., policy_spans: _Optional[_Iterable[_Union[PolicySpan, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("sample",)

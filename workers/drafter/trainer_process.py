@@ -55,6 +55,7 @@ class TrainerSpec:
     hidden_dtype: str = "bfloat16"
     drafter_path: str | None = None  # start from this drafter (save_pretrained dir)
     drafter_seed: int = 0  # ... or from EagleDrafter.random_init(seed)
+    start_step: int = 0  # the step count of `drafter_path` (a run continued on another node)
     resume: bool = True  # continue from checkpoint_dir/LATEST when there is one
     checkpoint_every: int = 0  # optimizer steps between async checkpoints (0: preempt/stop only)
     threads: int = 1
@@ -82,6 +83,8 @@ class _TrainingLoop:
         latest = latest_checkpoint(spec.checkpoint_dir) if spec.resume else None
         if latest is not None:
             self.trainer.restore(load_state(latest))
+        else:
+            self.trainer.step = spec.start_step
         self.resumed_from = str(latest) if latest else None
         self.training = False
         self.max_steps: int | None = None

@@ -130,6 +130,9 @@ class SampleOutput:
     bonus_tokens: int = 0  # drawn from p after a fully accepted chain
     residual_tokens: int = 0  # drawn from the residual after a rejected draft
     provenance: list[TokenProvenance] | None = None  # per token, when the request asked
+    # (first token index, policy version) per version that produced its tokens when a new
+    # policy was loaded while it ran; () = every token came from `policy_version`.
+    policy_spans: tuple[tuple[int, int], ...] = ()
 
     def to_domain(self) -> Sample:
         """The `tltd.domain.Sample` the daemon stores and streams (hidden states dropped)."""
@@ -152,6 +155,7 @@ class SampleOutput:
                 residual_tokens=self.residual_tokens,
             ),
             provenance=None if self.provenance is None else tuple(self.provenance),
+            policy_spans=self.policy_spans,
             # Only a sample that ran to its end is whole; a cancelled one keeps its tokens.
             partial=self.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH),
         )

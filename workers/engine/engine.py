@@ -157,6 +157,7 @@ class _Seq:
         "eagle_hidden",
         "eagle_tokens",
         "eagle_ok",
+        "spans",
     )
 
     def __init__(self, group: _Group, index: int, key: int, max_new: int) -> None:
@@ -176,6 +177,8 @@ class _Seq:
         self.eagle_hidden: list[Tensor] = []  # hidden states the EAGLE drafter has not consumed
         self.eagle_tokens: list[int] = []  # ... and the token that followed each
         self.eagle_ok = False
+        # (first token index, policy version): a version loaded while it runs opens a span.
+        self.spans: list[tuple[int, int]] = [(0, group.policy_version)]
 
     @property
     def sample_key(self) -> str:
@@ -488,8 +491,13 @@ class Engine:
     def load_policy(self, path_or_state_dict: str | Path | dict[str, Tensor], version: int) -> None:
         """Load new target weights (HF names) between steps; later samples carry `version`.
 
-        Running samples keep the KV computed by the previous weights: drain or cancel them first
-        if every sample must come from a single policy version.
+        Running samples continue on the new weights from their next token, and each records
+        where its tokens switched version (SampleOutput.policy_spans). Their KV cache is kept
+        as the previous weights computed it (the prompt and the tokens before the switch are
+        not recomputed), as asynchronous RL systems do: a token after the switch is drawn from
+        the new weights attending to keys and values of the old ones, and its logprob is that
+        of this mixed computation. Drain or cancel them first if every sample must come from a
+        single policy version.
         """
         sd = path_or_state_dict
         if not isinstance(sd, dict):
@@ -505,6 +513,11 @@ class Engine:
         self.policy_version = version
         for g in self.waiting:
             g.policy_version = version
+        for s in self.running:
+            if s.spans[-1][0] == len(s.tokens):  # no token since the last switch
+                s.spans.pop()
+            if not s.spans or s.spans[-1][1] != version:
+                s.spans.append((len(s.tokens), version))
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -925,4 +938,5 @@ class Engine:
             bonus_tokens=s.bonus,
             residual_tokens=s.residual,
             provenance=s.provenance,
+            policy_spans=tuple(s.spans) if len(s.spans) > 1 else (),
         )

@@ -16,6 +16,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from tltd.domain import FinishReason, Sample
+from tltd_workers.rollout.broadcast import BroadcastReceiver
 from tltd_workers.rollout.protocol import (
     AddWork,
     Cancel,
@@ -23,6 +24,7 @@ from tltd_workers.rollout.protocol import (
     Drained,
     Finished,
     Heartbeat,
+    JoinBroadcast,
     LoadFailed,
     LoadModel,
     LoadPolicy,
@@ -81,6 +83,9 @@ class WorkerLoop:
         self.drain_deadline: float | None = None
         self.stopping = False
         self._last_heartbeat = 0.0
+        # Policy weights received by a joined broadcast, until their version is loaded.
+        self.broadcasts = BroadcastReceiver()
+        self.policy_source = ""  # "broadcast" when the loaded policy came from one
 
     # -- engine hooks (a backend implements these) ----------------------------------------
 
@@ -128,6 +133,14 @@ class WorkerLoop:
         """(running samples, upper bound of tokens still to decode, engine counters)."""
         raise NotImplementedError
 
+    def join_broadcast(self, msg: JoinBroadcast) -> None:
+        """Take part in a policy broadcast beside the engine (torch: into memory)."""
+        self.broadcasts.join(msg)
+
+    def broadcast_errors(self) -> list[str]:
+        """Broadcasts that failed since the last call (for the daemon's log)."""
+        return self.broadcasts.errors()
+
     def close(self) -> None:
         """Release the engine at a normal exit."""
 
@@ -163,6 +176,8 @@ class WorkerLoop:
         if not force and now - self._last_heartbeat < self.heartbeat_seconds:
             return
         self._last_heartbeat = now
+        for error in self.broadcast_errors():
+            self.conn.send(WorkerError(error))
         running, remaining, stats = self.load_summary() if self.loaded() else (0, 0, {})
         self.conn.send(
             Heartbeat(
@@ -189,6 +204,8 @@ class WorkerLoop:
                 self._guarded(version, False, lambda: self.load_policy(path, version))
             case SetDrafter(path=path, version=version):
                 self._guarded(version, True, lambda: self._set_drafter(path, version))
+            case JoinBroadcast():
+                self.join_broadcast(msg)
             case _:
                 self.conn.send(WorkerError(f"unknown command {type(msg).__name__}"))
 
@@ -250,7 +267,15 @@ class WorkerLoop:
         self._ready()  # what is loaded now (unchanged after a failure)
 
     def _ready(self) -> None:
-        self.conn.send(Ready(os.getpid(), self.job_id, self.policy_version(), self.drafter_version))
+        self.conn.send(
+            Ready(
+                os.getpid(),
+                self.job_id,
+                self.policy_version(),
+                self.drafter_version,
+                self.policy_source,
+            )
+        )
         self._maybe_heartbeat(force=True)
 
     def _abort_all(self, reason: FinishReason = FinishReason.ABORTED, error: str = "") -> int:

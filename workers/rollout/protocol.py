@@ -72,6 +72,26 @@ class SetDrafter:
 
 
 @dataclass(frozen=True)
+class JoinBroadcast:
+    """Join the trainer's torch.distributed group of the push that is to become policy version
+    directory `path`, as ranks `rank` .. `rank + ranks - 1` of `world_size`, and receive its
+    tensors beside the running engine (a torch worker into memory, an SGLang engine through
+    its distributed weight update). A later LoadPolicy of `path` switches to them instead of
+    reading the file."""
+
+    path: str
+    address: str  # the daemon's TCP store
+    port: int
+    group_name: str  # the group's keys in the store (`tltd_workers.rollout.broadcast`)
+    rank: int
+    world_size: int
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype code, shape), in order
+    timeout_seconds: float
+    backend: str = "gloo"
+    ranks: int = 1  # an SGLang engine with tensor parallelism takes one rank per GPU
+
+
+@dataclass(frozen=True)
 class AddWork:
     """Run these samples of one prompt. `seq` increases per AddWork; heartbeats ack it."""
 
@@ -114,6 +134,7 @@ class Ready:
     job_id: str = ""
     policy_version: int = 0
     drafter_version: int = 0
+    policy_source: str = ""  # "broadcast": its policy weights came from a joined broadcast
 
 
 @dataclass(frozen=True)
@@ -157,5 +178,5 @@ class WorkerError:
     fatal: bool = False
 
 
-ToWorker = LoadModel | LoadPolicy | SetDrafter | AddWork | Cancel | Drain | Shutdown
+ToWorker = LoadModel | LoadPolicy | SetDrafter | JoinBroadcast | AddWork | Cancel | Drain | Shutdown
 FromWorker = Ready | Heartbeat | Finished | Drained | LoadFailed | WorkerError

@@ -23,6 +23,19 @@ this module over a fake `sglang.Engine`.
   the same target given the same prefix, so the sample's distribution is unchanged.
 - A sample SGLang stopped at the model's EOS where the caller gave other stop ids continues
   the same way (a new segment), so that only the caller's stop ids end a sample.
+- `JoinBroadcast`: the engine joins the trainer's group through SGLang's distributed weight
+  update and receives the tensors straight into its target weights. SGLang cannot hold them
+  beside the weights it serves, so only an idle SGLang worker is asked to join (a busy one
+  loads the version from the file once its work on the older one is done), and it pauses
+  from the join until the daemon records the version: samples that arrive meanwhile wait,
+  and one still running at the join is started over (its tokens dropped), so that no sample
+  mixes two versions' tokens (its LoadPolicy then only sets SGLang's `weight_version`, and
+  the samples run on it). A broadcast that fails, or whose version is not recorded within
+  the broadcast's timeout after it arrived, or a LoadPolicy of another version, puts the
+  recorded weights back from the file; the samples then continue on those. So no token is
+  drawn from weights that are not a recorded version. An engine still waiting in the group
+  when another version is recorded (a trainer that never came, or fell back to a gRPC push)
+  restarts on that version rather than wait out torch's group timeout.
 - Idle for `RELEASE_AFTER_SECONDS`, the worker releases the engine's GPU memory (KV cache,
   weights) for the drafter trainer; the next request or update takes it back.
 - A request's `speculative` flag cannot be honoured per request: SGLang speculates for the
@@ -44,7 +57,7 @@ from typing import Any
 
 from tltd.domain import FinishReason, Sample, SamplingParams, SpeculativeStats
 from tltd_workers.rollout.loop import WorkerLoop, describe, serve
-from tltd_workers.rollout.protocol import AddWork, EngineSpec, LoadModel
+from tltd_workers.rollout.protocol import AddWork, EngineSpec, JoinBroadcast, LoadModel
 from tltd_workers.sglang.adapter import (
     EngineFactory,
     Segment,
@@ -52,6 +65,7 @@ from tltd_workers.sglang.adapter import (
     StepCounters,
     WeightUpdate,
     adaptive_config,
+    distributed_join,
     engine_args,
     finish_reason,
     read_output,
@@ -65,6 +79,7 @@ DEFAULT_FACTORY = "tltd_workers.sglang.real_engine:make_engine"
 POLL_SECONDS = 0.02  # one step: the longest a poll waits (commands are read in between)
 ABORT_WAIT_SECONDS = 10.0  # how long a drain or restart waits for aborted requests to report
 RELEASE_AFTER_SECONDS = 2.0  # idle this long: the GPU memory goes to the drafter trainer
+VERSION_WAIT_SECONDS = 10.0  # a LoadPolicy of a broadcast waits this long for its last tensor
 
 
 def main(
@@ -125,6 +140,11 @@ class _Running:
         self.plain_steps += seg.plain_steps
         self.drafted += seg.drafted
 
+    def start_over(self) -> None:
+        """Drop the tokens so far: the sample runs again from its prompt and first seed."""
+        self.tokens, self.logprobs, self.segment = [], [], 0
+        self.spec_steps = self.accepted = self.plain_steps = self.drafted = 0
+
     def to_sample(self, reason: FinishReason, error: str = "") -> Sample:
         return Sample(
             request_id=self.request_id,
@@ -149,6 +169,17 @@ class _Running:
         )
 
 
+@dataclass
+class _Broadcast:
+    """A broadcast the engine joined: receiving, then received until its version is
+    recorded (or `deadline` passes)."""
+
+    path: str
+    timeout: float
+    received: bool = False
+    deadline: float = 0.0  # monotonic, once received
+
+
 class SglangWorker(WorkerLoop):
     """The shared loop over an SGLang engine (see the module docstring)."""
 
@@ -166,6 +197,9 @@ class SglangWorker(WorkerLoop):
         self.done: list[Sample] = []  # ended outside a step (restart): sent by the next step
         self.counters: Counter[str] = Counter()
         self.steps = StepCounters()
+        self.broadcast: _Broadcast | None = None
+        self.held: list[_Running] = []  # samples waiting while a broadcast is received
+        self.errors: list[str] = []  # for the daemon's log
 
     # -- state ----------------------------------------------------------------------------
 
@@ -176,11 +210,15 @@ class SglangWorker(WorkerLoop):
         return self._policy_version if self.engine is not None else 0
 
     def busy(self) -> bool:
-        return bool(self.running or self.done)
+        return bool(self.running or self.done or self.held or self.broadcast)
+
+    def broadcast_errors(self) -> list[str]:
+        out, self.errors = self.errors, []
+        return out
 
     def load_summary(self) -> tuple[int, int, dict[str, object]]:
-        running = len(self.running)
-        remaining = sum(s.remaining for s in self.running.values())
+        running = len(self.running) + len(self.held)
+        remaining = sum(s.remaining for s in [*self.running.values(), *self.held])
         stats: dict[str, object] = {
             "backend": "sglang",
             "speculative": self.args.get("speculative_algorithm") or "off",
@@ -223,12 +261,17 @@ class SglangWorker(WorkerLoop):
         if s.remaining <= 0:
             self.done.append(s.to_sample(FinishReason.LENGTH))
             return
+        if self.broadcast is not None:  # the engine's weights are no recorded version now
+            self.held.append(s)
+            return
         seed = s.sampling.seed
         if seed is not None:
             seed = sample_seed(seed, s.prompt_index, s.sample_index, s.segment)
         params = sampling_params(s.sampling, max_new_tokens=s.remaining, seed=seed)
         s.rid, s.drafter_version = uuid.uuid4().hex, eagle_version
         s.segment_policy = self._policy_version
+        if not s.tokens:  # held back until now: its first token comes from these weights
+            s.policy_version = self._policy_version
         try:
             self.engine.submit(s.rid, s.prompt + tuple(s.tokens), params)
         except Exception as exc:  # a request the engine refuses outright
@@ -241,13 +284,21 @@ class SglangWorker(WorkerLoop):
         finished, self.done = self.done, []
         if self.engine is None:  # a failed restart left only results to send
             return finished
-        for rid, out in self.engine.poll(POLL_SECONDS):
+        finished += self._poll(POLL_SECONDS)
+        if self.broadcast is not None:
+            self._advance_broadcast()
+        finished, self.done = finished + self.done, []
+        return finished
+
+    def _poll(self, timeout: float) -> list[Sample]:
+        assert self.engine is not None
+        finished = []
+        for rid, out in self.engine.poll(timeout):
             s = self.running.pop(rid, None)
             if s is not None:  # else: a segment of a sample already returned
                 sample = self._finish(s, out)
                 if sample is not None:
                     finished.append(sample)
-        finished, self.done = finished + self.done, []
         return finished
 
     def _finish(self, s: _Running, out: dict[str, Any]) -> Sample | None:
@@ -280,13 +331,17 @@ class SglangWorker(WorkerLoop):
 
     def cancel(self, request_id: str) -> None:
         assert self.engine is not None
+        for s in [s for s in self.held if s.request_id == request_id]:
+            self.held.remove(s)
+            self.done.append(s.to_sample(FinishReason.CANCELLED))
         for s in self.running.values():
             if s.request_id == request_id and not s.cancelled:
                 s.cancelled = True
                 self.engine.abort(s.rid)  # it comes back from a later poll as an abort
 
     def abort_everything(self) -> list[Sample]:
-        carried = self._suspend_all()
+        carried = self._suspend_all() + self.held
+        self.held = []
         samples, self.done = self.done, []
         return samples + [s.to_sample(FinishReason.CANCELLED) for s in carried]
 
@@ -327,6 +382,7 @@ class SglangWorker(WorkerLoop):
     def load(self, msg: LoadModel) -> None:
         self._stop_engine()  # free the device before the next model starts
         self.running.clear()
+        self.held, self.broadcast, self.policy_source = [], None, ""
         self._drop_export()
         self._drop_adaptive()
         self.adaptive_path = self._write_adaptive(msg.engine)
@@ -339,14 +395,116 @@ class SglangWorker(WorkerLoop):
 
     def load_policy(self, path: str, version: int) -> None:
         assert self.engine is not None
-        # A later restart starts from these weights.
+        b = self.broadcast
+        if b is not None and b.path == path and not b.received:
+            self._wait_received(VERSION_WAIT_SECONDS)  # the daemon may be ahead by a tensor
+            b = self.broadcast
+        if b is not None and not b.received:
+            if b.path == path:
+                return  # the engine is mid-update: the daemon offers the version again later
+            self._abandon(b, path, version)
+            return
+        if b is not None and b.path == path:
+            # The engine already holds these weights: the version only names them now.
+            self.engine.set_weight_version(str(version))
+            self.policy_source = "broadcast"
+        else:
+            # A later restart starts from these weights.
+            args = self.args | {"model_path": path, "weight_version": str(version)}
+            if not self.engine.update_weights(WeightUpdate(path, "target", str(version))):
+                self._restart(args, _eagle_version(args, self.drafter_version))
+            self.policy_source = ""
+        self.args = self.args | {"model_path": path, "weight_version": str(version)}
+        self.policy_path, self._policy_version = path, version
+        if b is not None:
+            self._end_broadcast()
+
+    # -- a policy broadcast (see the module docstring) ------------------------------------
+
+    def join_broadcast(self, m: JoinBroadcast) -> None:
+        if self.engine is None or (self.broadcast is not None and not self.broadcast.received):
+            # Its ranks are counted in the group: the broadcast fails, the trainer pushes.
+            self.errors.append(f"policy broadcast to {m.path} not joined: the engine is busy")
+            return
+        carried = self._suspend_all()
+        for s in carried:
+            # The weights change under it: started again, every token of the sample comes
+            # from one recorded version, the one it then reports. (The daemon sends a join
+            # only to an idle SGLang worker; this covers work that arrived on the way.)
+            s.start_over()
+        self.held += carried
+        self.engine.start_broadcast(distributed_join(m))
+        self.broadcast = _Broadcast(m.path, m.timeout_seconds)
+
+    def _advance_broadcast(self) -> None:
+        assert self.engine is not None and self.broadcast is not None
+        b = self.broadcast
+        if not b.received:
+            result = self.engine.broadcast_result()
+            if result is None:
+                return  # SGLang's own group timeout bounds a receive
+            ok, message = result
+            if not ok:
+                self._restore(f"policy broadcast to {b.path} failed: {message}")
+                return
+            b.received, b.deadline = True, time.monotonic() + b.timeout
+        elif time.monotonic() >= b.deadline:
+            self._restore(
+                f"policy broadcast to {b.path} was not recorded within {b.timeout:.0f} s "
+                f"of its arrival: back to policy version {self._policy_version}"
+            )
+        else:
+            time.sleep(POLL_SECONDS)  # nothing runs until the LoadPolicy: do not spin
+
+    def _wait_received(self, seconds: float) -> None:
+        assert self.engine is not None and self.broadcast is not None
+        deadline = time.monotonic() + seconds
+        while not self.broadcast.received and time.monotonic() < deadline:
+            self.done += self._poll(POLL_SECONDS)
+            self._advance_broadcast()
+            if self.broadcast is None:
+                return
+
+    def _abandon(self, b: _Broadcast, path: str, version: int) -> None:
+        """Another version was recorded while the engine still waits in the broadcast's group
+        (its trainer gave up and pushed by gRPC, or never came): SGLang would wait there for
+        torch's group timeout (30 minutes), so the engine restarts on that version."""
+        self.errors.append(
+            f"policy broadcast to {b.path} abandoned: policy version {version} was recorded "
+            "while the engine still waited in its group; the engine restarts"
+        )
         args = self.args | {"model_path": path, "weight_version": str(version)}
-        if not self.engine.update_weights(WeightUpdate(path, "target", str(version))):
+        self.broadcast = None
+        try:
             self._restart(args, _eagle_version(args, self.drafter_version))
-        self.args, self.policy_path, self._policy_version = args, path, version
+            self.args, self.policy_path, self._policy_version = args, path, version
+            self.policy_source = ""
+        finally:
+            # The held samples go on whatever the restart did: on the engine that runs now
+            # (the new one, or the old one started again), or fail when none does.
+            if self.engine is None:
+                held, self.held = self.held, []
+                why = "the engine did not start again"
+                self.done += [s.to_sample(FinishReason.FAILED, why) for s in held]
+            self._end_broadcast()
+
+    def _restore(self, error: str) -> None:
+        """Back to the recorded version's weights (the file), then the held samples go on."""
+        assert self.engine is not None
+        self.errors.append(error)
+        version = str(self._policy_version)
+        self.engine.update_weights(WeightUpdate(self.policy_path, "target", version))
+        self._end_broadcast()
+
+    def _end_broadcast(self) -> None:
+        self.broadcast = None
+        held, self.held = self.held, []
+        self._resume(held, _eagle_version(self.args, self.drafter_version))
 
     def set_drafter(self, path: str, version: int) -> int:
         assert self.engine is not None
+        if self.broadcast is not None:
+            return self.drafter_version  # after the broadcast: the daemon offers it again
         export = self._export(path) if path else ""
         args = engine_args(
             self.spec, self.policy_path, export, self.adaptive_path, self._policy_version

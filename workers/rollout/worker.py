@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from tltd.domain import Sample
 from tltd_workers.rollout.loop import WorkerLoop, contiguous_runs, serve
-from tltd_workers.rollout.protocol import AddWork, LoadModel
+from tltd_workers.rollout.protocol import AddWork, JoinBroadcast, LoadModel
 from tltd_workers.signals import ignore_stop_signals
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by the worker process, at load
@@ -59,6 +59,8 @@ class RolloutWorker(WorkerLoop):
         from tltd_workers.engine.engine import Engine, EngineConfig
 
         self.engine = None  # free the old model before loading the next one
+        self.policy_source = ""
+        self.broadcasts.drop()  # weights received for the job it held are not needed now
         engine = Engine(
             msg.path,
             EngineConfig.from_spec(msg.engine),
@@ -76,7 +78,14 @@ class RolloutWorker(WorkerLoop):
 
     def load_policy(self, path: str, version: int) -> None:
         assert self.engine is not None
-        self.engine.load_policy(path, version)
+        received = self.broadcasts.take(path)
+        self.engine.load_policy(path if received is None else received, version)
+        self.policy_source = "" if received is None else "broadcast"
+
+    def join_broadcast(self, msg: JoinBroadcast) -> None:
+        # An nccl broadcast lands on the engine's device (the default is the host).
+        device = str(self.engine.device) if self.engine is not None else "cpu"
+        self.broadcasts.join(msg, device)
 
     def set_drafter(self, path: str, version: int) -> int:
         from tltd_workers.engine.eagle import EagleDrafter

@@ -25,6 +25,12 @@ What maps to what (SGLang names):
   `WeightUpdate(selector="draft")`: SGLang's selector-scoped weight update
   (`begin_weight_update(selector)`, `UpdateWeightsFromTensorReqInput(selector=...)`,
   `end_weight_update()`), each tagged with the policy version as `weight_version`.
+- `JoinBroadcast` -> `DistributedJoin` (`distributed_join`): SGLang's distributed weight
+  update, in one target-scoped session: `init_weights_update_group(master_address,
+  master_port, rank_offset, world_size, group_name, backend)`,
+  `update_weights_from_distributed(names, dtypes, shapes, group_name, ...)` without a
+  `weight_version` (the version does not exist yet), `destroy_weights_update_group`; the
+  LoadPolicy of the recorded version then only sets it (`update_weight_version`).
 """
 
 from __future__ import annotations
@@ -35,14 +41,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from tltd.domain import FinishReason, SamplingParams
-from tltd_workers.rollout.protocol import EngineSpec
+from tltd.domain import FinishReason, SamplingParams, TensorSpec
+from tltd_workers.rollout.protocol import EngineSpec, JoinBroadcast
 
 Selector = Literal["target", "draft"]
 
 # SGLang sizes its KV cache to this share of GPU memory at start. Not its default (~0.8-0.9):
 # the drafter trainer runs on this same device when rollout goes idle, and needs room.
 MEM_FRACTION_STATIC = 0.7
+
+# One worker per device: an engine runs on one GPU. A broadcast gives an engine one rank per
+# tensor-parallel GPU (SGLang joins as rank_offset + tp_rank), so the group's ranks follow this.
+TP_SIZE = 1
 
 # Seeds stay below 2**31 - 1 so that they fit any int32 path SGLang's sampler may take.
 _SEED_MODULUS = 2**31 - 1
@@ -57,6 +67,33 @@ class WeightUpdate:
     path: str
     selector: Selector
     weight_version: str = ""
+
+
+@dataclass(frozen=True)
+class DistributedJoin:
+    """One engine's part in a policy broadcast: the group (the daemon's TCP store, SGLang's
+    `rank_offset` = the engine's first rank) and the tensors, in the order the trainer
+    broadcasts them; dtypes as torch names ("bfloat16"), as SGLang takes them."""
+
+    address: str
+    port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def distributed_join(m: JoinBroadcast) -> DistributedJoin:
+    """A JoinBroadcast as SGLang's distributed weight update takes it."""
+    names = tuple(name for name, _, _ in m.tensors)
+    dtypes = tuple(TensorSpec.TORCH_DTYPES[code] for _, code, _ in m.tensors)
+    shapes = tuple(tuple(shape) for _, _, shape in m.tensors)
+    return DistributedJoin(
+        m.address, m.port, m.rank, m.world_size, m.group_name, m.backend, names, dtypes, shapes
+    )
 
 
 class SglangEngine(Protocol):
@@ -84,6 +121,23 @@ class SglangEngine(Protocol):
     def update_weights(self, update: WeightUpdate) -> bool:
         """Load new weights in place: True when applied, False when this engine cannot update
         `update.selector` in place (the caller restarts it); raises when loading failed."""
+        ...
+
+    def start_broadcast(self, join: DistributedJoin) -> None:
+        """Join a policy broadcast and receive its tensors into the target weights, while
+        `poll` runs the engine's loop (`init_weights_update_group`,
+        `update_weights_from_distributed` in a target-scoped session,
+        `destroy_weights_update_group`); no request may run in the engine meanwhile."""
+        ...
+
+    def broadcast_result(self) -> tuple[bool, str] | None:
+        """None while the broadcast runs; then once (ok, message): ok means the target holds
+        every tensor of it (with the weight version unchanged)."""
+        ...
+
+    def set_weight_version(self, version: str) -> None:
+        """Label the loaded weights (`update_weight_version`): what `meta_info.weight_version`
+        reports from then on."""
         ...
 
     def release_memory(self) -> None:
@@ -177,7 +231,7 @@ def engine_args(
         "weight_version": str(policy_version),
         "skip_tokenizer_init": True,  # token ids in, token ids out: no tokenizer needed
         "base_gpu_id": gpu_index(spec.device),
-        "tp_size": 1,  # one worker per device
+        "tp_size": TP_SIZE,
         "random_seed": spec.seed,
         "max_running_requests": spec.max_batch,  # the scheduler's capacity for this worker
         "context_length": spec.max_seq_len,

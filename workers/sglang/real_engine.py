@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tltd_workers.sglang.adapter import WeightUpdate
+from tltd_workers.sglang.adapter import DistributedJoin, WeightUpdate
 
 # Drafter exports leave this out (the draft model shares the target's embeddings); an export
 # that has it must not overwrite the target's with the drafter's possibly older policy's.
@@ -55,6 +55,33 @@ def disk_update_request(io: ModuleType, path: str, version: str) -> Any:
     return io.UpdateWeightFromDiskReqInput(model_path=path, weight_version=version or None)
 
 
+def init_group_request(io: ModuleType, join: DistributedJoin) -> Any:
+    """SGLang's request to join the broadcast group (its ranks: rank_offset + tp_rank)."""
+    return io.InitWeightsUpdateGroupReqInput(
+        master_address=join.address,
+        master_port=join.port,
+        rank_offset=join.rank_offset,
+        world_size=join.world_size,
+        group_name=join.group_name,
+        backend=join.backend,
+    )
+
+
+def distributed_update_request(io: ModuleType, join: DistributedJoin) -> Any:
+    """SGLang's request to receive the broadcast's tensors into the target runner. No
+    weight_version: the version exists only once the daemon recorded it (LoadPolicy sets it);
+    the draft runner keeps its own weights (it shares embeddings and head with the target)."""
+    return io.UpdateWeightsFromDistributedReqInput(
+        names=list(join.names),
+        dtypes=list(join.dtypes),
+        shapes=[list(s) for s in join.shapes],
+        group_name=join.group_name,
+        flush_cache=True,
+        weight_version=None,
+        selector="target",
+    )
+
+
 def keep_stop_signals_ignored(tokenizer_manager: Any) -> None:
     """SGLang's TokenizerManager installs a SIGTERM handler on its loop when it first runs
     (`auto_create_handle_loop`), replacing the worker's SIG_IGN: its watchdog would then
@@ -82,6 +109,7 @@ class SglangEngineAdapter:
         self.tasks: dict[asyncio.Task, str] = {}
         self.unregistered_aborts: set[str] = set()
         self.released = False
+        self.broadcast: asyncio.Task | None = None
         keep_stop_signals_ignored(self.tm)
 
     def submit(self, rid: str, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> None:
@@ -95,13 +123,18 @@ class SglangEngineAdapter:
         self.tasks[self.loop.create_task(coro)] = rid
 
     def poll(self, timeout: float) -> list[tuple[str, dict[str, Any]]]:
-        if not self.tasks:
+        waiting: list[asyncio.Task] = list(self.tasks)
+        if self.broadcast is not None and not self.broadcast.done():
+            waiting.append(self.broadcast)  # the loop runs it while it waits
+        if not waiting:
             return []
         done, _ = self.loop.run_until_complete(
-            asyncio.wait(list(self.tasks), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         )
         outs = []
         for task in done:
+            if task is self.broadcast:
+                continue
             rid = self.tasks.pop(task)
             self.unregistered_aborts.discard(rid)
             try:
@@ -174,6 +207,43 @@ class SglangEngineAdapter:
         finally:
             _check(self.engine.end_weight_update(), "end_weight_update")
 
+    # -- a policy broadcast ---------------------------------------------------------------
+
+    def start_broadcast(self, join: DistributedJoin) -> None:
+        self.resume_memory()
+        self.broadcast = self.loop.create_task(self._receive(join))
+
+    async def _receive(self, join: DistributedJoin) -> None:
+        # A task on the engine's loop, not a blocking call: the group forms only once the
+        # trainer joins, and the worker keeps answering its pipe meanwhile.
+        tm, io = self.tm, self.io
+        begin = await tm.begin_weight_update(io.BeginWeightUpdateReqInput(selector="target"))
+        _check(begin, "begin_weight_update(target)")
+        try:
+            joined = await tm.init_weights_update_group(init_group_request(io, join), None)
+            _check(joined, f"init_weights_update_group({join.group_name})")
+            try:
+                update = distributed_update_request(io, join)
+                result = await tm.update_weights_from_distributed(update, None)
+                _check(result, "update_weights_from_distributed")
+            finally:
+                destroy = io.DestroyWeightsUpdateGroupReqInput(group_name=join.group_name)
+                await tm.destroy_weights_update_group(destroy, None)
+        finally:
+            _check(await tm.end_weight_update(io.EndWeightUpdateReqInput()), "end_weight_update")
+
+    def broadcast_result(self) -> tuple[bool, str] | None:
+        task = self.broadcast
+        if task is None or not task.done():
+            return None
+        self.broadcast = None
+        exc = task.exception()
+        return (True, "") if exc is None else (False, f"{type(exc).__name__}: {exc}")
+
+    def set_weight_version(self, version: str) -> None:
+        request = self.io.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False)
+        self._run(self.tm.update_weight_version(request))
+
     def _run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
 
@@ -195,6 +265,9 @@ class SglangEngineAdapter:
         for task in self.tasks:
             task.cancel()
         self.tasks.clear()
+        if self.broadcast is not None:
+            self.broadcast.cancel()
+            self.broadcast = None
         self.engine.shutdown()
 
 

@@ -1,0 +1,127 @@
+"""A work-unit claim that meets a database error: the unit is leased to this node in the store
+but never became live here. It must not stay leased forever; its lease lapses and it is
+claimed again, and the request completes with every sample once.
+
+Two ways a PostgreSQL restart leaves such a unit (both seen in `test_fault_postgres_restart`):
+the claim statement commits but its answer is lost with the connection, or the claim lands
+and reading its request right after fails. The fault is injected at the store call (a real
+driver error, as the restart raises it); everything else is real: the daemon in-process with
+real worker processes, SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import select
+
+from tests.api.support import make_settings, sampling
+from tests.rollout.support import InProcessDaemon
+from tltd.store.tables import WorkUnitRow
+
+LEASE = 1.5  # seconds (renewed every 0.5 s): the lapse the fix relies on stays short
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
+N = 2
+
+
+def _connection_lost() -> sa_exc.OperationalError:
+    return sa_exc.OperationalError(
+        "SELECT ...", {}, psycopg.OperationalError("server closed the connection unexpectedly")
+    )
+
+
+@pytest.fixture
+def daemon(store, tmp_path) -> Iterator[InProcessDaemon]:
+    settings = make_settings(
+        tmp_path,
+        cpu_slots=1,
+        worker_max_batch=8,
+        worker_max_seq_len=128,
+        worker_heartbeat_seconds=0.2,
+        device_refresh_seconds=3600.0,
+        drafter_training=False,
+        lease_seconds=LEASE,
+    )
+    d = InProcessDaemon(settings, store).start()
+    try:
+        yield d
+    finally:
+        if d.daemon is not None and d.daemon.listener is not None:
+            d.daemon.listener.stop()  # before its database is dropped
+        d.kill()
+
+
+class _FailOnce:
+    """Wraps a store method: the first call after `arm()` raises the driver's lost-connection
+    error; with `call_first`, only after the real call ran and returned something (a claim
+    that committed). Other calls pass through."""
+
+    def __init__(self, real, *, call_first: bool) -> None:
+        self.real, self.call_first = real, call_first
+        self.armed = threading.Event()
+        self.fired = threading.Event()
+        self._lock = threading.Lock()
+
+    def arm(self) -> None:
+        self.armed.set()
+
+    def __call__(self, *args, **kw):
+        with self._lock:
+            if not self.armed.is_set() or self.fired.is_set():
+                return self.real(*args, **kw)
+            if self.call_first:
+                result = self.real(*args, **kw)
+                if not result:
+                    return result  # nothing claimed by this call: wait for one that does
+            self.fired.set()  # (a claim committed: its units are leased to this node)
+        raise _connection_lost()
+
+
+def _attempts(store, request_id: str) -> list[int]:
+    with store._tx(write=False) as s:
+        rows = s.execute(
+            select(WorkUnitRow.attempts)
+            .where(WorkUnitRow.request_id == request_id)
+            .order_by(WorkUnitRow.prompt_index)
+        ).all()
+    return [r[0] for r in rows]
+
+
+@pytest.mark.parametrize(
+    "method, call_first",
+    [
+        ("claim_units", True),  # the claim committed, its answer lost with the connection
+        ("list_samples", False),  # the claim landed; reading the claimed request failed
+    ],
+    ids=["claim-answer-lost", "claimed-request-unreadable"],
+)
+def test_a_claim_that_meets_a_database_error_is_claimed_again(
+    daemon, ckpt, monkeypatch, method, call_first
+):
+    fault = _FailOnce(getattr(daemon.store, method), call_first=call_first)
+    monkeypatch.setattr(daemon.store, method, fault)
+    rid = f"lease-{method}"
+    with daemon.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        daemon.wait_workers_ready(1, timeout=120)
+        fault.arm()
+        # Without the lapse the unit stays leased here, renewed forever, and this times out.
+        got = list(
+            c.generate(
+                "job", PROMPTS, sampling=sampling(n=N, max_new_tokens=6), request_id=rid,
+                timeout=30 * LEASE,
+            )
+        )  # fmt: skip
+        stored = c.get_request(rid).request
+    assert fault.fired.is_set(), "the fault was not hit"
+    keys = sorted((s.prompt_index, s.sample_index) for s in got)
+    assert keys == [(p, i) for p in range(len(PROMPTS)) for i in range(N)]  # each once
+    assert not any(s.partial for s in got)
+    assert stored.samples_done == len(PROMPTS) * N
+    assert stored.status_reason == f"all {len(PROMPTS) * N} samples finished"
+    # The unit that met the error was claimed a second time, after its lease lapsed.
+    assert max(_attempts(daemon.store, rid)) == 2
