@@ -14,7 +14,8 @@ from tests.multinode.conftest import Cluster, long_only
 from tltd.v1 import rollout_pb2
 
 # Tiny rounds right after a batch; a lease that lapses within seconds. On the 2-core
-# development machine the takeover test took 22-68 s (long), the other one about 21 s.
+# development machine the takeover test took 22-68 s (long), the other one about 20 s
+# (one more batch every 30 s while no version is promoted).
 TRAINING_ENV = dict(
     drafter_training="true", training_idle_grace_seconds=0.2, training_min_fresh_samples=4,
     training_cadence_seconds=0.5, training_held_out_every=3, training_steps_per_round=3,
@@ -85,6 +86,21 @@ def _samples_by_node(cluster: Cluster, job: str, up_to: int) -> set[str]:
     return {r[0] for r in rows}
 
 
+def _training_story(cluster: Cluster, nodes: dict, job: str) -> str:
+    """What the database and the daemons' logs say of a job's drafter training (for a failure)."""
+    versions = cluster.sql(
+        "SELECT version, node_id, status, status_reason FROM drafter_versions "
+        "WHERE job_id = :j ORDER BY version",
+        j=job,
+    )
+    lines = [f"versions: {versions}", f"lease: {_lease(cluster, job)}"]
+    for name, d in nodes.items():
+        log = d.log_file.read_text().splitlines()
+        told = [ln for ln in log if "drafter" in ln and "alembic" not in ln]
+        lines += [f"--- {name}'s log on drafters (last 15 lines)", *told[-15:]]
+    return "no promoted version:\n" + "\n".join(lines)
+
+
 @long_only
 def test_training_moves_to_another_node_when_its_node_dies(cluster: Cluster, ckpt) -> None:
     shared = cluster.tmp_path / "shared"
@@ -142,15 +158,25 @@ def test_without_a_shared_dir_a_drafter_stays_on_its_node(cluster: Cluster, ckpt
         c.create_job(str(ckpt), job_id="local")
     for d in nodes.values():
         d.wait_workers_ready("local", n=1, timeout=240)
-    _batch([d.target for d in nodes.values()], "local", "batch")
-    promoted = _until(
-        lambda: cluster.sql(
+    targets = [d.target for d in nodes.values()]
+    _batch(targets, "local", "batch")
+    batches, last_batch = iter(range(1000)), [time.monotonic()]
+
+    def promoted_version() -> list:
+        # A candidate that does not beat the baseline on its held-out samples is rejected;
+        # more rollouts give the trainer fresh samples for another round.
+        if time.monotonic() - last_batch[0] > 30:
+            _batch(targets, "local", f"more{next(batches)}", requests=2)
+            last_batch[0] = time.monotonic()
+        return cluster.sql(
             "SELECT version, node_id, shared FROM drafter_versions "
             "WHERE job_id = 'local' AND status = 'promoted'"
-        ),
-        timeout=240,
-        what="a promoted version",
-    )
+        )
+
+    try:
+        promoted = _until(promoted_version, timeout=300, what="a promoted version")
+    except TimeoutError as exc:
+        raise TimeoutError(_training_story(cluster, nodes, "local")) from exc
     version, writer, is_shared = promoted[0]
     assert not is_shared and writer in nodes
     reader = next(n for n in nodes if n != writer)
