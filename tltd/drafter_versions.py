@@ -33,6 +33,21 @@ def _decide(m: Measured, min_gain: float) -> tuple[DrafterStatus, str]:
     return (DrafterStatus.PROMOTED if better else DrafterStatus.REJECTED), reason
 
 
+def _candidate(job_id: str, m: Measured, shared: bool, **more) -> DrafterVersion:
+    """The version row of a measured candidate (its number is given by the store)."""
+    return DrafterVersion(
+        job_id=job_id,
+        version=0,
+        policy_version=m.policy_version,
+        path=m.path,
+        train_steps=m.train_steps,
+        loss=m.loss,
+        acceptance_length=m.acceptance,
+        shared=shared,
+        **more,
+    )
+
+
 def publish(
     store: Store,
     job_id: str,
@@ -47,16 +62,7 @@ def publish(
     drafter lease (`tltd.errors.Fenced`, nothing recorded, when the lease of `lease_epoch` is
     no longer this node's)."""
     status, reason = _decide(m, min_gain)
-    dv = DrafterVersion(
-        job_id=job_id,
-        version=0,
-        policy_version=m.policy_version,
-        path=m.path,
-        train_steps=m.train_steps,
-        loss=m.loss,
-        acceptance_length=m.acceptance,
-        shared=shared,
-    )
+    dv = _candidate(job_id, m, shared)
     return store.publish_drafter(dv, lease_epoch, status, reason, cursor)
 
 
@@ -66,18 +72,6 @@ def record(
     """Record a measured candidate as a version: PROMOTED (active from now) only when its
     held-out acceptance exceeds the baseline by more than `min_gain`, else REJECTED (kept on
     disk for inspection)."""
-    dv = store.add_drafter_version(
-        DrafterVersion(
-            job_id=job_id,
-            version=0,
-            policy_version=m.policy_version,
-            path=m.path,
-            train_steps=m.train_steps,
-            loss=m.loss,
-            acceptance_length=m.acceptance,
-            node_id=store.node_id,
-            shared=shared,
-        )
-    )
+    dv = store.add_drafter_version(_candidate(job_id, m, shared, node_id=store.node_id))
     status, reason = _decide(m, min_gain)
     return store.set_drafter_status(job_id, dv.version, status, reason)

@@ -39,6 +39,7 @@ from tltd.settings import Settings
 if TYPE_CHECKING:
     from tltd.store import Store
     from tltd.supervisor import Supervisor
+    from tltd.supervisor.requests import StreamEvent
 
 
 def derived_seed(request_id: str) -> int:
@@ -152,18 +153,9 @@ class RolloutService:
                         f"node {self.store.node_id} is drained and handed its work to the "
                         f"other nodes: retry request {rid} there (it re-attaches)"
                     )
-                # Samples stored here arrive at once; a request's end too; the rest is polled.
-                deadline = asyncio.get_running_loop().time() + poll
-                while True:
-                    left = deadline - asyncio.get_running_loop().time()
-                    try:
-                        event = await asyncio.wait_for(events.get(), max(0.0, left))
-                    except TimeoutError:
-                        break
-                    if event.sample is None:
-                        break
-                    if sent.admit(event.sample, False):
-                        yield event.sample
+                async for sample in _stored_here(events, poll):
+                    if sent.admit(sample, False):
+                        yield sample
         finally:
             sup.unsubscribe(rid, events)
 
@@ -293,6 +285,21 @@ class _Sent:
             self._partial.add(key)
             return True
         return False
+
+
+async def _stored_here(events: asyncio.Queue[StreamEvent], seconds: float) -> AsyncIterator[Sample]:
+    """The samples stored on this node within `seconds`, as they arrive; a request's end (an
+    event without a sample) cuts the wait short. What other nodes store is polled instead."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while True:
+        try:
+            event = await asyncio.wait_for(events.get(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            return
+        if event.sample is None:
+            return
+        yield event.sample
 
 
 def _end(request_id: str, status: RequestStatus | None, reason: str) -> None:
