@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import time
 from pathlib import Path
@@ -158,6 +159,13 @@ class InProcessDaemon:
                 if d.scheduler is not None:
                     d.scheduler.shutdown(wait=False)
                 await d.supervisor.stop()
+                # What else dies with the process: its listener, its other ports.
+                if d.listener is not None:
+                    await asyncio.to_thread(d.listener.stop)
+                if d.http is not None:
+                    await d.http.stop(0)
+                if d.metrics is not None:
+                    d.metrics.stop()
 
             self.call(stop())
             self.daemon = None
