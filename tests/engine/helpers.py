@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -52,3 +53,19 @@ def make_checkpoint(
         model.model.norm.weight.mul_(logit_scale)
     model.save_pretrained(path)
     return path
+
+
+def with_final_norm_changed(src: Path, dst: Path, seed: int) -> Path:
+    """A copy of checkpoint `src` at `dst` whose final norm is randomly rescaled: a new policy
+    that changes the logits and nothing the KV cache holds (the old KV is exactly what the new
+    weights compute), for policy switches mid-sample."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    shutil.copyfile(src / "config.json", dst / "config.json")
+    sd = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    norm = sd["model.norm.weight"]
+    sd["model.norm.weight"] = norm * (1 + 2 * torch.randn(norm.shape, generator=g))
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

@@ -7,13 +7,10 @@ the tokens and logprobs after the switch can be checked against the new model to
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from tests.engine.helpers import make_checkpoint
+from tests.engine.helpers import make_checkpoint, with_final_norm_changed
 from tests.rollout.support import reference_logprobs
 from tltd.domain import SamplingParams
 from tltd_workers.engine.bandit import Strategy
@@ -26,15 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     old = make_checkpoint(tmp_path_factory.mktemp("m") / "old", "qwen2", vocab=32, seed=1)
-    new = old.parent / "new"
-    new.mkdir()
-    shutil.copyfile(old / "config.json", new / "config.json")
-    sd = load_file(str(old / "model.safetensors"))
-    g = torch.Generator().manual_seed(5)
-    norm = sd["model.norm.weight"]
-    sd["model.norm.weight"] = norm * (1 + 2 * torch.randn(norm.shape, generator=g))
-    save_file(sd, str(new / "model.safetensors"), metadata={"format": "pt"})
-    return old, new
+    return old, with_final_norm_changed(old, old.parent / "new", seed=5)
 
 
 @pytest.mark.parametrize("mode", ["off", "fixed"])

@@ -5,6 +5,7 @@ stays on the node that wrote it."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -54,6 +55,22 @@ def _until(cond, timeout: float, what: str):
             return got
         time.sleep(0.2)
     raise TimeoutError(what)
+
+
+def _until_fed(cond, targets: list[str], job: str, tag: str, what: str, fed_at: float = 0.0):
+    """`_until(cond)` for up to 300 s, sending 2 requests to `targets` every 30 s (the first
+    30 s after `fed_at`) meanwhile: fresh samples for another training round, with pauses in
+    which the idle devices train."""
+    batches = itertools.count()
+    last = [fed_at]
+
+    def fed():
+        if time.monotonic() - last[0] > 30:
+            _batch(targets, job, f"{tag}{next(batches)}", requests=2)
+            last[0] = time.monotonic()
+        return cond()
+
+    return _until(fed, timeout=300, what=what)
 
 
 def _versions(cluster: Cluster, job: str) -> list:
@@ -125,17 +142,11 @@ def test_training_moves_to_another_node_when_its_node_dies(cluster: Cluster, ckp
     print(f"first version by {trainer} after {time.monotonic() - started:.1f}s")
 
     nodes[trainer].kill()  # its lease is not released: it lapses
-    batches = iter(range(1000))
-    last_batch = [0.0]
-
-    def taken_over() -> list:
-        # Rollouts go on (on the node left), with pauses in which its idle device trains.
-        if time.monotonic() - last_batch[0] > 30:
-            _batch([nodes[other].target], "dj", f"second{next(batches)}", requests=2)
-            last_batch[0] = time.monotonic()
-        return [v for v in _versions(cluster, "dj") if v[1] == other]
-
-    newer = _until(taken_over, timeout=300, what="a version from the node that took over")
+    # Rollouts go on, on the node left.
+    newer = _until_fed(
+        lambda: [v for v in _versions(cluster, "dj") if v[1] == other],
+        [nodes[other].target], "dj", "second", what="a version from the node that took over",
+    )  # fmt: skip
     v2, node, is_shared2, v2_steps, _ = newer[0]
     assert node == other and is_shared2 and v2 > v1
     # Continued from the last published version: its step count goes on from there.
@@ -160,21 +171,16 @@ def test_without_a_shared_dir_a_drafter_stays_on_its_node(cluster: Cluster, ckpt
         d.wait_workers_ready("local", n=1, timeout=240)
     targets = [d.target for d in nodes.values()]
     _batch(targets, "local", "batch")
-    batches, last_batch = iter(range(1000)), [time.monotonic()]
-
-    def promoted_version() -> list:
+    try:
         # A candidate that does not beat the baseline on its held-out samples is rejected;
         # more rollouts give the trainer fresh samples for another round.
-        if time.monotonic() - last_batch[0] > 30:
-            _batch(targets, "local", f"more{next(batches)}", requests=2)
-            last_batch[0] = time.monotonic()
-        return cluster.sql(
-            "SELECT version, node_id, shared FROM drafter_versions "
-            "WHERE job_id = 'local' AND status = 'promoted'"
-        )
-
-    try:
-        promoted = _until(promoted_version, timeout=300, what="a promoted version")
+        promoted = _until_fed(
+            lambda: cluster.sql(
+                "SELECT version, node_id, shared FROM drafter_versions "
+                "WHERE job_id = 'local' AND status = 'promoted'"
+            ),
+            targets, "local", "more", what="a promoted version", fed_at=time.monotonic(),
+        )  # fmt: skip
     except TimeoutError as exc:
         raise TimeoutError(_training_story(cluster, nodes, "local")) from exc
     version, writer, is_shared = promoted[0]
@@ -217,15 +223,10 @@ def test_a_paused_trainer_node_loses_the_lease_and_publishes_nothing(
     other = next(n for n in nodes if n != holder)
     os.killpg(nodes[holder].proc.pid, signal.SIGSTOP)  # the daemon and its trainer
     try:
-        last_batch = [0.0]
-
-        def taken_over() -> list:
-            if time.monotonic() - last_batch[0] > 30:
-                _batch([nodes[other].target], "pz", f"more{int(last_batch[0])}", requests=2)
-                last_batch[0] = time.monotonic()
-            return [v for v in _versions(cluster, "pz") if v[1] == other]
-
-        _until(taken_over, timeout=300, what="a version from the node that took over")
+        _until_fed(
+            lambda: [v for v in _versions(cluster, "pz") if v[1] == other],
+            [nodes[other].target], "pz", "more", what="a version from the node that took over",
+        )  # fmt: skip
         [(taken_at,)] = cluster.sql(
             "SELECT max(at) FROM events WHERE entity = 'drafter_lease' AND entity_id = 'pz' "
             "AND new_status = :o",

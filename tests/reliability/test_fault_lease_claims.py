@@ -50,9 +50,7 @@ def daemon(store, tmp_path) -> Iterator[InProcessDaemon]:
     try:
         yield d
     finally:
-        if d.daemon is not None and d.daemon.listener is not None:
-            d.daemon.listener.stop()  # before its database is dropped
-        d.kill()
+        d.kill()  # its listener too, before its database is dropped
 
 
 class _FailOnce:

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
 import threading
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from tests.api.support import sampling
+from tests.engine.helpers import with_final_norm_changed
 from tests.rollout.support import direct_outputs, reference_logprobs, wait_until
 from tltd.domain import SamplingParams
 from tltd.v1 import job_pb2, rollout_pb2
@@ -31,15 +30,7 @@ LONG = dict(n=1, temperature=0.0, max_new_tokens=1000, logprob_mode=rollout_pb2.
 
 @pytest.fixture(scope="module")
 def norm_changed(ckpt, tmp_path_factory):
-    new = tmp_path_factory.mktemp("norm") / "policy"
-    new.mkdir()
-    shutil.copyfile(ckpt / "config.json", new / "config.json")
-    sd = load_file(str(ckpt / "model.safetensors"))
-    g = torch.Generator().manual_seed(3)
-    norm = sd["model.norm.weight"]
-    sd["model.norm.weight"] = norm * (1 + 2 * torch.randn(norm.shape, generator=g))
-    save_file(sd, str(new / "model.safetensors"), metadata={"format": "pt"})
-    return new
+    return with_final_norm_changed(ckpt, tmp_path_factory.mktemp("norm") / "policy", seed=3)
 
 
 def _update_mid_request(d, c, job_id: str, new_policy, switches: bool) -> rollout_pb2.Sample:
