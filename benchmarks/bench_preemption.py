@@ -7,12 +7,13 @@ checkpoint write that follows is off the training thread and not part of it). Tw
 side by side: hidden states cached in the buffer, and recomputed by a target prefill (longer
 micro-steps). Target: p99 < 200 ms on CPU.
 
-    python benchmarks/bench_preemption.py [--preemptions 60] [--threads 1]
+    python benchmarks/bench_preemption.py [--preemptions 60] [--threads 1] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -46,7 +47,9 @@ def samples(model_dir: Path, n: int, length: int, with_hidden: bool) -> list[Tra
     return out
 
 
-def run(model_dir: Path, keep_hidden: bool, n: int, threads: int, tmp: Path) -> dict:
+def run(
+    model_dir: Path, keep_hidden: bool, n: int, threads: int, tmp: Path, device: str = "cpu"
+) -> dict:
     cfg = TrainerConfig(items_per_micro=1, micro_per_step=4, row_len=256)
     spec = TrainerSpec(
         model_path=str(model_dir),
@@ -54,6 +57,7 @@ def run(model_dir: Path, keep_hidden: bool, n: int, threads: int, tmp: Path) -> 
         trainer=cfg,
         keep_hidden=keep_hidden,
         threads=threads,
+        device=device,
     )
     w = TrainerProcess(spec)
     rng = random.Random(0)
@@ -85,14 +89,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preemptions", type=int, default=60)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where the trainer trains: cpu, cuda, cuda:N")
+    ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model_dir = make_policy(tmp / "policy", hidden=256, layers=8, vocab=8192)
-        rows = [run(model_dir, keep, args.preemptions, args.threads, tmp) for keep in (True, False)]
+        rows = [
+            run(model_dir, keep, args.preemptions, args.threads, tmp, args.device)
+            for keep in (True, False)
+        ]
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "rows": rows}, indent=1))
     load = os.getloadavg()
     print(
-        f"preemption latency, {args.preemptions} preemptions per row, "
+        f"preemption latency, {args.preemptions} preemptions per row, trainer on {args.device}, "
         f"torch threads={args.threads}, CPU x{os.cpu_count()}, "
         f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
     )

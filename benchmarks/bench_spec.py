@@ -138,6 +138,7 @@ def make_engine(
             draft_confidence=args.confidence,
             seed=args.seed,
             dtype=DTYPES[args.dtype],
+            device=args.device,
         ),
     )
     if "eagle" in drafters:
@@ -364,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dtype", choices=sorted(DTYPES), default="float32", help="engine weights and activations"
     )
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens = 2, 2, min(args.max_new_tokens, 48)
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         modes.insert(0, "off")
     torch.set_num_threads(args.threads)
 
-    model = load_model(args.model, DTYPES[args.dtype])
+    model = load_model(args.model, DTYPES[args.dtype], args.device)
     drafter = None
     if args.drafter.is_dir():
         drafter = EagleDrafter.from_pretrained(args.drafter, model)
@@ -385,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         f"workload: {args.prompts} prompts x {args.samples} samples, "
         f"care {'/'.join(map(str, args.care))}, "
         f"T={args.temperature}, max_new_tokens {args.max_new_tokens}, threads {args.threads}, "
-        f"{args.dtype}, {args.repeats} interleaved repeats after {args.warmup} untimed warm-up "
+        f"{args.dtype} on {args.device}, {args.repeats} interleaved repeats after "
+        f"{args.warmup} untimed warm-up "
         f"pass(es) of {args.warm_prompts or max(1, args.prompts // 2)} other prompts",
         flush=True,
     )

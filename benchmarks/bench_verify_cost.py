@@ -12,11 +12,16 @@ and the per-step speedup that SD can reach at most with a given accepted length 
 emitted per row per SD step, bonus included): a * decode / (verify + k * draft), and with a
 free drafter: a * decode / verify. Sampling and bookkeeping are left out, so real steps are
 slower than these bounds.
+
+On a GPU (`--device cuda`), `--shape qwen2-0.5b` adds a randomly initialised model of that
+shape (built on the device, nothing downloaded) with a random EAGLE drafter: the regime the
+project's small policy stands in for. `--json PATH` writes the rows for scripts/gpu_check.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -27,21 +32,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.task.workload import MODEL_DIR  # noqa: E402
 from tltd_workers.engine.eagle import EagleDrafter  # noqa: E402
-from tltd_workers.engine.transformer import Batch, CausalLM, load_model  # noqa: E402
+from tltd_workers.engine.transformer import (  # noqa: E402
+    Batch,
+    CausalLM,
+    ModelConfig,
+    load_model,
+)
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "tiny-policy-eagle"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Random-initialised shapes for GPU runs (Qwen2.5-0.5B's and Qwen2.5-1.5B's dimensions).
+SHAPES = {
+    "qwen2-0.5b": ModelConfig(151936, 896, 4864, 24, 14, 2, 64, qkv_bias=True,
+                              tie_word_embeddings=True, max_position_embeddings=4096),
+    "qwen2-1.5b": ModelConfig(151936, 1536, 8960, 28, 12, 2, 128, qkv_bias=True,
+                              tie_word_embeddings=True, max_position_embeddings=4096),
+    "tiny": ModelConfig(1024, 64, 128, 2, 4, 2, 16, max_position_embeddings=4096),  # dry runs
+}  # fmt: skip
 
 
-def _best_ms(fn, repeats: int) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # kernels run asynchronously: time them, not their launch
+        torch.cuda.synchronize(device)
+
+
+def _best_ms(fn, repeats: int, device: torch.device) -> float:
     """Best of 5 rounds of `repeats` calls (ms per call): the least disturbed estimate."""
     for _ in range(3):
         fn()
     best = float("inf")
     for _ in range(5):
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(repeats):
             fn()
+        _sync(device)
         best = min(best, (time.perf_counter() - t0) / repeats)
     return 1000 * best
 
@@ -49,29 +74,50 @@ def _best_ms(fn, repeats: int) -> float:
 def forward_ms(model: CausalLM, b: int, width: int, context: int, repeats: int) -> float:
     """One target forward of `width` new tokens for each of b rows holding `context` tokens."""
     cache = model.new_cache(b, context + width + 1)
+    dev = cache.k.device
     lens = [context - (i % 7) for i in range(b)]  # ragged, as in a real running batch
-    tokens = torch.randint(3, model.config.vocab_size, (b, width))
+    tokens = torch.randint(3, model.config.vocab_size, (b, width), device=dev)
 
     def run() -> None:
-        batch = Batch.make(lens, None, width, 0, cache.trash, "cpu")
+        batch = Batch.make(lens, None, width, 0, cache.trash, dev)
         model(tokens, cache, batch, last_only=width == 1)
 
-    return _best_ms(run, repeats)
+    with torch.inference_mode():
+        return _best_ms(run, repeats, dev)
 
 
 def draft_step_ms(drafter: EagleDrafter, b: int, context: int, repeats: int) -> float:
     """One drafter step (one new position per row) against its own KV cache."""
     cache = drafter.new_cache(b, context + 2)
+    dev = cache.k.device
     lens = [context - (i % 7) for i in range(b)]
-    h = torch.randn(b, 1, drafter.config.hidden_size, dtype=cache.k.dtype)
-    tok = torch.randint(3, drafter.config.vocab_size, (b, 1))
+    h = torch.randn(b, 1, drafter.config.hidden_size, dtype=cache.k.dtype, device=dev)
+    tok = torch.randint(3, drafter.config.vocab_size, (b, 1), device=dev)
 
     def run() -> None:
-        batch = Batch.make(lens, [1] * b, 1, 0, cache.trash, "cpu")
+        batch = Batch.make(lens, [1] * b, 1, 0, cache.trash, dev)
         drafter.logits(drafter._step(h, tok, batch, cache))
 
     with torch.inference_mode():
-        return _best_ms(run, repeats)
+        return _best_ms(run, repeats, dev)
+
+
+def random_model(shape: str, dtype: torch.dtype, device: str) -> tuple[CausalLM, EagleDrafter]:
+    """A policy of a named shape with random weights, built on the device, and a drafter."""
+    with torch.device(device):
+        model = CausalLM(SHAPES[shape])
+    model = model.to(dtype=dtype).eval()
+    return model, EagleDrafter.random_init(model, seed=0)
+
+
+def models(args, name: str):
+    """(label, policy, drafter) for each model measured in dtype `name`."""
+    dtype = DTYPES[name]
+    if not args.no_shipped:
+        model = load_model(args.model, dtype, args.device)
+        yield "shipped", model, EagleDrafter.from_pretrained(args.drafter, model)
+    for shape in filter(None, args.shape.split(",")):
+        yield (shape, *random_model(shape, dtype, args.device))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,34 +136,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    ap.add_argument("--shape", default="", help=f"also random models of these shapes: {SHAPES}")
+    ap.add_argument("--no-shipped", action="store_true", help="leave the shipped policy out")
+    ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batches.split(",")]
     k, a = args.k, args.accepted
+    where = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
     print(
-        f"context {args.context} tokens, k={k}, accepted length a={a}, threads {args.threads}",
+        f"context {args.context} tokens, k={k}, accepted length a={a}, threads {args.threads}, "
+        f"device {args.device} ({where})",
         flush=True,
     )
     print(
-        "\n| dtype | batch | decode ms | decode / batch-1 decode | verify ms | verify / decode "
-        "| draft step ms | draft / decode | SD bound | SD bound, free drafter |"
+        "\n| model | dtype | batch | decode ms | decode / batch-1 decode | verify ms "
+        "| verify / decode | draft step ms | draft / decode | SD bound | SD bound, free drafter |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
     for name in args.dtypes.split(","):
-        model = load_model(args.model, DTYPES[name])
-        drafter = EagleDrafter.from_pretrained(args.drafter, model)
-        first = None
-        for b in batches:
-            dec = forward_ms(model, b, 1, args.context, args.repeats)
-            first = first or dec
-            ver = forward_ms(model, b, k + 1, args.context, args.repeats)
-            dra = draft_step_ms(drafter, b, args.context, args.repeats)
-            bound, free = a * dec / (ver + k * dra), a * dec / ver
-            print(
-                f"| {name} | {b} | {dec:.2f} | {dec / first:.2f}x | {ver:.2f} | {ver / dec:.2f}x "
-                f"| {dra:.2f} | {dra / dec:.3f} | {bound:.2f}x | {free:.2f}x |",
-                flush=True,
-            )
+        for label, model, drafter in models(args, name):
+            first = None
+            for b in batches:
+                dec = forward_ms(model, b, 1, args.context, args.repeats)
+                first = first or dec
+                ver = forward_ms(model, b, k + 1, args.context, args.repeats)
+                dra = draft_step_ms(drafter, b, args.context, args.repeats)
+                bound, free = a * dec / (ver + k * dra), a * dec / ver
+                row = dict(model=label, dtype=name, batch=b, decode_ms=dec, verify_ms=ver)
+                rows.append(row | dict(draft_ms=dra, sd_bound=bound, sd_bound_free_drafter=free))
+                print(
+                    f"| {label} | {name} | {b} | {dec:.2f} | {dec / first:.2f}x | {ver:.2f} "
+                    f"| {ver / dec:.2f}x | {dra:.2f} | {dra / dec:.3f} | {bound:.2f}x "
+                    f"| {free:.2f}x |",
+                    flush=True,
+                )
+            del model, drafter
+    if args.json:
+        meta = dict(device=args.device, device_name=where, context=args.context, k=k, accepted=a)
+        args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     print(
         "\nSD bound = a * decode / (verify + k * draft): the most one SD step can gain over "
         "plain steps (sampling, bookkeeping and rejected chains only lower it)."

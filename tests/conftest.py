@@ -25,11 +25,31 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
+from tests import torch_device
 from tests.ci import skip_unless_ci
 from tltd.store import Store
 from tltd.store.database import make_engine
 from tltd.store.migrate import upgrade
 from tltd.store.tables import Base
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="torch device of the engine, SD and drafter tests (cpu, cuda, cuda:N)",
+    )
+
+
+def pytest_configure(config) -> None:
+    device = config.getoption("--device")
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(f"--device {device}: torch sees no CUDA device")
+    torch_device.select(device)
+
 
 PG_ADMIN_URL = os.environ.get("TLTD_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 

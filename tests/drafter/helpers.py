@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from tests.torch_device import torch_device
 from tltd_workers.drafter.buffer import TrainingBuffer
 from tltd_workers.drafter.forward import target_hidden
 from tltd_workers.engine.eagle import EagleDrafter
@@ -50,7 +51,7 @@ def make_target_dir(
 
 
 def load_target(path: Path) -> CausalLM:
-    return load_model(path, dtype=torch.float32)
+    return load_model(path, dtype=torch.float32, device=torch_device())
 
 
 def greedy_rollout(target: CausalLM, prompt: list[int], new_tokens: int) -> list[int]:

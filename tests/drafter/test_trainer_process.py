@@ -13,6 +13,7 @@ from tests.drafter.helpers import (
     new_drafter,
     rollout_samples,
 )
+from tests.torch_device import torch_device
 from tltd.domain import DrafterStatus, Job
 from tltd.drafter_versions import record
 from tltd.store import Store
@@ -59,6 +60,7 @@ def test_preempted_k_times_and_restarted_ends_like_uninterrupted(tmp_path, sqlit
         checkpoint_dir=str(tmp_path / "ckpt"),
         trainer=CFG,
         drafter_seed=0,
+        device=torch_device(),
     )
     payload = _payload(target, samples)
     w = TrainerProcess(spec)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.engine.helpers import make_checkpoint
+from tests.torch_device import torch_device
 from tltd.domain import FinishReason, SamplingParams
 from tltd_workers.engine.bandit import Strategy
 from tltd_workers.engine.eagle import EagleDrafter
@@ -31,6 +32,7 @@ def _engine(ckpt, mode="off", strategy=None, eagle=False, **kw):
         max_seq_len=kw.pop("max_seq_len", 96),
         spec_mode=mode,
         strategies=(strategy or Strategy("ngram", 4),),
+        device=kw.pop("device", torch_device()),
         **kw,
     )
     e = Engine(str(ckpt), cfg)
@@ -341,7 +343,7 @@ def test_finished_groups_leave_the_ngram_index(ckpt):
 def test_engine_on_cuda_matches_cpu(ckpt):
     sp = SamplingParams(n=2, temperature=0.0, max_new_tokens=24)
     reqs = [Request(f"r{i}", p, sp) for i, p in enumerate(PROMPTS)]
-    cpu = _by_key(_engine(ckpt).generate(reqs))
+    cpu = _by_key(_engine(ckpt, device="cpu").generate(reqs))
     e = Engine(
         str(ckpt),
         EngineConfig(

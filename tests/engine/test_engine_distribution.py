@@ -18,6 +18,7 @@ import torch
 from scipy.stats import chisquare
 
 from tests.engine.helpers import make_checkpoint
+from tests.torch_device import torch_device
 from tltd.domain import SamplingParams
 from tltd_workers.engine import engine as engine_mod
 from tltd_workers.engine.bandit import Strategy
@@ -82,6 +83,7 @@ def _sample(ckpt, mode, strategy=None, eagle=False, seed=0, confidence=0.0, draf
         strategies=(strategy or Strategy("ngram", 2),),
         seed=seed,
         draft_confidence=confidence,
+        device=torch_device(),
     )
     e = Engine(str(ckpt), cfg)
     if eagle:

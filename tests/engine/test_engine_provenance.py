@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.engine.helpers import make_checkpoint
+from tests.torch_device import torch_device
 from tltd.domain import SamplingParams, TokenProvenance, TokenSource
 from tltd_workers.engine.bandit import Strategy
 from tltd_workers.engine.datatypes import SampleOutput
@@ -34,6 +35,7 @@ def _engine(ckpt, drafter: str | None) -> Engine:
         max_batch=16,
         spec_mode="off" if drafter is None else "fixed",
         strategies=(Strategy(drafter or "ngram", K),),
+        device=torch_device(),
     )
     e = Engine(str(ckpt), cfg)
     if drafter == "eagle":

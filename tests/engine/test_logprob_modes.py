@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.torch_device import torch_device
 from tltd.domain import LogprobMode, SamplingParams
 from tltd_workers.engine.bandit import Strategy
 from tltd_workers.engine.engine import Engine, EngineConfig
@@ -74,7 +75,12 @@ def test_both_logprob_modes_match_transformers(hf, spec_mode):
     prompts = _prompts()
     engine = Engine(
         str(MODEL),
-        EngineConfig(max_batch=16, spec_mode=spec_mode, strategies=(Strategy("ngram", 3),)),
+        EngineConfig(
+            max_batch=16,
+            spec_mode=spec_mode,
+            strategies=(Strategy("ngram", 3),),
+            device=torch_device(),
+        ),
     )
     for temperature in (TEMPERATURE, 0.0):
         for mode in LogprobMode:
