@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # The fields bench_spec.run_mode reads.
     args.temperature, args.ks, args.threshold, args.dtype = 1.0, KS, 32, "float32"
+    args.device = "cpu"
     args.confidence = EngineConfig().draft_confidence
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens, args.repeats = 2, 2, 48, 1

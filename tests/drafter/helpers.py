@@ -50,8 +50,9 @@ def make_target_dir(
     return path
 
 
-def load_target(path: Path) -> CausalLM:
-    return load_model(path, dtype=torch.float32, device=torch_device())
+def load_target(path: Path, device: str | None = None) -> CausalLM:
+    """On the suite's device (`pytest --device`) unless `device` says otherwise."""
+    return load_model(path, dtype=torch.float32, device=device or torch_device())
 
 
 def greedy_rollout(target: CausalLM, prompt: list[int], new_tokens: int) -> list[int]:

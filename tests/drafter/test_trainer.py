@@ -47,10 +47,10 @@ def samples(target):
 
 
 def _alone(drafter, ex):
-    L = ex.next_ids.shape[0]
-    causal = torch.ones(L, L, dtype=torch.bool).tril()[None, None]
+    L, dev = ex.next_ids.shape[0], ex.hidden_in.device
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()[None, None]
     return drafter_features(
-        drafter, ex.hidden_in[None], ex.next_ids[None], torch.arange(L)[None], causal
+        drafter, ex.hidden_in[None], ex.next_ids[None], torch.arange(L, device=dev)[None], causal
     )[0]
 
 
@@ -95,7 +95,7 @@ def test_training_forward_equals_the_engines_cached_inference_path(target):
     ex = align(ids, target_hidden(target, [ids])[0], 2)
     T = ex.next_ids.shape[0]
     cache = drafter.new_cache(1, T)
-    batch = Batch.make([0], None, T, 0, cache.trash, "cpu")
+    batch = Batch.make([0], None, T, 0, cache.trash, cache.k.device)
     with torch.no_grad():
         x = drafter.fc(torch.cat([ex.hidden_in, target.embed_tokens(ex.next_ids)], -1))[None]
         cos, sin = target.rope(cache.max_len).tables(batch.positions)
@@ -112,9 +112,10 @@ def test_a_window_computes_what_its_absolute_positions_compute(target):
     ex = align(ids, target_hidden(target, [ids])[0], 3)
     a, n = 23, 12
     h, x = ex.hidden_in[a : a + n][None], ex.next_ids[a : a + n][None]
-    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
-    restarted = drafter_features(drafter, h, x, torch.arange(n)[None], causal)
-    absolute = drafter_features(drafter, h, x, torch.arange(a, a + n)[None], causal)
+    dev = h.device
+    causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None, None]
+    restarted = drafter_features(drafter, h, x, torch.arange(n, device=dev)[None], causal)
+    absolute = drafter_features(drafter, h, x, torch.arange(a, a + n, device=dev)[None], causal)
     torch.testing.assert_close(restarted, absolute, atol=1e-5, rtol=1e-5)
 
 
@@ -152,7 +153,7 @@ def test_loss_covers_response_positions_only(target, samples):
                 tgt,
                 target.logits(pred),
                 target.logits(tgt),
-                torch.ones(pred.shape[0], dtype=torch.bool),
+                torch.ones(pred.shape[0], dtype=torch.bool, device=pred.device),
             )
         assert res.loss == pytest.approx(float(loss), rel=1e-5)
 

@@ -30,7 +30,8 @@ def align(token_ids: torch.Tensor, hidden: torch.Tensor, response_start: int) ->
     """Turn one sample (T tokens, T features) into T-1 drafter training positions."""
     if hidden.shape[0] != token_ids.shape[0]:
         raise ValueError("one feature per token expected")
-    t = torch.arange(token_ids.shape[0] - 1)
+    token_ids = token_ids.to(hidden.device)  # the features' device is where training runs
+    t = torch.arange(token_ids.shape[0] - 1, device=hidden.device)
     return EagleExample(
         hidden_in=hidden[:-1],
         next_ids=token_ids[1:],

@@ -48,15 +48,16 @@ def pack(examples: Sequence[EagleExample], row_len: int) -> PackedBatch:
             used.append(n)
     H = examples[0].hidden_in.shape[-1]
     dtype = examples[0].hidden_in.dtype
+    dev = examples[0].hidden_in.device  # the trainer's device: the batch is built there
     B = len(rows)
     out = PackedBatch(
-        hidden_in=torch.zeros(B, row_len, H, dtype=dtype),
-        next_ids=torch.zeros(B, row_len, dtype=torch.int64),
-        hidden_target=torch.zeros(B, row_len, H, dtype=dtype),
-        loss_mask=torch.zeros(B, row_len, dtype=torch.bool),
-        positions=torch.zeros(B, row_len, dtype=torch.int64),
-        segments=torch.full((B, row_len), -1, dtype=torch.int64),
-        attn_mask=torch.zeros(B, 1, row_len, row_len, dtype=torch.bool),
+        hidden_in=torch.zeros(B, row_len, H, dtype=dtype, device=dev),
+        next_ids=torch.zeros(B, row_len, dtype=torch.int64, device=dev),
+        hidden_target=torch.zeros(B, row_len, H, dtype=dtype, device=dev),
+        loss_mask=torch.zeros(B, row_len, dtype=torch.bool, device=dev),
+        positions=torch.zeros(B, row_len, dtype=torch.int64, device=dev),
+        segments=torch.full((B, row_len), -1, dtype=torch.int64, device=dev),
+        attn_mask=torch.zeros(B, 1, row_len, row_len, dtype=torch.bool, device=dev),
     )
     for b, row in enumerate(rows):
         start = 0
@@ -67,15 +68,15 @@ def pack(examples: Sequence[EagleExample], row_len: int) -> PackedBatch:
             out.next_ids[b, sl] = ex.next_ids
             out.hidden_target[b, sl] = ex.hidden_target
             out.loss_mask[b, sl] = ex.loss_mask
-            out.positions[b, sl] = torch.arange(n)
+            out.positions[b, sl] = torch.arange(n, device=dev)
             out.segments[b, sl] = seg
             start += n
     same = out.segments.unsqueeze(-1) == out.segments.unsqueeze(-2)
-    causal = torch.ones(row_len, row_len, dtype=torch.bool).tril()
+    causal = torch.ones(row_len, row_len, dtype=torch.bool, device=dev).tril()
     valid = (out.segments >= 0).unsqueeze(-1)
     mask = same & causal & valid
     # Padding rows attend to themselves only, so softmax never sees an all-masked row.
-    mask |= torch.eye(row_len, dtype=torch.bool)
+    mask |= torch.eye(row_len, dtype=torch.bool, device=dev)
     out.attn_mask[:, 0] = mask
     return out
 

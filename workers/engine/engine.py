@@ -919,7 +919,8 @@ class Engine:
     def _output(self, s: _Seq, reason: FinishReason) -> SampleOutput:
         hidden = None
         if s.group.return_hidden and s.history is not None:
-            hidden = torch.cat(s.history)[: len(s.group.prompt) + len(s.tokens) - 1]
+            # On the host: a finished sample crosses a process pipe to the training buffer.
+            hidden = torch.cat(s.history)[: len(s.group.prompt) + len(s.tokens) - 1].cpu()
         g = s.group
         return SampleOutput(
             g.request_id,
