@@ -1,7 +1,8 @@
 PY ?= .venv/bin/python
 PIP ?= $(PY) -m pip
 
-.PHONY: install stubs test test-sglang lint demo demo-quick daemon-demo serve
+.PHONY: install stubs test test-sglang lint demo demo-quick daemon-demo serve gpu-check \
+	gpu-check-dry gpu-wheels
 
 # torch==2.13.0 first: on CPU-only machines it is a local CPU build; anything that admits a
 # newer torch would otherwise download a multi-GB CUDA build.
@@ -40,3 +41,15 @@ demo-quick: install
 # The daemon alone answering tltctl (no rollouts).
 daemon-demo: install
 	$(PY) examples/daemon_demo.py
+
+# The prepared GPU check (docs/backends.md): gpu-wheels here, gpu-check on a lent GPU machine
+# with .whl carried (OUT: where the report goes), gpu-check-dry the same steps on the CPU (CI).
+OUT ?= out/gpu-check
+gpu-wheels:
+	PY=$(PY) bash scripts/gpu_wheels.sh
+
+gpu-check:
+	bash scripts/gpu_check.sh $(OUT)
+
+gpu-check-dry: install
+	PY=$(PY) bash scripts/gpu_check.sh --dry-run $(OUT)

@@ -54,3 +54,18 @@ def test_logits_match_transformers(tmp_path, arch, tie, head_dim):
         out, _ = ours(tok, cache, batch)
         for i in live:
             torch.testing.assert_close(out[i, 0].cpu(), want[i][t], atol=1e-4, rtol=1e-4)
+
+
+def test_serving_dtype_is_the_configs_half_precision_on_gpus_only(tmp_path):
+    import json
+
+    from tltd_workers.engine.transformer import serving_dtype
+
+    for name, want in (("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                       ("float32", torch.float32), (None, torch.float32)):  # fmt: skip
+        for key in ("dtype", "torch_dtype"):  # transformers 5, and earlier checkpoints
+            d = tmp_path / f"{key}-{name}"
+            d.mkdir()
+            (d / "config.json").write_text(json.dumps({key: name} if name else {}))
+            assert serving_dtype(d, "cuda:0") == want
+            assert serving_dtype(d, "cpu") == torch.float32

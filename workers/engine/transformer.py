@@ -435,6 +435,17 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     return sd
 
 
+def serving_dtype(path: str | Path, device: torch.device | str) -> torch.dtype:
+    """The dtype a rollout engine runs a checkpoint in: on a GPU the half-precision dtype its
+    config.json names (`dtype`, or `torch_dtype` before transformers 5), else float32. On a
+    CPU always float32: half-precision matmuls are slower there, not faster."""
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name), torch.float32)
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> CausalLM:

@@ -57,13 +57,15 @@ class RolloutWorker(WorkerLoop):
 
     def load(self, msg: LoadModel) -> None:
         from tltd_workers.engine.engine import Engine, EngineConfig
+        from tltd_workers.engine.transformer import serving_dtype
 
         self.engine = None  # free the old model before loading the next one
         self.policy_source = ""
         self.broadcasts.drop()  # weights received for the job it held are not needed now
+        cfg = EngineConfig.from_spec(msg.engine)
         engine = Engine(
             msg.path,
-            EngineConfig.from_spec(msg.engine),
+            replace(cfg, dtype=serving_dtype(msg.path, cfg.device)),
             costs=self.costs,
             gate_state=self.gate_states.get(msg.job_id),
         )
