@@ -23,6 +23,10 @@ Paths (each pushes a new version of the same job, in this order, per size):
               is retired and this push is staged over its weights file (page-cache pages
               already allocated)
 
+"wire MB" is what the client counted into the PushPolicy chunk messages it sent; the disk and
+gloo paths print n/a (nothing on the trainer's side counts the bytes of a shared file system
+or of gloo's transport).
+
 Models above --worker-max-params run without a rollout worker (the daemon gets no CPU device
 slot), so their first-request time is not measured: a CPU worker holds the model in fp32 and
 would need ~4x the bf16 size in memory on a machine shared with others.
@@ -219,18 +223,20 @@ def run_size(size: str, work: Path, chunk_bytes: int, worker_max_params: float) 
             v1 = optimizer_step(v0, 1)
             del v0
 
-            def by_disk(v1) -> tuple[int, int]:
+            # Wire bytes: what the client counted into the push's chunk messages; None (n/a)
+            # where nothing counts them (a file on a shared file system, gloo's transport).
+            def by_disk(v1) -> tuple[int, int | None]:
                 out = work / f"{size}-v1"
                 out.mkdir()
                 shutil.copyfile(model_dir / "config.json", out / "config.json")
                 save_file(v1, str(out / "model.safetensors"), metadata={"format": "pt"})
-                return c.update_policy(JOB, str(out)).version, 0
+                return c.update_policy(JOB, str(out)).version, None
 
             measure("disk", by_disk, v1)
             v2 = optimizer_step(v1, 2)
             del v1
 
-            def full(v2) -> tuple[int, int]:
+            def full(v2) -> tuple[int, int | None]:
                 seen = []
                 got = c.push_policy(JOB, v2, chunk_bytes=chunk_bytes, progress=seen.append)
                 return got.policy.version, seen[-1].wire_bytes
@@ -239,7 +245,7 @@ def run_size(size: str, work: Path, chunk_bytes: int, worker_max_params: float) 
             v3 = optimizer_step(v2, 3)
             changed = sum(int((bits(v3[k]) != bits(v2[k])).sum()) for k in v3)
 
-            def delta(v3, v2=v2) -> tuple[int, int]:
+            def delta(v3, v2=v2) -> tuple[int, int | None]:
                 seen = []
                 got = c.push_policy(
                     JOB,
@@ -257,8 +263,8 @@ def run_size(size: str, work: Path, chunk_bytes: int, worker_max_params: float) 
             v4 = optimizer_step(v3, 4)
             del v3
 
-            def gloo(v4) -> tuple[int, int]:
-                return c.broadcast_policy(JOB, v4, timeout=900).policy.version, total
+            def gloo(v4) -> tuple[int, int | None]:
+                return c.broadcast_policy(JOB, v4, timeout=900).policy.version, None
 
             measure("gloo", gloo, v4)
             # The trainer, the daemon and the workers that held the job (they switch from memory).
@@ -282,13 +288,13 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         full = next(x for x in rows if x["size"] == r["size"] and x["path"] == "grpc-full")
-        wire = r["wire"] or r["model_bytes"]
-        ratio = f"{full['wire'] / wire:.1f}x smaller" if r["path"] == "grpc-delta" else ""
+        wire = f"{r['wire'] / 1e6:.1f}" if r["wire"] is not None else "n/a"
+        ratio = f"{full['wire'] / r['wire']:.1f}x smaller" if r["path"] == "grpc-delta" else ""
         first = f"{r['first_request']:.2f}" if r["first_request"] is not None else "n/a"
         lines.append(
             f"| {r['size']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {r['path']} | "
             f"{r['seconds']:.2f} | {r['gbps']:.2f} | {r['cpu']:.2f} | {r['gbps_cpu']:.2f} | "
-            f"{wire / 1e6:.1f} | {ratio} | {first} | {r.get('daemon_peak_mb', 0):.0f} |"
+            f"{wire} | {ratio} | {first} | {r.get('daemon_peak_mb', 0):.0f} |"
         )
     return "\n".join(lines)
 

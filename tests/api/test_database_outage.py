@@ -14,6 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from tests.api.support import DaemonThread, fails, make_settings, seed_devices
+from tests.ci import skip_unless_ci
 from tests.http_api.support import ApiOnlyHttp
 from tests.reliability import pg_cluster
 from tltd.errors import ResourceExhausted, Unavailable
@@ -54,7 +55,7 @@ def test_a_sqlite_lock_past_the_busy_timeout_is_unavailable(tmp_path, model_dir,
 def test_postgresql_down_is_unavailable_and_served_again_once_up(tmp_path, model_dir):
     why = pg_cluster.available()
     if why:
-        pytest.skip(why)
+        skip_unless_ci(why)
     cluster = pg_cluster.PgCluster()
     store = d = http = None
     try:

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
-import pytest
 
 from tests.api.support import DaemonThread, make_settings, seed_devices
-from tltd_clients.errors import UnavailableError
+from tests.rollout.support import wait_until
+from tltd_clients.errors import CallCancelledError, UnavailableError
+
+
+def _refused(d: DaemonThread) -> bool:
+    """Whether a new call is refused (UNAVAILABLE). One that reaches the server while stop()
+    is beginning may be cancelled instead: asked again."""
+    with d.client() as c:
+        try:
+            c.stats()
+        except UnavailableError:
+            return True
+        except CallCancelledError:
+            pass
+    return False
 
 
 def test_in_flight_call_finishes_during_grace(sqlite_store, tmp_path, model_dir):
@@ -38,9 +50,9 @@ def test_in_flight_call_finishes_during_grace(sqlite_store, tmp_path, model_dir)
         t.start()
         assert entered.wait(30)
         stopping = asyncio.run_coroutine_threadsafe(d.api.stop(30), d.loop)
-        time.sleep(0.2)  # let stop() begin: the port closes to new calls
-        with d.client() as c, pytest.raises(UnavailableError):
-            c.stats()
+        # Once stop() has begun the port refuses new calls (polled: stop() starts on the
+        # daemon's loop, whenever that thread runs).
+        wait_until(lambda: _refused(d), timeout=10, what="new calls refused after stop()")
         assert not stopping.done()  # still waiting for the in-flight call
         release.set()
         t.join(30)

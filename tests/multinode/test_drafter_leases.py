@@ -5,11 +5,11 @@ version and the cursor, samples of every node read through the cursor."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import replace
 
 import pytest
 
+from tests.store.expiry import expire_drafter_lease
 from tests.store.test_store_api import JOB, SAMPLING
 from tltd.domain import DrafterStatus, DrafterVersion, FinishReason, RolloutRequest, Sample
 from tltd.errors import Fenced
@@ -63,12 +63,12 @@ def test_a_lapsed_lease_cannot_publish_and_a_takeover_continues(pg_store: Store)
     pg_store.create_job(JOB)
     a, b = _node(pg_store, "a"), _node(pg_store, "b")
     try:
-        la = a.claim_drafter_lease(JOB.job_id, 0.5)
+        la = a.claim_drafter_lease(JOB.job_id, LONG)
         assert la is not None and la.taken_from == "" and la.published_version == 0
         assert b.claim_drafter_lease(JOB.job_id, LONG) is None  # held by a
         v1 = a.publish_drafter(_version("/d/a1", 50), la.lease_epoch, DrafterStatus.PROMOTED, "")
         assert (v1.version, v1.node_id, v1.status) == (1, "a", DrafterStatus.PROMOTED)
-        time.sleep(0.8)  # a's lease lapses (by the database's clock)
+        assert expire_drafter_lease(pg_store, JOB.job_id) == 1  # a's lease lapses
         # Nobody took it yet, and still a cannot publish, renew or move the cursor.
         with pytest.raises(Fenced):
             a.publish_drafter(_version("/d/a2", 100), la.lease_epoch, DrafterStatus.PROMOTED, "")

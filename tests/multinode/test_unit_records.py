@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 
 from tests.api.support import make_settings
+from tests.store.expiry import expire_unit_leases
 from tests.store.test_leases import LONG_LEASE, _node, _requests, _sample
 from tltd.domain import FinishReason, RequestStatus
 from tltd.store import Store
@@ -116,13 +116,13 @@ def test_a_unit_claimed_past_the_attempt_limit_fails_with_the_reason(
         return reqs
 
     try:
-        assert [u.attempts for u in a.claim_units(100, 0.5)] == [1, 1]
+        assert [u.attempts for u in a.claim_units(100, LONG_LEASE)] == [1, 1]
         assert a.add_sample(_sample(rid, 0, 0))  # stored by the first owner: kept
-        time.sleep(0.6)  # past a's lease
-        second = asyncio.run(take(b, 0.2))
+        assert expire_unit_leases(store) == 2  # a loses them
+        second = asyncio.run(take(b, LONG_LEASE))
         live = second.queue.get(rid)
         assert live is not None and live.pending == {0: [1], 1: [0, 1]}  # attempt 2 runs
-        time.sleep(0.3)  # past b's lease
+        assert expire_unit_leases(store) == 2  # b loses them too
         third = asyncio.run(take(c, LONG_LEASE))
         assert third.queue.get(rid) is None  # both units ended and recorded at once
         why = "claimed 2 times by nodes that lost it (limit 2)"

@@ -1,8 +1,9 @@
 """Fixtures for the reliability suite: its size (a short variant in CI, a long one by hand)
 and the figures each test records for docs/reliability.md.
 
-- `size`: "short" always runs; "long" is marked `slow` and runs only with
-  TLTD_RELIABILITY_LONG=1 (e.g. `TLTD_RELIABILITY_LONG=1 pytest tests/reliability -k long`).
+- `size`: "short" always runs; "long" is marked `slow` and `long` and runs only with
+  TLTD_RELIABILITY_LONG=1 (`TLTD_RELIABILITY_LONG=1 pytest tests/reliability -m long`: a
+  marker, because `-k long` also matches test names such as "..._a_long_lock_...").
 - `sqlite_serve`: one `tltd serve` process (SQLite, 2 CPU workers) shared by the tests of
   the session that need a daemon but not its own (each uses its own job): starting one costs
   the worker spawns and their start-up timing.
@@ -31,6 +32,7 @@ _FIGURES: dict[str, dict] = {}
             "long",
             marks=[
                 pytest.mark.slow,
+                pytest.mark.long,
                 pytest.mark.skipif(not LONG, reason="long variant: set TLTD_RELIABILITY_LONG=1"),
             ],
         ),

@@ -10,13 +10,32 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-BIN = Path("/usr/lib/postgresql/15/bin")
+
+def _bindir() -> Path | None:
+    """The server binaries of whatever PostgreSQL is installed (what `.ci/run` starts): where
+    `pg_config` says, else the newest Debian-layout version directory."""
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and (Path(out.stdout.strip()) / "initdb").exists():
+            return Path(out.stdout.strip())
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+        key=lambda p: [int(x) for x in p.parts[-3].split(".") if x.isdigit()],
+    )
+    return versions[-1].parent if versions else None
+
+
+BIN = _bindir()
 
 
 def available() -> str | None:
     """Why a cluster cannot be made here, or None."""
-    if not (BIN / "initdb").exists():
-        return f"no PostgreSQL binaries under {BIN}"
+    if BIN is None:
+        return (
+            "no PostgreSQL server binaries (initdb) where pg_config --bindir says, nor under "
+            "/usr/lib/postgresql/*/bin"
+        )
     if os.geteuid() == 0 and shutil.which("runuser") is None:
         return "running as root without runuser (initdb refuses root)"
     return None
@@ -43,6 +62,7 @@ class PgCluster:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
 
     def _run(self, tool: str, *args: str) -> None:
+        assert BIN is not None, available()
         cmd = [str(BIN / tool), *args]
         if os.geteuid() == 0:
             cmd = ["runuser", "-u", "postgres", "--", *cmd]

@@ -19,7 +19,7 @@ from pathlib import Path
 from tests.reliability.trainers import Trainer
 from tltd.v1 import rollout_pb2
 from tltd_clients.client import TltClient
-from tltd_clients.errors import TltClientError
+from tltd_clients.errors import FailedPreconditionError, NotFoundError, TltClientError
 
 RSS_BOUND_MB = 40.0
 FD_BOUND = 8
@@ -36,8 +36,12 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _chatter(target: str, job: str, ids: list[str], stop: threading.Event, calls: dict) -> None:
-    """Everything but rollouts: reads, cancels, refused calls, now and then a policy push."""
+def _chatter(
+    target: str, ids: list[str], stop: threading.Event, calls: dict, unexpected: list[str]
+) -> None:
+    """Everything but rollouts: reads, cancels and refused calls. The refusals the mix asks
+    for (NOT_FOUND: an id not yet used; FAILED_PRECONDITION: a cancel of a finished request)
+    are expected; any other error (INTERNAL, UNAVAILABLE, DEADLINE_EXCEEDED...) is recorded."""
     rng = random.Random(7)
     with TltClient(target, timeout=120) as c:
         while not stop.is_set():
@@ -55,8 +59,10 @@ def _chatter(target: str, job: str, ids: list[str], stop: threading.Event, calls
                     c.cancel_request(rng.choice(ids), reason="soak")
                 elif op == "bad":
                     c.get_job("no-such-job")
-            except TltClientError:
-                pass  # refused calls are part of the mix (NOT_FOUND, FAILED_PRECONDITION)
+            except (NotFoundError, FailedPreconditionError):
+                pass  # refused calls are part of the mix
+            except TltClientError as exc:
+                unexpected.append(f"{op}: {exc}")
             calls[op] = calls.get(op, 0) + 1
             time.sleep(0.02)
 
@@ -69,9 +75,9 @@ def test_memory_and_descriptors_stay_bounded(sqlite_serve, ckpt, ckpt2, size, fi
     with TltClient(d.target, timeout=120) as c:
         c.create_job(str(ckpt), job_id=job)
         trainer = Trainer(d.target, job, inflight=3, prompts=2, n=2, max_new_tokens=24).start()
-        stop, calls = threading.Event(), {}
+        stop, calls, unexpected = threading.Event(), {}, []
         ids = [f"{job}-{i:05d}" for i in range(1, 200)]
-        chatter = threading.Thread(target=_chatter, args=(d.target, job, ids, stop, calls))
+        chatter = threading.Thread(target=_chatter, args=(d.target, ids, stop, calls, unexpected))
         chatter.start()
         samples, pushes = [], 0
         started = time.monotonic()
@@ -101,6 +107,7 @@ def test_memory_and_descriptors_stay_bounded(sqlite_serve, ckpt, ckpt2, size, fi
         samples=sum(len(o.samples) for o in outcomes),
         cancelled_by_the_mix=len(cancelled),
         other_calls=calls,
+        unexpected_errors=len(unexpected),
         policy_pushes=pushes,
         rss_mb={"start": round(samples[0][1], 1), "after_warmup": round(warm[-1][1], 1),
                 "end": round(samples[-1][1], 1), "max": round(max(s[1] for s in samples), 1)},
@@ -111,5 +118,6 @@ def test_memory_and_descriptors_stay_bounded(sqlite_serve, ckpt, ckpt2, size, fi
     )  # fmt: skip
     # Every request ended: completed with all samples, or cancelled by the mix's cancels.
     assert [o.request_id for o in short if o not in cancelled] == []
+    assert unexpected == []
     assert rss_growth <= RSS_BOUND_MB, samples
     assert fd_growth <= FD_BOUND, samples

@@ -34,6 +34,21 @@ def _slow(monkeypatch, store, name: str, seconds: float) -> None:
     monkeypatch.setattr(store, name, slow)
 
 
+def _held(monkeypatch, store, name: str) -> tuple[threading.Event, threading.Event]:
+    """Hold an admission inside the store call `name`: (entered, release); the call waits for
+    `release` (at most 30 s) once `entered` is set."""
+    real = getattr(store, name)
+    entered, release = threading.Event(), threading.Event()
+
+    def held(*args):
+        entered.set()
+        release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(store, name, held)
+    return entered, release
+
+
 def _status(store, request_id: str) -> RequestStatus | None:
     try:
         return store.get_request(request_id).status
@@ -60,11 +75,14 @@ def test_node_drain_during_admission_fails_the_request_at_once(sqlite_daemon, ck
     with d.client() as c, d.client() as c2:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        _slow(monkeypatch, d.store, "create_request", 1.0)
-        stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=8),
-                        request_id="late", timeout=20)  # fmt: skip
-        time.sleep(0.3)  # accepted (past the draining check), not stored yet
-        c2.drain(node=True)  # empty queue: the drain stops assigning at once
+        storing, release = _held(monkeypatch, d.store, "create_request")
+        try:
+            stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=8),
+                            request_id="late", timeout=20)  # fmt: skip
+            assert storing.wait(20)  # accepted (past the draining check), not stored yet
+            c2.drain(node=True)  # empty queue: the drain stops assigning at once
+        finally:
+            release.set()
         got = stream.result(10)
     assert isinstance(stream.error, UnavailableError) and "drained" in str(stream.error)
     assert len(got) == 2 and all(s.partial and not s.token_ids for s in got)

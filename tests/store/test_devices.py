@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -68,9 +69,23 @@ def _gpu(i: int, **kw) -> dict:
     }
 
 
-def test_fake_satisfies_protocol() -> None:
-    nvml: Nvml = FakeNvml([])  # type-checks against the Protocol
-    assert isinstance(nvml, FakeNvml)
+def _protocol_methods() -> dict[str, inspect.Signature]:
+    return {
+        name: inspect.signature(member)
+        for name, member in vars(Nvml).items()
+        if inspect.isfunction(member) and not name.startswith("_")
+    }
+
+
+@pytest.mark.parametrize("impl", [FakeNvml, PynvmlBackend])
+def test_implements_the_protocol(impl: type) -> None:
+    """The fake and the real backend have every method of `Nvml` with its exact signature
+    (names, kinds, annotations): no type checker runs in CI, so this is the check."""
+    methods = _protocol_methods()
+    assert {"init", "device_count", "memory", "processes"} <= methods.keys()
+    for name, signature in methods.items():
+        assert inspect.isfunction(getattr(impl, name, None)), f"{impl.__name__}.{name} missing"
+        assert inspect.signature(getattr(impl, name)) == signature, f"{impl.__name__}.{name}"
 
 
 def test_real_pynvml_absent_falls_back_to_cpu_slots(caplog) -> None:

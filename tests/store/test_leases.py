@@ -10,12 +10,14 @@ from collections import Counter
 
 import pytest
 
+from tests.store.expiry import expire_unit_leases, silence_node
 from tests.store.test_store_api import JOB, SAMPLING
 from tltd.domain import FinishReason, NodeStatus, RequestStatus, RolloutRequest, Sample
 from tltd.errors import ConfigError, Fenced
 from tltd.store import Store
 
 LONG_LEASE = 120.0
+DOWN = 30.0  # a node's heartbeat threshold: missed beats are written, never waited for
 
 
 def _node(store: Store, node_id: str) -> Store:
@@ -98,12 +100,12 @@ def test_expired_lease_is_taken_over_and_the_late_owner_is_fenced(pg_store: Stor
     _requests(store, 1, 1)
     a, b = _node(store, "a"), _node(store, "b")
     try:
-        [first] = a.claim_units(capacity=10, lease_seconds=0.3)
+        [first] = a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
         a.add_sample(_sample(first.request_id, 0, 0))  # while held: stored
         assert b.claim_units(capacity=10, lease_seconds=LONG_LEASE) == []  # still live
-        time.sleep(0.6)
+        assert expire_unit_leases(store) == 1
         # Expired: not renewed, the owner must stop.
-        assert a.renew_leases({("r0000", 0)}, 0.3) == set()
+        assert a.renew_leases({("r0000", 0)}, LONG_LEASE) == set()
         [taken] = b.claim_units(capacity=10, lease_seconds=LONG_LEASE)
         assert (taken.request_id, taken.prompt_index, taken.attempts) == ("r0000", 0, 2)
         with pytest.raises(Fenced):
@@ -128,11 +130,12 @@ def test_only_the_units_a_node_runs_are_renewed(store: Store) -> None:
     _requests(store, 2, 1)
     a = _node(store, "a")
     try:
-        got = a.claim_units(capacity=10, lease_seconds=0.5)
+        got = a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
         assert [c.request_id for c in got] == ["r0000", "r0001"]
-        assert a.renew_leases({("r0000", 0)}, LONG_LEASE) == {("r0000", 0)}
-        assert a.renew_leases(set(), LONG_LEASE) == set()
-        time.sleep(0.8)
+        assert a.renew_leases({("r0000", 0)}, 10 * LONG_LEASE) == {("r0000", 0)}
+        assert a.renew_leases(set(), 10 * LONG_LEASE) == set()
+        # The lease that was not renewed lapses (one that was would end far later).
+        assert expire_unit_leases(a, ending_within=2 * LONG_LEASE) == 1
         [again] = a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
         assert (again.request_id, again.prompt_index, again.attempts) == ("r0001", 0, 2)
         assert a.renew_leases({("r0000", 0), ("r0001", 0)}, LONG_LEASE) == {
@@ -215,8 +218,8 @@ def test_sqlite_refuses_a_second_live_node(sqlite_store: Store) -> None:
         # A node silent for longer than the threshold does not hold it either.
         c = Store(sqlite_store.url, node_id="c")
         try:
-            time.sleep(0.3)
-            assert c.join_node("c:1", down_seconds=0.2) == 1
+            assert silence_node(b, "b") == 1
+            assert c.join_node("c:1", down_seconds=DOWN) == 1
         finally:
             c.close()
     finally:
@@ -229,13 +232,13 @@ def test_nodes_are_down_after_a_missed_heartbeat_and_back_with_a_new_epoch(
 ) -> None:
     a = _node(sqlite_store, "a")
     try:
-        [n] = a.list_nodes(down_seconds=0.2)
+        [n] = a.list_nodes(down_seconds=DOWN)
         assert (n.node_id, n.status, n.epoch, n.address) == ("a", NodeStatus.UP, 1, "a:1")
-        assert a.beat_node(down_seconds=5.0) == 1  # on time: same epoch
-        time.sleep(0.3)
-        assert a.list_nodes(down_seconds=0.2)[0].status is NodeStatus.DOWN
-        assert a.beat_node(down_seconds=0.2) == 2  # back after being DOWN: a new epoch
-        assert a.list_nodes(down_seconds=0.2)[0].status is NodeStatus.UP
+        assert a.beat_node(down_seconds=DOWN) == 1  # on time: same epoch
+        assert silence_node(a, "a") == 1  # heartbeats missed for longer than DOWN
+        assert a.list_nodes(down_seconds=DOWN)[0].status is NodeStatus.DOWN
+        assert a.beat_node(down_seconds=DOWN) == 2  # back after being DOWN: a new epoch
+        assert a.list_nodes(down_seconds=DOWN)[0].status is NodeStatus.UP
         a2 = _node(sqlite_store, "a")  # another process joins with the same id
         try:
             with pytest.raises(Fenced):
@@ -297,11 +300,11 @@ def test_a_unit_given_back_is_not_a_lost_attempt(store: Store) -> None:
     _requests(store, 1, 1)
     a = _node(store, "a")
     try:
-        [first] = a.claim_units(capacity=10, lease_seconds=0.3)
+        [first] = a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
         assert first.attempts == 1 and a.release_unit("r0000", 0)
-        [again] = a.claim_units(capacity=10, lease_seconds=0.3)
+        [again] = a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
         assert again.attempts == 1
-        time.sleep(0.5)  # lapsed: not given back
+        assert expire_unit_leases(a) == 1  # lapsed: not given back
         [third] = a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
         assert third.attempts == 2
     finally:
