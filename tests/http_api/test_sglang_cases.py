@@ -30,7 +30,7 @@ class _CharVocab(Vocab):
 
 
 def test_tltd_accepts_every_body():
-    for body in CASES["generate_bodies"]:
+    for body in CASES["generate_bodies"] + list(CASES["framework_bodies"].values()):
         parsed = door.parse(sglang_api.GenerateRequest, json.dumps(body).encode())
         req, _params, _single = sglang_api.to_rollout(parsed, Job("j", "/m"), _CharVocab(), "")
         assert req.prompts and req.sampling.max_new_tokens > 0

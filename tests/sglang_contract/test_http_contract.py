@@ -24,7 +24,9 @@ def _fields(cls) -> set[str]:
     return set(cls.__struct_fields__)  # msgspec structs
 
 
-@pytest.mark.parametrize("body", CASES["generate_bodies"])
+@pytest.mark.parametrize(
+    "body", CASES["generate_bodies"] + list(CASES["framework_bodies"].values())
+)
 def test_accepted_bodies_are_valid_generate_req_inputs(body):
     obj = io_struct.GenerateReqInput(**body)
     obj.normalize_batch_and_arguments()
