@@ -114,6 +114,9 @@ def vllm_config(job: Job) -> dict:
             "max_logprobs": 0,
         },
         "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
+        # vLLM's weight-transfer engine is not served: weights come by the SGLang-style
+        # routes, gRPC PushPolicy or OpenBroadcast (docs/http.md).
+        "weight_transfer_config": None,
     }
 
 
