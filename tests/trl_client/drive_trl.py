@@ -21,16 +21,23 @@ def main(url: str, prompts: list[list[int]]) -> dict:
     out: dict = {"trl_version": trl.__version__, "model": client.model}
     out["world_size"] = client.get_world_size()
     out["server_info"] = client.get_server_info()
-    first = client.generate(prompts, n=3, max_tokens=8, temperature=1.0, generation_kwargs={"seed": 7})
+    first = client.generate(
+        prompts, n=3, max_tokens=8, temperature=1.0, generation_kwargs={"seed": 7}
+    )
     out["first"] = first
-    out["again"] = client.generate(prompts, n=3, max_tokens=8, temperature=1.0, generation_kwargs={"seed": 7})
+    out["again"] = client.generate(
+        prompts, n=3, max_tokens=8, temperature=1.0, generation_kwargs={"seed": 7}
+    )
     out["other_seed"] = client.generate(
         prompts, n=3, max_tokens=8, temperature=1.0, generation_kwargs={"seed": 8}
     )
     stop = first["completion_ids"][0][3]
     out["stop_id"] = stop
     out["stopped"] = client.generate(
-        prompts, n=3, max_tokens=8, temperature=1.0,
+        prompts,
+        n=3,
+        max_tokens=8,
+        temperature=1.0,
         generation_kwargs={"seed": 7, "stop_token_ids": [stop]},
     )
     out["no_logprobs"] = client.generate(prompts[:1], n=1, max_tokens=4, logprobs=None)

@@ -58,7 +58,9 @@ def test_generate_with_token_ids_n_and_logprobs(trl_run, http_daemon):
         assert all(len(p) == 1 and p[0] <= 0.0 for p in lps)
     # The same request over gRPC (same seed, SD off) gives the same tokens and logprobs.
     with RolloutClient(http_daemon.target, JOB) as c:
-        grpc_samples = c.generate(PROMPTS, n=3, temperature=1.0, max_new_tokens=8, seed=7, stop_token_ids=[2])
+        grpc_samples = c.generate(
+            PROMPTS, n=3, temperature=1.0, max_new_tokens=8, seed=7, stop_token_ids=[2]
+        )
     for s in grpc_samples:
         i = s.prompt_index * 3 + s.sample_index
         assert first["completion_ids"][i] == list(s.token_ids)
