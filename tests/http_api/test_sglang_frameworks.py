@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.http_api.conftest import JOB
+from tests.http_api.support import wait_running
 from tltd.domain import RequestStatus
 from tltd.errors import NotFound
 
@@ -73,18 +73,6 @@ def _generate_in_thread(url: str, body: dict) -> tuple[threading.Thread, dict]:
     return t, out
 
 
-def _wait_running(store, rid: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if store.get_request(rid).status is RequestStatus.RUNNING:
-                return
-        except NotFound:
-            pass  # not stored yet
-        time.sleep(0.02)
-    raise AssertionError(f"request {rid} did not start running")
-
-
 def _long_body(rid: str, prompt: list[int], max_new: int) -> dict:
     return {
         "input_ids": prompt,
@@ -102,7 +90,7 @@ def test_areal_weight_update_dance(http, http_daemon, text_model):
     store, prompt, max_new = http_daemon.store, [1, 9, 8], 480
     before = store.get_job(JOB).policy_version
     t, out = _generate_in_thread(http_daemon.url, _long_body("areal-1", prompt, max_new))
-    _wait_running(store, "areal-1")
+    wait_running(store, "areal-1")
     assert http.post("/pause_generation", json={}).json()["aborted"] == 1
     t.join(60)
     first = out["response"].json()
@@ -148,7 +136,7 @@ def test_pause_in_place_holds_new_requests_and_abort_request_by_rid(http, http_d
             store.get_request("held-1")
     finally:
         http.post("/continue_generation", json={})
-    _wait_running(store, "held-1")
+    wait_running(store, "held-1")
     r = http.post("/abort_request", json={"rid": "held-1"})
     assert r.json() == {"success": True, "aborted": 1}
     t.join(60)

@@ -6,14 +6,12 @@ resume, token-in/token-out generate)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 
 from tests.http_api.conftest import JOB
-from tltd.domain import RequestStatus
-from tltd.errors import NotFound
+from tests.http_api.support import wait_running
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 8]]
 
@@ -177,7 +175,7 @@ def test_pause_abort_returns_in_flight_samples_with_abort(http, http_daemon):
         "return_token_ids": True,
     }
     t, out = _post_in_thread(http_daemon.url, "/v1/completions", body)
-    _wait_running(http_daemon.store, rid)
+    wait_running(http_daemon.store, rid)
     try:
         r = http.post("/pause", params={"mode": "abort"})
         assert r.status_code == 200 and r.json()["requests"] == 1
@@ -188,16 +186,3 @@ def test_pause_abort_returns_in_flight_samples_with_abort(http, http_daemon):
     assert choice["finish_reason"] == "abort"
     assert len(choice["token_ids"]) < 480
     assert choice["tltd"]["partial"] is True
-
-
-def _wait_running(store, rid: str, timeout: float = 30.0) -> None:
-    """Until a worker has begun the request (a sample's tokens are being produced)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if store.get_request(rid).status is RequestStatus.RUNNING:
-                return
-        except NotFound:
-            pass  # not stored yet
-        time.sleep(0.02)
-    raise AssertionError(f"request {rid} did not start running")

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tltd.http import openai_api, sglang_api, sglang_control, vllm_api
+from tltd.http import openai_api, sglang_api, sglang_control, sglang_weights, vllm_api
 from tltd.http.auth import BearerAuth
 from tltd.http.errors import Renames, failure_body
 from tltd.services import Services
@@ -58,6 +58,7 @@ def build_app(services: Services, tokens) -> Starlette:
             route(f"{prefix}/get_model_info", "model_info", sglang_api.get_model_info, "GET", sg),
         ]
         routes += sglang_control.routes(prefix, partial(route, renames=sg))
+        routes += sglang_weights.routes(prefix, partial(route, renames=sg))
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
 
 

@@ -14,6 +14,7 @@ from tltd.services.pause import PauseMode, PauseService
 from tltd.services.policy import PolicyService
 from tltd.services.push import PushService
 from tltd.services.rollouts import RolloutService
+from tltd.services.weight_groups import WeightGroupService
 from tltd.settings import Settings
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ __all__ = [
     "PushService",
     "RolloutService",
     "Services",
+    "WeightGroupService",
     "build_services",
 ]
 
@@ -48,6 +50,7 @@ class Services:
     admin: AdminService
     node: NodeState
     pauses: PauseService
+    weight_groups: WeightGroupService
 
 
 def build_services(
@@ -72,4 +75,5 @@ def build_services(
         admin=AdminService(store, node, settings.node_down_seconds),
         node=node,
         pauses=pauses,
+        weight_groups=WeightGroupService(store, pushes),
     )
