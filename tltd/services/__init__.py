@@ -64,7 +64,7 @@ def build_services(
     policy = PolicyService(store, supervisor)
     pushes = PushService(store, settings, policy)
     rollouts = RolloutService(store, settings, node, supervisor)
-    rollouts.pauses = pauses = PauseService(store, rollouts)
+    rollouts.pauses = pauses = PauseService(store, rollouts.cancel)
     return Services(
         jobs=JobService(store, settings, supervisor),
         rollouts=rollouts,

@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tltd.domain import RequestStatus
 from tltd.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
-    from tltd.services.rollouts import RolloutService
     from tltd.store import Store
+
+Cancel = Callable[[str, str], object]  # RolloutService.cancel: (request id, reason)
 
 _OPEN = (RequestStatus.QUEUED, RequestStatus.RUNNING)
 _MAX_WAIT = 3600.0
@@ -33,9 +35,9 @@ class PauseService:
     server it talks to, as with vLLM and SGLang). Gates are asyncio events of the daemon's
     loop; every method except `wait_open` may be called from any thread."""
 
-    def __init__(self, store: Store, rollouts: RolloutService) -> None:
+    def __init__(self, store: Store, cancel: Cancel) -> None:
         self.store = store
-        self.rollouts = rollouts
+        self.cancel = cancel
         self._paused: dict[str, asyncio.Event] = {}  # job id -> set when resumed
 
     def is_paused(self, job_id: str) -> bool:
@@ -77,7 +79,7 @@ class PauseService:
         cancelled = 0
         for rid in open_ids:
             try:
-                self.rollouts.cancel(rid, reason)
+                self.cancel(rid, reason)
                 cancelled += 1
             except FailedPrecondition:
                 pass  # it ended meanwhile: nothing to abort
