@@ -119,7 +119,15 @@ class WeightGroupService:
             push = group.push or self._begin(group, note)
             specs = {s.name: s for s in push.header.tensors}
             wanted = [_spec(i, t, specs) for i, t in enumerate(tensors)]
-            self._receive(group, push, wanted)
+            try:
+                self._receive(group, push, wanted)
+            except RuntimeError as exc:  # a rank died or timed out: the collective is broken
+                self.destroy(job_id, name)
+                raise FailedPrecondition(
+                    f"the broadcast in group {name!r} failed ({exc}): the group is closed; "
+                    "init it again and resend the weights",
+                    field="group_name",
+                ) from exc
             group.received.update(s.name for s, _ in wanted)
             missing = len(specs) - len(group.received)
             if missing:
@@ -134,10 +142,9 @@ class WeightGroupService:
             group = self._groups.pop((job_id, name), None)
         if group is None:
             return False
-        with group.lock:
-            if group.push is not None:
-                self.pushes.detach(group.push)
-            group.push = None
+        push, group.push, group.received = group.push, None, set()
+        if push is not None:
+            self.pushes.detach(push)  # left idle, the push service drops it
         return True
 
     def _group(self, job_id: str, name: str) -> _Group:
