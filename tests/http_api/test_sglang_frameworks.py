@@ -264,3 +264,11 @@ def test_group_errors_name_their_field(http):
     assert r.status_code == 404 and r.json()["error"]["param"] == "group_name"
     r = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": []})
     assert r.status_code == 400
+
+
+def test_keep_pause_leaves_the_job_paused_after_an_update(http, text_model):
+    body = {"model_path": str(text_model), "keep_pause": True, "torch_empty_cache": True}
+    assert http.post("/update_weights_from_disk", json=body).json()["success"] is True
+    assert http.get("/get_server_info").json()["paused"] is True
+    assert http.post("/continue_generation", json={"torch_empty_cache": False}).status_code == 200
+    assert http.get("/get_server_info").json()["paused"] is False

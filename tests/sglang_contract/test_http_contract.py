@@ -39,9 +39,16 @@ def test_the_fields_tltd_takes_exist_in_sglang():
     fields = CASES["fields"]
     assert set(fields["GenerateReqInput"]) <= _fields(io_struct.GenerateReqInput)
     assert set(fields["SamplingParams"]) <= _fields(sampling_params.SamplingParams)
-    assert set(fields["UpdateWeightFromDiskReqInput"]) <= _fields(
-        io_struct.UpdateWeightFromDiskReqInput
-    )
+    for struct in (
+        "UpdateWeightFromDiskReqInput",
+        "InitWeightsUpdateGroupReqInput",
+        "UpdateWeightsFromDistributedReqInput",
+        "DestroyWeightsUpdateGroupReqInput",
+        "PauseGenerationReqInput",
+        "ContinueGenerationReqInput",
+        "AbortReq",
+    ):
+        assert set(fields[struct]) <= _fields(getattr(io_struct, struct)), struct
 
 
 def test_finish_reasons_are_sglangs_json():

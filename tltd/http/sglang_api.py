@@ -16,7 +16,7 @@ from tltd.errors import InvalidArgument, Unavailable
 from tltd.http import door
 from tltd.http.errors import failure_body, from_validation
 from tltd.http.vocab import Vocab, vocab_for
-from tltd.services import Services
+from tltd.services import PauseMode, Services
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,16 @@ class UpdateWeightsRequest(BaseModel):
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
+    keep_pause: bool = False  # True: the job is paused (keep) once the version is recorded
     flush_cache: bool = True  # tltd keeps no KV across requests: nothing to flush
+    # No effect in tltd: the version is recorded at once and workers load it beside their
+    # work (is_async either way); no CUDA cache or graphs to reset; the step is the caller's.
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    rid: str | None = None
+    manifest: dict[str, Any] | None = None
 
 
 def _sampling(raw: dict | list | None) -> SglangSampling:
@@ -286,6 +295,8 @@ async def update_weights_from_disk(services: Services, request: Request) -> JSON
         raise InvalidArgument(
             "only Hugging Face safetensors checkpoints (auto)", field="load_format"
         )
+    if body.manifest is not None:
+        raise InvalidArgument("not supported: the checkpoint's own files say", field="manifest")
     job = await _job(services, request)
     note = f"weight_version={body.weight_version}" if body.weight_version else ""
     aborted = 0
@@ -296,6 +307,8 @@ async def update_weights_from_disk(services: Services, request: Request) -> JSON
     version = await asyncio.to_thread(
         services.policy.update, job.job_id, "checkpoint", body.model_path, note
     )
+    if body.keep_pause:
+        await services.pauses.pause(job.job_id, PauseMode.KEEP)
     return JSONResponse(
         {
             "success": True,

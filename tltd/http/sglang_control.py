@@ -27,6 +27,13 @@ _MODES = {"abort": PauseMode.ABORT, "in_place": PauseMode.KEEP, "retract": Pause
 class PauseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     mode: str = "abort"
+    rid: str | None = None  # SGLang's id of the control request itself: unused
+
+
+class ContinueRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rid: str | None = None
+    torch_empty_cache: bool = False  # no CUDA cache to empty
 
 
 class AbortRequest(BaseModel):
@@ -49,13 +56,16 @@ async def pause_generation(services: Services, request: Request) -> JSONResponse
         )
     job = await _job(services, request)
     count = await services.pauses.pause(job.job_id, _MODES[body.mode])
-    return JSONResponse({"success": True, "message": f"paused ({body.mode})", "aborted": count})
+    return JSONResponse(
+        {"message": "Generation paused successfully.", "status": "ok", "aborted": count}
+    )
 
 
 async def continue_generation(services: Services, request: Request) -> JSONResponse:
+    door.parse(ContinueRequest, await request.body() or b"{}")
     job = await _job(services, request)
     services.pauses.resume(job.job_id)
-    return JSONResponse({"success": True, "message": "continued"})
+    return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def abort_request(services: Services, request: Request) -> JSONResponse:

@@ -27,6 +27,7 @@ class InitGroupRequest(BaseModel):
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "gloo"
+    rid: str | None = None  # SGLang's id of the control request itself: unused
 
 
 class UpdateFromDistributedRequest(BaseModel):
@@ -44,11 +45,15 @@ class UpdateFromDistributedRequest(BaseModel):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    rid: str | None = None
+    torch_empty_cache: bool = False  # no CUDA cache to empty
+    selector: Any = None  # which runners of an engine: tltd's one rank takes all
 
 
 class DestroyGroupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     group_name: str = "weight_update_group"
+    rid: str | None = None
 
 
 async def init_weights_update_group(services: Services, request: Request) -> JSONResponse:
@@ -72,6 +77,8 @@ async def update_weights_from_distributed(services: Services, request: Request) 
     body = door.parse(UpdateFromDistributedRequest, await request.body())
     if body.load_format not in (None, "auto"):
         raise InvalidArgument("only full tensors (auto)", field="load_format")
+    if body.selector is not None:
+        raise InvalidArgument("not supported: only null", field="selector")
     tensors = _tensors(body)
     job = await door.addressed_job(services, request)
     if body.abort_all_requests:
