@@ -12,6 +12,7 @@ import pytest
 
 from tests.http_api.conftest import JOB
 from tests.http_api.support import wait_running
+from tltd.domain import RequestStatus
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 8]]
 
@@ -186,3 +187,19 @@ def test_pause_abort_returns_in_flight_samples_with_abort(http, http_daemon):
     assert choice["finish_reason"] == "abort"
     assert len(choice["token_ids"]) < 480
     assert choice["tltd"]["partial"] is True
+
+
+def test_pause_wait_returns_once_in_flight_requests_finish(http, http_daemon):
+    rid = "vllm-wait-1"
+    body = {"model": JOB, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}
+    t, out = _post_in_thread(http_daemon.url, "/v1/completions", {**body, "request_id": rid})
+    wait_running(http_daemon.store, rid)
+    try:
+        r = http.post("/pause", params={"mode": "wait", "timeout": "60"})
+        assert r.status_code == 200 and r.json()["requests"] == 1
+        # Returned only once the request ended: its answer is whole.
+        assert http_daemon.store.get_request(rid).status is RequestStatus.COMPLETED
+    finally:
+        http.post("/resume")
+    t.join(60)
+    assert out["response"].json()["choices"][0]["finish_reason"] == "length"
