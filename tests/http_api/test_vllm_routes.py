@@ -203,3 +203,17 @@ def test_pause_wait_returns_once_in_flight_requests_finish(http, http_daemon):
         http.post("/resume")
     t.join(60)
     assert out["response"].json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_abort_requests_by_id_and_weight_info(http, http_daemon):
+    rid = "vllm-abort-2"
+    body = {"model": JOB, "prompt": PROMPTS[0], "max_tokens": 480, "ignore_eos": True}
+    t, out = _post_in_thread(http_daemon.url, "/v1/completions", {**body, "request_id": rid})
+    wait_running(http_daemon.store, rid)
+    r = http.post("/abort_requests", json={"request_ids": [rid]})
+    assert r.json() == {"status": "aborted", "aborted": 1}
+    t.join(60)
+    assert out["response"].json()["choices"][0]["finish_reason"] == "abort"
+    assert http.get("/is_paused").json() == {"is_paused": False}  # no pause involved
+    info = http.get("/weight_info").json()
+    assert info["policy_version"] == http_daemon.store.get_job(JOB).policy_version

@@ -43,6 +43,8 @@ def build_app(services: Services, tokens) -> Starlette:
         route("/pause", "pause", vllm_api.pause, "POST", oa),
         route("/resume", "pause", vllm_api.resume, "POST", oa),
         route("/is_paused", "server_info", vllm_api.is_paused, "GET", oa),
+        route("/abort_requests", "abort", vllm_api.abort_requests, "POST", oa),
+        route("/weight_info", "weight_version", vllm_api.weight_info, "GET", oa),
     ]
     # SGLang's endpoints, on the job the URL names or (without one) the only active job.
     for prefix in ("", "/jobs/{job_id}"):

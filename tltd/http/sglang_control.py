@@ -97,7 +97,7 @@ async def server_info(services: Services, request: Request) -> JSONResponse:
         "tp_size": 1,
         "dp_size": 1,
         "pp_size": 1,
-        "weight_version": _weight_version(version),
+        "weight_version": weight_version_of(version),
         "paused": services.pauses.is_paused(job.job_id),
         "internal_states": [{"policy_version": job.policy_version}],
         "tltd": {
@@ -134,11 +134,11 @@ async def get_weight_version(services: Services, request: Request) -> JSONRespon
     job = await _job(services, request)
     version = await asyncio.to_thread(services.policy.get, job.job_id)
     return JSONResponse(
-        {"weight_version": _weight_version(version), "policy_version": version.version}
+        {"weight_version": weight_version_of(version), "policy_version": version.version}
     )
 
 
-def _weight_version(version) -> str:
+def weight_version_of(version) -> str:
     """The label the trainer gave the update (weight_version), else tltd's version number."""
     prefix = "weight_version="
     return version.note[len(prefix) :] if version.note.startswith(prefix) else str(version.version)

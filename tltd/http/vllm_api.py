@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from tltd.errors import InvalidArgument
 from tltd.http import door, openai_api
+from tltd.http.sglang_control import weight_version_of
 from tltd.http.vocab import vocab_for
 from tltd.services import PauseMode, Services
 
@@ -41,7 +42,10 @@ async def reset_prefix_cache(services: Services, request: Request) -> JSONRespon
 async def pause(services: Services, request: Request) -> JSONResponse:
     """?mode=keep|wait|abort (vLLM's; default abort): see PauseService."""
     job = await _job(services, request)
-    raw = request.query_params.get("mode", "abort")
+    query = request.query_params
+    # vLLM's older spelling of mode=wait
+    waiting = query.get("wait_for_inflight_requests", "false").lower() == "true"
+    raw = query.get("mode", "wait" if waiting else "abort")
     try:
         mode = PauseMode(raw)
     except ValueError:
@@ -49,6 +53,35 @@ async def pause(services: Services, request: Request) -> JSONResponse:
     timeout = _float(request.query_params.get("timeout", "600"), "timeout")
     count = await services.pauses.pause(job.job_id, mode, timeout)
     return JSONResponse({"status": "paused", "mode": mode.value, "requests": count})
+
+
+class AbortRequests(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    request_ids: list[str] | None = None
+
+
+async def abort_requests(services: Services, request: Request) -> JSONResponse:
+    """vLLM's abort without a pause: the named requests, or (none named) every open request
+    of the job; their samples come back with finish reason abort."""
+    body = door.parse(AbortRequests, await request.body() or b"{}")
+    job = await _job(services, request)
+    reason = "aborted by /abort_requests"
+    if body.request_ids:
+        count = 0
+        for rid in body.request_ids:
+            count += await asyncio.to_thread(services.pauses.abort_open, job.job_id, reason, rid)
+    else:
+        count = await asyncio.to_thread(services.pauses.abort_open, job.job_id, reason)
+    return JSONResponse({"status": "aborted", "aborted": count})
+
+
+async def weight_info(services: Services, request: Request) -> JSONResponse:
+    """vLLM's weight version: the label of the job's latest update, else its number."""
+    job = await _job(services, request)
+    version = await asyncio.to_thread(services.policy.get, job.job_id)
+    return JSONResponse(
+        {"weight_version": weight_version_of(version), "policy_version": version.version}
+    )
 
 
 async def resume(services: Services, request: Request) -> JSONResponse:
