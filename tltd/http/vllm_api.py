@@ -143,27 +143,27 @@ async def generate_tokens(services: Services, request: Request) -> Response:
     vocab = await asyncio.to_thread(vocab_for, job.model_path)
     req = openai_api.to_rollout(completion, job, vocab, rid)
     done = await door.collect(services, req)
-    choices = []
-    for s in done:
-        c = openai_api.choice(completion, req, s, vocab)
-        choices.append(
-            {
-                "index": c["index"],
-                "token_ids": list(s.token_ids),
-                "logprobs": c["logprobs"] and _token_logprobs(c["logprobs"], s),
-                "finish_reason": c["finish_reason"],
-                "stop_reason": c["stop_reason"],
-                "tltd": c["tltd"],
-            }
-        )
     return JSONResponse(
         {
             "request_id": done[0].request_id,
-            "choices": choices,
+            "choices": [_tokens_choice(completion, req, s, vocab) for s in done],
             "prompt_logprobs": None,
             "kv_transfer_params": None,
         }
     )
+
+
+def _tokens_choice(completion, req, s, vocab) -> dict:
+    """One sample in vLLM's token-out choice shape."""
+    c = openai_api.choice(completion, req, s, vocab)
+    return {
+        "index": c["index"],
+        "token_ids": list(s.token_ids),
+        "logprobs": c["logprobs"] and _token_logprobs(c["logprobs"]),
+        "finish_reason": c["finish_reason"],
+        "stop_reason": c["stop_reason"],
+        "tltd": c["tltd"],
+    }
 
 
 # vLLM's engine SamplingParams fields that a completion request does not have, with the values
@@ -189,7 +189,7 @@ def _completion_params(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _token_logprobs(lp: dict, s) -> dict:
+def _token_logprobs(lp: dict) -> dict:
     """vLLM's token-out logprobs: per position the sampled token and its logprob, with the
     top alternatives (for logprobs=0 the sampled token alone)."""
     return {
