@@ -1,8 +1,8 @@
 PY ?= .venv/bin/python
 PIP ?= $(PY) -m pip
 
-.PHONY: install stubs test test-sglang lint demo demo-quick daemon-demo serve gpu-check \
-	gpu-check-dry gpu-wheels
+.PHONY: install stubs test test-sglang test-trl lint demo demo-quick daemon-demo serve \
+	gpu-check gpu-check-dry gpu-wheels
 
 # torch==2.13.0 first: on CPU-only machines it is a local CPU build; anything that admits a
 # newer torch would otherwise download a multi-GB CUDA build.
@@ -27,6 +27,13 @@ test-sglang:
 	$$venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . && \
 	TLTD_SGLANG_CONTRACT=1 $$venv/bin/python -m pytest -q -p no:cacheprovider \
 		--confcutdir=tests/sglang_contract tests/sglang_contract
+
+# TRL's own VLLMClient against a real daemon: the client in its own cached environment (CPU
+# torch, trl: scripts/trl_client_env.sh), the daemon and the tests in the project's. A failed
+# build fails the target.
+test-trl: install
+	venv=$$(PYTHON=$(PY) bash scripts/trl_client_env.sh) && \
+	TLTD_TRL_PYTHON=$$venv/bin/python $(PY) -m pytest -q -p no:cacheprovider tests/trl_client
 
 lint:
 	$(PY) -m ruff check .

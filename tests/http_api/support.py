@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from pathlib import Path
 
 from tests.rollout.support import InProcessDaemon, make_checkpoint
@@ -81,3 +82,19 @@ def sse_events(lines) -> list:
             return events
         events.append(json.loads(data))
     raise AssertionError(f"stream ended without [DONE] after {len(events)} events")
+
+
+def wait_running(store, rid: str, timeout: float = 30.0) -> None:
+    """Until a worker has begun request `rid` (its tokens are being produced)."""
+    from tltd.domain import RequestStatus
+    from tltd.errors import NotFound
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if store.get_request(rid).status is RequestStatus.RUNNING:
+                return
+        except NotFound:
+            pass  # not stored yet
+        time.sleep(0.02)
+    raise AssertionError(f"request {rid} did not start running")

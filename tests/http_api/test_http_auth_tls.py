@@ -73,6 +73,31 @@ def test_routes_take_the_role_of_their_grpc_method():
         assert required_role(method) in ("trainer", "public"), route
 
 
+def test_every_route_checks_the_token(sqlite_store, tmp_path):
+    """Each route of the app, vLLM's and SGLang's control routes included: no token -> 401
+    (but /health), a trainer token gets past auth (whatever the route then answers)."""
+    d = _serve(sqlite_store, tmp_path, tokens={TRAINER_TOKEN: "trainer"})
+    try:
+        from tltd.http.app import build_app
+
+        paths = [
+            (r.path.replace("{job_id}", "j1"), sorted(r.methods - {"HEAD"})[0])
+            for r in build_app(d.services, {}).routes
+        ]
+        assert len(paths) > 40
+        trainer = {"Authorization": f"Bearer {TRAINER_TOKEN}"}
+        with httpx.Client(base_url=d.url, timeout=10) as http:
+            for path, method in paths:
+                if path.endswith("/generate") or path.endswith("/completions"):
+                    continue  # a rollout: 501 without workers, checked above
+                anonymous = http.request(method, path, json={})
+                assert anonymous.status_code == (200 if path == "/health" else 401), path
+                authed = http.request(method, path, json={}, headers=trainer)
+                assert authed.status_code not in (401, 403, 500), (path, authed.text)
+    finally:
+        d.stop()
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     from tests.api.test_tls import make_pki  # skips without openssl, and fails under CI

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from tltd.domain import FinishReason, Job, RolloutRequest, Sample, SamplingParams
-from tltd.http import door, sglang_api
+from tltd.http import door, sglang_api, sglang_control, sglang_weights
 from tltd.http.vocab import Vocab
 
 CASES = json.loads(
@@ -30,7 +30,7 @@ class _CharVocab(Vocab):
 
 
 def test_tltd_accepts_every_body():
-    for body in CASES["generate_bodies"]:
+    for body in CASES["generate_bodies"] + list(CASES["framework_bodies"].values()):
         parsed = door.parse(sglang_api.GenerateRequest, json.dumps(body).encode())
         req, _params, _single = sglang_api.to_rollout(parsed, Job("j", "/m"), _CharVocab(), "")
         assert req.prompts and req.sampling.max_new_tokens > 0
@@ -43,6 +43,17 @@ def test_the_field_lists_are_the_fields_tltd_takes():
     assert fields["UpdateWeightFromDiskReqInput"] == sorted(
         sglang_api.UpdateWeightsRequest.model_fields
     )
+    legacy = set(CASES["legacy_fields"]["UpdateWeightsFromDistributedReqInput"])
+    ours = {
+        "InitWeightsUpdateGroupReqInput": sglang_weights.InitGroupRequest,
+        "UpdateWeightsFromDistributedReqInput": sglang_weights.UpdateFromDistributedRequest,
+        "DestroyWeightsUpdateGroupReqInput": sglang_weights.DestroyGroupRequest,
+        "PauseGenerationReqInput": sglang_control.PauseRequest,
+        "ContinueGenerationReqInput": sglang_control.ContinueRequest,
+        "AbortReq": sglang_control.AbortRequest,
+    }
+    for struct, model in ours.items():
+        assert fields[struct] == sorted(set(model.model_fields) - legacy), struct
 
 
 def test_the_finish_reasons_are_what_tltd_returns():

@@ -24,7 +24,9 @@ def _fields(cls) -> set[str]:
     return set(cls.__struct_fields__)  # msgspec structs
 
 
-@pytest.mark.parametrize("body", CASES["generate_bodies"])
+@pytest.mark.parametrize(
+    "body", CASES["generate_bodies"] + list(CASES["framework_bodies"].values())
+)
 def test_accepted_bodies_are_valid_generate_req_inputs(body):
     obj = io_struct.GenerateReqInput(**body)
     obj.normalize_batch_and_arguments()
@@ -37,9 +39,16 @@ def test_the_fields_tltd_takes_exist_in_sglang():
     fields = CASES["fields"]
     assert set(fields["GenerateReqInput"]) <= _fields(io_struct.GenerateReqInput)
     assert set(fields["SamplingParams"]) <= _fields(sampling_params.SamplingParams)
-    assert set(fields["UpdateWeightFromDiskReqInput"]) <= _fields(
-        io_struct.UpdateWeightFromDiskReqInput
-    )
+    for struct in (
+        "UpdateWeightFromDiskReqInput",
+        "InitWeightsUpdateGroupReqInput",
+        "UpdateWeightsFromDistributedReqInput",
+        "DestroyWeightsUpdateGroupReqInput",
+        "PauseGenerationReqInput",
+        "ContinueGenerationReqInput",
+        "AbortReq",
+    ):
+        assert set(fields[struct]) <= _fields(getattr(io_struct, struct)), struct
 
 
 def test_finish_reasons_are_sglangs_json():

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tltd.http import openai_api, sglang_api
+from tltd.http import openai_api, sglang_api, sglang_control, sglang_weights, vllm_api
 from tltd.http.auth import BearerAuth
 from tltd.http.errors import Renames, failure_body
 from tltd.services import Services
@@ -36,6 +36,15 @@ def build_app(services: Services, tokens) -> Starlette:
         route("/v1/completions", "completions", openai_api.completions, "POST", oa),
         route("/v1/models", "models", openai_api.models, "GET", oa),
         route("/health", "health", sglang_api.health, "GET", sg),
+        # vLLM's own routes, on the job `model` names or the only active one.
+        route("/inference/v1/generate", "completions", vllm_api.generate_tokens, "POST", oa),
+        route("/get_world_size", "server_info", vllm_api.get_world_size, "GET", oa),
+        route("/reset_prefix_cache", "flush_cache", vllm_api.reset_prefix_cache, "POST", oa),
+        route("/pause", "pause", vllm_api.pause, "POST", oa),
+        route("/resume", "pause", vllm_api.resume, "POST", oa),
+        route("/is_paused", "server_info", vllm_api.is_paused, "GET", oa),
+        route("/abort_requests", "abort", vllm_api.abort_requests, "POST", oa),
+        route("/weight_info", "weight_version", vllm_api.weight_info, "GET", oa),
     ]
     # SGLang's endpoints, on the job the URL names or (without one) the only active job.
     for prefix in ("", "/jobs/{job_id}"):
@@ -50,6 +59,8 @@ def build_app(services: Services, tokens) -> Starlette:
             ),
             route(f"{prefix}/get_model_info", "model_info", sglang_api.get_model_info, "GET", sg),
         ]
+        routes += sglang_control.routes(prefix, partial(route, renames=sg))
+        routes += sglang_weights.routes(prefix, partial(route, renames=sg))
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
 
 

@@ -17,6 +17,13 @@ ROUTE_METHODS = {
     "model_info": "/tltd.v1.JobService/GetJob",
     "update_weights": "/tltd.v1.PolicyService/UpdatePolicy",
     "health": "/grpc.health.v1.Health/Check",
+    "server_info": "/tltd.v1.JobService/GetJob",
+    "weight_version": "/tltd.v1.PolicyService/GetPolicy",
+    # Pausing and cache resets are steps of a trainer's weight update.
+    "pause": "/tltd.v1.PolicyService/UpdatePolicy",
+    "flush_cache": "/tltd.v1.PolicyService/UpdatePolicy",
+    "abort": "/tltd.v1.RolloutService/CancelRequest",
+    "weights_group": "/tltd.v1.PolicyService/OpenBroadcast",
 }
 
 

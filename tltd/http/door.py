@@ -57,6 +57,13 @@ async def sole_active_job(services: Services) -> Job:
     return jobs[0]
 
 
+async def addressed_job(services: Services, request, model: str | None = None) -> Job:
+    """The job a route addresses: the URL's /jobs/<job_id>/ prefix, else `model` (a body's
+    field or the ?model= query), else the only active job."""
+    name = request.path_params.get("job_id") or model or request.query_params.get("model")
+    return await (get_job(services, name) if name else sole_active_job(services))
+
+
 async def collect(services: Services, req: RolloutRequest) -> list[Sample]:
     """Every sample of the request, in (prompt, sample) order."""
     samples = [s async for s in services.rollouts.generate(req)]

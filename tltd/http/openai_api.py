@@ -38,7 +38,9 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """The fields tltd takes; any other is refused by name (docs/http.md)."""
+    """vLLM's completion request fields (OpenAI's and vLLM's extensions): those tltd runs, and
+    the rest at the values that change nothing (`_NO_OP`); any other field or value is refused
+    by name (docs/http.md)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str
@@ -47,40 +49,108 @@ class CompletionRequest(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # an end-user id for the caller's records: changes nothing
-    # Accepted at their no-op values only (checked in _refuse_unsupported).
+    request_id: str | None = None
+    # How the answer is written, all honoured.
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    # Identity and routing only: they change no token. (tltd keeps no KV cache across
+    # requests, so a cache salt is honoured trivially; whole samples are streamed, so a
+    # stream interval changes nothing; offsets and multimodal kwargs concern vLLM's render
+    # endpoints only, as in vLLM.)
+    user: str | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+    stream_interval: int | None = None
+    return_token_offsets: bool | None = None
+    return_mm_kwargs: bool = True
+    length_penalty: float = 1.0  # beam search only, as in vLLM
+    # Accepted at their no-op values only (_NO_OP).
     echo: bool | None = None
     best_of: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
-    # vLLM's extensions
-    top_k: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    return_tokens_as_token_ids: bool = False
-    return_token_ids: bool = False
-    request_id: str | None = None
+    use_beam_search: bool = False
+    watermarking: bool | None = None
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_embeds: Any = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    priority: int = 0
+    routed_experts_prompt_start: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+
+
+# field -> (the values that change nothing, why another is refused)
+_NO_OP: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((None, False), "the prompt is the caller's already"),
+    "frequency_penalty": ((None, 0.0), "penalties are not run by the engine"),
+    "presence_penalty": ((None, 0.0), "penalties are not run by the engine"),
+    "repetition_penalty": ((None, 1.0), "penalties are not run by the engine"),
+    "min_p": ((None, 0.0), "min-p filtering is not run by the engine"),
+    "min_tokens": ((0,), "the engine has no minimum length"),
+    "logit_bias": ((None, {}), "the engine takes no logit bias"),
+    "suffix": ((None, ""), "no insertion after the completion"),
+    "use_beam_search": ((False,), "the engine samples; no beam search"),
+    "watermarking": ((None, False), "no watermarking"),
+    "spaces_between_special_tokens": ((True,), "text is decoded by the job's tokenizer"),
+    "allowed_token_ids": ((None,), "the engine samples from the whole vocabulary"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not computed by the engine"),
+    "logprob_token_ids": ((None,), "only the sampled token's logprob is computed"),
+    "bad_words": ((None, []), "the engine bans no words"),
+    "prompt_embeds": ((None,), "prompts are token ids or text"),
+    "response_format": ((None, {"type": "text"}), "no structured output"),
+    "structured_outputs": ((None,), "no structured output"),
+    "guided_json": ((None,), "no structured output"),
+    "guided_regex": ((None,), "no structured output"),
+    "guided_choice": ((None,), "no structured output"),
+    "guided_grammar": ((None,), "no structured output"),
+    "priority": ((0,), "a job's priority is set on the job"),
+    "routed_experts_prompt_start": ((0,), "no routed-expert data"),
+    "kv_transfer_params": ((None,), "no disaggregated serving"),
+    "ec_transfer_params": ((None,), "no disaggregated serving"),
+    "vllm_xargs": ((None, {}), "no custom extensions"),
+    "repetition_detection": ((None,), "no repetition detection"),
+    "thinking_token_budget": ((None, -1), "no thinking budget"),
+}
 
 
 def _refuse_unsupported(body: CompletionRequest) -> None:
-    if body.echo:
-        raise InvalidArgument("echo is not supported (the prompt is yours already)", field="echo")
+    for name, (no_op, why) in _NO_OP.items():
+        if getattr(body, name) not in no_op:
+            allowed = " or ".join(repr(v) for v in no_op if v is not None) or "unset"
+            raise InvalidArgument(f"{why}: only {allowed}", field=name)
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidArgument("only best_of = n (or unset) is supported", field="best_of")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name):
-            raise InvalidArgument("penalties are not supported: only 0", field=name)
-    if body.logit_bias:
-        raise InvalidArgument("logit_bias is not supported", field="logit_bias")
-    if body.suffix:
-        raise InvalidArgument("suffix is not supported", field="suffix")
     if body.logprobs is not None and body.logprobs != 0:
         raise InvalidArgument(
             "top-k alternatives are not available from the engine: logprobs=0 returns the "
@@ -89,19 +159,34 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
         )
     if body.stream_options is not None and not body.stream:
         raise InvalidArgument("only with stream=true", field="stream_options")
+    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < 1:
+        raise InvalidArgument("must be >= 1 (or unset)", field="truncate_prompt_tokens")
+    if body.truncation_side not in (None, "left", "right"):
+        raise InvalidArgument("must be left or right", field="truncation_side")
 
 
-def _prompts(prompt: Any, vocab: Vocab) -> tuple[tuple[int, ...], ...]:
+def _prompts(body: CompletionRequest, vocab: Vocab) -> tuple[tuple[int, ...], ...]:
+    """Token-id prompts, truncated as vLLM does when asked (left by default: the last N)."""
+    prompts = _prompt_ids(body.prompt, vocab, body.add_special_tokens)
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return prompts
+    if body.truncation_side == "right":
+        return tuple(p[:keep] for p in prompts)
+    return tuple(p[-keep:] for p in prompts)
+
+
+def _prompt_ids(prompt: Any, vocab: Vocab, special: bool) -> tuple[tuple[int, ...], ...]:
     """A string, a list of token ids, or a list of either -> token-id prompts."""
     if isinstance(prompt, str):
-        return (vocab.encode(prompt, "prompt"),)
+        return (vocab.encode(prompt, "prompt", special),)
     if isinstance(prompt, list) and prompt:
         if all(_is_token(t) for t in prompt):
             return (tuple(prompt),)
         out = []
         for i, p in enumerate(prompt):
             if isinstance(p, str):
-                out.append(vocab.encode(p, f"prompt[{i}]"))
+                out.append(vocab.encode(p, f"prompt[{i}]", special))
             elif isinstance(p, list) and p and all(_is_token(t) for t in p):
                 out.append(tuple(p))
             else:
@@ -123,7 +208,7 @@ def to_rollout(body: CompletionRequest, job: Job, vocab: Vocab, request_id: str)
     """The domain request: stop strings become their single tokens, the model's end-of-sequence
     ids stop a sample unless ignore_eos (as vLLM does)."""
     _refuse_unsupported(body)
-    prompts = _prompts(body.prompt, vocab)
+    prompts = _prompts(body, vocab)
     stops = [*(body.stop_token_ids or ())]
     texts = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     stops += [vocab.stop_token(s, f"stop[{i}]") for i, s in enumerate(texts)]
@@ -151,31 +236,38 @@ def choice(body: CompletionRequest, req: RolloutRequest, s: Sample, vocab: Vocab
     stopped = (
         s.finish_reason is FinishReason.STOP and ids and ids[-1] in req.sampling.stop_token_ids
     )
+    trim = stopped and not body.include_stop_str_in_output
     out: dict[str, Any] = {
         "index": s.prompt_index * req.sampling.n + s.sample_index,
-        "text": vocab.decode(ids[:-1] if stopped else ids),
-        "logprobs": None,
+        "text": vocab.decode(ids[:-1] if trim else ids, body.skip_special_tokens),
+        "logprobs": None if body.logprobs is None else logprobs(body, s, vocab),
         "finish_reason": _FINISH.get(s.finish_reason, "abort"),
         "stop_reason": ids[-1] if stopped else None,  # vLLM's: the stop token matched
+        "prompt_logprobs": None,
+        "token_ids": list(ids) if body.return_token_ids else None,
+        "prompt_token_ids": list(req.prompts[s.prompt_index]) if body.return_token_ids else None,
     }
-    if body.logprobs is not None:
-        as_ids = body.return_tokens_as_token_ids or vocab.tokenizer is None
-        tokens = [f"token_id:{t}" if as_ids else vocab.piece(t) for t in ids]
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
-        out["logprobs"] = {
-            "tokens": tokens,
-            "token_logprobs": list(s.logprobs),
-            "top_logprobs": None,
-            "text_offset": offsets,
-        }
-    if body.return_token_ids:
-        out["token_ids"] = list(ids)
-        out["prompt_token_ids"] = list(req.prompts[s.prompt_index])
     out["tltd"] = _tltd_fields(s)
     return out
+
+
+def logprobs(body: CompletionRequest, s: Sample, vocab: Vocab) -> dict:
+    """vLLM's completion logprobs: per position the token, its logprob (floored at -9999 as
+    vLLM floors -inf) and the top alternatives, which for logprobs=0 are the sampled token
+    alone; text offsets are the cumulative lengths of the token strings."""
+    as_ids = body.return_tokens_as_token_ids or vocab.tokenizer is None
+    tokens = [f"token_id:{t}" if as_ids else vocab.piece(t) for t in s.token_ids]
+    values = [max(lp, -9999.0) for lp in s.logprobs]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": values,
+        "tokens": tokens,
+        "top_logprobs": [{t: lp} for t, lp in zip(tokens, values, strict=True)],
+    }
 
 
 def _tltd_fields(s: Sample) -> dict:

@@ -16,7 +16,7 @@ from tltd.errors import InvalidArgument, Unavailable
 from tltd.http import door
 from tltd.http.errors import failure_body, from_validation
 from tltd.http.vocab import Vocab, vocab_for
-from tltd.services import Services
+from tltd.services import PauseMode, Services
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ class SglangSampling(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Arguments of a custom logit processor, which tltd never runs (nor does SGLang without
+    # one): slime sends them whenever top_p < 1.
+    custom_params: dict[str, Any] | None = None
     # Accepted at their no-op values only.
     min_new_tokens: int = 0
     frequency_penalty: float = 0.0
@@ -81,6 +84,12 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     rid: str | None = None
     log_metrics: bool = True
+    # Accepted at their no-op values only (_refuse_unsupported): AReaL sends image_data: []
+    # with every text-only request.
+    image_data: Any = None
+    custom_logit_processor: str | None = None
+    return_hidden_states: bool = False
+    lora_path: Any = None
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -89,7 +98,16 @@ class UpdateWeightsRequest(BaseModel):
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
+    keep_pause: bool = False  # True: the job is paused (keep) once the version is recorded
     flush_cache: bool = True  # tltd keeps no KV across requests: nothing to flush
+    # No effect in tltd: the version is recorded at once and workers load it beside their
+    # work (is_async either way); no CUDA cache or graphs to reset; the step is the caller's.
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    rid: str | None = None
+    manifest: dict[str, Any] | None = None
 
 
 def _sampling(raw: dict | list | None) -> SglangSampling:
@@ -140,7 +158,21 @@ def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
+def _no_images(value: Any) -> bool:
+    """None, [], or a batch's list of those: no image anywhere."""
+    if value is None or value == []:
+        return True
+    return isinstance(value, list) and all(v is None or v == [] for v in value)
+
+
 def _refuse_unsupported(body: GenerateRequest) -> None:
+    if not _no_images(body.image_data):
+        raise InvalidArgument("images are not supported: only none or []", field="image_data")
+    for name in ("custom_logit_processor", "lora_path"):
+        if getattr(body, name) is not None:
+            raise InvalidArgument("not supported: only null", field=name)
+    if body.return_hidden_states:
+        raise InvalidArgument("not supported: only false", field="return_hidden_states")
     if body.logprob_start_len not in (None, -1):
         raise InvalidArgument(
             "prompt logprobs are not supported: only -1", field="logprob_start_len"
@@ -223,9 +255,7 @@ def output(body, params, req: RolloutRequest, s: Sample, vocab: Vocab) -> dict:
     }
 
 
-async def _job(services: Services, request: Request) -> Job:
-    job_id = request.path_params.get("job_id")
-    return await (door.get_job(services, job_id) if job_id else door.sole_active_job(services))
+_job = door.addressed_job
 
 
 async def generate(services: Services, request: Request) -> Response:
@@ -256,28 +286,34 @@ async def _events(body, params, req, samples, vocab):
 
 async def update_weights_from_disk(services: Services, request: Request) -> JSONResponse:
     """A new policy version from a checkpoint directory (PolicyService.update, as gRPC
-    UpdatePolicy): requests accepted before keep their version, new ones run on it."""
+    UpdatePolicy): requests accepted before keep their version, new ones run on it; with
+    abort_all_requests the job's open requests are aborted first (finish reason abort, their
+    tokens so far returned, as SGLang does). tltd keeps no KV cache across requests, so
+    flush_cache has nothing to drop."""
     body = door.parse(UpdateWeightsRequest, await request.body())
-    if body.abort_all_requests:
-        raise InvalidArgument(
-            "not supported: requests in flight finish on the version they started with "
-            "(cancel them with tltctl or gRPC CancelRequest)",
-            field="abort_all_requests",
-        )
     if body.load_format not in (None, "auto"):
         raise InvalidArgument(
             "only Hugging Face safetensors checkpoints (auto)", field="load_format"
         )
+    if body.manifest is not None:
+        raise InvalidArgument("not supported: the checkpoint's own files say", field="manifest")
     job = await _job(services, request)
     note = f"weight_version={body.weight_version}" if body.weight_version else ""
+    aborted = 0
+    if body.abort_all_requests:
+        aborted = await asyncio.to_thread(
+            services.pauses.abort_open, job.job_id, "aborted by a weight update"
+        )
     version = await asyncio.to_thread(
         services.policy.update, job.job_id, "checkpoint", body.model_path, note
     )
+    if body.keep_pause:
+        await services.pauses.pause(job.job_id, PauseMode.KEEP)
     return JSONResponse(
         {
             "success": True,
             "message": f"job {job.job_id} is on policy version {version.version}",
-            "num_paused_requests": 0,
+            "num_paused_requests": aborted,
             "weight_version": str(version.version),
         }
     )

@@ -20,11 +20,12 @@ class Vocab:
     tokenizer: Any  # tokenizers.Tokenizer, or None when the model directory has none
     eos_ids: tuple[int, ...]
 
-    def encode(self, text: str, field: str) -> tuple[int, ...]:
-        """Token ids of `text` as the model's tokenizer makes them (its post-processor decides
-        special tokens); InvalidArgument naming `field` without a tokenizer."""
+    def encode(self, text: str, field: str, special: bool = True) -> tuple[int, ...]:
+        """Token ids of `text` as the model's tokenizer makes them (its post-processor adds
+        special tokens unless `special` is False); InvalidArgument naming `field` without a
+        tokenizer."""
         tok = self._need(field)
-        ids = tuple(tok.encode(text).ids)
+        ids = tuple(tok.encode(text, add_special_tokens=special).ids)
         if not ids:
             raise InvalidArgument("encodes to no tokens", field=field)
         return ids

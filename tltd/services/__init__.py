@@ -10,9 +10,11 @@ from tltd.services.broadcast import BroadcastService
 from tltd.services.drafters import DrafterService
 from tltd.services.jobs import JobService, NewJob
 from tltd.services.node import NodeState
+from tltd.services.pause import PauseMode, PauseService
 from tltd.services.policy import PolicyService
 from tltd.services.push import PushService
 from tltd.services.rollouts import RolloutService
+from tltd.services.weight_groups import WeightGroupService
 from tltd.settings import Settings
 
 if TYPE_CHECKING:
@@ -26,10 +28,13 @@ __all__ = [
     "JobService",
     "NewJob",
     "NodeState",
+    "PauseMode",
+    "PauseService",
     "PolicyService",
     "PushService",
     "RolloutService",
     "Services",
+    "WeightGroupService",
     "build_services",
 ]
 
@@ -44,6 +49,8 @@ class Services:
     drafters: DrafterService
     admin: AdminService
     node: NodeState
+    pauses: PauseService
+    weight_groups: WeightGroupService
 
 
 def build_services(
@@ -56,13 +63,17 @@ def build_services(
     node = node or NodeState()
     policy = PolicyService(store, supervisor)
     pushes = PushService(store, settings, policy)
+    rollouts = RolloutService(store, settings, node, supervisor)
+    rollouts.pauses = pauses = PauseService(store, rollouts.cancel)
     return Services(
         jobs=JobService(store, settings, supervisor),
-        rollouts=RolloutService(store, settings, node, supervisor),
+        rollouts=rollouts,
         policy=policy,
         pushes=pushes,
         broadcasts=BroadcastService(pushes, settings, supervisor),
         drafters=DrafterService(store),
         admin=AdminService(store, node, settings.node_down_seconds),
         node=node,
+        pauses=pauses,
+        weight_groups=WeightGroupService(store, pushes),
     )

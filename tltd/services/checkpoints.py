@@ -190,6 +190,11 @@ def _check_raw_fields(new: dict, old: dict, new_dir: Path, field: str) -> None:
                 )
 
 
+def checkpoint_tensors(model_dir: Path, field: str) -> dict[str, dict]:
+    """Every tensor of a checkpoint directory by name: {"dtype", "shape", ...}."""
+    return _read_headers(model_dir, field)
+
+
 def _read_headers(model_dir: Path, field: str) -> dict[str, dict]:
     """Every tensor of a checkpoint directory's *.safetensors files (as the engine reads them:
     all of them, merged) by name, each header checked whole."""

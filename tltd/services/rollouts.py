@@ -37,6 +37,7 @@ from tltd.services.validation import MAX_REASON, check_id, check_text, validate_
 from tltd.settings import Settings
 
 if TYPE_CHECKING:
+    from tltd.services.pause import PauseService
     from tltd.store import Store
     from tltd.supervisor import Supervisor
     from tltd.supervisor.requests import StreamEvent
@@ -60,6 +61,7 @@ class RolloutService:
         self.settings = settings
         self.node = node
         self.supervisor = supervisor
+        self.pauses: PauseService | None = None  # set by build_services
 
     def prepare(
         self, req: RolloutRequest, speculative: SpeculativeMode | None = None
@@ -120,6 +122,7 @@ class RolloutService:
         """
         # The store is synchronous: keep its I/O off the event loop.
         req = await asyncio.to_thread(self.prepare, req, speculative)
+        await self._wait_unpaused(req)
         sup = self.supervisor
         if sup is None:
             raise Unimplemented("this daemon runs no rollout workers")
@@ -158,6 +161,15 @@ class RolloutService:
                         yield sample
         finally:
             sup.unsubscribe(rid, events)
+
+    async def _wait_unpaused(self, req: RolloutRequest) -> None:
+        """A new request of a paused job waits here, before it is stored, until the job is
+        resumed; a retry of a stored one attaches at once (its work is in flight already)."""
+        pauses = self.pauses
+        if pauses is None or not pauses.is_paused(req.job_id):
+            return
+        if not await asyncio.to_thread(self._is_retry, req):
+            await pauses.wait_open(req.job_id)
 
     async def _admit(self, req: RolloutRequest, sup: Supervisor) -> tuple[RolloutRequest, bool]:
         """Store the request (idempotent) and ask for its units to be claimed; True when this

@@ -1,0 +1,102 @@
+"""Pausing a job's generation on this node, as trainers pause an inference server around a
+weight update: new requests wait at admission until resumed, and the requests already in
+flight either finish (on the policy version they started with), are waited for, or are
+cancelled (their samples end partial with finish reason `cancelled`, which the HTTP door
+returns as `abort` so the trainer resubmits)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tltd.domain import RequestStatus
+from tltd.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+
+Cancel = Callable[[str, str], object]  # RolloutService.cancel: (request id, reason)
+
+_OPEN = (RequestStatus.QUEUED, RequestStatus.RUNNING)
+_MAX_WAIT = 3600.0
+
+
+class PauseMode(enum.StrEnum):
+    KEEP = "keep"  # in-flight requests go on (on their start version); new ones wait
+    WAIT = "wait"  # as keep, and the call returns once the job has no open request
+    ABORT = "abort"  # in-flight requests are cancelled; new ones wait
+
+
+class PauseService:
+    """Per-job pause state of this daemon (not shared with other nodes: a trainer pauses the
+    server it talks to, as with vLLM and SGLang). Gates are asyncio events of the daemon's
+    loop; every method except `wait_open` may be called from any thread."""
+
+    def __init__(self, store: Store, cancel: Cancel) -> None:
+        self.store = store
+        self.cancel = cancel
+        self._paused: dict[str, asyncio.Event] = {}  # job id -> set when resumed
+
+    def is_paused(self, job_id: str) -> bool:
+        gate = self._paused.get(job_id)
+        return gate is not None and not gate.is_set()
+
+    async def pause(self, job_id: str, mode: PauseMode, timeout: float = 600.0) -> int:
+        """Hold new requests of `job_id`; returns how many open requests were cancelled
+        (abort) or waited for (wait)."""
+        if not 0 < timeout <= _MAX_WAIT:
+            raise InvalidArgument(f"must be in (0, {_MAX_WAIT:.0f}] seconds", field="timeout")
+        if not self.is_paused(job_id):
+            self._paused[job_id] = asyncio.Event()
+        if mode is PauseMode.ABORT:
+            return await asyncio.to_thread(self.abort_open, job_id, "aborted by a pause")
+        if mode is PauseMode.WAIT:
+            return await self._drain(job_id, timeout)
+        return 0
+
+    def resume(self, job_id: str) -> bool:
+        """Let held requests in; False when the job was not paused."""
+        gate = self._paused.pop(job_id, None)
+        if gate is None:
+            return False
+        gate.set()
+        return True
+
+    async def wait_open(self, job_id: str) -> None:
+        """Return once `job_id` is not paused (at once when it is not)."""
+        while (gate := self._paused.get(job_id)) is not None and not gate.is_set():
+            await gate.wait()
+
+    def abort_open(self, job_id: str, reason: str, request_id: str | None = None) -> int:
+        """Cancel the job's open requests (or the one named); returns how many."""
+        if request_id:
+            open_ids = [request_id]
+        else:
+            open_ids = [r.request_id for r in self.store.list_requests(_OPEN, job_id, None)]
+        cancelled = 0
+        for rid in open_ids:
+            try:
+                self.cancel(rid, reason)
+                cancelled += 1
+            except FailedPrecondition:
+                pass  # it ended meanwhile: nothing to abort
+        return cancelled
+
+    async def _drain(self, job_id: str, timeout: float) -> int:
+        """Wait until the job has no open request; the number there were at the start."""
+        first = None
+        deadline = time.monotonic() + timeout
+        while True:
+            open_now = await asyncio.to_thread(self.store.list_requests, _OPEN, job_id, None)
+            first = len(open_now) if first is None else first
+            if not open_now:
+                return first
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"job {job_id} still has {len(open_now)} open requests after "
+                    f"{timeout:.0f} s (it stays paused)"
+                )
+            await asyncio.sleep(0.05)
