@@ -112,12 +112,17 @@ class Role(enum.StrEnum):
     ADMIN = "admin"
 
 
+# Drafters that need no learned model: a job drafting with one of these alone has no EAGLE
+# drafter to load or train.
+MODEL_FREE_DRAFTERS = ("ngram", "history")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     mode: SpeculativeMode = SpeculativeMode.AUTO
     batch_threshold: int = 32
     draft_lengths: tuple[int, ...] = (2, 4, 6)
-    drafter: str = "auto"  # "auto" | "ngram" | "eagle"
+    drafter: str = "auto"  # "auto" | "ngram" | "eagle" | "history"
     online_training: bool = True
     # An offline-fitted drafter checkpoint the job starts from (its drafter version 1); "" = none.
     initial_drafter_path: str = ""

@@ -69,12 +69,14 @@ def _reference(hf, prompt: list[int], tokens: list[int], temperature: float) -> 
     return {LogprobMode.RAW: raw, LogprobMode.PROCESSED: processed}
 
 
-@pytest.mark.parametrize("spec_mode", ["off", "fixed"])
-def test_both_logprob_modes_match_transformers(hf, spec_mode):
+@pytest.mark.parametrize(
+    ("spec_mode", "drafter"), [("off", "ngram"), ("fixed", "ngram"), ("fixed", "history")]
+)
+def test_both_logprob_modes_match_transformers(hf, spec_mode, drafter):
     prompts = _prompts()
     engine = Engine(
         str(MODEL),
-        EngineConfig(max_batch=16, spec_mode=spec_mode, strategies=(Strategy("ngram", 3),)),
+        EngineConfig(max_batch=16, spec_mode=spec_mode, strategies=(Strategy(drafter, 3),)),
     )
     for temperature in (TEMPERATURE, 0.0):
         for mode in LogprobMode:

@@ -25,7 +25,7 @@ class EngineSpec:
     gate: str = "measured"  # adaptive: "measured" (cost model + bandit) | "threshold"
     batch_threshold: int = 32  # the threshold gate's and the fixed mode's limit
     draft_lengths: tuple[int, ...] = (2, 4, 6)
-    drafter: str = "auto"  # "auto" | "ngram" | "eagle"
+    drafter: str = "auto"  # "auto" | "ngram" | "eagle" | "history"
     device: str = "cpu"
     seed: int = 0
 
