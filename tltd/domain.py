@@ -127,6 +127,12 @@ class SpeculativeConfig:
     # An offline-fitted drafter checkpoint the job starts from (its drafter version 1); "" = none.
     initial_drafter_path: str = ""
 
+    @property
+    def drafts_from_history(self) -> bool:
+        """Whether the job's workers draft from its prompts' earlier answers (read from the
+        store when a prompt is claimed)."""
+        return self.mode is not SpeculativeMode.OFF and self.drafter in ("auto", "history")
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -33,6 +33,11 @@ class LiveRequest:
     started: bool = False  # some sample was handed to a worker (request -> RUNNING)
     outcome: RequestStatus | None = None  # CANCELLED / FAILED once decided: run nothing more
     reason: str = ""
+    # prompt index -> the job's earlier answers to that prompt, read from the store when the
+    # unit was claimed: ((request id, prompt index, sample index), token ids), oldest first.
+    history: dict[int, tuple[tuple[tuple[str, int, int], tuple[int, ...]], ...]] = field(
+        default_factory=dict
+    )
 
     @property
     def request_id(self) -> str:

@@ -423,6 +423,7 @@ class Supervisor:
                 req.prompts[a.prompt_index],
                 req.sampling,
                 speculative=req.speculative is not SpeculativeMode.OFF,
+                history=live.history.get(a.prompt_index, ()),
             )
         )
         handle.unacked[handle.seq] = len(indices) * req.sampling.max_new_tokens

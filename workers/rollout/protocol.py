@@ -102,6 +102,8 @@ class AddWork:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     speculative: bool = True
+    # The job's earlier answers to this prompt, for the history drafter (sample id, tokens).
+    history: tuple[tuple[tuple[str, int, int], tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
