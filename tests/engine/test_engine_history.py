@@ -3,6 +3,8 @@ history holds, drafts long where a prompt's earlier answers repeat, named in pro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -107,3 +109,16 @@ def test_auto_jobs_get_history_arms_and_requests_are_checked(ckpt):
     assert len(out) == 2 and e.history.answers(tuple(PROMPTS[0])) == 2
     off = Engine(str(ckpt), EngineConfig(max_batch=8, max_seq_len=64, spec_mode="off"))
     assert off.history is None
+
+
+def test_load_predicts_what_is_left_from_the_prompts_answers(ckpt):
+    e = _engine(ckpt)
+    first = _epoch(e, "a")
+    lengths = [len(first[(0, j)].token_ids) for j in range(2)]
+    longer = replace(GREEDY, max_new_tokens=60)  # answers so far are <= 40 tokens
+    e.add_request("again", PROMPTS[0], longer)
+    e.add_request("new", [30, 31, 30], longer)
+    want = 2 * round(sum(lengths) / 2) + 2 * 60
+    assert e.load().remaining_tokens == want and e.load().samples == 4
+    e.step()  # both prefilled: one token each emitted
+    assert e.load().remaining_tokens == want - 4

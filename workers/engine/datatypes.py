@@ -122,7 +122,7 @@ class EngineLoad:
     """What an engine holds (a rollout worker's heartbeat reports it)."""
 
     samples: int  # waiting or running
-    remaining_tokens: int  # at most, before every held sample ends
+    remaining_tokens: int  # predicted, before every held sample ends (Engine.load)
 
 
 @dataclass

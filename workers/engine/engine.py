@@ -411,13 +411,19 @@ class Engine:
         return self.step()
 
     def load(self) -> EngineLoad:
-        """What the engine holds: samples waiting or running, and the tokens they may still
-        generate at most (each sample's `max_new_tokens` left)."""
+        """What the engine holds: samples waiting or running, and the tokens they are predicted
+        to still generate: per sample its prompt's mean answer length in the history drafter
+        less what it emitted (at least 1, at most its `max_new_tokens` left), or its
+        `max_new_tokens` left for a prompt without finished answers there."""
         samples = len(self.running) + sum(g.sampling.n for g in self.waiting)
-        tokens = sum(s.max_new - len(s.tokens) for s in self.running) + sum(
-            g.sampling.n * g.sampling.max_new_tokens for g in self.waiting
-        )
+        tokens = sum(self._predicted_left(s.group, len(s.tokens)) for s in self.running)
+        tokens += sum(g.sampling.n * self._predicted_left(g, 0) for g in self.waiting)
         return EngineLoad(samples, tokens)
+
+    def _predicted_left(self, g: _Group, emitted: int) -> int:
+        cap = min(g.sampling.max_new_tokens, self.config.max_seq_len - len(g.prompt)) - emitted
+        mean = self.history.mean_length(tuple(g.prompt)) if self.history is not None else None
+        return cap if mean is None else max(1, min(cap, round(mean) - emitted))
 
     def generate(self, requests: Iterable[Request]) -> list[SampleOutput]:
         """Queue the requests and step until everything finished; outputs in finish order."""

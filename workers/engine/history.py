@@ -47,6 +47,8 @@ class _Prompt:
     head: tuple[int, ...]  # the prompt's last max(MATCH_LENGTHS) tokens: every answer's context
     answers: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)  # oldest first
     tokens: int = 0  # answer tokens held
+    done: int = 0  # finished answers held ...
+    done_tokens: int = 0  # ... and their tokens: the prompt's mean answer length
     live: set[int] = field(default_factory=set)  # answers still decoding: never dropped
     seen: set[Hashable] = field(default_factory=set)  # sample ids added (store loads skip them)
     # context length -> hash(context) -> {next token: occurrences}, in order of last count.
@@ -123,8 +125,11 @@ class HistoryDrafter:
     def finish(self, key: tuple[int, ...], answer_id: int) -> None:
         """A live sample ended: its answer stays in the history."""
         p = self._prompts.get(key)
-        if p is not None:
+        if p is not None and answer_id in p.live:
             p.live.discard(answer_id)
+            if answer_id in p.answers:
+                p.done += 1
+                p.done_tokens += len(p.answers[answer_id])
             self._trim(p)
         self._evict()
 
@@ -148,6 +153,12 @@ class HistoryDrafter:
         """Answers held for a prompt (0 for an unknown one)."""
         p = self._prompts.get(key)
         return len(p.answers) if p is not None else 0
+
+    def mean_length(self, key: tuple[int, ...]) -> float | None:
+        """Mean length of the prompt's finished answers held (None: none): its samples'
+        predicted length."""
+        p = self._prompts.get(key)
+        return p.done_tokens / p.done if p is not None and p.done else None
 
     # -- proposing -----------------------------------------------------------------------
 
@@ -210,6 +221,8 @@ class HistoryDrafter:
         if answer_id is None:
             return False
         answer = p.answers.pop(answer_id)
+        p.done -= 1
+        p.done_tokens -= len(answer)
         prefix: list[int] = []
         for t in answer:
             self._count(p, prefix, t, -1)

@@ -142,7 +142,7 @@ class Ready:
 @dataclass(frozen=True)
 class Heartbeat:
     running_samples: int  # in the engine (running + waiting to be admitted)
-    remaining_tokens: int  # upper bound of tokens still to decode for them
+    remaining_tokens: int  # predicted tokens still to decode for them (Engine.load)
     acked_seq: int  # the last AddWork.seq the engine has taken in
     idle_since: float | None  # wall clock (time.time()) the engine went empty; None = busy
     stats: dict[str, object] = field(default_factory=dict)  # engine counters (summary)
