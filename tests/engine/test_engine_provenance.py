@@ -38,6 +38,13 @@ def _engine(ckpt, drafter: str | None) -> Engine:
     e = Engine(str(ckpt), cfg)
     if drafter == "eagle":
         e.set_drafter(EagleDrafter.random_init(e.model, seed=1), version=3)
+    if drafter == "history":  # an earlier epoch of the prompts, for the history to draft from
+        sp = SamplingParams(n=3, temperature=1.0, max_new_tokens=30, seed=99)
+        for i, p in enumerate(PROMPTS):
+            e.add_request(f"earlier{i}", p, sp, prompt_index=i)
+        while e.has_work():
+            e.step()
+        e.stats.reset()
     return e
 
 

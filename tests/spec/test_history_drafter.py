@@ -105,3 +105,11 @@ def test_bad_bounds_are_refused():
         HistoryDrafter(max_tokens=10, max_prompt_tokens=20)
     with pytest.raises(ValueError, match="min_support"):
         HistoryDrafter(min_support=1.5)
+
+
+def test_a_short_match_gives_a_short_draft():
+    h = HistoryDrafter()
+    key = h.open(PROMPT, [("old", list(range(1, 40)))])
+    key, aid = _live(h, PROMPT, [50, 51, 52, 53, 54, 55, 56, 57, 1, 2, 3, 4])
+    # Only the last 4 tokens match the history: at most 2 x 4 drafts, though 35 follow.
+    assert h.propose(key, aid, 30) == list(range(5, 13))

@@ -665,7 +665,9 @@ class Engine:
             return None
         if self.gate_state is not None:
             self.gate_state.sync(self.policy_version, self.drafter_version)
-        available = {"ngram"} if self.history is None else {"ngram", "history"}
+        available = {"ngram"}
+        if self._history_ready():
+            available.add("history")
         if self.drafter is not None and any(s.eagle_ok for s in self.running):
             available.add("eagle")
         untried = self.gate_state.untried(available) if self.gate_state is not None else None
@@ -673,6 +675,17 @@ class Engine:
             return self.bandit.choose(b, available, self._priors(b), untried)
         except NoStrategyAvailable:
             return None
+
+    def _history_ready(self) -> bool:
+        """Whether the history arm is offered: when at least half of the speculative rows'
+        prompts have finished answers in the history. Before, its drafts come from the live
+        siblings alone, which the n-gram arm drafts from too, and rewards measured then would
+        rank the arm for the prompts' next epoch by what it does without one."""
+        if self.history is None:
+            return False
+        rows = [s for s in self.running if s.group.speculative]
+        ready = sum(1 for s in rows if self.history.mean_length(s.group.history_key) is not None)
+        return 2 * ready >= len(rows)
 
     def _params(self) -> RowParams:
         return self._row_params(self.running)

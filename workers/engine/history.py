@@ -14,7 +14,8 @@ token costs one dictionary look-up of the longest matching context, no forward p
 A proposal walks greedily: at each position the longest context that has been seen before
 picks its most frequent continuation (ties: the most recently seen one, so newer samples,
 of newer policy versions, win), and the walk stops where the product of the chosen
-continuations' empirical frequencies falls below `min_support`, or at k. A long, frequent
+continuations' empirical frequencies falls below `min_support`, at MAX_SPEC_FACTOR times the
+length of the first match, or at k. A long, frequent
 match gives a long draft; a rare or contested one a short draft or none. Drafts are
 deterministic (q is one-hot), so the accept rule keeps the output exactly the target's,
 whatever the history holds (samples of older policy versions included).
@@ -38,6 +39,9 @@ MATCH_LENGTHS = (32, 16, 8, 4)
 DEFAULT_MAX_TOKENS = 1 << 18  # answer tokens held per engine (<= 4 counter entries each)
 DEFAULT_MAX_PROMPT_TOKENS = 1 << 16  # answer tokens held per prompt
 DEFAULT_MIN_SUPPORT = 0.25  # stop drafting where the walk's empirical probability is below
+# A draft is at most this many times as long as the context it was matched on: a match of a
+# few tokens says less about what follows than one of a whole line (SuffixDecoding's rule).
+MAX_SPEC_FACTOR = 2
 
 
 @dataclass
@@ -177,9 +181,11 @@ class HistoryDrafter:
         out: list[int] = []
         support = 1.0
         while len(out) < k:
-            nxt = _continuations(p, ctx)
+            m, nxt = _continuations(p, ctx)
             if nxt is None:
                 break
+            if not out:
+                k = min(k, MAX_SPEC_FACTOR * m)
             # max over the newest first: ties go to the most recently counted token.
             token, count = max(reversed(nxt.items()), key=lambda kv: kv[1])
             support *= count / sum(nxt.values())
@@ -249,12 +255,12 @@ class HistoryDrafter:
                 self._tokens -= p.tokens
 
 
-def _continuations(p: _Prompt, ctx: list[int]) -> dict[int, int] | None:
-    """The continuation counts of the longest indexed suffix of ctx, if any."""
+def _continuations(p: _Prompt, ctx: list[int]) -> tuple[int, dict[int, int] | None]:
+    """The length and continuation counts of the longest indexed suffix of ctx, if any."""
     n = len(ctx)
     for m in MATCH_LENGTHS:
         if n >= m:
             nxt = p.counts[m].get(hash(tuple(ctx[n - m :])))
             if nxt:
-                return nxt
-    return None
+                return m, nxt
+    return 0, None
