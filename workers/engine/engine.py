@@ -629,6 +629,8 @@ class Engine:
             if self.history is not None:
                 g.history_key = self.history.open(g.prompt, g.past)
                 g.past = ()  # held by the drafter now (or dropped by its bound)
+                if self.gate_state is not None and self.history.mean_length(g.history_key):
+                    self.gate_state.history_arrived()
             g.live = g.sampling.n
             max_new = min(g.sampling.max_new_tokens, self.config.max_seq_len - len(g.prompt))
             for j in range(g.sampling.n):
