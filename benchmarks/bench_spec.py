@@ -1,4 +1,4 @@
-"""Speculative decoding on the long-tail rollout workload: off / n-gram / EAGLE / adaptive.
+"""Speculative decoding on the long-tail rollout workload: off / n-gram / EAGLE / adaptive / history
 
 Workload: `--prompts` prompts of the count-up task x `--samples` samples at temperature 1,
 stop at <eos> or `--max-new-tokens` (examples/task/workload.py). Answer lengths are long-tailed
@@ -8,6 +8,11 @@ quantiles and the share of SD-off time per running-batch bucket are printed abov
 the per-bucket gain of each mode below it. Modes run
 interleaved, `--repeats` times each; every figure is the median over the repeats, with the
 spread (min-max) beside it.
+
+`--epochs E` rolls the same prompts out E times through each mode's one engine (as an RL job
+revisits its prompts every epoch; new seeds each epoch, the policy unchanged): one table per
+epoch, and for the history mode its drafter's accepted length and draft share per bucket and
+where each bucket's time went.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from examples.task.workload import (  # noqa: E402
 )
 from tltd.domain import FinishReason, SamplingParams  # noqa: E402
 from tltd_workers.engine.bandit import Strategy  # noqa: E402
+from tltd_workers.engine.datatypes import HISTORY_DRAFT_LENGTHS  # noqa: E402
 from tltd_workers.engine.eagle import EagleDrafter  # noqa: E402
 from tltd_workers.engine.engine import Engine, EngineConfig, Request, SampleOutput  # noqa: E402
 from tltd_workers.engine.transformer import CausalLM, load_model  # noqa: E402
@@ -48,7 +54,12 @@ MODES: dict[str, tuple[tuple[str, ...], str]] = {
     "eagle": (("eagle",), "measured"),
     "adaptive": (("ngram", "eagle"), "measured"),  # TLT: both drafters, bandit per bucket
     "adaptive@32": (("ngram", "eagle"), "threshold"),  # ablation: the fixed GPU gate
+    # adaptive + drafts from the prompt's earlier answers (previous epochs, live siblings)
+    "history": (("ngram", "eagle", "history"), "measured"),
 }
+# Engine time per bucket, from its stats: what a step spends drafting, verifying (the target
+# forward, the accept rule and emitting), decoding plainly; "other" is the rest of the step.
+PHASES = ("draft", "verify", "plain")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -70,6 +81,9 @@ class Run:
     gate: dict
     # running-batch bucket -> [decode seconds, tokens emitted]; bucket 0 = prefill
     per_bucket: dict[int, list[float]] = field(default_factory=dict)
+    # bucket -> row steps, history draft rows, history accepted drafts, draft/verify/plain s,
+    # steps
+    detail: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -95,17 +109,34 @@ def requests_for(work: list, args: argparse.Namespace, tag: str, seed: int) -> l
     ]
 
 
+def _counters(engine: Engine) -> list[float]:
+    """History draft rows and accepted drafts, and the engine's draft/verify/plain seconds."""
+    st = engine.stats
+    hist = [t for name, t in st.spec.items() if name.startswith("history/")]
+    return [
+        sum(t.draft_rows for t in hist),
+        sum(t.accepted for t in hist),
+        st.draft_seconds,
+        st.verify_seconds,
+        st.plain_seconds,
+    ]
+
+
 def timed_generate(
     engine: Engine, requests: list[Request]
-) -> tuple[list[SampleOutput], dict[int, list[float]]]:
-    """Run `requests` to completion, timing every engine step by its running-batch bucket."""
+) -> tuple[list[SampleOutput], dict[int, list[float]], dict[int, list[float]]]:
+    """Run `requests` to completion, timing every engine step by its running-batch bucket;
+    also per bucket: row steps, the history drafter's draft rows and accepted drafts, and the
+    engine's draft / verify / plain seconds (Run.detail)."""
     for r in requests:
         engine.add_request(r.request_id, r.prompt_ids, r.sampling, prompt_index=r.prompt_index)
     outs: list[SampleOutput] = []
     per_bucket: dict[int, list[float]] = {}
+    detail: dict[int, list[float]] = {}
     while engine.has_work():
         batch = len(engine.running)
         before = sum(len(s.tokens) for s in engine.running)
+        counters = _counters(engine)
         t0 = time.perf_counter()
         done = engine.step()
         seconds = time.perf_counter() - t0
@@ -115,8 +146,13 @@ def timed_generate(
         cell = per_bucket.setdefault(key, [0.0, 0.0])
         cell[0] += seconds
         cell[1] += after - before
+        more = detail.setdefault(key, [0.0] * 7)
+        more[0] += batch if key else 0
+        more[6] += 1
+        for j, (a, b) in enumerate(zip(counters, _counters(engine), strict=True)):
+            more[1 + j] += b - a
         outs.extend(done)
-    return outs, per_bucket
+    return outs, per_bucket, detail
 
 
 def make_engine(
@@ -125,7 +161,9 @@ def make_engine(
 ) -> Engine:  # fmt: skip
     """A fresh engine for one mode (its bandit and cost estimates start empty)."""
     drafters, gate = MODES[mode]
-    strategies = tuple(Strategy(d, k) for d in drafters for k in args.ks)
+    strategies = tuple(
+        Strategy(d, k) for d in drafters for k in (args.history_ks if d == "history" else args.ks)
+    )
     engine = Engine(
         model,
         EngineConfig(
@@ -154,13 +192,15 @@ def run_mode(
     work: list,
     warm: list,
     args: argparse.Namespace,
-) -> Run:
-    """The workload through a fresh engine in one mode, after the `warm` passes.
+) -> list[Run]:
+    """The workload through a fresh engine in one mode, after the `warm` passes, once per
+    epoch (`args.epochs`): one Run each.
 
     The warm passes run other prompts of the same distribution through the same engine,
     untimed: in a daemon the engine's bandit and estimates live across a job's rollouts (every
     RL step replays the same distribution), so exploring untried arms is not a cost of every
-    rollout. Stats are reset before the timed pass.
+    rollout. Each epoch then rolls out the same prompts with new seeds through that engine
+    (what the history drafter learns from). Stats are reset before every timed epoch.
     """
     every = [work, *warm]
     engine = make_engine(
@@ -173,22 +213,29 @@ def run_mode(
     )
     for j, w in enumerate(warm):
         engine.generate(requests_for(w, args, f"warm{j}-", 10_000 * (j + 1)))
-    engine.stats.reset()
-    t0 = time.perf_counter()
-    outs, per_bucket = timed_generate(engine, requests_for(work, args, "w", args.seed))
-    seconds = time.perf_counter() - t0
     tok = load_tokenizer(args.model)
-    rewards = [reward(work[o.prompt_index][0], decode(tok, o.token_ids)) for o in outs]
-    return Run(
-        mode,
-        seconds,
-        outs,
-        sum(rewards) / len(rewards),
-        engine.stats.summary(),
-        engine.strategy_snapshot() if MODES[mode][0] else {},
-        engine.gate_snapshot() if MODES[mode][0] else {},
-        per_bucket,
-    )
+    runs = []
+    for epoch in range(args.epochs):
+        engine.stats.reset()
+        requests = requests_for(work, args, f"e{epoch}-w", args.seed + 1_000_003 * epoch)
+        t0 = time.perf_counter()
+        outs, per_bucket, detail = timed_generate(engine, requests)
+        seconds = time.perf_counter() - t0
+        rewards = [reward(work[o.prompt_index][0], decode(tok, o.token_ids)) for o in outs]
+        runs.append(
+            Run(
+                mode,
+                seconds,
+                outs,
+                sum(rewards) / len(rewards),
+                engine.stats.summary(),
+                engine.strategy_snapshot() if MODES[mode][0] else {},
+                engine.gate_snapshot() if MODES[mode][0] else {},
+                per_bucket,
+                detail,
+            )
+        )
+    return runs
 
 
 def length_stats(outs: list[SampleOutput]) -> dict[str, float]:
@@ -322,6 +369,39 @@ def print_gate(gate: dict) -> None:
         print(f"| <={b} | " + " | ".join(cells) + " |")
 
 
+def print_history(runs: list[Run]) -> None:
+    """Per bucket (medians of the repeats): the history drafter's accepted length and the
+    share of row steps it drafted for, and where the history mode's step time went."""
+    buckets = sorted({b for r in runs for b in r.detail if b})
+    print("\nhistory mode per bucket (median of repeats): history drafter and step time")
+    print(
+        "| bucket | history acc len | history draft share | ms/step draft | verify | plain "
+        "| other |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for b in buckets:
+        cells = [r.detail.get(b) for r in runs]
+        cells = [c for c in cells if c and c[0]]
+        if not cells:
+            continue
+        acc = [(c[2] + c[1]) / c[1] for c in cells if c[1]]
+        share = [c[1] / c[0] for c in cells]
+        # ms per step: the bucket's wall time over its steps, split by the engine's phases
+        per_step = []
+        for r, c in zip(runs, cells, strict=False):
+            n_steps = max(1.0, c[6])
+            wall = r.per_bucket.get(b, [0.0])[0]
+            phases = c[3:6]
+            per_step.append([1000 * x / n_steps for x in [*phases, wall - sum(phases)]])
+        med = [statistics.median(x[i] for x in per_step) for i in range(4)]
+        print(
+            f"| <={b} | {statistics.median(acc) if acc else 0:.2f} "
+            f"| {100 * statistics.median(share):.0f}% | "
+            + " | ".join(f"{x:.1f}" for x in med)
+            + " |"
+        )
+
+
 def _gain(x: object) -> str:
     return f"{x:.2f}x" if isinstance(x, float) else "-"
 
@@ -354,6 +434,13 @@ def main(argv: list[str] | None = None) -> int:
         default=EngineConfig().draft_confidence,
         help="EAGLE: verify drafts while their cumulative confidence >= this",
     )
+    ap.add_argument(
+        "--history-ks",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=HISTORY_DRAFT_LENGTHS,
+        help="draft-length caps of the history drafter's arms",
+    )
+    ap.add_argument("--epochs", type=int, default=1, help="rollouts of the same prompts")
     ap.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
     ap.add_argument(
         "--warmup", type=int, default=1, help="untimed passes (other prompts) per engine first"
@@ -397,23 +484,30 @@ def main(argv: list[str] | None = None) -> int:
         rollout_prompts(warm_n, args.seed + 1 + j, args.model, args.care)
         for j in range(args.warmup)
     ]
-    runs: dict[str, list[Run]] = {m: [] for m in modes}
+    # epoch -> mode -> one Run per repeat; modes interleaved within every repeat
+    runs: list[dict[str, list[Run]]] = [{m: [] for m in modes} for _ in range(args.epochs)]
     for rep in range(args.repeats):
         for mode in modes:
-            r = run_mode(mode, model, drafter, work, warm, args)
-            runs[mode].append(r)
-            print(f"  [{rep + 1}/{args.repeats}] {mode}: {r.seconds:.1f}s", flush=True)
-    print()
-    print_workload(runs["off"])
-    print()
-    print_table(runs)
-    print(
-        "\nSD steps: share of sample decode steps that speculated. mean acc len: tokens a "
-        "sample gains per SD step (accepted drafts + 1)."
-    )
-    print_bucket_gains(runs)
-    if "adaptive" in runs:
-        print_gate(runs["adaptive"][-1].gate)
+            for epoch, r in enumerate(run_mode(mode, model, drafter, work, warm, args)):
+                runs[epoch][mode].append(r)
+                print(f"  [{rep + 1}/{args.repeats}] {mode} epoch {epoch + 1}: {r.seconds:.1f}s")
+            sys.stdout.flush()
+    for epoch, per_mode in enumerate(runs):
+        if args.epochs > 1:
+            print(f"\n=== epoch {epoch + 1} of {args.epochs} ===")
+        print()
+        print_workload(per_mode["off"])
+        print()
+        print_table(per_mode)
+        print(
+            "\nSD steps: share of sample decode steps that speculated. mean acc len: tokens a "
+            "sample gains per SD step (accepted drafts + 1)."
+        )
+        print_bucket_gains(per_mode)
+        if "adaptive" in per_mode:
+            print_gate(per_mode["adaptive"][-1].gate)
+        if "history" in per_mode:
+            print_history(per_mode["history"])
     return 0
 
 

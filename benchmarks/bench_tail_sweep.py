@@ -31,6 +31,7 @@ from benchmarks.bench_spec import (  # noqa: E402
     time_share,
 )
 from examples.task.workload import MAX_NEW_TOKENS, MODEL_DIR, rollout_prompts  # noqa: E402
+from tltd_workers.engine.datatypes import HISTORY_DRAFT_LENGTHS  # noqa: E402
 from tltd_workers.engine.eagle import EagleDrafter  # noqa: E402
 from tltd_workers.engine.engine import EngineConfig  # noqa: E402
 from tltd_workers.engine.transformer import load_model  # noqa: E402
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args.temperature, args.ks, args.threshold, args.dtype = 1.0, KS, 32, "float32"
     args.device = "cpu"
     args.confidence = EngineConfig().draft_confidence
+    args.epochs, args.history_ks = 1, HISTORY_DRAFT_LENGTHS
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens, args.repeats = 2, 2, 48, 1
         args.points, args.plot = "0@2,8", None
@@ -144,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 for j in range(args.warmup)]  # fmt: skip
         off, ada = [], []
         for _ in range(args.repeats):
-            off.append(run_mode("off", model, drafter, work, warm, args))
-            ada.append(run_mode("adaptive", model, drafter, work, warm, args))
+            off.extend(run_mode("off", model, drafter, work, warm, args))
+            ada.extend(run_mode("adaptive", model, drafter, work, warm, args))
         speedups = [o.seconds / a.seconds for o, a in zip(off, ada, strict=True)]
         s = length_stats(off[0].outputs)
         row = {

@@ -390,7 +390,7 @@ def _draft_lengths(_ctx: click.Context, _param: click.Parameter, value: str) -> 
 )
 @click.option(
     "--drafter",
-    type=click.Choice(["auto", "ngram", "eagle"]),
+    type=click.Choice(["auto", "ngram", "eagle", "history"]),
     default=None,
     help="auto: bandit over both; ngram: model-free only; eagle: learned only (default: auto).",
 )

@@ -112,15 +112,26 @@ class Role(enum.StrEnum):
     ADMIN = "admin"
 
 
+# Drafters that need no learned model: a job drafting with one of these alone has no EAGLE
+# drafter to load or train.
+MODEL_FREE_DRAFTERS = ("ngram", "history")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     mode: SpeculativeMode = SpeculativeMode.AUTO
     batch_threshold: int = 32
     draft_lengths: tuple[int, ...] = (2, 4, 6)
-    drafter: str = "auto"  # "auto" | "ngram" | "eagle"
+    drafter: str = "auto"  # "auto" | "ngram" | "eagle" | "history"
     online_training: bool = True
     # An offline-fitted drafter checkpoint the job starts from (its drafter version 1); "" = none.
     initial_drafter_path: str = ""
+
+    @property
+    def drafts_from_history(self) -> bool:
+        """Whether the job's workers draft from its prompts' earlier answers (read from the
+        store when a prompt is claimed)."""
+        return self.mode is not SpeculativeMode.OFF and self.drafter in ("auto", "history")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,13 @@ Donors: spare workers first, then the worst-ranked job's; among those the emptie
 running samples, off a training device, least remaining work). A switched worker takes no new
 work of its old job; once empty, the supervisor loads the new job. A switch whose job no longer
 has any waiting work is called off while the worker still holds its old job.
+
+Where work runs is length-aware. A prompt's samples come with a predicted length (its earlier
+answers' mean, `PendingWork.predicted_tokens`), and workers report the predicted tokens still
+to decode for what they run. Within a request the prompts predicted longest are placed first,
+each sample onto the worker with the least predicted work, so that the long samples spread over
+the workers instead of piling up on one (a tail is long partly because one worker got all the
+long samples: Seer's longest-first, RhymeRL's length-balanced workers).
 """
 
 from __future__ import annotations
@@ -85,11 +92,19 @@ class PendingWork:
     prompt_index: int
     job_id: str
     samples: int
-    expected_tokens: int  # per sample (max_new_tokens, or an estimate from recent lengths)
+    expected_tokens: int  # per sample at most (max_new_tokens)
     enqueued_at: float
     # A request runs on one policy version from start to end: only workers that have loaded
     # this version may take it (None = any version).
     policy_version: int | None = None
+    # Predicted tokens per sample: from the prompt's earlier answers, else a prior from the
+    # job's (None: no prediction; expected_tokens stands for it).
+    predicted_tokens: int | None = None
+
+    @property
+    def work(self) -> int:
+        """Predicted tokens per sample: what placement balances and orders by."""
+        return self.expected_tokens if self.predicted_tokens is None else self.predicted_tokens
 
 
 @dataclass(frozen=True)
@@ -222,7 +237,7 @@ def _place(
     jobs: dict[str, JobView],
     switching: set[str],
 ) -> tuple[list[Assignment], dict[str, tuple[int, int]]]:
-    """Weighted fair share across jobs, least expected remaining work across workers.
+    """Weighted fair share across jobs, least predicted remaining work across workers.
 
     Workers on training devices count as free (rollout wins), but on a tie a worker whose
     device is not training is preferred, so training is not preempted for nothing. Workers
@@ -239,7 +254,10 @@ def _place(
     # Virtual time per job: tokens served / weight. Higher priority always goes first.
     served = {j: float(v.served_tokens) for j, v in jobs.items()}
     queues: dict[str, list[PendingWork]] = {}
-    for p in sorted(snap.pending, key=lambda p: (p.enqueued_at, p.request_id, p.prompt_index)):
+    # Requests in arrival order; within one, the prompts predicted longest first.
+    for p in sorted(
+        snap.pending, key=lambda p: (p.enqueued_at, p.request_id, -p.work, p.prompt_index)
+    ):
         if p.job_id in jobs:
             queues.setdefault(p.job_id, []).append(p)
 
@@ -286,9 +304,9 @@ def _place(
                 ),
             )
             running, tokens = load[wid]
-            load[wid] = (running + 1, tokens + work.expected_tokens)
+            load[wid] = (running + 1, tokens + work.work)
             per_worker[wid] = per_worker.get(wid, 0) + 1
-            served[job_id] += work.expected_tokens
+            served[job_id] += work.work
             remaining -= 1
         assignments += [
             Assignment(work.request_id, work.prompt_index, count, wid)

@@ -33,6 +33,11 @@ class LiveRequest:
     started: bool = False  # some sample was handed to a worker (request -> RUNNING)
     outcome: RequestStatus | None = None  # CANCELLED / FAILED once decided: run nothing more
     reason: str = ""
+    # prompt index -> the job's earlier answers to that prompt, read from the store when the
+    # unit was claimed: ((request id, prompt index, sample index), token ids), oldest first.
+    history: dict[int, tuple[tuple[tuple[str, int, int], tuple[int, ...]], ...]] = field(
+        default_factory=dict
+    )
 
     @property
     def request_id(self) -> str:
@@ -46,6 +51,16 @@ class LiveRequest:
     def done(self) -> bool:
         """Every sample of every unit held here is finished."""
         return all(self.unit_complete(p) for p in self.units)
+
+    def predicted_tokens(self, prompt_index: int) -> int | None:
+        """Predicted tokens per sample of a prompt: its earlier answers' mean length; without
+        any, the mean over the earlier answers of this request's other prompts (the job's
+        prior); None without either. At most max_new_tokens."""
+        answers = self.history.get(prompt_index) or [a for h in self.history.values() for a in h]
+        if not answers:
+            return None
+        mean = sum(len(tokens) for _, tokens in answers) / len(answers)
+        return max(1, min(self.req.sampling.max_new_tokens, round(mean)))
 
     def unit_complete(self, prompt_index: int) -> bool:
         return all((prompt_index, s) in self.finished for s in range(self.req.sampling.n))
@@ -133,6 +148,7 @@ class WorkQueue:
                 live.req.sampling.max_new_tokens,
                 live.enqueued_at,
                 live.policy_version,
+                live.predicted_tokens(p),
             )
             for live in self._live.values()
             if live.outcome is None

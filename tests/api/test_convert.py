@@ -147,18 +147,24 @@ def test_sample_round_trip():
     assert c.sample_from_pb(pb) == s
     assert pb.speculative.drafted_tokens == 5 and pb.speculative.bonus_tokens == 1
     P = d.TokenProvenance
-    prov = (P(d.TokenSource.PLAIN), P(d.TokenSource.ACCEPTED, "eagle", 3))
-    s = replace(s, provenance=prov)
+    prov = (
+        P(d.TokenSource.PLAIN),
+        P(d.TokenSource.ACCEPTED, "eagle", 3),
+        P(d.TokenSource.BONUS, "history", 16),
+    )
+    s = replace(s, provenance=prov, token_ids=(4, 5, 6), logprobs=(-0.5, -1.5, -0.25))
     pb = c.sample_to_pb(s)
     assert list(pb.provenance.source) == [
         rollout_pb2.TOKEN_SOURCE_PLAIN,
         rollout_pb2.TOKEN_SOURCE_ACCEPTED,
+        rollout_pb2.TOKEN_SOURCE_BONUS,
     ]
     assert list(pb.provenance.drafter) == [
         rollout_pb2.DRAFTER_KIND_UNSPECIFIED,
         rollout_pb2.DRAFTER_KIND_EAGLE,
+        rollout_pb2.DRAFTER_KIND_HISTORY,
     ]
-    assert list(pb.provenance.draft_length) == [0, 3]
+    assert list(pb.provenance.draft_length) == [0, 3, 16]
     assert c.sample_from_pb(pb) == s
     assert c.sample_from_pb(c.sample_to_pb(replace(s, provenance=()))).provenance == ()
     pb.provenance.source[1] = 9

@@ -11,6 +11,7 @@ from tests.engine.helpers import make_checkpoint
 from tests.torch_device import torch_device
 from tltd.domain import FinishReason, SamplingParams
 from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.datatypes import HISTORY_DRAFT_LENGTHS
 from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.engine.engine import Engine, EngineConfig, Request
 from tltd_workers.engine.transformer import load_model
@@ -323,7 +324,9 @@ def test_config_from_a_jobs_speculative_config():
     job = SpeculativeConfig(draft_lengths=(2, 5, 5))
     cfg = EngineConfig.from_spec(EngineSpec.for_job(job, max_batch=8))
     assert cfg.spec_mode == "adaptive" and cfg.max_batch == 8 and cfg.batch_threshold == 32
-    assert set(cfg.strategies) == {Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 5)}
+    assert set(cfg.strategies) == {Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 5)} | {
+        Strategy("history", k) for k in HISTORY_DRAFT_LENGTHS
+    }
     off = EngineConfig.from_spec(
         EngineSpec.for_job(SpeculativeConfig(mode=SpeculativeMode.OFF, drafter="ngram"))
     )

@@ -119,8 +119,9 @@ def _p_value(counts, law):
         ("off", None, False),
         ("fixed", Strategy("ngram", 2), False),
         ("fixed", Strategy("eagle", 2), True),
+        ("fixed", Strategy("history", 3), False),
     ],
-    ids=["no-sd", "ngram", "eagle"],
+    ids=["no-sd", "ngram", "eagle", "history"],
 )
 def test_sampled_speculative_matches_exact_law(ckpt, exact, mode, strategy, eagle):
     counts, summary = _sample(ckpt, mode, strategy, eagle)

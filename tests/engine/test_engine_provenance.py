@@ -40,6 +40,13 @@ def _engine(ckpt, drafter: str | None) -> Engine:
     e = Engine(str(ckpt), cfg)
     if drafter == "eagle":
         e.set_drafter(EagleDrafter.random_init(e.model, seed=1), version=3)
+    if drafter == "history":  # an earlier epoch of the prompts, for the history to draft from
+        sp = SamplingParams(n=3, temperature=1.0, max_new_tokens=30, seed=99)
+        for i, p in enumerate(PROMPTS):
+            e.add_request(f"earlier{i}", p, sp, prompt_index=i)
+        while e.has_work():
+            e.step()
+        e.stats.reset()
     return e
 
 
@@ -103,7 +110,8 @@ def _steps(prov: list[TokenProvenance]) -> tuple[int, list[Step]]:
 # Greedy rows take the greedy branch of the accept rule. EAGLE runs sampled only: the random
 # drafter's greedy chains are almost never accepted in full, so they would give no bonus token.
 @pytest.mark.parametrize(
-    ("drafter", "temperature"), [("ngram", 0.0), ("ngram", 1.0), ("eagle", 1.0)]
+    ("drafter", "temperature"),
+    [("ngram", 0.0), ("ngram", 1.0), ("eagle", 1.0), ("history", 1.0)],
 )
 def test_provenance_counts_equal_the_engine_totals(ckpt, drafter, temperature):
     e = _engine(ckpt, drafter)
@@ -160,7 +168,7 @@ def test_share_counts_rows_without_a_draft_as_plain(ckpt):
     assert s["sd_step_share"] == pytest.approx(draft / (draft + plain)) and s["sd_step_share"] < 1
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+@pytest.mark.parametrize("drafter", ["ngram", "eagle", "history"])
 def test_provenance_changes_no_token_and_no_logprob(ckpt, drafter):
     """Greedy: the same tokens with provenance on, off, and without SD at all. Sampled: the
     same draws with provenance on and off (its bookkeeping takes no randomness)."""

@@ -13,7 +13,7 @@ import torch
 from tests.torch_device import torch_device
 from tltd.domain import LogprobMode, SamplingParams
 from tltd_workers.engine.bandit import Strategy
-from tltd_workers.engine.engine import Engine, EngineConfig
+from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-policy"
 TEMPERATURE, TOP_K, TOP_P = 0.7, 20, 0.9
@@ -70,18 +70,24 @@ def _reference(hf, prompt: list[int], tokens: list[int], temperature: float) -> 
     return {LogprobMode.RAW: raw, LogprobMode.PROCESSED: processed}
 
 
-@pytest.mark.parametrize("spec_mode", ["off", "fixed"])
-def test_both_logprob_modes_match_transformers(hf, spec_mode):
+@pytest.mark.parametrize(
+    ("spec_mode", "drafter"), [("off", "ngram"), ("fixed", "ngram"), ("fixed", "history")]
+)
+def test_both_logprob_modes_match_transformers(hf, spec_mode, drafter):
     prompts = _prompts()
     engine = Engine(
         str(MODEL),
         EngineConfig(
             max_batch=16,
             spec_mode=spec_mode,
-            strategies=(Strategy("ngram", 3),),
+            strategies=(Strategy(drafter, 3),),
             device=torch_device(),
         ),
     )
+    if drafter == "history":  # earlier answers to the prompts, for the history to draft from
+        sp = SamplingParams(n=2, temperature=TEMPERATURE, max_new_tokens=NEW_TOKENS, seed=3)
+        engine.generate([Request(f"earlier{i}", p, sp) for i, p in enumerate(prompts)])
+        engine.stats.reset()
     for temperature in (TEMPERATURE, 0.0):
         for mode in LogprobMode:
             sp = SamplingParams(

@@ -104,6 +104,7 @@ def test_bad_initial_drafters_are_invalid_arguments_naming_the_field(
         for spec in (
             common_pb2.SpeculativeConfig(mode=common_pb2.SPECULATIVE_MODE_OFF),
             common_pb2.SpeculativeConfig(drafter="ngram"),
+            common_pb2.SpeculativeConfig(drafter="history"),
         ):
             with fails(grpc.StatusCode.INVALID_ARGUMENT, FIELD, "learned drafter"):
                 c.create_job(

@@ -15,9 +15,11 @@ from tltd.domain import (
     DeviceState,
     DrafterStatus,
     DrafterVersion,
+    FinishReason,
     Job,
     RequestStatus,
     RolloutRequest,
+    Sample,
     SamplingParams,
 )
 from tltd.supervisor.worker_process import Phase
@@ -483,3 +485,39 @@ def test_promoted_drafter_is_hot_swapped_into_workers_and_stays_lossless(
     assert _by_key(got) == direct_outputs(ckpt, PROMPTS, SamplingParams(**params))
     assert {s.drafter_version for s in got} <= {0, dv.version}
     assert any(s.drafter_version == dv.version for s in got)  # EAGLE steps ran
+
+
+def test_a_prompts_stored_answers_draft_its_next_rollout_after_a_restart(
+    sqlite_store, settings, ckpt
+):
+    """Answers stored by an earlier daemon (a row in the store is all a restart keeps) reach
+    the workers of a fresh one with the prompt: its history drafter drafts them, losslessly."""
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12)
+    want = direct_outputs(ckpt, PROMPTS[:2], params)
+    store = sqlite_store
+    store.create_job(Job(job_id="job", model_path=str(ckpt)))
+    store.create_request(RolloutRequest("epoch-1", "job", tuple(map(tuple, PROMPTS[:2])), params))
+    for (p, s), tokens in want.items():
+        sample = Sample("epoch-1", p, s, tokens, (-1.0,) * len(tokens), FinishReason.STOP)
+        store.add_sample(sample)
+    d = InProcessDaemon(settings, store).start()
+    try:
+        with d.client() as c:
+            d.wait_workers_ready(2)
+            got = list(
+                c.generate(
+                    "job",
+                    PROMPTS[:2],
+                    sampling=sampling(
+                        temperature=0.0, max_new_tokens=12, n=2, return_provenance=True
+                    ),
+                    request_id="epoch-2",
+                )
+            )
+    finally:
+        d.kill()
+    assert _by_key(got) == want
+    drafters = {
+        pair for s in got for pair in zip(s.provenance.drafter, s.provenance.source, strict=True)
+    }
+    assert (rollout_pb2.DRAFTER_KIND_HISTORY, rollout_pb2.TOKEN_SOURCE_ACCEPTED) in drafters

@@ -29,6 +29,18 @@ def test_add_is_idempotent_and_skips_finished_samples():
     assert [(w.prompt_index, w.samples, w.policy_version) for w in work] == [(0, 2, 4), (1, 3, 4)]
 
 
+def test_pending_work_carries_the_predicted_length_from_the_prompts_history():
+    q = WorkQueue()
+    live, _ = q.add(_req(prompts=3), 0, set(), now=1.0)
+    live.history[0] = ((("old", 0, 0), (5,) * 40), (("old", 0, 1), (5,) * 60))
+    live.history[1] = ((("old", 1, 0), (5,) * 9000),)  # longer than max_new_tokens (256)
+    work = {w.prompt_index: w.predicted_tokens for w in q.pending_work()}
+    # prompt 2 has no answers of its own: the mean over the request's other prompts' answers
+    assert work == {0: 50, 1: 256, 2: 256}
+    live.history.clear()
+    assert {w.predicted_tokens for w in q.pending_work()} == {None}
+
+
 def test_take_finish_and_done():
     q = WorkQueue()
     live, _ = q.add(_req(prompts=1, n=3), 0, set(), 0.0)

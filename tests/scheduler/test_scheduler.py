@@ -98,6 +98,60 @@ def test_placement_balances_expected_work(name, workers, pending, expected):
     assert placed(d) == expected, name
 
 
+def where(decision) -> dict[int, str]:
+    """Prompt index -> the worker its (single) sample went to."""
+    return {a.prompt_index: a.worker_id for a in decision.assignments}
+
+
+def predicted(
+    req: str, lengths: list[int | None], at: float = 0.0, cap: int = 2048
+) -> list[PendingWork]:
+    """One sample per prompt of a request, with these predicted lengths."""
+    return [
+        replace(work(req, i, tokens=cap, at=at), predicted_tokens=n) for i, n in enumerate(lengths)
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, pending, expected",
+    [
+        (
+            "without predictions: in order, alternating (both long ones on w1)",
+            predicted("r", [None, None, None, None]),
+            {0: "w0", 1: "w1", 2: "w0", 3: "w1"},
+        ),
+        (
+            "longest predicted first, each onto the least predicted work: one long each",
+            predicted("r", [100, 1000, 100, 1000]),
+            {1: "w0", 3: "w1", 0: "w0", 2: "w1"},
+        ),
+        (
+            "a long prompt is balanced by several short ones",
+            predicted("r", [300, 900, 300, 300]),
+            {1: "w0", 0: "w1", 2: "w1", 3: "w1"},
+        ),
+    ],
+)
+def test_placement_is_longest_predicted_first_and_balances_predicted_work(name, pending, expected):
+    d = schedule(snap([dev(0), dev(1)], [wk(0), wk(1)], pending=pending), CFG)
+    assert where(d) == expected, name
+    # The order of the assignments is the order of placement.
+    assert [a.prompt_index for a in d.assignments] == list(expected), name
+
+
+def test_requests_keep_their_arrival_order_whatever_their_predictions():
+    cfg = replace(CFG, max_samples_per_worker=1)
+    pending = predicted("late", [2000], at=5.0) + predicted("early", [10], at=1.0)
+    d = schedule(snap([dev(0)], [wk(0)], pending=pending), cfg)
+    assert [a.request_id for a in d.assignments] == ["early"]
+
+
+def test_workers_reporting_predicted_work_get_the_long_sample_where_least_is_left():
+    workers = [wk(0, running=3, tokens=300), wk(1, running=1, tokens=1500)]
+    d = schedule(snap([dev(0), dev(1)], workers, pending=predicted("r", [800, 50])), CFG)
+    assert where(d) == {0: "w0", 1: "w0"}  # 300 + 800 < 1500 still takes the short one too
+
+
 def test_partially_placed_prompt_reports_only_what_fits():
     d = schedule(snap([dev(0)], [wk(0, running=6)], pending=[work("r", n=5)]), CFG)
     assert [(a.request_id, a.samples) for a in d.assignments] == [("r", 2)]

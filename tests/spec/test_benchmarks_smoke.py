@@ -48,6 +48,19 @@ def test_bench_spec_quick(tiny: tuple[Path, Path], capsys: pytest.CaptureFixture
     assert "answer lengths (tokens, 4 samples): p50" in out
     assert "share of SD-off time per running-batch bucket" in out
     assert "per-bucket gain" in out
+    assert "| history     |" in out
+
+
+def test_bench_spec_epochs_quick(
+    tiny: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, drafter = tiny
+    args = ["--quick", "--model", str(target), "--drafter", str(drafter), "--threads", "1"]
+    assert bench_spec.main([*args, "--epochs", "2", "--modes", "off,history"]) == 0
+    out = capsys.readouterr().out
+    assert "=== epoch 1 of 2 ===" in out and "=== epoch 2 of 2 ===" in out
+    assert out.count("history mode per bucket") == 2
+    assert "history epoch 2:" in out
 
 
 def test_bench_tail_sweep_quick(

@@ -75,6 +75,24 @@ def test_a_new_drafter_version_demotes_eagle_state_and_keeps_ngram():
     assert s.acceptance["eagle"].alpha < 0.4
 
 
+def test_the_first_prompt_with_earlier_answers_restarts_the_history_state_once():
+    hi = Strategy("history", 8)
+    s = GateState(BucketedEpsilonGreedy([NG4, hi], (1, 8), plain_arm=True))
+    s.observe("history", [8, 8], [1, 0])  # first epoch: siblings only, drafts mostly wrong
+    s.bandit.record(1, hi, 1.5, 1.0)
+    s.bandit.record(1, NG4, 2.0, 1.0)
+    assert s.untried({"history"}) is None
+    s.history_arrived()
+    assert s.untried({"history"}) == "history"  # measured afresh, now with a history
+    assert s.acceptance["history"].alpha == DEFAULT_ACCEPTANCE
+    snap = s.bandit.snapshot()[1]
+    assert snap["history/k8"]["median_reward"] is None and snap["ngram/k4"]["median_reward"] == 2.0
+    s.observe("history", [8], [8])
+    s.bandit.record(1, hi, 9.0, 1.0)
+    s.history_arrived()  # later epochs keep what the history arm measured
+    assert s.bandit.snapshot()[1]["history/k8"]["median_reward"] == 9.0
+
+
 def test_a_new_policy_keeps_state_unless_acceptance_falls_by_more_than_max_drop():
     s = _state()
     s.sync(1, 0)

@@ -742,3 +742,24 @@ def test_uint64_seeds_and_uint32_job_numbers_round_trip(store):
         assert store.create_request(req)[1] is False
     with pytest.raises(AlreadyExists):
         store.create_request(replace(_request("req-3"), sampling=replace(SAMPLING, seed=7)))
+
+
+def test_prompt_history_finds_a_prompts_whole_answers_across_requests(store: Store) -> None:
+    store.create_job(JOB)
+    store.create_job(replace(JOB, job_id="job-2"))
+    store.create_request(_request("req-1"))  # prompts (1, 2, 3) and (4, 5)
+    store.create_request(replace(_request("req-2"), prompts=((4, 5), (1, 2, 3))))
+    store.create_request(replace(_request("req-3"), job_id="job-2"))  # another job
+    for rid, p, s, toks, partial in [
+        ("req-1", 0, 0, (10, 11), False),
+        ("req-1", 0, 1, (12,), True),  # partial: not an answer
+        ("req-1", 1, 0, (20,), False),
+        ("req-2", 1, 1, (13, 14), False),  # (1, 2, 3) again, at another index
+        ("req-3", 0, 0, (99,), False),
+    ]:
+        store.add_sample(replace(_sample(p, s, toks), request_id=rid, partial=partial))
+    got = store.prompt_history(JOB.job_id, (1, 2, 3), limit=10)
+    assert got == [(("req-1", 0, 0), (10, 11)), (("req-2", 1, 1), (13, 14))]  # oldest first
+    assert store.prompt_history(JOB.job_id, (1, 2, 3), limit=1) == [(("req-2", 1, 1), (13, 14))]
+    assert store.prompt_history(JOB.job_id, (4, 5), limit=10) == [(("req-1", 1, 0), (20,))]
+    assert store.prompt_history(JOB.job_id, (1, 2), limit=10) == []

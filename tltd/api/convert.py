@@ -61,6 +61,7 @@ _DRAFTER_KIND = {
     rollout_pb2.DRAFTER_KIND_UNSPECIFIED: "",
     rollout_pb2.DRAFTER_KIND_NGRAM: "ngram",
     rollout_pb2.DRAFTER_KIND_EAGLE: "eagle",
+    rollout_pb2.DRAFTER_KIND_HISTORY: "history",
 }
 _DRAFTER_STATUS = {
     drafter_pb2.DRAFTER_STATUS_CANDIDATE: d.DrafterStatus.CANDIDATE,

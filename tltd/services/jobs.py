@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tltd.domain import (
+    MODEL_FREE_DRAFTERS,
     OPEN_STATUSES,
     Backend,
     DrafterVersion,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from tltd.store import Store
     from tltd.supervisor import Supervisor
 
-_DRAFTERS = ("auto", "ngram", "eagle")
+_DRAFTERS = ("auto", "ngram", "eagle", "history")
 # A draft of k tokens reserves k extra cache positions per sequence; longer drafts are almost
 # never accepted in full.
 MAX_DRAFT_LENGTH = 64
@@ -112,10 +113,10 @@ class JobService:
         return self._create_with_drafter(job, source)
 
     def _check_initial_drafter(self, spec: SpeculativeConfig, model_dir: Path) -> Path:
-        if spec.mode is SpeculativeMode.OFF or spec.drafter == "ngram":
+        if spec.mode is SpeculativeMode.OFF or spec.drafter in MODEL_FREE_DRAFTERS:
             raise InvalidArgument(
                 "needs a learned drafter: speculative mode must not be OFF and drafter must "
-                "not be 'ngram'",
+                "not be 'ngram' or 'history'",
                 field=_INITIAL_DRAFTER,
             )
         return check_drafter_dir(spec.initial_drafter_path, _INITIAL_DRAFTER, model_dir)

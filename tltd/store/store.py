@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -68,6 +69,12 @@ _REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
 _FINAL_WORKER_STATES = (WorkerState.STOPPED, WorkerState.FAILED)
 # Version columns are SQL INTEGER (signed 32-bit): no version is numbered above this.
 MAX_VERSION = 2**31 - 1
+
+
+def prompt_key(prompt: Sequence[int]) -> str:
+    """A prompt's token ids as a fixed-width key (sha256 hex): the history drafter's look-up
+    of a prompt's earlier answers across requests."""
+    return hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()
 
 
 def _diff(a: object, b: object, fields: Sequence[str]) -> list[str]:
@@ -371,6 +378,7 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases):
                         request_id=req.request_id,
                         prompt_index=p,
                         samples=req.sampling.n,
+                        prompt_key=prompt_key(req.prompts[p]),
                         priority=job.priority,
                         state="queued",
                         owner_epoch=0,
@@ -512,6 +520,27 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases):
                 .order_by(SampleRow.prompt_index, SampleRow.sample_index)
             ).all()
             return [convert.sample_from_row(r) for r in rows]
+
+    def prompt_history(
+        self, job_id: str, prompt: Sequence[int], limit: int
+    ) -> list[tuple[tuple[str, int, int], tuple[int, ...]]]:
+        """The job's `limit` most recent whole samples of this prompt, from any request and
+        node, oldest first: ((request id, prompt index, sample index), token ids) each. What
+        the history drafter starts from when the prompt is admitted again."""
+        with self._tx(write=False) as s:
+            rows = s.execute(
+                select(SampleRow.request_id, SampleRow.prompt_index, SampleRow.sample_index,
+                       SampleRow.token_ids)
+                .join(WorkUnitRow, (WorkUnitRow.request_id == SampleRow.request_id)
+                      & (WorkUnitRow.prompt_index == SampleRow.prompt_index))
+                .join(RolloutRequestRow, RolloutRequestRow.request_id == SampleRow.request_id)
+                .where(RolloutRequestRow.job_id == job_id,
+                       WorkUnitRow.prompt_key == prompt_key(prompt),
+                       SampleRow.partial.is_(False))
+                .order_by(SampleRow.id.desc())
+                .limit(limit)
+            ).all()  # fmt: skip
+        return [((r[0], r[1], r[2]), tuple(r[3])) for r in reversed(rows)]
 
     # ---- drafter versions ---------------------------------------------------------------
 

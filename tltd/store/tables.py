@@ -254,13 +254,19 @@ class WorkUnitRow(Base):
     """One prompt of a rollout request: what a node claims, under a lease, to run."""
 
     __tablename__ = "work_units"
-    __table_args__ = (Index("ix_work_units_state_created_at", "state", "created_at"),)
+    __table_args__ = (
+        Index("ix_work_units_state_created_at", "state", "created_at"),
+        Index("ix_work_units_prompt_key", "prompt_key"),
+    )
 
     request_id: Mapped[str] = mapped_column(
         ID, ForeignKey("rollout_requests.request_id", ondelete="CASCADE"), primary_key=True
     )
     prompt_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     samples: Mapped[int] = mapped_column(Integer)  # the request's n: the claim's size
+    # sha256 of the prompt's token ids (store.prompt_key): finds a prompt's earlier answers.
+    # NULL for units stored before the column existed.
+    prompt_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
     priority: Mapped[int] = mapped_column(BigInteger, default=0)  # the job's: claimed first
     state: Mapped[str] = mapped_column(STATUS)  # "queued" | "leased" | "done" | "failed"
     owner_node: Mapped[str | None] = mapped_column(ID, nullable=True, index=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tltd.domain import (
+    MODEL_FREE_DRAFTERS,
     Backend,
     DeviceKind,
     DrafterStatus,
@@ -238,7 +239,10 @@ class ModelPlanner:
         """Hot-swap the job's learned drafter into the worker (between steps): the active
         version, or the one this node runs in its place (`_drafter_here`)."""
         wanted, path = job.drafter_version, ""
-        if job.speculative.mode is SpeculativeMode.OFF or job.speculative.drafter == "ngram":
+        if (
+            job.speculative.mode is SpeculativeMode.OFF
+            or job.speculative.drafter in MODEL_FREE_DRAFTERS
+        ):
             wanted = 0
         if wanted:
             wanted, path = await self._drafter_here(job.job_id, wanted)

@@ -18,6 +18,7 @@ from tltd.domain import (
     ENDED_STATUSES,
     OPEN_STATUSES,
     FinishReason,
+    Job,
     JobStatus,
     RequestStatus,
     RolloutRequest,
@@ -28,6 +29,10 @@ from tltd.settings import Settings
 from tltd.store.leases import Claim
 from tltd.supervisor.writes import OrderedWrites, add_samples
 from tltd.workqueue import Key, LiveRequest, WorkQueue
+
+# A prompt's most recent stored answers handed to the history drafter when the prompt is
+# claimed (two epochs of n = 8).
+HISTORY_SAMPLES = 16
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -132,7 +137,9 @@ class RolloutRequests:
             # Ended elsewhere (a cancel) while this unit was queued or held by a lost node.
             done |= {(s.prompt_index, s.sample_index) for s in samples}
         units = {c.prompt_index for c in claims}
+        history = await self._history(req, job, units)  # read before the units can be assigned
         live, _ = self.queue.add(req, req.policy_version, done, time.monotonic(), units)
+        live.history.update(history)
         log.info("units claimed", extra={"request_id": rid, "prompts": sorted(units)})
         closing = self._closing(req, job.status, job.status_reason, refuse)
         if closing is not None:
@@ -148,6 +155,30 @@ class RolloutRequests:
                 await self.finish_unstarted(live, keys, FinishReason.FAILED, why)
         if live.complete_units():
             await self.finalize(live)
+
+    async def _history(
+        self, req: RolloutRequest, job: Job, units: set[int]
+    ) -> dict[int, tuple[tuple[tuple[str, int, int], tuple[int, ...]], ...]]:
+        """The job's earlier answers to each claimed prompt, for the history drafter: none when
+        the job does not draft from history, or for a prompt the store cannot read now (drafts
+        only: the samples run all the same)."""
+        if not job.speculative.drafts_from_history:
+            return {}
+        out = {}
+        for p in sorted(units):
+            try:
+                out[p] = tuple(
+                    await asyncio.to_thread(
+                        self.store.prompt_history, req.job_id, req.prompts[p], HISTORY_SAMPLES
+                    )
+                )
+            except Exception:
+                log.warning(
+                    "cannot read a prompt's history: it runs without",
+                    extra={"request_id": req.request_id, "prompt_index": p},
+                    exc_info=True,
+                )
+        return out
 
     @staticmethod
     def _closing(

@@ -423,9 +423,11 @@ class Supervisor:
                 req.prompts[a.prompt_index],
                 req.sampling,
                 speculative=req.speculative is not SpeculativeMode.OFF,
+                history=live.history.get(a.prompt_index, ()),
             )
         )
-        handle.unacked[handle.seq] = len(indices) * req.sampling.max_new_tokens
+        predicted = live.predicted_tokens(a.prompt_index) or req.sampling.max_new_tokens
+        handle.unacked[handle.seq] = len(indices) * predicted
         handle.idle_since = None
         self.assigned_samples += len(indices)
         if not live.started:

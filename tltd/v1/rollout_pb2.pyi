@@ -39,6 +39,7 @@ class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFTER_KIND_UNSPECIFIED: _ClassVar[DrafterKind]
     DRAFTER_KIND_NGRAM: _ClassVar[DrafterKind]
     DRAFTER_KIND_EAGLE: _ClassVar[DrafterKind]
+    DRAFTER_KIND_HISTORY: _ClassVar[DrafterKind]
 
 class RequestStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -65,6 +66,7 @@ TOKEN_SOURCE_BONUS: TokenSource
 DRAFTER_KIND_UNSPECIFIED: DrafterKind
 DRAFTER_KIND_NGRAM: DrafterKind
 DRAFTER_KIND_EAGLE: DrafterKind
+DRAFTER_KIND_HISTORY: DrafterKind
 REQUEST_STATUS_UNSPECIFIED: RequestStatus
 REQUEST_STATUS_QUEUED: RequestStatus
 REQUEST_STATUS_RUNNING: RequestStatus

@@ -21,7 +21,13 @@ from tltd_workers.engine.bandit import Strategy
 if TYPE_CHECKING:
     from tltd_workers.rollout.protocol import EngineSpec
 
-DEFAULT_STRATEGIES = tuple(Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 4, 6))
+# The history drafter's drafts cost no forward pass and run long where a prompt's answers
+# repeat, so its arms cap drafts at longer lengths (each row drafts only what its history
+# supports, often less).
+HISTORY_DRAFT_LENGTHS = (4, 8, 16)
+DEFAULT_STRATEGIES = tuple(Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 4, 6)) + tuple(
+    Strategy("history", k) for k in HISTORY_DRAFT_LENGTHS
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,10 @@ class EngineConfig:
     draft_confidence: float = 0.0
     ngram_max_match: int = 8
     ngram_min_match: int = 2
+    # The history drafter's bound (history.py): answer tokens held over all prompts (least
+    # recently used prompts dropped first) and per prompt (oldest answers dropped first).
+    history_max_tokens: int = 1 << 18
+    history_max_prompt_tokens: int = 1 << 16
     max_prefill_tokens: int = 8192  # padded prompt tokens per prefill forward
     seed: int = 0
     device: str = "cpu"
@@ -72,13 +82,16 @@ class EngineConfig:
     def from_spec(cls, spec: EngineSpec) -> EngineConfig:
         """The engine settings a rollout worker was sent (`EngineSpec.for_job` maps a job's
         speculative config to those): one arm per drafter and distinct draft length."""
-        drafters = ("ngram", "eagle") if spec.drafter == "auto" else (spec.drafter,)
-        if spec.drafter not in ("auto", "ngram", "eagle"):
-            raise ValueError(f"speculative.drafter must be auto|ngram|eagle, got {spec.drafter!r}")
+        drafters = ("ngram", "eagle", "history") if spec.drafter == "auto" else (spec.drafter,)
+        if spec.drafter not in ("auto", "ngram", "eagle", "history"):
+            raise ValueError(
+                f"speculative.drafter must be auto|ngram|eagle|history, got {spec.drafter!r}"
+            )
         strategies = tuple(
             Strategy(d, k)
             for d in drafters
-            for k in dict.fromkeys(spec.draft_lengths)  # a repeat is no second arm
+            # a repeat is no second arm; history arms have lengths of their own
+            for k in dict.fromkeys(HISTORY_DRAFT_LENGTHS if d == "history" else spec.draft_lengths)
         )
         return cls(
             max_batch=spec.max_batch,
@@ -109,7 +122,7 @@ class EngineLoad:
     """What an engine holds (a rollout worker's heartbeat reports it)."""
 
     samples: int  # waiting or running
-    remaining_tokens: int  # at most, before every held sample ends
+    remaining_tokens: int  # predicted, before every held sample ends (Engine.load)
 
 
 @dataclass

@@ -70,7 +70,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +88,7 @@ from tltd_workers.engine.costs import CostModel, arm_rewards, measure_costs
 from tltd_workers.engine.datatypes import EngineConfig, EngineLoad, Request, SampleOutput
 from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.engine.gate import GateState, verdicts
+from tltd_workers.engine.history import HistoryDrafter
 from tltd_workers.engine.kv_cache import KVCache
 from tltd_workers.engine.ngram import NgramDrafter
 from tltd_workers.engine.sampling import (
@@ -132,6 +133,9 @@ class _Group:
     group_key: str = ""
     live: int = 0
     sample_offset: int = 0  # sample indices of this group are offset .. offset + n - 1
+    # Earlier answers to this prompt (sample id, tokens), for the history drafter at admission.
+    past: Sequence[tuple[Hashable, Sequence[int]]] = ()
+    history_key: tuple[int, ...] = ()
 
 
 class _Seq:
@@ -158,6 +162,7 @@ class _Seq:
         "eagle_tokens",
         "eagle_ok",
         "spans",
+        "answer_id",
     )
 
     def __init__(self, group: _Group, index: int, key: int, max_new: int) -> None:
@@ -179,6 +184,7 @@ class _Seq:
         self.eagle_ok = False
         # (first token index, policy version): a version loaded while it runs opens a span.
         self.spans: list[tuple[int, int]] = [(0, group.policy_version)]
+        self.answer_id = -1  # its answer in the history drafter (-1: not indexed there)
 
     @property
     def sample_key(self) -> str:
@@ -225,6 +231,11 @@ class Engine:
         # else is in the batch, so indexing in slot order would let other requests change a
         # seeded sample's drafts and thereby its tokens.
         self._ngram_pending: list[tuple[str, int, str, list[int]]] = []
+        # Answers of earlier samples per prompt (history.py); indexed like the n-grams.
+        self.history: HistoryDrafter | None = None
+        if cfg.spec_mode != "off" and any(st.drafter == "history" for st in cfg.strategies):
+            self.history = HistoryDrafter(cfg.history_max_tokens, cfg.history_max_prompt_tokens)
+        self._history_pending: list[tuple[str, int, _Seq, list[int]]] = []
         self.drafter: EagleDrafter | None = None
         self.drafter_version = 0
         self.eagle_cache: KVCache | None = None
@@ -295,12 +306,16 @@ class Engine:
         return_hidden_states: bool = False,
         speculative: bool = True,
         sample_offset: int = 0,
+        history: Sequence[tuple[Hashable, Sequence[int]]] = (),
     ) -> None:
         """Queue one prompt with sampling.n samples; it joins the batch at a step boundary.
 
         `sample_offset` numbers the samples offset .. offset + n - 1 (their index and their
         randomness key), so that a worker can run any contiguous slice of a prompt's samples and
         a retried slice reproduces the same tokens (n-gram drafts: see the module docstring).
+        `history`: earlier answers to this prompt (a sample id and its tokens each, oldest
+        first, e.g. read from the store) that the history drafter adds when the prompt is
+        admitted, unless it holds them already.
         """
         # Long on purpose: the request's checks and its group are built in one pass.
         prompt = [int(t) for t in prompt_ids]
@@ -345,6 +360,7 @@ class Engine:
             self.policy_version,
             group_key,
             sample_offset=sample_offset,
+            past=history,
         )
         self.waiting.append(group)
 
@@ -395,13 +411,19 @@ class Engine:
         return self.step()
 
     def load(self) -> EngineLoad:
-        """What the engine holds: samples waiting or running, and the tokens they may still
-        generate at most (each sample's `max_new_tokens` left)."""
+        """What the engine holds: samples waiting or running, and the tokens they are predicted
+        to still generate: per sample its prompt's mean answer length in the history drafter
+        less what it emitted (at least 1, at most its `max_new_tokens` left), or its
+        `max_new_tokens` left for a prompt without finished answers there."""
         samples = len(self.running) + sum(g.sampling.n for g in self.waiting)
-        tokens = sum(s.max_new - len(s.tokens) for s in self.running) + sum(
-            g.sampling.n * g.sampling.max_new_tokens for g in self.waiting
-        )
+        tokens = sum(self._predicted_left(s.group, len(s.tokens)) for s in self.running)
+        tokens += sum(g.sampling.n * self._predicted_left(g, 0) for g in self.waiting)
         return EngineLoad(samples, tokens)
+
+    def _predicted_left(self, g: _Group, emitted: int) -> int:
+        cap = min(g.sampling.max_new_tokens, self.config.max_seq_len - len(g.prompt)) - emitted
+        mean = self.history.mean_length(tuple(g.prompt)) if self.history is not None else None
+        return cap if mean is None else max(1, min(cap, round(mean) - emitted))
 
     def generate(self, requests: Iterable[Request]) -> list[SampleOutput]:
         """Queue the requests and step until everything finished; outputs in finish order."""
@@ -604,6 +626,11 @@ class Engine:
             nxt += g.sampling.n - 1
             if self._ngram_on:
                 self.ngram.add_group(g.group_key, g.prompt)
+            if self.history is not None:
+                g.history_key = self.history.open(g.prompt, g.past)
+                g.past = ()  # held by the drafter now (or dropped by its bound)
+                if self.gate_state is not None and self.history.mean_length(g.history_key):
+                    self.gate_state.history_arrived()
             g.live = g.sampling.n
             max_new = min(g.sampling.max_new_tokens, self.config.max_seq_len - len(g.prompt))
             for j in range(g.sampling.n):
@@ -614,6 +641,10 @@ class Engine:
                     s.history = []  # lets a later drafter version catch up on this sample
                 if self._ngram_on:
                     self.ngram.add_sequence(g.group_key, s.sample_key)
+                if self.history is not None:
+                    s.answer_id = self.history.start(
+                        g.history_key, (g.request_id, g.prompt_index, idx)
+                    )
                 (leaders if j == 0 else followers).append(s)
         self.running.extend(leaders + followers)
         order = list(range(len(groups))) + [
@@ -637,6 +668,8 @@ class Engine:
         if self.gate_state is not None:
             self.gate_state.sync(self.policy_version, self.drafter_version)
         available = {"ngram"}
+        if self._history_ready():
+            available.add("history")
         if self.drafter is not None and any(s.eagle_ok for s in self.running):
             available.add("eagle")
         untried = self.gate_state.untried(available) if self.gate_state is not None else None
@@ -644,6 +677,17 @@ class Engine:
             return self.bandit.choose(b, available, self._priors(b), untried)
         except NoStrategyAvailable:
             return None
+
+    def _history_ready(self) -> bool:
+        """Whether the history arm is offered: when at least half of the speculative rows'
+        prompts have finished answers in the history. Before, its drafts come from the live
+        siblings alone, which the n-gram arm drafts from too, and rewards measured then would
+        rank the arm for the prompts' next epoch by what it does without one."""
+        if self.history is None:
+            return False
+        rows = [s for s in self.running if s.group.speculative]
+        ready = sum(1 for s in rows if self.history.mean_length(s.group.history_key) is not None)
+        return 2 * ready >= len(rows)
 
     def _params(self) -> RowParams:
         return self._row_params(self.running)
@@ -795,6 +839,12 @@ class Engine:
             drafts_t, q, confident = self._eagle_drafts(seqs, params, k)
             drafts = drafts_t.tolist()
             cap = [min(c, n) for c, n in zip(cap, confident, strict=True)]
+        elif strategy.drafter == "history" and self.history is not None:
+            hist = self.history
+            drafts = [
+                hist.propose(s.group.history_key, s.answer_id, c) if c > 0 else []
+                for s, c in zip(seqs, cap, strict=True)
+            ]
         else:
             drafts = [
                 self.ngram.propose(s.group.group_key, s.sample_key, c) if c > 0 else []
@@ -885,6 +935,8 @@ class Engine:
         g = s.group
         if self._ngram_on:
             self._ngram_pending.append((g.group_key, s.index, s.sample_key, s.tokens[-n:]))
+        if self.history is not None:
+            self._history_pending.append((g.group_key, s.index, s, s.tokens[-n:]))
         return reason
 
     def _finish(self, done: dict[int, FinishReason]) -> list[SampleOutput]:
@@ -901,6 +953,8 @@ class Engine:
             self.running[slot] = self.running[last]
             self.running.pop()
             g = s.group
+            if self.history is not None:
+                self.history.finish(g.history_key, s.answer_id)
             if self._ngram_on:
                 self.ngram.remove_sequence(g.group_key, s.sample_key)
             g.live -= 1
@@ -915,6 +969,10 @@ class Engine:
         pending, self._ngram_pending = self._ngram_pending, []
         for group_key, _, sample_key, toks in sorted(pending, key=lambda p: (p[0], p[1])):
             self.ngram.extend(group_key, sample_key, toks)
+        if self.history is not None:
+            hist, self._history_pending = self._history_pending, []
+            for _, _, s, toks in sorted(hist, key=lambda p: (p[0], p[1])):
+                self.history.extend(s.group.history_key, s.answer_id, toks)
 
     def _output(self, s: _Seq, reason: FinishReason) -> SampleOutput:
         hidden = None

@@ -107,6 +107,11 @@ class GateState:
       drafter's next CHECK_POSITIONS draft positions are compared with its estimate from
       before: if acceptance fell by more than MAX_DROP (relative), that drafter's estimate
       restarts from those positions and its strategies' rewards are forgotten.
+    - the first prompt admitted with answers of an earlier request in the history drafter (the
+      job's second epoch, or the store's answers after a restart): the history drafter's
+      estimate and rewards restart (`history_arrived`). Measured before, in the first epoch's
+      tails with finished siblings at most, they would rank it for every later epoch by what
+      it does without a history, and the bandit would seldom try it again.
     """
 
     def __init__(self, bandit: BucketedEpsilonGreedy) -> None:
@@ -114,6 +119,7 @@ class GateState:
         self.acceptance = {d: Acceptance() for d in sorted(bandit.drafters)}
         self.policy_version: int | None = None  # None: nothing seen yet
         self.drafter_version = 0  # the last EAGLE drafter version seen (0: none yet)
+        self.history_seen = False  # a prompt arrived with earlier requests' answers
 
     def fits(self, strategies: Sequence[Strategy], buckets: Sequence[int], plain_arm: bool) -> bool:
         """Whether an engine with this configuration can continue from this state."""
@@ -135,6 +141,16 @@ class GateState:
                 self.acceptance["eagle"].new_drafter()
             self.bandit.forget("eagle")
             self.drafter_version = drafter_version
+
+    def history_arrived(self) -> None:
+        """A prompt was admitted with answers of earlier requests in the history drafter: the
+        first time, the history drafter's estimate and rewards restart (class docstring)."""
+        if self.history_seen:
+            return
+        self.history_seen = True
+        if "history" in self.acceptance:
+            self.acceptance["history"] = Acceptance()
+            self.bandit.forget("history")
 
     def untried(self, available: Collection[str]) -> str | None:
         """An available drafter with no SD step since it was (re)set, if any."""

@@ -25,7 +25,7 @@ class EngineSpec:
     gate: str = "measured"  # adaptive: "measured" (cost model + bandit) | "threshold"
     batch_threshold: int = 32  # the threshold gate's and the fixed mode's limit
     draft_lengths: tuple[int, ...] = (2, 4, 6)
-    drafter: str = "auto"  # "auto" | "ngram" | "eagle"
+    drafter: str = "auto"  # "auto" | "ngram" | "eagle" | "history"
     device: str = "cpu"
     seed: int = 0
 
@@ -102,6 +102,8 @@ class AddWork:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     speculative: bool = True
+    # The job's earlier answers to this prompt, for the history drafter (sample id, tokens).
+    history: tuple[tuple[tuple[str, int, int], tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class Ready:
 @dataclass(frozen=True)
 class Heartbeat:
     running_samples: int  # in the engine (running + waiting to be admitted)
-    remaining_tokens: int  # upper bound of tokens still to decode for them
+    remaining_tokens: int  # predicted tokens still to decode for them (Engine.load)
     acked_seq: int  # the last AddWork.seq the engine has taken in
     idle_since: float | None  # wall clock (time.time()) the engine went empty; None = busy
     stats: dict[str, object] = field(default_factory=dict)  # engine counters (summary)

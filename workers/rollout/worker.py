@@ -108,6 +108,7 @@ class RolloutWorker(WorkerLoop):
                     prompt_index=msg.prompt_index,
                     speculative=msg.speculative,
                     sample_offset=first,
+                    history=msg.history,
                 )
             except ValueError as exc:  # e.g. a prompt longer than this engine's max_seq_len
                 self.fail(msg, range(first, first + count), str(exc))

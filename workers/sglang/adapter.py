@@ -182,7 +182,8 @@ def speculative_args(
       speculates no more above the job's batch threshold.
     - no learned drafter yet: "auto" and "ngram" -> SGLang's model-free NGRAM drafter (as our
       n-gram drafter, it is free from step 0; SGLang adapts EAGLE only); "eagle" -> none
-      until a drafter arrives.
+      until a drafter arrives. "history" -> NGRAM too: SGLang's n-gram cache spans requests,
+      the nearest it has to drafting from a prompt's earlier answers.
     """
     if spec.spec_mode == "off":
         return {}
@@ -198,7 +199,7 @@ def speculative_args(
         if adaptive_path:
             args |= {"speculative_adaptive": True, "speculative_adaptive_config": adaptive_path}
         return args
-    if spec.drafter in ("ngram", "auto"):
+    if spec.drafter in ("ngram", "auto", "history"):
         return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": steps + 1}
     return {}
 
