@@ -30,10 +30,10 @@ import torch
 from tests.drafter.helpers import load_target, make_target_dir
 from tests.rollout import fake_sglang
 from tests.rollout.fake_sglang import FakeEngine, reference
+from tltd.contract.broadcast import assign_ranks, group_prefix, received_tensors
 from tltd.domain import FinishReason, SamplingParams
 from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.rollout import sglang_worker
-from tltd_workers.rollout.broadcast import assign_ranks, group_prefix, received_tensors
 from tltd_workers.rollout.protocol import (
     AddWork,
     Cancel,

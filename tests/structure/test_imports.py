@@ -129,6 +129,85 @@ def test_workers_do_not_import_the_daemon_store():
 
 def test_workers_take_only_the_domain_from_the_daemon():
     """The daemon and its worker processes share `tltd.domain` (plain dataclasses) and the
-    typed pipe protocols under `workers/`; nothing else of `tltd` runs in a worker."""
-    bad = _workers_importing(lambda t: t.split(".")[0] == "tltd" and t != "tltd.domain")
+    contract floor (`tltd.contract`); nothing else of `tltd` runs in a worker."""
+    bad = _workers_importing(
+        lambda t: (
+            t.split(".")[0] == "tltd" and t != "tltd.domain" and not t.startswith("tltd.contract")
+        )
+    )
     assert not bad, bad
+
+
+# ---- the client: the stubs, the domain and the wire converter, nothing of the daemon --------
+
+# What `tltd_clients` may import of the project: the generated stubs, the plain domain, the
+# typed errors the converter raises, the one proto <-> domain converter, and (inside the
+# broadcast path only) how a policy broadcast's group is joined.
+CLIENT_MAY_IMPORT = ("tltd", "tltd.v1", "tltd.domain", "tltd.errors", "tltd.api.convert")
+CLIENT_MAY_IMPORT_LAZILY = ("tltd.contract.broadcast",)
+# Installed with the daemon, absent where only the `client` extra is.
+DAEMON_ONLY = (
+    "sqlalchemy",
+    "alembic",
+    "apscheduler",
+    "torch",
+    "starlette",
+    "uvicorn",
+    "pydantic",
+    "prometheus_client",
+    "pynvml",
+    "tltd_workers",
+)
+
+
+def _allowed_for_client(target: str, allowed: tuple[str, ...]) -> bool:
+    return target.startswith(("tltd_clients", "tltd.v1.")) or target in allowed
+
+
+def test_the_client_imports_only_the_stubs_the_domain_and_the_converter():
+    graph = _graph()
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if m.split(".")[0] == "tltd_clients"
+        for t in targets
+        if not _allowed_for_client(t, CLIENT_MAY_IMPORT + CLIENT_MAY_IMPORT_LAZILY)
+    )
+    assert not bad, bad
+    # ... and what those import stays inside the same set (the converter takes no service).
+    for module in ("tltd.api.convert", "tltd.domain", "tltd.errors", "tltd.contract.broadcast"):
+        wrong = sorted(t for t in graph[module] if not _allowed_for_client(t, CLIENT_MAY_IMPORT))
+        assert not wrong, f"{module} imports {wrong}"
+
+
+_CLIENT_ALONE = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {absent!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)", name=name)
+sys.meta_path.insert(0, Absent())
+import tltd_clients, tltd_clients.tltctl
+from tltd_clients.rollout import _sample_from_pb
+from tltd.v1 import rollout_pb2
+s = _sample_from_pb(rollout_pb2.Sample(token_ids=[5, 2], finish_reason=1))
+assert s.token_ids == [5, 2] and s.finish_reason == "stop", s
+tltd_clients.RolloutClient("127.0.0.1:1").close()
+loaded = sorted(m for m in sys.modules if m.startswith(("tltd.services", "tltd.store")))
+print("LOADED", loaded)
+"""
+
+
+def test_the_client_runs_without_the_daemons_dependencies():
+    """`import tltd_clients` (and tltctl) in a process where the daemon's dependencies cannot
+    be imported: it loads, converts a sample and opens a client, and no service or store
+    module of the daemon is loaded."""
+    import subprocess
+    import sys
+
+    code = _CLIENT_ALONE.format(absent=set(DAEMON_ONLY))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "LOADED []" in out.stdout, out.stdout

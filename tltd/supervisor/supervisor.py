@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tltd.contract.broadcast import assign_ranks
 from tltd.domain import (
     Backend,
     Device,
@@ -53,7 +54,6 @@ from tltd.supervisor.unit_leases import UnitLeases
 from tltd.supervisor.worker_process import WorkerHandle, broadcast_ranks
 from tltd.supervisor.writes import OrderedWrites
 from tltd_workers.rollout import protocol as msg
-from tltd_workers.rollout.broadcast import assign_ranks
 
 if TYPE_CHECKING:
     from tltd.store import Store
