@@ -23,8 +23,8 @@ from packaging.requirements import Requirement
 from safetensors.torch import load_file
 
 from tests.sglang_contract.conftest import resolved
+from tltd.contract.rollout_messages import EngineSpec, JoinBroadcast
 from tltd.domain import SamplingParams as OurSamplingParams
-from tltd_workers.rollout.protocol import EngineSpec, JoinBroadcast
 from tltd_workers.sglang import real_engine as adapter_engine
 from tltd_workers.sglang.adapter import (
     DistributedJoin,

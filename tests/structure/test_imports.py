@@ -32,11 +32,30 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The project modules `name` imports (a `from pkg import mod` names the module)."""
+def _load_time(nodes: list[ast.stmt]):
+    """The statements Python runs when it imports a module: not function bodies, not
+    `if TYPE_CHECKING:` blocks."""
+    for node in nodes:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _load_time(node.orelse)
+            continue
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt):
+                yield from _load_time([child])
+            elif isinstance(child, ast.ExceptHandler):
+                yield from _load_time(child.body)
+
+
+def _imports(name: str, path: Path, known: set[str], *, load_time: bool = False) -> set[str]:
+    """The project modules `name` imports (a `from pkg import mod` names the module): every
+    import, or with `load_time` those that run when the module is imported."""
     is_pkg = path.name == "__init__.py"
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in _load_time(tree.body) if load_time else ast.walk(tree):
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -59,10 +78,10 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(*, load_time: bool = False) -> dict[str, set[str]]:
     mods = _modules()
     known = set(mods)
-    return {n: _imports(n, p, known) for n, p in mods.items()}
+    return {n: _imports(n, p, known, load_time=load_time) for n, p in mods.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -129,13 +148,84 @@ def test_workers_do_not_import_the_daemon_store():
 
 def test_workers_take_only_the_domain_from_the_daemon():
     """The daemon and its worker processes share `tltd.domain` (plain dataclasses) and the
-    contract floor (`tltd.contract`); nothing else of `tltd` runs in a worker."""
+    contract floor (`tltd.contract`: their messages, the broadcast group, checkpoint shapes);
+    nothing else of `tltd` runs in a worker."""
     bad = _workers_importing(
         lambda t: (
             t.split(".")[0] == "tltd" and t != "tltd.domain" and not t.startswith("tltd.contract")
         )
     )
     assert not bad, bad
+
+
+# ---- the contract floor: daemon and workers meet on it, neither imports the other ----------
+
+# The modules of the daemon that start worker processes (and so name what the process runs).
+SPAWNERS = {
+    "tltd.supervisor.worker_process": "starts the rollout workers",
+    "tltd.drafter_training": "starts the drafter trainer",
+    # Not a process: ExportDrafter converts a drafter with the drafter's own code, on call.
+    "tltd.services.drafters": "runs the drafter's SGLang export (torch) when asked",
+}
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_contract_floor_depends_on_the_domain_only():
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, targets in _graph().items()
+        if _in(m, "tltd.contract")
+        for t in targets
+        if not (_in(t, "tltd.contract") or t in ("tltd", "tltd.domain"))
+    )
+    assert not bad, bad
+
+
+def test_the_daemon_imports_no_worker_code_at_load_time():
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, targets in _graph(load_time=True).items()
+        if _in(m, "tltd")
+        for t in targets
+        if _in(t, "tltd_workers")
+    )
+    assert not bad, bad
+
+
+def test_the_daemon_imports_worker_code_only_where_it_starts_a_process():
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, targets in _graph().items()
+        if _in(m, "tltd") and m not in SPAWNERS
+        for t in targets
+        if _in(t, "tltd_workers")
+    )
+    assert not bad, bad
+
+
+def test_the_engine_does_not_import_the_messages():
+    """The engine is driven by the rollout worker; the daemon's messages stop at the worker."""
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, targets in _graph().items()
+        if _in(m, "tltd_workers.engine")
+        for t in targets
+        if t in ("tltd.contract.rollout_messages", "tltd.contract.drafter_messages")
+    )
+    assert not bad, bad
+
+
+def test_the_load_time_reading_skips_functions_and_type_checking():
+    tree = ast.parse(
+        "import a\nif TYPE_CHECKING:\n    import b\nelse:\n    import c\n"
+        "def f():\n    import d\nclass K:\n    import e\n"
+        "try:\n    import g\nexcept ImportError:\n    import h\n"
+    )
+    names = [n.names[0].name for n in _load_time(tree.body) if isinstance(n, ast.Import)]
+    assert names == ["a", "c", "e", "g", "h"]
 
 
 # ---- the client: the stubs, the domain and the wire converter, nothing of the daemon --------

@@ -30,9 +30,9 @@ import threading
 from typing import TYPE_CHECKING
 
 from tltd.contract.broadcast import group_prefix, received_tensors
+from tltd.contract.rollout_messages import JoinBroadcast
 from tltd.domain import OpenedBroadcast, PushHeader, WorkerGroupKeys
 from tltd.errors import FailedPrecondition, InvalidArgument
-from tltd_workers.rollout.protocol import JoinBroadcast
 
 if TYPE_CHECKING:
     from tltd.services.push import PushService

@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tltd.contract import rollout_messages as msg
 from tltd.contract.broadcast import assign_ranks
 from tltd.domain import (
     Backend,
@@ -53,7 +54,6 @@ from tltd.supervisor.training_hook import TrainingHook
 from tltd.supervisor.unit_leases import UnitLeases
 from tltd.supervisor.worker_process import WorkerHandle, broadcast_ranks
 from tltd.supervisor.writes import OrderedWrites
-from tltd_workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
     from tltd.store import Store

@@ -19,7 +19,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from tltd.contract.broadcast import group_prefix, received_tensors
-from tltd_workers.rollout.protocol import JoinBroadcast
+from tltd.contract.rollout_messages import JoinBroadcast
 
 if TYPE_CHECKING:
     from torch import Tensor
