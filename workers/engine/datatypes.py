@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,6 +17,9 @@ from tltd.domain import (
     TokenProvenance,
 )
 from tltd_workers.engine.bandit import Strategy
+
+if TYPE_CHECKING:
+    from tltd_workers.engine.engine_spec import EngineSpec
 
 DEFAULT_STRATEGIES = tuple(Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 4, 6))
 
@@ -165,19 +168,3 @@ class SampleOutput:
             if self.draft_steps
             else 0.0
         )
-
-
-class EngineSpec(Protocol):
-    """The engine settings `EngineConfig.from_spec` reads: those a rollout worker is sent
-    (`tltd.contract.rollout_messages.EngineSpec`), seen from the engine, which does not
-    import the daemon's messages."""
-
-    max_batch: int
-    max_seq_len: int
-    spec_mode: str
-    gate: str
-    batch_threshold: int
-    draft_lengths: tuple[int, ...]
-    drafter: str
-    device: str
-    seed: int
