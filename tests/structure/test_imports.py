@@ -129,16 +129,24 @@ def test_no_import_circles():
     assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
-def _workers_importing(wrong) -> list[str]:
-    """'module imports target' for every module under workers/ importing a `wrong` target."""
-    graph = _graph()
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _violations(importer, wrong, *, load_time: bool = False) -> list[str]:
+    """'module imports target' for every `importer` module importing a `wrong` target."""
     return sorted(
         f"{m} imports {t}"
-        for m, targets in graph.items()
-        if m.split(".")[0] == "tltd_workers"
+        for m, targets in _graph(load_time=load_time).items()
+        if importer(m)
         for t in targets
         if wrong(t)
     )
+
+
+def _workers_importing(wrong) -> list[str]:
+    """'module imports target' for every module under workers/ importing a `wrong` target."""
+    return _violations(lambda m: m.split(".")[0] == "tltd_workers", wrong)
 
 
 def test_workers_do_not_import_the_daemon_store():
@@ -169,53 +177,31 @@ SPAWNERS = {
 }
 
 
-def _in(module: str, package: str) -> bool:
-    return module == package or module.startswith(package + ".")
-
-
 def test_the_contract_floor_depends_on_the_domain_only():
     assert not _graph()["tltd.domain"] - {"tltd"}, "tltd.domain imports the project"
-    bad = sorted(
-        f"{m} imports {t}"
-        for m, targets in _graph().items()
-        if _in(m, "tltd.contract")
-        for t in targets
-        if not (_in(t, "tltd.contract") or t in ("tltd", "tltd.domain"))
+    bad = _violations(
+        lambda m: _in(m, "tltd.contract"),
+        lambda t: not (_in(t, "tltd.contract") or t in ("tltd", "tltd.domain")),
     )
     assert not bad, bad
 
 
 def test_the_daemon_imports_no_worker_code_at_load_time():
-    bad = sorted(
-        f"{m} imports {t}"
-        for m, targets in _graph(load_time=True).items()
-        if _in(m, "tltd")
-        for t in targets
-        if _in(t, "tltd_workers")
-    )
+    bad = _violations(lambda m: _in(m, "tltd"), lambda t: _in(t, "tltd_workers"), load_time=True)
     assert not bad, bad
 
 
 def test_the_daemon_imports_worker_code_only_where_it_starts_a_process():
-    bad = sorted(
-        f"{m} imports {t}"
-        for m, targets in _graph().items()
-        if _in(m, "tltd") and m not in SPAWNERS
-        for t in targets
-        if _in(t, "tltd_workers")
+    bad = _violations(
+        lambda m: _in(m, "tltd") and m not in SPAWNERS, lambda t: _in(t, "tltd_workers")
     )
     assert not bad, bad
 
 
 def test_the_engine_does_not_import_the_messages():
     """The engine is driven by the rollout worker; the daemon's messages stop at the worker."""
-    bad = sorted(
-        f"{m} imports {t}"
-        for m, targets in _graph().items()
-        if _in(m, "tltd_workers.engine")
-        for t in targets
-        if t in ("tltd.contract.rollout_messages", "tltd.contract.drafter_messages")
-    )
+    messages = ("tltd.contract.rollout_messages", "tltd.contract.drafter_messages")
+    bad = _violations(lambda m: _in(m, "tltd_workers.engine"), lambda t: t in messages)
     assert not bad, bad
 
 
