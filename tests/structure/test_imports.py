@@ -8,6 +8,7 @@ by a lazy import is still two modules that cannot be understood one without the 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +79,7 @@ def _imports(name: str, path: Path, known: set[str], *, load_time: bool = False)
     return out
 
 
+@functools.cache  # read once per test session: the tests only read the graph
 def _graph(*, load_time: bool = False) -> dict[str, set[str]]:
     mods = _modules()
     known = set(mods)
