@@ -383,7 +383,7 @@ class TltClient:
 
         import torch.distributed as dist
 
-        from tltd_workers.rollout.broadcast import process_group  # the workers' own groups
+        from tltd.contract.broadcast import process_group  # the daemon's and workers' groups
 
         wait = datetime.timedelta(seconds=timeout)
         store = dist.TCPStore(group.address, group.port, group.world_size, False, timeout=wait)

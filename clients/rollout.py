@@ -7,15 +7,22 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 
 from tltd.api import convert
-from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance, TokenSource
+from tltd.domain import (
+    FinishReason,
+    LogprobMode,
+    SamplingParams,
+    SpeculativeMode,
+    TokenProvenance,
+    TokenSource,
+)
 from tltd.errors import TltError
 from tltd.v1 import (
     common_pb2,
@@ -62,11 +69,6 @@ __all__ = [
     "by_prompt",
 ]
 
-_SPECULATIVE = {
-    None: common_pb2.SPECULATIVE_MODE_UNSPECIFIED,
-    "auto": common_pb2.SPECULATIVE_MODE_AUTO,
-    "off": common_pb2.SPECULATIVE_MODE_OFF,
-}
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # A stream that ends with these was given up on by this side: the daemon still runs the work.
 _GIVEN_UP = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
@@ -170,9 +172,9 @@ def _job_from_pb(pb: job_pb2.Job) -> JobInfo:
 
 def _speculative_mode(value: str | None) -> int:
     key = value.lower() if isinstance(value, str) else value
-    if key not in _SPECULATIVE:
+    if key is not None and key not in set(SpeculativeMode):  # a StrEnum: "off" is OFF
         raise ValueError(f"speculative must be 'auto', 'off' or None, got {value!r}")
-    return _SPECULATIVE[key]
+    return convert.speculative_mode_to_pb(None if key is None else SpeculativeMode(key))
 
 
 def _sampling(
@@ -215,68 +217,6 @@ def _generate_request(
     )
 
 
-def _create_job_request(
-    model_path: str | Path,
-    job_id: str,
-    name: str,
-    priority: int,
-    weight: float,
-    speculative: str | None,
-    online_training: bool,
-    batch_threshold: int,
-    initial_drafter: str | Path | None = None,
-) -> job_pb2.CreateJobRequest:
-    spec = common_pb2.SpeculativeConfig(
-        mode=_speculative_mode(speculative),
-        batch_threshold=batch_threshold,
-        online_training=online_training,
-        initial_drafter_path=str(initial_drafter) if initial_drafter else "",
-    )
-    return job_pb2.CreateJobRequest(
-        job_id=job_id,
-        name=name,
-        model_path=str(model_path),
-        priority=priority,
-        weight=weight,
-        speculative=spec,
-    )
-
-
-def _update_policy_request(job_id: str, checkpoint_dir: str | Path, note: str):
-    return policy_pb2.UpdatePolicyRequest(
-        job_id=job_id, checkpoint=policy_pb2.CheckpointSource(path=str(checkpoint_dir)), note=note
-    )
-
-
-class _JobBound:
-    """The job a client talks about (given at construction or set by create_job) and the
-    endpoints it talks to (one, a list in round-robin, or a gRPC resolver target)."""
-
-    job_id: str | None
-    targets: list[str]
-    retries: int
-    backoff: Backoff
-    _rotation: Rotation
-
-    def _job(self, job_id: str | None) -> str:
-        job = job_id or self.job_id
-        if not job:
-            raise ValueError("no job: pass job_id, construct with job_id=..., or create_job()")
-        return job
-
-    def _bind(self, target: str | Sequence[str], retries: int | None, backoff: Backoff | None):
-        self.targets = split_targets(target)
-        # Default: every endpoint twice, at least 3 tries of a lone daemon (a restart).
-        self.retries = max(3, 2 * len(self.targets)) if retries is None else retries
-        if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries}")
-        self.backoff = backoff or Backoff()
-        self._rotation = Rotation(len(self.targets))
-
-    def _failover(self, what: str) -> Failover:
-        return Failover(self.retries, self.backoff, what)
-
-
 def _in_order(samples: Iterable[RolloutSample]) -> list[RolloutSample]:
     """(prompt, sample) order, one per sample: a complete sample replaces the partial one a
     drained endpoint delivered before the stream moved on."""
@@ -299,10 +239,321 @@ def _remaining(deadline: float | None, request_id: str) -> float | None:
     return left
 
 
+# ---- the core both clients share: requests, failover and responses, without I/O ------------
+
+
+@dataclass(frozen=True)
+class _Unary:
+    """One unary call: `service` names the stub (a TltClient attribute), `then` turns the
+    response into what the caller gets."""
+
+    what: str
+    service: str  # "jobs" | "rollouts" | "policy"
+    method: str
+    request: Any
+    then: Callable[[Any], Any]
+
+
+class _Attempts:
+    """One call's endpoints: the first by round-robin, the next after each UNAVAILABLE."""
+
+    def __init__(self, rotation: Rotation, failover: Failover) -> None:
+        self.rotation = rotation
+        self.failover = failover
+        self.index = rotation.start(time.monotonic())
+
+    def delay(self, target: str, err: TltClientError, received: int = 0) -> float:
+        """The wait before the next endpoint (AllEndpointsUnavailableError once spent)."""
+        return self.failover.next_delay(target, err, received)
+
+    def next_endpoint(self) -> None:
+        self.index = self.rotation.after(self.index, time.monotonic())
+
+
+class _Stream(_Attempts):
+    """One Generate stream over failovers: which samples are new, when to retry, and whether
+    the caller gave up (then the request is cancelled: closing only detaches, and the daemon
+    would keep the work for a retry)."""
+
+    def __init__(self, rotation: Rotation, failover: Failover, req, timeout: float | None):
+        super().__init__(rotation, failover)
+        self.request_id = req.request_id
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.delivered = Delivered()
+        # Until the stream ends: break, close(), garbage collection, Ctrl-C, task cancelled.
+        self.given_up = True
+
+    def time_left(self) -> float | None:
+        return _remaining(self.deadline, self.request_id)
+
+    def admit(self, resp: rollout_pb2.GenerateResponse) -> RolloutSample | None:
+        """The response's sample, or None when the caller already has it."""
+        sample = _sample_from_pb(resp.sample)
+        if not self.delivered.admit(sample):
+            return None
+        self.failover.progress()
+        return sample
+
+    def ended(self) -> None:
+        self.given_up = False
+
+    def failed(self, exc: grpc.RpcError, target: str) -> float:
+        """The wait before the stream is re-sent to the next endpoint; a failure that is not
+        retried is raised as the client's typed error."""
+        err = from_rpc_error(exc)
+        if exc.code() not in RETRYABLE:
+            self.given_up = exc.code() in _GIVEN_UP
+            raise err from None
+        self.given_up = False  # unreachable: nothing to cancel there
+        delay = self.delay(target, err, len(self.delivered))
+        self.given_up = True
+        return min(delay, self.time_left() or delay)
+
+
+class _CancelRetry:
+    """Cancelling an abandoned request: NOT_FOUND is retried for a while, as the daemon may
+    still be storing the request (its admission completes even when the caller has left)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.deadline = time.monotonic() + _CANCEL_TIMEOUT
+
+    def again(self, exc: Exception) -> bool:
+        if isinstance(exc, NotFoundError) and time.monotonic() < self.deadline:
+            return True
+        # finished already, channel closed, or NOT_FOUND for too long
+        log.debug("could not cancel abandoned request %s: %s", self.request_id, exc)
+        return False
+
+
+@dataclass(frozen=True)
+class _Tls:
+    on: bool
+    ca: str | None
+    cert: str | None
+    key: str | None
+
+
+# What a method returns: the value (RolloutClient) or an awaitable of it (AsyncRolloutClient).
+_JobR = TypeVar("_JobR")
+_IntR = TypeVar("_IntR")
+_NoneR = TypeVar("_NoneR")
+_SamplesR = TypeVar("_SamplesR")
+_StreamR = TypeVar("_StreamR")
+
+
+class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
+    """The trainer's calls, written once: each builds its request and reads its response; the
+    sync and async clients only carry them (`_unary`, `_samples`, `_in_order_of`).
+
+    The job a client talks about (given at construction or set by create_job) and the
+    endpoints it talks to (one, a list in round-robin, or a gRPC resolver target)."""
+
+    job_id: str | None
+    targets: list[str]
+    retries: int
+    backoff: Backoff
+    _rotation: Rotation
+    last_request_id: str | None = None  # the id of the newest stream/generate call
+
+    def __init__(
+        self,
+        target: str | Sequence[str] = DEFAULT_TARGET,
+        job_id: str | None = None,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        timeout: float | None = 30.0,
+        retries: int | None = None,
+        backoff: Backoff | None = None,
+        keepalive: float | None = KEEPALIVE,
+    ) -> None:
+        self.job_id = job_id
+        self.timeout = timeout
+        self._bind(target, retries, backoff)
+        self._open(token, _Tls(tls, tls_ca, tls_cert, tls_key), keepalive)
+
+    def _job(self, job_id: str | None) -> str:
+        job = job_id or self.job_id
+        if not job:
+            raise ValueError("no job: pass job_id, construct with job_id=..., or create_job()")
+        return job
+
+    def _bind(self, target: str | Sequence[str], retries: int | None, backoff: Backoff | None):
+        self.targets = split_targets(target)
+        # Default: every endpoint twice, at least 3 tries of a lone daemon (a restart).
+        self.retries = max(3, 2 * len(self.targets)) if retries is None else retries
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        self.backoff = backoff or Backoff()
+        self._rotation = Rotation(len(self.targets))
+
+    def _attempts(self, what: str) -> _Attempts:
+        return _Attempts(self._rotation, Failover(self.retries, self.backoff, what))
+
+    def _stream_run(self, req: rollout_pb2.GenerateRequest, timeout: float | None) -> _Stream:
+        what = f"Generate request {req.request_id}"
+        return _Stream(self._rotation, Failover(self.retries, self.backoff, what), req, timeout)
+
+    # -- carried by each client -----------------------------------------------------------------
+
+    def _open(self, token: str | None, tls: _Tls, keepalive: float | None) -> None:
+        raise NotImplementedError
+
+    def _unary(self, call: _Unary) -> Any:
+        raise NotImplementedError
+
+    def _samples(self, req: rollout_pb2.GenerateRequest, timeout: float | None) -> _StreamR:
+        raise NotImplementedError
+
+    def _in_order_of(self, samples: _StreamR) -> _SamplesR:
+        raise NotImplementedError
+
+    # -- the calls ------------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        model_path: str | Path,
+        *,
+        job_id: str = "",
+        name: str = "",
+        priority: int = 0,
+        weight: float = 0.0,
+        speculative: str | None = "auto",
+        online_training: bool = True,
+        batch_threshold: int = 0,
+        initial_drafter: str | Path | None = None,
+    ) -> _JobR:
+        """Create (idempotently, when job_id is given) a job; this client then uses it.
+
+        `initial_drafter`: an offline-fitted EAGLE drafter directory (as
+        `EagleDrafter.save_pretrained` / scripts/fit_drafter.py write) the job starts from as
+        its drafter version 1; needs speculative "auto" (a learned drafter)."""
+        spec = common_pb2.SpeculativeConfig(
+            mode=_speculative_mode(speculative),
+            batch_threshold=batch_threshold,
+            online_training=online_training,
+            initial_drafter_path=str(initial_drafter) if initial_drafter else "",
+        )
+        req = job_pb2.CreateJobRequest(
+            job_id=job_id,
+            name=name,
+            model_path=str(model_path),
+            priority=priority,
+            weight=weight,
+            speculative=spec,
+        )
+        return self._unary(_Unary("CreateJob", "jobs", "CreateJob", req, self._use_job))
+
+    def _use_job(self, pb: job_pb2.Job) -> JobInfo:
+        info = _job_from_pb(pb)
+        self.job_id = info.job_id
+        return info
+
+    def job(self, job_id: str | None = None) -> _JobR:
+        req = job_pb2.GetJobRequest(job_id=self._job(job_id))
+        return self._unary(_Unary("GetJob", "jobs", "GetJob", req, _job_from_pb))
+
+    def stream(
+        self,
+        prompts: Iterable[Sequence[int]],
+        n: int | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        speculative: str | None = None,
+        job_id: str | None = None,
+        timeout: float | None = None,
+        return_partial: bool = False,
+        **sampling_kwargs: Any,
+    ) -> _StreamR:
+        """Yield samples the moment they finish (finish order); an async iterator on the
+        AsyncRolloutClient. Arguments as for generate(). Arguments are checked at once; the
+        rollout starts at the first next().
+
+        `return_partial`: when a node running a sample is drained and hands it to another
+        node, also yield its tokens so far (finish_reason ABORTED, partial=True) before the
+        complete sample, which has the same (prompt_index, sample_index) and replaces it.
+        Without it each sample is yielded once."""
+        params = _sampling(n, sampling, sampling_kwargs)
+        rid = request_id or _new_request_id()
+        req = _generate_request(
+            self._job(job_id), prompts, params, rid, speculative, return_partial
+        )
+        self.last_request_id = rid
+        return self._samples(req, timeout)
+
+    def generate(
+        self,
+        prompts: Iterable[Sequence[int]],
+        n: int | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        speculative: str | None = None,
+        job_id: str | None = None,
+        timeout: float | None = None,
+        **sampling_kwargs: Any,
+    ) -> _SamplesR:
+        """Roll out `n` samples of every prompt (token ids); all samples, in (prompt, sample)
+        order, once the last has finished.
+
+        Sampling: `sampling=SamplingParams(...)` and/or its fields as keywords (temperature,
+        top_p, top_k, max_new_tokens, stop_token_ids, seed, logprob_mode "processed" (default)
+        or "raw", return_provenance); keywords win. `speculative`:
+        "auto" (adaptive SD), "off", or None (the job's mode). `request_id` (default: a fresh
+        one, see `last_request_id`) makes a retry attach to the same work. No overall timeout
+        unless given: rollouts run long; when it passes, the request is cancelled and
+        DeadlineExceededError raised.
+        """
+        samples = self.stream(
+            prompts,
+            n,
+            sampling=sampling,
+            request_id=request_id,
+            speculative=speculative,
+            job_id=job_id,
+            timeout=timeout,
+            **sampling_kwargs,
+        )
+        return self._in_order_of(samples)
+
+    def cancel(self, request_id: str, reason: str = "") -> _NoneR:
+        req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=reason)
+        return self._unary(_Unary("CancelRequest", "rollouts", "CancelRequest", req, _nothing))
+
+    def update_policy(
+        self, checkpoint_dir: str | Path, *, note: str = "", job_id: str | None = None
+    ) -> _IntR:
+        """Push new weights (a Hugging Face checkpoint directory the daemon can read); returns
+        the new policy version, which samples generated from now on carry.
+
+        Retried on the next endpoint on UNAVAILABLE like every call: a connection lost after
+        the daemon recorded the version can record the same checkpoint twice (two versions,
+        the same weights)."""
+        req = policy_pb2.UpdatePolicyRequest(
+            job_id=self._job(job_id),
+            checkpoint=policy_pb2.CheckpointSource(path=str(checkpoint_dir)),
+            note=note,
+        )
+        return self._unary(_Unary("UpdatePolicy", "policy", "UpdatePolicy", req, _version))
+
+
+def _nothing(pb: Any) -> None:
+    return None
+
+
+def _version(pb: policy_pb2.UpdatePolicyResponse) -> int:
+    return int(pb.policy.version)
+
+
 # ---- synchronous ---------------------------------------------------------------------------
 
 
-class RolloutClient(_JobBound):
+class RolloutClient(_RolloutCore[JobInfo, int, None, list[RolloutSample], Iterator[RolloutSample]]):
     """Synchronous rollout client for trainers.
 
         client = RolloutClient("127.0.0.1:50051")
@@ -332,35 +583,17 @@ class RolloutClient(_JobBound):
     vanished without closing the connection, so that it fails over too.
     """
 
-    last_request_id: str | None = None  # the id of the newest stream/generate call
-
-    def __init__(
-        self,
-        target: str | Sequence[str] = DEFAULT_TARGET,
-        job_id: str | None = None,
-        *,
-        token: str | None = None,
-        tls: bool = False,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        timeout: float | None = 30.0,
-        retries: int | None = None,
-        backoff: Backoff | None = None,
-        keepalive: float | None = KEEPALIVE,
-    ) -> None:
-        self.job_id = job_id
-        self._bind(target, retries, backoff)
+    def _open(self, token: str | None, tls: _Tls, keepalive: float | None) -> None:
         # One channel per endpoint, with the operator client's auth and error mapping.
         self._raws = [
             TltClient(
                 t,
                 token,
-                tls_ca,
-                tls=tls,
-                tls_cert=tls_cert,
-                tls_key=tls_key,
-                timeout=timeout,
+                tls.ca,
+                tls=tls.on,
+                tls_cert=tls.cert,
+                tls_key=tls.key,
+                timeout=self.timeout,
                 keepalive=keepalive,
             )
             for t in self.targets
@@ -382,195 +615,57 @@ class RolloutClient(_JobBound):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _unary(self, what: str, call: Any) -> Any:
-        """`call(raw)` on the next endpoint; on UNAVAILABLE on the one after, with backoff."""
-        failover = self._failover(what)
-        index = self._rotation.start(time.monotonic())
+    def _unary(self, call: _Unary) -> Any:
+        """The call on the next endpoint; on UNAVAILABLE on the one after, with backoff."""
+        attempts = self._attempts(call.what)
         while True:
-            self._current = index
-            raw = self._raws[index]
+            self._current = attempts.index
+            raw = self._raws[attempts.index]
             try:
-                return call(raw)
+                pb = raw.call(getattr(getattr(raw, call.service), call.method), call.request)
             except UnavailableError as err:
-                time.sleep(failover.next_delay(raw.target, err))
-                index = self._rotation.after(index, time.monotonic())
-
-    def create_job(
-        self,
-        model_path: str | Path,
-        *,
-        job_id: str = "",
-        name: str = "",
-        priority: int = 0,
-        weight: float = 0.0,
-        speculative: str | None = "auto",
-        online_training: bool = True,
-        batch_threshold: int = 0,
-        initial_drafter: str | Path | None = None,
-    ) -> JobInfo:
-        """Create (idempotently, when job_id is given) a job; this client then uses it.
-
-        `initial_drafter`: an offline-fitted EAGLE drafter directory (as
-        `EagleDrafter.save_pretrained` / scripts/fit_drafter.py write) the job starts from as
-        its drafter version 1; needs speculative "auto" (a learned drafter)."""
-        req = _create_job_request(
-            model_path,
-            job_id,
-            name,
-            priority,
-            weight,
-            speculative,
-            online_training,
-            batch_threshold,
-            initial_drafter,
-        )
-        pb = self._unary("CreateJob", lambda raw: raw.call(raw.jobs.CreateJob, req))
-        info = _job_from_pb(pb)
-        self.job_id = info.job_id
-        return info
-
-    def job(self, job_id: str | None = None) -> JobInfo:
-        req = job_pb2.GetJobRequest(job_id=self._job(job_id))
-        return _job_from_pb(self._unary("GetJob", lambda raw: raw.call(raw.jobs.GetJob, req)))
-
-    def stream(
-        self,
-        prompts: Iterable[Sequence[int]],
-        n: int | None = None,
-        *,
-        sampling: SamplingParams | None = None,
-        request_id: str | None = None,
-        speculative: str | None = None,
-        job_id: str | None = None,
-        timeout: float | None = None,
-        return_partial: bool = False,
-        **sampling_kwargs: Any,
-    ) -> Iterator[RolloutSample]:
-        """Yield samples the moment they finish (finish order). Arguments as for generate().
-        Arguments are checked at once; the rollout starts at the first next().
-
-        `return_partial`: when a node running a sample is drained and hands it to another
-        node, also yield its tokens so far (finish_reason ABORTED, partial=True) before the
-        complete sample, which has the same (prompt_index, sample_index) and replaces it.
-        Without it each sample is yielded once."""
-        params = _sampling(n, sampling, sampling_kwargs)
-        rid = request_id or _new_request_id()
-        req = _generate_request(
-            self._job(job_id), prompts, params, rid, speculative, return_partial
-        )
-        self.last_request_id = rid
-        return self._samples(req, timeout)
+                time.sleep(attempts.delay(raw.target, err))
+                attempts.next_endpoint()
+                continue
+            return call.then(pb)
 
     def _samples(
         self, req: rollout_pb2.GenerateRequest, timeout: float | None
     ) -> Iterator[RolloutSample]:
-        rid = req.request_id
-        deadline = None if timeout is None else time.monotonic() + timeout
-        failover = self._failover(f"Generate request {rid}")
-        delivered = Delivered()
-        index = self._rotation.start(time.monotonic())
-        raw = self._raws[index]
-        given_up = True  # until the stream ends: break, close(), garbage collection, Ctrl-C
+        run = self._stream_run(req, timeout)
         try:
             while True:
-                self._current = index
-                raw = self._raws[index]
-                call = raw.rollouts.Generate(
-                    req, metadata=raw._metadata, timeout=_remaining(deadline, rid)
-                )
+                self._current = run.index
+                raw = self._raws[run.index]
+                call = raw.rollouts.Generate(req, metadata=raw._metadata, timeout=run.time_left())
                 try:
                     for resp in call:
-                        sample = _sample_from_pb(resp.sample)
-                        if delivered.admit(sample):
-                            failover.progress()
+                        if (sample := run.admit(resp)) is not None:
                             yield sample
-                    given_up = False
+                    run.ended()
                     return
                 except grpc.RpcError as exc:
-                    err = from_rpc_error(exc)
-                    if exc.code() not in RETRYABLE:
-                        given_up = exc.code() in _GIVEN_UP
-                        raise err from None
-                    given_up = False  # unreachable: nothing to cancel there
-                    delay = failover.next_delay(raw.target, err, len(delivered))
-                    given_up = True
-                    time.sleep(min(delay, _remaining(deadline, rid) or delay))
-                    index = self._rotation.after(index, time.monotonic())
+                    time.sleep(run.failed(exc, raw.target))
+                    run.next_endpoint()
                 finally:
                     call.cancel()
         finally:
-            if given_up:
-                # Closing the stream only detaches (the daemon keeps the work for a retry):
-                # a caller that stops reading must not leave work running.
-                self._cancel_quietly(raw, rid)
+            if run.given_up:
+                self._cancel_quietly(self._raws[run.index], req.request_id)
 
     def _cancel_quietly(self, raw: TltClient, request_id: str) -> None:
-        # NOT_FOUND: the daemon may still be storing the request (its admission completes
-        # even when the caller has left), so the cancel is retried until it lands.
-        deadline = time.monotonic() + _CANCEL_TIMEOUT
+        retry = _CancelRetry(request_id)
         while True:
             try:
                 raw.cancel_request(request_id, _ABANDONED, timeout=_CANCEL_TIMEOUT)
                 return
-            except NotFoundError as exc:
-                if time.monotonic() >= deadline:
-                    log.debug("could not cancel abandoned request %s: %s", request_id, exc)
+            except (TltClientError, ValueError) as exc:  # ValueError: the channel is closed
+                if not retry.again(exc):
                     return
                 time.sleep(_CANCEL_RETRY_SECONDS)
-            except (TltClientError, ValueError) as exc:  # finished already, or channel closed
-                log.debug("could not cancel abandoned request %s: %s", request_id, exc)
-                return
 
-    def generate(
-        self,
-        prompts: Iterable[Sequence[int]],
-        n: int | None = None,
-        *,
-        sampling: SamplingParams | None = None,
-        request_id: str | None = None,
-        speculative: str | None = None,
-        job_id: str | None = None,
-        timeout: float | None = None,
-        **sampling_kwargs: Any,
-    ) -> list[RolloutSample]:
-        """Roll out `n` samples of every prompt (token ids); all samples, in (prompt, sample)
-        order, once the last has finished.
-
-        Sampling: `sampling=SamplingParams(...)` and/or its fields as keywords (temperature,
-        top_p, top_k, max_new_tokens, stop_token_ids, seed, logprob_mode "processed" (default)
-        or "raw", return_provenance); keywords win. `speculative`:
-        "auto" (adaptive SD), "off", or None (the job's mode). `request_id` (default: a fresh
-        one, see `last_request_id`) makes a retry attach to the same work. No overall timeout
-        unless given: rollouts run long; when it passes, the request is cancelled and
-        DeadlineExceededError raised.
-        """
-        samples = self.stream(
-            prompts,
-            n,
-            sampling=sampling,
-            request_id=request_id,
-            speculative=speculative,
-            job_id=job_id,
-            timeout=timeout,
-            **sampling_kwargs,
-        )
+    def _in_order_of(self, samples: Iterator[RolloutSample]) -> list[RolloutSample]:
         return _in_order(samples)
-
-    def cancel(self, request_id: str, reason: str = "") -> None:
-        self._unary("CancelRequest", lambda raw: raw.cancel_request(request_id, reason))
-
-    def update_policy(
-        self, checkpoint_dir: str | Path, *, note: str = "", job_id: str | None = None
-    ) -> int:
-        """Push new weights (a Hugging Face checkpoint directory the daemon can read); returns
-        the new policy version, which samples generated from now on carry.
-
-        Retried on the next endpoint on UNAVAILABLE like every call: a connection lost after
-        the daemon recorded the version can record the same checkpoint twice (two versions,
-        the same weights)."""
-        req = _update_policy_request(self._job(job_id), checkpoint_dir, note)
-        pb = self._unary("UpdatePolicy", lambda raw: raw.call(raw.policy.UpdatePolicy, req))
-        return int(pb.policy.version)
 
     def push_policy(self, weights: Any, *, job_id: str | None = None, **kwargs: Any) -> int:
         """Push new weights in-band (a state dict of torch tensors with HF names, or a
@@ -582,8 +677,22 @@ class RolloutClient(_JobBound):
 
 # ---- asyncio -------------------------------------------------------------------------------
 
+_STUBS = {
+    "jobs": job_pb2_grpc.JobServiceStub,
+    "rollouts": rollout_pb2_grpc.RolloutServiceStub,
+    "policy": policy_pb2_grpc.PolicyServiceStub,
+}
 
-class AsyncRolloutClient(_JobBound):
+
+class AsyncRolloutClient(
+    _RolloutCore[
+        Awaitable[JobInfo],
+        Awaitable[int],
+        Awaitable[None],
+        Awaitable[list[RolloutSample]],
+        AsyncIterator[RolloutSample],
+    ]
+):
     """The asyncio twin of RolloutClient (grpc.aio); same methods, awaitable:
 
     async with AsyncRolloutClient(target) as client:
@@ -596,27 +705,8 @@ class AsyncRolloutClient(_JobBound):
     of abandoned streams, errors, several endpoints and failover as for RolloutClient.
     """
 
-    last_request_id: str | None = None
-
-    def __init__(
-        self,
-        target: str | Sequence[str] = DEFAULT_TARGET,
-        job_id: str | None = None,
-        *,
-        token: str | None = None,
-        tls: bool = False,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        timeout: float | None = 30.0,
-        retries: int | None = None,
-        backoff: Backoff | None = None,
-        keepalive: float | None = KEEPALIVE,
-    ) -> None:
-        self.job_id = job_id
-        self.timeout = timeout
-        self._bind(target, retries, backoff)
-        self._creds = channel_credentials(tls, tls_ca, tls_cert, tls_key)  # checked now
+    def _open(self, token: str | None, tls: _Tls, keepalive: float | None) -> None:
+        self._creds = channel_credentials(tls.on, tls.ca, tls.cert, tls.key)  # checked now
         self._keepalive = keepalive
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channels: list[grpc.aio.Channel] = []
@@ -660,174 +750,56 @@ class AsyncRolloutClient(_JobBound):
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
-    async def _unary(self, what: str, stub: type, method: str, request: Any) -> Any:
-        """`stub(channel).method(request)` on the next endpoint; on UNAVAILABLE on the one
-        after, with backoff."""
-        failover = self._failover(what)
-        index = self._rotation.start(time.monotonic())
+    async def _unary(self, call: _Unary) -> Any:
+        """The call on the next endpoint; on UNAVAILABLE on the one after, with backoff."""
+        attempts = self._attempts(call.what)
         while True:
+            stub = _STUBS[call.service](self._channel(attempts.index))
             try:
-                return await self._call(getattr(stub(self._channel(index)), method), request)
+                pb = await self._call(getattr(stub, call.method), call.request)
             except UnavailableError as err:
-                await asyncio.sleep(failover.next_delay(self.targets[index], err))
-                index = self._rotation.after(index, time.monotonic())
-
-    async def create_job(
-        self,
-        model_path: str | Path,
-        *,
-        job_id: str = "",
-        name: str = "",
-        priority: int = 0,
-        weight: float = 0.0,
-        speculative: str | None = "auto",
-        online_training: bool = True,
-        batch_threshold: int = 0,
-        initial_drafter: str | Path | None = None,
-    ) -> JobInfo:
-        req = _create_job_request(
-            model_path,
-            job_id,
-            name,
-            priority,
-            weight,
-            speculative,
-            online_training,
-            batch_threshold,
-            initial_drafter,
-        )
-        pb = await self._unary("CreateJob", job_pb2_grpc.JobServiceStub, "CreateJob", req)
-        info = _job_from_pb(pb)
-        self.job_id = info.job_id
-        return info
-
-    async def job(self, job_id: str | None = None) -> JobInfo:
-        req = job_pb2.GetJobRequest(job_id=self._job(job_id))
-        return _job_from_pb(await self._unary("GetJob", job_pb2_grpc.JobServiceStub, "GetJob", req))
-
-    def stream(
-        self,
-        prompts: Iterable[Sequence[int]],
-        n: int | None = None,
-        *,
-        sampling: SamplingParams | None = None,
-        request_id: str | None = None,
-        speculative: str | None = None,
-        job_id: str | None = None,
-        timeout: float | None = None,
-        return_partial: bool = False,
-        **sampling_kwargs: Any,
-    ) -> AsyncIterator[RolloutSample]:
-        """An async iterator of samples as they finish (`async for s in client.stream(...)`);
-        `return_partial` as for `RolloutClient.stream`."""
-        params = _sampling(n, sampling, sampling_kwargs)
-        rid = request_id or _new_request_id()
-        req = _generate_request(
-            self._job(job_id), prompts, params, rid, speculative, return_partial
-        )
-        self.last_request_id = rid
-        return self._samples(req, timeout)
+                await asyncio.sleep(attempts.delay(self.targets[attempts.index], err))
+                attempts.next_endpoint()
+                continue
+            return call.then(pb)
 
     async def _samples(
         self, req: rollout_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[RolloutSample]:
-        rid = req.request_id
-        deadline = None if timeout is None else time.monotonic() + timeout
-        failover = self._failover(f"Generate request {rid}")
-        delivered = Delivered()
-        index = self._rotation.start(time.monotonic())
-        given_up = True  # until the stream ends: aclose(), break, task cancelled (wait_for)
+        run = self._stream_run(req, timeout)
         try:
             while True:
-                stub = rollout_pb2_grpc.RolloutServiceStub(self._channel(index))
-                call = stub.Generate(
-                    req, metadata=self._metadata, timeout=_remaining(deadline, rid)
-                )
+                stub = rollout_pb2_grpc.RolloutServiceStub(self._channel(run.index))
+                call = stub.Generate(req, metadata=self._metadata, timeout=run.time_left())
                 try:
                     async for resp in call:
-                        sample = _sample_from_pb(resp.sample)
-                        if delivered.admit(sample):
-                            failover.progress()
+                        if (sample := run.admit(resp)) is not None:
                             yield sample
-                    given_up = False
+                    run.ended()
                     return
                 except grpc.RpcError as exc:
-                    err = from_rpc_error(exc)
-                    if exc.code() not in RETRYABLE:
-                        given_up = exc.code() in _GIVEN_UP
-                        raise err from None
-                    given_up = False  # unreachable: nothing to cancel there
-                    delay = failover.next_delay(self.targets[index], err, len(delivered))
-                    given_up = True
-                    await asyncio.sleep(min(delay, _remaining(deadline, rid) or delay))
-                    index = self._rotation.after(index, time.monotonic())
+                    await asyncio.sleep(run.failed(exc, self.targets[run.index]))
+                    run.next_endpoint()
                 finally:
                     call.cancel()
         finally:
-            if given_up:
-                # Closing the stream only detaches (the daemon keeps the work for a retry):
-                # a caller that stops reading must not leave work running.
-                await self._cancel_quietly(index, rid)
+            if run.given_up:
+                await self._cancel_quietly(run.index, req.request_id)
 
     async def _cancel_quietly(self, index: int, request_id: str) -> None:
         if not self._channels or self._loop is not asyncio.get_running_loop():
             return  # the client was closed first: nothing to cancel with
         req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=_ABANDONED)
         stub = rollout_pb2_grpc.RolloutServiceStub(self._channels[index])
-        deadline = time.monotonic() + _CANCEL_TIMEOUT
-        while True:  # NOT_FOUND retried: see RolloutClient._cancel_quietly
+        retry = _CancelRetry(request_id)
+        while True:
             try:
                 await self._call(stub.CancelRequest, req, timeout=_CANCEL_TIMEOUT)
                 return
-            except NotFoundError as exc:
-                if time.monotonic() >= deadline:
-                    log.debug("could not cancel abandoned request %s: %s", request_id, exc)
+            except (TltClientError, grpc.aio.UsageError) as exc:  # UsageError: closing
+                if not retry.again(exc):
                     return
                 await asyncio.sleep(_CANCEL_RETRY_SECONDS)
-            except (TltClientError, grpc.aio.UsageError) as exc:  # finished already, or closing
-                log.debug("could not cancel abandoned request %s: %s", request_id, exc)
-                return
 
-    async def generate(
-        self,
-        prompts: Iterable[Sequence[int]],
-        n: int | None = None,
-        *,
-        sampling: SamplingParams | None = None,
-        request_id: str | None = None,
-        speculative: str | None = None,
-        job_id: str | None = None,
-        timeout: float | None = None,
-        **sampling_kwargs: Any,
-    ) -> list[RolloutSample]:
-        """As RolloutClient.generate."""
-        samples = [
-            s
-            async for s in self.stream(
-                prompts,
-                n,
-                sampling=sampling,
-                request_id=request_id,
-                speculative=speculative,
-                job_id=job_id,
-                timeout=timeout,
-                **sampling_kwargs,
-            )
-        ]
-        return _in_order(samples)
-
-    async def cancel(self, request_id: str, reason: str = "") -> None:
-        req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=reason)
-        await self._unary(
-            "CancelRequest", rollout_pb2_grpc.RolloutServiceStub, "CancelRequest", req
-        )
-
-    async def update_policy(
-        self, checkpoint_dir: str | Path, *, note: str = "", job_id: str | None = None
-    ) -> int:
-        """As RolloutClient.update_policy (failover included)."""
-        req = _update_policy_request(self._job(job_id), checkpoint_dir, note)
-        pb = await self._unary(
-            "UpdatePolicy", policy_pb2_grpc.PolicyServiceStub, "UpdatePolicy", req
-        )
-        return int(pb.policy.version)
+    async def _in_order_of(self, samples: AsyncIterator[RolloutSample]) -> list[RolloutSample]:
+        return _in_order([s async for s in samples])

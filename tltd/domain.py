@@ -166,6 +166,21 @@ class Job:
 
 
 @dataclass(frozen=True)
+class NewJob:
+    """What a caller asks for; None / 0 mean "the daemon's default" (the job service resolves
+    them)."""
+
+    job_id: str = ""
+    model_path: str = ""
+    name: str = ""
+    backend: Backend | None = None
+    priority: int = 0
+    weight: float = 0.0  # 0 -> 1.0
+    speculative: SpeculativeConfig | None = None  # batch_threshold 0 -> settings default
+    policy_switch: PolicySwitch | None = None  # None -> FINISH_ON_START_VERSION
+
+
+@dataclass(frozen=True)
 class RolloutRequest:
     request_id: str
     job_id: str
@@ -437,3 +452,23 @@ class PushStatus:
     @property
     def bytes_total(self) -> int:
         return sum(t for _, _, t in self.received)
+
+
+@dataclass(frozen=True)
+class WorkerGroupKeys:
+    """The workers' own group of a policy broadcast on the daemon's store (an nccl broadcast)."""
+
+    prefix: str
+    world_size: int
+    backend: str
+
+
+@dataclass(frozen=True)
+class OpenedBroadcast:
+    """Where a trainer joins a policy broadcast the daemon opened (the daemon's TCP store)."""
+
+    address: str
+    port: int
+    prefix: str  # the daemon's group (gloo)
+    world_size: int
+    workers: WorkerGroupKeys | None = None

@@ -28,7 +28,7 @@ moves the cursor to the last sample read before it (what a holder read and never
 read again by the next one). A node that takes the lease from another one starts from the last
 published version (and its step count), not from its own older checkpoint.
 
-The trainer speaks the typed protocol of `tltd_workers.drafter.protocol`. Its messages are read by
+The trainer speaks the typed protocol of `tltd.contract.drafter_messages`. Its messages are read by
 one thread per process (`tltd.worker_pipe`) and handled, in order, by one task on the event
 loop; store writes go through `asyncio.to_thread` so the loop never waits on them.
 """
@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tltd.contract import drafter_messages as proto
 from tltd.domain import (
     DeviceKind,
     DeviceState,
@@ -63,7 +64,6 @@ from tltd.metrics import METRICS
 from tltd.scheduler import TrainingView
 from tltd.settings import Settings
 from tltd.worker_pipe import HeartbeatStamp, join_or_kill, serve_pipe
-from tltd_workers.drafter import protocol as proto
 
 if TYPE_CHECKING:
     from tltd.store import Store

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tltd.contract.drafter_messages import ActiveDrafter, Measured
 from tltd.domain import DrafterStatus, DrafterVersion
-from tltd_workers.drafter.protocol import ActiveDrafter, Measured
 
 if TYPE_CHECKING:
     from tltd.store import Store

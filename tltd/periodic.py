@@ -280,6 +280,67 @@ async def renew_leases(supervisor: Supervisor) -> set[tuple[str, int]]:
     return await supervisor.renew_leases()
 
 
+@dataclass(frozen=True)
+class PeriodicJob:
+    id: str
+    name: str
+    func: Callable[..., object]
+    seconds: float  # the interval
+    args: tuple
+    executor: str = "default"
+
+
+def periodic_jobs(
+    settings: Settings,
+    store: Store,
+    nvml: Nvml | None,
+    supervisor: Supervisor | None = None,
+    training: DrafterTraining | None = None,
+    on_preemption_notice: Callable[[], None] | None = None,
+    started_at: float | None = None,
+    pushes: PushService | None = None,
+    node: NodeBeat | None = None,
+) -> list[PeriodicJob]:
+    """Every periodic job, one row each, and when it runs (the parts it needs are there, or
+    a setting turns it on)."""
+    reap_every = max(0.5, 2 * settings.worker_heartbeat_seconds)
+    notice_file = settings.preemption_notice_file
+    watch = NoticeWatch(notice_file, time.time() if started_at is None else started_at)
+    J = PeriodicJob
+    # fmt: off
+    table: list[tuple[bool, PeriodicJob]] = [
+        (True, J("device-refresh", "device inventory refresh", refresh_devices,
+                 settings.device_refresh_seconds, (store, nvml, settings.cpu_slots))),
+        # Its own thread: a heartbeat queued behind busy store calls would make the node DOWN.
+        (node is not None, J("node-heartbeat", "node heartbeat (epoch fencing)", beat_node,
+                             settings.node_heartbeat_seconds, (store, settings, node), "node")),
+        (supervisor is not None, J("lease-renewal", "work unit lease renewal", renew_leases,
+                                   settings.lease_seconds / 3, (supervisor,))),
+        (supervisor is not None, J("worker-reaper", "dead/silent worker reaper", reap_workers,
+                                   reap_every, (supervisor,))),
+        (training is not None, J("trainer-reaper", "silent drafter trainer reaper", reap_trainers,
+                                 reap_every, (training,))),
+        (training is not None and store.dialect == "postgresql",
+         J("drafter-lease-renewal", "drafter training lease renewal", renew_drafter_leases,
+           settings.drafter_lease_seconds / 3, (training,))),
+        (training is not None, J("drafter-gc", "old drafter checkpoints GC", gc_drafters,
+                                 settings.drafter_gc_seconds,
+                                 (store, settings.drafter_keep_versions, settings.drafters_root))),
+        (settings.history_retention_hours > 0,
+         J("history-gc", "ended requests, samples and events past the retention GC",
+           prune_history, settings.history_gc_seconds, (store, settings.history_retention_hours))),
+        (pushes is not None, J("push-gc", "abandoned policy pushes GC", drop_abandoned_pushes,
+                               settings.push_gc_seconds, (pushes,))),
+        (bool(notice_file) and on_preemption_notice is not None,
+         J("preemption-notice", "preemption notice file watch", check_preemption_notice,
+           _PREEMPTION_NOTICE_SECONDS, (watch, on_preemption_notice))),
+        (bool(settings.metrics_port), J("metrics-roll-up", "metrics roll-up from the store",
+                                        roll_up_metrics, _METRICS_ROLL_UP_SECONDS, (store,))),
+    ]
+    # fmt: on
+    return [job for wanted, job in table if wanted]
+
+
 def build_scheduler(
     settings: Settings,
     store: Store,
@@ -291,128 +352,26 @@ def build_scheduler(
     pushes: PushService | None = None,
     node: NodeBeat | None = None,
 ) -> AsyncIOScheduler:
-    """Every periodic job with its trigger. Synchronous bodies (the store is) run in the
-    scheduler's thread pool, off the event loop; coroutine bodies (the supervisor's) run on
-    the loop. One instance at a time, missed runs coalesced into one. `started_at` (wall
-    clock, default now) is when the daemon started: an older preemption notice is stale.
+    """Every periodic job (`periodic_jobs`) with its trigger. Synchronous bodies (the store
+    is) run in the scheduler's thread pool, off the event loop; coroutine bodies (the
+    supervisor's) run on the loop. One instance at a time, missed runs coalesced into one.
+    `started_at` (wall clock, default now) is when the daemon started: an older preemption
+    notice is stale.
 
     The scheduling tick itself is not here: it is event-driven (see `tltd.supervisor`)."""
-    # Long on purpose: every periodic job is declared here, in one place (one add_job each).
     scheduler = AsyncIOScheduler(timezone=UTC, job_defaults={"max_instances": 1, "coalesce": True})
-    scheduler.add_job(
-        refresh_devices,
-        IntervalTrigger(seconds=settings.device_refresh_seconds),
-        args=(store, nvml, settings.cpu_slots),
-        id="device-refresh",
-        name="device inventory refresh",
-        max_instances=1,
-        coalesce=True,
+    jobs = periodic_jobs(
+        settings, store, nvml, supervisor, training, on_preemption_notice, started_at, pushes, node
     )
-    if node is not None:
-        # Its own thread: a heartbeat queued behind busy store calls would make the node DOWN.
-        scheduler.add_executor(ThreadPoolExecutor(1), "node")
+    for job in jobs:
+        if job.executor != "default":
+            scheduler.add_executor(ThreadPoolExecutor(1), job.executor)
         scheduler.add_job(
-            beat_node,
-            IntervalTrigger(seconds=settings.node_heartbeat_seconds),
-            args=(store, settings, node),
-            id="node-heartbeat",
-            name="node heartbeat (epoch fencing)",
-            executor="node",
-            max_instances=1,
-            coalesce=True,
-        )
-    if supervisor is not None:
-        scheduler.add_job(
-            renew_leases,
-            IntervalTrigger(seconds=settings.lease_seconds / 3),
-            args=(supervisor,),
-            id="lease-renewal",
-            name="work unit lease renewal",
-            max_instances=1,
-            coalesce=True,
-        )
-        scheduler.add_job(
-            reap_workers,
-            IntervalTrigger(seconds=max(0.5, 2 * settings.worker_heartbeat_seconds)),
-            args=(supervisor,),
-            id="worker-reaper",
-            name="dead/silent worker reaper",
-            max_instances=1,
-            coalesce=True,
-        )
-    if training is not None:
-        scheduler.add_job(
-            reap_trainers,
-            IntervalTrigger(seconds=max(0.5, 2 * settings.worker_heartbeat_seconds)),
-            args=(training,),
-            id="trainer-reaper",
-            name="silent drafter trainer reaper",
-            max_instances=1,
-            coalesce=True,
-        )
-        if store.dialect == "postgresql":
-            scheduler.add_job(
-                renew_drafter_leases,
-                IntervalTrigger(seconds=settings.drafter_lease_seconds / 3),
-                args=(training,),
-                id="drafter-lease-renewal",
-                name="drafter training lease renewal",
-                max_instances=1,
-                coalesce=True,
-            )
-        scheduler.add_job(
-            gc_drafters,
-            IntervalTrigger(seconds=settings.drafter_gc_seconds),
-            args=(store, settings.drafter_keep_versions, settings.drafters_root),
-            id="drafter-gc",
-            name="old drafter checkpoints GC",
-            max_instances=1,
-            coalesce=True,
-        )
-    if settings.history_retention_hours > 0:
-        scheduler.add_job(
-            prune_history,
-            IntervalTrigger(seconds=settings.history_gc_seconds),
-            args=(store, settings.history_retention_hours),
-            id="history-gc",
-            name="ended requests, samples and events past the retention GC",
-            max_instances=1,
-            coalesce=True,
-        )
-    if pushes is not None:
-        scheduler.add_job(
-            drop_abandoned_pushes,
-            IntervalTrigger(seconds=settings.push_gc_seconds),
-            args=(pushes,),
-            id="push-gc",
-            name="abandoned policy pushes GC",
-            max_instances=1,
-            coalesce=True,
-        )
-    if settings.preemption_notice_file and on_preemption_notice is not None:
-        scheduler.add_job(
-            check_preemption_notice,
-            IntervalTrigger(seconds=_PREEMPTION_NOTICE_SECONDS),
-            args=(
-                NoticeWatch(
-                    settings.preemption_notice_file,
-                    time.time() if started_at is None else started_at,
-                ),
-                on_preemption_notice,
-            ),
-            id="preemption-notice",
-            name="preemption notice file watch",
-            max_instances=1,
-            coalesce=True,
-        )
-    if settings.metrics_port:
-        scheduler.add_job(
-            roll_up_metrics,
-            IntervalTrigger(seconds=_METRICS_ROLL_UP_SECONDS),
-            args=(store,),
-            id="metrics-roll-up",
-            name="metrics roll-up from the store",
-            max_instances=1,
-            coalesce=True,
+            job.func,
+            IntervalTrigger(seconds=job.seconds),
+            args=job.args,
+            id=job.id,
+            name=job.name,
+            executor=job.executor,
         )
     return scheduler

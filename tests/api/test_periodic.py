@@ -42,7 +42,6 @@ def test_schedule_declaration(sqlite_store, tmp_path):
     job = jobs["device-refresh"]
     assert isinstance(job.trigger, IntervalTrigger)
     assert job.trigger.interval.total_seconds() == 7.5
-    assert job.max_instances == 1 and job.coalesce is True
     assert job.func is refresh_devices
     gc = jobs["history-gc"]
     assert gc.func is prune_history and gc.args == (sqlite_store, 168.0)
@@ -51,6 +50,16 @@ def test_schedule_declaration(sqlite_store, tmp_path):
     assert {j.id for j in build_scheduler(keep_all, sqlite_store, None).get_jobs()} == {
         "device-refresh"
     }
+
+    async def started() -> dict[str, tuple[int, bool]]:
+        scheduler.start(paused=True)  # the job defaults apply as a scheduler starts
+        try:
+            return {j.id: (j.max_instances, j.coalesce) for j in scheduler.get_jobs()}
+        finally:
+            scheduler.shutdown(wait=False)
+
+    # One instance at a time, missed runs coalesced into one: for every job.
+    assert asyncio.run(started()) == {"device-refresh": (1, True), "history-gc": (1, True)}
 
 
 def test_scheduler_runs_the_refresh(sqlite_store, tmp_path):

@@ -14,13 +14,13 @@ from tests.drafter.helpers import (
     rollout_samples,
 )
 from tests.torch_device import torch_device
+from tltd.contract.drafter_messages import Checkpointed, Idle, Measure, Stepped, TrainingSample
 from tltd.domain import DrafterStatus, Job
 from tltd.drafter_versions import record
 from tltd.store import Store
 from tltd.store.migrate import upgrade
 from tltd_workers.drafter.buffer import TrainingBuffer
 from tltd_workers.drafter.forward import target_hidden
-from tltd_workers.drafter.protocol import Checkpointed, Idle, Measure, Stepped, TrainingSample
 from tltd_workers.drafter.trainer import Trainer, TrainerConfig, latest_checkpoint
 from tltd_workers.drafter.trainer_process import TrainerProcess, TrainerSpec
 

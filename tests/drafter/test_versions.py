@@ -18,12 +18,13 @@ from tests.drafter.helpers import (
     publish,
     rollout_samples,
 )
+from tltd.contract.checkpoint import LEGACY_INPUT_NORM, IncompatibleDrafterCheckpoint
 from tltd.domain import DrafterStatus, Job
 from tltd_workers.drafter.buffer import TrainingBuffer
 from tltd_workers.drafter.forward import chain_accepted_lengths, drafter_features, target_hidden
 from tltd_workers.drafter.trainer import Trainer, TrainerConfig, load_state, save_state
 from tltd_workers.drafter.versions import HeldOut, export_sglang, mean_accepted_length
-from tltd_workers.engine.eagle import LEGACY_INPUT_NORM, EagleDrafter, IncompatibleDrafterCheckpoint
+from tltd_workers.engine.eagle import EagleDrafter
 
 
 @pytest.fixture(autouse=True, scope="module")

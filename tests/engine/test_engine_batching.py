@@ -318,8 +318,8 @@ def test_sample_output_converts_to_the_domain_sample(ckpt):
 
 
 def test_config_from_a_jobs_speculative_config():
+    from tltd.contract.rollout_messages import EngineSpec
     from tltd.domain import SpeculativeConfig, SpeculativeMode
-    from tltd_workers.rollout.protocol import EngineSpec
 
     job = SpeculativeConfig(draft_lengths=(2, 5, 5))
     cfg = EngineConfig.from_spec(EngineSpec.for_job(job, max_batch=8))

@@ -9,12 +9,12 @@ import logging
 from pathlib import Path
 
 from tests.rollout.test_model_planner import _Clock, _slot
+from tltd.contract import rollout_messages as msg
 from tltd.domain import DrafterStatus, DrafterVersion, Job
 from tltd.settings import Settings
 from tltd.store import Store
 from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.worker_process import Phase
-from tltd_workers.rollout import protocol as msg
 
 JOB_ID = "job"
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tltd.contract.broadcast import group_prefix
+from tltd.contract.rollout_messages import JoinBroadcast
 from tltd.domain import Backend, Device, DeviceKind
 from tltd.supervisor.worker_process import Phase, WorkerHandle
-from tltd_workers.rollout.broadcast import BroadcastReceiver, group_prefix, receiving_device
-from tltd_workers.rollout.protocol import JoinBroadcast
+from tltd_workers.rollout.broadcast import BroadcastReceiver, receiving_device
 
 WAIT = datetime.timedelta(seconds=30)
 TENSORS = {

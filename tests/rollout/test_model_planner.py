@@ -6,11 +6,11 @@ import asyncio
 import queue
 from pathlib import Path
 
+from tltd.contract import rollout_messages as msg
 from tltd.domain import Device, DeviceKind, DrafterStatus, DrafterVersion, Job
 from tltd.settings import Settings
 from tltd.supervisor.model_planner import HeldBack, ModelPlanner
 from tltd.supervisor.worker_process import Phase, WorkerHandle
-from tltd_workers.rollout import protocol as msg
 
 
 class _Alive:

@@ -30,11 +30,8 @@ import torch
 from tests.drafter.helpers import load_target, make_target_dir
 from tests.rollout import fake_sglang
 from tests.rollout.fake_sglang import FakeEngine, reference
-from tltd.domain import FinishReason, SamplingParams
-from tltd_workers.engine.eagle import EagleDrafter
-from tltd_workers.rollout import sglang_worker
-from tltd_workers.rollout.broadcast import assign_ranks, group_prefix, received_tensors
-from tltd_workers.rollout.protocol import (
+from tltd.contract.broadcast import assign_ranks, group_prefix, received_tensors
+from tltd.contract.rollout_messages import (
     AddWork,
     Cancel,
     Drain,
@@ -51,6 +48,9 @@ from tltd_workers.rollout.protocol import (
     Shutdown,
     WorkerError,
 )
+from tltd.domain import FinishReason, SamplingParams
+from tltd_workers.engine.eagle import EagleDrafter
+from tltd_workers.rollout import sglang_worker
 from tltd_workers.rollout.sglang_worker import SglangWorker
 from tltd_workers.sglang.adapter import (
     MEM_FRACTION_STATIC,

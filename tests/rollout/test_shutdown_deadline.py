@@ -84,7 +84,7 @@ def test_shutdown_does_not_wait_for_a_trainer_still_loading(
     sqlite_store, tmp_path, ckpt, monkeypatch
 ):
     import tltd_workers.drafter.trainer_process as dw
-    from tltd_workers.drafter.protocol import Ready
+    from tltd.contract.drafter_messages import Ready
 
     real_wait_for = dw.TrainerProcess.wait_for
     loaded = threading.Event()  # set when the test ends: no thread outlives it

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.rollout.support import WorkerProcess, direct_outputs, make_checkpoint
-from tltd.domain import FinishReason, SamplingParams
-from tltd_workers.rollout.protocol import (
+from tltd.contract.rollout_messages import (
     AddWork,
     Cancel,
     Drain,
@@ -20,6 +19,7 @@ from tltd_workers.rollout.protocol import (
     SetDrafter,
     Shutdown,
 )
+from tltd.domain import FinishReason, SamplingParams
 from tltd_workers.rollout.worker import contiguous_runs
 
 PROMPTS = [(1, 2, 3), (4, 5, 6, 7), (8, 9)]

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 
 from tests.rollout.support import make_checkpoint
-from tltd_workers.rollout.protocol import EngineSpec, LoadModel
+from tltd.contract.rollout_messages import EngineSpec, LoadModel
 from tltd_workers.rollout.worker import GATE_STATES_KEPT, RolloutWorker
 
 

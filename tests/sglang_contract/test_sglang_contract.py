@@ -23,8 +23,8 @@ from packaging.requirements import Requirement
 from safetensors.torch import load_file
 
 from tests.sglang_contract.conftest import resolved
+from tltd.contract.rollout_messages import EngineSpec, JoinBroadcast
 from tltd.domain import SamplingParams as OurSamplingParams
-from tltd_workers.rollout.protocol import EngineSpec, JoinBroadcast
 from tltd_workers.sglang import real_engine as adapter_engine
 from tltd_workers.sglang.adapter import (
     DistributedJoin,
@@ -534,7 +534,7 @@ def test_sglangs_own_receive_joins_the_daemons_group_and_gets_every_tensor(sglan
     import torch.distributed as dist
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    from tltd_workers.rollout.broadcast import group_prefix, received_tensors
+    from tltd.contract.broadcast import group_prefix, received_tensors
 
     wait = datetime.timedelta(seconds=60)
     weights = {"w": torch.randn(2, 3).to(torch.bfloat16), "b": torch.arange(3.0)}

@@ -8,6 +8,7 @@ by a lazy import is still two modules that cannot be understood one without the 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,11 +33,30 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The project modules `name` imports (a `from pkg import mod` names the module)."""
+def _load_time(nodes: list[ast.stmt]):
+    """The statements Python runs when it imports a module: not function bodies, not
+    `if TYPE_CHECKING:` blocks."""
+    for node in nodes:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _load_time(node.orelse)
+            continue
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt):
+                yield from _load_time([child])
+            elif isinstance(child, ast.ExceptHandler):
+                yield from _load_time(child.body)
+
+
+def _imports(name: str, path: Path, known: set[str], *, load_time: bool = False) -> set[str]:
+    """The project modules `name` imports (a `from pkg import mod` names the module): every
+    import, or with `load_time` those that run when the module is imported."""
     is_pkg = path.name == "__init__.py"
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in _load_time(tree.body) if load_time else ast.walk(tree):
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -59,10 +79,11 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+@functools.cache  # read once per test session: the tests only read the graph
+def _graph(*, load_time: bool = False) -> dict[str, set[str]]:
     mods = _modules()
     known = set(mods)
-    return {n: _imports(n, p, known) for n, p in mods.items()}
+    return {n: _imports(n, p, known, load_time=load_time) for n, p in mods.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -110,16 +131,24 @@ def test_no_import_circles():
     assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
-def _workers_importing(wrong) -> list[str]:
-    """'module imports target' for every module under workers/ importing a `wrong` target."""
-    graph = _graph()
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _violations(importer, wrong, *, load_time: bool = False) -> list[str]:
+    """'module imports target' for every `importer` module importing a `wrong` target."""
     return sorted(
         f"{m} imports {t}"
-        for m, targets in graph.items()
-        if m.split(".")[0] == "tltd_workers"
+        for m, targets in _graph(load_time=load_time).items()
+        if importer(m)
         for t in targets
         if wrong(t)
     )
+
+
+def _workers_importing(wrong) -> list[str]:
+    """'module imports target' for every module under workers/ importing a `wrong` target."""
+    return _violations(lambda m: m.split(".")[0] == "tltd_workers", wrong)
 
 
 def test_workers_do_not_import_the_daemon_store():
@@ -129,6 +158,135 @@ def test_workers_do_not_import_the_daemon_store():
 
 def test_workers_take_only_the_domain_from_the_daemon():
     """The daemon and its worker processes share `tltd.domain` (plain dataclasses) and the
-    typed pipe protocols under `workers/`; nothing else of `tltd` runs in a worker."""
-    bad = _workers_importing(lambda t: t.split(".")[0] == "tltd" and t != "tltd.domain")
+    contract floor (`tltd.contract`: their messages, the broadcast group, checkpoint shapes);
+    nothing else of `tltd` runs in a worker."""
+    bad = _workers_importing(
+        lambda t: (
+            t.split(".")[0] == "tltd" and t != "tltd.domain" and not t.startswith("tltd.contract")
+        )
+    )
     assert not bad, bad
+
+
+# ---- the contract floor: daemon and workers meet on it, neither imports the other ----------
+
+# The modules of the daemon that start worker processes (and so name what the process runs).
+SPAWNERS = {
+    "tltd.supervisor.worker_process": "starts the rollout workers",
+    "tltd.drafter_training": "starts the drafter trainer",
+    # Not a process: ExportDrafter converts a drafter with the drafter's own code, on call.
+    "tltd.services.drafters": "runs the drafter's SGLang export (torch) when asked",
+}
+
+
+def test_the_contract_floor_depends_on_the_domain_only():
+    assert not _graph()["tltd.domain"] - {"tltd"}, "tltd.domain imports the project"
+    bad = _violations(
+        lambda m: _in(m, "tltd.contract"),
+        lambda t: not (_in(t, "tltd.contract") or t in ("tltd", "tltd.domain")),
+    )
+    assert not bad, bad
+
+
+def test_the_daemon_imports_no_worker_code_at_load_time():
+    bad = _violations(lambda m: _in(m, "tltd"), lambda t: _in(t, "tltd_workers"), load_time=True)
+    assert not bad, bad
+
+
+def test_the_daemon_imports_worker_code_only_where_it_starts_a_process():
+    bad = _violations(
+        lambda m: _in(m, "tltd") and m not in SPAWNERS, lambda t: _in(t, "tltd_workers")
+    )
+    assert not bad, bad
+
+
+def test_the_engine_does_not_import_the_messages():
+    """The engine is driven by the rollout worker; the daemon's messages stop at the worker."""
+    messages = ("tltd.contract.rollout_messages", "tltd.contract.drafter_messages")
+    bad = _violations(lambda m: _in(m, "tltd_workers.engine"), lambda t: t in messages)
+    assert not bad, bad
+
+
+def test_the_load_time_reading_skips_functions_and_type_checking():
+    tree = ast.parse(
+        "import a\nif TYPE_CHECKING:\n    import b\nelse:\n    import c\n"
+        "def f():\n    import d\nclass K:\n    import e\n"
+        "try:\n    import g\nexcept ImportError:\n    import h\n"
+    )
+    names = [n.names[0].name for n in _load_time(tree.body) if isinstance(n, ast.Import)]
+    assert names == ["a", "c", "e", "g", "h"]
+
+
+# ---- the client: the stubs, the domain and the wire converter, nothing of the daemon --------
+
+# What `tltd_clients` may import of the project: the generated stubs, the plain domain, the
+# typed errors the converter raises, the one proto <-> domain converter, and (inside the
+# broadcast path only) how a policy broadcast's group is joined.
+CLIENT_MAY_IMPORT = ("tltd", "tltd.v1", "tltd.domain", "tltd.errors", "tltd.api.convert")
+CLIENT_MAY_IMPORT_LAZILY = ("tltd.contract.broadcast",)
+# Installed with the daemon, absent where only the `client` extra is.
+DAEMON_ONLY = (
+    "sqlalchemy",
+    "alembic",
+    "apscheduler",
+    "torch",
+    "starlette",
+    "uvicorn",
+    "pydantic",
+    "prometheus_client",
+    "pynvml",
+    "tltd_workers",
+)
+
+
+def _allowed_for_client(target: str, allowed: tuple[str, ...]) -> bool:
+    return target.startswith(("tltd_clients", "tltd.v1.")) or target in allowed
+
+
+def test_the_client_imports_only_the_stubs_the_domain_and_the_converter():
+    graph = _graph()
+    bad = sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if m.split(".")[0] == "tltd_clients"
+        for t in targets
+        if not _allowed_for_client(t, CLIENT_MAY_IMPORT + CLIENT_MAY_IMPORT_LAZILY)
+    )
+    assert not bad, bad
+    # ... and what those import stays inside the same set (the converter takes no service).
+    for module in ("tltd.api.convert", "tltd.domain", "tltd.errors", "tltd.contract.broadcast"):
+        wrong = sorted(t for t in graph[module] if not _allowed_for_client(t, CLIENT_MAY_IMPORT))
+        assert not wrong, f"{module} imports {wrong}"
+
+
+_CLIENT_ALONE = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {absent!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)", name=name)
+sys.meta_path.insert(0, Absent())
+import tltd_clients, tltd_clients.tltctl
+from tltd_clients.rollout import _sample_from_pb
+from tltd.v1 import rollout_pb2
+s = _sample_from_pb(rollout_pb2.Sample(token_ids=[5, 2], finish_reason=1))
+assert s.token_ids == [5, 2] and s.finish_reason == "stop", s
+tltd_clients.RolloutClient("127.0.0.1:1").close()
+loaded = sorted(m for m in sys.modules if m.startswith(("tltd.services", "tltd.store")))
+print("LOADED", loaded)
+"""
+
+
+def test_the_client_runs_without_the_daemons_dependencies():
+    """`import tltd_clients` (and tltctl) in a process where the daemon's dependencies cannot
+    be imported: it loads, converts a sample and opens a client, and no service or store
+    module of the daemon is loaded."""
+    import subprocess
+    import sys
+
+    code = _CLIENT_ALONE.format(absent=set(DAEMON_ONLY))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "LOADED []" in out.stdout, out.stdout

@@ -9,8 +9,6 @@ from google.protobuf import timestamp_pb2
 
 from tltd import domain as d
 from tltd.errors import InvalidArgument
-from tltd.services.broadcast import OpenedBroadcast
-from tltd.services.jobs import NewJob
 from tltd.v1 import (
     admin_pb2,
     common_pb2,
@@ -120,6 +118,11 @@ def speculative_mode_from_pb(value: int, field: str) -> d.SpeculativeMode | None
     return _known(_SPEC_MODE, common_pb2.SpeculativeMode, value, field)
 
 
+def speculative_mode_to_pb(mode: d.SpeculativeMode | None) -> int:
+    """None -> UNSPECIFIED: inherit."""
+    return common_pb2.SPECULATIVE_MODE_UNSPECIFIED if mode is None else _SPEC_MODE_PB[mode]
+
+
 def job_statuses_from_pb(values) -> list[d.JobStatus]:
     """The statuses to list (empty = all). UNSPECIFIED or an unknown value is refused: dropping
     it would widen the filter, up to every job for [UNSPECIFIED]."""
@@ -182,7 +185,7 @@ def speculative_from_pb(pb: common_pb2.SpeculativeConfig) -> d.SpeculativeConfig
 
 def speculative_to_pb(spec: d.SpeculativeConfig) -> common_pb2.SpeculativeConfig:
     return common_pb2.SpeculativeConfig(
-        mode=_SPEC_MODE_PB[spec.mode],
+        mode=speculative_mode_to_pb(spec.mode),
         batch_threshold=spec.batch_threshold,
         draft_lengths=list(spec.draft_lengths),
         drafter=spec.drafter,
@@ -191,8 +194,8 @@ def speculative_to_pb(spec: d.SpeculativeConfig) -> common_pb2.SpeculativeConfig
     )
 
 
-def new_job_from_pb(pb: job_pb2.CreateJobRequest) -> NewJob:
-    return NewJob(
+def new_job_from_pb(pb: job_pb2.CreateJobRequest) -> d.NewJob:
+    return d.NewJob(
         job_id=pb.job_id,
         model_path=pb.model_path,
         name=pb.name,
@@ -424,7 +427,7 @@ def push_header_from_pb(h: policy_pb2.PushHeader) -> d.PushHeader:
     return d.PushHeader(h.job_id, h.update_id, specs, h.note, base)
 
 
-def broadcast_group_to_pb(b: OpenedBroadcast) -> policy_pb2.BroadcastGroup:
+def broadcast_group_to_pb(b: d.OpenedBroadcast) -> policy_pb2.BroadcastGroup:
     workers = None
     if b.workers is not None:
         w = b.workers

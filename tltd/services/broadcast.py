@@ -27,13 +27,12 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tltd.domain import PushHeader
+from tltd.contract.broadcast import group_prefix, received_tensors
+from tltd.contract.rollout_messages import JoinBroadcast
+from tltd.domain import OpenedBroadcast, PushHeader, WorkerGroupKeys
 from tltd.errors import FailedPrecondition, InvalidArgument
-from tltd_workers.rollout.broadcast import group_prefix, received_tensors
-from tltd_workers.rollout.protocol import JoinBroadcast
 
 if TYPE_CHECKING:
     from tltd.services.push import PushService
@@ -54,24 +53,6 @@ def nccl_available() -> bool:
     import torch.distributed as dist
 
     return dist.is_nccl_available()
-
-
-@dataclass(frozen=True)
-class WorkerGroupKeys:
-    """The workers' own group on the daemon's store (an nccl broadcast)."""
-
-    prefix: str
-    world_size: int
-    backend: str
-
-
-@dataclass(frozen=True)
-class OpenedBroadcast:
-    address: str
-    port: int
-    prefix: str  # the daemon's group (gloo)
-    world_size: int
-    workers: WorkerGroupKeys | None = None
 
 
 class BroadcastService:

@@ -7,13 +7,15 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from tltd.contract.checkpoint import (
+    IncompatibleDrafterCheckpoint,
+    ModelConfig,
+    check_drafter_tensors,
+    hf_tensor_shapes,
+)
 from tltd.errors import InvalidArgument
 from tltd.services.validation import MAX_PATH, ModelLimits, check_text
-
-if TYPE_CHECKING:
-    from tltd_workers.engine.transformer import ModelConfig
 
 
 def check_model_dir(path: str, field: str, *, require_weights: bool = False) -> Path:
@@ -111,10 +113,6 @@ def check_policy_checkpoint(new_dir: Path, model_dir: Path, field: str) -> None:
         old = _read_config(model_dir)
     except (OSError, ValueError):
         return  # the job's own model is gone or unreadable: the workers will say so
-    from tltd_workers.engine.transformer import (
-        ModelConfig,  # torch: only the API paths that need it
-    )
-
     try:
         old_cfg = ModelConfig.from_hf(old)
     except (ValueError, KeyError, TypeError, AssertionError):
@@ -150,10 +148,6 @@ def check_model_weights(model_dir: Path, field: str) -> None:
     headers = _read_headers(model_dir, field)
     if not headers:
         return
-    from tltd_workers.engine.transformer import (
-        ModelConfig,  # torch: only the API paths that need it
-    )
-
     try:
         cfg = ModelConfig.from_hf(_read_config(model_dir))
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
@@ -166,10 +160,6 @@ def check_policy_tensors(tensors: dict[str, dict], model_dir: Path, what: str, f
     {"dtype", "shape"}}, called `what` in messages) are those the job's model (`model_dir`)
     loads, each with its shape and a floating-point dtype. A model family the torch engine does
     not run is left to `check_policy_checkpoint` once the file is whole."""
-    from tltd_workers.engine.transformer import (
-        ModelConfig,  # torch: only the API paths that need it
-    )
-
     try:
         cfg = ModelConfig.from_hf(_read_config(model_dir))
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
@@ -217,8 +207,6 @@ def _check_tensors(
 ) -> None:
     """Names, shapes and dtypes of a checkpoint against what the engine loads for `cfg` (the
     config of `model`, for messages)."""
-    from tltd_workers.engine.transformer import hf_tensor_shapes
-
     shapes, optional = hf_tensor_shapes(cfg)
     problems = [f"{n} is missing" for n in sorted(shapes.keys() - tensors.keys() - optional)]
     for name, t in sorted(tensors.items()):
@@ -328,10 +316,6 @@ def check_drafter_dir(path: str, field: str, model_dir: Path) -> Path:
         raise InvalidArgument(
             f"{path}/model.safetensors is unreadable: {exc}", field=field
         ) from exc
-    # Imported here: these modules pull in torch, which the API layer otherwise does not need.
-    from tltd_workers.engine.eagle import IncompatibleDrafterCheckpoint, check_drafter_tensors
-    from tltd_workers.engine.transformer import ModelConfig
-
     try:
         check_drafter_tensors(names, path)
     except IncompatibleDrafterCheckpoint as exc:

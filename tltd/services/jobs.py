@@ -6,7 +6,7 @@ import importlib.util
 import math
 import shutil
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ from tltd.domain import (
     FinishReason,
     Job,
     JobStatus,
+    NewJob,
     PolicySwitch,
     RequestStatus,
     SpeculativeConfig,
@@ -37,20 +38,6 @@ _DRAFTERS = ("auto", "ngram", "eagle", "history")
 # never accepted in full.
 MAX_DRAFT_LENGTH = 64
 _INITIAL_DRAFTER = "speculative.initial_drafter_path"
-
-
-@dataclass(frozen=True)
-class NewJob:
-    """What a caller asks for; None / 0 mean "the daemon's default" and are resolved here."""
-
-    job_id: str = ""
-    model_path: str = ""
-    name: str = ""
-    backend: Backend | None = None
-    priority: int = 0
-    weight: float = 0.0  # 0 -> 1.0
-    speculative: SpeculativeConfig | None = None  # batch_threshold 0 -> settings default
-    policy_switch: PolicySwitch | None = None  # None -> FINISH_ON_START_VERSION
 
 
 def sglang_available() -> bool:

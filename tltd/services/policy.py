@@ -57,8 +57,8 @@ class PolicyService:
         """Make the checked checkpoint in `path` the job's next version (every path to a new
         version ends here: a checkpoint directory, a push)."""
         # Announced to the supervisor around the write, so that a tick which read the jobs
-        # before it cannot start drafter training on that stale read (see policy_updates).
-        gate = self.supervisor.policy_updates.updating(job_id) if self.supervisor else nullcontext()
+        # before it cannot start drafter training on that stale read.
+        gate = self.supervisor.updating_policy(job_id) if self.supervisor else nullcontext()
         with gate:
             version = self.store.add_policy_version(job_id, source, path, note=note)
         if self.supervisor is not None:

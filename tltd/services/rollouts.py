@@ -87,7 +87,7 @@ class RolloutService:
             self.supervisor is not None
             and not any(d.schedulable for d in devices)
             and not self._is_retry(req)  # a retry attaches
-            and not self.supervisor.leases.others_up()  # another node runs it
+            and not self.supervisor.others_up()  # another node runs it
         ):
             # Accepted, it would wait with nothing to run it (e.g. devices still flagged by a
             # node drain before a restart): say so, and how to bring a device back.

@@ -9,7 +9,7 @@ policy version, loaded by the workers. A trainer that sends its weights in bucke
 or one tensor per call (SkyRL) thus makes one version per full sync.
 
 The group's keys are those SGLang's `init_custom_process_group` uses for its group name
-(`tltd_workers.rollout.broadcast.group_prefix`). Gloo only: the daemon is a CPU process and
+(`tltd.contract.broadcast.group_prefix`). Gloo only: the daemon is a CPU process and
 cannot be an NCCL rank.
 """
 
@@ -90,7 +90,7 @@ class WeightGroupService:
                 )
         import torch.distributed as dist
 
-        from tltd_workers.rollout.broadcast import group_prefix, process_group
+        from tltd.contract.broadcast import group_prefix, process_group
 
         timeout = datetime.timedelta(seconds=timeout_seconds)
         try:

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tltd.contract import rollout_messages as msg
 from tltd.domain import (
     MODEL_FREE_DRAFTERS,
     Backend,
@@ -42,7 +43,6 @@ from tltd.domain import (
 from tltd.settings import Settings
 from tltd.supervisor.worker_process import Load, LoadKind, Phase, WorkerHandle
 from tltd.workqueue import WorkQueue
-from tltd_workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
     from tltd.store import Store

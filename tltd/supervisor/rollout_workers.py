@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from tltd.contract import rollout_messages as msg
 from tltd.domain import Backend, Device, DeviceState, Sample, Worker, WorkerKind, WorkerState
 from tltd.memory_cgroup import MemoryCgroups
 from tltd.metrics import METRICS
@@ -24,7 +25,6 @@ from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.requests import RolloutRequests
 from tltd.supervisor.worker_process import LoadKind, Phase, WorkerHandle, spawn
 from tltd.supervisor.writes import OrderedWrites, upsert_worker
-from tltd_workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
     from tltd.store import Store

@@ -22,9 +22,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tltd.contract import rollout_messages as msg
+from tltd.contract.broadcast import assign_ranks
 from tltd.domain import (
     Backend,
     Device,
@@ -52,8 +55,6 @@ from tltd.supervisor.training_hook import TrainingHook
 from tltd.supervisor.unit_leases import UnitLeases
 from tltd.supervisor.worker_process import WorkerHandle, broadcast_ranks
 from tltd.supervisor.writes import OrderedWrites
-from tltd_workers.rollout import protocol as msg
-from tltd_workers.rollout.broadcast import assign_ranks
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -173,6 +174,16 @@ class Supervisor:
     def handed_over(self) -> bool:
         """A drain gave this node's work to the other nodes."""
         return self._drain.handed_over
+
+    def others_up(self) -> bool:
+        """Another node is up on the same database (it can run what this node cannot); a
+        store call: not on the event loop."""
+        return self.leases.others_up()
+
+    def updating_policy(self, job_id: str) -> AbstractContextManager[None]:
+        """Wrap the store write of a new policy version of `job_id` (any thread), so that a
+        tick which read the jobs before it starts no drafter training on that stale read."""
+        return self.policy_updates.updating(job_id)
 
     def _refusal(self, job_id: str, policy_version: int) -> tuple[FinishReason, str] | None:
         """Why a unit claimed now could never run, if it could not."""

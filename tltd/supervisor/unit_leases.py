@@ -10,11 +10,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from tltd.contract import rollout_messages as msg
 from tltd.domain import ENDED_STATUSES, FinishReason, NodeStatus, RequestStatus
 from tltd.settings import Settings
 from tltd.supervisor.requests import RolloutRequests
 from tltd.supervisor.worker_process import ALIVE, Phase, WorkerHandle
-from tltd_workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
     from tltd.store import Store

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tltd.contract import rollout_messages as msg
 from tltd.domain import Backend, Device, Sample, WorkerState
 from tltd.errors import Fenced
 from tltd.memory_cgroup import MemoryCgroups, WorkerGroup
 from tltd.settings import Settings
 from tltd.worker_pipe import HeartbeatStamp, serve_pipe
-from tltd_workers.rollout import protocol as msg
 
 if TYPE_CHECKING:
     from tltd.store import Store

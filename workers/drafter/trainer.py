@@ -44,12 +44,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from tltd.contract.checkpoint import check_drafter_tensors
+from tltd.contract.drafter_messages import StepResult
 from tltd_workers.drafter.buffer import TrainingBuffer, TrainItem
 from tltd_workers.drafter.forward import drafter_features, target_hidden
 from tltd_workers.drafter.objective import EagleExample, align, eagle_loss
 from tltd_workers.drafter.packing import pack
-from tltd_workers.drafter.protocol import StepResult
-from tltd_workers.engine.eagle import EagleDrafter, check_drafter_tensors
+from tltd_workers.engine.eagle import EagleDrafter
 
 
 @dataclass(frozen=True)

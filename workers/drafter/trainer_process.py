@@ -1,6 +1,6 @@
 """The drafter-training worker process: trains on the device it is given, yields it on request.
 
-Protocol over one duplex pipe: the typed messages of `tltd_workers.drafter.protocol` (commands
+Protocol over one duplex pipe: the typed messages of `tltd.contract.drafter_messages` (commands
 `AddSamples`, `Train`, `Preempt`, `WriteCheckpoint`, `Measure`, `Stop`; reports `Ready`,
 `Stepped`, `Idle`, `DeviceFree`, `Checkpointed`, `Measured`, `Stopped`, `Failed`, and a
 `Heartbeat` every `heartbeat_seconds` after `Ready`, from a thread: a long step or measure is
@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import torch
 
-from tltd_workers.drafter import protocol as proto
+from tltd.contract import drafter_messages as proto
 from tltd_workers.drafter.buffer import TrainingBuffer
 from tltd_workers.drafter.trainer import (
     CheckpointWriter,

@@ -15,10 +15,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from tltd.contract.checkpoint import check_drafter_tensors
+from tltd.contract.drafter_messages import ActiveDrafter, Measured
 from tltd_workers.drafter.forward import chain_accepted_lengths, target_hidden
-from tltd_workers.drafter.protocol import ActiveDrafter, Measured
 from tltd_workers.drafter.trainer import write_error
-from tltd_workers.engine.eagle import EagleDrafter, check_drafter_tensors
+from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.engine.transformer import ModelConfig, read_state_dict
 
 

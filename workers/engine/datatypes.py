@@ -19,7 +19,7 @@ from tltd.domain import (
 from tltd_workers.engine.bandit import Strategy
 
 if TYPE_CHECKING:
-    from tltd_workers.rollout.protocol import EngineSpec
+    from tltd_workers.engine.engine_spec import EngineSpec
 
 # The history drafter's drafts cost no forward pass and run long where a prompt's answers
 # repeat, so its arms cap drafts at longer lengths (each row drafts only what its history

@@ -8,7 +8,7 @@ run it, so a drafter exported for SGLang computes exactly what was trained here.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,32 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from tltd.contract.checkpoint import check_drafter_tensors
 from tltd_workers.engine.kv_cache import KVCache
 from tltd_workers.engine.transformer import Batch, CausalLM, DecoderLayer, ModelConfig
-
-# A tensor only drafters trained before the layer lost its input norm have.
-LEGACY_INPUT_NORM = "layer.input_layernorm.weight"
-
-
-class IncompatibleDrafterCheckpoint(ValueError):
-    """A drafter checkpoint whose tensors do not fit the current drafter architecture."""
-
-
-def check_drafter_tensors(names: Iterable[str], source: object) -> None:
-    """Refuse a checkpoint trained with an input norm on the drafter's layer.
-
-    Dropping that weight silently is not safe: fc and attention were trained on normalized
-    inputs, so the same weights without the norm draft differently (and worse). Loading it
-    would also make the SGLang export inexact again. Such a drafter must be refitted.
-    """
-    if LEGACY_INPUT_NORM in set(names):
-        raise IncompatibleDrafterCheckpoint(
-            f"drafter checkpoint {source} has {LEGACY_INPUT_NORM!r}: it was trained with an "
-            "input norm on its decoder layer, which this drafter's network does not have "
-            "(EAGLE / SGLang layer 0 runs no input norm); its weights cannot be used without "
-            "that norm. Refit it (scripts/fit_drafter.py) or train a new one online."
-        )
-
 
 # choose(logits [B, V], step i) -> (draft tokens [B], processed q [B, V] or None if all greedy,
 # confidence [B] in [0, 1]: a function of the drafter's distribution only, never of the token

@@ -13,52 +13,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from tltd.contract.checkpoint import ModelConfig
 from tltd_workers.engine.kv_cache import KVCache
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    qkv_bias: bool = False
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 4096
-
-    @classmethod
-    def from_hf(cls, cfg: Mapping[str, object]) -> ModelConfig:
-        """From a HF config.json dict (qwen2 / llama); rope_theta from rope_parameters in v5."""
-        model_type = str(cfg.get("model_type", "llama"))
-        if model_type not in ("qwen2", "llama"):
-            raise ValueError(f"unsupported model_type {model_type!r} (qwen2 or llama)")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        assert isinstance(rope, dict)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope_type {rope_type!r}")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])  # type: ignore[arg-type]
-        head_dim = cfg.get("head_dim") or hidden // heads
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),  # type: ignore[arg-type]
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),  # type: ignore[arg-type]
-            num_layers=int(cfg["num_hidden_layers"]),  # type: ignore[arg-type]
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),  # type: ignore[arg-type]
-            head_dim=int(head_dim),  # type: ignore[arg-type]
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),  # type: ignore[arg-type]
-            rope_theta=float(theta),  # type: ignore[arg-type]
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),  # type: ignore[arg-type]
-        )
 
 
 @dataclass
@@ -337,37 +293,6 @@ class CausalLM(nn.Module):
                 h_last = h[torch.arange(b, device=h.device), batch.n_new - 1]
             return self.logits(h_last), (batch.unpack(h) if return_hidden else None)
         return batch.unpack(self.logits(h)), (batch.unpack(h) if return_hidden else None)
-
-
-def hf_tensor_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """The HF-named tensors `load_weights` reads for `cfg` and their shapes, and which of them
-    may be absent (an untied lm_head falls back to the embeddings). Lets a checkpoint be
-    checked from its safetensors header alone, without loading it."""
-    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (cfg.vocab_size, h),
-    }
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        a = p + "self_attn."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            a + "q_proj.weight": (q, h),
-            a + "k_proj.weight": (kv, h),
-            a + "v_proj.weight": (kv, h),
-            a + "o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-        if cfg.qkv_bias:
-            shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
-    # A tied model never reads lm_head; an untied one uses the embeddings when it is missing.
-    return shapes, {"lm_head.weight"}
 
 
 def _fuse_state_dict(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:

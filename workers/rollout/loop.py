@@ -3,7 +3,7 @@
 A backend subclasses `WorkerLoop` and implements its engine hooks (torch:
 `tltd_workers.rollout.worker`, SGLang: `tltd_workers.rollout.sglang_worker`). The loop, the command
 dispatch, Ready / LoadFailed / Heartbeat reporting, failing work that cannot run and the drain
-live here once, so every backend speaks `tltd_workers.rollout.protocol` the same way.
+live here once, so every backend speaks `tltd.contract.rollout_messages` the same way.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
-from tltd.domain import FinishReason, Sample
-from tltd_workers.rollout.broadcast import BroadcastReceiver
-from tltd_workers.rollout.protocol import (
+from tltd.contract.rollout_messages import (
     AddWork,
     Cancel,
     Drain,
@@ -34,6 +32,8 @@ from tltd_workers.rollout.protocol import (
     ToWorker,
     WorkerError,
 )
+from tltd.domain import FinishReason, Sample
+from tltd_workers.rollout.broadcast import BroadcastReceiver
 
 
 def serve(conn: Connection, worker: WorkerLoop) -> None:

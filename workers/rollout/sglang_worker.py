@@ -55,9 +55,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tltd.contract.rollout_messages import AddWork, EngineSpec, JoinBroadcast, LoadModel
 from tltd.domain import FinishReason, Sample, SamplingParams, SpeculativeStats
 from tltd_workers.rollout.loop import WorkerLoop, describe, serve
-from tltd_workers.rollout.protocol import AddWork, EngineSpec, JoinBroadcast, LoadModel
 from tltd_workers.sglang.adapter import (
     EngineFactory,
     Segment,

@@ -6,9 +6,9 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from tltd.contract.rollout_messages import AddWork, JoinBroadcast, LoadModel
 from tltd.domain import Sample
 from tltd_workers.rollout.loop import WorkerLoop, contiguous_runs, serve
-from tltd_workers.rollout.protocol import AddWork, JoinBroadcast, LoadModel
 from tltd_workers.signals import ignore_stop_signals
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by the worker process, at load

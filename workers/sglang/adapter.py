@@ -41,8 +41,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from tltd.contract.rollout_messages import EngineSpec, JoinBroadcast
 from tltd.domain import FinishReason, SamplingParams, TensorSpec
-from tltd_workers.rollout.protocol import EngineSpec, JoinBroadcast
 
 Selector = Literal["target", "draft"]
 
