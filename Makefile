@@ -9,7 +9,7 @@ PIP ?= $(PY) -m pip
 install:
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[torch,postgres,dev]"
+	$(PIP) install -q -e ".[daemon,torch,postgres,dev]"
 
 # The one pinned command that produces the committed stubs (tests/test_stubs.py checks them).
 stubs:

@@ -290,3 +290,19 @@ def test_the_client_runs_without_the_daemons_dependencies():
     )
     assert out.returncode == 0, out.stderr
     assert "LOADED []" in out.stdout, out.stdout
+
+
+def test_the_base_install_is_the_client_and_the_daemon_has_its_extra():
+    """`pip install tltd` brings what the client imports and none of the daemon's packages;
+    `tltd[daemon]` brings those."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    dists = {"sqlalchemy", "alembic", "apscheduler", "torch", "starlette", "uvicorn", "pydantic",
+             "prometheus-client", "nvidia-ml-py", "grpcio-reflection"}  # fmt: skip
+    base = {Requirement(r).name.lower() for r in project["dependencies"]}
+    assert not base & dists, base & dists
+    daemon = {Requirement(r).name.lower() for r in project["optional-dependencies"]["daemon"]}
+    assert dists - {"torch"} <= daemon
