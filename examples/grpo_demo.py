@@ -56,13 +56,13 @@ MODEL = ROOT / "models" / "tiny-policy"
 DRAFTER = ROOT / "models" / "tiny-policy-eagle"
 # The trainer's setting: AdamW lr and clipped updates per rollout batch (each pass recomputes
 # the logprobs and clips the ratio against the daemon's); benchmarks/bench_rl_trend.py compares.
-DEMO_LR = 1e-4
+DEMO_LR = 3e-4
 DEMO_PASSES = 1
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    steps: int = 6  # 3 epochs of the training set
+    steps: int = 4  # 2 epochs of the training set
     prompts: int = 16  # per step; 16+ prompts: every step's workload has the long tail
     train_prompts: int = 32  # the fixed training set, iterated in shuffled epochs
     held_out_prompts: int = 32  # scored before and after each run, paired
