@@ -56,7 +56,9 @@ MODEL = ROOT / "models" / "tiny-policy"
 DRAFTER = ROOT / "models" / "tiny-policy-eagle"
 # The trainer's setting: AdamW lr and clipped updates per rollout batch (each pass recomputes
 # the logprobs and clips the ratio against the daemon's); benchmarks/bench_rl_trend.py compares.
-DEMO_LR = 3e-4
+# lr 3e-4 is what unlearns a guessing policy's guesses in 4 steps (docs/demo.md); on the shipped
+# policy it lowered the held-out reward more than 1e-4 did (docs/performance.md section 5).
+DEMO_LR = 1e-4
 DEMO_PASSES = 1
 
 
@@ -68,7 +70,7 @@ class DemoConfig:
     held_out_prompts: int = 32  # scored before and after each run, paired
     n: int = 8
     max_new_tokens: int = MAX_NEW_TOKENS
-    lr: float = DEMO_LR
+    lr: float = DEMO_LR  # --lr
     passes: int = DEMO_PASSES
     seed: int = 0
     cpu_slots: int = 2
@@ -430,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--cpu-slots", type=int)
+    parser.add_argument("--lr", type=float, help=f"the trainer's AdamW lr (default {DEMO_LR})")
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument(
         "--drafter",
@@ -445,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else DemoConfig()
     overrides = {"steps": args.steps, "prompts": args.prompts, "n": args.n,
                  "train_prompts": args.train_prompts, "held_out_prompts": args.held_out_prompts,
-                 "max_new_tokens": args.max_new_tokens, "cpu_slots": args.cpu_slots}  # fmt: skip
+                 "max_new_tokens": args.max_new_tokens, "cpu_slots": args.cpu_slots,
+                 "lr": args.lr}  # fmt: skip
     cfg = DemoConfig(**(vars(cfg) | {k: v for k, v in overrides.items() if v is not None}))
     model = args.model.resolve()
     if not (model / "config.json").exists():
