@@ -1,8 +1,8 @@
 """README command 1: GRPO on the toy running-sum task with the tiny policy, rolling out through
 a real `tltd serve`, once with TLT (adaptive speculative decoding) and once with it off.
 
-    python examples/grpo_demo.py            # 6 RL steps per mode, about 7 minutes on 2 cores
-    python examples/grpo_demo.py --quick    # 1 tiny step per mode, a smoke test
+    python examples/grpo_demo.py            # 4 RL steps (2 epochs) per mode, held-out scores
+    python examples/grpo_demo.py --quick    # 2 tiny steps per mode, a smoke test
     python examples/grpo_demo.py --http     # roll out through the openai client (HTTP door)
 
 Each RL step: sample prompts -> the daemon rolls out n answers per prompt (temperature 1) ->
@@ -424,7 +424,7 @@ def _initial_drafter(option: str | None, model: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 tiny step per mode")
+    parser.add_argument("--quick", action="store_true", help="2 tiny steps per mode")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--prompts", type=int, help="prompts per step")
     parser.add_argument("--train-prompts", type=int, help="size of the training set")
