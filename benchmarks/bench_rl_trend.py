@@ -2,17 +2,20 @@
 can show it: the demo's trainer and workload, rollouts from the engine in-process (SD off: the
 same sampling law as the daemon's), no daemon.
 
-    python benchmarks/bench_rl_trend.py [--steps 6] [--configs demo,fixed,passes3,lr3e-4]
+    python benchmarks/bench_rl_trend.py [--steps 6] [--configs demo,lr1e-4,passes2] [--model DIR]
 
 Each config runs `--steps` RL steps of `--prompts` x `--n` samples at temperature 1 from
-`models/tiny-policy`, as `make demo` does (GRPO advantages, one clipped policy-gradient update
-per step by `examples/grpo_trainer.py`). Per config the table prints the mean reward per step,
-the per-sample regression slope of the reward on the step (the demo's `reward trend`) with its
-standard error, and the reward on held-out prompts before and after the run, sampled with the
-same seeds both times (paired: the standard error is that of the per-sample differences).
+`models/tiny-policy`, as `make demo` does: the prompts come from the task's fixed training set
+iterated in shuffled epochs (`examples/task/dataset.py`, `--train-prompts` of them), GRPO
+advantages, clipped policy-gradient updates by `examples/grpo_trainer.py`. Per config the
+table prints the mean reward per step, the per-sample regression slope of the reward on the
+step (the demo's `reward trend`) with its standard error, and the reward on the held-out
+prompts before and after the run, sampled with the same seeds both times (paired: the standard
+error is that of the per-sample differences).
 
-Configs: `demo` new prompts every step, AdamW at lr 1e-4 (the demo's setting); `fixed` the same
-prompts every step; `passes3` three updates on each step's batch; `lr3e-4` a 3x larger lr;
+Configs: `demo` the demo's setting (DEMO_LR, DEMO_PASSES); `lr1e-4` one AdamW step at lr 1e-4;
+`fixed` the same prompts every step; `passes2` two clipped updates per batch at lr 3e-4;
+`passes3` three updates on each step's batch; `lr3e-4` a 3x larger lr;
 `head3e-3` lr 3e-3 on the final norm and the output layer (a trainable temperature), 1e-4
 elsewhere; `sgd0.3`, `sgd1` plain SGD at lr 0.3 and 1 (AdamW's first steps move every weight by
 the lr whatever its gradient's size; SGD moves them in proportion to it).
@@ -21,7 +24,6 @@ the lr whatever its gradient's size; SGD moves them in proportion to it).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -33,16 +35,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.grpo_demo import MODEL, reward_trend  # noqa: E402
+from examples.demo_report import reward_trend  # noqa: E402
+from examples.grpo_demo import DEMO_LR, DEMO_PASSES, MODEL  # noqa: E402
 from examples.grpo_demo import score as demo_score  # noqa: E402
 from examples.grpo_trainer import GRPOTrainer, Scored  # noqa: E402
+from examples.heldout import HeldOutScore, held_out_score, paired  # noqa: E402
 from examples.task import load_tokenizer  # noqa: E402
-from examples.task.workload import MAX_NEW_TOKENS, STOP_TOKEN_ID, rollout_prompts  # noqa: E402
+from examples.task.dataset import build_dataset  # noqa: E402
+from examples.task.workload import MAX_NEW_TOKENS, STOP_TOKEN_ID  # noqa: E402
 from tltd.domain import SamplingParams  # noqa: E402
 from tltd_workers.engine.engine import Engine, EngineConfig, Request  # noqa: E402
-
-HELD_OUT_SEED = 10**5  # prompt seed of the held-out set: no training step draws it
-HELD_OUT_SAMPLING_SEED = 4242
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,10 @@ class Config:
 CONFIGS = {
     c.name: c
     for c in (
-        Config("demo"),
+        Config("demo", lr=DEMO_LR, passes=DEMO_PASSES),
+        Config("lr1e-4"),
         Config("fixed", fixed_prompts=True),
+        Config("passes2", lr=3e-4, passes=2),
         Config("passes3", passes=3),
         Config("lr3e-4", lr=3e-4),
         Config("head3e-3", head_lr=3e-3),
@@ -96,10 +100,8 @@ def score(work, outs, tok) -> list[Scored]:
     return demo_score(outs, [ids for _, ids in work], [p for p, _ in work], tok)
 
 
-def held_out(checkpoint: Path, args, tok) -> list[float]:
-    work = rollout_prompts(args.held_out_prompts, seed=HELD_OUT_SEED, model_dir=args.model)
-    outs = sample(checkpoint, work, HELD_OUT_SAMPLING_SEED, args.n, args.max_new_tokens)
-    return [s.reward for s in score(work, outs, tok)]
+def held_out(checkpoint: Path, args) -> HeldOutScore:
+    return held_out_score(checkpoint, args.dataset.held_out, args.n, args.max_new_tokens)
 
 
 def make_trainer(cfg: Config, model: Path) -> GRPOTrainer:
@@ -121,10 +123,8 @@ def make_trainer(cfg: Config, model: Path) -> GRPOTrainer:
 def run(cfg: Config, args, work_dir: Path, tok) -> tuple[list[RewardStep], Path]:
     trainer, checkpoint, steps = make_trainer(cfg, args.model), args.model, []
     for step in range(args.steps):
-        seed = step  # the demo's prompt and sampling seed at step `step`
-        work = rollout_prompts(
-            args.prompts, seed=0 if cfg.fixed_prompts else seed, model_dir=args.model
-        )
+        seed = step  # the demo's sampling seed at step `step`
+        work = args.dataset.batch(0 if cfg.fixed_prompts else step)
         t0 = time.perf_counter()
         scored = score(work, sample(checkpoint, work, seed, args.n, args.max_new_tokens), tok)
         for _ in range(cfg.passes):
@@ -139,13 +139,6 @@ def run(cfg: Config, args, work_dir: Path, tok) -> tuple[list[RewardStep], Path]
     return steps, checkpoint
 
 
-def paired(before: list[float], after: list[float]) -> tuple[float, float]:
-    diffs = [a - b for a, b in zip(after, before, strict=True)]
-    mean = sum(diffs) / len(diffs)
-    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return mean, math.sqrt(var / len(diffs)) or float("nan")
-
-
 def _ratio(value: float, standard_error: float) -> float:
     """In standard errors; nan when there is no spread (e.g. every reward 0)."""
     return value / standard_error if standard_error else float("nan")
@@ -156,36 +149,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--train-prompts", type=int, default=32)
     ap.add_argument("--held-out-prompts", type=int, default=32)
-    ap.add_argument("--configs", default="demo,fixed,passes3,lr3e-4")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", default="demo,lr1e-4")
+    # One thread: on a shared 2-core machine two intra-op threads mostly wait on each other
+    # (scripts/train_policy.py); a held-out pass took 13 min with two, under others' load.
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     args = ap.parse_args(argv)
     configs = [CONFIGS[name] for name in args.configs.split(",")]
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.model)
+    args.dataset = build_dataset(
+        args.prompts, args.train_prompts, args.held_out_prompts, model_dir=args.model
+    )
     print(
         f"workload: {args.prompts} prompts x {args.n} samples per step (the demo's), "
         f"{args.steps} steps; held out: {args.held_out_prompts} x {args.n}",
         flush=True,
     )
-    before = held_out(args.model, args, tok)
+    t0 = time.perf_counter()
+    before = held_out(args.model, args)
+    print(
+        f"  held out before: reward {before.mean:.3f}, guesses {before.guess_share:.2f}, "
+        f"mean length {before.mean_length:.0f} ({time.perf_counter() - t0:.0f}s)",
+        flush=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in configs:
             steps, last = run(cfg, args, Path(tmp), tok)
             slope, se = reward_trend(steps)
-            after = held_out(last, args, tok)
-            mean_after = sum(after) / len(after)
-            rows.append((cfg.name, steps, slope, se, mean_after, paired(before, after)))
-    print(f"\n{'config':<10}{'reward per step':<44}{'trend/step':>11}{'(SEs)':>7}"
-          f"{'held out before':>17}{'after':>7}{'change':>9}{'(SEs)':>7}")  # fmt: skip
-    base = sum(before) / len(before)
+            after = held_out(last, args)
+            rows.append((cfg.name, steps, slope, se, after, paired(before.rewards, after.rewards)))
+    print(f"\n{'config':<10}{'reward per step':<36}{'trend/step':>11}{'(SEs)':>7}"
+          f"{'held out before':>17}{'after':>7}{'change':>9}{'(SEs)':>7}"
+          f"{'guesses':>13}{'mean len':>14}")  # fmt: skip
     for name, steps, slope, se, after, (delta, dse) in rows:
         per_step = " ".join(f"{s.mean_reward:.2f}" for s in steps)
-        print(f"{name:<10}{per_step:<44}{slope:>+11.3f}{_ratio(slope, se):>+7.1f}"
-              f"{base:>17.3f}{after:>7.3f}{delta:>+9.3f}{_ratio(delta, dse):>+7.1f}")  # fmt: skip
+        guesses = f"{before.guess_share:.2f}->{after.guess_share:.2f}"
+        lengths = f"{before.mean_length:.0f}->{after.mean_length:.0f}"
+        print(f"{name:<10}{per_step:<36}{slope:>+11.3f}{_ratio(slope, se):>+7.1f}"
+              f"{before.mean:>17.3f}{after.mean:>7.3f}{delta:>+9.3f}{_ratio(delta, dse):>+7.1f}"
+              f"{guesses:>13}{lengths:>14}")  # fmt: skip
     return 0
 
 

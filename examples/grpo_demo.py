@@ -1,8 +1,8 @@
 """README command 1: GRPO on the toy running-sum task with the tiny policy, rolling out through
 a real `tltd serve`, once with TLT (adaptive speculative decoding) and once with it off.
 
-    python examples/grpo_demo.py            # 6 RL steps per mode, about 7 minutes on 2 cores
-    python examples/grpo_demo.py --quick    # 1 tiny step per mode, a smoke test
+    python examples/grpo_demo.py            # 4 RL steps (2 epochs) per mode, held-out scores
+    python examples/grpo_demo.py --quick    # 2 tiny steps per mode, a smoke test
     python examples/grpo_demo.py --http     # roll out through the openai client (HTTP door)
 
 Each RL step: sample prompts -> the daemon rolls out n answers per prompt (temperature 1) ->
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,52 +33,51 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from examples.demo_report import (  # noqa: E402
+    HEADER,
+    MODES,
+    StepRow,
+    Window,
+    plot,
+    print_row,
+    print_summary,
+)
 from examples.grpo_trainer import GRPOTrainer, Scored, group_advantages  # noqa: E402
+from examples.heldout import HeldOutScore, score_samples  # noqa: E402
+from examples.shadow import ShadowMeter  # noqa: E402
 from examples.task import decode, load_tokenizer, reward  # noqa: E402
-from examples.task.workload import MAX_NEW_TOKENS, STOP_TOKEN_ID, rollout_prompts  # noqa: E402
+from examples.task.dataset import HELD_OUT_SAMPLING_SEED, TaskDataset, build_dataset  # noqa: E402
+from examples.task.workload import MAX_NEW_TOKENS, STOP_TOKEN_ID  # noqa: E402
 from tltd_clients import RolloutClient, RolloutSample, TltClientError, by_prompt  # noqa: E402
 
 MODEL = ROOT / "models" / "tiny-policy"
 # An EAGLE drafter fitted offline on MODEL (scripts/fit_drafter.py): the TLT run starts from it
 # (its drafter version 1) and online training keeps it aligned as the policy moves.
 DRAFTER = ROOT / "models" / "tiny-policy-eagle"
-MODES = ("tlt", "off")  # TLT first: its drafter warms up while the baseline has nothing to warm
+# The trainer's setting: AdamW lr and clipped updates per rollout batch (each pass recomputes
+# the logprobs and clips the ratio against the daemon's); benchmarks/bench_rl_trend.py compares.
+# lr 3e-4 is what unlearns a guessing policy's guesses in 4 steps (docs/demo.md); on the shipped
+# policy it lowered the held-out reward more than 1e-4 did (docs/performance.md section 5).
+DEMO_LR = 1e-4
+DEMO_PASSES = 1
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    steps: int = 6
-    prompts: int = 16  # 16+ prompts: every step's workload has the long tail (workload.py)
+    steps: int = 4  # 2 epochs of the training set
+    prompts: int = 16  # per step; 16+ prompts: every step's workload has the long tail
+    train_prompts: int = 32  # the fixed training set, iterated in shuffled epochs
+    held_out_prompts: int = 32  # scored before and after each run, paired
     n: int = 8
     max_new_tokens: int = MAX_NEW_TOKENS
-    lr: float = 1e-4  # one AdamW step per RL step (benchmarks/bench_rl_trend.py compares)
+    lr: float = DEMO_LR  # --lr
+    passes: int = DEMO_PASSES
     seed: int = 0
     cpu_slots: int = 2
 
 
-QUICK = DemoConfig(steps=1, prompts=2, n=4, max_new_tokens=128)
-
-
-@dataclass(frozen=True)
-class StepRow:
-    step: int
-    rollout_s: float
-    tail_s: float  # from 90% of samples finished to the last
-    samples: int
-    tokens: int
-    p50: int  # answer length quantiles (tokens)
-    p99: int
-    max_len: int
-    capped: float  # share of samples stopped by max_new_tokens
-    sd_share: float  # share of the samples' decode steps that verified a draft (sd_share())
-    accepted_length: float  # tokens per SD step (accepted + 1); 0 without SD
-    drafter_version: int
-    policy_version: int
-    harvested_s: float  # device-seconds of drafter training during the step
-    mean_reward: float
-    reward_var: float  # variance of the step's per-sample rewards (for reward_trend)
-    update_s: float
-    logprob_gap: float
+# Two steps of one prompt set: the second step's samples carry the pushed policy version 1.
+QUICK = DemoConfig(steps=2, prompts=2, train_prompts=2, held_out_prompts=2, n=4, max_new_tokens=128)
 
 
 # ---- the daemon ----------------------------------------------------------------------------
@@ -94,6 +93,7 @@ class Daemon:
     """`tltd serve` on the embedded defaults (SQLite under `data_dir`, torch backend, CPU slots)."""
 
     def __init__(self, data_dir: Path, cpu_slots: int, http: bool = False) -> None:
+        self.data_dir = data_dir
         self.port_file = data_dir / "port"
         http_port_file = data_dir / "http.port"
         self.log_path = data_dir / "tltd.log"
@@ -120,19 +120,19 @@ class Daemon:
         # --http: rollouts and weight pushes go through the HTTP door (examples/http_rollouts.py)
         self.http_url = f"http://127.0.0.1:{http_port_file.read_text().strip()}" if http else ""
 
-    def training_seconds(self) -> float:
-        """Device-seconds spent training the drafter so far (from the metrics endpoint)."""
+    def device_seconds(self) -> dict[str, float]:
+        """Device-seconds so far per device state, summed over devices (metrics endpoint)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as resp:
             text = resp.read().decode()
-        return sum(
-            s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-            if s.name == "tltd_device_state_seconds_total" and s.labels.get("state") == "training"
-        )
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "tltd_device_state_seconds_total":
+                    out[s.labels["state"]] = out.get(s.labels["state"], 0.0) + s.value
+        return out
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -207,89 +207,158 @@ class Run:
         mode: str,
         cfg: DemoConfig,
         daemon: Daemon,
+        dataset: TaskDataset,
         model: Path,
-        work_dir: Path,
         drafter: Path | None = None,
     ) -> None:
-        self.mode, self.cfg, self.daemon, self.model, self.work_dir = (
-            mode,
-            cfg,
-            daemon,
-            model,
-            work_dir,
-        )
+        self.mode, self.cfg, self.daemon, self.dataset, self.model = (
+            mode, cfg, daemon, dataset, model,
+        )  # fmt: skip
+        self.job_id = f"grpo-{mode}"
         self.tok = load_tokenizer(model)
         self.trainer = GRPOTrainer(model, lr=cfg.lr, seed=cfg.seed)
         self.client = RolloutClient(daemon.target)
         tlt = mode == "tlt"
         self.client.create_job(
             model,
-            job_id=f"grpo-{mode}",
+            job_id=self.job_id,
             speculative="auto" if tlt else "off",
             online_training=tlt,  # the baseline has no drafter to train
             initial_drafter=drafter if tlt else None,
         )
+        self.shadow = ShadowMeter(model, drafter) if tlt and drafter is not None else None
         if daemon.http_url:
             from examples.http_rollouts import HttpRollouts
 
-            self.client = HttpRollouts(daemon.http_url, f"grpo-{mode}", self.client)
+            self.client = HttpRollouts(daemon.http_url, self.job_id, self.client)
         self.rows: list[StepRow] = []
 
     def warm_up(self) -> None:
         """Not timed: the job's workers load the model on first use."""
-        warm = rollout_prompts(1, seed=10**6, model_dir=self.model)[0][1]
+        warm = self.dataset.held_out[0][1]
         self.client.generate([warm], n=1, temperature=0.0, max_new_tokens=4)
 
     def step(self, step: int) -> StepRow:
-        """Roll out (timed), score, update the policy, push the checkpoint."""
+        """Roll out (timed), score, update the policy and push it (timed: the update)."""
         cfg, seed = self.cfg, self.cfg.seed * 1000 + step  # the same in both modes
-        work = rollout_prompts(cfg.prompts, seed=seed, model_dir=self.model)
+        work = self.dataset.batch(step)
         problems = [p for p, _ in work]
         prompts = [ids for _, ids in work]
-        trained_before = self.daemon.training_seconds()
+        at_start = self.daemon.device_seconds()
         samples, finish, rollout_s = rollout(
             self.client, prompts, cfg, seed=seed, label=f"{self.mode} step {step}"
         )
+        at_rollout_end = self.daemon.device_seconds()
+        shadow = self.measure_shadow(samples, prompts)  # not timed: a measurement
+        at_update = self.daemon.device_seconds()
         t0 = time.perf_counter()
         scored = score(samples, prompts, problems, self.tok)
-        gap = self.trainer.logprob_gap(scored[::4])  # a quarter of the samples is plenty
-        stats = self.trainer.update(scored)
-        ckpt = self.trainer.save(self.work_dir / f"ckpt-{self.mode}" / f"step-{step + 1}")
-        self.client.update_policy(ckpt, note=f"{self.mode} step {step + 1}")
+        # The first pass starts from the weights that sampled: its gap checks the daemon's
+        # logprobs; later passes clip their ratio against those same logprobs.
+        stats = [self.trainer.update(scored) for _ in range(cfg.passes)]
+        self.push(step)
         update_s = time.perf_counter() - t0
-        row = summarize(step, samples, finish, rollout_s, scored, max(gap, stats.max_logprob_gap),
-                        update_s, self.daemon.training_seconds() - trained_before)  # fmt: skip
+        window = windows(at_start, at_rollout_end, at_update, self.daemon.device_seconds())
+        row = summarize(step, samples, finish, rollout_s, scored, stats[0].max_logprob_gap,
+                        update_s, window)  # fmt: skip
+        row = replace(row, epoch=self.dataset.epoch_of(step), shadow=shadow)
         self.rows.append(row)
         print_row(self.mode, row)
         return row
+
+    def push(self, step: int) -> None:
+        """The new weights to the daemon: in-band over gRPC (no checkpoint on disk), or as a
+        checkpoint directory through the HTTP door."""
+        note = f"{self.mode} step {step + 1}"
+        if self.daemon.http_url:
+            ckpt = self.trainer.save(
+                self.daemon.data_dir / f"ckpt-{self.mode}" / f"step-{step + 1}"
+            )
+            self.client.update_policy(ckpt, note=note)
+        else:
+            self.client.push_policy(self.trainer.model.state_dict(), note=note)
+
+    def measure_shadow(self, samples: list[RolloutSample], prompts) -> tuple[float, float]:
+        """Accepted length of the drafter used and of the frozen initial one on the samples."""
+        if self.shadow is None:
+            return (0.0, 0.0)
+        version = max((s.drafter_version for s in samples), default=0)
+        used = None
+        if version > 1:
+            used = Path(self.client.raw.get_drafter(self.job_id, version).path)
+        weights = {k: v.detach() for k, v in self.trainer.model.state_dict().items()}
+        return self.shadow.measure(weights, samples, prompts, used)
 
     def close(self) -> None:
         self.client.close()
 
 
+def windows(start, rollout_end, update_start, end) -> Window:
+    def delta(a, b, state):
+        return b.get(state, 0.0) - a.get(state, 0.0)
+
+    return Window(
+        rollout_idle=delta(start, rollout_end, "idle"),
+        rollout_training=delta(start, rollout_end, "training"),
+        update_idle=delta(update_start, end, "idle"),
+        update_training=delta(update_start, end, "training"),
+    )
+
+
 def run_all(
     cfg: DemoConfig, daemon: Daemon, model: Path, work_dir: Path, drafter: Path | None = None
-):
-    """The TLT run, then the SD-off run, one after the other.
+) -> tuple[dict[str, list[StepRow]], dict[str, HeldOutScore]]:
+    """Held-out score of the initial policy, then the TLT run, then the SD-off run, each
+    followed by the held-out score of its final policy.
 
     Not interleaved step by step: the TLT job's drafter trains on devices its rollouts leave
     idle, and training only yields to rollout work of its own job's workers, so it would take
     devices from the other run's rollouts. Each run's job is cancelled when the run is over
     and the next starts once no device is training.
     """
+    dataset = build_dataset(cfg.prompts, cfg.train_prompts, cfg.held_out_prompts, model_dir=model)
+    scores = {"initial": evaluate(daemon, model, dataset, cfg, "initial policy")}
+    print(f"\n{HEADER}", flush=True)
     results = {}
     for mode in MODES:
-        run = Run(mode, cfg, daemon, model, work_dir, drafter)
+        run = Run(mode, cfg, daemon, dataset, model, drafter)
         try:
             run.warm_up()
             for step in range(cfg.steps):
                 run.step(step)
-            run.client.raw.cancel_job(f"grpo-{mode}", "demo run finished")
+            run.client.raw.cancel_job(run.job_id, "demo run finished")
             wait_until_no_training(run.client)
         finally:
             run.close()
         results[mode] = run.rows
-    return results
+        final = run.trainer.save(work_dir / f"final-{mode}")
+        scores[mode] = evaluate(daemon, final, dataset, cfg, f"{mode} final policy")
+    return results, scores
+
+
+def evaluate(
+    daemon: Daemon, checkpoint: Path, dataset: TaskDataset, cfg: DemoConfig, label: str
+) -> HeldOutScore:
+    """The held-out score of a policy, rolled out by the daemon in a job of its own
+    (speculative decoding and drafter training off, every device: the seeded samples are the
+    same in every run) and cancelled afterwards."""
+    t0 = time.perf_counter()
+    job_id = f"held-out-{label.replace(' ', '-')}"
+    with RolloutClient(daemon.target) as client:
+        client.create_job(checkpoint, job_id=job_id, speculative="off", online_training=False)
+        samples = client.generate(
+            [ids for _, ids in dataset.held_out], n=cfg.n, temperature=1.0,
+            max_new_tokens=cfg.max_new_tokens, stop_token_ids=[STOP_TOKEN_ID],
+            seed=HELD_OUT_SAMPLING_SEED,
+        )  # fmt: skip
+        client.raw.cancel_job(job_id, "held-out score taken")
+    out = score_samples(dataset.held_out, samples, load_tokenizer(checkpoint))
+    print(
+        f"  held out ({label}): reward {out.mean:.3f}, guesses {out.guess_share:.2f}, "
+        f"mean length {out.mean_length:.0f} ({time.perf_counter() - t0:.0f}s)",
+        flush=True,
+    )
+    return out
 
 
 def wait_until_no_training(client: RolloutClient, timeout: float = 120.0) -> None:
@@ -316,13 +385,14 @@ def quantile(values: list[int], q: float) -> int:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0
 
 
-def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested) -> StepRow:
+def summarize(step, samples, finish, rollout_s, scored, gap, update_s, window) -> StepRow:
     lengths = [s.num_tokens for s in samples]
     draft = sum(s.draft_steps for s in samples)
     accepted = sum(s.accepted_tokens for s in samples)
     mean = sum(s.reward for s in scored) / max(1, len(scored))
     return StepRow(
         step=step,
+        epoch=0.0,
         rollout_s=rollout_s,
         tail_s=tail_seconds(finish),
         samples=len(samples),
@@ -335,82 +405,12 @@ def summarize(step, samples, finish, rollout_s, scored, gap, update_s, harvested
         accepted_length=(accepted + draft) / draft if draft else 0.0,
         drafter_version=max((s.drafter_version for s in samples), default=0),
         policy_version=max((s.policy_version for s in samples), default=0),
-        harvested_s=harvested,
+        window=window,
         mean_reward=mean,
         reward_var=sum((s.reward - mean) ** 2 for s in scored) / max(1, len(scored)),
         update_s=update_s,
         logprob_gap=gap,
     )
-
-
-def reward_trend(rows: list[StepRow]) -> tuple[float, float]:
-    """Least-squares slope of the per-sample reward against the step index, and its standard
-    error: a slope several standard errors above 0 is a trend, not sampling noise. Computed from
-    each step's sample count, mean and variance (the per-sample regression, exactly)."""
-    n = sum(r.samples for r in rows)
-    if len(rows) < 2 or n < 3:
-        return float("nan"), float("nan")
-    x_bar = sum(r.samples * r.step for r in rows) / n
-    y_bar = sum(r.samples * r.mean_reward for r in rows) / n
-    sxx = sum(r.samples * (r.step - x_bar) ** 2 for r in rows)
-    slope = sum(r.samples * (r.step - x_bar) * (r.mean_reward - y_bar) for r in rows) / sxx
-    fit = {r.step: y_bar + slope * (r.step - x_bar) for r in rows}
-    # Residuals of every sample: its step's spread around the step mean, plus the mean's miss.
-    sse = sum(r.samples * (r.reward_var + (r.mean_reward - fit[r.step]) ** 2) for r in rows)
-    return slope, (sse / (n - 2) / sxx) ** 0.5
-
-
-# ---- output --------------------------------------------------------------------------------
-
-HEADER = (
-    f"{'mode':<5}{'step':>5}{'rollout s':>11}{'tail s':>8}{'tokens':>8}{'p50':>6}{'p99':>6}"
-    f"{'max':>6}{'capped':>8}{'SD share':>10}"
-    f"{'acc len':>9}{'drafter':>9}{'policy':>8}{'harvest s':>11}{'reward':>8}{'update s':>10}"
-)
-
-
-def print_row(mode: str, r: StepRow) -> None:
-    print(
-        f"{mode:<5}{r.step:>5}{r.rollout_s:>11.2f}{r.tail_s:>8.2f}{r.tokens:>8}"
-        f"{r.p50:>6}{r.p99:>6}{r.max_len:>6}{100 * r.capped:>7.1f}%{r.sd_share:>10.2f}"
-        f"{r.accepted_length:>9.2f}{r.drafter_version:>9}"
-        f"{r.policy_version:>8}{r.harvested_s:>11.1f}{r.mean_reward:>8.2f}{r.update_s:>10.1f}",
-        flush=True,
-    )
-
-
-def print_summary(results: dict[str, list[StepRow]]) -> float:
-    print("\n" + HEADER)
-    for mode in MODES:
-        for row in results.get(mode, []):
-            print_row(mode, row)
-    tlt = sum(r.rollout_s for r in results["tlt"])
-    off = sum(r.rollout_s for r in results["off"])
-    speedup = off / tlt if tlt else float("nan")
-    rewards = {m: [round(r.mean_reward, 2) for r in results[m]] for m in MODES}
-    gap = max(r.logprob_gap for rows in results.values() for r in rows)
-    print(
-        f"\nrollout time: TLT {tlt:.2f}s vs SD off {off:.2f}s -> speedup {speedup:.2f}x "
-        f"(TLT / off = {tlt / off if off else float('nan'):.2f})"
-    )
-    print(f"mean reward per step: TLT {rewards['tlt']}  off {rewards['off']}")
-    for mode in MODES:
-        slope, se = reward_trend(results[mode])
-        if slope == slope:  # not NaN: at least two steps
-            print(f"reward trend ({mode}): {slope:+.3f} per step, standard error {se:.3f} "
-                  f"({slope / se if se else float('inf'):+.1f} standard errors)")  # fmt: skip
-    for mode in MODES:
-        rows = results[mode]
-        if rows:
-            p50 = sorted(r.p50 for r in rows)[len(rows) // 2]
-            print(
-                f"answer lengths ({mode}, per step): p50 {[r.p50 for r in rows]}, p99/p50 "
-                f"{[round(r.p99 / max(r.p50, 1), 1) for r in rows]}, max/p50 "
-                f"{[round(r.max_len / max(r.p50, 1), 1) for r in rows]}, capped "
-                f"{[f'{100 * r.capped:.1f}%' for r in rows]} (median p50 {p50})"
-            )
-    print(f"max |trainer logprob - daemon logprob| over the run: {gap:.2e}")
-    return speedup
 
 
 def _initial_drafter(option: str | None, model: Path) -> Path | None:
@@ -424,12 +424,15 @@ def _initial_drafter(option: str | None, model: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 tiny step per mode")
+    parser.add_argument("--quick", action="store_true", help="2 tiny steps per mode")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--prompts", type=int, help="prompts per step")
+    parser.add_argument("--train-prompts", type=int, help="size of the training set")
+    parser.add_argument("--held-out-prompts", type=int, help="size of the held-out set")
     parser.add_argument("--n", type=int, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--cpu-slots", type=int)
+    parser.add_argument("--lr", type=float, help=f"the trainer's AdamW lr (default {DEMO_LR})")
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument(
         "--drafter",
@@ -437,13 +440,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{DRAFTER.relative_to(ROOT)} with the default --model, else none; 'none' = none)",
     )
     parser.add_argument("--work-dir", type=Path, help="keep checkpoints and the daemon's data")
+    parser.add_argument("--plot", type=Path, help="write the curves to this PNG (matplotlib)")
     parser.add_argument(
         "--http", action="store_true", help="roll out through the openai client (HTTP door)"
     )
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else DemoConfig()
     overrides = {"steps": args.steps, "prompts": args.prompts, "n": args.n,
-                 "max_new_tokens": args.max_new_tokens, "cpu_slots": args.cpu_slots}  # fmt: skip
+                 "train_prompts": args.train_prompts, "held_out_prompts": args.held_out_prompts,
+                 "max_new_tokens": args.max_new_tokens, "cpu_slots": args.cpu_slots,
+                 "lr": args.lr}  # fmt: skip
     cfg = DemoConfig(**(vars(cfg) | {k: v for k, v in overrides.items() if v is not None}))
     model = args.model.resolve()
     if not (model / "config.json").exists():
@@ -468,11 +474,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 f"{cfg.steps} GRPO steps per mode, {cfg.prompts} prompts x n={cfg.n}, "
-                f"temperature 1, max {cfg.max_new_tokens} new tokens\n\n{HEADER}",
+                f"temperature 1, max {cfg.max_new_tokens} new tokens; training set "
+                f"{cfg.train_prompts} prompts in shuffled epochs, held out "
+                f"{cfg.held_out_prompts} x n={cfg.n} with fixed sampling seeds",
                 flush=True,
             )
-            results = run_all(cfg, daemon, model, work_dir, drafter)
-            print_summary(results)
+            results, scores = run_all(cfg, daemon, model, work_dir, drafter)
+            print_summary(results, scores)
+            if args.plot:
+                plot(results, scores, args.plot)
+                print(f"curves: {args.plot}")
             code = 0
         except TltClientError as exc:
             print(f"\ndemo failed: the daemon answered {exc}", file=sys.stderr, flush=True)

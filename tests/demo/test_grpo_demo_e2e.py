@@ -1,5 +1,6 @@
 """`examples/grpo_demo.py --quick` end to end: a real `tltd serve`, real rollout workers,
-GRPO updates pushed with UpdatePolicy, both modes, the table, a clean SIGTERM shutdown."""
+GRPO updates pushed in-band with PushPolicy, both modes, held-out scores, the table, a clean
+SIGTERM shutdown."""
 
 from __future__ import annotations
 
@@ -32,18 +33,25 @@ def test_quick_demo_runs_both_modes_and_shuts_down_cleanly(tmp_path):
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     rows = [line.split() for line in out.splitlines() if line.startswith(("tlt ", "off "))]
-    # Each mode's row printed live, then again in the summary table.
-    assert [r[:2] for r in rows] == [["tlt", "0"], ["off", "0"], ["tlt", "0"], ["off", "0"]]
+    # Each mode's rows printed live, then again in the summary table.
+    steps = [["tlt", "0"], ["tlt", "1"], ["off", "0"], ["off", "1"]]
+    assert [r[:2] for r in rows] == steps + steps
     for row in rows:
-        assert float(row[2]) > 0  # rollout seconds
-        assert int(row[4]) > 0  # tokens
+        assert float(row[3]) > 0 and float(row[4]) > 0  # rollout and update seconds
+        assert float(row[5]) == pytest.approx(float(row[3]) + float(row[4]), abs=0.02)
+        assert int(row[8]) > 0  # tokens
         # Counted from the end: the columns before SD share (length statistics) may change.
-        assert row[-4] == "0"  # step 0 samples come from the initial policy (version 0)
-        sd_share = float(row[-7])
+        # Step 1's samples come from the policy pushed after step 0 (version 1).
+        assert row[-4] == row[1]
+        sd_share = float(row[-9])
         # TLT verified drafts (0.12 measured); with speculative decoding off, none.
         assert 0.0 < sd_share <= 1.0 if row[0] == "tlt" else sd_share == 0.0, row
-    assert "speedup" in out
+    assert [r[2] for r in rows[:2]] == ["0.0", "1.0"]  # epochs: the 2 prompts twice
+    assert "end-to-end step speedup" in out and "projection, not a measurement" in out
+    for label in ("initial policy", "tlt final policy", "off final policy"):
+        assert f"held out ({label})" in out
     assert "tltd exited with status 0 after SIGTERM" in out
-    # Each step pushed a checkpoint the daemon accepted (policy version 1 of each job).
+    # The weights went in-band: no checkpoint directory per step, the final ones saved.
     for mode in ("tlt", "off"):
-        assert (tmp_path / "work" / f"ckpt-{mode}" / "step-1" / "model.safetensors").exists()
+        assert not (tmp_path / "work" / f"ckpt-{mode}").exists()
+        assert (tmp_path / "work" / f"final-{mode}" / "model.safetensors").exists()

@@ -1,5 +1,6 @@
 """`examples/grpo_demo.py --quick --http`: the same GRPO step with rollouts through the official
-`openai` client and weights pushed to /update_weights_from_disk, against the gRPC run: the
+`openai` client and weights pushed to /update_weights_from_disk, against the gRPC run (weights
+pushed in-band): the
 seeded SD-off samples agree (same lengths, same rewards) and the trainer's recomputed logprobs
 agree with the daemon's."""
 
@@ -40,13 +41,14 @@ def test_http_run_matches_the_grpc_run(tmp_path):
     over_http = _demo(model, tmp_path / "http", "--http")
     over_grpc = _demo(model, tmp_path / "grpc")
     http_row, grpc_row = _off_row(over_http), _off_row(over_grpc)
-    # tokens, p50, p99, max, capped ... reward: the SD-off samples are the same samples.
-    assert http_row[4:9] == grpc_row[4:9]
-    assert http_row[-2] == grpc_row[-2]  # mean reward
-    assert http_row[-4] == "0"  # step 0 samples come from the initial policy
+    # tokens, p50, p99, capped ... reward: the SD-off samples are the same samples.
+    assert http_row[8:12] == grpc_row[8:12]
+    assert http_row[-1] == grpc_row[-1]  # mean reward
+    assert http_row[-4] == "1"  # the last step's samples come from the pushed policy
     for out in (over_http, over_grpc):
         gap = float(re.search(r"daemon logprob\| over the run: (\S+)", out).group(1))
         assert gap < 1e-4
         assert "tltd exited with status 0 after SIGTERM" in out
     # The step's checkpoint went in through /update_weights_from_disk.
     assert (tmp_path / "http" / "ckpt-off" / "step-1" / "model.safetensors").exists()
+    assert not (tmp_path / "grpc" / "ckpt-off").exists()  # gRPC pushes the weights in-band

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from examples.demo_report import StepRow, Window, projected_speedup, reward_trend
 from examples.grpo_demo import sd_share, summarize
 from tests.engine.helpers import make_checkpoint
 from tltd.api.convert import sample_to_pb
@@ -42,7 +43,7 @@ def test_sd_share_column_is_the_per_sample_share(tmp_path):
     share = sd_share(samples)
     assert 0 < share < 1
     assert share == pytest.approx(summary["sd_step_share"])
-    row = summarize(0, samples, [1.0] * len(samples), 1.0, [], 0.0, 0.0, 0.0)
+    row = summarize(0, samples, [1.0] * len(samples), 1.0, [], 0.0, 0.0, Window())
     assert row.sd_share == share
     assert row.accepted_length == pytest.approx(summary["mean_accepted_length"])
 
@@ -50,14 +51,13 @@ def test_sd_share_column_is_the_per_sample_share(tmp_path):
 def test_reward_trend_is_the_per_sample_regression():
     import numpy as np
 
-    from examples.grpo_demo import StepRow, reward_trend
-
     rng = np.random.default_rng(0)
     sizes = ((0.1, 40), (0.2, 32), (0.35, 48))
     per_step = [rng.binomial(1, p, size=n).astype(float) for p, n in sizes]
     rows = [
         StepRow(
             step=i,
+            epoch=i / 2,
             rollout_s=1.0,
             tail_s=0.0,
             samples=len(y),
@@ -70,7 +70,7 @@ def test_reward_trend_is_the_per_sample_regression():
             accepted_length=0.0,
             drafter_version=0,
             policy_version=0,
-            harvested_s=0.0,
+            window=Window(),
             mean_reward=float(y.mean()),
             reward_var=float(y.var()),
             update_s=0.0,
@@ -87,3 +87,12 @@ def test_reward_trend_is_the_per_sample_regression():
     assert slope == pytest.approx(coef[1]) and slope > 0
     assert slope_se == pytest.approx(se)
     assert all(math.isnan(v) for v in reward_trend(rows[:1]))  # one step has no trend
+
+
+def test_harvest_share_and_end_to_end_projection():
+    w = Window(rollout_idle=3.0, rollout_training=9.0, update_idle=1.0, update_training=4.0)
+    assert w.harvested == pytest.approx(0.75)  # training used 9 of the 12 free device-seconds
+    assert Window().harvested == 0.0
+    # Amdahl: 85% of the step sped up 2x -> 1 / (0.15 + 0.425).
+    assert projected_speedup(2.0) == pytest.approx(1 / 0.575)
+    assert projected_speedup(2.0, rollout_share=1.0) == pytest.approx(2.0)

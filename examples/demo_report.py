@@ -1,0 +1,240 @@
+"""The demo's record of each RL step and its report: the per-step table, the end-to-end
+figures, the held-out scores, the drafter's shadow measurement and the harvest of idle devices,
+and the curves as a PNG."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from examples.heldout import HeldOutScore, paired
+
+MODES = ("tlt", "off")  # TLT first: its drafter warms up while the baseline has nothing to warm
+# TLT's GPU measurement: rollout is ~85% of an RL step without speculative decoding.
+GPU_ROLLOUT_SHARE = 0.85
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: int
+    epoch: float  # epochs of the training set covered when the step starts
+    rollout_s: float
+    tail_s: float  # from 90% of samples finished to the last
+    samples: int
+    tokens: int
+    p50: int  # answer length quantiles (tokens)
+    p99: int
+    max_len: int
+    capped: float  # share of samples stopped by max_new_tokens
+    sd_share: float  # share of the samples' decode steps that verified a draft (sd_share())
+    accepted_length: float  # tokens per SD step (accepted + 1); 0 without SD
+    drafter_version: int
+    policy_version: int
+    window: Window  # device-seconds by state inside the rollout window and the update
+    mean_reward: float
+    reward_var: float  # variance of the step's per-sample rewards (for reward_trend)
+    update_s: float
+    logprob_gap: float
+    shadow: tuple[float, float] = (0.0, 0.0)  # accepted length: drafter used, frozen initial
+
+    @property
+    def step_s(self) -> float:
+        return self.rollout_s + self.update_s
+
+    @property
+    def rollout_share(self) -> float:
+        return self.rollout_s / self.step_s if self.step_s else 0.0
+
+
+@dataclass(frozen=True)
+class Window:
+    """Device-seconds (summed over devices) spent idle and training during the step's rollout
+    window (request sent -> last sample) and during its update (push included)."""
+
+    rollout_idle: float = 0.0
+    rollout_training: float = 0.0
+    update_idle: float = 0.0
+    update_training: float = 0.0
+
+    @property
+    def harvested(self) -> float:
+        """Share of the rollout window's idle device-seconds that drafter training used (a
+        training device has no rollout work: it would be idle otherwise)."""
+        free = self.rollout_idle + self.rollout_training
+        return self.rollout_training / free if free else 0.0
+
+
+def reward_trend(rows: list[StepRow]) -> tuple[float, float]:
+    """Least-squares slope of the per-sample reward against the step index, and its standard
+    error: a slope several standard errors above 0 is a trend, not sampling noise. Computed from
+    each step's sample count, mean and variance (the per-sample regression, exactly)."""
+    n = sum(r.samples for r in rows)
+    if len(rows) < 2 or n < 3:
+        return float("nan"), float("nan")
+    x_bar = sum(r.samples * r.step for r in rows) / n
+    y_bar = sum(r.samples * r.mean_reward for r in rows) / n
+    sxx = sum(r.samples * (r.step - x_bar) ** 2 for r in rows)
+    slope = sum(r.samples * (r.step - x_bar) * (r.mean_reward - y_bar) for r in rows) / sxx
+    fit = {r.step: y_bar + slope * (r.step - x_bar) for r in rows}
+    # Residuals of every sample: its step's spread around the step mean, plus the mean's miss.
+    sse = sum(r.samples * (r.reward_var + (r.mean_reward - fit[r.step]) ** 2) for r in rows)
+    return slope, (sse / (n - 2) / sxx) ** 0.5
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+HEADER = (
+    f"{'mode':<5}{'step':>5}{'epoch':>6}{'rollout s':>10}{'update s':>9}{'step s':>8}"
+    f"{'share':>6}{'tail s':>7}{'tokens':>7}{'p50':>5}{'p99':>5}{'capped':>7}{'SD':>5}"
+    f"{'acc':>5}{'used':>6}{'frozen':>7}{'drafter':>8}{'policy':>7}{'harvest':>8}"
+    f"{'upd trn s':>10}{'reward':>7}"
+)
+
+
+def print_row(mode: str, r: StepRow) -> None:
+    print(
+        f"{mode:<5}{r.step:>5}{r.epoch:>6.1f}{r.rollout_s:>10.2f}{r.update_s:>9.2f}"
+        f"{r.step_s:>8.2f}{100 * r.rollout_share:>5.0f}%{r.tail_s:>7.2f}{r.tokens:>7}"
+        f"{r.p50:>5}{r.p99:>5}{100 * r.capped:>6.1f}%{r.sd_share:>5.2f}"
+        f"{r.accepted_length:>5.2f}{r.shadow[0]:>6.2f}{r.shadow[1]:>7.2f}"
+        f"{r.drafter_version:>8}{r.policy_version:>7}{100 * r.window.harvested:>7.0f}%"
+        f"{r.window.update_training:>10.1f}{r.mean_reward:>7.2f}",
+        flush=True,
+    )
+
+
+# ---- the summary ----------------------------------------------------------------------------
+
+
+def projected_speedup(rollout_speedup: float, rollout_share: float = GPU_ROLLOUT_SHARE) -> float:
+    """End-to-end step speedup when rollout is `rollout_share` of the baseline step and only
+    the rollout gets faster (Amdahl)."""
+    return 1.0 / ((1.0 - rollout_share) + rollout_share / rollout_speedup)
+
+
+def _se_ratio(value: float, se: float) -> float:
+    return value / se if se else math.nan
+
+
+def print_timing(results: dict[str, list[StepRow]]) -> tuple[float, float]:
+    tot = {m: (sum(r.rollout_s for r in results[m]), sum(r.step_s for r in results[m]))
+           for m in MODES}  # fmt: skip
+    (tlt_r, tlt_s), (off_r, off_s) = tot["tlt"], tot["off"]
+    rollout_x = off_r / tlt_r if tlt_r else math.nan
+    step_x = off_s / tlt_s if tlt_s else math.nan
+    share = off_r / off_s if off_s else math.nan
+    print(
+        f"\nrollout time: TLT {tlt_r:.2f}s vs SD off {off_r:.2f}s -> rollout speedup "
+        f"{rollout_x:.2f}x (TLT / off = {tlt_r / off_r if off_r else math.nan:.2f})"
+    )
+    print(
+        f"step time (rollout + update): TLT {tlt_s:.2f}s vs SD off {off_s:.2f}s -> "
+        f"end-to-end step speedup {step_x:.2f}x (measured; rollout {100 * share:.0f}% of "
+        f"the SD-off step here)"
+    )
+    print(f"projection, not a measurement: with rollout {100 * GPU_ROLLOUT_SHARE:.0f}% of the "
+          f"SD-off step (TLT's GPU figure) this rollout speedup gives "
+          f"{projected_speedup(rollout_x):.2f}x end to end")  # fmt: skip
+    return rollout_x, step_x
+
+
+def print_held_out(scores: dict[str, HeldOutScore]) -> None:
+    first = scores["initial"]
+    print(
+        f"held-out reward (fixed sampling seeds, paired): initial {first.mean:.3f} "
+        f"(guesses {first.guess_share:.2f}, mean length {first.mean_length:.0f})"
+    )
+    for mode in MODES:
+        if mode not in scores:
+            continue
+        s = scores[mode]
+        delta, se = paired(first.rewards, s.rewards)
+        print(f"  {mode}: {s.mean:.3f} (guesses {s.guess_share:.2f}, mean length "
+              f"{s.mean_length:.0f}), change {delta:+.3f} +- {se:.3f} "
+              f"({_se_ratio(delta, se):+.1f} standard errors)")  # fmt: skip
+    if all(m in scores for m in MODES):
+        delta, se = paired(scores["off"].rewards, scores["tlt"].rewards)
+        print(
+            f"  TLT - off at the end: {delta:+.3f} +- {se:.3f} "
+            f"({_se_ratio(delta, se):+.1f} standard errors)"
+        )
+
+
+def print_drafter(rows: list[StepRow]) -> None:
+    measured = [r for r in rows if r.shadow[1] > 0]
+    if not measured:
+        return
+    used = [round(r.shadow[0], 2) for r in measured]
+    frozen = [round(r.shadow[1], 2) for r in measured]
+    last = measured[-1]
+    print(f"shadow accepted length (k=4, the step's own samples): used {used}, frozen initial "
+          f"{frozen}; last step used / frozen {last.shadow[0] / last.shadow[1]:.2f}x; drafter "
+          f"versions used {sorted({r.drafter_version for r in rows})}")  # fmt: skip
+
+
+def print_harvest(rows: list[StepRow]) -> None:
+    if not rows:
+        return
+    idle = sum(r.window.rollout_idle + r.window.rollout_training for r in rows)
+    used = sum(r.window.rollout_training for r in rows)
+    upd = sum(r.window.update_training for r in rows)
+    per_step = [f"{100 * r.window.harvested:.0f}%" for r in rows]
+    print(f"idle device-seconds in rollout windows used by drafter training: {per_step}, total "
+          f"{used:.1f} of {idle:.1f} ({100 * used / idle if idle else 0.0:.0f}%); "
+          f"training during the updates {upd:.1f} device-s")  # fmt: skip
+
+
+def print_summary(results: dict[str, list[StepRow]], scores: dict[str, HeldOutScore]) -> float:
+    print("\n" + HEADER)
+    for mode in MODES:
+        for row in results.get(mode, []):
+            print_row(mode, row)
+    rollout_x, _ = print_timing(results)
+    print_held_out(scores)
+    rewards = {m: [round(r.mean_reward, 2) for r in results[m]] for m in MODES}
+    print(f"mean training reward per step: TLT {rewards['tlt']}  off {rewards['off']}")
+    for mode in MODES:
+        slope, se = reward_trend(results[mode])
+        if slope == slope:  # not NaN: at least two steps
+            print(f"training reward trend ({mode}): {slope:+.3f} per step, standard error "
+                  f"{se:.3f} ({_se_ratio(slope, se):+.1f} standard errors)")  # fmt: skip
+    for mode in MODES:
+        rows = results[mode]
+        print(f"answer lengths ({mode}, per step): p50 {[r.p50 for r in rows]}, p99 "
+              f"{[r.p99 for r in rows]}, tokens {[r.tokens for r in rows]}")  # fmt: skip
+    print_drafter(results["tlt"])
+    print_harvest(results["tlt"])
+    gap = max(r.logprob_gap for rows in results.values() for r in rows)
+    print(f"max |trainer logprob - daemon logprob| over the run: {gap:.2e}")
+    return rollout_x
+
+
+def plot(results: dict[str, list[StepRow]], scores: dict[str, HeldOutScore], path: Path) -> None:
+    """Training reward per step with the held-out reward before/after, and the shadow accepted
+    lengths per step (used vs frozen initial drafter), as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, color in zip(MODES, ("tab:blue", "tab:orange"), strict=True):
+        rows = results[mode]
+        ax1.plot([r.step for r in rows], [r.mean_reward for r in rows], "o-", color=color,
+                 label=f"{mode}: training batch")  # fmt: skip
+        if mode in scores:
+            ax1.plot([0, len(rows)], [scores["initial"].mean, scores[mode].mean], "s--",
+                     color=color, label=f"{mode}: held out (before, after)")  # fmt: skip
+    ax1.set_xlabel("RL step (held out: before step 0, after the last)")
+    ax1.set_ylabel("mean reward")
+    ax1.legend(fontsize=8)
+    rows = [r for r in results["tlt"] if r.shadow[1] > 0]
+    ax2.plot([r.step for r in rows], [r.shadow[0] for r in rows], "o-", label="drafter used")
+    ax2.plot([r.step for r in rows], [r.shadow[1] for r in rows], "s--", label="frozen initial")
+    ax2.set_xlabel("RL step (TLT run)")
+    ax2.set_ylabel("accepted length, k=4 (shadow)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

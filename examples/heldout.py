@@ -1,0 +1,75 @@
+"""Held-out reward of a policy: the dataset's held-out prompts sampled with fixed seeds and
+speculative decoding off (by the engine in-process, or by a daemon job), so that two policies'
+scores pair up sample by sample."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from examples.task import decode, load_tokenizer, reward
+from examples.task.dataset import HELD_OUT_SAMPLING_SEED, Item
+from examples.task.reasoning import ANSWER_MARKER
+from examples.task.workload import STOP_TOKEN_ID
+from tltd.domain import SamplingParams
+from tltd_workers.engine.engine import Engine, EngineConfig, Request
+
+
+@dataclass(frozen=True)
+class HeldOutScore:
+    """Per sample, in (prompt, sample) order: reward, answer length (tokens), and whether the
+    answer was a bare guess (the answer line first, nothing worked out)."""
+
+    rewards: list[float]
+    lengths: list[int]
+    guesses: list[bool]
+
+    @property
+    def mean(self) -> float:
+        return sum(self.rewards) / max(1, len(self.rewards))
+
+    @property
+    def guess_share(self) -> float:
+        return sum(self.guesses) / max(1, len(self.guesses))
+
+    @property
+    def mean_length(self) -> float:
+        return sum(self.lengths) / max(1, len(self.lengths))
+
+
+def held_out_score(
+    checkpoint: Path, items: list[Item], n: int, max_new_tokens: int,
+    seed: int = HELD_OUT_SAMPLING_SEED,
+) -> HeldOutScore:  # fmt: skip
+    """Sample `n` answers per held-out prompt at temperature 1 with `seed` in-process, and
+    score them."""
+    engine = Engine(checkpoint, EngineConfig(max_batch=64, max_seq_len=2304, spec_mode="off"))
+    params = SamplingParams(
+        n=n, temperature=1.0, max_new_tokens=max_new_tokens,
+        stop_token_ids=(STOP_TOKEN_ID,), seed=seed,
+    )  # fmt: skip
+    outs = engine.generate(
+        Request(f"h{i}", ids, params, prompt_index=i) for i, (_, ids) in enumerate(items)
+    )
+    return score_samples(items, outs, load_tokenizer(checkpoint))
+
+
+def score_samples(items: list[Item], samples, tok) -> HeldOutScore:
+    """Score samples (anything with prompt_index, sample_index, token_ids: the engine's or the
+    daemon's) in (prompt, sample) order, so that two scores pair up by position."""
+    outs = sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+    texts = [decode(tok, s.token_ids) for s in outs]
+    return HeldOutScore(
+        rewards=[reward(items[s.prompt_index][0], t) for s, t in zip(outs, texts, strict=True)],
+        lengths=[len(s.token_ids) for s in outs],
+        guesses=[t.lstrip().startswith(ANSWER_MARKER) for t in texts],
+    )
+
+
+def paired(before: list[float], after: list[float]) -> tuple[float, float]:
+    """Mean of the per-sample differences after - before, and its standard error."""
+    diffs = [a - b for a, b in zip(after, before, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / max(1, len(diffs) - 1)
+    return mean, math.sqrt(var / len(diffs))

@@ -1,0 +1,89 @@
+"""The task's fixed RL dataset: training prompts iterated in epochs, and a held-out set.
+
+RL runs iterate a fixed prompt set (GSM8K, MATH, DAPO-17k) in epochs: every prompt comes back
+once per epoch, in a new order. Here the training set is `train_size` prompts of the rollout
+workload (workload.py: the prompt-level size tail and alternating care levels), shuffled per
+epoch with a seed; step k takes the next `per_step` prompts of that stream. The held-out set is
+drawn from another seed, never trained on, and is scored with fixed sampling seeds, so that a
+before/after comparison is paired sample by sample.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from examples.task.reasoning import Problem
+from examples.task.workload import MODEL_DIR, rollout_prompts
+
+TRAIN_SEED = 0
+HELD_OUT_SEED = 10**5  # no training set is drawn from it
+HELD_OUT_SAMPLING_SEED = 4242  # the held-out rollouts' seed, the same before and after
+TRAIN_SIZE = 32
+HELD_OUT_SIZE = 32
+
+Item = tuple[Problem, list[int]]  # a problem and its prompt token ids (<bos> first)
+
+
+def _key(problem: Problem) -> tuple[int, int, int]:
+    return (problem.start, problem.step, problem.count)
+
+
+@dataclass
+class TaskDataset:
+    """`train` and `held_out` items; `batch(step)` walks the training set in shuffled epochs."""
+
+    train: list[Item]
+    held_out: list[Item]
+    per_step: int
+    shuffle_seed: int = 0
+    _orders: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.per_step <= len(self.train):
+            raise ValueError(
+                f"per_step: must be in [1, {len(self.train)}] (the training set), "
+                f"got {self.per_step}"
+            )
+
+    def order(self, epoch: int) -> list[int]:
+        """The training items' order in `epoch`: a seeded shuffle, different every epoch."""
+        if epoch not in self._orders:
+            idx = list(range(len(self.train)))
+            random.Random(self.shuffle_seed * 1_000_003 + epoch).shuffle(idx)
+            self._orders[epoch] = idx
+        return self._orders[epoch]
+
+    def epoch_of(self, step: int) -> float:
+        """How many epochs the run has covered when step `step` starts (0.5 = half of one)."""
+        return step * self.per_step / len(self.train)
+
+    def batch(self, step: int) -> list[Item]:
+        """The `per_step` items of RL step `step`: the next ones of the epoch stream (a batch
+        that crosses an epoch's end takes the rest from the next epoch's order)."""
+        size, out = len(self.train), []
+        for pos in range(step * self.per_step, (step + 1) * self.per_step):
+            out.append(self.train[self.order(pos // size)[pos % size]])
+        return out
+
+
+def build_dataset(
+    per_step: int = 16,
+    train_size: int = TRAIN_SIZE,
+    held_out_size: int = HELD_OUT_SIZE,
+    model_dir: str | Path = MODEL_DIR,
+    seed: int = TRAIN_SEED,
+) -> TaskDataset:
+    """The fixed training set (`train_size` prompts drawn from `seed`) and a held-out set from
+    HELD_OUT_SEED with every problem that also appears in the training set dropped (and made
+    up from further draws), so the two are disjoint."""
+    train = rollout_prompts(train_size, seed=seed, model_dir=model_dir)
+    seen = {_key(p) for p, _ in train}
+    held_out: list[Item] = []
+    extra = 0
+    while len(held_out) < held_out_size:
+        draw = rollout_prompts(held_out_size + extra, seed=HELD_OUT_SEED, model_dir=model_dir)
+        held_out = [item for item in draw if _key(item[0]) not in seen][:held_out_size]
+        extra += 1
+    return TaskDataset(train, held_out, per_step, shuffle_seed=seed)
