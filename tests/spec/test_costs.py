@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.engine.helpers import make_checkpoint
@@ -103,6 +105,17 @@ def test_measure_costs_times_every_bucket_and_restores_the_cache(tmp_path):
         assert set(c.verify_ms) == {3, 7} and c.plain_ms > 0 and c.draft_ms > 0
     assert costs.context == 64 and costs.seconds > 0
     assert measure_costs(model, cache, (1, 2), (2,), 64, budget_s=0).buckets == {}
+
+
+def test_a_draft_wider_than_a_short_cache_is_extrapolated_not_timed(tmp_path):
+    """A 16-position cache cannot hold the history arms' 17-token verify beside any context:
+    the widths that fit are timed, the wider one priced by extrapolation."""
+    model = load_model(make_checkpoint(tmp_path / "m", vocab=32))
+    cache = model.new_cache(4, 16)
+    costs = measure_costs(model, cache, (1, 2), (2, 4, 16), 512, budget_s=30, rounds=1)
+    for c in costs.buckets.values():
+        assert set(c.verify_ms) == {3} and math.isfinite(c.verify(16))
+    assert costs.context + 3 <= cache.max_len
 
 
 def test_default_buckets_reach_the_gates_top():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from tltd.domain import DrafterStatus, DrafterVersion, Job
 from tltd.drafter_training import DrafterTraining
 from tltd.periodic import build_scheduler, gc_drafters
@@ -52,12 +54,19 @@ def test_gc_is_a_declared_periodic_job(sqlite_store, tmp_path):
 
     settings = training_settings(tmp_path, drafter_gc_seconds=60.0)
     training = DrafterTraining(sqlite_store, settings)
-    jobs = {
-        j.id: j for j in build_scheduler(settings, sqlite_store, None, None, training).get_jobs()
-    }
-    gc = jobs["drafter-gc"]
+    scheduler = build_scheduler(settings, sqlite_store, None, None, training)
+
+    async def started_job():
+        scheduler.start(paused=True)  # the job defaults apply as a scheduler starts
+        try:
+            return scheduler.get_job("drafter-gc")
+        finally:
+            scheduler.shutdown(wait=False)
+
+    gc = asyncio.run(started_job())
     assert gc.func is gc_drafters and gc.args == (sqlite_store, 5, training.root)
-    assert gc.trigger.interval.total_seconds() == 60.0 and gc.max_instances == 1
+    assert gc.trigger.interval.total_seconds() == 60.0
+    assert (gc.max_instances, gc.coalesce) == (1, True)
     assert "drafter-gc" not in {
         j.id for j in build_scheduler(settings, sqlite_store, None).get_jobs()
     }

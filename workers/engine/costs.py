@@ -146,8 +146,10 @@ def measure_costs(
     # Long on purpose: one timed pass per batch bucket; its steps share the warmed cache.
     start = time.perf_counter()
     batches = sorted(b for b in set(batches) if b <= cache.slots)
-    widths = sorted({min(ks) + 1, max(ks) + 1})
-    context = max(8, min(context, cache.max_len - widths[-1]))
+    # Widths that fit the cache beside a context of >= 8 positions (a short max_seq_len and
+    # the history arms' long drafts need not): wider ones are extrapolated (`verify`).
+    widths = sorted(w for w in {min(ks) + 1, max(ks) + 1} if w <= cache.max_len - 8)
+    context = max(8, min(context, cache.max_len - (widths[-1] if widths else 1)))
     if not batches or budget_s <= 0:
         return CostModel({}, context, 0.0, key)
     drafter = EagleDrafter.random_init(model)
