@@ -115,8 +115,11 @@ def test_bench_rl_trend_quick(tiny: tuple[Path, Path], capsys: pytest.CaptureFix
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[-2:]}
     assert set(rows) == {"demo", "sgd0.3"}
     for cells in rows.values():
-        assert len(cells) == 2 + 6  # a reward per step, trend, SEs, before, after, change, SEs
+        # a reward per step, trend, SEs, before, after, change, SEs, guesses, mean length
+        assert len(cells) == 2 + 8
         assert all(0.0 <= float(c) <= 1.0 for c in cells[:2] + cells[4:6])
+        for before_after in cells[8:]:  # "0.50->0.25"
+            assert len([float(x) for x in before_after.split("->")]) == 2
 
 
 def test_paired_change_of_held_out_rewards() -> None:
