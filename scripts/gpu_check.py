@@ -46,11 +46,10 @@ class StepResult:
 
 @dataclass
 class Check:
-    """What every step needs: where it runs, the budget left, where logs go."""
+    """What every step needs: where it runs, its scratch folder, the budget left, the logs."""
 
     device: str
     dry: bool
-    out: Path
     tmp: Path
     deadline: float
     logs: list[str] = field(default_factory=list)
@@ -359,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="tltd-gpu-check-") as tmp:
-        c = Check("cpu" if args.dry_run else args.device, args.dry_run, args.out, Path(tmp),
+        c = Check("cpu" if args.dry_run else args.device, args.dry_run, Path(tmp),
                   time.monotonic() + args.budget)  # fmt: skip
         for name in args.steps.split(","):
             print(f"[gpu-check] {name} ({c.left():.0f} s of the budget left)", flush=True)
