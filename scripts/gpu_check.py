@@ -293,11 +293,12 @@ def step_preemption(c: Check) -> StepResult:
 
 
 def step_spec(c: Check) -> StepResult:
-    """bench_spec on the device: SD off vs adaptive on the shipped policy and drafter."""
+    """bench_spec on the device: SD off, adaptive and adaptive + history drafts over two epochs
+    of the same prompts, on the shipped policy and drafter."""
     res = StepResult("spec")
-    cmd = [PY, "benchmarks/bench_spec.py", "--device", c.device, "--modes", "off,adaptive"]
-    cmd += ["--quick"] if c.dry else ["--repeats", "1"]
-    c.run(res, cmd, 120 if c.dry else 150)
+    cmd = [PY, "benchmarks/bench_spec.py", "--device", c.device, "--modes", "off,adaptive,history"]
+    cmd += ["--epochs", "2"] + (["--quick"] if c.dry else ["--repeats", "1"])
+    c.run(res, cmd, 120 if c.dry else 200)
     return res
 
 
