@@ -80,7 +80,7 @@ def _sample(ckpt, mode, strategy=None, eagle=False, seed=0, confidence=0.0, draf
         max_seq_len=64,
         spec_mode=mode,
         batch_threshold=64,
-        strategies=(strategy or Strategy("ngram", 2),),
+        strategies=strategy if isinstance(strategy, tuple) else (strategy or Strategy("ngram", 2),),
         seed=seed,
         draft_confidence=confidence,
         device=torch_device(),
@@ -120,12 +120,24 @@ def _p_value(counts, law):
         ("fixed", Strategy("ngram", 2), False),
         ("fixed", Strategy("eagle", 2), True),
         ("fixed", Strategy("history", 3), False),
+        # history rows and EAGLE rows (where the history walk is short) in one verify pass
+        ("fixed", (Strategy("history", 3), Strategy("eagle", 2)), True),
     ],
-    ids=["no-sd", "ngram", "eagle", "history"],
+    ids=["no-sd", "ngram", "eagle", "history", "history+eagle"],
 )
-def test_sampled_speculative_matches_exact_law(ckpt, exact, mode, strategy, eagle):
+def test_sampled_speculative_matches_exact_law(ckpt, exact, mode, strategy, eagle, monkeypatch):
+    masks = []
+    real_q_rows = Engine._q_rows
+
+    def spy(self, kinds, q):
+        masks.append(set(kinds))
+        return real_q_rows(self, kinds, q)
+
+    monkeypatch.setattr(Engine, "_q_rows", spy)
     counts, summary = _sample(ckpt, mode, strategy, eagle)
     assert _p_value(counts, exact) > 1e-3
+    if isinstance(strategy, tuple):  # steps that mixed both kinds of rows really ran
+        assert {"history", "eagle"} in masks
     if mode != "off":
         # The test only means something if drafts were both accepted and rejected.
         assert 0.05 < summary["acceptance_rate"] < 0.95, summary
@@ -134,7 +146,7 @@ def test_sampled_speculative_matches_exact_law(ckpt, exact, mode, strategy, eagl
 def test_the_chi_square_test_rejects_a_wrong_rule(ckpt, exact, monkeypatch):
     real = engine_mod.accept_drafts
 
-    def always_accept(p, draft, draft_len, q, greedy, u_accept, u_sample, target_argmax=None):
+    def always_accept(p, draft, draft_len, q, greedy, u_accept, u_sample, *_):
         _, nxt = real(p, draft, torch.zeros_like(draft_len), None, greedy, u_accept, u_sample)
         rows = torch.arange(p.shape[0])
         # keep every draft, then sample the next token from p after them

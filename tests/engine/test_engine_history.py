@@ -11,6 +11,7 @@ import torch
 from tests.engine.helpers import make_checkpoint
 from tltd.domain import SamplingParams, TokenSource
 from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 8], [9, 10, 11, 12, 9, 10], [3, 14, 15, 9, 2, 6]]
@@ -24,11 +25,13 @@ def ckpt(tmp_path_factory):
     )
 
 
-def _engine(ckpt, mode="fixed", k=16) -> Engine:
-    cfg = EngineConfig(
-        max_batch=16, max_seq_len=64, spec_mode=mode, strategies=(Strategy("history", k),)
-    )
-    return Engine(str(ckpt), cfg)
+def _engine(ckpt, mode="fixed", k=16, eagle_k=0) -> Engine:
+    strategies = (Strategy("history", k),) + ((Strategy("eagle", eagle_k),) if eagle_k else ())
+    cfg = EngineConfig(max_batch=16, max_seq_len=64, spec_mode=mode, strategies=strategies)
+    e = Engine(str(ckpt), cfg)
+    if eagle_k:
+        e.set_drafter(EagleDrafter.random_init(e.model, seed=1), version=1)
+    return e
 
 
 def _epoch(e: Engine, tag: str, sampling=GREEDY, history=None):
@@ -55,6 +58,23 @@ def test_greedy_is_token_identical_over_epochs_and_the_second_drafts_from_the_fi
     prov = [p for o in second.values() for p in o.provenance[1:]]
     assert {p.drafter for p in prov if p.source is not TokenSource.PLAIN} == {"history"}
     assert sum(p.source is TokenSource.ACCEPTED for p in prov) == s["tokens"]["accepted"]
+
+
+def test_greedy_history_steps_draft_short_walks_with_eagle_and_stay_token_identical(ckpt):
+    """Where a row's history walk is shorter than HISTORY_MIN_DRAFT, the same verify pass
+    drafts it with EAGLE: both drafters appear in provenance, the output stays the target's."""
+    ref = _epoch(_engine(ckpt, "off"), "a")
+    e = _engine(ckpt, k=8, eagle_k=4)
+    junk = {i: [((f"x{i}", 0), [5, 6] * 20)] for i in range(len(PROMPTS))}
+    first = _epoch(e, "a", history=junk)  # the history is ready at once but matches little
+    second = _epoch(e, "b")
+    drafters = set()
+    for key, o in ref.items():
+        assert first[key].token_ids == second[key].token_ids == o.token_ids, key
+        torch.testing.assert_close(second[key].logprobs, o.logprobs, atol=1e-4, rtol=0)
+        for got in (first[key], second[key]):
+            drafters |= {p.drafter for p in got.provenance if p.source is not TokenSource.PLAIN}
+    assert drafters == {"history", "eagle"}
 
 
 def test_answers_handed_in_at_admission_draft_a_fresh_engine(ckpt):

@@ -116,6 +116,11 @@ from tltd_workers.engine.transformer import (
 # An EAGLE step whose rows have more than this many drafts' worth ((k + 1) positions each) of
 # positions the drafter has not seen catches up on them first (Engine._eagle_drafts).
 CATCH_UP_BACKLOG = 2
+# The history arm drafts a row from its prompt's history where the history offers at least
+# this many tokens (a shorter walk means a rare or contested continuation) and from the EAGLE
+# drafter elsewhere, in the same verify pass. The choice is a function of the row's context
+# (history drafts are deterministic), not of any draw, so each row keeps its proposal law.
+HISTORY_MIN_DRAFT = 4
 
 
 @dataclass
@@ -236,6 +241,8 @@ class Engine:
         if cfg.spec_mode != "off" and any(st.drafter == "history" for st in cfg.strategies):
             self.history = HistoryDrafter(cfg.history_max_tokens, cfg.history_max_prompt_tokens)
         self._history_pending: list[tuple[str, int, _Seq, list[int]]] = []
+        # Draft length of EAGLE rows in a history step: the longest EAGLE arm (0: no fallback).
+        self._eagle_k = max((st.k for st in cfg.strategies if st.drafter == "eagle"), default=0)
         self.drafter: EagleDrafter | None = None
         self.drafter_version = 0
         self.eagle_cache: KVCache | None = None
@@ -752,7 +759,7 @@ class Engine:
         b = len(seqs)
         params = self._params()
         self._catch_up_s = 0.0
-        drafts, dlen, q = self._propose(strategy, params)
+        drafts, dlen, q, kinds = self._propose(strategy, params)
         t1 = time.perf_counter()
         # Row i feeds its pending token + its dlen[i] drafts (padding to the widest row).
         width = 1 + max(dlen)
@@ -779,6 +786,7 @@ class Engine:
             uniforms(keys, pos[:, :-1], ACCEPT),
             uniforms(keys, pos, SAMPLE),
             logp.argmax(dim=-1),
+            self._q_rows(kinds, q),
         )
         # Row i emits draft[:n_i] + [next_i]; logprobs come from the target's p (or its raw
         # logits, for rows asking for raw logprobs).
@@ -787,7 +795,7 @@ class Engine:
         emitted_lp = token_logprobs(logits, logp, emitted, params)
         n_list, em, em_lp = n_acc.tolist(), emitted.tolist(), emitted_lp.tolist()
         if self.gate_state is not None:  # acceptance as drafted, before stop-token clipping
-            self.gate_state.observe(strategy.drafter, dlen, n_list)
+            self._observe(kinds, dlen, n_list)
         done: dict[int, FinishReason] = {}
         gained: list[int] = []  # tokens each row emitted (fewer than n + 1 past a stop token)
         for i, s in enumerate(seqs):
@@ -795,7 +803,7 @@ class Engine:
             lens[i] += 1 + n  # rejected positions past this are stale: the rollback
             if dlen[i]:
                 s.draft_steps += 1
-                if strategy.drafter == "eagle":
+                if kinds[i] == "eagle":
                     s.drafter_version = self.drafter_version
             else:  # nothing drafted (speculative=False, no EAGLE history, at its limit...):
                 s.plain_steps += 1  # the verify pass was a plain decode step for this row
@@ -803,7 +811,7 @@ class Engine:
             before = len(s.tokens)
             origin = None
             if s.provenance is not None:
-                origin = step_provenance(n, dlen[i], strategy.drafter)
+                origin = step_provenance(n, dlen[i], kinds[i])
             reason = self._emit(s, em[i][: n + 1], em_lp[i][: n + 1], h, origin)
             gained.append(len(s.tokens) - before)
             n_list[i] = min(n, gained[-1])  # drafts past a stop token do not count as accepted
@@ -827,12 +835,14 @@ class Engine:
 
     def _propose(
         self, strategy: Strategy, params: RowParams
-    ) -> tuple[list[list[int]], list[int], Tensor | None]:
-        """Drafts per row, how many of them to verify, and q (None: deterministic drafts)."""
+    ) -> tuple[list[list[int]], list[int], Tensor | None, list[str]]:
+        """Drafts per row, how many of them to verify, q (None: deterministic drafts) and
+        which drafter proposed each row."""
         seqs, k = self.running, strategy.k
         # Per-row budget: leave room for the target's own token within max_new_tokens (which
         # already includes the max_seq_len limit).
         cap = [min(k, s.max_new - len(s.tokens) - 1) if s.group.speculative else 0 for s in seqs]
+        kinds = [strategy.drafter] * len(seqs)
         q = None
         if strategy.drafter == "eagle":
             cap = [c if s.eagle_ok else 0 for c, s in zip(cap, seqs, strict=True)]
@@ -840,18 +850,53 @@ class Engine:
             drafts = drafts_t.tolist()
             cap = [min(c, n) for c, n in zip(cap, confident, strict=True)]
         elif strategy.drafter == "history" and self.history is not None:
-            hist = self.history
-            drafts = [
-                hist.propose(s.group.history_key, s.answer_id, c) if c > 0 else []
-                for s, c in zip(seqs, cap, strict=True)
-            ]
+            drafts, q = self._history_drafts(seqs, cap, params, kinds)
         else:
             drafts = [
                 self.ngram.propose(s.group.group_key, s.sample_key, c) if c > 0 else []
                 for s, c in zip(seqs, cap, strict=True)
             ]
         dlen = [min(len(d), c) for d, c in zip(drafts, cap, strict=True)]
-        return drafts, dlen, q
+        return drafts, dlen, q, kinds
+
+    def _history_drafts(
+        self, seqs: list[_Seq], cap: list[int], params: RowParams, kinds: list[str]
+    ) -> tuple[list[list[int]], Tensor | None]:
+        """The history arm: each row's walk over its prompt's history; rows whose walk is
+        shorter than HISTORY_MIN_DRAFT take EAGLE drafts instead (`kinds` marks them), when a
+        drafter is loaded. EAGLE runs only when some row needs it."""
+        assert self.history is not None
+        hist = self.history
+        drafts = [
+            hist.propose(s.group.history_key, s.answer_id, c) if c > 0 else []
+            for s, c in zip(seqs, cap, strict=True)
+        ]
+        fallback = [
+            i
+            for i, (s, d, c) in enumerate(zip(seqs, drafts, cap, strict=True))
+            if c > 0 and len(d) < min(HISTORY_MIN_DRAFT, c) and s.eagle_ok
+        ]
+        if not fallback or self.drafter is None or self._eagle_k == 0:
+            return drafts, None
+        eagle_t, q, confident = self._eagle_drafts(seqs, params, min(self._eagle_k, max(cap)))
+        eagle = eagle_t.tolist()
+        for i in fallback:
+            drafts[i] = eagle[i][: min(cap[i], confident[i])]
+            kinds[i] = "eagle"
+        return drafts, q
+
+    def _q_rows(self, kinds: list[str], q: Tensor | None) -> Tensor | None:
+        """Rows drafted from q (EAGLE rows of a history step); None: all of them, or no q."""
+        if q is None or all(kind == "eagle" for kind in kinds):
+            return None
+        return torch.tensor([kind == "eagle" for kind in kinds], device=self.device)
+
+    def _observe(self, kinds: list[str], dlen: list[int], n_list: list[int]) -> None:
+        """Acceptance per drafter: a history step's EAGLE rows count for EAGLE."""
+        assert self.gate_state is not None
+        for kind in dict.fromkeys(kinds):
+            rows = [i for i, k in enumerate(kinds) if k == kind]
+            self.gate_state.observe(kind, [dlen[i] for i in rows], [n_list[i] for i in rows])
 
     def _eagle_drafts(
         self, seqs: list[_Seq], params: RowParams, k: int

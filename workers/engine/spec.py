@@ -17,6 +17,7 @@ def accept_drafts(
     u_accept: Tensor,
     u_sample: Tensor,
     target_argmax: Tensor | None = None,
+    q_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Decide how many drafted tokens each row keeps and draw the token that follows them.
 
@@ -24,8 +25,11 @@ def accept_drafts(
               (position i predicts the token after draft[:, :i]); for greedy rows only its
               argmax matters (the argmax of the logits).
     draft     [B, K] drafted tokens (padded past draft_len), draft_len [B] in [0, K].
-    q         [B, K, V] the drafter's processed distribution each draft was sampled from, or
-              None when proposals are deterministic (q = one-hot of the draft, e.g. n-grams).
+    q         [B, Kq, V] (Kq <= K) the drafter's processed distribution each draft was sampled
+              from, or None when proposals are deterministic (q = one-hot of the draft, e.g.
+              n-grams).
+    q_rows    [B] bool: the rows whose drafts were sampled from q (their draft_len <= Kq); the
+              others are deterministic. None: every row, when q is given.
     greedy    [B] bool, u_accept [B, K], u_sample [B, K+1]: uniforms in [0, 1).
     target_argmax [B, K+1] the greedy token at each position taken from the logprobs, as plain
               decoding takes it (exp can round two near-equal logprobs to one probability and
@@ -51,7 +55,13 @@ def accept_drafts(
         nxt = torch.where(greedy, top, sample_from(p[:, 0], u_sample[:, 0]))
         return torch.zeros(b, dtype=torch.long, device=draft.device), nxt
     p_drafted = p[:, :k].gather(-1, draft[..., None])[..., 0]  # p_i(x_i), [B, K]
-    q_drafted = 1.0 if q is None else q.gather(-1, draft[..., None])[..., 0]
+    use_q = None  # [B, 1] bool: rows proposed from q
+    q_drafted: Tensor | float = 1.0
+    if q is not None:
+        kq = q.shape[1]
+        use_q = (q_rows if q_rows is not None else torch.ones_like(greedy))[:, None]
+        q_drafted = torch.ones_like(p_drafted)
+        q_drafted[:, :kq] = torch.where(use_q, q.gather(-1, draft[:, :kq, None])[..., 0], 1.0)
     argmax = p.argmax(dim=-1) if target_argmax is None else target_argmax  # [B, K+1]
     ok = torch.where(greedy[:, None], draft == argmax[:, :k], u_accept * q_drafted < p_drafted)
     ok &= torch.arange(k, device=draft.device)[None, :] < draft_len[:, None]
@@ -61,11 +71,10 @@ def accept_drafts(
     p_n = p[rows, n]
     rejected = n < draft_len
     at = n.clamp(max=k - 1)  # only read where rejected, i.e. where n < draft_len <= K
-    if q is None:
-        q_n = torch.zeros_like(p_n)
-        q_n[rows, draft[rows, at]] = 1.0
-    else:
-        q_n = q[rows, at]
+    q_n = torch.zeros_like(p_n)
+    q_n[rows, draft[rows, at]] = 1.0  # deterministic proposals: one-hot at the draft
+    if q is not None and use_q is not None:
+        q_n = torch.where(use_q, q[rows, at.clamp(max=q.shape[1] - 1)], q_n)
     residual = torch.where(rejected[:, None], (p_n - q_n).clamp(min=0.0), p_n)
     # p == q up to rounding makes the residual vanish; such a rejection has probability ~0,
     # and p itself is the right fallback.
