@@ -830,7 +830,7 @@ class Engine:
         # A drafter catch-up is left out: charged to the one step that ran it, it would make
         # EAGLE's first step after a plain run look many times slower than EAGLE is.
         self.bandit.record(b, strategy, sum(gained) / b, t2 - t0 - self._catch_up_s)
-        self.stats.record_spec_step(b, strategy, dlen, n_list, gained, t1 - t0, t2 - t1)
+        self.stats.record_spec_step(b, strategy, dlen, n_list, gained, t1 - t0, t2 - t1, kinds)
         return self._finish(done)
 
     def _propose(

@@ -42,6 +42,24 @@ DEFAULT_MIN_SUPPORT = 0.25  # stop drafting where the walk's empirical probabili
 # A draft is at most this many times as long as the context it was matched on: a match of a
 # few tokens says less about what follows than one of a whole line (SuffixDecoding's rule).
 MAX_SPEC_FACTOR = 2
+# Contexts are keyed by a polynomial rolling hash over the prompt's tail and the answer (one
+# prefix hash per token), so counting a token costs O(1) per context length rather than
+# hashing a tuple of up to 32 tokens; a collision only spoils a draft.
+_MOD = (1 << 61) - 1
+_BASE = 1_000_003
+_POW = [1]
+for _ in range(max(MATCH_LENGTHS)):
+    _POW.append(_POW[-1] * _BASE % _MOD)
+
+
+def _push(prefix: list[int], token: int) -> None:
+    """Extend prefix hashes by one token."""
+    prefix.append((prefix[-1] * _BASE + token + 1) % _MOD)
+
+
+def _window(prefix: list[int], end: int, m: int) -> int:
+    """Hash of the m tokens before position `end` (prefix[end] covers the first `end`)."""
+    return (prefix[end] - prefix[end - m] * _POW[m]) % _MOD
 
 
 @dataclass
@@ -50,6 +68,9 @@ class _Prompt:
 
     head: tuple[int, ...]  # the prompt's last max(MATCH_LENGTHS) tokens: every answer's context
     answers: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)  # oldest first
+    # answer id -> prefix hashes of head + answer (len(head) + len(answer) + 1 entries)
+    prefixes: dict[int, list[int]] = field(default_factory=dict)
+    head_prefix: list[int] = field(default_factory=list)
     tokens: int = 0  # answer tokens held
     done: int = 0  # finished answers held ...
     done_tokens: int = 0  # ... and their tokens: the prompt's mean answer length
@@ -61,6 +82,9 @@ class _Prompt:
 
     def __post_init__(self) -> None:
         self.counts = {m: {} for m in MATCH_LENGTHS}
+        self.head_prefix = [0]
+        for t in self.head:
+            _push(self.head_prefix, t)
 
 
 class HistoryDrafter:
@@ -110,6 +134,7 @@ class HistoryDrafter:
         answer_id = self._next_id
         self._next_id += 1
         p.answers[answer_id] = []
+        p.prefixes[answer_id] = list(p.head_prefix)
         p.live.add(answer_id)
         return answer_id
 
@@ -118,10 +143,11 @@ class HistoryDrafter:
         p = self._prompts.get(key)
         if p is None or answer_id not in p.answers:
             return  # its oldest answers were dropped for room: nothing to extend
-        answer = p.answers[answer_id]
+        answer, prefix = p.answers[answer_id], p.prefixes[answer_id]
         for t in tokens:
-            self._count(p, answer, int(t), +1)
+            self._count(p, prefix, len(prefix) - 1, int(t), +1)
             answer.append(int(t))
+            _push(prefix, int(t))
         p.tokens += len(tokens)
         self._tokens += len(tokens)
         self._trim(p)
@@ -174,14 +200,12 @@ class HistoryDrafter:
         answer = p.answers.get(answer_id)
         if answer is None:
             return []
-        top = MATCH_LENGTHS[0]
-        ctx = list(answer[-top:])
-        if len(ctx) < top:
-            ctx = list(p.head[len(p.head) - (top - len(ctx)) :]) + ctx
+        # The walk extends a copy of the prefix hashes' tail with its own proposals.
+        hs = p.prefixes[answer_id][-(MATCH_LENGTHS[0] + 1) :]
         out: list[int] = []
         support = 1.0
         while len(out) < k:
-            m, nxt = _continuations(p, ctx)
+            m, nxt = _continuations(p, hs)
             if nxt is None:
                 break
             if not out:
@@ -192,23 +216,20 @@ class HistoryDrafter:
             if support < self.min_support:
                 break
             out.append(token)
-            ctx.append(token)
+            _push(hs, token)
         return out
 
     # -- internals -----------------------------------------------------------------------
 
-    def _count(self, p: _Prompt, answer: list[int], token: int, delta: int) -> None:
-        """Add `delta` occurrences of `token` after each indexed context ending at the answer's
-        current end (the prompt's tail fills contexts that reach before the answer)."""
-        n = len(answer)
+    def _count(self, p: _Prompt, prefix: list[int], end: int, token: int, delta: int) -> None:
+        """Add `delta` occurrences of `token` after each indexed context ending at position
+        `end` of head + answer (contexts reach back into the prompt's tail)."""
+        last, counts = prefix[end], p.counts
         for m in MATCH_LENGTHS:
-            if n >= m:
-                ctx = hash(tuple(answer[n - m :]))
-            elif len(p.head) + n >= m:
-                ctx = hash(p.head[len(p.head) - (m - n) :] + tuple(answer))
-            else:
+            if end < m:
                 continue  # a prompt shorter than the context: not indexed at this length
-            table = p.counts[m]
+            ctx = (last - prefix[end - m] * _POW[m]) % _MOD  # _window, inlined: per token
+            table = counts[m]
             nxt = table.get(ctx)
             if nxt is None:
                 if delta < 0:
@@ -227,12 +248,11 @@ class HistoryDrafter:
         if answer_id is None:
             return False
         answer = p.answers.pop(answer_id)
+        full = p.prefixes.pop(answer_id)
         p.done -= 1
         p.done_tokens -= len(answer)
-        prefix: list[int] = []
-        for t in answer:
-            self._count(p, prefix, t, -1)
-            prefix.append(t)
+        for j, t in enumerate(answer):
+            self._count(p, full, len(p.head) + j, t, -1)
         p.tokens -= len(answer)
         self._tokens -= len(answer)
         return True
@@ -255,12 +275,14 @@ class HistoryDrafter:
                 self._tokens -= p.tokens
 
 
-def _continuations(p: _Prompt, ctx: list[int]) -> tuple[int, dict[int, int] | None]:
-    """The length and continuation counts of the longest indexed suffix of ctx, if any."""
-    n = len(ctx)
+def _continuations(p: _Prompt, hs: list[int]) -> tuple[int, dict[int, int] | None]:
+    """The length and continuation counts of the longest indexed context ending where the
+    prefix hashes `hs` end (hs holds at least the last max(MATCH_LENGTHS) + 1 of them, or all
+    when the text is shorter), if any."""
+    end = len(hs) - 1
     for m in MATCH_LENGTHS:
-        if n >= m:
-            nxt = p.counts[m].get(hash(tuple(ctx[n - m :])))
+        if end >= m:
+            nxt = p.counts[m].get(_window(hs, end, m))
             if nxt:
                 return m, nxt
     return 0, None

@@ -105,6 +105,10 @@ class EngineStats:
     # accepted drafts + 1 per row step with a draft -> how many times
     accepted_length_hist: Counter[int] = field(default_factory=Counter)
     other_seconds: Counter[str] = field(default_factory=Counter)  # prefill, drafter training...
+    # Per drafter (a history step drafts some rows with EAGLE): rows that verified its drafts
+    # and drafts of it accepted.
+    drafter_rows: Counter[str] = field(default_factory=Counter)
+    drafter_accepted: Counter[str] = field(default_factory=Counter)
 
     def record_plain_step(self, batch_size: int, tokens: int, seconds: float) -> None:
         """One ordinary decode pass over batch_size sequences producing `tokens` tokens."""
@@ -122,8 +126,10 @@ class EngineStats:
         emitted: int | Sequence[int],
         draft_seconds: float,
         verify_seconds: float,
+        drafters: Sequence[str] | None = None,
     ) -> None:
         """One draft+verify pass over batch_size sequences, with per-row counts.
+        `drafters`: which drafter proposed each row (default: the strategy's).
 
         drafted[i]: drafts verified for row i (0: it decoded plainly in this pass);
         accepted[i]: how many of them it kept (at most the tokens it emitted); emitted[i]:
@@ -140,9 +146,13 @@ class EngineStats:
             emitted=sum(e_rows),
             seconds=draft_seconds + verify_seconds,
         )
-        for d, a, e in zip(d_rows, a_rows, e_rows, strict=True):
+        name = strategy.name if isinstance(strategy, Strategy) else str(strategy)
+        kinds = drafters or [name.split("/")[0]] * batch_size
+        for d, a, e, kind in zip(d_rows, a_rows, e_rows, kinds, strict=True):
             if d == 0:
                 continue
+            self.drafter_rows[kind] += 1
+            self.drafter_accepted[kind] += a
             step.draft_rows += 1
             step.drafted += d
             step.accepted += a
@@ -152,7 +162,6 @@ class EngineStats:
                 else:
                     step.residual += 1
             self.accepted_length_hist[a + 1] += 1
-        name = strategy.name if isinstance(strategy, Strategy) else str(strategy)
         self.spec.setdefault(name, _SpecTotals()).add(step)
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
@@ -212,6 +221,14 @@ class EngineStats:
                 **dict(sorted(self.other_seconds.items())),
             },
             "per_strategy": {name: t.as_dict() for name, t in sorted(self.spec.items())},
+            "per_drafter": {
+                d: {
+                    "draft_rows": rows,
+                    "accepted": self.drafter_accepted[d],
+                    "mean_accepted_length": _ratio(self.drafter_accepted[d] + rows, rows),
+                }
+                for d, rows in sorted(self.drafter_rows.items())
+            },
         }
 
     def merge(self, other: EngineStats) -> None:
@@ -227,6 +244,8 @@ class EngineStats:
             self.spec.setdefault(name, _SpecTotals()).add(t)
         self.accepted_length_hist.update(other.accepted_length_hist)
         self.other_seconds.update(other.other_seconds)
+        self.drafter_rows.update(other.drafter_rows)
+        self.drafter_accepted.update(other.drafter_accepted)
 
     def reset(self) -> None:
         """Zero every counter (e.g. after a stats report)."""
