@@ -10,6 +10,7 @@ import torch
 from benchmarks import (
     bench_drift,
     bench_engine_vs_hf,
+    bench_placement,
     bench_rl_trend,
     bench_spec,
     bench_tail_sweep,
@@ -61,6 +62,25 @@ def test_bench_spec_epochs_quick(
     assert "=== epoch 1 of 2 ===" in out and "=== epoch 2 of 2 ===" in out
     assert out.count("history mode per bucket") == 2
     assert "history epoch 2:" in out
+
+
+def test_placement_simulation_uses_the_scheduler_and_predictions_cut_the_queued_tail() -> None:
+    """Two workers of 2 samples: a 4,000-token prompt placed last behind short ones is the tail
+    without predictions; predicted longest, it starts first."""
+    lengths = [[100, 100], [100, 100], [4000, 4000]]
+    cfg = bench_placement.SchedulerConfig(max_samples_per_worker=2)
+    blind = bench_placement.simulate(lengths, [None] * 3, 2, (10.0, 0.0), cfg)
+    aware = bench_placement.simulate(lengths, [100, 100, 4000], 2, (10.0, 0.0), cfg)
+    assert len(blind) == len(aware) == 6
+    assert blind[-1] == pytest.approx(41.0)  # 100 tokens x 10 ms, then 4,000 more
+    assert aware[-1] == pytest.approx(40.0) and aware[-1] < blind[-1]
+
+
+def test_bench_placement_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--step-ms", "10,0.5", "--repeats", "2", "--prompts", "16", "--max-per-worker", "8"]
+    assert bench_placement.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| no prediction |" in out and "| length-aware |" in out
 
 
 def test_bench_tail_sweep_quick(
