@@ -28,6 +28,7 @@ past `max_prompt_tokens`. Each answer token adds at most len(MATCH_LENGTHS) coun
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -52,12 +53,12 @@ for _ in range(max(MATCH_LENGTHS)):
     _POW.append(_POW[-1] * _BASE % _MOD)
 
 
-def _push(prefix: list[int], token: int) -> None:
+def _push(prefix: array, token: int) -> None:
     """Extend prefix hashes by one token."""
     prefix.append((prefix[-1] * _BASE + token + 1) % _MOD)
 
 
-def _window(prefix: list[int], end: int, m: int) -> int:
+def _window(prefix: array, end: int, m: int) -> int:
     """Hash of the m tokens before position `end` (prefix[end] covers the first `end`)."""
     return (prefix[end] - prefix[end - m] * _POW[m]) % _MOD
 
@@ -69,8 +70,9 @@ class _Prompt:
     head: tuple[int, ...]  # the prompt's last max(MATCH_LENGTHS) tokens: every answer's context
     answers: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)  # oldest first
     # answer id -> prefix hashes of head + answer (len(head) + len(answer) + 1 entries)
-    prefixes: dict[int, list[int]] = field(default_factory=dict)
-    head_prefix: list[int] = field(default_factory=list)
+    # (8-byte integers: a list of Python ints would double the drafter's memory per token)
+    prefixes: dict[int, array] = field(default_factory=dict)
+    head_prefix: array = field(default_factory=lambda: array("q"))
     tokens: int = 0  # answer tokens held
     done: int = 0  # finished answers held ...
     done_tokens: int = 0  # ... and their tokens: the prompt's mean answer length
@@ -82,7 +84,7 @@ class _Prompt:
 
     def __post_init__(self) -> None:
         self.counts = {m: {} for m in MATCH_LENGTHS}
-        self.head_prefix = [0]
+        self.head_prefix = array("q", [0])
         for t in self.head:
             _push(self.head_prefix, t)
 
@@ -134,7 +136,7 @@ class HistoryDrafter:
         answer_id = self._next_id
         self._next_id += 1
         p.answers[answer_id] = []
-        p.prefixes[answer_id] = list(p.head_prefix)
+        p.prefixes[answer_id] = array("q", p.head_prefix)
         p.live.add(answer_id)
         return answer_id
 
@@ -221,7 +223,7 @@ class HistoryDrafter:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _count(self, p: _Prompt, prefix: list[int], end: int, token: int, delta: int) -> None:
+    def _count(self, p: _Prompt, prefix: array, end: int, token: int, delta: int) -> None:
         """Add `delta` occurrences of `token` after each indexed context ending at position
         `end` of head + answer (contexts reach back into the prompt's tail)."""
         last, counts = prefix[end], p.counts
@@ -275,7 +277,7 @@ class HistoryDrafter:
                 self._tokens -= p.tokens
 
 
-def _continuations(p: _Prompt, hs: list[int]) -> tuple[int, dict[int, int] | None]:
+def _continuations(p: _Prompt, hs: array) -> tuple[int, dict[int, int] | None]:
     """The length and continuation counts of the longest indexed context ending where the
     prefix hashes `hs` end (hs holds at least the last max(MATCH_LENGTHS) + 1 of them, or all
     when the text is shorter), if any."""
