@@ -62,7 +62,7 @@ def measure(
 
     The active version is re-measured here, since acceptance measured on older data is not
     comparable; with no active learned drafter the baseline is 1.0 token per step. Whether the
-    candidate is promoted is the daemon's decision (`tltd.drafter_versions.record`).
+    candidate is promoted is the daemon's decision (`tltd.drafter_training.versions.record`).
     """
     path = Path(out_dir) / f"drafter-p{policy_version}-s{train_steps}-{uuid.uuid4().hex[:8]}"
     was_training = drafter.training
