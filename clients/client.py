@@ -30,10 +30,12 @@ from tltd_clients.endpoints import KEEPALIVE, channel_options
 from tltd_clients.errors import NotFoundError, from_rpc_error
 from tltd_clients.push import (
     DEFAULT_CHUNK_BYTES,
+    ProgressCounter,
     PushProgress,
     Weights,
     header_pb,
     new_update_id,
+    open_push,
     push_messages,
 )
 
@@ -287,28 +289,15 @@ class TltClient:
         them) chunks go as zstd-compressed XOR deltas where that is smaller. Returns the
         response whose `policy` is the new version."""
         update_id = update_id or new_update_id()
-        new = Weights(weights)
-        base = Weights(base_weights) if base_weights is not None else None
-        if (base is None) != (base_version is None):
-            raise ValueError("base_version and base_weights go together (a delta needs both)")
-        if base is not None and base.specs != new.specs:
-            raise ValueError("base_weights must hold the same tensors, dtypes and shapes")
+        new, base = open_push(weights, base_version, base_weights)
         header = header_pb(job_id, update_id, new, note, base_version)
-        total = sum(len(new.data(n)) for n in new.specs)
-        wire = 0
+        sent = ProgressCounter(update_id, 0, sum(len(new.data(n)) for n in new.specs), progress)
         try:
             for attempt in range(retries + 1):
                 have = self._push_progress(job_id, update_id)
                 if isinstance(have, policy_pb2.PushPolicyResponse):
                     return have  # a committed push whose answer was lost
-                done = sum(have.values())
-
-                def sent(length: int, payload: int) -> None:
-                    nonlocal done, wire
-                    done, wire = done + length, wire + payload
-                    if progress is not None:
-                        progress(PushProgress(update_id, done, total, wire))
-
+                sent.done = sum(have.values())  # what the daemon holds; the wire bytes add up
                 messages = push_messages(
                     header,
                     new,

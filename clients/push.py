@@ -218,5 +218,41 @@ def push_messages(
         yield out(policy_pb2.PushPolicyRequest(commit=True))
 
 
+def open_push(
+    weights: Mapping[str, Any] | str | Path,
+    base_version: int | None,
+    base_weights: Mapping[str, Any] | str | Path | None,
+) -> tuple[Weights, Weights | None]:
+    """A push's new weights and, for a delta push, the base version's (both or neither)."""
+    if (base_weights is None) != (base_version is None):
+        raise ValueError("base_version and base_weights go together (a delta needs both)")
+    new = Weights(weights)
+    base = Weights(base_weights) if base_weights is not None else None
+    if base is not None and base.specs != new.specs:
+        new.close()
+        base.close()
+        raise ValueError("base_weights must hold the same tensors, dtypes and shapes")
+    return new, base
+
+
+class ProgressCounter:
+    """Counts what a push sent (`__call__` after every chunk) and reports it to `progress`."""
+
+    def __init__(
+        self,
+        update_id: str,
+        done: int,
+        total: int,
+        progress: Callable[[PushProgress], None] | None,
+    ) -> None:
+        self.update_id, self.done, self.total, self.wire = update_id, done, total, 0
+        self.progress = progress
+
+    def __call__(self, length: int, payload: int) -> None:
+        self.done, self.wire = self.done + length, self.wire + payload
+        if self.progress is not None:
+            self.progress(PushProgress(self.update_id, self.done, self.total, self.wire))
+
+
 def new_update_id() -> str:
     return f"push-{uuid.uuid4().hex[:16]}"

@@ -36,6 +36,7 @@ long samples: Seer's longest-first, RhymeRL's length-balanced workers).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -243,7 +244,6 @@ def _place(
     device is not training is preferred, so training is not preempted for nothing. Workers
     switching to another job take nothing.
     """
-    # Long on purpose: one placement loop; splitting it would scatter the shared load map.
     # (running samples, remaining tokens) per eligible worker; mutated as we place.
     load = {
         w.worker_id: (w.running_samples, w.remaining_tokens)
@@ -253,14 +253,7 @@ def _place(
     by_worker = {w.worker_id: w for w in snap.workers}
     # Virtual time per job: tokens served / weight. Higher priority always goes first.
     served = {j: float(v.served_tokens) for j, v in jobs.items()}
-    queues: dict[str, list[PendingWork]] = {}
-    # Requests in arrival order; within one, the prompts predicted longest first.
-    for p in sorted(
-        snap.pending, key=lambda p: (p.enqueued_at, p.request_id, -p.work, p.prompt_index)
-    ):
-        if p.job_id in jobs:
-            queues.setdefault(p.job_id, []).append(p)
-
+    queues = _queues(snap, jobs)
     assignments: list[Assignment] = []
     while queues:
         job_id = min(
@@ -268,59 +261,83 @@ def _place(
             key=lambda j: (-jobs[j].priority, served[j] / max(jobs[j].weight, 1e-9), j),
         )
         work = queues[job_id][0]
-        if not any(
-            by_worker[wid].job_id in (job_id, "")
-            and work.policy_version in (None, by_worker[wid].policy_version)
-            for wid in load
-        ):
+
+        def takes(wid: str, work: PendingWork = work) -> bool:
+            w = by_worker[wid]
+            return w.job_id in (work.job_id, "") and work.policy_version in (None, w.policy_version)
+
+        if not any(takes(wid) for wid in load):
             # No worker holds its version yet (the planner loads it once the older versions'
             # work is done): it waits without holding up the job's work on a version a worker
             # does hold, or the two would wait for each other.
-            queues[job_id].pop(0)
-            if not queues[job_id]:
-                del queues[job_id]
+            _pop(queues, job_id)
             continue
-        per_worker: dict[str, int] = {}
-        remaining = work.samples
-        # One sample at a time to the worker with the least expected remaining work, so the n
-        # samples of a prompt spread when that balances the load (long tails are the cost).
-        while remaining > 0:
-            candidates = [
-                wid
-                for wid, (running, _) in load.items()
-                if by_worker[wid].job_id in (job_id, "")
-                and work.policy_version in (None, by_worker[wid].policy_version)
-                and running < cfg.max_samples_per_worker
-            ]
-            if not candidates:
-                break
-            wid = min(
-                candidates,
-                key=lambda w: (
-                    load[w][1],
-                    load[w][0],
-                    by_worker[w].device_id in training_devices,
-                    w,
-                ),
-            )
-            running, tokens = load[wid]
-            load[wid] = (running + 1, tokens + work.work)
-            per_worker[wid] = per_worker.get(wid, 0) + 1
-            served[job_id] += work.work
-            remaining -= 1
+        per_worker = _spread(work, load, takes, by_worker, training_devices, cfg)
+        served[job_id] += work.work * sum(per_worker.values())
         assignments += [
             Assignment(work.request_id, work.prompt_index, count, wid)
             for wid, count in per_worker.items()
         ]
-        if remaining > 0:
+        if sum(per_worker.values()) < work.samples:
             # No room for this prompt (workers of its job and version are full): the job's
             # later prompts wait too, so that a job keeps its FIFO order; other jobs may place.
             del queues[job_id]
             continue
-        queues[job_id].pop(0)
-        if not queues[job_id]:
-            del queues[job_id]
+        _pop(queues, job_id)
     return assignments, load
+
+
+def _queues(snap: Snapshot, jobs: dict[str, JobView]) -> dict[str, list[PendingWork]]:
+    """Per job, its waiting prompts: requests in arrival order, and within one, the prompts
+    predicted longest first."""
+    queues: dict[str, list[PendingWork]] = {}
+    for p in sorted(
+        snap.pending, key=lambda p: (p.enqueued_at, p.request_id, -p.work, p.prompt_index)
+    ):
+        if p.job_id in jobs:
+            queues.setdefault(p.job_id, []).append(p)
+    return queues
+
+
+def _pop(queues: dict[str, list[PendingWork]], job_id: str) -> None:
+    queues[job_id].pop(0)
+    if not queues[job_id]:
+        del queues[job_id]
+
+
+def _spread(
+    work: PendingWork,
+    load: dict[str, tuple[int, int]],
+    takes: Callable[[str], bool],
+    by_worker: dict[str, RolloutWorkerView],
+    training_devices: set[str],
+    cfg: SchedulerConfig,
+) -> dict[str, int]:
+    """Samples of one prompt per worker, one at a time to the worker with the least expected
+    remaining work, so the n samples of a prompt spread when that balances the load (long
+    tails are the cost); `load` is updated. Fewer than `work.samples` when workers are full."""
+    per_worker: dict[str, int] = {}
+    for _ in range(work.samples):
+        candidates = [
+            wid
+            for wid, (running, _) in load.items()
+            if takes(wid) and running < cfg.max_samples_per_worker
+        ]
+        if not candidates:
+            break
+        wid = min(
+            candidates,
+            key=lambda w: (
+                load[w][1],
+                load[w][0],
+                by_worker[w].device_id in training_devices,
+                w,
+            ),
+        )
+        running, tokens = load[wid]
+        load[wid] = (running + 1, tokens + work.work)
+        per_worker[wid] = per_worker.get(wid, 0) + 1
+    return per_worker
 
 
 def _unplaced(
@@ -339,6 +356,60 @@ def _unplaced(
     return unplaced
 
 
+class _SwitchRule:
+    """The switch rule's questions about one tick (the rule is in the module docstring)."""
+
+    def __init__(
+        self,
+        snap: Snapshot,
+        cfg: SchedulerConfig,
+        jobs: dict[str, JobView],
+        training_devices: set[str],
+        called_off: set[str],
+        workers: list[RolloutWorkerView],
+    ) -> None:
+        self.snap, self.cfg, self.jobs = snap, cfg, jobs
+        self.training_devices, self.called_off = training_devices, called_off
+        self.waiting_jobs = {p.job_id for p in snap.pending}
+        self.holders = Counter(self.serves(w) for w in workers)
+
+    def serves(self, w: RolloutWorkerView) -> str:
+        """The job a worker serves, or goes to (a switch not called off)."""
+        return w.switching_to if w.switching and w.worker_id not in self.called_off else w.job_id
+
+    def vt(self, job_id: str) -> float:
+        return self.jobs[job_id].served_tokens / max(self.jobs[job_id].weight, 1e-9)
+
+    def spare(self, w: RolloutWorkerView) -> bool:
+        if w.job_id not in self.jobs:
+            return True
+        if w.job_id in self.waiting_jobs or w.running_samples:
+            return False
+        since = w.idle_since
+        return since is None or self.snap.now - since >= self.cfg.spare_grace_seconds
+
+    def owed(self, x: str, w: RolloutWorkerView) -> bool:
+        """May starved job `x` take worker `w`?"""
+        if self.spare(w):
+            return True
+        jx, jy = self.jobs[x], self.jobs[w.job_id]
+        if jx.priority != jy.priority:
+            return jx.priority > jy.priority
+        held = self.holders
+        per_weight_after = (held[x] + 1) / max(jx.weight, 1e-9)
+        if self.vt(x) <= self.vt(w.job_id) and per_weight_after < held[w.job_id] / max(
+            jy.weight, 1e-9
+        ):
+            return True
+        return held[x] == 0 and self.vt(w.job_id) - self.vt(x) >= self.cfg.share_quantum_tokens
+
+    def donor_order(self, w: RolloutWorkerView) -> tuple:
+        spare = self.spare(w)
+        worst = (0, 0.0) if spare else (self.jobs[w.job_id].priority, -self.vt(w.job_id))
+        training = w.device_id in self.training_devices
+        return (not spare, *worst, w.running_samples, training, w.remaining_tokens, w.worker_id)
+
+
 def _switches(
     snap: Snapshot,
     cfg: SchedulerConfig,
@@ -348,7 +419,6 @@ def _switches(
     assignments: list[Assignment],
 ) -> list[Switch]:
     """Which workers change job (the rule is in the module docstring)."""
-    # Long on purpose: the switch rule's cases are read together, in priority order.
     unplaced = _unplaced(snap, jobs, assignments)
     waiting_jobs = {p.job_id for p in snap.pending}
     # Call off a switch whose job has nothing waiting any more, while the worker still holds
@@ -358,52 +428,14 @@ def _switches(
         for w in snap.workers
         if w.switching and w.ready and w.job_id in jobs and w.switching_to not in waiting_jobs
     ]
-    called_off = {s.worker_id for s in out}
     if not unplaced:
         return out
+    called_off = {s.worker_id for s in out}
     workers = [w for w in snap.workers if w.device_id in schedulable]
-
-    def serves(w: RolloutWorkerView) -> str:
-        return w.switching_to if w.switching and w.worker_id not in called_off else w.job_id
-
-    holders = Counter(serves(w) for w in workers)
-
-    def vt(job_id: str) -> float:
-        return jobs[job_id].served_tokens / max(jobs[job_id].weight, 1e-9)
-
-    def spare(w: RolloutWorkerView) -> bool:
-        if w.job_id not in jobs:
-            return True
-        if w.job_id in waiting_jobs or w.running_samples:
-            return False
-        return w.idle_since is None or snap.now - w.idle_since >= cfg.spare_grace_seconds
-
-    def owed(x: str, w: RolloutWorkerView) -> bool:
-        """May starved job `x` take worker `w`?"""
-        if spare(w):
-            return True
-        jx, jy = jobs[x], jobs[w.job_id]
-        if jx.priority != jy.priority:
-            return jx.priority > jy.priority
-        per_weight_after = (holders[x] + 1) / max(jx.weight, 1e-9)
-        if vt(x) <= vt(w.job_id) and per_weight_after < holders[w.job_id] / max(jy.weight, 1e-9):
-            return True
-        return holders[x] == 0 and vt(w.job_id) - vt(x) >= cfg.share_quantum_tokens
-
-    def donor_order(w: RolloutWorkerView) -> tuple:
-        worst = (0, 0.0) if spare(w) else (jobs[w.job_id].priority, -vt(w.job_id))
-        return (
-            not spare(w),
-            *worst,
-            w.running_samples,
-            w.device_id in training_devices,
-            w.remaining_tokens,
-            w.worker_id,
-        )
-
+    rule = _SwitchRule(snap, cfg, jobs, training_devices, called_off, workers)
     switched: set[str] = set()
-    for x in sorted(unplaced, key=lambda j: (-jobs[j].priority, vt(j), j)):
-        coming = sum(1 for w in workers if w.switching and serves(w) == x)
+    for x in sorted(unplaced, key=lambda j: (-jobs[j].priority, rule.vt(j), j)):
+        coming = sum(1 for w in workers if w.switching and rule.serves(w) == x)
         need = -(-unplaced[x] // cfg.max_samples_per_worker) - coming
         while need > 0:
             donors = [
@@ -411,18 +443,18 @@ def _switches(
                 for w in workers
                 if w.worker_id not in switched
                 and not (w.switching and w.worker_id not in called_off)
-                and serves(w) != x
+                and rule.serves(w) != x
                 # A ready worker with no job takes any job's work as it is; one not ready
                 # holds a job's load in flight, unless it has no model at all (starting).
                 and (w.ready == bool(w.job_id))
-                and owed(x, w)
+                and rule.owed(x, w)
             ]
             if not donors:
                 break
-            w = min(donors, key=donor_order)
+            w = min(donors, key=rule.donor_order)
             switched.add(w.worker_id)
-            holders[serves(w)] -= 1
-            holders[x] += 1
+            rule.holders[rule.serves(w)] -= 1
+            rule.holders[x] += 1
             out = [s for s in out if s.worker_id != w.worker_id] + [Switch(w.worker_id, x)]
             need -= 1
     return out

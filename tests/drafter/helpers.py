@@ -95,8 +95,8 @@ def new_drafter(target: CausalLM, seed: int = 0) -> EagleDrafter:
 
 def publish(store, job_id, drafter, held_out, *, policy_version, train_steps, loss, out_dir):
     """What a training round does: the trainer measures (worker side), the daemon records and
-    decides (`tltd.drafter_versions`)."""
-    from tltd.drafter_versions import active_drafter, record
+    decides (`tltd.drafter_training.versions`)."""
+    from tltd.drafter_training.versions import active_drafter, record
     from tltd_workers.drafter.versions import measure
 
     measured = measure(

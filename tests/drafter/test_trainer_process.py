@@ -16,7 +16,7 @@ from tests.drafter.helpers import (
 from tests.torch_device import torch_device
 from tltd.contract.drafter_messages import Checkpointed, Idle, Measure, Stepped, TrainingSample
 from tltd.domain import DrafterStatus, Job
-from tltd.drafter_versions import record
+from tltd.drafter_training.versions import record
 from tltd.store import Store
 from tltd.store.migrate import upgrade
 from tltd_workers.drafter.buffer import TrainingBuffer

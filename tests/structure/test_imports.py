@@ -173,7 +173,7 @@ def test_workers_take_only_the_domain_from_the_daemon():
 # The modules of the daemon that start worker processes (and so name what the process runs).
 SPAWNERS = {
     "tltd.supervisor.worker_process": "starts the rollout workers",
-    "tltd.drafter_training": "starts the drafter trainer",
+    "tltd.drafter_training.spawn": "starts the drafter trainer",
     # Not a process: ExportDrafter converts a drafter with the drafter's own code, on call.
     "tltd.services.drafters": "runs the drafter's SGLang export (torch) when asked",
 }

@@ -3,7 +3,7 @@
 The trainer computes and reports; the daemon decides. In particular a `Measure` makes the
 trainer save its drafter and measure held-out acceptance (its own and the active version's);
 whether that becomes the active version is decided and recorded by the daemon
-(`tltd.drafter_versions`).
+(`tltd.drafter_training.versions`).
 """
 
 from __future__ import annotations

@@ -99,6 +99,35 @@ class _Push:
         shutil.rmtree(self.staging.path.parent, ignore_errors=True)
 
 
+def check_header_fields(h: PushHeader) -> None:
+    """A push header's own fields: ids, note, and every tensor's name, dtype and shape."""
+    check_id(h.job_id, "header.job_id")
+    check_id(h.update_id, "header.update_id")
+    check_text(h.note, "header.note", MAX_REASON)
+    if not h.tensors:
+        raise InvalidArgument("a push needs at least one tensor", field="header.tensors")
+    if len(h.tensors) > _MAX_TENSORS:
+        raise InvalidArgument(f"more than {_MAX_TENSORS} tensors", field="header.tensors")
+    seen: set[str] = set()
+    for i, t in enumerate(h.tensors):
+        f = f"header.tensors[{i}]"
+        if not t.name or len(t.name) > _MAX_NAME or "\x00" in t.name:
+            raise InvalidArgument(f"a name of 1-{_MAX_NAME} characters", field=f"{f}.name")
+        if t.name in seen:
+            raise InvalidArgument(f"{t.name} appears twice", field=f"{f}.name")
+        seen.add(t.name)
+        if t.dtype not in DTYPE_BYTES:
+            raise InvalidArgument(
+                f"{t.name} has dtype {t.dtype!r}, not one of {sorted(DTYPE_BYTES)}",
+                field=f"{f}.dtype",
+            )
+        if any(not 0 <= n < _MAX_DIM for n in t.shape):
+            raise InvalidArgument(
+                f"{t.name} has shape {t.shape}: dimensions are 0 to {_MAX_DIM - 1}",
+                field=f"{f}.shape",
+            )
+
+
 class PushService:
     def __init__(self, store: Store, settings: Settings, policy: PolicyService) -> None:
         self.store = store
@@ -434,31 +463,7 @@ class PushService:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _check_header(self, h: PushHeader) -> None:
-        check_id(h.job_id, "header.job_id")
-        check_id(h.update_id, "header.update_id")
-        check_text(h.note, "header.note", MAX_REASON)
-        if not h.tensors:
-            raise InvalidArgument("a push needs at least one tensor", field="header.tensors")
-        if len(h.tensors) > _MAX_TENSORS:
-            raise InvalidArgument(f"more than {_MAX_TENSORS} tensors", field="header.tensors")
-        seen: set[str] = set()
-        for i, t in enumerate(h.tensors):
-            f = f"header.tensors[{i}]"
-            if not t.name or len(t.name) > _MAX_NAME or "\x00" in t.name:
-                raise InvalidArgument(f"a name of 1-{_MAX_NAME} characters", field=f"{f}.name")
-            if t.name in seen:
-                raise InvalidArgument(f"{t.name} appears twice", field=f"{f}.name")
-            seen.add(t.name)
-            if t.dtype not in DTYPE_BYTES:
-                raise InvalidArgument(
-                    f"{t.name} has dtype {t.dtype!r}, not one of {sorted(DTYPE_BYTES)}",
-                    field=f"{f}.dtype",
-                )
-            if any(not 0 <= n < _MAX_DIM for n in t.shape):
-                raise InvalidArgument(
-                    f"{t.name} has shape {t.shape}: dimensions are 0 to {_MAX_DIM - 1}",
-                    field=f"{f}.shape",
-                )
+        check_header_fields(h)
         job = self.store.get_job(h.job_id)
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {h.job_id} is {job.status.value}", field="job_id")

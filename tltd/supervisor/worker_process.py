@@ -1,6 +1,6 @@
 """One rollout worker process: its handle (phase, load in flight) and its spawn.
 
-Its pipe is served by `tltd.worker_pipe` (a reader thread that stores the samples it reports,
+Its pipe is served by `tltd.supervisor.worker_pipe` (a reader thread that stores the samples it reports,
 a writer thread); `generation` tells messages of a replaced process apart.
 """
 
@@ -20,7 +20,7 @@ from tltd.domain import Backend, Device, Sample, WorkerState
 from tltd.errors import Fenced
 from tltd.memory_cgroup import MemoryCgroups, WorkerGroup
 from tltd.settings import Settings
-from tltd.worker_pipe import HeartbeatStamp, serve_pipe
+from tltd.supervisor.worker_pipe import HeartbeatStamp, serve_pipe
 
 if TYPE_CHECKING:
     from tltd.store import Store

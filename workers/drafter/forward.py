@@ -86,6 +86,27 @@ def target_hidden(
 
 
 @torch.no_grad()
+def _chain_mask(true_pos: Tensor, starts: Tensor, depth: int) -> Tensor:
+    """Attention mask of a chain walk's row [true pairs; chain depths 1..depth per start]: a
+    true entry sees the true prefix; a chain entry sees the true prefix up to its start and
+    its own chain's entries up to its depth."""
+    n, s_count, dev = int(true_pos.numel()), int(starts.numel()), true_pos.device
+    # Key/query metadata: start index of each entry (true part: its own position).
+    owner = torch.cat([true_pos] + [starts] * depth)
+    level = torch.cat(
+        [torch.zeros(n, dtype=torch.long, device=dev)]
+        + [torch.full((s_count,), d + 1, device=dev) for d in range(depth)]
+    )
+    is_true = level == 0
+    q_owner, k_owner = owner[:, None], owner[None, :]
+    return (is_true[None, :] & (k_owner <= q_owner)) | (
+        ~is_true[:, None]
+        & ~is_true[None, :]
+        & (k_owner == q_owner)
+        & (level[None, :] <= level[:, None])
+    )
+
+
 def chain_accepted_lengths(
     drafter: EagleDrafter, hidden: Tensor, token_ids: Tensor, response_start: int, k: int
 ) -> Tensor:
@@ -101,7 +122,6 @@ def chain_accepted_lengths(
     2..j for every start], each chain entry seeing the true prefix up to its start and its own
     chain only.
     """
-    # Long on purpose: the batched chain walk keeps its tensors across the k steps.
     T = int(token_ids.numel())
     n = min(int(hidden.shape[0]), T - 1)  # true positions with a known next token
     starts = torch.arange(max(response_start - 1, 0), min(n, T - 2))
@@ -133,20 +153,7 @@ def chain_accepted_lengths(
         h_in = torch.cat([true_h, *chain_h])
         x_in = torch.cat([true_x, *chain_x])
         pos = torch.cat([true_pos] + [starts + d + 1 for d in range(depth)])
-        # Key/query metadata: start index of each entry (true part: its own position).
-        owner = torch.cat([true_pos] + [starts] * depth)
-        level = torch.cat(
-            [torch.zeros(n, dtype=torch.long, device=dev)]
-            + [torch.full((s_count,), d + 1, device=dev) for d in range(depth)]
-        )
-        is_true = level == 0
-        q_owner, k_owner = owner[:, None], owner[None, :]
-        mask = (is_true[None, :] & (k_owner <= q_owner)) | (
-            ~is_true[:, None]
-            & ~is_true[None, :]
-            & (k_owner == q_owner)
-            & (level[None, :] <= level[:, None])
-        )
+        mask = _chain_mask(true_pos, starts, depth)
         out = drafter_features(drafter, h_in[None], x_in[None], pos[None], mask[None, None])[0]
         last = out[L - s_count :]
         drafts.append(drafter.logits(last).argmax(-1))

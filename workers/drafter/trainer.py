@@ -257,22 +257,12 @@ class Trainer:
         with the next micro-step, so preemptions more frequent than a whole step still make
         progress and change nothing in the result.
         """
-        # Long on purpose: one optimizer step with its stop checks between micro-steps.
         c = self.cfg
         if self._pending is None:
-            while True:
-                if should_stop():
-                    return Stop.PREEMPTED
-                taken = self._take(c.items_per_micro * c.micro_per_step)
-                if taken is None:
-                    return Stop.NO_DATA
-                items, skipped, end = taken
-                if items:
-                    break
-                self.cursor.pos = end  # only evicted ids left in this epoch: move past them
-            self.opt.zero_grad(set_to_none=True)
-            total = sum(_positions(it) for it in items) or 1
-            self._pending = _Pending(items, skipped, end, total)
+            started = self._start_step(should_stop)
+            if isinstance(started, Stop):
+                return started
+            self._pending = started
         p = self._pending
         while p.done < len(p.items):
             if should_stop():
@@ -314,6 +304,23 @@ class Trainer:
             tuple(p.skipped),
             p.seconds,
         )
+
+    def _start_step(self, should_stop) -> _Pending | Stop:
+        """The items of the next optimizer step (gradients zeroed), or why there are none."""
+        c = self.cfg
+        while True:
+            if should_stop():
+                return Stop.PREEMPTED
+            taken = self._take(c.items_per_micro * c.micro_per_step)
+            if taken is None:
+                return Stop.NO_DATA
+            items, skipped, end = taken
+            if items:
+                break
+            self.cursor.pos = end  # only evicted ids left in this epoch: move past them
+        self.opt.zero_grad(set_to_none=True)
+        total = sum(_positions(it) for it in items) or 1
+        return _Pending(items, skipped, end, total)
 
     # -- state ----------------------------------------------------------------------------------
 

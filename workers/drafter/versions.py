@@ -62,7 +62,7 @@ def measure(
 
     The active version is re-measured here, since acceptance measured on older data is not
     comparable; with no active learned drafter the baseline is 1.0 token per step. Whether the
-    candidate is promoted is the daemon's decision (`tltd.drafter_versions.record`).
+    candidate is promoted is the daemon's decision (`tltd.drafter_training.versions.record`).
     """
     path = Path(out_dir) / f"drafter-p{policy_version}-s{train_steps}-{uuid.uuid4().hex[:8]}"
     was_training = drafter.training
@@ -148,7 +148,6 @@ def export_sglang(
     is refused with `IncompatibleDrafterCheckpoint`: without that norm it is another network.
     tests/drafter/test_versions.py runs the export through a reference of SGLang's forward.
     """
-    # Long on purpose: the docstring is the name mapping; the code follows it row by row.
     drafter_dir, target_dir, out = Path(drafter_dir), Path(target_dir), Path(out_dir)
     ours = load_file(str(drafter_dir / "model.safetensors"))
     check_drafter_tensors(ours, drafter_dir)
@@ -157,6 +156,30 @@ def export_sglang(
     model_type = str(hf_cfg.get("model_type", "llama"))
     if model_type not in EAGLE_ARCHITECTURES:
         raise ValueError(f"no SGLang EAGLE architecture for model_type {model_type!r}")
+    tensors = _sglang_tensors(ours, cfg, drafter_dir)
+    if include_embeddings:
+        target_sd = read_state_dict(target_dir)
+        tensors["embed_tokens.weight"] = target_sd["model.embed_tokens.weight"]
+    dtype = next(iter(ours.values())).dtype
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    cfg_out = dict(hf_cfg)
+    cfg_out.update(
+        architectures=[EAGLE_ARCHITECTURES[model_type]],
+        num_hidden_layers=1,
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    if isinstance(cfg_out.get("layer_types"), list):  # per-layer lists follow the layer count
+        cfg_out["layer_types"] = cfg_out["layer_types"][:1]
+    (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
+    return ExportResult(out)
+
+
+def _sglang_tensors(
+    ours: dict[str, Tensor], cfg: ModelConfig, drafter_dir: Path
+) -> dict[str, Tensor]:
+    """Our drafter's tensors under SGLang's EAGLE names (the mapping in `export_sglang`'s
+    docstring, row by row); a tensor the mapping does not know is refused, not dropped."""
     H = cfg.hidden_size
     tensors: dict[str, Tensor] = {
         "fc.weight": torch.cat([ours["fc.weight"][:, H:], ours["fc.weight"][:, :H]], dim=1),
@@ -189,19 +212,4 @@ def export_sglang(
             f"drafter checkpoint {drafter_dir} has tensors the SGLang export "
             f"does not map: {sorted(set(ours) - used)}"
         )
-    if include_embeddings:
-        target_sd = read_state_dict(target_dir)
-        tensors["embed_tokens.weight"] = target_sd["model.embed_tokens.weight"]
-    dtype = next(iter(ours.values())).dtype
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    cfg_out = dict(hf_cfg)
-    cfg_out.update(
-        architectures=[EAGLE_ARCHITECTURES[model_type]],
-        num_hidden_layers=1,
-        torch_dtype=str(dtype).removeprefix("torch."),
-    )
-    if isinstance(cfg_out.get("layer_types"), list):  # per-layer lists follow the layer count
-        cfg_out["layer_types"] = cfg_out["layer_types"][:1]
-    (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
-    return ExportResult(out)
+    return tensors
