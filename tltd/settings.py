@@ -46,7 +46,7 @@ class Settings:
     default_backend: str = "torch"
     # The function ("module:function") SGLang workers build their engine with: sglang.Engine
     # by default; another for a wrapped engine (the tests name a fake engine here).
-    sglang_engine_factory: str = "tltd_workers.sglang.real_engine:make_engine"
+    sglang_engine_factory: str = "tltd_workers.sglang.engine:make_engine"
     default_model_path: str = ""
     spec_batch_threshold: int = 32
     # Torch workers' SD gate: "measured" (step costs timed on the device + bandit) or

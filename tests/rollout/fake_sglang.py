@@ -1,6 +1,6 @@
 """A fake `sglang.Engine`: the one fake of the sglang backend (no GPU here to run SGLang).
 
-The worker tests run the real `tltd_workers.sglang.real_engine.SglangEngineAdapter` over it, so it
+The worker tests run the real `tltd_workers.sglang.engine.SglangEngineAdapter` over it, so it
 answers as SGLang 0.5.23 does where the adapter depends on it (checked against the real
 package by tests/sglang_contract/):
 - `async_generate(input_ids=..., sampling_params=..., return_logprob=True, rid=...)` returns
@@ -52,7 +52,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from tltd_workers.sglang.real_engine import SglangEngineAdapter
+from tltd_workers.sglang.engine import SglangEngineAdapter
 
 VOCAB = 50
 LOG_ENV = "TLTD_FAKE_SGLANG_LOG"  # a JSONL file the fake appends its calls to (process tests)

@@ -9,8 +9,8 @@ from dataclasses import replace
 from tests.store.test_store_api import JOB, _request, _sample
 from tltd.contract import rollout_messages as msg
 from tltd.store import Store
-from tltd.supervisor.worker_process import store_reported
 from tltd.supervisor.worker_pipe import HeartbeatStamp, serve_pipe
+from tltd.supervisor.worker_process import store_reported
 
 
 def test_a_sample_that_ran_twice_streams_the_stored_copy(store: Store) -> None:

@@ -52,7 +52,7 @@ from tltd.domain import FinishReason, SamplingParams
 from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.rollout import sglang_worker
 from tltd_workers.rollout.sglang_worker import SglangWorker
-from tltd_workers.sglang.adapter import (
+from tltd_workers.sglang.translate import (
     MEM_FRACTION_STATIC,
     Segment,
     adaptive_config,

@@ -69,7 +69,7 @@ def sglang_process(target_dir, eagle_dir, tmp_path_factory):
     from sglang.srt.distributed import parallel_state
 
     from tltd.contract.rollout_messages import EngineSpec
-    from tltd_workers.sglang.adapter import adaptive_config, engine_args
+    from tltd_workers.sglang.translate import adaptive_config, engine_args
 
     spec = EngineSpec(device="cuda:0", max_batch=8, max_seq_len=256, batch_threshold=4)
     adaptive = tmp_path_factory.mktemp("adaptive") / "adaptive.json"

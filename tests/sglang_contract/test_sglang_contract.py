@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from tests.sglang_contract.conftest import resolved
 from tltd.contract.rollout_messages import EngineSpec, JoinBroadcast
 from tltd.domain import SamplingParams as OurSamplingParams
-from tltd_workers.sglang import real_engine as adapter_engine
-from tltd_workers.sglang.adapter import (
+from tltd_workers.sglang import engine as adapter_engine
+from tltd_workers.sglang.translate import (
     DistributedJoin,
     adaptive_config,
     distributed_join,
@@ -199,7 +199,7 @@ def test_a_real_req_stops_on_the_adapters_stop_token(sglang_process):
 
 
 def test_a_real_req_also_stops_at_the_models_eos_which_the_worker_continues(sglang_process):
-    from tltd_workers.sglang.adapter import Segment
+    from tltd_workers.sglang.translate import Segment
 
     params = sampling_params(_ours(stop_token_ids=(9,)), max_new_tokens=20, seed=1)
     req = _req(params, eos={7})

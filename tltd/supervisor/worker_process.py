@@ -1,7 +1,7 @@
 """One rollout worker process: its handle (phase, load in flight) and its spawn.
 
-Its pipe is served by `tltd.supervisor.worker_pipe` (a reader thread that stores the samples it reports,
-a writer thread); `generation` tells messages of a replaced process apart.
+Its pipe is served by `tltd.supervisor.worker_pipe` (a reader thread that stores the samples it
+reports, a writer thread); `generation` tells messages of a replaced process apart.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def broadcast_ranks(backend: Backend) -> int:
     """How many ranks a worker of `backend` takes in a policy broadcast: a torch worker one,
     an SGLang engine one per tensor-parallel GPU."""
     if backend is Backend.SGLANG:
-        from tltd_workers.sglang.adapter import TP_SIZE
+        from tltd_workers.sglang.translate import TP_SIZE
 
         return TP_SIZE
     return 1

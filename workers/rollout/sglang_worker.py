@@ -1,9 +1,9 @@
 """The SGLang rollout worker process: the shared worker loop over an SGLang engine.
 
 Same pipe protocol as the torch worker (`tltd_workers.rollout.loop`). The engine is any object
-with the `tltd_workers.sglang.adapter.SglangEngine` methods, built by a factory named on the
+with the `tltd_workers.sglang.translate.SglangEngine` methods, built by a factory named on the
 command line of the process ("module:function"; default
-`tltd_workers.sglang.real_engine:make_engine`, which imports sglang), so that the tests run
+`tltd_workers.sglang.engine:make_engine`, which imports sglang), so that the tests run
 this module over a fake `sglang.Engine`.
 
 - Every sample is its own engine request (its own seed, abort and result). A "step" is a poll
@@ -58,7 +58,7 @@ from typing import Any
 from tltd.contract.rollout_messages import AddWork, EngineSpec, JoinBroadcast, LoadModel
 from tltd.domain import FinishReason, Sample, SamplingParams, SpeculativeStats
 from tltd_workers.rollout.loop import WorkerLoop, describe, serve
-from tltd_workers.sglang.adapter import (
+from tltd_workers.sglang.translate import (
     EngineFactory,
     Segment,
     SglangEngine,
@@ -75,7 +75,7 @@ from tltd_workers.sglang.adapter import (
 )
 from tltd_workers.signals import ignore_stop_signals
 
-DEFAULT_FACTORY = "tltd_workers.sglang.real_engine:make_engine"
+DEFAULT_FACTORY = "tltd_workers.sglang.engine:make_engine"
 POLL_SECONDS = 0.02  # one step: the longest a poll waits (commands are read in between)
 ABORT_WAIT_SECONDS = 10.0  # how long a drain or restart waits for aborted requests to report
 RELEASE_AFTER_SECONDS = 2.0  # idle this long: the GPU memory goes to the drafter trainer

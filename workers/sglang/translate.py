@@ -1,7 +1,7 @@
 """SGLang adapter logic: engine arguments, request and response translation, the engine port.
 
 Pure functions and a `Protocol`; nothing here imports sglang.
-`tltd_workers.sglang.real_engine` holds the one class that talks to a real `sglang.Engine`
+`tltd_workers.sglang.engine` holds the one class that talks to a real `sglang.Engine`
 (python/sglang/srt/entrypoints/engine.py);
 `tltd_workers.rollout.sglang_worker` drives any object with the `SglangEngine` methods. The tests
 run that class over a fake `sglang.Engine` (tests/rollout/fake_sglang.py), and check every
@@ -98,7 +98,7 @@ def distributed_join(m: JoinBroadcast) -> DistributedJoin:
 
 class SglangEngine(Protocol):
     """The engine port: what the worker needs of an SGLang engine, one method per SGLang call
-    (`tltd_workers.sglang.real_engine.SglangEngineAdapter` is the real one)."""
+    (`tltd_workers.sglang.engine.SglangEngineAdapter` is the real one)."""
 
     def submit(self, rid: str, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> None:
         """Start one generation (`async_generate(..., return_logprob=True, rid=rid)`)."""

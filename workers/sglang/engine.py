@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tltd_workers.sglang.adapter import DistributedJoin, WeightUpdate
+from tltd_workers.sglang.translate import DistributedJoin, WeightUpdate
 
 # Drafter exports leave this out (the draft model shares the target's embeddings); an export
 # that has it must not overwrite the target's with the drafter's possibly older policy's.
@@ -97,7 +97,7 @@ def keep_stop_signals_ignored(tokenizer_manager: Any) -> None:
 
 
 class SglangEngineAdapter:
-    """`tltd_workers.sglang.adapter.SglangEngine` over an `sglang.Engine`; `io` is SGLang's
+    """`tltd_workers.sglang.translate.SglangEngine` over an `sglang.Engine`; `io` is SGLang's
     `sglang.srt.managers.io_struct` (the request classes), `args` what it was started with."""
 
     def __init__(self, engine: Any, io: ModuleType, args: dict[str, Any]) -> None:
