@@ -152,8 +152,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
 
-# The most alternatives per position a request may ask for (vLLM's default max_logprobs).
-MAX_TOP_LOGPROBS = 20
+# The most alternatives per position a request may ask for: SGLang's cap, above TRL's 100
+# (get_sequence_logprobs' default; vLLM's own default cap, 20, makes TRL ask for a raise).
+MAX_TOP_LOGPROBS = 128
 
 
 @dataclass(frozen=True)

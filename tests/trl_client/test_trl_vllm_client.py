@@ -81,6 +81,55 @@ def test_stop_ids_end_a_sample_at_the_stop_token(trl_run):
         assert cut == expected
 
 
+def _reference(text_model, ids: list[int]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_top_logprobs_parsed_by_trl(trl_run, text_model):
+    """logprobs=3: per position the sampled token and the 3 most likely, as TRL sorts them,
+    the values the model's own."""
+    top3 = trl_run["top3"]
+    for prompt, ids, lps, lp_ids in zip(
+        top3["prompt_ids"],
+        top3["completion_ids"],
+        top3["logprobs"],
+        top3["logprob_token_ids"],
+        strict=True,
+    ):
+        dist = _reference(text_model, prompt + ids)
+        for i, (tok, values, toks) in enumerate(zip(ids, lps, lp_ids, strict=True)):
+            row = dist[len(prompt) - 1 + i]
+            best = row.topk(3).indices.tolist()
+            assert toks[:3] == best and tok in toks
+            assert len(toks) == (3 if tok in best else 4)
+            assert values == pytest.approx([float(row[t]) for t in toks], abs=1e-4)
+
+
+def test_sequence_logprobs_for_distillation(trl_run, text_model):
+    """get_sequence_logprobs (prompt logprobs at TRL's default top 100 of a 54-token vocab):
+    the completion region's scores, padded by TRL to 100 with -inf."""
+    got = trl_run["sequence_logprobs"]
+    for k, seq in enumerate(trl_run["sequences"]):
+        start = len(PROMPTS[k])
+        dist = _reference(text_model, seq)
+        assert len(got["logprobs"][k]) == len(seq) - start
+        for j, pos in enumerate(range(start, len(seq))):
+            row = dist[pos - 1]
+            values, toks = got["logprobs"][k][j], got["logprob_token_ids"][k][j]
+            vocab = row.shape[0]
+            assert len(values) == 100 and values[vocab:] == [float("-inf")] * (100 - vocab)
+            assert toks[:vocab] == row.argsort(descending=True).tolist()
+            assert values[:vocab] == pytest.approx(
+                row.sort(descending=True).values.tolist(), abs=1e-4
+            )
+            assert got["actual_logprobs"][k][j][0] == pytest.approx(float(row[seq[pos]]), abs=1e-4)
+
+
 def test_no_logprobs_when_none_are_asked(trl_run):
     assert trl_run["no_logprobs"]["logprobs"] is None
     assert len(trl_run["no_logprobs"]["completion_ids"]) == 1

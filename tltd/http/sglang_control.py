@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tltd.domain import Job, RolloutRequest, SamplingParams
+from tltd.domain import MAX_TOP_LOGPROBS, Job, RolloutRequest, SamplingParams
 from tltd.errors import InvalidArgument, Unavailable
 from tltd.http import door
 from tltd.services import PauseMode, Services
@@ -121,7 +121,7 @@ def vllm_config(job: Job) -> dict:
             "model": job.model_path,
             "served_model_name": job.job_id,
             "logprobs_mode": "processed_logprobs",
-            "max_logprobs": 0,
+            "max_logprobs": MAX_TOP_LOGPROBS,
         },
         "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
         # vLLM's weight-transfer engine is not served: weights come by the SGLang-style
