@@ -48,6 +48,11 @@ def main(url: str, prompts: list[list[int]]) -> dict:
     sequences = [p + c for p, c in zip(prompts, first["completion_ids"][::3], strict=True)]
     out["sequences"] = sequences
     out["sequence_logprobs"] = client.get_sequence_logprobs(sequences, [len(p) for p in prompts])
+    try:  # TRL's weight path: vLLM's NCCL engine (vLLM's own helpers, a CUDA device)
+        client.init_communicator(device="cpu")
+        out["init_communicator"] = "joined"
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which judges it
+        out["init_communicator"] = f"{type(exc).__name__}: {exc}"
     client.reset_prefix_cache()
     out["reset"] = True
     return out

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from tltd.domain import MAX_TOP_LOGPROBS, Job, RolloutRequest, SamplingParams
 from tltd.errors import InvalidArgument, Unavailable
-from tltd.http import door
+from tltd.http import door, vllm_weights
 from tltd.services import PauseMode, Services
 
 # SGLang's pause modes -> tltd's. tltd cannot hold a request's KV in place or retract it to
@@ -124,9 +124,8 @@ def vllm_config(job: Job) -> dict:
             "max_logprobs": MAX_TOP_LOGPROBS,
         },
         "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
-        # vLLM's weight-transfer engine is not served: weights come by the SGLang-style
-        # routes, gRPC PushPolicy or OpenBroadcast (docs/http.md).
-        "weight_transfer_config": None,
+        # vLLM's weight-transfer routes, on a gloo group the trainer hosts (vllm_weights).
+        "weight_transfer_config": vllm_weights.CONFIG,
     }
 
 
