@@ -64,7 +64,7 @@ async def pause_generation(services: Services, request: Request) -> JSONResponse
 async def continue_generation(services: Services, request: Request) -> JSONResponse:
     door.parse(ContinueRequest, await request.body() or b"{}")
     job = await _job(services, request)
-    services.pauses.resume(job.job_id)
+    await services.pauses.resume(job.job_id)
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
@@ -98,7 +98,7 @@ async def server_info(services: Services, request: Request) -> JSONResponse:
         "dp_size": 1,
         "pp_size": 1,
         "weight_version": weight_version_of(version),
-        "paused": services.pauses.is_paused(job.job_id),
+        "paused": await asyncio.to_thread(services.pauses.is_paused, job.job_id),
         "internal_states": [{"policy_version": job.policy_version}],
         "tltd": {
             "job_id": job.job_id,

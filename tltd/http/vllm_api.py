@@ -86,13 +86,14 @@ async def weight_info(services: Services, request: Request) -> JSONResponse:
 
 async def resume(services: Services, request: Request) -> JSONResponse:
     job = await _job(services, request)
-    was = services.pauses.resume(job.job_id)
+    was = await services.pauses.resume(job.job_id)
     return JSONResponse({"status": "resumed", "was_paused": was})
 
 
 async def is_paused(services: Services, request: Request) -> JSONResponse:
     job = await _job(services, request)
-    return JSONResponse({"is_paused": services.pauses.is_paused(job.job_id)})
+    paused = await asyncio.to_thread(services.pauses.is_paused, job.job_id)
+    return JSONResponse({"is_paused": paused})
 
 
 def _float(raw: str, field: str) -> float:

@@ -166,7 +166,7 @@ class RolloutService:
         """A new request of a paused job waits here, before it is stored, until the job is
         resumed; a retry of a stored one attaches at once (its work is in flight already)."""
         pauses = self.pauses
-        if pauses is None or not pauses.is_paused(req.job_id):
+        if pauses is None or not await asyncio.to_thread(pauses.is_paused, req.job_id):
             return
         if not await asyncio.to_thread(self._is_retry, req):
             await pauses.wait_open(req.job_id)

@@ -219,6 +219,18 @@ class DrafterLeaseRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
+class JobPauseRow(Base):
+    """A paused job: new requests of it wait at admission on every node until it is resumed
+    (tltd.services.pause)."""
+
+    __tablename__ = "job_pauses"
+    job_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("jobs.job_id", ondelete="CASCADE"), primary_key=True
+    )
+    mode: Mapped[str] = mapped_column(STATUS)
+    paused_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
 class PushRow(Base):
     """An unfinished policy push staged on a node: what its staging file holds, so that the
     same update id resumes after a daemon restart (tltd.services.push)."""
