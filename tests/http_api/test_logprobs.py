@@ -124,6 +124,40 @@ def test_tokens_route_carries_the_same_values(http):
     assert all(len(entry) == 1 for entry in out["prompt_logprobs"][1:])  # 0: the token alone
 
 
+def test_grpc_client_gets_the_same_values(http, http_daemon):
+    """The same request over gRPC (the Python client's keywords) carries what HTTP shows."""
+    from tltd_clients import RolloutClient
+
+    body = {"model": JOB, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 1.0, "seed": 21}
+    ref = http.post(
+        "/v1/completions",
+        json={**body, "logprobs": 2, "prompt_logprobs": 1, "return_tokens_as_token_ids": True},
+    ).json()["choices"][0]
+    with RolloutClient(http_daemon.target, JOB) as c:
+        (s,) = c.generate(
+            [PROMPTS[1]],
+            temperature=1.0,
+            max_new_tokens=4,
+            seed=21,
+            stop_token_ids=[2],
+            top_logprobs=2,
+            prompt_logprobs=1,
+        )
+    assert [f"token_id:{t}" for t in s.token_ids] == ref["logprobs"]["tokens"]
+    for top, want in zip(s.top_logprobs, ref["logprobs"]["top_logprobs"], strict=True):
+        for t, v in zip(top.token_ids, top.logprobs, strict=True):
+            assert v == pytest.approx(want[f"token_id:{t}"], abs=1e-5)  # float32 on the wire
+    pl = s.prompt_logprobs
+    for j, entry in enumerate(ref["prompt_logprobs"][1:]):
+        tok = str(PROMPTS[1][j + 1])
+        assert pl.logprobs[j] == pytest.approx(entry[tok]["logprob"], abs=1e-5)
+        assert pl.ranks[j] == entry[tok]["rank"]
+        assert str(pl.top[j].token_ids[0]) in entry
+    with RolloutClient(http_daemon.target, JOB) as c_bare:
+        (bare,) = c_bare.generate([PROMPTS[1]], max_new_tokens=2, seed=21)
+    assert bare.top_logprobs is None and bare.prompt_logprobs is None
+
+
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
