@@ -18,10 +18,12 @@ from tltd.api import convert
 from tltd.domain import (
     FinishReason,
     LogprobMode,
+    PromptLogprobs,
     SamplingParams,
     SpeculativeMode,
     TokenProvenance,
     TokenSource,
+    TopLogprobs,
 )
 from tltd.errors import TltError
 from tltd.v1 import (
@@ -102,6 +104,10 @@ class RolloutSample:
     bonus_tokens: int = 0  # drawn from p after a fully accepted chain
     residual_tokens: int = 0  # drawn from the residual after a rejected draft
     provenance: list[TokenProvenance] | None = None  # per token, with return_provenance=True
+    # Per token its most likely alternatives, with top_logprobs=N > 0.
+    top_logprobs: list[TopLogprobs] | None = None
+    # The prompt's tokens scored by the target, with prompt_logprobs=N (0 included).
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -118,7 +124,7 @@ class RolloutSample:
 _SAMPLE_FIELDS = tuple(
     f.name
     for f in dataclasses.fields(RolloutSample)
-    if f.name not in ("token_ids", "logprobs", "provenance")
+    if f.name not in ("token_ids", "logprobs", "provenance", "top_logprobs")
 )
 
 
@@ -157,6 +163,7 @@ def _sample_from_pb(pb: rollout_pb2.Sample) -> RolloutSample:
         token_ids=list(s.token_ids),
         logprobs=list(s.logprobs),
         provenance=None if s.provenance is None else list(s.provenance),
+        top_logprobs=None if s.top_logprobs is None else list(s.top_logprobs),
     )
 
 

@@ -145,6 +145,36 @@ class SamplingParams:
     seed: int | None = None
     logprob_mode: LogprobMode = LogprobMode.PROCESSED
     return_provenance: bool = False  # fill Sample.provenance
+    # The this-many most likely tokens at every output position (Sample.top_logprobs); 0: none.
+    top_logprobs: int = 0
+    # Logprobs of the prompt's tokens after the first, each with this many most likely tokens
+    # (Sample.prompt_logprobs; 0: the prompt token's alone); None: not computed.
+    prompt_logprobs: int | None = None
+
+
+# The most alternatives per position a request may ask for: SGLang's cap, above TRL's 100
+# (get_sequence_logprobs' default; vLLM's own default cap, 20, makes TRL ask for a raise).
+MAX_TOP_LOGPROBS = 128
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """One position's most likely tokens, most likely first, with their logprobs (in the
+    distribution the sample's logprobs refer to: SamplingParams.logprob_mode)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt's tokens scored by the target: entry i is prompt position i + 1 (position 0
+    has no context), its logprob given the tokens before it, its rank in that distribution
+    (1 = most likely) and the top alternatives there (empty when none were asked for)."""
+
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+    top: tuple[TopLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -255,6 +285,10 @@ class Sample:
     # (first token index, policy version) per version that produced its tokens, when it is more
     # than one (PolicySwitch.NEXT_STEP); () = every token came from `policy_version`.
     policy_spans: tuple[tuple[int, int], ...] = ()
+    # One entry per token when the request asked (sampling.top_logprobs > 0), else None.
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+    # Its prompt's logprobs when the request asked (sampling.prompt_logprobs), else None.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

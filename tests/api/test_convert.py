@@ -175,6 +175,24 @@ def test_sample_round_trip():
         c.sample_from_pb(pb)
 
 
+def test_top_and_prompt_logprobs_round_trip():
+    """Asked for: every position's alternatives and the prompt's scores, -inf included (a
+    token top-k excluded); not asked for: absent, not empty. Requests carry the counts."""
+    top = (d.TopLogprobs((4, 9), (-0.5, -1.0)), d.TopLogprobs((5, 4), (-0.25, float("-inf"))))
+    prompt = d.PromptLogprobs((-2.0, -0.125), (3, 1), top)
+    s = d.Sample("r", 0, 0, (4, 5), (-0.5, -0.25), d.FinishReason.LENGTH)
+    pb = c.sample_to_pb(s)
+    assert not pb.top_logprobs and not pb.HasField("prompt_logprobs")
+    assert c.sample_from_pb(pb) == s
+    full = replace(s, top_logprobs=top, prompt_logprobs=prompt)
+    assert c.sample_from_pb(c.sample_to_pb(full)) == full
+    one_token = replace(s, prompt_logprobs=d.PromptLogprobs((), ()))  # a one-token prompt
+    assert c.sample_from_pb(c.sample_to_pb(one_token)) == one_token
+    sp = d.SamplingParams(top_logprobs=5, prompt_logprobs=0)
+    assert c.sampling_from_pb(c.sampling_to_pb(sp)) == sp
+    assert c.sampling_from_pb(c.sampling_to_pb(d.SamplingParams())).prompt_logprobs is None
+
+
 def test_policy_source():
     req = policy_pb2.UpdatePolicyRequest(
         job_id="j", checkpoint=policy_pb2.CheckpointSource(path="/c")

@@ -158,7 +158,7 @@ def test_errors_are_typed_exceptions_and_the_daemon_keeps_serving(oai, http_daem
         ({"n": 0}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10**6}, "max_tokens"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 129}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"prompt": [1, 999]}, "prompt[0][1]"),
         ({"prompt": [[1], "x", 3]}, "prompt[2]"),

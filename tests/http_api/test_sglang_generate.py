@@ -149,7 +149,7 @@ def test_bad_input_is_400_naming_the_field_and_the_daemon_keeps_serving(http):
         ({"input_ids": [[1, 2], []]}, "input_ids[1]"),
         ({"input_ids": "12"}, "input_ids"),
         ({"input_ids": [1, 2], "text": "1"}, "input_ids"),
-        ({"input_ids": [1, 2], "top_logprobs_num": 3}, "top_logprobs_num"),
+        ({"input_ids": [1, 2], "top_logprobs_num": 129}, "top_logprobs_num"),
         ({"input_ids": [1, 2], "image_data": "x.png"}, "image_data"),
         ({"input_ids": [1, 2], "rid": "no spaces please"}, "rid"),
     ]

@@ -62,8 +62,8 @@ def test_trls_body_gets_vllms_logprob_shape(http):
         ("repetition_penalty", 1.1),
         ("min_p", 0.05),
         ("presence_penalty", 0.5),
-        ("prompt_logprobs", 5),
-        ("logprobs", 2),
+        ("prompt_logprobs", 129),
+        ("logprobs", -1),
         ("min_tokens", 3),
         ("structured_outputs", {"regex": "a+"}),
         ("allowed_token_ids", [1, 2]),
@@ -104,7 +104,7 @@ def test_server_routes(http):
     assert http.get("/get_world_size").json() == {"world_size": 1}
     info = http.get("/server_info", params={"config_format": "json"}).json()
     assert info["vllm_config"]["model_config"]["served_model_name"] == JOB
-    assert info["vllm_config"]["weight_transfer_config"] is None
+    assert info["vllm_config"]["weight_transfer_config"] == {"backend": "gloo"}
     assert isinstance(http.get("/server_info").json()["vllm_config"], str)  # text by default
     assert http.post("/reset_prefix_cache").json() == {"success": True}
     assert http.get("/is_paused").json() == {"is_paused": False}

@@ -21,6 +21,7 @@ from tltd.domain import (
     Job,
     JobStatus,
     LogprobMode,
+    PromptLogprobs,
     RequestStatus,
     RolloutRequest,
     Sample,
@@ -29,6 +30,7 @@ from tltd.domain import (
     SpeculativeStats,
     TokenProvenance,
     TokenSource,
+    TopLogprobs,
     Worker,
     WorkerKind,
     WorkerState,
@@ -255,6 +257,25 @@ def test_logprob_mode_and_provenance_flag_are_request_parameters(store: Store) -
         LogprobMode.PROCESSED,
         False,
     )
+
+
+def test_top_and_prompt_logprobs_round_trip(store: Store) -> None:
+    """Requests keep what they asked scored; samples keep the scores, -inf (a token top-k
+    excluded) included, and nothing when not asked."""
+    store.create_job(JOB)
+    asked = replace(SAMPLING, top_logprobs=3, prompt_logprobs=0)
+    req, _ = store.create_request(replace(_request(), sampling=asked))
+    assert store.get_request("req-1").sampling == asked == req.sampling
+    with pytest.raises(AlreadyExists, match="sampling"):
+        store.create_request(replace(_request(), sampling=replace(asked, prompt_logprobs=None)))
+    top = (TopLogprobs((1, 2), (-0.5, float("-inf"))),)
+    prompt = PromptLogprobs((-1.5, float("-inf")), (2, 40), (top[0], top[0]))
+    first = replace(_sample(0, 0), token_ids=(5,), logprobs=(-0.5,))
+    store.add_sample(replace(first, top_logprobs=top, prompt_logprobs=prompt))
+    store.add_sample(_sample(0, 1))
+    got = store.list_samples("req-1")
+    assert got[0] == replace(first, top_logprobs=top, prompt_logprobs=prompt)
+    assert (got[1].top_logprobs, got[1].prompt_logprobs) == (None, None)
 
 
 def test_list_requests_queue_order_and_filters(store: Store) -> None:

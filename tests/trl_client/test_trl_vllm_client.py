@@ -41,7 +41,10 @@ def test_it_is_trl_1_16_and_it_addresses_the_job(trl_run):
     assert trl_run["world_size"] == 1
     info = trl_run["server_info"]
     assert info["model_config"]["served_model_name"] == JOB
-    assert info["weight_transfer_config"] is None  # TRL's CUDA weight path says so up front
+    assert info["weight_transfer_config"] == {"backend": "gloo"}
+    # TRL's weight sync is vLLM's NCCL engine, built from vLLM's own helpers: without vLLM
+    # installed (a CPU host) it stops in the client before any group is made.
+    assert trl_run["init_communicator"].startswith("NameError: name 'get_ip'")
     assert trl_run["reset"] is True
 
 
@@ -79,6 +82,55 @@ def test_stop_ids_end_a_sample_at_the_stop_token(trl_run):
     ):
         expected = full[: full.index(stop) + 1] if stop in full else full
         assert cut == expected
+
+
+def _reference(text_model, ids: list[int]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_top_logprobs_parsed_by_trl(trl_run, text_model):
+    """logprobs=3: per position the sampled token and the 3 most likely, as TRL sorts them,
+    the values the model's own."""
+    top3 = trl_run["top3"]
+    for prompt, ids, lps, lp_ids in zip(
+        top3["prompt_ids"],
+        top3["completion_ids"],
+        top3["logprobs"],
+        top3["logprob_token_ids"],
+        strict=True,
+    ):
+        dist = _reference(text_model, prompt + ids)
+        for i, (tok, values, toks) in enumerate(zip(ids, lps, lp_ids, strict=True)):
+            row = dist[len(prompt) - 1 + i]
+            best = row.topk(3).indices.tolist()
+            assert toks[:3] == best and tok in toks
+            assert len(toks) == (3 if tok in best else 4)
+            assert values == pytest.approx([float(row[t]) for t in toks], abs=1e-4)
+
+
+def test_sequence_logprobs_for_distillation(trl_run, text_model):
+    """get_sequence_logprobs (prompt logprobs at TRL's default top 100 of a 54-token vocab):
+    the completion region's scores, padded by TRL to 100 with -inf."""
+    got = trl_run["sequence_logprobs"]
+    for k, seq in enumerate(trl_run["sequences"]):
+        start = len(PROMPTS[k])
+        dist = _reference(text_model, seq)
+        assert len(got["logprobs"][k]) == len(seq) - start
+        for j, pos in enumerate(range(start, len(seq))):
+            row = dist[pos - 1]
+            values, toks = got["logprobs"][k][j], got["logprob_token_ids"][k][j]
+            vocab = row.shape[0]
+            assert len(values) == 100 and values[vocab:] == [float("-inf")] * (100 - vocab)
+            assert toks[:vocab] == row.argsort(descending=True).tolist()
+            assert values[:vocab] == pytest.approx(
+                row.sort(descending=True).values.tolist(), abs=1e-4
+            )
+            assert got["actual_logprobs"][k][j][0] == pytest.approx(float(row[seq[pos]]), abs=1e-4)
 
 
 def test_no_logprobs_when_none_are_asked(trl_run):

@@ -249,6 +249,8 @@ def sampling_from_pb(pb: rollout_pb2.SamplingParams) -> d.SamplingParams:
         )
         or d.LogprobMode.PROCESSED,
         return_provenance=pb.return_provenance,
+        top_logprobs=pb.top_logprobs,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -262,9 +264,12 @@ def sampling_to_pb(s: d.SamplingParams) -> rollout_pb2.SamplingParams:
         stop_token_ids=list(s.stop_token_ids),
         logprob_mode=_LOGPROB_MODE_PB[s.logprob_mode],
         return_provenance=s.return_provenance,
+        top_logprobs=s.top_logprobs,
     )
     if s.seed is not None:
         pb.seed = s.seed
+    if s.prompt_logprobs is not None:
+        pb.prompt_logprobs = s.prompt_logprobs
     return pb
 
 
@@ -365,7 +370,20 @@ def sample_to_pb(s: d.Sample) -> rollout_pb2.Sample:
         pb.provenance.CopyFrom(provenance_to_pb(s.provenance))
     for first, version in s.policy_spans:
         pb.policy_spans.add(first_token=first, policy_version=version)
+    for t in s.top_logprobs or ():
+        pb.top_logprobs.add(token_ids=t.token_ids, logprobs=t.logprobs)
+    if s.prompt_logprobs is not None:
+        p = s.prompt_logprobs
+        pb.prompt_logprobs.SetInParent()  # set even for a one-token prompt (no positions)
+        pb.prompt_logprobs.logprobs.extend(p.logprobs)
+        pb.prompt_logprobs.ranks.extend(p.ranks)
+        for t in p.top:
+            pb.prompt_logprobs.top.add(token_ids=t.token_ids, logprobs=t.logprobs)
     return pb
+
+
+def _tops_from_pb(tops) -> tuple[d.TopLogprobs, ...]:
+    return tuple(d.TopLogprobs(tuple(t.token_ids), tuple(t.logprobs)) for t in tops)
 
 
 def sample_from_pb(pb: rollout_pb2.Sample) -> d.Sample:
@@ -383,6 +401,15 @@ def sample_from_pb(pb: rollout_pb2.Sample) -> d.Sample:
         error=pb.error,
         provenance=provenance_from_pb(pb.provenance) if pb.HasField("provenance") else None,
         policy_spans=tuple((x.first_token, x.policy_version) for x in pb.policy_spans),
+        # A sample that asked for alternatives but emitted no token has none on the wire.
+        top_logprobs=_tops_from_pb(pb.top_logprobs) if pb.top_logprobs else None,
+        prompt_logprobs=d.PromptLogprobs(
+            tuple(pb.prompt_logprobs.logprobs),
+            tuple(pb.prompt_logprobs.ranks),
+            _tops_from_pb(pb.prompt_logprobs.top),
+        )
+        if pb.HasField("prompt_logprobs")
+        else None,
     )
 
 

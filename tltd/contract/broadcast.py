@@ -36,6 +36,15 @@ def group_prefix(group_name: str, backend: str = "gloo") -> str:
     return f"{group_name}/{group_name}//{device}/"
 
 
+def default_group_prefix(backend: str = "gloo") -> str:
+    """The store prefix of the default group torch.distributed.init_process_group makes from
+    a `tcp://` rendezvous, when it is the process's first group (torch names it "0"): the
+    rendezvous store under "default_pg", then the helper's "<name>/" and "<device>/". What a
+    trainer that hosts its weight group the plain torch way broadcasts under."""
+    device = "cuda" if backend == "nccl" else "cpu"
+    return f"default_pg/0//{device}/"
+
+
 def assign_ranks(
     rank_counts: Iterable[int], first: int = FIRST_WORKER_RANK
 ) -> tuple[list[int], int]:

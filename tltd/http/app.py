@@ -13,7 +13,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tltd.http import openai_api, sglang_api, sglang_control, sglang_weights, vllm_api
+from tltd.http import (
+    openai_api,
+    sglang_api,
+    sglang_control,
+    sglang_weights,
+    vllm_api,
+    vllm_weights,
+)
 from tltd.http.auth import BearerAuth
 from tltd.http.errors import Renames, failure_body
 from tltd.services import Services
@@ -46,6 +53,7 @@ def build_app(services: Services, tokens) -> Starlette:
         route("/abort_requests", "abort", vllm_api.abort_requests, "POST", oa),
         route("/weight_info", "weight_version", vllm_api.weight_info, "GET", oa),
     ]
+    routes += vllm_weights.routes(partial(route, renames=vllm_weights.RENAMES + oa))
     # SGLang's endpoints, on the job the URL names or (without one) the only active job.
     for prefix in ("", "/jobs/{job_id}"):
         routes += [

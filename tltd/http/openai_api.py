@@ -12,7 +12,17 @@ from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from tltd.domain import FinishReason, Job, JobStatus, RolloutRequest, Sample, SamplingParams
+from tltd.domain import (
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    Job,
+    JobStatus,
+    PromptLogprobs,
+    RolloutRequest,
+    Sample,
+    SamplingParams,
+    TopLogprobs,
+)
 from tltd.errors import InvalidArgument
 from tltd.http import door
 from tltd.http.errors import failure_body
@@ -27,6 +37,7 @@ RENAMES = (
     (r"^prompts\[(\d+)\]\.token_ids", r"prompt[\1]"),
     (r"^prompts$", "prompt"),
     (r"^sampling\.max_new_tokens$", "max_tokens"),
+    (r"^sampling\.top_logprobs$", "logprobs"),
     (r"^sampling\.", ""),
 )
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # others: vLLM's "abort"
@@ -124,7 +135,6 @@ _NO_OP: dict[str, tuple[tuple[Any, ...], str]] = {
     "watermarking": ((None, False), "no watermarking"),
     "spaces_between_special_tokens": ((True,), "text is decoded by the job's tokenizer"),
     "allowed_token_ids": ((None,), "the engine samples from the whole vocabulary"),
-    "prompt_logprobs": ((None,), "prompt logprobs are not computed by the engine"),
     "logprob_token_ids": ((None,), "only the sampled token's logprob is computed"),
     "bad_words": ((None, []), "the engine bans no words"),
     "prompt_embeds": ((None,), "prompts are token ids or text"),
@@ -151,12 +161,14 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
             raise InvalidArgument(f"{why}: only {allowed}", field=name)
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidArgument("only best_of = n (or unset) is supported", field="best_of")
-    if body.logprobs is not None and body.logprobs != 0:
-        raise InvalidArgument(
-            "top-k alternatives are not available from the engine: logprobs=0 returns the "
-            "sampled token's logprob at every position",
-            field="logprobs",
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(body, name)
+        if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                f"must be in [0, {MAX_TOP_LOGPROBS}] (tltd's cap on alternatives per position; "
+                f"-1, the whole vocabulary, is not served), got {n}",
+                field=name,
+            )
     if body.stream_options is not None and not body.stream:
         raise InvalidArgument("only with stream=true", field="stream_options")
     if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < 1:
@@ -226,6 +238,8 @@ def to_rollout(body: CompletionRequest, job: Job, vocab: Vocab, request_id: str)
             max_new_tokens=16 if body.max_tokens is None else body.max_tokens,  # OpenAI's default
             stop_token_ids=tuple(dict.fromkeys(stops)),
             seed=body.seed,
+            top_logprobs=body.logprobs or 0,  # 0: the sampled token's logprob alone
+            prompt_logprobs=body.prompt_logprobs,
         ),
     )
 
@@ -243,7 +257,7 @@ def choice(body: CompletionRequest, req: RolloutRequest, s: Sample, vocab: Vocab
         "logprobs": None if body.logprobs is None else logprobs(body, s, vocab),
         "finish_reason": _FINISH.get(s.finish_reason, "abort"),
         "stop_reason": ids[-1] if stopped else None,  # vLLM's: the stop token matched
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs(body, req.prompts[s.prompt_index], s, vocab),
         "token_ids": list(ids) if body.return_token_ids else None,
         "prompt_token_ids": list(req.prompts[s.prompt_index]) if body.return_token_ids else None,
     }
@@ -251,23 +265,76 @@ def choice(body: CompletionRequest, req: RolloutRequest, s: Sample, vocab: Vocab
     return out
 
 
+def floor(lp: float) -> float:
+    """vLLM's floor for -inf (JSON has no infinity)."""
+    return max(lp, -9999.0)
+
+
+def entries(token: int, lp: float, top: TopLogprobs | None) -> list[tuple[int, float]]:
+    """One position as vLLM's engine reports it: the token itself first, then the top
+    alternatives in rank order, each token once."""
+    out = {token: lp}
+    for t, v in zip(top.token_ids, top.logprobs, strict=True) if top else ():
+        out.setdefault(t, v)
+    return list(out.items())
+
+
+def token_text(body: CompletionRequest, vocab: Vocab):
+    """How a token is written in logprobs: its text, or `token_id:N`."""
+    as_ids = body.return_tokens_as_token_ids or vocab.tokenizer is None
+    return (lambda t: f"token_id:{t}") if as_ids else vocab.piece
+
+
 def logprobs(body: CompletionRequest, s: Sample, vocab: Vocab) -> dict:
     """vLLM's completion logprobs: per position the token, its logprob (floored at -9999 as
-    vLLM floors -inf) and the top alternatives, which for logprobs=0 are the sampled token
-    alone; text offsets are the cumulative lengths of the token strings."""
-    as_ids = body.return_tokens_as_token_ids or vocab.tokenizer is None
-    tokens = [f"token_id:{t}" if as_ids else vocab.piece(t) for t in s.token_ids]
-    values = [max(lp, -9999.0) for lp in s.logprobs]
+    vLLM floors -inf) and the top alternatives: the sampled token and the `logprobs` most
+    likely (logprobs + 1 entries, or logprobs when the sampled token is among them; the
+    sampled token alone for logprobs=0), keyed by their text; text offsets are the
+    cumulative lengths of the token strings."""
+    text = token_text(body, vocab)
+    tokens = [text(t) for t in s.token_ids]
+    tops = s.top_logprobs or [None] * len(tokens)
+    top_dicts = [
+        {text(t): floor(v) for t, v in entries(tok, lp, top)[: (body.logprobs or 0) + 1]}
+        for tok, lp, top in zip(s.token_ids, s.logprobs, tops, strict=True)
+    ]
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
         at += len(t)
     return {
         "text_offset": offsets,
-        "token_logprobs": values,
+        "token_logprobs": [floor(lp) for lp in s.logprobs],
         "tokens": tokens,
-        "top_logprobs": [{t: lp} for t, lp in zip(tokens, values, strict=True)],
+        "top_logprobs": top_dicts,
     }
+
+
+def prompt_logprobs(
+    body: CompletionRequest, prompt: tuple[int, ...], s: Sample, vocab: Vocab
+) -> list[dict | None] | None:
+    """vLLM's prompt logprobs: None for the first position, then per position the prompt
+    token and the `prompt_logprobs` most likely, keyed by token id, each with its logprob,
+    rank and text."""
+    p = s.prompt_logprobs
+    if body.prompt_logprobs is None or p is None:
+        return None
+    return [None, *ranked_positions(prompt, p, token_text(body, vocab))]
+
+
+def ranked_positions(prompt: tuple[int, ...], p: PromptLogprobs, text) -> list[dict]:
+    """Prompt positions 1.. as vLLM's {token id: {logprob, rank, decoded_token}} dicts."""
+    out = []
+    for j, (tok, lp, rank) in enumerate(zip(prompt[1:], p.logprobs, p.ranks, strict=True)):
+        top = p.top[j] if p.top else None
+        ranks = {t: r + 1 for r, t in enumerate(top.token_ids if top else ())} | {tok: rank}
+        out.append(
+            {
+                str(t): {"logprob": floor(v), "rank": ranks[t], "decoded_token": text(t)}
+                for t, v in entries(tok, lp, top)
+            }
+        )
+    return out
 
 
 def _tltd_fields(s: Sample) -> dict:

@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from tltd.domain import FinishReason, Job, RolloutRequest, Sample, SamplingParams
+from tltd.domain import (
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    Job,
+    RolloutRequest,
+    Sample,
+    SamplingParams,
+    TopLogprobs,
+)
 from tltd.errors import InvalidArgument, Unavailable
 from tltd.http import door
 from tltd.http.errors import failure_body, from_validation
@@ -26,6 +35,8 @@ RENAMES = (
     (r"^prompts\[(\d+)\]\.token_ids", r"input_ids[\1]"),
     (r"^prompts$", "input_ids"),
     (r"^sampling\.seed$", "sampling_params.sampling_seed"),
+    (r"^sampling\.top_logprobs$", "top_logprobs_num"),
+    (r"^sampling\.prompt_logprobs$", "logprob_start_len"),
     (r"^sampling\.", "sampling_params."),
     (r"^checkpoint\.path$", "model_path"),
     (r"^note$", "weight_version"),
@@ -173,14 +184,31 @@ def _refuse_unsupported(body: GenerateRequest) -> None:
             raise InvalidArgument("not supported: only null", field=name)
     if body.return_hidden_states:
         raise InvalidArgument("not supported: only false", field="return_hidden_states")
-    if body.logprob_start_len not in (None, -1):
+    n = body.top_logprobs_num
+    if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(
-            "prompt logprobs are not supported: only -1", field="logprob_start_len"
+            f"must be in [0, {MAX_TOP_LOGPROBS}] (tltd's cap), got {n}", field="top_logprobs_num"
         )
-    if body.top_logprobs_num not in (None, 0):
+    if body.logprob_start_len is not None and body.logprob_start_len < -1:
         raise InvalidArgument(
-            "top-k alternatives are not available from the engine: only 0", field="top_logprobs_num"
+            "must be >= 0, or -1 for the last prompt token only", field="logprob_start_len"
         )
+
+
+def _scores_prompt(body: GenerateRequest, prompts: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether input logprobs need the engine: SGLang's default start (-1: the last prompt
+    token, whose entry has no logprob) needs nothing computed."""
+    start = body.logprob_start_len
+    if not body.return_logprob or start is None or start == -1:
+        return False
+    for i, p in enumerate(prompts):
+        if start >= len(p):
+            field = "logprob_start_len" if len(prompts) == 1 else f"input_ids[{i}]"
+            raise InvalidArgument(
+                f"logprob_start_len {start} is not below the prompt's {len(p)} tokens",
+                field=field,
+            )
+    return any(start < len(p) - 1 for p in prompts)
 
 
 def to_rollout(body: GenerateRequest, job: Job, vocab: Vocab, request_id: str):
@@ -188,6 +216,7 @@ def to_rollout(body: GenerateRequest, job: Job, vocab: Vocab, request_id: str):
     _refuse_unsupported(body)
     params = _sampling(body.sampling_params)
     prompts, single = _prompts(body, vocab)
+    top_n = (body.top_logprobs_num or 0) if body.return_logprob else 0
     stops = [*(params.stop_token_ids or ())]
     texts = [params.stop] if isinstance(params.stop, str) else (params.stop or [])
     stops += [vocab.stop_token(s, f"sampling_params.stop[{i}]") for i, s in enumerate(texts)]
@@ -205,6 +234,8 @@ def to_rollout(body: GenerateRequest, job: Job, vocab: Vocab, request_id: str):
             max_new_tokens=128 if params.max_new_tokens is None else params.max_new_tokens,
             stop_token_ids=tuple(dict.fromkeys(stops)),
             seed=params.sampling_seed,
+            top_logprobs=top_n,
+            prompt_logprobs=top_n if _scores_prompt(body, prompts) else None,
         ),
     )
     return req, params, single and params.n == 1
@@ -242,10 +273,7 @@ def output(body, params, req: RolloutRequest, s: Sample, vocab: Vocab) -> dict:
         "partial": s.partial,
     }
     if body.return_logprob:
-        texts = [vocab.piece(t) if body.return_text_in_logprobs else None for t in ids]
-        meta["output_token_logprobs"] = [
-            [lp, t, txt] for lp, t, txt in zip(s.logprobs, ids, texts, strict=True)
-        ]
+        meta.update(_logprobs(body, req.prompts[s.prompt_index], s, vocab))
     trim = stopped and not params.no_stop_trim
     return {
         "text": vocab.decode(ids[:-1] if trim else ids, params.skip_special_tokens),
@@ -253,6 +281,40 @@ def output(body, params, req: RolloutRequest, s: Sample, vocab: Vocab) -> dict:
         "meta_info": meta,
         "index": s.prompt_index * req.sampling.n + s.sample_index,
     }
+
+
+def _logprobs(body: GenerateRequest, prompt: tuple[int, ...], s: Sample, vocab: Vocab) -> dict:
+    """SGLang's meta_info logprobs: [logprob, token id, text or None] per output token and
+    per input token from logprob_start_len (-1: the last prompt token; the first entry has
+    no logprob: None), and with top_logprobs_num > 0 the top alternatives of each position
+    as such lists (None where the input entry has none). -inf (a token top-k / top-p
+    excluded) is null, as SGLang's JSON encoder writes it."""
+    text = vocab.piece if body.return_text_in_logprobs else (lambda t: None)
+    start = body.logprob_start_len
+    start = len(prompt) - 1 if start is None or start == -1 else start
+    p = s.prompt_logprobs
+    # entry j of p is prompt position j + 1
+    scored = list(zip(prompt[start + 1 :], p.logprobs[start:], strict=True)) if p else []
+    out: dict[str, Any] = {
+        "input_token_logprobs": [[None, prompt[start], text(prompt[start])]]
+        + [[_finite(lp), t, text(t)] for t, lp in scored],
+        "output_token_logprobs": [
+            [_finite(lp), t, text(t)] for lp, t in zip(s.logprobs, s.token_ids, strict=True)
+        ],
+    }
+    if body.top_logprobs_num:
+
+        def listed(top: TopLogprobs) -> list:
+            pairs = zip(top.token_ids, top.logprobs, strict=True)
+            return [[_finite(v), t, text(t)] for t, v in pairs]
+
+        out["input_top_logprobs"] = [None] + [listed(t) for t in (p.top[start:] if p else ())]
+        out["output_top_logprobs"] = [listed(t) for t in s.top_logprobs or ()]
+    return out
+
+
+def _finite(lp: float) -> float | None:
+    return None if math.isinf(lp) else lp
 
 
 _job = door.addressed_job

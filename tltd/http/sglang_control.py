@@ -14,9 +14,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tltd.domain import Job, RolloutRequest, SamplingParams
+from tltd.domain import MAX_TOP_LOGPROBS, Job, RolloutRequest, SamplingParams
 from tltd.errors import InvalidArgument, Unavailable
-from tltd.http import door
+from tltd.http import door, vllm_weights
 from tltd.services import PauseMode, Services
 
 # SGLang's pause modes -> tltd's. tltd cannot hold a request's KV in place or retract it to
@@ -64,7 +64,7 @@ async def pause_generation(services: Services, request: Request) -> JSONResponse
 async def continue_generation(services: Services, request: Request) -> JSONResponse:
     door.parse(ContinueRequest, await request.body() or b"{}")
     job = await _job(services, request)
-    services.pauses.resume(job.job_id)
+    await services.pauses.resume(job.job_id)
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
@@ -98,7 +98,7 @@ async def server_info(services: Services, request: Request) -> JSONResponse:
         "dp_size": 1,
         "pp_size": 1,
         "weight_version": weight_version_of(version),
-        "paused": services.pauses.is_paused(job.job_id),
+        "paused": await asyncio.to_thread(services.pauses.is_paused, job.job_id),
         "internal_states": [{"policy_version": job.policy_version}],
         "tltd": {
             "job_id": job.job_id,
@@ -121,12 +121,11 @@ def vllm_config(job: Job) -> dict:
             "model": job.model_path,
             "served_model_name": job.job_id,
             "logprobs_mode": "processed_logprobs",
-            "max_logprobs": 0,
+            "max_logprobs": MAX_TOP_LOGPROBS,
         },
         "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
-        # vLLM's weight-transfer engine is not served: weights come by the SGLang-style
-        # routes, gRPC PushPolicy or OpenBroadcast (docs/http.md).
-        "weight_transfer_config": None,
+        # vLLM's weight-transfer routes, on a gloo group the trainer hosts (vllm_weights).
+        "weight_transfer_config": vllm_weights.CONFIG,
     }
 
 

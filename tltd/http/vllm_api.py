@@ -86,13 +86,14 @@ async def weight_info(services: Services, request: Request) -> JSONResponse:
 
 async def resume(services: Services, request: Request) -> JSONResponse:
     job = await _job(services, request)
-    was = services.pauses.resume(job.job_id)
+    was = await services.pauses.resume(job.job_id)
     return JSONResponse({"status": "resumed", "was_paused": was})
 
 
 async def is_paused(services: Services, request: Request) -> JSONResponse:
     job = await _job(services, request)
-    return JSONResponse({"is_paused": services.pauses.is_paused(job.job_id)})
+    paused = await asyncio.to_thread(services.pauses.is_paused, job.job_id)
+    return JSONResponse({"is_paused": paused})
 
 
 def _float(raw: str, field: str) -> float:
@@ -147,7 +148,9 @@ async def generate_tokens(services: Services, request: Request) -> Response:
         {
             "request_id": done[0].request_id,
             "choices": [_tokens_choice(completion, req, s, vocab) for s in done],
-            "prompt_logprobs": None,
+            "prompt_logprobs": openai_api.prompt_logprobs(
+                completion, req.prompts[0], done[0], vocab
+            ),
             "kv_transfer_params": None,
         }
     )
@@ -159,7 +162,7 @@ def _tokens_choice(completion, req, s, vocab) -> dict:
     return {
         "index": c["index"],
         "token_ids": list(s.token_ids),
-        "logprobs": c["logprobs"] and _token_logprobs(c["logprobs"]),
+        "logprobs": None if completion.logprobs is None else _token_logprobs(completion, s),
         "finish_reason": c["finish_reason"],
         "stop_reason": c["stop_reason"],
         "tltd": c["tltd"],
@@ -189,17 +192,24 @@ def _completion_params(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _token_logprobs(lp: dict) -> dict:
-    """vLLM's token-out logprobs: per position the sampled token and its logprob, with the
-    top alternatives (for logprobs=0 the sampled token alone)."""
+def _token_logprobs(completion, s) -> dict:
+    """vLLM's token-out logprobs: per position the sampled token and its logprob, with
+    max(logprobs, 1) entries of the sampled token then the most likely others (vLLM's
+    order: for logprobs=0 the sampled token alone)."""
+    keep = max(completion.logprobs, 1)
+    tops = s.top_logprobs or [None] * len(s.token_ids)
+    floor = openai_api.floor
     return {
         "content": [
             {
-                "token": tok,
-                "logprob": value,
+                "token": f"token_id:{tok}",
+                "logprob": floor(lp),
                 "bytes": None,
-                "top_logprobs": [{"token": tok, "logprob": value, "bytes": None}],
+                "top_logprobs": [
+                    {"token": f"token_id:{t}", "logprob": floor(v), "bytes": None}
+                    for t, v in openai_api.entries(tok, lp, top)[:keep]
+                ],
             }
-            for tok, value in zip(lp["tokens"], lp["token_logprobs"], strict=True)
+            for tok, lp, top in zip(s.token_ids, s.logprobs, tops, strict=True)
         ]
     }

@@ -1,8 +1,13 @@
-"""Pausing a job's generation on this node, as trainers pause an inference server around a
-weight update: new requests wait at admission until resumed, and the requests already in
-flight either finish (on the policy version they started with), are waited for, or are
-cancelled (their samples end partial with finish reason `cancelled`, which the HTTP door
-returns as `abort` so the trainer resubmits)."""
+"""Pausing a job's generation, as trainers pause an inference server around a weight update:
+new requests wait at admission until resumed, and the requests already in flight either
+finish (on the policy version they started with), are waited for, or are cancelled (their
+samples end partial with finish reason `cancelled`, which the HTTP door returns as `abort` so
+the trainer resubmits).
+
+The pause is the job's, on every node: it is a row of the store, which each node's admission
+reads, so a trainer that pauses one node's door holds new requests arriving at any node. A
+held request on another node sees a resume within `POLL_SECONDS`; on the node that resumed,
+at once."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ Cancel = Callable[[str, str], object]  # RolloutService.cancel: (request id, rea
 
 _OPEN = (RequestStatus.QUEUED, RequestStatus.RUNNING)
 _MAX_WAIT = 3600.0
+POLL_SECONDS = 0.2  # how often a held request reads the store for a resume made elsewhere
 
 
 class PauseMode(enum.StrEnum):
@@ -31,44 +37,46 @@ class PauseMode(enum.StrEnum):
 
 
 class PauseService:
-    """Per-job pause state of this daemon (not shared with other nodes: a trainer pauses the
-    server it talks to, as with vLLM and SGLang). Gates are asyncio events of the daemon's
-    loop; every method except `wait_open` may be called from any thread."""
+    """Per-job pause state, kept in the store for every node. `is_paused` and `abort_open`
+    read the store (call them off the event loop); `pause`, `resume` and `wait_open` run on
+    the daemon's loop."""
 
     def __init__(self, store: Store, cancel: Cancel) -> None:
         self.store = store
         self.cancel = cancel
-        self._paused: dict[str, asyncio.Event] = {}  # job id -> set when resumed
+        self._resumed: dict[str, asyncio.Event] = {}  # job id -> set by a resume here
 
     def is_paused(self, job_id: str) -> bool:
-        gate = self._paused.get(job_id)
-        return gate is not None and not gate.is_set()
+        return self.store.is_job_paused(job_id)
 
     async def pause(self, job_id: str, mode: PauseMode, timeout: float = 600.0) -> int:
-        """Hold new requests of `job_id`; returns how many open requests were cancelled
-        (abort) or waited for (wait)."""
+        """Hold new requests of `job_id` on every node; returns how many open requests were
+        cancelled (abort) or waited for (wait)."""
         if not 0 < timeout <= _MAX_WAIT:
             raise InvalidArgument(f"must be in (0, {_MAX_WAIT:.0f}] seconds", field="timeout")
-        if not self.is_paused(job_id):
-            self._paused[job_id] = asyncio.Event()
+        await asyncio.to_thread(self.store.set_job_paused, job_id, mode.value)
         if mode is PauseMode.ABORT:
             return await asyncio.to_thread(self.abort_open, job_id, "aborted by a pause")
         if mode is PauseMode.WAIT:
             return await self._drain(job_id, timeout)
         return 0
 
-    def resume(self, job_id: str) -> bool:
-        """Let held requests in; False when the job was not paused."""
-        gate = self._paused.pop(job_id, None)
-        if gate is None:
-            return False
-        gate.set()
-        return True
+    async def resume(self, job_id: str) -> bool:
+        """Let held requests in, on every node; False when the job was not paused."""
+        was = await asyncio.to_thread(self.store.set_job_paused, job_id, None)
+        gate = self._resumed.pop(job_id, None)
+        if gate is not None:
+            gate.set()  # this node's held requests go at once; others' at their next read
+        return was
 
     async def wait_open(self, job_id: str) -> None:
         """Return once `job_id` is not paused (at once when it is not)."""
-        while (gate := self._paused.get(job_id)) is not None and not gate.is_set():
-            await gate.wait()
+        while await asyncio.to_thread(self.store.is_job_paused, job_id):
+            gate = self._resumed.setdefault(job_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(gate.wait(), POLL_SECONDS)
+            except TimeoutError:
+                pass  # read the store again: a resume may have come through another node
 
     def abort_open(self, job_id: str, reason: str, request_id: str | None = None) -> int:
         """Cancel the job's open requests (or the one named); returns how many."""

@@ -166,7 +166,7 @@ class RolloutService:
         """A new request of a paused job waits here, before it is stored, until the job is
         resumed; a retry of a stored one attaches at once (its work is in flight already)."""
         pauses = self.pauses
-        if pauses is None or not pauses.is_paused(req.job_id):
+        if pauses is None or not await asyncio.to_thread(pauses.is_paused, req.job_id):
             return
         if not await asyncio.to_thread(self._is_retry, req):
             await pauses.wait_open(req.job_id)
@@ -225,8 +225,9 @@ class RolloutService:
 
 
 def _check_backend_options(req: RolloutRequest, job: Job) -> None:
-    """Raw logprobs and per-token provenance come from the torch engine: another backend
-    returns what its engine computes and cannot say where a token came from."""
+    """Raw logprobs, per-token provenance, top alternatives and prompt logprobs come from the
+    torch engine: another backend returns what its engine computes and cannot say where a
+    token came from."""
     if job.backend is Backend.TORCH:
         return
     s = req.sampling
@@ -242,6 +243,16 @@ def _check_backend_options(req: RolloutRequest, job: Job) -> None:
             f"{job.backend.value}",
             field="sampling.return_provenance",
         )
+    for name, asked in (
+        ("top_logprobs", s.top_logprobs > 0),
+        ("prompt_logprobs", s.prompt_logprobs is not None),
+    ):
+        if asked:
+            raise FailedPrecondition(
+                f"{name.replace('_', ' ')} come from the torch engine; job {job.job_id} runs "
+                f"on {job.backend.value}",
+                field=f"sampling.{name}",
+            )
 
 
 def _no_device(devices: list[Device]) -> TltError:

@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from tltd.domain import RolloutRequest
+from tltd.domain import MAX_TOP_LOGPROBS, RolloutRequest
 from tltd.errors import InvalidArgument, ResourceExhausted
 from tltd.settings import Settings
 
@@ -136,6 +136,11 @@ def validate_rollout(
         )
     if s.stop_token_ids:
         _check_tokens(s.stop_token_ids, "sampling.stop_token_ids", vocab)
+    for name, n in (("top_logprobs", s.top_logprobs), ("prompt_logprobs", s.prompt_logprobs)):
+        if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                f"must be in [0, {MAX_TOP_LOGPROBS}], got {n}", field=f"sampling.{name}"
+            )
 
 
 def _check_prompts(req: RolloutRequest, settings: Settings, model: ModelLimits | None) -> None:

@@ -9,8 +9,13 @@ policy version, loaded by the workers. A trainer that sends its weights in bucke
 or one tensor per call (SkyRL) thus makes one version per full sync.
 
 The group's keys are those SGLang's `init_custom_process_group` uses for its group name
-(`tltd.contract.broadcast.group_prefix`). Gloo only: the daemon is a CPU process and
-cannot be an NCCL rank.
+(`tltd.contract.broadcast.group_prefix`), or another prefix the caller names (vLLM's weight
+transfer: a trainer's default group). Gloo only: the daemon is a CPU process and cannot be an
+NCCL rank.
+
+vLLM's weight transfer brackets an update instead (`start` .. `update`s .. `finish`): the
+version is committed at `finish` whatever arrived, the tensors not sent carried over from the
+job's current version (vLLM updates the parameters it is sent and keeps the rest).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import datetime
 import logging
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +32,7 @@ from tltd.domain import PolicyVersion, PushHeader, TensorSpec
 from tltd.errors import FailedPrecondition, InvalidArgument, NotFound
 from tltd.services.checkpoints import checkpoint_tensors
 from tltd.services.validation import check_id
+from tltd.staging import HeldTensors
 
 if TYPE_CHECKING:
     from tltd.services.push import PushService, _Push
@@ -49,6 +55,7 @@ class _Group:
     push: _Push | None = None  # the version being gathered
     received: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    bracketed: bool = False  # an update opened by `start`: committed by `finish` only
 
 
 @dataclass(frozen=True)
@@ -77,8 +84,10 @@ class WeightGroupService:
         world_size: int,
         backend: str = "gloo",
         timeout_seconds: float = 300.0,
+        prefix: str | None = None,
     ) -> None:
-        """Join the trainer's group (blocks until every rank has joined, as SGLang's does)."""
+        """Join the trainer's group (blocks until every rank has joined, as SGLang's does);
+        its keys are under `prefix` in the trainer's store (None: SGLang's for `name`)."""
         check_id(job_id, "job_id")
         _check_group_args(name, port, rank, world_size, backend, timeout_seconds)
         self.store.get_job(job_id)  # NotFound names the job
@@ -95,7 +104,8 @@ class WeightGroupService:
         timeout = datetime.timedelta(seconds=timeout_seconds)
         try:
             tcp = dist.TCPStore(address, port, world_size, False, timeout=timeout)
-            pg = process_group("gloo", tcp, group_prefix(name), rank, world_size, timeout)
+            keys = group_prefix(name) if prefix is None else prefix
+            pg = process_group("gloo", tcp, keys, rank, world_size, timeout)
         except (RuntimeError, OSError, ValueError) as exc:
             raise FailedPrecondition(
                 f"cannot join the trainer's group at {address}:{port}: {exc}",
@@ -130,11 +140,62 @@ class WeightGroupService:
                 ) from exc
             group.received.update(s.name for s, _ in wanted)
             missing = len(specs) - len(group.received)
-            if missing:
+            if missing or group.bracketed:
                 return GroupUpdate(len(wanted), missing, None)
             group.push, group.received = None, set()
             self.pushes.detach(push)
             return GroupUpdate(len(wanted), 0, self.pushes.commit(push))
+
+    def start(self, job_id: str, name: str) -> None:
+        """Open a bracketed update (vLLM's start_weight_update): later `update`s gather into
+        it and `finish` commits it. A half-gathered unbracketed update is dropped."""
+        group = self._group(job_id, name)
+        with group.lock:
+            if group.bracketed:
+                raise FailedPrecondition(
+                    "an update is open already: finish it first", field="weight_update"
+                )
+            if group.push is not None:
+                self.pushes.detach(group.push)
+            group.push, group.received = None, set()
+            self._begin(group, "")
+            group.bracketed = True
+
+    def finish(self, job_id: str, name: str, note: str = "") -> PolicyVersion:
+        """Commit the open bracketed update as the job's next policy version: the tensors it
+        received, and the job's current version's for the rest."""
+        group = self._group(job_id, name)
+        with group.lock:
+            push = group.push
+            if not group.bracketed or push is None:
+                raise FailedPrecondition(
+                    "no update is open: call /start_weight_update first", field="weight_update"
+                )
+            self._carry_over(group, push)
+            group.push, group.received, group.bracketed = None, set(), False
+            push.header = replace(push.header, note=note)
+            self.pushes.detach(push)
+            return self.pushes.commit(push)
+
+    def _carry_over(self, group: _Group, push: _Push) -> None:
+        """The tensors no update sent, copied from the job's current version."""
+        rest = [s for s in push.header.tensors if s.name not in group.received]
+        if not rest:
+            return
+        job = self.store.get_job(group.job_id)
+        current = self.store.get_policy_version(group.job_id, job.policy_version)
+        held = HeldTensors(Path(current.path))
+        try:
+            for s in rest:
+                if held.spec(s.name) != (s.dtype, s.shape):
+                    raise FailedPrecondition(
+                        f"version {current.version} holds {s.name} as {held.spec(s.name)}, "
+                        f"not {(s.dtype, s.shape)}: send it in the update",
+                        field="update_info.names",
+                    )
+                self.pushes.store_tensor(push, s.name, held.read(s.name, 0, push.sizes[s.name]))
+        finally:
+            held.close()
 
     def destroy(self, job_id: str, name: str) -> bool:
         """Leave the group; a version half gathered is dropped. False when none was open."""
@@ -143,6 +204,7 @@ class WeightGroupService:
         if group is None:
             return False
         push, group.push, group.received = group.push, None, set()
+        group.bracketed = False
         if push is not None:
             self.pushes.detach(push)  # left idle, the push service drops it
         return True
@@ -152,7 +214,8 @@ class WeightGroupService:
             group = self._groups.get((job_id, name))
         if group is None:
             raise NotFound(
-                f"no weights group {name!r} for job {job_id}: call /init_weights_update_group",
+                f"no weights group {name!r} for job {job_id}: join one first "
+                "(/init_weights_update_group, /init_weight_transfer_engine)",
                 field="group_name",
             )
         return group

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from tltd.domain import (
     Backend,
     Device,
@@ -17,6 +20,7 @@ from tltd.domain import (
     LogprobMode,
     PolicySwitch,
     PolicyVersion,
+    PromptLogprobs,
     RequestStatus,
     RolloutRequest,
     Sample,
@@ -26,6 +30,7 @@ from tltd.domain import (
     SpeculativeStats,
     TokenProvenance,
     TokenSource,
+    TopLogprobs,
     Worker,
     WorkerKind,
     WorkerState,
@@ -126,6 +131,8 @@ def request_to_row(req: RolloutRequest) -> RolloutRequestRow:
         seed=None if sp.seed is None else seed_to_column(sp.seed),
         logprob_mode=str(sp.logprob_mode),
         return_provenance=sp.return_provenance,
+        top_logprobs=sp.top_logprobs,
+        prompt_logprobs=sp.prompt_logprobs,
         speculative=str(req.speculative),
         policy_version=req.policy_version,
         status=str(req.status),
@@ -149,6 +156,8 @@ def request_from_row(row: RolloutRequestRow) -> RolloutRequest:
             seed=None if row.seed is None else seed_from_column(row.seed),
             logprob_mode=LogprobMode(row.logprob_mode),
             return_provenance=row.return_provenance,
+            top_logprobs=row.top_logprobs,
+            prompt_logprobs=row.prompt_logprobs,
         ),
         speculative=SpeculativeMode(row.speculative),
         policy_version=row.policy_version,
@@ -181,6 +190,8 @@ def sample_to_row(s: Sample) -> SampleRow:
         spec_residual_tokens=spec.residual_tokens,
         provenance=provenance_to_json(s.provenance),
         policy_spans=[list(x) for x in s.policy_spans] or None,
+        top_logprobs=None if s.top_logprobs is None else [_top_to_json(t) for t in s.top_logprobs],
+        prompt_logprobs=prompt_logprobs_to_json(s.prompt_logprobs),
         partial=s.partial,
         error=s.error,
     )
@@ -209,6 +220,49 @@ def sample_from_row(row: SampleRow) -> Sample:
         error=row.error,
         provenance=provenance_from_json(row.provenance),
         policy_spans=tuple((int(i), int(v)) for i, v in row.policy_spans or ()),
+        top_logprobs=None
+        if row.top_logprobs is None
+        else tuple(_top_from_json(t) for t in row.top_logprobs),
+        prompt_logprobs=prompt_logprobs_from_json(row.prompt_logprobs),
+    )
+
+
+def _to_json_floats(xs: tuple[float, ...]) -> list[float | None]:
+    """-inf (a token top-k / top-p excluded) as null: JSON has no infinity, PostgreSQL's
+    JSON refuses one."""
+    return [None if math.isinf(x) else x for x in xs]
+
+
+def _from_json_floats(xs: list[float | None]) -> tuple[float, ...]:
+    return tuple(float("-inf") if x is None else float(x) for x in xs)
+
+
+def _top_to_json(t: TopLogprobs) -> list[list[Any]]:
+    return [list(t.token_ids), _to_json_floats(t.logprobs)]
+
+
+def _top_from_json(data: list[list[Any]]) -> TopLogprobs:
+    ids, lps = data
+    return TopLogprobs(tuple(int(i) for i in ids), _from_json_floats(lps))
+
+
+def prompt_logprobs_to_json(p: PromptLogprobs | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    return {
+        "logprobs": _to_json_floats(p.logprobs),
+        "ranks": list(p.ranks),
+        "top": [_top_to_json(t) for t in p.top],
+    }
+
+
+def prompt_logprobs_from_json(data: dict[str, Any] | None) -> PromptLogprobs | None:
+    if data is None:
+        return None
+    return PromptLogprobs(
+        _from_json_floats(data["logprobs"]),
+        tuple(int(r) for r in data["ranks"]),
+        tuple(_top_from_json(t) for t in data["top"]),
     )
 
 

@@ -44,6 +44,7 @@ from tltd.store.tables import (
     DeviceRow,
     DrafterVersionRow,
     EventRow,
+    JobPauseRow,
     JobRow,
     PolicyVersionRow,
     PushRow,
@@ -299,6 +300,28 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases):
             job.policy_version, job.updated_at = pv.version, now
             s.flush()
             return convert.policy_version_from_row(pv)
+
+    # ---- paused jobs (every node's admission gate) -------------------------------------
+
+    def set_job_paused(self, job_id: str, mode: str | None) -> bool:
+        """Pause the job for every node (`mode`: how, for the record) or resume it (None);
+        returns whether it was paused before."""
+        with self._tx() as s:
+            self._job_row(s, job_id)  # NotFound names the job
+            row = s.get(JobPauseRow, job_id)
+            was = row is not None
+            if mode is None:
+                if row is not None:
+                    s.delete(row)
+            elif row is None:
+                s.add(JobPauseRow(job_id=job_id, mode=mode, paused_at=utcnow()))
+            else:
+                row.mode = mode
+            return was
+
+    def is_job_paused(self, job_id: str) -> bool:
+        with self._tx(write=False) as s:
+            return s.get(JobPauseRow, job_id) is not None
 
     # ---- unfinished pushes of this node ------------------------------------------------
 

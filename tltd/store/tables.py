@@ -127,6 +127,8 @@ class RolloutRequestRow(Base):
     seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     logprob_mode: Mapped[str] = mapped_column(STATUS, default="processed")
     return_provenance: Mapped[bool] = mapped_column(Boolean, default=False)
+    top_logprobs: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_logprobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
     speculative: Mapped[str] = mapped_column(STATUS)
     # The job's policy version when the request was accepted: every sample runs on it.
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
@@ -165,6 +167,10 @@ class SampleRow(Base):
     provenance: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     # [[first token index, policy version], ...] when more than one version produced it.
     policy_spans: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    # Per token [[ids...], [logprobs...]] when the request asked for top alternatives.
+    top_logprobs: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    # {"logprobs": [...], "ranks": [...], "top": [[[ids], [logprobs]], ...]} when asked.
+    prompt_logprobs: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     partial: Mapped[bool] = mapped_column(Boolean, default=False)
     error: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
@@ -211,6 +217,18 @@ class DrafterLeaseRow(Base):
     cursor: Mapped[int] = mapped_column(BigInteger, default=0)
     published_version: Mapped[int] = mapped_column(Integer, default=0)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class JobPauseRow(Base):
+    """A paused job: new requests of it wait at admission on every node until it is resumed
+    (tltd.services.pause)."""
+
+    __tablename__ = "job_pauses"
+    job_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("jobs.job_id", ondelete="CASCADE"), primary_key=True
+    )
+    mode: Mapped[str] = mapped_column(STATUS)
+    paused_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
 class PushRow(Base):

@@ -11,10 +11,12 @@ from torch import Tensor
 
 from tltd.domain import (
     FinishReason,
+    PromptLogprobs,
     Sample,
     SamplingParams,
     SpeculativeStats,
     TokenProvenance,
+    TopLogprobs,
 )
 from tltd_workers.engine.bandit import Strategy
 
@@ -146,6 +148,8 @@ class SampleOutput:
     # (first token index, policy version) per version that produced its tokens when a new
     # policy was loaded while it ran; () = every token came from `policy_version`.
     policy_spans: tuple[tuple[int, int], ...] = ()
+    top_logprobs: list[TopLogprobs] | None = None  # per token, when sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None  # when sampling.prompt_logprobs is set
 
     def to_domain(self) -> Sample:
         """The `tltd.domain.Sample` the daemon stores and streams (hidden states dropped)."""
@@ -169,6 +173,8 @@ class SampleOutput:
             ),
             provenance=None if self.provenance is None else tuple(self.provenance),
             policy_spans=self.policy_spans,
+            top_logprobs=None if self.top_logprobs is None else tuple(self.top_logprobs),
+            prompt_logprobs=self.prompt_logprobs,
             # Only a sample that ran to its end is whole; a cancelled one keeps its tokens.
             partial=self.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH),
         )

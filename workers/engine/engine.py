@@ -77,7 +77,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tltd.domain import FinishReason, LogprobMode, SamplingParams, TokenProvenance
+from tltd.domain import (
+    FinishReason,
+    LogprobMode,
+    PromptLogprobs,
+    SamplingParams,
+    TokenProvenance,
+    TopLogprobs,
+)
 from tltd_workers.engine.bandit import (
     BucketedEpsilonGreedy,
     FixedStrategy,
@@ -97,6 +104,7 @@ from tltd_workers.engine.sampling import (
     SAMPLE,
     RowParams,
     log_probs,
+    returned_logprobs,
     row_key,
     sample_from,
     token_logprobs,
@@ -141,6 +149,7 @@ class _Group:
     # Earlier answers to this prompt (sample id, tokens), for the history drafter at admission.
     past: Sequence[tuple[Hashable, Sequence[int]]] = ()
     history_key: tuple[int, ...] = ()
+    prompt_lp: PromptLogprobs | None = None  # set at prefill when sampling.prompt_logprobs is
 
 
 class _Seq:
@@ -168,6 +177,7 @@ class _Seq:
         "eagle_ok",
         "spans",
         "answer_id",
+        "top",
     )
 
     def __init__(self, group: _Group, index: int, key: int, max_new: int) -> None:
@@ -190,6 +200,8 @@ class _Seq:
         # (first token index, policy version): a version loaded while it runs opens a span.
         self.spans: list[tuple[int, int]] = [(0, group.policy_version)]
         self.answer_id = -1  # its answer in the history drafter (-1: not indexed there)
+        # Per emitted token its top alternatives, when the request asked for them.
+        self.top: list[TopLogprobs] | None = [] if group.sampling.top_logprobs > 0 else None
 
     @property
     def sample_key(self) -> str:
@@ -400,6 +412,7 @@ class Engine:
                         [],
                         FinishReason.CANCELLED,
                         g.policy_version,
+                        top_logprobs=[] if g.sampling.top_logprobs > 0 else None,
                     )
                 )
         done = {
@@ -588,15 +601,20 @@ class Engine:
             tokens[i, : len(g.prompt)] = torch.tensor(g.prompt)
         lens = [len(g.prompt) for g in groups]
         batch = Batch.make([0] * n_groups, lens, width, b0, self.cache.trash, self.device)
+        scored = [g.sampling.prompt_logprobs is not None for g in groups]
         need_hidden = self.drafter is not None or any(g.return_hidden for g in groups)
+        need_hidden = need_hidden or any(scored)
         logits, hidden = self.model(
             tokens.to(self.device), self.cache, batch, last_only=True, return_hidden=need_hidden
         )
         self.prefills += n_groups
+        for i, g in enumerate(groups):
+            if scored[i] and hidden is not None:
+                g.prompt_lp = self._prompt_logprobs(g, hidden[i, : lens[i]])
         new, order = self._place(groups, b0, lens)
         # Every sample draws its own first token from its prompt's last-position logits.
         row_logits = logits[torch.tensor(order, device=self.device)]
-        toks, lps = self._sample(new, row_logits)
+        toks, lps, tops = self._sample(new, row_logits)
         done: dict[int, FinishReason] = {}
         for r, s in enumerate(new):
             g = s.group
@@ -609,12 +627,41 @@ class Engine:
                 if s.eagle_ok:
                     s.eagle_hidden.append(h)
                     s.eagle_tokens.extend(g.prompt[1:])
-            reason = self._emit(s, [toks[r]], [lps[r]], hidden_rows=None)
+            reason = self._emit(s, [toks[r]], [lps[r]], None, tops=tops[r] if tops else None)
             if reason is not None:
                 done[b0 + r] = reason
         self.stats.first_tokens += len(new)
         self.stats.record_phase("prefill", time.perf_counter() - t0)
         return self._finish(done)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, g: _Group, hidden: Tensor) -> PromptLogprobs:
+        """The target's logprob and rank of each prompt token after the first, and the top
+        alternatives asked for, from the prefill's hidden states [len(prompt), H] and in the
+        distribution the group's sampled logprobs refer to (its temperature, top-k, top-p and
+        logprob mode)."""
+        sp = g.sampling
+        logits = self.model.logits(hidden[:-1]).float()[None]  # position j predicts token j + 1
+        params = RowParams.make(
+            [sp.temperature],
+            [sp.top_k],
+            [sp.top_p],
+            self.device,
+            raw=[sp.logprob_mode is LogprobMode.RAW],
+        )
+        dist = returned_logprobs(logits, log_probs(logits, params), params)[0]
+        target = torch.tensor(g.prompt[1:], device=self.device)
+        lp = dist.gather(-1, target[:, None])
+        ranks = (dist >= lp).sum(dim=-1)  # vLLM's rank: tokens at least as likely, itself too
+        top: tuple[TopLogprobs, ...] = ()
+        n = min(sp.prompt_logprobs or 0, dist.shape[-1])
+        if n > 0 and len(target):
+            vals, ids = dist.topk(n, dim=-1)
+            top = tuple(
+                TopLogprobs(tuple(i), tuple(v))
+                for v, i in zip(vals.tolist(), ids.tolist(), strict=True)
+            )
+        return PromptLogprobs(tuple(lp[:, 0].tolist()), tuple(ranks.tolist()), top)
 
     def _place(
         self, groups: list[_Group], b0: int, lens: list[int]
@@ -712,8 +759,11 @@ class Engine:
     def _keys(self, seqs: Sequence[_Seq]) -> Tensor:
         return torch.tensor([s.key for s in seqs], dtype=torch.long, device=self.device)
 
-    def _sample(self, seqs: Sequence[_Seq], logits: Tensor) -> tuple[list[int], list[float]]:
-        """Draw one token per row from logits [B, V]; returns tokens and their logprobs."""
+    def _sample(
+        self, seqs: Sequence[_Seq], logits: Tensor
+    ) -> tuple[list[int], list[float], list[list[TopLogprobs]] | None]:
+        """Draw one token per row from logits [B, V]; returns tokens, their logprobs and the
+        rows' top alternatives (self._tops)."""
         params = self._row_params(seqs)
         logp = log_probs(logits, params)
         if params.all_greedy:
@@ -725,7 +775,27 @@ class Engine:
             if params.any_greedy:
                 tok = torch.where(params.greedy, logp.argmax(dim=-1), tok)
         lp = token_logprobs(logits, logp, tok, params)
-        return tok.tolist(), lp.tolist()
+        return tok.tolist(), lp.tolist(), self._tops(seqs, logits[:, None], logp[:, None], params)
+
+    def _tops(
+        self, seqs: Sequence[_Seq], logits: Tensor, logp: Tensor, params: RowParams
+    ) -> list[list[TopLogprobs]] | None:
+        """Per row, per position of logits [B, W, V], the top alternatives the row asked for
+        ([] for a row that did not ask), read from the target distribution its logprobs refer
+        to; None, at no cost, when no row asked."""
+        wants = [s.group.sampling.top_logprobs for s in seqs]
+        k = min(max(wants), logits.shape[-1])
+        if k <= 0:
+            return None
+        rows = [r for r, n in enumerate(wants) if n > 0]
+        at = torch.tensor(rows, device=self.device)
+        dist = returned_logprobs(logits[at], logp[at], _select(params, at))
+        vals, ids = dist.topk(k, dim=-1)
+        out: list[list[TopLogprobs]] = [[] for _ in seqs]
+        for r, v, i in zip(rows, vals.tolist(), ids.tolist(), strict=True):
+            n = wants[r]
+            out[r] = [TopLogprobs(tuple(a[:n]), tuple(b[:n])) for b, a in zip(v, i, strict=True)]
+        return out
 
     def _plain_step(self) -> list[SampleOutput]:
         t0 = time.perf_counter()
@@ -737,12 +807,13 @@ class Engine:
         logits, hidden = self.model(
             tokens, self.cache, batch, last_only=True, return_hidden=need_hidden
         )
-        toks, lps = self._sample(seqs, logits)
+        toks, lps, tops = self._sample(seqs, logits)
         done: dict[int, FinishReason] = {}
         for i, s in enumerate(seqs):
             lens[i] += 1
             s.plain_steps += 1
-            reason = self._emit(s, [toks[i]], [lps[i]], hidden[i] if hidden is not None else None)
+            h = hidden[i] if hidden is not None else None
+            reason = self._emit(s, [toks[i]], [lps[i]], h, tops=tops[i] if tops else None)
             if reason is not None:
                 done[i] = reason
         dt = time.perf_counter() - t0
@@ -793,6 +864,7 @@ class Engine:
         emitted = torch.cat([draft_t, torch.zeros_like(nxt)[:, None]], dim=1)
         emitted[torch.arange(b, device=self.device), n_acc] = nxt
         emitted_lp = token_logprobs(logits, logp, emitted, params)
+        tops = self._tops(seqs, logits, logp, params)  # the verify pass's target alternatives
         n_list, em, em_lp = n_acc.tolist(), emitted.tolist(), emitted_lp.tolist()
         if self.gate_state is not None:  # acceptance as drafted, before stop-token clipping
             self._observe(kinds, dlen, n_list)
@@ -812,7 +884,8 @@ class Engine:
             origin = None
             if s.provenance is not None:
                 origin = step_provenance(n, dlen[i], kinds[i])
-            reason = self._emit(s, em[i][: n + 1], em_lp[i][: n + 1], h, origin)
+            top = tops[i][: n + 1] if tops else None
+            reason = self._emit(s, em[i][: n + 1], em_lp[i][: n + 1], h, origin, top)
             gained.append(len(s.tokens) - before)
             n_list[i] = min(n, gained[-1])  # drafts past a stop token do not count as accepted
             s.accepted += n_list[i]
@@ -949,9 +1022,10 @@ class Engine:
         lps: list[float],
         hidden_rows: Tensor | None,
         origin: list[TokenProvenance] | None = None,
+        tops: list[TopLogprobs] | None = None,
     ) -> FinishReason | None:
         """Append tokens (stopping early at a stop token or the length limit); `origin`:
-        each token's provenance (None: plain draws)."""
+        each token's provenance (None: plain draws); `tops`: each token's top alternatives."""
         reason = None
         n = 0
         for t, lp in zip(toks, lps, strict=True):
@@ -966,6 +1040,8 @@ class Engine:
                 break
         if s.provenance is not None:
             s.provenance.extend(origin[:n] if origin is not None else [PLAIN_TOKEN] * n)
+        if s.top is not None and tops is not None:
+            s.top.extend(tops[:n])
         if hidden_rows is not None:
             # hidden_rows[j] is the state at the position fed just before emitted token j.
             # A copy: a view would keep the whole step's [B, width, H] tensor alive for as
@@ -1043,4 +1119,21 @@ class Engine:
             residual_tokens=s.residual,
             provenance=s.provenance,
             policy_spans=tuple(s.spans) if len(s.spans) > 1 else (),
+            top_logprobs=s.top,
+            prompt_logprobs=g.prompt_lp,
         )
+
+
+def _select(params: RowParams, rows: Tensor) -> RowParams:
+    """The sampling parameters of some rows only (what `returned_logprobs` reads of them)."""
+    raw = params.raw
+    return RowParams(
+        params.temperature[rows],
+        params.top_k[rows],
+        params.top_p[rows],
+        params.greedy[rows],
+        params.all_greedy,
+        params.any_greedy,
+        params.restrict,
+        None if raw is None else raw[rows],
+    )

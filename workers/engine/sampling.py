@@ -136,6 +136,16 @@ def token_logprobs(logits: Tensor, logp: Tensor, tokens: Tensor, params: RowPara
     return torch.where(params.raw.view((-1,) + (1,) * (lp.dim() - 1)), raw, lp)
 
 
+def returned_logprobs(logits: Tensor, logp: Tensor, params: RowParams) -> Tensor:
+    """The whole distribution each row's returned logprobs refer to, [B, ..., V]: `logp`
+    (log_probs(logits, params)), or log_softmax(logits) for raw rows. What top alternatives
+    and prompt logprobs are read from, so that they agree with the sampled token's logprob."""
+    if params.raw is None:
+        return logp
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    return torch.where(params.raw.view((-1,) + (1,) * (logp.dim() - 1)), raw, logp)
+
+
 def _restrict(x: Tensor, params: RowParams, shape: tuple[int, ...]) -> Tensor:
     """Top-k then top-p (HF order) on tempered logits; greedy rows are left unrestricted."""
     v = x.shape[-1]
