@@ -15,8 +15,12 @@ install:
 stubs:
 	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/tltd/v1/*.proto
 
+# Two test processes, whole files to each (a file's module-scoped daemon starts once): most
+# tests wait on daemons, workers and deadlines, so two share 2 cores well. TEST_WORKERS=0: one
+# process, as plain `pytest` runs.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The SGLang adapter against the real sglang package, in its own cached environment (CPU
 # torch, sglang with --no-deps: scripts/sglang_contract_env.sh; the project itself is installed

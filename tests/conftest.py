@@ -80,6 +80,19 @@ def _fresh_pg_database() -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Torch in the test process (reference runs, in-process engines) on one thread: with
+    its default of one thread per core it competes with the daemons' workers for the same
+    cores, and under load its spinning threads made a reference run 40x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'tltd.db'}"

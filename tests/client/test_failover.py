@@ -56,10 +56,16 @@ def _kill_node(d: ServeProcess) -> None:
 
 
 @pytest.fixture
-def two_daemons(request, tmp_path, ckpt) -> Iterator[list[ServeProcess]]:
+def b_env() -> dict[str, str]:
+    """Settings of daemon B beyond the shared ones (a test parametrizes it to change them)."""
+    return {}
+
+
+@pytest.fixture
+def two_daemons(request, tmp_path, ckpt, b_env) -> Iterator[list[ServeProcess]]:
     """Two daemons, each with its own database (SQLite files, or two fresh PostgreSQL
     databases when parametrized with "postgresql") and one CPU worker, each holding the job
-    "job" on the same checkpoint."""
+    "job" on the same checkpoint; B's settings also take `b_env`."""
     backend = getattr(request, "param", "sqlite")
     daemons: list[ServeProcess] = []
     with ExitStack() as stack:
@@ -71,8 +77,9 @@ def two_daemons(request, tmp_path, ckpt) -> Iterator[list[ServeProcess]]:
                     url = stack.enter_context(_fresh_pg_database())
                 else:
                     url = f"sqlite:///{home / 'tltd.db'}"
-                d = ServeProcess(home, url, name, cpu_slots=1, worker_max_batch="1",
-                                 shutdown_grace_seconds="2")  # fmt: skip
+                env = {"worker_max_batch": "1", "shutdown_grace_seconds": "2"}
+                env |= b_env if name == "b" else {}
+                d = ServeProcess(home, url, name, cpu_slots=1, **env)
                 daemons.append(d)
             for d in daemons:
                 with TltClient(d.target, timeout=120) as c:  # loads the model: slow on busy CI
@@ -192,14 +199,16 @@ def test_a_frozen_node_is_noticed_by_keepalive_and_the_stream_fails_over(two_dae
 
 
 @pytest.mark.slow
+# B runs 16 samples at once: it re-runs the whole request, which one at a time took minutes.
+@pytest.mark.parametrize("b_env", [{"worker_max_batch": "16"}], ids=["b-batch-16"])
 def test_a_draining_node_hands_the_stream_over(two_daemons, ckpt):
     """SIGTERM to A mid-stream: A drains (grace 2 s), returns its running samples partial
     (ABORTED) and ends the stream UNAVAILABLE; the client moves to B, whose complete samples
     follow the partial ones, and `generate` returns one complete sample per key, equal to an
     undisturbed run (B re-runs the request: the daemons do not share a database)."""
     a, b = two_daemons
-    # 60 samples of 400 tokens on one worker: the work outlasts the 2 s grace on a quiet
-    # machine too (5 samples of 600 tokens ended inside it there).
+    # 60 samples of 400 tokens on A's one-sample worker: the work outlasts the 2 s grace on a
+    # quiet machine too (5 samples of 600 tokens ended inside it there).
     params = dict(n=12, temperature=0.0, max_new_tokens=400)
     seen: list[RolloutSample] = []
 
