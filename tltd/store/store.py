@@ -39,6 +39,7 @@ from tltd.store.drafter_leases import DrafterLeases
 from tltd.store.leases import WorkLeases
 from tltd.store.nodes import NodeRegistry
 from tltd.store.notifications import REQUEST, SAMPLE, WORK, notify
+from tltd.store.sample_batches import SampleBatches
 from tltd.store.status import check_transition, record_event, switch_status
 from tltd.store.tables import (
     DeviceRow,
@@ -86,7 +87,7 @@ def _flags(row: DeviceRow) -> str:
     return "+".join(names) or "schedulable"
 
 
-class Store(NodeRegistry, WorkLeases, DrafterLeases):
+class Store(NodeRegistry, WorkLeases, DrafterLeases, SampleBatches):
     """All persistent state of the daemon; tables come from `tltd.store.migrate.upgrade`.
 
     `node_id` names the node whose devices and workers this store reads and writes (default:
