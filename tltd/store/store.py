@@ -531,7 +531,7 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases, SampleBatches):
         with self._tx(write=False) as s:
             rows = s.execute(
                 select(SampleRow.request_id, SampleRow.prompt_index, SampleRow.sample_index,
-                       SampleRow.token_ids)
+                       SampleRow.token_ids_bin, SampleRow.token_ids)
                 .join(WorkUnitRow, (WorkUnitRow.request_id == SampleRow.request_id)
                       & (WorkUnitRow.prompt_index == SampleRow.prompt_index))
                 .join(RolloutRequestRow, RolloutRequestRow.request_id == SampleRow.request_id)
@@ -541,7 +541,9 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases, SampleBatches):
                 .order_by(SampleRow.id.desc())
                 .limit(limit)
             ).all()  # fmt: skip
-        return [((r[0], r[1], r[2]), tuple(r[3])) for r in reversed(rows)]
+        return [
+            ((r[0], r[1], r[2]), convert.token_ids_from_columns(r[3], r[4])) for r in reversed(rows)
+        ]
 
     # ---- drafter versions ---------------------------------------------------------------
 

@@ -74,8 +74,11 @@ class OrderedWrites:
 
 
 def add_samples(store: Store, samples: list[Sample]) -> None:
-    for s in samples:
-        store.add_sample(s)
+    """Store samples in one transaction; raises the first sample's error, if any (the others
+    are stored all the same)."""
+    for outcome in store.add_samples(samples):
+        if isinstance(outcome, Exception):
+            raise outcome
 
 
 def upsert_worker(store: Store, worker: Worker) -> None:
