@@ -77,14 +77,13 @@ class RolloutService:
         if self.node.draining and not self._is_retry(req):
             raise Unavailable("node is draining: not accepting new rollouts")
         validate_rollout(req, self.settings)
-        job = self.store.get_job(req.job_id)  # NotFound names job_id
+        job, devices = self.store.job_and_devices(req.job_id)  # NotFound names job_id
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job.job_id} is {job.status.value}", field="job_id")
         _check_backend_options(req, job)
         # Token ids beyond the vocabulary and contexts beyond the model's positions are only
         # known once the job's model is.
         validate_rollout(req, self.settings, model_limits(job.model_path))
-        devices = self.store.list_devices()
         if (
             self.supervisor is not None
             and not any(d.schedulable for d in devices)

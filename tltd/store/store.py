@@ -273,6 +273,22 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases, SampleBatches):
             active = self._active_versions(s, [r.job_id for r in rows])
             return [convert.job_from_row(r, active[r.job_id]) for r in rows]
 
+    def job_and_devices(self, job_id: str) -> tuple[Job, list[Device]]:
+        """A job and this node's devices, in one read (what admitting a request checks)."""
+        with self._tx(write=False) as s:
+            job = self._job(s, self._job_row(s, job_id))
+            return job, [convert.device_from_row(r) for r in self._device_rows(s)]
+
+    def devices_and_jobs(self, statuses: Sequence[JobStatus]) -> tuple[list[Device], list[Job]]:
+        """This node's devices and the jobs of `statuses` (up to 10,000), in one read (what a
+        scheduler tick decides on)."""
+        with self._tx(write=False) as s:
+            devices = [convert.device_from_row(r) for r in self._device_rows(s)]
+            q = select(JobRow).where(JobRow.status.in_([str(x) for x in statuses]))
+            rows = s.scalars(q.order_by(JobRow.created_at.desc()).limit(10_000)).all()
+            active = self._active_versions(s, [r.job_id for r in rows])
+            return devices, [convert.job_from_row(r, active[r.job_id]) for r in rows]
+
     def set_job_status(self, job_id: str, new: JobStatus, reason: str) -> Job:
         with self._tx() as s:
             row = self._job_row(s, job_id, lock=True)
