@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -876,43 +877,63 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases, SampleBatches):
         as STARTING (a restart of the same slot). Every state change records an event.
         """
         with self._tx() as s:
-            now = utcnow()
+            return self._upsert_worker(s, worker)
+
+    def record_worker(self, worker: Worker) -> Worker:
+        """The supervisor's record of one of its workers, in one transaction: the same state
+        again keeps its started_at; a STARTING over a process not stopped or failed records
+        that one FAILED first ("replaced by a new process"); then as `upsert_worker`."""
+        with self._tx() as s:
             row = s.get(WorkerRow, (self.node_id, worker.worker_id))
-            if row is None:
-                row = WorkerRow(
-                    node_id=self.node_id, worker_id=worker.worker_id, state=str(worker.state)
-                )
-                s.add(row)
-                record_event(
-                    s,
-                    "worker",
-                    worker.worker_id,
-                    "",
-                    worker.state,
-                    worker.state_reason or "registered",
-                    at=now,
-                )
-            elif row.state != worker.state:
-                restart = row.state in _FINAL_WORKER_STATES and worker.state == WorkerState.STARTING
-                if not restart:
-                    check_transition("worker", worker.worker_id, row.state, worker.state)
-                record_event(
-                    s,
-                    "worker",
-                    worker.worker_id,
-                    row.state,
-                    worker.state,
-                    worker.state_reason or ("restarted" if restart else ""),
-                    at=now,
-                )
-                row.state = str(worker.state)
-            row.kind, row.device_id, row.job_id = str(worker.kind), worker.device_id, worker.job_id
-            row.pid, row.state_reason = worker.pid, worker.state_reason
-            row.started_at = worker.started_at or row.started_at or now
-            row.last_heartbeat = worker.last_heartbeat or row.last_heartbeat
-            row.updated_at = now
-            s.flush()
-            return convert.worker_from_row(row)
+            if row is not None and row.state == worker.state:
+                worker = replace(worker, started_at=row.started_at)
+            elif (
+                row is not None
+                and worker.state is WorkerState.STARTING
+                and row.state not in _FINAL_WORKER_STATES
+            ):
+                why = "replaced by a new process"
+                switch_status(s, "worker", worker.worker_id, row, WorkerState.FAILED, why)
+            return self._upsert_worker(s, worker)
+
+    def _upsert_worker(self, s: Session, worker: Worker) -> Worker:
+        now = utcnow()
+        row = s.get(WorkerRow, (self.node_id, worker.worker_id))
+        if row is None:
+            row = WorkerRow(
+                node_id=self.node_id, worker_id=worker.worker_id, state=str(worker.state)
+            )
+            s.add(row)
+            record_event(
+                s,
+                "worker",
+                worker.worker_id,
+                "",
+                worker.state,
+                worker.state_reason or "registered",
+                at=now,
+            )
+        elif row.state != worker.state:
+            restart = row.state in _FINAL_WORKER_STATES and worker.state == WorkerState.STARTING
+            if not restart:
+                check_transition("worker", worker.worker_id, row.state, worker.state)
+            record_event(
+                s,
+                "worker",
+                worker.worker_id,
+                row.state,
+                worker.state,
+                worker.state_reason or ("restarted" if restart else ""),
+                at=now,
+            )
+            row.state = str(worker.state)
+        row.kind, row.device_id, row.job_id = str(worker.kind), worker.device_id, worker.job_id
+        row.pid, row.state_reason = worker.pid, worker.state_reason
+        row.started_at = worker.started_at or row.started_at or now
+        row.last_heartbeat = worker.last_heartbeat or row.last_heartbeat
+        row.updated_at = now
+        s.flush()
+        return convert.worker_from_row(row)
 
     def get_worker(self, worker_id: str) -> Worker:
         with self._tx(write=False) as s:
