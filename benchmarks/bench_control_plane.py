@@ -140,6 +140,7 @@ class Result:
     requests: int = 0
     samples: int = 0
     cpu: float = 0.0  # daemon CPU seconds
+    failed: int = 0  # requests that ended in an error (not counted in the rates)
 
     def add(self, other: Result) -> None:
         self.latencies += other.latencies
@@ -147,6 +148,7 @@ class Result:
         self.requests += other.requests
         self.samples += other.samples
         self.cpu += other.cpu
+        self.failed += other.failed
 
     @property
     def rps(self) -> float:
@@ -164,6 +166,8 @@ class Result:
 async def drive(send, clients: int, seconds: float, min_requests: int) -> Result:
     """`clients` tasks each sending requests back to back for `seconds` (and until
     `min_requests` have finished in all): latency of each, wall time of all."""
+    from tltd_clients.errors import TltClientError
+
     out = Result()
     stop_at = time.perf_counter() + seconds
 
@@ -171,11 +175,16 @@ async def drive(send, clients: int, seconds: float, min_requests: int) -> Result
         i = 0
         while time.perf_counter() < stop_at or out.requests < min_requests:
             t0 = time.perf_counter()
-            got = await send(c * 1_000_000 + i)
+            i += 1
+            try:
+                got = await send(c * 1_000_000 + i)
+            except TltClientError as exc:  # counted, shown, and not taken for a result
+                out.failed += 1
+                print(f"request failed: {exc}", file=sys.stderr)
+                continue
             out.latencies.append(time.perf_counter() - t0)
             out.requests += 1
             out.samples += got
-            i += 1
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one_client(c) for c in range(clients)))
@@ -424,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, default=None,
                         help="run the daemon under py-spy, writing flame data here")  # fmt: skip
     parser.add_argument("--no-floors", action="store_true")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="keep the daemons' data and logs here")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="SQLite, 2 short scenarios")
     parser.add_argument("--echo-server", help=argparse.SUPPRESS)
     cfg = parser.parse_args(argv)
@@ -441,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {load_average()}  ({os.cpu_count()} CPUs)")
     floors = {} if cfg.no_floors else measure_floors(cfg, prompt, scenarios)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="tltd-bench-cp-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tltd-bench-cp-") as scratch:
+        tmp = str(cfg.work_dir or scratch)
         for db in cfg.db.split(","):
             results: dict[tuple[str, int, int], list[Result]] = {}
             for rep in range(cfg.repeats):
@@ -520,7 +532,7 @@ def print_tables(cfg, rows, floors) -> None:
           f"{cfg.cpu_slots} CPU slot(s); medians of {cfg.repeats} x {cfg.seconds:g} s")  # fmt: skip
     head = ("| db | daemon | clients | n | req/s | samples/s | p50 ms | p99 ms "
             "| daemon CPU ms/sample | engine ms/req | p50 - engine ms | echo req/s "
-            "| req/s vs echo | sql ms/req |")  # fmt: skip
+            "| req/s vs echo | sql ms/req | failed |")  # fmt: skip
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for db, name, clients, n, runs in rows:
@@ -535,7 +547,7 @@ def print_tables(cfg, rows, floors) -> None:
         sql = 1000 * floors.get(("sql", db, n), float("nan"))
         print(f"| {db} | {name} | {clients} | {n} | {rps:.1f} | {sps:.1f} | {p50:.1f} | "
               f"{p99:.1f} | {cpu:.2f} | {eng:.2f} | {p50 - eng:.1f} | {echo_rps:.0f} | "
-              f"{rps / echo_rps:.3f} | {sql:.2f} |")  # fmt: skip
+              f"{rps / echo_rps:.3f} | {sql:.2f} | {sum(r.failed for r in runs)} |")  # fmt: skip
     micro = sorted(k for k in floors if k[0] == "store")
     if micro:
         print("\n| db | tokens/sample (with logprobs) | store CPU ms/sample "

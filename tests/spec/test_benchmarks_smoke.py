@@ -136,7 +136,8 @@ def test_bench_control_plane_quick(capsys: pytest.CaptureFixture[str]) -> None:
     load = [r for r in rows if r[1].strip() == "this"]
     assert [(int(r[2]), int(r[3])) for r in load] == [(1, 1), (4, 4)]
     for r in load:
-        rps, sps, p50, p99, cpu, engine, _, echo, _, sql = (float(x) for x in r[4:])
+        rps, sps, p50, p99, cpu, engine, _, echo, _, sql, failed = (float(x) for x in r[4:])
+        assert failed == 0
         assert 0 < rps and sps == pytest.approx(rps * int(r[3]), rel=0.01)
         assert 0 < p50 <= p99 and cpu > 0 and engine > 0 and echo > 0 and sql > 0
     micro = [r for r in rows if r[1].strip() in ("1", "256", "4096")]
