@@ -151,9 +151,22 @@ class SampleBatches:
 
 
 def _not_finite(sample: Sample) -> InvalidArgument | None:
-    for i, lp in enumerate(sample.logprobs):
-        if not math.isfinite(lp):
-            return InvalidArgument(f"logprob {lp} is not finite", field=f"logprobs[{i}]")
+    i = first_not_finite(sample.logprobs)
+    if i is None:
+        return None
+    lp = sample.logprobs[i]
+    return InvalidArgument(f"logprob {lp} is not finite", field=f"logprobs[{i}]")
+
+
+def first_not_finite(values: Sequence[float]) -> int | None:
+    """The index of the first NaN or infinity in `values`, or None. A NaN or infinity makes
+    the sum non-finite, so the sum (one C loop) clears the usual case; only a non-finite sum
+    (or one that overflowed) is searched element by element."""
+    if math.isfinite(sum(values)):
+        return None
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            return i
     return None
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -40,7 +39,7 @@ from tltd.store.drafter_leases import DrafterLeases
 from tltd.store.leases import WorkLeases
 from tltd.store.nodes import NodeRegistry
 from tltd.store.notifications import REQUEST, SAMPLE, WORK, notify
-from tltd.store.sample_batches import SampleBatches
+from tltd.store.sample_batches import SampleBatches, first_not_finite
 from tltd.store.status import check_transition, record_event, switch_status
 from tltd.store.tables import (
     DeviceRow,
@@ -475,9 +474,10 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases, SampleBatches):
         Non-finite logprobs are refused (InvalidArgument) on every database: JSON has no
         NaN/Infinity, PostgreSQL rejects them and SQLite would store them as-is.
         """
-        for i, lp in enumerate(sample.logprobs):
-            if not math.isfinite(lp):
-                raise InvalidArgument(f"logprob {lp} is not finite", field=f"logprobs[{i}]")
+        bad = first_not_finite(sample.logprobs)
+        if bad is not None:
+            lp = sample.logprobs[bad]
+            raise InvalidArgument(f"logprob {lp} is not finite", field=f"logprobs[{bad}]")
         try:
             with self._tx() as s:
                 req = self._request_row(s, sample.request_id, lock=True)
