@@ -16,6 +16,8 @@ Other parts of the daemon call the update methods of the process-wide `METRICS` 
     METRICS.record_preemption(device_id, reason="rollout_arrived", latency_seconds=0.12)
     METRICS.record_worker_failure(worker_id, cause="oom_kill" | "exited" | "killed")
     METRICS.forget_job(job_id)   # a finished job's labelled series disappear
+    METRICS.observe_admission(seconds)             # a request accepted: validate + store
+    METRICS.observe_sample_writes(seconds, count)  # one transaction storing `count` samples
 
 All methods are thread-safe (prometheus-client's metrics are, and the device-state clock has
 its own lock) and cheap enough to call per sample. `start_metrics_server` serves the
@@ -40,6 +42,10 @@ from tltd.domain import Sample
 DEVICE_STATES = ("idle", "rollout", "training", "unavailable")
 # Tokens a sequence gains per SD step (accepted drafts + 1): 1 = nothing accepted.
 _ACCEPTED_LENGTH_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+# The control plane's own cost: admission and sample writes are expected in milliseconds.
+_CONTROL_PLANE_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5
+)  # fmt: skip
 _PREEMPTION_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -226,6 +232,25 @@ class Metrics:
             ["worker_id", "cause"],
             registry=r,
         )
+        self.admission_latency = Histogram(
+            "tltd_admission_latency_seconds",
+            "From a Generate call to its request being stored and submitted (validation, "
+            "job and device reads, the request's transaction)",
+            buckets=_CONTROL_PLANE_BUCKETS,
+            registry=r,
+        )
+        self.sample_store_latency = Histogram(
+            "tltd_sample_store_latency_seconds",
+            "Store time per finished sample: a batch's transaction divided by its samples",
+            buckets=_CONTROL_PLANE_BUCKETS,
+            registry=r,
+        )
+        self.sample_store_batch = Histogram(
+            "tltd_sample_store_batch_size",
+            "Samples stored per transaction",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
         self._devices = _DeviceClock(clock)
         self._spec = _SpecRatios()
         self._jobs_lock = threading.Lock()
@@ -253,6 +278,17 @@ class Metrics:
         self.accepted_tokens.labels(job_id).inc(accepted_tokens)
         self._spec.add(job_id, draft_steps, plain_steps, accepted_tokens)
         self._seen(job_id)
+
+    def observe_admission(self, seconds: float) -> None:
+        self.admission_latency.observe(seconds)
+
+    def observe_sample_writes(self, seconds: float, count: int) -> None:
+        """One transaction that stored `count` samples in `seconds`."""
+        if count > 0:
+            self.sample_store_batch.observe(count)
+            per_sample = seconds / count
+            for _ in range(count):
+                self.sample_store_latency.observe(per_sample)
 
     def record_sample(self, job_id: str, sample: Sample) -> None:
         """observe_sample for a domain Sample."""

@@ -93,7 +93,7 @@ def _attempts(store, request_id: str) -> list[int]:
     "method, call_first",
     [
         ("claim_units", True),  # the claim committed, its answer lost with the connection
-        ("list_samples", False),  # the claim landed; reading the claimed request failed
+        ("claimed_state", False),  # the claim landed; reading the claimed request failed
     ],
     ids=["claim-answer-lost", "claimed-request-unreadable"],
 )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import (
+    bench_control_plane,
     bench_drift,
     bench_engine_vs_hf,
     bench_placement,
@@ -145,3 +146,20 @@ def test_bench_rl_trend_quick(tiny: tuple[Path, Path], capsys: pytest.CaptureFix
 def test_paired_change_of_held_out_rewards() -> None:
     mean, se = bench_rl_trend.paired([0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 1.0])
     assert mean == 0.25 and se == pytest.approx(0.25)
+
+
+def test_bench_control_plane_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    """A real daemon on SQLite with the shipped policy, the floors beside it."""
+    assert bench_control_plane.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| sqlite |")]
+    load = [r for r in rows if r[1].strip() == "this"]
+    assert [(int(r[2]), int(r[3])) for r in load] == [(1, 1), (4, 4)]
+    for r in load:
+        rps, sps, p50, p99, cpu, engine, _, echo, _, sql, failed = (float(x) for x in r[4:])
+        assert failed == 0
+        assert 0 < rps and sps == pytest.approx(rps * int(r[3]), rel=0.01)
+        assert 0 < p50 <= p99 and cpu > 0 and engine > 0 and echo > 0 and sql > 0
+    micro = [r for r in rows if r[1].strip() in ("1", "256", "4096")]
+    assert len(micro) == 3 and all(float(r[4]) > 0 for r in micro)
+    assert "load average at start:" in out

@@ -301,3 +301,61 @@ def test_uint32_job_columns_widen_and_clamp_back(db_url: str) -> None:
             assert conn.scalar(text("SELECT count(*) FROM policy_versions")) == 1
     finally:
         engine.dispose()
+
+
+def test_packed_payloads_read_old_json_rows_and_downgrade_to_json(db_url: str) -> None:
+    """0013: samples stored as JSON before read the same after; samples stored packed are
+    written back as JSON by the downgrade."""
+    from tests.store.test_store_api import JOB, _request, _sample
+
+    migrate.upgrade(db_url, "0001")  # a JSON sample in the oldest schema
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            for sql in _ROWS_AT_0001:
+                conn.execute(text(sql), {"t": "2026-01-01 00:00:00"})
+    finally:
+        engine.dispose()
+    migrate.upgrade(db_url)
+    migrate.check(db_url)
+    store = Store(db_url)
+    try:
+        (old,) = store.list_samples("r")
+        assert (old.token_ids, old.logprobs) == ((5,), (-0.5,))
+        store.create_job(JOB)
+        store.create_request(_request())
+        new = _sample(0, 0, tokens=(70000, 1, 2**31 - 1))
+        new = type(new)(**{**new.__dict__, "logprobs": (-0.1, -1e-300, -123.456789)})
+        assert store.add_samples([new, _sample(0, 1, tokens=(2**31,))]) == [True, True]
+        got = store.list_samples("req-1")
+        assert (got[0].token_ids, got[0].logprobs) == (new.token_ids, new.logprobs)
+        assert got[1].token_ids == (2**31,)  # beyond int32: kept as JSON
+        with store.engine.connect() as conn:
+            packed = conn.execute(
+                text("SELECT count(*) FROM samples WHERE token_ids_bin IS NOT NULL")
+            ).scalar()
+        assert packed == 1
+    finally:
+        store.close()
+    migrate.downgrade(db_url, "0012_job_pauses")
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT request_id, sample_index, token_ids, logprobs FROM samples"
+                    " ORDER BY request_id, sample_index"
+                )
+            ).all()
+    finally:
+        engine.dispose()
+    import json
+
+    def _json(v):
+        return json.loads(v) if isinstance(v, str) else v
+
+    assert [(r[0], r[1], _json(r[2]), _json(r[3])) for r in rows] == [
+        ("r", 0, [5], [-0.5]),
+        ("req-1", 0, [70000, 1, 2**31 - 1], [-0.1, -1e-300, -123.456789]),
+        ("req-1", 1, [2**31], [-0.5]),
+    ]

@@ -292,7 +292,7 @@ class DrafterTraining:
             run.worker_id,
             worker.conn,
             self._loop,
-            receive=lambda m: self._receive(run, stamp, m),
+            receive=lambda ms: [self._receive(run, stamp, m) for m in ms],
             deliver=lambda m: self._inbox_put(run, m),
             closed=lambda: self._inbox_put(run, None),
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -31,6 +32,7 @@ from tltd.errors import (
     Unavailable,
     Unimplemented,
 )
+from tltd.metrics import METRICS
 from tltd.services.checkpoints import model_limits
 from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
@@ -75,14 +77,13 @@ class RolloutService:
         if self.node.draining and not self._is_retry(req):
             raise Unavailable("node is draining: not accepting new rollouts")
         validate_rollout(req, self.settings)
-        job = self.store.get_job(req.job_id)  # NotFound names job_id
+        job, devices = self.store.job_and_devices(req.job_id)  # NotFound names job_id
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job.job_id} is {job.status.value}", field="job_id")
         _check_backend_options(req, job)
         # Token ids beyond the vocabulary and contexts beyond the model's positions are only
         # known once the job's model is.
         validate_rollout(req, self.settings, model_limits(job.model_path))
-        devices = self.store.list_devices()
         if (
             self.supervisor is not None
             and not any(d.schedulable for d in devices)
@@ -120,6 +121,7 @@ class RolloutService:
         A node that handed its work to the other nodes (a drain) ends its streams with
         UNAVAILABLE after what they had: the caller re-attaches on another node.
         """
+        started = time.perf_counter()
         # The store is synchronous: keep its I/O off the event loop.
         req = await asyncio.to_thread(self.prepare, req, speculative)
         await self._wait_unpaused(req)
@@ -135,30 +137,42 @@ class RolloutService:
         try:
             # Admission runs to its end even when the caller goes away (deadline, disconnect):
             # a request once stored is always claimable.
-            await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
+            stored, created = await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
+            METRICS.observe_admission(time.perf_counter() - started)
             sent = _Sent(return_partial)
             cursor, poll = 0, self.settings.stream_poll_seconds
+            # A request this call created has nothing stored before the subscription: what
+            # this node stores arrives on it, what others store wakes it (or the poll does).
+            read = not created
             while True:
-                cur, open_units, samples, cursor = await asyncio.to_thread(
-                    self.store.stream_state, rid, cursor
-                )
-                ended = cur.status in ENDED_STATUSES and open_units == 0
-                if ended:  # everything final now, also partial samples read before
-                    samples = await asyncio.to_thread(self.store.list_samples, rid)
-                for sample in samples:
-                    if sent.admit(sample, ended):
-                        yield sample
-                if ended:
-                    _end(rid, cur.status, cur.status_reason)
-                    return
+                cur = stored
+                if read:
+                    cur, open_units, samples, cursor = await asyncio.to_thread(
+                        self.store.stream_state, rid, cursor
+                    )
+                    ended = cur.status in ENDED_STATUSES and open_units == 0
+                    if ended:  # everything final now, also partial samples read before
+                        samples = await asyncio.to_thread(self.store.list_samples, rid)
+                    for sample in samples:
+                        if sent.admit(sample, ended):
+                            yield sample
+                    if ended:
+                        _end(rid, cur.status, cur.status_reason)
+                        return
+                read = True
                 if sup.handed_over:  # this node is going away; its work goes on elsewhere
                     raise Unavailable(
                         f"node {self.store.node_id} is drained and handed its work to the "
                         f"other nodes: retry request {rid} there (it re-attaches)"
                     )
-                async for sample in _stored_here(events, poll):
-                    if sent.admit(sample, False):
-                        yield sample
+                async for event in _stored_here(events, poll):
+                    if event.sample is None:
+                        # Ended here with every sample sent complete: nothing is left to read.
+                        if event.final and sent.complete == cur.samples_total:
+                            _end(rid, event.status, event.reason)
+                            return
+                    elif sent.admit(event.sample, False):
+                        yield event.sample
         finally:
             sup.unsubscribe(rid, events)
 
@@ -291,6 +305,12 @@ class _Sent:
         self.return_partial = return_partial
         self._partial: set[tuple[int, int]] = set()
         self._final: set[tuple[int, int]] = set()
+        self._complete = 0
+
+    @property
+    def complete(self) -> int:
+        """How many samples were sent final and complete (not partial)."""
+        return self._complete
 
     def admit(self, sample: Sample, ended: bool) -> bool:
         """True when `sample` is to be sent now (and records it). Before the request ends a
@@ -303,6 +323,7 @@ class _Sent:
             if sample.partial and key in self._partial:
                 return False  # the partial one sent before turned out final
             self._final.add(key)
+            self._complete += not sample.partial
             return True
         if self.return_partial and key not in self._partial:
             self._partial.add(key)
@@ -310,9 +331,12 @@ class _Sent:
         return False
 
 
-async def _stored_here(events: asyncio.Queue[StreamEvent], seconds: float) -> AsyncIterator[Sample]:
-    """The samples stored on this node within `seconds`, as they arrive; a request's end (an
-    event without a sample) cuts the wait short. What other nodes store is polled instead."""
+async def _stored_here(
+    events: asyncio.Queue[StreamEvent], seconds: float
+) -> AsyncIterator[StreamEvent]:
+    """The samples stored on this node within `seconds`, as they arrive; an event without a
+    sample (a request's end, a wake-up) is the last one yielded. What other nodes store is
+    polled instead."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     while True:
@@ -320,9 +344,9 @@ async def _stored_here(events: asyncio.Queue[StreamEvent], seconds: float) -> As
             event = await asyncio.wait_for(events.get(), max(0.0, deadline - loop.time()))
         except TimeoutError:
             return
+        yield event
         if event.sample is None:
             return
-        yield event.sample
 
 
 def _end(request_id: str, status: RequestStatus | None, reason: str) -> None:

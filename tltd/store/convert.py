@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import sys
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from tltd.domain import (
@@ -175,8 +178,7 @@ def sample_to_row(s: Sample) -> SampleRow:
         request_id=s.request_id,
         prompt_index=s.prompt_index,
         sample_index=s.sample_index,
-        token_ids=list(s.token_ids),
-        logprobs=[float(x) for x in s.logprobs],
+        **_payload(s.token_ids, s.logprobs),
         num_tokens=len(s.token_ids),
         finish_reason=str(s.finish_reason),
         policy_version=s.policy_version,
@@ -197,13 +199,63 @@ def sample_to_row(s: Sample) -> SampleRow:
     )
 
 
+_LITTLE = sys.byteorder == "little"
+
+
+def _packed(typecode: str, values: Sequence[float] | Sequence[int]) -> bytes:
+    a = array(typecode, values)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpacked(typecode: str, blob: bytes) -> tuple:
+    a = array(typecode)
+    a.frombytes(blob)
+    if not _LITTLE:
+        a.byteswap()
+    return tuple(a)
+
+
+def _payload(ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, object]:
+    """A sample's token ids and logprobs as column values: packed, or JSON for ids that do
+    not fit int32 (no tokenizer has such ids, but the store refuses nothing it took before)."""
+    try:
+        return {
+            "token_ids_bin": _packed("i", ids),
+            "logprobs_bin": _packed("d", logprobs),
+            "token_ids": None,
+            "logprobs": None,
+        }
+    except OverflowError:
+        return {
+            "token_ids_bin": None,
+            "logprobs_bin": None,
+            "token_ids": list(ids),
+            "logprobs": [float(x) for x in logprobs],
+        }
+
+
+def token_ids_from_columns(blob: bytes | None, json: list | None) -> tuple[int, ...]:
+    """A sample's token ids from its packed column, or from JSON (rows stored before)."""
+    if blob is not None:
+        return _unpacked("i", blob)
+    return tuple(int(t) for t in json or ())
+
+
+def logprobs_from_columns(blob: bytes | None, json: list | None) -> tuple[float, ...]:
+    if blob is not None:
+        return _unpacked("d", blob)
+    return tuple(float(x) for x in json or ())
+
+
 def sample_from_row(row: SampleRow) -> Sample:
     return Sample(
         request_id=row.request_id,
         prompt_index=row.prompt_index,
         sample_index=row.sample_index,
-        token_ids=tuple(int(t) for t in row.token_ids),
-        logprobs=tuple(float(x) for x in row.logprobs),
+        token_ids=token_ids_from_columns(row.token_ids_bin, row.token_ids),
+        logprobs=logprobs_from_columns(row.logprobs_bin, row.logprobs),
         finish_reason=FinishReason(row.finish_reason),
         policy_version=row.policy_version,
         drafter_version=row.drafter_version,

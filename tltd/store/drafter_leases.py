@@ -228,7 +228,14 @@ class DrafterLeases:
         `limit`; whichever node stored them."""
         sr, rr = SampleRow, RolloutRequestRow
         query = (
-            select(sr.id, sr.request_id, sr.prompt_index, sr.token_ids, sr.policy_version)
+            select(
+                sr.id,
+                sr.request_id,
+                sr.prompt_index,
+                sr.token_ids_bin,
+                sr.token_ids,
+                sr.policy_version,
+            )  # fmt: skip
             .join(rr, rr.request_id == sr.request_id)
             .where(
                 rr.job_id == job_id,
@@ -248,7 +255,12 @@ class DrafterLeases:
                 s.execute(select(rr.request_id, rr.prompts).where(rr.request_id.in_(ids))).all()
             )
         out = [
-            FinishedSample(int(r[0]), tuple(prompts[r[1]][r[2]]), tuple(r[3]), int(r[4]))
+            FinishedSample(
+                int(r[0]),
+                tuple(prompts[r[1]][r[2]]),
+                convert.token_ids_from_columns(r[3], r[4]),
+                int(r[5]),
+            )
             for r in rows
         ]
         return sorted(out, key=lambda f: f.sample_id)

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from sqlalchemy import and_, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from tltd.domain import ENDED_STATUSES, FinishReason, RequestStatus, RolloutRequest, Sample
+from tltd.domain import ENDED_STATUSES, FinishReason, Job, RequestStatus, RolloutRequest, Sample
 from tltd.errors import Fenced, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_now
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import switch_status
-from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
+from tltd.store.tables import JobRow, RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
 UnitKey = tuple[str, int]  # (request_id, prompt_index)
 
@@ -44,6 +44,7 @@ class WorkLeases:
     epoch: int
     dialect: str
     _tx: Callable[..., AbstractContextManager[Session]]
+    _active_versions: Callable[[Session, Sequence[str]], dict[str, int]]
 
     def _held(self, s: Session) -> object:
         """The condition of a unit this node holds now: its owner and epoch, lease alive."""
@@ -301,6 +302,40 @@ class WorkLeases:
                 [convert.sample_from_row(r) for r in rows],
                 last,
             )
+
+    def claimed_state(
+        self, request_ids: Sequence[str]
+    ) -> dict[str, tuple[RolloutRequest, Job, set[tuple[int, int]], set[tuple[int, int]]]]:
+        """What a node needs to run units it just claimed, for every request named, in one
+        read: the request, its job, and the keys (prompt index, sample index) of its stored
+        samples, complete ones and partial ones (the payloads are not read). A request not
+        found is left out."""
+        rr, sr = RolloutRequestRow, SampleRow
+        ids = sorted(set(request_ids))
+        if not ids:
+            return {}
+        with self._tx(write=False) as s:
+            reqs = {r.request_id: r for r in s.scalars(select(rr).where(rr.request_id.in_(ids)))}
+            keys: dict[str, tuple[set, set]] = {rid: (set(), set()) for rid in reqs}
+            for rid, p, i, partial in s.execute(
+                select(sr.request_id, sr.prompt_index, sr.sample_index, sr.partial).where(
+                    sr.request_id.in_(list(reqs))
+                )
+            ).all():
+                keys[rid][1 if partial else 0].add((int(p), int(i)))
+            job_ids = sorted({r.job_id for r in reqs.values()})
+            jobs = {
+                j.job_id: j for j in s.scalars(select(JobRow).where(JobRow.job_id.in_(job_ids)))
+            }
+            active = self._active_versions(s, job_ids)
+            return {
+                rid: (
+                    convert.request_from_row(row),
+                    convert.job_from_row(jobs[row.job_id], active[row.job_id]),
+                    *keys[rid],
+                )
+                for rid, row in reqs.items()
+            }
 
     def request_statuses(self, request_ids: Sequence[str]) -> dict[str, tuple[str, str]]:
         """status and reason of each request (the renew loop's view of cancels elsewhere)."""

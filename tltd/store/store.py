@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -39,6 +39,7 @@ from tltd.store.drafter_leases import DrafterLeases
 from tltd.store.leases import WorkLeases
 from tltd.store.nodes import NodeRegistry
 from tltd.store.notifications import REQUEST, SAMPLE, WORK, notify
+from tltd.store.sample_batches import SampleBatches, first_not_finite
 from tltd.store.status import check_transition, record_event, switch_status
 from tltd.store.tables import (
     DeviceRow,
@@ -87,7 +88,7 @@ def _flags(row: DeviceRow) -> str:
     return "+".join(names) or "schedulable"
 
 
-class Store(NodeRegistry, WorkLeases, DrafterLeases):
+class Store(NodeRegistry, WorkLeases, DrafterLeases, SampleBatches):
     """All persistent state of the daemon; tables come from `tltd.store.migrate.upgrade`.
 
     `node_id` names the node whose devices and workers this store reads and writes (default:
@@ -272,6 +273,22 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases):
             rows = s.scalars(q.limit(limit)).all()
             active = self._active_versions(s, [r.job_id for r in rows])
             return [convert.job_from_row(r, active[r.job_id]) for r in rows]
+
+    def job_and_devices(self, job_id: str) -> tuple[Job, list[Device]]:
+        """A job and this node's devices, in one read (what admitting a request checks)."""
+        with self._tx(write=False) as s:
+            job = self._job(s, self._job_row(s, job_id))
+            return job, [convert.device_from_row(r) for r in self._device_rows(s)]
+
+    def devices_and_jobs(self, statuses: Sequence[JobStatus]) -> tuple[list[Device], list[Job]]:
+        """This node's devices and the jobs of `statuses` (up to 10,000), in one read (what a
+        scheduler tick decides on)."""
+        with self._tx(write=False) as s:
+            devices = [convert.device_from_row(r) for r in self._device_rows(s)]
+            q = select(JobRow).where(JobRow.status.in_([str(x) for x in statuses]))
+            rows = s.scalars(q.order_by(JobRow.created_at.desc()).limit(10_000)).all()
+            active = self._active_versions(s, [r.job_id for r in rows])
+            return devices, [convert.job_from_row(r, active[r.job_id]) for r in rows]
 
     def set_job_status(self, job_id: str, new: JobStatus, reason: str) -> Job:
         with self._tx() as s:
@@ -480,9 +497,10 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases):
         Non-finite logprobs are refused (InvalidArgument) on every database: JSON has no
         NaN/Infinity, PostgreSQL rejects them and SQLite would store them as-is.
         """
-        for i, lp in enumerate(sample.logprobs):
-            if not math.isfinite(lp):
-                raise InvalidArgument(f"logprob {lp} is not finite", field=f"logprobs[{i}]")
+        bad = first_not_finite(sample.logprobs)
+        if bad is not None:
+            lp = sample.logprobs[bad]
+            raise InvalidArgument(f"logprob {lp} is not finite", field=f"logprobs[{bad}]")
         try:
             with self._tx() as s:
                 req = self._request_row(s, sample.request_id, lock=True)
@@ -553,7 +571,7 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases):
         with self._tx(write=False) as s:
             rows = s.execute(
                 select(SampleRow.request_id, SampleRow.prompt_index, SampleRow.sample_index,
-                       SampleRow.token_ids)
+                       SampleRow.token_ids_bin, SampleRow.token_ids)
                 .join(WorkUnitRow, (WorkUnitRow.request_id == SampleRow.request_id)
                       & (WorkUnitRow.prompt_index == SampleRow.prompt_index))
                 .join(RolloutRequestRow, RolloutRequestRow.request_id == SampleRow.request_id)
@@ -563,7 +581,9 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases):
                 .order_by(SampleRow.id.desc())
                 .limit(limit)
             ).all()  # fmt: skip
-        return [((r[0], r[1], r[2]), tuple(r[3])) for r in reversed(rows)]
+        return [
+            ((r[0], r[1], r[2]), convert.token_ids_from_columns(r[3], r[4])) for r in reversed(rows)
+        ]
 
     # ---- drafter versions ---------------------------------------------------------------
 
@@ -880,43 +900,63 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases):
         as STARTING (a restart of the same slot). Every state change records an event.
         """
         with self._tx() as s:
-            now = utcnow()
+            return self._upsert_worker(s, worker)
+
+    def record_worker(self, worker: Worker) -> Worker:
+        """The supervisor's record of one of its workers, in one transaction: the same state
+        again keeps its started_at; a STARTING over a process not stopped or failed records
+        that one FAILED first ("replaced by a new process"); then as `upsert_worker`."""
+        with self._tx() as s:
             row = s.get(WorkerRow, (self.node_id, worker.worker_id))
-            if row is None:
-                row = WorkerRow(
-                    node_id=self.node_id, worker_id=worker.worker_id, state=str(worker.state)
-                )
-                s.add(row)
-                record_event(
-                    s,
-                    "worker",
-                    worker.worker_id,
-                    "",
-                    worker.state,
-                    worker.state_reason or "registered",
-                    at=now,
-                )
-            elif row.state != worker.state:
-                restart = row.state in _FINAL_WORKER_STATES and worker.state == WorkerState.STARTING
-                if not restart:
-                    check_transition("worker", worker.worker_id, row.state, worker.state)
-                record_event(
-                    s,
-                    "worker",
-                    worker.worker_id,
-                    row.state,
-                    worker.state,
-                    worker.state_reason or ("restarted" if restart else ""),
-                    at=now,
-                )
-                row.state = str(worker.state)
-            row.kind, row.device_id, row.job_id = str(worker.kind), worker.device_id, worker.job_id
-            row.pid, row.state_reason = worker.pid, worker.state_reason
-            row.started_at = worker.started_at or row.started_at or now
-            row.last_heartbeat = worker.last_heartbeat or row.last_heartbeat
-            row.updated_at = now
-            s.flush()
-            return convert.worker_from_row(row)
+            if row is not None and row.state == worker.state:
+                worker = replace(worker, started_at=row.started_at)
+            elif (
+                row is not None
+                and worker.state is WorkerState.STARTING
+                and row.state not in _FINAL_WORKER_STATES
+            ):
+                why = "replaced by a new process"
+                switch_status(s, "worker", worker.worker_id, row, WorkerState.FAILED, why)
+            return self._upsert_worker(s, worker)
+
+    def _upsert_worker(self, s: Session, worker: Worker) -> Worker:
+        now = utcnow()
+        row = s.get(WorkerRow, (self.node_id, worker.worker_id))
+        if row is None:
+            row = WorkerRow(
+                node_id=self.node_id, worker_id=worker.worker_id, state=str(worker.state)
+            )
+            s.add(row)
+            record_event(
+                s,
+                "worker",
+                worker.worker_id,
+                "",
+                worker.state,
+                worker.state_reason or "registered",
+                at=now,
+            )
+        elif row.state != worker.state:
+            restart = row.state in _FINAL_WORKER_STATES and worker.state == WorkerState.STARTING
+            if not restart:
+                check_transition("worker", worker.worker_id, row.state, worker.state)
+            record_event(
+                s,
+                "worker",
+                worker.worker_id,
+                row.state,
+                worker.state,
+                worker.state_reason or ("restarted" if restart else ""),
+                at=now,
+            )
+            row.state = str(worker.state)
+        row.kind, row.device_id, row.job_id = str(worker.kind), worker.device_id, worker.job_id
+        row.pid, row.state_reason = worker.pid, worker.state_reason
+        row.started_at = worker.started_at or row.started_at or now
+        row.last_heartbeat = worker.last_heartbeat or row.last_heartbeat
+        row.updated_at = now
+        s.flush()
+        return convert.worker_from_row(row)
 
     def get_worker(self, worker_id: str) -> Worker:
         with self._tx(write=False) as s:

@@ -14,6 +14,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -149,8 +150,13 @@ class SampleRow(Base):
     )
     prompt_index: Mapped[int] = mapped_column(Integer)
     sample_index: Mapped[int] = mapped_column(Integer)
-    token_ids: Mapped[list[Any]] = mapped_column(JSON)
-    logprobs: Mapped[list[Any]] = mapped_column(JSON)
+    # Token ids (little-endian int32) and logprobs (little-endian float64), packed: a
+    # 4,096-token sample is 48 KB to copy instead of ~60 KB of JSON to encode and parse.
+    token_ids_bin: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    logprobs_bin: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    # The same as JSON: rows stored before the packed columns, and ids beyond int32.
+    token_ids: Mapped[list[Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    logprobs: Mapped[list[Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     # Kept beside token_ids because summing JSON array lengths is not portable SQL.
     num_tokens: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str] = mapped_column(STATUS)

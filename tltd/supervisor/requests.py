@@ -52,6 +52,8 @@ class StreamEvent:
     sample: Sample | None = None
     status: RequestStatus | None = None
     reason: str = ""
+    # The store recorded the request ended with no unit open (nothing more will be stored).
+    final: bool = False
 
 
 class RolloutRequests:
@@ -114,9 +116,16 @@ class RolloutRequests:
         by_request: dict[str, list[Claim]] = {}
         for c in claims:
             by_request.setdefault(c.request_id, []).append(c)
+        try:  # one read for every request claimed
+            state = await asyncio.to_thread(self.store.claimed_state, list(by_request))
+        except Exception:  # not live here: their leases lapse, they are claimed again
+            log.exception("cannot read claimed units: claimed again once their leases lapse")
+            return
         for rid, units in by_request.items():
             try:
-                await self._take(rid, units, refuse)
+                if rid not in state:
+                    raise NotFound(f"rollout request {rid!r} not found", field="request_id")
+                await self._take(state[rid], units, refuse)
             except Exception:  # not renewed (not live here): its lease lapses, it is claimed again
                 log.exception(
                     "cannot take a claimed unit: claimed again once its lease lapses",
@@ -125,17 +134,16 @@ class RolloutRequests:
 
     async def _take(
         self,
-        rid: str,
+        state: tuple[RolloutRequest, Job, set[Key], set[Key]],
         claims: list[Claim],
         refuse: Callable[[str, int], tuple[FinishReason, str] | None],
     ) -> None:
-        req = await asyncio.to_thread(self.store.get_request, rid)
-        samples = await asyncio.to_thread(self.store.list_samples, rid)
-        job = await asyncio.to_thread(self.store.get_job, req.job_id)
-        done = {(s.prompt_index, s.sample_index) for s in samples if not s.partial}
+        req, job, complete, partial = state
+        rid = req.request_id
+        done = set(complete)
         if req.status in ENDED_STATUSES:
             # Ended elsewhere (a cancel) while this unit was queued or held by a lost node.
-            done |= {(s.prompt_index, s.sample_index) for s in samples}
+            done |= partial
         units = {c.prompt_index for c in claims}
         history = await self._history(req, job, units)  # read before the units can be assigned
         live, _ = self.queue.add(req, req.policy_version, done, time.monotonic(), units)
@@ -347,7 +355,7 @@ class RolloutRequests:
     async def _finish_unit(self, live: LiveRequest, p: int) -> None:
         rid = live.request_id
         try:
-            req, _ = await self._writes.write(
+            req, left = await self._writes.write(
                 self.store.finish_unit, rid, p, live.outcome, live.reason
             )
         except (Fenced, NotFound) as exc:
@@ -356,7 +364,7 @@ class RolloutRequests:
             return
         self._drop(rid, p)
         if req.status in ENDED_STATUSES:
-            self.publish(rid, StreamEvent(None, req.status, req.status_reason))
+            self.publish(rid, StreamEvent(None, req.status, req.status_reason, left == 0))
 
     async def _retry_unit(self, live: LiveRequest, p: int) -> None:
         """Retry a unit's write until it lands, backing off up to `_FINAL_RETRY_MAX` seconds;

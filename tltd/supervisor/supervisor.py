@@ -388,8 +388,8 @@ class Supervisor:
 
     def _read_state(self) -> tuple[list[Device], dict[str, Job]]:
         """The devices and active jobs a tick decides on (worker thread)."""
-        jobs = self.store.list_jobs([JobStatus.ACTIVE], 10_000)
-        return self.store.list_devices(), {j.job_id: j for j in jobs}
+        devices, jobs = self.store.devices_and_jobs([JobStatus.ACTIVE])
+        return devices, {j.job_id: j for j in jobs}
 
     async def _apply(self, decision: Decision, updates: Mapping[str, int]) -> Decision:
         """Carry out a decision; returns it with the training starts that did happen."""

@@ -27,40 +27,57 @@ log = logging.getLogger(__name__)
 HEARTBEAT_WRITE_SECONDS = 2.0
 
 
+# At most this many messages already waiting in a pipe are handled as one batch (one store
+# transaction for their samples, one wake-up of the loop).
+MAX_BATCH = 256
+
+
 def serve_pipe(
     name: str,
     conn: Connection,
     loop: asyncio.AbstractEventLoop,
     *,
-    receive: Callable[[Any], Any],
+    receive: Callable[[list[Any]], list[Any]],
     deliver: Callable[[Any], None],
     closed: Callable[[], None],
 ) -> threading_queue.Queue:
     """Start the reader and writer threads of one process's pipe; returns the writer's outbox
     (put a message to send it, None to end the writer).
 
-    The reader calls `receive(message)` in its own thread (store writes belong there) and
-    posts `deliver(result)` to the loop unless the result is None; `closed()` is posted once
-    the pipe ends (the process exited or broke it)."""
+    The reader takes every message already waiting (up to `MAX_BATCH`), calls
+    `receive(messages)` in its own thread (store writes belong there: one transaction for
+    them all) and posts `deliver(result)` to the loop, in order, for each result that is not
+    None, with one wake-up; `closed()` is posted once the pipe ends (the process exited or
+    broke it)."""
 
     def read() -> None:
-        while True:
+        broken = False
+        while not broken:
+            batch: list[Any] = []
             try:
-                m = conn.recv()
+                batch.append(conn.recv())
+                while len(batch) < MAX_BATCH and conn.poll(0):
+                    batch.append(conn.recv())
             except (EOFError, OSError):
-                break
+                broken = True
             except Exception:  # an unpicklable message: treat the process as broken
                 log.exception("bad message from worker", extra={"worker_id": name})
-                break
-            kept = receive(m)
-            if kept is not None:
-                post(loop, deliver, kept)
+                broken = True
+            if batch:
+                kept = [k for k in receive(batch) if k is not None]
+                if kept:
+                    post(loop, _deliver_all, deliver, kept)
         post(loop, closed)
 
     outbox: threading_queue.Queue = threading_queue.Queue()
     threading.Thread(target=_write, args=(outbox, conn), name=f"{name}-tx", daemon=True).start()
     threading.Thread(target=read, name=f"{name}-rx", daemon=True).start()
     return outbox
+
+
+def _deliver_all(deliver: Callable[[Any], None], results: list[Any]) -> None:
+    for r in results:
+        deliver(r)
 
 
 def _write(outbox: threading_queue.Queue, conn: Connection) -> None:

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from tltd.contract import rollout_messages as msg
 from tltd.domain import Backend, Device, Sample, WorkerState
-from tltd.errors import Fenced
+from tltd.errors import Fenced, TltError
 from tltd.memory_cgroup import MemoryCgroups, WorkerGroup
+from tltd.metrics import METRICS
 from tltd.settings import Settings
 from tltd.supervisor.worker_pipe import HeartbeatStamp, serve_pipe
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # on_message(handle, generation, message, stored): stored is None when a Finished sample could
-# not be persisted (then it is not streamed but run again), else what `add_sample` returned.
+# not be persisted (then it is not streamed but run again), else what `add_samples` said of it.
 OnMessage = Callable[["WorkerHandle", int, msg.FromWorker, "bool | None"], None]
 OnExit = Callable[["WorkerHandle", int], None]
 
@@ -205,7 +206,7 @@ def spawn(
         handle.worker_id,
         parent,
         loop,
-        receive=lambda m: store_reported(store, stamp, m),
+        receive=lambda ms: store_reported(store, stamp, ms),
         deliver=lambda got: on_message(handle, gen, *got),
         closed=lambda: on_exit(handle, gen),
     )
@@ -235,22 +236,43 @@ def broadcast_ranks(backend: Backend) -> int:
 
 
 def store_reported(
-    store: Store, stamp: HeartbeatStamp, m: msg.FromWorker
-) -> tuple[msg.FromWorker, bool | None]:
-    """Reader thread: samples are stored here, before the loop streams them."""
-    stored: bool | None = None
-    if isinstance(m, msg.Finished):
+    store: Store, stamp: HeartbeatStamp, messages: list[msg.FromWorker]
+) -> list[tuple[msg.FromWorker, bool | None]]:
+    """Reader thread: samples are stored here, before the loop streams them; the samples of
+    messages that arrived together in one transaction (`Store.add_samples`)."""
+    finished = [m for m in messages if isinstance(m, msg.Finished)]
+    outcomes: dict[int, bool | None] = {}
+    if finished:
+        started = time.perf_counter()
         try:
-            stored = store.add_sample(m.sample)
-            if not stored:
-                m = msg.Finished(_stored_copy(store, m.sample))
-        except Fenced as exc:  # the unit's lease was lost: its new owner runs the sample
-            log.warning("sample not stored: %s", exc, extra={"request_id": m.sample.request_id})
-        except Exception:
-            log.exception("cannot store sample", extra={"request_id": m.sample.request_id})
-    elif isinstance(m, msg.Heartbeat):
-        stamp()
-    return m, stored
+            results: list = store.add_samples([m.sample for m in finished])
+        except Exception as exc:  # none of them stored: each runs again
+            log.exception("cannot store samples", extra={"samples": len(finished)})
+            results = [exc] * len(finished)
+        METRICS.observe_sample_writes(time.perf_counter() - started, len(finished))
+        for m, result in zip(finished, results, strict=True):
+            outcomes[id(m)] = _stored(m.sample, result)
+    out = []
+    for m in messages:
+        stored = outcomes.get(id(m))
+        if isinstance(m, msg.Finished) and stored is False:
+            m = msg.Finished(_stored_copy(store, m.sample))
+        elif isinstance(m, msg.Heartbeat):
+            stamp()
+        out.append((m, stored))
+    return out
+
+
+def _stored(sample: Sample, result: object) -> bool | None:
+    """add_samples' word on one sample as the loop takes it: None = not persisted."""
+    if isinstance(result, bool):
+        return result
+    rid = sample.request_id
+    if isinstance(result, Fenced):  # the unit's lease was lost: its new owner runs the sample
+        log.warning("sample not stored: %s", result, extra={"request_id": rid})
+    elif isinstance(result, TltError):
+        log.error("sample refused by the store: %s", result, extra={"request_id": rid})
+    return None
 
 
 def _stored_copy(store: Store, sample: Sample) -> Sample:

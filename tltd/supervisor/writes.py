@@ -9,10 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tltd.domain import Sample, Worker, WorkerState
+from tltd.domain import Sample, Worker
 from tltd.errors import TltError
 
 if TYPE_CHECKING:
@@ -74,24 +73,13 @@ class OrderedWrites:
 
 
 def add_samples(store: Store, samples: list[Sample]) -> None:
-    for s in samples:
-        store.add_sample(s)
+    """Store samples in one transaction; raises the first sample's error, if any (the others
+    are stored all the same)."""
+    for outcome in store.add_samples(samples):
+        if isinstance(outcome, Exception):
+            raise outcome
 
 
 def upsert_worker(store: Store, worker: Worker) -> None:
     """A restart goes FAILED/STOPPED -> STARTING; the store checks every other move."""
-    current = None
-    try:
-        current = store.get_worker(worker.worker_id)
-    except TltError:
-        pass
-    if current is not None and current.state is worker.state:
-        store.upsert_worker(replace(worker, started_at=current.started_at))
-        return
-    if (
-        current is not None
-        and worker.state is WorkerState.STARTING
-        and current.state not in (WorkerState.STOPPED, WorkerState.FAILED)
-    ):
-        store.set_worker_state(worker.worker_id, WorkerState.FAILED, "replaced by a new process")
-    store.upsert_worker(worker)
+    store.record_worker(worker)

@@ -1,0 +1,190 @@
+"""Group-committed sample writes: every sample a worker reported at once, in one transaction.
+
+The rules are `Store.add_sample`'s, sample by sample (idempotent on the sample's key, a
+complete sample replaces a partial one, nothing replaced once the request ended, leases fence
+every write); only the transaction is shared. Each request row is locked once (in request id
+order, so two writers never wait on each other crosswise) and its held units and stored keys
+are read with one statement each.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+
+from sqlalchemy import func, insert, select, tuple_
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
+from tltd.errors import Fenced, InvalidArgument, NotFound, TltError
+from tltd.store import convert
+from tltd.store.notifications import SAMPLE, notify
+from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
+
+# What add_samples says of each sample: stored (True), a duplicate (False), or why not.
+Outcome = bool | TltError
+
+
+class SampleBatches:
+    """Mixed into the Store (uses its `epoch`, `dialect`, `_tx`, `_held` and `add_sample`)."""
+
+    node_id: str
+    epoch: int
+    dialect: str
+    _tx: Callable[..., AbstractContextManager[Session]]
+    _held: Callable[[Session], object]
+    add_sample: Callable[[Sample], bool]
+
+    def add_samples(self, samples: Sequence[Sample]) -> list[Outcome]:
+        """Store `samples` in one transaction; per sample what `add_sample` would return
+        (True stored, False a duplicate), or the error it would raise (InvalidArgument,
+        NotFound, Fenced) for that sample alone. A database error raises for all of them:
+        none is stored."""
+        out: list[Outcome | None] = [None] * len(samples)
+        by_request: dict[str, list[int]] = {}
+        for i, sample in enumerate(samples):
+            bad = _not_finite(sample)
+            if bad is not None:
+                out[i] = bad
+            else:
+                by_request.setdefault(sample.request_id, []).append(i)
+        if not by_request:
+            return out  # type: ignore[return-value]
+        try:
+            with self._tx() as s:
+                now = utcnow()
+                for rid in sorted(by_request):
+                    items = [(i, samples[i]) for i in by_request[rid]]
+                    self._add_to_request(s, rid, items, out, now)
+        except IntegrityError:
+            # Only a concurrent insert of one of these keys gets here (see add_sample): the
+            # batch rolled back; each sample alone then says which were stored elsewhere.
+            return [o if o is not None else self._one(x) for x, o in zip(samples, out, strict=True)]
+        return out  # type: ignore[return-value]
+
+    def _one(self, sample: Sample) -> Outcome:
+        try:
+            return self.add_sample(sample)
+        except TltError as exc:
+            return exc
+
+    def _add_to_request(
+        self,
+        s: Session,
+        rid: str,
+        items: list[tuple[int, Sample]],
+        out: list[Outcome | None],
+        now: object,
+    ) -> None:
+        req = s.get(RolloutRequestRow, rid, with_for_update=True)
+        if req is None:
+            for i, _ in items:
+                out[i] = NotFound(f"rollout request {rid!r} not found", field="request_id")
+            return
+        ok = []
+        for i, sample in items:
+            bad = _out_of_range(sample, len(req.prompts), req.n)
+            if bad is not None:
+                out[i] = bad
+            else:
+                ok.append((i, sample))
+        if self.epoch and ok:  # a joined node writes only into units it holds
+            held = self._held_units(s, rid, {x.prompt_index for _, x in ok})
+            for i, sample in ok:
+                if sample.prompt_index not in held:
+                    out[i] = Fenced(
+                        f"unit {rid}/{sample.prompt_index} is not held by node "
+                        f"{self.node_id!r} epoch {self.epoch}"
+                    )
+            ok = [(i, x) for i, x in ok if out[i] is None]
+        if not ok:
+            return
+        sr = SampleRow
+        keys = [(x.prompt_index, x.sample_index) for _, x in ok]
+        stored = {
+            (r.prompt_index, r.sample_index): (r.id, r.partial)
+            for r in s.execute(
+                select(sr.id, sr.prompt_index, sr.sample_index, sr.partial).where(
+                    sr.request_id == rid, tuple_(sr.prompt_index, sr.sample_index).in_(keys)
+                )
+            ).all()
+        }
+        ended = RequestStatus(req.status) in ENDED_STATUSES
+        rows, done = [], 0
+        for i, sample in ok:
+            key = (sample.prompt_index, sample.sample_index)
+            existing = stored.get(key)
+            if existing is not None and (not existing[1] or sample.partial or ended):
+                out[i] = False  # a duplicate, or a replacement too late (see add_sample)
+                continue
+            row = _row(sample, now)
+            if existing is not None:
+                # The complete sample that replaces a partial one takes a new, larger row id,
+                # as add_sample explains.
+                s.execute(sr.__table__.delete().where(sr.id == existing[0]))
+                if self.dialect == "sqlite":
+                    row["id"] = int(s.scalar(select(func.max(sr.id))) or 0) + 1
+                s.execute(insert(sr), [row])
+            else:
+                rows.append(row)
+            stored[key] = (0, sample.partial)
+            done += not sample.partial
+            out[i] = True
+        if rows:
+            s.execute(insert(sr), rows)
+        if done or rows:
+            req.samples_done += done
+            req.updated_at = now
+            notify(s, SAMPLE, rid)
+
+    def _held_units(self, s: Session, rid: str, prompts: set[int]) -> set[int]:
+        wu = WorkUnitRow
+        return set(
+            s.scalars(
+                select(wu.prompt_index).where(
+                    wu.request_id == rid, wu.prompt_index.in_(sorted(prompts)), self._held(s)
+                )
+            ).all()
+        )
+
+
+def _not_finite(sample: Sample) -> InvalidArgument | None:
+    i = first_not_finite(sample.logprobs)
+    if i is None:
+        return None
+    lp = sample.logprobs[i]
+    return InvalidArgument(f"logprob {lp} is not finite", field=f"logprobs[{i}]")
+
+
+def first_not_finite(values: Sequence[float]) -> int | None:
+    """The index of the first NaN or infinity in `values`, or None. A NaN or infinity makes
+    the sum non-finite, so the sum (one C loop) clears the usual case; only a non-finite sum
+    (or one that overflowed) is searched element by element."""
+    if math.isfinite(sum(values)):
+        return None
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            return i
+    return None
+
+
+def _out_of_range(sample: Sample, prompts: int, n: int) -> InvalidArgument | None:
+    if not 0 <= sample.prompt_index < prompts:
+        return InvalidArgument(
+            f"{sample.prompt_index} out of range for {prompts} prompts", field="prompt_index"
+        )
+    if not 0 <= sample.sample_index < n:
+        return InvalidArgument(
+            f"{sample.sample_index} out of range for n={n}", field="sample_index"
+        )
+    return None
+
+
+def _row(sample: Sample, now: object) -> dict:
+    """The sample's column values for a Core insert."""
+    row = convert.sample_to_row(sample)
+    values = {c.key: getattr(row, c.key) for c in SampleRow.__table__.columns if c.key != "id"}
+    values["created_at"] = now
+    return values
