@@ -429,7 +429,7 @@ class DrafterTraining:
                 dv = await self._write(publish, self.store, *args, fenced=True)
             except Fenced as exc:
                 log.warning(
-                    "drafter version not published: lease lost",
+                    "drafter lease lost: version not published, trainer stopped",
                     extra={"job_id": run.job_id, "error": str(exc)},
                 )
                 self.fenced.append((run.job_id, run.lease_epoch))
