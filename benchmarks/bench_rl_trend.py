@@ -101,7 +101,9 @@ def score(work, outs, tok) -> list[Scored]:
 
 
 def held_out(checkpoint: Path, args) -> HeldOutScore:
-    return held_out_score(checkpoint, args.dataset.held_out, args.n, args.max_new_tokens)
+    return held_out_score(
+        checkpoint, args.dataset.held_out, args.held_out_n or args.n, args.max_new_tokens
+    )
 
 
 def make_trainer(cfg: Config, model: Path) -> GRPOTrainer:
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--train-prompts", type=int, default=32)
     ap.add_argument("--held-out-prompts", type=int, default=32)
+    ap.add_argument("--held-out-n", type=int, help="samples per held-out prompt (default --n)")
     ap.add_argument("--configs", default="demo,lr1e-4")
     # One thread: on a shared 2-core machine two intra-op threads mostly wait on each other
     # (scripts/train_policy.py); a held-out pass took 13 min with two, under others' load.
@@ -166,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"workload: {args.prompts} prompts x {args.n} samples per step (the demo's), "
-        f"{args.steps} steps; held out: {args.held_out_prompts} x {args.n}",
+        f"{args.steps} steps; held out: {args.held_out_prompts} x {args.held_out_n or args.n}",
         flush=True,
     )
     t0 = time.perf_counter()
     before = held_out(args.model, args)
     print(
-        f"  held out before: reward {before.mean:.3f}, guesses {before.guess_share:.2f}, "
+        f"  held out before: reward {before.mean:.3f}, guesses {before.guess_share:.2f} "
+        f"(reward {before.guess_mean:.3f}; worked {before.worked_mean:.3f}), "
         f"mean length {before.mean_length:.0f} ({time.perf_counter() - t0:.0f}s)",
         flush=True,
     )
@@ -182,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             steps, last = run(cfg, args, Path(tmp), tok)
             slope, se = reward_trend(steps)
             after = held_out(last, args)
+            print(
+                f"  {cfg.name} held out after: reward {after.mean:.3f}, guesses "
+                f"{after.guess_share:.2f} (reward {after.guess_mean:.3f}; worked "
+                f"{after.worked_mean:.3f}), mean length {after.mean_length:.0f}",
+                flush=True,
+            )
             rows.append((cfg.name, steps, slope, se, after, paired(before.rewards, after.rewards)))
     print(f"\n{'config':<10}{'reward per step':<36}{'trend/step':>11}{'(SEs)':>7}"
           f"{'held out before':>17}{'after':>7}{'change':>9}{'(SEs)':>7}"

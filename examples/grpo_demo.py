@@ -69,6 +69,7 @@ class DemoConfig:
     train_prompts: int = 32  # the fixed training set, iterated in shuffled epochs
     held_out_prompts: int = 32  # scored before and after each run, paired
     n: int = 8
+    held_out_n: int = 8  # samples per held-out prompt
     max_new_tokens: int = MAX_NEW_TOKENS
     lr: float = DEMO_LR  # --lr
     passes: int = DEMO_PASSES
@@ -77,7 +78,9 @@ class DemoConfig:
 
 
 # Two steps of one prompt set: the second step's samples carry the pushed policy version 1.
-QUICK = DemoConfig(steps=2, prompts=2, train_prompts=2, held_out_prompts=2, n=4, max_new_tokens=128)
+QUICK = DemoConfig(
+    steps=2, prompts=2, train_prompts=2, held_out_prompts=2, n=4, held_out_n=4, max_new_tokens=128
+)
 
 
 # ---- the daemon ----------------------------------------------------------------------------
@@ -347,7 +350,7 @@ def evaluate(
     with RolloutClient(daemon.target) as client:
         client.create_job(checkpoint, job_id=job_id, speculative="off", online_training=False)
         samples = client.generate(
-            [ids for _, ids in dataset.held_out], n=cfg.n, temperature=1.0,
+            [ids for _, ids in dataset.held_out], n=cfg.held_out_n, temperature=1.0,
             max_new_tokens=cfg.max_new_tokens, stop_token_ids=[STOP_TOKEN_ID],
             seed=HELD_OUT_SAMPLING_SEED,
         )  # fmt: skip
@@ -430,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-prompts", type=int, help="size of the training set")
     parser.add_argument("--held-out-prompts", type=int, help="size of the held-out set")
     parser.add_argument("--n", type=int, help="samples per prompt")
+    parser.add_argument("--held-out-n", type=int, help="samples per held-out prompt")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--cpu-slots", type=int)
     parser.add_argument("--lr", type=float, help=f"the trainer's AdamW lr (default {DEMO_LR})")
@@ -448,8 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else DemoConfig()
     overrides = {"steps": args.steps, "prompts": args.prompts, "n": args.n,
                  "train_prompts": args.train_prompts, "held_out_prompts": args.held_out_prompts,
-                 "max_new_tokens": args.max_new_tokens, "cpu_slots": args.cpu_slots,
-                 "lr": args.lr}  # fmt: skip
+                 "held_out_n": args.held_out_n, "max_new_tokens": args.max_new_tokens,
+                 "cpu_slots": args.cpu_slots, "lr": args.lr}  # fmt: skip
     cfg = DemoConfig(**(vars(cfg) | {k: v for k, v in overrides.items() if v is not None}))
     model = args.model.resolve()
     if not (model / "config.json").exists():
@@ -476,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{cfg.steps} GRPO steps per mode, {cfg.prompts} prompts x n={cfg.n}, "
                 f"temperature 1, max {cfg.max_new_tokens} new tokens; training set "
                 f"{cfg.train_prompts} prompts in shuffled epochs, held out "
-                f"{cfg.held_out_prompts} x n={cfg.n} with fixed sampling seeds",
+                f"{cfg.held_out_prompts} x n={cfg.held_out_n} with fixed sampling seeds",
                 flush=True,
             )
             results, scores = run_all(cfg, daemon, model, work_dir, drafter)

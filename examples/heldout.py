@@ -37,6 +37,19 @@ class HeldOutScore:
     def mean_length(self) -> float:
         return sum(self.lengths) / max(1, len(self.lengths))
 
+    @property
+    def worked_mean(self) -> float:
+        """Reward of the answers that were worked out (not bare guesses): what unlearning a
+        guess gains, less what a guess scores."""
+        worked = [r for r, g in zip(self.rewards, self.guesses, strict=True) if not g]
+        return sum(worked) / max(1, len(worked))
+
+    @property
+    def guess_mean(self) -> float:
+        """Reward of the bare guesses."""
+        guessed = [r for r, g in zip(self.rewards, self.guesses, strict=True) if g]
+        return sum(guessed) / max(1, len(guessed))
+
 
 def held_out_score(
     checkpoint: Path, items: list[Item], n: int, max_new_tokens: int,

@@ -96,3 +96,16 @@ def test_harvest_share_and_end_to_end_projection():
     # Amdahl: 85% of the step sped up 2x -> 1 / (0.15 + 0.425).
     assert projected_speedup(2.0) == pytest.approx(1 / 0.575)
     assert projected_speedup(2.0, rollout_share=1.0) == pytest.approx(2.0)
+
+
+def test_held_out_score_splits_guesses_from_worked_answers():
+    from examples.heldout import HeldOutScore
+
+    score = HeldOutScore(
+        rewards=[1.0, 0.0, 1.0, 0.0, 0.0], lengths=[40, 50, 9, 9, 9],
+        guesses=[False, False, True, True, True],
+    )  # fmt: skip
+    assert score.guess_share == pytest.approx(0.6)
+    assert score.worked_mean == pytest.approx(0.5)
+    assert score.guess_mean == pytest.approx(1 / 3)
+    assert HeldOutScore([], [], []).worked_mean == 0.0
