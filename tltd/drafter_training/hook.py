@@ -522,7 +522,7 @@ class DrafterTraining:
         newer trainer of the job runs under it."""
         if not self.cluster or self._runs.get(run.job_id) is not run:
             return
-        if self.leases.releasable(run.job_id, run.lease_epoch):
+        if self.leases.forget_if_held(run.job_id, run.lease_epoch):
             await self._write(self.store.release_drafter_lease, run.job_id, run.lease_epoch)
 
     # ---- helpers --------------------------------------------------------------------------

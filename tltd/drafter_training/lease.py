@@ -145,7 +145,7 @@ class DrafterLeases:
         need = self.settings.training_min_fresh_samples
         return any(n >= need for n in self.backlog.values())
 
-    def releasable(self, job_id: str, lease_epoch: int) -> bool:
+    def forget_if_held(self, job_id: str, lease_epoch: int) -> bool:
         """Whether this node holds the job's lease at this epoch; forgets it if so."""
         lease = self.held.get(job_id)
         if lease is None or lease.lease_epoch != lease_epoch:
