@@ -44,8 +44,11 @@ def test_quick_demo_runs_both_modes_and_shuts_down_cleanly(tmp_path):
         # Step 1's samples come from the policy pushed after step 0 (version 1).
         assert row[-4] == row[1]
         sd_share = float(row[-9])
-        # TLT verified drafts (0.12 measured); with speculative decoding off, none.
-        assert 0.0 < sd_share <= 1.0 if row[0] == "tlt" else sd_share == 0.0, row
+        assert 0.0 <= sd_share <= 1.0 if row[0] == "tlt" else sd_share == 0.0, row
+    # TLT verified drafts (0.12 measured); with speculative decoding off, none. Per step it may
+    # be 0: the measured gate times its costs at worker start, and on a loaded machine it can
+    # find plain decoding faster for a 2-prompt step.
+    assert max(float(r[-9]) for r in rows if r[0] == "tlt") > 0.0, rows
     assert [r[2] for r in rows[:2]] == ["0.0", "1.0"]  # epochs: the 2 prompts twice
     assert "end-to-end step speedup" in out and "projection, not a measurement" in out
     for label in ("initial policy", "tlt final policy", "off final policy"):
