@@ -55,6 +55,7 @@ class Config:
     passes: int = 1
     head_lr: float = 0.0  # > 0: this lr for the final norm and lm_head
     sgd: bool = False  # plain SGD instead of AdamW (whose first steps are sign steps)
+    token_level: bool = False  # DAPO's token-level loss instead of GRPO's per-sample mean
 
 
 CONFIGS = {
@@ -69,6 +70,9 @@ CONFIGS = {
         Config("head3e-3", head_lr=3e-3),
         Config("sgd0.3", lr=0.3, sgd=True),
         Config("sgd1", lr=1.0, sgd=True),
+        Config("tok1e-4", token_level=True),
+        Config("tok3e-4", lr=3e-4, token_level=True),
+        Config("tok3e-4p2", lr=3e-4, passes=2, token_level=True),
     )
 }
 
@@ -107,7 +111,7 @@ def held_out(checkpoint: Path, args) -> HeldOutScore:
 
 
 def make_trainer(cfg: Config, model: Path) -> GRPOTrainer:
-    trainer = GRPOTrainer(model, lr=cfg.lr, seed=0)
+    trainer = GRPOTrainer(model, lr=cfg.lr, seed=0, token_level=cfg.token_level)
     if cfg.sgd:
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=cfg.lr)
     if cfg.head_lr:

@@ -102,6 +102,9 @@ class Daemon:
         self.log_path = data_dir / "tltd.log"
         self.metrics_port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TLTD_")}
+        # The trainer's update runs on these same 2 cores: drafter training fills the
+        # rollout's tail and yields when the rollout ends (docs/drafter.md, training_window).
+        env["TLTD_TRAINING_WINDOW"] = "rollout"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [

@@ -55,12 +55,19 @@ def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6) -> l
 
 
 def clipped_pg_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip: float
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float,
+    token_level: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """PPO/GRPO clipped surrogate, averaged over each sample's tokens, summed over samples.
+    """PPO/GRPO clipped surrogate: averaged over each sample's tokens and summed over samples
+    (GRPO's form), or with `token_level` summed over every token (DAPO's form).
 
     All arguments are [B, T] (advantages broadcast per sample); the caller divides by the
-    number of samples in the whole batch. Returns (loss, clipped-token mask).
+    number of samples (or, token-level, of tokens) in the whole batch. Returns (loss,
+    clipped-token mask).
     ratio = p_new / p_rollout; with one update per rollout it starts at 1, so the gradient is
     the plain policy gradient A * grad log p, and clipping only matters if weights drift.
     """
@@ -68,6 +75,8 @@ def clipped_pg_loss(
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
     per_token = -torch.minimum(unclipped, clipped) * mask
+    if token_level:
+        return per_token.sum(), (unclipped != clipped) & mask.bool()
     per_sample = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
     return per_sample.sum(), (unclipped != clipped) & mask.bool()
 
@@ -84,6 +93,7 @@ class GRPOTrainer:
         max_grad_norm: float = 1.0,
         micro_batch_tokens: int = 4096,
         seed: int = 0,
+        token_level: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -96,6 +106,11 @@ class GRPOTrainer:
         self.clip = clip
         self.max_grad_norm = max_grad_norm
         self.micro_batch_tokens = micro_batch_tokens
+        # Token-level loss (DAPO): every token of the batch weighs the same. The per-sample
+        # mean weighs a token of a long answer less than one of a short answer, so a long
+        # wrong answer is punished less per token than a short one and lengths drift up
+        # (the length bias Dr. GRPO describes).
+        self.token_level = token_level
 
     def _micro_batches(self, batch: list[Scored]) -> list[list[Scored]]:
         # Sorted by length so that short and long samples do not share padding.
@@ -152,6 +167,7 @@ class GRPOTrainer:
         used = [s for s in batch if s.advantage != 0.0 and s.token_ids]
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, tokens, clipped, gap = 0.0, 0, 0, 0.0
+        denominator = sum(len(s.token_ids) for s in used) if self.token_level else len(used)
         for group in self._micro_batches(used):
             lp, mask = self.token_logprobs(group)
             old = torch.zeros_like(lp)
@@ -159,8 +175,8 @@ class GRPOTrainer:
             for row, s in enumerate(group):
                 old[row, : len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
             gap = max(gap, float(((lp.detach() - old).abs() * mask).max()))
-            loss, clip_mask = clipped_pg_loss(lp, old, adv, mask, self.clip)
-            (loss / len(used)).backward()
+            loss, clip_mask = clipped_pg_loss(lp, old, adv, mask, self.clip, self.token_level)
+            (loss / denominator).backward()
             total_loss += float(loss.detach())
             tokens += int(mask.sum())
             clipped += int(clip_mask.sum())
@@ -171,7 +187,7 @@ class GRPOTrainer:
             )
             self.optimizer.step()
         return UpdateStats(
-            loss=total_loss / max(1, len(used)),
+            loss=total_loss / max(1, denominator),
             samples_used=len(used),
             tokens=tokens,
             clipped_fraction=clipped / max(1, tokens),

@@ -268,6 +268,7 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
         idle_grace_seconds=settings.training_idle_grace_seconds,
         min_fresh_samples=settings.training_min_fresh_samples,
         training_cadence_seconds=settings.training_cadence_seconds,
+        train_during_rollout_only=settings.training_window == "rollout",
         max_samples_per_worker=settings.worker_max_batch,
     )
 

@@ -45,6 +45,9 @@ class SchedulerConfig:
     idle_grace_seconds: float = 2.0  # a device must be idle this long before training starts on it
     min_fresh_samples: int = 32  # fresh rollout samples a job needs before a training round
     training_cadence_seconds: float = 30.0  # minimum time between training starts for one job
+    # A job's drafter trains only while its rollout is in flight here (work waiting or
+    # running), and yields when it ends: the trainer uses these devices between rollouts.
+    train_during_rollout_only: bool = False
     max_samples_per_worker: int = 64  # the engine's batch capacity
     # How far (tokens per unit of weight) a job with no worker must trail an equal-priority job
     # before it takes that job's worker: the time slice when jobs share too few workers.
@@ -176,6 +179,7 @@ def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decisi
     preempt = [t.device_id for t in snap.training if t.device_id not in schedulable]
     for device_id in preempt:
         reasons[device_id] = "device cordoned, draining or foreign"
+    _preempt_outside_rollouts(snap, cfg, preempt, reasons)
 
     # Place as if training had already yielded, so weighted fair share and load balance decide
     # alone. A first placement shows which jobs' work does not fit; workers switched to those
@@ -224,6 +228,25 @@ def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decisi
         preempt_training=tuple(preempt),
         reasons=reasons,
     )
+
+
+def _rolling_out(snap: Snapshot) -> set[str]:
+    """Jobs with rollout work waiting or running on this node."""
+    running = {w.job_id for w in snap.workers if w.running_samples > 0}
+    return running | {p.job_id for p in snap.pending}
+
+
+def _preempt_outside_rollouts(
+    snap: Snapshot, cfg: SchedulerConfig, preempt: list[str], reasons: dict[str, str]
+) -> None:
+    """With `train_during_rollout_only`, training whose job's rollout has ended yields."""
+    if not cfg.train_during_rollout_only:
+        return
+    rolling_out = _rolling_out(snap)
+    for t in snap.training:
+        if t.device_id not in preempt and t.job_id not in rolling_out:
+            preempt.append(t.device_id)
+            reasons[t.device_id] = "the job's rollout ended (training only during rollouts)"
 
 
 def _job_of(snap: Snapshot, worker_id: str) -> str:
@@ -497,6 +520,8 @@ def _training_starts(
 ) -> list[TrainingView]:
     """Start drafter training on idle devices for jobs with enough fresh data, at a cadence."""
     training_jobs = {t.job_id for t in snap.training if t.device_id in training_devices}
+    if cfg.train_during_rollout_only:
+        jobs = {k: j for k, j in jobs.items() if k in _rolling_out(snap)}
     eligible = sorted(
         (
             j

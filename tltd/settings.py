@@ -73,6 +73,12 @@ class Settings:
     training_idle_grace_seconds: float = 2.0  # a device idle this long may train
     training_min_fresh_samples: int = 32  # new finished samples a job needs for a round
     training_cadence_seconds: float = 30.0  # minimum time between rounds of one job
+    # When a job's drafter may train: "idle" on any idle device; "rollout" only while that
+    # job's rollout is in flight on this node (work waiting or running), yielding when its
+    # last sample is done. "rollout" is for a node whose cores or GPUs the RL trainer uses
+    # between rollouts (colocated): TLT's spot trainer, which fills the rollout's tail and
+    # leaves the update to the trainer.
+    training_window: str = "idle"
     training_steps_per_round: int = 50  # optimizer steps; a version is published after each
     training_buffer_bytes: int = 64 << 20  # the trainer's sample buffer (token ids only)
     # Drafter positions per packed training row; a longer sample trains as several windows,
@@ -362,6 +368,10 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
         raise ConfigError("drafter_keep_versions must be >= 1")
     if settings.max_sample_attempts < 1:
         raise ConfigError("max_sample_attempts must be >= 1")
+    if settings.training_window not in ("idle", "rollout"):
+        raise ConfigError(
+            f"training_window must be 'idle' or 'rollout', got {settings.training_window!r}"
+        )
     if settings.spec_gate not in ("measured", "threshold"):
         raise ConfigError(
             f"spec_gate must be 'measured' or 'threshold', got {settings.spec_gate!r}"

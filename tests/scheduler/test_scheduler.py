@@ -657,3 +657,48 @@ def test_work_on_a_version_no_worker_holds_does_not_hold_up_the_job():
         ("new", "w0", 2),
         ("old", "w1", 2),
     }
+
+
+ROLLOUT_ONLY = replace(CFG, train_during_rollout_only=True)
+
+
+def test_rollout_window_training_starts_in_the_jobs_tail_not_after_it():
+    job = JobView("j", fresh_samples=50)
+    # cpu:0 idle while cpu:1 still runs the job's last samples: the tail, training starts.
+    tail = snap([dev(0), dev(1)], [wk(0, idle_since=0.0), wk(1, running=2)], jobs=[job])
+    assert [t.device_id for t in schedule(tail, ROLLOUT_ONLY).start_training] == ["cpu:0"]
+    # The same job with nothing waiting or running: its rollout is over, no training here
+    # (the trainer has the devices), though the idle-window default would start one.
+    over = snap([dev(0), dev(1)], [wk(0, idle_since=0.0), wk(1, idle_since=0.0)], jobs=[job])
+    assert schedule(over, ROLLOUT_ONLY).start_training == ()
+    assert len(schedule(over, CFG).start_training) == 1
+
+
+def test_rollout_window_training_yields_when_the_jobs_last_sample_is_done():
+    training = [TrainingView("cpu:0", "j")]
+    running = snap([dev(0), dev(1)], [wk(0, idle_since=0.0), wk(1, running=1)], training)
+    assert schedule(running, ROLLOUT_ONLY).preempt_training == ()
+    done = snap([dev(0), dev(1)], [wk(0, idle_since=0.0), wk(1, idle_since=0.0)], training)
+    d = schedule(done, ROLLOUT_ONLY)
+    assert d.preempt_training == ("cpu:0",)
+    assert "rollout ended" in d.reasons["cpu:0"]
+    assert schedule(done, CFG).preempt_training == ()  # the default window keeps training
+
+
+def test_rollout_window_counts_waiting_work_and_only_the_trained_jobs_own():
+    jobs = [JobView("j", fresh_samples=50), JobView("k")]
+    training = [TrainingView("cpu:0", "j")]
+    # Job k's rollout does not keep j's training alive: j's has ended.
+    other = snap(
+        [dev(0), dev(1)], [wk(0, job="j", idle_since=0.0), wk(1, job="k", running=3)],
+        training, jobs=jobs,
+    )  # fmt: skip
+    assert schedule(other, ROLLOUT_ONLY).preempt_training == ("cpu:0",)
+    # Work of j waiting that no worker here can take yet (it needs policy version 5, which no
+    # worker has loaded) is a rollout in flight: training starts on the idle device.
+    waiting = snap(
+        [dev(0)], [wk(0, job="j", idle_since=0.0)],
+        pending=[replace(work("r", job="j"), policy_version=5)], jobs=jobs,
+    )  # fmt: skip
+    d = schedule(waiting, ROLLOUT_ONLY)
+    assert d.assignments == () and [t.job_id for t in d.start_training] == ["j"]

@@ -200,3 +200,34 @@ def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
     row = store.get_worker("drafter-job")
     assert "preempted: rollout work waiting" in row.state_reason
     assert [p.reason for p in training.preemptions] == ["rollout work waiting"]
+
+
+def test_a_preempted_round_resumes_towards_its_own_end(sqlite_store, tmp_path, ckpt):
+    # Rounds spread over short idle windows (a rollout's tails, training_window "rollout")
+    # must still end and publish: a preempted round keeps its end step.
+    store = sqlite_store
+    _setup(store, ckpt)
+    settings = training_settings(
+        tmp_path, training_steps_per_round=100_000, training_held_out_every=1000
+    )
+    training = DrafterTraining(store, settings)
+
+    async def main() -> None:
+        for i in range(8):
+            training.on_sample("job", (1, 2, 3), _sample(i))
+        await training.start("cpu:0", "job")
+        run = training._runs["job"]
+        await until(lambda: run.step >= 2, "training")
+        target = run.round_target
+        assert target == 100_000
+        await training.preempt("cpu:0", "rollout work is waiting")
+        await until(lambda: run.phase == "idle", "preempted")
+        stepped = run.step
+        assert 2 <= stepped < target
+        await training.start("cpu:0", "job")
+        await until(lambda: run.step > stepped, "training again")
+        assert run.round_target == target  # not stepped + 100_000
+        assert f"(steps {stepped} -> {target})" in store.get_worker("drafter-job").state_reason
+        await training.close()
+
+    asyncio.run(main())

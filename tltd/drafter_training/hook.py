@@ -358,7 +358,10 @@ class DrafterTraining:
         if unsent:
             run.send(proto.AddSamples(tuple(unsent)))
         run.phase = "training"
-        target = run.step + self.settings.training_steps_per_round
+        target = run.round_target
+        if target <= run.step:
+            target = run.step + self.settings.training_steps_per_round
+        run.round_target = target
         run.send(proto.Train(target))
         await self._record(run, WorkerState.BUSY, f"{reason} (steps {run.step} -> {target})")
 

@@ -60,6 +60,9 @@ class TrainerRun:
     step: int = 0
     loss: float = 0.0
     published_step: int = 0
+    # The step the current round ends at: a preempted round resumes towards it, so a round
+    # spread over several short idle windows (a rollout's tails) still ends and publishes.
+    round_target: int = 0
     preempt_at: float | None = None
     preempt_reason: str = ""
     checkpoint: str = ""
