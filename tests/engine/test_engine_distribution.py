@@ -20,10 +20,11 @@ from scipy.stats import chisquare
 from tests.engine.helpers import make_checkpoint
 from tests.torch_device import torch_device
 from tltd.domain import SamplingParams
-from tltd_workers.engine import engine as engine_mod
+from tltd_workers.engine import speculation as speculation_mod
 from tltd_workers.engine.bandit import Strategy
 from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.engine.engine import Engine, EngineConfig, Request
+from tltd_workers.engine.speculation import Speculation
 
 V = 8
 TEMPERATURE, TOP_P = 0.8, 0.9
@@ -127,13 +128,13 @@ def _p_value(counts, law):
 )
 def test_sampled_speculative_matches_exact_law(ckpt, exact, mode, strategy, eagle, monkeypatch):
     masks = []
-    real_q_rows = Engine._q_rows
+    real_q_rows = Speculation._q_rows
 
     def spy(self, kinds, q):
         masks.append(set(kinds))
         return real_q_rows(self, kinds, q)
 
-    monkeypatch.setattr(Engine, "_q_rows", spy)
+    monkeypatch.setattr(Speculation, "_q_rows", spy)
     counts, summary = _sample(ckpt, mode, strategy, eagle)
     assert _p_value(counts, exact) > 1e-3
     if isinstance(strategy, tuple):  # steps that mixed both kinds of rows really ran
@@ -144,7 +145,7 @@ def test_sampled_speculative_matches_exact_law(ckpt, exact, mode, strategy, eagl
 
 
 def test_the_chi_square_test_rejects_a_wrong_rule(ckpt, exact, monkeypatch):
-    real = engine_mod.accept_drafts
+    real = speculation_mod.accept_drafts
 
     def always_accept(p, draft, draft_len, q, greedy, u_accept, u_sample, *_):
         _, nxt = real(p, draft, torch.zeros_like(draft_len), None, greedy, u_accept, u_sample)
@@ -154,7 +155,7 @@ def test_the_chi_square_test_rejects_a_wrong_rule(ckpt, exact, monkeypatch):
 
         return draft_len, sample_from(p[rows, draft_len], u_sample[rows, draft_len])
 
-    monkeypatch.setattr(engine_mod, "accept_drafts", always_accept)
+    monkeypatch.setattr(speculation_mod, "accept_drafts", always_accept)
     counts, _ = _sample(ckpt, "fixed", Strategy("ngram", 2))
     assert _p_value(counts, exact) < 1e-6
 

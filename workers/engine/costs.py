@@ -143,7 +143,6 @@ def measure_costs(
     timings still swing, so `smoothed` then takes each ratio to the plain step over
     neighbouring batch sizes.
     """
-    # Long on purpose: one timed pass per batch bucket; its steps share the warmed cache.
     start = time.perf_counter()
     batches = sorted(b for b in set(batches) if b <= cache.slots)
     # Widths that fit the cache beside a context of >= 8 positions (a short max_seq_len and
@@ -152,48 +151,74 @@ def measure_costs(
     context = max(8, min(context, cache.max_len - (widths[-1] if widths else 1)))
     if not batches or budget_s <= 0:
         return CostModel({}, context, 0.0, key)
-    drafter = EagleDrafter.random_init(model)
-    dcache = drafter.new_cache(batches[-1], context + 2)
-    best: dict[tuple[int, int], float] = {}  # (batch, width; 0 = a draft step) -> seconds
-    took: dict[int, float] = {}  # batch -> seconds its last round took
-
-    def fits(seconds: float) -> bool:
-        return time.perf_counter() - start + seconds <= budget_s
-
-    def time_batch(b: int) -> None:
-        t_batch = time.perf_counter()
-        for w in (1, *widths, 0):
-            t0 = time.perf_counter()
-            if w:
-                _target_forward(model, cache, b, w, context)
-            else:
-                _draft_step(drafter, dcache, b, context)
-            if cache.k.is_cuda:  # kernels run asynchronously: wait for them
-                torch.cuda.synchronize(cache.k.device)
-            best[(b, w)] = min(best.get((b, w), float("inf")), time.perf_counter() - t0)
-        took[b] = time.perf_counter() - t_batch
-
+    timer = _Timer(model, cache, widths, context, batches[-1], start + budget_s)
     saved = list(cache.lens)
     try:
-        _target_forward(model, cache, batches[0], 1, context)  # first-call allocations
-        for i, b in enumerate(batches):
-            prev = batches[i - 1] if i else None
-            if prev is not None and not fits(took[prev] * b / prev):
-                break
-            time_batch(b)
-        for _ in range(rounds - 1):
-            for b in sorted(took):
-                if fits(took[b]):
-                    time_batch(b)
+        timer.run(batches, rounds)
     finally:
         cache.lens[:] = saved
-    costs = {
-        b: BucketCost(
-            1000 * best[(b, 1)], {w: 1000 * best[(b, w)] for w in widths}, 1000 * best[(b, 0)]
-        )
-        for b in sorted(took)
-    }
-    return CostModel(smoothed(costs), context, time.perf_counter() - start, key)
+    return CostModel(smoothed(timer.costs()), context, time.perf_counter() - start, key)
+
+
+class _Timer:
+    """The fastest time of each forward shape per batch size, timed until a deadline
+    (measure_costs says in which order)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: KVCache,
+        widths: Sequence[int],
+        context: int,
+        max_batch: int,
+        deadline: float,
+    ) -> None:
+        self.model, self.cache, self.widths, self.context = model, cache, widths, context
+        self.drafter = EagleDrafter.random_init(model)
+        self.dcache = self.drafter.new_cache(max_batch, context + 2)
+        self.deadline = deadline  # perf_counter() seconds
+        self.best: dict[tuple[int, int], float] = {}  # (batch, width; 0 = a draft step) -> s
+        self.took: dict[int, float] = {}  # batch -> seconds its last round took
+
+    def run(self, batches: Sequence[int], rounds: int) -> None:
+        """A first round smallest batch first, stopping before a batch that would not fit;
+        then up to `rounds` - 1 more over the batches reached, each batch while it fits."""
+        _target_forward(self.model, self.cache, batches[0], 1, self.context)  # first-call allocs
+        for i, b in enumerate(batches):
+            prev = batches[i - 1] if i else None
+            if prev is not None and not self._fits(self.took[prev] * b / prev):
+                break
+            self._time_batch(b)
+        for _ in range(rounds - 1):
+            for b in sorted(self.took):
+                if self._fits(self.took[b]):
+                    self._time_batch(b)
+
+    def costs(self) -> dict[int, BucketCost]:
+        """Milliseconds per batch size reached."""
+        best, widths = self.best, self.widths
+        return {
+            b: BucketCost(
+                1000 * best[(b, 1)], {w: 1000 * best[(b, w)] for w in widths}, 1000 * best[(b, 0)]
+            )
+            for b in sorted(self.took)
+        }
+
+    def _fits(self, seconds: float) -> bool:
+        return time.perf_counter() + seconds <= self.deadline
+
+    def _time_batch(self, b: int) -> None:
+        t_batch = time.perf_counter()
+        for w in (1, *self.widths, 0):
+            t0 = time.perf_counter()
+            if w:
+                _target_forward(self.model, self.cache, b, w, self.context)
+            else:
+                _draft_step(self.drafter, self.dcache, b, self.context)
+            if self.cache.k.is_cuda:  # kernels run asynchronously: wait for them
+                torch.cuda.synchronize(self.cache.k.device)
+            self.best[(b, w)] = min(self.best.get((b, w), float("inf")), time.perf_counter() - t0)
+        self.took[b] = time.perf_counter() - t_batch
 
 
 def smoothed(costs: Mapping[int, BucketCost]) -> dict[int, BucketCost]:

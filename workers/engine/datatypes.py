@@ -71,6 +71,12 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
 
+    @property
+    def measured_gate(self) -> bool:
+        """The adaptive mode with the measured gate: plain decoding is an arm of the bandit,
+        its priors come from the cost model."""
+        return self.spec_mode == "adaptive" and self.gate == "measured"
+
     def bucket_sizes(self) -> tuple[int, ...]:
         """`buckets`, or else the powers of two below the largest batch that may speculate
         (max_batch with the measured gate, batch_threshold otherwise) and that batch."""

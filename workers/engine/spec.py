@@ -47,9 +47,7 @@ def accept_drafts(
     Greedy rows keep drafts while they equal the target argmax and emit the argmax at the
     first mismatch (or after the last draft), which reproduces greedy decoding token for token.
     """
-    # Long on purpose: the accept/reject rule in one function, the math beside the code.
     b, k = draft.shape
-    rows = torch.arange(b, device=draft.device)
     if k == 0:  # nothing drafted: plain sampling from p at the only position
         top = p[:, 0].argmax(dim=-1) if target_argmax is None else target_argmax[:, 0]
         nxt = torch.where(greedy, top, sample_from(p[:, 0], u_sample[:, 0]))
@@ -66,7 +64,26 @@ def accept_drafts(
     ok = torch.where(greedy[:, None], draft == argmax[:, :k], u_accept * q_drafted < p_drafted)
     ok &= torch.arange(k, device=draft.device)[None, :] < draft_len[:, None]
     n = ok.long().cumprod(dim=-1).sum(dim=-1)  # leading accepted drafts, [B]
+    sampled = _residual_draw(p, draft, draft_len, n, q, use_q, u_sample)
+    rows = torch.arange(b, device=draft.device)
+    nxt = torch.where(greedy, argmax[rows, n], sampled)
+    return n, nxt
 
+
+def _residual_draw(
+    p: Tensor,
+    draft: Tensor,
+    draft_len: Tensor,
+    n: Tensor,
+    q: Tensor | None,
+    use_q: Tensor | None,
+    u_sample: Tensor,
+) -> Tensor:
+    """The sampled token after each row's n kept drafts [B]: drawn from the residual
+    normalize(max(0, p - q)) at position n where draft n was rejected, from p (the bonus
+    token) where every draft was kept (accept_drafts states why this is p's law)."""
+    b, k = draft.shape
+    rows = torch.arange(b, device=draft.device)
     # Distribution of the next token: p at position n, minus q there if draft n was rejected.
     p_n = p[rows, n]
     rejected = n < draft_len
@@ -80,6 +97,4 @@ def accept_drafts(
     # and p itself is the right fallback.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p_n, residual)
-    sampled = sample_from(residual, u_sample[rows, n])
-    nxt = torch.where(greedy, argmax[rows, n], sampled)
-    return n, nxt
+    return sample_from(residual, u_sample[rows, n])
