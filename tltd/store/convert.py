@@ -61,6 +61,7 @@ def _columns(obj: Any, *, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[
 
 @functools.cache
 def _enum_fields(cls: type) -> dict[str, type[enum.Enum]]:
+    """The fields typed as an enum (a column holds its value)."""
     hints = typing.get_type_hints(cls)
     return {n: t for n, t in hints.items() if isinstance(t, type) and issubclass(t, enum.Enum)}
 
