@@ -155,108 +155,142 @@ class _SpecRatios(Collector):
         yield length
 
 
+@dataclass(frozen=True)
+class _Declared:
+    """One metric's declaration: its kind, name, help text, labels and (histograms) buckets."""
+
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+    def build(self, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+        extra: dict[str, Any] = {} if self.buckets is None else {"buckets": self.buckets}
+        return self.kind(self.name, self.help, self.labels, registry=registry, **extra)
+
+
+# Every tltd metric with its help text: attribute -> declaration (`Metrics` builds them).
+_DECLARED: dict[str, _Declared] = {
+    "tokens": _Declared(
+        Counter,
+        "tltd_rollout_tokens",
+        "Output tokens of finished samples (rate() = rollout tokens/s)",
+        ("job_id",),
+    ),
+    "samples": _Declared(
+        Counter, "tltd_rollout_samples", "Finished samples", ("job_id", "finish_reason")
+    ),
+    "sample_steps": _Declared(
+        Counter,
+        "tltd_sample_decode_steps",
+        "Decode steps of finished samples by mode (speculative or plain)",
+        ("job_id", "mode"),
+    ),
+    "accepted_tokens": _Declared(
+        Counter,
+        "tltd_accepted_draft_tokens",
+        "Draft tokens accepted by the target in finished samples",
+        ("job_id",),
+    ),
+    "decode_steps": _Declared(
+        Counter,
+        "tltd_engine_decode_steps",
+        "Engine decode steps (whole batch) by mode (speculative or plain), per device",
+        ("device_id", "mode"),
+    ),
+    "accepted_length": _Declared(
+        Histogram,
+        "tltd_accepted_length",
+        "Tokens a sequence gained per speculative step (accepted drafts + 1)",
+        ("device_id",),
+        _ACCEPTED_LENGTH_BUCKETS,
+    ),
+    "queue_depth": _Declared(
+        Gauge, "tltd_queue_depth", "Samples accepted but not finished, per job", ("job_id",)
+    ),
+    "drafter_version": _Declared(
+        Gauge, "tltd_drafter_version", "Learned drafter version in use (0 = none)", ("job_id",)
+    ),
+    "policy_version": _Declared(
+        Gauge, "tltd_policy_version", "Current policy version", ("job_id",)
+    ),
+    "preemptions": _Declared(
+        Counter,
+        "tltd_preemptions",
+        "Preemptions of drafter training (or of any work) on a device",
+        ("device_id", "reason"),
+    ),
+    "preemption_latency": _Declared(
+        Histogram,
+        "tltd_preemption_latency_seconds",
+        "From the preemption decision to the device being free",
+        buckets=_PREEMPTION_LATENCY_BUCKETS,
+    ),
+    "worker_failures": _Declared(
+        Counter,
+        "tltd_rollout_worker_failures",
+        "Rollout worker processes lost, by cause: oom_kill (the OOM killer, over "
+        "worker_memory_limit_mb), exited (crashed or died by itself), killed (unresponsive, "
+        "killed by the daemon)",
+        ("worker_id", "cause"),
+    ),
+    "admission_latency": _Declared(
+        Histogram,
+        "tltd_admission_latency_seconds",
+        "From a Generate call to its request being stored and submitted (validation, "
+        "job and device reads, the request's transaction)",
+        buckets=_CONTROL_PLANE_BUCKETS,
+    ),
+    "sample_store_latency": _Declared(
+        Histogram,
+        "tltd_sample_store_latency_seconds",
+        "Store time per finished sample: a batch's transaction divided by its samples",
+        buckets=_CONTROL_PLANE_BUCKETS,
+    ),
+    "sample_store_batch": _Declared(
+        Histogram,
+        "tltd_sample_store_batch_size",
+        "Samples stored per transaction",
+        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    ),
+}
+
+
 class Metrics:
     """All tltd metrics on one registry (module docstring lists the update API)."""
+
+    # Built from _DECLARED; named here for type checkers and readers.
+    tokens: Counter
+    samples: Counter
+    sample_steps: Counter
+    accepted_tokens: Counter
+    decode_steps: Counter
+    accepted_length: Histogram
+    queue_depth: Gauge
+    drafter_version: Gauge
+    policy_version: Gauge
+    preemptions: Counter
+    preemption_latency: Histogram
+    worker_failures: Counter
+    admission_latency: Histogram
+    sample_store_latency: Histogram
+    sample_store_batch: Histogram
 
     def __init__(
         self,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # Long on purpose: every metric is declared here, in one list, with its help text.
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.tokens = Counter(
-            "tltd_rollout_tokens",
-            "Output tokens of finished samples (rate() = rollout tokens/s)",
-            ["job_id"],
-            registry=r,
-        )
-        self.samples = Counter(
-            "tltd_rollout_samples", "Finished samples", ["job_id", "finish_reason"], registry=r
-        )
-        self.sample_steps = Counter(
-            "tltd_sample_decode_steps",
-            "Decode steps of finished samples by mode (speculative or plain)",
-            ["job_id", "mode"],
-            registry=r,
-        )
-        self.accepted_tokens = Counter(
-            "tltd_accepted_draft_tokens",
-            "Draft tokens accepted by the target in finished samples",
-            ["job_id"],
-            registry=r,
-        )
-        self.decode_steps = Counter(
-            "tltd_engine_decode_steps",
-            "Engine decode steps (whole batch) by mode (speculative or plain), per device",
-            ["device_id", "mode"],
-            registry=r,
-        )
-        self.accepted_length = Histogram(
-            "tltd_accepted_length",
-            "Tokens a sequence gained per speculative step (accepted drafts + 1)",
-            ["device_id"],
-            buckets=_ACCEPTED_LENGTH_BUCKETS,
-            registry=r,
-        )
-        self.queue_depth = Gauge(
-            "tltd_queue_depth", "Samples accepted but not finished, per job", ["job_id"], registry=r
-        )
-        self.drafter_version = Gauge(
-            "tltd_drafter_version",
-            "Learned drafter version in use (0 = none)",
-            ["job_id"],
-            registry=r,
-        )
-        self.policy_version = Gauge(
-            "tltd_policy_version", "Current policy version", ["job_id"], registry=r
-        )
-        self.preemptions = Counter(
-            "tltd_preemptions",
-            "Preemptions of drafter training (or of any work) on a device",
-            ["device_id", "reason"],
-            registry=r,
-        )
-        self.preemption_latency = Histogram(
-            "tltd_preemption_latency_seconds",
-            "From the preemption decision to the device being free",
-            buckets=_PREEMPTION_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.worker_failures = Counter(
-            "tltd_rollout_worker_failures",
-            "Rollout worker processes lost, by cause: oom_kill (the OOM killer, over "
-            "worker_memory_limit_mb), exited (crashed or died by itself), killed (unresponsive, "
-            "killed by the daemon)",
-            ["worker_id", "cause"],
-            registry=r,
-        )
-        self.admission_latency = Histogram(
-            "tltd_admission_latency_seconds",
-            "From a Generate call to its request being stored and submitted (validation, "
-            "job and device reads, the request's transaction)",
-            buckets=_CONTROL_PLANE_BUCKETS,
-            registry=r,
-        )
-        self.sample_store_latency = Histogram(
-            "tltd_sample_store_latency_seconds",
-            "Store time per finished sample: a batch's transaction divided by its samples",
-            buckets=_CONTROL_PLANE_BUCKETS,
-            registry=r,
-        )
-        self.sample_store_batch = Histogram(
-            "tltd_sample_store_batch_size",
-            "Samples stored per transaction",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-            registry=r,
-        )
+        for attr, declared in _DECLARED.items():
+            setattr(self, attr, declared.build(self.registry))
         self._devices = _DeviceClock(clock)
         self._spec = _SpecRatios()
         self._jobs_lock = threading.Lock()
         self._jobs: set[str] = set()  # jobs with per-job gauges (what forget_job drops)
-        r.register(self._devices)
-        r.register(self._spec)
+        self.registry.register(self._devices)
+        self.registry.register(self._spec)
 
     # -- rollout -------------------------------------------------------------------------------
 

@@ -170,7 +170,6 @@ def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decisi
     whose rollout worker gets work in the balanced placement, and on devices whose worker is
     switched to a job whose work no worker can take (see the module docstring for switches).
     """
-    # Long on purpose: the whole decision reads top to bottom, one step per rule.
     schedulable = {d.device_id for d in snap.devices if d.schedulable}
     jobs = {j.job_id: j for j in snap.jobs}
     training = {t.device_id for t in snap.training}
@@ -181,16 +180,9 @@ def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decisi
         reasons[device_id] = "device cordoned, draining or foreign"
     _preempt_outside_rollouts(snap, cfg, preempt, reasons)
 
-    # Place as if training had already yielded, so weighted fair share and load balance decide
-    # alone. A first placement shows which jobs' work does not fit; workers switched to those
-    # jobs are then left out of the real one (they drain their old job).
-    switching = {w.worker_id for w in snap.workers if w.switching}
-    assignments, load = _place(snap, cfg, schedulable, training, jobs, switching)
-    switches = _switches(snap, cfg, schedulable, training, jobs, assignments)
-    if switches:
-        switching |= {s.worker_id for s in switches if s.job_id != _job_of(snap, s.worker_id)}
-        switching -= {s.worker_id for s in switches if s.job_id == _job_of(snap, s.worker_id)}
-        assignments, load = _place(snap, cfg, schedulable, training, jobs, switching)
+    assignments, load, switches, switching = _place_and_switch(
+        snap, cfg, schedulable, training, jobs
+    )
     worker_device = {w.worker_id: w.device_id for w in snap.workers}
     needed = {worker_device[a.worker_id] for a in assignments} & training
     for t in snap.training:
@@ -198,23 +190,14 @@ def schedule(snap: Snapshot, cfg: SchedulerConfig = SchedulerConfig()) -> Decisi
             preempt.append(t.device_id)
             reasons[t.device_id] = "rollout work is waiting"
 
-    # A device whose worker is switched to another job is needed by that job: its training
-    # yields and it is not idle.
-    target = {w.worker_id: w.switching_to for w in snap.workers if w.switching}
-    target.update({s.worker_id: s.job_id for s in switches})
-    # Only for a job with work waiting: a worker loading a model on its own (fresh, restarted,
-    # its job ended) with nothing to run must not preempt training or hide an idle device.
-    waiting_jobs = {p.job_id for p in snap.pending}
-    needed_by = {wid for wid in switching if target.get(wid) in waiting_jobs}
-    reserved = {worker_device[wid] for wid in needed_by}
-    for wid in sorted(needed_by):
-        device_id = worker_device[wid]
+    reserved = _reserved_by_switches(snap, switches, switching, worker_device)
+    for device_id, job_id in reserved.items():
         if device_id in training and device_id not in preempt:
             preempt.append(device_id)
-            reasons[device_id] = f"rollout work is waiting (worker switched to job {target[wid]})"
+            reasons[device_id] = f"rollout work is waiting (worker switched to job {job_id})"
 
     # A training device is not idle even when preempted: it is busy yielding this tick.
-    busy = training | reserved
+    busy = training | set(reserved)
     waiting = bool(_unplaced(snap, jobs, assignments))
     idle = _idle_devices(snap, cfg, schedulable, load, busy, waiting)
     starts = _training_starts(snap, cfg, idle, jobs, training - set(preempt))
@@ -247,6 +230,49 @@ def _preempt_outside_rollouts(
         if t.device_id not in preempt and t.job_id not in rolling_out:
             preempt.append(t.device_id)
             reasons[t.device_id] = "the job's rollout ended (training only during rollouts)"
+
+
+def _place_and_switch(
+    snap: Snapshot,
+    cfg: SchedulerConfig,
+    schedulable: set[str],
+    training: set[str],
+    jobs: dict[str, JobView],
+) -> tuple[list[Assignment], dict[str, tuple[int, int]], list[Switch], set[str]]:
+    """Placement, its worker loads, the switches, and the workers switching after them.
+
+    Place as if training had already yielded, so weighted fair share and load balance decide
+    alone. A first placement shows which jobs' work does not fit; workers switched to those
+    jobs are then left out of the real one (they drain their old job).
+    """
+    switching = {w.worker_id for w in snap.workers if w.switching}
+    assignments, load = _place(snap, cfg, schedulable, training, jobs, switching)
+    switches = _switches(snap, cfg, schedulable, training, jobs, assignments)
+    if switches:
+        switching |= {s.worker_id for s in switches if s.job_id != _job_of(snap, s.worker_id)}
+        switching -= {s.worker_id for s in switches if s.job_id == _job_of(snap, s.worker_id)}
+        assignments, load = _place(snap, cfg, schedulable, training, jobs, switching)
+    return assignments, load, switches, switching
+
+
+def _reserved_by_switches(
+    snap: Snapshot, switches: list[Switch], switching: set[str], worker_device: dict[str, str]
+) -> dict[str, str]:
+    """Device -> the job its switched worker goes to: that job needs the device, so its
+    training yields and it is not idle.
+
+    Only for a job with work waiting: a worker loading a model on its own (fresh, restarted,
+    its job ended) with nothing to run must not preempt training or hide an idle device. With
+    two such workers on one device, the first by worker id names the job.
+    """
+    target = {w.worker_id: w.switching_to for w in snap.workers if w.switching}
+    target.update({s.worker_id: s.job_id for s in switches})
+    waiting_jobs = {p.job_id for p in snap.pending}
+    needed_by = {wid for wid in switching if target.get(wid) in waiting_jobs}
+    reserved: dict[str, str] = {}
+    for wid in sorted(needed_by):
+        reserved.setdefault(worker_device[wid], target[wid])
+    return reserved
 
 
 def _job_of(snap: Snapshot, worker_id: str) -> str:

@@ -1,9 +1,16 @@
-"""The one proto <-> domain converter: enums, timestamps and request defaults live here only."""
+"""The one proto <-> domain converter: enums, timestamps and request defaults live here only.
+
+A domain field that a message holds under the same name and type is copied by `_same_named` /
+`_from_same_named` (times as Timestamps); the fields that differ (enums, defaults, nested
+messages, fields not on the wire) are written out where they are converted.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 from google.protobuf import timestamp_pb2
 
@@ -167,41 +174,54 @@ def from_ts(value: timestamp_pb2.Timestamp) -> datetime:
     return value.ToDatetime(tzinfo=UTC)
 
 
+# ---- fields of the same name ---------------------------------------------------------------
+
+_T = TypeVar("_T")
+
+
+def _same_named(obj: Any, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A domain dataclass's fields as message fields of the same names (datetimes as
+    Timestamps), less `skip`; a name the message lacks fails in its constructor."""
+    return {
+        f.name: ts(v) if isinstance(v := getattr(obj, f.name), datetime) else v
+        for f in fields(obj)
+        if f.name not in skip
+    }
+
+
+def _from_same_named(cls: type[_T], pb: Any, **given: Any) -> _T:
+    """A domain dataclass from the message's fields of the same names; `given` holds the
+    fields that differ (a field with neither fails here, not as a silent default)."""
+    names = [f.name for f in fields(cls) if f.name not in given]  # type: ignore[arg-type]
+    return cls(**{n: getattr(pb, n) for n in names}, **given)
+
+
 # ---- jobs ----------------------------------------------------------------------------------
 
 
 def speculative_from_pb(pb: common_pb2.SpeculativeConfig) -> d.SpeculativeConfig:
     """Proto zero values mean "default"; batch_threshold stays 0 for the service to resolve."""
     defaults = d.SpeculativeConfig()
-    return d.SpeculativeConfig(
+    return _from_same_named(
+        d.SpeculativeConfig,
+        pb,
         mode=speculative_mode_from_pb(pb.mode, "speculative.mode") or defaults.mode,
-        batch_threshold=pb.batch_threshold,
         draft_lengths=tuple(pb.draft_lengths) or defaults.draft_lengths,
         drafter=pb.drafter or defaults.drafter,
-        online_training=pb.online_training,
-        initial_drafter_path=pb.initial_drafter_path,
     )
 
 
 def speculative_to_pb(spec: d.SpeculativeConfig) -> common_pb2.SpeculativeConfig:
     return common_pb2.SpeculativeConfig(
-        mode=speculative_mode_to_pb(spec.mode),
-        batch_threshold=spec.batch_threshold,
-        draft_lengths=list(spec.draft_lengths),
-        drafter=spec.drafter,
-        online_training=spec.online_training,
-        initial_drafter_path=spec.initial_drafter_path,
+        **_same_named(spec, skip=("mode",)), mode=speculative_mode_to_pb(spec.mode)
     )
 
 
 def new_job_from_pb(pb: job_pb2.CreateJobRequest) -> d.NewJob:
-    return d.NewJob(
-        job_id=pb.job_id,
-        model_path=pb.model_path,
-        name=pb.name,
+    return _from_same_named(
+        d.NewJob,
+        pb,
         backend=backend_from_pb(pb.backend),
-        priority=pb.priority,
-        weight=pb.weight,
         speculative=speculative_from_pb(pb.speculative) if pb.HasField("speculative") else None,
         policy_switch=policy_switch_from_pb(pb.policy_switch),
     )
@@ -209,19 +229,10 @@ def new_job_from_pb(pb: job_pb2.CreateJobRequest) -> d.NewJob:
 
 def job_to_pb(job: d.Job) -> job_pb2.Job:
     return job_pb2.Job(
-        job_id=job.job_id,
-        name=job.name,
-        model_path=job.model_path,
+        **_same_named(job, skip=("backend", "speculative", "status", "policy_switch")),
         backend=_BACKEND_PB[job.backend],
-        priority=job.priority,
-        weight=job.weight,
         speculative=speculative_to_pb(job.speculative),
         status=job_status_to_pb(job.status),
-        status_reason=job.status_reason,
-        policy_version=job.policy_version,
-        drafter_version=job.drafter_version,
-        created_at=ts(job.created_at),
-        updated_at=ts(job.updated_at),
         policy_switch=_POLICY_SWITCH_PB[job.policy_switch],
     )
 
@@ -236,36 +247,26 @@ def sampling_from_pb(pb: rollout_pb2.SamplingParams) -> d.SamplingParams:
     Everything else passes through unchanged so validation can name a bad value (top_k < -1,
     top_p = 0, NaN temperature, max_new_tokens = 0).
     """
-    return d.SamplingParams(
+    mode = _known(_LOGPROB_MODE, rollout_pb2.LogprobMode, pb.logprob_mode, "sampling.logprob_mode")
+    return _from_same_named(
+        d.SamplingParams,
+        pb,
         n=pb.n or 1,
-        temperature=pb.temperature,
         top_p=pb.top_p if pb.HasField("top_p") else 1.0,
         top_k=0 if pb.top_k in (0, -1) else pb.top_k,
-        max_new_tokens=pb.max_new_tokens,
         stop_token_ids=tuple(pb.stop_token_ids),
         seed=pb.seed if pb.HasField("seed") else None,
-        logprob_mode=_known(
-            _LOGPROB_MODE, rollout_pb2.LogprobMode, pb.logprob_mode, "sampling.logprob_mode"
-        )
-        or d.LogprobMode.PROCESSED,
-        return_provenance=pb.return_provenance,
-        top_logprobs=pb.top_logprobs,
+        logprob_mode=mode or d.LogprobMode.PROCESSED,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
 def sampling_to_pb(s: d.SamplingParams) -> rollout_pb2.SamplingParams:
     pb = rollout_pb2.SamplingParams(
-        n=s.n,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_new_tokens=s.max_new_tokens,
-        stop_token_ids=list(s.stop_token_ids),
+        **_same_named(s, skip=("logprob_mode", "seed", "prompt_logprobs")),
         logprob_mode=_LOGPROB_MODE_PB[s.logprob_mode],
-        return_provenance=s.return_provenance,
-        top_logprobs=s.top_logprobs,
     )
+    # Optional on the wire: unset means none.
     if s.seed is not None:
         pb.seed = s.seed
     if s.prompt_logprobs is not None:
@@ -287,42 +288,23 @@ def rollout_from_pb(
 
 
 def rollout_to_pb(r: d.RolloutRequest) -> rollout_pb2.RolloutRequest:
+    # The prompts go back as their count; the mode and policy version are not on the wire.
+    not_sent = ("prompts", "speculative", "policy_version")
     return rollout_pb2.RolloutRequest(
-        request_id=r.request_id,
-        job_id=r.job_id,
+        **_same_named(r, skip=("sampling", "status", *not_sent)),
         status=request_status_to_pb(r.status),
         num_prompts=len(r.prompts),
         sampling=sampling_to_pb(r.sampling),
         samples_total=r.samples_total,
-        samples_done=r.samples_done,
-        status_reason=r.status_reason,
-        created_at=ts(r.created_at),
-        updated_at=ts(r.updated_at),
     )
 
 
 def speculative_stats_to_pb(st: d.SpeculativeStats) -> rollout_pb2.SpeculativeStats:
-    return rollout_pb2.SpeculativeStats(
-        draft_steps=st.draft_steps,
-        plain_steps=st.plain_steps,
-        accepted_tokens=st.accepted_tokens,
-        mean_accepted_length=st.mean_accepted_length,
-        drafted_tokens=st.drafted_tokens,
-        bonus_tokens=st.bonus_tokens,
-        residual_tokens=st.residual_tokens,
-    )
+    return rollout_pb2.SpeculativeStats(**_same_named(st))
 
 
 def speculative_stats_from_pb(pb: rollout_pb2.SpeculativeStats) -> d.SpeculativeStats:
-    return d.SpeculativeStats(
-        draft_steps=pb.draft_steps,
-        plain_steps=pb.plain_steps,
-        accepted_tokens=pb.accepted_tokens,
-        mean_accepted_length=pb.mean_accepted_length,
-        drafted_tokens=pb.drafted_tokens,
-        bonus_tokens=pb.bonus_tokens,
-        residual_tokens=pb.residual_tokens,
-    )
+    return _from_same_named(d.SpeculativeStats, pb)
 
 
 def provenance_to_pb(prov: tuple[d.TokenProvenance, ...]) -> rollout_pb2.TokenProvenance:
@@ -352,19 +334,15 @@ def provenance_from_pb(pb: rollout_pb2.TokenProvenance) -> tuple[d.TokenProvenan
     return tuple(out)
 
 
+# A sample's fields that are nested messages on the wire, filled part by part.
+_SAMPLE_PARTS = ("provenance", "policy_spans", "top_logprobs", "prompt_logprobs")
+
+
 def sample_to_pb(s: d.Sample) -> rollout_pb2.Sample:
     pb = rollout_pb2.Sample(
-        request_id=s.request_id,
-        prompt_index=s.prompt_index,
-        sample_index=s.sample_index,
-        token_ids=list(s.token_ids),
-        logprobs=list(s.logprobs),
+        **_same_named(s, skip=("finish_reason", "speculative", *_SAMPLE_PARTS)),
         finish_reason=_FINISH_PB[s.finish_reason],
-        policy_version=s.policy_version,
-        drafter_version=s.drafter_version,
         speculative=speculative_stats_to_pb(s.speculative),
-        partial=s.partial,
-        error=s.error,
     )
     if s.provenance is not None:
         pb.provenance.CopyFrom(provenance_to_pb(s.provenance))
@@ -387,18 +365,13 @@ def _tops_from_pb(tops) -> tuple[d.TopLogprobs, ...]:
 
 
 def sample_from_pb(pb: rollout_pb2.Sample) -> d.Sample:
-    return d.Sample(
-        request_id=pb.request_id,
-        prompt_index=pb.prompt_index,
-        sample_index=pb.sample_index,
+    return _from_same_named(
+        d.Sample,
+        pb,
         token_ids=tuple(pb.token_ids),
         logprobs=tuple(pb.logprobs),
         finish_reason=_FINISH.get(pb.finish_reason, d.FinishReason.FAILED),
-        policy_version=pb.policy_version,
-        drafter_version=pb.drafter_version,
         speculative=speculative_stats_from_pb(pb.speculative),
-        partial=pb.partial,
-        error=pb.error,
         provenance=provenance_from_pb(pb.provenance) if pb.HasField("provenance") else None,
         policy_spans=tuple((x.first_token, x.policy_version) for x in pb.policy_spans),
         # A sample that asked for alternatives but emitted no token has none on the wire.
@@ -423,14 +396,7 @@ def policy_source_from_pb(pb: policy_pb2.UpdatePolicyRequest) -> tuple[str | Non
 
 
 def policy_to_pb(p: d.PolicyVersion) -> policy_pb2.PolicyVersion:
-    return policy_pb2.PolicyVersion(
-        job_id=p.job_id,
-        version=p.version,
-        source=p.source,
-        path=p.path,
-        created_at=ts(p.created_at),
-        note=p.note,
-    )
+    return policy_pb2.PolicyVersion(**_same_named(p))
 
 
 def push_part_from_pb(pb: policy_pb2.PushPolicyRequest) -> d.PushHeader | d.TensorChunk | bool:
@@ -455,49 +421,27 @@ def push_header_from_pb(h: policy_pb2.PushHeader) -> d.PushHeader:
 
 
 def broadcast_group_to_pb(b: d.OpenedBroadcast) -> policy_pb2.BroadcastGroup:
-    workers = None
-    if b.workers is not None:
-        w = b.workers
-        workers = policy_pb2.WorkerGroup(
-            prefix=w.prefix, world_size=w.world_size, backend=w.backend
-        )
+    workers = None if b.workers is None else policy_pb2.WorkerGroup(**_same_named(b.workers))
     return policy_pb2.BroadcastGroup(
-        address=b.address,
-        port=b.port,
-        world_size=b.world_size,
-        rank=0,
-        prefix=b.prefix,
-        backend="gloo",
-        workers=workers,
+        **_same_named(b, skip=("workers",)), rank=0, backend="gloo", workers=workers
     )
 
 
 def push_status_to_pb(s: d.PushStatus) -> policy_pb2.PushStatus:
     return policy_pb2.PushStatus(
-        job_id=s.job_id,
-        update_id=s.update_id,
+        **_same_named(s, skip=("received",)),
         tensors=[policy_pb2.TensorProgress(name=n, received=r, total=t) for n, r, t in s.received],
         bytes_received=s.bytes_received,
         bytes_total=s.bytes_total,
-        version=s.version,
     )
 
 
 def drafter_to_pb(v: d.DrafterVersion) -> drafter_pb2.DrafterVersion:
     return drafter_pb2.DrafterVersion(
-        job_id=v.job_id,
-        version=v.version,
-        policy_version=v.policy_version,
-        path=v.path,
-        train_steps=v.train_steps,
+        **_same_named(v, skip=("loss", "acceptance_length", "status")),
         loss=_finite(v.loss),
         acceptance_length=_finite(v.acceptance_length),
         status=drafter_status_to_pb(v.status),
-        pinned=v.pinned,
-        active=v.active,
-        created_at=ts(v.created_at),
-        node_id=v.node_id,
-        shared=v.shared,
     )
 
 
@@ -510,67 +454,29 @@ def _finite(x: float) -> float:
 
 
 def device_to_pb(dev: d.Device) -> admin_pb2.Device:
+    processes = [admin_pb2.DeviceProcess(**_same_named(p)) for p in dev.processes]
     return admin_pb2.Device(
-        device_id=dev.device_id,
+        **_same_named(dev, skip=("kind", "state", "processes")),
         kind=dev.kind.value,
-        index=dev.index,
-        uuid=dev.uuid,
-        name=dev.name,
-        memory_total_bytes=dev.memory_total_bytes,
-        memory_used_bytes=dev.memory_used_bytes,
-        utilization=dev.utilization,
-        processes=[
-            admin_pb2.DeviceProcess(pid=p.pid, used_memory_bytes=p.used_memory_bytes, ours=p.ours)
-            for p in dev.processes
-        ],
-        foreign=dev.foreign,
-        cordoned=dev.cordoned,
-        draining=dev.draining,
         state=dev.state.value,
-        state_reason=dev.state_reason,
-        updated_at=ts(dev.updated_at),
+        processes=processes,
     )
 
 
 def worker_to_pb(w: d.Worker) -> admin_pb2.Worker:
     return admin_pb2.Worker(
-        worker_id=w.worker_id,
-        kind=w.kind.value,
-        device_id=w.device_id,
-        job_id=w.job_id,
-        state=w.state.value,
-        pid=w.pid,
-        started_at=ts(w.started_at),
-        last_heartbeat=ts(w.last_heartbeat),
-        state_reason=w.state_reason,
+        **_same_named(w, skip=("kind", "state")), kind=w.kind.value, state=w.state.value
     )
 
 
 def node_to_pb(n: d.Node) -> admin_pb2.Node:
-    return admin_pb2.Node(
-        node_id=n.node_id,
-        address=n.address,
-        state=n.status.value,
-        epoch=n.epoch,
-        heartbeat_age_seconds=n.heartbeat_age_seconds,
-        started_at=ts(n.started_at),
-        cordoned=n.cordoned,
-        draining=n.draining,
-    )
+    # The heartbeat goes out as its age (by the database's clock), not as a time.
+    return admin_pb2.Node(**_same_named(n, skip=("status", "heartbeat_at")), state=n.status.value)
 
 
 def stats_to_pb(s: d.Stats) -> admin_pb2.Stats:
     return admin_pb2.Stats(
-        version=s.version,
-        uptime_seconds=s.uptime_seconds,
-        database=s.database,
-        devices=s.devices,
-        devices_schedulable=s.devices_schedulable,
-        workers=s.workers,
-        jobs_active=s.jobs_active,
+        **_same_named(s, skip=("requests_by_status", "mean_accepted_length")),
         requests_by_status={str(k): int(v) for k, v in s.requests_by_status.items()},
-        samples_total=s.samples_total,
-        tokens_generated=s.tokens_generated,
         mean_accepted_length=_finite(s.mean_accepted_length),
-        draining=s.draining,
     )

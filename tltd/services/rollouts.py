@@ -122,14 +122,7 @@ class RolloutService:
         UNAVAILABLE after what they had: the caller re-attaches on another node.
         """
         started = time.perf_counter()
-        # The store is synchronous: keep its I/O off the event loop.
-        req = await asyncio.to_thread(self.prepare, req, speculative)
-        await self._wait_unpaused(req)
-        sup = self.supervisor
-        if sup is None:
-            raise Unimplemented("this daemon runs no rollout workers")
-        if req.sampling.seed is None:
-            req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
+        req, sup = await self._accept(req, speculative)
         rid = req.request_id
         # Subscribe before anything is stored: a sample stored here is then either read from
         # the store or received on the subscription (or both).
@@ -147,12 +140,7 @@ class RolloutService:
             while True:
                 cur = stored
                 if read:
-                    cur, open_units, samples, cursor = await asyncio.to_thread(
-                        self.store.stream_state, rid, cursor
-                    )
-                    ended = cur.status in ENDED_STATUSES and open_units == 0
-                    if ended:  # everything final now, also partial samples read before
-                        samples = await asyncio.to_thread(self.store.list_samples, rid)
+                    cur, samples, cursor, ended = await self._read_stored(rid, cursor)
                     for sample in samples:
                         if sent.admit(sample, ended):
                             yield sample
@@ -160,11 +148,7 @@ class RolloutService:
                         _end(rid, cur.status, cur.status_reason)
                         return
                 read = True
-                if sup.handed_over:  # this node is going away; its work goes on elsewhere
-                    raise Unavailable(
-                        f"node {self.store.node_id} is drained and handed its work to the "
-                        f"other nodes: retry request {rid} there (it re-attaches)"
-                    )
+                self._check_not_handed_over(sup, rid)
                 async for event in _stored_here(events, poll):
                     if event.sample is None:
                         # Ended here with every sample sent complete: nothing is left to read.
@@ -175,6 +159,44 @@ class RolloutService:
                         yield event.sample
         finally:
             sup.unsubscribe(rid, events)
+
+    async def _accept(
+        self, req: RolloutRequest, speculative: SpeculativeMode | None
+    ) -> tuple[RolloutRequest, Supervisor]:
+        """The request as it will be stored (validated, past a pause, with its seed) and the
+        supervisor that runs it."""
+        # The store is synchronous: keep its I/O off the event loop.
+        req = await asyncio.to_thread(self.prepare, req, speculative)
+        await self._wait_unpaused(req)
+        sup = self.supervisor
+        if sup is None:
+            raise Unimplemented("this daemon runs no rollout workers")
+        if req.sampling.seed is None:
+            req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
+        return req, sup
+
+    async def _read_stored(
+        self, rid: str, cursor: int
+    ) -> tuple[RolloutRequest, list[Sample], int, bool]:
+        """The request, its samples stored after `cursor`, the new cursor, and whether it has
+        ended with no unit open (then the samples are all of them: every one is final now,
+        also partial samples read before)."""
+        cur, open_units, samples, cursor = await asyncio.to_thread(
+            self.store.stream_state, rid, cursor
+        )
+        ended = cur.status in ENDED_STATUSES and open_units == 0
+        if ended:
+            samples = await asyncio.to_thread(self.store.list_samples, rid)
+        return cur, samples, cursor, ended
+
+    def _check_not_handed_over(self, sup: Supervisor, rid: str) -> None:
+        """This node is going away and its work goes on elsewhere: the caller re-attaches
+        there."""
+        if sup.handed_over:
+            raise Unavailable(
+                f"node {self.store.node_id} is drained and handed its work to the "
+                f"other nodes: retry request {rid} there (it re-attaches)"
+            )
 
     async def _wait_unpaused(self, req: RolloutRequest) -> None:
         """A new request of a paused job waits here, before it is stored, until the job is

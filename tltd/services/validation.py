@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from tltd.domain import MAX_TOP_LOGPROBS, RolloutRequest
+from tltd.domain import MAX_TOP_LOGPROBS, RolloutRequest, SamplingParams
 from tltd.errors import InvalidArgument, ResourceExhausted
 from tltd.settings import Settings
 
@@ -86,9 +86,17 @@ def validate_rollout(
     sequence (`worker_max_seq_len`): every sample then ends by a stop token or by reaching
     max_new_tokens (LENGTH), never cut short by a limit the caller did not set.
     """
-    # Long on purpose: one check per field, in the order the caller's message names them.
+    # One check per field, in the order the caller's message names them.
     check_id(req.job_id, "job_id")
     check_id(req.request_id, "request_id", required=False)
+    _check_sizes(req, settings)
+    _check_prompts(req, settings, model)
+    _check_sampling(req.sampling, model.vocab_size if model else None)
+
+
+def _check_sizes(req: RolloutRequest, settings: Settings) -> None:
+    """How many prompts and samples, and how many new tokens each, against the daemon's
+    limits."""
     s = req.sampling
     if not req.prompts:
         raise InvalidArgument("at least one prompt is required", field="prompts")
@@ -112,8 +120,10 @@ def validate_rollout(
             f"{s.max_new_tokens} exceeds the limit of {settings.max_new_tokens_limit}",
             field="sampling.max_new_tokens",
         )
-    vocab = model.vocab_size if model else None
-    _check_prompts(req, settings, model)
+
+
+def _check_sampling(s: SamplingParams, vocab: int | None) -> None:
+    """The sampling values the engine runs: temperature, top-p/k, seed, stop tokens, logprobs."""
     if math.isnan(s.temperature) or math.isinf(s.temperature) or s.temperature < 0:
         raise InvalidArgument(
             f"must be a finite number >= 0 (0 = greedy), got {s.temperature}",

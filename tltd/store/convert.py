@@ -1,42 +1,39 @@
-"""Explicit conversions between ORM rows and domain dataclasses (the only place both meet)."""
+"""Conversions between ORM rows and domain dataclasses (the only place both meet).
+
+A field stored in a column of its own name (after a prefix such as "spec_") is copied by
+`_columns` / `_from_columns`, enums as their values; the fields stored otherwise are written out
+where they are converted.
+"""
 
 from __future__ import annotations
 
+import enum
+import functools
 import math
 import sys
+import typing
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import fields
+from typing import Any, TypeVar
 
 from tltd.domain import (
-    Backend,
     Device,
-    DeviceKind,
     DeviceProcess,
-    DeviceState,
-    DrafterStatus,
     DrafterVersion,
     Event,
-    FinishReason,
     Job,
-    JobStatus,
-    LogprobMode,
-    PolicySwitch,
     PolicyVersion,
     PromptLogprobs,
-    RequestStatus,
     RolloutRequest,
     Sample,
     SamplingParams,
     SpeculativeConfig,
-    SpeculativeMode,
     SpeculativeStats,
     TokenProvenance,
     TokenSource,
     TopLogprobs,
     Worker,
-    WorkerKind,
-    WorkerState,
 )
 from tltd.store.tables import (
     DeviceRow,
@@ -49,63 +46,69 @@ from tltd.store.tables import (
     WorkerRow,
 )
 
+_T = TypeVar("_T")
+
+
+def _columns(obj: Any, *, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A domain dataclass's fields as column values, under the fields' names after `prefix`
+    (enums as their values), less `skip`."""
+    return {
+        prefix + f.name: str(v) if isinstance(v := getattr(obj, f.name), enum.Enum) else v
+        for f in fields(obj)
+        if f.name not in skip
+    }
+
+
+@functools.cache
+def _enum_fields(cls: type) -> dict[str, type[enum.Enum]]:
+    """The fields typed as an enum (a column holds its value)."""
+    hints = typing.get_type_hints(cls)
+    return {n: t for n, t in hints.items() if isinstance(t, type) and issubclass(t, enum.Enum)}
+
+
+def _from_columns(cls: type[_T], row: Any, *, prefix: str = "", **given: Any) -> _T:
+    """A domain dataclass from the row's columns named as its fields (after `prefix`), enums
+    from their values; `given` holds the fields stored otherwise. A field with neither a
+    column nor a given value fails here (AttributeError), not as a silent default."""
+    enums = _enum_fields(cls)
+    values = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name not in given:
+            value = getattr(row, prefix + f.name)
+            values[f.name] = enums[f.name](value) if f.name in enums else value
+    return cls(**values, **given)
+
 
 def job_to_row(job: Job, row: JobRow | None = None) -> JobRow:
     row = row or JobRow(job_id=job.job_id)
-    spec = job.speculative
-    row.name = job.name
-    row.model_path = job.model_path
-    row.backend = str(job.backend)
-    row.priority = job.priority
-    row.weight = job.weight
-    row.spec_mode = str(spec.mode)
-    row.spec_batch_threshold = spec.batch_threshold
-    row.spec_draft_lengths = list(spec.draft_lengths)
-    row.spec_drafter = spec.drafter
-    row.spec_online_training = spec.online_training
-    row.spec_initial_drafter_path = spec.initial_drafter_path
-    row.policy_switch = str(job.policy_switch)
-    row.status = str(job.status)
-    row.status_reason = job.status_reason
-    row.policy_version = job.policy_version
+    columns = {
+        # Not stored with the job: its id is the row's key, the drafter version is read from
+        # the drafter versions, the times are the store's.
+        **_columns(
+            job, skip=("job_id", "speculative", "drafter_version", "created_at", "updated_at")
+        ),
+        **_columns(job.speculative, prefix="spec_"),
+        "spec_draft_lengths": list(job.speculative.draft_lengths),
+    }
+    for name, value in columns.items():
+        if name not in JobRow.__table__.columns:  # setattr would not fail on a typo
+            raise AttributeError(f"JobRow has no column {name!r}")
+        setattr(row, name, value)
     return row
 
 
 def job_from_row(row: JobRow, drafter_version: int = 0) -> Job:
-    return Job(
-        job_id=row.job_id,
-        model_path=row.model_path,
-        name=row.name,
-        backend=Backend(row.backend),
-        priority=row.priority,
-        weight=row.weight,
-        speculative=SpeculativeConfig(
-            mode=SpeculativeMode(row.spec_mode),
-            batch_threshold=row.spec_batch_threshold,
-            draft_lengths=tuple(int(x) for x in row.spec_draft_lengths),
-            drafter=row.spec_drafter,
-            online_training=row.spec_online_training,
-            initial_drafter_path=row.spec_initial_drafter_path,
-        ),
-        status=JobStatus(row.status),
-        status_reason=row.status_reason,
-        policy_version=row.policy_version,
-        drafter_version=drafter_version,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        policy_switch=PolicySwitch(row.policy_switch),
+    spec = _from_columns(
+        SpeculativeConfig,
+        row,
+        prefix="spec_",
+        draft_lengths=tuple(int(x) for x in row.spec_draft_lengths),
     )
+    return _from_columns(Job, row, speculative=spec, drafter_version=drafter_version)
 
 
 def policy_version_from_row(row: PolicyVersionRow) -> PolicyVersion:
-    return PolicyVersion(
-        job_id=row.job_id,
-        version=row.version,
-        source=row.source,
-        path=row.path,
-        note=row.note,
-        created_at=row.created_at,
-    )
+    return _from_columns(PolicyVersion, row)
 
 
 def seed_to_column(seed: int) -> int:
@@ -122,81 +125,48 @@ def seed_from_column(value: int) -> int:
 def request_to_row(req: RolloutRequest) -> RolloutRequestRow:
     sp = req.sampling
     return RolloutRequestRow(
-        request_id=req.request_id,
-        job_id=req.job_id,
+        **_columns(req, skip=("prompts", "sampling", "created_at", "updated_at")),
+        **_columns(sp, skip=("stop_token_ids", "seed")),
         prompts=[list(p) for p in req.prompts],
-        n=sp.n,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        max_new_tokens=sp.max_new_tokens,
         stop_token_ids=list(sp.stop_token_ids),
         seed=None if sp.seed is None else seed_to_column(sp.seed),
-        logprob_mode=str(sp.logprob_mode),
-        return_provenance=sp.return_provenance,
-        top_logprobs=sp.top_logprobs,
-        prompt_logprobs=sp.prompt_logprobs,
-        speculative=str(req.speculative),
-        policy_version=req.policy_version,
-        status=str(req.status),
-        status_reason=req.status_reason,
-        samples_done=req.samples_done,
     )
 
 
 def request_from_row(row: RolloutRequestRow) -> RolloutRequest:
-    return RolloutRequest(
-        request_id=row.request_id,
-        job_id=row.job_id,
-        prompts=tuple(tuple(int(t) for t in p) for p in row.prompts),
-        sampling=SamplingParams(
-            n=row.n,
-            temperature=row.temperature,
-            top_p=row.top_p,
-            top_k=row.top_k,
-            max_new_tokens=row.max_new_tokens,
-            stop_token_ids=tuple(int(t) for t in row.stop_token_ids),
-            seed=None if row.seed is None else seed_from_column(row.seed),
-            logprob_mode=LogprobMode(row.logprob_mode),
-            return_provenance=row.return_provenance,
-            top_logprobs=row.top_logprobs,
-            prompt_logprobs=row.prompt_logprobs,
-        ),
-        speculative=SpeculativeMode(row.speculative),
-        policy_version=row.policy_version,
-        status=RequestStatus(row.status),
-        status_reason=row.status_reason,
-        samples_done=row.samples_done,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
+    sampling = _from_columns(
+        SamplingParams,
+        row,
+        stop_token_ids=tuple(int(t) for t in row.stop_token_ids),
+        seed=None if row.seed is None else seed_from_column(row.seed),
     )
+    prompts = tuple(tuple(int(t) for t in p) for p in row.prompts)
+    return _from_columns(RolloutRequest, row, prompts=prompts, sampling=sampling)
 
 
 def sample_to_row(s: Sample) -> SampleRow:
-    spec = s.speculative
     return SampleRow(
-        request_id=s.request_id,
-        prompt_index=s.prompt_index,
-        sample_index=s.sample_index,
+        **_columns(s, skip=_SAMPLE_STORED_OTHERWISE),
+        **_columns(s.speculative, prefix="spec_"),
         **_payload(s.token_ids, s.logprobs),
         num_tokens=len(s.token_ids),
-        finish_reason=str(s.finish_reason),
-        policy_version=s.policy_version,
-        drafter_version=s.drafter_version,
-        spec_draft_steps=spec.draft_steps,
-        spec_plain_steps=spec.plain_steps,
-        spec_accepted_tokens=spec.accepted_tokens,
-        spec_mean_accepted_length=spec.mean_accepted_length,
-        spec_drafted_tokens=spec.drafted_tokens,
-        spec_bonus_tokens=spec.bonus_tokens,
-        spec_residual_tokens=spec.residual_tokens,
         provenance=provenance_to_json(s.provenance),
         policy_spans=[list(x) for x in s.policy_spans] or None,
         top_logprobs=None if s.top_logprobs is None else [_top_to_json(t) for t in s.top_logprobs],
         prompt_logprobs=prompt_logprobs_to_json(s.prompt_logprobs),
-        partial=s.partial,
-        error=s.error,
     )
+
+
+# A sample's fields that are not a column of their own name (packed, JSON, or prefixed).
+_SAMPLE_STORED_OTHERWISE = (
+    "token_ids",
+    "logprobs",
+    "speculative",
+    "provenance",
+    "policy_spans",
+    "top_logprobs",
+    "prompt_logprobs",
+)
 
 
 _LITTLE = sys.byteorder == "little"
@@ -250,26 +220,12 @@ def logprobs_from_columns(blob: bytes | None, json: list | None) -> tuple[float,
 
 
 def sample_from_row(row: SampleRow) -> Sample:
-    return Sample(
-        request_id=row.request_id,
-        prompt_index=row.prompt_index,
-        sample_index=row.sample_index,
+    return _from_columns(
+        Sample,
+        row,
         token_ids=token_ids_from_columns(row.token_ids_bin, row.token_ids),
         logprobs=logprobs_from_columns(row.logprobs_bin, row.logprobs),
-        finish_reason=FinishReason(row.finish_reason),
-        policy_version=row.policy_version,
-        drafter_version=row.drafter_version,
-        speculative=SpeculativeStats(
-            draft_steps=row.spec_draft_steps,
-            plain_steps=row.spec_plain_steps,
-            accepted_tokens=row.spec_accepted_tokens,
-            mean_accepted_length=row.spec_mean_accepted_length,
-            drafted_tokens=row.spec_drafted_tokens,
-            bonus_tokens=row.spec_bonus_tokens,
-            residual_tokens=row.spec_residual_tokens,
-        ),
-        partial=row.partial,
-        error=row.error,
+        speculative=_from_columns(SpeculativeStats, row, prefix="spec_"),
         provenance=provenance_from_json(row.provenance),
         policy_spans=tuple((int(i), int(v)) for i, v in row.policy_spans or ()),
         top_logprobs=None
@@ -336,36 +292,15 @@ def provenance_from_json(data: list[list[object]] | None) -> tuple[TokenProvenan
 
 def drafter_to_row(dv: DrafterVersion, version: int) -> DrafterVersionRow:
     return DrafterVersionRow(
-        job_id=dv.job_id,
+        # `active` is the job's choice (not stored with the version), the time the store's.
+        **_columns(dv, skip=("version", "pinned", "active", "created_at")),
         version=version,
-        policy_version=dv.policy_version,
-        path=dv.path,
-        train_steps=dv.train_steps,
-        loss=dv.loss,
-        acceptance_length=dv.acceptance_length,
-        status=str(dv.status),
         pinned=False,  # pinning goes through Store.pin_drafter only
-        node_id=dv.node_id,
-        shared=dv.shared,
     )
 
 
 def drafter_from_row(row: DrafterVersionRow, active_version: int) -> DrafterVersion:
-    return DrafterVersion(
-        job_id=row.job_id,
-        version=row.version,
-        policy_version=row.policy_version,
-        path=row.path,
-        train_steps=row.train_steps,
-        loss=row.loss,
-        acceptance_length=row.acceptance_length,
-        status=DrafterStatus(row.status),
-        pinned=row.pinned,
-        active=row.version == active_version,
-        created_at=row.created_at,
-        node_id=row.node_id,
-        shared=row.shared,
-    )
+    return _from_columns(DrafterVersion, row, active=row.version == active_version)
 
 
 def processes_to_json(processes: tuple[DeviceProcess, ...]) -> list[dict[str, object]]:
@@ -386,46 +321,13 @@ def processes_from_json(data: list[dict[str, object]] | None) -> tuple[DevicePro
 
 
 def device_from_row(row: DeviceRow) -> Device:
-    return Device(
-        device_id=row.device_id,
-        kind=DeviceKind(row.kind),
-        index=row.device_index,
-        uuid=row.uuid,
-        name=row.name,
-        memory_total_bytes=row.memory_total_bytes,
-        memory_used_bytes=row.memory_used_bytes,
-        utilization=row.utilization,
-        processes=processes_from_json(row.processes),
-        foreign=row.foreign,
-        cordoned=row.cordoned,
-        draining=row.draining,
-        state=DeviceState(row.state),
-        state_reason=row.state_reason,
-        updated_at=row.updated_at,
-    )
+    processes = processes_from_json(row.processes)
+    return _from_columns(Device, row, index=row.device_index, processes=processes)
 
 
 def worker_from_row(row: WorkerRow) -> Worker:
-    return Worker(
-        worker_id=row.worker_id,
-        kind=WorkerKind(row.kind),
-        device_id=row.device_id,
-        job_id=row.job_id,
-        state=WorkerState(row.state),
-        pid=row.pid,
-        state_reason=row.state_reason,
-        started_at=row.started_at,
-        last_heartbeat=row.last_heartbeat,
-    )
+    return _from_columns(Worker, row)
 
 
 def event_from_row(row: EventRow) -> Event:
-    return Event(
-        entity=row.entity,
-        entity_id=row.entity_id,
-        old_status=row.old_status,
-        new_status=row.new_status,
-        reason=row.reason,
-        at=row.at,
-        event_id=row.id,
-    )
+    return _from_columns(Event, row, event_id=row.id)

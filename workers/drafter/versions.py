@@ -124,24 +124,8 @@ def export_sglang(
     input_layernorm is the identity (layer 0); out = hidden + residual, no final norm; logits
     from the target's lm_head. Its loader prefixes every checkpoint name with "model." and
     skips names containing "lm_head". Our drafter is the same network (its layer has no input
-    norm either), so the export only renames, splits and reorders tensors:
-
-      ours (drafter model.safetensors)    -> SGLang EAGLE checkpoint
-      fc.weight [H, 2H]                   -> fc.weight with its column halves swapped: we
-                                             compute fc([hidden; embed]), SGLang fc([embed;
-                                             hidden])
-      fc.bias                             -> fc.bias
-      layer.qkv.weight / .bias            -> layers.0.self_attn.{q,k,v}_proj.weight / .bias
-                                             (rows split nq*hd, nkv*hd, nkv*hd; bias: qwen2)
-      layer.o_proj.weight                 -> layers.0.self_attn.o_proj.weight
-      layer.gate_up.weight                -> layers.0.mlp.{gate,up}_proj.weight (row halves)
-      layer.down_proj.weight              -> layers.0.mlp.down_proj.weight
-      layer.post_attention_layernorm.weight -> layers.0.post_attention_layernorm.weight
-      (no input norm)                     -> (no layers.0.input_layernorm.weight: SGLang runs
-                                             identity there)
-      target model.embed_tokens.weight    -> embed_tokens.weight (if include_embeddings; SGLang
-                                             also shares the target's at load time)
-      target lm_head                      -> never written (SGLang uses the target's)
+    norm either), so the export only renames, splits and reorders tensors (the mapping is in
+    `_sglang_tensors`).
 
     config.json is the target's HF config with architectures=[<Eagle class>] and
     num_hidden_layers=1. A checkpoint trained with an input norm on the layer (older drafters)
@@ -163,6 +147,13 @@ def export_sglang(
     dtype = next(iter(ours.values())).dtype
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    cfg_out = _sglang_config(hf_cfg, model_type, dtype)
+    (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
+    return ExportResult(out)
+
+
+def _sglang_config(hf_cfg: dict, model_type: str, dtype: torch.dtype) -> dict:
+    """The target's HF config as a one-layer EAGLE model's."""
     cfg_out = dict(hf_cfg)
     cfg_out.update(
         architectures=[EAGLE_ARCHITECTURES[model_type]],
@@ -171,15 +162,32 @@ def export_sglang(
     )
     if isinstance(cfg_out.get("layer_types"), list):  # per-layer lists follow the layer count
         cfg_out["layer_types"] = cfg_out["layer_types"][:1]
-    (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
-    return ExportResult(out)
+    return cfg_out
 
 
 def _sglang_tensors(
     ours: dict[str, Tensor], cfg: ModelConfig, drafter_dir: Path
 ) -> dict[str, Tensor]:
-    """Our drafter's tensors under SGLang's EAGLE names (the mapping in `export_sglang`'s
-    docstring, row by row); a tensor the mapping does not know is refused, not dropped."""
+    """Our drafter's tensors under SGLang's EAGLE names; a tensor the mapping does not know is
+    refused, not dropped. The mapping (`export_sglang` adds the embeddings):
+
+      ours (drafter model.safetensors)    -> SGLang EAGLE checkpoint
+      fc.weight [H, 2H]                   -> fc.weight with its column halves swapped: we
+                                             compute fc([hidden; embed]), SGLang fc([embed;
+                                             hidden])
+      fc.bias                             -> fc.bias
+      layer.qkv.weight / .bias            -> layers.0.self_attn.{q,k,v}_proj.weight / .bias
+                                             (rows split nq*hd, nkv*hd, nkv*hd; bias: qwen2)
+      layer.o_proj.weight                 -> layers.0.self_attn.o_proj.weight
+      layer.gate_up.weight                -> layers.0.mlp.{gate,up}_proj.weight (row halves)
+      layer.down_proj.weight              -> layers.0.mlp.down_proj.weight
+      layer.post_attention_layernorm.weight -> layers.0.post_attention_layernorm.weight
+      (no input norm)                     -> (no layers.0.input_layernorm.weight: SGLang runs
+                                             identity there)
+      target model.embed_tokens.weight    -> embed_tokens.weight (if include_embeddings; SGLang
+                                             also shares the target's at load time)
+      target lm_head                      -> never written (SGLang uses the target's)
+    """
     H = cfg.hidden_size
     tensors: dict[str, Tensor] = {
         "fc.weight": torch.cat([ours["fc.weight"][:, H:], ours["fc.weight"][:, :H]], dim=1),
