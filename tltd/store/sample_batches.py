@@ -1,10 +1,10 @@
 """Group-committed sample writes: every sample a worker reported at once, in one transaction.
 
-The rules are `Store.add_sample`'s, sample by sample (idempotent on the sample's key, a
-complete sample replaces a partial one, nothing replaced once the request ended, leases fence
-every write); only the transaction is shared. Each request row is locked once (in request id
-order, so two writers never wait on each other crosswise) and its held units and stored keys
-are read with one statement each.
+The rules are `Store.add_sample`'s (`tltd.store.samples`), sample by sample (idempotent on
+the sample's key, a complete sample replaces a partial one, nothing replaced once the request
+ended, leases fence every write); only the transaction is shared. Each request row is locked
+once (in request id order, so two writers never wait on each other crosswise) and its held
+units and stored keys are read with one statement each.
 """
 
 from __future__ import annotations
