@@ -163,16 +163,7 @@ def test_request_policy_version_is_filled_for_existing_rows(db_url: str) -> None
 def test_sd_statistics_columns_are_filled_for_existing_rows(db_url: str) -> None:
     """0004: a request stored before returned processed logprobs without provenance; its
     samples read 0 for the counts not recorded then, and no provenance."""
-    migrate.upgrade(db_url, "0001")  # the rows below are in the 0001 schema
-    engine = make_engine(db_url)
-    try:
-        with engine.begin() as conn:
-            for sql in _ROWS_AT_0001:
-                conn.execute(text(sql), {"t": "2026-01-01 00:00:00"})
-    finally:
-        engine.dispose()
-    migrate.upgrade(db_url)
-    migrate.check(db_url)
+    _upgrade_from_0001_rows(db_url)
     store = Store(db_url)
     try:
         req = store.get_request("r")
@@ -218,6 +209,20 @@ _ROWS_AT_0001 = (
     " created_at) VALUES ('r', 0, 0, '[5]', '[-0.5]', 1, 'length', 0, 0, 0, 0, 0, 0.0, false,"
     " '', :t)",
 )
+
+
+def _upgrade_from_0001_rows(db_url: str) -> None:
+    """Store `_ROWS_AT_0001` in the 0001 schema, then upgrade to head (and check it)."""
+    migrate.upgrade(db_url, "0001")  # the rows are in the 0001 schema
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            for sql in _ROWS_AT_0001:
+                conn.execute(text(sql), {"t": "2026-01-01 00:00:00"})
+    finally:
+        engine.dispose()
+    migrate.upgrade(db_url)
+    migrate.check(db_url)
 
 
 def test_upgrades_keep_every_row(db_url: str) -> None:
@@ -308,16 +313,7 @@ def test_packed_payloads_read_old_json_rows_and_downgrade_to_json(db_url: str) -
     written back as JSON by the downgrade."""
     from tests.store.test_store_api import JOB, _request, _sample
 
-    migrate.upgrade(db_url, "0001")  # a JSON sample in the oldest schema
-    engine = make_engine(db_url)
-    try:
-        with engine.begin() as conn:
-            for sql in _ROWS_AT_0001:
-                conn.execute(text(sql), {"t": "2026-01-01 00:00:00"})
-    finally:
-        engine.dispose()
-    migrate.upgrade(db_url)
-    migrate.check(db_url)
+    _upgrade_from_0001_rows(db_url)  # a JSON sample in the oldest schema
     store = Store(db_url)
     try:
         (old,) = store.list_samples("r")

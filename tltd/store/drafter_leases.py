@@ -25,6 +25,7 @@ from tltd.domain import DrafterLease, DrafterStatus, DrafterVersion, FinishReaso
 from tltd.errors import Fenced
 from tltd.store import convert
 from tltd.store.clock import db_now, read_db_now
+from tltd.store.lookups import active_versions
 from tltd.store.status import record_event
 from tltd.store.tables import (
     DrafterLeaseRow,
@@ -202,7 +203,7 @@ class DrafterLeases:
                 )
             )
             s.flush()
-            active = self._active_versions(s, [dv.job_id])[dv.job_id]  # type: ignore[attr-defined]
+            active = active_versions(s, [dv.job_id])[dv.job_id]
             return convert.drafter_from_row(row, active)
 
     def drafter_lease_owner(self, job_id: str) -> tuple[str, int, bool] | None:

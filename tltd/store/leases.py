@@ -19,6 +19,7 @@ from tltd.domain import ENDED_STATUSES, FinishReason, Job, RequestStatus, Rollou
 from tltd.errors import Fenced, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_now
+from tltd.store.lookups import active_versions
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import switch_status
 from tltd.store.tables import JobRow, RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
@@ -44,7 +45,6 @@ class WorkLeases:
     epoch: int
     dialect: str
     _tx: Callable[..., AbstractContextManager[Session]]
-    _active_versions: Callable[[Session, Sequence[str]], dict[str, int]]
 
     def _held(self, s: Session) -> object:
         """The condition of a unit this node holds now: its owner and epoch, lease alive."""
@@ -327,7 +327,7 @@ class WorkLeases:
             jobs = {
                 j.job_id: j for j in s.scalars(select(JobRow).where(JobRow.job_id.in_(job_ids)))
             }
-            active = self._active_versions(s, job_ids)
+            active = active_versions(s, job_ids)
             return {
                 rid: (
                     convert.request_from_row(row),

@@ -1,15 +1,14 @@
 """Group-committed sample writes: every sample a worker reported at once, in one transaction.
 
-The rules are `Store.add_sample`'s, sample by sample (idempotent on the sample's key, a
-complete sample replaces a partial one, nothing replaced once the request ended, leases fence
-every write); only the transaction is shared. Each request row is locked once (in request id
-order, so two writers never wait on each other crosswise) and its held units and stored keys
-are read with one statement each.
+The rules are `Store.add_sample`'s (`tltd.store.samples`), sample by sample (idempotent on
+the sample's key, a complete sample replaces a partial one, nothing replaced once the request
+ended, leases fence every write); only the transaction is shared. Each request row is locked
+once (in request id order, so two writers never wait on each other crosswise) and its held
+units and stored keys are read with one statement each.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
@@ -18,9 +17,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
-from tltd.errors import Fenced, InvalidArgument, NotFound, TltError
+from tltd.errors import Fenced, NotFound, TltError
 from tltd.store import convert
 from tltd.store.notifications import SAMPLE, notify
+from tltd.store.samples import not_finite_error, out_of_range_error
 from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
 # What add_samples says of each sample: stored (True), a duplicate (False), or why not.
@@ -45,7 +45,7 @@ class SampleBatches:
         out: list[Outcome | None] = [None] * len(samples)
         by_request: dict[str, list[int]] = {}
         for i, sample in enumerate(samples):
-            bad = _not_finite(sample)
+            bad = not_finite_error(sample)
             if bad is not None:
                 out[i] = bad
             else:
@@ -83,34 +83,11 @@ class SampleBatches:
             for i, _ in items:
                 out[i] = NotFound(f"rollout request {rid!r} not found", field="request_id")
             return
-        ok = []
-        for i, sample in items:
-            bad = _out_of_range(sample, len(req.prompts), req.n)
-            if bad is not None:
-                out[i] = bad
-            else:
-                ok.append((i, sample))
-        if self.epoch and ok:  # a joined node writes only into units it holds
-            held = self._held_units(s, rid, {x.prompt_index for _, x in ok})
-            for i, sample in ok:
-                if sample.prompt_index not in held:
-                    out[i] = Fenced(
-                        f"unit {rid}/{sample.prompt_index} is not held by node "
-                        f"{self.node_id!r} epoch {self.epoch}"
-                    )
-            ok = [(i, x) for i, x in ok if out[i] is None]
+        ok = self._writable(s, req, items, out)
         if not ok:
             return
         sr = SampleRow
-        keys = [(x.prompt_index, x.sample_index) for _, x in ok]
-        stored = {
-            (r.prompt_index, r.sample_index): (r.id, r.partial)
-            for r in s.execute(
-                select(sr.id, sr.prompt_index, sr.sample_index, sr.partial).where(
-                    sr.request_id == rid, tuple_(sr.prompt_index, sr.sample_index).in_(keys)
-                )
-            ).all()
-        }
+        stored = _stored_keys(s, rid, [x for _, x in ok])
         ended = RequestStatus(req.status) in ENDED_STATUSES
         rows, done = [], 0
         for i, sample in ok:
@@ -139,6 +116,34 @@ class SampleBatches:
             req.updated_at = now
             notify(s, SAMPLE, rid)
 
+    def _writable(
+        self,
+        s: Session,
+        req: RolloutRequestRow,
+        items: list[tuple[int, Sample]],
+        out: list[Outcome | None],
+    ) -> list[tuple[int, Sample]]:
+        """Those of `items` this node may write into `req`: keys in range and, on a joined
+        node, units it holds; `out` says why of the others."""
+        rid = req.request_id
+        ok = []
+        for i, sample in items:
+            bad = out_of_range_error(sample, len(req.prompts), req.n)
+            if bad is not None:
+                out[i] = bad
+            else:
+                ok.append((i, sample))
+        if self.epoch and ok:  # a joined node writes only into units it holds
+            held = self._held_units(s, rid, {x.prompt_index for _, x in ok})
+            for i, sample in ok:
+                if sample.prompt_index not in held:
+                    out[i] = Fenced(
+                        f"unit {rid}/{sample.prompt_index} is not held by node "
+                        f"{self.node_id!r} epoch {self.epoch}"
+                    )
+            ok = [(i, x) for i, x in ok if out[i] is None]
+        return ok
+
     def _held_units(self, s: Session, rid: str, prompts: set[int]) -> set[int]:
         wu = WorkUnitRow
         return set(
@@ -150,36 +155,20 @@ class SampleBatches:
         )
 
 
-def _not_finite(sample: Sample) -> InvalidArgument | None:
-    i = first_not_finite(sample.logprobs)
-    if i is None:
-        return None
-    lp = sample.logprobs[i]
-    return InvalidArgument(f"logprob {lp} is not finite", field=f"logprobs[{i}]")
-
-
-def first_not_finite(values: Sequence[float]) -> int | None:
-    """The index of the first NaN or infinity in `values`, or None. A NaN or infinity makes
-    the sum non-finite, so the sum (one C loop) clears the usual case; only a non-finite sum
-    (or one that overflowed) is searched element by element."""
-    if math.isfinite(sum(values)):
-        return None
-    for i, v in enumerate(values):
-        if not math.isfinite(v):
-            return i
-    return None
-
-
-def _out_of_range(sample: Sample, prompts: int, n: int) -> InvalidArgument | None:
-    if not 0 <= sample.prompt_index < prompts:
-        return InvalidArgument(
-            f"{sample.prompt_index} out of range for {prompts} prompts", field="prompt_index"
-        )
-    if not 0 <= sample.sample_index < n:
-        return InvalidArgument(
-            f"{sample.sample_index} out of range for n={n}", field="sample_index"
-        )
-    return None
+def _stored_keys(
+    s: Session, rid: str, samples: list[Sample]
+) -> dict[tuple[int, int], tuple[int, bool]]:
+    """(prompt index, sample index) -> (row id, partial) of those of `samples` stored."""
+    sr = SampleRow
+    keys = [(x.prompt_index, x.sample_index) for x in samples]
+    return {
+        (r.prompt_index, r.sample_index): (r.id, r.partial)
+        for r in s.execute(
+            select(sr.id, sr.prompt_index, sr.sample_index, sr.partial).where(
+                sr.request_id == rid, tuple_(sr.prompt_index, sr.sample_index).in_(keys)
+            )
+        ).all()
+    }
 
 
 def _row(sample: Sample, now: object) -> dict:

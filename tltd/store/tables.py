@@ -288,8 +288,8 @@ class WorkUnitRow(Base):
     )
     prompt_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     samples: Mapped[int] = mapped_column(Integer)  # the request's n: the claim's size
-    # sha256 of the prompt's token ids (store.prompt_key): finds a prompt's earlier answers.
-    # NULL for units stored before the column existed.
+    # sha256 of the prompt's token ids (rollout_requests.prompt_key): finds a prompt's earlier
+    # answers. NULL for units stored before the column existed.
     prompt_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
     priority: Mapped[int] = mapped_column(BigInteger, default=0)  # the job's: claimed first
     state: Mapped[str] = mapped_column(STATUS)  # "queued" | "leased" | "done" | "failed"

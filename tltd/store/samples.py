@@ -1,0 +1,163 @@
+"""Samples: stored one at a time (idempotent on their key, fenced by the unit's lease), read
+back per request, and a prompt's earlier answers for the history drafter. The checks a sample
+passes before it is stored are here too (`tltd.store.sample_batches` applies them to a batch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
+from tltd.errors import InvalidArgument
+from tltd.store import convert
+from tltd.store.lookups import request_row
+from tltd.store.notifications import SAMPLE, notify
+from tltd.store.rollout_requests import prompt_key
+from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
+
+
+class SampleRecords:
+    """Mixed into the Store (uses its `epoch`, `dialect`, `_tx` and `check_held`)."""
+
+    epoch: int
+    dialect: str
+    _tx: Callable[..., AbstractContextManager[Session]]
+    check_held: Callable[[Session, str, int], None]
+
+    def add_sample(self, sample: Sample) -> bool:
+        """Store a finished (or partial) sample; idempotent on (request_id, prompt_index,
+        sample_index).
+
+        Returns True when stored: a new sample, or a complete one replacing a partial one
+        (a drained request that was resumed). Returns False for a duplicate, and for a
+        replacement once the request has ended: what its streams were given stays what is
+        stored (a late sample from a worker already given up on changes nothing). samples_done
+        counts complete (non-partial) samples only, so it reaches samples_total exactly
+        when every sample is done.
+
+        Non-finite logprobs are refused (InvalidArgument) on every database: JSON has no
+        NaN/Infinity, PostgreSQL rejects them and SQLite would store them as-is.
+        """
+        bad = not_finite_error(sample)
+        if bad is not None:
+            raise bad
+        try:
+            with self._tx() as s:
+                req = request_row(s, sample.request_id, lock=True)
+                bad = out_of_range_error(sample, len(req.prompts), req.n)
+                if bad is not None:
+                    raise bad
+                if self.epoch:  # a joined node writes only into units it holds
+                    self.check_held(s, sample.request_id, sample.prompt_index)
+                existing = s.scalar(
+                    select(SampleRow).where(
+                        SampleRow.request_id == sample.request_id,
+                        SampleRow.prompt_index == sample.prompt_index,
+                        SampleRow.sample_index == sample.sample_index,
+                    )
+                )
+                if existing is not None and not (existing.partial and not sample.partial):
+                    return False
+                # A sample not stored yet is still recorded on an ended request: a cancel
+                # closes the request in the store before its remaining samples are stored.
+                if existing is not None and RequestStatus(req.status) in ENDED_STATUSES:
+                    return False
+                now = utcnow()
+                row = convert.sample_to_row(sample)
+                row.created_at = now
+                if existing is not None:
+                    self._drop_replaced(s, existing, row)
+                s.add(row)
+                if not sample.partial:
+                    req.samples_done += 1
+                req.updated_at = now
+                notify(s, SAMPLE, sample.request_id)
+                return True
+        except IntegrityError:
+            # Only a concurrent insert of the same key gets here (PostgreSQL locks the
+            # request row above, SQLite serializes writers): the other one stored it.
+            return False
+
+    def _drop_replaced(self, s: Session, existing: SampleRow, row: SampleRow) -> None:
+        """Delete the partial sample `row` replaces. `row` takes a new, larger row id: a
+        stream reads its request's samples past the last row id it saw, and must see the
+        complete sample that replaced a partial one (the request row's lock keeps one
+        request's ids in commit order; SQLite would give the id freed by the delete again)."""
+        if self.dialect == "sqlite":
+            row.id = int(s.scalar(select(func.max(SampleRow.id))) or 0) + 1
+        s.delete(existing)
+        s.flush()
+
+    def list_samples(self, request_id: str) -> list[Sample]:
+        """Samples of a request ordered by (prompt_index, sample_index)."""
+        with self._tx(write=False) as s:
+            request_row(s, request_id)
+            rows = s.scalars(
+                select(SampleRow)
+                .where(SampleRow.request_id == request_id)
+                .order_by(SampleRow.prompt_index, SampleRow.sample_index)
+            ).all()
+            return [convert.sample_from_row(r) for r in rows]
+
+    def prompt_history(
+        self, job_id: str, prompt: Sequence[int], limit: int
+    ) -> list[tuple[tuple[str, int, int], tuple[int, ...]]]:
+        """The job's `limit` most recent whole samples of this prompt, from any request and
+        node, oldest first: ((request id, prompt index, sample index), token ids) each. What
+        the history drafter starts from when the prompt is admitted again."""
+        with self._tx(write=False) as s:
+            rows = s.execute(
+                select(SampleRow.request_id, SampleRow.prompt_index, SampleRow.sample_index,
+                       SampleRow.token_ids_bin, SampleRow.token_ids)
+                .join(WorkUnitRow, (WorkUnitRow.request_id == SampleRow.request_id)
+                      & (WorkUnitRow.prompt_index == SampleRow.prompt_index))
+                .join(RolloutRequestRow, RolloutRequestRow.request_id == SampleRow.request_id)
+                .where(RolloutRequestRow.job_id == job_id,
+                       WorkUnitRow.prompt_key == prompt_key(prompt),
+                       SampleRow.partial.is_(False))
+                .order_by(SampleRow.id.desc())
+                .limit(limit)
+            ).all()  # fmt: skip
+        return [
+            ((r[0], r[1], r[2]), convert.token_ids_from_columns(r[3], r[4])) for r in reversed(rows)
+        ]
+
+
+def not_finite_error(sample: Sample) -> InvalidArgument | None:
+    """The error for the sample's first non-finite logprob, or None."""
+    i = first_not_finite(sample.logprobs)
+    if i is None:
+        return None
+    lp = sample.logprobs[i]
+    return InvalidArgument(f"logprob {lp} is not finite", field=f"logprobs[{i}]")
+
+
+def first_not_finite(values: Sequence[float]) -> int | None:
+    """The index of the first NaN or infinity in `values`, or None. A NaN or infinity makes
+    the sum non-finite, so the sum (one C loop) clears the usual case; only a non-finite sum
+    (or one that overflowed) is searched element by element."""
+    if math.isfinite(sum(values)):
+        return None
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            return i
+    return None
+
+
+def out_of_range_error(sample: Sample, prompts: int, n: int) -> InvalidArgument | None:
+    """The error for a sample key outside a request of `prompts` prompts x `n`, or None."""
+    if not 0 <= sample.prompt_index < prompts:
+        return InvalidArgument(
+            f"{sample.prompt_index} out of range for {prompts} prompts", field="prompt_index"
+        )
+    if not 0 <= sample.sample_index < n:
+        return InvalidArgument(
+            f"{sample.sample_index} out of range for n={n}", field="sample_index"
+        )
+    return None
