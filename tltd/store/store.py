@@ -11,7 +11,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import case, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -170,17 +170,19 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases, SampleBatches):
         if not job_ids:
             return {}
         dv = DrafterVersionRow
-        pinned = dict(
-            s.execute(select(dv.job_id, dv.version).where(dv.job_id.in_(job_ids), dv.pinned)).all()
-        )
-        promoted = dict(
-            s.execute(
-                select(dv.job_id, func.max(dv.version))
-                .where(dv.job_id.in_(job_ids), dv.status == DrafterStatus.PROMOTED.value)
-                .group_by(dv.job_id)
-            ).all()
-        )
-        return {j: int(pinned.get(j) or promoted.get(j) or 0) for j in job_ids}
+        promoted = dv.status == DrafterStatus.PROMOTED.value
+        # One query for both (every job read runs this): the pinned and the newest promoted.
+        rows = s.execute(
+            select(
+                dv.job_id,
+                func.max(case((dv.pinned.is_(True), dv.version))),
+                func.max(case((promoted, dv.version))),
+            )
+            .where(dv.job_id.in_(job_ids), or_(dv.pinned.is_(True), promoted))
+            .group_by(dv.job_id)
+        ).all()
+        found = {job_id: pinned or newest for job_id, pinned, newest in rows}
+        return {j: int(found.get(j) or 0) for j in job_ids}
 
     def _job(self, s: Session, row: JobRow) -> Job:
         return convert.job_from_row(row, self._active_versions(s, [row.job_id])[row.job_id])
