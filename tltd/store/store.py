@@ -6,7 +6,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
@@ -34,7 +34,7 @@ from tltd.domain import (
 from tltd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from tltd.settings import default_node_id
 from tltd.store import convert
-from tltd.store.database import WRITE_OPTION, make_engine
+from tltd.store.database import WRITE_OPTION, WriteTurn, make_engine
 from tltd.store.drafter_leases import DrafterLeases
 from tltd.store.leases import WorkLeases
 from tltd.store.nodes import NodeRegistry
@@ -103,6 +103,8 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases, SampleBatches):
         # Writers announce themselves so that SQLite takes its write lock at BEGIN.
         writer_engine = self.engine.execution_options(**{WRITE_OPTION: True})
         self._writer = sessionmaker(writer_engine, expire_on_commit=False)
+        # PostgreSQL locks rows; SQLite's writers take turns (WriteTurn).
+        self._write_turn = WriteTurn() if self.dialect == "sqlite" else nullcontext
 
     @property
     def dialect(self) -> str:
@@ -114,7 +116,11 @@ class Store(NodeRegistry, WorkLeases, DrafterLeases, SampleBatches):
 
     @contextmanager
     def _tx(self, write: bool = True) -> Iterator[Session]:
-        with (self._writer if write else self._reader).begin() as session:
+        if not write:
+            with self._reader.begin() as session:
+                yield session
+            return
+        with self._write_turn(), self._writer.begin() as session:
             yield session
 
     # ---- lookups shared by the methods below -------------------------------------------
