@@ -45,9 +45,10 @@ async def get_job(services: Services, job_id: str) -> Job:
     return await asyncio.to_thread(services.jobs.get, job_id)
 
 
-async def sole_active_job(services: Services) -> Job:
-    """The job of a URL that names none: the only active one, or an error saying to name it."""
-    jobs = await asyncio.to_thread(services.jobs.list, [JobStatus.ACTIVE], 2)
+def sole_active_job(services: Services) -> Job:
+    """The job of a URL that names none: the only active one, or an error saying to name it
+    (reads the store: call it off the event loop)."""
+    jobs = services.jobs.list([JobStatus.ACTIVE], 2)
     if not jobs:
         raise NotFound("no active job (create one with tltctl or gRPC CreateJob)", field="job")
     if len(jobs) > 1:
@@ -57,11 +58,20 @@ async def sole_active_job(services: Services) -> Job:
     return jobs[0]
 
 
+def job_name(request, model: str | None = None) -> str | None:
+    """The job a route names: the URL's /jobs/<job_id>/ prefix, else `model` (a body's field
+    or the ?model= query); None: the only active job."""
+    return request.path_params.get("job_id") or model or request.query_params.get("model")
+
+
+def find_job(services: Services, name: str | None) -> Job:
+    """The job `name` names, or the only active one (reads the store: off the event loop)."""
+    return services.jobs.get(name) if name else sole_active_job(services)
+
+
 async def addressed_job(services: Services, request, model: str | None = None) -> Job:
-    """The job a route addresses: the URL's /jobs/<job_id>/ prefix, else `model` (a body's
-    field or the ?model= query), else the only active job."""
-    name = request.path_params.get("job_id") or model or request.query_params.get("model")
-    return await (get_job(services, name) if name else sole_active_job(services))
+    """The job a route addresses (`job_name`)."""
+    return await asyncio.to_thread(find_job, services, job_name(request, model))
 
 
 async def collect(services: Services, req: RolloutRequest) -> list[Sample]:
