@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -10,8 +11,9 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError, StatementError
 
 from tltd.domain import FinishReason, Job, RolloutRequest, Sample, SamplingParams
-from tltd.store import Store
-from tltd.store.database import make_engine, normalize_url
+from tltd.errors import AlreadyExists
+from tltd.store import Store, database
+from tltd.store.database import WriteTurn, make_engine, normalize_url
 from tltd.store.migrate import upgrade
 from tltd.store.tables import JobRow, utcnow
 
@@ -138,3 +140,64 @@ def test_a_frozen_transaction_does_not_hold_its_row_locks_for_ever(pg_url: str) 
         frozen.execute(text("SELECT 1"))  # its session is gone: a late write fails
     frozen.close()
     engine.dispose()
+
+
+def test_writers_of_one_store_take_turns_and_give_them_up(sqlite_url: str) -> None:
+    """Concurrent writers of one SQLite store all land; one that raises gives its turn up."""
+    upgrade(sqlite_url)
+    store = Store(sqlite_url)
+    try:
+        store.create_job(Job(job_id="j", model_path="/m"))
+        errors: list[BaseException] = []
+
+        def write(i: int) -> None:
+            try:
+                for k in range(10):
+                    store.create_request(
+                        RolloutRequest(f"r-{i}-{k}", "j", ((1,),), SamplingParams())
+                    )
+            except BaseException as exc:  # collected and asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert len(store.list_requests(None, "j", None)) == 40
+        with pytest.raises(AlreadyExists):  # a refused write ...
+            store.create_request(RolloutRequest("r-0-0", "j", ((2,),), SamplingParams()))
+        done = threading.Event()
+        threading.Thread(target=lambda: (store.create_job(Job("k", "/m")), done.set())).start()
+        assert done.wait(5)  # ... left the turn free for the next one
+    finally:
+        store.close()
+
+
+def test_a_write_turn_queues_other_threads_and_re_enters_its_own(monkeypatch) -> None:
+    turn, order, leave = WriteTurn(), [], threading.Event()
+
+    def other() -> None:
+        with turn():
+            order.append("other")
+            leave.wait(5)
+
+    with turn():
+        with turn():  # the same thread again (a nested writer meets SQLite's own lock)
+            t = threading.Thread(target=other)
+            t.start()
+            t.join(0.2)
+            assert order == []  # the other thread waits for the turn
+            order.append("first")
+    deadline = time.monotonic() + 5
+    while order != ["first", "other"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == ["first", "other"]
+    # Never waits for ever: past the busy timeout a writer goes on (and meets SQLite's lock).
+    monkeypatch.setattr(database, "SQLITE_BUSY_TIMEOUT_MS", 50)
+    with turn():
+        order.append("after the timeout")
+    leave.set()
+    t.join(5)
+    assert order[-1] == "after the timeout"

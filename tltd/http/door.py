@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from tltd.domain import Job, JobStatus, RolloutRequest, Sample
+from tltd.domain import FinishReason, Job, JobStatus, RolloutRequest, Sample
 from tltd.errors import InvalidArgument, NotFound
 from tltd.http.errors import from_validation
 from tltd.services import Services
@@ -45,9 +45,10 @@ async def get_job(services: Services, job_id: str) -> Job:
     return await asyncio.to_thread(services.jobs.get, job_id)
 
 
-async def sole_active_job(services: Services) -> Job:
-    """The job of a URL that names none: the only active one, or an error saying to name it."""
-    jobs = await asyncio.to_thread(services.jobs.list, [JobStatus.ACTIVE], 2)
+def sole_active_job(services: Services) -> Job:
+    """The job of a URL that names none: the only active one, or an error saying to name it
+    (reads the store: call it off the event loop)."""
+    jobs = services.jobs.list([JobStatus.ACTIVE], 2)
     if not jobs:
         raise NotFound("no active job (create one with tltctl or gRPC CreateJob)", field="job")
     if len(jobs) > 1:
@@ -57,18 +58,47 @@ async def sole_active_job(services: Services) -> Job:
     return jobs[0]
 
 
+def job_name(request, model: str | None = None) -> str | None:
+    """The job a route names: the URL's /jobs/<job_id>/ prefix, else `model` (a body's field
+    or the ?model= query); None: the only active job."""
+    return request.path_params.get("job_id") or model or request.query_params.get("model")
+
+
+def find_job(services: Services, name: str | None) -> Job:
+    """The job `name` names, or the only active one (reads the store: off the event loop)."""
+    return services.jobs.get(name) if name else sole_active_job(services)
+
+
 async def addressed_job(services: Services, request, model: str | None = None) -> Job:
-    """The job a route addresses: the URL's /jobs/<job_id>/ prefix, else `model` (a body's
-    field or the ?model= query), else the only active job."""
-    name = request.path_params.get("job_id") or model or request.query_params.get("model")
-    return await (get_job(services, name) if name else sole_active_job(services))
+    """The job a route addresses (`job_name`)."""
+    return await asyncio.to_thread(find_job, services, job_name(request, model))
 
 
 async def collect(services: Services, req: RolloutRequest) -> list[Sample]:
-    """Every sample of the request, in (prompt, sample) order."""
-    samples = [s async for s in services.rollouts.generate(req)]
+    """Every sample of the request, in (prompt, sample) order.
+
+    The answer is whole once each of the request's samples is in, complete and not failed:
+    nothing else can come, so it goes out then rather than after the daemon has closed the
+    request's books (its status write, on a loaded store tens of ms per request, paid once
+    per prompt by vLLM's one-prompt route). Otherwise (a failed or partial sample) the stream
+    runs to its end, which raises for a failed request as before."""
+    expected = len(req.prompts) * req.sampling.n
+    samples: list[Sample] = []
+    stream = services.rollouts.generate(req)
+    try:
+        async for sample in stream:
+            samples.append(sample)
+            if len(samples) == expected and all(_settled(s) for s in samples):
+                break
+    finally:
+        await stream.aclose()
     samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
     return samples
+
+
+def _settled(sample: Sample) -> bool:
+    """A sample that no later event of its request can replace or turn into an error."""
+    return not sample.partial and sample.finish_reason is not FinishReason.FAILED
 
 
 async def open_stream(

@@ -13,10 +13,11 @@ from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tltd.domain import Job
 from tltd.errors import InvalidArgument
 from tltd.http import door, openai_api
 from tltd.http.sglang_control import weight_version_of
-from tltd.http.vocab import vocab_for
+from tltd.http.vocab import Vocab, vocab_for
 from tltd.services import PauseMode, Services
 
 RENAMES = openai_api.RENAMES
@@ -126,7 +127,11 @@ async def generate_tokens(services: Services, request: Request) -> Response:
         raise InvalidArgument("multimodal features are not supported", field="features")
     if body.stream:
         raise InvalidArgument("only stream=false", field="stream")
-    job = await _job(services, request, body.model)
+    # The job and its vocabulary in one thread hop (each hop waits for a thread and the GIL:
+    # on a loaded node some ms, paid once per prompt on this route).
+    job, vocab = await asyncio.to_thread(
+        _job_and_vocab, services, door.job_name(request, body.model)
+    )
     params = _completion_params(body.sampling_params or {})
     merged = {
         **params,
@@ -141,7 +146,6 @@ async def generate_tokens(services: Services, request: Request) -> Response:
     rid = door.request_id(
         request.headers.get(door.REQUEST_ID_HEADER), body.request_id, "request_id"
     )
-    vocab = await asyncio.to_thread(vocab_for, job.model_path)
     req = openai_api.to_rollout(completion, job, vocab, rid)
     done = await door.collect(services, req)
     return JSONResponse(
@@ -154,6 +158,11 @@ async def generate_tokens(services: Services, request: Request) -> Response:
             "kv_transfer_params": None,
         }
     )
+
+
+def _job_and_vocab(services: Services, name: str | None) -> tuple[Job, Vocab]:
+    job = door.find_job(services, name)
+    return job, vocab_for(job.model_path)
 
 
 def _tokens_choice(completion, req, s, vocab) -> dict:

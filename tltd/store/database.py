@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +110,24 @@ def _sqlite_engine(u: URL, **kwargs: Any) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine
+
+
+class WriteTurn:
+    """This process's SQLite writers, one at a time. SQLite lets one writer in; another that
+    finds the lock taken sleeps in its busy handler (1, 2, 5, 10 ms ... however soon the lock
+    frees), so concurrent writers of one process queue here instead and each starts as soon
+    as the one before ends. Other processes on the file still meet the busy handler. A turn
+    not had within the busy timeout is skipped: the transaction then waits (or fails) in
+    SQLite as it would without the turn, never here for ever."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # re-entrant: a nested writer meets SQLite's lock
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        held = self._lock.acquire(timeout=SQLITE_BUSY_TIMEOUT_MS / 1000)
+        try:
+            yield
+        finally:
+            if held:
+                self._lock.release()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
 from tltd.domain import DrafterStatus, Job
@@ -51,17 +51,19 @@ def active_versions(s: Session, job_ids: Sequence[str]) -> dict[str, int]:
     if not job_ids:
         return {}
     dv = DrafterVersionRow
-    pinned = dict(
-        s.execute(select(dv.job_id, dv.version).where(dv.job_id.in_(job_ids), dv.pinned)).all()
-    )
-    promoted = dict(
-        s.execute(
-            select(dv.job_id, func.max(dv.version))
-            .where(dv.job_id.in_(job_ids), dv.status == DrafterStatus.PROMOTED.value)
-            .group_by(dv.job_id)
-        ).all()
-    )
-    return {j: int(pinned.get(j) or promoted.get(j) or 0) for j in job_ids}
+    promoted = dv.status == DrafterStatus.PROMOTED.value
+    # One query for both (every job read runs this): the pinned and the newest promoted.
+    rows = s.execute(
+        select(
+            dv.job_id,
+            func.max(case((dv.pinned.is_(True), dv.version))),
+            func.max(case((promoted, dv.version))),
+        )
+        .where(dv.job_id.in_(job_ids), or_(dv.pinned.is_(True), promoted))
+        .group_by(dv.job_id)
+    ).all()
+    found = {job_id: pinned or newest for job_id, pinned, newest in rows}
+    return {j: int(found.get(j) or 0) for j in job_ids}
 
 
 def read_job(s: Session, row: JobRow) -> Job:

@@ -18,12 +18,12 @@ uses the Store's `_tx`, `node_id`, `epoch` and `dialect`; shared row look-ups ar
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from tltd.settings import default_node_id
-from tltd.store.database import WRITE_OPTION, make_engine
+from tltd.store.database import WRITE_OPTION, WriteTurn, make_engine
 from tltd.store.devices import DeviceInventory
 from tltd.store.drafter_leases import DrafterLeases
 from tltd.store.drafter_versions import DrafterVersions
@@ -66,6 +66,8 @@ class Store(
         # Writers announce themselves so that SQLite takes its write lock at BEGIN.
         writer_engine = self.engine.execution_options(**{WRITE_OPTION: True})
         self._writer = sessionmaker(writer_engine, expire_on_commit=False)
+        # PostgreSQL locks rows; SQLite's writers take turns (WriteTurn).
+        self._write_turn = WriteTurn() if self.dialect == "sqlite" else nullcontext
 
     @property
     def dialect(self) -> str:
@@ -77,5 +79,9 @@ class Store(
 
     @contextmanager
     def _tx(self, write: bool = True) -> Iterator[Session]:
-        with (self._writer if write else self._reader).begin() as session:
+        if not write:
+            with self._reader.begin() as session:
+                yield session
+            return
+        with self._write_turn(), self._writer.begin() as session:
             yield session
