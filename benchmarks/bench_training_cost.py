@@ -10,9 +10,12 @@ the two jobs, in rotating order, each rolling out the same step of the demo's da
 each job, so that `train-on` has the fresh samples a round needs from the first timed one.
 
 Per job: rollout wall time (median over `--repeats`, min-max beside it), and the device-seconds
-inside its rollout windows spent training and left idle. A promoted online version changes
-the drafts (and, sampled, the samples and their lengths), so the two jobs' rollouts are the
-same workload but not the same tokens; the repeats show that spread.
+inside its rollout windows spent training and left idle. The two jobs' rollouts are the same
+workload but not the same tokens (sampled, with drafts that differ once an online version is
+promoted): each round prints its longest sample, which sets the tail, and the repeats show the
+spread. CPU slots share the machine's cores, caches and memory bandwidth (and the daemon's
+process), so training on an idle slot can slow the slot still decoding, as it could not on a
+GPU of its own; on a machine with other work the figures say little.
 
     python benchmarks/bench_training_cost.py [--repeats 3] [--prompts 16] [--n 8]
 """
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     times: dict[str, list[float]] = {job: [] for job in JOBS}
+    tokens: dict[str, list[int]] = {job: [] for job in JOBS}
     spent: dict[str, list[tuple[float, float]]] = {job: [] for job in JOBS}
     with tempfile.TemporaryDirectory() as tmp:
         daemon = Daemon(Path(tmp), cfg.cpu_slots)
@@ -77,11 +81,13 @@ def main(argv: list[str] | None = None) -> int:
                 for job in order:
                     client.job_id = job  # the job client.stream rolls out for
                     before = daemon.device_seconds()
-                    _, _, wall = rollout(client, prompts, cfg, seed=r, label=f"{job} {r}")
+                    samples, _, wall = rollout(client, prompts, cfg, seed=r, label=f"{job} {r}")
                     times[job].append(wall)
+                    tokens[job].append(max(s.num_tokens for s in samples))
                     spent[job].append(window(daemon, before))
                     train, idle = spent[job][-1]
-                    print(f"  round {r} {job}: rollout {wall:.1f}s, training/idle device-s "
+                    print(f"  round {r} {job}: rollout {wall:.1f}s, longest sample "
+                          f"{tokens[job][-1]} tokens, training/idle device-s "
                           f"{train:.1f}/{idle:.1f}", flush=True)  # fmt: skip
                     _settle(client)
         finally:
