@@ -266,8 +266,15 @@ class ServeProcess:
             self._log.close()
 
     def kill(self) -> None:
+        """kill -9 of the daemon and its workers (its process group): workers left to notice
+        their daemon is gone would spend the next test's CPU on their exit."""
+        import os
+        import signal
+        from contextlib import suppress
+
         if self.proc.poll() is None:
-            self.proc.kill()
+            with suppress(ProcessLookupError):  # it exited meanwhile
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self._log.close()
 
