@@ -4,34 +4,12 @@ SIGTERM shutdown."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
-from tests.engine.helpers import make_checkpoint
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_quick_demo_runs_both_modes_and_shuts_down_cleanly(tmp_path):
-    # A tiny random policy keeps this fast; the demo's logic does not depend on its quality.
-    # Peaked logits make its sampled answers repeat spans, so that the model-free drafter has
-    # drafts from step 0 (a flat random policy gives it next to none: SD share ~0.01).
-    model = make_checkpoint(
-        tmp_path / "policy", vocab=VOCAB_SIZE, hidden=32, tie=False, seed=1, logit_scale=8.0
-    )
-    save_tokenizer(model)
-    proc = subprocess.run(
-        [sys.executable, "examples/grpo_demo.py", "--quick", "--model", str(model),
-         "--work-dir", str(tmp_path / "work"), "--max-new-tokens", "24"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
+def test_quick_demo_runs_both_modes_and_shuts_down_cleanly(grpc_demo):
+    out, work = grpc_demo.out, grpc_demo.work
     rows = [line.split() for line in out.splitlines() if line.startswith(("tlt ", "off "))]
     # Each mode's rows printed live, then again in the summary table.
     steps = [["tlt", "0"], ["tlt", "1"], ["off", "0"], ["off", "1"]]
@@ -56,5 +34,5 @@ def test_quick_demo_runs_both_modes_and_shuts_down_cleanly(tmp_path):
     assert "tltd exited with status 0 after SIGTERM" in out
     # The weights went in-band: no checkpoint directory per step, the final ones saved.
     for mode in ("tlt", "off"):
-        assert not (tmp_path / "work" / f"ckpt-{mode}").exists()
-        assert (tmp_path / "work" / f"final-{mode}" / "model.safetensors").exists()
+        assert not (work / f"ckpt-{mode}").exists()
+        assert (work / f"final-{mode}" / "model.safetensors").exists()

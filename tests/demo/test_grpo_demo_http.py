@@ -1,32 +1,16 @@
 """`examples/grpo_demo.py --quick --http`: the same GRPO step with rollouts through the official
 `openai` client and weights pushed to /update_weights_from_disk, against the gRPC run (weights
-pushed in-band): the
+pushed in-band; the `grpc_demo` run the end-to-end test checks too): the
 seeded SD-off samples agree (same lengths, same rewards) and the trainer's recomputed logprobs
 agree with the daemon's."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
-from tests.engine.helpers import make_checkpoint
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _demo(model: Path, work: Path, *flags: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "examples/grpo_demo.py", "--quick", "--model", str(model),
-         "--work-dir", str(work), "--max-new-tokens", "24", *flags],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+from tests.demo.support import run_demo
 
 
 def _off_row(out: str) -> list[str]:
@@ -35,11 +19,9 @@ def _off_row(out: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_http_run_matches_the_grpc_run(tmp_path):
-    model = make_checkpoint(tmp_path / "policy", vocab=VOCAB_SIZE, hidden=32, tie=False, seed=1)
-    save_tokenizer(model)
-    over_http = _demo(model, tmp_path / "http", "--http")
-    over_grpc = _demo(model, tmp_path / "grpc")
+def test_http_run_matches_the_grpc_run(tmp_path, demo_model, grpc_demo):
+    over_http = run_demo(demo_model, tmp_path / "http", "--http").out
+    over_grpc = grpc_demo.out
     http_row, grpc_row = _off_row(over_http), _off_row(over_grpc)
     # tokens, p50, p99, capped ... reward: the SD-off samples are the same samples.
     assert http_row[8:12] == grpc_row[8:12]
@@ -51,4 +33,4 @@ def test_http_run_matches_the_grpc_run(tmp_path):
         assert "tltd exited with status 0 after SIGTERM" in out
     # The step's checkpoint went in through /update_weights_from_disk.
     assert (tmp_path / "http" / "ckpt-off" / "step-1" / "model.safetensors").exists()
-    assert not (tmp_path / "grpc" / "ckpt-off").exists()  # gRPC pushes the weights in-band
+    assert not (grpc_demo.work / "ckpt-off").exists()  # gRPC pushes the weights in-band

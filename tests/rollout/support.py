@@ -41,7 +41,22 @@ def make_checkpoint(path: Path, *, seed: int = 0, vocab: int = VOCAB, hidden: in
 
 
 def direct_outputs(path: Path, prompts, sampling, speculative: bool = True) -> dict:
-    """What the engine produces in-process: {(prompt, sample): token ids}."""
+    """What the engine produces in-process: {(prompt, sample): token ids}. Computed once per
+    checkpoint (as its files are now), prompts and sampling: many tests compare with the same
+    reference, and a long one takes seconds."""
+    files = tuple(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(path).iterdir())
+    )
+    key = (str(Path(path).resolve()), files, tuple(map(tuple, prompts)), sampling, speculative)
+    if key not in _DIRECT:
+        _DIRECT[key] = _direct_outputs(path, prompts, sampling, speculative)
+    return dict(_DIRECT[key])
+
+
+_DIRECT: dict[tuple, dict] = {}
+
+
+def _direct_outputs(path: Path, prompts, sampling, speculative: bool) -> dict:
     from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
     engine = Engine(path, EngineConfig(max_batch=16, max_seq_len=1024))
@@ -158,7 +173,9 @@ class InProcessDaemon:
                 await d.api.stop(0)
                 if d.scheduler is not None:
                     d.scheduler.shutdown(wait=False)
-                await d.supervisor.stop()
+                # Workers killed at once, not asked to exit: their own exit takes seconds on a
+                # loaded machine, and a crash does not wait for it either.
+                await d.supervisor.stop(time.monotonic())
                 # What else dies with the process: its listener, its other ports.
                 if d.listener is not None:
                     await asyncio.to_thread(d.listener.stop)
@@ -249,8 +266,15 @@ class ServeProcess:
             self._log.close()
 
     def kill(self) -> None:
+        """kill -9 of the daemon and its workers (its process group): workers left to notice
+        their daemon is gone would spend the next test's CPU on their exit."""
+        import os
+        import signal
+        from contextlib import suppress
+
         if self.proc.poll() is None:
-            self.proc.kill()
+            with suppress(ProcessLookupError):  # it exited meanwhile
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self._log.close()
 
