@@ -18,7 +18,9 @@ Configs: `demo` the demo's setting (DEMO_LR, DEMO_PASSES); `lr1e-4` one AdamW st
 `passes3` three updates on each step's batch; `lr3e-4` a 3x larger lr;
 `head3e-3` lr 3e-3 on the final norm and the output layer (a trainable temperature), 1e-4
 elsewhere; `sgd0.3`, `sgd1` plain SGD at lr 0.3 and 1 (AdamW's first steps move every weight by
-the lr whatever its gradient's size; SGD moves them in proportion to it).
+the lr whatever its gradient's size; SGD moves them in proportion to it); `tok1e-4`,
+`tok3e-4`, `tok3e-4p2` DAPO's token-level loss (every token of the batch weighs the same,
+instead of each sample's tokens averaged) at lr 1e-4, 3e-4, and 3e-4 with two passes.
 """
 
 from __future__ import annotations
