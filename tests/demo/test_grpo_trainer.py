@@ -61,6 +61,18 @@ def test_clipped_loss_is_the_policy_gradient_at_ratio_one_and_clips_beyond():
     assert clipped.all() and float(new.grad) == 0.0
 
 
+def test_token_level_loss_weighs_every_token_alike():
+    lp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([[2.0], [-1.0]])
+    loss, _ = clipped_pg_loss(lp, lp.detach(), adv, mask, clip=0.2, token_level=True)
+    # Summed over tokens (the caller divides by the batch's tokens): -(2 + 2) - (-1) = -3
+    assert float(loss.detach()) == pytest.approx(-3.0)
+    loss.backward()
+    # d loss / d logp = -A on every real token, whatever its sample's length
+    torch.testing.assert_close(lp.grad, torch.tensor([[-2.0, -2.0, 0.0], [1.0, 0.0, 0.0]]))
+
+
 def _engine_rollouts(model_dir: Path) -> list[Scored]:
     engine = Engine(str(model_dir), EngineConfig(max_batch=8, max_seq_len=64, spec_mode="off"))
     prompts = [[1, 10, 11, 12], [1, 20, 21]]
