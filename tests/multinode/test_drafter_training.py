@@ -57,15 +57,18 @@ def _until(cond, timeout: float, what: str):
     raise TimeoutError(what)
 
 
+FEED_SECONDS = 12.0
+
+
 def _until_fed(cond, targets: list[str], job: str, tag: str, what: str, fed_at: float = 0.0):
-    """`_until(cond)` for up to 300 s, sending 2 requests to `targets` every 30 s (the first
-    30 s after `fed_at`) meanwhile: fresh samples for another training round, with pauses in
-    which the idle devices train."""
+    """`_until(cond)` for up to 300 s, sending 2 requests to `targets` every FEED_SECONDS (the
+    first FEED_SECONDS after `fed_at`) meanwhile: fresh samples for another training round,
+    with pauses in which the idle devices train (a 3-step round takes a few seconds)."""
     batches = itertools.count()
     last = [fed_at]
 
     def fed():
-        if time.monotonic() - last[0] > 30:
+        if time.monotonic() - last[0] > FEED_SECONDS:
             _batch(targets, job, f"{tag}{next(batches)}", requests=2)
             last[0] = time.monotonic()
         return cond()
