@@ -10,7 +10,7 @@ rotating order each round, so machine noise falls on all of them alike:
 A second table times the control routes trainers call around a weight update (median of
 `--control-calls` calls each).
 
-    python benchmarks/bench_http_overhead.py [--rounds 5] [--prompts 4] [--n 4]
+    python benchmarks/bench_http_overhead.py [--rounds 20] [--prompts 4] [--n 4]
         [--max-new-tokens 32]
 """
 
@@ -172,7 +172,7 @@ def time_control(http: httpx.Client, calls: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=MODEL)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=20)  # 5 rounds scatter by +-10%
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
