@@ -43,6 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tltd.store.database import scratch_postgres  # noqa: E402
+
 MODEL = ROOT / "models" / "tiny-policy"
 PG_ADMIN_URL = os.environ.get("TLTD_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 JOB = "bench-cp"
@@ -69,21 +71,8 @@ def database(kind: str, tmp: Path) -> Iterator[str]:
         path = tmp / f"db-{uuid.uuid4().hex[:8]}.sqlite"
         yield f"sqlite:///{path}"
         return
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    admin = make_url(PG_ADMIN_URL)
-    conninfo = admin.set(drivername="postgresql").render_as_string(hide_password=False)
-    name = f"tltd_bench_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield admin.set(drivername="postgresql+psycopg", database=name).render_as_string(
-            hide_password=False
-        )
-    finally:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with scratch_postgres(PG_ADMIN_URL, "tltd_bench") as url:
+        yield url
 
 
 class Daemon:

@@ -17,18 +17,16 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 
 from tests import torch_device
 from tests.ci import skip_unless_ci
 from tltd.store import Store
-from tltd.store.database import make_engine
+from tltd.store.database import make_engine, scratch_postgres
 from tltd.store.migrate import upgrade
 from tltd.store.tables import Base
 
@@ -61,23 +59,12 @@ def _fresh_pg_database() -> Iterator[str]:
         import psycopg
     except ImportError as exc:  # importorskip would skip under CI too
         skip_unless_ci(f"psycopg not installed: {exc}")
-    admin = make_url(PG_ADMIN_URL)
-    conninfo = admin.set(drivername="postgresql").render_as_string(hide_password=False)
-    name = f"tltd_test_{uuid.uuid4().hex[:12]}"
-    try:
-        conn = psycopg.connect(conninfo, autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as exc:
-        skip_unless_ci(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {str(exc).strip()}")
-    with conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield admin.set(drivername="postgresql+psycopg", database=name).render_as_string(
-            hide_password=False
-        )
-    finally:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            # FORCE: a test that failed mid-way may still hold connections.
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with ExitStack() as stack:
+        try:
+            url = stack.enter_context(scratch_postgres(PG_ADMIN_URL, "tltd_test"))
+        except psycopg.OperationalError as exc:
+            skip_unless_ci(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {str(exc).strip()}")
+        yield url
 
 
 @pytest.fixture(autouse=True)

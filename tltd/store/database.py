@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -131,3 +132,24 @@ class WriteTurn:
         finally:
             if held:
                 self._lock.release()
+
+
+@contextmanager
+def scratch_postgres(admin_url: str, prefix: str) -> Iterator[str]:
+    """A new, uniquely named database on the PostgreSQL server of `admin_url` (for tests and
+    benchmarks); yields its SQLAlchemy URL and drops it afterwards (FORCE: a caller that
+    failed mid-way may still hold connections). psycopg's errors reach the caller."""
+    import psycopg
+
+    admin = make_url(admin_url)
+    conninfo = admin.set(drivername="postgresql").render_as_string(hide_password=False)
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield admin.set(drivername="postgresql+psycopg", database=name).render_as_string(
+            hide_password=False
+        )
+    finally:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
