@@ -9,9 +9,11 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +29,7 @@ from tltd_clients import (
 )
 from tltd_clients.client import TltClient
 from tltd_clients.endpoints import Delivered, Rotation, channel_options, split_targets
-from tltd_clients.errors import NotFoundError, UnavailableError
+from tltd_clients.errors import UnavailableError
 from tltd_clients.rollout import _in_order
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [3, 1, 4, 1, 5]]
@@ -47,6 +49,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _samples_stored(db: Path, request_id: str) -> int | None:
+    """Samples a daemon's SQLite file holds for a request; None when it has no such request."""
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as conn:
+        q = "SELECT 1 FROM rollout_requests WHERE request_id = ?"
+        if conn.execute(q, (request_id,)).fetchone():
+            q = "SELECT count(*) FROM samples WHERE request_id = ?"
+            return conn.execute(q, (request_id,)).fetchone()[0]
+    return None
 
 
 def _kill_node(d: ServeProcess) -> None:
@@ -173,9 +185,8 @@ def test_async_client_fails_over_mid_stream(two_daemons, ckpt):
 def test_a_frozen_node_is_noticed_by_keepalive_and_the_stream_fails_over(two_daemons, ckpt, caplog):
     """SIGSTOP of A's process group mid-stream: its connection stays open but nothing
     answers, as with a node that vanished from the network. Keepalive pings (every 2 s here,
-    unanswered after 2 s) close the connection and the stream moves to B. Measured: noticed
-    after about 62 s, not 4 s: gRPC core still spaces these pings about a minute apart on a
-    stream that sends nothing (not resolved); the bound below holds what was measured."""
+    unanswered after 2 s) close the connection and the stream moves to B: noticed after about
+    4 s (gRPC's own one-minute ping timeout, left at its default, made it 62 s)."""
     a, b = two_daemons
     received: list[RolloutSample] = []
     targets = [a.target, b.target]
@@ -195,7 +206,7 @@ def test_a_frozen_node_is_noticed_by_keepalive_and_the_stream_fails_over(two_dae
     assert "ping timeout" in failover.getMessage() and a.target in failover.getMessage()
     noticed = failover.created - t0
     print(f"frozen node noticed after {noticed:.1f}s (keepalive 2 s)")
-    assert noticed < 120
+    assert noticed < 30  # 4 s measured; the slack is for a loaded CI machine
 
 
 @pytest.mark.slow
@@ -232,7 +243,7 @@ def test_a_draining_node_hands_the_stream_over(two_daemons, ckpt):
 
 
 @pytest.mark.slow
-def test_a_resolver_target_round_robins_and_fails_over(two_daemons, ckpt):
+def test_a_resolver_target_round_robins_and_fails_over(two_daemons, ckpt, tmp_path):
     """`ipv4:A,B` is resolved by gRPC itself (as `dns:///host:port` is), one channel with the
     round_robin policy: the client kills whichever daemon the stream is on, and the retry on
     the same channel goes to the other."""
@@ -246,18 +257,18 @@ def test_a_resolver_target_round_robins_and_fails_over(two_daemons, ckpt):
     with RolloutClient(target, job_id="job", backoff=FAST) as client:
         stream = client.stream(PROMPTS, request_id="failover-dns", **PARAMS)
         received.append(next(stream))
-        owners = []
+        # Freeze both at once, so that the owner cannot finish the request while the test
+        # looks for it (asking each over gRPC took long enough on a loaded machine); each
+        # daemon's own SQLite file says whether it holds the request.
         for d in (a, b):
-            with TltClient(d.target) as c:
-                try:
-                    c.get_request("failover-dns")
-                    owners.append(d)
-                except NotFoundError:  # the stream is on the other one
-                    pass
-        assert len(owners) == 1
-        _kill_node(owners[0])
+            os.killpg(d.proc.pid, signal.SIGSTOP)
+        stored = [_samples_stored(tmp_path / name / "tltd.db", "failover-dns") for name in "ab"]
+        assert stored.count(None) == 1, stored  # exactly one daemon holds the request
+        owner, survivor = (a, b) if stored[0] is not None else (b, a)
+        _kill_node(owner)
+        os.killpg(survivor.proc.pid, signal.SIGCONT)
         received.extend(stream)
-    survivor = b if owners[0] is a else a
+    assert max(n for n in stored if n is not None) < TOTAL  # the owner died with work left
     keys = [(s.prompt_index, s.sample_index) for s in received]
     assert len(keys) == TOTAL and len(set(keys)) == TOTAL
     assert _by_key(received) == direct_outputs(ckpt, PROMPTS, SamplingParams(**PARAMS))

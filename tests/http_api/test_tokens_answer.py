@@ -67,7 +67,8 @@ def test_the_answer_goes_out_before_the_request_end_is_recorded(http_daemon, mon
     try:
         r = httpx.post(f"{http_daemon.url}/inference/v1/generate", json=_body(0, rid), timeout=20)
         assert r.status_code == 200, r.text
-        assert recording.is_set()
+        # The end is recorded after the answer went out (or while it did): it is held here.
+        assert recording.wait(20)
         assert store.get_request(rid).status is RequestStatus.RUNNING  # its end not recorded
     finally:
         release.set()
