@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from tltd.contract import rollout_messages as msg
+from tltd.contract.processes import worker_context
 from tltd.domain import Backend, Device, DeviceState, Sample, Worker, WorkerKind, WorkerState
 from tltd.memory_cgroup import MemoryCgroups
 from tltd.metrics import METRICS
@@ -72,7 +72,7 @@ class RolloutWorkers:
         self._run_task = run_task
         self._on_finished = on_finished
         self._device_states: dict[str, DeviceState] = {}
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_context()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.cgroups: MemoryCgroups | None = None
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tltd.contract import rollout_messages as msg
+from tltd.contract.processes import with_environment
 from tltd.domain import Backend, Device, Sample, WorkerState
 from tltd.errors import Fenced, TltError
 from tltd.memory_cgroup import MemoryCgroups, WorkerGroup
@@ -174,12 +175,8 @@ def spawn(
     args: tuple[Any, ...] = (child, settings.worker_threads, settings.worker_heartbeat_seconds)
     if handle.backend is Backend.SGLANG:
         args += (settings.sglang_engine_factory,)
-    proc = ctx.Process(
-        target=target,
-        args=args,
-        name=handle.worker_id,
-        daemon=daemon,
-    )
+    target, args = with_environment(target, *args)
+    proc = ctx.Process(target=target, args=args, name=handle.worker_id, daemon=daemon)
     proc.start()
     child.close()
     handle.memory_group = None

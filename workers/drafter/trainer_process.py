@@ -16,7 +16,6 @@ daemon re-feeds recent samples, and ids of the saved epoch order that are missin
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 import traceback
@@ -28,6 +27,7 @@ from typing import TypeVar
 import torch
 
 from tltd.contract import drafter_messages as proto
+from tltd.contract.processes import with_environment, worker_context
 from tltd_workers.drafter.buffer import TrainingBuffer
 from tltd_workers.drafter.trainer import (
     CheckpointWriter,
@@ -217,7 +217,7 @@ class _TrainingLoop:
 
 
 def run_trainer(spec: TrainerSpec, conn: Connection) -> None:
-    """Process entry point (spawn)."""
+    """Process entry point (a worker process: tltd.contract.processes)."""
     ignore_stop_signals()
     torch.set_num_threads(spec.threads)
     worker = None
@@ -241,12 +241,11 @@ class TrainerProcess:
     """Parent-side handle of one drafter-training worker process."""
 
     def __init__(self, spec: TrainerSpec) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
         self.spec = spec
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(
-            target=run_trainer, args=(spec, child), daemon=True, name="tltd-drafter-train"
-        )
+        target, args = with_environment(run_trainer, spec, child)
+        self.proc = ctx.Process(target=target, args=args, daemon=True, name="tltd-drafter-train")
         self._child = child
         self.steps: list[proto.StepResult] = []  # every step reported, in order
         self.events: list[proto.FromTrainer] = []  # everything else but heartbeats
