@@ -1,5 +1,5 @@
 """Each finished work unit is recorded once, on SQLite and PostgreSQL, even when two
-`RolloutRequests.finalize` calls of one request overlap: one records a unit while the other,
+`LiveRequests.finalize` calls of one request overlap: one records a unit while the other,
 which read the request's complete units before its own write, waits behind it. A unit
 claimed more than `max_sample_attempts` times fails with the reason."""
 
@@ -14,7 +14,7 @@ from tests.store.expiry import expire_unit_leases
 from tests.store.test_leases import LONG_LEASE, _node, _requests, _sample
 from tltd.domain import FinishReason, RequestStatus
 from tltd.store import Store
-from tltd.supervisor.requests import RolloutRequests
+from tltd.supervisor.live_requests import LiveRequests
 from tltd.supervisor.writes import OrderedWrites
 
 
@@ -49,7 +49,7 @@ def test_overlapping_finalize_calls_record_each_unit_once(store: Store, tmp_path
         writes.bind()
         writer = asyncio.create_task(writes.run())
         spawned: list[asyncio.Future] = []
-        reqs = RolloutRequests(
+        reqs = LiveRequests(
             node, make_settings(tmp_path), writes,
             lambda c: spawned.append(asyncio.ensure_future(c)), lambda: None,
         )  # fmt: skip
@@ -81,7 +81,7 @@ def test_overlapping_finalize_calls_record_each_unit_once(store: Store, tmp_path
             writer.cancel()
 
     try:
-        with caplog.at_level(logging.WARNING, logger="tltd.supervisor.requests"):
+        with caplog.at_level(logging.WARNING, logger="tltd.supervisor.live_requests"):
             asyncio.run(run())
         assert sorted(calls) == [0, 1], f"finish_unit calls by unit: {calls}"
         assert "unit not recorded" not in caplog.text
@@ -103,11 +103,11 @@ def test_a_unit_claimed_past_the_attempt_limit_fails_with_the_reason(
     a, b, c = (_node(store, n) for n in ("a", "b", "c"))
     settings = make_settings(tmp_path, max_sample_attempts=2)
 
-    async def take(node: Store, lease: float) -> RolloutRequests:
+    async def take(node: Store, lease: float) -> LiveRequests:
         writes = OrderedWrites()
         writes.bind()
         writer = asyncio.create_task(writes.run())
-        reqs = RolloutRequests(node, settings, writes, asyncio.ensure_future, lambda: None)
+        reqs = LiveRequests(node, settings, writes, asyncio.ensure_future, lambda: None)
         try:
             await reqs.take_claims(node.claim_units(100, lease))
             await asyncio.wait_for(writes.join(), 10)

@@ -126,16 +126,16 @@ def _drain_settings(tmp_path):
 def test_a_request_that_cannot_be_closed_does_not_keep_the_drain_from_the_others(
     sqlite_store, tmp_path, ckpt, monkeypatch
 ):
-    from tltd.supervisor.requests import RolloutRequests
+    from tltd.supervisor.live_requests import LiveRequests
 
-    real = RolloutRequests.finish_unstarted
+    real = LiveRequests.finish_unstarted
 
     async def failing_for_a(self, live, keys, reason, error):
         if live.request_id == "a" and error.startswith("drained"):
             raise RuntimeError("store down")
         return await real(self, live, keys, reason, error)
 
-    monkeypatch.setattr(RolloutRequests, "finish_unstarted", failing_for_a)
+    monkeypatch.setattr(LiveRequests, "finish_unstarted", failing_for_a)
     d = InProcessDaemon(_drain_settings(tmp_path), sqlite_store).start()
     try:
         with d.client() as c:

@@ -142,7 +142,7 @@ def test_lift_waking(name, jobs, accounts, active, was_active, floors, lifted, n
 
 def test_active_jobs_have_waiting_or_running_samples():
     from tltd.domain import RequestStatus
-    from tltd.workqueue import WorkQueue
+    from tltd.supervisor.work_queue import WorkQueue
 
     q = WorkQueue()
 

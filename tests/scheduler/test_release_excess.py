@@ -5,8 +5,8 @@ from __future__ import annotations
 from tltd.domain import Device, DeviceKind, RolloutRequest, SamplingParams
 from tltd.settings import Settings
 from tltd.supervisor.unit_leases import UnitLeases
+from tltd.supervisor.work_queue import LiveRequest
 from tltd.supervisor.worker_process import Phase, WorkerHandle
-from tltd.workqueue import LiveRequest
 
 
 class _Queue(list):

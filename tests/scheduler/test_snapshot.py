@@ -7,8 +7,8 @@ import pytest
 from tltd.domain import Device, DeviceKind, DeviceState, Job
 from tltd.scheduler import TrainingView
 from tltd.supervisor.snapshot import build_snapshot, device_view
+from tltd.supervisor.work_queue import WorkQueue
 from tltd.supervisor.worker_process import Load, LoadKind, Phase, WorkerHandle
-from tltd.workqueue import WorkQueue
 
 
 def device(i: int = 0, **kw) -> Device:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from tltd.services.pause import PauseService
     from tltd.store import Store
     from tltd.supervisor import Supervisor
-    from tltd.supervisor.requests import StreamEvent
+    from tltd.supervisor.live_requests import StreamEvent
 
 
 def derived_seed(request_id: str) -> int:

@@ -4,7 +4,7 @@
 its parts: `rollout_workers`, `worker_process`, `requests`, `model_planner`, `snapshot`, `writes`.
 """
 
-from tltd.supervisor.requests import StreamEvent
+from tltd.supervisor.live_requests import StreamEvent
 from tltd.supervisor.supervisor import Supervisor
 from tltd.supervisor.training_hook import TrainingHook
 

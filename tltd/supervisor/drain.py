@@ -7,11 +7,10 @@ import asyncio
 import logging
 import time
 
-from tltd.domain import FinishReason, RequestStatus
-from tltd.supervisor.requests import RolloutRequests
+from tltd.supervisor.live_requests import LiveRequests
 from tltd.supervisor.rollout_workers import RolloutWorkers
 from tltd.supervisor.unit_leases import UnitLeases
-from tltd.workqueue import WorkQueue
+from tltd.supervisor.work_queue import WorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ class NodeDrain:
     def __init__(
         self,
         queue: WorkQueue,
-        requests: RolloutRequests,
+        requests: LiveRequests,
         workers: RolloutWorkers,
         leases: UnitLeases | None = None,
     ) -> None:
@@ -73,14 +72,7 @@ class NodeDrain:
         reason = f"drained: {self.why}"
         log.info("draining workers", extra={"requests": len(self.queue)})
         busy = self.workers.ask_to_drain()
-        for live in list(self.queue):
-            keys = self.queue.close(live.request_id, RequestStatus.FAILED, reason)
-            try:  # one request's failure must not keep the others open
-                await self.requests.finish_unstarted(live, keys, FinishReason.ABORTED, reason)
-            except Exception:
-                log.exception(
-                    "cannot close a drained request", extra={"request_id": live.request_id}
-                )
+        await self.requests.fail_all(reason)
         await self.workers.await_drained(busy, lambda: self._end)
         # The final status writes of the requests just failed (store writes, not workers:
         # they get a second past the deadline).

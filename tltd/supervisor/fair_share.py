@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Set
 from typing import Protocol
 
-from tltd.workqueue import WorkQueue
+from tltd.supervisor.work_queue import WorkQueue
 
 
 class Share(Protocol):

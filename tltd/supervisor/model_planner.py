@@ -41,8 +41,8 @@ from tltd.domain import (
     SpeculativeMode,
 )
 from tltd.settings import Settings
+from tltd.supervisor.work_queue import WorkQueue
 from tltd.supervisor.worker_process import Load, LoadKind, Phase, WorkerHandle
-from tltd.workqueue import WorkQueue
 
 if TYPE_CHECKING:
     from tltd.store import Store

@@ -21,8 +21,8 @@ from tltd.memory_cgroup import MemoryCgroups
 from tltd.metrics import METRICS
 from tltd.scheduler import Decision
 from tltd.settings import Settings
+from tltd.supervisor.live_requests import LiveRequests
 from tltd.supervisor.model_planner import ModelPlanner
-from tltd.supervisor.requests import RolloutRequests
 from tltd.supervisor.worker_process import LoadKind, Phase, WorkerHandle, spawn
 from tltd.supervisor.writes import OrderedWrites, upsert_worker
 
@@ -53,7 +53,7 @@ class RolloutWorkers:
         store: Store,
         settings: Settings,
         writes: OrderedWrites,
-        requests: RolloutRequests,
+        requests: LiveRequests,
         models: ModelPlanner,
         *,
         kick: Callable[[], None],

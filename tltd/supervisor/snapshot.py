@@ -12,8 +12,8 @@ from dataclasses import replace
 from tltd.domain import Device, Job, PolicySwitch
 from tltd.scheduler import DeviceView, JobView, RolloutWorkerView, Snapshot
 from tltd.supervisor.training_hook import TrainingHook
+from tltd.supervisor.work_queue import WorkQueue
 from tltd.supervisor.worker_process import Phase, WorkerHandle
-from tltd.workqueue import WorkQueue
 
 
 def device_view(d: Device) -> DeviceView:

@@ -46,9 +46,9 @@ from tltd.settings import Settings
 from tltd.store import notifications
 from tltd.supervisor.drain import NodeDrain
 from tltd.supervisor.fair_share import FairShare, active_jobs
+from tltd.supervisor.live_requests import LiveRequests, StreamEvent
 from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.policy_updates import PolicyUpdates
-from tltd.supervisor.requests import RolloutRequests, StreamEvent
 from tltd.supervisor.rollout_workers import RolloutWorkers
 from tltd.supervisor.snapshot import build_snapshot
 from tltd.supervisor.training_hook import TrainingHook
@@ -83,7 +83,7 @@ class Supervisor:
             max_samples_per_worker=settings.worker_max_batch
         )
         self.writes = OrderedWrites()
-        self.requests = RolloutRequests(store, settings, self.writes, self._spawn, self.kick)
+        self.requests = LiveRequests(store, settings, self.writes, self._spawn, self.kick)
         self.queue = self.requests.queue
         self.models = ModelPlanner(store, settings)
         self.policy_updates = PolicyUpdates()  # the PolicyService wraps its store write in it
@@ -236,15 +236,10 @@ class Supervisor:
         await self._close(request_id, RequestStatus.CANCELLED, reason)
 
     async def _close(self, request_id: str, status: RequestStatus, reason: str) -> None:
-        live = self.queue.get(request_id)
-        if live is None:
-            return
-        keys = self.queue.close(request_id, status, reason)
-        for wid in set(live.running.values()):
-            self.handles[wid].send(msg.Cancel(request_id))
-        cancelled = status is RequestStatus.CANCELLED
-        finish = FinishReason.CANCELLED if cancelled else FinishReason.ABORTED
-        await self.requests.finish_unstarted(live, keys, finish, reason)
+        def cancel(worker_id: str, rid: str) -> None:
+            self.handles[worker_id].send(msg.Cancel(rid))
+
+        await self.requests.close(request_id, status, reason, cancel)
 
     def on_notify(self, channel: str, request_id: str) -> None:
         """A notification from another node (event loop): streams of the request re-read the
@@ -419,8 +414,8 @@ class Supervisor:
         return replace(decision, start_training=tuple(started))
 
     def _assign(self, a: Assignment) -> None:
-        live, handle = self.queue.get(a.request_id), self.handles[a.worker_id]
-        indices = self.queue.take(a.request_id, a.prompt_index, a.samples, a.worker_id)
+        handle = self.handles[a.worker_id]
+        live, indices = self.requests.take(a.request_id, a.prompt_index, a.samples, a.worker_id)
         if live is None or not indices:
             return
         req = live.req
@@ -441,14 +436,6 @@ class Supervisor:
         handle.unacked[handle.seq] = len(indices) * predicted
         handle.idle_since = None
         self.assigned_samples += len(indices)
-        if not live.started:
-            live.started = True
-            self.writes.write_nowait(
-                self.store.set_request_status,
-                req.request_id,
-                RequestStatus.RUNNING,
-                f"running on {handle.worker_id}",
-            )
 
     # ---- samples back from workers (event loop) ---------------------------------------
 
@@ -466,10 +453,7 @@ class Supervisor:
             if live is not None and live.running.get(key) == handle.worker_id:
                 self._spawn(self.requests.retry_sample(live, key))
             return
-        failed = None
-        if sample.finish_reason is FinishReason.FAILED:
-            failed = sample.error or "failed"
-        live = self.queue.finish(sample.request_id, key, failed)
+        live = self.requests.stored(sample)
         if self.queue.inflight(handle.worker_id) == 0:
             handle.idle_since = time.monotonic()
         if live is None:
@@ -479,9 +463,6 @@ class Supervisor:
             self.fair_share.served[live.job_id] += len(sample.token_ids)
             if self.training is not None:
                 self.training.on_sample(live.job_id, live.req.prompts[key[0]], sample)
-        self.requests.publish(live.request_id, StreamEvent(sample))
-        if live.unit_complete(key[0]):
-            self._spawn(self.requests.finalize(live))
         self.kick()
 
     # ---- background tasks ---------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tltd.contract import rollout_messages as msg
 from tltd.domain import ENDED_STATUSES, FinishReason, NodeStatus, RequestStatus
 from tltd.settings import Settings
-from tltd.supervisor.requests import RolloutRequests
+from tltd.supervisor.live_requests import LiveRequests
 from tltd.supervisor.worker_process import ALIVE, Phase, WorkerHandle
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class UnitLeases:
         self,
         store: Store,
         settings: Settings,
-        requests: RolloutRequests,
+        requests: LiveRequests,
         handles: Mapping[str, WorkerHandle],
         close: Callable[[str, RequestStatus, str], Awaitable[None]],
     ) -> None:

@@ -27,8 +27,8 @@ from tltd.domain import (
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.settings import Settings
 from tltd.store.leases import Claim
+from tltd.supervisor.work_queue import Key, LiveRequest, WorkQueue
 from tltd.supervisor.writes import OrderedWrites, add_samples
-from tltd.workqueue import Key, LiveRequest, WorkQueue
 
 # A prompt's most recent stored answers handed to the history drafter when the prompt is
 # claimed (two epochs of n = 8).
@@ -56,8 +56,9 @@ class StreamEvent:
     final: bool = False
 
 
-class RolloutRequests:
-    """The work queue of live requests, their subscribers, and how their samples end."""
+class LiveRequests:
+    """The live requests of this node: their work queue (changed here only; the others read
+    it), their subscribers, and how their samples end."""
 
     def __init__(
         self,
@@ -99,6 +100,73 @@ class RolloutRequests:
         for subs in self._subs.values():
             for q in subs:
                 q.put_nowait(StreamEvent())
+
+    # ---- samples handed out and back ----------------------------------------------------------
+
+    def take(
+        self, request_id: str, prompt_index: int, count: int, worker_id: str
+    ) -> tuple[LiveRequest | None, list[int]]:
+        """Hand up to `count` waiting samples of a prompt to `worker_id`: the request and the
+        sample indices (none when it is not live or closing). The first samples handed out
+        make the request RUNNING."""
+        live = self.queue.get(request_id)
+        taken = self.queue.take(request_id, prompt_index, count, worker_id)
+        if live is not None and taken and not live.started:
+            live.started = True
+            self._writes.write_nowait(
+                self.store.set_request_status,
+                request_id,
+                RequestStatus.RUNNING,
+                f"running on {worker_id}",
+            )
+        return live, taken
+
+    def stored(self, sample: Sample) -> LiveRequest | None:
+        """A worker's sample is stored: it is finished here and streamed, and a unit it
+        completes is recorded. None when it is not live here or a duplicate."""
+        key = (sample.prompt_index, sample.sample_index)
+        failed = None
+        if sample.finish_reason is FinishReason.FAILED:
+            failed = sample.error or "failed"
+        live = self.queue.finish(sample.request_id, key, failed)
+        if live is None:
+            return None
+        self.publish(live.request_id, StreamEvent(sample))
+        if live.unit_complete(key[0]):
+            self._spawn(self.finalize(live))
+        return live
+
+    async def close(
+        self,
+        request_id: str,
+        status: RequestStatus,
+        reason: str,
+        cancel: Callable[[str, str], None],
+    ) -> None:
+        """Stop a live request (CANCELLED or FAILED): `cancel(worker, request)` for each
+        worker running its samples (they come back with the tokens so far); the waiting ones
+        end now."""
+        live = self.queue.get(request_id)
+        if live is None:
+            return
+        keys = self.queue.close(request_id, status, reason)
+        for wid in set(live.running.values()):
+            cancel(wid, request_id)
+        cancelled = status is RequestStatus.CANCELLED
+        finish = FinishReason.CANCELLED if cancelled else FinishReason.ABORTED
+        await self.finish_unstarted(live, keys, finish, reason)
+
+    async def fail_all(self, reason: str) -> None:
+        """A drain's end: every live request FAILED, its waiting samples ABORTED (running ones
+        come back from the draining workers)."""
+        for live in list(self.queue):
+            keys = self.queue.close(live.request_id, RequestStatus.FAILED, reason)
+            try:  # one request's failure must not keep the others open
+                await self.finish_unstarted(live, keys, FinishReason.ABORTED, reason)
+            except Exception:
+                log.exception(
+                    "cannot close a drained request", extra={"request_id": live.request_id}
+                )
 
     # ---- claimed work units -----------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from tltd.scheduler import (
     Snapshot,
     schedule,
 )
-from tltd.workqueue import WorkQueue
+from tltd.supervisor.work_queue import WorkQueue
 
 
 def _req(rid: str = "r", prompts: int = 2, n: int = 3) -> RolloutRequest:
