@@ -521,3 +521,39 @@ def test_a_prompts_stored_answers_draft_its_next_rollout_after_a_restart(
         pair for s in got for pair in zip(s.provenance.drafter, s.provenance.source, strict=True)
     }
     assert (rollout_pb2.DRAFTER_KIND_HISTORY, rollout_pb2.TOKEN_SOURCE_ACCEPTED) in drafters
+
+
+def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
+    sqlite_store, tmp_path, ckpt, monkeypatch
+):
+    """While this node runs every unit of a request, its samples reach the stream as events:
+    the poll (every 50 ms here) does not read the store again; the stream reads it to end.
+    Reading at every poll would make one read per 50 ms of the request's run."""
+    from tests.api.support import make_settings
+
+    settings = make_settings(tmp_path, cpu_slots=2, worker_max_batch=16, worker_max_seq_len=1024,
+                             worker_heartbeat_seconds=0.2, device_refresh_seconds=3600.0,
+                             stream_poll_seconds=0.05, drafter_training=False)  # fmt: skip
+    reads: list[str] = []
+    stream_state = sqlite_store.stream_state
+
+    def counted(request_id, cursor):
+        reads.append(request_id)
+        return stream_state(request_id, cursor)
+
+    monkeypatch.setattr(sqlite_store, "stream_state", counted)
+    d = InProcessDaemon(settings, sqlite_store).start()
+    try:
+        params = dict(n=16, temperature=1.0, max_new_tokens=1000, seed=5)
+        with d.client() as c:
+            c.create_job(str(ckpt), job_id="job")
+            d.wait_workers_ready(2)
+            t0 = time.monotonic()
+            got = list(c.generate("job", PROMPTS, sampling=sampling(**params), request_id="q"))
+            took = time.monotonic() - t0
+    finally:
+        d.kill()
+    assert len(got) == len(PROMPTS) * 16
+    assert took > 20 * settings.stream_poll_seconds  # long enough for polls to show
+    # Before the node claimed the units (a tick) and to end: a handful, not one per poll.
+    assert reads.count("q") <= 5, (reads.count("q"), took)

@@ -112,8 +112,9 @@ class RolloutService:
         attaches to the same work: the samples already stored come first, then the others as
         they are stored, each once, and nothing runs twice. Samples stored on this node
         arrive at once; those stored elsewhere are read from the store every
-        `stream_poll_seconds`. A partial sample is sent once the request has ended (until
-        then it may still be run again); with `return_partial` it is sent once stored (a
+        `stream_poll_seconds` (not while this node runs every unit of the request). A
+        partial sample is sent once the request has ended (until then it may still be run
+        again); with `return_partial` it is sent once stored (a
         drained node's tokens so far), and the complete sample that replaces it follows.
         A request runs on the job's policy version current at its acceptance. The stream
         ends once the request has ended and none of its units is open; a request that ends
@@ -147,16 +148,21 @@ class RolloutService:
                     if ended:
                         _end(rid, cur.status, cur.status_reason)
                         return
-                read = True
                 self._check_not_handed_over(sup, rid)
+                woken = False
                 async for event in _stored_here(events, poll):
                     if event.sample is None:
                         # Ended here with every sample sent complete: nothing is left to read.
                         if event.final and sent.complete == cur.samples_total:
                             _end(rid, event.status, event.reason)
                             return
+                        woken = True
                     elif sent.admit(event.sample, False):
                         yield event.sample
+                # While this node runs every unit, what is stored arrives on the subscription:
+                # a poll that saw nothing need not read the store; a wake-up (an end, another
+                # node's notification, units claimed with samples stored before) reads it.
+                read = woken or not sup.runs_every_unit(rid)
         finally:
             sup.unsubscribe(rid, events)
 

@@ -95,6 +95,11 @@ class LiveRequests:
         for q in self._subs.get(request_id, []):
             q.put_nowait(event)
 
+    def holds_every_unit(self, request_id: str) -> bool:
+        """Every prompt of the request is a unit live here or one this node recorded done."""
+        live = self.queue.get(request_id)
+        return live is not None and len(live.units | live.recorded) == len(live.req.prompts)
+
     def wake_streams(self) -> None:
         """Every stream here reads the store and the node's state again."""
         for subs in self._subs.values():
@@ -216,6 +221,8 @@ class LiveRequests:
         history = await self._history(req, job, units)  # read before the units can be assigned
         live, _ = self.queue.add(req, req.policy_version, done, time.monotonic(), units)
         live.history.update(history)
+        if done:  # stored before (by a node that lost them): streams here read them
+            self.publish(rid, StreamEvent())
         log.info("units claimed", extra={"request_id": rid, "prompts": sorted(units)})
         closing = self._closing(req, job.status, job.status_reason, refuse)
         if closing is not None:
@@ -430,7 +437,7 @@ class LiveRequests:
             log.warning("unit not recorded: %s", exc, extra={"request_id": rid})
             self._drop(rid, p)
             return
-        self._drop(rid, p)
+        self._drop(rid, p, recorded=True)
         if req.status in ENDED_STATUSES:
             self.publish(rid, StreamEvent(None, req.status, req.status_reason, left == 0))
 
@@ -448,7 +455,7 @@ class LiveRequests:
                 log.warning("unit still not recorded: %s", exc, extra={"request_id": rid})
                 delay = min(2 * delay, _FINAL_RETRY_MAX)
 
-    def _drop(self, request_id: str, p: int) -> None:
-        self.queue.drop_unit(request_id, p)
+    def _drop(self, request_id: str, p: int, recorded: bool = False) -> None:
+        self.queue.drop_unit(request_id, p, recorded)
         self._finalizing.discard((request_id, p))
         self._kick()

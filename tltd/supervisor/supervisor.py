@@ -219,6 +219,11 @@ class Supervisor:
     def unsubscribe(self, request_id: str, q: asyncio.Queue[StreamEvent]) -> None:
         self.requests.unsubscribe(request_id, q)
 
+    def runs_every_unit(self, request_id: str) -> bool:
+        """Every unit of the request is live on this node (and stays here: no hand-over), so
+        every sample of it is stored here and reaches its streams as an event."""
+        return not self._drain.handing_over and self.requests.holds_every_unit(request_id)
+
     async def submit(self, req: RolloutRequest) -> None:
         """A request was just stored here: claim its units (here, if there is room, or on
         another node) at the next tick."""

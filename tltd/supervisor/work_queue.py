@@ -25,6 +25,7 @@ class LiveRequest:
     enqueued_at: float
     pending: dict[int, list[int]]  # prompt index -> sample indices waiting for a worker
     units: set[int] = field(default_factory=set)  # prompt indices claimed by this node
+    recorded: set[int] = field(default_factory=set)  # units this node recorded done since
     running: dict[Key, str] = field(default_factory=dict)  # -> worker id
     finished: set[Key] = field(default_factory=set)
     failed: int = 0  # finished with FinishReason.FAILED
@@ -113,13 +114,15 @@ class WorkQueue:
                 live.pending[p] = todo
         return live, created
 
-    def drop_unit(self, request_id: str, prompt_index: int) -> list[str]:
-        """Forget a unit (finished and recorded, or its lease lost); the request goes when
-        it has no unit left. Returns the workers still running samples of it."""
+    def drop_unit(self, request_id: str, prompt_index: int, recorded: bool = False) -> list[str]:
+        """Forget a unit (finished and `recorded` done here, or its lease lost); the request
+        goes when it has no unit left. Returns the workers still running samples of it."""
         live = self._live.get(request_id)
         if live is None or prompt_index not in live.units:
             return []
         live.units.discard(prompt_index)
+        if recorded:
+            live.recorded.add(prompt_index)
         live.pending.pop(prompt_index, None)
         workers = []
         for key in [k for k in live.running if k[0] == prompt_index]:
