@@ -527,8 +527,9 @@ def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
     sqlite_store, tmp_path, ckpt, monkeypatch
 ):
     """While this node runs every unit of a request, its samples reach the stream as events:
-    the poll (every 50 ms here) does not read the store again; the stream reads it to end.
-    Reading at every poll would make one read per 50 ms of the request's run."""
+    the poll (every 50 ms here) does not read the store again, and the request's end (every
+    unit recorded here) ends the stream without reading the samples back. Reading at every
+    poll would make one read per 50 ms of the request's run."""
     from tests.api.support import make_settings
 
     settings = make_settings(tmp_path, cpu_slots=2, worker_max_batch=16, worker_max_seq_len=1024,
@@ -541,7 +542,15 @@ def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
         reads.append(request_id)
         return stream_state(request_id, cursor)
 
+    listed: list[str] = []
+    list_samples = sqlite_store.list_samples
+
+    def counted_list(request_id, *args, **kwargs):
+        listed.append(request_id)
+        return list_samples(request_id, *args, **kwargs)
+
     monkeypatch.setattr(sqlite_store, "stream_state", counted)
+    monkeypatch.setattr(sqlite_store, "list_samples", counted_list)
     d = InProcessDaemon(settings, sqlite_store).start()
     try:
         params = dict(n=16, temperature=1.0, max_new_tokens=1000, seed=5)
@@ -555,5 +564,7 @@ def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
         d.kill()
     assert len(got) == len(PROMPTS) * 16
     assert took > 20 * settings.stream_poll_seconds  # long enough for polls to show
-    # Before the node claimed the units (a tick) and to end: a handful, not one per poll.
+    # Before the node claimed the units (a tick): a handful, not one per poll.
     assert reads.count("q") <= 5, (reads.count("q"), took)
+    assert listed.count("q") == 0
+    assert _by_key(got) == _by_key(sqlite_store.list_samples("q"))

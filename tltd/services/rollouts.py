@@ -152,8 +152,14 @@ class RolloutService:
                 woken = False
                 async for event in _stored_here(events, poll):
                     if event.sample is None:
-                        # Ended here with every sample sent complete: nothing is left to read.
-                        if event.final and sent.complete == cur.samples_total:
+                        # Ended here with every sample's last form seen on this node: the
+                        # partial ones held back are final now, and nothing is left to read.
+                        if event.final and (
+                            sent.complete == cur.samples_total
+                            or (event.here and sent.seen == cur.samples_total)
+                        ):
+                            for sample in sent.release_held():
+                                yield sample
                             _end(rid, event.status, event.reason)
                             return
                         woken = True
@@ -162,7 +168,8 @@ class RolloutService:
                 # While this node runs every unit, what is stored arrives on the subscription:
                 # a poll that saw nothing need not read the store; a wake-up (an end, another
                 # node's notification, units claimed with samples stored before) reads it.
-                read = woken or not sup.runs_every_unit(rid)
+                # Events already queued (the end recorded with the last unit) come first.
+                read = woken or (events.empty() and not sup.runs_every_unit(rid))
         finally:
             sup.unsubscribe(rid, events)
 
@@ -339,12 +346,23 @@ class _Sent:
         self.return_partial = return_partial
         self._partial: set[tuple[int, int]] = set()
         self._final: set[tuple[int, int]] = set()
+        self._held: dict[tuple[int, int], Sample] = {}  # the last partial form, not yet final
         self._complete = 0
 
     @property
     def complete(self) -> int:
         """How many samples were sent final and complete (not partial)."""
         return self._complete
+
+    @property
+    def seen(self) -> int:
+        """How many samples this stream has seen in some form (final, or partial held)."""
+        return len(self._final) + len(self._held)
+
+    def release_held(self) -> list[Sample]:
+        """The request ended: the partial samples held back are final; those to send now."""
+        held, self._held = list(self._held.values()), {}
+        return [sample for sample in held if self.admit(sample, True)]
 
     def admit(self, sample: Sample, ended: bool) -> bool:
         """True when `sample` is to be sent now (and records it). Before the request ends a
@@ -354,11 +372,13 @@ class _Sent:
         if key in self._final:
             return False
         if not sample.partial or ended:
+            self._held.pop(key, None)
+            self._final.add(key)
             if sample.partial and key in self._partial:
                 return False  # the partial one sent before turned out final
-            self._final.add(key)
             self._complete += not sample.partial
             return True
+        self._held[key] = sample
         if self.return_partial and key not in self._partial:
             self._partial.add(key)
             return True

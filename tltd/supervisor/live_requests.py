@@ -54,6 +54,9 @@ class StreamEvent:
     reason: str = ""
     # The store recorded the request ended with no unit open (nothing more will be stored).
     final: bool = False
+    # Every unit of the request was recorded done by this node: each sample's last stored form
+    # reached this node's streams (as an event, or in a read after its unit was claimed).
+    here: bool = False
 
 
 class LiveRequests:
@@ -439,7 +442,8 @@ class LiveRequests:
             return
         self._drop(rid, p, recorded=True)
         if req.status in ENDED_STATUSES:
-            self.publish(rid, StreamEvent(None, req.status, req.status_reason, left == 0))
+            here = len(live.recorded) == len(live.req.prompts)
+            self.publish(rid, StreamEvent(None, req.status, req.status_reason, left == 0, here))
 
     async def _retry_unit(self, live: LiveRequest, p: int) -> None:
         """Retry a unit's write until it lands, backing off up to `_FINAL_RETRY_MAX` seconds;
