@@ -58,6 +58,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from examples.task.reasoning import (  # noqa: E402
+    DIGITS_REVERSED,
     LINE_STYLES,
     format_prompt,
     generate_problem,
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--style",
         default="marks",
-        choices=sorted(set(LINE_STYLES) - {"sum"}),
+        choices=sorted(set(LINE_STYLES) - {"sum"} - DIGITS_REVERSED),
         help="answer layout of the shifted data mix",
     )
     ap.add_argument(

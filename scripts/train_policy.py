@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.task.reasoning import (  # noqa: E402
     CARE_LEVELS,
     GUESS_RATE,
+    LINE_STYLES,
     Problem,
     format_prompt,
     generate_problem,
@@ -71,6 +72,8 @@ class TrainConfig:
     max_care: int = max(CARE_LEVELS)
     min_care: int = 0
     guess_rate: float = GUESS_RATE
+    # Layout of the reference solutions' lines (examples/task/reasoning.py LINE_STYLES).
+    style: str = "sum"
 
 
 # Deep and narrow, so that on a CPU a decode step is bound by per-layer overhead and KV-cache
@@ -121,7 +124,7 @@ def batches(tok, cfg: TrainConfig, rng: random.Random):
     care = range(cfg.min_care, cfg.max_care + 1)
     while True:
         examples = [
-            encode_example(tok, generate_problem(rng, None, "sum", care, cfg.guess_rate))
+            encode_example(tok, generate_problem(rng, None, cfg.style, care, cfg.guess_rate))
             for _ in range(cfg.pool)
         ]
         examples.sort(key=lambda e: len(e[0]))
@@ -480,6 +483,10 @@ def main() -> None:
     parser.add_argument("--max-care", type=int, default=TrainConfig.max_care)
     parser.add_argument("--min-care", type=int, default=TrainConfig.min_care)
     parser.add_argument("--guess-rate", type=float, default=TrainConfig.guess_rate)
+    parser.add_argument(
+        "--style", choices=sorted(LINE_STYLES), default=TrainConfig.style,
+        help="line layout of the reference solutions (reasoning.py LINE_STYLES)",
+    )  # fmt: skip
     # One thread: on the shared 2-core machine two intra-op threads mostly wait on each other
     # (a step took ~8 s with two threads vs ~1 s with one here, under varying load), and the
     # float summation order, hence the exact checkpoint, depends on the thread count.
@@ -509,6 +516,7 @@ def main() -> None:
             max_care=args.max_care,
             min_care=args.min_care,
             guess_rate=args.guess_rate,
+            style=args.style,
         )
         if args.out.exists():
             shutil.rmtree(args.out)

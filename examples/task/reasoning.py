@@ -47,17 +47,26 @@ ANSWER_MARKER = "answer:"
 # same computation with other separators and a wider line (25 characters instead of 19, so
 # every copy-from-the-line-above distance changes); "marks" keeps the widths and changes only
 # the separators. They are shifted data mixes for benchmarks/bench_drift.py to fine-tune the
-# policy towards. The answer line keeps its marker; its number sits under the last line's new
-# total in every style.
+# policy towards. "reversed" writes every number of the computation lines least-significant
+# digit first ("7100+8300=5500,2000" for 0017 + 0038 = 0055 with 2 steps left): a sum written
+# most-significant digit first needs, at each digit, the carry out of digits not yet written,
+# while in this order each digit needs only the two digits above it and the carry from the
+# digit just written. Its answer line is written the usual way round (the last total's digits
+# in reverse order), so the answer and the reward are the same in every style. The answer line
+# keeps its marker; its number sits under the last line's new total in every style.
 LINE_STYLES = {
     "sum": "{total:04d}+{step:04d}={new:04d},{left:04d}",
     "spaced": "{total:04d} + {step:04d} = {new:04d} > {left:04d}",
     "marks": "{total:04d}*{step:04d}>{new:04d}.{left:04d}",
+    "reversed": "{total:04d}+{step:04d}={new:04d},{left:04d}",
 }
+# Styles whose computation lines hold each number's four digits in reverse order.
+DIGITS_REVERSED = frozenset({"reversed"})
 _ANSWER_LINES = {
     "sum": ANSWER_MARKER + "   {total:04d}",
     "spaced": ANSWER_MARKER + "       {total:04d}",
     "marks": ANSWER_MARKER + "   {total:04d}",
+    "reversed": ANSWER_MARKER + "   {total:04d}",
 }
 _ANSWER_RE = re.compile(r"answer:\s*(-?\d+)")
 
@@ -117,12 +126,21 @@ def _pass_lines(start: int, step: int, count: int, style: str) -> tuple[list[str
     # both operands (the step is padded to 4 digits too), which is what lets a small model
     # learn it in minutes; the repetition is what lets n-gram and EAGLE drafters accept long
     # drafts.
+    # In a DIGITS_REVERSED style the fields are the numbers with their 4 digits reversed (0130
+    # -> 310, printed 0310).
+    field = _reverse_digits if style in DIGITS_REVERSED else int
     lines, total = [], start
     for left in range(count - 1, -1, -1):
         new = total + step
-        lines.append(LINE_STYLES[style].format(total=total, step=step, new=new, left=left))
+        values = {"total": total, "step": step, "new": new, "left": left}
+        lines.append(LINE_STYLES[style].format(**{k: field(v) for k, v in values.items()}))
         total = new
     return lines, total
+
+
+def _reverse_digits(n: int) -> int:
+    """`n`'s four zero-padded digits in reverse order, as a number (0017 -> 7100)."""
+    return int(f"{n:04d}"[::-1])
 
 
 def _solution_text(
@@ -215,11 +233,15 @@ def generate_problem(
 
 
 def make_dataset(
-    n: int, seed: int, num_steps: int | None = None, care: int | Sequence[int] = DEFAULT_CARE
+    n: int,
+    seed: int,
+    num_steps: int | None = None,
+    care: int | Sequence[int] = DEFAULT_CARE,
+    style: str = "sum",
 ) -> list[Problem]:
-    """`n` problems, deterministic for a given seed."""
+    """`n` problems, deterministic for a given seed (the same problems in every style)."""
     rng = random.Random(seed)
-    return [generate_problem(rng, num_steps, care=care) for _ in range(n)]
+    return [generate_problem(rng, num_steps, style, care) for _ in range(n)]
 
 
 def parse_answer(completion_text: str) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -148,3 +149,50 @@ def test_other_line_styles_keep_the_computation_and_the_reward():
         assert UNK_ID not in tok.encode(q.solution, add_special_tokens=False).ids
     with pytest.raises(ValueError, match="style"):
         make_problem(17, 38, 2, style="nope")
+
+
+def test_reversed_style_writes_digits_least_significant_first():
+    p = make_problem(17, 38, 3, style="reversed", checks=1)
+    assert p.solution == (
+        "care 7\n7100+8300=5500,2000\n5500+8300=3900,1000\n3900+8300=1310,0000\ncare 7\n"
+        "check\n7100+8300=5500,2000\n5500+8300=3900,1000\n3900+8300=1310,0000\ncare 7\n"
+        "answer:   0131"
+    )
+    assert p.answer == 131 and parse_answer(p.solution) == 131 and reward(p, p.solution) == 1.0
+    # A wrong last digit of the answer line gets no credit.
+    assert reward(p, p.solution[:-1] + "2") == 0.0
+
+
+def test_reversed_style_is_the_sum_style_with_each_number_reversed():
+    line = re.compile(r"(\d{4})\+(\d{4})=(\d{4}),(\d{4})")
+    rng = random.Random(5)
+    for _ in range(200):
+        seed = rng.randrange(10**6)
+        rev = generate_problem(random.Random(seed), style="reversed", care=range(9))
+        fwd = generate_problem(random.Random(seed), care=range(9))
+        same = ("prompt", "answer", "checks", "guess")
+        assert [getattr(rev, f) for f in same] == [getattr(fwd, f) for f in same]
+        assert reward(rev, rev.solution) == 1.0
+        for r_line, f_line in zip(rev.solution.split("\n"), fwd.solution.split("\n"), strict=True):
+            found = line.fullmatch(r_line)
+            if found is None:
+                assert r_line == f_line  # the care, check and answer lines are the same
+                continue
+            assert line.fullmatch(f_line).groups() == tuple(g[::-1] for g in found.groups())
+            # Digit j of the sum (left to right) needs only digit j of both terms and the
+            # carry out of digit j - 1, written just before it.
+            total, step, new, _ = found.groups()
+            carry, digits = 0, ""
+            for a, b in zip(total, step, strict=True):
+                carry, digit = divmod(int(a) + int(b) + carry, 10)
+                digits += str(digit)
+            assert (carry, digits) == (0, new)
+
+
+def test_make_dataset_draws_the_same_problems_in_every_style():
+    fwd = make_dataset(20, seed=3, care=range(9))
+    rev = make_dataset(20, seed=3, care=range(9), style="reversed")
+    assert [(p.prompt, p.answer, p.guess) for p in fwd] == [
+        (p.prompt, p.answer, p.guess) for p in rev
+    ]
+    assert any(p.solution != q.solution for p, q in zip(fwd, rev, strict=True))
