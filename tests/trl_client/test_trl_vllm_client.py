@@ -67,7 +67,9 @@ def test_generate_with_token_ids_n_and_logprobs(trl_run, http_daemon):
     for s in grpc_samples:
         i = s.prompt_index * 3 + s.sample_index
         assert first["completion_ids"][i] == list(s.token_ids)
-        assert [p[0] for p in first["logprobs"][i]] == pytest.approx(list(s.logprobs), abs=1e-6)
+        # Within float32 rounding: the two calls may be batched differently across the two
+        # workers, and a row's sums then round differently in the last bits (1.2e-6 seen).
+        assert [p[0] for p in first["logprobs"][i]] == pytest.approx(list(s.logprobs), abs=1e-5)
 
 
 def test_the_same_seed_gives_the_same_ids(trl_run):
