@@ -527,14 +527,14 @@ def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
     sqlite_store, tmp_path, ckpt, monkeypatch
 ):
     """While this node runs every unit of a request, its samples reach the stream as events:
-    the poll (every 50 ms here) does not read the store again, and the request's end (every
+    the poll (every 20 ms here) does not read the store again, and the request's end (every
     unit recorded here) ends the stream without reading the samples back. Reading at every
-    poll would make one read per 50 ms of the request's run."""
+    poll would make one read per 20 ms of the request's run."""
     from tests.api.support import make_settings
 
     settings = make_settings(tmp_path, cpu_slots=2, worker_max_batch=16, worker_max_seq_len=1024,
                              worker_heartbeat_seconds=0.2, device_refresh_seconds=3600.0,
-                             stream_poll_seconds=0.05, drafter_training=False)  # fmt: skip
+                             stream_poll_seconds=0.02, drafter_training=False)  # fmt: skip
     reads: list[str] = []
     stream_state = sqlite_store.stream_state
 
@@ -553,7 +553,7 @@ def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
     monkeypatch.setattr(sqlite_store, "list_samples", counted_list)
     d = InProcessDaemon(settings, sqlite_store).start()
     try:
-        params = dict(n=16, temperature=1.0, max_new_tokens=1000, seed=5)
+        params = dict(n=8, temperature=1.0, max_new_tokens=400, seed=5)
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(2)
@@ -562,7 +562,7 @@ def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
             took = time.monotonic() - t0
     finally:
         d.kill()
-    assert len(got) == len(PROMPTS) * 16
+    assert len(got) == len(PROMPTS) * 8
     assert took > 20 * settings.stream_poll_seconds  # long enough for polls to show
     # Before the node claimed the units (a tick): a handful, not one per poll.
     assert reads.count("q") <= 5, (reads.count("q"), took)
