@@ -16,8 +16,8 @@ stubs:
 	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/tltd/v1/*.proto
 
 # Two test processes, whole files to each: most tests wait (daemons starting, leases running
-# out, streams), so one process left the 2 cores ~40% busy. On a quiet 2-core machine, a fresh
-# clone's suite took 16.5 min in one process and 10.5 min in two (1,061 tests both ways).
+# out, streams), so one process left the 2 cores ~40% busy. On a quiet 2-core machine a fresh
+# clone's `make test` (install included) took 9.3 min with two.
 # TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 test: install

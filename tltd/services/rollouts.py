@@ -114,13 +114,13 @@ class RolloutService:
         arrive at once; those stored elsewhere are read from the store every
         `stream_poll_seconds` (not while this node runs every unit of the request). A
         partial sample is sent once the request has ended (until then it may still be run
-        again); with `return_partial` it is sent once stored (a
-        drained node's tokens so far), and the complete sample that replaces it follows.
-        A request runs on the job's policy version current at its acceptance. The stream
-        ends once the request has ended and none of its units is open; a request that ends
-        FAILED ends the stream with UNAVAILABLE naming the reason, after its partial samples.
-        A node that handed its work to the other nodes (a drain) ends its streams with
-        UNAVAILABLE after what they had: the caller re-attaches on another node.
+        again); with `return_partial` it is sent once stored (a drained node's tokens so
+        far), and the complete sample that replaces it follows. A request runs on the job's
+        policy version current at its acceptance. The stream ends once the request has ended
+        and none of its units is open; a request that ends FAILED ends the stream with
+        UNAVAILABLE naming the reason, after its partial samples. A node that handed its work
+        to the other nodes (a drain) ends its streams with UNAVAILABLE after what they had:
+        the caller re-attaches on another node.
         """
         started = time.perf_counter()
         req, sup = await self._accept(req, speculative)
@@ -133,45 +133,50 @@ class RolloutService:
             # a request once stored is always claimable.
             stored, created = await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
             METRICS.observe_admission(time.perf_counter() - started)
-            sent = _Sent(return_partial)
-            cursor, poll = 0, self.settings.stream_poll_seconds
             # A request this call created has nothing stored before the subscription: what
             # this node stores arrives on it, what others store wakes it (or the poll does).
-            read = not created
-            while True:
-                cur = stored
-                if read:
-                    cur, samples, cursor, ended = await self._read_stored(rid, cursor)
-                    for sample in samples:
-                        if sent.admit(sample, ended):
-                            yield sample
-                    if ended:
-                        _end(rid, cur.status, cur.status_reason)
-                        return
-                self._check_not_handed_over(sup, rid)
-                woken = False
-                async for event in _stored_here(events, poll):
-                    if event.sample is None:
-                        # Ended here with every sample's last form seen on this node: the
-                        # partial ones held back are final now, and nothing is left to read.
-                        if event.final and (
-                            sent.complete == cur.samples_total
-                            or (event.here and sent.seen == cur.samples_total)
-                        ):
-                            for sample in sent.release_held():
-                                yield sample
-                            _end(rid, event.status, event.reason)
-                            return
-                        woken = True
-                    elif sent.admit(event.sample, False):
-                        yield event.sample
-                # While this node runs every unit, what is stored arrives on the subscription:
-                # a poll that saw nothing need not read the store; a wake-up (an end, another
-                # node's notification, units claimed with samples stored before) reads it.
-                # Events already queued (the end recorded with the last unit) come first.
-                read = woken or (events.empty() and not sup.runs_every_unit(rid))
+            async for sample in self._follow(sup, stored, not created, events, return_partial):
+                yield sample
         finally:
             sup.unsubscribe(rid, events)
+
+    async def _follow(
+        self,
+        sup: Supervisor,
+        stored: RolloutRequest,
+        read: bool,
+        events: asyncio.Queue[StreamEvent],
+        return_partial: bool,
+    ) -> AsyncIterator[Sample]:
+        """An admitted request's samples until it ends: read from the store (first when
+        `read`), and as they are stored on this node in between."""
+        rid, sent = stored.request_id, _Sent(return_partial)
+        cursor, poll = 0, self.settings.stream_poll_seconds
+        while True:
+            cur = stored
+            if read:
+                cur, samples, cursor, ended = await self._read_stored(rid, cursor)
+                for sample in samples:
+                    if sent.admit(sample, ended):
+                        yield sample
+                if ended:
+                    _end(rid, cur.status, cur.status_reason)
+                    return
+            self._check_not_handed_over(sup, rid)
+            woken = False
+            async for event in _stored_here(events, poll):
+                samples, end = _on_event(event, sent, cur.samples_total)
+                for sample in samples:
+                    yield sample
+                if end:
+                    _end(rid, event.status, event.reason)
+                    return
+                woken = woken or event.sample is None
+            # While this node runs every unit, what is stored arrives on the subscription: a
+            # poll that saw nothing need not read the store; a wake-up (an end, another node's
+            # notification, units claimed with samples stored before) reads it. Events already
+            # queued (the end recorded with the last unit) come first.
+            read = woken or (events.empty() and not sup.runs_every_unit(rid))
 
     async def _accept(
         self, req: RolloutRequest, speculative: SpeculativeMode | None
@@ -383,6 +388,17 @@ class _Sent:
             self._partial.add(key)
             return True
         return False
+
+
+def _on_event(event: StreamEvent, sent: _Sent, total: int) -> tuple[list[Sample], bool]:
+    """A sample stored on this node, or a wake-up: the samples to send now, and whether the
+    stream ends. It ends when the request ended here with every sample's last form seen on
+    this node: the partial ones held back are final then, and nothing is left to read."""
+    if event.sample is not None:
+        return ([event.sample] if sent.admit(event.sample, False) else []), False
+    if event.final and (sent.complete == total or (event.here and sent.seen == total)):
+        return sent.release_held(), True
+    return [], False
 
 
 async def _stored_here(
