@@ -17,7 +17,7 @@ stubs:
 
 # Two test processes, whole files to each: most tests wait (daemons starting, leases running
 # out, streams), so one process left the 2 cores ~40% busy. On a quiet 2-core machine a fresh
-# clone's `make test` (install included) took 9.3 min with two.
+# clone's `make test` (install included) took 9.3 and 9.9 min with two.
 # TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 test: install
