@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import queue
+from dataclasses import replace
 
 import pytest
 
 from tests.store.test_store_api import JOB, SAMPLING
 from tltd.domain import FinishReason, RequestStatus, RolloutRequest, Sample
 from tltd.store import Store
-from tltd.store.notifications import REQUEST, SAMPLE, WORK, Listener
+from tltd.store.notifications import REQUEST, SAMPLE, STATE, WORK, Listener
 
 
 @pytest.mark.postgres
 def test_stored_samples_new_work_and_ended_requests_are_notified(pg_store: Store) -> None:
     got: queue.Queue = queue.Queue()
-    listener = Listener(pg_store.url, lambda ch, payload: got.put((ch, payload))).start()
+    listener = Listener(
+        pg_store.url, lambda ch, payload: ch != STATE and got.put((ch, payload))
+    ).start()
     try:
         assert listener.connected.wait(10)
         pg_store.create_job(JOB)
@@ -30,3 +33,31 @@ def test_stored_samples_new_work_and_ended_requests_are_notified(pg_store: Store
             got.get(timeout=1.0)
     finally:
         listener.stop()
+
+
+@pytest.mark.postgres
+def test_writes_of_what_a_tick_reads_move_the_other_nodes_counts(pg_store: Store) -> None:
+    other = Store(pg_store.url, node_id="node-b")  # another node on the same database
+    got: queue.Queue = queue.Queue()
+
+    def heard(channel: str, payload: str) -> None:
+        if channel == STATE:
+            other.scheduling_writes.changed_elsewhere(payload)
+            got.put(payload)
+
+    listener = Listener(pg_store.url, heard).start()
+    try:
+        assert listener.connected.wait(10)
+        before = other.scheduling_writes.generation
+        pg_store.create_job(JOB)  # a job created on this node
+        assert got.get(timeout=5) == pg_store.scheduling_writes.origin
+        assert other.scheduling_writes.generation == before + 1
+        pg_store.create_request(RolloutRequest("r1", JOB.job_id, ((1, 2),), SAMPLING))
+        with pytest.raises(queue.Empty):  # not what a tick reads: nothing sent
+            got.get(timeout=1.0)
+        other.create_job(replace(JOB, job_id="job-b"))  # its own write moves it once
+        assert got.get(timeout=5) == other.scheduling_writes.origin  # heard back: not again
+        assert other.scheduling_writes.generation == before + 2
+    finally:
+        listener.stop()
+        other.close()

@@ -22,7 +22,8 @@ SAMPLE = "tltd_sample"  # payload: request id; a sample of it was stored
 REQUEST = "tltd_request"  # payload: request id; it ended (cancelled, failed)
 WORK = "tltd_work"  # payload: request id; units to claim
 NODE = "tltd_node"  # payload: node id; an operator request for that node (a drain)
-CHANNELS = (SAMPLE, REQUEST, WORK, NODE)
+STATE = "tltd_state"  # payload: the writer's WriteWatch.origin; jobs, devices or drafters changed
+CHANNELS = (SAMPLE, REQUEST, WORK, NODE, STATE)
 
 _RECONNECT_SECONDS = 1.0
 

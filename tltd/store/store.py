@@ -17,12 +17,14 @@ uses the Store's `_tx`, `node_id`, `epoch` and `dialect`; shared row look-ups ar
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from tltd.settings import default_node_id
+from tltd.store import notifications
 from tltd.store.database import WRITE_OPTION, WriteTurn, make_engine
 from tltd.store.devices import DeviceInventory
 from tltd.store.drafter_leases import DrafterLeases
@@ -36,6 +38,10 @@ from tltd.store.rollout_requests import RolloutRequests
 from tltd.store.sample_batches import SampleBatches
 from tltd.store.samples import SampleRecords
 from tltd.store.workers import WorkerRecords
+from tltd.store.write_watch import WriteWatch
+
+# What a scheduler tick reads (`devices_and_jobs`): jobs, their active drafters, devices.
+SCHEDULING_TABLES = ("jobs", "drafter_versions", "devices")
 
 
 class Store(
@@ -68,6 +74,11 @@ class Store(
         self._writer = sessionmaker(writer_engine, expire_on_commit=False)
         # PostgreSQL locks rows; SQLite's writers take turns (WriteTurn).
         self._write_turn = WriteTurn() if self.dialect == "sqlite" else nullcontext
+        # Moves after each commit that changed what a tick reads (see write_watch).
+        self.scheduling_writes = WriteWatch(SCHEDULING_TABLES, notifications.STATE)
+        self.scheduling_writes.watch(self._writer)
+        self.scheduling_writes.watch(self._reader)
+        self._batch = threading.local()  # .session: the open `batch` of this thread
 
     @property
     def dialect(self) -> str:
@@ -78,7 +89,28 @@ class Store(
         self.engine.dispose()
 
     @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Make the store calls of this thread, until the block ends, one transaction (one
+        commit, one write turn), each call in a savepoint of its own: a call that raises undoes
+        only its own writes. Nothing is committed unless the block ends without an error; then
+        nothing of it is, and the caller may run the calls again one by one."""
+        with self._write_turn(), self._writer.begin() as session:
+            self._batch.session = session
+            try:
+                yield
+            finally:
+                self._batch.session = None
+
+    @contextmanager
     def _tx(self, write: bool = True) -> Iterator[Session]:
+        batch: Session | None = getattr(self._batch, "session", None)
+        if batch is not None:
+            # Each call reads afresh, as it would in a transaction of its own (a row an earlier
+            # call loaded may have changed since; a lock taken now must see it as it is).
+            batch.expire_all()
+            with batch.begin_nested() if write else nullcontext():
+                yield batch
+            return
         if not write:
             with self._reader.begin() as session:
                 yield session

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 # How long a stopped (or vacated) worker gets to exit before it is killed.
 EXIT_SECONDS = 5.0
 SWITCH_EXIT_SECONDS = 20.0  # a graceful engine shutdown (SGLang frees its GPU memory)
+# A worker goes BUSY and back to READY with every request it runs; the store (and its event
+# log) gets the flip once the new state has held this long, not twice per request.
+SETTLE_SECONDS = 0.2
+_SETTLING = (WorkerState.BUSY, WorkerState.READY)
 
 # on_finished(handle, sample, stored): a sample a worker returned (see worker_process.OnMessage).
 OnFinished = Callable[[WorkerHandle, Sample, "bool | None"], None]
@@ -72,6 +76,7 @@ class RolloutWorkers:
         self._run_task = run_task
         self._on_finished = on_finished
         self._device_states: dict[str, DeviceState] = {}
+        self._settling: dict[str, asyncio.TimerHandle] = {}
         self._ctx = worker_context()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.cgroups: MemoryCgroups | None = None
@@ -425,8 +430,23 @@ class RolloutWorkers:
         for handle in self.handles.values():
             if handle.answered:
                 busy = self.queue.inflight(handle.worker_id) > 0
-                state = WorkerState.BUSY if busy else WorkerState.READY
-                self.record_state(handle, state, handle.reason)
+                self._settle(handle, WorkerState.BUSY if busy else WorkerState.READY)
+
+    def _settle(self, handle: WorkerHandle, state: WorkerState) -> None:
+        """`handle` is BUSY or READY now; the store gets it after SETTLE_SECONDS if it holds."""
+        handle.state = state
+        if handle.stored_state == (state, handle.reason) or handle.worker_id in self._settling:
+            return  # nothing to write, or a write of whatever holds then is already due
+        assert self._loop is not None
+        self._settling[handle.worker_id] = self._loop.call_later(
+            SETTLE_SECONDS, self._write_settled, handle
+        )
+
+    def _write_settled(self, handle: WorkerHandle) -> None:
+        self._settling.pop(handle.worker_id, None)
+        # Another state (STOPPED, FAILED, a restart) was recorded meanwhile: it stands.
+        if handle.state in _SETTLING and not self.closed and handle.answered:
+            self.record_state(handle, handle.state, handle.reason)
 
     def record_state(
         self, handle: WorkerHandle, state: WorkerState, reason: str, pid: int | None = None

@@ -30,11 +30,8 @@ from tltd.contract import rollout_messages as msg
 from tltd.contract.broadcast import assign_ranks
 from tltd.domain import (
     Backend,
-    Device,
     DeviceKind,
     FinishReason,
-    Job,
-    JobStatus,
     RequestStatus,
     RolloutRequest,
     Sample,
@@ -51,6 +48,7 @@ from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.policy_updates import PolicyUpdates
 from tltd.supervisor.rollout_workers import RolloutWorkers
 from tltd.supervisor.snapshot import build_snapshot
+from tltd.supervisor.tick_state import TickState
 from tltd.supervisor.training_hook import TrainingHook
 from tltd.supervisor.unit_leases import UnitLeases
 from tltd.supervisor.worker_process import WorkerHandle, broadcast_ranks
@@ -82,7 +80,7 @@ class Supervisor:
         self.sched_cfg = scheduler_config or SchedulerConfig(
             max_samples_per_worker=settings.worker_max_batch
         )
-        self.writes = OrderedWrites()
+        self.writes = OrderedWrites(store.batch)
         self.requests = LiveRequests(store, settings, self.writes, self._spawn, self.kick)
         self.queue = self.requests.queue
         self.models = ModelPlanner(store, settings)
@@ -99,6 +97,7 @@ class Supervisor:
         )
         self.handles = self.workers.handles
         self.models.switch_backend = self.workers.switch_backend
+        self.state = TickState(store, self.settings.scheduler_tick_seconds)
         self.fair_share = FairShare()  # tokens served per job; a job waking from idle lifted
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
         self.leases = UnitLeases(store, settings, self.requests, self.handles, self._close)
@@ -251,6 +250,9 @@ class Supervisor:
         store, a request ended elsewhere stops here, new work is claimed soon."""
         if self._closed:
             return
+        if channel == notifications.STATE:  # the next tick reads jobs and devices again
+            self.store.scheduling_writes.changed_elsewhere(request_id)
+            return
         if channel in (notifications.SAMPLE, notifications.REQUEST):
             self.requests.publish(request_id, StreamEvent())  # a wake-up: re-read the store
         if channel == notifications.REQUEST:
@@ -364,7 +366,7 @@ class Supervisor:
         if self._closed:
             return None
         updates = self.policy_updates.mark()  # before the jobs are read: see policy_updates
-        devices, jobs = await asyncio.to_thread(self._read_state)
+        devices, jobs = self.state.reusable() or await asyncio.to_thread(self.state.read)
         self.workers.reconcile(devices, self.draining)
         await self.models.plan(self.handles, self.queue, jobs)
         if self._drain.assigning:  # (also in a drain's grace: alone, the node runs its work)
@@ -372,6 +374,8 @@ class Supervisor:
         else:  # after the grace, alone: what is still queued ends "drained" (nobody else runs it)
             await self.leases.claim(self._refusal, draining=True, everything=True)
             return None
+        if not active_jobs(self.queue) <= jobs.keys():  # units of a job this read predates
+            devices, jobs = await asyncio.to_thread(self.state.read)
         accounts = self.fair_share.accounts(jobs.values(), active_jobs(self.queue))
         snap = build_snapshot(
             time.monotonic(),
@@ -385,11 +389,6 @@ class Supervisor:
         decision = await self._apply(schedule(snap, self.sched_cfg), updates)
         self.workers.record(decision, devices)
         return decision
-
-    def _read_state(self) -> tuple[list[Device], dict[str, Job]]:
-        """The devices and active jobs a tick decides on (worker thread)."""
-        devices, jobs = self.store.devices_and_jobs([JobStatus.ACTIVE])
-        return devices, {j.job_id: j for j in jobs}
 
     async def _apply(self, decision: Decision, updates: Mapping[str, int]) -> Decision:
         """Carry out a decision; returns it with the training starts that did happen."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from tltd.domain import Sample, Worker
@@ -20,12 +21,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class OrderedWrites:
-    """A FIFO of store calls run by one task (`run`) in a worker thread each."""
+# At most this many queued writes share one transaction (a bound on how long one batch holds
+# SQLite's write lock, which the workers' sample writes wait for).
+MAX_BATCH = 64
 
-    def __init__(self) -> None:
+_Item = tuple[Callable[..., Any], tuple, "asyncio.Future | None"]
+
+
+class OrderedWrites:
+    """A FIFO of store calls run by one task (`run`) in a worker thread.
+
+    With `batch` (`Store.batch`), the writes queued while one transaction runs go together in
+    the next: one thread hop and one commit for all of them, each in a savepoint of its own, so
+    one that raises undoes only itself and gets its own error. A batch that does not commit (the
+    database gone, a deadlock) is undone whole and run again one call at a time, as without it.
+    """
+
+    def __init__(self, batch: Callable[[], AbstractContextManager[None]] | None = None) -> None:
         self._queue: asyncio.Queue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._batch = batch
 
     def bind(self) -> None:
         """Create the queue on the running loop (the supervisor's `start`)."""
@@ -33,23 +48,31 @@ class OrderedWrites:
         self._queue = asyncio.Queue()
 
     async def run(self) -> None:
-        """Runs queued store writes one at a time, in order (RUNNING before COMPLETED)."""
+        """Runs queued store writes in order (RUNNING before COMPLETED)."""
         assert self._queue is not None
         while True:
-            fn, args, fut = await self._queue.get()
+            items = [await self._queue.get()]
+            while self._batch is not None and len(items) < MAX_BATCH and not self._queue.empty():
+                items.append(self._queue.get_nowait())
             try:
-                result = await asyncio.to_thread(fn, *args)
-                if fut is not None and not fut.done():
-                    fut.set_result(result)
-            except Exception as exc:
-                if fut is not None and not fut.done():
-                    fut.set_exception(exc)
-                elif isinstance(exc, TltError):
-                    log.debug("store write refused: %s", exc)
+                if len(items) == 1:
+                    outcomes = [await asyncio.to_thread(_call, items[0])]
                 else:
-                    log.exception("store write failed")
+                    outcomes = await asyncio.to_thread(self._run_batch, items)
+                for item, outcome in zip(items, outcomes, strict=True):
+                    _settle(item, outcome)
             finally:
-                self._queue.task_done()
+                for _ in items:
+                    self._queue.task_done()
+
+    def _run_batch(self, items: list[_Item]) -> list[tuple[bool, Any]]:
+        assert self._batch is not None
+        try:
+            with self._batch():
+                return [_call(item) for item in items]
+        except Exception:
+            log.warning("batched store writes not committed; writing them one by one")
+            return [_call(item) for item in items]
 
     async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Queue `fn(*args)` and wait for its result (or its exception)."""
@@ -67,6 +90,29 @@ class OrderedWrites:
         """Wait until everything queued so far is written."""
         if self._queue is not None:
             await self._queue.join()
+
+
+def _call(item: _Item) -> tuple[bool, Any]:
+    fn, args, _ = item
+    try:
+        return True, fn(*args)
+    except Exception as exc:
+        return False, exc
+
+
+def _settle(item: _Item, outcome: tuple[bool, Any]) -> None:
+    """Hand a write's result (or error) to whoever waits for it; log it when nobody does."""
+    ok, value = outcome
+    fut = item[2]
+    if fut is not None and not fut.done():
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+    elif not ok and isinstance(value, TltError):
+        log.debug("store write refused: %s", value)
+    elif not ok:
+        log.error("store write failed", exc_info=value)
 
 
 # ---- store calls run in the writer's thread ---------------------------------------------------

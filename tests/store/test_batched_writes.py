@@ -1,0 +1,98 @@
+"""Store writes queued together share one transaction (`Store.batch` via `OrderedWrites`), and a
+write that fails in it is undone alone: on the real databases."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+
+from tltd.domain import Job
+from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
+from tltd.store import Store
+from tltd.supervisor.writes import OrderedWrites
+
+JOB = Job(job_id="job-a", model_path="/models/tiny", name="grpo")
+
+
+def _half_written(store: Store) -> None:
+    """A write that adds a row, then refuses: its row must not stay."""
+    with store._tx():  # in a batch: one savepoint around both
+        store.create_job(replace(JOB, job_id="half"))
+        raise FailedPrecondition("half: refused after writing", field="job_id")
+
+
+async def _queue_at_once(writes: OrderedWrites, calls) -> list:
+    """Queue every call before the writer runs, so they go in one batch."""
+    writes.bind()
+    futures = [asyncio.ensure_future(writes.write(fn, *args)) for fn, *args in calls]
+    await asyncio.sleep(0)  # every write() has queued its call
+    runner = asyncio.create_task(writes.run())
+    try:
+        return await asyncio.gather(*futures, return_exceptions=True)
+    finally:
+        runner.cancel()
+
+
+def _counting(store: Store, fail_commit: bool = False):
+    opened = []
+
+    @contextmanager
+    def batch():
+        opened.append(1)
+        with store.batch():
+            yield
+            if fail_commit:  # as a commit that fails would: the whole batch is undone
+                raise OSError("disk full")
+
+    return batch, opened
+
+
+def test_a_failed_write_in_a_batch_is_undone_alone(store: Store) -> None:
+    batch, opened = _counting(store)
+    other = replace(JOB, job_id="job-b")
+    results = asyncio.run(
+        _queue_at_once(
+            OrderedWrites(batch),
+            [
+                (store.create_job, JOB),
+                (store.create_job, replace(JOB, model_path="/elsewhere")),  # a conflict
+                (_half_written, store),
+                (store.get_device, "cuda:9"),  # not found
+                (store.create_job, other),
+            ],
+        )
+    )
+    assert len(opened) == 1  # one transaction for the five
+    assert results[0][1] is True and results[4][1] is True
+    assert isinstance(results[1], AlreadyExists) and results[1].field == "job_id"
+    assert isinstance(results[2], FailedPrecondition)
+    assert isinstance(results[3], NotFound)
+    assert sorted(j.job_id for j in store.list_jobs()) == ["job-a", "job-b"]  # no "half"
+
+
+def test_a_batch_that_does_not_commit_is_written_again_one_by_one(store: Store) -> None:
+    batch, opened = _counting(store, fail_commit=True)
+    jobs = [replace(JOB, job_id=f"job-{i}") for i in range(4)]
+    results = asyncio.run(
+        _queue_at_once(OrderedWrites(batch), [(store.create_job, j) for j in jobs])
+    )
+    assert len(opened) == 1
+    # Each created exactly once: the undone batch left nothing, the one-by-one run wrote all.
+    assert [created for _, created in results] == [True] * 4
+    assert sorted(j.job_id for j in store.list_jobs()) == [j.job_id for j in jobs]
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_writes_run_in_the_order_queued(store: Store, batched: bool) -> None:
+    order = []
+
+    def note(i: int) -> int:
+        order.append(i)
+        return i
+
+    writes = OrderedWrites(store.batch if batched else None)
+    results = asyncio.run(_queue_at_once(writes, [(note, i) for i in range(10)]))
+    assert order == list(range(10)) and results == list(range(10))

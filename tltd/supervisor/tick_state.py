@@ -1,0 +1,57 @@
+"""The devices and active jobs a scheduler tick decides on, read again only when they may have
+changed.
+
+Every sample, admission and lease event wakes the tick, several times per request; the devices
+and jobs it reads change far more rarely. A read is reused while the store's count of committed
+writes to those tables (`Store.scheduling_writes`) is unchanged and it is younger than
+`max_age`: another node's writes (a job created, paused or re-weighted there, a drafter it
+promoted) are not counted here, so a tick sees them within `max_age`, which is the tick's
+period, as a tick woken by nothing would.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tltd.domain import Device, Job, JobStatus
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+
+
+@dataclass(frozen=True)
+class _Read:
+    generation: int
+    at: float
+    devices: list[Device]
+    jobs: dict[str, Job]
+
+
+class TickState:
+    def __init__(self, store: Store, max_age: float) -> None:
+        self.store = store
+        self.max_age = max_age
+        self._last: _Read | None = None
+        self.reads = 0  # store reads made (the rest were reused)
+
+    def reusable(self) -> tuple[list[Device], dict[str, Job]] | None:
+        """The last read, when nothing it holds can have changed since (no store access)."""
+        last = self._last
+        if last is None or last.generation != self.store.scheduling_writes.generation:
+            return None
+        if time.monotonic() - last.at >= self.max_age:
+            return None
+        return last.devices, last.jobs
+
+    def read(self) -> tuple[list[Device], dict[str, Job]]:
+        """Read the store (worker thread)."""
+        # Taken before the read: a write committed while it runs moves it, so this read is not
+        # reused after that write.
+        generation = self.store.scheduling_writes.generation
+        at = time.monotonic()
+        devices, jobs = self.store.devices_and_jobs([JobStatus.ACTIVE])
+        self.reads += 1
+        self._last = _Read(generation, at, devices, {j.job_id: j for j in jobs})
+        return self._last.devices, self._last.jobs
