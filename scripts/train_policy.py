@@ -22,6 +22,7 @@ from examples.task.reasoning import (  # noqa: E402
     CARE_LEVELS,
     GUESS_RATE,
     LINE_STYLES,
+    TASK_STYLE,
     Problem,
     format_prompt,
     generate_problem,
@@ -73,7 +74,7 @@ class TrainConfig:
     min_care: int = 0
     guess_rate: float = GUESS_RATE
     # Layout of the reference solutions' lines (examples/task/reasoning.py LINE_STYLES).
-    style: str = "sum"
+    style: str = TASK_STYLE
 
 
 # Deep and narrow, so that on a CPU a decode step is bound by per-layer overhead and KV-cache
@@ -294,17 +295,21 @@ def percentile(values: list[int], q: float) -> int:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def evaluate(path: Path, n: int, max_new_tokens: int, seed: int) -> dict:
+def evaluate(path: Path, n: int, max_new_tokens: int, seed: int, style: str = TASK_STYLE) -> dict:
     """Greedy and T=1 sampled accuracy per problem size, and the completion-length tail."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = load_tokenizer(path)
     sets = {
-        "small (1-3 steps)": [p for k in (1, 2, 3) for p in make_dataset(n // 3, seed + k, k)],
-        "natural (long-tailed sizes)": make_dataset(n, seed + 100),
+        "small (1-3 steps)": [
+            p for k in (1, 2, 3) for p in make_dataset(n // 3, seed + k, k, style=style)
+        ],
+        "natural (long-tailed sizes)": make_dataset(n, seed + 100, style=style),
         "large (16-24 steps)": [
-            p for k in (16, 20, 24) for p in make_dataset(max(2, n // 15), seed + 200 + k, k)
+            p
+            for k in (16, 20, 24)
+            for p in make_dataset(max(2, n // 15), seed + 200 + k, k, style=style)
         ],
     }
     report: dict = {"max_new_tokens": max_new_tokens}
@@ -335,7 +340,7 @@ def evaluate(path: Path, n: int, max_new_tokens: int, seed: int) -> dict:
             print(
                 f"{name:28s} {mode:8s} " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True
             )
-    example = make_dataset(1, seed + 999, 3)[0]
+    example = make_dataset(1, seed + 999, 3, style=style)[0]
     out = generate(model, tok, [example], sample=False, max_new_tokens=128, seed=seed)[0]
     print("example prompt:", repr(format_prompt(example)), "greedy:", repr(decode(tok, out)))
     return report
@@ -525,7 +530,8 @@ def main() -> None:
         if args.no_eval:
             return
     summary = json.loads(summary_path.read_text())
-    report = evaluate(args.out, args.eval_n, args.max_new_tokens, seed=1234)
+    style = summary["config"].get("style", "sum")  # the style the model was trained on
+    report = evaluate(args.out, args.eval_n, args.max_new_tokens, seed=1234, style=style)
     (args.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     write_card(args.out, summary, report)
 

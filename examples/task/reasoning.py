@@ -43,25 +43,29 @@ MAX_START = 999
 MIN_STEP, MAX_STEP = 10, 99
 
 ANSWER_MARKER = "answer:"
-# Answer line layouts. "sum" is the task's (what models/tiny-policy learnt); "spaced" is the
+# Answer line layouts. "sum" is the task as first written (big-endian); "spaced" is the
 # same computation with other separators and a wider line (25 characters instead of 19, so
 # every copy-from-the-line-above distance changes); "marks" keeps the widths and changes only
 # the separators. They are shifted data mixes for benchmarks/bench_drift.py to fine-tune the
-# policy towards. "reversed" writes every number of the computation lines least-significant
-# digit first ("7100+8300=5500,2000" for 0017 + 0038 = 0055 with 2 steps left): a sum written
-# most-significant digit first needs, at each digit, the carry out of digits not yet written,
-# while in this order each digit needs only the two digits above it and the carry from the
-# digit just written. Its answer line is written the usual way round (the last total's digits
-# in reverse order), so the answer and the reward are the same in every style. The answer line
-# keeps its marker; its number sits under the last line's new total in every style.
+# policy towards. "reversed" is the task written little-endian: every number of the prompt and
+# of the answer, the answer line's included, has its digits least-significant first (prompt
+# "start 7100 step 83 count 3000", line "7100+8300=5500,2000" for 0017 + 0038 = 0055 with 2
+# steps left, "answer:   1310" for 131). A sum written most-significant digit first needs, at
+# each digit, the carry out of digits not yet written; in this order each digit needs only the
+# two digits above it and the carry from the digit just written, and every number is copied as
+# it stands, never turned round. The answer line keeps its marker; its number sits under the
+# last line's new total in every style. `reward` reads the answer in the problem's style.
 LINE_STYLES = {
     "sum": "{total:04d}+{step:04d}={new:04d},{left:04d}",
     "spaced": "{total:04d} + {step:04d} = {new:04d} > {left:04d}",
     "marks": "{total:04d}*{step:04d}>{new:04d}.{left:04d}",
     "reversed": "{total:04d}+{step:04d}={new:04d},{left:04d}",
 }
-# Styles whose computation lines hold each number's four digits in reverse order.
+# Styles whose numbers, in the prompt and in the answer, are written least-significant first.
 DIGITS_REVERSED = frozenset({"reversed"})
+# The style of the task as models/tiny-policy learnt it: the prompts the workload and the
+# demo's dataset build, and the default of everything here.
+TASK_STYLE = "sum"
 _ANSWER_LINES = {
     "sum": ANSWER_MARKER + "   {total:04d}",
     "spaced": ANSWER_MARKER + "       {total:04d}",
@@ -88,6 +92,7 @@ class Problem:
     care: int = 0
     checks: int = 0
     guess: bool = False
+    style: str = TASK_STYLE  # LINE_STYLES: the layout, and the digit order of every number
 
     @property
     def num_steps(self) -> int:
@@ -128,7 +133,7 @@ def _pass_lines(start: int, step: int, count: int, style: str) -> tuple[list[str
     # drafts.
     # In a DIGITS_REVERSED style the fields are the numbers with their 4 digits reversed (0130
     # -> 310, printed 0310).
-    field = _reverse_digits if style in DIGITS_REVERSED else int
+    field = _number_field(style)
     lines, total = [], start
     for left in range(count - 1, -1, -1):
         new = total + step
@@ -138,16 +143,21 @@ def _pass_lines(start: int, step: int, count: int, style: str) -> tuple[list[str
     return lines, total
 
 
-def _reverse_digits(n: int) -> int:
-    """`n`'s four zero-padded digits in reverse order, as a number (0017 -> 7100)."""
-    return int(f"{n:04d}"[::-1])
+def _reverse_digits(n: int, width: int = 4) -> int:
+    """`n`'s `width` zero-padded digits in reverse order, as a number (0017 -> 7100)."""
+    return int(f"{n:0{width}d}"[::-1])
+
+
+def _number_field(style: str):
+    """How `style` writes a 4-digit number: as it is, or with its digits reversed."""
+    return _reverse_digits if style in DIGITS_REVERSED else int
 
 
 def _solution_text(
     start: int,
     step: int,
     count: int,
-    style: str = "sum",
+    style: str = TASK_STYLE,
     checks: int = 0,
     guess: bool = False,
     care: int = DEFAULT_CARE,
@@ -169,7 +179,7 @@ def _solution_text(
             lines.extend([CHECK_MARKER, *one_pass, reminder])
     # Zero-padded and right under the last total's column, so writing it is the same
     # copy-from-the-line-above as every other field.
-    lines.append(_ANSWER_LINES[style].format(total=total))
+    lines.append(_ANSWER_LINES[style].format(total=_number_field(style)(total)))
     return "\n".join(lines), total
 
 
@@ -185,7 +195,7 @@ def make_problem(
     start: int,
     step: int,
     count: int,
-    style: str = "sum",
+    style: str = TASK_STYLE,
     checks: int = 0,
     guess: bool = False,
     care: int = DEFAULT_CARE,
@@ -206,15 +216,19 @@ def make_problem(
     if not 0 <= care <= 9:
         raise ValueError(f"care: must be in [0, 9], got {care}")
     checks = 0 if guess else checks
-    prompt = f"start {start:04d} step {step:02d} count {count:04d} care {care}\n"
+    if style in DIGITS_REVERSED:
+        numbers = (_reverse_digits(start), _reverse_digits(step, 2), _reverse_digits(count))
+    else:
+        numbers = (start, step, count)
+    prompt = "start {:04d} step {:02d} count {:04d} care {care}\n".format(*numbers, care=care)
     solution, answer = _solution_text(start, step, count, style, checks, guess, care)
-    return Problem(start, step, count, prompt, solution, answer, care, checks, guess)
+    return Problem(start, step, count, prompt, solution, answer, care, checks, guess, style)
 
 
 def generate_problem(
     rng: random.Random,
     num_steps: int | None = None,
-    style: str = "sum",
+    style: str = TASK_STYLE,
     care: int | Sequence[int] = DEFAULT_CARE,
     guess_rate: float = GUESS_RATE,
 ) -> Problem:
@@ -237,15 +251,16 @@ def make_dataset(
     seed: int,
     num_steps: int | None = None,
     care: int | Sequence[int] = DEFAULT_CARE,
-    style: str = "sum",
+    style: str = TASK_STYLE,
 ) -> list[Problem]:
     """`n` problems, deterministic for a given seed (the same problems in every style)."""
     rng = random.Random(seed)
     return [generate_problem(rng, num_steps, style, care) for _ in range(n)]
 
 
-def parse_answer(completion_text: str) -> int | None:
-    """The final answer of a completion, or None when it has none or does not end with it.
+def parse_answer(completion_text: str, style: str = TASK_STYLE) -> int | None:
+    """The final answer of a completion written in `style`, or None when it has none or does
+    not end with it.
 
     A completion is only judged when it ends with exactly one answer line: a rambling or
     truncated answer (no marker, text after it, or several answers) gets no credit.
@@ -254,9 +269,12 @@ def parse_answer(completion_text: str) -> int | None:
         return None
     last = completion_text.rstrip().rsplit("\n", 1)[-1].strip()
     found = _ANSWER_RE.fullmatch(last)
-    return int(found.group(1)) if found else None
+    if not found:
+        return None
+    digits = found.group(1)
+    return int(digits[::-1] if style in DIGITS_REVERSED else digits)
 
 
 def reward(problem: Problem, completion_text: str) -> float:
     """1.0 when the completion's final answer equals the problem's answer, else 0.0."""
-    return 1.0 if parse_answer(completion_text) == problem.answer else 0.0
+    return 1.0 if parse_answer(completion_text, problem.style) == problem.answer else 0.0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
 
 from examples.task.reasoning import (
+    TASK_STYLE,
     Problem,
     format_prompt,
     generate_problem,
@@ -49,8 +51,19 @@ def rollout_prompts(
     sizes = [num_steps or size_at_quantile((i + 0.5) / num_prompts) for i in range(num_prompts)]
     rng.shuffle(sizes)
     levels = [care] if isinstance(care, int) else list(care)
+    style = model_style(model_dir)
     problems = [
-        generate_problem(rng, num_steps=k, care=levels[i % len(levels)])
+        generate_problem(rng, num_steps=k, style=style, care=levels[i % len(levels)])
         for i, k in enumerate(sizes)
     ]
     return [(p, encode_prompt(tok, format_prompt(p))) for p in problems]
+
+
+def model_style(model_dir: str | Path = MODEL_DIR) -> str:
+    """The task style (reasoning.LINE_STYLES) a policy was trained on, from the training summary
+    `scripts/train_policy.py` writes beside it: its prompts are written in that style. A
+    model without one (e.g. a trainer's checkpoint) is the task's."""
+    summary = Path(model_dir) / "training_summary.json"
+    if not summary.exists():
+        return TASK_STYLE
+    return json.loads(summary.read_text())["config"].get("style", "sum")

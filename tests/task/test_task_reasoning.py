@@ -151,16 +151,21 @@ def test_other_line_styles_keep_the_computation_and_the_reward():
         make_problem(17, 38, 2, style="nope")
 
 
-def test_reversed_style_writes_digits_least_significant_first():
+def test_reversed_style_writes_every_number_least_significant_digit_first():
     p = make_problem(17, 38, 3, style="reversed", checks=1)
+    assert p.prompt == "start 7100 step 83 count 3000 care 7\n"
     assert p.solution == (
         "care 7\n7100+8300=5500,2000\n5500+8300=3900,1000\n3900+8300=1310,0000\ncare 7\n"
         "check\n7100+8300=5500,2000\n5500+8300=3900,1000\n3900+8300=1310,0000\ncare 7\n"
-        "answer:   0131"
+        "answer:   1310"
     )
-    assert p.answer == 131 and parse_answer(p.solution) == 131 and reward(p, p.solution) == 1.0
-    # A wrong last digit of the answer line gets no credit.
+    assert p.answer == 131 and parse_answer(p.solution, "reversed") == 131
+    assert reward(p, p.solution) == 1.0
+    # Read the other way round it is another number; a wrong digit gets no credit.
+    assert parse_answer(p.solution, "sum") == 1310
     assert reward(p, p.solution[:-1] + "2") == 0.0
+    guess = make_problem(17, 38, 3, style="reversed", guess=True)
+    assert guess.solution == "answer:   1310" and reward(guess, guess.solution) == 1.0
 
 
 def test_reversed_style_is_the_sum_style_with_each_number_reversed():
@@ -170,13 +175,19 @@ def test_reversed_style_is_the_sum_style_with_each_number_reversed():
         seed = rng.randrange(10**6)
         rev = generate_problem(random.Random(seed), style="reversed", care=range(9))
         fwd = generate_problem(random.Random(seed), care=range(9))
-        same = ("prompt", "answer", "checks", "guess")
+        same = ("start", "step", "count", "care", "answer", "checks", "guess")
         assert [getattr(rev, f) for f in same] == [getattr(fwd, f) for f in same]
         assert reward(rev, rev.solution) == 1.0
+        r_prompt, f_prompt = rev.prompt.split(), fwd.prompt.split()
+        assert r_prompt[0::2] == f_prompt[0::2]  # the words and the care digit
+        assert [w[::-1] for w in r_prompt[1:6:2]] == f_prompt[1:6:2]  # start, step, count
         for r_line, f_line in zip(rev.solution.split("\n"), fwd.solution.split("\n"), strict=True):
+            if r_line.startswith("answer:"):
+                assert r_line.split()[1] == f_line.split()[1][::-1]
+                continue
             found = line.fullmatch(r_line)
             if found is None:
-                assert r_line == f_line  # the care, check and answer lines are the same
+                assert r_line == f_line  # the care and check lines are the same
                 continue
             assert line.fullmatch(f_line).groups() == tuple(g[::-1] for g in found.groups())
             # Digit j of the sum (left to right) needs only digit j of both terms and the
@@ -192,7 +203,7 @@ def test_reversed_style_is_the_sum_style_with_each_number_reversed():
 def test_make_dataset_draws_the_same_problems_in_every_style():
     fwd = make_dataset(20, seed=3, care=range(9))
     rev = make_dataset(20, seed=3, care=range(9), style="reversed")
-    assert [(p.prompt, p.answer, p.guess) for p in fwd] == [
-        (p.prompt, p.answer, p.guess) for p in rev
+    assert [(p.start, p.step, p.count, p.answer, p.guess) for p in fwd] == [
+        (p.start, p.step, p.count, p.answer, p.guess) for p in rev
     ]
     assert any(p.solution != q.solution for p, q in zip(fwd, rev, strict=True))
