@@ -47,7 +47,9 @@ def test_token_id_prompts_n_and_logprobs(oai, http_daemon):
         extra = c.model_extra
         assert extra["token_ids"] == s.token_ids
         assert extra["prompt_token_ids"] == PROMPTS[s.prompt_index]
-        assert c.logprobs.token_logprobs == pytest.approx(s.logprobs, abs=1e-6)
+        # Within float32 rounding: the two calls may be batched differently across the
+        # workers, and a batch's sums then differ in the last bits (1.2e-6 seen).
+        assert c.logprobs.token_logprobs == pytest.approx(s.logprobs, abs=1e-5)
         assert len(c.logprobs.tokens) == 6 and c.finish_reason == "length"
         assert c.text  # the job's model has a tokenizer
 

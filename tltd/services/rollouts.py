@@ -77,7 +77,7 @@ class RolloutService:
         if self.node.draining and not self._is_retry(req):
             raise Unavailable("node is draining: not accepting new rollouts")
         validate_rollout(req, self.settings)
-        job, devices = self.store.job_and_devices(req.job_id)  # NotFound names job_id
+        job, devices = self._job_and_devices(req.job_id)
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job.job_id} is {job.status.value}", field="job_id")
         _check_backend_options(req, job)
@@ -98,6 +98,15 @@ class RolloutService:
             request_id=req.request_id or f"req-{uuid.uuid4().hex}",
             speculative=speculative or job.speculative.mode,
         )
+
+    def _job_and_devices(self, job_id: str) -> tuple[Job, list[Device]]:
+        """The job and this node's devices: the scheduler's last read while nothing in it can
+        have changed (`TickState`), else the store's. Either may be a moment old: the request's
+        own transaction checks again that the job is active."""
+        read = self.supervisor.state.reusable() if self.supervisor is not None else None
+        if read is not None and job_id in read[1]:
+            return read[1][job_id], read[0]
+        return self.store.job_and_devices(job_id)  # NotFound names job_id
 
     async def generate(
         self,
