@@ -72,6 +72,7 @@ from examples.task.tokenizer import (  # noqa: E402
     encode_prompt,
     load_tokenizer,
 )
+from examples.task.workload import model_style  # noqa: E402
 from tltd.domain import SamplingParams  # noqa: E402
 from tltd_workers.drafter.buffer import TrainingBuffer  # noqa: E402
 from tltd_workers.drafter.trainer import Stop, Trainer, TrainerConfig  # noqa: E402
@@ -93,15 +94,25 @@ def layout_re(style: str) -> re.Pattern[str]:
 
 
 def finetune(
-    model, opt, sched, tok, rng: random.Random, steps: int, share_new: float, batch: int, style: str
+    model,
+    opt,
+    sched,
+    tok,
+    rng: random.Random,
+    steps: int,
+    share_new: float,
+    batch: int,
+    style: str,
+    base: str,
 ) -> float:
     """`steps` AdamW steps of next-token cross-entropy on answer tokens of fresh task problems,
-    a share `share_new` of them in the new layout; batches of similar lengths (less padding)."""
+    a share `share_new` of them in the new layout (`style`), the rest in the policy's own
+    (`base`); batches of similar lengths (less padding)."""
     model.train()
     losses = []
     pool = []
     for _ in range(steps * batch):
-        p = generate_problem(rng, style=style if rng.random() < share_new else "sum")
+        p = generate_problem(rng, style=style if rng.random() < share_new else base)
         prompt = encode_prompt(tok, format_prompt(p))
         pool.append((prompt + encode_answer(tok, p.solution), len(prompt)))
     pool.sort(key=lambda e: len(e[0]))
@@ -126,13 +137,14 @@ def finetune(
     return sum(losses) / max(len(losses), 1)
 
 
-def step_prompts(tok, n: int, seed: int) -> list[list[int]]:
+def step_prompts(tok, n: int, seed: int, style: str) -> list[list[int]]:
     """n fresh task prompts whose sizes are the size distribution's quantiles (every step has
     the long tail), in random order; seeds differ from the fine-tuning data's."""
     rng = random.Random(seed)
     sizes = [size_at_quantile((i + 0.5) / n) for i in range(n)]
     rng.shuffle(sizes)
-    return [encode_prompt(tok, format_prompt(generate_problem(rng, k))) for k in sizes]
+    problems = [generate_problem(rng, k, style=style) for k in sizes]
+    return [encode_prompt(tok, format_prompt(p)) for p in problems]
 
 
 def rollout(
@@ -206,9 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-device", type=int, default=8)
     ap.add_argument(
         "--style",
-        default="marks",
-        choices=sorted(set(LINE_STYLES) - {"sum"} - DIGITS_REVERSED),
-        help="answer layout of the shifted data mix",
+        choices=sorted(set(LINE_STYLES) - {"sum", "reversed"}),
+        help="answer layout of the shifted data mix (default: 'marks' in the policy's digit order)",
     )
     ap.add_argument(
         "--ramp",
@@ -226,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 updates, tiny sizes")
     args = ap.parse_args(argv)
+    base = model_style(args.model)  # the policy's own style: its prompts, the mix's rest
+    reversed_order = base in DIGITS_REVERSED
+    args.style = args.style or ("reversed-marks" if reversed_order else "marks")
+    if (args.style in DIGITS_REVERSED) != reversed_order:
+        ap.error(f"--style: {args.style!r} writes numbers in another order than the policy's")
     if args.quick:
         args.updates, args.devices, args.per_device = 2, 2, 2
         args.policy_steps, args.max_new_tokens, args.ramp = 2, 48, 2
@@ -286,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ploss = float("nan")
     for u in range(args.updates + 1):
         share = min(1.0, u / ramp)
-        prompts = step_prompts(tok, n, seed=10_000 * (args.seed + 1) + u)
+        prompts = step_prompts(tok, n, seed=10_000 * (args.seed + 1) + u, style=base)
         shards, times, new_frac = rollout(
             engine, tok, prompts, args.devices, args.max_new_tokens, new_re
         )
@@ -326,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 min(1.0, (u + 1) / ramp),
                 args.policy_batch,
                 args.style,
+                base,
             )
             engine.load_policy(
                 {k: v.detach() for k, v in policy.state_dict().items()}, version=u + 1

@@ -60,9 +60,13 @@ LINE_STYLES = {
     "spaced": "{total:04d} + {step:04d} = {new:04d} > {left:04d}",
     "marks": "{total:04d}*{step:04d}>{new:04d}.{left:04d}",
     "reversed": "{total:04d}+{step:04d}={new:04d},{left:04d}",
+    "reversed-spaced": "{total:04d} + {step:04d} = {new:04d} > {left:04d}",
+    "reversed-marks": "{total:04d}*{step:04d}>{new:04d}.{left:04d}",
 }
-# Styles whose numbers, in the prompt and in the answer, are written least-significant first.
-DIGITS_REVERSED = frozenset({"reversed"})
+# Styles whose numbers, in the prompt and in the answer, are written least-significant first
+# ("reversed-spaced" and "reversed-marks" are "spaced" and "marks" in that order: the shifted
+# mixes of a little-endian policy).
+DIGITS_REVERSED = frozenset({"reversed", "reversed-spaced", "reversed-marks"})
 # The style of the task as models/tiny-policy learnt it: the prompts the workload and the
 # demo's dataset build, and the default of everything here.
 TASK_STYLE = "sum"
@@ -71,6 +75,8 @@ _ANSWER_LINES = {
     "spaced": ANSWER_MARKER + "       {total:04d}",
     "marks": ANSWER_MARKER + "   {total:04d}",
     "reversed": ANSWER_MARKER + "   {total:04d}",
+    "reversed-spaced": ANSWER_MARKER + "       {total:04d}",
+    "reversed-marks": ANSWER_MARKER + "   {total:04d}",
 }
 _ANSWER_RE = re.compile(r"answer:\s*(-?\d+)")
 
