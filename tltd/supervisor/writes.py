@@ -60,7 +60,7 @@ class OrderedWrites:
                 else:
                     outcomes = await asyncio.to_thread(self._run_batch, items)
                 for item, outcome in zip(items, outcomes, strict=True):
-                    _settle(item, outcome)
+                    _deliver(item, outcome)
             finally:
                 for _ in items:
                     self._queue.task_done()
@@ -100,7 +100,7 @@ def _call(item: _Item) -> tuple[bool, Any]:
         return False, exc
 
 
-def _settle(item: _Item, outcome: tuple[bool, Any]) -> None:
+def _deliver(item: _Item, outcome: tuple[bool, Any]) -> None:
     """Hand a write's result (or error) to whoever waits for it; log it when nobody does."""
     ok, value = outcome
     fut = item[2]
