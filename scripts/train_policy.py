@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.task.reasoning import (  # noqa: E402
     CARE_LEVELS,
+    DIGITS_REVERSED,
     GUESS_RATE,
     LINE_STYLES,
     TASK_STYLE,
@@ -27,6 +28,7 @@ from examples.task.reasoning import (  # noqa: E402
     format_prompt,
     generate_problem,
     make_dataset,
+    make_problem,
     reward,
 )
 from examples.task.tokenizer import (  # noqa: E402
@@ -361,30 +363,21 @@ that RL has something to improve.
 
 ## Task and format
 
-Add `step` to `start`, `count` times; the answer is the final total. Prompt
-`<bos>start 0017 step 38 count 0003 care 7\n`; the answer is one fixed-width line per step
+Add `step` to `start`, `count` times; the answer is the final total. {style_note} Prompt
+`<bos>{prompt}\\n`; the answer restates the care, then is one fixed-width line per step
 (total, step, new total, steps left) and a line restating the care; then, with probability
 care / 10 each time, `check` and the whole computation again, then the result, ended by
 `<eos>`:
 
 ```
-0017+0038=0055,0002
-0055+0038=0093,0001
-0093+0038=0131,0000
-care 7
-check
-0017+0038=0055,0002
-0055+0038=0093,0001
-0093+0038=0131,0000
-care 7
-answer:   0131
+{example}
 ```
 
 The care line sits right before the re-check decision it sets: a policy of this size trained
 without it re-checked at the same rate (~0.65) whatever the prompt's care, because it never
 learnt to look the digit up in the prompt thousands of tokens back.
 
-A fifth of the reference answers are a bare guess (`answer:   0131` at once), which a policy
+{guess_share} of the reference answers are a bare guess (`{guess}` at once), which a policy
 this small mostly gets wrong: RL learns to stop guessing. The count (1-24) follows a
 truncated power law (exponent 1.25); re-checks make lengths long-tailed *per sample* (the same
 prompt: 60 tokens once, 1,500 the next). Re-checks are not capped: reference answers at care 7
@@ -460,7 +453,20 @@ def write_card(out: Path, summary: dict, report: dict) -> None:
         stage = stage.get("previous")
     stages = [row.format(n=i + 1) for i, row in enumerate(reversed(stages))]
     cfg = summary["config"]
+    style = cfg.get("style", "sum")
+    example = make_problem(17, 38, 3, style=style, checks=1, care=7)
+    little = style in DIGITS_REVERSED
     text = MODEL_CARD.format(
+        style_note=(
+            f"Style `{style}`: every number, the prompt's and the answer's, is written "
+            "least-significant digit first (131 is `1310`)."
+            if little
+            else f"Style `{style}`: numbers are written the usual way."
+        ),
+        prompt=example.prompt.rstrip("\n"),
+        example=example.solution,
+        guess=make_problem(17, 38, 3, style=style, guess=True).solution,
+        guess_share=f"A share {cfg.get('guess_rate', GUESS_RATE):.2f}",
         params=summary["params"],
         vocab=VOCAB_SIZE,
         positions=MAX_POSITIONS,
