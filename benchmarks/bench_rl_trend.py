@@ -58,6 +58,7 @@ class Config:
     head_lr: float = 0.0  # > 0: this lr for the final norm and lm_head
     sgd: bool = False  # plain SGD instead of AdamW (whose first steps are sign steps)
     token_level: bool = False  # DAPO's token-level loss instead of GRPO's per-sample mean
+    kl: float = 0.0  # GRPO's KL penalty towards the initial policy (its coefficient)
 
 
 CONFIGS = {
@@ -75,6 +76,9 @@ CONFIGS = {
         Config("tok1e-4", token_level=True),
         Config("tok3e-4", lr=3e-4, token_level=True),
         Config("tok3e-4p2", lr=3e-4, passes=2, token_level=True),
+        Config("lr2e-4", lr=2e-4),
+        Config("kl0.1", lr=3e-4, kl=0.1),
+        Config("kl0.5", lr=3e-4, kl=0.5),
     )
 }
 
@@ -113,7 +117,7 @@ def held_out(checkpoint: Path, args) -> HeldOutScore:
 
 
 def make_trainer(cfg: Config, model: Path) -> GRPOTrainer:
-    trainer = GRPOTrainer(model, lr=cfg.lr, seed=0, token_level=cfg.token_level)
+    trainer = GRPOTrainer(model, lr=cfg.lr, seed=0, token_level=cfg.token_level, kl_coef=cfg.kl)
     if cfg.sgd:
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=cfg.lr)
     if cfg.head_lr:

@@ -94,6 +94,7 @@ class GRPOTrainer:
         micro_batch_tokens: int = 4096,
         seed: int = 0,
         token_level: bool = False,
+        kl_coef: float = 0.0,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -111,6 +112,16 @@ class GRPOTrainer:
         # wrong answer is punished less per token than a short one and lengths drift up
         # (the length bias Dr. GRPO describes).
         self.token_level = token_level
+        # GRPO's KL penalty towards the initial policy (k3 estimator, per token, weighed as the
+        # policy-gradient loss is): keeps what the reward does not single out (e.g. arithmetic
+        # that was right) where it was, while the advantage moves what it does.
+        self.kl_coef = kl_coef
+        self.reference = None
+        if kl_coef > 0:
+            self.reference = AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=torch.float32
+            ).eval()
+            self.reference.requires_grad_(False)
 
     def _micro_batches(self, batch: list[Scored]) -> list[list[Scored]]:
         # Sorted by length so that short and long samples do not share padding.
@@ -127,8 +138,9 @@ class GRPOTrainer:
             out.append(current)
         return out
 
-    def token_logprobs(self, group: list[Scored]) -> tuple[Tensor, Tensor]:
-        """Logprobs of each sample's output tokens under the current weights: ([B, T], mask)."""
+    def token_logprobs(self, group: list[Scored], model=None) -> tuple[Tensor, Tensor]:
+        """Logprobs of each sample's output tokens under the current weights (or `model`'s):
+        ([B, T], mask)."""
         width = max(len(s.prompt_ids) + len(s.token_ids) for s in group)
         out_len = max(len(s.token_ids) for s in group)
         ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
@@ -137,7 +149,7 @@ class GRPOTrainer:
             seq = s.prompt_ids + s.token_ids
             ids[row, : len(seq)] = torch.tensor(seq)
             attn[row, : len(seq)] = 1
-        logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
+        logits = (model or self.model)(input_ids=ids, attention_mask=attn).logits.float()
         logp_all = torch.log_softmax(logits, dim=-1)
         lp = torch.zeros((len(group), out_len))
         mask = torch.zeros((len(group), out_len))
@@ -149,6 +161,16 @@ class GRPOTrainer:
             lp[row, :t] = rows.gather(-1, targets[:, None])[:, 0]
             mask[row, :t] = 1
         return lp, mask
+
+    def _kl(self, group: list[Scored], lp: Tensor, mask: Tensor) -> Tensor:
+        """k3 estimate of KL(policy || reference) on the group's tokens, summed over samples of
+        per-sample means (token-level: summed over tokens), as the policy loss is."""
+        with torch.no_grad():
+            ref, _ = self.token_logprobs(group, self.reference)
+        per_token = (torch.exp(ref - lp) - (ref - lp) - 1) * mask
+        if self.token_level:
+            return per_token.sum()
+        return (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
 
     @torch.no_grad()
     def logprob_gap(self, batch: list[Scored]) -> float:
@@ -176,6 +198,8 @@ class GRPOTrainer:
                 old[row, : len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
             gap = max(gap, float(((lp.detach() - old).abs() * mask).max()))
             loss, clip_mask = clipped_pg_loss(lp, old, adv, mask, self.clip, self.token_level)
+            if self.reference is not None:
+                loss = loss + self.kl_coef * self._kl(group, lp, mask)
             (loss / denominator).backward()
             total_loss += float(loss.detach())
             tokens += int(mask.sum())

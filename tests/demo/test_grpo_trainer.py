@@ -152,3 +152,17 @@ def test_an_update_with_no_signal_changes_nothing(policy_dir):
     stats = trainer.update(batch)
     assert (stats.samples_used, stats.tokens, stats.grad_norm) == (0, 0, 0.0)
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_the_kl_penalty_holds_the_policy_near_where_it_started(policy_dir):
+    batch = _engine_rollouts(policy_dir)
+    drift = {}
+    for kl in (0.0, 5.0):
+        trainer = GRPOTrainer(policy_dir, lr=1e-2, micro_batch_tokens=40, kl_coef=kl)
+        for _ in range(3):  # the penalty is 0 at the first step: it pulls back on later ones
+            trainer.update(batch)
+        with torch.no_grad():
+            now, mask = trainer.token_logprobs(batch)
+            start, _ = trainer.token_logprobs(batch, GRPOTrainer(policy_dir).model)
+        drift[kl] = float(((now - start).abs() * mask).sum())
+    assert 0 < drift[5.0] < drift[0.0], drift
