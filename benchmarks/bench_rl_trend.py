@@ -20,7 +20,9 @@ Configs: `demo` the demo's setting (DEMO_LR, DEMO_PASSES); `lr1e-4` one AdamW st
 elsewhere; `sgd0.3`, `sgd1` plain SGD at lr 0.3 and 1 (AdamW's first steps move every weight by
 the lr whatever its gradient's size; SGD moves them in proportion to it); `tok1e-4`,
 `tok3e-4`, `tok3e-4p2` DAPO's token-level loss (every token of the batch weighs the same,
-instead of each sample's tokens averaged) at lr 1e-4, 3e-4, and 3e-4 with two passes.
+instead of each sample's tokens averaged) at lr 1e-4, 3e-4, and 3e-4 with two passes;
+`lr2e-4`; `kl0.1`, `kl0.5` lr 3e-4 with GRPO's KL penalty towards the initial policy at
+coefficient 0.1 and 0.5.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def test_generation_is_deterministic_per_seed():
 
 
 def test_problem_fields_are_consistent():
-    p = make_problem(start=17, step=38, count=3)
+    p = make_problem(start=17, step=38, count=3, style="sum")
     assert format_prompt(p) == "start 0017 step 38 count 0003 care 7\n"
     lines = ["care 7", "0017+0038=0055,0002", "0055+0038=0093,0001", "0093+0038=0131,0000",
              "care 7", "answer:   0131"]  # fmt: skip
@@ -36,14 +36,14 @@ def test_problem_fields_are_consistent():
 
 
 def test_a_recheck_redoes_the_whole_computation_and_a_guess_skips_it():
-    p = make_problem(17, 38, 2, checks=2, care=3)
+    p = make_problem(17, 38, 2, checks=2, care=3, style="sum")
     work = ["0017+0038=0055,0001", "0055+0038=0093,0000"]
     done = [*work, "care 3"]  # every pass ends restating the care, right before the choice
     expected = ["care 3"] + done + [CHECK_MARKER] + done + [CHECK_MARKER] + done
     assert p.solution.split("\n")[:-1] == expected and p.solution.endswith("answer:   0093")
     assert p.prompt.endswith("care 3\n")
     assert reward(p, p.solution) == 1.0
-    g = make_problem(17, 38, 2, checks=5, guess=True)
+    g = make_problem(17, 38, 2, checks=5, guess=True, style="sum")
     assert g.solution == "answer:   0093" and g.checks == 0
     # Re-checks are not capped: a big problem at high care outgrows the rollout cap.
     big = make_problem(1, 10, MAX_STEPS, checks=50)
@@ -108,7 +108,7 @@ def test_reward_is_one_for_the_reference_solution():
 
 
 def test_reward_is_zero_for_a_wrong_final_answer():
-    p = make_problem(17, 38, 3)
+    p = make_problem(17, 38, 3, style="sum")
     assert reward(p, p.solution.replace("answer:   0131", "answer:   0130")) == 0.0
     assert reward(p, "answer: 93") == 0.0
 
@@ -124,8 +124,9 @@ def test_reward_is_zero_for_truncated_or_rambling_answers():
 
 
 def test_parse_answer_tolerates_trailing_whitespace_only():
-    assert parse_answer("0001+0010=0011,0000\nanswer: 11\n") == 11
-    assert parse_answer("answer: 0011") == 11
+    assert parse_answer("0001+0010=0011,0000\nanswer: 11\n", "sum") == 11
+    assert parse_answer("answer: 0011", "sum") == 11
+    assert parse_answer("answer: 1100", "reversed") == 11
     assert parse_answer("answer: 11 x") is None
     assert parse_answer("") is None
 
@@ -174,7 +175,7 @@ def test_reversed_style_is_the_sum_style_with_each_number_reversed():
     for _ in range(200):
         seed = rng.randrange(10**6)
         rev = generate_problem(random.Random(seed), style="reversed", care=range(9))
-        fwd = generate_problem(random.Random(seed), care=range(9))
+        fwd = generate_problem(random.Random(seed), style="sum", care=range(9))
         same = ("start", "step", "count", "care", "answer", "checks", "guess")
         assert [getattr(rev, f) for f in same] == [getattr(fwd, f) for f in same]
         assert reward(rev, rev.solution) == 1.0
@@ -201,7 +202,7 @@ def test_reversed_style_is_the_sum_style_with_each_number_reversed():
 
 
 def test_make_dataset_draws_the_same_problems_in_every_style():
-    fwd = make_dataset(20, seed=3, care=range(9))
+    fwd = make_dataset(20, seed=3, care=range(9), style="sum")
     rev = make_dataset(20, seed=3, care=range(9), style="reversed")
     assert [(p.start, p.step, p.count, p.answer, p.guess) for p in fwd] == [
         (p.start, p.step, p.count, p.answer, p.guess) for p in rev

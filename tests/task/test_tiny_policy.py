@@ -91,3 +91,13 @@ def test_transformers_fast_tokenizer_matches_the_task_tokenizer():
     ids = build_tokenizer().encode(text, add_special_tokens=False).ids
     assert hf(text, add_special_tokens=False)["input_ids"] == ids
     assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (BOS_ID, EOS_ID, 0)
+
+
+def test_the_task_style_is_the_shipped_policys():
+    from examples.task.reasoning import TASK_STYLE
+    from examples.task.workload import model_style
+
+    # The workload writes prompts in the style the model learnt; every default follows it.
+    assert model_style(MODEL_DIR) == TASK_STYLE
+    problem, ids = rollout_prompts(1, seed=0)[0]
+    assert problem.style == TASK_STYLE
