@@ -4,9 +4,10 @@ changed.
 Every sample, admission and lease event wakes the tick, several times per request; the devices
 and jobs it reads change far more rarely. A read is reused while the store's count of committed
 writes to those tables (`Store.scheduling_writes`) is unchanged and it is younger than
-`max_age`: another node's writes (a job created, paused or re-weighted there, a drafter it
-promoted) are not counted here, so a tick sees them within `max_age`, which is the tick's
-period, as a tick woken by nothing would.
+`max_age`. Another node's writes (a job created or re-weighted there, a device cordoned
+through it, a drafter it promoted) move the count through a notification on PostgreSQL; a
+notification can be missed, so a read is never reused past `max_age`, the tick's period: a
+tick then sees such a write no later than a tick woken by nothing would.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class _Read:
 
 
 class TickState:
+    """The tick's last read of devices and active jobs, and whether it may be reused."""
+
     def __init__(self, store: Store, max_age: float) -> None:
         self.store = store
         self.max_age = max_age
