@@ -3,6 +3,7 @@ over the HF policy's recomputed logprobs, and Hugging Face checkpoints to push t
 
 from __future__ import annotations
 
+import copy
 import math
 import shutil
 from collections.abc import Sequence
@@ -118,9 +119,7 @@ class GRPOTrainer:
         self.kl_coef = kl_coef
         self.reference = None
         if kl_coef > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(
-                str(model_dir), dtype=torch.float32
-            ).eval()
+            self.reference = copy.deepcopy(self.model).eval()  # the weights as loaded
             self.reference.requires_grad_(False)
 
     def _micro_batches(self, batch: list[Scored]) -> list[list[Scored]]:

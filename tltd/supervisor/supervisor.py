@@ -374,9 +374,10 @@ class Supervisor:
         else:  # after the grace, alone: what is still queued ends "drained" (nobody else runs it)
             await self.leases.claim(self._refusal, draining=True, everything=True)
             return None
-        if not active_jobs(self.queue) <= jobs.keys():  # units of a job this read predates
+        active = active_jobs(self.queue)
+        if not active <= jobs.keys():  # units of a job this read predates
             devices, jobs = await asyncio.to_thread(self.state.read)
-        accounts = self.fair_share.accounts(jobs.values(), active_jobs(self.queue))
+        accounts = self.fair_share.accounts(jobs.values(), active)
         snap = build_snapshot(
             time.monotonic(),
             devices,
