@@ -13,8 +13,8 @@ step (the demo's `reward trend`) with its standard error, and the reward on the 
 prompts before and after the run, sampled with the same seeds both times (paired: the standard
 error is that of the per-sample differences).
 
-Configs: `demo` the demo's setting (DEMO_LR, DEMO_PASSES); `lr1e-4` one AdamW step at lr 1e-4;
-`fixed` the same prompts every step; `passes2` two clipped updates per batch at lr 3e-4;
+Configs: `demo` the demo's setting (DEMO_LR, DEMO_PASSES, DEMO_KL); `lr1e-4` one AdamW step
+at lr 1e-4; `fixed` the same prompts every step; `passes2` two clipped updates per batch at lr 3e-4;
 `passes3` three updates on each step's batch; `lr3e-4` a 3x larger lr;
 `head3e-3` lr 3e-3 on the final norm and the output layer (a trainable temperature), 1e-4
 elsewhere; `sgd0.3`, `sgd1` plain SGD at lr 0.3 and 1 (AdamW's first steps move every weight by
@@ -22,7 +22,7 @@ the lr whatever its gradient's size; SGD moves them in proportion to it); `tok1e
 `tok3e-4`, `tok3e-4p2` DAPO's token-level loss (every token of the batch weighs the same,
 instead of each sample's tokens averaged) at lr 1e-4, 3e-4, and 3e-4 with two passes;
 `lr2e-4`; `kl0.1`, `kl0.5` lr 3e-4 with GRPO's KL penalty towards the initial policy at
-coefficient 0.1 and 0.5.
+coefficient 0.1 and 0.5; `lr5e-4kl0.1` lr 5e-4 with KL 0.1.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.demo_report import reward_trend  # noqa: E402
-from examples.grpo_demo import DEMO_LR, DEMO_PASSES, MODEL  # noqa: E402
+from examples.grpo_demo import DEMO_KL, DEMO_LR, DEMO_PASSES, MODEL  # noqa: E402
 from examples.grpo_demo import score as demo_score  # noqa: E402
 from examples.grpo_trainer import GRPOTrainer, Scored  # noqa: E402
 from examples.heldout import HeldOutScore, held_out_score, paired  # noqa: E402
@@ -66,7 +66,7 @@ class Config:
 CONFIGS = {
     c.name: c
     for c in (
-        Config("demo", lr=DEMO_LR, passes=DEMO_PASSES),
+        Config("demo", lr=DEMO_LR, passes=DEMO_PASSES, kl=DEMO_KL),
         Config("lr1e-4"),
         Config("fixed", fixed_prompts=True),
         Config("passes2", lr=3e-4, passes=2),
@@ -81,6 +81,7 @@ CONFIGS = {
         Config("lr2e-4", lr=2e-4),
         Config("kl0.1", lr=3e-4, kl=0.1),
         Config("kl0.5", lr=3e-4, kl=0.5),
+        Config("lr5e-4kl0.1", lr=5e-4, kl=0.1),
     )
 }
 

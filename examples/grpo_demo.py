@@ -1,7 +1,7 @@
 """README command 1: GRPO on the toy running-sum task with the tiny policy, rolling out through
 a real `tltd serve`, once with TLT (adaptive speculative decoding) and once with it off.
 
-    python examples/grpo_demo.py            # 4 RL steps (2 epochs) per mode, held-out scores
+    python examples/grpo_demo.py            # 8 RL steps (4 epochs) per mode, held-out scores
     python examples/grpo_demo.py --quick    # 2 tiny steps per mode, a smoke test
     python examples/grpo_demo.py --http     # roll out through the openai client (HTTP door)
 
@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,24 +57,28 @@ MODEL = ROOT / "models" / "tiny-policy"
 # (its drafter version 1) and online training keeps it aligned as the policy moves.
 DRAFTER = ROOT / "models" / "tiny-policy-eagle"
 # The trainer's setting: AdamW lr and clipped updates per rollout batch (each pass recomputes
-# the logprobs and clips the ratio against the daemon's); benchmarks/bench_rl_trend.py compares.
-# lr 3e-4 is what unlearns a guessing policy's guesses in 4 steps (docs/demo.md); on the shipped
-# policy it lowered the held-out reward more than 1e-4 did (docs/performance.md section 5).
-DEMO_LR = 1e-4
+# the logprobs and clips the ratio against the daemon's), and GRPO's KL penalty towards the
+# initial policy (k3 estimator), which holds the worked answers' arithmetic while the update
+# pushes the guesses down. benchmarks/bench_rl_trend.py compares settings (its `kl0.1` is this
+# one; lr 5e-4 or no penalty moved the arithmetic and lost held-out reward, docs/performance.md
+# section 5).
+DEMO_LR = 3e-4
 DEMO_PASSES = 1
+DEMO_KL = 0.1
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    steps: int = 4  # 2 epochs of the training set
+    steps: int = 8  # 4 epochs of the training set
     prompts: int = 16  # per step; 16+ prompts: every step's workload has the long tail
     train_prompts: int = 32  # the fixed training set, iterated in shuffled epochs
     held_out_prompts: int = 32  # scored before and after each run, paired
     n: int = 8
-    held_out_n: int = 8  # samples per held-out prompt
+    held_out_n: int = 16  # samples per held-out prompt
     max_new_tokens: int = MAX_NEW_TOKENS
     lr: float = DEMO_LR  # --lr
     passes: int = DEMO_PASSES
+    kl: float = DEMO_KL  # --kl
     seed: int = 0
     cpu_slots: int = 2
 
@@ -222,7 +228,7 @@ class Run:
         )  # fmt: skip
         self.job_id = f"grpo-{mode}"
         self.tok = load_tokenizer(model)
-        self.trainer = GRPOTrainer(model, lr=cfg.lr, seed=cfg.seed)
+        self.trainer = GRPOTrainer(model, lr=cfg.lr, seed=cfg.seed, kl_coef=cfg.kl)
         self.client = RolloutClient(daemon.target)
         tlt = mode == "tlt"
         self.client.create_job(
@@ -260,8 +266,11 @@ class Run:
         t0 = time.perf_counter()
         scored = score(samples, prompts, problems, self.tok)
         # The first pass starts from the weights that sampled: its gap checks the daemon's
-        # logprobs; later passes clip their ratio against those same logprobs.
-        stats = [self.trainer.update(scored) for _ in range(cfg.passes)]
+        # logprobs; later passes clip their ratio against those same logprobs. The update has
+        # every core: the rollout is over and drafter training yields outside the rollouts
+        # (training_window = "rollout"), so the daemon's slots are idle meanwhile.
+        with torch_threads(os.cpu_count() or 1):
+            stats = [self.trainer.update(scored) for _ in range(cfg.passes)]
         self.push(step)
         update_s = time.perf_counter() - t0
         window = windows(at_start, at_rollout_end, at_update, self.daemon.device_seconds())
@@ -297,6 +306,17 @@ class Run:
 
     def close(self) -> None:
         self.client.close()
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def windows(start, rollout_end, update_start, end) -> Window:
@@ -440,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--cpu-slots", type=int)
     parser.add_argument("--lr", type=float, help=f"the trainer's AdamW lr (default {DEMO_LR})")
+    parser.add_argument(
+        "--kl", type=float, help=f"KL penalty towards the initial policy (default {DEMO_KL})"
+    )
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument(
         "--drafter",
@@ -456,14 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"steps": args.steps, "prompts": args.prompts, "n": args.n,
                  "train_prompts": args.train_prompts, "held_out_prompts": args.held_out_prompts,
                  "held_out_n": args.held_out_n, "max_new_tokens": args.max_new_tokens,
-                 "cpu_slots": args.cpu_slots, "lr": args.lr}  # fmt: skip
+                 "cpu_slots": args.cpu_slots, "lr": args.lr, "kl": args.kl}  # fmt: skip
     cfg = DemoConfig(**(vars(cfg) | {k: v for k, v in overrides.items() if v is not None}))
     model = args.model.resolve()
     if not (model / "config.json").exists():
         print(f"no policy at {model} (train it: python scripts/train_policy.py)", file=sys.stderr)
         return 1
     drafter = _initial_drafter(args.drafter, model)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # the daemon needs cores too
+    # The daemon's workers need cores while the trainer measures; the update takes them all.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the demo prints its own progress

@@ -69,7 +69,7 @@ LINE_STYLES = {
 DIGITS_REVERSED = frozenset({"reversed", "reversed-spaced", "reversed-marks"})
 # The style of the task as models/tiny-policy learnt it: the prompts the workload and the
 # demo's dataset build, and the default of everything here.
-TASK_STYLE = "sum"
+TASK_STYLE = "reversed"
 _ANSWER_LINES = {
     "sum": ANSWER_MARKER + "   {total:04d}",
     "spaced": ANSWER_MARKER + "       {total:04d}",
