@@ -413,9 +413,11 @@ of the training loss):
 
 `python scripts/train_policy.py --eval` (transformers `generate`, max_new_tokens {mnt}, care 7;
 "sampled" is temperature 1, no top-k/top-p; lengths are generated tokens including `<eos>`;
-hit_limit is the fraction that never produced `<eos>`). Greedy decoding at care 7 re-checks
-forever (P(check) = 0.7 > 0.5 at every decision) and so runs into the cap: the greedy rows
-measure nothing but that; RL rollouts sample at temperature 1.
+hit_limit is the fraction that never produced `<eos>`). Greedy decoding takes the likelier
+branch at every decision (guess or work it out, re-check or answer) and the likeliest digit, so
+its rows show what the policy computes without the guesses, re-checks and slips that sampling
+draws (a policy that re-checks with probability above one half at every decision re-checks
+forever and runs into the cap); RL rollouts sample at temperature 1.
 
 | set | mode | n | accuracy | p50 | p90 | p99 | max | hit_limit |
 |---|---|---|---|---|---|---|---|---|
