@@ -107,12 +107,15 @@ def finetune(
 ) -> float:
     """`steps` AdamW steps of next-token cross-entropy on answer tokens of fresh task problems,
     a share `share_new` of them in the new layout (`style`), the rest in the policy's own
-    (`base`); batches of similar lengths (less padding)."""
+    (`base`); batches of similar lengths (less padding). The problems are all worked out: a bare
+    guess is written the same in every layout, so it carries none of the drift, and fine-tuning
+    on guesses would teach a policy that guesses on half its answers to guess greedily."""
     model.train()
     losses = []
     pool = []
     for _ in range(steps * batch):
-        p = generate_problem(rng, style=style if rng.random() < share_new else base)
+        layout = style if rng.random() < share_new else base
+        p = generate_problem(rng, style=layout, guess_rate=0.0)
         prompt = encode_prompt(tok, format_prompt(p))
         pool.append((prompt + encode_answer(tok, p.solution), len(prompt)))
     pool.sort(key=lambda e: len(e[0]))
