@@ -43,6 +43,7 @@ from examples.task.tokenizer import (  # noqa: E402
     load_tokenizer,
     save_tokenizer,
 )
+from examples.task.workload import model_style  # noqa: E402
 
 NEWLINE_ID = VOCAB.index("\n")
 SPACE_ID, E_ID = VOCAB.index(" "), VOCAB.index("e")
@@ -538,7 +539,7 @@ def main() -> None:
         if args.no_eval:
             return
     summary = json.loads(summary_path.read_text())
-    style = summary["config"].get("style", "sum")  # the style the model was trained on
+    style = model_style(args.out)  # the style the model was trained on
     report = evaluate(args.out, args.eval_n, args.max_new_tokens, seed=1234, style=style)
     (args.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     write_card(args.out, summary, report)
