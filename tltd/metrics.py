@@ -156,6 +156,16 @@ class _SpecRatios(Collector):
 
 
 @dataclass(frozen=True)
+class _SampleSeries:
+    """A job's per-sample counter series, looked up once."""
+
+    tokens: Any
+    draft_steps: Any
+    plain_steps: Any
+    accepted_tokens: Any
+
+
+@dataclass(frozen=True)
 class _Declared:
     """One metric's declaration: its kind, name, help text, labels and (histograms) buckets."""
 
@@ -289,6 +299,7 @@ class Metrics:
         self._spec = _SpecRatios()
         self._jobs_lock = threading.Lock()
         self._jobs: set[str] = set()  # jobs with per-job gauges (what forget_job drops)
+        self._sample_series: dict[str, _SampleSeries] = {}
         self.registry.register(self._devices)
         self.registry.register(self._spec)
 
@@ -305,13 +316,24 @@ class Metrics:
         accepted_tokens: int = 0,
     ) -> None:
         """One finished sample (any finish reason) with its speculative stats."""
-        self.tokens.labels(job_id).inc(tokens)
+        c = self._sample_series.get(job_id)
+        if c is None:  # labels() looks a series up under a lock: once per job, not per sample
+            c = self._sample_series[job_id] = _SampleSeries(
+                self.tokens.labels(job_id),
+                self.sample_steps.labels(job_id, "speculative"),
+                self.sample_steps.labels(job_id, "plain"),
+                self.accepted_tokens.labels(job_id),
+            )
+            self._seen(job_id)
+        c.tokens.inc(tokens)
         self.samples.labels(job_id, str(finish_reason)).inc()
-        self.sample_steps.labels(job_id, "speculative").inc(draft_steps)
-        self.sample_steps.labels(job_id, "plain").inc(plain_steps)
-        self.accepted_tokens.labels(job_id).inc(accepted_tokens)
+        if draft_steps:
+            c.draft_steps.inc(draft_steps)
+        if plain_steps:
+            c.plain_steps.inc(plain_steps)
+        if accepted_tokens:
+            c.accepted_tokens.inc(accepted_tokens)
         self._spec.add(job_id, draft_steps, plain_steps, accepted_tokens)
-        self._seen(job_id)
 
     def observe_admission(self, seconds: float) -> None:
         self.admission_latency.observe(seconds)
@@ -424,6 +446,7 @@ class Metrics:
         """Drop a finished job's per-job gauges (counters keep their totals)."""
         with self._jobs_lock:
             self._jobs.discard(job_id)
+        self._sample_series.pop(job_id, None)  # its counters keep their totals
         for gauge in (self.queue_depth, self.drafter_version, self.policy_version):
             try:
                 gauge.remove(job_id)

@@ -261,10 +261,10 @@ def slow_admission(daemon: InProcessDaemon, monkeypatch) -> threading.Event:
     real_create = daemon.store.create_request
     storing = threading.Event()
 
-    def slow_create(req):
+    def slow_create(req, *args):
         storing.set()
         time.sleep(_ADMISSION_DEADLINE + 0.5)
-        return real_create(req)
+        return real_create(req, *args)
 
     monkeypatch.setattr(daemon.store, "create_request", slow_create)
     return storing

@@ -27,7 +27,7 @@ STREAMS = {
 def test_a_database_error_inside_a_stream_is_a_retryable_error_event(
     http_daemon, monkeypatch, path
 ):
-    def locked(req):
+    def locked(req, *args):
         orig = sqlite3.OperationalError("database is locked")
         orig.sqlite_errorcode = 5  # SQLITE_BUSY, as sqlite3 sets it
         raise OperationalError("INSERT INTO requests", {}, orig)

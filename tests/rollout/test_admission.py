@@ -100,8 +100,8 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
         real = d.store.create_request
         cancelled = threading.Event()
 
-        def stored_then_held(req):
-            got = real(req)
+        def stored_then_held(req, *args):
+            got = real(req, *args)
             cancelled.wait(30)
             return got
 
@@ -391,8 +391,8 @@ def test_a_retry_after_a_policy_update_runs_on_the_version_recorded_at_acceptanc
     params = sampling(n=2, temperature=0.0, max_new_tokens=12, seed=3)
     real_create, gate, calls = d.store.create_request, threading.Event(), []
 
-    def create_then_hold(req):
-        out = real_create(req)
+    def create_then_hold(req, *args):
+        out = real_create(req, *args)
         calls.append(f"stored v{out[0].policy_version}")
         if len(calls) == 1:
             assert gate.wait(60), "the test never released the first admission"

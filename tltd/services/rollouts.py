@@ -37,6 +37,7 @@ from tltd.services.checkpoints import model_limits
 from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
 from tltd.settings import Settings
+from tltd.store import JobPaused
 
 if TYPE_CHECKING:
     from tltd.services.pause import PauseService
@@ -138,9 +139,7 @@ class RolloutService:
         # the store or received on the subscription (or both).
         events = sup.subscribe(rid)
         try:
-            # Admission runs to its end even when the caller goes away (deadline, disconnect):
-            # a request once stored is always claimable.
-            stored, created = await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
+            stored, created = await self._admit_when_open(req, sup)
             METRICS.observe_admission(time.perf_counter() - started)
             # A request this call created has nothing stored before the subscription: what
             # this node stores arrives on it, what others store wakes it (or the poll does).
@@ -192,11 +191,8 @@ class RolloutService:
     ) -> tuple[RolloutRequest, Supervisor]:
         """The request as it will be stored (validated, past a pause, with its seed) and the
         supervisor that runs it."""
-        # The store is synchronous: keep its I/O off the event loop (one thread hop for both
-        # checks: each hop waits for a thread and the GIL, on a loaded node some ms).
-        req, paused = await asyncio.to_thread(self._prepare_and_check_pause, req, speculative)
-        if paused:
-            await self._wait_unpaused(req)
+        # The store is synchronous: keep its I/O off the event loop.
+        req = await asyncio.to_thread(self.prepare, req, speculative)
         sup = self.supervisor
         if sup is None:
             raise Unimplemented("this daemon runs no rollout workers")
@@ -227,23 +223,27 @@ class RolloutService:
                 f"other nodes: retry request {rid} there (it re-attaches)"
             )
 
-    def _prepare_and_check_pause(
-        self, req: RolloutRequest, speculative: SpeculativeMode | None
+    async def _admit_when_open(
+        self, req: RolloutRequest, sup: Supervisor
     ) -> tuple[RolloutRequest, bool]:
-        """The prepared request, and whether its job was paused when it was checked."""
-        req = self.prepare(req, speculative)
-        return req, self.pauses is not None and self.pauses.is_paused(req.job_id)
-
-    async def _wait_unpaused(self, req: RolloutRequest) -> None:
-        """A new request of a paused job waits here, before it is stored, until the job is
-        resumed; a retry of a stored one attaches at once (its work is in flight already)."""
-        if self.pauses is not None and not await asyncio.to_thread(self._is_retry, req):
-            await self.pauses.wait_open(req.job_id)
+        """Store the request once its job is not paused. A new request of a paused job waits
+        here, stored nothing, until the job is resumed (the caller may go away meanwhile); a
+        retry of a stored one attaches at once (its work is in flight already). Once stored,
+        admission runs to its end even when the caller goes away (a deadline, a disconnect):
+        a request once stored is always claimable."""
+        while True:
+            try:
+                return await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
+            except JobPaused:
+                assert self.pauses is not None
+                await self.pauses.wait_open(req.job_id)
 
     async def _admit(self, req: RolloutRequest, sup: Supervisor) -> tuple[RolloutRequest, bool]:
-        """Store the request (idempotent) and ask for its units to be claimed; True when this
-        call created it."""
-        stored, created = await asyncio.to_thread(self.store.create_request, req)
+        """Store the request (idempotent; JobPaused when its job is paused and it is new) and
+        ask for its units to be claimed; True when this call created it."""
+        stored, created = await asyncio.to_thread(
+            self.store.create_request, req, self.pauses is not None
+        )
         if stored.status not in ENDED_STATUSES:
             await sup.submit(stored)
         return stored, created
@@ -419,10 +419,16 @@ async def _stored_here(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     while True:
-        try:
-            event = await asyncio.wait_for(events.get(), max(0.0, deadline - loop.time()))
-        except TimeoutError:
+        left = deadline - loop.time()
+        if left <= 0:
             return
+        if events.empty():  # wait_for costs a task and a timer: only when there is a wait
+            try:
+                event = await asyncio.wait_for(events.get(), left)
+            except TimeoutError:
+                return
+        else:
+            event = events.get_nowait()
         yield event
         if event.sample is None:
             return

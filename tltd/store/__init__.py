@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tltd.store.rollout_requests import JobPaused
 from tltd.store.store import Store
 
-__all__ = ["Store"]
+__all__ = ["JobPaused", "Store"]

@@ -214,24 +214,30 @@ class WorkLeases:
             req = s.get(RolloutRequestRow, request_id, with_for_update=True)
             if req is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
-            self.check_held(s, request_id, prompt_index)
-            stored = s.scalar(
+            stored = (
                 select(func.count())
                 .select_from(sr)
                 .where(sr.request_id == request_id, sr.prompt_index == prompt_index)
+                .scalar_subquery()
             )
-            if stored < req.n:
-                raise Fenced(f"unit {request_id}/{prompt_index}: {stored} of {req.n} stored")
-            s.execute(
+            # Held, every sample stored, and done: one statement (the usual case); only a
+            # refusal reads again, to say why.
+            done = s.execute(
                 update(wu)
                 .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
+                .where(self._held(s), stored >= req.n)
                 .values(state=DONE, lease_expires_at=None, updated_at=utcnow())
-            )
-            left = _open_units(s, request_id)
+                .returning(wu.prompt_index)
+            ).first()
+            if done is None:
+                self.check_held(s, request_id, prompt_index)
+                count = s.scalar(select(stored))
+                raise Fenced(f"unit {request_id}/{prompt_index}: {count} of {req.n} stored")
+            left, failed, first_error = _open_and_failed(s, request_id)
             if left == 0 and RequestStatus(req.status) not in ENDED_STATUSES:
                 status, why = outcome, reason
                 if status is None:
-                    status, why = _final_status(s, req)
+                    status, why = _final_status(req, failed, first_error)
                 if req.status == RequestStatus.QUEUED and status is RequestStatus.COMPLETED:
                     switch_status(s, "request", request_id, req, RequestStatus.RUNNING, "resumed")
                 switch_status(s, "request", request_id, req, status, why)
@@ -363,14 +369,28 @@ def _open_units(s: Session, request_id: str) -> int:
     )
 
 
-def _final_status(s: Session, req: RolloutRequestRow) -> tuple[RequestStatus, str]:
+def _open_and_failed(s: Session, request_id: str) -> tuple[int, int, str | None]:
+    """A request's open units, failed samples and the first failure's error, in one read."""
+    wu, sr = WorkUnitRow, SampleRow
+    open_units = (
+        select(func.count())
+        .select_from(wu)
+        .where(wu.request_id == request_id, wu.state.in_((QUEUED, LEASED)))
+        .scalar_subquery()
+    )
+    failed = select(func.count(), func.min(sr.error)).where(
+        sr.request_id == request_id, sr.finish_reason == FinishReason.FAILED.value
+    )
+    row = s.execute(
+        failed.add_columns(open_units.label("open_units"))
+    ).one()  # fmt: skip
+    return int(row[2] or 0), int(row[0] or 0), row[1]
+
+
+def _final_status(
+    req: RolloutRequestRow, failed: int, first_error: str | None
+) -> tuple[RequestStatus, str]:
     total = len(req.prompts) * req.n
-    failed, first = s.execute(
-        select(func.count(), func.min(SampleRow.error)).where(
-            SampleRow.request_id == req.request_id,
-            SampleRow.finish_reason == FinishReason.FAILED.value,
-        )
-    ).one()
     if failed:
-        return RequestStatus.FAILED, f"{failed} of {total} samples failed: {first}"
+        return RequestStatus.FAILED, f"{failed} of {total} samples failed: {first_error}"
     return RequestStatus.COMPLETED, f"all {total} samples finished"

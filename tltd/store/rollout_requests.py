@@ -17,7 +17,7 @@ from tltd.store import convert
 from tltd.store.lookups import changed_fields, job_row, request_row
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import record_event, switch_status
-from tltd.store.tables import RolloutRequestRow, WorkUnitRow, utcnow
+from tltd.store.tables import JobPauseRow, RolloutRequestRow, WorkUnitRow, utcnow
 
 _REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
 
@@ -28,25 +28,42 @@ def prompt_key(prompt: Sequence[int]) -> str:
     return hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()
 
 
+class JobPaused(Exception):
+    """create_request(unless_paused=True) stored nothing: the request's job is paused."""
+
+
 class RolloutRequests:
     """Mixed into the Store (uses its `_tx`)."""
 
     _tx: Callable[..., AbstractContextManager[Session]]
 
-    def create_request(self, req: RolloutRequest) -> tuple[RolloutRequest, bool]:
-        """Queue a rollout request; idempotent on request_id (see create_job). The job must
-        exist (NotFound) and be active (FailedPrecondition)."""
+    def create_request(
+        self, req: RolloutRequest, unless_paused: bool = False
+    ) -> tuple[RolloutRequest, bool]:
+        """Queue a rollout request; idempotent on request_id (see create_job): a retry gets
+        the stored request (False), whatever its job's state. Otherwise the job must exist
+        (NotFound) and be active (FailedPrecondition), and with `unless_paused` not be paused
+        (JobPaused: nothing stored)."""
         try:
             with self._tx() as s:
-                existing = s.get(RolloutRequestRow, req.request_id)
-                if existing is not None:
-                    return self._same_request(existing, req), False
                 # FOR SHARE until commit: a concurrent cancel of the job (FOR UPDATE) waits for
                 # this request and then sees it, and a new policy version waits too, so the
                 # version recorded is the job's current one at acceptance.
                 job = job_row(s, req.job_id, share=True)
+                refused: Exception | None = None
                 if job.status != JobStatus.ACTIVE:
-                    raise FailedPrecondition(f"job {req.job_id!r} is {job.status}", field="job_id")
+                    refused = FailedPrecondition(
+                        f"job {req.job_id!r} is {job.status}", field="job_id"
+                    )
+                elif unless_paused and s.get(JobPauseRow, req.job_id) is not None:
+                    refused = JobPaused(req.job_id)
+                if refused is not None:  # a retry attaches all the same
+                    existing = s.get(RolloutRequestRow, req.request_id)
+                    if existing is not None:
+                        return self._same_request(existing, req), False
+                    raise refused
+                # A retry of a stored request fails the insert below (its primary key): it
+                # is read then, so a new request needs no read first.
                 now = utcnow()
                 row = convert.request_to_row(req)
                 row.status, row.status_reason, row.samples_done = RequestStatus.QUEUED.value, "", 0
@@ -76,7 +93,7 @@ class RolloutRequests:
                 notify(s, WORK, req.request_id)
                 s.flush()
                 return convert.request_from_row(row), True
-        except IntegrityError:
+        except IntegrityError:  # the request_id is stored: a retry (or a concurrent one)
             with self._tx(write=False) as s:
                 existing = s.get(RolloutRequestRow, req.request_id)
                 if existing is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
-from sqlalchemy import func, insert, select, tuple_
+from sqlalchemy import func, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -22,6 +22,9 @@ from tltd.store import convert
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.samples import not_finite_error, out_of_range_error
 from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
+
+# Prompt indices at or past this are out of range of any request (and of SQL integers).
+_MAX_INDEX = 1 << 31
 
 # What add_samples says of each sample: stored (True), a duplicate (False), or why not.
 Outcome = bool | TltError
@@ -78,17 +81,23 @@ class SampleBatches:
         out: list[Outcome | None],
         now: object,
     ) -> None:
-        req = s.get(RolloutRequestRow, rid, with_for_update=True)
-        if req is None:
+        rr = RolloutRequestRow
+        # The columns needed, not the row: its prompts (JSON, as long as the request's
+        # prompts) are decoded only when a sample's prompt index must be checked against them.
+        head = s.execute(
+            select(rr.n, rr.status).where(rr.request_id == rid).with_for_update()
+        ).first()
+        if head is None:
             for i, _ in items:
                 out[i] = NotFound(f"rollout request {rid!r} not found", field="request_id")
             return
-        ok = self._writable(s, req, items, out)
+        n, status = int(head[0]), head[1]
+        ok = self._writable(s, rid, n, items, out)
         if not ok:
             return
         sr = SampleRow
         stored = _stored_keys(s, rid, [x for _, x in ok])
-        ended = RequestStatus(req.status) in ENDED_STATUSES
+        ended = RequestStatus(status) in ENDED_STATUSES
         rows, done = [], 0
         for i, sample in ok:
             key = (sample.prompt_index, sample.sample_index)
@@ -112,36 +121,47 @@ class SampleBatches:
         if rows:
             s.execute(insert(sr), rows)
         if done or rows:
-            req.samples_done += done
-            req.updated_at = now
+            s.execute(
+                update(rr)
+                .where(rr.request_id == rid)
+                .values(samples_done=rr.samples_done + done, updated_at=now)
+            )
             notify(s, SAMPLE, rid)
 
     def _writable(
         self,
         s: Session,
-        req: RolloutRequestRow,
+        rid: str,
+        n: int,
         items: list[tuple[int, Sample]],
         out: list[Outcome | None],
     ) -> list[tuple[int, Sample]]:
-        """Those of `items` this node may write into `req`: keys in range and, on a joined
-        node, units it holds; `out` says why of the others."""
-        rid = req.request_id
+        """Those of `items` this node may write into request `rid` (`n` samples per prompt):
+        keys in range and, on a joined node, units it holds; `out` says why of the others.
+        A held unit exists, so its prompt index is in range: the request's prompts are read
+        only for a sample whose unit is not held, or on a node that holds no units."""
+        held: set[int] = set()
+        if self.epoch:  # a joined node writes only into units it holds
+            plausible = {x.prompt_index for _, x in items if 0 <= x.prompt_index < _MAX_INDEX}
+            held = self._held_units(s, rid, plausible) if plausible else set()
+        prompts: int | None = None
         ok = []
         for i, sample in items:
-            bad = out_of_range_error(sample, len(req.prompts), req.n)
+            if sample.prompt_index in held:
+                bad = out_of_range_error(sample, sample.prompt_index + 1, n)
+            else:
+                if prompts is None:
+                    prompts = _prompt_count(s, rid)
+                bad = out_of_range_error(sample, prompts, n)
+                if bad is None and self.epoch:
+                    bad = Fenced(
+                        f"unit {rid}/{sample.prompt_index} is not held by node "
+                        f"{self.node_id!r} epoch {self.epoch}"
+                    )
             if bad is not None:
                 out[i] = bad
             else:
                 ok.append((i, sample))
-        if self.epoch and ok:  # a joined node writes only into units it holds
-            held = self._held_units(s, rid, {x.prompt_index for _, x in ok})
-            for i, sample in ok:
-                if sample.prompt_index not in held:
-                    out[i] = Fenced(
-                        f"unit {rid}/{sample.prompt_index} is not held by node "
-                        f"{self.node_id!r} epoch {self.epoch}"
-                    )
-            ok = [(i, x) for i, x in ok if out[i] is None]
         return ok
 
     def _held_units(self, s: Session, rid: str, prompts: set[int]) -> set[int]:
@@ -153,6 +173,11 @@ class SampleBatches:
                 )
             ).all()
         )
+
+
+def _prompt_count(s: Session, rid: str) -> int:
+    rr = RolloutRequestRow
+    return len(s.scalar(select(rr.prompts).where(rr.request_id == rid)) or ())
 
 
 def _stored_keys(

@@ -468,7 +468,16 @@ class Supervisor:
             self.fair_share.served[live.job_id] += len(sample.token_ids)
             if self.training is not None:
                 self.training.on_sample(live.job_id, live.req.prompts[key[0]], sample)
-        self.kick()
+        if self._slot_wanted(handle):
+            self.kick()
+
+    def _slot_wanted(self, handle: WorkerHandle) -> bool:
+        """A stored sample frees a slot: tick at once when samples here wait for one, or when
+        its device went idle and drafter training may use it. Otherwise the periodic tick
+        does (claims go by their own interval, stored states by their settle time)."""
+        if self.training is not None and self.queue.inflight(handle.worker_id) == 0:
+            return True
+        return any(idx for live in self.queue for idx in live.pending.values())
 
     # ---- background tasks ---------------------------------------------------------------
 
