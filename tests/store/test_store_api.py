@@ -36,7 +36,7 @@ from tltd.domain import (
     WorkerState,
 )
 from tltd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from tltd.store import Store
+from tltd.store import JobPaused, Store
 
 JOB = Job(job_id="job-1", model_path="/models/tiny", name="grpo", priority=2, weight=0.5)
 PROMPTS = ((1, 2, 3), (4, 5))
@@ -290,6 +290,44 @@ def test_list_requests_queue_order_and_filters(store: Store) -> None:
     assert [r.request_id for r in queued] == ["r0", "r2"]
     assert len(store.list_requests(limit=2)) == 2
     assert len(store.list_requests()) == 4
+
+
+def test_mark_running_moves_only_a_queued_request(store: Store) -> None:
+    store.create_job(JOB)
+    store.create_request(_request())
+    assert store.mark_running("req-1", "running on w0") is True
+    assert store.mark_running("req-1", "running on w1") is False  # running already
+    req = store.get_request("req-1")
+    assert (req.status, req.status_reason) == (RequestStatus.RUNNING, "running on w0")
+    store.create_request(_request("req-2"))
+    store.set_request_status("req-2", RequestStatus.CANCELLED, "stop")
+    assert store.mark_running("req-2", "running on w0") is False  # ended meanwhile: stands
+    assert store.get_request("req-2").status is RequestStatus.CANCELLED
+    assert _events(store, "request", "req-1") == [
+        ("", "queued", "submitted"),
+        ("queued", "running", "running on w0"),
+    ]
+    assert store.mark_running("nope", "running on w0") is False
+
+
+def test_create_request_unless_paused_stores_nothing_but_lets_a_retry_attach(
+    store: Store,
+) -> None:
+    store.create_job(JOB)
+    store.create_request(_request("stored"))
+    store.set_job_paused(JOB.job_id, "hold")
+    with pytest.raises(JobPaused):
+        store.create_request(_request("new"), unless_paused=True)
+    with pytest.raises(NotFound):
+        store.get_request("new")
+    assert store.create_request(_request("stored"), unless_paused=True)[1] is False
+    assert store.create_request(_request("new"))[1] is True  # a pause gates only when asked
+    store.set_job_paused(JOB.job_id, None)
+    assert store.create_request(_request("new-2"), unless_paused=True)[1] is True
+    store.set_job_status(JOB.job_id, JobStatus.CANCELLED, "done")
+    assert store.create_request(_request("stored"))[1] is False  # a retry attaches still
+    with pytest.raises(FailedPrecondition, match="cancelled"):
+        store.create_request(_request("new-3"))
 
 
 def test_request_transitions_and_events(store: Store) -> None:

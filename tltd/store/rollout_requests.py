@@ -16,7 +16,7 @@ from tltd.errors import AlreadyExists, FailedPrecondition
 from tltd.store import convert
 from tltd.store.lookups import changed_fields, job_row, request_row
 from tltd.store.notifications import REQUEST, WORK, notify
-from tltd.store.status import record_event, switch_status
+from tltd.store.status import record_event, switch_status, switch_status_from
 from tltd.store.tables import JobPauseRow, RolloutRequestRow, WorkUnitRow, utcnow
 
 _REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
@@ -131,6 +131,19 @@ class RolloutRequests:
                 q = q.where(RolloutRequestRow.job_id == job_id)
             q = q.order_by(RolloutRequestRow.created_at, RolloutRequestRow.request_id)
             return [convert.request_from_row(r) for r in s.scalars(q.limit(limit)).all()]
+
+    def mark_running(self, request_id: str, reason: str) -> bool:
+        """QUEUED -> RUNNING with its event, as `set_request_status` records it; True when it
+        moved. Any other status stands (RUNNING already, or ended meanwhile). Two statements,
+        nothing read back: a node calls it once per request it starts."""
+        with self._tx() as s:
+            moved = switch_status_from(
+                s, "request", RolloutRequestRow, request_id,
+                RequestStatus.QUEUED, RequestStatus.RUNNING, reason,
+            )  # fmt: skip
+            if moved:
+                notify(s, REQUEST, request_id)
+            return bool(moved)
 
     def set_request_status(
         self, request_id: str, new: RequestStatus, reason: str

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from tltd.domain import DrafterStatus, JobStatus, RequestStatus, WorkerState
@@ -70,6 +71,27 @@ def switch_status(
         row.updated_at = now  # type: ignore[attr-defined]
     record_event(session, entity, entity_id, old, new, reason, at=now)
     return True
+
+
+def switch_status_from(
+    session: Session, entity: str, row_type: type, entity_id: str, old: str, new: str, reason: str
+) -> bool:
+    """`switch_status` for a row not loaded: one UPDATE that moves it only from status `old`
+    (then records the event; returns True), else changes nothing (False)."""
+    check_transition(entity, entity_id, str(old), str(new))
+    column = _COLUMN[entity]
+    table = row_type.__table__  # type: ignore[attr-defined]
+    key = next(iter(table.primary_key.columns))
+    now = utcnow()
+    values = {column: str(new), f"{column}_reason": reason}
+    if "updated_at" in table.c:
+        values["updated_at"] = now
+    moved = session.execute(
+        update(table).where(key == entity_id, table.c[column] == str(old)).values(**values)
+    ).rowcount  # type: ignore[attr-defined]
+    if moved:
+        record_event(session, entity, entity_id, str(old), str(new), reason, at=now)
+    return bool(moved)
 
 
 def record_event(

@@ -121,12 +121,8 @@ class LiveRequests:
         taken = self.queue.take(request_id, prompt_index, count, worker_id)
         if live is not None and taken and not live.started:
             live.started = True
-            self._writes.write_nowait(
-                self.store.set_request_status,
-                request_id,
-                RequestStatus.RUNNING,
-                f"running on {worker_id}",
-            )
+            why = f"running on {worker_id}"
+            self._writes.write_nowait(self.store.mark_running, request_id, why)
         return live, taken
 
     def stored(self, sample: Sample) -> LiveRequest | None:
