@@ -135,15 +135,13 @@ class RolloutRequests:
     def mark_running(self, request_id: str, reason: str) -> bool:
         """QUEUED -> RUNNING with its event, as `set_request_status` records it; True when it
         moved. Any other status stands (RUNNING already, or ended meanwhile). Two statements,
-        nothing read back: a node calls it once per request it starts."""
+        nothing read back: a node calls it once per request it starts. Other nodes are not
+        notified: a request starting changes nothing their streams send or their units do."""
         with self._tx() as s:
-            moved = switch_status_from(
+            return switch_status_from(
                 s, "request", RolloutRequestRow, request_id,
                 RequestStatus.QUEUED, RequestStatus.RUNNING, reason,
             )  # fmt: skip
-            if moved:
-                notify(s, REQUEST, request_id)
-            return bool(moved)
 
     def set_request_status(
         self, request_id: str, new: RequestStatus, reason: str

@@ -253,6 +253,8 @@ class Supervisor:
         if channel == notifications.STATE:  # the next tick reads jobs and devices again
             self.store.scheduling_writes.changed_elsewhere(request_id)
             return
+        if channel == notifications.SAMPLE and self.runs_every_unit(request_id):
+            return  # stored by this node (it holds every unit): its streams had it as an event
         if channel in (notifications.SAMPLE, notifications.REQUEST):
             self.requests.publish(request_id, StreamEvent())  # a wake-up: re-read the store
         if channel == notifications.REQUEST:
