@@ -54,7 +54,7 @@ def test_overlapping_finalize_calls_record_each_unit_once(store: Store, tmp_path
             lambda c: spawned.append(asyncio.ensure_future(c)), lambda: None,
         )  # fmt: skip
         try:
-            await reqs.take_claims(node.claim_units(100, LONG_LEASE))
+            await reqs.take_claims(*_claimed(node, LONG_LEASE))
             live = reqs.queue.get(rid)
             assert live is not None and live.units == {0, 1}
             for p in (0, 1):
@@ -109,7 +109,7 @@ def test_a_unit_claimed_past_the_attempt_limit_fails_with_the_reason(
         writer = asyncio.create_task(writes.run())
         reqs = LiveRequests(node, settings, writes, asyncio.ensure_future, lambda: None)
         try:
-            await reqs.take_claims(node.claim_units(100, lease))
+            await reqs.take_claims(*_claimed(node, lease))
             await asyncio.wait_for(writes.join(), 10)
         finally:
             writer.cancel()
@@ -137,3 +137,9 @@ def test_a_unit_claimed_past_the_attempt_limit_fails_with_the_reason(
     finally:
         for n in (a, b, c):
             n.close()
+
+
+def _claimed(node, lease: float):
+    """What the supervisor hands take_claims: the claims and the claimed requests' state."""
+    claims = node.claim_units(100, lease)
+    return claims, node.claimed_state(sorted({c.request_id for c in claims}))

@@ -133,13 +133,18 @@ class RolloutService:
         the caller re-attaches on another node.
         """
         started = time.perf_counter()
-        req, sup = await self._accept(req, speculative)
+        sup = self.supervisor
+        if sup is None:  # (a request's own faults are named first)
+            await asyncio.to_thread(self.prepare, req, speculative)
+            raise Unimplemented("this daemon runs no rollout workers")
+        if not req.request_id:
+            req = replace(req, request_id=f"req-{uuid.uuid4().hex}")
         rid = req.request_id
         # Subscribe before anything is stored: a sample stored here is then either read from
         # the store or received on the subscription (or both).
         events = sup.subscribe(rid)
         try:
-            stored, created = await self._admit_when_open(req, sup)
+            stored, created = await self._admit_when_open(req, speculative, sup)
             METRICS.observe_admission(time.perf_counter() - started)
             # A request this call created has nothing stored before the subscription: what
             # this node stores arrives on it, what others store wakes it (or the poll does).
@@ -186,20 +191,6 @@ class RolloutService:
             # queued (the end recorded with the last unit) come first.
             read = woken or (events.empty() and not sup.runs_every_unit(rid))
 
-    async def _accept(
-        self, req: RolloutRequest, speculative: SpeculativeMode | None
-    ) -> tuple[RolloutRequest, Supervisor]:
-        """The request as it will be stored (validated, past a pause, with its seed) and the
-        supervisor that runs it."""
-        # The store is synchronous: keep its I/O off the event loop.
-        req = await asyncio.to_thread(self.prepare, req, speculative)
-        sup = self.supervisor
-        if sup is None:
-            raise Unimplemented("this daemon runs no rollout workers")
-        if req.sampling.seed is None:
-            req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
-        return req, sup
-
     async def _read_stored(
         self, rid: str, cursor: int
     ) -> tuple[RolloutRequest, list[Sample], int, bool]:
@@ -224,29 +215,42 @@ class RolloutService:
             )
 
     async def _admit_when_open(
-        self, req: RolloutRequest, sup: Supervisor
+        self, req: RolloutRequest, speculative: SpeculativeMode | None, sup: Supervisor
     ) -> tuple[RolloutRequest, bool]:
         """Store the request once its job is not paused. A new request of a paused job waits
         here, stored nothing, until the job is resumed (the caller may go away meanwhile); a
-        retry of a stored one attaches at once (its work is in flight already). Once stored,
-        admission runs to its end even when the caller goes away (a deadline, a disconnect):
-        a request once stored is always claimable."""
+        retry of a stored one attaches at once (its work is in flight already). Once in the
+        store, admission runs to its end even when the caller goes away (a deadline, a
+        disconnect): a request once stored is always claimable."""
         while True:
             try:
-                return await asyncio.shield(asyncio.ensure_future(self._admit(req, sup)))
+                admit = asyncio.ensure_future(self._admit(req, speculative, sup))
+                return await asyncio.shield(admit)
             except JobPaused:
                 assert self.pauses is not None
                 await self.pauses.wait_open(req.job_id)
 
-    async def _admit(self, req: RolloutRequest, sup: Supervisor) -> tuple[RolloutRequest, bool]:
-        """Store the request (idempotent; JobPaused when its job is paused and it is new) and
-        ask for its units to be claimed; True when this call created it."""
-        stored, created = await asyncio.to_thread(
-            self.store.create_request, req, self.pauses is not None
-        )
+    async def _admit(
+        self, req: RolloutRequest, speculative: SpeculativeMode | None, sup: Supervisor
+    ) -> tuple[RolloutRequest, bool]:
+        """Validate and store the request (idempotent; JobPaused when its job is paused and it
+        is new) and ask for its units to be claimed; True when this call created it."""
+        # The store is synchronous: its I/O runs off the event loop, in one thread hop (each
+        # waits for a thread and the GIL: on a loaded node some ms).
+        stored, created = await asyncio.to_thread(self._prepare_and_store, req, speculative)
         if stored.status not in ENDED_STATUSES:
             await sup.submit(stored)
         return stored, created
+
+    def _prepare_and_store(
+        self, req: RolloutRequest, speculative: SpeculativeMode | None
+    ) -> tuple[RolloutRequest, bool]:
+        """`prepare`, the request's seed (fixed by its id when it gave none), then the store's
+        `create_request`, refused while its job is paused (JobPaused)."""
+        req = self.prepare(req, speculative)
+        if req.sampling.seed is None:
+            req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
+        return self.store.create_request(req, self.pauses is not None)
 
     def _is_retry(self, req: RolloutRequest) -> bool:
         """The request_id is stored already: a retry, which attaches to its work."""

@@ -25,6 +25,8 @@ from tltd.store.status import switch_status
 from tltd.store.tables import JobRow, RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
 UnitKey = tuple[str, int]  # (request_id, prompt_index)
+# Store.claimed_state: request id -> (request, job, complete sample keys, partial sample keys).
+ClaimedState = dict[str, tuple[RolloutRequest, Job, set[tuple[int, int]], set[tuple[int, int]]]]
 
 QUEUED, LEASED, DONE, FAILED = "queued", "leased", "done", "failed"
 
@@ -309,9 +311,7 @@ class WorkLeases:
                 last,
             )
 
-    def claimed_state(
-        self, request_ids: Sequence[str]
-    ) -> dict[str, tuple[RolloutRequest, Job, set[tuple[int, int]], set[tuple[int, int]]]]:
+    def claimed_state(self, request_ids: Sequence[str]) -> ClaimedState:
         """What a node needs to run units it just claimed, for every request named, in one
         read: the request, its job, and the keys (prompt index, sample index) of its stored
         samples, complete ones and partial ones (the payloads are not read). A request not

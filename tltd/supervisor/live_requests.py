@@ -26,7 +26,7 @@ from tltd.domain import (
 )
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.settings import Settings
-from tltd.store.leases import Claim
+from tltd.store.leases import Claim, ClaimedState
 from tltd.supervisor.work_queue import Key, LiveRequest, WorkQueue
 from tltd.supervisor.writes import OrderedWrites, add_samples
 
@@ -177,6 +177,7 @@ class LiveRequests:
     async def take_claims(
         self,
         claims: list[Claim],
+        state: ClaimedState | Exception,
         refuse: Callable[[str, int], tuple[FinishReason, str] | None] = lambda j, v: None,
     ) -> None:
         """Make units this node just claimed live with their missing samples (stored ones are
@@ -188,10 +189,11 @@ class LiveRequests:
         by_request: dict[str, list[Claim]] = {}
         for c in claims:
             by_request.setdefault(c.request_id, []).append(c)
-        try:  # one read for every request claimed
-            state = await asyncio.to_thread(self.store.claimed_state, list(by_request))
-        except Exception:  # not live here: their leases lapse, they are claimed again
-            log.exception("cannot read claimed units: claimed again once their leases lapse")
+        if isinstance(state, Exception):  # not live here: their leases lapse, claimed again
+            log.error(
+                "cannot read claimed units: claimed again once their leases lapse",
+                exc_info=state,
+            )
             return
         for rid, units in by_request.items():
             try:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from tltd.contract import rollout_messages as msg
 from tltd.domain import ENDED_STATUSES, FinishReason, NodeStatus, RequestStatus
 from tltd.settings import Settings
+from tltd.store.leases import Claim, ClaimedState
 from tltd.supervisor.live_requests import LiveRequests
 from tltd.supervisor.worker_process import ALIVE, Phase, WorkerHandle
 
@@ -103,7 +104,9 @@ class UnitLeases:
         now = time.monotonic()
         if not self.claim_soon and now - self._last_claim < self.settings.claim_interval_seconds:
             return 0
-        others = await asyncio.to_thread(self.others_up)
+        others = self._others_known()
+        if others is None:
+            others = await asyncio.to_thread(self.others_up)
         if draining and others:
             self._last_claim, self.claim_soon = now, False
             return 0
@@ -113,10 +116,22 @@ class UnitLeases:
         if free <= 0:
             return 0
         self._last_claim, self.claim_soon = now, False
-        claims = await asyncio.to_thread(self.store.claim_units, free, self.settings.lease_seconds)
+        claims, state = await asyncio.to_thread(self._claim_and_read, free)
         if claims:
-            await self.requests.take_claims(claims, refuse)
+            await self.requests.take_claims(claims, state, refuse)
         return len(claims)
+
+    def _claim_and_read(self, free: int) -> tuple[list[Claim], ClaimedState | Exception]:
+        """Claim (its own transaction: committed, the units are this node's) and read what the
+        claimed units need (`Store.claimed_state`), in one thread hop. A failed read is
+        returned, not raised: the claims stand, and `take_claims` lets their leases lapse."""
+        claims = self.store.claim_units(free, self.settings.lease_seconds)
+        if not claims:
+            return claims, {}
+        try:
+            return claims, self.store.claimed_state(sorted({c.request_id for c in claims}))
+        except Exception as exc:
+            return claims, exc
 
     def hand_over(self) -> int:
         """A draining node with others up gives them every unit it holds (after its workers
@@ -137,6 +152,12 @@ class UnitLeases:
         now = time.monotonic()
         if now - self._others[0] >= self.settings.node_heartbeat_seconds:
             self._others = (now, self._others_up())
+        return self._others[1]
+
+    def _others_known(self) -> bool | None:
+        """`others_up` while its last read is fresh (no thread hop needed), else None."""
+        if time.monotonic() - self._others[0] >= self.settings.node_heartbeat_seconds:
+            return None
         return self._others[1]
 
     def _others_up(self) -> bool:
