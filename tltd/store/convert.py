@@ -53,10 +53,15 @@ def _columns(obj: Any, *, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[
     """A domain dataclass's fields as column values, under the fields' names after `prefix`
     (enums as their values), less `skip`."""
     return {
-        prefix + f.name: str(v) if isinstance(v := getattr(obj, f.name), enum.Enum) else v
-        for f in fields(obj)
-        if f.name not in skip
+        prefix + name: str(v) if isinstance(v := getattr(obj, name), enum.Enum) else v
+        for name in _field_names(type(obj), skip)
     }
+
+
+@functools.cache
+def _field_names(cls: type, skip: tuple[str, ...]) -> tuple[str, ...]:
+    """A dataclass's field names less `skip` (`fields()` builds a tuple at every call)."""
+    return tuple(f.name for f in fields(cls) if f.name not in skip)
 
 
 @functools.cache
@@ -145,16 +150,23 @@ def request_from_row(row: RolloutRequestRow) -> RolloutRequest:
 
 
 def sample_to_row(s: Sample) -> SampleRow:
-    return SampleRow(
+    return SampleRow(**sample_columns(s))
+
+
+def sample_columns(s: Sample) -> dict[str, Any]:
+    """A sample's column values (a Core insert's row; `id` and `created_at` not included)."""
+    return {
         **_columns(s, skip=_SAMPLE_STORED_OTHERWISE),
         **_columns(s.speculative, prefix="spec_"),
         **_payload(s.token_ids, s.logprobs),
-        num_tokens=len(s.token_ids),
-        provenance=provenance_to_json(s.provenance),
-        policy_spans=[list(x) for x in s.policy_spans] or None,
-        top_logprobs=None if s.top_logprobs is None else [_top_to_json(t) for t in s.top_logprobs],
-        prompt_logprobs=prompt_logprobs_to_json(s.prompt_logprobs),
-    )
+        "num_tokens": len(s.token_ids),
+        "provenance": provenance_to_json(s.provenance),
+        "policy_spans": [list(x) for x in s.policy_spans] or None,
+        "top_logprobs": (
+            None if s.top_logprobs is None else [_top_to_json(t) for t in s.top_logprobs]
+        ),
+        "prompt_logprobs": prompt_logprobs_to_json(s.prompt_logprobs),
+    }
 
 
 # A sample's fields that are not a column of their own name (packed, JSON, or prefixed).

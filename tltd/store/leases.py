@@ -7,12 +7,13 @@ statements run: SKIP LOCKED is not rendered there, and SQLite serializes writers
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from sqlalchemy import and_, func, or_, select, tuple_, update
+from sqlalchemy import and_, bindparam, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from tltd.domain import ENDED_STATUSES, FinishReason, Job, RequestStatus, RolloutRequest, Sample
@@ -21,8 +22,15 @@ from tltd.store import convert
 from tltd.store.clock import db_now
 from tltd.store.lookups import active_versions
 from tltd.store.notifications import REQUEST, WORK, notify
-from tltd.store.status import switch_status
-from tltd.store.tables import JobRow, RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
+from tltd.store.status import switch_status, switch_status_from
+from tltd.store.tables import (
+    JobRow,
+    RolloutRequestRow,
+    SampleRow,
+    UTCDateTime,
+    WorkUnitRow,
+    utcnow,
+)
 
 UnitKey = tuple[str, int]  # (request_id, prompt_index)
 # Store.claimed_state: request id -> (request, job, complete sample keys, partial sample keys).
@@ -40,8 +48,57 @@ class Claim:
     attempts: int  # this claim included
 
 
+class _UnitStatements:
+    """finish_unit's statements, built once per store (see sample_batches._Statements)."""
+
+    def __init__(self, dialect: str) -> None:
+        rr, wu, sr = RolloutRequestRow.__table__, WorkUnitRow.__table__, SampleRow.__table__
+        now = (
+            func.now(type_=UTCDateTime())
+            if dialect == "postgresql"
+            else bindparam("db_now", type_=UTCDateTime())
+        )
+        self.clock_bound = dialect != "postgresql"
+        self.request = select(rr).where(rr.c.request_id == bindparam("rid")).with_for_update()
+        unit = (wu.c.request_id == bindparam("rid"), wu.c.prompt_index == bindparam("p"))
+        self.stored = (
+            select(func.count())
+            .select_from(sr)
+            .where(sr.c.request_id == bindparam("rid"), sr.c.prompt_index == bindparam("p"))
+        )
+        held = (
+            wu.c.state == LEASED,
+            wu.c.owner_node == bindparam("node"),
+            wu.c.owner_epoch == bindparam("epoch"),
+            wu.c.lease_expires_at > now,
+        )
+        self.done = (
+            update(wu)
+            .where(*unit, *held, self.stored.scalar_subquery() >= bindparam("n"))
+            .values(state=DONE, lease_expires_at=None, updated_at=bindparam("now"))
+            .returning(wu.c.prompt_index)
+        )
+        open_units = (
+            select(func.count())
+            .select_from(wu)
+            .where(wu.c.request_id == bindparam("rid"), wu.c.state.in_((QUEUED, LEASED)))
+            .scalar_subquery()
+        )
+        # The request's open units, its failed samples and the first failure's error.
+        self.open_and_failed = select(
+            open_units, func.count(), func.min(sr.c.error)
+        ).where(
+            sr.c.request_id == bindparam("rid"),
+            sr.c.finish_reason == FinishReason.FAILED.value,
+        )  # fmt: skip
+
+
 class WorkLeases:
     """Mixed into the Store (uses its `node_id`, `epoch`, `dialect` and `_tx`)."""
+
+    @functools.cached_property
+    def _unit_statements(self) -> _UnitStatements:
+        return _UnitStatements(self.dialect)
 
     node_id: str
     epoch: int
@@ -211,41 +268,37 @@ class WorkLeases:
         drain decided here) if given, else FAILED when a sample failed, else COMPLETED; a
         status already final stands. Returns the request and its open units left. Raises
         Fenced when the unit is not held or a sample is missing."""
-        wu, sr = WorkUnitRow, SampleRow
+        st = self._unit_statements
         with self._tx() as s:
-            req = s.get(RolloutRequestRow, request_id, with_for_update=True)
-            if req is None:
+            conn = s.connection()
+            row = conn.execute(st.request, {"rid": request_id}).first()
+            if row is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
-            stored = (
-                select(func.count())
-                .select_from(sr)
-                .where(sr.request_id == request_id, sr.prompt_index == prompt_index)
-                .scalar_subquery()
-            )
+            params = {"rid": request_id, "p": prompt_index, "node": self.node_id,
+                      "epoch": self.epoch, "n": row.n, "now": utcnow()}  # fmt: skip
+            if st.clock_bound:
+                params["db_now"] = params["now"]
             # Held, every sample stored, and done: one statement (the usual case); only a
             # refusal reads again, to say why.
-            done = s.execute(
-                update(wu)
-                .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
-                .where(self._held(s), stored >= req.n)
-                .values(state=DONE, lease_expires_at=None, updated_at=utcnow())
-                .returning(wu.prompt_index)
-            ).first()
-            if done is None:
+            if conn.execute(st.done, params).first() is None:
                 self.check_held(s, request_id, prompt_index)
-                count = s.scalar(select(stored))
-                raise Fenced(f"unit {request_id}/{prompt_index}: {count} of {req.n} stored")
-            left, failed, first_error = _open_and_failed(s, request_id)
-            if left == 0 and RequestStatus(req.status) not in ENDED_STATUSES:
+                count = conn.execute(st.stored, params).scalar()
+                raise Fenced(f"unit {request_id}/{prompt_index}: {count} of {row.n} stored")
+            left, failed, first_error = conn.execute(st.open_and_failed, params).one()
+            req = convert.request_from_row(row)
+            if left == 0 and req.status not in ENDED_STATUSES:
                 status, why = outcome, reason
                 if status is None:
                     status, why = _final_status(req, failed, first_error)
-                if req.status == RequestStatus.QUEUED and status is RequestStatus.COMPLETED:
-                    switch_status(s, "request", request_id, req, RequestStatus.RUNNING, "resumed")
-                switch_status(s, "request", request_id, req, status, why)
+                old = req.status
+                if old is RequestStatus.QUEUED and status is RequestStatus.COMPLETED:
+                    switch_status_from(s, "request", RolloutRequestRow, request_id, old,
+                                       RequestStatus.RUNNING, "resumed")  # fmt: skip
+                    old = RequestStatus.RUNNING
+                switch_status_from(s, "request", RolloutRequestRow, request_id, old, status, why)
+                req = replace(req, status=status, status_reason=why, updated_at=params["now"])
                 notify(s, REQUEST, request_id)
-            s.flush()
-            return convert.request_from_row(req), left
+            return req, int(left)
 
     def end_queued_units(self, request_id: str, finish: FinishReason, why: str) -> int:
         """End the units of an ended request that no node holds (a cancel): their missing
@@ -369,28 +422,10 @@ def _open_units(s: Session, request_id: str) -> int:
     )
 
 
-def _open_and_failed(s: Session, request_id: str) -> tuple[int, int, str | None]:
-    """A request's open units, failed samples and the first failure's error, in one read."""
-    wu, sr = WorkUnitRow, SampleRow
-    open_units = (
-        select(func.count())
-        .select_from(wu)
-        .where(wu.request_id == request_id, wu.state.in_((QUEUED, LEASED)))
-        .scalar_subquery()
-    )
-    failed = select(func.count(), func.min(sr.error)).where(
-        sr.request_id == request_id, sr.finish_reason == FinishReason.FAILED.value
-    )
-    row = s.execute(
-        failed.add_columns(open_units.label("open_units"))
-    ).one()  # fmt: skip
-    return int(row[2] or 0), int(row[0] or 0), row[1]
-
-
 def _final_status(
-    req: RolloutRequestRow, failed: int, first_error: str | None
+    req: RolloutRequest, failed: int, first_error: str | None
 ) -> tuple[RequestStatus, str]:
-    total = len(req.prompts) * req.n
+    total = req.samples_total
     if failed:
         return RequestStatus.FAILED, f"{failed} of {total} samples failed: {first_error}"
     return RequestStatus.COMPLETED, f"all {total} samples finished"

@@ -9,19 +9,21 @@ units and stored keys are read with one statement each.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
-from sqlalchemy import func, insert, select, tuple_, update
+from sqlalchemy import Connection, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.store import convert
+from tltd.store.leases import LEASED
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.samples import not_finite_error, out_of_range_error
-from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
+from tltd.store.tables import RolloutRequestRow, SampleRow, UTCDateTime, WorkUnitRow, utcnow
 
 # Prompt indices at or past this are out of range of any request (and of SQL integers).
 _MAX_INDEX = 1 << 31
@@ -30,8 +32,47 @@ _MAX_INDEX = 1 << 31
 Outcome = bool | TltError
 
 
+class _Statements:
+    """The batch path's statements, built once per store: constructing and cache-keying an
+    SQL expression costs more Python than running it does (the database's clock is a bound
+    value on SQLite, `now()` on PostgreSQL)."""
+
+    def __init__(self, dialect: str) -> None:
+        rr, wu, sr = RolloutRequestRow.__table__, WorkUnitRow.__table__, SampleRow.__table__
+        now = (
+            func.now(type_=UTCDateTime())
+            if dialect == "postgresql"
+            else bindparam("db_now", type_=UTCDateTime())
+        )
+        self.head = select(rr.c.n, rr.c.status).where(rr.c.request_id == bindparam("rid"))
+        self.head = self.head.with_for_update()
+        self.held = select(wu.c.prompt_index).where(
+            wu.c.request_id == bindparam("rid"),
+            wu.c.prompt_index.in_(bindparam("prompts", expanding=True)),
+            wu.c.state == LEASED,
+            wu.c.owner_node == bindparam("node"),
+            wu.c.owner_epoch == bindparam("epoch"),
+            wu.c.lease_expires_at > now,
+        )
+        self.stored = select(sr.c.id, sr.c.prompt_index, sr.c.sample_index, sr.c.partial).where(
+            sr.c.request_id == bindparam("rid"),
+            sr.c.prompt_index.in_(bindparam("prompts", expanding=True)),
+        )
+        self.insert = sr.insert()
+        self.bump = (
+            update(rr)
+            .where(rr.c.request_id == bindparam("rid"))
+            .values(samples_done=rr.c.samples_done + bindparam("done"), updated_at=bindparam("now"))
+        )
+        self.clock_bound = dialect != "postgresql"
+
+
 class SampleBatches:
     """Mixed into the Store (uses its `epoch`, `dialect`, `_tx`, `_held` and `add_sample`)."""
+
+    @functools.cached_property
+    def _batch_statements(self) -> _Statements:
+        return _Statements(self.dialect)
 
     node_id: str
     epoch: int
@@ -81,12 +122,10 @@ class SampleBatches:
         out: list[Outcome | None],
         now: object,
     ) -> None:
-        rr = RolloutRequestRow
+        st, conn = self._batch_statements, s.connection()
         # The columns needed, not the row: its prompts (JSON, as long as the request's
         # prompts) are decoded only when a sample's prompt index must be checked against them.
-        head = s.execute(
-            select(rr.n, rr.status).where(rr.request_id == rid).with_for_update()
-        ).first()
+        head = conn.execute(st.head, {"rid": rid}).first()
         if head is None:
             for i, _ in items:
                 out[i] = NotFound(f"rollout request {rid!r} not found", field="request_id")
@@ -95,9 +134,9 @@ class SampleBatches:
         ok = self._writable(s, rid, n, items, out)
         if not ok:
             return
-        sr = SampleRow
-        stored = _stored_keys(s, rid, [x for _, x in ok])
+        stored = _stored_keys(conn, st, rid, [x for _, x in ok])
         ended = RequestStatus(status) in ENDED_STATUSES
+        sr = SampleRow
         rows, done = [], 0
         for i, sample in ok:
             key = (sample.prompt_index, sample.sample_index)
@@ -105,27 +144,24 @@ class SampleBatches:
             if existing is not None and (not existing[1] or sample.partial or ended):
                 out[i] = False  # a duplicate, or a replacement too late (see add_sample)
                 continue
-            row = _row(sample, now)
+            row = convert.sample_columns(sample)
+            row["created_at"] = now
             if existing is not None:
                 # The complete sample that replaces a partial one takes a new, larger row id,
                 # as add_sample explains.
-                s.execute(sr.__table__.delete().where(sr.id == existing[0]))
+                conn.execute(sr.__table__.delete().where(sr.id == existing[0]))
                 if self.dialect == "sqlite":
-                    row["id"] = int(s.scalar(select(func.max(sr.id))) or 0) + 1
-                s.execute(insert(sr), [row])
+                    row["id"] = int(conn.scalar(select(func.max(sr.id))) or 0) + 1
+                conn.execute(st.insert, [row])
             else:
                 rows.append(row)
             stored[key] = (0, sample.partial)
             done += not sample.partial
             out[i] = True
         if rows:
-            s.execute(insert(sr), rows)
+            conn.execute(st.insert, rows)
         if done or rows:
-            s.execute(
-                update(rr)
-                .where(rr.request_id == rid)
-                .values(samples_done=rr.samples_done + done, updated_at=now)
-            )
+            conn.execute(st.bump, {"rid": rid, "done": done, "now": now})
             notify(s, SAMPLE, rid)
 
     def _writable(
@@ -165,14 +201,11 @@ class SampleBatches:
         return ok
 
     def _held_units(self, s: Session, rid: str, prompts: set[int]) -> set[int]:
-        wu = WorkUnitRow
-        return set(
-            s.scalars(
-                select(wu.prompt_index).where(
-                    wu.request_id == rid, wu.prompt_index.in_(sorted(prompts)), self._held(s)
-                )
-            ).all()
-        )
+        st = self._batch_statements
+        params = {"rid": rid, "prompts": sorted(prompts), "node": self.node_id, "epoch": self.epoch}
+        if st.clock_bound:
+            params["db_now"] = utcnow()
+        return {int(r[0]) for r in s.connection().execute(st.held, params)}
 
 
 def _prompt_count(s: Session, rid: str) -> int:
@@ -181,24 +214,13 @@ def _prompt_count(s: Session, rid: str) -> int:
 
 
 def _stored_keys(
-    s: Session, rid: str, samples: list[Sample]
+    conn: Connection, st: _Statements, rid: str, samples: list[Sample]
 ) -> dict[tuple[int, int], tuple[int, bool]]:
     """(prompt index, sample index) -> (row id, partial) of those of `samples` stored."""
-    sr = SampleRow
-    keys = [(x.prompt_index, x.sample_index) for x in samples]
+    keys = {(x.prompt_index, x.sample_index) for x in samples}
+    prompts = sorted({p for p, _ in keys})
     return {
-        (r.prompt_index, r.sample_index): (r.id, r.partial)
-        for r in s.execute(
-            select(sr.id, sr.prompt_index, sr.sample_index, sr.partial).where(
-                sr.request_id == rid, tuple_(sr.prompt_index, sr.sample_index).in_(keys)
-            )
-        ).all()
+        (int(r[1]), int(r[2])): (int(r[0]), bool(r[3]))
+        for r in conn.execute(st.stored, {"rid": rid, "prompts": prompts})
+        if (r[1], r[2]) in keys
     }
-
-
-def _row(sample: Sample, now: object) -> dict:
-    """The sample's column values for a Core insert."""
-    row = convert.sample_to_row(sample)
-    values = {c.key: getattr(row, c.key) for c in SampleRow.__table__.columns if c.key != "id"}
-    values["created_at"] = now
-    return values

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
 
-from sqlalchemy import update
+from sqlalchemy import Update, bindparam, update
 from sqlalchemy.orm import Session
 
 from tltd.domain import DrafterStatus, JobStatus, RequestStatus, WorkerState
@@ -77,21 +78,45 @@ def switch_status_from(
     session: Session, entity: str, row_type: type, entity_id: str, old: str, new: str, reason: str
 ) -> bool:
     """`switch_status` for a row not loaded: one UPDATE that moves it only from status `old`
-    (then records the event; returns True), else changes nothing (False)."""
+    (then records the event; returns True), else changes nothing (False). Core statements,
+    built once: not for the tables a scheduler tick reads (`Store.scheduling_writes` watches
+    the ORM's writes)."""
     check_transition(entity, entity_id, str(old), str(new))
+    now = utcnow()
+    moved = (
+        session.connection()
+        .execute(
+            _guarded_update(entity, row_type),
+            {"key": entity_id, "old": str(old), "new": str(new), "reason": reason, "now": now},
+        )
+        .rowcount
+    )
+    if moved:
+        session.connection().execute(
+            _EVENT_INSERT,
+            {"entity": entity, "entity_id": entity_id, "old_status": str(old),
+             "new_status": str(new), "reason": reason, "at": now},
+        )  # fmt: skip
+    return bool(moved)
+
+
+@functools.cache
+def _guarded_update(entity: str, row_type: type) -> Update:
+    """UPDATE <row> SET status = :new ... WHERE key = :key AND status = :old (built once)."""
     column = _COLUMN[entity]
     table = row_type.__table__  # type: ignore[attr-defined]
     key = next(iter(table.primary_key.columns))
-    now = utcnow()
-    values = {column: str(new), f"{column}_reason": reason}
+    values = {column: bindparam("new"), f"{column}_reason": bindparam("reason")}
     if "updated_at" in table.c:
-        values["updated_at"] = now
-    moved = session.execute(
-        update(table).where(key == entity_id, table.c[column] == str(old)).values(**values)
-    ).rowcount  # type: ignore[attr-defined]
-    if moved:
-        record_event(session, entity, entity_id, str(old), str(new), reason, at=now)
-    return bool(moved)
+        values["updated_at"] = bindparam("now")
+    return (
+        update(table)
+        .where(key == bindparam("key"), table.c[column] == bindparam("old"))
+        .values(**values)
+    )
+
+
+_EVENT_INSERT = EventRow.__table__.insert()
 
 
 def record_event(

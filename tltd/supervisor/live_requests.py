@@ -460,4 +460,5 @@ class LiveRequests:
     def _drop(self, request_id: str, p: int, recorded: bool = False) -> None:
         self.queue.drop_unit(request_id, p, recorded)
         self._finalizing.discard((request_id, p))
-        self._kick()
+        if self.queue.waiting():  # else nothing to place now: the periodic tick does the rest
+            self._kick()

@@ -479,7 +479,7 @@ class Supervisor:
         does (claims go by their own interval, stored states by their settle time)."""
         if self.training is not None and self.queue.inflight(handle.worker_id) == 0:
             return True
-        return any(idx for live in self.queue for idx in live.pending.values())
+        return self.queue.waiting()
 
     # ---- background tasks ---------------------------------------------------------------
 

@@ -140,6 +140,10 @@ class WorkQueue:
             for key, wid in live.running.items():
                 self._by_worker.get(wid, set()).discard((request_id, key))
 
+    def waiting(self) -> bool:
+        """Some sample waits for a worker."""
+        return any(idx for live in self._live.values() for idx in live.pending.values())
+
     def pending_work(self) -> list[PendingWork]:
         """One entry per prompt with waiting samples, for the scheduler's snapshot."""
         return [
