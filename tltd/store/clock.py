@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Interval, func, literal, select
+from sqlalchemy import Interval, bindparam, func, literal, select
 from sqlalchemy.orm import Session
 
 from tltd.store.tables import UTCDateTime, utcnow
@@ -25,3 +25,11 @@ def read_db_now(s: Session) -> datetime:
     if s.get_bind().dialect.name == "postgresql":
         return s.scalar(select(func.now(type_=UTCDateTime())))
     return utcnow()
+
+
+def db_now_bound(dialect: str) -> Any:
+    """`db_now` for a statement built once: `now()` on PostgreSQL; on SQLite a bound value
+    named "db_now" that each execution passes (this node's clock, `utcnow()`)."""
+    if dialect == "postgresql":
+        return func.now(type_=UTCDateTime())
+    return bindparam("db_now", type_=UTCDateTime())

@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
+from typing import Any
 
 from sqlalchemy import and_, bindparam, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
@@ -19,7 +20,7 @@ from sqlalchemy.orm import Session
 from tltd.domain import ENDED_STATUSES, FinishReason, Job, RequestStatus, RolloutRequest, Sample
 from tltd.errors import Fenced, NotFound
 from tltd.store import convert
-from tltd.store.clock import db_now
+from tltd.store.clock import db_now, db_now_bound
 from tltd.store.lookups import active_versions
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import switch_status, switch_status_from
@@ -27,7 +28,6 @@ from tltd.store.tables import (
     JobRow,
     RolloutRequestRow,
     SampleRow,
-    UTCDateTime,
     WorkUnitRow,
     utcnow,
 )
@@ -48,17 +48,24 @@ class Claim:
     attempts: int  # this claim included
 
 
+def held_bound(dialect: str) -> tuple[Any, ...]:
+    """`WorkLeases._held` for a statement built once: executions pass "node", "epoch" (and
+    "db_now" on SQLite, see `db_now_bound`)."""
+    wu = WorkUnitRow.__table__
+    return (
+        wu.c.state == LEASED,
+        wu.c.owner_node == bindparam("node"),
+        wu.c.owner_epoch == bindparam("epoch"),
+        wu.c.lease_expires_at > db_now_bound(dialect),
+    )
+
+
 class _UnitStatements:
     """finish_unit's statements, built once per store (see sample_batches._Statements)."""
 
     def __init__(self, dialect: str) -> None:
         rr, wu, sr = RolloutRequestRow.__table__, WorkUnitRow.__table__, SampleRow.__table__
-        now = (
-            func.now(type_=UTCDateTime())
-            if dialect == "postgresql"
-            else bindparam("db_now", type_=UTCDateTime())
-        )
-        self.clock_bound = dialect != "postgresql"
+        self.clock_bound = dialect != "postgresql"  # executions pass "db_now"
         self.request = select(rr).where(rr.c.request_id == bindparam("rid")).with_for_update()
         unit = (wu.c.request_id == bindparam("rid"), wu.c.prompt_index == bindparam("p"))
         self.stored = (
@@ -66,15 +73,9 @@ class _UnitStatements:
             .select_from(sr)
             .where(sr.c.request_id == bindparam("rid"), sr.c.prompt_index == bindparam("p"))
         )
-        held = (
-            wu.c.state == LEASED,
-            wu.c.owner_node == bindparam("node"),
-            wu.c.owner_epoch == bindparam("epoch"),
-            wu.c.lease_expires_at > now,
-        )
         self.done = (
             update(wu)
-            .where(*unit, *held, self.stored.scalar_subquery() >= bindparam("n"))
+            .where(*unit, *held_bound(dialect), self.stored.scalar_subquery() >= bindparam("n"))
             .values(state=DONE, lease_expires_at=None, updated_at=bindparam("now"))
             .returning(wu.c.prompt_index)
         )

@@ -20,10 +20,10 @@ from sqlalchemy.orm import Session
 from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.store import convert
-from tltd.store.leases import LEASED
+from tltd.store.leases import held_bound
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.samples import not_finite_error, out_of_range_error
-from tltd.store.tables import RolloutRequestRow, SampleRow, UTCDateTime, WorkUnitRow, utcnow
+from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
 # Prompt indices at or past this are out of range of any request (and of SQL integers).
 _MAX_INDEX = 1 << 31
@@ -39,47 +39,39 @@ class _Statements:
 
     def __init__(self, dialect: str) -> None:
         rr, wu, sr = RolloutRequestRow.__table__, WorkUnitRow.__table__, SampleRow.__table__
-        now = (
-            func.now(type_=UTCDateTime())
-            if dialect == "postgresql"
-            else bindparam("db_now", type_=UTCDateTime())
-        )
-        self.head = select(rr.c.n, rr.c.status).where(rr.c.request_id == bindparam("rid"))
-        self.head = self.head.with_for_update()
+        rid = bindparam("rid")
+        self.head = select(rr.c.n, rr.c.status).where(rr.c.request_id == rid).with_for_update()
         self.held = select(wu.c.prompt_index).where(
-            wu.c.request_id == bindparam("rid"),
+            wu.c.request_id == rid,
             wu.c.prompt_index.in_(bindparam("prompts", expanding=True)),
-            wu.c.state == LEASED,
-            wu.c.owner_node == bindparam("node"),
-            wu.c.owner_epoch == bindparam("epoch"),
-            wu.c.lease_expires_at > now,
+            *held_bound(dialect),
         )
         self.stored = select(sr.c.id, sr.c.prompt_index, sr.c.sample_index, sr.c.partial).where(
-            sr.c.request_id == bindparam("rid"),
+            sr.c.request_id == rid,
             sr.c.prompt_index.in_(bindparam("prompts", expanding=True)),
         )
         self.insert = sr.insert()
         self.bump = (
             update(rr)
-            .where(rr.c.request_id == bindparam("rid"))
+            .where(rr.c.request_id == rid)
             .values(samples_done=rr.c.samples_done + bindparam("done"), updated_at=bindparam("now"))
         )
-        self.clock_bound = dialect != "postgresql"
+        self.clock_bound = dialect != "postgresql"  # executions pass "db_now"
 
 
 class SampleBatches:
-    """Mixed into the Store (uses its `epoch`, `dialect`, `_tx`, `_held` and `add_sample`)."""
-
-    @functools.cached_property
-    def _batch_statements(self) -> _Statements:
-        return _Statements(self.dialect)
+    """Mixed into the Store (uses its `node_id`, `epoch`, `dialect`, `_tx` and
+    `add_sample`)."""
 
     node_id: str
     epoch: int
     dialect: str
     _tx: Callable[..., AbstractContextManager[Session]]
-    _held: Callable[[Session], object]
     add_sample: Callable[[Sample], bool]
+
+    @functools.cached_property
+    def _batch_statements(self) -> _Statements:
+        return _Statements(self.dialect)
 
     def add_samples(self, samples: Sequence[Sample]) -> list[Outcome]:
         """Store `samples` in one transaction; per sample what `add_sample` would return
