@@ -97,14 +97,14 @@ class _UnitStatements:
 class WorkLeases:
     """Mixed into the Store (uses its `node_id`, `epoch`, `dialect` and `_tx`)."""
 
-    @functools.cached_property
-    def _unit_statements(self) -> _UnitStatements:
-        return _UnitStatements(self.dialect)
-
     node_id: str
     epoch: int
     dialect: str
     _tx: Callable[..., AbstractContextManager[Session]]
+
+    @functools.cached_property
+    def _unit_statements(self) -> _UnitStatements:
+        return _UnitStatements(self.dialect)
 
     def _held(self, s: Session) -> object:
         """The condition of a unit this node holds now: its owner and epoch, lease alive."""
