@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import ClassVar
+
+
+@functools.cache
+def field_names(cls: type, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A dataclass's field names less `skip`, looked up once (`fields()` builds a tuple at
+    every call; the converters run once per sample)."""
+    return tuple(f.name for f in fields(cls) if f.name not in skip)
 
 
 class Backend(enum.StrEnum):

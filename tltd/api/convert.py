@@ -7,9 +7,7 @@ messages, fields not on the wire) are written out where they are converted.
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -185,21 +183,14 @@ def _same_named(obj: Any, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     Timestamps), less `skip`; a name the message lacks fails in its constructor."""
     return {
         name: ts(v) if isinstance(v := getattr(obj, name), datetime) else v
-        for name in _field_names(type(obj), skip)
+        for name in d.field_names(type(obj), skip)
     }
-
-
-@functools.cache
-def _field_names(cls: type, skip: tuple[str, ...]) -> tuple[str, ...]:
-    """A dataclass's field names less `skip` (`fields()` builds its tuple at every call; a
-    sample is converted once per stream it is sent on)."""
-    return tuple(f.name for f in fields(cls) if f.name not in skip)
 
 
 def _from_same_named(cls: type[_T], pb: Any, **given: Any) -> _T:
     """A domain dataclass from the message's fields of the same names; `given` holds the
     fields that differ (a field with neither fails here, not as a silent default)."""
-    names = _field_names(cls, tuple(given))
+    names = d.field_names(cls, tuple(given))
     return cls(**{n: getattr(pb, n) for n in names}, **given)
 
 

@@ -33,3 +33,8 @@ def db_now_bound(dialect: str) -> Any:
     if dialect == "postgresql":
         return func.now(type_=UTCDateTime())
     return bindparam("db_now", type_=UTCDateTime())
+
+
+def db_now_params(dialect: str) -> dict[str, datetime]:
+    """What an execution of a statement built with `db_now_bound` passes for it."""
+    return {} if dialect == "postgresql" else {"db_now": utcnow()}

@@ -14,7 +14,6 @@ import sys
 import typing
 from array import array
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import Any, TypeVar
 
 from tltd.domain import (
@@ -34,6 +33,7 @@ from tltd.domain import (
     TokenSource,
     TopLogprobs,
     Worker,
+    field_names,
 )
 from tltd.store.tables import (
     DeviceRow,
@@ -54,14 +54,8 @@ def _columns(obj: Any, *, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[
     (enums as their values), less `skip`."""
     return {
         prefix + name: str(v) if isinstance(v := getattr(obj, name), enum.Enum) else v
-        for name in _field_names(type(obj), skip)
+        for name in field_names(type(obj), skip)
     }
-
-
-@functools.cache
-def _field_names(cls: type, skip: tuple[str, ...]) -> tuple[str, ...]:
-    """A dataclass's field names less `skip` (`fields()` builds a tuple at every call)."""
-    return tuple(f.name for f in fields(cls) if f.name not in skip)
 
 
 @functools.cache
@@ -77,10 +71,9 @@ def _from_columns(cls: type[_T], row: Any, *, prefix: str = "", **given: Any) ->
     column nor a given value fails here (AttributeError), not as a silent default."""
     enums = _enum_fields(cls)
     values = {}
-    for f in fields(cls):  # type: ignore[arg-type]
-        if f.name not in given:
-            value = getattr(row, prefix + f.name)
-            values[f.name] = enums[f.name](value) if f.name in enums else value
+    for name in field_names(cls, tuple(given)):
+        value = getattr(row, prefix + name)
+        values[name] = enums[name](value) if name in enums else value
     return cls(**values, **given)
 
 

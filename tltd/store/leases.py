@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from tltd.domain import ENDED_STATUSES, FinishReason, Job, RequestStatus, RolloutRequest, Sample
 from tltd.errors import Fenced, NotFound
 from tltd.store import convert
-from tltd.store.clock import db_now, db_now_bound
+from tltd.store.clock import db_now, db_now_bound, db_now_params
 from tltd.store.lookups import active_versions
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import switch_status, switch_status_from
@@ -51,12 +51,17 @@ class Claim:
 def held_bound(dialect: str) -> tuple[Any, ...]:
     """`WorkLeases._held` for a statement built once: executions pass "node", "epoch" (and
     "db_now" on SQLite, see `db_now_bound`)."""
+    return _held_by(bindparam("node"), bindparam("epoch"), db_now_bound(dialect))
+
+
+def _held_by(node: Any, epoch: Any, now: Any) -> tuple[Any, ...]:
+    """A unit leased by `node` under `epoch` whose lease outlives `now` (values or binds)."""
     wu = WorkUnitRow.__table__
     return (
         wu.c.state == LEASED,
-        wu.c.owner_node == bindparam("node"),
-        wu.c.owner_epoch == bindparam("epoch"),
-        wu.c.lease_expires_at > db_now_bound(dialect),
+        wu.c.owner_node == node,
+        wu.c.owner_epoch == epoch,
+        wu.c.lease_expires_at > now,
     )
 
 
@@ -65,7 +70,6 @@ class _UnitStatements:
 
     def __init__(self, dialect: str) -> None:
         rr, wu, sr = RolloutRequestRow.__table__, WorkUnitRow.__table__, SampleRow.__table__
-        self.clock_bound = dialect != "postgresql"  # executions pass "db_now"
         self.request = select(rr).where(rr.c.request_id == bindparam("rid")).with_for_update()
         unit = (wu.c.request_id == bindparam("rid"), wu.c.prompt_index == bindparam("p"))
         self.stored = (
@@ -108,13 +112,7 @@ class WorkLeases:
 
     def _held(self, s: Session) -> object:
         """The condition of a unit this node holds now: its owner and epoch, lease alive."""
-        wu = WorkUnitRow
-        return and_(
-            wu.state == LEASED,
-            wu.owner_node == self.node_id,
-            wu.owner_epoch == self.epoch,
-            wu.lease_expires_at > db_now(self.dialect),
-        )
+        return and_(*_held_by(self.node_id, self.epoch, db_now(self.dialect)))
 
     def claim_units(self, capacity: int, lease_seconds: float) -> list[Claim]:
         """Claim queued units, and units whose lease expired, oldest first, while the samples
@@ -276,9 +274,8 @@ class WorkLeases:
             if row is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
             params = {"rid": request_id, "p": prompt_index, "node": self.node_id,
-                      "epoch": self.epoch, "n": row.n, "now": utcnow()}  # fmt: skip
-            if st.clock_bound:
-                params["db_now"] = params["now"]
+                      "epoch": self.epoch, "n": row.n, "now": utcnow(),
+                      **db_now_params(self.dialect)}  # fmt: skip
             # Held, every sample stored, and done: one statement (the usual case); only a
             # refusal reads again, to say why.
             if conn.execute(st.done, params).first() is None:

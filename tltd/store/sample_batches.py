@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.store import convert
+from tltd.store.clock import db_now_params
 from tltd.store.leases import held_bound
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.samples import not_finite_error, out_of_range_error
@@ -56,7 +57,6 @@ class _Statements:
             .where(rr.c.request_id == rid)
             .values(samples_done=rr.c.samples_done + bindparam("done"), updated_at=bindparam("now"))
         )
-        self.clock_bound = dialect != "postgresql"  # executions pass "db_now"
 
 
 class SampleBatches:
@@ -195,8 +195,7 @@ class SampleBatches:
     def _held_units(self, s: Session, rid: str, prompts: set[int]) -> set[int]:
         st = self._batch_statements
         params = {"rid": rid, "prompts": sorted(prompts), "node": self.node_id, "epoch": self.epoch}
-        if st.clock_bound:
-            params["db_now"] = utcnow()
+        params |= db_now_params(self.dialect)
         return {int(r[0]) for r in s.connection().execute(st.held, params)}
 
 
