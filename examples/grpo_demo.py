@@ -111,6 +111,9 @@ class Daemon:
         # The trainer's update runs on these same 2 cores: drafter training fills the
         # rollout's tail and yields when the rollout ends (docs/drafter.md, training_window).
         env["TLTD_TRAINING_WINDOW"] = "rollout"
+        # A step's tail lasts seconds here: a slot the tail leaves idle trains after 0.5 s
+        # (the default 2 s suits a node whose requests come and go at any time).
+        env["TLTD_TRAINING_IDLE_GRACE_SECONDS"] = "0.5"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [

@@ -121,6 +121,10 @@ class JobView:
     served_tokens: int = 0
     fresh_samples: int = 0  # finished samples not yet used for drafter training
     last_training_at: float | None = None
+    # Its last round was preempted before its steps were done: that round resumes on the next
+    # idle device without waiting for fresh samples or the cadence (the cadence spaces rounds;
+    # in a rollout's short tails one round spans several of them).
+    round_cut_short: bool = False
     policy_updating: bool = False  # a worker is loading new policy weights for this job
     online_training: bool = True
 
@@ -537,6 +541,13 @@ def _idle_devices(
     return idle
 
 
+def _new_round_due(j: JobView, now: float, cfg: SchedulerConfig) -> bool:
+    """Enough fresh samples, and the cadence since the last round's start has passed."""
+    if j.fresh_samples < cfg.min_fresh_samples:
+        return False
+    return j.last_training_at is None or now - j.last_training_at >= cfg.training_cadence_seconds
+
+
 def _training_starts(
     snap: Snapshot,
     cfg: SchedulerConfig,
@@ -555,11 +566,7 @@ def _training_starts(
             if j.online_training
             and not j.policy_updating
             and j.job_id not in training_jobs
-            and j.fresh_samples >= cfg.min_fresh_samples
-            and (
-                j.last_training_at is None
-                or snap.now - j.last_training_at >= cfg.training_cadence_seconds
-            )
+            and (j.round_cut_short or _new_round_due(j, snap.now, cfg))
         ),
         key=lambda j: (-j.fresh_samples, j.job_id),
     )

@@ -14,7 +14,14 @@ from tests.drafter.helpers import (
     rollout_samples,
 )
 from tests.torch_device import torch_device
-from tltd.contract.drafter_messages import Checkpointed, Idle, Measure, Stepped, TrainingSample
+from tltd.contract.drafter_messages import (
+    Checkpointed,
+    Idle,
+    Measure,
+    SetPolicy,
+    Stepped,
+    TrainingSample,
+)
 from tltd.domain import DrafterStatus, Job
 from tltd.drafter_training.versions import record
 from tltd.store import Store
@@ -114,3 +121,45 @@ def test_preempted_k_times_and_restarted_ends_like_uninterrupted(tmp_path, sqlit
     for n, p in ref.params.items():
         torch.testing.assert_close(final[n], p.detach().cpu(), atol=1e-5, rtol=1e-4)
     assert all(lat < 10 for lat in latencies)  # sanity only; timing lives in the benchmark
+
+
+def test_a_new_policy_loaded_in_place_measures_as_a_trainer_spawned_on_it(tmp_path):
+    """`SetPolicy` replaces the running trainer's target weights in place (the drafter shares
+    its embeddings and LM head): its drafter then measures as the same drafter in a trainer
+    started on the new policy does, and not as on the old policy."""
+    old_dir = make_target_dir(tmp_path / "old", seed=0)
+    new_dir = make_target_dir(tmp_path / "new", seed=1)
+    old = load_target(old_dir)
+    train = [TrainingSample(tuple(t), rs) for t, rs in rollout_samples(old, 10, seed=2)]
+    held = tuple(TrainingSample(tuple(t), rs) for t, rs in rollout_samples(old, 3, seed=8))
+
+    def spec(model_dir, name, drafter=None):
+        return TrainerSpec(
+            model_path=str(model_dir), checkpoint_dir=str(tmp_path / name), trainer=CFG,
+            drafter_path=drafter, drafter_seed=0, device=torch_device(),
+        )  # fmt: skip
+
+    def measure(w, version, name):
+        return w.measure(Measure(held, policy_version=version, out_dir=str(tmp_path / name)))
+
+    in_place = TrainerProcess(spec(old_dir, "in-place"))
+    try:
+        in_place.start()
+        in_place.add(train)
+        in_place.train(STEPS)
+        assert in_place.wait_for(Idle).reason == "max_steps"
+        before = measure(in_place, 0, "m0")
+        in_place.send(SetPolicy(str(new_dir), 1))
+        after = measure(in_place, 1, "m1")
+        in_place.stop()
+    finally:
+        in_place.kill()
+    fresh = TrainerProcess(spec(new_dir, "fresh", drafter=after.path))
+    try:
+        fresh.start()
+        expected = measure(fresh, 1, "m2")
+        fresh.stop()
+    finally:
+        fresh.kill()
+    assert before.acceptance > 1.0  # the drafter learnt the old policy
+    assert after.acceptance == expected.acceptance != before.acceptance

@@ -222,6 +222,16 @@ def test_device_that_just_got_work_is_not_idle():
         ("not enough data", JobView("j", fresh_samples=9), []),
         ("cadence not reached", JobView("j", fresh_samples=50, last_training_at=80.0), []),
         ("cadence reached", JobView("j", fresh_samples=50, last_training_at=60.0), ["cpu:0"]),
+        (
+            "a round cut short resumes within the cadence and without fresh data",
+            JobView("j", fresh_samples=0, last_training_at=99.0, round_cut_short=True),
+            ["cpu:0"],
+        ),
+        (
+            "not even a cut-short round during a policy update",
+            JobView("j", last_training_at=99.0, round_cut_short=True, policy_updating=True),
+            [],
+        ),
         ("not during a policy update", JobView("j", fresh_samples=50, policy_updating=True), []),
         ("online training off", JobView("j", fresh_samples=50, online_training=False), []),
     ],

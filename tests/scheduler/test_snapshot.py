@@ -44,7 +44,7 @@ class Hook:
         return (TrainingView("cpu:9", "j"),)
 
     def job_view(self, job_id):
-        return (7, 1.5)
+        return (7, 1.5, True)
 
 
 def snap(handles, jobs=("j", "k"), training=None):
@@ -75,11 +75,7 @@ def test_a_dead_worker_neither_counts_nor_updates():
 def test_job_accounts_come_from_the_training_hook_and_served_tokens():
     s = snap([handle(0)], training=Hook())
     j = next(j for j in s.jobs if j.job_id == "j")
-    assert (j.served_tokens, j.fresh_samples, j.last_training_at, j.online_training) == (
-        40,
-        7,
-        1.5,
-        True,
-    )
+    got = (j.served_tokens, j.fresh_samples, j.last_training_at, j.round_cut_short)
+    assert got == (40, 7, 1.5, True) and j.online_training
     assert s.training == (TrainingView("cpu:9", "j"),)
     assert not any(j.online_training for j in snap([handle(0)]).jobs)  # no hook: no training

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 
@@ -37,6 +39,18 @@ def training_settings(tmp_path, **overrides):
         training_held_out_every=3,
     )
     return make_settings(tmp_path, **(values | overrides))
+
+
+@pytest.fixture(scope="session")
+def ckpt_other_config(ckpt2, tmp_path_factory):
+    """ckpt2's weights under another config (rms_norm_eps): a policy version a running
+    trainer cannot load in place, so the daemon replaces the trainer process."""
+    path = tmp_path_factory.mktemp("ckpt3") / "policy"
+    shutil.copytree(ckpt2, path)
+    config = json.loads((path / "config.json").read_text())
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 10
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 @pytest.fixture

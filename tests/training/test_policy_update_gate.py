@@ -34,7 +34,7 @@ class HungryTraining:
         return ()
 
     def job_view(self, job_id):
-        return 10_000, None
+        return 10_000, None, False
 
     def on_sample(self, job_id, prompt, sample) -> None:
         pass

@@ -1,4 +1,5 @@
-"""A drafter trainer's lifecycle off the supervisor's tick: `start` returns while an old trainer
+"""A drafter trainer's lifecycle off the supervisor's tick: a new policy version of the same
+architecture goes into the running trainer, `start` returns while an old trainer it replaces
 is still stopping, a launch during `close` spawns nothing and always gives the device back, and
 a hung trainer is killed by the heartbeat reaper. Real trainer processes, a real store."""
 
@@ -30,7 +31,7 @@ def _sample(i: int) -> Sample:
 
 
 def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
-    sqlite_store, tmp_path, ckpt, ckpt2
+    sqlite_store, tmp_path, ckpt, ckpt_other_config
 ):
     store = sqlite_store
     _setup(store, ckpt)
@@ -42,7 +43,7 @@ def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
         # No samples: the round ends at once and the trainer idles on policy version 0.
         await until(lambda: old.phase == "idle", "round 1 over")
         pid = old.worker.proc.pid
-        store.add_policy_version("job", "checkpoint", str(ckpt2))
+        store.add_policy_version("job", "checkpoint", str(ckpt_other_config))
         os.kill(pid, signal.SIGSTOP)  # hung: it cannot answer the stop of the restart
         try:
             # What the supervisor's tick awaits; the bound only turns a hang into a failure.
@@ -64,6 +65,33 @@ def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
     reasons = [e.reason for e in store.list_events("worker", "drafter-job")]
     restart = next(i for i, r in enumerate(reasons) if "restarting for policy version 1" in r)
     assert any("resumed from" in r for r in reasons[restart:]), reasons
+
+
+def test_a_new_policy_of_the_same_architecture_goes_into_the_running_trainer(
+    sqlite_store, tmp_path, ckpt, ckpt2
+):
+    store = sqlite_store
+    _setup(store, ckpt)
+    training = DrafterTraining(store, training_settings(tmp_path))
+
+    async def main() -> None:
+        await training.start("cpu:0", "job")
+        run = training._runs["job"]
+        await until(lambda: run.phase == "idle", "round 1 over")
+        pid = run.worker.proc.pid
+        store.add_policy_version("job", "checkpoint", str(ckpt2))
+        await training.start("cpu:0", "job")
+        # The same process trains round 2 on the new target: no stop, no spawn.
+        assert training._runs["job"] is run and run.policy_version == 1
+        assert run.worker.proc.pid == pid and run.phase == "training"
+        await until(lambda: run.phase == "idle", "round 2 over")
+        assert run.worker.proc.pid == pid
+        await training.close()
+
+    asyncio.run(main())
+    reasons = [e.reason for e in store.list_events("worker", "drafter-job")]
+    assert any("; policy version 1 loaded in place (steps" in r for r in reasons), reasons
+    assert not any("restarting" in r or "spawning" in r for r in reasons[1:]), reasons
 
 
 def test_no_trainer_is_spawned_once_close_began(sqlite_store, tmp_path, monkeypatch):
@@ -163,7 +191,7 @@ def test_a_hung_trainer_is_killed_by_the_heartbeat_reaper(sqlite_store, tmp_path
 
 
 def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
-    sqlite_store, tmp_path, ckpt, ckpt2, monkeypatch
+    sqlite_store, tmp_path, ckpt, ckpt_other_config, monkeypatch
 ):
     store = sqlite_store
     _setup(store, ckpt)
@@ -175,7 +203,7 @@ def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
         old = training._runs["job"]
         await until(lambda: old.phase == "idle", "round 1 over")
         pid = old.worker.proc.pid
-        store.add_policy_version("job", "checkpoint", str(ckpt2))
+        store.add_policy_version("job", "checkpoint", str(ckpt_other_config))
         os.kill(pid, signal.SIGSTOP)  # the restart's stop waits for it
         try:
             await training.start("cpu:0", "job")

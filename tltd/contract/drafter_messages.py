@@ -77,7 +77,18 @@ class Stop:
     """Write a checkpoint, wait for it, exit."""
 
 
-ToTrainer = AddSamples | Train | Preempt | WriteCheckpoint | Measure | Stop
+@dataclass(frozen=True)
+class SetPolicy:
+    """Load the target weights of `policy_version` from `model_path` (an HF directory of the
+    same architecture) into the loaded target, in place: the drafter, its optimizer and the
+    buffer carry on. Sent between rounds, so a new policy every RL step costs a weight read,
+    not a new process."""
+
+    model_path: str
+    policy_version: int
+
+
+ToTrainer = AddSamples | Train | Preempt | WriteCheckpoint | Measure | Stop | SetPolicy
 
 # ---- trainer -> daemon -------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ The hook (this module) runs rounds; `runs.py` is one trainer process as the daem
 The scheduler decides (`start_training`, `preempt_training`); this module carries it out:
 - finished rollout samples are kept per job (`samples.py`), some held out to measure
   acceptance at publish time;
-- `start` spawns (or reuses) one `TrainerProcess` process per job, feeds it the new samples and
+- `start` spawns (or reuses) one `TrainerProcess` process per job (a new policy version of the
+  same architecture is loaded into it in place: `SetPolicy`), feeds it the new samples and
   runs one round of `training_steps_per_round` optimizer steps on the device it was given; it
   returns at once (it runs in the supervisor's tick): stopping an old trainer, spawning and
   loading a new one run in a background task (`_launch`);
@@ -47,7 +48,7 @@ from tltd.drafter_training.lease import DrafterLeases
 from tltd.drafter_training.ordered import Inbox, OrderedWrites
 from tltd.drafter_training.runs import HOLDING, Preemption, TrainerProcess, TrainerRun
 from tltd.drafter_training.samples import SampleBuffers, training_sample
-from tltd.drafter_training.spawn import new_trainer
+from tltd.drafter_training.spawn import new_trainer, policy_config
 from tltd.drafter_training.versions import active_drafter, publish, record
 from tltd.errors import Fenced
 from tltd.metrics import METRICS
@@ -90,12 +91,14 @@ class DrafterTraining:
             TrainingView(r.device_id, r.job_id) for r in self._runs.values() if r.phase in HOLDING
         )
 
-    def job_view(self, job_id: str) -> tuple[int, float | None]:
+    def job_view(self, job_id: str) -> tuple[int, float | None, bool]:
         fresh = self.samples.fresh[job_id]
         if self.cluster:
             self.leases.asked.add(job_id)
             fresh = max(fresh, self.leases.backlog.get(job_id, 0))
-        return fresh, self._last_start.get(job_id)
+        run = self._runs.get(job_id)
+        cut_short = run is not None and run.phase == "idle" and run.round_target > run.step
+        return fresh, self._last_start.get(job_id), cut_short
 
     def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
         item = training_sample(prompt, sample.token_ids, sample.policy_version)
@@ -131,13 +134,16 @@ class DrafterTraining:
         await self._set_device(device_id, DeviceState.TRAINING, reason)
         alive = run is not None and run.alive
         lease_epoch = lease.lease_epoch if lease is not None else 0
-        same = (run.policy_version, run.torch_device, run.lease_epoch) if run else None
-        if alive and same == (job.policy_version, torch_device, lease_epoch):
-            run.device_id = device_id
-            await self._begin_round(run, reason)
-            return
-        # The trainer's target is loaded at spawn: a new policy (or device) needs a new
-        # process, which resumes from the checkpoint the old one writes as it stops. A new
+        if alive and (run.torch_device, run.lease_epoch) == (torch_device, lease_epoch):
+            if run.policy_version != job.policy_version:
+                if await self._load_in_place(run, job.policy_version):
+                    reason = f"{reason}; policy version {run.policy_version} loaded in place"
+            if run.policy_version == job.policy_version:
+                run.device_id = device_id
+                await self._begin_round(run, reason)
+                return
+        # A new device, another architecture or a dead trainer needs a new process, which
+        # resumes from the checkpoint the old one writes as it stops. A new
         # lease taken from another node starts from the last version published.
         new = TrainerRun(
             job_id, device_id, torch_device, job.policy_version, lease_epoch=lease_epoch
@@ -342,6 +348,19 @@ class DrafterTraining:
             run.spawning = None
         return worker, ready
 
+    async def _load_in_place(self, run: TrainerRun, version: int) -> bool:
+        """An idle trainer takes policy `version` into its loaded target when the architecture
+        is the same (an RL job pushes one every step: a new process would load torch, the
+        target and a checkpoint again, seconds of a rollout's short tail); its drafter,
+        optimizer and buffer carry on. Otherwise it is left to a new process."""
+        policy = await asyncio.to_thread(self.store.get_policy_version, run.job_id, version)
+        config = await asyncio.to_thread(policy_config, policy.path)
+        if config is None or config != run.policy_config:
+            return False
+        run.send(proto.SetPolicy(policy.path, version))
+        run.policy_version = version
+        return True
+
     async def _give_up(self, run: TrainerRun, state: WorkerState, why: str) -> None:
         """A launch that ends without a trainer: record the run, give the device back."""
         run.stopped.set()
@@ -406,6 +425,7 @@ class DrafterTraining:
             case proto.Stepped(result=r):
                 run.step, run.loss = r.step, r.loss
             case proto.Idle(reason=reason) if run.phase == "training":
+                run.round_target = run.step  # over, its steps done or no data left to train
                 await self._end_round(run, f"round done at step {run.step} ({reason})")
             case proto.Measured():
                 await self._on_measured(run, m)

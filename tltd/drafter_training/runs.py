@@ -52,6 +52,9 @@ class TrainerRun:
     device_id: str
     torch_device: str
     policy_version: int
+    # The loaded target's config.json (set at spawn): a new policy version with the same one
+    # is loaded into the running trainer in place (`SetPolicy`), another needs a new process.
+    policy_config: dict | None = None
     # starting|training|publishing|releasing|preempting|idle|stopping|stopped
     phase: str = "starting"
     worker: TrainerProcess | None = None

@@ -3,6 +3,7 @@ trainer's own code (it runs in the process it spawns)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ def new_trainer(
     from tltd_workers.drafter.trainer_process import TrainerSpec
 
     policy = store.get_policy_version(run.job_id, run.policy_version)
+    run.policy_config = policy_config(policy.path)
     start_from, start_step = None, 0
     if active_drafter:
         dv = store.get_drafter(run.job_id, active_drafter)
@@ -46,3 +48,11 @@ def new_trainer(
             heartbeat_seconds=settings.worker_heartbeat_seconds,
         )
     )
+
+
+def policy_config(path: str) -> dict | None:
+    """A policy checkpoint's config.json (None when it cannot be read: no in-place load)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None

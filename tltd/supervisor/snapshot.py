@@ -58,7 +58,7 @@ def build_snapshot(
     loading = {s.policy_load for s in handles if s.policy_load}
     job_views = []
     for j in jobs:
-        fresh, last = training.job_view(j.job_id) if training else (0, None)
+        fresh, last, cut_short = training.job_view(j.job_id) if training else (0, None, False)
         job_views.append(
             JobView(
                 j.job_id,
@@ -67,6 +67,7 @@ def build_snapshot(
                 served_tokens=served_tokens.get(j.job_id, 0),
                 fresh_samples=fresh,
                 last_training_at=last,
+                round_cut_short=cut_short,
                 policy_updating=j.job_id in loading,
                 online_training=training is not None and j.speculative.online_training,
             )

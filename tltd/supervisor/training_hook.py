@@ -17,8 +17,9 @@ class TrainingHook(Protocol):
 
     def views(self) -> tuple[TrainingView, ...]: ...
 
-    def job_view(self, job_id: str) -> tuple[int, float | None]:
-        """(fresh samples not yet trained on, when training last started) for a job."""
+    def job_view(self, job_id: str) -> tuple[int, float | None, bool]:
+        """(fresh samples not yet trained on, when its last round started, whether that round
+        was preempted before its steps were done) for a job."""
         ...
 
     def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:

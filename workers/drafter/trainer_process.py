@@ -1,8 +1,8 @@
 """The drafter-training worker process: trains on the device it is given, yields it on request.
 
 Protocol over one duplex pipe: the typed messages of `tltd.contract.drafter_messages` (commands
-`AddSamples`, `Train`, `Preempt`, `WriteCheckpoint`, `Measure`, `Stop`; reports `Ready`,
-`Stepped`, `Idle`, `DeviceFree`, `Checkpointed`, `Measured`, `Stopped`, `Failed`, and a
+`AddSamples`, `Train`, `Preempt`, `WriteCheckpoint`, `Measure`, `SetPolicy`, `Stop`; reports
+`Ready`, `Stepped`, `Idle`, `DeviceFree`, `Checkpointed`, `Measured`, `Stopped`, `Failed`, and a
 `Heartbeat` every `heartbeat_seconds` after `Ready`, from a thread: a long step or measure is
 not silence). The trainer measures; the daemon decides what becomes a drafter version.
 
@@ -115,6 +115,11 @@ class _TrainingLoop:
                 self.checkpoint()
             case proto.Measure():
                 self.measure(m)
+            case proto.SetPolicy(model_path=path):
+                from tltd_workers.engine.transformer import load_weights, read_state_dict
+
+                # In place: the drafter holds the target's embeddings and LM head by reference.
+                load_weights(self.trainer.drafter.target, read_state_dict(path))
             case proto.Stop():
                 self.training = False
                 self.writer.submit(self.trainer.state())
