@@ -94,6 +94,31 @@ def test_a_new_policy_of_the_same_architecture_goes_into_the_running_trainer(
     assert not any("restarting" in r or "spawning" in r for r in reasons[1:]), reasons
 
 
+def test_a_round_cut_short_is_reported_resumable_and_an_ended_one_is_not(
+    sqlite_store, tmp_path, ckpt
+):
+    store = sqlite_store
+    _setup(store, ckpt)
+    training = DrafterTraining(store, training_settings(tmp_path, training_steps_per_round=10_000))
+
+    async def main() -> None:
+        for i in range(8):
+            training.on_sample("job", (1, 2, 3), _sample(i))
+        await training.start("cpu:0", "job")
+        run = training._runs["job"]
+        await until(lambda: run.phase == "training" and run.step >= 1, "a step taken")
+        await training.preempt("cpu:0", "rollout work waiting")
+        await until(lambda: run.phase == "idle", "device free")
+        assert training.job_view("job")[2] is True  # the scheduler resumes it at once
+        run.round_target = run.step + 1  # let it end: one more step
+        await training.start("cpu:0", "job")
+        await until(lambda: run.phase == "idle", "round over")
+        assert training.job_view("job")[2] is False  # a new round waits for the cadence
+        await training.close()
+
+    asyncio.run(main())
+
+
 def test_no_trainer_is_spawned_once_close_began(sqlite_store, tmp_path, monkeypatch):
     store = sqlite_store
     _setup(store, tmp_path / "policy")

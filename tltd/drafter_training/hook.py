@@ -97,7 +97,7 @@ class DrafterTraining:
             self.leases.asked.add(job_id)
             fresh = max(fresh, self.leases.backlog.get(job_id, 0))
         run = self._runs.get(job_id)
-        cut_short = run is not None and run.phase == "idle" and run.round_target > run.step
+        cut_short = run is not None and run.phase == "idle" and run.round_open
         return fresh, self._last_start.get(job_id), cut_short
 
     def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
@@ -380,7 +380,7 @@ class DrafterTraining:
         target = run.round_target
         if target <= run.step:
             target = run.step + self.settings.training_steps_per_round
-        run.round_target = target
+        run.round_target, run.round_open = target, True
         run.send(proto.Train(target))
         await self._record(run, WorkerState.BUSY, f"{reason} (steps {run.step} -> {target})")
 
@@ -425,7 +425,7 @@ class DrafterTraining:
             case proto.Stepped(result=r):
                 run.step, run.loss = r.step, r.loss
             case proto.Idle(reason=reason) if run.phase == "training":
-                run.round_target = run.step  # over, its steps done or no data left to train
+                run.round_open = False  # its steps done, or no data left to train on
                 await self._end_round(run, f"round done at step {run.step} ({reason})")
             case proto.Measured():
                 await self._on_measured(run, m)

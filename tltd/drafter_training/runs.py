@@ -66,6 +66,9 @@ class TrainerRun:
     # The step the current round ends at: a preempted round resumes towards it, so a round
     # spread over several short idle windows (a rollout's tails) still ends and publishes.
     round_target: int = 0
+    # A round was asked of this run and has not ended (its steps done, or no data left):
+    # preempted meanwhile, it resumes on the next idle device without waiting the cadence.
+    round_open: bool = True
     preempt_at: float | None = None
     preempt_reason: str = ""
     checkpoint: str = ""

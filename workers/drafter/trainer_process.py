@@ -16,6 +16,7 @@ daemon re-feeds recent samples, and ids of the saved epoch order that are missin
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -60,6 +61,9 @@ class TrainerSpec:
     checkpoint_every: int = 0  # optimizer steps between async checkpoints (0: preempt/stop only)
     threads: int = 1
     heartbeat_seconds: float = 2.0
+    # Added to the process's nice value: on a node whose cores the rollout workers and the
+    # daemon also use, the OS gives the trainer only CPU time they leave (0: as the daemon).
+    nice: int = 19
 
 
 class _TrainingLoop:
@@ -224,6 +228,8 @@ class _TrainingLoop:
 def run_trainer(spec: TrainerSpec, conn: Connection) -> None:
     """Process entry point (a worker process: tltd.contract.processes)."""
     ignore_stop_signals()
+    if spec.nice:
+        os.nice(spec.nice)
     torch.set_num_threads(spec.threads)
     worker = None
     try:
