@@ -114,6 +114,7 @@ class Daemon:
         # A step's tail lasts seconds here: a slot the tail leaves idle trains after 0.5 s
         # (the default 2 s suits a node whose requests come and go at any time).
         env["TLTD_TRAINING_IDLE_GRACE_SECONDS"] = "0.5"
+        env["TLTD_TRAINING_STEPS_PER_ROUND"] = "16"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [

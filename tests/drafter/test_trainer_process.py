@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +19,11 @@ from tests.drafter.helpers import (
 from tests.torch_device import torch_device
 from tltd.contract.drafter_messages import (
     Checkpointed,
+    DeviceFree,
     Idle,
     Measure,
+    Measured,
+    Preempt,
     SetPolicy,
     Stepped,
     TrainingSample,
@@ -168,3 +172,30 @@ def test_a_new_policy_loaded_in_place_measures_as_a_trainer_spawned_on_it(tmp_pa
         fresh.kill()
     assert before.acceptance > 1.0  # the drafter learnt the old policy
     assert after.acceptance == expected.acceptance != before.acceptance
+
+
+def test_a_preempt_during_a_measurement_gives_it_up_and_frees_the_device(tmp_path):
+    """Measuring a candidate takes seconds on a CPU; a preempt arriving meanwhile frees the
+    device between held-out samples, reports no measurement and leaves no version behind; the
+    next Measure is answered."""
+    model_dir = make_target_dir(tmp_path / "target")
+    target = load_target(model_dir)
+    held = tuple(TrainingSample(tuple(t), rs) for t, rs in rollout_samples(target, 3, seed=8))
+    spec = TrainerSpec(
+        model_path=str(model_dir), checkpoint_dir=str(tmp_path / "ckpt"), trainer=CFG,
+        drafter_seed=0, device=torch_device(),
+    )  # fmt: skip
+    out = tmp_path / "versions"
+    w = TrainerProcess(spec)
+    try:
+        w.start()
+        w.send(Measure(held, policy_version=0, out_dir=str(out)))
+        w.send(Preempt())  # in the pipe before the measurement's first sample
+        w.wait_for(DeviceFree)
+        assert not any(isinstance(e, Measured) for e in w.events)
+        assert not out.exists() or not any(out.iterdir())
+        m = w.measure(Measure(held, policy_version=0, out_dir=str(out)))
+        assert m.held_out == 3 and [p.name for p in out.iterdir()] == [Path(m.path).name]
+        w.stop()
+    finally:
+        w.kill()

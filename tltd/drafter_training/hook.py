@@ -376,6 +376,10 @@ class DrafterTraining:
         unsent = self.samples.take_unsent(run.job_id)
         if unsent:
             run.send(proto.AddSamples(tuple(unsent)))
+        if run.measure_due:  # the round's steps are done; its measurement was cut short
+            await self._record(run, WorkerState.BUSY, f"{reason} (measuring step {run.step})")
+            await self._end_round(run, f"round done at step {run.step}")
+            return
         run.phase = "training"
         target = run.round_target
         if target <= run.step:
@@ -391,8 +395,10 @@ class DrafterTraining:
             active = await asyncio.to_thread(active_drafter, self.store, run.job_id)
             out_dir = str(self.settings.drafter_versions_dir(run.job_id))
             run.measured_to = self.leases.read_to.get(run.job_id, 0)
+            run.measure_due = True
             run.send(proto.Measure(held, run.policy_version, out_dir, active))
             return
+        run.measure_due = False
         await self._release(run, why)
 
     async def _release(self, run: TrainerRun, why: str) -> None:
@@ -444,7 +450,7 @@ class DrafterTraining:
     async def _on_measured(self, run: TrainerRun, m: proto.Measured) -> None:
         """Record the candidate; the daemon decides whether it is promoted. Several nodes: the
         publish is fenced by the lease; a refused one is deleted and its trainer stopped."""
-        run.published_step = m.train_steps
+        run.published_step, run.measure_due = m.train_steps, False
         shared = bool(self.settings.shared_dir)
         if self.cluster:
             args = (run.job_id, m, run.lease_epoch, shared, run.measured_to)
@@ -479,6 +485,9 @@ class DrafterTraining:
         why = run.preempt_reason
         if run.phase == "preempting":
             why = self._note_preemption(run, m.step)
+        if run.measure_due:  # its measurement was given up: resumed on the next idle device
+            run.round_open = True
+            why = f"{why}; the round's measurement is asked again next time"
         run.phase, run.preempt_at = "idle", None
         await self._record(run, WorkerState.READY, why)
         await self._set_device(run.device_id, DeviceState.IDLE, why)

@@ -166,22 +166,32 @@ class _TrainingLoop:
         )
 
     def measure(self, m: proto.Measure) -> None:
-        from tltd_workers.drafter.versions import HeldOut, measure
+        """Measure and report; a preempt or stop arriving meanwhile gives the measurement up
+        (between held-out samples: nothing is reported, the daemon asks again next round)
+        and is carried out."""
+        from tltd_workers.drafter.versions import HeldOut, MeasureStopped, measure
 
         held = [
             HeldOut(torch.as_tensor(x.token_ids), x.response_start, x.hidden) for x in m.held_out
         ]
-        measured = measure(
-            self.trainer.drafter,
-            held,
-            active=m.active,
-            policy_version=m.policy_version,
-            train_steps=self.trainer.step,
-            loss=self.trainer.last_loss,
-            out_dir=m.out_dir,
-            k=m.k,
-        )
-        self.trainer.drafter.train()
+        try:
+            measured = measure(
+                self.trainer.drafter,
+                held,
+                active=m.active,
+                policy_version=m.policy_version,
+                train_steps=self.trainer.step,
+                loss=self.trainer.last_loss,
+                out_dir=m.out_dir,
+                k=m.k,
+                should_stop=self.should_stop,
+            )
+        except MeasureStopped:
+            interrupt, self.interrupt = self.interrupt, None
+            self.handle(interrupt)
+            return
+        finally:
+            self.trainer.drafter.train()
         self.send(measured)
 
     def _beat(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +32,24 @@ class HeldOut:
     hidden: Tensor | None = None  # [N <= T, H] target features; None: recomputed by prefill
 
 
-def mean_accepted_length(drafter: EagleDrafter, held_out: Sequence[HeldOut], k: int = 4) -> float:
+class MeasureStopped(Exception):
+    """A measurement given up between samples: the device is wanted back."""
+
+
+def mean_accepted_length(
+    drafter: EagleDrafter,
+    held_out: Sequence[HeldOut],
+    k: int = 4,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> float:
     """Mean tokens per speculative step of the drafter's greedy k-chains over the held-out
-    samples' response positions (1.0 = no draft ever accepted; k + 1 = all accepted)."""
+    samples' response positions (1.0 = no draft ever accepted; k + 1 = all accepted).
+    `should_stop` is asked between samples; True raises MeasureStopped."""
     p = next(drafter.parameters())
     lengths = []
     for s in held_out:
+        if should_stop():
+            raise MeasureStopped
         ids = torch.as_tensor(s.token_ids, dtype=torch.long)
         h = s.hidden if s.hidden is not None else target_hidden(drafter.target, [ids])[0]
         lengths.append(
@@ -57,12 +69,15 @@ def measure(
     loss: float,
     out_dir: str | Path,
     k: int = 4,
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> Measured:
     """Save the drafter and measure it against the active version on the same held-out samples.
 
     The active version is re-measured here, since acceptance measured on older data is not
     comparable; with no active learned drafter the baseline is 1.0 token per step. Whether the
     candidate is promoted is the daemon's decision (`tltd.drafter_training.versions.record`).
+    Each sample's target features are computed once for both drafters. `should_stop` is asked
+    between samples: True removes what was saved and raises MeasureStopped.
     """
     path = Path(out_dir) / f"drafter-p{policy_version}-s{train_steps}-{uuid.uuid4().hex[:8]}"
     was_training = drafter.training
@@ -73,16 +88,20 @@ def measure(
         except (OSError, SafetensorError) as exc:  # a full disk: nothing half-written is kept
             shutil.rmtree(path, ignore_errors=True)
             raise write_error(exc, f"drafter version not written to {path}") from exc
-        acceptance = mean_accepted_length(drafter, held_out, k)
+        held = _with_features(drafter, held_out, should_stop)
+        acceptance = mean_accepted_length(drafter, held, k, should_stop)
         base, against = 1.0, "no learned drafter"
         if active is not None:
             against = f"active version {active.version}"
             try:
                 old = EagleDrafter.from_pretrained(active.path, drafter.target)
-                base = mean_accepted_length(old, held_out, k)
+                base = mean_accepted_length(old, held, k, should_stop)
             except (FileNotFoundError, OSError, ValueError):
                 # Its checkpoint is gone or unreadable: fall back to its recorded acceptance.
                 base, against = active.recorded_acceptance, f"{against} (recorded)"
+    except MeasureStopped:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     finally:
         drafter.train(was_training)
     return Measured(
@@ -96,6 +115,22 @@ def measure(
         held_out=len(held_out),
         k=k,
     )
+
+
+def _with_features(
+    drafter: EagleDrafter, held_out: Sequence[HeldOut], should_stop: Callable[[], bool]
+) -> list[HeldOut]:
+    """The held-out samples with their target features (one prefill each, shared by the
+    drafters measured on them)."""
+    out = []
+    for s in held_out:
+        if should_stop():
+            raise MeasureStopped
+        if s.hidden is None:
+            ids = torch.as_tensor(s.token_ids, dtype=torch.long)
+            s = HeldOut(ids, s.response_start, target_hidden(drafter.target, [ids])[0])
+        out.append(s)
+    return out
 
 
 # -- export for SGLang ---------------------------------------------------------------------------
