@@ -97,7 +97,7 @@ class DrafterTraining:
             self.leases.asked.add(job_id)
             fresh = max(fresh, self.leases.backlog.get(job_id, 0))
         run = self._runs.get(job_id)
-        cut_short = run is not None and run.phase == "idle" and run.round_open
+        cut_short = run is not None and run.round_open and (run.phase == "idle" or run.gave_way)
         return fresh, self._last_start.get(job_id), cut_short
 
     def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
@@ -279,6 +279,7 @@ class DrafterTraining:
             return
         if started is None and run.phase == "preempting":
             why = self._note_preemption(run, run.step)
+            run.gave_way = True  # its round is still asked for: a new launch, at once
             await self._give_up(run, WorkerState.STOPPED, f"{why}; before its trainer started")
             return
         if started is None:

@@ -69,6 +69,7 @@ class TrainerRun:
     # A round was asked of this run and has not ended (its steps done, or no data left):
     # preempted meanwhile, it resumes on the next idle device without waiting the cadence.
     round_open: bool = True
+    gave_way: bool = False  # preempted before its trainer was spawned (stopped, nothing lost)
     # A Measure was sent and not answered yet: one given up for a preemption is asked again
     # when the run next gets a device, before any further training.
     measure_due: bool = False
