@@ -112,10 +112,12 @@ class Daemon:
         # rollout's tail and yields when the rollout ends (docs/drafter.md, training_window).
         env["TLTD_TRAINING_WINDOW"] = "rollout"
         # A step's tail lasts seconds here: a slot the tail leaves idle trains after 0.5 s
-        # (the default 2 s suits a node whose requests come and go at any time), rounds are
-        # 16 optimizer steps and a candidate is measured on 8 held-out samples (defaults 50
-        # and 32), so that a round and its measurement fit in a few tails of one run.
+        # (the default 2 s suits a node whose requests come and go at any time), a new round
+        # may start 5 s after the last one did (default 30 s: an RL step is ~20 s here),
+        # rounds are 16 optimizer steps and a candidate is measured on 8 held-out samples
+        # (defaults 50 and 32), so that rounds and their measurements fit in one run's tails.
         env["TLTD_TRAINING_IDLE_GRACE_SECONDS"] = "0.5"
+        env["TLTD_TRAINING_CADENCE_SECONDS"] = "5"
         env["TLTD_TRAINING_STEPS_PER_ROUND"] = "16"
         env["TLTD_TRAINING_HELD_OUT_SAMPLES"] = "8"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
