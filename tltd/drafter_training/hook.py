@@ -123,6 +123,8 @@ class DrafterTraining:
             self._last_start[job_id] = time.monotonic()  # a refused claim waits the cadence
             lease = await self.leases.claim(job_id)
             if lease is None or not await self.leases.pull(job_id, lease):
+                if run is not None:
+                    run.round_open = False  # not resumed at once either: it waits the cadence
                 return
         job = await asyncio.to_thread(self.store.get_job, job_id)
         device = await asyncio.to_thread(self.store.get_device, device_id)
@@ -451,7 +453,7 @@ class DrafterTraining:
     async def _on_measured(self, run: TrainerRun, m: proto.Measured) -> None:
         """Record the candidate; the daemon decides whether it is promoted. Several nodes: the
         publish is fenced by the lease; a refused one is deleted and its trainer stopped."""
-        run.published_step, run.measure_due = m.train_steps, False
+        run.published_step, run.measure_due, run.round_open = m.train_steps, False, False
         shared = bool(self.settings.shared_dir)
         if self.cluster:
             args = (run.job_id, m, run.lease_epoch, shared, run.measured_to)
