@@ -16,6 +16,7 @@ from tests.training.conftest import training_settings, until
 from tltd.devices import cpu_devices
 from tltd.domain import DeviceState, FinishReason, Job, Sample, WorkerState
 from tltd.drafter_training import DrafterTraining
+from tltd.drafter_training.runs import TrainerRun
 from tltd.periodic import build_scheduler, reap_trainers
 from tltd_workers.drafter.trainer_process import TrainerProcess
 
@@ -30,6 +31,16 @@ def _sample(i: int) -> Sample:
     return Sample("r", i, 0, tokens, (0.0,) * len(tokens), FinishReason.STOP)
 
 
+async def _round_one_then(training: DrafterTraining, store, next_policy) -> tuple[TrainerRun, int]:
+    """Round 1 on policy version 0 (no samples: it ends at once and the trainer idles), then
+    `next_policy` recorded as version 1; returns the run and its trainer's pid."""
+    await training.start("cpu:0", "job")
+    run = training._runs["job"]
+    await until(lambda: run.phase == "idle", "round 1 over")
+    store.add_policy_version("job", "checkpoint", str(next_policy))
+    return run, run.worker.proc.pid
+
+
 def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
     sqlite_store, tmp_path, ckpt, ckpt_other_config
 ):
@@ -38,12 +49,7 @@ def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
     training = DrafterTraining(store, training_settings(tmp_path))
 
     async def main() -> None:
-        await training.start("cpu:0", "job")
-        old = training._runs["job"]
-        # No samples: the round ends at once and the trainer idles on policy version 0.
-        await until(lambda: old.phase == "idle", "round 1 over")
-        pid = old.worker.proc.pid
-        store.add_policy_version("job", "checkpoint", str(ckpt_other_config))
+        old, pid = await _round_one_then(training, store, ckpt_other_config)
         os.kill(pid, signal.SIGSTOP)  # hung: it cannot answer the stop of the restart
         try:
             # What the supervisor's tick awaits; the bound only turns a hang into a failure.
@@ -75,11 +81,7 @@ def test_a_new_policy_of_the_same_architecture_goes_into_the_running_trainer(
     training = DrafterTraining(store, training_settings(tmp_path))
 
     async def main() -> None:
-        await training.start("cpu:0", "job")
-        run = training._runs["job"]
-        await until(lambda: run.phase == "idle", "round 1 over")
-        pid = run.worker.proc.pid
-        store.add_policy_version("job", "checkpoint", str(ckpt2))
+        run, pid = await _round_one_then(training, store, ckpt2)
         await training.start("cpu:0", "job")
         # The same process trains round 2 on the new target: no stop, no spawn.
         assert training._runs["job"] is run and run.policy_version == 1
@@ -224,11 +226,7 @@ def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
     spawned = []
 
     async def main() -> None:
-        await training.start("cpu:0", "job")
-        old = training._runs["job"]
-        await until(lambda: old.phase == "idle", "round 1 over")
-        pid = old.worker.proc.pid
-        store.add_policy_version("job", "checkpoint", str(ckpt_other_config))
+        old, pid = await _round_one_then(training, store, ckpt_other_config)
         os.kill(pid, signal.SIGSTOP)  # the restart's stop waits for it
         try:
             await training.start("cpu:0", "job")
