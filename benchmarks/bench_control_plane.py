@@ -473,7 +473,7 @@ def run_source(cfg, db: str, src: Path, tmp: Path, prompt, scenarios, rep: int):
     if cfg.profile is not None:
         cfg.profile.mkdir(parents=True, exist_ok=True)
         flame = cfg.profile / f"{db}-{src.name}-{rep}.txt"
-        prefix = [str(Path(sys.executable).parent / "py-spy"), "record", "-r", "200",
+        prefix = [str(Path(sys.executable).parent / "py-spy"), "record", "--gil", "-r", "200",
                   "-f", "raw", "-o", str(flame), "--"]  # fmt: skip
     with database(db, tmp) as url:
         daemon = Daemon(src, url, tmp / f"d-{uuid.uuid4().hex[:6]}", cfg.cpu_slots, prefix)

@@ -258,7 +258,7 @@ _ADMISSION_DEADLINE = 1.5
 def slow_admission(daemon: InProcessDaemon, monkeypatch) -> threading.Event:
     """Make storing a request take longer than `_ADMISSION_DEADLINE` from the moment it starts;
     the event is set once the daemon is storing one."""
-    real_create = daemon.store.create_request
+    real_create = daemon.store.admit_request
     storing = threading.Event()
 
     def slow_create(req, *args):
@@ -266,7 +266,7 @@ def slow_admission(daemon: InProcessDaemon, monkeypatch) -> threading.Event:
         time.sleep(_ADMISSION_DEADLINE + 0.5)
         return real_create(req, *args)
 
-    monkeypatch.setattr(daemon.store, "create_request", slow_create)
+    monkeypatch.setattr(daemon.store, "admit_request", slow_create)
     return storing
 
 

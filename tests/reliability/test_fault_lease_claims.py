@@ -4,7 +4,9 @@ claimed again, and the request completes with every sample once.
 
 Two ways a PostgreSQL restart leaves such a unit (both seen in `test_fault_postgres_restart`):
 the claim statement commits but its answer is lost with the connection, or the claim lands
-and reading its request right after fails. The fault is injected at the store call (a real
+and reading its request right after fails. A third: a request admitted on a node alone leases
+its units to that node in its own transaction (`Store.admit_request`), and that commit's
+answer is lost; the caller's retry attaches to it. The fault is injected at the store call (a real
 driver error, as the restart raises it); everything else is real: the daemon in-process with
 real worker processes, SQLite and PostgreSQL.
 """
@@ -22,6 +24,7 @@ from sqlalchemy import select
 from tests.api.support import make_settings, sampling
 from tests.rollout.support import InProcessDaemon
 from tltd.store.tables import WorkUnitRow
+from tltd_clients.errors import UnavailableError
 
 LEASE = 1.5  # seconds (renewed every 0.5 s): the lapse the fix relies on stays short
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
@@ -94,26 +97,36 @@ def _attempts(store, request_id: str) -> list[int]:
     [
         ("claim_units", True),  # the claim committed, its answer lost with the connection
         ("claimed_state", False),  # the claim landed; reading the claimed request failed
+        ("admit_request", True),  # the request and its units' lease committed, answer lost
     ],
-    ids=["claim-answer-lost", "claimed-request-unreadable"],
+    ids=["claim-answer-lost", "claimed-request-unreadable", "admission-answer-lost"],
 )
 def test_a_claim_that_meets_a_database_error_is_claimed_again(
     daemon, ckpt, monkeypatch, method, call_first
 ):
     fault = _FailOnce(getattr(daemon.store, method), call_first=call_first)
     monkeypatch.setattr(daemon.store, method, fault)
+    if method != "admit_request":  # the units are claimed at a tick, as with other nodes up
+        monkeypatch.setattr(daemon.supervisor.leases, "admission_capacity", lambda draining: 0)
     rid = f"lease-{method}"
     with daemon.client() as c:
         c.create_job(str(ckpt), job_id="job")
         daemon.wait_workers_ready(1, timeout=120)
         fault.arm()
+
+        def generate() -> list:
+            return list(
+                c.generate(
+                    "job", PROMPTS, sampling=sampling(n=N, max_new_tokens=6), request_id=rid,
+                    timeout=30 * LEASE,
+                )
+            )  # fmt: skip
+
+        if method == "admit_request":  # the caller is told UNAVAILABLE and retries
+            with pytest.raises(UnavailableError, match="database unavailable"):
+                generate()
         # Without the lapse the unit stays leased here, renewed forever, and this times out.
-        got = list(
-            c.generate(
-                "job", PROMPTS, sampling=sampling(n=N, max_new_tokens=6), request_id=rid,
-                timeout=30 * LEASE,
-            )
-        )  # fmt: skip
+        got = generate()
         stored = c.get_request(rid).request
     assert fault.fired.is_set(), "the fault was not hit"
     keys = sorted((s.prompt_index, s.sample_index) for s in got)

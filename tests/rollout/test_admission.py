@@ -61,7 +61,7 @@ def test_caller_gone_during_admission_still_runs_the_request(sqlite_daemon, ckpt
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        _slow(monkeypatch, d.store, "create_request", 1.0)
+        _slow(monkeypatch, d.store, "admit_request", 1.0)
         with pytest.raises(Exception, match="(?i)deadline"):
             list(c.generate("job", PROMPTS, sampling=sampling(n=2, max_new_tokens=4),
                             request_id="gone", timeout=0.3))  # fmt: skip
@@ -75,7 +75,7 @@ def test_node_drain_during_admission_fails_the_request_at_once(sqlite_daemon, ck
     with d.client() as c, d.client() as c2:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        storing, release = _held(monkeypatch, d.store, "create_request")
+        storing, release = _held(monkeypatch, d.store, "admit_request")
         try:
             stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=8),
                             request_id="late", timeout=20)  # fmt: skip
@@ -97,7 +97,7 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
         d.wait_workers_ready(2)
         # The request is stored (committed), and made live only after this returns: held
         # until the cancel has been answered, so the cancel finds nothing live to stop.
-        real = d.store.create_request
+        real = d.store.admit_request
         cancelled = threading.Event()
 
         def stored_then_held(req, *args):
@@ -105,7 +105,7 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
             cancelled.wait(30)
             return got
 
-        monkeypatch.setattr(d.store, "create_request", stored_then_held)
+        monkeypatch.setattr(d.store, "admit_request", stored_then_held)
         stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=300),
                         request_id="x")  # fmt: skip
         wait_until(lambda: _status(d.store, "x") is not None, what="stored")
@@ -389,11 +389,11 @@ def test_a_retry_after_a_policy_update_runs_on_the_version_recorded_at_acceptanc
     live before the retry does: either way it runs on v0)."""
     d, sup = sqlite_daemon, sqlite_daemon.supervisor
     params = sampling(n=2, temperature=0.0, max_new_tokens=12, seed=3)
-    real_create, gate, calls = d.store.create_request, threading.Event(), []
+    real_create, gate, calls = d.store.admit_request, threading.Event(), []
 
     def create_then_hold(req, *args):
         out = real_create(req, *args)
-        calls.append(f"stored v{out[0].policy_version}")
+        calls.append(f"stored v{out.request.policy_version}")
         if len(calls) == 1:
             assert gate.wait(60), "the test never released the first admission"
             calls.append("first admission resumed")
@@ -402,7 +402,7 @@ def test_a_retry_after_a_policy_update_runs_on_the_version_recorded_at_acceptanc
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        monkeypatch.setattr(d.store, "create_request", create_then_hold)
+        monkeypatch.setattr(d.store, "admit_request", create_then_hold)
         with pytest.raises(Exception, match="(?i)deadline"):
             list(c.generate("job", PROMPTS[:2], sampling=params, request_id="r", timeout=0.3))
         assert calls == ["stored v0"]

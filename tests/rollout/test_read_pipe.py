@@ -23,7 +23,7 @@ def test_a_sample_that_ran_twice_streams_the_stored_copy(store: Store) -> None:
     rerun = replace(first, token_ids=(5, 5), logprobs=(-1.0, -2.0))
     fresh = _sample(1, 0, tokens=(4,))
 
-    got: list[tuple[msg.FromWorker, bool | None]] = []
+    got: list[tuple] = []
     parent, child = multiprocessing.Pipe()
     stamp = HeartbeatStamp(store, "w0")
 
@@ -44,7 +44,7 @@ def test_a_sample_that_ran_twice_streams_the_stored_copy(store: Store) -> None:
 
     asyncio.run(serve())
 
-    (dup, dup_stored), (new, new_stored) = got[:2]
+    (dup, dup_stored, _), (new, new_stored, _) = got[:2]
     assert dup_stored is False and dup.sample == first  # the stored copy, not the rerun
     assert new_stored is True and new.sample == fresh
     assert [s.token_ids for s in store.list_samples(first.request_id)] == [(7, 8, 9), (4,)]

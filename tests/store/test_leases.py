@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +16,8 @@ from tests.store.test_store_api import JOB, SAMPLING
 from tltd.domain import FinishReason, NodeStatus, RequestStatus, RolloutRequest, Sample
 from tltd.errors import ConfigError, Fenced
 from tltd.store import Store
+from tltd.store.leases import UnitEnd
+from tltd.store.rollout_requests import AdmissionClaim
 
 LONG_LEASE = 120.0
 DOWN = 30.0  # a node's heartbeat threshold: missed beats are written, never waited for
@@ -307,5 +310,74 @@ def test_a_unit_given_back_is_not_a_lost_attempt(store: Store) -> None:
         assert expire_unit_leases(a) == 1  # lapsed: not given back
         [third] = a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
         assert third.attempts == 2
+    finally:
+        a.close()
+
+
+def test_a_request_admitted_with_a_claim_leases_what_fits_to_its_node(store: Store) -> None:
+    store.create_job(JOB)
+    a = _node(store, "a")
+    b = _node(store, "b") if store.dialect == "postgresql" else None
+    try:
+        req = RolloutRequest("r0", JOB.job_id, ((1,), (2,), (3,)), SAMPLING)  # n=2 each
+        # As claim_units sizes a claim: units are taken while the samples before each stay
+        # under the capacity, so 3 samples take 2 units.
+        got = a.admit_request(req, claim=AdmissionClaim(3, LONG_LEASE))
+        assert got.created and got.request.status is RequestStatus.QUEUED
+        assert [(c.request_id, c.prompt_index, c.attempts) for c in got.claims] == [
+            ("r0", 0, 1), ("r0", 1, 1)
+        ]  # fmt: skip
+        # Leased to `a` as a claim leases them: renewable by `a`, the other unit claimable.
+        assert a.renew_leases({("r0", 0), ("r0", 1)}, LONG_LEASE) == {("r0", 0), ("r0", 1)}
+        claimer = b if b is not None else a
+        assert [(c.prompt_index, c.attempts) for c in claimer.claim_units(100, LONG_LEASE)] == [
+            (2, 1)
+        ]
+        # A retry claims nothing and changes nothing; a request admitted without one leases
+        # nothing.
+        again = a.admit_request(req, claim=AdmissionClaim(100, LONG_LEASE))
+        assert not again.created and again.claims == ()
+        plain = a.admit_request(replace(req, request_id="r1"))
+        assert plain.claims == () and len(claimer.claim_units(100, LONG_LEASE)) == 3
+        # Samples fenced by the lease as ever: the admitting node may write, only it.
+        assert a.add_samples([_sample("r0", 0, 0)]) == [True]
+        if b is not None:
+            assert isinstance(b.add_samples([_sample("r0", 1, 0)])[0], Fenced)
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
+def test_a_sample_batch_records_the_units_it_completes(store: Store) -> None:
+    store.create_job(JOB)
+    a = _node(store, "a")
+    try:
+        req = RolloutRequest("r0", JOB.job_id, ((1,), (2,)), SAMPLING)  # n=2 each
+        a.admit_request(req, claim=AdmissionClaim(100, LONG_LEASE))
+        # QUEUED: its start is recorded first (by the node), so the unit's end waits.
+        got = a.store_samples([_sample("r0", 0, 0), _sample("r0", 0, 1)], end_units=True)
+        assert got.outcomes == [True, True] and got.ends == {}
+        assert a.mark_running("r0", "running on w0")
+        a.finish_unit("r0", 0, None, "")
+        # A partial sample does not complete its unit; the complete one that replaces it does.
+        partial = replace(_sample("r0", 1, 0), partial=True, finish_reason=FinishReason.ABORTED)
+        got = a.store_samples([partial, _sample("r0", 1, 1)], end_units=True)
+        assert got.outcomes == [True, True] and got.ends == {}
+        assert a.get_request("r0").status is RequestStatus.RUNNING
+        got = a.store_samples([_sample("r0", 1, 0)], end_units=True)
+        # The last unit: the request's final status in the same transaction, as finish_unit.
+        assert got.ends == {
+            ("r0", 1): UnitEnd(RequestStatus.COMPLETED, "all 4 samples finished", 0)
+        }
+        assert a.get_request("r0").status is RequestStatus.COMPLETED
+        with pytest.raises(Fenced):  # done already: the node's own write finds it so
+            a.finish_unit("r0", 1, None, "")
+        # Without end_units a complete unit stays open for the node to record.
+        a.admit_request(replace(req, request_id="r1"), claim=AdmissionClaim(100, LONG_LEASE))
+        a.mark_running("r1", "running on w0")
+        got = a.store_samples([_sample("r1", 0, 0), _sample("r1", 0, 1)])
+        assert got.ends == {}
+        assert a.finish_unit("r1", 0, None, "")[1] == 1
     finally:
         a.close()

@@ -38,6 +38,7 @@ from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
 from tltd.settings import Settings
 from tltd.store import JobPaused
+from tltd.store.rollout_requests import AdmissionClaim, Created
 
 if TYPE_CHECKING:
     from tltd.services.pause import PauseService
@@ -69,7 +70,14 @@ class RolloutService:
     def prepare(
         self, req: RolloutRequest, speculative: SpeculativeMode | None = None
     ) -> RolloutRequest:
-        """Validate a request against the daemon's limits and its job; resolve defaults.
+        """`_prepared`'s request."""
+        return self._prepared(req, speculative)[0]
+
+    def _prepared(
+        self, req: RolloutRequest, speculative: SpeculativeMode | None = None
+    ) -> tuple[RolloutRequest, Job]:
+        """Validate a request against the daemon's limits and its job; resolve defaults. The
+        job is returned as read (a moment old, see `_job_and_devices`).
 
         Order matters for callers: a draining node refuses a new request before anything else
         (the trainer should go elsewhere), then the request's own fields, then the job's state.
@@ -94,11 +102,12 @@ class RolloutService:
             # Accepted, it would wait with nothing to run it (e.g. devices still flagged by a
             # node drain before a restart): say so, and how to bring a device back.
             raise _no_device(devices)
-        return replace(
+        prepared = replace(
             req,
             request_id=req.request_id or f"req-{uuid.uuid4().hex}",
             speculative=speculative or job.speculative.mode,
         )
+        return prepared, job
 
     def _job_and_devices(self, job_id: str) -> tuple[Job, list[Device]]:
         """The job and this node's devices: the scheduler's last read while nothing in it can
@@ -234,23 +243,35 @@ class RolloutService:
         self, req: RolloutRequest, speculative: SpeculativeMode | None, sup: Supervisor
     ) -> tuple[RolloutRequest, bool]:
         """Validate and store the request (idempotent; JobPaused when its job is paused and it
-        is new) and ask for its units to be claimed; True when this call created it."""
-        # The store is synchronous: its I/O runs off the event loop, in one thread hop (each
-        # waits for a thread and the GIL: on a loaded node some ms).
-        stored, created = await asyncio.to_thread(self._prepare_and_store, req, speculative)
-        if stored.status not in ENDED_STATUSES:
-            await sup.submit(stored)
-        return stored, created
+        is new), with the units this node may run now leased to it in the same transaction
+        (`Supervisor.admission_claim`), and hand them to the supervisor (the others are
+        claimed at a tick, here or elsewhere); True when this call created it."""
+        claim = sup.admission_claim(req.request_id)
+        try:
+            # The store is synchronous: its I/O runs off the event loop, in one thread hop
+            # (each waits for a thread and the GIL: on a loaded node some ms).
+            admitted, job = await asyncio.to_thread(
+                self._prepare_and_store, req, speculative, claim
+            )
+            stored = admitted.request
+            if stored.status not in ENDED_STATUSES:
+                await sup.submit(stored, job, admitted.claims)
+        finally:
+            sup.end_admission(req.request_id)
+        return stored, admitted.created
 
     def _prepare_and_store(
-        self, req: RolloutRequest, speculative: SpeculativeMode | None
-    ) -> tuple[RolloutRequest, bool]:
+        self,
+        req: RolloutRequest,
+        speculative: SpeculativeMode | None,
+        claim: AdmissionClaim | None,
+    ) -> tuple[Created, Job]:
         """`prepare`, the request's seed (fixed by its id when it gave none), then the store's
-        `create_request`, refused while its job is paused (JobPaused)."""
-        req = self.prepare(req, speculative)
+        `admit_request`, refused while its job is paused (JobPaused)."""
+        req, job = self._prepared(req, speculative)
         if req.sampling.seed is None:
             req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
-        return self.store.create_request(req, self.pauses is not None)
+        return self.store.admit_request(req, self.pauses is not None, claim), job
 
     def _is_retry(self, req: RolloutRequest) -> bool:
         """The request_id is stored already: a retry, which attaches to its work."""

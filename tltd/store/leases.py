@@ -41,6 +41,16 @@ QUEUED, LEASED, DONE, FAILED = "queued", "leased", "done", "failed"
 _RENEW_CHUNK = 500  # units per renewal statement (bound parameters stay well under limits)
 
 
+@dataclass(frozen=True)
+class UnitEnd:
+    """A unit recorded done: its request's status and reason after it, and the request's
+    units still open (0: the request ended with it)."""
+
+    status: RequestStatus
+    reason: str
+    left: int
+
+
 @dataclass(frozen=True, order=True)
 class Claim:
     request_id: str
@@ -89,6 +99,7 @@ class _UnitStatements:
             .where(wu.c.request_id == bindparam("rid"), wu.c.state.in_((QUEUED, LEASED)))
             .scalar_subquery()
         )
+        self.units = select(func.count()).select_from(wu).where(wu.c.request_id == bindparam("rid"))
         # The request's open units, its failed samples and the first failure's error.
         self.open_and_failed = select(
             open_units, func.count(), func.min(sr.c.error)
@@ -273,30 +284,65 @@ class WorkLeases:
             row = conn.execute(st.request, {"rid": request_id}).first()
             if row is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
-            params = {"rid": request_id, "p": prompt_index, "node": self.node_id,
-                      "epoch": self.epoch, "n": row.n, "now": utcnow(),
-                      **db_now_params(self.dialect)}  # fmt: skip
+            params = self._unit_params(request_id, prompt_index, row.n)
             # Held, every sample stored, and done: one statement (the usual case); only a
             # refusal reads again, to say why.
             if conn.execute(st.done, params).first() is None:
                 self.check_held(s, request_id, prompt_index)
                 count = conn.execute(st.stored, params).scalar()
                 raise Fenced(f"unit {request_id}/{prompt_index}: {count} of {row.n} stored")
-            left, failed, first_error = conn.execute(st.open_and_failed, params).one()
             req = convert.request_from_row(row)
-            if left == 0 and req.status not in ENDED_STATUSES:
-                status, why = outcome, reason
-                if status is None:
-                    status, why = _final_status(req, failed, first_error)
-                old = req.status
-                if old is RequestStatus.QUEUED and status is RequestStatus.COMPLETED:
-                    switch_status_from(s, "request", RolloutRequestRow, request_id, old,
-                                       RequestStatus.RUNNING, "resumed")  # fmt: skip
-                    old = RequestStatus.RUNNING
-                switch_status_from(s, "request", RolloutRequestRow, request_id, old, status, why)
-                req = replace(req, status=status, status_reason=why, updated_at=params["now"])
-                notify(s, REQUEST, request_id)
-            return req, int(left)
+            end = self._close_unit(s, params, req.status, req.status_reason, outcome, reason)
+            if end.status is not req.status:
+                req = replace(req, status=end.status, status_reason=end.reason,
+                              updated_at=params["now"])  # fmt: skip
+            return req, end.left
+
+    def _unit_params(self, request_id: str, prompt_index: int, n: int) -> dict[str, Any]:
+        """The bound values of `_UnitStatements` for one unit of a request of `n` samples."""
+        return {"rid": request_id, "p": prompt_index, "node": self.node_id,
+                "epoch": self.epoch, "n": n, "now": utcnow(),
+                **db_now_params(self.dialect)}  # fmt: skip
+
+    def end_unit_if_complete(
+        self, s: Session, request_id: str, prompt_index: int, n: int, status: RequestStatus,
+        reason: str,
+    ) -> UnitEnd | None:  # fmt: skip
+        """In a sample batch's transaction: the unit is done when it is held and every sample
+        of it is stored (`finish_unit` with no outcome decided here); None when not."""
+        params = self._unit_params(request_id, prompt_index, n)
+        if s.connection().execute(self._unit_statements.done, params).first() is None:
+            return None
+        return self._close_unit(s, params, status, reason, None, "")
+
+    def _close_unit(
+        self,
+        s: Session,
+        params: dict[str, Any],
+        status: RequestStatus,
+        reason: str,
+        outcome: RequestStatus | None,
+        why: str,
+    ) -> UnitEnd:
+        """A unit was just recorded done: the request's open units left and, when none is,
+        its final status (see `finish_unit`) recorded. `status` and `reason` are the
+        request's as read in this transaction."""
+        st, conn, rid = self._unit_statements, s.connection(), params["rid"]
+        left, failed, first_error = conn.execute(st.open_and_failed, params).one()
+        if left == 0 and status not in ENDED_STATUSES:
+            new = outcome
+            if new is None:
+                total = int(conn.execute(st.units, params).scalar() or 0) * int(params["n"])
+                new, why = _final_status(total, failed, first_error)
+            old = status
+            if old is RequestStatus.QUEUED and new is RequestStatus.COMPLETED:
+                switch_status_from(s, "request", RolloutRequestRow, rid, old,
+                                   RequestStatus.RUNNING, "resumed")  # fmt: skip
+                old = RequestStatus.RUNNING
+            switch_status_from(s, "request", RolloutRequestRow, rid, old, new, why)
+            status, reason = new, why
+            notify(s, REQUEST, rid)
+        return UnitEnd(status, reason, int(left))
 
     def end_queued_units(self, request_id: str, finish: FinishReason, why: str) -> int:
         """End the units of an ended request that no node holds (a cancel): their missing
@@ -420,10 +466,7 @@ def _open_units(s: Session, request_id: str) -> int:
     )
 
 
-def _final_status(
-    req: RolloutRequest, failed: int, first_error: str | None
-) -> tuple[RequestStatus, str]:
-    total = req.samples_total
+def _final_status(total: int, failed: int, first_error: str | None) -> tuple[RequestStatus, str]:
     if failed:
         return RequestStatus.FAILED, f"{failed} of {total} samples failed: {first_error}"
     return RequestStatus.COMPLETED, f"all {total} samples finished"

@@ -6,14 +6,17 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from tltd.domain import JobStatus, RequestStatus, RolloutRequest
 from tltd.errors import AlreadyExists, FailedPrecondition
 from tltd.store import convert
+from tltd.store.clock import db_now
+from tltd.store.leases import LEASED, QUEUED, Claim
 from tltd.store.lookups import changed_fields, job_row, request_row
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import record_event, switch_status, switch_status_from
@@ -32,10 +35,33 @@ class JobPaused(Exception):
     """create_request(unless_paused=True) stored nothing: the request's job is paused."""
 
 
+@dataclass(frozen=True)
+class AdmissionClaim:
+    """What a node admitting a request may lease to itself in the request's own transaction:
+    its first units while the samples before each stay under `capacity`, for
+    `lease_seconds`."""
+
+    capacity: int
+    lease_seconds: float
+
+
+@dataclass(frozen=True)
+class Created:
+    """create_request's answer: the stored request, whether this call created it, and the
+    units it leased to this node (`AdmissionClaim`; none for a retry)."""
+
+    request: RolloutRequest
+    created: bool
+    claims: tuple[Claim, ...] = ()
+
+
 class RolloutRequests:
-    """Mixed into the Store (uses its `_tx`)."""
+    """Mixed into the Store (uses its `_tx`, `node_id`, `epoch` and `dialect`)."""
 
     _tx: Callable[..., AbstractContextManager[Session]]
+    node_id: str
+    epoch: int
+    dialect: str
 
     def create_request(
         self, req: RolloutRequest, unless_paused: bool = False
@@ -44,6 +70,20 @@ class RolloutRequests:
         the stored request (False), whatever its job's state. Otherwise the job must exist
         (NotFound) and be active (FailedPrecondition), and with `unless_paused` not be paused
         (JobPaused: nothing stored)."""
+        created = self.admit_request(req, unless_paused)
+        return created.request, created.created
+
+    def admit_request(
+        self,
+        req: RolloutRequest,
+        unless_paused: bool = False,
+        claim: AdmissionClaim | None = None,
+    ) -> Created:
+        """`create_request`; with `claim` (on a joined node) the new request's first units
+        whose samples fit its capacity are leased to this node in the same transaction, as
+        `claim_units` would lease them: the node that admitted the request runs them without
+        claiming them and reading back what it just wrote. The other units are queued for
+        any node."""
         try:
             with self._tx() as s:
                 # FOR SHARE until commit: a concurrent cancel of the job (FOR UPDATE) waits for
@@ -60,7 +100,7 @@ class RolloutRequests:
                 if refused is not None:  # a retry attaches all the same
                     existing = s.get(RolloutRequestRow, req.request_id)
                     if existing is not None:
-                        return self._same_request(existing, req), False
+                        return Created(self._same_request(existing, req), False)
                     raise refused
                 # A retry of a stored request fails the insert below (its primary key): it
                 # is read then, so a new request needs no read first.
@@ -70,35 +110,53 @@ class RolloutRequests:
                 row.policy_version = job.policy_version
                 row.created_at = row.updated_at = now
                 s.add(row)
-                # One work unit per prompt: what nodes claim (tltd.store.leases).
-                s.add_all(
-                    WorkUnitRow(
-                        request_id=req.request_id,
-                        prompt_index=p,
-                        samples=req.sampling.n,
-                        prompt_key=prompt_key(req.prompts[p]),
-                        priority=job.priority,
-                        state="queued",
-                        owner_epoch=0,
-                        attempts=0,
-                        reason="",
-                        created_at=now,
-                        updated_at=now,
-                    )  # fmt: skip
-                    for p in range(len(req.prompts))
-                )
+                s.flush()  # the units' foreign key
+                claims = self._insert_units(s, req, job.priority, now, claim)
                 record_event(
                     s, "request", req.request_id, "", RequestStatus.QUEUED, "submitted", at=now
                 )
-                notify(s, WORK, req.request_id)
-                s.flush()
-                return convert.request_from_row(row), True
+                if len(claims) < len(req.prompts):  # units any node may claim
+                    notify(s, WORK, req.request_id)
+                return Created(convert.request_from_row(row), True, claims)
         except IntegrityError:  # the request_id is stored: a retry (or a concurrent one)
             with self._tx(write=False) as s:
                 existing = s.get(RolloutRequestRow, req.request_id)
                 if existing is None:
                     raise
-                return self._same_request(existing, req), False
+                return Created(self._same_request(existing, req), False)
+
+    def _insert_units(
+        self,
+        s: Session,
+        req: RolloutRequest,
+        priority: int,
+        now: object,
+        claim: AdmissionClaim | None,
+    ) -> tuple[Claim, ...]:
+        """One work unit per prompt (what nodes claim, `tltd.store.leases`); with `claim`, the
+        first ones whose samples fit its capacity leased to this node. Returns those."""
+        n, rid = req.sampling.n, req.request_id
+        fit = 0
+        if claim is not None and claim.capacity > 0 and self.epoch:
+            # As claim_units: a unit is taken while the samples before it stay under capacity.
+            fit = min(len(req.prompts), -(-claim.capacity // max(1, n)))
+        rows = [
+            {"request_id": rid, "prompt_index": p, "samples": n,
+             "prompt_key": prompt_key(req.prompts[p]), "priority": priority, "reason": "",
+             "created_at": now, "updated_at": now}
+            for p in range(len(req.prompts))
+        ]  # fmt: skip
+        wu, conn = WorkUnitRow.__table__, s.connection()
+        if fit:
+            assert claim is not None
+            leased = insert(wu).values(
+                state=LEASED, owner_node=self.node_id, owner_epoch=self.epoch, attempts=1,
+                lease_expires_at=db_now(self.dialect, claim.lease_seconds),
+            )  # fmt: skip
+            conn.execute(leased, rows[:fit])
+        if fit < len(rows):
+            conn.execute(insert(wu).values(state=QUEUED, owner_epoch=0, attempts=0), rows[fit:])
+        return tuple(Claim(rid, p, 1) for p in range(fit))
 
     @staticmethod
     def _same_request(existing: RolloutRequestRow, req: RolloutRequest) -> RolloutRequest:

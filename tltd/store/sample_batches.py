@@ -10,8 +10,10 @@ units and stored keys are read with one statement each.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -21,7 +23,7 @@ from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.store import convert
 from tltd.store.clock import db_now_params
-from tltd.store.leases import held_bound
+from tltd.store.leases import UnitEnd, held_bound
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.samples import not_finite_error, out_of_range_error
 from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
@@ -33,6 +35,15 @@ _MAX_INDEX = 1 << 31
 Outcome = bool | TltError
 
 
+@dataclass
+class StoredBatch:
+    """`store_samples`' answer: per sample its `Outcome`; per unit a sample of the batch
+    completed, the unit's end recorded in the same transaction."""
+
+    outcomes: list[Outcome]
+    ends: dict[tuple[str, int], UnitEnd] = field(default_factory=dict)
+
+
 class _Statements:
     """The batch path's statements, built once per store: constructing and cache-keying an
     SQL expression costs more Python than running it does (the database's clock is a bound
@@ -41,7 +52,11 @@ class _Statements:
     def __init__(self, dialect: str) -> None:
         rr, wu, sr = RolloutRequestRow.__table__, WorkUnitRow.__table__, SampleRow.__table__
         rid = bindparam("rid")
-        self.head = select(rr.c.n, rr.c.status).where(rr.c.request_id == rid).with_for_update()
+        self.head = (
+            select(rr.c.n, rr.c.status, rr.c.status_reason)
+            .where(rr.c.request_id == rid)
+            .with_for_update()
+        )
         self.held = select(wu.c.prompt_index).where(
             wu.c.request_id == rid,
             wu.c.prompt_index.in_(bindparam("prompts", expanding=True)),
@@ -68,6 +83,7 @@ class SampleBatches:
     dialect: str
     _tx: Callable[..., AbstractContextManager[Session]]
     add_sample: Callable[[Sample], bool]
+    end_unit_if_complete: Callable[..., UnitEnd | None]
 
     @functools.cached_property
     def _batch_statements(self) -> _Statements:
@@ -78,7 +94,15 @@ class SampleBatches:
         (True stored, False a duplicate), or the error it would raise (InvalidArgument,
         NotFound, Fenced) for that sample alone. A database error raises for all of them:
         none is stored."""
+        return self.store_samples(samples).outcomes
+
+    def store_samples(self, samples: Sequence[Sample], end_units: bool = False) -> StoredBatch:
+        """`add_samples`; with `end_units`, a held unit whose samples are now all stored and
+        complete, of a RUNNING request, is also recorded done in the same transaction (with
+        the request's final status when it was its last open unit), as `finish_unit` would
+        with no outcome decided on the node: one transaction less per unit."""
         out: list[Outcome | None] = [None] * len(samples)
+        ends: dict[tuple[str, int], UnitEnd] = {}
         by_request: dict[str, list[int]] = {}
         for i, sample in enumerate(samples):
             bad = not_finite_error(sample)
@@ -87,18 +111,21 @@ class SampleBatches:
             else:
                 by_request.setdefault(sample.request_id, []).append(i)
         if not by_request:
-            return out  # type: ignore[return-value]
+            return StoredBatch(out)  # type: ignore[arg-type]
         try:
             with self._tx() as s:
                 now = utcnow()
                 for rid in sorted(by_request):
                     items = [(i, samples[i]) for i in by_request[rid]]
-                    self._add_to_request(s, rid, items, out, now)
+                    self._add_to_request(s, rid, items, out, now, ends if end_units else None)
         except IntegrityError:
             # Only a concurrent insert of one of these keys gets here (see add_sample): the
             # batch rolled back; each sample alone then says which were stored elsewhere.
-            return [o if o is not None else self._one(x) for x, o in zip(samples, out, strict=True)]
-        return out  # type: ignore[return-value]
+            outcomes = [
+                o if o is not None else self._one(x) for x, o in zip(samples, out, strict=True)
+            ]
+            return StoredBatch(outcomes)
+        return StoredBatch(out, ends)  # type: ignore[arg-type]
 
     def _one(self, sample: Sample) -> Outcome:
         try:
@@ -113,6 +140,7 @@ class SampleBatches:
         items: list[tuple[int, Sample]],
         out: list[Outcome | None],
         now: object,
+        ends: dict[tuple[str, int], UnitEnd] | None,
     ) -> None:
         st, conn = self._batch_statements, s.connection()
         # The columns needed, not the row: its prompts (JSON, as long as the request's
@@ -122,11 +150,11 @@ class SampleBatches:
             for i, _ in items:
                 out[i] = NotFound(f"rollout request {rid!r} not found", field="request_id")
             return
-        n, status = int(head[0]), head[1]
+        n, status = int(head[0]), RequestStatus(head[1])
         ok = self._writable(s, rid, n, items, out)
         if not ok:
             return
-        stored = _stored_keys(conn, st, rid, [x for _, x in ok])
+        stored, complete = _stored_keys(conn, st, rid, [x for _, x in ok])
         ended = RequestStatus(status) in ENDED_STATUSES
         sr = SampleRow
         rows, done = [], 0
@@ -149,12 +177,22 @@ class SampleBatches:
                 rows.append(row)
             stored[key] = (0, sample.partial)
             done += not sample.partial
+            complete[key[0]] += not sample.partial
             out[i] = True
         if rows:
             conn.execute(st.insert, rows)
         if done or rows:
             conn.execute(st.bump, {"rid": rid, "done": done, "now": now})
             notify(s, SAMPLE, rid)
+        if ends is None or status is not RequestStatus.RUNNING or not done:
+            return  # (a request still QUEUED: its start is recorded first, by the node)
+        reason = head[2]
+        for p in sorted({x.prompt_index for i, x in ok if out[i] is True and not x.partial}):
+            if complete[p] == n:
+                end = self.end_unit_if_complete(s, rid, p, n, status, reason)
+                if end is not None:
+                    ends[(rid, p)] = end
+                    status, reason = end.status, end.reason
 
     def _writable(
         self,
@@ -206,12 +244,15 @@ def _prompt_count(s: Session, rid: str) -> int:
 
 def _stored_keys(
     conn: Connection, st: _Statements, rid: str, samples: list[Sample]
-) -> dict[tuple[int, int], tuple[int, bool]]:
-    """(prompt index, sample index) -> (row id, partial) of those of `samples` stored."""
+) -> tuple[dict[tuple[int, int], tuple[int, bool]], Counter[int]]:
+    """(prompt index, sample index) -> (row id, partial) of those of `samples` stored, and
+    the complete samples stored per prompt of `samples`."""
     keys = {(x.prompt_index, x.sample_index) for x in samples}
     prompts = sorted({p for p, _ in keys})
-    return {
-        (int(r[1]), int(r[2])): (int(r[0]), bool(r[3]))
-        for r in conn.execute(st.stored, {"rid": rid, "prompts": prompts})
-        if (r[1], r[2]) in keys
-    }
+    stored, complete = {}, Counter[int]()
+    for r in conn.execute(st.stored, {"rid": rid, "prompts": prompts}):
+        p, i, partial = int(r[1]), int(r[2]), bool(r[3])
+        complete[p] += not partial
+        if (p, i) in keys:
+            stored[(p, i)] = (int(r[0]), partial)
+    return stored, complete

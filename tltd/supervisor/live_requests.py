@@ -26,7 +26,7 @@ from tltd.domain import (
 )
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.settings import Settings
-from tltd.store.leases import Claim, ClaimedState
+from tltd.store.leases import Claim, ClaimedState, UnitEnd
 from tltd.supervisor.work_queue import Key, LiveRequest, WorkQueue
 from tltd.supervisor.writes import OrderedWrites, add_samples
 
@@ -125,9 +125,10 @@ class LiveRequests:
             self._writes.write_nowait(self.store.mark_running, request_id, why)
         return live, taken
 
-    def stored(self, sample: Sample) -> LiveRequest | None:
+    def stored(self, sample: Sample, end: UnitEnd | None = None) -> LiveRequest | None:
         """A worker's sample is stored: it is finished here and streamed, and a unit it
-        completes is recorded. None when it is not live here or a duplicate."""
+        completes is recorded (`end`: the sample's transaction recorded it already). None
+        when it is not live here or a duplicate."""
         key = (sample.prompt_index, sample.sample_index)
         failed = None
         if sample.finish_reason is FinishReason.FAILED:
@@ -137,7 +138,10 @@ class LiveRequests:
             return None
         self.publish(live.request_id, StreamEvent(sample))
         if live.unit_complete(key[0]):
-            self._spawn(self.finalize(live))
+            if end is not None and (live.request_id, key[0]) not in self._finalizing:
+                self._recorded(live, key[0], end)
+            if live.complete_units():  # complete and not recorded yet
+                self._spawn(self.finalize(live))
         return live
 
     async def close(
@@ -438,10 +442,16 @@ class LiveRequests:
             log.warning("unit not recorded: %s", exc, extra={"request_id": rid})
             self._drop(rid, p)
             return
+        self._recorded(live, p, UnitEnd(req.status, req.status_reason, left))
+
+    def _recorded(self, live: LiveRequest, p: int, end: UnitEnd) -> None:
+        """Unit `p` of `live` is recorded done in the store, `end` what that write said: it
+        leaves the queue, and once the request ended its streams here are told."""
+        rid = live.request_id
         self._drop(rid, p, recorded=True)
-        if req.status in ENDED_STATUSES:
+        if end.status in ENDED_STATUSES:
             here = len(live.recorded) == len(live.req.prompts)
-            self.publish(rid, StreamEvent(None, req.status, req.status_reason, left == 0, here))
+            self.publish(rid, StreamEvent(None, end.status, end.reason, end.left == 0, here))
 
     async def _retry_unit(self, live: LiveRequest, p: int) -> None:
         """Retry a unit's write until it lands, backing off up to `_FINAL_RETRY_MAX` seconds;

@@ -21,6 +21,7 @@ from tltd.memory_cgroup import MemoryCgroups
 from tltd.metrics import METRICS
 from tltd.scheduler import Decision
 from tltd.settings import Settings
+from tltd.store.leases import UnitEnd
 from tltd.supervisor.live_requests import LiveRequests
 from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.worker_process import LoadKind, Phase, WorkerHandle, spawn
@@ -39,8 +40,9 @@ SWITCH_EXIT_SECONDS = 20.0  # a graceful engine shutdown (SGLang frees its GPU m
 SETTLE_SECONDS = 0.2
 _SETTLING = (WorkerState.BUSY, WorkerState.READY)
 
-# on_finished(handle, sample, stored): a sample a worker returned (see worker_process.OnMessage).
-OnFinished = Callable[[WorkerHandle, Sample, "bool | None"], None]
+# on_finished(handle, sample, stored, end): a sample a worker returned (see
+# worker_process.OnMessage).
+OnFinished = Callable[[WorkerHandle, Sample, "bool | None", "UnitEnd | None"], None]
 
 
 def restart_backoff(failures: int) -> float:
@@ -332,14 +334,19 @@ class RolloutWorkers:
     # ---- messages (event loop, posted by the worker's reader thread) ----------------------
 
     def on_message(
-        self, handle: WorkerHandle, gen: int, m: msg.FromWorker, stored: bool | None
+        self,
+        handle: WorkerHandle,
+        gen: int,
+        m: msg.FromWorker,
+        stored: bool | None,
+        end: UnitEnd | None = None,
     ) -> None:
         if gen != handle.generation:
             return  # from a process that was already replaced
         handle.last_heartbeat = time.monotonic()
         match m:
             case msg.Finished(sample=sample):
-                self._on_finished(handle, sample, stored)
+                self._on_finished(handle, sample, stored, end)
             case msg.Heartbeat():
                 previous = handle.heartbeat.stats if handle.heartbeat is not None else None
                 METRICS.observe_engine_summary(handle.device.device_id, previous, m.stats)

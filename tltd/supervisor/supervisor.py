@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,7 @@ from tltd.domain import (
     Backend,
     DeviceKind,
     FinishReason,
+    Job,
     RequestStatus,
     RolloutRequest,
     Sample,
@@ -41,6 +42,8 @@ from tltd.metrics import METRICS
 from tltd.scheduler import Assignment, Decision, SchedulerConfig, schedule
 from tltd.settings import Settings
 from tltd.store import notifications
+from tltd.store.leases import Claim, UnitEnd
+from tltd.store.rollout_requests import AdmissionClaim
 from tltd.supervisor.drain import NodeDrain
 from tltd.supervisor.fair_share import FairShare, active_jobs
 from tltd.supervisor.live_requests import LiveRequests, StreamEvent
@@ -107,6 +110,9 @@ class Supervisor:
         self._kick: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._tick_lock: asyncio.Lock | None = None
+        # Requests between `admission_claim` and `end_admission`: a close that found one not
+        # live yet (status, reason).
+        self._admitting: dict[str, tuple[RequestStatus, str] | None] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -223,10 +229,33 @@ class Supervisor:
         every sample of it is stored here and reaches its streams as an event."""
         return not self._drain.handing_over and self.requests.holds_every_unit(request_id)
 
-    async def submit(self, req: RolloutRequest) -> None:
-        """A request was just stored here: claim its units (here, if there is room, or on
-        another node) at the next tick."""
-        self.leases.claim_soon = True
+    def admission_claim(self, request_id: str) -> AdmissionClaim | None:
+        """What request `request_id`, admitted here now, may lease to this node in its own
+        transaction (`UnitLeases.admission_capacity`); None: its units are claimed at a tick.
+        Until `end_admission`, a cancel of the request (or another close) that finds it not
+        live yet is kept for `submit`."""
+        capacity = self.leases.admission_capacity(self._drain.started)
+        if capacity <= 0:
+            return None
+        self._admitting[request_id] = None
+        return AdmissionClaim(capacity, self.settings.lease_seconds)
+
+    def end_admission(self, request_id: str) -> None:
+        self._admitting.pop(request_id, None)
+
+    async def submit(self, req: RolloutRequest, job: Job, claims: Sequence[Claim] = ()) -> None:
+        """A request was just stored here: the units it leased to this node in its own
+        transaction (`admission_claim`) go live now, as a claim's would, with nothing stored
+        yet (a close that came meanwhile ends them at once); the others are claimed (here,
+        if there is room, or on another node) at the next tick."""
+        if claims:
+            closed = self._admitting.get(req.request_id)
+            if closed is not None:  # (a claim's read of the request would have seen it)
+                req = replace(req, status=closed[0], status_reason=closed[1])
+            state = {req.request_id: (req, job, set[tuple[int, int]](), set[tuple[int, int]]())}
+            await self.requests.take_claims(list(claims), state, self._refusal)
+        if len(claims) < len(req.prompts):
+            self.leases.claim_soon = True
         self.kick()
 
     def cancel_threadsafe(self, request_id: str, reason: str) -> None:
@@ -240,6 +269,9 @@ class Supervisor:
         await self._close(request_id, RequestStatus.CANCELLED, reason)
 
     async def _close(self, request_id: str, status: RequestStatus, reason: str) -> None:
+        if request_id in self._admitting and self.queue.get(request_id) is None:
+            self._admitting[request_id] = (status, reason)  # for its `submit`
+
         def cancel(worker_id: str, rid: str) -> None:
             self.handles[worker_id].send(msg.Cancel(rid))
 
@@ -446,7 +478,9 @@ class Supervisor:
 
     # ---- samples back from workers (event loop) ---------------------------------------
 
-    def _on_finished(self, handle: WorkerHandle, sample: Sample, stored: bool | None) -> None:
+    def _on_finished(
+        self, handle: WorkerHandle, sample: Sample, stored: bool | None, end: UnitEnd | None
+    ) -> None:
         key = (sample.prompt_index, sample.sample_index)
         live = self.queue.get(sample.request_id)
         if sample.finish_reason is FinishReason.ABORTED and self._drain.handing_over:
@@ -460,7 +494,7 @@ class Supervisor:
             if live is not None and live.running.get(key) == handle.worker_id:
                 self._spawn(self.requests.retry_sample(live, key))
             return
-        live = self.requests.stored(sample)
+        live = self.requests.stored(sample, end)
         if self.queue.inflight(handle.worker_id) == 0:
             handle.idle_since = time.monotonic()
         if live is None:

@@ -61,6 +61,16 @@ class UnitLeases:
         waiting = sum(len(idx) for live in self.queue for idx in live.pending.values())
         return free, waiting
 
+    def admission_capacity(self, draining: bool) -> int:
+        """Samples a request admitted here now may lease to this node in its own transaction
+        (`Store.admit_request`): all of them while this node is known to be alone (it would
+        claim every queued unit at its next tick anyway); none while other nodes are up, or
+        may be (their queued units come first, in the order `claim_units` takes them), or
+        while it drains."""
+        if draining or self._others_known() is not False:
+            return 0
+        return _ALL
+
     def release_excess(self) -> int:
         """With other nodes up, give back units none of whose samples started here while more
         samples wait than this node's free slots (it claimed everything while alone, or lost

@@ -22,6 +22,7 @@ from tltd.errors import Fenced, TltError
 from tltd.memory_cgroup import MemoryCgroups, WorkerGroup
 from tltd.metrics import METRICS
 from tltd.settings import Settings
+from tltd.store.leases import UnitEnd
 from tltd.supervisor.worker_pipe import HeartbeatStamp, serve_pipe
 
 if TYPE_CHECKING:
@@ -29,9 +30,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# on_message(handle, generation, message, stored): stored is None when a Finished sample could
-# not be persisted (then it is not streamed but run again), else what `add_samples` said of it.
-OnMessage = Callable[["WorkerHandle", int, msg.FromWorker, "bool | None"], None]
+# on_message(handle, generation, message, stored, end): stored is None when a Finished sample
+# could not be persisted (then it is not streamed but run again), else what `add_samples` said
+# of it; end is its unit's end when the sample's transaction recorded it (`store_samples`).
+OnMessage = Callable[["WorkerHandle", int, msg.FromWorker, "bool | None", "UnitEnd | None"], None]
 OnExit = Callable[["WorkerHandle", int], None]
 
 
@@ -234,15 +236,19 @@ def broadcast_ranks(backend: Backend) -> int:
 
 def store_reported(
     store: Store, stamp: HeartbeatStamp, messages: list[msg.FromWorker]
-) -> list[tuple[msg.FromWorker, bool | None]]:
+) -> list[tuple[msg.FromWorker, bool | None, UnitEnd | None]]:
     """Reader thread: samples are stored here, before the loop streams them; the samples of
-    messages that arrived together in one transaction (`Store.add_samples`)."""
+    messages that arrived together in one transaction (`Store.store_samples`), with the ends
+    of the units they complete."""
     finished = [m for m in messages if isinstance(m, msg.Finished)]
     outcomes: dict[int, bool | None] = {}
+    ends: dict[tuple[str, int], UnitEnd] = {}
     if finished:
         started = time.perf_counter()
         try:
-            results: list = store.add_samples([m.sample for m in finished])
+            batch = store.store_samples([m.sample for m in finished], end_units=True)
+            results: list = batch.outcomes
+            ends = batch.ends
         except Exception as exc:  # none of them stored: each runs again
             log.exception("cannot store samples", extra={"samples": len(finished)})
             results = [exc] * len(finished)
@@ -251,12 +257,14 @@ def store_reported(
             outcomes[id(m)] = _stored(m.sample, result)
     out = []
     for m in messages:
-        stored = outcomes.get(id(m))
+        stored, end = outcomes.get(id(m)), None
         if isinstance(m, msg.Finished) and stored is False:
             m = msg.Finished(_stored_copy(store, m.sample))
+        elif isinstance(m, msg.Finished) and stored:
+            end = ends.get((m.sample.request_id, m.sample.prompt_index))
         elif isinstance(m, msg.Heartbeat):
             stamp()
-        out.append((m, stored))
+        out.append((m, stored, end))
     return out
 
 
