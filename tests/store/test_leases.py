@@ -355,7 +355,7 @@ def test_a_sample_batch_records_the_units_it_completes(store: Store) -> None:
     try:
         req = RolloutRequest("r0", JOB.job_id, ((1,), (2,)), SAMPLING)  # n=2 each
         a.admit_request(req, claim=AdmissionClaim(100, LONG_LEASE))
-        # QUEUED: its start is recorded first (by the node), so the unit's end waits.
+        # QUEUED, and no worker named to record its start by: the unit's end is the node's.
         got = a.store_samples([_sample("r0", 0, 0), _sample("r0", 0, 1)], end_units=True)
         assert got.outcomes == [True, True] and got.ends == {}
         assert a.mark_running("r0", "running on w0")
@@ -373,6 +373,11 @@ def test_a_sample_batch_records_the_units_it_completes(store: Store) -> None:
         assert a.get_request("r0").status is RequestStatus.COMPLETED
         with pytest.raises(Fenced):  # done already: the node's own write finds it so
             a.finish_unit("r0", 1, None, "")
+        # QUEUED with the worker named: started as mark_running would, then its unit ended.
+        a.admit_request(replace(req, request_id="r2"), claim=AdmissionClaim(100, LONG_LEASE))
+        got = a.store_samples([_sample("r2", 0, 0), _sample("r2", 0, 1)], True, "w1")
+        assert got.ends == {("r2", 0): UnitEnd(RequestStatus.RUNNING, "running on w1", 1)}
+        assert not a.mark_running("r2", "running on w1")  # the node's own write: a no-op
         # Without end_units a complete unit stays open for the node to record.
         a.admit_request(replace(req, request_id="r1"), claim=AdmissionClaim(100, LONG_LEASE))
         a.mark_running("r1", "running on w0")

@@ -499,14 +499,14 @@ def test_cancel_job_racing_create_request_leaves_no_open_request(
 
     store.create_job(JOB)
     reached, go = threading.Event(), threading.Event()
-    to_row = convert.request_to_row
+    to_columns = convert.request_columns
 
     def paused(req):
         reached.set()
         go.wait(5)
-        return to_row(req)
+        return to_columns(req)
 
-    monkeypatch.setattr(convert, "request_to_row", paused)
+    monkeypatch.setattr(convert, "request_columns", paused)
     creator = threading.Thread(target=store.create_request, args=(_request(),))
     creator.start()
     assert reached.wait(5)

@@ -38,3 +38,18 @@ def db_now_bound(dialect: str) -> Any:
 def db_now_params(dialect: str) -> dict[str, datetime]:
     """What an execution of a statement built with `db_now_bound` passes for it."""
     return {} if dialect == "postgresql" else {"db_now": utcnow()}
+
+
+def db_later_bound(dialect: str) -> Any:
+    """`db_now(dialect, seconds)` for a statement built once: executions pass
+    `db_later_params(dialect, seconds)`."""
+    if dialect == "postgresql":
+        return func.now(type_=UTCDateTime()) + bindparam("later", type_=Interval())
+    return bindparam("db_later", type_=UTCDateTime())
+
+
+def db_later_params(dialect: str, seconds: float) -> dict[str, Any]:
+    """What an execution of a statement built with `db_later_bound` passes for it."""
+    if dialect == "postgresql":
+        return {"later": timedelta(seconds=seconds)}
+    return {"db_later": utcnow() + timedelta(seconds=seconds)}

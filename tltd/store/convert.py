@@ -121,14 +121,19 @@ def seed_from_column(value: int) -> int:
 
 
 def request_to_row(req: RolloutRequest) -> RolloutRequestRow:
+    return RolloutRequestRow(**request_columns(req))
+
+
+def request_columns(req: RolloutRequest) -> dict[str, Any]:
+    """A request's column values (a Core insert's row; the times not included)."""
     sp = req.sampling
-    return RolloutRequestRow(
+    return {
         **_columns(req, skip=("prompts", "sampling", "created_at", "updated_at")),
         **_columns(sp, skip=("stop_token_ids", "seed")),
-        prompts=[list(p) for p in req.prompts],
-        stop_token_ids=list(sp.stop_token_ids),
-        seed=None if sp.seed is None else seed_to_column(sp.seed),
-    )
+        "prompts": [list(p) for p in req.prompts],
+        "stop_token_ids": list(sp.stop_token_ids),
+        "seed": None if sp.seed is None else seed_to_column(sp.seed),
+    }
 
 
 def request_from_row(row: RolloutRequestRow) -> RolloutRequest:

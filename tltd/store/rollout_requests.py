@@ -3,24 +3,32 @@ through their statuses."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from sqlalchemy import insert, select
+from sqlalchemy import bindparam, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from tltd.domain import JobStatus, RequestStatus, RolloutRequest
-from tltd.errors import AlreadyExists, FailedPrecondition
+from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
 from tltd.store import convert
-from tltd.store.clock import db_now
+from tltd.store.clock import db_later_bound, db_later_params
 from tltd.store.leases import LEASED, QUEUED, Claim
-from tltd.store.lookups import changed_fields, job_row, request_row
+from tltd.store.lookups import changed_fields, request_row
 from tltd.store.notifications import REQUEST, WORK, notify
-from tltd.store.status import record_event, switch_status, switch_status_from
-from tltd.store.tables import JobPauseRow, RolloutRequestRow, WorkUnitRow, utcnow
+from tltd.store.status import switch_status, switch_status_from
+from tltd.store.tables import (
+    EventRow,
+    JobPauseRow,
+    JobRow,
+    RolloutRequestRow,
+    WorkUnitRow,
+    utcnow,
+)
 
 _REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
 
@@ -29,6 +37,11 @@ def prompt_key(prompt: Sequence[int]) -> str:
     """A prompt's token ids as a fixed-width key (sha256 hex): the history drafter's look-up
     of a prompt's earlier answers across requests."""
     return hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()
+
+
+def running_on(worker_id: str) -> str:
+    """The reason a request's start (QUEUED -> RUNNING) records."""
+    return f"running on {worker_id}"
 
 
 class JobPaused(Exception):
@@ -53,6 +66,27 @@ class Created:
     request: RolloutRequest
     created: bool
     claims: tuple[Claim, ...] = ()
+
+
+class _AdmissionStatements:
+    """admit_request's statements, built once per store (see sample_batches._Statements)."""
+
+    def __init__(self, dialect: str) -> None:
+        jobs, pauses = JobRow.__table__, JobPauseRow.__table__
+        wu = WorkUnitRow.__table__
+        paused = select(pauses.c.job_id).where(pauses.c.job_id == jobs.c.job_id).exists()
+        self.job = (
+            select(jobs.c.status, jobs.c.policy_version, jobs.c.priority, paused.label("paused"))
+            .where(jobs.c.job_id == bindparam("job"))
+            .with_for_update(read=True, of=jobs)
+        )
+        self.request = RolloutRequestRow.__table__.insert()
+        self.queued_units = insert(wu).values(state=QUEUED, owner_epoch=0, attempts=0)
+        self.leased_units = insert(wu).values(
+            state=LEASED, owner_node=bindparam("node"), owner_epoch=bindparam("epoch"),
+            attempts=1, lease_expires_at=db_later_bound(dialect),
+        )  # fmt: skip
+        self.event = EventRow.__table__.insert()
 
 
 class RolloutRequests:
@@ -84,18 +118,22 @@ class RolloutRequests:
         `claim_units` would lease them: the node that admitted the request runs them without
         claiming them and reading back what it just wrote. The other units are queued for
         any node."""
+        st = self._admission_statements
         try:
             with self._tx() as s:
+                conn = s.connection()
                 # FOR SHARE until commit: a concurrent cancel of the job (FOR UPDATE) waits for
                 # this request and then sees it, and a new policy version waits too, so the
                 # version recorded is the job's current one at acceptance.
-                job = job_row(s, req.job_id, share=True)
+                job = conn.execute(st.job, {"job": req.job_id}).first()
+                if job is None:
+                    raise NotFound(f"job {req.job_id!r} not found", field="job_id")
                 refused: Exception | None = None
                 if job.status != JobStatus.ACTIVE:
                     refused = FailedPrecondition(
                         f"job {req.job_id!r} is {job.status}", field="job_id"
                     )
-                elif unless_paused and s.get(JobPauseRow, req.job_id) is not None:
+                elif unless_paused and job.paused:
                     refused = JobPaused(req.job_id)
                 if refused is not None:  # a retry attaches all the same
                     existing = s.get(RolloutRequestRow, req.request_id)
@@ -105,25 +143,31 @@ class RolloutRequests:
                 # A retry of a stored request fails the insert below (its primary key): it
                 # is read then, so a new request needs no read first.
                 now = utcnow()
-                row = convert.request_to_row(req)
-                row.status, row.status_reason, row.samples_done = RequestStatus.QUEUED.value, "", 0
-                row.policy_version = job.policy_version
-                row.created_at = row.updated_at = now
-                s.add(row)
-                s.flush()  # the units' foreign key
+                stored = replace(
+                    req, status=RequestStatus.QUEUED, status_reason="", samples_done=0,
+                    policy_version=int(job.policy_version), created_at=now, updated_at=now,
+                )  # fmt: skip
+                conn.execute(st.request, {**convert.request_columns(stored),
+                                          "created_at": now, "updated_at": now})  # fmt: skip
                 claims = self._insert_units(s, req, job.priority, now, claim)
-                record_event(
-                    s, "request", req.request_id, "", RequestStatus.QUEUED, "submitted", at=now
-                )
+                conn.execute(
+                    st.event,
+                    {"entity": "request", "entity_id": req.request_id, "old_status": "",
+                     "new_status": RequestStatus.QUEUED.value, "reason": "submitted", "at": now},
+                )  # fmt: skip
                 if len(claims) < len(req.prompts):  # units any node may claim
                     notify(s, WORK, req.request_id)
-                return Created(convert.request_from_row(row), True, claims)
+                return Created(stored, True, claims)
         except IntegrityError:  # the request_id is stored: a retry (or a concurrent one)
             with self._tx(write=False) as s:
                 existing = s.get(RolloutRequestRow, req.request_id)
                 if existing is None:
                     raise
                 return Created(self._same_request(existing, req), False)
+
+    @functools.cached_property
+    def _admission_statements(self) -> _AdmissionStatements:
+        return _AdmissionStatements(self.dialect)
 
     def _insert_units(
         self,
@@ -146,16 +190,16 @@ class RolloutRequests:
              "created_at": now, "updated_at": now}
             for p in range(len(req.prompts))
         ]  # fmt: skip
-        wu, conn = WorkUnitRow.__table__, s.connection()
+        st, conn = self._admission_statements, s.connection()
         if fit:
             assert claim is not None
-            leased = insert(wu).values(
-                state=LEASED, owner_node=self.node_id, owner_epoch=self.epoch, attempts=1,
-                lease_expires_at=db_now(self.dialect, claim.lease_seconds),
+            lease = db_later_params(self.dialect, claim.lease_seconds)
+            conn.execute(
+                st.leased_units,
+                [{**r, "node": self.node_id, "epoch": self.epoch, **lease} for r in rows[:fit]],
             )  # fmt: skip
-            conn.execute(leased, rows[:fit])
         if fit < len(rows):
-            conn.execute(insert(wu).values(state=QUEUED, owner_epoch=0, attempts=0), rows[fit:])
+            conn.execute(st.queued_units, rows[fit:])
         return tuple(Claim(rid, p, 1) for p in range(fit))
 
     @staticmethod

@@ -25,7 +25,9 @@ from tltd.store import convert
 from tltd.store.clock import db_now_params
 from tltd.store.leases import UnitEnd, held_bound
 from tltd.store.notifications import SAMPLE, notify
+from tltd.store.rollout_requests import running_on
 from tltd.store.samples import not_finite_error, out_of_range_error
+from tltd.store.status import switch_status_from
 from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
 # Prompt indices at or past this are out of range of any request (and of SQL integers).
@@ -96,11 +98,15 @@ class SampleBatches:
         none is stored."""
         return self.store_samples(samples).outcomes
 
-    def store_samples(self, samples: Sequence[Sample], end_units: bool = False) -> StoredBatch:
+    def store_samples(
+        self, samples: Sequence[Sample], end_units: bool = False, worker_id: str = ""
+    ) -> StoredBatch:
         """`add_samples`; with `end_units`, a held unit whose samples are now all stored and
-        complete, of a RUNNING request, is also recorded done in the same transaction (with
-        the request's final status when it was its last open unit), as `finish_unit` would
-        with no outcome decided on the node: one transaction less per unit."""
+        complete is also recorded done in the same transaction (with the request's final
+        status when it was its last open unit), as `finish_unit` would with no outcome
+        decided on the node: one transaction less per unit. A request still QUEUED (its
+        start, `mark_running`, not written yet) is started first, as run by `worker_id`;
+        without one its units are left to the node."""
         out: list[Outcome | None] = [None] * len(samples)
         ends: dict[tuple[str, int], UnitEnd] = {}
         by_request: dict[str, list[int]] = {}
@@ -117,7 +123,9 @@ class SampleBatches:
                 now = utcnow()
                 for rid in sorted(by_request):
                     items = [(i, samples[i]) for i in by_request[rid]]
-                    self._add_to_request(s, rid, items, out, now, ends if end_units else None)
+                    self._add_to_request(
+                        s, rid, items, out, now, ends if end_units else None, worker_id
+                    )
         except IntegrityError:
             # Only a concurrent insert of one of these keys gets here (see add_sample): the
             # batch rolled back; each sample alone then says which were stored elsewhere.
@@ -141,6 +149,7 @@ class SampleBatches:
         out: list[Outcome | None],
         now: object,
         ends: dict[tuple[str, int], UnitEnd] | None,
+        worker_id: str = "",
     ) -> None:
         st, conn = self._batch_statements, s.connection()
         # The columns needed, not the row: its prompts (JSON, as long as the request's
@@ -184,9 +193,16 @@ class SampleBatches:
         if done or rows:
             conn.execute(st.bump, {"rid": rid, "done": done, "now": now})
             notify(s, SAMPLE, rid)
-        if ends is None or status is not RequestStatus.RUNNING or not done:
-            return  # (a request still QUEUED: its start is recorded first, by the node)
+        if ends is None or not done:
+            return
         reason = head[2]
+        if status is RequestStatus.QUEUED and worker_id:  # as mark_running would record it
+            reason = running_on(worker_id)
+            if switch_status_from(s, "request", RolloutRequestRow, rid, status,
+                                  RequestStatus.RUNNING, reason):  # fmt: skip
+                status = RequestStatus.RUNNING
+        if status is not RequestStatus.RUNNING:
+            return
         for p in sorted({x.prompt_index for i, x in ok if out[i] is True and not x.partial}):
             if complete[p] == n:
                 end = self.end_unit_if_complete(s, rid, p, n, status, reason)

@@ -27,6 +27,7 @@ from tltd.domain import (
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.settings import Settings
 from tltd.store.leases import Claim, ClaimedState, UnitEnd
+from tltd.store.rollout_requests import running_on
 from tltd.supervisor.work_queue import Key, LiveRequest, WorkQueue
 from tltd.supervisor.writes import OrderedWrites, add_samples
 
@@ -121,8 +122,7 @@ class LiveRequests:
         taken = self.queue.take(request_id, prompt_index, count, worker_id)
         if live is not None and taken and not live.started:
             live.started = True
-            why = f"running on {worker_id}"
-            self._writes.write_nowait(self.store.mark_running, request_id, why)
+            self._writes.write_nowait(self.store.mark_running, request_id, running_on(worker_id))
         return live, taken
 
     def stored(self, sample: Sample, end: UnitEnd | None = None) -> LiveRequest | None:

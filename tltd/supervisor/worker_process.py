@@ -205,7 +205,7 @@ def spawn(
         handle.worker_id,
         parent,
         loop,
-        receive=lambda ms: store_reported(store, stamp, ms),
+        receive=lambda ms: store_reported(store, stamp, ms, handle.worker_id),
         deliver=lambda got: on_message(handle, gen, *got),
         closed=lambda: on_exit(handle, gen),
     )
@@ -235,18 +235,20 @@ def broadcast_ranks(backend: Backend) -> int:
 
 
 def store_reported(
-    store: Store, stamp: HeartbeatStamp, messages: list[msg.FromWorker]
+    store: Store, stamp: HeartbeatStamp, messages: list[msg.FromWorker], worker_id: str = ""
 ) -> list[tuple[msg.FromWorker, bool | None, UnitEnd | None]]:
     """Reader thread: samples are stored here, before the loop streams them; the samples of
     messages that arrived together in one transaction (`Store.store_samples`), with the ends
-    of the units they complete."""
+    of the units they complete (and the start of a request `worker_id` ran, when the node's
+    own write of it has not landed yet)."""
     finished = [m for m in messages if isinstance(m, msg.Finished)]
     outcomes: dict[int, bool | None] = {}
     ends: dict[tuple[str, int], UnitEnd] = {}
     if finished:
         started = time.perf_counter()
         try:
-            batch = store.store_samples([m.sample for m in finished], end_units=True)
+            samples = [m.sample for m in finished]
+            batch = store.store_samples(samples, end_units=True, worker_id=worker_id)
             results: list = batch.outcomes
             ends = batch.ends
         except Exception as exc:  # none of them stored: each runs again
