@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="another checkout's daemon to run beside this one")  # fmt: skip
     parser.add_argument("--micro-samples", type=int, default=256)
     parser.add_argument("--profile", type=Path, default=None,
-                        help="run the daemon under py-spy, writing flame data here")  # fmt: skip
+                        help="py-spy the daemon (GIL holder), flame data here")  # fmt: skip
     parser.add_argument("--no-floors", action="store_true")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="keep the daemons' data and logs here")  # fmt: skip
