@@ -60,6 +60,10 @@ class StreamEvent:
     here: bool = False
 
 
+# A request's RUNNING is written once it has run this long here (see `_record_start`).
+START_SETTLE_SECONDS = 0.2
+
+
 class LiveRequests:
     """The live requests of this node: their work queue (changed here only; the others read
     it), their subscribers, and how their samples end."""
@@ -117,13 +121,22 @@ class LiveRequests:
     ) -> tuple[LiveRequest | None, list[int]]:
         """Hand up to `count` waiting samples of a prompt to `worker_id`: the request and the
         sample indices (none when it is not live or closing). The first samples handed out
-        make the request RUNNING."""
+        make the request RUNNING, once it has run `START_SETTLE_SECONDS`."""
         live = self.queue.get(request_id)
         taken = self.queue.take(request_id, prompt_index, count, worker_id)
         if live is not None and taken and not live.started:
             live.started = True
-            self._writes.write_nowait(self.store.mark_running, request_id, running_on(worker_id))
+            asyncio.get_running_loop().call_later(
+                START_SETTLE_SECONDS, self._record_start, request_id, running_on(worker_id)
+            )
         return live, taken
+
+    def _record_start(self, request_id: str, reason: str) -> None:
+        """A request started here and still live: RUNNING (`mark_running`). One that ended
+        meanwhile recorded its start with its samples (`Store.store_samples`): a short request
+        then takes no transaction of its own for it."""
+        if self.queue.get(request_id) is not None:
+            self._writes.write_nowait(self.store.mark_running, request_id, reason)
 
     def stored(self, sample: Sample, end: UnitEnd | None = None) -> LiveRequest | None:
         """A worker's sample is stored: it is finished here and streamed, and a unit it
