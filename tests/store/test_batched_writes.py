@@ -96,3 +96,33 @@ def test_writes_run_in_the_order_queued(store: Store, batched: bool) -> None:
     writes = OrderedWrites(store.batch if batched else None)
     results = asyncio.run(_queue_at_once(writes, [(note, i) for i in range(10)]))
     assert order == list(range(10)) and results == list(range(10))
+
+
+def test_a_batch_writes_requests_in_request_id_order(store: Store) -> None:
+    """The order a sample batch locks request rows in: two transactions locking them in
+    different orders deadlock on PostgreSQL. Writes of one request keep their queued order;
+    each caller gets its own call's result."""
+    batch, opened = _counting(store)
+    ran: list[str] = []
+
+    def record(name: str) -> str:
+        ran.append(name)
+        return name
+
+    async def queue() -> list:
+        writes = OrderedWrites(batch)
+        writes.bind()
+        calls = [("r-b first", "r-b"), ("worker", ""), ("r-a", "r-a"), ("r-b then", "r-b")]
+        futures = [
+            asyncio.ensure_future(writes.write(record, name, request=rid)) for name, rid in calls
+        ]
+        await asyncio.sleep(0)
+        runner = asyncio.create_task(writes.run())
+        try:
+            return await asyncio.gather(*futures)
+        finally:
+            runner.cancel()
+
+    assert asyncio.run(queue()) == ["r-b first", "worker", "r-a", "r-b then"]
+    assert len(opened) == 1
+    assert ran == ["worker", "r-a", "r-b first", "r-b then"]

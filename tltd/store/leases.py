@@ -194,9 +194,19 @@ class WorkLeases:
             return renewed
         with self._tx() as s:
             for i in range(0, len(keys), _RENEW_CHUNK):
+                chunk = tuple_(wu.request_id, wu.prompt_index).in_(keys[i : i + _RENEW_CHUNK])
+                if self.dialect == "postgresql":
+                    # Lock in key order first, the order a sample batch ends units in: an
+                    # UPDATE locks in scan order, and two orders deadlock.
+                    s.execute(
+                        select(wu.request_id)
+                        .where(chunk)
+                        .order_by(wu.request_id, wu.prompt_index)
+                        .with_for_update()
+                    ).all()
                 rows = s.execute(
                     update(wu)
-                    .where(tuple_(wu.request_id, wu.prompt_index).in_(keys[i : i + _RENEW_CHUNK]))
+                    .where(chunk)
                     .where(self._held(s))
                     .values(lease_expires_at=db_now(self.dialect, lease_seconds))
                     .returning(wu.request_id, wu.prompt_index)

@@ -136,7 +136,9 @@ class LiveRequests:
         meanwhile recorded its start with its samples (`Store.store_samples`): a short request
         then takes no transaction of its own for it."""
         if self.queue.get(request_id) is not None:
-            self._writes.write_nowait(self.store.mark_running, request_id, reason)
+            self._writes.write_nowait(
+                self.store.mark_running, request_id, reason, request=request_id
+            )
 
     def stored(self, sample: Sample, end: UnitEnd | None = None) -> LiveRequest | None:
         """A worker's sample is stored: it is finished here and streamed, and a unit it
@@ -321,15 +323,18 @@ class LiveRequests:
                 continue
             status, finish, why = closing
             try:
-                await self._writes.write(self.store.set_request_status, req.request_id, status, why)
-                await self._writes.write(self.store.end_queued_units, req.request_id, finish, why)
+                rid = req.request_id
+                await self._writes.write(
+                    self.store.set_request_status, rid, status, why, request=rid
+                )
+                await self._writes.write(self.store.end_queued_units, rid, finish, why, request=rid)
             except TltError:
                 log.info("request ended meanwhile", extra={"request_id": req.request_id})
 
     def release(self, units: set[tuple[str, int]]) -> None:
         """Give units held here back to the queue (ordered behind the writes before)."""
         for rid, p in sorted(units):
-            self._writes.write_nowait(self.store.release_unit, rid, p)
+            self._writes.write_nowait(self.store.release_unit, rid, p, request=rid)
 
     def lose_units(
         self, lost: set[tuple[str, int]], why: str = "unit lease lost"
@@ -401,7 +406,7 @@ class LiveRequests:
         ]
         if samples:
             try:
-                await self._writes.write(add_samples, self.store, samples)
+                await self._writes.write(add_samples, self.store, samples, request=live.request_id)
             except Exception:
                 # Finish them in memory anyway (streamed with their reason), or the request
                 # would never complete.
@@ -449,7 +454,7 @@ class LiveRequests:
         rid = live.request_id
         try:
             req, left = await self._writes.write(
-                self.store.finish_unit, rid, p, live.outcome, live.reason
+                self.store.finish_unit, rid, p, live.outcome, live.reason, request=rid
             )
         except (Fenced, NotFound) as exc:
             log.warning("unit not recorded: %s", exc, extra={"request_id": rid})

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 # SQLite's write lock, which the workers' sample writes wait for).
 MAX_BATCH = 64
 
-_Item = tuple[Callable[..., Any], tuple, "asyncio.Future | None"]
+# (call, its arguments, who waits for it, the request whose rows it writes: "" for none)
+_Item = tuple[Callable[..., Any], tuple, "asyncio.Future | None", str]
 
 
 class OrderedWrites:
@@ -35,6 +36,11 @@ class OrderedWrites:
     the next: one thread hop and one commit for all of them, each in a savepoint of its own, so
     one that raises undoes only itself and gets its own error. A batch that does not commit (the
     database gone, a deadlock) is undone whole and run again one call at a time, as without it.
+
+    A batch writes the rows of requests in request id order (writes of one request in the
+    order queued), the order in which a sample batch locks them (`Store.store_samples`): on
+    PostgreSQL two transactions that lock request rows in different orders deadlock, and the
+    database breaks the tie only after `deadlock_timeout` (1 s).
     """
 
     def __init__(self, batch: Callable[[], AbstractContextManager[None]] | None = None) -> None:
@@ -67,24 +73,29 @@ class OrderedWrites:
 
     def _run_batch(self, items: list[_Item]) -> list[tuple[bool, Any]]:
         assert self._batch is not None
+        order = sorted(range(len(items)), key=lambda i: items[i][3])  # stable
+        outcomes: list[tuple[bool, Any]] = [(False, None)] * len(items)
         try:
             with self._batch():
-                return [_call(item) for item in items]
+                for i in order:
+                    outcomes[i] = _call(items[i])
+            return outcomes
         except Exception:
             log.warning("batched store writes not committed; writing them one by one")
             return [_call(item) for item in items]
 
-    async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Queue `fn(*args)` and wait for its result (or its exception)."""
+    async def write(self, fn: Callable[..., Any], *args: Any, request: str = "") -> Any:
+        """Queue `fn(*args)` and wait for its result (or its exception); `request`: the
+        request whose rows it writes, if any."""
         assert self._queue is not None and self._loop is not None
         fut = self._loop.create_future()
-        self._queue.put_nowait((fn, args, fut))
+        self._queue.put_nowait((fn, args, fut, request))
         return await fut
 
-    def write_nowait(self, fn: Callable[..., Any], *args: Any) -> None:
+    def write_nowait(self, fn: Callable[..., Any], *args: Any, request: str = "") -> None:
         """Queue `fn(*args)`; failures are logged, nobody waits."""
         if self._queue is not None:
-            self._queue.put_nowait((fn, args, None))
+            self._queue.put_nowait((fn, args, None, request))
 
     async def join(self) -> None:
         """Wait until everything queued so far is written."""
@@ -93,7 +104,7 @@ class OrderedWrites:
 
 
 def _call(item: _Item) -> tuple[bool, Any]:
-    fn, args, _ = item
+    fn, args, _, _ = item
     try:
         return True, fn(*args)
     except Exception as exc:
