@@ -491,9 +491,11 @@ class DrafterTraining:
         if run.measure_due:  # its measurement was given up: resumed on the next idle device
             run.round_open = True
             why = f"{why}; the round's measurement is asked again next time"
-        run.phase, run.preempt_at = "idle", None
+        # Idle once the device's IDLE is written: a start seen idle before that would record
+        # TRAINING first, and this IDLE would land after it.
         await self._record(run, WorkerState.READY, why)
         await self._set_device(run.device_id, DeviceState.IDLE, why)
+        run.phase, run.preempt_at = "idle", None
         self._kick()
 
     def _note_preemption(self, run: TrainerRun, step: int) -> str:
