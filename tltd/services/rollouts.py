@@ -38,7 +38,7 @@ from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
 from tltd.settings import Settings
 from tltd.store import JobPaused
-from tltd.store.rollout_requests import AdmissionClaim, Created
+from tltd.store.rollout_requests import Created
 
 if TYPE_CHECKING:
     from tltd.services.pause import PauseService
@@ -246,13 +246,11 @@ class RolloutService:
         is new), with the units this node may run now leased to it in the same transaction
         (`Supervisor.admission_claim`), and hand them to the supervisor (the others are
         claimed at a tick, here or elsewhere); True when this call created it."""
-        claim = sup.admission_claim(req.request_id)
+        sup.begin_admission(req.request_id)
         try:
             # The store is synchronous: its I/O runs off the event loop, in one thread hop
             # (each waits for a thread and the GIL: on a loaded node some ms).
-            admitted, job = await asyncio.to_thread(
-                self._prepare_and_store, req, speculative, claim
-            )
+            admitted, job = await asyncio.to_thread(self._prepare_and_store, req, speculative, sup)
             stored = admitted.request
             if stored.status not in ENDED_STATUSES:
                 await sup.submit(stored, job, admitted.claims)
@@ -261,16 +259,15 @@ class RolloutService:
         return stored, admitted.created
 
     def _prepare_and_store(
-        self,
-        req: RolloutRequest,
-        speculative: SpeculativeMode | None,
-        claim: AdmissionClaim | None,
+        self, req: RolloutRequest, speculative: SpeculativeMode | None, sup: Supervisor
     ) -> tuple[Created, Job]:
         """`prepare`, the request's seed (fixed by its id when it gave none), then the store's
-        `admit_request`, refused while its job is paused (JobPaused)."""
+        `admit_request` with what this node may lease to itself (`admission_claim`), refused
+        while its job is paused (JobPaused)."""
         req, job = self._prepared(req, speculative)
         if req.sampling.seed is None:
             req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
+        claim = sup.admission_claim()
         return self.store.admit_request(req, self.pauses is not None, claim), job
 
     def _is_retry(self, req: RolloutRequest) -> bool:

@@ -229,19 +229,22 @@ class Supervisor:
         every sample of it is stored here and reaches its streams as an event."""
         return not self._drain.handing_over and self.requests.holds_every_unit(request_id)
 
-    def admission_claim(self, request_id: str) -> AdmissionClaim | None:
-        """What request `request_id`, admitted here now, may lease to this node in its own
-        transaction (`UnitLeases.admission_capacity`); None: its units are claimed at a tick.
-        Until `end_admission`, a cancel of the request (or another close) that finds it not
+    def begin_admission(self, request_id: str) -> None:
+        """Until `end_admission`, a cancel of the request (or another close) that finds it not
         live yet is kept for `submit`."""
-        capacity = self.leases.admission_capacity(self._drain.started)
-        if capacity <= 0:
-            return None
         self._admitting[request_id] = None
-        return AdmissionClaim(capacity, self.settings.lease_seconds)
 
     def end_admission(self, request_id: str) -> None:
         self._admitting.pop(request_id, None)
+
+    def admission_claim(self) -> AdmissionClaim | None:
+        """What a request admitted here now may lease to this node in its own transaction
+        (`UnitLeases.admission_capacity`; a store read at most once per heartbeat period: not
+        on the event loop); None: its units are claimed at a tick."""
+        capacity = self.leases.admission_capacity(self._drain.started)
+        if capacity <= 0:
+            return None
+        return AdmissionClaim(capacity, self.settings.lease_seconds)
 
     async def submit(self, req: RolloutRequest, job: Job, claims: Sequence[Claim] = ()) -> None:
         """A request was just stored here: the units it leased to this node in its own

@@ -63,11 +63,11 @@ class UnitLeases:
 
     def admission_capacity(self, draining: bool) -> int:
         """Samples a request admitted here now may lease to this node in its own transaction
-        (`Store.admit_request`): all of them while this node is known to be alone (it would
-        claim every queued unit at its next tick anyway); none while other nodes are up, or
-        may be (their queued units come first, in the order `claim_units` takes them), or
-        while it drains."""
-        if draining or self._others_known() is not False:
+        (`Store.admit_request`): all of them while this node is alone (it would claim every
+        queued unit at its next tick anyway); none while other nodes are up (their queued
+        units come first, in the order `claim_units` takes them), or while it drains. A store
+        call (`others_up`): not on the event loop."""
+        if draining or self.others_up():
             return 0
         return _ALL
 
