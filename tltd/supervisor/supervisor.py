@@ -110,7 +110,7 @@ class Supervisor:
         self._kick: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._tick_lock: asyncio.Lock | None = None
-        # Requests between `admission_claim` and `end_admission`: a close that found one not
+        # Requests between `begin_admission` and `end_admission`: a close that found one not
         # live yet (status, reason).
         self._admitting: dict[str, tuple[RequestStatus, str] | None] = {}
 
