@@ -191,7 +191,7 @@ def test_pause_abort_returns_in_flight_samples_with_abort(http, http_daemon):
 
 def test_pause_wait_returns_once_in_flight_requests_finish(http, http_daemon):
     rid = "vllm-wait-1"
-    # Long enough to be seen RUNNING (recorded once it has run 0.2 s) before it ends.
+    # Long enough to be seen RUNNING (recorded once it has run 50 ms) before it ends.
     body = {"model": JOB, "prompt": PROMPTS[0], "max_tokens": 480, "ignore_eos": True}
     t, out = _post_in_thread(http_daemon.url, "/v1/completions", {**body, "request_id": rid})
     wait_running(http_daemon.store, rid)

@@ -61,7 +61,7 @@ class StreamEvent:
 
 
 # A request's RUNNING is written once it has run this long here (see `_record_start`).
-START_SETTLE_SECONDS = 0.2
+START_SETTLE_SECONDS = 0.05
 
 
 class LiveRequests:
