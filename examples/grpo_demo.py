@@ -171,16 +171,23 @@ class Daemon:
 
 
 def rollout(
-    client: RolloutClient, prompts: list[list[int]], cfg: DemoConfig, seed: int, label: str
+    client: RolloutClient,
+    prompts: list[list[int]],
+    cfg: DemoConfig,
+    seed: int,
+    label: str,
+    speculative: str | None = None,
 ) -> tuple[list[RolloutSample], list[float], float]:
-    """Stream the step's samples, showing progress; (samples, finish times, wall time)."""
+    """Stream the step's samples, showing progress; (samples, finish times, wall time).
+    `speculative` overrides the job's mode for this request ("off" | "auto")."""
     total = len(prompts) * cfg.n
     samples: list[RolloutSample] = []
     finished: list[float] = []
     start = last_shown = time.perf_counter()
+    override = {} if speculative is None else {"speculative": speculative}
     stream = client.stream(
         prompts, n=cfg.n, temperature=1.0, max_new_tokens=cfg.max_new_tokens,
-        stop_token_ids=[STOP_TOKEN_ID], seed=seed,
+        stop_token_ids=[STOP_TOKEN_ID], seed=seed, **override,
     )  # fmt: skip
     tty = sys.stdout.isatty()
     for sample in stream:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 from dataclasses import replace
 
+import pytest
+
 from tests.store.test_store_api import JOB, _request, _sample
 from tltd.contract import rollout_messages as msg
+from tltd.domain import Worker, WorkerKind
 from tltd.store import Store
 from tltd.supervisor.worker_pipe import HeartbeatStamp, serve_pipe
 from tltd.supervisor.worker_process import store_reported
@@ -48,3 +52,18 @@ def test_a_sample_that_ran_twice_streams_the_stored_copy(store: Store) -> None:
     assert dup_stored is False and dup.sample == first  # the stored copy, not the rerun
     assert new_stored is True and new.sample == fresh
     assert [s.token_ids for s in store.list_samples(first.request_id)] == [(7, 8, 9), (4,)]
+
+
+def test_a_heartbeat_before_the_worker_is_recorded_waits_for_it(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fresh worker's first heartbeat may be read before the loop records the worker: no
+    warning, and the next heartbeat is stamped once the worker exists."""
+    stamp = HeartbeatStamp(store, "w0")
+    with caplog.at_level(logging.WARNING):
+        stamp()
+    assert caplog.records == []
+    store.upsert_worker(Worker(worker_id="w0", kind=WorkerKind.ROLLOUT, device_id="cpu:0"))
+    assert store.get_worker("w0").last_heartbeat is None
+    stamp()  # not held back by the write interval: nothing was written before
+    assert store.get_worker("w0").last_heartbeat is not None

@@ -15,6 +15,7 @@ from benchmarks import (
     bench_rl_trend,
     bench_spec,
     bench_tail_sweep,
+    bench_training_contention,
 )
 from examples.task.tokenizer import VOCAB_SIZE, save_tokenizer
 from tests.engine.helpers import make_checkpoint
@@ -163,3 +164,25 @@ def test_bench_control_plane_quick(capsys: pytest.CaptureFixture[str]) -> None:
     micro = [r for r in rows if r[1].strip() in ("1", "256", "4096")]
     assert len(micro) == 3 and all(float(r[4]) > 0 for r in micro)
     assert "load average at start:" in out
+
+
+def test_contention_pairs_each_training_window_with_its_neighbour() -> None:
+    seq = [("train", 2.0, 1.0), ("stopped", 1.0, 0.0), ("stopped", 4.0, 0.0), ("train", 5.0, 1.0)]
+    assert bench_training_contention.paired_ratios(seq) == [2.0, 1.25]
+    assert bench_training_contention.paired_ratios(seq[:3]) == [2.0]  # an unpaired window
+
+
+def test_bench_training_contention_runs_a_real_trainer_beside_the_decode(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The shipped policy decoding while a nice-19 drafter trainer runs and is stopped."""
+    args = ["--batches", "1", "--speculative", "off", "--seconds", "3", "--window", "0.25"]
+    assert bench_training_contention.main([*args, "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| off | 1 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert float(cells[2]) > 0 and float(cells[3]) > 0  # ms/token, stopped and running
+    assert int(cells[5]) >= 2  # pairs
+    # The trainer really trained in its windows (it had the idle core to itself).
+    assert int(cells[6].rstrip("%")) >= 50
+    assert "pooled over the rows" in out

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from tltd.errors import NotFound
+
 if TYPE_CHECKING:
     from tltd.store import Store
 
@@ -114,6 +116,10 @@ class HeartbeatStamp:
         self._last = time.monotonic()
         try:
             self.store.heartbeat_worker(self.worker_id)
+        except NotFound:
+            # A worker's first heartbeat can reach the reader before the loop has recorded
+            # the worker: nothing to stamp yet, and the next heartbeat tries again.
+            self._last = 0.0
         except Exception:  # e.g. "database is locked": the reader must keep reading
             log.warning(
                 "cannot record heartbeat", extra={"worker_id": self.worker_id}, exc_info=True
