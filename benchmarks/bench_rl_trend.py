@@ -3,6 +3,12 @@ can show it: the demo's trainer and workload, rollouts from the engine in-proces
 same sampling law as the daemon's), no daemon.
 
     python benchmarks/bench_rl_trend.py [--steps 6] [--configs demo,lr1e-4,passes2] [--model DIR]
+    python benchmarks/bench_rl_trend.py --steps 8 --configs demo --seeds 0,1,2,3
+
+`--seeds` repeats each config with other sampling seeds (the demo's `--seed`): runs that
+differ only in their draws, as the demo's TLT and SD-off runs do (speculative decoding is
+lossless in law, not in draws), and the table's last lines say how far apart their final
+policies score on the held-out set.
 
 Each config runs `--steps` RL steps of `--prompts` x `--n` samples at temperature 1 from
 `models/tiny-policy`, as `make demo` does: the prompts come from the task's fixed training set
@@ -135,21 +141,24 @@ def make_trainer(cfg: Config, model: Path) -> GRPOTrainer:
     return trainer
 
 
-def run(cfg: Config, args, work_dir: Path, tok) -> tuple[list[RewardStep], Path]:
+def run(
+    cfg: Config, args, work_dir: Path, tok, sampling_seed: int = 0
+) -> tuple[list[RewardStep], Path]:
     trainer, checkpoint, steps = make_trainer(cfg, args.model), args.model, []
+    name = cfg.name if sampling_seed == 0 else f"{cfg.name}-s{sampling_seed}"
     for step in range(args.steps):
-        seed = step  # the demo's sampling seed at step `step`
+        seed = sampling_seed * 1000 + step  # the demo's sampling seed at step `step`
         work = args.dataset.batch(0 if cfg.fixed_prompts else step)
         t0 = time.perf_counter()
         scored = score(work, sample(checkpoint, work, seed, args.n, args.max_new_tokens), tok)
         for _ in range(cfg.passes):
             trainer.update(scored)
-        checkpoint = trainer.save(work_dir / cfg.name / f"step-{step + 1}")
+        checkpoint = trainer.save(work_dir / name / f"step-{step + 1}")
         rewards = [s.reward for s in scored]
         mean = sum(rewards) / len(rewards)
         var = sum((r - mean) ** 2 for r in rewards) / len(rewards)
         steps.append(RewardStep(step, len(rewards), mean, var))
-        print(f"  {cfg.name} step {step}: reward {mean:.3f} ({time.perf_counter() - t0:.0f}s)",
+        print(f"  {name} step {step}: reward {mean:.3f} ({time.perf_counter() - t0:.0f}s)",
               flush=True)  # fmt: skip
     return steps, checkpoint
 
@@ -168,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--held-out-prompts", type=int, default=32)
     ap.add_argument("--held-out-n", type=int, help="samples per held-out prompt (default --n)")
     ap.add_argument("--configs", default="demo,lr1e-4")
+    ap.add_argument(
+        "--seeds", default="0",
+        help="sampling seeds per config (the demo's --seed): runs that differ only in their "
+        "draws, as a TLT run and an SD-off run do",
+    )  # fmt: skip
     # One thread: on a shared 2-core machine two intra-op threads mostly wait on each other
     # (scripts/train_policy.py); a held-out pass took 13 min with two, under others' load.
     ap.add_argument("--threads", type=int, default=1)
@@ -194,18 +208,22 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     rows = []
+    finals: dict[str, list[tuple[int, list[float]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in configs:
-            steps, last = run(cfg, args, Path(tmp), tok)
-            slope, se = reward_trend(steps)
-            after = held_out(last, args)
-            print(
-                f"  {cfg.name} held out after: reward {after.mean:.3f}, guesses "
-                f"{after.guess_share:.2f} (reward {after.guess_mean:.3f}; worked "
-                f"{after.worked_mean:.3f}), mean length {after.mean_length:.0f}",
-                flush=True,
-            )
-            rows.append((cfg.name, steps, slope, se, after, paired(before.rewards, after.rewards)))
+            for seed in (int(x) for x in args.seeds.split(",")):
+                steps, last = run(cfg, args, Path(tmp), tok, seed)
+                slope, se = reward_trend(steps)
+                after = held_out(last, args)
+                name = cfg.name if seed == 0 else f"{cfg.name}-s{seed}"
+                print(
+                    f"  {name} held out after: reward {after.mean:.3f}, guesses "
+                    f"{after.guess_share:.2f} (reward {after.guess_mean:.3f}; worked "
+                    f"{after.worked_mean:.3f}), mean length {after.mean_length:.0f}",
+                    flush=True,
+                )
+                rows.append((name, steps, slope, se, after, paired(before.rewards, after.rewards)))
+                finals.setdefault(cfg.name, []).append((seed, after.rewards))
     print(f"\n{'config':<10}{'reward per step':<36}{'trend/step':>11}{'(SEs)':>7}"
           f"{'held out before':>17}{'after':>7}{'change':>9}{'(SEs)':>7}"
           f"{'guesses':>13}{'mean len':>14}")  # fmt: skip
@@ -216,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<10}{per_step:<36}{slope:>+11.3f}{_ratio(slope, se):>+7.1f}"
               f"{before.mean:>17.3f}{after.mean:>7.3f}{delta:>+9.3f}{_ratio(delta, dse):>+7.1f}"
               f"{guesses:>13}{lengths:>14}")  # fmt: skip
+    # Runs of one config that differ only in their sampling seeds: how far apart their final
+    # policies score, in the paired standard errors the demo's "TLT - off at the end" uses.
+    for name, runs in finals.items():
+        for i, (sa, ra) in enumerate(runs):
+            for sb, rb in runs[i + 1 :]:
+                delta, dse = paired(rb, ra)
+                print(f"{name}: seed {sa} - seed {sb} at the end: {delta:+.3f} +- {dse:.3f} "
+                      f"({_ratio(delta, dse):+.1f} standard errors)")  # fmt: skip
     return 0
 
 

@@ -59,7 +59,7 @@ from tltd_workers.drafter.buffer import TrainingBuffer
 from tltd_workers.drafter.trainer import Trainer
 from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.engine.transformer import load_model
-os.nice(19)
+os.nice({nice})
 torch.set_num_threads(1)
 target = load_model({model!r})
 drafter = EagleDrafter.from_pretrained({drafter!r}, target)
@@ -76,8 +76,8 @@ while True:
 """
 
 
-def start_trainer() -> subprocess.Popen:
-    code = TRAINER.format(root=str(ROOT), model=str(MODEL_DIR), drafter=str(DRAFTER_DIR))
+def start_trainer(nice: int) -> subprocess.Popen:
+    code = TRAINER.format(root=str(ROOT), model=str(MODEL_DIR), drafter=str(DRAFTER_DIR), nice=nice)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     if proc.stdout.readline().strip() != "ready":
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=15.0, help="decode time per repeat")
     ap.add_argument("--window", type=float, default=0.5, help="seconds per on/off window")
     ap.add_argument("--repeats", type=int, default=2, help="decodes per configuration")
+    ap.add_argument("--nice", type=int, default=19, help="the trainer's (the daemon's: 19)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     _, prompt = max(rollout_prompts(16), key=lambda pp: pp[0].num_steps)
@@ -172,12 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.speculative.split(",")
     print(
         f"decode: B rows of the workload's longest prompt at temperature 1, topped up as "
-        f"samples end, {args.seconds:g} s per decode, 1 torch thread; trainer: nice 19, "
+        f"samples end, {args.seconds:g} s per decode, 1 torch thread; trainer: nice {args.nice}, "
         f"1 thread, the shipped drafter on the task's answers; windows of {args.window} s, "
         f"trainer running / stopped in turn; {args.repeats} decodes per row",
         flush=True,
     )
-    trainer = start_trainer()
+    trainer = start_trainer(args.nice)
     rows = []
     try:
         for mode in modes:
