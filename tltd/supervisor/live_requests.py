@@ -243,7 +243,9 @@ class LiveRequests:
         live.history.update(history)
         if done:  # stored before (by a node that lost them): streams here read them
             self.publish(rid, StreamEvent())
-        log.info("units claimed", extra={"request_id": rid, "prompts": sorted(units)})
+        # Debug, not info: a line per request is what agentic traffic (hundreds of short
+        # requests a second) cannot afford; the request's events record where it ran.
+        log.debug("units claimed", extra={"request_id": rid, "prompts": sorted(units)})
         closing = self._closing(req, job.status, job.status_reason, refuse)
         if closing is not None:
             status, finish, why = closing
