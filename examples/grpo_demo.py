@@ -479,6 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kl", type=float, help=f"KL penalty towards the initial policy (default {DEMO_KL})"
     )
+    parser.add_argument(
+        "--seed", type=int,
+        help="sampling seeds of the training rollouts (seed * 1000 + step; default 0)",
+    )  # fmt: skip
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument(
         "--drafter",
@@ -495,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"steps": args.steps, "prompts": args.prompts, "n": args.n,
                  "train_prompts": args.train_prompts, "held_out_prompts": args.held_out_prompts,
                  "held_out_n": args.held_out_n, "max_new_tokens": args.max_new_tokens,
-                 "cpu_slots": args.cpu_slots, "lr": args.lr, "kl": args.kl}  # fmt: skip
+                 "cpu_slots": args.cpu_slots, "lr": args.lr, "kl": args.kl,
+                 "seed": args.seed}  # fmt: skip
     cfg = DemoConfig(**(vars(cfg) | {k: v for k, v in overrides.items() if v is not None}))
     model = args.model.resolve()
     if not (model / "config.json").exists():
