@@ -13,6 +13,7 @@ from tests.store.test_store_api import JOB, _request, _sample
 from tltd.contract import rollout_messages as msg
 from tltd.domain import Worker, WorkerKind
 from tltd.store import Store
+from tltd.supervisor import worker_pipe
 from tltd.supervisor.worker_pipe import HeartbeatStamp, serve_pipe
 from tltd.supervisor.worker_process import store_reported
 
@@ -67,3 +68,16 @@ def test_a_heartbeat_before_the_worker_is_recorded_waits_for_it(
     assert store.get_worker("w0").last_heartbeat is None
     stamp()  # not held back by the write interval: nothing was written before
     assert store.get_worker("w0").last_heartbeat is not None
+
+
+def test_a_worker_never_recorded_is_logged_once_per_period(
+    store: Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(worker_pipe.time, "monotonic", lambda: clock[0])
+    stamp = HeartbeatStamp(store, "ghost")
+    with caplog.at_level(logging.WARNING):
+        for t in (100.0, 110.0, 120.0, 131.0, 140.0, 162.0):
+            clock[0] = t
+            stamp()
+    assert [r.getMessage() for r in caplog.records] == ["heartbeat of an unrecorded worker"] * 2

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 # How often a worker's heartbeat is written to the store (`tltctl workers` shows it); the
 # liveness check itself uses the in-memory time of the last message.
 HEARTBEAT_WRITE_SECONDS = 2.0
+# A heartbeat whose worker is still not recorded this long after the first is logged.
+MISSING_WORKER_WARN_SECONDS = 30.0
 
 
 # At most this many messages already waiting in a pipe are handled as one batch (one store
@@ -109,6 +111,7 @@ class HeartbeatStamp:
 
     def __init__(self, store: Store, worker_id: str) -> None:
         self.store, self.worker_id, self._last = store, worker_id, 0.0
+        self._missing_since: float | None = None  # first heartbeat with no worker row
 
     def __call__(self) -> None:
         if time.monotonic() - self._last < HEARTBEAT_WRITE_SECONDS:
@@ -118,12 +121,22 @@ class HeartbeatStamp:
             self.store.heartbeat_worker(self.worker_id)
         except NotFound:
             # A worker's first heartbeat can reach the reader before the loop has recorded
-            # the worker: nothing to stamp yet, and the next heartbeat tries again.
-            self._last = 0.0
+            # the worker: nothing to stamp yet, and the next heartbeat tries again. A worker
+            # still unrecorded after MISSING_WORKER_WARN_SECONDS is worth a line.
+            now, self._last = time.monotonic(), 0.0
+            if self._missing_since is None:
+                self._missing_since = now
+            elif now - self._missing_since > MISSING_WORKER_WARN_SECONDS:
+                self._missing_since = now  # at most one line per period
+                log.warning(
+                    "heartbeat of an unrecorded worker", extra={"worker_id": self.worker_id}
+                )
         except Exception:  # e.g. "database is locked": the reader must keep reading
             log.warning(
                 "cannot record heartbeat", extra={"worker_id": self.worker_id}, exc_info=True
             )
+        else:
+            self._missing_since = None
 
 
 async def join_or_kill(proc: Any, grace: float) -> None:
