@@ -314,11 +314,13 @@ def _stream_into(
             got.append(s)
 
 
-def _in_threads(calls: dict[str, Callable[[list], None]]) -> tuple[dict, list, list]:
+def _in_threads(
+    calls: dict[str, Callable[[list], None]], errors: list[BaseException] | None = None
+) -> tuple[dict, list, list]:
     """Run each call (name -> call(list it appends to)) in a thread; returns the lists by
-    name, the threads and the errors raised."""
+    name, the threads and the errors raised (appended to `errors` when given)."""
     out: dict[str, list] = {name: [] for name in calls}
-    errors: list[BaseException] = []
+    errors = [] if errors is None else errors
 
     def run(name: str) -> None:
         try:
@@ -370,14 +372,28 @@ def test_a_drained_node_hands_its_work_to_the_others(cluster: Cluster, ckpt) -> 
     rids = [f"h-{i}" for i in range(3)]
     calls: dict[str, Callable[[list], None]] = {}
     for rid in rids:
-        calls[f"plain/{rid}"] = partial(_stream_into, target=a.target, job="handover", rid=rid,
-                                        max_new_tokens=1000)  # fmt: skip
-        for where, target in (("on-a", a.target), ("on-b", [b.target, a.target])):
+        for where, target in (("on-b", [b.target, a.target]), ("on-a", a.target)):
             calls[f"{where}/{rid}"] = partial(
                 _stream_into, target=target, job="handover", rid=rid, max_new_tokens=1000,
                 return_partial=True,
             )  # fmt: skip
-    out, threads, errors = _in_threads(calls)
+        calls[f"plain/{rid}"] = partial(_stream_into, target=a.target, job="handover", rid=rid,
+                                        max_new_tokens=1000)  # fmt: skip
+    # The requests are created on node-b first: node-a, all cordoned, refuses a new request
+    # whenever node-b's heartbeat looks late to it (a loaded machine), and attaches to a
+    # stored one.
+    on_b = {n: c for n, c in calls.items() if n.startswith("on-b/")}
+    out, threads, errors = _in_threads(on_b)
+    wait_until(
+        lambda: errors or cluster.sql("SELECT count(*) FROM rollout_requests") == [(len(rids),)],
+        timeout=60, what="the requests stored via node-b",
+    )  # fmt: skip
+    assert not errors, errors
+    more, more_threads, _ = _in_threads(
+        {n: c for n, c in calls.items() if n not in on_b}, errors=errors
+    )
+    out |= more
+    threads += more_threads
     with b.client() as cb:  # its worker runs the units (not only claimed)
         wait_until(
             lambda: any(w.state == "busy" for w in cb.list_workers()), timeout=240, what="busy"
@@ -415,8 +431,9 @@ def test_a_drained_node_hands_its_work_to_the_others(cluster: Cluster, ckpt) -> 
             if x.partial
         }
 
-    wait_until(lambda: received("on-a/") == stored, timeout=60, what="partials on node-a")
-    wait_until(lambda: received("on-b/") == stored, timeout=60, what="partials via node-b")
+    for where in ("on-a/", "on-b/"):
+        wait_until(lambda: errors or received(where) == stored, timeout=60, what=where)  # noqa: B023
+        assert not errors, errors
     with a.client() as ca:
         ca.uncordon("node-a/cpu:0")
     for t in threads:
