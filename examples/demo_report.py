@@ -5,10 +5,11 @@ and the curves as a PNG."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from examples.heldout import HeldOutScore, paired
+from examples.sampling_law import ks_uniform
 
 MODES = ("tlt", "off")  # TLT first: its drafter warms up while the baseline has nothing to warm
 # TLT's GPU measurement: rollout is ~85% of an RL step without speculative decoding.
@@ -37,6 +38,9 @@ class StepRow:
     update_s: float
     logprob_gap: float
     shadow: tuple[float, float] = (0.0, 0.0)  # accepted length: drafter used, frozen initial
+    # The randomized PIT of every output token under the weights that sampled it
+    # (examples/sampling_law.py): U(0, 1) when the daemon samples the policy's law.
+    pit: tuple[float, ...] = field(default=(), repr=False)
 
     @property
     def step_s(self) -> float:
@@ -185,6 +189,20 @@ def print_harvest(rows: list[StepRow]) -> None:
           f"training during the updates {upd:.1f} device-s")  # fmt: skip
 
 
+def print_sampling_law(results: dict[str, list[StepRow]]) -> None:
+    """Whether each run's tokens follow the law of the weights that sampled them: the KS test
+    of their randomized PITs against U(0, 1) (examples/sampling_law.py)."""
+    checks = {m: ks_uniform([u for r in results.get(m, []) for u in r.pit]) for m in MODES}
+    if not any(c.tokens for c in checks.values()):
+        return
+    parts = [f"{m} {c.tokens} tokens, KS D {c.statistic:.4f}, p {c.pvalue:.2f}"
+             for m, c in checks.items()]  # fmt: skip
+    print(
+        "sampling law (every rollout token's randomized PIT under the weights that sampled it "
+        f"vs U(0, 1); p ~ U(0, 1) when lossless): {'; '.join(parts)}"
+    )
+
+
 def print_summary(results: dict[str, list[StepRow]], scores: dict[str, HeldOutScore]) -> float:
     print("\n" + HEADER)
     for mode in MODES:
@@ -207,6 +225,7 @@ def print_summary(results: dict[str, list[StepRow]], scores: dict[str, HeldOutSc
     print_harvest(results["tlt"])
     gap = max(r.logprob_gap for rows in results.values() for r in rows)
     print(f"max |trainer logprob - daemon logprob| over the run: {gap:.2e}")
+    print_sampling_law(results)
     return rollout_x
 
 
