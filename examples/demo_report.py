@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from examples.heldout import HeldOutScore, paired
-from examples.sampling_law import ks_uniform
+from examples.sampling_law import TokenLaw, check
 
 MODES = ("tlt", "off")  # TLT first: its drafter warms up while the baseline has nothing to warm
 # TLT's GPU measurement: rollout is ~85% of an RL step without speculative decoding.
@@ -38,9 +38,8 @@ class StepRow:
     update_s: float
     logprob_gap: float
     shadow: tuple[float, float] = (0.0, 0.0)  # accepted length: drafter used, frozen initial
-    # The randomized PIT of every output token under the weights that sampled it
-    # (examples/sampling_law.py): U(0, 1) when the daemon samples the policy's law.
-    pit: tuple[float, ...] = field(default=(), repr=False)
+    # Every output token scored under the weights that sampled it (examples/sampling_law.py).
+    law: TokenLaw = field(default_factory=TokenLaw, repr=False)
 
     @property
     def step_s(self) -> float:
@@ -190,17 +189,21 @@ def print_harvest(rows: list[StepRow]) -> None:
 
 
 def print_sampling_law(results: dict[str, list[StepRow]]) -> None:
-    """Whether each run's tokens follow the law of the weights that sampled them: the KS test
-    of their randomized PITs against U(0, 1) (examples/sampling_law.py)."""
-    checks = {m: ks_uniform([u for r in results.get(m, []) for u in r.pit]) for m in MODES}
-    if not any(c.tokens for c in checks.values()):
-        return
-    parts = [f"{m} {c.tokens} tokens, KS D {c.statistic:.4f}, p {c.pvalue:.2f}"
-             for m, c in checks.items()]  # fmt: skip
-    print(
-        "sampling law (every rollout token's randomized PIT under the weights that sampled it "
-        f"vs U(0, 1); p ~ U(0, 1) when lossless): {'; '.join(parts)}"
-    )
+    """Whether each run's tokens follow the law of the weights that sampled them
+    (examples/sampling_law.py): the KS test of their randomized PITs against U(0, 1) and the
+    surprise score; under the law both p-values are U(0, 1)."""
+    parts = []
+    for mode in MODES:
+        law = TokenLaw()
+        for row in results.get(mode, []):
+            law += row.law
+        c = check(law)
+        if c.tokens:
+            parts.append(f"{mode} {c.tokens} tokens: KS {c.ks:.4f} (p {c.ks_pvalue:.2f}), "
+                         f"surprise z {c.z:+.2f} (p {c.z_pvalue:.2f})")  # fmt: skip
+    if parts:
+        print("sampling law, every rollout token under the weights that sampled it: "
+              + "; ".join(parts))  # fmt: skip
 
 
 def print_summary(results: dict[str, list[StepRow]], scores: dict[str, HeldOutScore]) -> float:

@@ -46,7 +46,7 @@ from examples.demo_report import (  # noqa: E402
 )
 from examples.grpo_trainer import GRPOTrainer, Scored, group_advantages  # noqa: E402
 from examples.heldout import HeldOutScore, score_samples  # noqa: E402
-from examples.sampling_law import pit_values  # noqa: E402
+from examples.sampling_law import token_law  # noqa: E402
 from examples.shadow import ShadowMeter  # noqa: E402
 from examples.task import decode, load_tokenizer, reward  # noqa: E402
 from examples.task.dataset import HELD_OUT_SAMPLING_SEED, TaskDataset, build_dataset  # noqa: E402
@@ -281,7 +281,7 @@ class Run:
         at_rollout_end = self.daemon.device_seconds()
         shadow = self.measure_shadow(samples, prompts)  # not timed: a measurement
         with torch_threads(os.cpu_count() or 1):  # not timed either
-            pit = pit_values(
+            law = token_law(
                 self.trainer.model,
                 [(prompts[s.prompt_index], s.token_ids) for s in samples],
                 self.law_rng,
@@ -301,7 +301,7 @@ class Run:
         window = windows(at_start, at_rollout_end, at_update, self.daemon.device_seconds())
         row = summarize(step, samples, finish, rollout_s, scored, stats[0].max_logprob_gap,
                         update_s, window)  # fmt: skip
-        row = replace(row, epoch=self.dataset.epoch_of(step), shadow=shadow, pit=tuple(pit))
+        row = replace(row, epoch=self.dataset.epoch_of(step), shadow=shadow, law=law)
         self.rows.append(row)
         print_row(self.mode, row)
         return row
