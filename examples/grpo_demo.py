@@ -46,7 +46,7 @@ from examples.demo_report import (  # noqa: E402
 )
 from examples.grpo_trainer import GRPOTrainer, Scored, group_advantages  # noqa: E402
 from examples.heldout import HeldOutScore, score_samples  # noqa: E402
-from examples.sampling_law import token_law  # noqa: E402
+from examples.sampling_law import TokenLaw, token_law  # noqa: E402
 from examples.shadow import ShadowMeter  # noqa: E402
 from examples.task import decode, load_tokenizer, reward  # noqa: E402
 from examples.task.dataset import HELD_OUT_SAMPLING_SEED, TaskDataset, build_dataset  # noqa: E402
@@ -280,13 +280,7 @@ class Run:
         )
         at_rollout_end = self.daemon.device_seconds()
         shadow = self.measure_shadow(samples, prompts)  # not timed: a measurement
-        with torch_threads(os.cpu_count() or 1):  # not timed either
-            law = token_law(
-                self.trainer.model,
-                [(prompts[s.prompt_index], s.token_ids) for s in samples],
-                self.law_rng,
-                self.trainer.pad_id,
-            )
+        law = self.measure_law(samples, prompts)  # nor this one
         at_update = self.daemon.device_seconds()
         t0 = time.perf_counter()
         scored = score(samples, prompts, problems, self.tok)
@@ -317,6 +311,15 @@ class Run:
             self.client.update_policy(ckpt, note=note)
         else:
             self.client.push_policy(self.trainer.model.state_dict(), note=note)
+
+    def measure_law(self, samples: list[RolloutSample], prompts) -> TokenLaw:
+        """Every output token of the samples with an even sample index (half the step's, chosen
+        apart from their tokens: no selection) under the weights that sampled them, i.e. the
+        trainer's before the step's update."""
+        even = [s for s in samples if s.sample_index % 2 == 0]
+        picked = [(prompts[s.prompt_index], s.token_ids) for s in even]
+        with torch_threads(os.cpu_count() or 1):
+            return token_law(self.trainer.model, picked, self.law_rng, self.trainer.pad_id)
 
     def measure_shadow(self, samples: list[RolloutSample], prompts) -> tuple[float, float]:
         """Accepted length of the drafter used and of the frozen initial one on the samples."""
