@@ -15,11 +15,11 @@ install:
 stubs:
 	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/tltd/v1/*.proto
 
-# Two test processes, whole files to each: most tests wait (daemons starting, leases running
-# out, streams), so one process left the 2 cores ~40% busy. On a quiet 2-core machine a fresh
-# clone's `make test` (install included) took 9.3 and 9.9 min with two.
-# TEST_WORKERS=0 runs it in this process.
-TEST_WORKERS ?= 2
+# Three test processes, whole files to each: most tests wait (daemons starting, leases running
+# out, streams), so one process left the 2 cores ~40% busy, and two ~50%. On one 2-core
+# machine the suite took 11.7 min with two, 10.2 with three and 9.5 with four (its tests then
+# ran 58% longer each, nearer their timeouts). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 3
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
