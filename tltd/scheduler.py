@@ -542,7 +542,12 @@ def _idle_devices(
 
 
 def _new_round_due(j: JobView, now: float, cfg: SchedulerConfig) -> bool:
-    """Enough fresh samples, and the cadence since the last round's start has passed."""
+    """Enough fresh samples, and the cadence since the last round's start has passed. With
+    `train_during_rollout_only`, the idle devices of the job's own rollout are what training is
+    for, and they last seconds: a round that ended there is followed at once by the next one,
+    on any fresh sample (the cadence spaces rounds on devices idle between requests)."""
+    if cfg.train_during_rollout_only:
+        return j.fresh_samples > 0
     if j.fresh_samples < cfg.min_fresh_samples:
         return False
     return j.last_training_at is None or now - j.last_training_at >= cfg.training_cadence_seconds

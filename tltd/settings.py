@@ -77,7 +77,8 @@ class Settings:
     # job's rollout is in flight on this node (work waiting or running), yielding when its
     # last sample is done. "rollout" is for a node whose cores or GPUs the RL trainer uses
     # between rollouts (colocated): TLT's spot trainer, which fills the rollout's tail and
-    # leaves the update to the trainer.
+    # leaves the update to the trainer; there rounds follow each other in the tail on any
+    # fresh sample (no cadence, no minimum).
     training_window: str = "idle"
     training_steps_per_round: int = 50  # optimizer steps; a version is published after each
     training_buffer_bytes: int = 64 << 20  # the trainer's sample buffer (token ids only)

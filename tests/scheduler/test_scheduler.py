@@ -684,6 +684,23 @@ def test_rollout_window_training_starts_in_the_jobs_tail_not_after_it():
     assert len(schedule(over, CFG).start_training) == 1
 
 
+@pytest.mark.parametrize(
+    "name, job, expected",
+    [
+        ("a round just ended, fresh samples since", JobView("j", fresh_samples=3,
+                                                            last_training_at=99.0), ["cpu:0"]),
+        ("nothing new since the last round", JobView("j", fresh_samples=0,
+                                                     last_training_at=99.0), []),
+    ],
+)  # fmt: skip
+def test_rollout_window_rounds_follow_each_other_in_the_tail(name, job, expected):
+    """In the job's tail the next round needs neither the cadence nor min_fresh_samples: the
+    idle device is there for seconds only."""
+    tail = snap([dev(0), dev(1)], [wk(0, idle_since=0.0), wk(1, running=2)], jobs=[job])
+    assert [t.device_id for t in schedule(tail, ROLLOUT_ONLY).start_training] == expected, name
+    assert schedule(tail, CFG).start_training == ()  # the default window waits the cadence
+
+
 def test_rollout_window_training_yields_when_the_jobs_last_sample_is_done():
     training = [TrainingView("cpu:0", "j")]
     running = snap([dev(0), dev(1)], [wk(0, idle_since=0.0), wk(1, running=1)], training)
