@@ -15,11 +15,13 @@ install:
 stubs:
 	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/tltd/v1/*.proto
 
-# Three test processes, whole files to each: most tests wait (daemons starting, leases running
-# out, streams), so one process left the 2 cores ~40% busy, and two ~50%. On one 2-core
-# machine the suite took 11.7 min with two, 10.2 with three and 9.5 with four (its tests then
-# ran 58% longer each, nearer their timeouts). TEST_WORKERS=0 runs it in this process.
-TEST_WORKERS ?= 3
+# Two test processes, whole files to each: most tests wait (daemons starting, leases running
+# out, streams), so one process left the 2 cores ~40% busy. On a quiet 2-core machine a fresh
+# clone's `make test` (install included) took 9.3 and 9.9 min with two. Three and four were
+# faster (the suite 11.7 -> 10.2 and 9.5 min on a slower day), but each test then ran 30-60%
+# longer, and tests with 1.5-3 s leases or heartbeats failed under that load.
+# TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 

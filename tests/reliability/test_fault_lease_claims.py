@@ -134,5 +134,7 @@ def test_a_claim_that_meets_a_database_error_is_claimed_again(
     assert not any(s.partial for s in got)
     assert stored.samples_done == len(PROMPTS) * N
     assert stored.status_reason == f"all {len(PROMPTS) * N} samples finished"
-    # The unit that met the error was claimed a second time, after its lease lapsed.
-    assert max(_attempts(daemon.store, rid)) == 2
+    # The unit that met the error was claimed again, after its lease lapsed (a third time
+    # when a renewal, late on a loaded machine, let the 1.5 s lease lapse once more: still
+    # each sample once, above).
+    assert max(_attempts(daemon.store, rid)) >= 2
