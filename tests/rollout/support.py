@@ -167,20 +167,28 @@ class InProcessDaemon:
         if self.daemon is not None:
             d = self.daemon
 
+            async def step(name: str, aw) -> None:
+                # A step that hangs is named (the whole stop once timed out after 120 s
+                # without saying which part of it waited).
+                try:
+                    await asyncio.wait_for(aw, 60.0)
+                except TimeoutError:
+                    raise TimeoutError(f"killing the daemon: {name} did not end in 60 s") from None
+
             async def stop():
                 if d.training is not None:  # drafter trainers die with the daemon too
-                    await d.training.abort()
-                await d.api.stop(0)
+                    await step("the drafter trainers' abort", d.training.abort())
+                await step("the gRPC server's stop", d.api.stop(0))
                 if d.scheduler is not None:
                     d.scheduler.shutdown(wait=False)
                 # Workers killed at once, not asked to exit: their own exit takes seconds on a
                 # loaded machine, and a crash does not wait for it either.
-                await d.supervisor.stop(time.monotonic())
+                await step("the supervisor's stop", d.supervisor.stop(time.monotonic()))
                 # What else dies with the process: its listener, its other ports.
                 if d.listener is not None:
-                    await asyncio.to_thread(d.listener.stop)
+                    await step("the listener's stop", asyncio.to_thread(d.listener.stop))
                 if d.http is not None:
-                    await d.http.stop(0)
+                    await step("the HTTP door's stop", d.http.stop(0))
                 if d.metrics is not None:
                     d.metrics.stop()
 
