@@ -1,14 +1,16 @@
 """Sampled output through a real daemon follows the policy's law over whole sequences: with
 speculative decoding adaptive (n-gram drafts, and history drafts from a prompt's earlier
-answers read from the store) and across a policy update, the randomized PIT of every output
-token (examples/sampling_law.py) is U(0, 1) under the weights the sample reports.
+answers read from the store) and across a policy update, every output token passes both tests
+of examples/sampling_law.py (the randomized PIT's KS test and the surprise score) under the
+weights the sample reports.
 
 The engine tests check the first tokens' joint law exactly (tests/engine/
 test_engine_distribution.py); this checks every position of every sample, on the daemon's
-paths: workers, the store's history, a policy version switch. All seeds are fixed, so the
-p-values are deterministic; a correct sampler fails each test (p > 1e-3) with probability 0.1%
-per run, and the same tests reject the right samples scored under a law 10% sharper or under
-the other version at p < 1e-6 (the surprise score: 7 standard deviations at 10%).
+paths: workers, the store's history, a policy version switch. The request seeds and the PITs'
+draws are fixed; which drafts the workers tried depends on timing, so the samples vary a
+little between runs. A correct sampler fails each test (p > 1e-3) with probability 0.1% per
+run, and the same tests reject the right samples scored under a law 10% sharper or under the
+other version at p < 1e-6 (the surprise score: 7 standard deviations at 10%).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def test_sampled_tokens_follow_the_law_of_the_reported_policy(daemon, tmp_path):
     accepted = sum(s.accepted_tokens for s in spec)
     drafters = {p.drafter for s in spec for p in s.provenance if p.source == "accepted"}
     tokens = sum(len(s.token_ids) for s in spec)
-    assert accepted > tokens // 4, (accepted, tokens)  # a third or more came from drafts
+    assert accepted > tokens // 4, (accepted, tokens)  # over half in runs here
     assert {"ngram", "history"} <= drafters, drafters
 
     m0, m1 = _model(v0), _model(v1)
