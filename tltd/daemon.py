@@ -130,7 +130,8 @@ class Daemon:
         if self.store.dialect == "postgresql":  # other nodes' samples, cancels and new work
             self.listener = Listener(
                 self.store.url,
-                lambda ch, rid: loop.call_soon_threadsafe(self._on_notify, ch, rid),
+                lambda ch, rid, own: loop.call_soon_threadsafe(self._on_notify, ch, rid, own),
+                self.store.own_backends,
             ).start()
         # `tltctl drain --node`: stop admitting and drain the workers, keep serving reads.
         self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))
@@ -176,13 +177,13 @@ class Daemon:
         if self.training is not None:
             self.training.close(why)  # a SIGTERM later lowers its deadline to the shutdown's
 
-    def _on_notify(self, channel: str, payload: str) -> None:
-        """A notification from another node (event loop)."""
+    def _on_notify(self, channel: str, payload: str, own: bool = False) -> None:
+        """A notification from another node, or one this node sent (`own`) (event loop)."""
         if channel == NODE:
             if payload == self.store.node_id:  # an operator's request for this node
                 asyncio.ensure_future(asyncio.to_thread(self._check_requests))
             return
-        self.supervisor.on_notify(channel, payload)
+        self.supervisor.on_notify(channel, payload, own)
 
     def _check_requests(self) -> None:
         requested = self.store.requested_drain()

@@ -524,34 +524,35 @@ def test_a_prompts_stored_answers_draft_its_next_rollout_after_a_restart(
 
 
 def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
-    sqlite_store, tmp_path, ckpt, monkeypatch
+    store, tmp_path, ckpt, monkeypatch
 ):
     """While this node runs every unit of a request, its samples reach the stream as events:
     the poll (every 20 ms here) does not read the store again, and the request's end (every
     unit recorded here) ends the stream without reading the samples back. Reading at every
-    poll would make one read per 20 ms of the request's run."""
+    poll would make one read per 20 ms of the request's run. On PostgreSQL the node hears its
+    own notifications of those samples and of the end: they wake none of its streams."""
     from tests.api.support import make_settings
 
     settings = make_settings(tmp_path, cpu_slots=2, worker_max_batch=16, worker_max_seq_len=1024,
                              worker_heartbeat_seconds=0.2, device_refresh_seconds=3600.0,
                              stream_poll_seconds=0.02, drafter_training=False)  # fmt: skip
     reads: list[str] = []
-    stream_state = sqlite_store.stream_state
+    stream_state = store.stream_state
 
     def counted(request_id, cursor):
         reads.append(request_id)
         return stream_state(request_id, cursor)
 
     listed: list[str] = []
-    list_samples = sqlite_store.list_samples
+    list_samples = store.list_samples
 
     def counted_list(request_id, *args, **kwargs):
         listed.append(request_id)
         return list_samples(request_id, *args, **kwargs)
 
-    monkeypatch.setattr(sqlite_store, "stream_state", counted)
-    monkeypatch.setattr(sqlite_store, "list_samples", counted_list)
-    d = InProcessDaemon(settings, sqlite_store).start()
+    monkeypatch.setattr(store, "stream_state", counted)
+    monkeypatch.setattr(store, "list_samples", counted_list)
+    d = InProcessDaemon(settings, store).start()
     try:
         params = dict(n=8, temperature=1.0, max_new_tokens=400, seed=5)
         with d.client() as c:
@@ -567,4 +568,4 @@ def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
     # Before the node claimed the units (a tick): a handful, not one per poll.
     assert reads.count("q") <= 5, (reads.count("q"), took)
     assert listed.count("q") == 0
-    assert _by_key(got) == _by_key(sqlite_store.list_samples("q"))
+    assert _by_key(got) == _by_key(store.list_samples("q"))

@@ -17,7 +17,7 @@ from tltd.store.notifications import REQUEST, SAMPLE, STATE, WORK, Listener
 def test_stored_samples_new_work_and_ended_requests_are_notified(pg_store: Store) -> None:
     got: queue.Queue = queue.Queue()
     listener = Listener(
-        pg_store.url, lambda ch, payload: ch != STATE and got.put((ch, payload))
+        pg_store.url, lambda ch, payload, _own: ch != STATE and got.put((ch, payload))
     ).start()
     try:
         assert listener.connected.wait(10)
@@ -40,7 +40,7 @@ def test_writes_of_what_a_tick_reads_move_the_other_nodes_counts(pg_store: Store
     other = Store(pg_store.url, node_id="node-b")  # another node on the same database
     got: queue.Queue = queue.Queue()
 
-    def heard(channel: str, payload: str) -> None:
+    def heard(channel: str, payload: str, _own: bool) -> None:
         if channel == STATE:
             other.scheduling_writes.changed_elsewhere(payload)
             got.put(payload)
@@ -58,6 +58,35 @@ def test_writes_of_what_a_tick_reads_move_the_other_nodes_counts(pg_store: Store
         other.create_job(replace(JOB, job_id="job-b"))  # its own write moves it once
         assert got.get(timeout=5) == other.scheduling_writes.origin  # heard back: not again
         assert other.scheduling_writes.generation == before + 2
+    finally:
+        listener.stop()
+        other.close()
+
+
+@pytest.mark.postgres
+def test_a_node_tells_its_own_notifications_from_another_node_s(pg_store: Store) -> None:
+    """Each notification carries its sender's backend pid: the node's own writes are `own`
+    (its streams had them as events), another node's are not, also once a connection of the
+    pool was closed and another opened."""
+    other = Store(pg_store.url, node_id="node-b")
+    got: queue.Queue = queue.Queue()
+    listener = Listener(
+        pg_store.url,
+        lambda ch, payload, own: ch == SAMPLE and got.put((payload, own)),
+        pg_store.own_backends,
+    ).start()
+    try:
+        assert listener.connected.wait(10)
+        pg_store.create_job(JOB)
+        for rid in ("mine", "theirs"):
+            pg_store.create_request(RolloutRequest(rid, JOB.job_id, ((1, 2),), SAMPLING))
+        pg_store.add_sample(Sample("mine", 0, 0, (7,), (-0.5,), FinishReason.STOP))
+        assert got.get(timeout=5) == ("mine", True)
+        other.add_sample(Sample("theirs", 0, 0, (7,), (-0.5,), FinishReason.STOP))
+        assert got.get(timeout=5) == ("theirs", False)
+        pg_store.engine.dispose()  # every pooled session closed: new ones, new pids
+        pg_store.add_sample(Sample("mine", 0, 1, (7,), (-0.5,), FinishReason.STOP))
+        assert got.get(timeout=5) == ("mine", True)
     finally:
         listener.stop()
         other.close()

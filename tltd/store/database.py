@@ -83,7 +83,10 @@ def make_engine(url: str | URL, **kwargs: Any) -> Engine:
         # fenced like any other).
         options = f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_MS}"
         args = {"options": options} | kwargs.pop("connect_args", {})
-        return create_engine(u, pool_pre_ping=True, connect_args=args, **kwargs)
+        # No pool_pre_ping: it costs a round trip per transaction. A connection lost (a
+        # server restart) fails one transaction instead, which its caller retries as any
+        # Unavailable, and the pool then replaces every connection older than the failure.
+        return create_engine(u, connect_args=args, **kwargs)
     raise ValueError(f"unsupported database URL {u.render_as_string(hide_password=True)!r}")
 
 

@@ -4,6 +4,10 @@ polls the store.
 
 Writers call `notify` inside their transaction: PostgreSQL delivers on commit, so a listener
 woken by a sample finds it stored. On SQLite (one node) nothing is sent.
+
+PostgreSQL delivers a notification to its sender's own listener too. Each one carries the
+sending session's backend pid, and `OwnBackends` knows this process's: a node does not wake
+its own streams for what it wrote itself (it told them already, without a store read).
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from sqlalchemy import text
-from sqlalchemy.engine import make_url
+from sqlalchemy import event, text
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session
 
 log = logging.getLogger(__name__)
@@ -34,14 +38,40 @@ def notify(s: Session, channel: str, payload: str) -> None:
         s.execute(text("SELECT pg_notify(:c, :p)"), {"c": channel, "p": payload})
 
 
+class OwnBackends:
+    """The backend pids of an engine's open PostgreSQL sessions (a set kept by pool events).
+    A pid missed or kept too long costs a wake-up, never a sample: streams also poll."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._pids: set[int] = set()
+        if engine.dialect.name != "postgresql":
+            return
+        event.listen(engine, "connect", lambda conn, _rec: self._pids.add(_pid(conn)))
+        event.listen(engine, "close", lambda conn, _rec: self._pids.discard(_pid(conn)))
+
+    def __contains__(self, pid: object) -> bool:
+        return pid in self._pids
+
+
+def _pid(dbapi_conn: object) -> int:
+    return int(dbapi_conn.info.backend_pid)  # type: ignore[attr-defined]  (psycopg 3)
+
+
 class Listener:
     """A thread LISTENing on every channel with its own connection; `on_notify(channel,
-    payload)` runs in that thread. Reconnects after a lost connection."""
+    payload, own)` runs in that thread, `own` when a session of `own` sent it. Reconnects
+    after a lost connection."""
 
-    def __init__(self, url: str, on_notify: Callable[[str, str], None]) -> None:
+    def __init__(
+        self,
+        url: str,
+        on_notify: Callable[[str, str, bool], None],
+        own: OwnBackends | None = None,
+    ) -> None:
         u = make_url(url).set(drivername="postgresql")
         self._conninfo = u.render_as_string(hide_password=False)
         self._on_notify = on_notify
+        self._own = own if own is not None else set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pg-listener", daemon=True)
         self.connected = threading.Event()
@@ -66,7 +96,7 @@ class Listener:
                     while not self._stop.is_set():
                         for n in conn.notifies(timeout=0.5):
                             try:
-                                self._on_notify(n.channel, n.payload)
+                                self._on_notify(n.channel, n.payload, n.pid in self._own)
                             except Exception:
                                 log.exception("notification handler failed")
             except Exception as exc:  # a lost connection: the pollers cover the gap

@@ -68,6 +68,7 @@ class Store(
         self.node_id = node_id or default_node_id()
         self.epoch = 0
         self.engine = make_engine(url)
+        self.own_backends = notifications.OwnBackends(self.engine)  # PostgreSQL sessions
         self._reader = sessionmaker(self.engine, expire_on_commit=False)
         # Writers announce themselves so that SQLite takes its write lock at BEGIN.
         writer_engine = self.engine.execution_options(**{WRITE_OPTION: True})

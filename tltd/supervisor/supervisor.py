@@ -270,6 +270,9 @@ class Supervisor:
         """Stop a live request: waiting samples end now, running ones are cancelled in their
         workers (they come back CANCELLED with the tokens so far)."""
         await self._close(request_id, RequestStatus.CANCELLED, reason)
+        # Streams here of a request that runs elsewhere (or nowhere yet) read the store now:
+        # this node's own notification of the cancel wakes none of them.
+        self.requests.publish(request_id, StreamEvent())
 
     async def _close(self, request_id: str, status: RequestStatus, reason: str) -> None:
         if request_id in self._admitting and self.queue.get(request_id) is None:
@@ -280,17 +283,19 @@ class Supervisor:
 
         await self.requests.close(request_id, status, reason, cancel)
 
-    def on_notify(self, channel: str, request_id: str) -> None:
+    def on_notify(self, channel: str, request_id: str, own: bool = False) -> None:
         """A notification from another node (event loop): streams of the request re-read the
-        store, a request ended elsewhere stops here, new work is claimed soon."""
+        store, a request ended elsewhere stops here, new work is claimed soon. One this node
+        sent (`own`) wakes no stream: what it stored or ended here reached its streams as
+        events, and a cancel here wakes them itself (`cancel`)."""
         if self._closed:
             return
         if channel == notifications.STATE:  # the next tick reads jobs and devices again
             self.store.scheduling_writes.changed_elsewhere(request_id)
             return
-        if channel == notifications.SAMPLE and self.runs_every_unit(request_id):
-            return  # stored by this node (it holds every unit): its streams had it as an event
-        if channel in (notifications.SAMPLE, notifications.REQUEST):
+        if channel == notifications.SAMPLE and (own or self.runs_every_unit(request_id)):
+            return  # stored by this node: its streams had it as an event
+        if channel in (notifications.SAMPLE, notifications.REQUEST) and not own:
             self.requests.publish(request_id, StreamEvent())  # a wake-up: re-read the store
         if channel == notifications.REQUEST:
             self._spawn(self.leases.follow(request_id))
