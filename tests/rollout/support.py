@@ -76,6 +76,7 @@ class WorkerProcess:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=main, args=(child, 1, heartbeat_seconds), daemon=True)
+        self._pending: list = []
         self.proc.start()
         child.close()
 
@@ -86,8 +87,11 @@ class WorkerProcess:
         """The next message of type `kind` (others are appended to `keep`)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.conn.poll(0.1):
-                msg = self.conn.recv()
+            if not self._pending and self.conn.poll(0.1):
+                got = self.conn.recv()  # a list: messages sent together (a step's samples)
+                self._pending.extend(got if isinstance(got, list) else [got])
+            while self._pending:
+                msg = self._pending.pop(0)
                 if isinstance(msg, kind):
                     return msg
                 if keep is not None:

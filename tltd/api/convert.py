@@ -337,11 +337,28 @@ _SAMPLE_PARTS = ("provenance", "policy_spans", "top_logprobs", "prompt_logprobs"
 
 
 def sample_to_pb(s: d.Sample) -> rollout_pb2.Sample:
-    pb = rollout_pb2.Sample(
+    pb = rollout_pb2.Sample(**_sample_fields(s))
+    _fill_sample_parts(pb, s)
+    return pb
+
+
+def generate_response(s: d.Sample) -> rollout_pb2.GenerateResponse:
+    """A stream's message for one sample, built in place (wrapping a built Sample copies
+    it: ~50 us for 4,096 tokens)."""
+    resp = rollout_pb2.GenerateResponse(sample=_sample_fields(s))
+    _fill_sample_parts(resp.sample, s)
+    return resp
+
+
+def _sample_fields(s: d.Sample) -> dict[str, Any]:
+    return {
         **_same_named(s, skip=("finish_reason", "speculative", *_SAMPLE_PARTS)),
-        finish_reason=_FINISH_PB[s.finish_reason],
-        speculative=speculative_stats_to_pb(s.speculative),
-    )
+        "finish_reason": _FINISH_PB[s.finish_reason],
+        "speculative": _same_named(s.speculative),
+    }
+
+
+def _fill_sample_parts(pb: rollout_pb2.Sample, s: d.Sample) -> None:
     if s.provenance is not None:
         pb.provenance.CopyFrom(provenance_to_pb(s.provenance))
     for first, version in s.policy_spans:
@@ -355,7 +372,6 @@ def sample_to_pb(s: d.Sample) -> rollout_pb2.Sample:
         pb.prompt_logprobs.ranks.extend(p.ranks)
         for t in p.top:
             pb.prompt_logprobs.top.add(token_ids=t.token_ids, logprobs=t.logprobs)
-    return pb
 
 
 def _tops_from_pb(tops) -> tuple[d.TopLogprobs, ...]:

@@ -31,7 +31,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(self, request, context):
         req, speculative = c.rollout_from_pb(request)
         async for sample in self.svc.generate(req, speculative, request.return_partial):
-            yield rollout_pb2.GenerateResponse(sample=c.sample_to_pb(sample))
+            yield c.generate_response(sample)
 
     async def GetRequest(self, request, context):
         req, samples = await to_thread(self.svc.get, request.request_id, request.include_samples)

@@ -181,4 +181,5 @@ class WorkerError:
 
 
 ToWorker = LoadModel | LoadPolicy | SetDrafter | JoinBroadcast | AddWork | Cancel | Drain | Shutdown
+# A worker may also send a list of them as one pipe message (a step's Finished samples).
 FromWorker = Ready | Heartbeat | Finished | Drained | LoadFailed | WorkerError

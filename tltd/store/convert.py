@@ -10,9 +10,8 @@ from __future__ import annotations
 import enum
 import functools
 import math
-import sys
+import struct
 import typing
-from array import array
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -179,22 +178,16 @@ _SAMPLE_STORED_OTHERWISE = (
 )
 
 
-_LITTLE = sys.byteorder == "little"
+def _packed(code: str, values: Sequence[float] | Sequence[int]) -> bytes:
+    """Little-endian, whatever this machine's order (struct: about twice as fast as array)."""
+    return struct.pack(f"<{len(values)}{code}", *values)
 
 
-def _packed(typecode: str, values: Sequence[float] | Sequence[int]) -> bytes:
-    a = array(typecode, values)
-    if not _LITTLE:
-        a.byteswap()
-    return a.tobytes()
+_SIZE = {"i": 4, "d": 8}
 
 
-def _unpacked(typecode: str, blob: bytes) -> tuple:
-    a = array(typecode)
-    a.frombytes(blob)
-    if not _LITTLE:
-        a.byteswap()
-    return tuple(a)
+def _unpacked(code: str, blob: bytes) -> tuple:
+    return struct.unpack(f"<{len(blob) // _SIZE[code]}{code}", blob)
 
 
 def _payload(ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, object]:
@@ -207,7 +200,7 @@ def _payload(ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, object]
             "token_ids": None,
             "logprobs": None,
         }
-    except OverflowError:
+    except (OverflowError, struct.error):
         return {
             "token_ids_bin": None,
             "logprobs_bin": None,

@@ -48,7 +48,8 @@ def serve_pipe(
     """Start the reader and writer threads of one process's pipe; returns the writer's outbox
     (put a message to send it, None to end the writer).
 
-    The reader takes every message already waiting (up to `MAX_BATCH`), calls
+    The reader takes every message already waiting (up to `MAX_BATCH`; a list sent as one
+    message counts as its messages), calls
     `receive(messages)` in its own thread (store writes belong there: one transaction for
     them all) and posts `deliver(result)` to the loop, in order, for each result that is not
     None, with one wake-up; `closed()` is posted once the pipe ends (the process exited or
@@ -59,9 +60,9 @@ def serve_pipe(
         while not broken:
             batch: list[Any] = []
             try:
-                batch.append(conn.recv())
+                _take(batch, conn.recv())
                 while len(batch) < MAX_BATCH and conn.poll(0):
-                    batch.append(conn.recv())
+                    _take(batch, conn.recv())
             except (EOFError, OSError):
                 broken = True
             except Exception:  # an unpicklable message: treat the process as broken
@@ -77,6 +78,14 @@ def serve_pipe(
     threading.Thread(target=_write, args=(outbox, conn), name=f"{name}-tx", daemon=True).start()
     threading.Thread(target=read, name=f"{name}-rx", daemon=True).start()
     return outbox
+
+
+def _take(batch: list[Any], message: Any) -> None:
+    """A list is messages sent together (a worker step's samples)."""
+    if isinstance(message, list):
+        batch.extend(message)
+    else:
+        batch.append(message)
 
 
 def _deliver_all(deliver: Callable[[Any], None], results: list[Any]) -> None:

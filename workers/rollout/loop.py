@@ -166,8 +166,10 @@ class WorkerLoop:
             self._maybe_heartbeat()
 
     def _step(self) -> None:
-        for sample in self.step():
-            self.conn.send(Finished(sample))
+        # A step's samples in one pipe message: one pickle and one write, not one each.
+        finished = [Finished(sample) for sample in self.step()]
+        if finished:
+            self.conn.send(finished)
         if not self.busy():
             self.idle_since = time.time()
 
