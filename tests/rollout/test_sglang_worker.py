@@ -126,7 +126,8 @@ class Harness:
     def messages(self) -> list:
         out = []
         while self.conn.poll():
-            out.append(self.conn.recv())
+            m = self.conn.recv()  # a list: messages sent together (a step's samples)
+            out.extend(m if isinstance(m, list) else [m])
         self.got += out
         return out
 
@@ -877,11 +878,16 @@ def test_worker_process_over_a_pipe(policy, tmp_path, monkeypatch):
     proc.start()
     child.close()
 
+    pending: list = []
+
     def recv(kind, keep=None, timeout=30.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if conn.poll(0.05):
-                m = conn.recv()
+            if not pending and conn.poll(0.05):
+                m = conn.recv()  # a list: messages sent together (a step's samples)
+                pending.extend(m if isinstance(m, list) else [m])
+            while pending:
+                m = pending.pop(0)
                 if isinstance(m, kind):
                     return m
                 if keep is not None:
