@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -75,13 +76,33 @@ def database(kind: str, tmp: Path) -> Iterator[str]:
         yield url
 
 
+def source_env(src: Path, scratch: Path) -> dict[str, str]:
+    """The environment that imports every package from checkout `src`: this venv installs
+    `tltd_workers` and `tltd_clients` from this checkout's folders (by name), so a
+    `PYTHONPATH` of links puts `src`'s first, for the daemon and the workers it forks."""
+    links = scratch / f"path-{abs(hash(str(src))):x}"
+    links.mkdir(parents=True, exist_ok=True)
+    for name, folder in (
+        ("tltd", "tltd"),
+        ("tltd_workers", "workers"),
+        ("tltd_clients", "clients"),
+    ):
+        link = links / name
+        if not link.exists():
+            link.symlink_to(src / folder, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLTD_")}
+    env["PYTHONPATH"] = str(links)
+    return env
+
+
 class Daemon:
-    """`tltd serve` from checkout `src` on a free port, on database `url`."""
+    """`tltd serve` from checkout `src` (its daemon and workers) on a free port, on database
+    `url`."""
 
     def __init__(self, src: Path, url: str, data: Path, cpu_slots: int, prefix: list[str]):
         data.mkdir(parents=True, exist_ok=True)
         port_file = data / "port"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TLTD_")}
+        env = source_env(src, data.parent)
         env["TLTD_DRAFTER_TRAINING"] = "false"
         self.log_path = data / "tltd.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -394,6 +415,18 @@ def store_stream_micro(url: str, tokens: int, samples: int) -> tuple[float, floa
         store.close()
 
 
+def store_stream_micro_of(src: Path, url: str, tokens: int, samples: int) -> tuple[float, float]:
+    """`store_stream_micro` of checkout `src`: its own benchmark module and store, in a process
+    of its own (the store's code is what differs between checkouts)."""
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); "
+            "from bench_control_plane import store_stream_micro as m; "
+            f"print(json.dumps(m({url!r}, {tokens}, {samples})))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=src, check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    w, r = json.loads(out.strip().splitlines()[-1])
+    return w, r
+
+
 def _replace_sample(sample, **changes):
     from dataclasses import replace
 
@@ -458,10 +491,12 @@ def main(argv: list[str] | None = None) -> int:
                     for n in sorted({n for _, n in scenarios}):
                         floors[("sql", db, n)] = sql_floor(url, prompt, n, 5 if cfg.quick else 50)
                 for tokens in (1, 256, 4096):
-                    with database(db, Path(tmp)) as url:
-                        floors[("store", db, tokens)] = store_stream_micro(
-                            url, tokens, cfg.micro_samples
-                        )
+                    for _ in range(cfg.repeats):  # each source in turn, a new database each
+                        for name, src in sources:
+                            with database(db, Path(tmp)) as url:
+                                floors.setdefault(("store", db, tokens, name), []).append(
+                                    store_stream_micro_of(src, url, tokens, cfg.micro_samples)
+                                )
     print(f"load average at end: {load_average()}")
     print_tables(cfg, rows, floors)
     return 0
@@ -537,14 +572,19 @@ def print_tables(cfg, rows, floors) -> None:
         print(f"| {db} | {name} | {clients} | {n} | {rps:.1f} | {sps:.1f} | {p50:.1f} | "
               f"{p99:.1f} | {cpu:.2f} | {eng:.2f} | {p50 - eng:.1f} | {echo_rps:.0f} | "
               f"{rps / echo_rps:.3f} | {sql:.2f} | {sum(r.failed for r in runs)} |")  # fmt: skip
-    micro = sorted(k for k in floors if k[0] == "store")
+    micro = [k for k in floors if k[0] == "store"]
     if micro:
-        print("\n| db | tokens/sample (with logprobs) | store CPU ms/sample "
-              "| stream read + encode CPU ms/sample | total |")  # fmt: skip
-        print("|---|---|---|---|---|")
+        print(f"\nstore and stream path alone, medians of {cfg.repeats}:")
+        print("| db | daemon | tokens/sample (with logprobs) | store CPU ms/sample "
+              "| stream read + encode CPU ms/sample | total [min-max] |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
         for key in micro:
-            w, r = floors[key]
-            print(f"| {key[1]} | {key[2]} | {w:.3f} | {r:.3f} | {w + r:.3f} |")
+            runs = floors[key]
+            w = statistics.median(x for x, _ in runs)
+            r = statistics.median(y for _, y in runs)
+            tot = [x + y for x, y in runs]
+            print(f"| {key[1]} | {key[3]} | {key[2]} | {w:.3f} | {r:.3f} | "
+                  f"{statistics.median(tot):.3f} [{min(tot):.3f}-{max(tot):.3f}] |")  # fmt: skip
 
 
 if __name__ == "__main__":

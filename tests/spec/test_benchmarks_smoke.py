@@ -155,15 +155,20 @@ def test_bench_control_plane_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_control_plane.main(["--quick"]) == 0
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| sqlite |")]
-    load = [r for r in rows if r[1].strip() == "this"]
+    load = [r for r in rows if r[1].strip() == "this" and len(r) == 15]
     assert [(int(r[2]), int(r[3])) for r in load] == [(1, 1), (4, 4)]
     for r in load:
         rps, sps, p50, p99, cpu, engine, _, echo, _, sql, failed = (float(x) for x in r[4:])
         assert failed == 0
         assert 0 < rps and sps == pytest.approx(rps * int(r[3]), rel=0.01)
         assert 0 < p50 <= p99 and cpu > 0 and engine > 0 and echo > 0 and sql > 0
-    micro = [r for r in rows if r[1].strip() in ("1", "256", "4096")]
-    assert len(micro) == 3 and all(float(r[4]) > 0 for r in micro)
+    micro = [r for r in rows if len(r) == 6]  # db, daemon, tokens, store, stream, total
+    assert [(r[1].strip(), int(r[2])) for r in micro] == [
+        ("this", 1),
+        ("this", 256),
+        ("this", 4096),
+    ]
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in micro)
     assert "load average at start:" in out
 
 
