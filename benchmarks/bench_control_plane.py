@@ -380,12 +380,11 @@ def store_stream_micro(url: str, tokens: int, samples: int) -> tuple[float, floa
     """CPU ms per sample of this process for the store path (the supervisor's sample write)
     and for the stream path (the stream's read of what was stored, the protobuf encoding):
     `samples` samples of `tokens` tokens with logprobs, n=16 per request."""
-    from tltd.api.convert import sample_to_pb
+    from tltd.api.convert import generate_response
     from tltd.domain import Job, RolloutRequest, SamplingParams
     from tltd.store import Store
     from tltd.store.migrate import upgrade
     from tltd.supervisor.writes import add_samples
-    from tltd.v1 import rollout_pb2
 
     upgrade(url)
     store = Store(url, node_id="bench")
@@ -403,8 +402,7 @@ def store_stream_micro(url: str, tokens: int, samples: int) -> tuple[float, floa
             add_samples(store, batch)
             c1 = time.process_time()
             _, _, got, _ = store.stream_state(rid, 0)
-            wire = [rollout_pb2.GenerateResponse(sample=sample_to_pb(s)).SerializeToString()
-                    for s in got]  # fmt: skip
+            wire = [generate_response(s).SerializeToString() for s in got]
             c2 = time.process_time()
             assert len(wire) == n
             write_cpu += c1 - c0

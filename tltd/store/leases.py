@@ -21,6 +21,7 @@ from tltd.domain import ENDED_STATUSES, FinishReason, Job, RequestStatus, Rollou
 from tltd.errors import Fenced, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_now, db_now_bound, db_now_params
+from tltd.store.database import BINARY_RESULTS
 from tltd.store.lookups import active_versions
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import switch_status, switch_status_from
@@ -405,10 +406,11 @@ class WorkLeases:
             req = s.get(RolloutRequestRow, request_id)
             if req is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
-            rows = s.scalars(
-                select(SampleRow)
+            rows = s.execute(
+                select(SampleRow.__table__)  # rows, not ORM objects: read once, never changed
                 .where(SampleRow.request_id == request_id, SampleRow.id > after_id)
-                .order_by(SampleRow.id)
+                .order_by(SampleRow.id),
+                execution_options={BINARY_RESULTS: True},
             ).all()
             last = max((r.id for r in rows), default=after_id)
             return (

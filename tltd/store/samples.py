@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
 from tltd.errors import InvalidArgument
 from tltd.store import convert
+from tltd.store.database import BINARY_RESULTS
 from tltd.store.lookups import request_row
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.rollout_requests import prompt_key
@@ -98,10 +99,11 @@ class SampleRecords:
         """Samples of a request ordered by (prompt_index, sample_index)."""
         with self._tx(write=False) as s:
             request_row(s, request_id)
-            rows = s.scalars(
-                select(SampleRow)
+            rows = s.execute(
+                select(SampleRow.__table__)  # rows, not ORM objects: read once, never changed
                 .where(SampleRow.request_id == request_id)
-                .order_by(SampleRow.prompt_index, SampleRow.sample_index)
+                .order_by(SampleRow.prompt_index, SampleRow.sample_index),
+                execution_options={BINARY_RESULTS: True},
             ).all()
             return [convert.sample_from_row(r) for r in rows]
 
