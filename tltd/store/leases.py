@@ -100,10 +100,16 @@ class _UnitStatements:
             .where(wu.c.request_id == bindparam("rid"), wu.c.state.in_((QUEUED, LEASED)))
             .scalar_subquery()
         )
-        self.units = select(func.count()).select_from(wu).where(wu.c.request_id == bindparam("rid"))
-        # The request's open units, its failed samples and the first failure's error.
+        all_units = (
+            select(func.count())
+            .select_from(wu)
+            .where(wu.c.request_id == bindparam("rid"))
+            .scalar_subquery()
+        )
+        # The request's open units, its failed samples, the first failure's error and all its
+        # units, in one round trip.
         self.open_and_failed = select(
-            open_units, func.count(), func.min(sr.c.error)
+            open_units, func.count(), func.min(sr.c.error), all_units
         ).where(
             sr.c.request_id == bindparam("rid"),
             sr.c.finish_reason == FinishReason.FAILED.value,
@@ -339,11 +345,11 @@ class WorkLeases:
         its final status (see `finish_unit`) recorded. `status` and `reason` are the
         request's as read in this transaction."""
         st, conn, rid = self._unit_statements, s.connection(), params["rid"]
-        left, failed, first_error = conn.execute(st.open_and_failed, params).one()
+        left, failed, first_error, units = conn.execute(st.open_and_failed, params).one()
         if left == 0 and status not in ENDED_STATUSES:
             new = outcome
             if new is None:
-                total = int(conn.execute(st.units, params).scalar() or 0) * int(params["n"])
+                total = int(units or 0) * int(params["n"])
                 new, why = _final_status(total, failed, first_error)
             old = status
             if old is RequestStatus.QUEUED and new is RequestStatus.COMPLETED:

@@ -192,23 +192,43 @@ class SampleBatches:
             conn.execute(st.insert, rows)
         if done or rows:
             conn.execute(st.bump, {"rid": rid, "done": done, "now": now})
+        if self._end_units(s, rid, ok, out, n, status, head[2], complete, ends, done, worker_id):
+            return  # the request ended: its notification wakes the other nodes' streams
+        if done or rows:
             notify(s, SAMPLE, rid)
+
+    def _end_units(
+        self,
+        s: Session,
+        rid: str,
+        ok: list[tuple[int, Sample]],
+        out: list[Outcome | None],
+        n: int,
+        status: RequestStatus,
+        reason: str,
+        complete: dict[int, int],
+        ends: dict[tuple[str, int], UnitEnd] | None,
+        done: int,
+        worker_id: str,
+    ) -> bool:
+        """With `ends`, the units these samples completed recorded done (see store_samples);
+        True when that ended the request."""
         if ends is None or not done:
-            return
-        reason = head[2]
+            return False
         if status is RequestStatus.QUEUED and worker_id:  # as mark_running would record it
             reason = running_on(worker_id)
             if switch_status_from(s, "request", RolloutRequestRow, rid, status,
                                   RequestStatus.RUNNING, reason):  # fmt: skip
                 status = RequestStatus.RUNNING
         if status is not RequestStatus.RUNNING:
-            return
+            return False
         for p in sorted({x.prompt_index for i, x in ok if out[i] is True and not x.partial}):
             if complete[p] == n:
                 end = self.end_unit_if_complete(s, rid, p, n, status, reason)
                 if end is not None:
                     ends[(rid, p)] = end
                     status, reason = end.status, end.reason
+        return status in ENDED_STATUSES
 
     def _writable(
         self,
