@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from datetime import datetime
 
-from sqlalchemy import Update, bindparam, update
+from sqlalchemy import Insert, Update, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from tltd.domain import DrafterStatus, JobStatus, RequestStatus, WorkerState
@@ -83,14 +83,12 @@ def switch_status_from(
     the ORM's writes)."""
     check_transition(entity, entity_id, str(old), str(new))
     now = utcnow()
-    moved = (
-        session.connection()
-        .execute(
-            _guarded_update(entity, row_type),
-            {"key": entity_id, "old": str(old), "new": str(new), "reason": reason, "now": now},
-        )
-        .rowcount
-    )
+    params = {"key": entity_id, "old": str(old), "new": str(new), "reason": reason, "now": now}
+    conn = session.connection()
+    if conn.dialect.name == "postgresql":  # one round trip: the event inserted from the UPDATE
+        params["entity"] = entity
+        return conn.execute(_moved_with_event(entity, row_type), params).first() is not None
+    moved = conn.execute(_guarded_update(entity, row_type), params).rowcount
     if moved:
         session.connection().execute(
             _EVENT_INSERT,
@@ -114,6 +112,27 @@ def _guarded_update(entity: str, row_type: type) -> Update:
         .where(key == bindparam("key"), table.c[column] == bindparam("old"))
         .values(**values)
     )
+
+
+@functools.cache
+def _moved_with_event(entity: str, row_type: type) -> Insert:
+    """WITH moved AS (<the guarded UPDATE> RETURNING key) INSERT INTO events ... SELECT FROM
+    moved: the event exactly when the row moved (PostgreSQL; built once)."""
+    table = row_type.__table__  # type: ignore[attr-defined]
+    key = next(iter(table.primary_key.columns))
+    moved = _guarded_update(entity, row_type).returning(key).cte("moved")
+    ev = EventRow.__table__
+    row = select(
+        bindparam("entity", type_=ev.c.entity.type),
+        moved.c[key.name],
+        bindparam("old", type_=ev.c.old_status.type),
+        bindparam("new", type_=ev.c.new_status.type),
+        bindparam("reason", type_=ev.c.reason.type),
+        bindparam("now", type_=ev.c.at.type),
+    ).select_from(moved)
+    cols = [ev.c.entity, ev.c.entity_id, ev.c.old_status, ev.c.new_status, ev.c.reason, ev.c.at]
+    # RETURNING: the driver's row count of an INSERT fed by a data-modifying CTE is -1.
+    return ev.insert().from_select(cols, row).returning(ev.c.id)
 
 
 _EVENT_INSERT = EventRow.__table__.insert()
