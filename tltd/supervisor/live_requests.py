@@ -135,10 +135,19 @@ class LiveRequests:
         """A request started here and still live: RUNNING (`mark_running`). One that ended
         meanwhile recorded its start with its samples (`Store.store_samples`): a short request
         then takes no transaction of its own for it."""
-        if self.queue.get(request_id) is not None:
-            self._writes.write_nowait(
-                self.store.mark_running, request_id, reason, request=request_id
-            )
+        if self._start_unwritten(request_id):
+            self._writes.write_nowait(self._write_start, request_id, reason, request=request_id)
+
+    def _start_unwritten(self, request_id: str) -> bool:
+        live = self.queue.get(request_id)
+        return live is not None and not live.start_written
+
+    def _write_start(self, request_id: str, reason: str) -> bool:
+        """The writer's thread, maybe a while later under load: a request whose samples have
+        recorded its start (or that ended) meanwhile takes no transaction for it."""
+        if not self._start_unwritten(request_id):
+            return False
+        return self.store.mark_running(request_id, reason)
 
     def stored(self, sample: Sample, end: UnitEnd | None = None) -> LiveRequest | None:
         """A worker's sample is stored: it is finished here and streamed, and a unit it
@@ -468,6 +477,8 @@ class LiveRequests:
         """Unit `p` of `live` is recorded done in the store, `end` what that write said: it
         leaves the queue, and once the request ended its streams here are told."""
         rid = live.request_id
+        if end.status is not RequestStatus.QUEUED:
+            live.start_written = True
         self._drop(rid, p, recorded=True)
         if end.status in ENDED_STATUSES:
             here = len(live.recorded) == len(live.req.prompts)

@@ -32,6 +32,7 @@ class LiveRequest:
     first_error: str = ""
     attempts: Counter[Key] = field(default_factory=Counter)  # workers lost while running it
     started: bool = False  # some sample was handed to a worker (request -> RUNNING)
+    start_written: bool = False  # a unit's end recorded here found it RUNNING (or ended)
     outcome: RequestStatus | None = None  # CANCELLED / FAILED once decided: run nothing more
     reason: str = ""
     # prompt index -> the job's earlier answers to that prompt, read from the store when the
