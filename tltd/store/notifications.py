@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import Engine, make_url
@@ -46,15 +47,19 @@ class OwnBackends:
         self._pids: set[int] = set()
         if engine.dialect.name != "postgresql":
             return
-        event.listen(engine, "connect", lambda conn, _rec: self._pids.add(_pid(conn)))
-        event.listen(engine, "close", lambda conn, _rec: self._pids.discard(_pid(conn)))
+        event.listen(engine, "connect", self._opened)
+        event.listen(engine, "close", self._closed)
 
     def __contains__(self, pid: object) -> bool:
         return pid in self._pids
 
+    def _opened(self, dbapi_conn: Any, record: Any) -> None:
+        pid = int(dbapi_conn.info.backend_pid)  # psycopg 3, no round trip
+        record.info["backend_pid"] = pid  # for its close: a broken connection is not asked
+        self._pids.add(pid)
 
-def _pid(dbapi_conn: object) -> int:
-    return int(dbapi_conn.info.backend_pid)  # type: ignore[attr-defined]  (psycopg 3)
+    def _closed(self, _dbapi_conn: Any, record: Any) -> None:
+        self._pids.discard(record.info.get("backend_pid"))
 
 
 class Listener:
