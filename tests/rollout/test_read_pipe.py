@@ -81,3 +81,30 @@ def test_a_worker_never_recorded_is_logged_once_per_period(
             clock[0] = t
             stamp()
     assert [r.getMessage() for r in caplog.records] == ["heartbeat of an unrecorded worker"] * 2
+
+
+def test_the_samples_of_a_unit_that_ended_its_request_are_delivered_last() -> None:
+    """A worker step's samples arrive together and are stored in one transaction, which ends
+    the request with the last unit it records. Delivered in the worker's order, that unit's
+    end could reach the loop before another unit of the same batch is recorded there, and the
+    request's streams would read every sample back from the store instead of ending on the
+    event. Those samples go last within their run of samples; other messages keep their
+    place."""
+    from tltd.domain import RequestStatus
+    from tltd.store.leases import UnitEnd
+    from tltd.supervisor.worker_process import _request_ends_last
+
+    ended = UnitEnd(RequestStatus.COMPLETED, "all 4 samples finished", 0)
+    running = UnitEnd(RequestStatus.RUNNING, "running on w0", 1)
+    beat = msg.Heartbeat(0, 0, 0, None)
+
+    def fin(p: int, i: int, end: UnitEnd | None) -> tuple:
+        return (msg.Finished(_sample(p, i)), True, end)
+
+    batch = [fin(1, 0, ended), fin(0, 0, running), fin(1, 1, ended), fin(0, 1, running),
+             (beat, None, None), fin(2, 0, ended), fin(3, 0, None),
+             (msg.Drained(0), None, None)]  # fmt: skip
+    got = _request_ends_last(batch)
+    assert got == [batch[1], batch[3], batch[0], batch[2], batch[4], batch[6], batch[5], batch[7]]
+    plain = [fin(0, 0, running), (beat, None, None)]
+    assert _request_ends_last(plain) is plain  # nothing ended: as it came

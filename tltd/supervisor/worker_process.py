@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tltd.contract import rollout_messages as msg
 from tltd.contract.processes import with_environment
-from tltd.domain import Backend, Device, Sample, WorkerState
+from tltd.domain import ENDED_STATUSES, Backend, Device, Sample, WorkerState
 from tltd.errors import Fenced, TltError
 from tltd.memory_cgroup import MemoryCgroups, WorkerGroup
 from tltd.metrics import METRICS
@@ -267,7 +267,33 @@ def store_reported(
         elif isinstance(m, msg.Heartbeat):
             stamp()
         out.append((m, stored, end))
-    return out
+    return _request_ends_last(out)
+
+
+def _request_ends_last(
+    out: list[tuple[msg.FromWorker, bool | None, UnitEnd | None]],
+) -> list[tuple[msg.FromWorker, bool | None, UnitEnd | None]]:
+    """Within each run of samples, those of a unit whose end ended its request go last: the
+    request's other units of the batch are then recorded here first, and its streams here
+    end on the final event without reading the store back. Other messages keep their place."""
+
+    def last(item: tuple[msg.FromWorker, bool | None, UnitEnd | None]) -> bool:
+        end = item[2]
+        return end is not None and end.status in ENDED_STATUSES
+
+    if not any(last(x) for x in out):
+        return out
+    ordered: list[tuple[msg.FromWorker, bool | None, UnitEnd | None]] = []
+    run: list[tuple[msg.FromWorker, bool | None, UnitEnd | None]] = []
+    for item in [*out, None]:
+        if item is not None and isinstance(item[0], msg.Finished):
+            run.append(item)
+            continue
+        ordered += sorted(run, key=last)  # stable
+        run = []
+        if item is not None:
+            ordered.append(item)
+    return ordered
 
 
 def _stored(sample: Sample, result: object) -> bool | None:
