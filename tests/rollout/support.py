@@ -177,7 +177,9 @@ class InProcessDaemon:
                 try:
                     await asyncio.wait_for(aw, 60.0)
                 except TimeoutError:
-                    raise TimeoutError(f"killing the daemon: {name} did not end in 60 s") from None
+                    raise TimeoutError(
+                        f"killing the daemon: {name} did not end in 60 s\n{_where_it_waits()}"
+                    ) from None
 
             async def stop():
                 if d.training is not None:  # drafter trainers die with the daemon too
@@ -332,3 +334,22 @@ def reference_logprobs(path, prompt: list[int], tokens: list[int]):
         logp = torch.log_softmax(ref(torch.tensor([prompt + tokens])).logits[0], -1)
     at = logp[len(prompt) - 1 : -1]
     return at.gather(-1, torch.tensor(tokens)[:, None])[:, 0], at.argmax(-1)
+
+
+def _where_it_waits() -> str:
+    """Every thread's stack and every task of the running loop: what a stop that hangs waits
+    on."""
+    import io
+    import sys
+    import threading
+    import traceback
+
+    out = io.StringIO()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        out.write(f"--- thread {names.get(ident, ident)}\n")
+        out.write("".join(traceback.format_stack(frame)[-6:]))
+    for task in asyncio.all_tasks():
+        out.write(f"--- task {task.get_name()}\n")
+        task.print_stack(limit=6, file=out)
+    return out.getvalue()
