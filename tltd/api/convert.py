@@ -297,10 +297,6 @@ def rollout_to_pb(r: d.RolloutRequest) -> rollout_pb2.RolloutRequest:
     )
 
 
-def speculative_stats_to_pb(st: d.SpeculativeStats) -> rollout_pb2.SpeculativeStats:
-    return rollout_pb2.SpeculativeStats(**_same_named(st))
-
-
 def speculative_stats_from_pb(pb: rollout_pb2.SpeculativeStats) -> d.SpeculativeStats:
     return _from_same_named(d.SpeculativeStats, pb)
 

@@ -13,6 +13,7 @@ import queue as threading_queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
 from tltd.contract import rollout_messages as msg
@@ -270,30 +271,25 @@ def store_reported(
     return _request_ends_last(out)
 
 
-def _request_ends_last(
-    out: list[tuple[msg.FromWorker, bool | None, UnitEnd | None]],
-) -> list[tuple[msg.FromWorker, bool | None, UnitEnd | None]]:
+_Reported = tuple[msg.FromWorker, bool | None, UnitEnd | None]
+
+
+def _request_ends_last(out: list[_Reported]) -> list[_Reported]:
     """Within each run of samples, those of a unit whose end ended its request go last: the
     request's other units of the batch are then recorded here first, and its streams here
     end on the final event without reading the store back. Other messages keep their place."""
-
-    def last(item: tuple[msg.FromWorker, bool | None, UnitEnd | None]) -> bool:
-        end = item[2]
-        return end is not None and end.status in ENDED_STATUSES
-
-    if not any(last(x) for x in out):
+    if not any(_ends_request(x) for x in out):
         return out
-    ordered: list[tuple[msg.FromWorker, bool | None, UnitEnd | None]] = []
-    run: list[tuple[msg.FromWorker, bool | None, UnitEnd | None]] = []
-    for item in [*out, None]:
-        if item is not None and isinstance(item[0], msg.Finished):
-            run.append(item)
-            continue
-        ordered += sorted(run, key=last)  # stable
-        run = []
-        if item is not None:
-            ordered.append(item)
+    ordered: list[_Reported] = []
+    for samples, group in groupby(out, key=lambda x: isinstance(x[0], msg.Finished)):
+        run = list(group)
+        ordered += sorted(run, key=_ends_request) if samples else run  # sorted is stable
     return ordered
+
+
+def _ends_request(item: _Reported) -> bool:
+    end = item[2]
+    return end is not None and end.status in ENDED_STATUSES
 
 
 def _stored(sample: Sample, result: object) -> bool | None:
