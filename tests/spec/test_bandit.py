@@ -176,12 +176,30 @@ def test_measured_rewards_override_the_prior() -> None:
             beg.record_plain(1, 1 / 100.0)  # plain as predicted: 100 tokens/s
         else:
             beg.record(1, s, accepted_tokens=60.0, step_seconds=1.0)  # SD far worse than hoped
-    # One ngram/k2 step measures the n-gram efficiency (measured / predicted = 60 / 150):
-    # ngram/k2's estimate (60 + 2 x 0.4 x 150) / 3 = 60 and ngram/k4's 0.4 x 130 = 52 fall
-    # below plain's 100; eagle/k4, predicted below plain, never runs.
-    assert picks == [NG2] + [None] * 7
-    assert beg.efficiency(1, "ngram") == pytest.approx(0.4) and beg.efficiency(1, "eagle") == 1
+    # One ngram/k2 step measures the n-gram efficiency 60 / 150 = 0.4, blended with the
+    # prediction's 1 (worth 2 steps): (0.4 + 2) / 3 = 0.8. ngram/k2's estimate
+    # (60 + 2 x 0.8 x 150) / 3 = 100 ties plain's; ngram/k4's 0.8 x 130 = 104 is tried. It
+    # measures 60 / 130: the efficiency is (2 x median(0.4, 0.46) + 2) / 4 = 0.72, and both
+    # n-gram arms fall below plain's 100; eagle/k4, predicted below plain, never runs.
+    assert picks == [NG2, NG4] + [None] * 6
+    assert beg.efficiency(1, "ngram") == pytest.approx((0.4 + 60 / 130 + 2) / 4)
+    assert beg.efficiency(1, "eagle") == 1
     assert beg.efficiency(2, "ngram") == 1.0  # another bucket: its own
+
+
+def test_one_unlucky_step_does_not_condemn_a_drafter_in_its_bucket() -> None:
+    """An EAGLE step that keeps none of its drafts measures a fraction of its prediction;
+    the next steps, as predicted, make it the bucket's pick again."""
+    beg = _with_priors(epsilon=0.0)
+    priors = {PLAIN: 100.0, "ngram/k2": 90.0, "ngram/k4": 80.0, "eagle/k4": 250.0}
+    _measure_plain(beg, 1)
+    assert beg.choose(1, priors=priors) == EA4
+    beg.record(1, EA4, accepted_tokens=75.0, step_seconds=1.0)  # 0.3 of the predicted 250
+    # Alone, 0.3 would price eagle/k4 at (75 + 2 x 75) / 3 = 75, below plain, for good.
+    assert beg.efficiency(1, "eagle") == pytest.approx((0.3 + 2) / 3)
+    assert beg.choose(1, priors=priors) == EA4
+    beg.record(1, EA4, accepted_tokens=250.0, step_seconds=1.0)  # as predicted
+    assert [beg.choose(1, priors=priors) for _ in range(5)] == [EA4] * 5
 
 
 def test_predictions_are_gains_over_measured_plain_decoding() -> None:
@@ -196,10 +214,12 @@ def test_predictions_are_gains_over_measured_plain_decoding() -> None:
     }
     assert beg.choose(1, priors=priors) == NG2
     beg.record(1, NG2, accepted_tokens=25.0, step_seconds=1.0)  # 1/3 of the predicted 75
-    assert beg.efficiency(1, "ngram") == pytest.approx(1 / 3)
-    assert beg.choose(1, priors=priors) == EA4  # 70 > plain's 50 > n-grams' (25 + 2 x 25) / 3
+    assert beg.efficiency(1, "ngram") == pytest.approx((1 / 3 + 2) / 3)  # blended with 1
+    assert beg.choose(1, priors=priors) == EA4  # 70 > the n-grams' 47 and 51 > plain's 50
     beg.record(1, EA4, accepted_tokens=17.5, step_seconds=1.0)  # 1/4 of the predicted 70
-    assert beg.choose(1, priors=priors) is None
+    assert beg.choose(1, priors=priors) == NG4  # 0.78 x 65 = 51, just above plain's 50
+    beg.record(1, NG4, accepted_tokens=65.0 / 3, step_seconds=1.0)  # 1/3 again
+    assert beg.choose(1, priors=priors) is None  # every SD arm now below plain's 50
     beg.forget("eagle")
     assert beg.efficiency(1, "eagle") == 1.0
     assert beg.choose(1, priors=priors) == EA4  # forgotten: the predicted gain again

@@ -69,9 +69,9 @@ class BucketedEpsilonGreedy:
     ratio of forwards timed side by side, which holds on a busier or quieter device. A bucket
     measures plain decoding first; a strategy's prior there is its predicted gain x that
     measured plain reward x its drafter's efficiency in the bucket, the median ratio of
-    measured to so-predicted reward over the drafter's recent steps there (1 before it ran:
-    the predicted gain is taken at face value, so the predicted best strategy is tried where
-    it is predicted to pay). The efficiency carries what one strategy measured to the
+    measured to so-predicted reward over the drafter's recent steps there, blended with 1
+    like a prior (1 before it ran: the predicted gain is taken at face value, so the
+    predicted best strategy is tried where it is predicted to pay). The efficiency carries what one strategy measured to the
     drafter's other draft lengths: what the timed forwards leave out (drafting in Python,
     sampling, the accept rule) and errors of the predicted accepted length.
     """
@@ -211,12 +211,20 @@ class BucketedEpsilonGreedy:
             self._efficiency_cache.pop((b, drafter), None)
 
     def efficiency(self, batch_size: int, drafter: str) -> float:
-        """Median measured / predicted reward of the drafter's strategies in this batch size's
-        bucket; 1.0 before any ran there with a prediction."""
+        """Measured / predicted reward of the drafter's strategies in this batch size's
+        bucket: the median of the ratios blended with 1.0 (the prediction taken at face
+        value) worth PRIOR_WEIGHT steps; 1.0 before any ran there with a prediction.
+
+        The blend keeps one unlucky step from condemning a drafter in a bucket: a single
+        EAGLE step that kept none of its 6 drafts measures ~0.3 of its prediction, and taken
+        alone that ratio would price every EAGLE arm of the bucket below plain decoding, so
+        that no EAGLE step would run there again to correct it."""
         key = (self.bucket(batch_size), drafter)
         if key not in self._efficiency_cache:
             ratios = self._efficiency.get(key)
-            self._efficiency_cache[key] = statistics.median(ratios) if ratios else 1.0
+            self._efficiency_cache[key] = (
+                estimate(1.0, statistics.median(ratios), len(ratios)) if ratios else 1.0
+            )
         return self._efficiency_cache[key]
 
     def snapshot(self) -> dict[int, dict[str, dict[str, float | int | None]]]:

@@ -86,12 +86,20 @@ class Batch:
             width,
         )  # fmt: skip
 
-    def grouped_mask(self, groups: int) -> Tensor | None:
+    def grouped_mask(self, groups: int, dtype: torch.dtype) -> Tensor | None:
         """`mask` with its T query rows repeated per query head of a group ([B, 1, g * T, L]),
-        the layout of `grouped_attention`; built once per forward, shared by all layers."""
+        the layout of `grouped_attention`, as an additive mask of `dtype` (0 where a query may
+        attend, -inf elsewhere): built once per forward and shared by all layers. Given the
+        boolean mask, the CPU kernel converts it to this form in every layer's call (a third
+        of a verify pass's attention time at batch 64)."""
         if groups not in self._grouped:
             m = self.mask
-            self._grouped[groups] = m if m is None or groups == 1 else m.repeat(1, 1, groups, 1)
+            if m is not None:
+                m = m if groups == 1 else m.repeat(1, 1, groups, 1)
+                m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
+                    ~m, float("-inf")
+                )
+            self._grouped[groups] = m
         return self._grouped[groups]
 
     def unpack(self, x: Tensor) -> Tensor:
@@ -142,7 +150,9 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, batch: Batch, gro
     b, t, nq, hd = q.shape
     nkv = keys.shape[1]
     qg = q.transpose(1, 2).reshape(b, nkv, groups * t, hd)
-    att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=batch.grouped_mask(groups))
+    att = F.scaled_dot_product_attention(
+        qg, keys, values, attn_mask=batch.grouped_mask(groups, q.dtype)
+    )
     return att.reshape(b, nq, t, hd)  # not view: CUDA kernels may return another layout
 
 
