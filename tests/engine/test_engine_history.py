@@ -11,6 +11,7 @@ import torch
 from tests.engine.helpers import make_checkpoint
 from tltd.domain import SamplingParams, TokenSource
 from tltd_workers.engine.bandit import Strategy
+from tltd_workers.engine.costs import BucketCost, CostModel
 from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
@@ -75,6 +76,32 @@ def test_greedy_history_steps_draft_short_walks_with_eagle_and_stay_token_identi
         for got in (first[key], second[key]):
             drafters |= {p.drafter for p in got.provenance if p.source is not TokenSource.PLAIN}
     assert drafters == {"history", "eagle"}
+
+
+@pytest.mark.parametrize("draft_ms", [1e-6, 1e6], ids=["cheap-eagle", "ruinous-eagle"])
+def test_a_history_step_drafts_its_other_rows_with_eagle_only_where_that_pays(ckpt, draft_ms):
+    """Under the measured gate, a history step's short-walk rows take EAGLE drafts only when
+    the bucket's costs say they pay (costs.fallback_pays): with EAGLE drafting nearly free
+    they do, with it ruinous none does (EAGLE rows come from EAGLE's own arm alone). The
+    output is the target's either way."""
+    ref = _epoch(_engine(ckpt, "off"), "a")
+    strategies = (Strategy("history", 8), Strategy("eagle", 4))
+    costs = CostModel({b: BucketCost(10.0, {5: 10.0}, draft_ms) for b in (1, 2, 4, 8, 16)}, 64)
+    cfg = EngineConfig(max_batch=16, max_seq_len=64, spec_mode="adaptive", strategies=strategies)
+    e = Engine(str(ckpt), cfg, costs=costs)
+    e.set_drafter(EagleDrafter.random_init(e.model, seed=1), version=1)
+    junk = {i: [((f"x{i}", 0), [5, 6] * 20)] for i in range(len(PROMPTS))}
+    got = _epoch(e, "a", history=junk)  # the history is ready at once but matches little
+    for key, o in ref.items():
+        assert got[key].token_ids == o.token_ids, key
+    s = e.stats.summary()
+    eagle_rows = s["per_drafter"].get("eagle", {}).get("draft_rows", 0)
+    eagle_arm_rows = s["per_strategy"].get("eagle/k4", {}).get("draft_rows", 0)
+    assert s["per_strategy"]["history/k8"]["steps"] > 0, s  # history steps ran
+    if draft_ms < 1:
+        assert eagle_rows > eagle_arm_rows, s  # history steps drafted rows with EAGLE
+    else:
+        assert eagle_rows == eagle_arm_rows, s  # none did
 
 
 def test_answers_handed_in_at_admission_draft_a_fresh_engine(ckpt):

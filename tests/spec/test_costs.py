@@ -13,6 +13,7 @@ from tltd_workers.engine.costs import (
     CostModel,
     arm_rewards,
     expected_tokens,
+    fallback_pays,
     measure_costs,
     predict,
     smoothed,
@@ -40,6 +41,25 @@ def test_verify_is_piecewise_linear_in_width():
     assert BucketCost(10.0, {}, 1.0).verify(3) == 40.0  # no verify measured: k + 1 steps
     assert c.step_ms(Strategy("eagle", 4)) == pytest.approx(16.0 + 4 * 1.0)
     assert c.step_ms(Strategy("ngram", 4)) == pytest.approx(16.0)  # n-gram drafts are free
+
+
+def test_eagle_for_a_history_step_s_other_rows_pays_at_small_batch_only():
+    # CPU-like costs: a verified position costs 0.138 ms at batch 128 and 0.18 ms at 8.
+    big = BucketCost(163.0, {7: 163.0 + 6 * 128 * 0.138}, 3.0)
+    small = BucketCost(14.4, {7: 14.4 + 6 * 8 * 0.18}, 0.8)
+    # 128 rows, 100 of them with 14-token history drafts gaining 14 tokens each: the step
+    # makes (1400 + 28) tokens in 163 + 1400 x 0.138 = 356 ms, 4.0 per ms. EAGLE on the 28
+    # others: 28 x 6 x 0.138 + 6 x 3.0 = 41.2 ms for 28 x 1.6 = 44.8 tokens, 1.1 per ms.
+    assert not fallback_pays(big, 128, 128, 100, 1400.0, 1400, 28, 2.6, 6)
+    # 6 rows, one with a 12-token history draft gaining 11: (11 + 5) tokens in
+    # 14.4 x 6/8 + 12 x 0.18 = 12.96 ms, 1.23 per ms. EAGLE on the 5 others: 5 x 6 x 0.18 +
+    # 6 x 0.8 x 6/8 = 9.0 ms for 5 x 2.8 = 14 tokens, 1.56 per ms.
+    assert fallback_pays(small, 8, 6, 1, 11.0, 12, 5, 3.8, 6)
+    # The same rows when EAGLE is expected to keep little: 5 x 0.6 = 3 tokens for 9.0 ms.
+    assert not fallback_pays(small, 8, 6, 1, 11.0, 12, 5, 1.6, 6)
+    assert not fallback_pays(small, 8, 6, 1, 11.0, 12, 0, 3.8, 6)  # no row to draft for
+    # ... nor when the drafter must first take in 60 unseen positions (6 x 0.8 / 8 ms each).
+    assert not fallback_pays(small, 8, 6, 1, 11.0, 12, 5, 3.8, 6, backlog_positions=60)
 
 
 def test_expected_tokens_per_step():

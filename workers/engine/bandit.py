@@ -71,9 +71,10 @@ class BucketedEpsilonGreedy:
     measured plain reward x its drafter's efficiency in the bucket, the median ratio of
     measured to so-predicted reward over the drafter's recent steps there, blended with 1
     like a prior (1 before it ran: the predicted gain is taken at face value, so the
-    predicted best strategy is tried where it is predicted to pay). The efficiency carries what one strategy measured to the
-    drafter's other draft lengths: what the timed forwards leave out (drafting in Python,
-    sampling, the accept rule) and errors of the predicted accepted length.
+    predicted best strategy is tried where it is predicted to pay). The efficiency carries
+    what one strategy measured to the drafter's other draft lengths: what the timed forwards
+    leave out (drafting in Python, sampling, the accept rule) and errors of the predicted
+    accepted length.
     """
 
     def __init__(

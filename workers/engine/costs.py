@@ -95,6 +95,47 @@ def arm_rewards(cost: BucketCost, batch: int, tokens: Mapping[Strategy, float]) 
     return out
 
 
+def fallback_pays(
+    cost: BucketCost,
+    bucket: int,
+    batch: int,
+    history_rows: int,
+    history_tokens: float,
+    history_positions: int,
+    fallback_rows: int,
+    eagle_tokens: float,
+    k: int,
+    backlog_positions: int = 0,
+) -> bool:
+    """Whether a history step's rows without a history draft should draft with EAGLE.
+
+    Without: the step verifies the `history_rows`' drafts (`history_positions` in all,
+    expected to gain `history_tokens` over those rows) and decodes every other row plainly.
+    EAGLE on the `fallback_rows` adds k positions each to the verify pass and k drafter
+    steps over the whole batch, for `eagle_tokens - 1` more tokens per such row. It pays
+    when those tokens come at least at the step's own rate: the time they cost would
+    otherwise go to steps like this one. At large batch, where the history rows' drafts are
+    long and the batch is dear to draft for, it does not; at small batch it usually does.
+    Marginal costs per row and per verified position come from the bucket's measured
+    forwards (`bucket` rows). `backlog_positions`: positions the drafter has not seen yet
+    (rows that decoded without it, prompts after a prefill), which it takes in first at
+    about a drafter step's cost per row each.
+    """
+    if fallback_rows <= 0 or k <= 0:
+        return False
+    scale = batch / bucket
+    per_position = max(0.0, cost.verify(k) - cost.plain_ms) / (k * bucket)
+    base_ms = cost.plain_ms * scale + history_positions * per_position
+    base_tokens = history_tokens + (batch - history_rows)
+    extra_ms = (
+        fallback_rows * k * per_position
+        + k * cost.draft_ms * scale
+        + backlog_positions * cost.draft_ms / bucket
+    )
+    extra_tokens = fallback_rows * (eagle_tokens - 1.0)
+    return extra_tokens * base_ms > base_tokens * extra_ms
+
+
 @dataclass(frozen=True)
 class Prediction:
     """One bucket's prediction: tokens/s per arm, the best arm, and its gain over plain."""

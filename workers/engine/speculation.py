@@ -17,7 +17,7 @@ from tltd_workers.engine.bandit import (
     NoStrategyAvailable,
     Strategy,
 )
-from tltd_workers.engine.costs import CostModel, arm_rewards
+from tltd_workers.engine.costs import CostModel, arm_rewards, expected_tokens, fallback_pays
 from tltd_workers.engine.datatypes import EngineConfig
 from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.engine.emission import Emission
@@ -333,12 +333,49 @@ class Speculation:
         ]
         if not fallback or self.drafter is None or self._eagle_k == 0:
             return drafts, None
-        eagle_t, q, confident = self._eagle_drafts(seqs, params, min(self._eagle_k, max(cap)))
+        k = min(self._eagle_k, max(cap))
+        if not self._fallback_pays(seqs, drafts, cap, fallback, k):
+            return drafts, None
+        eagle_t, q, confident = self._eagle_drafts(seqs, params, k)
         eagle = eagle_t.tolist()
         for i in fallback:
             drafts[i] = eagle[i][: min(cap[i], confident[i])]
             kinds[i] = "eagle"
         return drafts, q
+
+    def _fallback_pays(
+        self, seqs: list[Seq], drafts: list[list[int]], cap: list[int], fallback: list[int], k: int
+    ) -> bool:
+        """Whether EAGLE drafts for the `fallback` rows of a history step are worth their
+        cost (`costs.fallback_pays`, on this bucket's measured costs and the gate's
+        acceptance estimates); True where nothing is measured yet."""
+        if self.costs is None or self.gate_state is None:
+            return True
+        b = len(drafts)
+        bucket = self.gate_state.bandit.bucket(b)
+        cost = self.costs.buckets.get(bucket)
+        if cost is None:
+            return True
+        acceptance = self.gate_state.acceptance
+        alpha = acceptance["history"].alpha
+        skip = set(fallback)
+        walks = [
+            n
+            for i, (d, c) in enumerate(zip(drafts, cap, strict=True))
+            if i not in skip and (n := min(len(d), c))
+        ]
+        return fallback_pays(
+            cost,
+            bucket,
+            b,
+            history_rows=len(walks),
+            history_tokens=sum(expected_tokens(alpha, 1.0, n) for n in walks),
+            history_positions=sum(walks),
+            fallback_rows=len(fallback),
+            eagle_tokens=acceptance["eagle"].tokens_per_step(k),
+            k=k,
+            backlog_positions=sum(len(s.eagle_tokens) for s in seqs if s.eagle_ok),
+        )
 
     def _q_rows(self, kinds: list[str], q: Tensor | None) -> Tensor | None:
         """Rows drafted from q (EAGLE rows of a history step); None: all of them, or no q."""
