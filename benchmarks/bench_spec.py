@@ -288,15 +288,18 @@ def print_workload(runs: list[Run]) -> None:
 
 
 def print_table(runs: dict[str, list[Run]]) -> None:
-    """One row per mode: median wall time and ratio to off over the interleaved repeats."""
+    """One row per mode: median wall time and ratio to off over the interleaved repeats, and
+    the longest answer of each run: SD-off's samples are the same in every repeat, while an
+    SD mode's are other draws of the same law in each, so its tail (and wall time) varies
+    with how long its longest answers happen to be."""
     base = runs["off"]
     print(
         "| mode        | wall s | wall vs off (median [min-max]) | tok/s vs off | tokens "
-        "| mean acc len | SD steps | reward |"
+        "| longest [min-max] | mean acc len | SD steps | reward |"
     )
     print(
         "|-------------|-------:|-------------------------------:|-------------:|-------:"
-        "|-------------:|---------:|-------:|"
+        "|------------------:|-------------:|---------:|-------:|"
     )
     for mode, rs in runs.items():
         ratios = [b.seconds / r.seconds for b, r in zip(base, rs, strict=True)]
@@ -309,6 +312,7 @@ def print_table(runs: dict[str, list[Run]]) -> None:
             f"| {mode:<11} | {statistics.median(r.seconds for r in rs):6.1f} "
             f"| {_spread(ratios, '.2f') + 'x':>30} | {statistics.median(tps):11.2f}x "
             f"| {int(statistics.median(r.tokens for r in rs)):6d} "
+            f"| {_spread([max(len(o.token_ids) for o in r.outputs) for r in rs], '.0f'):>17} "
             f"| {statistics.median(mal):12.2f} | {100 * statistics.median(share):7.0f}% "
             f"| {statistics.median(r.reward for r in rs):6.3f} |"
         )
