@@ -16,7 +16,7 @@ transformers model with the weights that sampled the step:
   than the KS test does.
 
 Speculative decoding that accepted a draft too often, verified it against stale weights, or
-resampled a rejection from the wrong residual moves one or both.
+emitted a wrong token after a rejection moves one or both.
 """
 
 from __future__ import annotations

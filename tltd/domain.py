@@ -72,7 +72,7 @@ class TokenSource(enum.StrEnum):
 
     PLAIN = "plain"  # drawn from p with no draft: the prefill token and plain steps
     ACCEPTED = "accepted"  # a draft token the target accepted
-    RESIDUAL = "residual"  # drawn from the residual max(0, p - q) after a rejected draft
+    RESIDUAL = "residual"  # the target's own token where a draft was rejected
     BONUS = "bonus"  # drawn from p after every draft of the step was accepted
 
 
@@ -252,7 +252,7 @@ class SpeculativeStats:
     mean_accepted_length: float = 0.0  # (accepted_tokens + draft_steps) / draft_steps
     drafted_tokens: int = 0  # draft tokens verified
     bonus_tokens: int = 0  # drawn from p after a fully accepted chain
-    residual_tokens: int = 0  # drawn from the residual after a rejection
+    residual_tokens: int = 0  # the target's own token where a draft was rejected
 
     @property
     def sd_step_share(self) -> float:

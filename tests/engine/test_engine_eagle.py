@@ -53,11 +53,11 @@ def test_training_forward_matches_the_cached_drafting_path(ckpt):
 
     def choose(logits, i):
         seen.append(logits)
-        return logits.argmax(-1), None, torch.ones(logits.shape[0])
+        return logits.argmax(-1), torch.ones(logits.shape[0])
 
     dcache = drafter.new_cache(1, 40)
-    drafts, q, n = drafter.propose(dcache, [h[0, :t]], [seq[0, 1 : t + 1].tolist()], 3, choose)
-    assert q is None and drafts.shape == (1, 3) and dcache.lens[0] == t and n == [3]
+    drafts, n = drafter.propose(dcache, [h[0, :t]], [seq[0, 1 : t + 1].tolist()], 3, choose)
+    assert drafts.shape == (1, 3) and dcache.lens[0] == t and n == [3]
     torch.testing.assert_close(seen[0], drafter.logits(feats[:, -1]), atol=1e-5, rtol=1e-5)
     # Second draft step: feeds (predicted h_t, draft 1) at position t.
     feats2 = drafter(
@@ -181,15 +181,15 @@ def test_absorbing_a_backlog_then_drafting_equals_drafting_on_it_at_once(ckpt):
 
         def choose(logits, i):
             seen.append(logits)
-            return logits.argmax(-1), None, torch.ones(logits.shape[0])
+            return logits.argmax(-1), torch.ones(logits.shape[0])
 
         dcache = drafter.new_cache(1, 40)
         if split:
             drafter.absorb(dcache, [feats[:-1]], [toks[:-1]])
             assert dcache.lens[0] == t - 1
-            drafts, _, _ = drafter.propose(dcache, [feats[-1:]], [toks[-1:]], 3, choose)
+            drafts, _ = drafter.propose(dcache, [feats[-1:]], [toks[-1:]], 3, choose)
         else:
-            drafts, _, _ = drafter.propose(dcache, [feats], [toks], 3, choose)
+            drafts, _ = drafter.propose(dcache, [feats], [toks], 3, choose)
         return drafts, seen, dcache.lens[0]
 
     whole, split = drafting(False), drafting(True)

@@ -1,51 +1,106 @@
-"""The accept/reject rule on hand-made distributions, and its exactness by enumeration."""
+"""The accept rule on hand-made distributions: it emits plain decoding's tokens, whatever the
+drafts, and keeps a draft with the probability the module docstring states."""
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
+from tltd_workers.engine.sampling import sample_from
 from tltd_workers.engine.spec import accept_drafts
 
 
-def _rule(p, draft, q=None, greedy=False, ua=None, us=None, dlen=None):
+def _rule(p, draft, greedy=False, us=None, dlen=None):
     p = torch.tensor(p, dtype=torch.float64)[None]
-    draft = torch.tensor(draft)[None]
+    draft = torch.tensor(draft, dtype=torch.long)[None]
     k = draft.shape[1]
-    q = None if q is None else torch.tensor(q, dtype=torch.float64)[None]
-    ua = torch.tensor(ua if ua is not None else [0.5] * k, dtype=torch.float64)[None]
     us = torch.tensor(us if us is not None else [0.5] * (k + 1), dtype=torch.float64)[None]
     dl = torch.tensor([k if dlen is None else dlen])
-    n, nxt = accept_drafts(p, draft, dl, q, torch.tensor([greedy]), ua, us)
+    n, nxt = accept_drafts(p, draft, dl, torch.tensor([greedy]), us)
     return int(n), int(nxt)
 
 
 P = [[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]
 
 
-def test_one_hot_q_accepts_with_probability_p_of_the_draft():
-    assert _rule(P, [1], ua=[0.29]) == (1, 2)  # 0.29 < p(1) = 0.3: kept; bonus from p[1]
-    n, nxt = _rule(P, [1], ua=[0.31], us=[0.0, 0.0])
-    assert (n, nxt) == (0, 0)  # rejected; residual = p without token 1 = [5/7, 0, 2/7]
-    assert _rule(P, [1], ua=[0.31], us=[0.99, 0.0]) == (0, 2)
-    # The rejected token itself is never re-drawn, whatever the uniform.
-    for u in torch.linspace(0, 0.999, 50).tolist():
-        assert _rule(P, [1], ua=[0.9], us=[u, 0.0])[1] != 1
+def test_a_draft_is_kept_when_plain_decoding_draws_it_and_the_draw_follows():
+    # Position 0's cdf: token 0 below 0.5, token 1 below 0.8, token 2 above.
+    assert _rule(P, [1], us=[0.6, 0.95]) == (1, 2)  # drawn 1 = draft: kept; then p[1] at 0.95
+    assert _rule(P, [1], us=[0.6, 0.05]) == (1, 0)
+    assert _rule(P, [1], us=[0.1, 0.95]) == (0, 0)  # drawn 0: the draft goes, 0 is emitted
+    assert _rule(P, [1], us=[0.9, 0.05]) == (0, 2)
+    assert _rule(P + [[1.0, 0.0, 0.0]], [1, 2], us=[0.6, 0.95, 0.3]) == (2, 0)  # both kept
+    assert _rule(P + [[1.0, 0.0, 0.0]], [1, 0], us=[0.6, 0.3, 0.7]) == (1, 2)  # 0 vs drawn 2
 
 
-def test_q_equal_p_always_accepts_and_draws_the_bonus():
-    for u in (0.0, 0.5, 0.999):
-        n, _ = _rule(P, [0], q=[P[0]], ua=[u])
-        assert n == 1
+def test_emitted_tokens_are_plain_decodings_whatever_the_drafts():
+    """Random chains of distributions, drafts and uniforms: the row emits the tokens plain
+    decoding draws with the same uniforms, up to the first draft that differs."""
+    g = torch.Generator().manual_seed(0)
+    b, k, v = 500, 4, 6
+    p = torch.rand(b, k + 1, v, generator=g, dtype=torch.float64) ** 3
+    p /= p.sum(-1, keepdim=True)
+    us = torch.rand(b, k + 1, generator=g, dtype=torch.float64)
+    plain = sample_from(p.reshape(-1, v), us.reshape(-1)).view(b, k + 1)
+    # Drafts: plain's own tokens with some replaced, so every number of kept drafts occurs.
+    draft = plain[:, :k].clone()
+    wrong = torch.rand(b, k, generator=g) < 0.3
+    draft[wrong] = torch.randint(0, v, (int(wrong.sum()),), generator=g)
+    dlen = torch.randint(0, k + 1, (b,), generator=g)
+    n, nxt = accept_drafts(p, draft, dlen, torch.zeros(b, dtype=torch.bool), us)
+    for i in range(b):
+        emitted = draft[i, : n[i]].tolist() + [int(nxt[i])]
+        assert emitted == plain[i, : n[i] + 1].tolist(), i
+        same = (draft[i, : dlen[i]] == plain[i, : dlen[i]]).long().cumprod(0).sum()
+        assert n[i] == same  # every leading draft that equals plain's token is kept
+    assert set(n.tolist()) == set(range(k + 1))
 
 
-def test_disjoint_support_always_rejects_and_samples_p():
-    p = [[0.5, 0.5, 0.0, 0.0], [0.25] * 4]
-    q = [[0.0, 0.0, 0.5, 0.5]]
-    for u in (0.0, 0.3, 0.7, 0.999):
-        n, nxt = _rule(p, [2], q=q, ua=[0.0], us=[u, 0.5])
-        assert n == 0 and nxt in (0, 1)
+def test_a_fixed_draft_is_kept_with_probability_p_of_it_and_the_law_is_p():
+    """Over a fine grid of uniforms: a draft chosen without the uniform is kept with
+    probability p(draft), and the emitted token's law is p."""
+    grid = 10_000
+    u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]], dtype=torch.float64)
+    for x in range(3):
+        n, nxt = accept_drafts(
+            p.expand(grid, 2, 3),
+            torch.full((grid, 1), x),
+            torch.ones(grid, dtype=torch.long),
+            torch.zeros(grid, dtype=torch.bool),
+            torch.stack([u, torch.full_like(u, 0.5)], 1),
+        )
+        assert abs(float(n.double().mean()) - float(p[0, x])) < 1e-3
+        first = torch.where(n >= 1, torch.full_like(nxt, x), nxt)
+        law = torch.bincount(first, minlength=3).double() / grid
+        assert torch.allclose(law, p[0], atol=1e-3), (x, law)
+
+
+def test_a_draft_drawn_from_q_with_the_same_uniform_is_kept_where_the_draws_agree():
+    """EAGLE's sampled drafts: drawn from q by inverse cdf with the uniform plain decoding
+    uses, a draft is kept with probability the overlap of the two laws' cdf intervals (1 for
+    q = p; the standard rule's sum of min(p, q) when the laws differ little, less when mass
+    moves across tokens), and the emitted token is p's draw either way."""
+    grid = 10_000
+    u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    cases = [
+        ([0.5, 0.3, 0.2], [0.5, 0.3, 0.2], 1.0),
+        ([0.5, 0.3, 0.2], [0.4, 0.4, 0.2], 0.9),  # = sum of min(p, q)
+        ([0.5, 0.5, 0.0], [0.0, 0.5, 0.5], 0.0),  # sum of min(p, q) is 0.5 here
+    ]
+    for p, q, overlap in cases:
+        p, q = (torch.tensor(x, dtype=torch.float64) for x in (p, q))
+        draft = sample_from(q.expand(grid, 3), u)[:, None]
+        pp = torch.stack([p, torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)])
+        n, nxt = accept_drafts(
+            pp.expand(grid, 2, 3),
+            draft,
+            torch.ones(grid, dtype=torch.long),
+            torch.zeros(grid, dtype=torch.bool),
+            torch.stack([u, u], 1),
+        )
+        assert abs(float(n.double().mean()) - overlap) < 1e-3
+        first = torch.where(n >= 1, draft[:, 0], nxt)
+        assert torch.equal(first, sample_from(p.expand(grid, 3), u))
 
 
 def test_greedy_accepts_while_draft_is_argmax():
@@ -57,43 +112,8 @@ def test_greedy_accepts_while_draft_is_argmax():
 
 
 def test_no_drafts_is_plain_sampling():
-    assert _rule([[0.2, 0.8]], torch.zeros(0, dtype=torch.long).tolist(), us=[0.1]) == (0, 0)
-    assert _rule([[0.2, 0.8]], torch.zeros(0, dtype=torch.long).tolist(), us=[0.3]) == (0, 1)
-
-
-def test_rule_is_exact_by_enumerating_uniforms():
-    """Integrate over a fine grid of both uniforms: the emitted token's law must equal p.
-
-    Chain of K = 2 sampled drafts with random p, q; we check the first emitted token and the
-    second one conditioned on the first draft being kept (independent positions in p).
-    """
-    g = torch.Generator().manual_seed(0)
-    v, grid = 4, 400
-    p = torch.rand(3, v, generator=g, dtype=torch.float64) ** 3
-    p /= p.sum(-1, keepdim=True)
-    q = torch.rand(2, v, generator=g, dtype=torch.float64) ** 3
-    q /= q.sum(-1, keepdim=True)
-    u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
-    law = torch.zeros(v, dtype=torch.float64)
-    rows = list(itertools.product(range(v), range(grid), range(grid)))
-    x1 = torch.tensor([r[0] for r in rows])
-    ua = u[torch.tensor([r[1] for r in rows])]
-    us = u[torch.tensor([r[2] for r in rows])]
-    b = len(rows)
-    draft = torch.stack([x1, torch.zeros(b, dtype=torch.long)], 1)
-    n, nxt = accept_drafts(
-        p.expand(b, 3, v),
-        draft,
-        torch.full((b,), 1),
-        q.expand(b, 2, v),
-        torch.zeros(b, dtype=torch.bool),
-        torch.stack([ua, ua], 1),
-        torch.stack([us, us, us], 1),
-    )
-    first = torch.where(n >= 1, x1, nxt)
-    weight = q[0, x1] / grid**2  # P(draft = x1) x grid cell mass
-    law.index_add_(0, first, weight)
-    assert torch.allclose(law, p[0], atol=2e-3), (law, p[0])
+    assert _rule([[0.2, 0.8]], [], us=[0.1]) == (0, 0)
+    assert _rule([[0.2, 0.8]], [], us=[0.3]) == (0, 1)
 
 
 def test_greedy_takes_the_argmax_of_the_logprobs_not_of_their_exp():
@@ -105,9 +125,8 @@ def test_greedy_takes_the_argmax_of_the_logprobs_not_of_their_exp():
     logp = torch.stack([lp, lp])[None]  # [1, K+1 = 2, V = 2]
     p = logp.exp()
     assert p[0, 0, 0] == p[0, 0, 1] and int(lp.argmax()) == 1  # the tie exp makes
-    args = (torch.tensor([[0]]), torch.tensor([1]), None, torch.tensor([True]))
-    uniform = (torch.full((1, 1), 0.5), torch.full((1, 2), 0.5))
-    n, nxt = accept_drafts(p, *args, *uniform, logp.argmax(dim=-1))
+    greedy, u = torch.tensor([True]), torch.full((1, 2), 0.5)
+    n, nxt = accept_drafts(p, torch.tensor([[0]]), torch.tensor([1]), greedy, u, logp.argmax(-1))
     assert (int(n), int(nxt)) == (0, 1)  # draft 0 is not the greedy token; 1 is emitted
-    n, nxt = accept_drafts(p, torch.tensor([[1]]), *args[1:], *uniform, logp.argmax(dim=-1))
+    n, nxt = accept_drafts(p, torch.tensor([[1]]), torch.tensor([1]), greedy, u, logp.argmax(-1))
     assert (int(n), int(nxt)) == (1, 1)

@@ -20,10 +20,9 @@ from tltd.contract.checkpoint import check_drafter_tensors
 from tltd_workers.engine.kv_cache import KVCache
 from tltd_workers.engine.transformer import Batch, CausalLM, DecoderLayer, ModelConfig
 
-# choose(logits [B, V], step i) -> (draft tokens [B], processed q [B, V] or None if all greedy,
-# confidence [B] in [0, 1]: a function of the drafter's distribution only, never of the token
-# drawn from it, so that truncating on it keeps the proposal law the accept rule assumes)
-Chooser = Callable[[Tensor, int], tuple[Tensor, Tensor | None, Tensor]]
+# choose(logits [B, V], step i) -> (draft tokens [B], confidence [B] in [0, 1]: the chance
+# the drafter gives its draft; chains are cut where its running product falls too low)
+Chooser = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
 
 class EagleDrafter(nn.Module):
@@ -157,14 +156,14 @@ class EagleDrafter(nn.Module):
         k: int,
         choose: Chooser,
         min_confidence: float = 0.0,
-    ) -> tuple[Tensor, Tensor | None, list[int]]:
+    ) -> tuple[Tensor, list[int]]:
         """Draft k tokens for rows [0, B) of `cache` (the engine's compacted slots).
 
         feats[b] [c_b, H] / tokens[b] (c_b ints) are the (h_t, x_{t+1}) pairs of row b the
         drafter has not consumed yet (c_b = 0: the row has no drafter state; its drafts are
         garbage and the caller discards them). They are appended to the drafter cache for
         good; the k - 1 positions fed with the drafter's own predictions are rolled back.
-        Returns drafts [B, k], q [B, k, V] if `choose` gave them, and per row how many leading
+        Returns drafts [B, k] and per row how many leading
         drafts to verify: those whose cumulative confidence (product over the chain of each
         step's confidence, an estimate of the chance that the chain survives, as in EAGLE-2)
         stays >=
@@ -182,26 +181,21 @@ class EagleDrafter(nn.Module):
         committed = [n + m for n, m in zip(lens, c, strict=True)]
         one = [1 if m else 0 for m in c]
         drafts: list[Tensor] = []
-        qs: list[Tensor] = []
         cum = torch.ones(b, dtype=torch.float64, device=dev)
         lengths = torch.zeros(b, dtype=torch.long, device=dev)
         for i in range(k):
-            tok, q, conf = choose(self.logits(last), i)
+            tok, conf = choose(self.logits(last), i)
             drafts.append(tok)
-            if q is not None:
-                qs.append(q)
             cum = cum * conf.double()
             confident = cum >= min_confidence
             lengths += confident
             if i + 1 < k and min_confidence > 0 and not bool(confident.any()):
                 pad = k - 1 - i  # nobody is confident: stop drafting
                 drafts.extend([tok] * pad)
-                qs.extend([q] * pad if q is not None else [])
                 break
             if i + 1 < k:
                 pos = [n + i for n in committed]
                 batch = Batch.make(pos, one, 1, 0, cache.trash, dev)
                 last = self._step(last[:, None], tok[:, None], batch, cache)[:, 0]
         cache.lens[:b] = committed  # roll back the positions fed with predicted features
-        q_all = torch.stack(qs, dim=1) if qs else None
-        return torch.stack(drafts, dim=1), q_all, lengths.clamp(min=1).tolist()
+        return torch.stack(drafts, dim=1), lengths.clamp(min=1).tolist()

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# Purposes of a uniform at a given token position (each used at most once per decision).
-SAMPLE = 0  # draw the token from p (plain decoding, bonus token, residual after a rejection)
-ACCEPT = 1  # accept/reject a draft token
-DRAFT = 2  # draw a draft token from q (sampled EAGLE drafting)
+# Purpose of a uniform at a given token position: the token plain decoding draws there, which
+# speculative decoding reproduces (spec.py) and EAGLE's sampled drafts are drawn with. Other
+# purposes would take other values.
+SAMPLE = 0
 
 _MASK64 = (1 << 64) - 1
 

@@ -27,8 +27,6 @@ from tltd_workers.engine.kv_cache import KVCache
 from tltd_workers.engine.ngram import NgramDrafter
 from tltd_workers.engine.rows import Seq, row_keys, row_params, top_alternatives
 from tltd_workers.engine.sampling import (
-    ACCEPT,
-    DRAFT,
     SAMPLE,
     RowParams,
     log_probs,
@@ -45,19 +43,17 @@ from tltd_workers.engine.transformer import Batch, CausalLM
 CATCH_UP_BACKLOG = 2
 # The history arm drafts a row from its prompt's history where the history offers at least
 # this many tokens (a shorter walk means a rare or contested continuation) and from the EAGLE
-# drafter elsewhere, in the same verify pass. The choice is a function of the row's context
-# (history drafts are deterministic), not of any draw, so each row keeps its proposal law.
+# drafter elsewhere, in the same verify pass (where that pays: costs.fallback_pays).
 HISTORY_MIN_DRAFT = 4
 
 
 @dataclass
 class _Proposal:
     """A step's drafts: per row the tokens, how many of them to verify and which drafter
-    proposed them; q the drafter's distributions (None: deterministic drafts)."""
+    proposed them."""
 
     drafts: list[list[int]]
     dlen: list[int]
-    q: Tensor | None
     kinds: list[str]
 
 
@@ -212,9 +208,10 @@ class Speculation:
 
     def _verify(self, proposal: _Proposal, params: RowParams) -> _Verified:
         """One target forward over each row's pending token and drafts; the accept rule
-        (spec.py) keeps each row's leading drafts and draws the token after them."""
+        (spec.py) keeps each row's leading drafts that equal what plain decoding would emit,
+        then emits plain decoding's token."""
         seqs, lens, b = self.running, self.cache.lens, len(self.running)
-        dlen, q = proposal.dlen, proposal.q
+        dlen = proposal.dlen
         # Row i feeds its pending token + its dlen[i] drafts (padding to the widest row).
         width = 1 + max(dlen)
         rows = [
@@ -235,12 +232,9 @@ class Speculation:
             logp.exp(),
             draft_t,
             batch.n_new - 1,
-            None if q is None else q[:, : width - 1],
             params.greedy,
-            uniforms(keys, pos[:, :-1], ACCEPT),
             uniforms(keys, pos, SAMPLE),
             logp.argmax(dim=-1),
-            self._q_rows(proposal.kinds, q),
         )
         # Row i emits draft[:n_i] + [next_i]; logprobs come from the target's p (or its raw
         # logits, for rows asking for raw logprobs).
@@ -291,32 +285,30 @@ class Speculation:
     # -- the drafts -----------------------------------------------------------------------------
 
     def _propose(self, strategy: Strategy, params: RowParams) -> _Proposal:
-        """Drafts per row, how many of them to verify, q (None: deterministic drafts) and
-        which drafter proposed each row."""
+        """Drafts per row, how many of them to verify and which drafter proposed each row."""
         seqs, k = self.running, strategy.k
         # Per-row budget: leave room for the target's own token within max_new_tokens (which
         # already includes the max_seq_len limit).
         cap = [min(k, s.max_new - len(s.tokens) - 1) if s.group.speculative else 0 for s in seqs]
         kinds = [strategy.drafter] * len(seqs)
-        q = None
         if strategy.drafter == "eagle":
             cap = [c if s.eagle_ok else 0 for c, s in zip(cap, seqs, strict=True)]
-            drafts_t, q, confident = self._eagle_drafts(seqs, params, k)
+            drafts_t, confident = self._eagle_drafts(seqs, params, k)
             drafts = drafts_t.tolist()
             cap = [min(c, n) for c, n in zip(cap, confident, strict=True)]
         elif strategy.drafter == "history" and self.history is not None:
-            drafts, q = self._history_drafts(seqs, cap, params, kinds)
+            drafts = self._history_drafts(seqs, cap, params, kinds)
         else:
             drafts = [
                 self.ngram.propose(s.group.group_key, s.sample_key, c) if c > 0 else []
                 for s, c in zip(seqs, cap, strict=True)
             ]
         dlen = [min(len(d), c) for d, c in zip(drafts, cap, strict=True)]
-        return _Proposal(drafts, dlen, q, kinds)
+        return _Proposal(drafts, dlen, kinds)
 
     def _history_drafts(
         self, seqs: list[Seq], cap: list[int], params: RowParams, kinds: list[str]
-    ) -> tuple[list[list[int]], Tensor | None]:
+    ) -> list[list[int]]:
         """The history arm: each row's walk over its prompt's history; rows whose walk is
         shorter than HISTORY_MIN_DRAFT take EAGLE drafts instead (`kinds` marks them), when a
         drafter is loaded. EAGLE runs only when some row needs it."""
@@ -332,16 +324,16 @@ class Speculation:
             if c > 0 and len(d) < min(HISTORY_MIN_DRAFT, c) and s.eagle_ok
         ]
         if not fallback or self.drafter is None or self._eagle_k == 0:
-            return drafts, None
+            return drafts
         k = min(self._eagle_k, max(cap))
         if not self._fallback_pays(seqs, drafts, cap, fallback, k):
-            return drafts, None
-        eagle_t, q, confident = self._eagle_drafts(seqs, params, k)
+            return drafts
+        eagle_t, confident = self._eagle_drafts(seqs, params, k)
         eagle = eagle_t.tolist()
         for i in fallback:
             drafts[i] = eagle[i][: min(cap[i], confident[i])]
             kinds[i] = "eagle"
-        return drafts, q
+        return drafts
 
     def _fallback_pays(
         self, seqs: list[Seq], drafts: list[list[int]], cap: list[int], fallback: list[int], k: int
@@ -377,12 +369,6 @@ class Speculation:
             backlog_positions=sum(len(s.eagle_tokens) for s in seqs if s.eagle_ok),
         )
 
-    def _q_rows(self, kinds: list[str], q: Tensor | None) -> Tensor | None:
-        """Rows drafted from q (EAGLE rows of a history step); None: all of them, or no q."""
-        if q is None or all(kind == "eagle" for kind in kinds):
-            return None
-        return torch.tensor([kind == "eagle" for kind in kinds], device=self.device)
-
     def _observe(self, kinds: list[str], dlen: list[int], accepted: list[int]) -> None:
         """Acceptance per drafter: a history step's EAGLE rows count for EAGLE."""
         assert self.gate_state is not None
@@ -390,9 +376,10 @@ class Speculation:
             rows = [i for i, k in enumerate(kinds) if k == kind]
             self.gate_state.observe(kind, [dlen[i] for i in rows], [accepted[i] for i in rows])
 
-    def _eagle_drafts(
-        self, seqs: list[Seq], params: RowParams, k: int
-    ) -> tuple[Tensor, Tensor | None, list[int]]:
+    def _eagle_drafts(self, seqs: list[Seq], params: RowParams, k: int) -> tuple[Tensor, list[int]]:
+        """EAGLE's drafts [B, k] and how many of each row's to verify. A sampled row's draft
+        at a position is drawn from q with the uniform plain decoding draws that position's
+        token with, so that the draft is kept whenever both draws agree (spec.py)."""
         assert self.drafter is not None and self.eagle_cache is not None
         feats = [torch.cat(s.eagle_hidden) if s.eagle_ok and s.eagle_hidden else None for s in seqs]
         toks = [s.eagle_tokens if s.eagle_ok else [] for s in seqs]
@@ -412,22 +399,20 @@ class Speculation:
         keys = row_keys(seqs, self.device)
         base = torch.tensor([len(s.tokens) for s in seqs], device=self.device)
 
-        def choose(logits: Tensor, i: int) -> tuple[Tensor, Tensor | None, Tensor]:
+        def choose(logits: Tensor, i: int) -> tuple[Tensor, Tensor]:
             logq = log_probs(logits, params)
             greedy_tok = logq.argmax(dim=-1)
-            # Confidence = the largest drafter probability: a property of q alone. It must not
-            # depend on the token actually drawn, or dropping unlikely draws would change the
-            # proposal law that the accept rule assumes (and the output would be biased).
+            # Confidence = the largest drafter probability (EAGLE-2's estimate of a chain's
+            # survival); any draft length keeps the output plain decoding's.
             conf = logq.max(dim=-1).values.exp()
             if params.all_greedy:
-                return greedy_tok, None, conf
-            qd = logq.exp()
-            u = uniforms(keys, (base + i)[:, None], DRAFT)[:, 0]
-            return torch.where(params.greedy, greedy_tok, sample_from(qd, u)), qd, conf
+                return greedy_tok, conf
+            u = uniforms(keys, (base + i)[:, None], SAMPLE)[:, 0]
+            return torch.where(params.greedy, greedy_tok, sample_from(logq.exp(), u)), conf
 
-        out = self.drafter.propose(
+        drafts, confident = self.drafter.propose(
             self.eagle_cache, feats, toks, k, choose, self.config.draft_confidence
         )
         for s in seqs:
             s.eagle_hidden, s.eagle_tokens = [], []
-        return out
+        return drafts, confident
