@@ -164,6 +164,11 @@ def print_held_out(scores: dict[str, HeldOutScore]) -> None:
               f"{s.mean_length:.0f}), change {delta:+.3f} +- {se:.3f} "
               f"({_se_ratio(delta, se):+.1f} standard errors)")  # fmt: skip
     if all(m in scores for m in MODES):
+        if scores["off"].rewards == scores["tlt"].rewards:
+            # Seeded samples are the same with SD on and off (docs/sd-statistics.md): two runs
+            # whose updates never parted end on the same policy and score alike.
+            print("  TLT - off at the end: 0 (the same reward on every held-out sample)")
+            return
         delta, se = paired(scores["off"].rewards, scores["tlt"].rewards)
         print(
             f"  TLT - off at the end: {delta:+.3f} +- {se:.3f} "
