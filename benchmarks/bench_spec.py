@@ -289,9 +289,9 @@ def print_workload(runs: list[Run]) -> None:
 
 def print_table(runs: dict[str, list[Run]]) -> None:
     """One row per mode: median wall time and ratio to off over the interleaved repeats, and
-    the longest answer of each run: SD-off's samples are the same in every repeat, while an
-    SD mode's are other draws of the same law in each, so its tail (and wall time) varies
-    with how long its longest answers happen to be."""
+    the longest answer of each run. The accept rule reproduces plain decoding, so every mode
+    samples SD-off's tokens (the same `tokens`, `longest` and `reward` in every row): the
+    wall times compare the same work, tail included."""
     base = runs["off"]
     print(
         "| mode        | wall s | wall vs off (median [min-max]) | tok/s vs off | tokens "
