@@ -92,7 +92,7 @@ class GRPOTrainer:
         lr: float = 5e-5,
         clip: float = 0.2,
         max_grad_norm: float = 1.0,
-        micro_batch_tokens: int = 4096,
+        micro_batch_tokens: int = 1024,
         seed: int = 0,
         token_level: bool = False,
         kl_coef: float = 0.0,
@@ -123,7 +123,11 @@ class GRPOTrainer:
             self.reference.requires_grad_(False)
 
     def _micro_batches(self, batch: list[Scored]) -> list[list[Scored]]:
-        # Sorted by length so that short and long samples do not share padding.
+        # Sorted by length so that short and long samples do not share padding. Small
+        # micro-batches pad less and attend over shorter rows: on the demo's 128 long-tailed
+        # samples (12k output tokens, 2 CPU threads) an update took 6.7-8.2 s at 1,024
+        # tokens per micro-batch, 9.1-10.7 s at 4,096 and 15-18 s at 16,384. The gradient is
+        # the same sum whatever the split.
         ordered = sorted(batch, key=lambda s: len(s.prompt_ids) + len(s.token_ids))
         out: list[list[Scored]] = []
         current: list[Scored] = []
