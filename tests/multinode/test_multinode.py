@@ -128,7 +128,9 @@ def test_a_killed_node_s_work_is_taken_over(cluster: Cluster, ckpt, capsys, capl
     # claims some of them): a client per request that tries node-c first, then the others.
     on_c = [f"kc-{i}" for i in range(4)]
     order = [nodes[2].target, nodes[0].target, nodes[1].target]
-    calls = {rid: partial(_stream_into, target=order, job="kill", rid=rid, max_new_tokens=96)
+    # Long samples (near the workers' 256-position limit): node-c must still hold one of these
+    # units when the test freezes it, and greedy drafts make short ones end within a poll.
+    calls = {rid: partial(_stream_into, target=order, job="kill", rid=rid, max_new_tokens=240)
              for rid in on_c}  # fmt: skip
     caplog.set_level(logging.WARNING, logger="tltd_clients.failover")
     out_c, threads_c, errors_c = _in_threads(calls)
@@ -149,11 +151,17 @@ def test_a_killed_node_s_work_is_taken_over(cluster: Cluster, ckpt, capsys, capl
         "SELECT request_id, prompt_index FROM work_units "
         "WHERE owner_node = 'node-c' AND state = 'leased'"
     )
+    open_kc = (
+        "SELECT count(*) FROM rollout_requests "
+        "WHERE request_id LIKE 'kc-%' AND status IN ('queued', 'running')"
+    )
     while True:
         wait_until(
-            lambda: any(r[0].startswith("kc-") for r in cluster.sql(leased_on_c)),
+            lambda: any(r[0].startswith("kc-") for r in cluster.sql(leased_on_c))
+            or cluster.sql(open_kc) == [(0,)],
             timeout=240, what="node-c holds a unit of a request streamed through it",
         )  # fmt: skip
+        assert cluster.sql(open_kc) != [(0,)], "node-c ended every kc- request before it was frozen"
         # Frozen first, so that what it holds is what it held when it died.
         os.killpg(nodes[2].proc.pid, signal.SIGSTOP)
         held = {(r[0], r[1]) for r in cluster.sql(leased_on_c)}
