@@ -311,7 +311,8 @@ class Speculation:
     ) -> list[list[int]]:
         """The history arm: each row's walk over its prompt's history; rows whose walk is
         shorter than HISTORY_MIN_DRAFT take EAGLE drafts instead (`kinds` marks them), when a
-        drafter is loaded. EAGLE runs only when some row needs it."""
+        drafter is loaded and the bucket's costs say that pays (`_fallback_pays`); otherwise
+        they keep their short walks. EAGLE runs only when some row needs it."""
         assert self.history is not None
         hist = self.history
         drafts = [
