@@ -120,6 +120,7 @@ class JobView:
     # lifted level with the busy ones (`tltd.supervisor.fair_share`), not with credit.
     served_tokens: int = 0
     fresh_samples: int = 0  # finished samples not yet used for drafter training
+    buffered_samples: int = 0  # samples its drafter's trainer can train on now, fresh or not
     last_training_at: float | None = None
     # Its last round was preempted before its steps were done: that round resumes on the next
     # idle device without waiting for fresh samples or the cadence (the cadence spaces rounds;
@@ -545,9 +546,12 @@ def _new_round_due(j: JobView, now: float, cfg: SchedulerConfig) -> bool:
     """Enough fresh samples, and the cadence since the last round's start has passed. With
     `train_during_rollout_only`, the idle devices of the job's own rollout are what training is
     for, and they last seconds: a round that ended there is followed at once by the next one,
-    on any fresh sample (the cadence spaces rounds on devices idle between requests)."""
+    on any fresh sample, or on the samples its trainer holds when none finished meanwhile
+    (a tail's last samples run for seconds, and the device would sit idle; the promotion gate
+    still decides whether the extra steps are kept). The cadence spaces rounds on devices idle
+    between requests."""
     if cfg.train_during_rollout_only:
-        return j.fresh_samples > 0
+        return j.fresh_samples > 0 or j.buffered_samples > 0
     if j.fresh_samples < cfg.min_fresh_samples:
         return False
     return j.last_training_at is None or now - j.last_training_at >= cfg.training_cadence_seconds

@@ -689,13 +689,17 @@ def test_rollout_window_training_starts_in_the_jobs_tail_not_after_it():
     [
         ("a round just ended, fresh samples since", JobView("j", fresh_samples=3,
                                                             last_training_at=99.0), ["cpu:0"]),
-        ("nothing new since the last round", JobView("j", fresh_samples=0,
-                                                     last_training_at=99.0), []),
+        ("nothing new, the trainer holds samples", JobView("j", fresh_samples=0,
+                                                           buffered_samples=40,
+                                                           last_training_at=99.0), ["cpu:0"]),
+        ("nothing new and nothing to train on", JobView("j", fresh_samples=0,
+                                                        last_training_at=99.0), []),
     ],
 )  # fmt: skip
 def test_rollout_window_rounds_follow_each_other_in_the_tail(name, job, expected):
-    """In the job's tail the next round needs neither the cadence nor min_fresh_samples: the
-    idle device is there for seconds only."""
+    """In the job's tail the next round needs neither the cadence nor min_fresh_samples, nor
+    even a sample finished since the last round: the idle device is there for seconds only,
+    and the tail's last samples may all still be running."""
     tail = snap([dev(0), dev(1)], [wk(0, idle_since=0.0), wk(1, running=2)], jobs=[job])
     assert [t.device_id for t in schedule(tail, ROLLOUT_ONLY).start_training] == expected, name
     assert schedule(tail, CFG).start_training == ()  # the default window waits the cadence

@@ -7,6 +7,7 @@ import pytest
 from tltd.domain import Device, DeviceKind, DeviceState, Job
 from tltd.scheduler import TrainingView
 from tltd.supervisor.snapshot import build_snapshot, device_view
+from tltd.supervisor.training_hook import JobTraining
 from tltd.supervisor.work_queue import WorkQueue
 from tltd.supervisor.worker_process import Load, LoadKind, Phase, WorkerHandle
 
@@ -44,7 +45,7 @@ class Hook:
         return (TrainingView("cpu:9", "j"),)
 
     def job_view(self, job_id):
-        return (7, 1.5, True)
+        return JobTraining(7, 1.5, True, buffered=12)
 
 
 def snap(handles, jobs=("j", "k"), training=None):
@@ -76,6 +77,6 @@ def test_job_accounts_come_from_the_training_hook_and_served_tokens():
     s = snap([handle(0)], training=Hook())
     j = next(j for j in s.jobs if j.job_id == "j")
     got = (j.served_tokens, j.fresh_samples, j.last_training_at, j.round_cut_short)
-    assert got == (40, 7, 1.5, True) and j.online_training
+    assert got == (40, 7, 1.5, True) and j.buffered_samples == 12 and j.online_training
     assert s.training == (TrainingView("cpu:9", "j"),)
     assert not any(j.online_training for j in snap([handle(0)]).jobs)  # no hook: no training

@@ -21,6 +21,7 @@ from tltd.services import build_services
 from tltd.services.jobs import NewJob
 from tltd.supervisor import Supervisor
 from tltd.supervisor.policy_updates import PolicyUpdates
+from tltd.supervisor.training_hook import JobTraining
 from tltd.supervisor.worker_process import Phase
 
 
@@ -34,7 +35,7 @@ class HungryTraining:
         return ()
 
     def job_view(self, job_id):
-        return 10_000, None, False
+        return JobTraining(10_000, None, False)
 
     def on_sample(self, job_id, prompt, sample) -> None:
         pass

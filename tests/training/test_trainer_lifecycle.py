@@ -111,11 +111,13 @@ def test_a_round_cut_short_is_reported_resumable_and_an_ended_one_is_not(
         await until(lambda: run.phase == "training" and run.step >= 1, "a step taken")
         await training.preempt("cpu:0", "rollout work waiting")
         await until(lambda: run.phase == "idle", "device free")
-        assert training.job_view("job")[2] is True  # the scheduler resumes it at once
+        assert training.job_view("job").cut_short is True  # the scheduler resumes it at once
         run.round_target = run.step + 1  # let it end: one more step
         await training.start("cpu:0", "job")
         await until(lambda: run.phase == "idle", "round over")
-        assert training.job_view("job")[2] is False  # a new round waits for the cadence
+        assert training.job_view("job").cut_short is False  # a new round waits its rule
+        # What a round in a rollout's tail trains on: 8 finished, every third held out.
+        assert training.job_view("job").buffered == 6
         await training.close()
 
     asyncio.run(main())

@@ -54,6 +54,7 @@ from tltd.errors import Fenced
 from tltd.metrics import METRICS
 from tltd.scheduler import TrainingView
 from tltd.settings import Settings
+from tltd.supervisor.training_hook import JobTraining
 from tltd.supervisor.worker_pipe import HeartbeatStamp, join_or_kill, serve_pipe
 
 if TYPE_CHECKING:
@@ -91,14 +92,15 @@ class DrafterTraining:
             TrainingView(r.device_id, r.job_id) for r in self._runs.values() if r.phase in HOLDING
         )
 
-    def job_view(self, job_id: str) -> tuple[int, float | None, bool]:
+    def job_view(self, job_id: str) -> JobTraining:
         fresh = self.samples.fresh[job_id]
         if self.cluster:
             self.leases.asked.add(job_id)
             fresh = max(fresh, self.leases.backlog.get(job_id, 0))
         run = self._runs.get(job_id)
         cut_short = run is not None and run.round_open and (run.phase == "idle" or run.gave_way)
-        return fresh, self._last_start.get(job_id), cut_short
+        last = self._last_start.get(job_id)
+        return JobTraining(fresh, last, cut_short, self.samples.buffered(job_id))
 
     def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
         item = training_sample(prompt, sample.token_ids, sample.policy_version)

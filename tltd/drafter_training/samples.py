@@ -70,6 +70,10 @@ class SampleBuffers:
         self._unsent.pop(job_id, None)
         return tuple(self._recent.get(job_id, ()))
 
+    def buffered(self, job_id: str) -> int:
+        """How many samples a trainer of the job holds (or is given when it starts)."""
+        return len(self._recent.get(job_id, ()))
+
     def take_unsent(self, job_id: str) -> list[proto.TrainingSample]:
         return self._unsent.pop(job_id, [])
 

@@ -11,9 +11,11 @@ from dataclasses import replace
 
 from tltd.domain import Device, Job, PolicySwitch
 from tltd.scheduler import DeviceView, JobView, RolloutWorkerView, Snapshot
-from tltd.supervisor.training_hook import TrainingHook
+from tltd.supervisor.training_hook import JobTraining, TrainingHook
 from tltd.supervisor.work_queue import WorkQueue
 from tltd.supervisor.worker_process import Phase, WorkerHandle
+
+NO_TRAINING = JobTraining(0, None, False)
 
 
 def device_view(d: Device) -> DeviceView:
@@ -58,16 +60,17 @@ def build_snapshot(
     loading = {s.policy_load for s in handles if s.policy_load}
     job_views = []
     for j in jobs:
-        fresh, last, cut_short = training.job_view(j.job_id) if training else (0, None, False)
+        view = JobTraining(*training.job_view(j.job_id)) if training else NO_TRAINING
         job_views.append(
             JobView(
                 j.job_id,
                 weight=j.weight,
                 priority=j.priority,
                 served_tokens=served_tokens.get(j.job_id, 0),
-                fresh_samples=fresh,
-                last_training_at=last,
-                round_cut_short=cut_short,
+                fresh_samples=view.fresh,
+                buffered_samples=view.buffered,
+                last_training_at=view.last_started,
+                round_cut_short=view.cut_short,
                 policy_updating=j.job_id in loading,
                 online_training=training is not None and j.speculative.online_training,
             )

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from tltd.domain import Sample
 from tltd.scheduler import TrainingView
+
+
+class JobTraining(NamedTuple):
+    """What the scheduler sees of one job's drafter training."""
+
+    fresh: int  # finished samples since its last round started
+    last_started: float | None  # when that round started (monotonic)
+    cut_short: bool  # that round was preempted before its steps were done
+    buffered: int = 0  # samples its trainer can train on now, fresh or not
 
 
 class TrainingHook(Protocol):
@@ -17,10 +26,7 @@ class TrainingHook(Protocol):
 
     def views(self) -> tuple[TrainingView, ...]: ...
 
-    def job_view(self, job_id: str) -> tuple[int, float | None, bool]:
-        """(fresh samples not yet trained on, when its last round started, whether that round
-        was preempted before its steps were done) for a job."""
-        ...
+    def job_view(self, job_id: str) -> JobTraining: ...
 
     def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
         """A complete sample (stop/length) for the training buffer: tokens = prompt +
