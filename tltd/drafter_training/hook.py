@@ -37,6 +37,7 @@ import asyncio
 import logging
 import math
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +49,7 @@ from tltd.drafter_training.lease import DrafterLeases
 from tltd.drafter_training.ordered import Inbox, OrderedWrites
 from tltd.drafter_training.runs import HOLDING, Preemption, TrainerProcess, TrainerRun
 from tltd.drafter_training.samples import SampleBuffers, training_sample
-from tltd.drafter_training.spawn import new_trainer, policy_config
+from tltd.drafter_training.spawn import import_trainer_code, new_trainer, policy_config
 from tltd.drafter_training.versions import active_drafter, publish, record
 from tltd.errors import Fenced
 from tltd.metrics import METRICS
@@ -84,6 +85,10 @@ class DrafterTraining:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: Inbox[tuple[TrainerRun, proto.FromTrainer | None]] | None = None
         self._writes: OrderedWrites | None = None
+        # The trainer's code (and torch with it) is imported into the daemon by the first
+        # round's `new_trainer`: seconds on a loaded node, which outlasted a rollout's tail
+        # and left the first round unspawned. Imported now, in the background, it is ready.
+        threading.Thread(target=import_trainer_code, name="trainer-import", daemon=True).start()
 
     # ---- the TrainingHook protocol (event loop) ------------------------------------------
 

@@ -4,6 +4,7 @@ trainer's own code (it runs in the process it spawns)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,17 @@ from tltd.settings import Settings
 
 if TYPE_CHECKING:
     from tltd.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def import_trainer_code() -> None:
+    """What `new_trainer` imports (torch with it), ahead of the first round (any thread)."""
+    try:
+        import tltd_workers.drafter.trainer  # noqa: F401
+        import tltd_workers.drafter.trainer_process  # noqa: F401
+    except Exception:  # the first round's import says why, where its failure is handled
+        log.debug("trainer code not imported ahead", exc_info=True)
 
 
 def new_trainer(
