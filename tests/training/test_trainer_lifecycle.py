@@ -13,6 +13,7 @@ import time
 
 from tests.rollout.support import pid_alive
 from tests.training.conftest import training_settings, until
+from tltd.contract import drafter_messages as proto
 from tltd.devices import cpu_devices
 from tltd.domain import DeviceState, FinishReason, Job, Sample, WorkerState
 from tltd.drafter_training import DrafterTraining
@@ -121,6 +122,21 @@ def test_a_round_cut_short_is_reported_resumable_and_an_ended_one_is_not(
         await training.close()
 
     asyncio.run(main())
+
+
+def test_a_trainer_that_found_nothing_to_train_on_waits_for_a_new_sample(sqlite_store, tmp_path):
+    """In a rollout's tail a round follows the last while the trainer holds samples; one whose
+    round ended with no data (Idle "no_data") holds none worth another round until a sample
+    arrives, or rounds would start and end at every tick."""
+    training = DrafterTraining(sqlite_store, training_settings(tmp_path))
+    for i in range(4):
+        training.on_sample("job", (1, 2, 3), _sample(i))
+    assert training.job_view("job").buffered == 3  # every third held out
+    run = training._runs["job"] = TrainerRun("job", "cpu:0", "cpu", 0, phase="training")
+    asyncio.run(training._handle((run, proto.Idle("no_data", 0))))
+    assert run.phase == "releasing" and training.job_view("job").buffered == 0
+    training.on_sample("job", (1, 2, 3), _sample(4))
+    assert training.job_view("job").buffered == 4
 
 
 def test_no_trainer_is_spawned_once_close_began(sqlite_store, tmp_path, monkeypatch):

@@ -105,12 +105,17 @@ class DrafterTraining:
         run = self._runs.get(job_id)
         cut_short = run is not None and run.round_open and (run.phase == "idle" or run.gave_way)
         last = self._last_start.get(job_id)
-        return JobTraining(fresh, last, cut_short, self.samples.buffered(job_id))
+        # A trainer that found nothing to train on holds nothing the next round could use.
+        buffered = 0 if run is not None and run.starved else self.samples.buffered(job_id)
+        return JobTraining(fresh, last, cut_short, buffered)
 
     def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
         item = training_sample(prompt, sample.token_ids, sample.policy_version)
         if item is None:
             return
+        run = self._runs.get(job_id)
+        if run is not None:
+            run.starved = False
         if self.cluster:
             self.samples.fresh[job_id] += 1  # a hint: training reads every node's samples by cursor
             return
@@ -442,6 +447,7 @@ class DrafterTraining:
                 run.step, run.loss = r.step, r.loss
             case proto.Idle(reason=reason) if run.phase == "training":
                 run.round_open = False  # its steps done, or no data left to train on
+                run.starved = reason == "no_data"
                 await self._end_round(run, f"round done at step {run.step} ({reason})")
             case proto.Measured():
                 await self._on_measured(run, m)

@@ -70,6 +70,8 @@ class TrainerRun:
     # preempted meanwhile, it resumes on the next idle device without waiting the cadence.
     round_open: bool = True
     gave_way: bool = False  # preempted before its trainer was spawned (stopped, nothing lost)
+    # Its last round ended with nothing to train on: only a new sample makes the next worth it.
+    starved: bool = False
     # A Measure was sent and not answered yet: one given up for a preemption is asked again
     # when the run next gets a device, before any further training.
     measure_due: bool = False

@@ -60,7 +60,7 @@ def build_snapshot(
     loading = {s.policy_load for s in handles if s.policy_load}
     job_views = []
     for j in jobs:
-        view = JobTraining(*training.job_view(j.job_id)) if training else NO_TRAINING
+        view = training.job_view(j.job_id) if training else NO_TRAINING
         job_views.append(
             JobView(
                 j.job_id,
