@@ -48,11 +48,13 @@ JOBS = {"train-on": True, "train-off": False}
 
 
 def window(daemon: Daemon, before: dict[str, float]) -> tuple[float, float]:
-    """Training and idle device-seconds since `before`."""
+    """Training and idle device-seconds since `before`; a trainer's start-up (the device held
+    for training, its trainer not up yet) counts as idle."""
     after = daemon.device_seconds()
+    loading = after.get("loading", 0.0) - before.get("loading", 0.0)
     return (
-        after.get("training", 0.0) - before.get("training", 0.0),
-        after.get("idle", 0.0) - before.get("idle", 0.0),
+        after.get("training", 0.0) - before.get("training", 0.0) - loading,
+        after.get("idle", 0.0) - before.get("idle", 0.0) + loading,
     )
 
 

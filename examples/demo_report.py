@@ -59,13 +59,21 @@ class Window:
     rollout_training: float = 0.0
     update_idle: float = 0.0
     update_training: float = 0.0
+    # Of the training device-seconds: those its trainer spent starting up (held, not training).
+    rollout_loading: float = 0.0
+
+    @property
+    def rollout_trained(self) -> float:
+        """Device-seconds of the rollout window in which drafter training ran."""
+        return self.rollout_training - self.rollout_loading
 
     @property
     def harvested(self) -> float:
         """Share of the rollout window's idle device-seconds that drafter training used (a
-        training device has no rollout work: it would be idle otherwise)."""
+        training device has no rollout work: it would be idle otherwise). A trainer's start
+        (spawn to ready) is not counted as training."""
         free = self.rollout_idle + self.rollout_training
-        return self.rollout_training / free if free else 0.0
+        return self.rollout_trained / free if free else 0.0
 
 
 def reward_trend(rows: list[StepRow]) -> tuple[float, float]:
@@ -192,12 +200,14 @@ def print_harvest(rows: list[StepRow]) -> None:
     if not rows:
         return
     idle = sum(r.window.rollout_idle + r.window.rollout_training for r in rows)
-    used = sum(r.window.rollout_training for r in rows)
+    used = sum(r.window.rollout_trained for r in rows)
+    loading = sum(r.window.rollout_loading for r in rows)
     upd = sum(r.window.update_training for r in rows)
     per_step = [f"{100 * r.window.harvested:.0f}%" for r in rows]
     print(f"idle device-seconds in rollout windows used by drafter training: {per_step}, total "
-          f"{used:.1f} of {idle:.1f} ({100 * used / idle if idle else 0.0:.0f}%); "
-          f"training during the updates {upd:.1f} device-s")  # fmt: skip
+          f"{used:.1f} of {idle:.1f} ({100 * used / idle if idle else 0.0:.0f}%; trainer "
+          f"start-up, not counted: {loading:.1f}); training during the updates {upd:.1f} "
+          f"device-s")  # fmt: skip
 
 
 def print_sampling_law(results: dict[str, list[StepRow]]) -> None:

@@ -121,6 +121,9 @@ class Daemon:
         env["TLTD_TRAINING_CADENCE_SECONDS"] = "5"
         env["TLTD_TRAINING_STEPS_PER_ROUND"] = "16"
         env["TLTD_TRAINING_HELD_OUT_SAMPLES"] = "8"
+        # The drafter's trainer is spawned at the job's first sample and waits, loaded, for
+        # the first tail: its start-up (seconds here) would otherwise take that tail.
+        env["TLTD_TRAINING_WARM_START"] = "true"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
@@ -143,7 +146,8 @@ class Daemon:
         self.http_url = f"http://127.0.0.1:{http_port_file.read_text().strip()}" if http else ""
 
     def device_seconds(self) -> dict[str, float]:
-        """Device-seconds so far per device state, summed over devices (metrics endpoint)."""
+        """Device-seconds so far per device state, summed over devices (metrics endpoint), and
+        "loading": those of a training device whose trainer was still starting up."""
         from prometheus_client.parser import text_string_to_metric_families
 
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -154,6 +158,8 @@ class Daemon:
             for s in family.samples:
                 if s.name == "tltd_device_state_seconds_total":
                     out[s.labels["state"]] = out.get(s.labels["state"], 0.0) + s.value
+                elif s.name == "tltd_device_trainer_loading_seconds_total":
+                    out["loading"] = out.get("loading", 0.0) + s.value
         return out
 
     def stop(self) -> int:
@@ -354,6 +360,7 @@ def windows(start, rollout_end, update_start, end) -> Window:
     return Window(
         rollout_idle=delta(start, rollout_end, "idle"),
         rollout_training=delta(start, rollout_end, "training"),
+        rollout_loading=delta(start, rollout_end, "loading"),
         update_idle=delta(update_start, end, "idle"),
         update_training=delta(update_start, end, "training"),
     )

@@ -12,6 +12,7 @@ Other parts of the daemon call the update methods of the process-wide `METRICS` 
     METRICS.observe_engine_summary(device_id, previous, current)  # EngineStats.summary()s
     METRICS.set_queue_depth(job_id, samples_waiting)
     METRICS.set_device_state(device_id, "rollout" | "idle" | "training" | "unavailable")
+    METRICS.set_trainer_loading(device_id, True)  # a TRAINING device whose trainer is loading
     METRICS.set_drafter_version(job_id, version); METRICS.set_policy_version(job_id, version)
     METRICS.record_preemption(device_id, reason="rollout_arrived", latency_seconds=0.12)
     METRICS.record_worker_failure(worker_id, cause="oom_kill" | "exited" | "killed")
@@ -104,6 +105,31 @@ class _DeviceClock(Collector):
                 current.add_metric([device, s], 1.0 if s == state else 0.0)
         yield seconds
         yield current
+
+
+class _TrainerLoadingClock(Collector):
+    """Seconds each device spent recorded TRAINING while its trainer process was still starting
+    (spawned, loading its target and drafter): device-seconds held for training in which no
+    training ran. Exact at every scrape, as the device clock is."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._states = _DeviceClock(clock)
+
+    def set_loading(self, device_id: str, loading: bool) -> None:
+        self._states.set_state(device_id, "loading" if loading else "other")
+
+    def seconds(self) -> dict[str, float]:
+        return {d: v for (d, s), v in self._states.seconds().items() if s == "loading"}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "tltd_device_trainer_loading_seconds",
+            "Seconds a device recorded training spent waiting for its drafter trainer to load",
+            labels=["device_id"],
+        )
+        for device, value in sorted(self.seconds().items()):
+            family.add_metric([device], value)
+        yield family
 
 
 @dataclass
@@ -296,11 +322,13 @@ class Metrics:
         for attr, declared in _DECLARED.items():
             setattr(self, attr, declared.build(self.registry))
         self._devices = _DeviceClock(clock)
+        self._loading = _TrainerLoadingClock(clock)
         self._spec = _SpecRatios()
         self._jobs_lock = threading.Lock()
         self._jobs: set[str] = set()  # jobs with per-job gauges (what forget_job drops)
         self._sample_series: dict[str, _SampleSeries] = {}
         self.registry.register(self._devices)
+        self.registry.register(self._loading)
         self.registry.register(self._spec)
 
     # -- rollout -------------------------------------------------------------------------------
@@ -414,6 +442,14 @@ class Metrics:
     def device_seconds(self) -> dict[tuple[str, str], float]:
         """(device_id, state) -> seconds so far (what the endpoint exports)."""
         return self._devices.seconds()
+
+    def set_trainer_loading(self, device_id: str, loading: bool) -> None:
+        """Whether the trainer holding `device_id` (TRAINING) is still starting up."""
+        self._loading.set_loading(device_id, loading)
+
+    def trainer_loading_seconds(self) -> dict[str, float]:
+        """device_id -> seconds so far TRAINING with the trainer loading."""
+        return self._loading.seconds()
 
     def set_drafter_version(self, job_id: str, version: int) -> None:
         self.drafter_version.labels(job_id).set(version)

@@ -81,6 +81,11 @@ class Settings:
     # fresh sample (no cadence, no minimum).
     training_window: str = "idle"
     training_steps_per_round: int = 50  # optimizer steps; a version is published after each
+    # Spawn a job's trainer at its first finished sample and keep it idle until its first
+    # round, so that round trains from the start of an idle window instead of loading torch,
+    # the target and the drafter through it (seconds: a rollout's whole tail on a small node).
+    # It holds that memory from then on. Single node, CPU devices only.
+    training_warm_start: bool = False
     training_buffer_bytes: int = 64 << 20  # the trainer's sample buffer (token ids only)
     # Drafter positions per packed training row; a longer sample trains as several windows,
     # each attending to at most this many positions. All windows of a micro-step's samples

@@ -111,6 +111,27 @@ def test_device_state_seconds_include_the_open_interval():
     assert m.device_seconds()[("cpu:0", "idle")] == 2.0
 
 
+def test_trainer_loading_seconds_count_only_while_the_trainer_starts():
+    clock = FakeClock()
+    m = Metrics(clock=clock)
+    m.set_device_state("cpu:0", "training")
+    m.set_trainer_loading("cpu:0", True)
+    clock.now += 3  # spawned, loading: held for training, not training
+    m.set_trainer_loading("cpu:0", False)
+    clock.now += 4  # up and training
+    m.set_trainer_loading("cpu:0", True)  # a second start
+    clock.now += 1  # open interval: counted at scrape time
+
+    def loading() -> float | None:
+        return value(m, "tltd_device_trainer_loading_seconds_total", device_id="cpu:0")
+
+    assert loading() == 4.0
+    assert value(m, "tltd_device_state_seconds_total", device_id="cpu:0", state="training") == 8
+    m.set_trainer_loading("cpu:0", False)
+    clock.now += 10
+    assert loading() == 4.0 and m.trainer_loading_seconds() == {"cpu:0": 4.0}
+
+
 def test_versions_queue_preemptions_and_forget_job():
     m = Metrics()
     m.set_queue_depth("j", 12)

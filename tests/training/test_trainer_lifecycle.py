@@ -15,9 +15,10 @@ from tests.rollout.support import pid_alive
 from tests.training.conftest import training_settings, until
 from tltd.contract import drafter_messages as proto
 from tltd.devices import cpu_devices
-from tltd.domain import DeviceState, FinishReason, Job, Sample, WorkerState
+from tltd.domain import DeviceState, FinishReason, Job, Sample, SpeculativeConfig, WorkerState
 from tltd.drafter_training import DrafterTraining
 from tltd.drafter_training.runs import TrainerRun
+from tltd.metrics import METRICS
 from tltd.periodic import build_scheduler, reap_trainers
 from tltd_workers.drafter.trainer_process import TrainerProcess
 
@@ -300,3 +301,44 @@ def test_a_preempted_round_resumes_towards_its_own_end(sqlite_store, tmp_path, c
         await training.close()
 
     asyncio.run(main())
+
+
+def test_a_warm_started_trainer_waits_loaded_and_its_first_round_trains_at_once(
+    sqlite_store, tmp_path, ckpt
+):
+    """`training_warm_start`: a job's first finished sample spawns its trainer, which loads
+    holding no device; the first round then takes that process, with no start-up counted as
+    training. A job without online training gets none."""
+    store = sqlite_store
+    _setup(store, ckpt)
+    store.create_job(Job("frozen", str(ckpt), speculative=SpeculativeConfig(online_training=False)))
+    training = DrafterTraining(store, training_settings(tmp_path, training_warm_start=True))
+
+    async def main() -> None:
+        for i in range(4):
+            training.on_sample("job", (1, 2, 3), _sample(i))
+            training.on_sample("frozen", (1, 2, 3), _sample(i))
+        await until(lambda: "job" in training._runs, "a warm start")
+        run = training._runs["job"]
+        await until(lambda: run.phase == "idle", "the warm trainer up", timeout=120)
+        # Up, holding nothing: the device is idle, the scheduler sees no training and no
+        # round to resume.
+        assert run.device_id == "" and store.get_device("cpu:0").state is DeviceState.IDLE
+        assert training.views() == () and training.job_view("job").cut_short is False
+        assert "frozen" not in training._runs
+        pid, loading = run.worker.proc.pid, METRICS.trainer_loading_seconds().get("cpu:0", 0.0)
+
+        await training.start("cpu:0", "job")
+        # The same process trains at once: no spawn, no start-up on the device.
+        assert training._runs["job"] is run and run.phase == "training"
+        assert run.worker.proc.pid == pid and run.device_id == "cpu:0"
+        assert store.get_device("cpu:0").state is DeviceState.TRAINING
+        assert METRICS.trainer_loading_seconds().get("cpu:0", 0.0) == loading
+        await until(lambda: run.step >= 1, "a step taken on the warm trainer")
+        await training.close()
+
+    asyncio.run(main())
+    reasons = [e.reason for e in store.list_events("worker", "drafter-job")]
+    assert sum("spawning" in r for r in reasons) == 1, reasons
+    assert any("warm start" in r for r in reasons) and any(r.endswith("; idle") for r in reasons)
+    assert store.get_device("cpu:0").state is DeviceState.IDLE

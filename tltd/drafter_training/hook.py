@@ -78,6 +78,7 @@ class DrafterTraining:
         self.preemptions: list[Preemption] = []
         self.fenced: list[tuple[str, int]] = []  # (job, lease epoch) of publishes refused
         self._runs: dict[str, TrainerRun] = {}
+        self._warmed: set[str] = set()  # jobs whose trainer was spawned ahead (or judged not to)
         self._last_start: dict[str, float] = {}
         self._closed = False
         self._closing: asyncio.Future | None = None
@@ -116,6 +117,10 @@ class DrafterTraining:
         run = self._runs.get(job_id)
         if run is not None:
             run.starved = False
+        elif self.settings.training_warm_start and job_id not in self._warmed:
+            self._warmed.add(job_id)
+            self._ensure_loop()
+            asyncio.ensure_future(self._warm(job_id))
         if self.cluster:
             self.samples.fresh[job_id] += 1  # a hint: training reads every node's samples by cursor
             return
@@ -169,8 +174,29 @@ class DrafterTraining:
             new.start_version = lease.published_version
         new.replaces = run if alive else None
         self._runs[job_id] = new
+        METRICS.set_trainer_loading(device_id, True)  # held, not training until its Ready
         start_version = new.start_version or job.drafter_version
         new.launch = asyncio.ensure_future(self._launch(new, start_version, reason))
+
+    async def _warm(self, job_id: str) -> None:
+        """`training_warm_start`: spawn the job's trainer at its first finished sample, on the
+        CPU, and leave it idle, so that its first round trains from the first second of an
+        idle window instead of loading through it. Single node, CPU devices only: a trainer
+        on an accelerator loads onto the device it is given."""
+        if self.cluster or self._closed:
+            return
+        job = await asyncio.to_thread(self.store.get_job, job_id)
+        devices = await asyncio.to_thread(self.store.list_devices)
+        cpu_only = bool(devices) and all(d.kind is DeviceKind.CPU for d in devices)
+        if not (job.speculative.online_training and cpu_only):
+            return
+        if self._closed or job_id in self._runs:  # a round started meanwhile
+            return
+        # No round asked yet (round_open False): the scheduler's rule starts the first one.
+        run = TrainerRun(job_id, "", "cpu", job.policy_version, phase="warming", round_open=False)
+        self._runs[job_id] = run
+        reason = f"warm start: job {job_id}'s first samples are in; waits for an idle device"
+        run.launch = asyncio.ensure_future(self._launch(run, job.drafter_version, reason))
 
     async def preempt(self, device_id: str, reason: str) -> None:
         """Ask the training on `device_id` to yield now; `device_free` completes it."""
@@ -217,7 +243,8 @@ class DrafterTraining:
                 await asyncio.to_thread(worker.kill)
             await self._record(run, WorkerState.STOPPING, why)
             await self._record(run, WorkerState.STOPPED, f"{why}; killed while starting")
-            await self._set_device(run.device_id, DeviceState.IDLE, why)
+            if run.device_id:  # a warm start holds no device
+                await self._set_device(run.device_id, DeviceState.IDLE, why)
             return
         if run.alive:
             await self._stop_run(run, why)
@@ -318,9 +345,15 @@ class DrafterTraining:
             closed=lambda: self._inbox_put(run, None),
         )
         resumed = f", resumed from {ready.resumed_from}" if ready.resumed_from else ""
-        await self._record(run, WorkerState.READY, f"up at step {run.step}{resumed}")
         # A new process has an empty buffer: refill it with the recent samples.
         run.send(proto.AddSamples(self.samples.recent(run.job_id)))
+        if run.phase == "warming":
+            run.phase = "idle"
+            await self._record(run, WorkerState.READY, f"up at step {run.step}{resumed}; idle")
+            self._kick()
+            return
+        METRICS.set_trainer_loading(run.device_id, False)
+        await self._record(run, WorkerState.READY, f"up at step {run.step}{resumed}")
         if run.phase == "preempting":  # preempted while loading: free the device at once
             run.send(proto.Preempt())
             return
@@ -381,9 +414,11 @@ class DrafterTraining:
         run.stopped.set()
         if run.phase == "stopped":  # `close` gave up on it first, and recorded that
             return
+        holding = run.holding
         run.phase = "stopped"
         await self._record(run, state, why)
-        await self._set_device(run.device_id, DeviceState.IDLE, why)
+        if holding:  # not a warm start's (which holds no device)
+            await self._set_device(run.device_id, DeviceState.IDLE, why)
         await self._release_lease(run)
         self._kick()
 
@@ -524,6 +559,8 @@ class DrafterTraining:
 
     async def _set_device(self, device_id: str, state: DeviceState, why: str) -> None:
         METRICS.set_device_state(device_id, state.value)  # exact training seconds
+        if state is not DeviceState.TRAINING:
+            METRICS.set_trainer_loading(device_id, False)
         await self._write(self.store.set_device_state, device_id, state, why)
 
     async def _on_died(self, run: TrainerRun, why: str) -> None:

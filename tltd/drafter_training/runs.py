@@ -55,7 +55,8 @@ class TrainerRun:
     # The loaded target's config.json (set at spawn): a new policy version with the same one
     # is loaded into the running trainer in place (`SetPolicy`), another needs a new process.
     policy_config: dict | None = None
-    # starting|training|publishing|releasing|preempting|idle|stopping|stopped
+    # warming|starting|training|publishing|releasing|preempting|idle|stopping|stopped
+    # (warming: spawned ahead of its first round, holding no device; `training_warm_start`)
     phase: str = "starting"
     worker: TrainerProcess | None = None
     spawning: TrainerProcess | None = None  # while the launch waits for its Ready
