@@ -379,7 +379,7 @@ def run_all(
     and the next starts once no device is training.
     """
     dataset = build_dataset(cfg.prompts, cfg.train_prompts, cfg.held_out_prompts, model_dir=model)
-    scores = {"initial": evaluate(daemon, model, dataset, cfg, "initial policy")}
+    scores = {"initial": evaluate(daemon, model, dataset, cfg, "initial policy", drafter)}
     print(f"\n{HEADER}", flush=True)
     results = {}
     for mode in MODES:
@@ -394,20 +394,30 @@ def run_all(
             run.close()
         results[mode] = run.rows
         final = run.trainer.save(work_dir / f"final-{mode}")
-        scores[mode] = evaluate(daemon, final, dataset, cfg, f"{mode} final policy")
+        scores[mode] = evaluate(daemon, final, dataset, cfg, f"{mode} final policy", drafter)
     return results, scores
 
 
 def evaluate(
-    daemon: Daemon, checkpoint: Path, dataset: TaskDataset, cfg: DemoConfig, label: str
+    daemon: Daemon,
+    checkpoint: Path,
+    dataset: TaskDataset,
+    cfg: DemoConfig,
+    label: str,
+    drafter: Path | None = None,
 ) -> HeldOutScore:
-    """The held-out score of a policy, rolled out by the daemon in a job of its own
-    (speculative decoding and drafter training off, every device: the seeded samples are the
-    same in every run) and cancelled afterwards."""
+    """The held-out score of a policy, rolled out by the daemon in a job of its own (drafter
+    training off, every device) and cancelled afterwards. With `drafter` (the offline one,
+    frozen) the job speculates: the accept rule gives a seeded sample the same law with SD on
+    or off, and every policy is scored the same way, so the scores still pair up sample by
+    sample, and the long held-out tail takes about half the time."""
     t0 = time.perf_counter()
     job_id = f"held-out-{label.replace(' ', '-')}"
     with RolloutClient(daemon.target) as client:
-        client.create_job(checkpoint, job_id=job_id, speculative="off", online_training=False)
+        client.create_job(
+            checkpoint, job_id=job_id, speculative="auto" if drafter else "off",
+            online_training=False, initial_drafter=drafter,
+        )  # fmt: skip
         samples = client.generate(
             [ids for _, ids in dataset.held_out], n=cfg.held_out_n, temperature=1.0,
             max_new_tokens=cfg.max_new_tokens, stop_token_ids=[STOP_TOKEN_ID],
