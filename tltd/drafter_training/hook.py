@@ -185,8 +185,13 @@ class DrafterTraining:
         on an accelerator loads onto the device it is given."""
         if self.cluster or self._closed:
             return
-        job = await asyncio.to_thread(self.store.get_job, job_id)
-        devices = await asyncio.to_thread(self.store.list_devices)
+        try:
+            job = await asyncio.to_thread(self.store.get_job, job_id)
+            devices = await asyncio.to_thread(self.store.list_devices)
+        except Exception:  # an optimisation: the first round starts its trainer anyway
+            log.warning("no warm start for the drafter trainer", exc_info=True,
+                        extra={"job_id": job_id})  # fmt: skip
+            return
         cpu_only = bool(devices) and all(d.kind is DeviceKind.CPU for d in devices)
         if not (job.speculative.online_training and cpu_only):
             return
