@@ -117,7 +117,7 @@ class DrafterTraining:
         run = self._runs.get(job_id)
         if run is not None:
             run.starved = False
-        elif self.settings.training_warm_start and job_id not in self._warmed:
+        elif self.settings.training_warm_start and not self.cluster and job_id not in self._warmed:
             self._warmed.add(job_id)
             self._ensure_loop()
             asyncio.ensure_future(self._warm(job_id))
@@ -183,7 +183,7 @@ class DrafterTraining:
         CPU, and leave it idle, so that its first round trains from the first second of an
         idle window instead of loading through it. Single node, CPU devices only: a trainer
         on an accelerator loads onto the device it is given."""
-        if self.cluster or self._closed:
+        if self._closed:
             return
         try:
             job = await asyncio.to_thread(self.store.get_job, job_id)
