@@ -198,10 +198,11 @@ def test_absorbing_a_backlog_then_drafting_equals_drafting_on_it_at_once(ckpt):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_an_eagle_catch_up_stays_lossless_and_is_not_charged_to_the_step(ckpt):
-    """Long prompts leave the first EAGLE step a backlog: the drafter absorbs it apart (here
-    slowed down on purpose), greedy output is unchanged and the bandit's step time leaves the
-    catch-up out."""
+def test_the_drafter_reads_a_prompt_once_and_a_catch_up_is_not_charged_to_the_step(ckpt):
+    """At prefill the drafter reads each prompt once, and the prompt's samples share the rows
+    it wrote (copied like the target's KV), not once per sample. A drafter swapped in mid-run
+    catches up on every row's positions apart (here slowed down on purpose): greedy output is
+    unchanged and the bandit's step time leaves the catch-up out."""
     prompts = [list(range(1, 25)), [7, 8] * 10, [9, 10, 11] * 6]
     sp = SamplingParams(n=2, temperature=0.0, max_new_tokens=12)
     reqs = [Request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
@@ -212,21 +213,47 @@ def test_an_eagle_catch_up_stays_lossless_and_is_not_charged_to_the_step(ckpt):
     e = Engine(
         str(ckpt), EngineConfig(max_batch=8, spec_mode="fixed", strategies=(Strategy("eagle", 3),))
     )
-    drafter = EagleDrafter.random_init(e.model, seed=1)
-    e.set_drafter(drafter, version=1)
-    absorbed: list[int] = []
-    real_absorb = drafter.absorb
+    first = EagleDrafter.random_init(e.model, seed=1)
+    e.set_drafter(first, version=1)
+    read: list[int] = []
+    real_read = first.absorb
 
-    def slow_absorb(cache, feats, tokens):
+    def counted_absorb(cache, feats, tokens, row0=0):
+        read.append(sum(len(t) for t in tokens))
+        real_read(cache, feats, tokens, row0)
+
+    first.absorb = counted_absorb
+    for r in reqs:
+        e.add_request(r.request_id, r.prompt_ids, r.sampling)
+    outs = e.step()  # the prefill
+    assert read == [sum(len(p) - 1 for p in prompts)]  # once per prompt, not per sample
+    dcache = e.speculation.eagle_cache
+    leader = {}
+    for slot, s in enumerate(e.running):
+        n = len(s.group.prompt) - 1
+        assert dcache.lens[slot] == n
+        src = leader.setdefault(s.group.request_id, slot)
+        assert torch.equal(dcache.k[0, slot, :n], dcache.k[0, src, :n])
+    assert len(leader) == len(prompts)
+    for _ in range(2):
+        outs.extend(e.step())
+
+    second = EagleDrafter.random_init(e.model, seed=2)
+    absorbed: list[int] = []
+    real_absorb = second.absorb
+
+    def slow_absorb(cache, feats, tokens, row0=0):
         absorbed.append(sum(len(t) for t in tokens))
         time.sleep(0.3)
-        real_absorb(cache, feats, tokens)
+        real_absorb(cache, feats, tokens, row0)
 
-    drafter.absorb = slow_absorb
+    second.absorb = slow_absorb
+    e.set_drafter(second, version=2)  # every row catches up on what it holds so far
     recorded: list[float] = []
     real_record = e.bandit.record
     e.bandit.record = lambda b, s, acc, dt: (recorded.append(dt), real_record(b, s, acc, dt))
-    out = {(o.request_id, o.sample_index): o.token_ids for o in e.generate(reqs)}
-    assert out == ref
-    assert absorbed and absorbed[0] >= sum(len(p) - 1 for p in prompts) * 2 - 6
+    while e.has_work():
+        outs.extend(e.step())
+    assert {(o.request_id, o.sample_index): o.token_ids for o in outs} == ref
+    assert absorbed and absorbed[0] >= sum(len(p) - 1 for p in prompts) * 2
     assert recorded and max(recorded) < 0.3  # no recorded step carries the 0.3 s catch-up

@@ -135,13 +135,19 @@ class Admission:
         return admitted
 
     def place(
-        self, groups: list[Group], b0: int, lens: list[int], eagle: bool
+        self,
+        groups: list[Group],
+        b0: int,
+        lens: list[int],
+        eagle: bool,
+        drafter_cache: KVCache | None = None,
     ) -> tuple[list[Seq], list[int]]:
         """Give the prefilled prompts their n slots each; returns the new rows and their group.
 
         Leaders (sample 0 of each group) sit in the prefilled slots [b0, b0 + G); the other
-        samples follow group by group, their KV copied from the leader. `eagle`: an EAGLE
-        drafter is set (the new rows keep hidden states for it).
+        samples follow group by group, their KV copied from the leader (the target's, and the
+        EAGLE drafter's prompt rows in `drafter_cache`). `eagle`: an EAGLE drafter is set (the
+        new rows keep hidden states for it).
         """
         leaders: list[Seq] = []
         followers: list[Seq] = []
@@ -149,6 +155,8 @@ class Admission:
         for i, g in enumerate(groups):
             self.cache.lens[b0 + i] = lens[i]
             self.cache.fork(b0 + i, nxt, nxt + g.sampling.n - 1)
+            if drafter_cache is not None:
+                drafter_cache.fork(b0 + i, nxt, nxt + g.sampling.n - 1)
             nxt += g.sampling.n - 1
             self._open(g)
             g.live = g.sampling.n

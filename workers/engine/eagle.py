@@ -123,18 +123,29 @@ class EagleDrafter(nn.Module):
 
     @torch.inference_mode()
     def absorb(
-        self, cache: KVCache, feats: Sequence[Tensor | None], tokens: Sequence[Sequence[int]]
+        self,
+        cache: KVCache,
+        feats: Sequence[Tensor | None],
+        tokens: Sequence[Sequence[int]],
+        row0: int = 0,
     ) -> None:
-        """Append rows' unconsumed (h_t, x_{t+1}) pairs (as `propose` takes them) to the
-        drafter cache without drafting: a catch-up on positions decoded without the drafter."""
-        self._feed(cache, feats, tokens)
+        """Append unconsumed (h_t, x_{t+1}) pairs (as `propose` takes them) to the drafter
+        cache rows [row0, row0 + B) without drafting: a new prompt's own pairs, or a catch-up
+        on positions decoded without the drafter."""
+        self._feed(cache, feats, tokens, row0)
         c = [len(t) for t in tokens]
-        cache.lens[: len(c)] = [n + m for n, m in zip(cache.lens[: len(c)], c, strict=True)]
+        rows = slice(row0, row0 + len(c))
+        cache.lens[rows] = [n + m for n, m in zip(cache.lens[rows], c, strict=True)]
 
     def _feed(
-        self, cache: KVCache, feats: Sequence[Tensor | None], tokens: Sequence[Sequence[int]]
+        self,
+        cache: KVCache,
+        feats: Sequence[Tensor | None],
+        tokens: Sequence[Sequence[int]],
+        row0: int = 0,
     ) -> tuple[Tensor, Batch]:
-        """One drafter forward over rows' unconsumed pairs, written into `cache`."""
+        """One drafter forward over rows' unconsumed pairs, written into `cache` rows
+        [row0, row0 + B)."""
         b, dev = len(feats), cache.k.device
         c = [len(t) for t in tokens]
         width = max(max(c), 1)
@@ -144,7 +155,7 @@ class EagleDrafter(nn.Module):
             if c[i]:
                 h[i, : c[i]] = f
                 x[i, : c[i]] = torch.tensor(t, dtype=torch.long)
-        batch = Batch.make(cache.lens[:b], c, width, 0, cache.trash, dev)
+        batch = Batch.make(cache.lens[row0 : row0 + b], c, width, row0, cache.trash, dev)
         return self._step(h, x, batch, cache), batch
 
     @torch.inference_mode()

@@ -405,7 +405,11 @@ class Engine:
         for i, g in enumerate(groups):
             if scored[i] and hidden is not None:
                 g.prompt_lp = self._prompt_logprobs(g, hidden[i, : lens[i]])
-        new, order = self.admission.place(groups, b0, lens, self.drafter is not None)
+        if hidden is not None:
+            self.speculation.take_in_prompts(b0, [g.prompt for g in groups], hidden)
+        new, order = self.admission.place(
+            groups, b0, lens, self.drafter is not None, self.speculation.eagle_cache
+        )
         # Every sample draws its own first token from its prompt's last-position logits.
         row_logits = logits[torch.tensor(order, device=self.device)]
         toks, lps, tops = self._sample(new, row_logits)
@@ -554,12 +558,13 @@ def _gate(
 
 def _keep_prompt_hidden(s: Seq, hidden: Tensor) -> None:
     """A new sample keeps its prompt's hidden states [>= len(prompt), H] where it returns them
-    or an EAGLE drafter will read them."""
+    (or a later drafter version must catch up on them); for the EAGLE drafter, which has read
+    the prompt's own pairs at prefill (Speculation.take_in_prompts), only the last position's,
+    whose next token is the sample's first."""
     prompt = s.group.prompt
     # A copy: a view would keep the whole batch's hidden tensor alive.
     h = hidden[: len(prompt)].clone()
     if s.history is not None:
         s.history.append(h)
     if s.eagle_ok:
-        s.eagle_hidden.append(h)
-        s.eagle_tokens.extend(prompt[1:])
+        s.eagle_hidden.append(h[-1:])

@@ -132,6 +132,22 @@ class Speculation:
                 s.eagle_hidden = [torch.cat(s.history)]
                 s.eagle_tokens = (s.group.prompt + s.tokens)[1:]
 
+    def take_in_prompts(self, b0: int, prompts: list[list[int]], hidden: Tensor) -> None:
+        """The drafter reads each new prompt once, into its leader's cache row b0 + i: the
+        pairs (h_t, x_{t+1}) within the prompt, which all its n samples share (the admission
+        then copies them to the samples' rows, as it does the target's KV). Each sample is left
+        its last prompt position, whose next token it draws itself. Read per sample instead, a
+        prompt cost n drafter passes over it in the first EAGLE step."""
+        if self.drafter is None or self.eagle_cache is None:
+            return
+        rows = range(b0, b0 + len(prompts))
+        for r in rows:
+            self.eagle_cache.lens[r] = 0
+        toks = [p[1:] for p in prompts]
+        if any(toks):
+            feats = [hidden[i, : len(t)] for i, t in enumerate(toks)]
+            self.drafter.absorb(self.eagle_cache, feats, toks, row0=b0)
+
     def hidden_needed(self, seqs: Iterable[Seq]) -> bool:
         """Whether a forward over these rows must return the target's hidden states."""
         return self.drafter is not None or any(s.history is not None for s in seqs)
