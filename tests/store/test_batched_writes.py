@@ -126,3 +126,49 @@ def test_a_batch_writes_requests_in_request_id_order(store: Store) -> None:
     assert asyncio.run(queue()) == ["r-b first", "worker", "r-a", "r-b then"]
     assert len(opened) == 1
     assert ran == ["worker", "r-a", "r-b first", "r-b then"]
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_store_call_raising_a_base_exception_does_not_end_the_writer(
+    store: Store, batched: bool
+) -> None:
+    """A store call that raises what is not an Exception (here a CancelledError out of the
+    call, in the writer's thread) fails that write alone; had it ended the writer, nothing
+    queued after it would ever be stored and its callers would wait for ever."""
+
+    def cancelled() -> None:
+        raise asyncio.CancelledError("inside a store call")
+
+    async def scenario():
+        writes = OrderedWrites(store.batch if batched else None)
+        writes.bind()
+        runner = asyncio.create_task(writes.run())
+        try:
+            first = await asyncio.wait_for(
+                asyncio.gather(writes.write(cancelled), return_exceptions=True), 10.0
+            )
+            second = await asyncio.wait_for(writes.write(store.create_job, JOB), 10.0)
+            return first[0], second, runner.done()
+        finally:
+            runner.cancel()
+
+    error, created, writer_ended = asyncio.run(scenario())
+    assert isinstance(error, RuntimeError) and "CancelledError" in str(error)
+    assert created[1] is True and not writer_ended
+    assert [j.job_id for j in store.list_jobs()] == ["job-a"]
+
+
+def test_joining_the_writes_ends_when_the_writer_has_ended(store: Store) -> None:
+    """A stop waits for the queued writes, but not for ever once their writer is gone."""
+
+    async def scenario() -> None:
+        writes = OrderedWrites(store.batch)
+        writes.bind()
+        runner = asyncio.create_task(writes.run())
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        writes.write_nowait(store.create_job, JOB)  # queued for a writer that is gone
+        await asyncio.wait_for(writes.join(runner), 5.0)
+
+    asyncio.run(scenario())
+    assert store.list_jobs() == []

@@ -109,6 +109,7 @@ class Supervisor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
+        self._writer: asyncio.Task | None = None  # runs `writes`; stopped last
         self._tick_lock: asyncio.Lock | None = None
         # Requests between `begin_admission` and `end_admission`: a close that found one not
         # live yet (status, reason).
@@ -123,7 +124,9 @@ class Supervisor:
         self._tick_lock = asyncio.Lock()
         self.writes.bind()
         self.workers.bind()
-        self._tasks.append(asyncio.create_task(self.writes.run(), name="supervisor-writer"))
+        self._writer = asyncio.create_task(self.writes.run(), name="supervisor-writer")
+        self._writer.add_done_callback(self._writer_ended)
+        self._tasks.append(self._writer)
         await self.recover()
         await self.tick()
         self._tasks.append(asyncio.create_task(self._ticker(), name="supervisor-tick"))
@@ -209,12 +212,22 @@ class Supervisor:
         self._closed = True
         # Before the tasks are cancelled: a worker still exiting is then recorded by `stop`.
         self.workers.closed = True
-        for t in self._tasks[1:]:
-            t.cancel()
+        for t in self._tasks:
+            if t is not self._writer:
+                t.cancel()
         await self.workers.stop(deadline)
-        await self.writes.join()
-        self._tasks[0].cancel()
+        if self._writer is not None:
+            await self.writes.join(self._writer)
+            self._writer.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _writer_ended(self, task: asyncio.Task) -> None:
+        """The store writer ends only at `stop`; before, nothing this node does is stored any
+        more, so say so."""
+        if self._closed:
+            return
+        why = "cancelled" if task.cancelled() else repr(task.exception())
+        log.error("the supervisor's store writer ended while the daemon runs: %s", why)
 
     # ---- the rollout API (event loop) ----------------------------------------------------
 

@@ -66,7 +66,10 @@ class OrderedWrites:
                 else:
                     outcomes = await asyncio.to_thread(self._run_batch, items)
                 for item, outcome in zip(items, outcomes, strict=True):
-                    _deliver(item, outcome)
+                    try:
+                        _deliver(item, outcome)
+                    except Exception:  # one write's caller must not end the writer
+                        log.exception("store write result not delivered")
             finally:
                 for _ in items:
                     self._queue.task_done()
@@ -97,10 +100,20 @@ class OrderedWrites:
         if self._queue is not None:
             self._queue.put_nowait((fn, args, None, request))
 
-    async def join(self) -> None:
-        """Wait until everything queued so far is written."""
-        if self._queue is not None:
+    async def join(self, writer: asyncio.Task | None = None) -> None:
+        """Wait until everything queued so far is written, or until `writer` (the task that
+        runs `run`) has ended: a writer that ended leaves what is queued unwritten for good,
+        and waiting for it would never end (logged)."""
+        if self._queue is None:
+            return
+        if writer is None:
             await self._queue.join()
+            return
+        joined = asyncio.ensure_future(self._queue.join())
+        await asyncio.wait({joined, writer}, return_when=asyncio.FIRST_COMPLETED)
+        if not joined.done():
+            joined.cancel()
+            log.error("the store writer has ended with %d writes queued", self._queue.qsize())
 
 
 def _call(item: _Item) -> tuple[bool, Any]:
@@ -109,6 +122,11 @@ def _call(item: _Item) -> tuple[bool, Any]:
         return True, fn(*args)
     except Exception as exc:
         return False, exc
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # e.g. a CancelledError out of a store call: as the writer's
+        # own it would end the writer, and nothing queued after it would be stored
+        return False, RuntimeError(f"store call raised {exc!r}")
 
 
 def _deliver(item: _Item, outcome: tuple[bool, Any]) -> None:
