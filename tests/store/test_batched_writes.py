@@ -172,3 +172,40 @@ def test_joining_the_writes_ends_when_the_writer_has_ended(store: Store) -> None
 
     asyncio.run(scenario())
     assert store.list_jobs() == []
+
+
+def test_a_thread_hop_that_fails_fails_its_writes_and_the_writer_goes_on(
+    store: Store, monkeypatch
+) -> None:
+    """No thread to run a write in (e.g. "can't start new thread"): that write fails, the
+    writer stays and runs the next one."""
+    import tltd.supervisor.writes as writes_module
+
+    real = asyncio.to_thread
+    calls = []
+
+    async def failing_once(fn, *args):
+        calls.append(fn)
+        if len(calls) == 1:
+            raise RuntimeError("can't start new thread")
+        return await real(fn, *args)
+
+    monkeypatch.setattr(writes_module.asyncio, "to_thread", failing_once)
+
+    async def scenario():
+        writes = OrderedWrites(store.batch)
+        writes.bind()
+        runner = asyncio.create_task(writes.run())
+        try:
+            first = await asyncio.wait_for(
+                asyncio.gather(writes.write(store.get_device, "cpu:0"), return_exceptions=True),
+                10.0,
+            )
+            second = await asyncio.wait_for(writes.write(store.create_job, JOB), 10.0)
+            return first[0], second, runner.done()
+        finally:
+            runner.cancel()
+
+    error, created, writer_ended = asyncio.run(scenario())
+    assert isinstance(error, RuntimeError) and "new thread" in str(error)
+    assert created[1] is True and not writer_ended

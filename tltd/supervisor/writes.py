@@ -61,10 +61,14 @@ class OrderedWrites:
             while self._batch is not None and len(items) < MAX_BATCH and not self._queue.empty():
                 items.append(self._queue.get_nowait())
             try:
-                if len(items) == 1:
-                    outcomes = [await asyncio.to_thread(_call, items[0])]
-                else:
-                    outcomes = await asyncio.to_thread(self._run_batch, items)
+                try:
+                    if len(items) == 1:
+                        outcomes = [await asyncio.to_thread(_call, items[0])]
+                    else:
+                        outcomes = await asyncio.to_thread(self._run_batch, items)
+                except Exception as exc:  # the hop to a thread failed: these writes fail
+                    log.exception("store writes not run")
+                    outcomes = [(False, exc)] * len(items)
                 for item, outcome in zip(items, outcomes, strict=True):
                     try:
                         _deliver(item, outcome)
