@@ -128,6 +128,21 @@ def test_a_batch_writes_requests_in_request_id_order(store: Store) -> None:
     assert ran == ["worker", "r-a", "r-b first", "r-b then"]
 
 
+async def _a_write_then_another(writes: OrderedWrites, store: Store, fn, *args):
+    """Through a running writer: `fn(*args)` (its result or error), then the creation of JOB
+    (its result), and whether the writer had ended by then."""
+    writes.bind()
+    runner = asyncio.create_task(writes.run())
+    try:
+        first = await asyncio.wait_for(
+            asyncio.gather(writes.write(fn, *args), return_exceptions=True), 10.0
+        )
+        second = await asyncio.wait_for(writes.write(store.create_job, JOB), 10.0)
+        return first[0], second, runner.done()
+    finally:
+        runner.cancel()
+
+
 @pytest.mark.parametrize("batched", [True, False])
 def test_a_store_call_raising_a_base_exception_does_not_end_the_writer(
     store: Store, batched: bool
@@ -139,20 +154,8 @@ def test_a_store_call_raising_a_base_exception_does_not_end_the_writer(
     def cancelled() -> None:
         raise asyncio.CancelledError("inside a store call")
 
-    async def scenario():
-        writes = OrderedWrites(store.batch if batched else None)
-        writes.bind()
-        runner = asyncio.create_task(writes.run())
-        try:
-            first = await asyncio.wait_for(
-                asyncio.gather(writes.write(cancelled), return_exceptions=True), 10.0
-            )
-            second = await asyncio.wait_for(writes.write(store.create_job, JOB), 10.0)
-            return first[0], second, runner.done()
-        finally:
-            runner.cancel()
-
-    error, created, writer_ended = asyncio.run(scenario())
+    writes = OrderedWrites(store.batch if batched else None)
+    error, created, writer_ended = asyncio.run(_a_write_then_another(writes, store, cancelled))
     assert isinstance(error, RuntimeError) and "CancelledError" in str(error)
     assert created[1] is True and not writer_ended
     assert [j.job_id for j in store.list_jobs()] == ["job-a"]
@@ -192,20 +195,9 @@ def test_a_thread_hop_that_fails_fails_its_writes_and_the_writer_goes_on(
 
     monkeypatch.setattr(writes_module.asyncio, "to_thread", failing_once)
 
-    async def scenario():
-        writes = OrderedWrites(store.batch)
-        writes.bind()
-        runner = asyncio.create_task(writes.run())
-        try:
-            first = await asyncio.wait_for(
-                asyncio.gather(writes.write(store.get_device, "cpu:0"), return_exceptions=True),
-                10.0,
-            )
-            second = await asyncio.wait_for(writes.write(store.create_job, JOB), 10.0)
-            return first[0], second, runner.done()
-        finally:
-            runner.cancel()
-
-    error, created, writer_ended = asyncio.run(scenario())
+    writes = OrderedWrites(store.batch)
+    error, created, writer_ended = asyncio.run(
+        _a_write_then_another(writes, store, store.get_device, "cpu:0")
+    )
     assert isinstance(error, RuntimeError) and "new thread" in str(error)
     assert created[1] is True and not writer_ended
