@@ -225,10 +225,11 @@ class TltClient:
             sampling=sampling,
             speculative=speculative,
             return_partial=return_partial,
+            batch_samples=True,
         )
         try:
             for resp in self.rollouts.Generate(req, metadata=self._metadata, timeout=timeout):
-                yield resp.sample
+                yield from resp.samples if len(resp.samples) else (resp.sample,)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 

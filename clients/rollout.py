@@ -221,6 +221,7 @@ def _generate_request(
         sampling=convert.sampling_to_pb(sampling),
         speculative=_speculative_mode(speculative),
         return_partial=return_partial,
+        batch_samples=True,
     )
 
 
@@ -293,13 +294,14 @@ class _Stream(_Attempts):
     def time_left(self) -> float | None:
         return _remaining(self.deadline, self.request_id)
 
-    def admit(self, resp: rollout_pb2.GenerateResponse) -> RolloutSample | None:
-        """The response's sample, or None when the caller already has it."""
-        sample = _sample_from_pb(resp.sample)
-        if not self.delivered.admit(sample):
-            return None
-        self.failover.progress()
-        return sample
+    def admit(self, resp: rollout_pb2.GenerateResponse) -> list[RolloutSample]:
+        """The response's samples the caller does not have yet (one in `sample`, or those in
+        `samples`: the request asks for them batched, a daemon that predates that sends one)."""
+        pbs = resp.samples if len(resp.samples) else (resp.sample,)
+        new = [x for x in map(_sample_from_pb, pbs) if self.delivered.admit(x)]
+        if new:
+            self.failover.progress()
+        return new
 
     def ended(self) -> None:
         self.given_up = False
@@ -647,8 +649,7 @@ class RolloutClient(_RolloutCore[JobInfo, int, None, list[RolloutSample], Iterat
                 call = raw.rollouts.Generate(req, metadata=raw._metadata, timeout=run.time_left())
                 try:
                     for resp in call:
-                        if (sample := run.admit(resp)) is not None:
-                            yield sample
+                        yield from run.admit(resp)
                     run.ended()
                     return
                 except grpc.RpcError as exc:
@@ -780,7 +781,7 @@ class AsyncRolloutClient(
                 call = stub.Generate(req, metadata=self._metadata, timeout=run.time_left())
                 try:
                     async for resp in call:
-                        if (sample := run.admit(resp)) is not None:
+                        for sample in run.admit(resp):
                             yield sample
                     run.ended()
                     return

@@ -98,6 +98,32 @@ def test_batch_streams_back_complete_and_lossless(daemon, ckpt):
         assert "rollout" in states and states[-1] == "idle"
 
 
+def test_samples_ready_together_go_in_one_message_when_the_call_asks(sqlite_daemon, ckpt):
+    """`batch_samples`: a worker step's samples in one GenerateResponse (`samples`); without
+    it, one message per sample (`sample`), as a client that predates the field expects."""
+    params = dict(n=8, temperature=0.0, max_new_tokens=4)
+    with sqlite_daemon.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        sqlite_daemon.wait_workers_ready(2)
+
+        def call(rid: str, batch: bool) -> list:
+            req = rollout_pb2.GenerateRequest(
+                job_id="job", request_id=rid, prompts=[rollout_pb2.Prompt(token_ids=PROMPTS[0])],
+                sampling=sampling(**params), batch_samples=batch,
+            )  # fmt: skip
+            return list(c.rollouts.Generate(req, timeout=120))
+
+        batched, single = call("batched", True), call("single", False)
+    # Greedy: the 8 samples finish in the same step of each worker they went to.
+    assert 1 <= len(batched) <= 2
+    assert all(not m.HasField("sample") and len(m.samples) >= 1 for m in batched)
+    assert len(single) == 8 and all(m.HasField("sample") and not m.samples for m in single)
+    got = [s for m in batched for s in m.samples]
+    assert len(_by_key(got)) == 8
+    assert _by_key(got) == _by_key(m.sample for m in single)
+    assert all(len(s.logprobs) == len(s.token_ids) == 4 for s in got)
+
+
 def test_seeded_sampling_is_reproducible_across_workers(sqlite_daemon, ckpt):
     """Sampled (T=1) samples spread over two workers equal the engine's for the same seed."""
     params = dict(n=4, temperature=1.0, max_new_tokens=10, seed=5)

@@ -346,6 +346,15 @@ def generate_response(s: d.Sample) -> rollout_pb2.GenerateResponse:
     return resp
 
 
+def generate_batch_response(samples: list[d.Sample]) -> rollout_pb2.GenerateResponse:
+    """A stream's message for samples ready together (`GenerateRequest.batch_samples`)."""
+    resp = rollout_pb2.GenerateResponse()
+    for s in samples:
+        pb = resp.samples.add(**_sample_fields(s))
+        _fill_sample_parts(pb, s)
+    return resp
+
+
 def _sample_fields(s: d.Sample) -> dict[str, Any]:
     return {
         **_same_named(s, skip=("finish_reason", "speculative", *_SAMPLE_PARTS)),

@@ -30,8 +30,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def Generate(self, request, context):
         req, speculative = c.rollout_from_pb(request)
-        async for sample in self.svc.generate(req, speculative, request.return_partial):
-            yield c.generate_response(sample)
+        batches = self.svc.generate_batches(req, speculative, request.return_partial)
+        async for samples in batches:
+            if request.batch_samples:
+                yield c.generate_batch_response(samples)
+            else:
+                for sample in samples:
+                    yield c.generate_response(sample)
 
     async def GetRequest(self, request, context):
         req, samples = await to_thread(self.svc.get, request.request_id, request.include_samples)

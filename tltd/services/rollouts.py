@@ -124,7 +124,23 @@ class RolloutService:
         speculative: SpeculativeMode | None = None,
         return_partial: bool = False,
     ) -> AsyncIterator[Sample]:
-        """Stream every sample of the request as it is stored, whichever node runs it.
+        """`generate_batches`, one sample at a time."""
+        batches = self.generate_batches(req, speculative, return_partial)
+        try:
+            async for samples in batches:
+                for sample in samples:
+                    yield sample
+        finally:
+            await batches.aclose()
+
+    async def generate_batches(
+        self,
+        req: RolloutRequest,
+        speculative: SpeculativeMode | None = None,
+        return_partial: bool = False,
+    ) -> AsyncIterator[list[Sample]]:
+        """Stream every sample of the request as it is stored, whichever node runs it, in
+        lists of those ready at once (a worker step's samples, a read of the store).
 
         The request is persisted (QUEUED, one work unit per prompt) before anything runs; any
         node claims its units. A retry with the same request_id, on this node or another,
@@ -157,8 +173,8 @@ class RolloutService:
             METRICS.observe_admission(time.perf_counter() - started)
             # A request this call created has nothing stored before the subscription: what
             # this node stores arrives on it, what others store wakes it (or the poll does).
-            async for sample in self._follow(sup, stored, not created, events, return_partial):
-                yield sample
+            async for samples in self._follow(sup, stored, not created, events, return_partial):
+                yield samples
         finally:
             sup.unsubscribe(rid, events)
 
@@ -169,31 +185,31 @@ class RolloutService:
         read: bool,
         events: asyncio.Queue[StreamEvent],
         return_partial: bool,
-    ) -> AsyncIterator[Sample]:
+    ) -> AsyncIterator[list[Sample]]:
         """An admitted request's samples until it ends: read from the store (first when
-        `read`), and as they are stored on this node in between."""
+        `read`), and as they are stored on this node in between; never an empty list."""
         rid, sent = stored.request_id, _Sent(return_partial)
         cursor, poll = 0, self.settings.stream_poll_seconds
         while True:
             cur = stored
             if read:
                 cur, samples, cursor, ended = await self._read_stored(rid, cursor)
-                for sample in samples:
-                    if sent.admit(sample, ended):
-                        yield sample
+                if samples := [x for x in samples if sent.admit(x, ended)]:
+                    yield samples
                 if ended:
                     _end(rid, cur.status, cur.status_reason)
                     return
             self._check_not_handed_over(sup, rid)
             woken = False
-            async for event in _stored_here(events, poll):
-                samples, end = _on_event(event, sent, cur.samples_total)
-                for sample in samples:
-                    yield sample
+            async for queued in _stored_here(events, poll):
+                samples, end = _on_events(queued, sent, cur.samples_total)
+                if samples:
+                    yield samples
+                last = queued[-1]
                 if end:
-                    _end(rid, event.status, event.reason)
+                    _end(rid, last.status, last.reason)
                     return
-                woken = woken or event.sample is None
+                woken = woken or last.sample is None
             # While this node runs every unit, what is stored arrives on the subscription: a
             # poll that saw nothing need not read the store; a wake-up (an end, another node's
             # notification, units claimed with samples stored before) reads it. Events already
@@ -421,6 +437,15 @@ class _Sent:
         return False
 
 
+def _on_events(events: list[StreamEvent], sent: _Sent, total: int) -> tuple[list[Sample], bool]:
+    """`_on_event` for events queued together (only the last may be a wake-up)."""
+    out: list[Sample] = []
+    for event in events:
+        samples, end = _on_event(event, sent, total)
+        out += samples
+    return out, end
+
+
 def _on_event(event: StreamEvent, sent: _Sent, total: int) -> tuple[list[Sample], bool]:
     """A sample stored on this node, or a wake-up: the samples to send now, and whether the
     stream ends. It ends when the request ended here with every sample's last form seen on
@@ -434,10 +459,11 @@ def _on_event(event: StreamEvent, sent: _Sent, total: int) -> tuple[list[Sample]
 
 async def _stored_here(
     events: asyncio.Queue[StreamEvent], seconds: float
-) -> AsyncIterator[StreamEvent]:
-    """The samples stored on this node within `seconds`, as they arrive; an event without a
-    sample (a request's end, a wake-up) is the last one yielded. What other nodes store is
-    polled instead."""
+) -> AsyncIterator[list[StreamEvent]]:
+    """The samples stored on this node within `seconds`, as they arrive, all those queued
+    at once together (a sample batch's are published together); an event without a sample
+    (a request's end, a wake-up) ends the last list yielded. What other nodes store is polled
+    instead."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     while True:
@@ -451,7 +477,11 @@ async def _stored_here(
                 return
         else:
             event = events.get_nowait()
-        yield event
+        queued = [event]
+        while event.sample is not None and not events.empty():
+            event = events.get_nowait()
+            queued.append(event)
+        yield queued
         if event.sample is None:
             return
 

@@ -125,20 +125,22 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("job_id", "request_id", "prompts", "sampling", "speculative", "return_partial")
+    __slots__ = ("job_id", "request_id", "prompts", "sampling", "speculative", "return_partial", "batch_samples")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     RETURN_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
     speculative: _common_pb2.SpeculativeMode
     return_partial: bool
-    def __init__(self, job_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeMode, str]] = ..., return_partial: _Optional[bool] = ...) -> None: ...
+    batch_samples: bool
+    def __init__(self, job_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeMode, str]] = ..., return_partial: _Optional[bool] = ..., batch_samples: _Optional[bool] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
     __slots__ = ("draft_steps", "plain_steps", "accepted_tokens", "mean_accepted_length", "drafted_tokens", "bonus_tokens", "residual_tokens")
@@ -211,10 +213,12 @@ class Sample(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., partial: _Optional[bool] = ..., error: _Optional[str] = ..., provenance: _Optional[_Union[TokenProvenance, _Mapping]] = ..., policy_spans: _Optional[_Iterable[_Union[PolicySpan, _Mapping]]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("sample",)
+    __slots__ = ("sample", "samples")
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     sample: Sample
-    def __init__(self, sample: _Optional[_Union[Sample, _Mapping]] = ...) -> None: ...
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    def __init__(self, sample: _Optional[_Union[Sample, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class RolloutRequest(_message.Message):
     __slots__ = ("request_id", "job_id", "status", "num_prompts", "sampling", "samples_total", "samples_done", "status_reason", "created_at", "updated_at")
