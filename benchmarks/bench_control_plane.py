@@ -9,8 +9,8 @@ seconds per sample (its own, read from /proc: not its workers').
 
 Floors measured in the same run, on the same machine, for the same request:
   engine   the engine in this process (one thread), the same prompt, n and 1 token
-  echo     a bare gRPC server (another process) answering the same GenerateRequest with n
-           GenerateResponse messages of the same size
+  echo     a bare gRPC server (another process) answering the same GenerateRequest with the
+           same n samples, as the daemon does (one message of n with `batch_samples`)
   sql      one transaction per request inserting the same rows (request, unit, n samples)
   store    the store and stream path alone (no engine, no gRPC) for samples of 1, 256 and
            4,096 tokens with logprobs: the supervisor's sample write, the stream's read, the
@@ -267,7 +267,9 @@ def canned_response(tokens: int, logprobs: bool = True):
 
 
 def echo_server(port_file: str) -> None:
-    """A bare gRPC server: Generate answers n canned 1-token responses (no store, no engine)."""
+    """A bare gRPC server: Generate answers n canned 1-token samples (no store, no engine),
+    as the daemon sends them: in one message when the call sets `batch_samples` (the
+    project's clients do), else one message each."""
     import grpc
 
     from tltd.v1 import rollout_pb2
@@ -275,6 +277,9 @@ def echo_server(port_file: str) -> None:
     response = canned_response(1)
 
     async def generate(request, context):
+        if request.batch_samples:
+            yield rollout_pb2.GenerateResponse(samples=[response.sample] * request.sampling.n)
+            return
         for _ in range(request.sampling.n):
             yield response
 
@@ -317,7 +322,7 @@ async def run_echo_load(
         async def send(seed: int) -> int:
             params = _sampling(n, None, {"max_new_tokens": 1, "temperature": 1.0, "seed": seed})
             req = _generate_request(JOB, [prompt], params, _new_request_id(), None)
-            return len([r async for r in call(req)])
+            return sum([max(1, len(r.samples)) async for r in call(req)])
 
         await send(0)
         return await drive(send, clients, seconds, clients)
