@@ -561,10 +561,9 @@ def _keep_prompt_hidden(s: Seq, hidden: Tensor) -> None:
     (or a later drafter version must catch up on them); for the EAGLE drafter, which has read
     the prompt's own pairs at prefill (Speculation.take_in_prompts), only the last position's,
     whose next token is the sample's first."""
-    prompt = s.group.prompt
-    # A copy: a view would keep the whole batch's hidden tensor alive.
-    h = hidden[: len(prompt)].clone()
+    n = len(s.group.prompt)
+    # Copies, of only what each keeps: a view would keep the whole batch's hidden tensor alive.
     if s.history is not None:
-        s.history.append(h)
+        s.history.append(hidden[:n].clone())
     if s.eagle_ok:
-        s.eagle_hidden.append(h[-1:])
+        s.eagle_hidden.append(hidden[n - 1 : n].clone())
