@@ -383,9 +383,10 @@ def _columns(row) -> dict:
 
 def store_stream_micro(url: str, tokens: int, samples: int) -> tuple[float, float]:
     """CPU ms per sample of this process for the store path (the supervisor's sample write)
-    and for the stream path (the stream's read of what was stored, the protobuf encoding):
+    and for the stream path (the stream's read of what was stored, the protobuf encoding as
+    the project's clients get it: one message of the request's samples, `batch_samples`):
     `samples` samples of `tokens` tokens with logprobs, n=16 per request."""
-    from tltd.api.convert import generate_response
+    from tltd.api.convert import generate_batch_response
     from tltd.domain import Job, RolloutRequest, SamplingParams
     from tltd.store import Store
     from tltd.store.migrate import upgrade
@@ -407,9 +408,9 @@ def store_stream_micro(url: str, tokens: int, samples: int) -> tuple[float, floa
             add_samples(store, batch)
             c1 = time.process_time()
             _, _, got, _ = store.stream_state(rid, 0)
-            wire = [generate_response(s).SerializeToString() for s in got]
+            wire = generate_batch_response(got).SerializeToString()
             c2 = time.process_time()
-            assert len(wire) == n
+            assert len(got) == n and wire
             write_cpu += c1 - c0
             read_cpu += c2 - c1
         done = max(1, samples // n) * n
