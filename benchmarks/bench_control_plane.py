@@ -386,7 +386,7 @@ def store_stream_micro(url: str, tokens: int, samples: int) -> tuple[float, floa
     and for the stream path (the stream's read of what was stored, the protobuf encoding as
     the project's clients get it: one message of the request's samples, `batch_samples`):
     `samples` samples of `tokens` tokens with logprobs, n=16 per request."""
-    from tltd.api.convert import generate_batch_response
+    from tltd.api.convert import generate_batch_responses
     from tltd.domain import Job, RolloutRequest, SamplingParams
     from tltd.store import Store
     from tltd.store.migrate import upgrade
@@ -408,7 +408,7 @@ def store_stream_micro(url: str, tokens: int, samples: int) -> tuple[float, floa
             add_samples(store, batch)
             c1 = time.process_time()
             _, _, got, _ = store.stream_state(rid, 0)
-            wire = generate_batch_response(got).SerializeToString()
+            wire = [m.SerializeToString() for m in generate_batch_responses(got)]
             c2 = time.process_time()
             assert len(got) == n and wire
             write_cpu += c1 - c0

@@ -206,3 +206,24 @@ def test_policy_source():
 def test_non_finite_floats_do_not_leak():
     v = d.DrafterVersion(job_id="j", version=1, policy_version=0, path="/p", loss=float("nan"))
     assert c.drafter_to_pb(v).loss == 0.0
+
+
+def test_samples_sent_together_are_split_to_stay_under_the_message_bound():
+    """`batch_samples`: a re-attach reads all of a request's samples at once; its messages
+    stay under the bound (a sample larger than it goes alone), every sample once, in order."""
+    samples = [
+        d.Sample("r", p, i, tuple(range(200 * (1 + p))), (-0.5,) * 200 * (1 + p),
+                 d.FinishReason.LENGTH)
+        for p in range(4) for i in range(3)
+    ]  # fmt: skip
+    bound = 4_000
+    msgs = list(c.generate_batch_responses(samples, max_bytes=bound))
+    got = [(x.prompt_index, x.sample_index, len(x.token_ids)) for m in msgs for x in m.samples]
+    assert got == [(s.prompt_index, s.sample_index, len(s.token_ids)) for s in samples]
+    assert all(not m.HasField("sample") for m in msgs)
+    assert 1 < len(msgs) < len(samples)
+    for m in msgs:
+        assert m.ByteSize() <= bound or len(m.samples) == 1
+    assert any(m.ByteSize() > bound for m in msgs)  # the 800-token samples go alone
+    assert len(list(c.generate_batch_responses(samples))) == 1  # the default bound: one
+    assert list(c.generate_batch_responses([])) == []

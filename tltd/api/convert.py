@@ -8,6 +8,7 @@ messages, fields not on the wire) are written out where they are converted.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -346,13 +347,31 @@ def generate_response(s: d.Sample) -> rollout_pb2.GenerateResponse:
     return resp
 
 
-def generate_batch_response(samples: list[d.Sample]) -> rollout_pb2.GenerateResponse:
-    """A stream's message for samples ready together (`GenerateRequest.batch_samples`)."""
-    resp = rollout_pb2.GenerateResponse()
+# A batched message's size bound: a re-attach reads every stored sample of a request at once,
+# which can be far past the 64 MiB a message may have (thousands of long samples, top
+# logprobs); a sample larger than this goes alone, as it would unbatched.
+BATCH_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def generate_batch_responses(
+    samples: list[d.Sample], max_bytes: int = BATCH_MESSAGE_BYTES
+) -> Iterator[rollout_pb2.GenerateResponse]:
+    """A stream's messages for samples ready together (`GenerateRequest.batch_samples`): as
+    few as keep each under `max_bytes`, the samples in order."""
+    resp, size = rollout_pb2.GenerateResponse(), 0
     for s in samples:
         pb = resp.samples.add(**_sample_fields(s))
         _fill_sample_parts(pb, s)
-    return resp
+        grown = pb.ByteSize() + 8  # + the field's tag and length
+        if size and size + grown > max_bytes:
+            del resp.samples[-1]
+            yield resp
+            resp, size = rollout_pb2.GenerateResponse(), 0
+            pb = resp.samples.add(**_sample_fields(s))
+            _fill_sample_parts(pb, s)
+        size += grown
+    if size:
+        yield resp
 
 
 def _sample_fields(s: d.Sample) -> dict[str, Any]:

@@ -33,7 +33,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         batches = self.svc.generate_batches(req, speculative, request.return_partial)
         async for samples in batches:
             if request.batch_samples:
-                yield c.generate_batch_response(samples)
+                for resp in c.generate_batch_responses(samples):
+                    yield resp
             else:
                 for sample in samples:
                     yield c.generate_response(sample)
