@@ -164,6 +164,43 @@ def test_unit_needs_every_sample_before_it_is_done(store: Store) -> None:
         a.close()
 
 
+@pytest.mark.parametrize("batched", [True, False], ids=["add_samples", "add_sample"])
+def test_a_sample_out_of_attempts_fails_its_request_over_a_lost_runs_partial(
+    store: Store, batched: bool
+) -> None:
+    """A run lost with its lease leaves its samples stored partial (CANCELLED, the tokens so
+    far); a sample that then runs out of attempts is stored FAILED in their place, so the
+    request ends FAILED, not COMPLETED with the lost run's partial samples counted as done."""
+    _requests(store, 1, 1)  # n=2
+    a = _node(store, "a")
+    try:
+        a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
+        lost = [
+            Sample("r0000", 0, i, (7,), (-0.5,), FinishReason.CANCELLED, partial=True)
+            for i in range(2)
+        ]
+        failed = [
+            replace(x, token_ids=(), logprobs=(), finish_reason=FinishReason.FAILED,
+                    error="claimed 3 times by nodes that lost it")
+            for x in lost
+        ]  # fmt: skip
+        add = a.add_samples if batched else (lambda xs: [a.add_sample(x) for x in xs])
+        assert add(lost) == [True, True]
+        assert add(failed) == [True, True]
+        assert add(failed) == [False, False]  # a verdict stored once
+        assert add(lost) == [False, False]  # a lost run's partial does not replace it
+        got = a.list_samples("r0000")
+        assert [(x.finish_reason, x.error) for x in got] == [
+            (FinishReason.FAILED, "claimed 3 times by nodes that lost it")
+        ] * 2
+        req, left = a.finish_unit("r0000", 0, None, "")
+        assert left == 0 and req.status is RequestStatus.FAILED
+        assert req.status_reason.startswith("2 of 2 samples failed: claimed 3 times")
+        assert a.get_request("r0000").samples_done == 0
+    finally:
+        a.close()
+
+
 @pytest.mark.postgres
 def test_restart_releases_only_its_own_stale_leases(pg_store: Store) -> None:
     store = pg_store

@@ -1,10 +1,10 @@
 """Group-committed sample writes: every sample a worker reported at once, in one transaction.
 
 The rules are `Store.add_sample`'s (`tltd.store.samples`), sample by sample (idempotent on
-the sample's key, a complete sample replaces a partial one, nothing replaced once the request
-ended, leases fence every write); only the transaction is shared. Each request row is locked
-once (in request id order, so two writers never wait on each other crosswise) and its held
-units and stored keys are read with one statement each.
+the sample's key, a partial sample replaced as `samples.replaces` says, nothing replaced once
+the request ended, leases fence every write); only the transaction is shared. Each request
+row is locked once (in request id order, so two writers never wait on each other crosswise)
+and its held units and stored keys are read with one statement each.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tltd.store.clock import db_now_params
 from tltd.store.leases import UnitEnd, held_bound
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.rollout_requests import running_on
-from tltd.store.samples import not_finite_error, out_of_range_error
+from tltd.store.samples import not_finite_error, out_of_range_error, replaces
 from tltd.store.status import switch_status_from
 from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
@@ -64,7 +64,9 @@ class _Statements:
             wu.c.prompt_index.in_(bindparam("prompts", expanding=True)),
             *held_bound(dialect),
         )
-        self.stored = select(sr.c.id, sr.c.prompt_index, sr.c.sample_index, sr.c.partial).where(
+        self.stored = select(
+            sr.c.id, sr.c.prompt_index, sr.c.sample_index, sr.c.partial, sr.c.finish_reason
+        ).where(
             sr.c.request_id == rid,
             sr.c.prompt_index.in_(bindparam("prompts", expanding=True)),
         )
@@ -170,7 +172,7 @@ class SampleBatches:
         for i, sample in ok:
             key = (sample.prompt_index, sample.sample_index)
             existing = stored.get(key)
-            if existing is not None and (not existing[1] or sample.partial or ended):
+            if existing is not None and (ended or not replaces(existing[1], existing[2], sample)):
                 out[i] = False  # a duplicate, or a replacement too late (see add_sample)
                 continue
             row = convert.sample_columns(sample)
@@ -184,7 +186,7 @@ class SampleBatches:
                 conn.execute(st.insert, [row])
             else:
                 rows.append(row)
-            stored[key] = (0, sample.partial)
+            stored[key] = (0, sample.partial, sample.finish_reason)
             done += not sample.partial
             complete[key[0]] += not sample.partial
             out[i] = True
@@ -280,9 +282,9 @@ def _prompt_count(s: Session, rid: str) -> int:
 
 def _stored_keys(
     conn: Connection, st: _Statements, rid: str, samples: list[Sample]
-) -> tuple[dict[tuple[int, int], tuple[int, bool]], Counter[int]]:
-    """(prompt index, sample index) -> (row id, partial) of those of `samples` stored, and
-    the complete samples stored per prompt of `samples`."""
+) -> tuple[dict[tuple[int, int], tuple[int, bool, str]], Counter[int]]:
+    """(prompt index, sample index) -> (row id, partial, finish reason) of those of
+    `samples` stored, and the complete samples stored per prompt of `samples`."""
     keys = {(x.prompt_index, x.sample_index) for x in samples}
     prompts = sorted({p for p, _ in keys})
     stored, complete = {}, Counter[int]()
@@ -290,5 +292,5 @@ def _stored_keys(
         p, i, partial = int(r[1]), int(r[2]), bool(r[3])
         complete[p] += not partial
         if (p, i) in keys:
-            stored[(p, i)] = (int(r[0]), partial)
+            stored[(p, i)] = (int(r[0]), partial, str(r[4]))
     return stored, complete

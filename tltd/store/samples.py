@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
+from tltd.domain import ENDED_STATUSES, FinishReason, RequestStatus, Sample
 from tltd.errors import InvalidArgument
 from tltd.store import convert
 from tltd.store.database import BINARY_RESULTS
@@ -35,8 +35,9 @@ class SampleRecords:
         """Store a finished (or partial) sample; idempotent on (request_id, prompt_index,
         sample_index).
 
-        Returns True when stored: a new sample, or a complete one replacing a partial one
-        (a drained request that was resumed). Returns False for a duplicate, and for a
+        Returns True when stored: a new sample, or one replacing a partial one (`replaces`:
+        the complete sample of a drained request that was resumed, or a sample's FAILED
+        verdict). Returns False for a duplicate, and for a
         replacement once the request has ended: what its streams were given stays what is
         stored (a late sample from a worker already given up on changes nothing). samples_done
         counts complete (non-partial) samples only, so it reaches samples_total exactly
@@ -63,7 +64,9 @@ class SampleRecords:
                         SampleRow.sample_index == sample.sample_index,
                     )
                 )
-                if existing is not None and not (existing.partial and not sample.partial):
+                if existing is not None and not replaces(
+                    existing.partial, existing.finish_reason, sample
+                ):
                     return False
                 # A sample not stored yet is still recorded on an ended request: a cancel
                 # closes the request in the store before its remaining samples are stored.
@@ -129,6 +132,18 @@ class SampleRecords:
         return [
             ((r[0], r[1], r[2]), convert.token_ids_from_columns(r[3], r[4])) for r in reversed(rows)
         ]
+
+
+def replaces(stored_partial: bool, stored_reason: str, sample: Sample) -> bool:
+    """Whether `sample` replaces the stored sample of its key (while the request is open). A
+    partial one is replaced by the complete sample of a later run, and by a FAILED one: a
+    sample that ran out of attempts fails, and the request's final status counts that verdict,
+    not the tokens so far of a run that was lost (cancelled when its lease was)."""
+    if not stored_partial:
+        return False
+    if not sample.partial:
+        return True
+    return sample.finish_reason is FinishReason.FAILED and stored_reason != FinishReason.FAILED
 
 
 def not_finite_error(sample: Sample) -> InvalidArgument | None:
