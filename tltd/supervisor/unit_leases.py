@@ -180,12 +180,14 @@ class UnitLeases:
         cancel on another node). A unit leased here that runs nowhere here (its claim met a
         database outage) is not renewed: its lease lapses and it is claimed again. Returns
         the units lost."""
-        held = {(live.request_id, p) for live in self.queue for p in live.units}
+        held = {(live.request_id, p): live.claims.get(p) for live in self.queue for p in live.units}
         # Its own thread: a renewal queued behind busy store calls could let leases lapse.
         renewed = await asyncio.get_running_loop().run_in_executor(
-            self._renewer, self.store.renew_leases, held, self.settings.lease_seconds
+            self._renewer, self.store.renew_leases, set(held), self.settings.lease_seconds
         )
-        lost = held - renewed
+        # Only the claims this renewal was for: a unit lost meanwhile (e.g. at a rejoin while
+        # the store was locked) and claimed again is a new lease this renewal did not cover.
+        lost = {k for k in held.keys() - renewed if self.queue.claim_of(*k) == held[k]}
         if lost:
             self.stop(lost)
         ids = [live.request_id for live in self.queue if live.outcome is None]

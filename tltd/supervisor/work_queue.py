@@ -9,6 +9,7 @@ complete when every one of its samples is finished.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ class LiveRequest:
     enqueued_at: float
     pending: dict[int, list[int]]  # prompt index -> sample indices waiting for a worker
     units: set[int] = field(default_factory=set)  # prompt indices claimed by this node
+    # prompt index -> which of this node's claims made the unit live (`WorkQueue.claim_of`)
+    claims: dict[int, int] = field(default_factory=dict)
     recorded: set[int] = field(default_factory=set)  # units this node recorded done since
     running: dict[Key, str] = field(default_factory=dict)  # -> worker id
     finished: set[Key] = field(default_factory=set)
@@ -78,6 +81,7 @@ class WorkQueue:
     def __init__(self) -> None:
         self._live: dict[str, LiveRequest] = {}
         self._by_worker: dict[str, set[tuple[str, Key]]] = {}
+        self._claims = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -87,6 +91,14 @@ class WorkQueue:
 
     def get(self, request_id: str) -> LiveRequest | None:
         return self._live.get(request_id)
+
+    def claim_of(self, request_id: str, prompt_index: int) -> int | None:
+        """Which claim made the unit live here (a unit lost and claimed again is a new one);
+        None when it is not live."""
+        live = self._live.get(request_id)
+        if live is None or prompt_index not in live.units:
+            return None
+        return live.claims.get(prompt_index)
 
     def add(
         self,
@@ -108,6 +120,7 @@ class WorkQueue:
             if p in live.units:
                 continue
             live.units.add(p)
+            live.claims[p] = next(self._claims)
             done = {(p, s) for s in range(req.sampling.n) if (p, s) in finished}
             live.finished |= done
             todo = [s for s in range(req.sampling.n) if (p, s) not in done]
@@ -122,6 +135,7 @@ class WorkQueue:
         if live is None or prompt_index not in live.units:
             return []
         live.units.discard(prompt_index)
+        live.claims.pop(prompt_index, None)
         if recorded:
             live.recorded.add(prompt_index)
         live.pending.pop(prompt_index, None)
