@@ -172,14 +172,15 @@ class InProcessDaemon:
             d = self.daemon
 
             async def step(name: str, aw) -> None:
-                # A step that hangs is named (the whole stop once timed out after 120 s
-                # without saying which part of it waited).
-                try:
-                    await asyncio.wait_for(aw, 60.0)
-                except TimeoutError:
-                    raise TimeoutError(
-                        f"killing the daemon: {name} did not end in 60 s\n{_where_it_waits()}"
-                    ) from None
+                # A step that hangs is named, with where it waits, read before it is
+                # cancelled (once cancelled, what it waited on is gone from the dump).
+                task = asyncio.ensure_future(aw)
+                done, _ = await asyncio.wait({task}, timeout=60.0)
+                if not done:
+                    where = _where_it_waits()
+                    task.cancel()
+                    raise TimeoutError(f"killing the daemon: {name} did not end in 60 s\n{where}")
+                task.result()
 
             async def stop():
                 if d.training is not None:  # drafter trainers die with the daemon too
@@ -351,5 +352,13 @@ def _where_it_waits() -> str:
         out.write("".join(traceback.format_stack(frame)[-6:]))
     for task in asyncio.all_tasks():
         out.write(f"--- task {task.get_name()}\n")
-        task.print_stack(limit=6, file=out)
+        awaited = task.get_coro()  # the chain of awaits, innermost last
+        while awaited is not None and hasattr(awaited, "cr_frame"):
+            frame = awaited.cr_frame
+            if frame is not None:
+                out.write(f"    {frame.f_code.co_qualname} ({frame.f_code.co_filename}:"
+                          f"{frame.f_lineno})\n")  # fmt: skip
+            awaited = getattr(awaited, "cr_await", None)
+        if awaited is not None:
+            out.write(f"    awaits {awaited!r}\n")
     return out.getvalue()

@@ -73,8 +73,9 @@ class PauseService:
         """Return once `job_id` is not paused (at once when it is not)."""
         while await asyncio.to_thread(self.store.is_job_paused, job_id):
             gate = self._resumed.setdefault(job_id, asyncio.Event())
-            try:
-                await asyncio.wait_for(gate.wait(), POLL_SECONDS)
+            try:  # asyncio.timeout: wait_for (3.11) can swallow a cancel of the caller
+                async with asyncio.timeout(POLL_SECONDS):
+                    await gate.wait()
             except TimeoutError:
                 pass  # read the store again: a resume may have come through another node
 

@@ -470,9 +470,10 @@ async def _stored_here(
         left = deadline - loop.time()
         if left <= 0:
             return
-        if events.empty():  # wait_for costs a task and a timer: only when there is a wait
-            try:
-                event = await asyncio.wait_for(events.get(), left)
+        if events.empty():  # a timer costs: only when there is a wait
+            try:  # asyncio.timeout: wait_for (3.11) can swallow the stream's cancel
+                async with asyncio.timeout(left):
+                    event = await events.get()
             except TimeoutError:
                 return
         else:

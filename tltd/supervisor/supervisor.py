@@ -401,8 +401,12 @@ class Supervisor:
     async def _ticker(self) -> None:
         assert self._kick is not None
         while not self._closed:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+            # comes as the kick fires (a stop's do), and the ticker then ran one more tick
+            # after the workers had stopped, which could wait for ever.
             try:
-                await asyncio.wait_for(self._kick.wait(), self.settings.scheduler_tick_seconds)
+                async with asyncio.timeout(self.settings.scheduler_tick_seconds):
+                    await self._kick.wait()
             except TimeoutError:
                 pass
             self._kick.clear()
