@@ -37,11 +37,10 @@ class SampleRecords:
 
         Returns True when stored: a new sample, or one replacing a partial one (`replaces`:
         the complete sample of a drained request that was resumed, or a sample's FAILED
-        verdict). Returns False for a duplicate, and for a
-        replacement once the request has ended: what its streams were given stays what is
-        stored (a late sample from a worker already given up on changes nothing). samples_done
-        counts complete (non-partial) samples only, so it reaches samples_total exactly
-        when every sample is done.
+        verdict). Returns False for a duplicate, and for a replacement once the request has
+        ended: what its streams were given stays what is stored (a late sample from a worker
+        already given up on changes nothing). samples_done counts complete (non-partial)
+        samples only, so it reaches samples_total exactly when every sample is done.
 
         Non-finite logprobs are refused (InvalidArgument) on every database: JSON has no
         NaN/Infinity, PostgreSQL rejects them and SQLite would store them as-is.

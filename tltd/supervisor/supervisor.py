@@ -402,7 +402,7 @@ class Supervisor:
         assert self._kick is not None
         while not self._closed:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
-            # comes as the kick fires (a stop's do), and the ticker then ran one more tick
+            # comes as the kick fires (a stop's can), and the ticker then ran one more tick
             # after the workers had stopped, which could wait for ever.
             try:
                 async with asyncio.timeout(self.settings.scheduler_tick_seconds):
