@@ -437,8 +437,20 @@ def test_node_drain_returns_partial_samples_and_fails_the_request(sqlite_store, 
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(2)
             stream = Stream(c, "job", PROMPTS, sampling=sampling(**params), request_id="dr")
-            wait_until(lambda: d.supervisor.assigned_samples > 0, what="running")
-            c.drain(node=True)
+            sup = d.supervisor
+            wait_until(lambda: sup.assigned_samples > 0, what="running")
+            # The workers held until the drain has begun: on a loaded machine the drain call
+            # could otherwise land after the tiny model had finished every sample. A worker
+            # takes its commands (the Drain) before its next step.
+            pids = [h.proc.pid for h in sup.handles.values()]
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                c.drain(node=True)
+                wait_until(lambda: not sup._drain.assigning, what="the drain's grace over")
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
             got = stream.result(30)
             with pytest.raises(UnavailableError, match="draining"):
                 list(c.generate("job", PROMPTS[:1], sampling=sampling(max_new_tokens=2)))
