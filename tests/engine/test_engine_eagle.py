@@ -233,7 +233,7 @@ def test_the_drafter_reads_a_prompt_once_and_a_catch_up_is_not_charged_to_the_st
         n = len(s.group.prompt) - 1
         assert dcache.lens[slot] == n
         src = leader.setdefault(s.group.request_id, slot)
-        assert torch.equal(dcache.k[0, slot, :n], dcache.k[0, src, :n])
+        assert torch.equal(dcache.k[0, slot, :, :n], dcache.k[0, src, :, :n])
     assert len(leader) == len(prompts)
     for _ in range(2):
         outs.extend(e.step())

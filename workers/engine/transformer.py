@@ -222,12 +222,12 @@ class DecoderLayer(nn.Module):
                 enable_gqa=gqa,
             )
         else:
-            k_cache[batch.write_rows, batch.write_pos] = k
-            v_cache[batch.write_rows, batch.write_pos] = v
+            k_cache[batch.write_rows, :, batch.write_pos] = k
+            v_cache[batch.write_rows, :, batch.write_pos] = v
             rows_b = batch.lens.shape[0]
             rows = slice(batch.row0, batch.row0 + rows_b)
-            keys = k_cache[rows, : batch.kv_len].transpose(1, 2)
-            values = v_cache[rows, : batch.kv_len].transpose(1, 2)
+            keys = k_cache[rows, :, : batch.kv_len]
+            values = v_cache[rows, :, : batch.kv_len]
             att = grouped_attention(batch.unpack(q), keys, values, batch, self.nq // self.nkv)
             att = batch.pack(att.transpose(1, 2)).transpose(1, 2)
         x = x + F.linear(att.transpose(1, 2).reshape(b, t, self.nq * self.hd), self.o_proj.weight)
