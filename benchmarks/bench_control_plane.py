@@ -14,7 +14,9 @@ Floors measured in the same run, on the same machine, for the same request:
   sql      one transaction per request inserting the same rows (request, unit, n samples)
   store    the store and stream path alone (no engine, no gRPC) for samples of 1, 256 and
            4,096 tokens with logprobs: the supervisor's sample write, the stream's read, the
-           protobuf encoding; CPU ms per sample of this process
+           protobuf encoding; CPU ms per sample of this process. Requests of one prompt, and
+           of 512 prompts of 200 tokens (an RL step's request: its prompts are its largest
+           column)
 
 `--src DIR` (repeatable) runs each scenario against the daemon of another checkout as well
 (e.g. a `git worktree` of the commit before a change), in rotation with this one, so that a
@@ -381,11 +383,15 @@ def _columns(row) -> dict:
     }
 
 
-def store_stream_micro(url: str, tokens: int, samples: int) -> tuple[float, float]:
+def store_stream_micro(
+    url: str, tokens: int, samples: int, prompts: int = 1
+) -> tuple[float, float]:
     """CPU ms per sample of this process for the store path (the supervisor's sample write)
     and for the stream path (the stream's read of what was stored, the protobuf encoding as
     the project's clients get it: one message of the request's samples, `batch_samples`):
-    `samples` samples of `tokens` tokens with logprobs, n=16 per request."""
+    `samples` samples of `tokens` tokens with logprobs, n=16 per request, the request of
+    `prompts` prompts (200 tokens each when more than one); the samples of prompt 0 are
+    written and read."""
     from tltd.api.convert import generate_batch_responses
     from tltd.domain import Job, RolloutRequest, SamplingParams
     from tltd.store import Store
@@ -399,10 +405,11 @@ def store_stream_micro(url: str, tokens: int, samples: int) -> tuple[float, floa
         store.create_job(Job(job_id=JOB, model_path=str(MODEL)))
         n = 16
         write_cpu = read_cpu = 0.0
+        request_prompts = ((1, 2, 3),) if prompts == 1 else (tuple(range(4, 204)),) * prompts
         for r in range(max(1, samples // n)):
             rid = f"micro-{r}"
             store.create_request(RolloutRequest(
-                rid, JOB, ((1, 2, 3),), SamplingParams(n=n, max_new_tokens=tokens)))  # fmt: skip
+                rid, JOB, request_prompts, SamplingParams(n=n, max_new_tokens=tokens)))  # fmt: skip
             batch = [_replace_sample(template, request_id=rid, sample_index=s) for s in range(n)]
             c0 = time.process_time()
             add_samples(store, batch)
@@ -419,12 +426,15 @@ def store_stream_micro(url: str, tokens: int, samples: int) -> tuple[float, floa
         store.close()
 
 
-def store_stream_micro_of(src: Path, url: str, tokens: int, samples: int) -> tuple[float, float]:
+def store_stream_micro_of(
+    src: Path, url: str, tokens: int, samples: int, prompts: int = 1
+) -> tuple[float, float]:
     """`store_stream_micro` of checkout `src`: its own benchmark module and store, in a process
-    of its own (the store's code is what differs between checkouts)."""
+    of its own (the store's code is what differs between checkouts; a checkout whose copy of
+    this file predates the micro's `prompts` needs this copy put in its benchmarks/)."""
     code = ("import json, sys; sys.path.insert(0, 'benchmarks'); "
             "from bench_control_plane import store_stream_micro as m; "
-            f"print(json.dumps(m({url!r}, {tokens}, {samples})))")  # fmt: skip
+            f"print(json.dumps(m({url!r}, {tokens}, {samples}, {prompts})))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=src, check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
     w, r = json.loads(out.strip().splitlines()[-1])
@@ -494,13 +504,13 @@ def main(argv: list[str] | None = None) -> int:
                 with database(db, Path(tmp)) as url:
                     for n in sorted({n for _, n in scenarios}):
                         floors[("sql", db, n)] = sql_floor(url, prompt, n, 5 if cfg.quick else 50)
-                for tokens in (1, 256, 4096):
+                for tokens, prompts in ((1, 1), (256, 1), (4096, 1), (256, 512)):
                     for _ in range(cfg.repeats):  # each source in turn, a new database each
                         for name, src in sources:
                             with database(db, Path(tmp)) as url:
-                                floors.setdefault(("store", db, tokens, name), []).append(
-                                    store_stream_micro_of(src, url, tokens, cfg.micro_samples)
-                                )
+                                key = ("store", db, tokens, name, prompts)
+                                floors.setdefault(key, []).append(store_stream_micro_of(
+                                    src, url, tokens, cfg.micro_samples, prompts))  # fmt: skip
     print(f"load average at end: {load_average()}")
     print_tables(cfg, rows, floors)
     return 0
@@ -579,15 +589,15 @@ def print_tables(cfg, rows, floors) -> None:
     micro = [k for k in floors if k[0] == "store"]
     if micro:
         print(f"\nstore and stream path alone, medians of {cfg.repeats}:")
-        print("| db | daemon | tokens/sample (with logprobs) | store CPU ms/sample "
-              "| stream read + encode CPU ms/sample | total [min-max] |")  # fmt: skip
-        print("|---|---|---|---|---|---|")
+        print("| db | daemon | tokens/sample (with logprobs) | prompts/request | store CPU "
+              "ms/sample | stream read + encode CPU ms/sample | total [min-max] |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
         for key in micro:
             runs = floors[key]
             w = statistics.median(x for x, _ in runs)
             r = statistics.median(y for _, y in runs)
             tot = [x + y for x, y in runs]
-            print(f"| {key[1]} | {key[3]} | {key[2]} | {w:.3f} | {r:.3f} | "
+            print(f"| {key[1]} | {key[3]} | {key[2]} | {key[4]} | {w:.3f} | {r:.3f} | "
                   f"{statistics.median(tot):.3f} [{min(tot):.3f}-{max(tot):.3f}] |")  # fmt: skip
 
 

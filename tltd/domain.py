@@ -239,6 +239,20 @@ class RolloutRequest:
 
 
 @dataclass(frozen=True)
+class RequestProgress:
+    """What a Generate stream reads of its request while it follows it: not the prompts (the
+    request's largest column: a 512-prompt request's are ~100k ids of JSON to decode)."""
+
+    status: RequestStatus
+    status_reason: str
+    samples_total: int
+
+    @classmethod
+    def of(cls, req: RolloutRequest) -> RequestProgress:
+        return cls(req.status, req.status_reason, req.samples_total)
+
+
+@dataclass(frozen=True)
 class SpeculativeStats:
     """A sample's SD counters, per row: a verify pass in which it had no draft is a plain step.
 

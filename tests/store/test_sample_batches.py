@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from sqlalchemy import event
+
 from tests.store.test_leases import LONG_LEASE, _node
 from tests.store.test_store_api import JOB, _request, _sample
 from tltd.domain import FinishReason, Sample
@@ -94,3 +96,27 @@ def test_a_batch_over_several_requests_is_one_write_each(store: Store) -> None:
         assert [s.token_ids for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert [s.logprobs for s in samples] == [(-0.1, -0.2)] * 4
         assert store.get_request(rid).samples_done == 4
+
+
+def test_a_batch_in_range_checks_its_keys_against_the_work_units_not_the_prompts(
+    store: Store,
+) -> None:
+    """The prompts (a request's largest column: 512 prompts of 200 tokens are ~100k ids of
+    JSON) are read only to word the error for an index out of range."""
+    store.create_job(JOB)
+    store.create_request(_request())
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement, params, context, executemany) -> None:
+        statements.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", seen)
+    try:
+        assert store.add_samples([_sample(0, 0), _sample(1, 1)]) == [True, True]
+        assert statements and not any("rollout_requests.prompts" in x for x in statements)
+        got = store.add_samples([_sample(0, 1), _sample(2, 0)])
+    finally:
+        event.remove(store.engine, "before_cursor_execute", seen)
+    assert got[0] is True
+    assert isinstance(got[1], InvalidArgument) and got[1].field == "prompt_index"
+    assert f"for {len(_request().prompts)} prompts" in str(got[1])

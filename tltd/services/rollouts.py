@@ -19,6 +19,7 @@ from tltd.domain import (
     Job,
     JobStatus,
     LogprobMode,
+    RequestProgress,
     RequestStatus,
     RolloutRequest,
     Sample,
@@ -191,7 +192,7 @@ class RolloutService:
         rid, sent = stored.request_id, _Sent(return_partial)
         cursor, poll = 0, self.settings.stream_poll_seconds
         while True:
-            cur = stored
+            cur = RequestProgress.of(stored)
             if read:
                 cur, samples, cursor, ended = await self._read_stored(rid, cursor)
                 if samples := [x for x in samples if sent.admit(x, ended)]:
@@ -218,10 +219,10 @@ class RolloutService:
 
     async def _read_stored(
         self, rid: str, cursor: int
-    ) -> tuple[RolloutRequest, list[Sample], int, bool]:
-        """The request, its samples stored after `cursor`, the new cursor, and whether it has
-        ended with no unit open (then the samples are all of them: every one is final now,
-        also partial samples read before)."""
+    ) -> tuple[RequestProgress, list[Sample], int, bool]:
+        """The request's progress, its samples stored after `cursor`, the new cursor, and
+        whether it has ended with no unit open (then the samples are all of them: every one
+        is final now, also partial samples read before)."""
         cur, open_units, samples, cursor = await asyncio.to_thread(
             self.store.stream_state, rid, cursor
         )

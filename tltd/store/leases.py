@@ -14,10 +14,18 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, or_, select, tuple_, update
+from sqlalchemy import and_, bindparam, case, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from tltd.domain import ENDED_STATUSES, FinishReason, Job, RequestStatus, RolloutRequest, Sample
+from tltd.domain import (
+    ENDED_STATUSES,
+    FinishReason,
+    Job,
+    RequestProgress,
+    RequestStatus,
+    RolloutRequest,
+    Sample,
+)
 from tltd.errors import Fenced, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_now, db_now_bound, db_now_params
@@ -405,13 +413,25 @@ class WorkLeases:
             )
             return len(prompts)
 
-    def stream_state(self, request_id: str, after_id: int) -> tuple[RolloutRequest, int, list, int]:
-        """What a Generate stream on any node reads: the request, its open units, the samples
-        stored after row `after_id` and the largest row id seen."""
+    def stream_state(
+        self, request_id: str, after_id: int
+    ) -> tuple[RequestProgress, int, list[Sample], int]:
+        """What a Generate stream on any node reads: the request's progress, its open units,
+        the samples stored after row `after_id` and the largest row id seen. Every prompt has
+        a work unit, so the units give the sample total: the prompts are not read."""
+        rr, wu = RolloutRequestRow, WorkUnitRow
         with self._tx(write=False) as s:
-            req = s.get(RolloutRequestRow, request_id)
-            if req is None:
+            head = s.execute(
+                select(rr.status, rr.status_reason, rr.n).where(rr.request_id == request_id)
+            ).first()
+            if head is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
+            is_open = case((wu.state.in_((QUEUED, LEASED)), 1), else_=0)
+            units, open_units = s.execute(
+                select(func.count(), func.coalesce(func.sum(is_open), 0)).where(
+                    wu.request_id == request_id
+                )
+            ).one()
             rows = s.execute(
                 select(SampleRow.__table__)  # rows, not ORM objects: read once, never changed
                 .where(SampleRow.request_id == request_id, SampleRow.id > after_id)
@@ -419,12 +439,10 @@ class WorkLeases:
                 execution_options={BINARY_RESULTS: True},
             ).all()
             last = max((r.id for r in rows), default=after_id)
-            return (
-                convert.request_from_row(req),
-                _open_units(s, request_id),
-                [convert.sample_from_row(r) for r in rows],
-                last,
+            progress = RequestProgress(
+                RequestStatus(head.status), head.status_reason, int(units) * int(head.n)
             )
+            return progress, int(open_units), [convert.sample_from_row(r) for r in rows], last
 
     def claimed_state(self, request_ids: Sequence[str]) -> ClaimedState:
         """What a node needs to run units it just claimed, for every request named, in one
@@ -470,18 +488,6 @@ class WorkLeases:
                 )
             ).all()
         return {r[0]: (r[1], r[2]) for r in rows}
-
-
-def _open_units(s: Session, request_id: str) -> int:
-    wu = WorkUnitRow
-    return int(
-        s.scalar(
-            select(func.count())
-            .select_from(wu)
-            .where(wu.request_id == request_id, wu.state.in_((QUEUED, LEASED)))
-        )
-        or 0
-    )
 
 
 def _final_status(total: int, failed: int, first_error: str | None) -> tuple[RequestStatus, str]:
