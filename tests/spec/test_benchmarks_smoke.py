@@ -162,13 +162,14 @@ def test_bench_control_plane_quick(capsys: pytest.CaptureFixture[str]) -> None:
         assert failed == 0
         assert 0 < rps and sps == pytest.approx(rps * int(r[3]), rel=0.01)
         assert 0 < p50 <= p99 and cpu > 0 and engine > 0 and echo > 0 and sql > 0
-    micro = [r for r in rows if len(r) == 6]  # db, daemon, tokens, store, stream, total
-    assert [(r[1].strip(), int(r[2])) for r in micro] == [
-        ("this", 1),
-        ("this", 256),
-        ("this", 4096),
+    micro = [r for r in rows if len(r) == 7]  # db, daemon, tokens, prompts, store, stream, total
+    assert [(r[1].strip(), int(r[2]), int(r[3])) for r in micro] == [
+        ("this", 1, 1),
+        ("this", 256, 1),
+        ("this", 4096, 1),
+        ("this", 256, 512),
     ]
-    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in micro)
+    assert all(float(r[4]) > 0 and float(r[5]) > 0 for r in micro)
     assert "load average at start:" in out
 
 
