@@ -31,7 +31,7 @@ class _Requests:
 def _live(rid: str, at: float, prompts: int, n: int = 4) -> LiveRequest:
     req = RolloutRequest(rid, "job", tuple((1, 2) for _ in range(prompts)), SamplingParams(n=n))
     pending = {p: list(range(n)) for p in range(prompts)}
-    return LiveRequest(req, 0, at, pending, units=set(range(prompts)))
+    return LiveRequest(req, 0, at, pending, claims={p: p + 1 for p in range(prompts)})
 
 
 def _leases(lives: list[LiveRequest], phase: Phase) -> tuple[UnitLeases, _Requests]:

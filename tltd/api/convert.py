@@ -363,12 +363,12 @@ def generate_batch_responses(
         pb = resp.samples.add(**_sample_fields(s))
         _fill_sample_parts(pb, s)
         grown = pb.ByteSize() + 8  # + the field's tag and length
-        if size and size + grown > max_bytes:
+        if size and size + grown > max_bytes:  # it starts the next message
+            spill = rollout_pb2.GenerateResponse()
+            spill.samples.append(pb)  # a copy
             del resp.samples[-1]
             yield resp
-            resp, size = rollout_pb2.GenerateResponse(), 0
-            pb = resp.samples.add(**_sample_fields(s))
-            _fill_sample_parts(pb, s)
+            resp, size = spill, 0
         size += grown
     if size:
         yield resp

@@ -180,7 +180,7 @@ class UnitLeases:
         cancel on another node). A unit leased here that runs nowhere here (its claim met a
         database outage) is not renewed: its lease lapses and it is claimed again. Returns
         the units lost."""
-        held = {(live.request_id, p): live.claims.get(p) for live in self.queue for p in live.units}
+        held = {(live.request_id, p): c for live in self.queue for p, c in live.claims.items()}
         # Its own thread: a renewal queued behind busy store calls could let leases lapse.
         renewed = await asyncio.get_running_loop().run_in_executor(
             self._renewer, self.store.renew_leases, set(held), self.settings.lease_seconds

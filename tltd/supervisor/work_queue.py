@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import KeysView
 from dataclasses import dataclass, field
 
 from tltd.domain import RequestStatus, RolloutRequest
@@ -25,8 +26,8 @@ class LiveRequest:
     policy_version: int  # every sample runs on this version (see `tltd.supervisor.model_planner`)
     enqueued_at: float
     pending: dict[int, list[int]]  # prompt index -> sample indices waiting for a worker
-    units: set[int] = field(default_factory=set)  # prompt indices claimed by this node
-    # prompt index -> which of this node's claims made the unit live (`WorkQueue.claim_of`)
+    # The units claimed by this node: prompt index -> which of its claims made the unit live
+    # (a unit lost and claimed again is a new claim: `WorkQueue.claim_of`).
     claims: dict[int, int] = field(default_factory=dict)
     recorded: set[int] = field(default_factory=set)  # units this node recorded done since
     running: dict[Key, str] = field(default_factory=dict)  # -> worker id
@@ -43,6 +44,11 @@ class LiveRequest:
     history: dict[int, tuple[tuple[tuple[str, int, int], tuple[int, ...]], ...]] = field(
         default_factory=dict
     )
+
+    @property
+    def units(self) -> KeysView[int]:
+        """Prompt indices claimed by this node."""
+        return self.claims.keys()
 
     @property
     def request_id(self) -> str:
@@ -96,9 +102,7 @@ class WorkQueue:
         """Which claim made the unit live here (a unit lost and claimed again is a new one);
         None when it is not live."""
         live = self._live.get(request_id)
-        if live is None or prompt_index not in live.units:
-            return None
-        return live.claims.get(prompt_index)
+        return None if live is None else live.claims.get(prompt_index)
 
     def add(
         self,
@@ -119,7 +123,6 @@ class WorkQueue:
         for p in sorted(set(range(len(req.prompts))) if units is None else units):
             if p in live.units:
                 continue
-            live.units.add(p)
             live.claims[p] = next(self._claims)
             done = {(p, s) for s in range(req.sampling.n) if (p, s) in finished}
             live.finished |= done
@@ -134,8 +137,7 @@ class WorkQueue:
         live = self._live.get(request_id)
         if live is None or prompt_index not in live.units:
             return []
-        live.units.discard(prompt_index)
-        live.claims.pop(prompt_index, None)
+        del live.claims[prompt_index]
         if recorded:
             live.recorded.add(prompt_index)
         live.pending.pop(prompt_index, None)
