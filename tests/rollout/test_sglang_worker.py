@@ -76,6 +76,9 @@ def _fresh_fake(monkeypatch):
     FakeEngine.tokens_per_step = 3
     monkeypatch.setattr(sglang_worker, "POLL_SECONDS", 0.002)  # the fake decodes per poll
     yield
+    for h in Harness.made:  # the adapter ends its SGLang tasks, then shuts its engine down
+        h.worker.close()
+    Harness.made.clear()
     for engine in FakeEngine.instances:  # gives SIGTERM back to the test process
         if not engine.closed:
             engine.shutdown()
@@ -102,10 +105,13 @@ def drafters(policy, tmp_path_factory):
 class Harness:
     """An SglangWorker driven command by command over a real Pipe, stepping it by hand."""
 
+    made: list[Harness] = []  # closed after each test
+
     def __init__(self) -> None:
         self.conn, child = mp.Pipe()
         self.worker = SglangWorker(child, 3600.0, fake_sglang.factory)
         self.got: list = []
+        Harness.made.append(self)
 
     def send(self, msg) -> list:
         self.worker._handle(msg)
@@ -489,6 +495,18 @@ def test_a_cancel_before_sglang_registered_the_request_still_aborts_it(policy):
     h.send(AddWork(2, "b", 0, (0,), (1, 2), SamplingParams(max_new_tokens=10**4, seed=1)))
     assert h.worker._abort_all() == 1
     assert not h.worker.busy()
+
+
+def test_closing_ends_the_generate_tasks_sglang_never_ran(policy):
+    """A request submitted and never polled has a task whose coroutine never started: closing
+    the worker runs each such task to its cancellation instead of leaving it to the garbage
+    collector (a coroutine never awaited)."""
+    h = loaded(policy)
+    h.send(AddWork(1, "a", 0, (0, 1), (1, 2), SamplingParams(max_new_tokens=10, seed=1)))
+    tasks = list(h.worker.engine.tasks)
+    assert len(tasks) == 2 and not any(t.done() for t in tasks)
+    h.worker.close()
+    assert all(t.cancelled() for t in tasks)
 
 
 def test_weight_versions_are_checked_against_the_recorded_policy(policy, tmp_path):

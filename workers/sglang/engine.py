@@ -262,12 +262,15 @@ class SglangEngineAdapter:
             self.released = False
 
     def shutdown(self) -> None:
-        for task in self.tasks:
+        pending = [*self.tasks, *([self.broadcast] if self.broadcast is not None else [])]
+        for task in pending:
             task.cancel()
         self.tasks.clear()
-        if self.broadcast is not None:
-            self.broadcast.cancel()
-            self.broadcast = None
+        self.broadcast = None
+        if pending and not self.loop.is_closed() and not self.loop.is_running():
+            # A task cancelled before the loop ever ran it has not started its coroutine:
+            # one turn of the loop lets each one end (and SGLang's own clean-up run).
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.engine.shutdown()
 
 
