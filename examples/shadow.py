@@ -54,8 +54,11 @@ class ShadowMeter:
         samples: Sequence[RolloutSample],
         prompts: Sequence[list[int]],
         used: Path | None,
+        k: int | None = None,
     ) -> tuple[float, float]:
-        """(accepted length of the drafter used, of the frozen initial drafter) on the samples."""
+        """(accepted length of the drafter used, of the frozen initial drafter) on the samples,
+        with chains of `k` drafts (default: the meter's)."""
+        k = self.k if k is None else k
         load_weights(self.target, policy)
         held = []
         for s in self.pick(samples):
@@ -63,7 +66,7 @@ class ShadowMeter:
             ids = torch.tensor(list(prompt) + list(s.token_ids), dtype=torch.long)
             hidden = target_hidden(self.target, [ids])[0]
             held.append(HeldOut(ids, len(prompt), hidden))
-        frozen = mean_accepted_length(self._drafter(self.frozen_path), held, self.k)
+        frozen = mean_accepted_length(self._drafter(self.frozen_path), held, k)
         if used is None or used == self.frozen_path:
             return frozen, frozen
-        return mean_accepted_length(self._drafter(used), held, self.k), frozen
+        return mean_accepted_length(self._drafter(used), held, k), frozen
