@@ -50,9 +50,7 @@ class BudgetRun(demo.Run):
         step = len(self.rows)  # the step being run: its row is appended after this
         if step in self.at:
             version = max((s.drafter_version for s in samples), default=0)
-            used = None
-            if version > 1:
-                used = Path(self.client.raw.get_drafter(self.job_id, version).path)
+            used = self.drafter_used(samples)
             weights = {k: v.detach() for k, v in self.trainer.model.state_dict().items()}
             assert self.shadow is not None
             self.sweeps[step] = (version, [

@@ -332,12 +332,15 @@ class Run:
         """Accepted length of the drafter used and of the frozen initial one on the samples."""
         if self.shadow is None:
             return (0.0, 0.0)
-        version = max((s.drafter_version for s in samples), default=0)
-        used = None
-        if version > 1:
-            used = Path(self.client.raw.get_drafter(self.job_id, version).path)
         weights = {k: v.detach() for k, v in self.trainer.model.state_dict().items()}
-        return self.shadow.measure(weights, samples, prompts, used)
+        return self.shadow.measure(weights, samples, prompts, self.drafter_used(samples))
+
+    def drafter_used(self, samples: list[RolloutSample]) -> Path | None:
+        """The learned drafter the samples' highest version names; None for the initial one."""
+        version = max((s.drafter_version for s in samples), default=0)
+        if version <= 1:
+            return None
+        return Path(self.client.raw.get_drafter(self.job_id, version).path)
 
     def close(self) -> None:
         self.client.close()
