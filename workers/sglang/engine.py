@@ -96,6 +96,10 @@ def keep_stop_signals_ignored(tokenizer_manager: Any) -> None:
     tokenizer_manager.signal_handler_class = KeepRunning
 
 
+# How long shutdown lets the generate tasks it cancels run to their end.
+SHUTDOWN_TASKS_SECONDS = 2.0
+
+
 class SglangEngineAdapter:
     """`tltd_workers.sglang.translate.SglangEngine` over an `sglang.Engine`; `io` is SGLang's
     `sglang.srt.managers.io_struct` (the request classes), `args` what it was started with."""
@@ -269,8 +273,9 @@ class SglangEngineAdapter:
         self.broadcast = None
         if pending and not self.loop.is_closed() and not self.loop.is_running():
             # A task cancelled before the loop ever ran it has not started its coroutine:
-            # one turn of the loop lets each one end (and SGLang's own clean-up run).
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            # a turn of the loop lets each one end (and SGLang's own clean-up run), bounded
+            # so that a clean-up that waits on a dead scheduler cannot hold the shutdown.
+            self.loop.run_until_complete(asyncio.wait(pending, timeout=SHUTDOWN_TASKS_SECONDS))
         self.engine.shutdown()
 
 
