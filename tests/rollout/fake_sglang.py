@@ -390,7 +390,11 @@ class FakeEngine:
         g = _Gen(rid, list(input_ids or []), p, self.loop.create_future())
         g.versions.append({"version": self.weight_version, "start": 0, "end": 0})
         tm.rid_to_state[rid] = g
-        return await g.done
+        try:
+            return await g.done
+        except asyncio.CancelledError:  # nothing would collect its result: forget the request
+            tm.rid_to_state.pop(rid, None)
+            raise
 
     def _decode_step(self) -> None:
         if self.receiving:  # SGLang's scheduler is inside the collective
