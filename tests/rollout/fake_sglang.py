@@ -390,11 +390,7 @@ class FakeEngine:
         g = _Gen(rid, list(input_ids or []), p, self.loop.create_future())
         g.versions.append({"version": self.weight_version, "start": 0, "end": 0})
         tm.rid_to_state[rid] = g
-        try:
-            return await g.done
-        except asyncio.CancelledError:  # nothing would collect its result: forget the request
-            tm.rid_to_state.pop(rid, None)
-            raise
+        return await g.done
 
     def _decode_step(self) -> None:
         if self.receiving:  # SGLang's scheduler is inside the collective
@@ -445,7 +441,8 @@ class FakeEngine:
                 meta["spec_num_correct_drafts"] = n - 1 - verify
                 meta["spec_num_proposed_drafts"] = verify * steps
                 meta["spec_correct_drafts_histogram"] = [0, verify]
-        g.done.set_result({"output_ids": list(g.out), "meta_info": meta})
+        if not g.done.done():  # as in SGLang, a cancelled generate's request still runs
+            g.done.set_result({"output_ids": list(g.out), "meta_info": meta})
 
     # -- weights and memory ---------------------------------------------------------------
 
