@@ -47,18 +47,27 @@ class ShadowMeter:
         stride = max(1, len(ordered) // self.samples)
         return [s for s in ordered[::stride] if s.token_ids][: self.samples]
 
-    @torch.inference_mode()
     def measure(
         self,
         policy: Mapping[str, Tensor],
         samples: Sequence[RolloutSample],
         prompts: Sequence[list[int]],
         used: Path | None,
-        k: int | None = None,
     ) -> tuple[float, float]:
         """(accepted length of the drafter used, of the frozen initial drafter) on the samples,
-        with chains of `k` drafts (default: the meter's)."""
-        k = self.k if k is None else k
+        with chains of the meter's k drafts."""
+        return self.measure_at(policy, samples, prompts, used, (self.k,))[0]
+
+    @torch.inference_mode()
+    def measure_at(
+        self,
+        policy: Mapping[str, Tensor],
+        samples: Sequence[RolloutSample],
+        prompts: Sequence[list[int]],
+        used: Path | None,
+        ks: Sequence[int],
+    ) -> list[tuple[float, float]]:
+        """`measure` with chains of each of `ks` drafts, on one prefill of the samples."""
         load_weights(self.target, policy)
         held = []
         for s in self.pick(samples):
@@ -66,7 +75,11 @@ class ShadowMeter:
             ids = torch.tensor(list(prompt) + list(s.token_ids), dtype=torch.long)
             hidden = target_hidden(self.target, [ids])[0]
             held.append(HeldOut(ids, len(prompt), hidden))
-        frozen = mean_accepted_length(self._drafter(self.frozen_path), held, k)
-        if used is None or used == self.frozen_path:
-            return frozen, frozen
-        return mean_accepted_length(self._drafter(used), held, k), frozen
+        out = []
+        for k in ks:
+            frozen = mean_accepted_length(self._drafter(self.frozen_path), held, k)
+            if used is None or used == self.frozen_path:
+                out.append((frozen, frozen))
+            else:
+                out.append((mean_accepted_length(self._drafter(used), held, k), frozen))
+        return out
