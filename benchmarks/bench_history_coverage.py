@@ -18,7 +18,10 @@ sample measures acceptance without bias), and the sample advances by the matched
 Per epoch and per class (the longest 10% of samples, which make a step's tail, and the rest):
 the share of decode steps with a history draft, accepted and drafted tokens per such step,
 their ratio (the share of verified draft positions that pay), tokens per step, and the
-samples' reward (a wrong answer is a sample whose text left its prompt's usual path).
+samples' reward (a wrong answer is a sample whose text left its prompt's usual path). Below the
+table, per epoch and class: the answers' re-check passes, and how many start as the answer's
+first pass did (the task's reference re-checks all do: a re-check that starts elsewhere is new
+text, which no suffix structure over earlier text can draft).
 
     python benchmarks/bench_history_coverage.py [--epochs 2] [--care 4,8] [--min-support 0.25,0.5]
 """
@@ -37,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.task.reasoning import reward  # noqa: E402
+from examples.task.reasoning import CHECK_MARKER, reward  # noqa: E402
 from examples.task.tokenizer import decode, load_tokenizer  # noqa: E402
 from examples.task.workload import (  # noqa: E402
     MAX_NEW_TOKENS,
@@ -66,6 +69,16 @@ class Tally:
     accepted: int = 0
     drafted: int = 0
     rewards: list[float] = field(default_factory=list)
+
+
+def recheck_starts(text: str) -> tuple[int, int]:
+    """An answer's re-check passes, and how many of them start with its first pass's first
+    line (as the task's reference answers do: a re-check redoes the computation from the
+    prompt). A guess has neither."""
+    lines = text.split("\n")
+    starts = [lines[i + 1] for i, line in enumerate(lines[:-1]) if line == CHECK_MARKER]
+    first = lines[1] if len(lines) > 1 else None
+    return len(starts), sum(start == first for start in starts)
 
 
 def roll_out(
@@ -188,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "| tokens / step |"
     )
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rechecks = []
     for epoch in range(args.epochs):
         lengths = sorted(len(t) for _, t in epochs[epoch])
         cut = lengths[int((1 - TAIL_SHARE) * len(lengths))]
@@ -196,6 +210,17 @@ def main(argv: list[str] | None = None) -> int:
         def classify(toks: list[int], cut: int = cut) -> str:
             return "tail" if len(toks) >= cut else "rest"
 
+        passes: dict[str, list[int]] = {"rest": [0, 0], "tail": [0, 0]}
+        for _, toks in epochs[epoch]:
+            n, same = recheck_starts(decode(tok, toks))
+            passes[classify(toks)][0] += n
+            passes[classify(toks)][1] += same
+        rechecks.append(
+            f"epoch {epoch + 1}: "
+            + ", ".join(
+                f"{c} {n} ({same} start as the first pass did)" for c, (n, same) in passes.items()
+            )
+        )
         for support in (float(x) for x in args.min_support.split(",")):
             tallies = replay(prompts, epochs, epoch, args.k, support, classify)
             for _, toks in epochs[epoch]:
@@ -215,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{t.drafted / hs:.2f} | {t.accepted / max(t.drafted, 1):.0%} | "
                     f"{t.tokens / max(t.steps, 1):.2f} |"
                 )
+    print("\nre-check passes in the answers, per class:")
+    for line in rechecks:
+        print("  " + line)
     return 0
 
 

@@ -213,13 +213,24 @@ def test_history_replay_accepts_an_answer_seen_last_epoch_and_nothing_else() -> 
     assert unseen.accepted == 0 and unseen.steps == len(answer)
 
 
+def test_recheck_starts_counts_passes_that_start_as_the_first_did() -> None:
+    one_pass = ["1000+2000=3000,1000", "3000+2000=5000,0000"]
+    same = "\n".join(["care 8", *one_pass, "care 8", "check", *one_pass, "care 8", "answer: 5000"])
+    assert bench_history_coverage.recheck_starts(same) == (1, 1)
+    moved = same.replace("check\n1000+", "check\n7000+")
+    assert bench_history_coverage.recheck_starts(moved) == (1, 0)
+    assert bench_history_coverage.recheck_starts("answer: 5000") == (0, 0)
+
+
 def test_bench_history_coverage_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The shipped policy, two tiny epochs: one table row per epoch and class."""
     args = ["--prompts", "2", "--samples", "2", "--max-new-tokens", "48", "--threads", "1"]
     assert bench_history_coverage.main(args) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
     cells = [[c.strip() for c in r.split("|")[1:-1]] for r in rows[1:]]
     assert [(c[0], c[2]) for c in cells] == [
         (e, name) for e in ("1", "2") for name in ("rest", "tail", "all")
     ]
     assert all(int(c[3]) >= 0 and c[6].endswith("%") for c in cells)
+    assert "re-check passes in the answers" in out and "epoch 2: rest " in out
