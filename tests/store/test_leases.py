@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
+from sqlalchemy import event
 
 from tests.store.expiry import expire_unit_leases, silence_node
 from tests.store.test_store_api import JOB, SAMPLING
@@ -117,9 +118,9 @@ def test_expired_lease_is_taken_over_and_the_late_owner_is_fenced(pg_store: Stor
             a.finish_unit("r0000", 0, None, "")
         assert b.add_sample(_sample("r0000", 0, 1))
         assert not b.add_sample(_sample("r0000", 0, 0))  # first writer wins
-        req, left = b.finish_unit("r0000", 0, None, "")
-        assert left == 0 and req.status is RequestStatus.COMPLETED
-        assert req.samples_done == SAMPLING.n
+        end = b.finish_unit("r0000", 0, None, "")
+        assert end.left == 0 and end.status is RequestStatus.COMPLETED
+        assert b.get_request("r0000").samples_done == SAMPLING.n
         assert b.renew_leases({("r0000", 0)}, LONG_LEASE) == set()  # done: nothing left to renew
     finally:
         a.close()
@@ -157,9 +158,36 @@ def test_unit_needs_every_sample_before_it_is_done(store: Store) -> None:
         with pytest.raises(Fenced):
             a.finish_unit("r0000", 0, None, "")
         a.add_sample(_sample("r0000", 0, 1))
-        req, left = a.finish_unit("r0000", 0, None, "")
-        assert left == 1 and req.status is RequestStatus.QUEUED  # prompt 1 still open
+        end = a.finish_unit("r0000", 0, None, "")
+        assert end.left == 1 and end.status is RequestStatus.QUEUED  # prompt 1 still open
         assert a.renew_leases({("r0000", 0), ("r0000", 1)}, LONG_LEASE) == {("r0000", 1)}
+    finally:
+        a.close()
+
+
+def test_a_unit_ends_without_reading_the_requests_prompts(store: Store) -> None:
+    """A unit's end (a cancel or drain decided on the node) reads the request's n and status,
+    not its row: the prompts are its largest column (~100k ids of JSON for 512 prompts)."""
+    _requests(store, 1, 2)
+    a = _node(store, "a")
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement, params, context, executemany) -> None:
+        statements.append(statement)
+
+    try:
+        a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
+        for p in range(2):
+            a.add_samples([_sample("r0000", p, i) for i in range(SAMPLING.n)])
+        event.listen(a.engine, "before_cursor_execute", seen)
+        try:
+            assert a.finish_unit("r0000", 0, None, "").left == 1
+            end = a.finish_unit("r0000", 1, RequestStatus.CANCELLED, "stop")
+        finally:
+            event.remove(a.engine, "before_cursor_execute", seen)
+        assert end == UnitEnd(RequestStatus.CANCELLED, "stop", 0)
+        assert statements and not any("rollout_requests.prompts" in x for x in statements)
+        assert a.get_request("r0000").status is RequestStatus.CANCELLED
     finally:
         a.close()
 
@@ -193,9 +221,10 @@ def test_a_sample_out_of_attempts_fails_its_request_over_a_lost_runs_partial(
         assert [(x.finish_reason, x.error) for x in got] == [
             (FinishReason.FAILED, "claimed 3 times by nodes that lost it")
         ] * 2
-        req, left = a.finish_unit("r0000", 0, None, "")
-        assert left == 0 and req.status is RequestStatus.FAILED
-        assert req.status_reason.startswith("2 of 2 samples failed: claimed 3 times")
+        end = a.finish_unit("r0000", 0, None, "")
+        assert end.left == 0 and end.status is RequestStatus.FAILED
+        assert end.reason.startswith("2 of 2 samples failed: claimed 3 times")
+        assert a.get_request("r0000").status_reason == end.reason
         assert a.get_request("r0000").samples_done == 0
     finally:
         a.close()
@@ -328,8 +357,8 @@ def test_a_cancel_ends_the_units_no_node_holds(store: Store) -> None:
         }
         for i in range(SAMPLING.n):
             a.add_sample(Sample("r0000", 0, i, (), (), FinishReason.CANCELLED, partial=True))
-        req, left = a.finish_unit("r0000", 0, RequestStatus.CANCELLED, "stop")
-        assert left == 0 and req.status is RequestStatus.CANCELLED
+        end = a.finish_unit("r0000", 0, RequestStatus.CANCELLED, "stop")
+        assert end == UnitEnd(RequestStatus.CANCELLED, "stop", 0)
     finally:
         a.close()
 
@@ -420,6 +449,6 @@ def test_a_sample_batch_records_the_units_it_completes(store: Store) -> None:
         a.mark_running("r1", "running on w0")
         got = a.store_samples([_sample("r1", 0, 0), _sample("r1", 0, 1)])
         assert got.ends == {}
-        assert a.finish_unit("r1", 0, None, "")[1] == 1
+        assert a.finish_unit("r1", 0, None, "").left == 1
     finally:
         a.close()

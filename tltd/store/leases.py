@@ -11,7 +11,7 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, bindparam, case, func, or_, select, tuple_, update
@@ -89,7 +89,12 @@ class _UnitStatements:
 
     def __init__(self, dialect: str) -> None:
         rr, wu, sr = RolloutRequestRow.__table__, WorkUnitRow.__table__, SampleRow.__table__
-        self.request = select(rr).where(rr.c.request_id == bindparam("rid")).with_for_update()
+        # The request's row locked, and of it only what a unit's end needs (not its prompts).
+        self.request = (
+            select(rr.c.n, rr.c.status, rr.c.status_reason)
+            .where(rr.c.request_id == bindparam("rid"))
+            .with_for_update()
+        )
         unit = (wu.c.request_id == bindparam("rid"), wu.c.prompt_index == bindparam("p"))
         self.stored = (
             select(func.count())
@@ -297,12 +302,12 @@ class WorkLeases:
 
     def finish_unit(
         self, request_id: str, prompt_index: int, outcome: RequestStatus | None, reason: str
-    ) -> tuple[RolloutRequest, int]:
+    ) -> UnitEnd:
         """Mark a held unit done once every one of its samples is stored; when it was the
         request's last open unit, record the request's final status: `outcome` (a cancel or a
         drain decided here) if given, else FAILED when a sample failed, else COMPLETED; a
-        status already final stands. Returns the request and its open units left. Raises
-        Fenced when the unit is not held or a sample is missing."""
+        status already final stands. Returns the request's status and reason after it and its
+        open units left. Raises Fenced when the unit is not held or a sample is missing."""
         st = self._unit_statements
         with self._tx() as s:
             conn = s.connection()
@@ -316,12 +321,8 @@ class WorkLeases:
                 self.check_held(s, request_id, prompt_index)
                 count = conn.execute(st.stored, params).scalar()
                 raise Fenced(f"unit {request_id}/{prompt_index}: {count} of {row.n} stored")
-            req = convert.request_from_row(row)
-            end = self._close_unit(s, params, req.status, req.status_reason, outcome, reason)
-            if end.status is not req.status:
-                req = replace(req, status=end.status, status_reason=end.reason,
-                              updated_at=params["now"])  # fmt: skip
-            return req, end.left
+            status = RequestStatus(row.status)
+            return self._close_unit(s, params, status, row.status_reason, outcome, reason)
 
     def _unit_params(self, request_id: str, prompt_index: int, n: int) -> dict[str, Any]:
         """The bound values of `_UnitStatements` for one unit of a request of `n` samples."""

@@ -464,14 +464,14 @@ class LiveRequests:
     async def _finish_unit(self, live: LiveRequest, p: int) -> None:
         rid = live.request_id
         try:
-            req, left = await self._writes.write(
+            end = await self._writes.write(
                 self.store.finish_unit, rid, p, live.outcome, live.reason, request=rid
             )
         except (Fenced, NotFound) as exc:
             log.warning("unit not recorded: %s", exc, extra={"request_id": rid})
             self._drop(rid, p)
             return
-        self._recorded(live, p, UnitEnd(req.status, req.status_reason, left))
+        self._recorded(live, p, end)
 
     def _recorded(self, live: LiveRequest, p: int, end: UnitEnd) -> None:
         """Unit `p` of `live` is recorded done in the store, `end` what that write said: it
