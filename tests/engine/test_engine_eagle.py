@@ -51,7 +51,7 @@ def test_training_forward_matches_the_cached_drafting_path(ckpt):
     feats = drafter(h[:, :t], seq[:, 1 : t + 1])  # training path: predicted h_1..h_t
     seen: list[torch.Tensor] = []
 
-    def choose(logits, i):
+    def choose(logits, i, confidence):
         seen.append(logits)
         return logits.argmax(-1), torch.ones(logits.shape[0])
 
@@ -179,7 +179,7 @@ def test_absorbing_a_backlog_then_drafting_equals_drafting_on_it_at_once(ckpt):
     def drafting(split: bool):
         seen: list[torch.Tensor] = []
 
-        def choose(logits, i):
+        def choose(logits, i, confidence):
             seen.append(logits)
             return logits.argmax(-1), torch.ones(logits.shape[0])
 

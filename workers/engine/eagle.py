@@ -20,9 +20,10 @@ from tltd.contract.checkpoint import check_drafter_tensors
 from tltd_workers.engine.kv_cache import KVCache
 from tltd_workers.engine.transformer import Batch, CausalLM, DecoderLayer, ModelConfig
 
-# choose(logits [B, V], step i) -> (draft tokens [B], confidence [B] in [0, 1]: the chance
-# the drafter gives its draft; chains are cut where its running product falls too low)
-Chooser = Callable[[Tensor, int], tuple[Tensor, Tensor]]
+# choose(logits [B, V], step i, confidence wanted) -> (draft tokens [B], confidence [B] in
+# [0, 1]: the chance the drafter gives its draft, or None when not wanted; chains are cut
+# where its running product falls too low)
+Chooser = Callable[[Tensor, int, bool], tuple[Tensor, Tensor | None]]
 
 
 class EagleDrafter(nn.Module):
@@ -190,23 +191,29 @@ class EagleDrafter(nn.Module):
         out, batch = self._feed(cache, feats, tokens)
         last = out[torch.arange(b, device=dev), (batch.n_new - 1).clamp(min=0)]
         committed = [n + m for n, m in zip(lens, c, strict=True)]
-        one = [1 if m else 0 for m in c]
+        # Rows without drafter state (c_b = 0) feed nothing; when every row feeds one token,
+        # no per-row counts, so rows of equal length attend without a mask.
+        one = None if all(c) else [1 if m else 0 for m in c]
         drafts: list[Tensor] = []
+        cut = min_confidence > 0  # without a floor every row verifies all k drafts
         cum = torch.ones(b, dtype=torch.float64, device=dev)
         lengths = torch.zeros(b, dtype=torch.long, device=dev)
         for i in range(k):
-            tok, conf = choose(self.logits(last), i)
+            tok, conf = choose(self.logits(last), i, cut)
             drafts.append(tok)
-            cum = cum * conf.double()
-            confident = cum >= min_confidence
-            lengths += confident
-            if i + 1 < k and min_confidence > 0 and not bool(confident.any()):
-                pad = k - 1 - i  # nobody is confident: stop drafting
-                drafts.extend([tok] * pad)
-                break
+            if cut:
+                assert conf is not None
+                cum = cum * conf.double()
+                confident = cum >= min_confidence
+                lengths += confident
+                if i + 1 < k and not bool(confident.any()):
+                    pad = k - 1 - i  # nobody is confident: stop drafting
+                    drafts.extend([tok] * pad)
+                    break
             if i + 1 < k:
                 pos = [n + i for n in committed]
                 batch = Batch.make(pos, one, 1, 0, cache.trash, dev)
                 last = self._step(last[:, None], tok[:, None], batch, cache)[:, 0]
         cache.lens[:b] = committed  # roll back the positions fed with predicted features
-        return torch.stack(drafts, dim=1), lengths.clamp(min=1).tolist()
+        verify = lengths.clamp(min=1).tolist() if cut else [k] * b
+        return torch.stack(drafts, dim=1), verify

@@ -413,19 +413,23 @@ class Speculation:
             feats = [f[-1:] if f is not None else None for f in feats]
             toks = [t[-1:] for t in toks]
             self._catch_up_s += time.perf_counter() - t0
-        keys = row_keys(seqs, self.device)
-        base = torch.tensor([len(s.tokens) for s in seqs], device=self.device)
+        u = None
+        if not params.all_greedy:
+            # The draws of all k positions at once (a pure function of key and position).
+            keys = row_keys(seqs, self.device)
+            base = torch.tensor([len(s.tokens) for s in seqs], device=self.device)
+            u = uniforms(keys, base[:, None] + torch.arange(k, device=self.device), SAMPLE)
 
-        def choose(logits: Tensor, i: int) -> tuple[Tensor, Tensor]:
+        def choose(logits: Tensor, i: int, confidence: bool) -> tuple[Tensor, Tensor | None]:
             logq = log_probs(logits, params)
             greedy_tok = logq.argmax(dim=-1)
             # Confidence = the largest drafter probability (EAGLE-2's estimate of a chain's
             # survival); any draft length keeps the output plain decoding's.
-            conf = logq.max(dim=-1).values.exp()
-            if params.all_greedy:
+            conf = logq.max(dim=-1).values.exp() if confidence else None
+            if u is None:
                 return greedy_tok, conf
-            u = uniforms(keys, (base + i)[:, None], SAMPLE)[:, 0]
-            return torch.where(params.greedy, greedy_tok, sample_from(logq.exp(), u)), conf
+            drawn = sample_from(logq.exp(), u[:, i])
+            return torch.where(params.greedy, greedy_tok, drawn), conf
 
         drafts, confident = self.drafter.propose(
             self.eagle_cache, feats, toks, k, choose, self.config.draft_confidence
