@@ -13,7 +13,7 @@ from tests.rollout.support import ServeProcess, direct_outputs, pid_alive, wait_
 from tests.rollout.test_rollouts import PROMPTS, Stream, _by_key
 from tltd.domain import FinishReason, RequestStatus, SamplingParams, WorkerState
 from tltd.store import Store
-from tltd.v1 import rollout_pb2
+from tltd.v1 import common_pb2, rollout_pb2
 from tltd_clients.errors import NotFoundError, UnavailableError
 
 LONG = dict(n=4, temperature=0.0, max_new_tokens=800)
@@ -151,7 +151,10 @@ def test_a_signal_to_the_whole_process_group_still_drains(sqlite_url, tmp_path, 
     d = ServeProcess(tmp_path, sqlite_url, shutdown_grace_seconds=2.0)
     try:
         with d.client() as c:
-            c.create_job(str(ckpt), job_id="job")
+            # SD off: 64 identical greedy siblings are what the history and n-gram drafters
+            # copy best, and with them the request could end before the signal.
+            off = common_pb2.SpeculativeConfig(mode=common_pb2.SPECULATIVE_MODE_OFF)
+            c.create_job(str(ckpt), job_id="job", speculative=off)
             pids = [w.pid for w in d.wait_workers_ready("job")]
             params = dict(n=64, temperature=0.0, max_new_tokens=1000)
             long = Stream(c, "job", PROMPTS[:4], sampling=sampling(**params), request_id="big")
