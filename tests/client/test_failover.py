@@ -162,11 +162,14 @@ def test_kill9_mid_stream_fails_over_and_delivers_each_sample_once(two_daemons, 
 def test_async_client_fails_over_mid_stream(two_daemons, ckpt):
     """AsyncRolloutClient: the same failover, each sample once, outputs as undisturbed."""
     a, b = two_daemons
+    # Longer samples and SD off (greedy siblings are what the drafters copy best): A must
+    # still have work when the client's loop, maybe late on a loaded machine, kills it.
+    params = PARAMS | {"max_new_tokens": 96}
 
     async def run() -> list[RolloutSample]:
         got: list[RolloutSample] = []
         async with AsyncRolloutClient([a.target, b.target], job_id="job", backoff=FAST) as c:
-            stream = c.stream(PROMPTS, request_id="failover-async", **PARAMS)
+            stream = c.stream(PROMPTS, request_id="failover-async", speculative="off", **params)
             async for s in stream:
                 got.append(s)
                 if len(got) == 1:
@@ -176,7 +179,7 @@ def test_async_client_fails_over_mid_stream(two_daemons, ckpt):
     received = asyncio.run(run())
     keys = [(s.prompt_index, s.sample_index) for s in received]
     assert len(keys) == TOTAL and len(set(keys)) == TOTAL
-    assert _by_key(received) == direct_outputs(ckpt, PROMPTS, SamplingParams(**PARAMS))
+    assert _by_key(received) == direct_outputs(ckpt, PROMPTS, SamplingParams(**params))
     with TltClient(b.target) as c:
         assert c.get_request("failover-async").request.samples_done == TOTAL
 

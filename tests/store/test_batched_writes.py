@@ -4,6 +4,7 @@ write that fails in it is undone alone: on the real databases."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -12,7 +13,7 @@ import pytest
 from tltd.domain import Job
 from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
 from tltd.store import Store
-from tltd.supervisor.writes import OrderedWrites
+from tltd.supervisor.writes import OrderedWrites, WritesClosed
 
 JOB = Job(job_id="job-a", model_path="/models/tiny", name="grpo")
 
@@ -201,3 +202,61 @@ def test_a_thread_hop_that_fails_fails_its_writes_and_the_writer_goes_on(
     )
     assert isinstance(error, RuntimeError) and "new thread" in str(error)
     assert created[1] is True and not writer_ended
+
+
+def test_writes_left_when_the_writer_stops_fail_instead_of_waiting_for_ever(store: Store) -> None:
+    """The stop cancels the writer once the queue was empty; a write the workers' last
+    messages queued after that (a unit's end) fails with WritesClosed at `close`, as does any
+    write after it, so nothing awaits a writer that is gone."""
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        writes = OrderedWrites(store.batch)
+        writes.bind()
+        runner = asyncio.create_task(writes.run())
+        await writes.join(runner)
+        runner.cancel()
+        late = asyncio.ensure_future(writes.write(store.create_job, JOB))
+        await asyncio.sleep(0)  # queued
+        await asyncio.gather(runner, return_exceptions=True)
+        writes.close()
+        queued = await asyncio.wait_for(asyncio.gather(late, return_exceptions=True), 5.0)
+        writes.write_nowait(store.create_job, JOB)  # dropped, logged
+        try:
+            await writes.write(store.create_job, JOB)
+        except WritesClosed as exc:
+            return queued[0], exc
+        return queued[0], None
+
+    queued, later = asyncio.run(scenario())
+    assert isinstance(queued, WritesClosed) and "create_job" in str(queued)
+    assert isinstance(later, WritesClosed)
+    assert store.list_jobs() == []
+
+
+def test_a_write_in_flight_when_the_writer_is_cancelled_fails_its_caller(store: Store) -> None:
+    """Cancelled while a store call runs in its thread, the writer can no longer hand over
+    that call's result: the caller is told WritesClosed instead of waiting for ever."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow() -> str:
+        started.set()
+        release.wait(10.0)
+        return "done"
+
+    async def scenario() -> BaseException | str:
+        writes = OrderedWrites(store.batch)
+        writes.bind()
+        runner = asyncio.create_task(writes.run())
+        call = asyncio.ensure_future(writes.write(slow))
+        assert await asyncio.to_thread(started.wait, 5.0)
+        runner.cancel()
+        got = await asyncio.wait_for(asyncio.gather(call, return_exceptions=True), 5.0)
+        release.set()
+        await asyncio.gather(runner, return_exceptions=True)
+        return got[0]
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert isinstance(got, WritesClosed) and "slow" in str(got)

@@ -29,7 +29,7 @@ from tltd.settings import Settings
 from tltd.store.leases import Claim, ClaimedState, UnitEnd
 from tltd.store.rollout_requests import running_on
 from tltd.supervisor.work_queue import Key, LiveRequest, WorkQueue
-from tltd.supervisor.writes import OrderedWrites, add_samples
+from tltd.supervisor.writes import OrderedWrites, WritesClosed, add_samples
 
 # A prompt's most recent stored answers handed to the history drafter when the prompt is
 # claimed (two epochs of n = 8).
@@ -470,6 +470,10 @@ class LiveRequests:
         except (Fenced, NotFound) as exc:
             log.warning("unit not recorded: %s", exc, extra={"request_id": rid})
             self._drop(rid, p)
+            return
+        except WritesClosed:
+            # Stopping: the unit's lease expires and the node that claims it next records it.
+            log.info("unit not recorded: the daemon is stopping", extra={"request_id": rid})
             return
         self._recorded(live, p, end)
 

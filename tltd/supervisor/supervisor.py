@@ -219,6 +219,9 @@ class Supervisor:
         if self._writer is not None:
             await self.writes.join(self._writer)
             self._writer.cancel()
+        # What the workers' last messages queued after that wait (a unit's end) is not
+        # written: its callers fail instead of waiting for a writer that is gone.
+        self.writes.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _writer_ended(self, task: asyncio.Task) -> None:

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from tltd.domain import Sample, Worker
-from tltd.errors import TltError
+from tltd.errors import TltError, Unavailable
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -27,6 +27,10 @@ MAX_BATCH = 64
 
 # (call, its arguments, who waits for it, the request whose rows it writes: "" for none)
 _Item = tuple[Callable[..., Any], tuple, "asyncio.Future | None", str]
+
+
+class WritesClosed(Unavailable):
+    """The writer has stopped (the daemon is stopping): the write was not run."""
 
 
 class OrderedWrites:
@@ -47,6 +51,7 @@ class OrderedWrites:
         self._queue: asyncio.Queue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batch = batch
+        self._closed = False
 
     def bind(self) -> None:
         """Create the queue on the running loop (the supervisor's `start`)."""
@@ -66,6 +71,13 @@ class OrderedWrites:
                         outcomes = [await asyncio.to_thread(_call, items[0])]
                     else:
                         outcomes = await asyncio.to_thread(self._run_batch, items)
+                except asyncio.CancelledError:
+                    # The stop cancelled the writer with these in its thread: nobody will hand
+                    # over their results, so their callers are told now (the calls may still
+                    # commit; what they wrote is in the store for whoever reads it next).
+                    for item in items:
+                        _deliver(item, (False, WritesClosed(_closed_message(item[0]))))
+                    raise
                 except Exception as exc:  # the hop to a thread failed: these writes fail
                     log.exception("store writes not run")
                     outcomes = [(False, exc)] * len(items)
@@ -95,14 +107,35 @@ class OrderedWrites:
         """Queue `fn(*args)` and wait for its result (or its exception); `request`: the
         request whose rows it writes, if any."""
         assert self._queue is not None and self._loop is not None
+        if self._closed:
+            raise WritesClosed(_closed_message(fn))
         fut = self._loop.create_future()
         self._queue.put_nowait((fn, args, fut, request))
         return await fut
 
     def write_nowait(self, fn: Callable[..., Any], *args: Any, request: str = "") -> None:
         """Queue `fn(*args)`; failures are logged, nobody waits."""
-        if self._queue is not None:
+        if self._closed:
+            log.warning(_closed_message(fn))
+        elif self._queue is not None:
             self._queue.put_nowait((fn, args, None, request))
+
+    def close(self) -> None:
+        """The writer has stopped for good (the supervisor's stop, after `join`): writes still
+        queued (queued after the join) fail with WritesClosed instead of waiting for ever,
+        and so do later ones."""
+        self._closed = True
+        if self._queue is None:
+            return
+        left = []
+        while not self._queue.empty():
+            fn, _, fut, _ = self._queue.get_nowait()
+            self._queue.task_done()
+            left.append(_name(fn))
+            if fut is not None and not fut.done():
+                fut.set_exception(WritesClosed(_closed_message(fn)))
+        if left:
+            log.warning("store writes queued after the stop's last wait, not written: %s", left)
 
     async def join(self, writer: asyncio.Task | None = None) -> None:
         """Wait until everything queued so far is written, or until `writer` (the task that
@@ -118,6 +151,14 @@ class OrderedWrites:
         if not joined.done():
             joined.cancel()
             log.error("the store writer has ended with %d writes queued", self._queue.qsize())
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", repr(fn))
+
+
+def _closed_message(fn: Callable[..., Any]) -> str:
+    return f"{_name(fn)}: not written, the store writer has stopped"
 
 
 def _call(item: _Item) -> tuple[bool, Any]:
