@@ -168,11 +168,13 @@ class TltClient:
         speculative: common_pb2.SpeculativeConfig | None = None,
         initial_drafter: str | os.PathLike[str] = "",
         policy_switch: int = job_pb2.POLICY_SWITCH_UNSPECIFIED,
+        max_staleness: int | None = None,
     ) -> job_pb2.Job:
         """`initial_drafter`: an offline-fitted EAGLE drafter directory the job starts from
         (sets `speculative.initial_drafter_path`). `policy_switch`
         POLICY_SWITCH_NEXT_STEP: running requests move to a new policy version between decode
-        steps (Sample.policy_spans says which tokens came from which version)."""
+        steps (Sample.policy_spans says which tokens came from which version).
+        `max_staleness`: Job.max_staleness (None: no bound)."""
         if initial_drafter:
             spec = common_pb2.SpeculativeConfig()
             if speculative is not None:
@@ -188,6 +190,7 @@ class TltClient:
             weight=weight,
             speculative=speculative,
             policy_switch=policy_switch,
+            max_staleness=max_staleness,
         )
         return self.call(self.jobs.CreateJob, req)
 
@@ -215,9 +218,10 @@ class TltClient:
         speculative: int = common_pb2.SPECULATIVE_MODE_UNSPECIFIED,
         timeout: float | None = None,
         return_partial: bool = False,
+        bound: rollout_pb2.StepBound | None = None,
     ) -> Iterator[rollout_pb2.Sample]:
         """Stream samples as they finish (no overall timeout unless given: rollouts run long);
-        `return_partial` as in GenerateRequest."""
+        `return_partial` and `bound` as in GenerateRequest."""
         req = rollout_pb2.GenerateRequest(
             job_id=job_id,
             request_id=request_id,
@@ -226,6 +230,7 @@ class TltClient:
             speculative=speculative,
             return_partial=return_partial,
             batch_samples=True,
+            bound=bound,
         )
         try:
             for resp in self.rollouts.Generate(req, metadata=self._metadata, timeout=timeout):

@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -108,6 +108,12 @@ class RolloutSample:
     top_logprobs: list[TopLogprobs] | None = None
     # The prompt's tokens scored by the target, with prompt_logprobs=N (0 included).
     prompt_logprobs: PromptLogprobs | None = None
+    # The prompt a carried group answers (an earlier request's: bound_groups with carried);
+    # empty for the call's own prompts (`prompt_index` names it).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    # (first token index, policy version) per version that produced its tokens, when more
+    # than one did (asynchronous RL: docs/rollouts.md); empty = all from `policy_version`.
+    policy_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -124,7 +130,15 @@ class RolloutSample:
 _SAMPLE_FIELDS = tuple(
     f.name
     for f in dataclasses.fields(RolloutSample)
-    if f.name not in ("token_ids", "logprobs", "provenance", "top_logprobs")
+    if f.name
+    not in (
+        "token_ids",
+        "logprobs",
+        "provenance",
+        "top_logprobs",
+        "prompt_token_ids",
+        "policy_spans",
+    )
 )
 
 
@@ -139,11 +153,13 @@ class JobInfo:
 
 
 def by_prompt(samples: Iterable[RolloutSample]) -> list[list[RolloutSample]]:
-    """Samples grouped per prompt (index order), each group in sample-index order: GRPO's groups."""
-    groups: dict[int, list[RolloutSample]] = {}
+    """Samples grouped per prompt (index order), each group in sample-index order: GRPO's
+    groups. A bounded call's carried groups (other requests' prompts) are groups of their own,
+    by request id then prompt index."""
+    groups: dict[tuple[str, int], list[RolloutSample]] = {}
     for s in samples:
-        groups.setdefault(s.prompt_index, []).append(s)
-    return [sorted(groups[i], key=lambda s: s.sample_index) for i in sorted(groups)]
+        groups.setdefault((s.request_id, s.prompt_index), []).append(s)
+    return [sorted(groups[k], key=lambda s: s.sample_index) for k in sorted(groups)]
 
 
 # ---- proto <-> plain values (the daemon's converter, `tltd.api.convert`) ------------------
@@ -164,6 +180,8 @@ def _sample_from_pb(pb: rollout_pb2.Sample) -> RolloutSample:
         logprobs=list(s.logprobs),
         provenance=None if s.provenance is None else list(s.provenance),
         top_logprobs=None if s.top_logprobs is None else list(s.top_logprobs),
+        prompt_token_ids=list(s.prompt_token_ids),
+        policy_spans=[tuple(x) for x in s.policy_spans],
     )
 
 
@@ -201,6 +219,16 @@ def _sampling(
     return dataclasses.replace(params, logprob_mode=LogprobMode(params.logprob_mode))
 
 
+def _policy_switch(value: str) -> int:
+    names = {
+        "finish_on_start_version": job_pb2.POLICY_SWITCH_FINISH_ON_START_VERSION,
+        "next_step": job_pb2.POLICY_SWITCH_NEXT_STEP,
+    }
+    if value not in names:
+        raise ValueError(f"policy_switch must be one of {', '.join(names)}, got {value!r}")
+    return names[value]
+
+
 def _new_request_id() -> str:
     """A fresh id per call, so that the daemon can dedupe retries and the client can cancel."""
     return f"req-{uuid.uuid4().hex}"
@@ -213,6 +241,7 @@ def _generate_request(
     request_id: str | None,
     speculative: str | None,
     return_partial: bool = False,
+    bound: tuple[int, bool] = (0, False),
 ) -> rollout_pb2.GenerateRequest:
     return rollout_pb2.GenerateRequest(
         job_id=job_id,
@@ -222,15 +251,17 @@ def _generate_request(
         speculative=_speculative_mode(speculative),
         return_partial=return_partial,
         batch_samples=True,
+        bound=rollout_pb2.StepBound(groups=bound[0], carried=bound[1]),
     )
 
 
 def _in_order(samples: Iterable[RolloutSample]) -> list[RolloutSample]:
     """(prompt, sample) order, one per sample: a complete sample replaces the partial one a
-    drained endpoint delivered before the stream moved on."""
-    by_key: dict[tuple[int, int], RolloutSample] = {}
+    drained endpoint delivered before the stream moved on. A bounded call's carried samples
+    (other requests') sort by request id first."""
+    by_key: dict[tuple[str, int, int], RolloutSample] = {}
     for s in samples:
-        key = (s.prompt_index, s.sample_index)
+        key = (s.request_id, s.prompt_index, s.sample_index)
         if key not in by_key or by_key[key].finish_reason == FinishReason.ABORTED:
             by_key[key] = s
     return [by_key[k] for k in sorted(by_key)]
@@ -435,12 +466,17 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         online_training: bool = True,
         batch_threshold: int = 0,
         initial_drafter: str | Path | None = None,
+        policy_switch: str = "finish_on_start_version",
+        max_staleness: int | None = None,
     ) -> _JobR:
         """Create (idempotently, when job_id is given) a job; this client then uses it.
 
         `initial_drafter`: an offline-fitted EAGLE drafter directory (as
         `EagleDrafter.save_pretrained` / scripts/fit_drafter.py write) the job starts from as
-        its drafter version 1; needs speculative "auto" (a learned drafter)."""
+        its drafter version 1; needs speculative "auto" (a learned drafter).
+        `policy_switch` "next_step": running samples move to a new policy version between
+        decode steps (asynchronous RL); `max_staleness`: a bounded call never returns a group
+        with a token more than this many versions old (docs/rollouts.md)."""
         spec = common_pb2.SpeculativeConfig(
             mode=_speculative_mode(speculative),
             batch_threshold=batch_threshold,
@@ -454,6 +490,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
             priority=priority,
             weight=weight,
             speculative=spec,
+            policy_switch=_policy_switch(policy_switch),
+            max_staleness=max_staleness,
         )
         return self._unary(_Unary("CreateJob", "jobs", "CreateJob", req, self._use_job))
 
@@ -477,6 +515,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         job_id: str | None = None,
         timeout: float | None = None,
         return_partial: bool = False,
+        bound_groups: int = 0,
+        carried: bool = False,
         **sampling_kwargs: Any,
     ) -> _StreamR:
         """Yield samples the moment they finish (finish order); an async iterator on the
@@ -486,12 +526,17 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         `return_partial`: when a node running a sample is drained and hands it to another
         node, also yield its tokens so far (finish_reason ABORTED, partial=True) before the
         complete sample, which has the same (prompt_index, sample_index) and replaces it.
-        Without it each sample is yielded once."""
+        Without it each sample is yielded once.
+
+        `bound_groups` (asynchronous RL, docs/rollouts.md): yield whole groups only, and end
+        once this many were yielded; the other prompts keep running, and a later call with
+        `carried=True` yields their groups (counted toward its own bound) before its own."""
         params = _sampling(n, sampling, sampling_kwargs)
         rid = request_id or _new_request_id()
         req = _generate_request(
-            self._job(job_id), prompts, params, rid, speculative, return_partial
-        )
+            self._job(job_id), prompts, params, rid, speculative, return_partial,
+            (bound_groups, carried),
+        )  # fmt: skip
         self.last_request_id = rid
         return self._samples(req, timeout)
 
@@ -505,6 +550,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         speculative: str | None = None,
         job_id: str | None = None,
         timeout: float | None = None,
+        bound_groups: int = 0,
+        carried: bool = False,
         **sampling_kwargs: Any,
     ) -> _SamplesR:
         """Roll out `n` samples of every prompt (token ids); all samples, in (prompt, sample)
@@ -516,7 +563,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         "auto" (adaptive SD), "off", or None (the job's mode). `request_id` (default: a fresh
         one, see `last_request_id`) makes a retry attach to the same work. No overall timeout
         unless given: rollouts run long; when it passes, the request is cancelled and
-        DeadlineExceededError raised.
+        DeadlineExceededError raised. `bound_groups`, `carried`: see stream(); the samples
+        are then those of the groups yielded (`by_prompt` groups them).
         """
         samples = self.stream(
             prompts,
@@ -526,6 +574,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
             speculative=speculative,
             job_id=job_id,
             timeout=timeout,
+            bound_groups=bound_groups,
+            carried=carried,
             **sampling_kwargs,
         )
         return self._in_order_of(samples)

@@ -201,6 +201,9 @@ class Job:
     created_at: datetime | None = None
     updated_at: datetime | None = None
     policy_switch: PolicySwitch = PolicySwitch.FINISH_ON_START_VERSION
+    # A bounded Generate never sends a group with a token more than this many policy versions
+    # older than the job's current one; None = no bound.
+    max_staleness: int | None = None
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,7 @@ class NewJob:
     weight: float = 0.0  # 0 -> 1.0
     speculative: SpeculativeConfig | None = None  # batch_threshold 0 -> settings default
     policy_switch: PolicySwitch | None = None  # None -> FINISH_ON_START_VERSION
+    max_staleness: int | None = None  # None = no bound
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,11 @@ class RolloutRequest:
     updated_at: datetime | None = None
     # Set by the store at acceptance (the job's current version); every sample runs on it.
     policy_version: int = 0
+    # Asynchronous RL (GenerateRequest.bound): a stream of whole groups that ends after this
+    # many (0 = unbounded: every sample, the usual stream); with `carried`, groups left over by
+    # the job's earlier bounded requests come first.
+    bound_groups: int = 0
+    carried: bool = False
 
     @property
     def samples_total(self) -> int:
@@ -311,6 +320,9 @@ class Sample:
     top_logprobs: tuple[TopLogprobs, ...] | None = None
     # Its prompt's logprobs when the request asked (sampling.prompt_logprobs), else None.
     prompt_logprobs: PromptLogprobs | None = None
+    # The prompt, for a sample sent by a later request than its own (a carried group); () =
+    # the request's own prompt `prompt_index`. Not stored: the request holds it.
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ Other parts of the daemon call the update methods of the process-wide `METRICS` 
     METRICS.record_worker_failure(worker_id, cause="oom_kill" | "exited" | "killed")
     METRICS.forget_job(job_id)   # a finished job's labelled series disappear
     METRICS.observe_admission(seconds)             # a request accepted: validate + store
+    METRICS.observe_groups(job_id, staleness=[0, 1], carried=[False, True], stale=0)
     METRICS.observe_sample_writes(seconds, count)  # one transaction storing `count` samples
 
 All methods are thread-safe (prometheus-client's metrics are, and the device-state clock has
@@ -290,6 +291,27 @@ _DECLARED: dict[str, _Declared] = {
         "Samples stored per transaction",
         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
     ),
+    "groups_sent": _Declared(
+        Counter,
+        "tltd_bounded_groups_sent_total",
+        "Whole groups sent by bounded Generate streams (asynchronous RL); carried: a group "
+        "left over by an earlier request of the job",
+        ("job_id", "carried"),
+    ),
+    "group_staleness": _Declared(
+        Histogram,
+        "tltd_group_staleness_versions",
+        "Per group sent by a bounded stream: the job's policy version less the oldest "
+        "version any of its tokens came from",
+        ("job_id",),
+        buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+    ),
+    "stale_groups": _Declared(
+        Counter,
+        "tltd_stale_groups_dropped_total",
+        "Groups never sent because a token was older than the job's max_staleness",
+        ("job_id",),
+    ),
 }
 
 
@@ -312,6 +334,9 @@ class Metrics:
     admission_latency: Histogram
     sample_store_latency: Histogram
     sample_store_batch: Histogram
+    groups_sent: Counter
+    group_staleness: Histogram
+    stale_groups: Counter
 
     def __init__(
         self,
@@ -362,6 +387,16 @@ class Metrics:
         if accepted_tokens:
             c.accepted_tokens.inc(accepted_tokens)
         self._spec.add(job_id, draft_steps, plain_steps, accepted_tokens)
+
+    def observe_groups(
+        self, job_id: str, staleness: list[int], carried: list[bool], stale: int
+    ) -> None:
+        """Groups a bounded stream sent (their staleness, carried or not) and dropped."""
+        for versions, was_carried in zip(staleness, carried, strict=True):
+            self.groups_sent.labels(job_id, str(was_carried).lower()).inc()
+            self.group_staleness.labels(job_id).observe(versions)
+        if stale:
+            self.stale_groups.labels(job_id).inc(stale)
 
     def observe_admission(self, seconds: float) -> None:
         self.admission_latency.observe(seconds)

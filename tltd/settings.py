@@ -125,6 +125,8 @@ class Settings:
     lease_seconds: float = 10.0
     claim_interval_seconds: float = 0.5  # how often a node with free capacity claims work
     stream_poll_seconds: float = 0.5  # a Generate stream reads the store this often
+    # A bounded Generate (asynchronous RL) looks for groups done elsewhere this often.
+    bound_poll_seconds: float = 0.1
     # Limits
     max_prompts_per_request: int = 1024
     max_samples_per_request: int = 4096
@@ -209,6 +211,7 @@ _POSITIVE = frozenset(
         "drafter_lease_seconds",
         "claim_interval_seconds",
         "stream_poll_seconds",
+        "bound_poll_seconds",
         "max_prompts_per_request",
         "max_samples_per_request",
         "max_prompt_tokens",

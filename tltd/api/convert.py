@@ -223,6 +223,7 @@ def new_job_from_pb(pb: job_pb2.CreateJobRequest) -> d.NewJob:
         backend=backend_from_pb(pb.backend),
         speculative=speculative_from_pb(pb.speculative) if pb.HasField("speculative") else None,
         policy_switch=policy_switch_from_pb(pb.policy_switch),
+        max_staleness=pb.max_staleness if pb.HasField("max_staleness") else None,
     )
 
 
@@ -282,13 +283,15 @@ def rollout_from_pb(
         job_id=pb.job_id,
         prompts=tuple(tuple(p.token_ids) for p in pb.prompts),
         sampling=sampling_from_pb(pb.sampling),
+        bound_groups=pb.bound.groups,
+        carried=pb.bound.carried,
     )
     return req, speculative_mode_from_pb(pb.speculative, "speculative")
 
 
 def rollout_to_pb(r: d.RolloutRequest) -> rollout_pb2.RolloutRequest:
     # The prompts go back as their count; the mode and policy version are not on the wire.
-    not_sent = ("prompts", "speculative", "policy_version")
+    not_sent = ("prompts", "speculative", "policy_version", "bound_groups", "carried")
     return rollout_pb2.RolloutRequest(
         **_same_named(r, skip=("sampling", "status", *not_sent)),
         status=request_status_to_pb(r.status),

@@ -94,6 +94,7 @@ class JobService:
             weight=new.weight or 1.0,
             speculative=spec,
             policy_switch=switch,
+            max_staleness=new.max_staleness,
         )
         if source is None:
             return self.store.create_job(job)

@@ -34,6 +34,7 @@ from tltd.errors import (
     Unimplemented,
 )
 from tltd.metrics import METRICS
+from tltd.services.bounded import follow_bounded
 from tltd.services.checkpoints import model_limits
 from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
@@ -156,7 +157,8 @@ class RolloutService:
         and none of its units is open; a request that ends FAILED ends the stream with
         UNAVAILABLE naming the reason, after its partial samples. A node that handed its work
         to the other nodes (a drain) ends its streams with UNAVAILABLE after what they had:
-        the caller re-attaches on another node.
+        the caller re-attaches on another node. A bounded request (`bound_groups`) streams
+        whole groups instead, until its bound (`tltd.services.bounded`).
         """
         started = time.perf_counter()
         sup = self.supervisor
@@ -172,6 +174,11 @@ class RolloutService:
         try:
             stored, created = await self._admit_when_open(req, speculative, sup)
             METRICS.observe_admission(time.perf_counter() - started)
+            if stored.bound_groups:  # asynchronous RL: whole groups until the bound
+                poll = self.settings.bound_poll_seconds
+                async for samples in follow_bounded(self.store, stored, events, poll):
+                    yield samples
+                return
             # A request this call created has nothing stored before the subscription: what
             # this node stores arrives on it, what others store wakes it (or the poll does).
             async for samples in self._follow(sup, stored, not created, events, return_partial):

@@ -92,6 +92,21 @@ def validate_rollout(
     _check_sizes(req, settings)
     _check_prompts(req, settings, model)
     _check_sampling(req.sampling, model.vocab_size if model else None)
+    _check_bound(req, settings)
+
+
+def _check_bound(req: RolloutRequest, settings: Settings) -> None:
+    """A step bound sends whole groups: at least one, and no more than can come (the
+    request's own prompts, or with carried groups the most one request may hold)."""
+    if req.carried and not req.bound_groups:
+        raise InvalidArgument("needs bound.groups >= 1", field="bound.carried")
+    most = settings.max_prompts_per_request if req.carried else len(req.prompts)
+    if req.bound_groups > most:
+        raise InvalidArgument(
+            f"{req.bound_groups} groups: at most {most} "
+            + ("(max_prompts_per_request)" if req.carried else "(the request's prompts)"),
+            field="bound.groups",
+        )
 
 
 def _check_sizes(req: RolloutRequest, settings: Settings) -> None:

@@ -175,6 +175,7 @@ _SAMPLE_STORED_OTHERWISE = (
     "policy_spans",
     "top_logprobs",
     "prompt_logprobs",
+    "prompt_token_ids",  # not stored: the request holds its prompts
 )
 
 
@@ -235,6 +236,7 @@ def sample_from_row(row: SampleRow) -> Sample:
         if row.top_logprobs is None
         else tuple(_top_from_json(t) for t in row.top_logprobs),
         prompt_logprobs=prompt_logprobs_from_json(row.prompt_logprobs),
+        prompt_token_ids=(),
     )
 
 

@@ -32,6 +32,7 @@ _JOB_PARAMS = (
     "weight",
     "speculative",
     "policy_switch",
+    "max_staleness",
 )
 
 

@@ -30,7 +30,7 @@ from tltd.store.tables import (
     utcnow,
 )
 
-_REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative")
+_REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative", "bound_groups", "carried")
 
 
 def prompt_key(prompt: Sequence[int]) -> str:

@@ -8,6 +8,7 @@ uses the Store's `_tx`, `node_id`, `epoch` and `dialect`; shared row look-ups ar
 - rollout requests: `rollout_requests.RolloutRequests`
 - samples, one at a time / a worker's batch: `samples.SampleRecords`, `sample_batches.SampleBatches`
 - work units under leases: `leases.WorkLeases`
+- groups sent by bounded (asynchronous RL) requests: `deliveries.GroupDeliveries`
 - drafter versions / drafter training's lease: `drafter_versions.DrafterVersions`,
   `drafter_leases.DrafterLeases`
 - nodes, devices, workers: `nodes.NodeRegistry`, `devices.DeviceInventory`, `workers.WorkerRecords`
@@ -26,6 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tltd.settings import default_node_id
 from tltd.store import notifications
 from tltd.store.database import WRITE_OPTION, WriteTurn, make_engine
+from tltd.store.deliveries import GroupDeliveries
 from tltd.store.devices import DeviceInventory
 from tltd.store.drafter_leases import DrafterLeases
 from tltd.store.drafter_versions import DrafterVersions
@@ -51,6 +53,7 @@ class Store(
     SampleRecords,
     SampleBatches,
     WorkLeases,
+    GroupDeliveries,
     DrafterVersions,
     DrafterLeases,
     NodeRegistry,

@@ -94,6 +94,8 @@ class JobRow(Base):
     status: Mapped[str] = mapped_column(STATUS, index=True)
     status_reason: Mapped[str] = mapped_column(Text, default="")
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    # A bounded Generate never sends a group older than this (versions); NULL = no bound.
+    max_staleness: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
@@ -133,6 +135,10 @@ class RolloutRequestRow(Base):
     speculative: Mapped[str] = mapped_column(STATUS)
     # The job's policy version when the request was accepted: every sample runs on it.
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    # GenerateRequest.bound: groups its stream sends (0 = unbounded), and whether groups
+    # left over by the job's earlier bounded requests count toward them.
+    bound_groups: Mapped[int] = mapped_column(Integer, default=0)
+    carried: Mapped[bool] = mapped_column(Boolean, default=False)
     status: Mapped[str] = mapped_column(STATUS, index=True)
     status_reason: Mapped[str] = mapped_column(Text, default="")
     samples_done: Mapped[int] = mapped_column(Integer, default=0)
@@ -298,6 +304,10 @@ class WorkUnitRow(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # claims so far
     reason: Mapped[str] = mapped_column(Text, default="")
+    # A bounded request's group (its samples, done) sent by the stream of this request id
+    # (its own or a later one that took it as carried); "" = dropped as too stale; NULL = not
+    # sent yet. Written once: a group is sent by one request only.
+    delivered_to: Mapped[str | None] = mapped_column(ID, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 

@@ -32,7 +32,7 @@ POLICY_SWITCH_FINISH_ON_START_VERSION: PolicySwitch
 POLICY_SWITCH_NEXT_STEP: PolicySwitch
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative", "status", "status_reason", "policy_version", "drafter_version", "created_at", "updated_at", "policy_switch")
+    __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative", "status", "status_reason", "policy_version", "drafter_version", "created_at", "updated_at", "policy_switch", "max_staleness")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Job(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     POLICY_SWITCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     model_path: str
@@ -61,10 +62,11 @@ class Job(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     updated_at: _timestamp_pb2.Timestamp
     policy_switch: PolicySwitch
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., model_path: _Optional[str] = ..., backend: _Optional[_Union[_common_pb2.Backend, str]] = ..., priority: _Optional[int] = ..., weight: _Optional[float] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, str]] = ..., status_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_switch: _Optional[_Union[PolicySwitch, str]] = ...) -> None: ...
+    max_staleness: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., model_path: _Optional[str] = ..., backend: _Optional[_Union[_common_pb2.Backend, str]] = ..., priority: _Optional[int] = ..., weight: _Optional[float] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, str]] = ..., status_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_switch: _Optional[_Union[PolicySwitch, str]] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
-    __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative", "policy_switch")
+    __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative", "policy_switch", "max_staleness")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +75,7 @@ class CreateJobRequest(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     POLICY_SWITCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     model_path: str
@@ -81,7 +84,8 @@ class CreateJobRequest(_message.Message):
     weight: float
     speculative: _common_pb2.SpeculativeConfig
     policy_switch: PolicySwitch
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., model_path: _Optional[str] = ..., backend: _Optional[_Union[_common_pb2.Backend, str]] = ..., priority: _Optional[int] = ..., weight: _Optional[float] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeConfig, _Mapping]] = ..., policy_switch: _Optional[_Union[PolicySwitch, str]] = ...) -> None: ...
+    max_staleness: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., model_path: _Optional[str] = ..., backend: _Optional[_Union[_common_pb2.Backend, str]] = ..., priority: _Optional[int] = ..., weight: _Optional[float] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeConfig, _Mapping]] = ..., policy_switch: _Optional[_Union[PolicySwitch, str]] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -125,7 +125,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("job_id", "request_id", "prompts", "sampling", "speculative", "return_partial", "batch_samples")
+    __slots__ = ("job_id", "request_id", "prompts", "sampling", "speculative", "return_partial", "batch_samples", "bound")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class GenerateRequest(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     RETURN_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     BATCH_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BOUND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
@@ -140,7 +141,16 @@ class GenerateRequest(_message.Message):
     speculative: _common_pb2.SpeculativeMode
     return_partial: bool
     batch_samples: bool
-    def __init__(self, job_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeMode, str]] = ..., return_partial: _Optional[bool] = ..., batch_samples: _Optional[bool] = ...) -> None: ...
+    bound: StepBound
+    def __init__(self, job_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeMode, str]] = ..., return_partial: _Optional[bool] = ..., batch_samples: _Optional[bool] = ..., bound: _Optional[_Union[StepBound, _Mapping]] = ...) -> None: ...
+
+class StepBound(_message.Message):
+    __slots__ = ("groups", "carried")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_FIELD_NUMBER: _ClassVar[int]
+    groups: int
+    carried: bool
+    def __init__(self, groups: _Optional[int] = ..., carried: _Optional[bool] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
     __slots__ = ("draft_steps", "plain_steps", "accepted_tokens", "mean_accepted_length", "drafted_tokens", "bonus_tokens", "residual_tokens")
@@ -179,7 +189,7 @@ class PolicySpan(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("request_id", "prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "policy_version", "drafter_version", "speculative", "partial", "error", "provenance", "policy_spans", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "prompt_index", "sample_index", "token_ids", "logprobs", "finish_reason", "policy_version", "drafter_version", "speculative", "partial", "error", "provenance", "policy_spans", "top_logprobs", "prompt_logprobs", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +205,7 @@ class Sample(_message.Message):
     POLICY_SPANS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_index: int
     sample_index: int
@@ -210,7 +221,8 @@ class Sample(_message.Message):
     policy_spans: _containers.RepeatedCompositeFieldContainer[PolicySpan]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     prompt_logprobs: PromptLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., partial: _Optional[bool] = ..., error: _Optional[str] = ..., provenance: _Optional[_Union[TokenProvenance, _Mapping]] = ..., policy_spans: _Optional[_Iterable[_Union[PolicySpan, _Mapping]]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., partial: _Optional[bool] = ..., error: _Optional[str] = ..., provenance: _Optional[_Union[TokenProvenance, _Mapping]] = ..., policy_spans: _Optional[_Iterable[_Union[PolicySpan, _Mapping]]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("sample", "samples")

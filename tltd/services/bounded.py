@@ -1,0 +1,73 @@
+"""A bounded Generate stream (asynchronous RL): whole groups, each once, until the bound.
+
+The stream sends what the store records as sent to it (`tltd.store.deliveries`): first, on a
+retry, the groups it sent before; then groups taken as they are done, the job's carried ones
+first when asked, until `bound_groups` were sent or no more can come. The request's other
+prompts keep running after the stream ends; a later bounded request of the job that sets
+`carried` sends them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from tltd.domain import RolloutRequest, Sample
+from tltd.metrics import METRICS
+from tltd.store.deliveries import Delivery, SentGroup
+
+if TYPE_CHECKING:
+    from tltd.store import Store
+    from tltd.supervisor.live_requests import StreamEvent
+
+
+async def follow_bounded(
+    store: Store,
+    req: RolloutRequest,
+    events: asyncio.Queue[StreamEvent],
+    poll_seconds: float,
+) -> AsyncIterator[list[Sample]]:
+    """The samples of the groups sent to `req`'s stream, a list per take (never empty)."""
+    rid, want = req.request_id, req.bound_groups
+    before = await asyncio.to_thread(store.sent_groups, rid)
+    sent = len(before)
+    if before:
+        yield _samples(before)
+    while sent < want:
+        took = await asyncio.to_thread(store.take_groups, rid, want - sent, req.carried)
+        _observe(req.job_id, took)
+        if took.groups:
+            sent += len(took.groups)
+            yield _samples(took.groups)
+            continue  # more may be done already
+        if not took.more_may_come:
+            return  # every unit it could take is sent or dropped: fewer than asked
+        await _woken(events, poll_seconds)
+
+
+def _samples(groups: tuple[SentGroup, ...] | list[SentGroup]) -> list[Sample]:
+    return [x for g in groups for x in g.samples]
+
+
+def _observe(job_id: str, took: Delivery) -> None:
+    if took.groups or took.stale:
+        METRICS.observe_groups(
+            job_id,
+            [g.staleness for g in took.groups],
+            [g.carried for g in took.groups],
+            len(took.stale),
+        )
+
+
+async def _woken(events: asyncio.Queue[StreamEvent], seconds: float) -> None:
+    """Wait for a sample stored here (or any wake-up), at most `seconds`: a group carried
+    from another request, or done on another node, is found by the next take."""
+    if events.empty():
+        try:  # asyncio.timeout: wait_for (3.11) can swallow the stream's cancel
+            async with asyncio.timeout(seconds):
+                await events.get()
+        except TimeoutError:
+            return
+    while not events.empty():
+        events.get_nowait()
