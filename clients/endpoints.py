@@ -160,20 +160,21 @@ class Failover:
 
 
 class Delivered:
-    """The samples a caller already has, by (prompt index, sample index): a stream re-attached
-    on another endpoint (or re-run there from scratch) delivers each sample once.
+    """The samples a caller already has, by (request id, prompt index, sample index): a
+    stream re-attached on another endpoint (or re-run there from scratch) delivers each sample
+    once (a bounded call's carried samples are other requests').
 
     A partial sample left by a drain (ABORTED: the tokens so far of a sample a drained node
     handed to another node, streamed to a call with `return_partial`) does not end its
     sample: the complete one that replaces it is delivered too."""
 
     def __init__(self) -> None:
-        self._final: set[tuple[int, int]] = set()
-        self._aborted: set[tuple[int, int]] = set()
+        self._final: set[tuple[str, int, int]] = set()
+        self._aborted: set[tuple[str, int, int]] = set()
 
     def admit(self, sample) -> bool:
         """True when `sample` is new to the caller (and records it)."""
-        key = (sample.prompt_index, sample.sample_index)
+        key = (sample.request_id, sample.prompt_index, sample.sample_index)
         if key in self._final:
             return False
         if sample.finish_reason == FinishReason.ABORTED:

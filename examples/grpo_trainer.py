@@ -106,6 +106,9 @@ class GRPOTrainer:
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.clip = clip
+        # The surrogate (clipped_pg_loss's signature): the asynchronous run sets a decoupled one
+        # (examples/async_grpo.py) that weighs stale tokens by proximal / behaviour probability.
+        self.pg_loss = clipped_pg_loss
         self.max_grad_norm = max_grad_norm
         self.micro_batch_tokens = micro_batch_tokens
         # Token-level loss (DAPO): every token of the batch weighs the same. The per-sample
@@ -200,7 +203,7 @@ class GRPOTrainer:
             for row, s in enumerate(group):
                 old[row, : len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
             gap = max(gap, float(((lp.detach() - old).abs() * mask).max()))
-            loss, clip_mask = clipped_pg_loss(lp, old, adv, mask, self.clip, self.token_level)
+            loss, clip_mask = self.pg_loss(lp, old, adv, mask, self.clip, self.token_level)
             if self.reference is not None:
                 loss = loss + self.kl_coef * self._kl(group, lp, mask)
             (loss / denominator).backward()

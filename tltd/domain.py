@@ -237,8 +237,8 @@ class RolloutRequest:
     # Set by the store at acceptance (the job's current version); every sample runs on it.
     policy_version: int = 0
     # Asynchronous RL (GenerateRequest.bound): a stream of whole groups that ends after this
-    # many (0 = unbounded: every sample, the usual stream); with `carried`, groups left over by
-    # the job's earlier bounded requests come first.
+    # many (0 = unbounded: every sample, the usual stream); with `carried`, the groups of the
+    # job's other bounded requests that no stream sent come first.
     bound_groups: int = 0
     carried: bool = False
 

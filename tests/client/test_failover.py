@@ -326,6 +326,10 @@ def test_delivered_admits_each_sample_once_and_a_complete_one_after_a_partial():
     partial, done = s(0, 1, FinishReason.ABORTED), s(0, 1, FinishReason.STOP)
     first = s(0, 0, FinishReason.LENGTH)
     assert _in_order([partial, done, first]) == [first, done]
+    # A bounded call's carried group is another request's: the same indices are new samples.
+    carried = RolloutSample("earlier", 0, 0, [2], [0.0], FinishReason.STOP, 0, 0)
+    assert d.admit(carried) and len(d) == 3
+    assert _in_order([first, carried]) == [carried, first]
 
 
 def test_rotation_passes_over_an_endpoint_that_failed_lately():

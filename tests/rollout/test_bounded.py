@@ -101,3 +101,26 @@ def test_a_bound_that_cannot_be_met_names_its_field(sqlite_daemon, ckpt, bound, 
         with pytest.raises(InvalidArgumentError) as err:
             list(c.generate("job", PROMPTS, sampling=sampling(**PARAMS), bound=bound))
     assert field in str(err.value)
+
+
+def test_streams_in_flight_together_share_the_jobs_groups_each_once(sqlite_daemon, ckpt):
+    """Two bounded requests in flight (an asynchronous trainer's lookahead): each call gets
+    exactly its bound in whole groups, whichever request they answer, and no group twice."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tltd_clients import RolloutClient, by_prompt
+
+    with RolloutClient(sqlite_daemon.target) as rc:
+        rc.create_job(ckpt, job_id="pool", speculative="off")
+        run = dict(n=2, temperature=1.0, max_new_tokens=24, bound_groups=3, carried=True)
+        with ThreadPoolExecutor(2) as pool:
+            calls = [
+                pool.submit(rc.generate, prompts, request_id=rid, seed=7, **run)
+                for rid, prompts in (("a", PROMPTS[:3]), ("b", PROMPTS[2:5]))
+            ]
+            got = [by_prompt(c.result(timeout=120)) for c in calls]
+    keys = [{(g[0].request_id, g[0].prompt_index) for g in groups} for groups in got]
+    assert [len(groups) for groups in got] == [3, 3]
+    assert all(len(g) == 2 for groups in got for g in groups)
+    assert not keys[0] & keys[1]
+    assert keys[0] | keys[1] == {(r, p) for r in "ab" for p in range(3)}

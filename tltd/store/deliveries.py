@@ -3,7 +3,7 @@ group, each once, and which were too stale to send.
 
 A bounded request's stream (`GenerateRequest.bound`) takes whole groups (a prompt's unit, done,
 with all its samples stored) one transaction at a time: its own and, with `carried`, those its
-job's earlier bounded requests left behind. Taking a group writes its unit's `delivered_to`
+job's other bounded requests left unsent. Taking a group writes its unit's `delivered_to`
 (conditional on it being NULL), so two streams never send the same group, and a retry of the
 request re-sends exactly the groups recorded for it.
 """

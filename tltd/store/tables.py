@@ -136,7 +136,7 @@ class RolloutRequestRow(Base):
     # The job's policy version when the request was accepted: every sample runs on it.
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
     # GenerateRequest.bound: groups its stream sends (0 = unbounded), and whether groups
-    # left over by the job's earlier bounded requests count toward them.
+    # of the job's other bounded requests (not sent by them) count toward them.
     bound_groups: Mapped[int] = mapped_column(Integer, default=0)
     carried: Mapped[bool] = mapped_column(Boolean, default=False)
     status: Mapped[str] = mapped_column(STATUS, index=True)

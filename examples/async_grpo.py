@@ -1,0 +1,225 @@
+"""The demo's asynchronous GRPO run: the next step's rollout runs while the trainer updates.
+
+Each step's request is bounded (`bound_groups` = the step's prompts, `carried=True`): its stream
+ends once that many whole groups are done, whichever of the job's requests they answer (oldest
+first), so a step never waits for its slowest groups: they carry to the next step. Requests are
+sent `LOOKAHEAD` steps ahead, so the daemon always has the next prompts to roll out, during the
+tail and while the trainer trains; the new weights are pushed mid-rollout and the job
+(policy_switch "next_step") moves its running samples to them between decode steps, recording
+per token which version sampled it. A group with a token more than `max_staleness` versions
+old is never returned.
+
+Off-policy tokens are not hidden from the loss: the update is decoupled PPO (AReaL): the
+clipped ratio is taken against the trainer's own weights before the update (the proximal
+policy), and each token is weighted by proximal / behaviour probability, the behaviour being
+the daemon's logprob of the version that sampled it, truncated at `IS_CAP`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from examples.grpo_trainer import GRPOTrainer, Scored, group_advantages
+from examples.task import decode, load_tokenizer, reward
+from examples.task.dataset import TaskDataset
+from examples.task.workload import STOP_TOKEN_ID
+from tltd_clients import RolloutClient, RolloutSample, by_prompt
+
+# Truncated importance weight (proximal / behaviour): a token the current policy finds far more
+# likely than the stale one that sampled it counts at most this much.
+IS_CAP = 2.0
+MAX_STALENESS = 2  # versions (AReaL's eta): the job never returns older groups
+LOOKAHEAD = 2  # requests in flight: the step's own and the next one's
+
+
+def decoupled_pg_loss(cap: float = IS_CAP) -> Any:
+    """The decoupled PPO surrogate, with `clipped_pg_loss`'s signature (the behaviour logprobs
+    in its `old_logprobs`): -w * min(r * A, clip(r) * A) per token, with r = p / p_prox
+    (p_prox: these weights, no gradient) and w = min(cap, p_prox / p_behaviour)."""
+
+    def loss(
+        logprobs: Tensor,
+        behaviour: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        clip: float,
+        token_level: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        prox = logprobs.detach()
+        weight = torch.exp(prox - behaviour).clamp(max=cap) * mask
+        ratio = torch.exp(logprobs - prox)
+        unclipped = ratio * advantages
+        clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
+        per_token = -weight * torch.minimum(unclipped, clipped) * mask
+        if token_level:
+            return per_token.sum(), (unclipped != clipped) & mask.bool()
+        per_sample = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_sample.sum(), (unclipped != clipped) & mask.bool()
+
+    return loss
+
+
+def token_staleness(samples: list[RolloutSample], version: int) -> list[int]:
+    """Per output token: `version` less the policy version that sampled it."""
+    out: list[int] = []
+    for s in samples:
+        spans = s.policy_spans or [(0, s.policy_version)]
+        ends = [first for first, _ in spans[1:]] + [len(s.token_ids)]
+        for (first, v), end in zip(spans, ends, strict=True):
+            out += [version - v] * (end - first)
+    return out
+
+
+@dataclass(frozen=True)
+class AsyncRow:
+    step: int
+    wait_s: float  # the trainer waiting for the step's groups (after its previous update)
+    update_s: float  # update and push
+    step_s: float  # between the ends of consecutive updates (the first: from the run's start)
+    groups: int
+    carried: int  # groups sent by a later request than their own
+    staleness_mean: float  # per token, versions behind the policy being updated
+    staleness_max: int
+    partial: float  # share of samples whose tokens came from more than one version
+    mean_reward: float
+
+
+class _Pending(threading.Thread):
+    """One bounded request, streamed in the background."""
+
+    def __init__(self, client: RolloutClient, prompts: list[list[int]], n: int, **kw: Any):
+        super().__init__(daemon=True)
+        self.client, self.prompts, self.n, self.kw = client, prompts, n, kw
+        self.samples: list[RolloutSample] = []
+        self.error: Exception | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.samples = self.client.generate(
+                self.prompts, n=self.n, bound_groups=len(self.prompts), carried=True, **self.kw
+            )
+        except Exception as exc:  # surfaced by result()
+            self.error = exc
+
+    def result(self) -> list[RolloutSample]:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.samples
+
+
+class AsyncRun:
+    """The asynchronous TLT run: one job, one trainer, rollout overlapping the update."""
+
+    def __init__(
+        self, cfg: Any, target: str, dataset: TaskDataset, model: Path, drafter: Path | None
+    ) -> None:
+        self.cfg, self.dataset, self.model = cfg, dataset, model
+        self.job_id = "grpo-async"
+        self.tok = load_tokenizer(model)
+        self.trainer = GRPOTrainer(model, lr=cfg.lr, seed=cfg.seed, kl_coef=cfg.kl)
+        self.trainer.pg_loss = decoupled_pg_loss()
+        self.client = RolloutClient(target)
+        self.client.create_job(
+            model, job_id=self.job_id, speculative="auto", online_training=True,
+            initial_drafter=drafter, policy_switch="next_step", max_staleness=MAX_STALENESS,
+        )  # fmt: skip
+        self.problems: dict[str, list[Any]] = {}  # request id -> its prompts' problems
+        self.rows: list[AsyncRow] = []
+
+    def _submit(self, step: int) -> _Pending:
+        work = self.dataset.batch(step)
+        rid = f"{self.job_id}-step-{step}"
+        self.problems[rid] = [p for p, _ in work]
+        return _Pending(
+            self.client, [ids for _, ids in work], self.cfg.n, request_id=rid,
+            temperature=1.0, max_new_tokens=self.cfg.max_new_tokens,
+            stop_token_ids=[STOP_TOKEN_ID], seed=self.cfg.seed * 1000 + step,
+        )  # fmt: skip
+
+    def run(self, print_row: Any = None) -> list[AsyncRow]:
+        """Every step; the leftover groups are dropped with the job at the end."""
+        self.client.generate([self.dataset.held_out[0][1]], n=1, temperature=0.0,
+                             max_new_tokens=4)  # fmt: skip - warm-up, not timed
+        last = time.perf_counter()
+        pending = [self._submit(k) for k in range(min(LOOKAHEAD, self.cfg.steps))]
+        for step in range(self.cfg.steps):
+            t0 = time.perf_counter()
+            samples = pending.pop(0).result()
+            waited = time.perf_counter() - t0
+            if step + LOOKAHEAD < self.cfg.steps:
+                pending.append(self._submit(step + LOOKAHEAD))  # rolls out during the update
+            row = self._update(step, samples, waited, last)
+            last = time.perf_counter()
+            self.rows.append(row)
+            if print_row is not None:
+                print_row(row)
+        self.client.raw.cancel_job(self.job_id, "demo run finished")
+        return self.rows
+
+    def _update(self, step: int, samples: list[RolloutSample], waited: float, last: float):
+        t0 = time.perf_counter()
+        scored, rewards = self._score(samples)
+        # One thread: the daemon's workers roll out the next step on the other cores.
+        with _threads(max(1, (os.cpu_count() or 2) // 2)):
+            self.trainer.update(scored)
+        self.client.push_policy(self.trainer.model.state_dict(), note=f"async step {step + 1}")
+        now = time.perf_counter()
+        stale = token_staleness(samples, step)
+        groups = by_prompt(samples)
+        return AsyncRow(
+            step=step, wait_s=waited, update_s=now - t0, step_s=now - last,
+            groups=len(groups), carried=sum(g[0].request_id != self._rid(step) for g in groups),
+            staleness_mean=sum(stale) / max(1, len(stale)), staleness_max=max(stale, default=0),
+            partial=sum(len(s.policy_spans) > 1 for s in samples) / max(1, len(samples)),
+            mean_reward=sum(rewards) / max(1, len(rewards)),
+        )  # fmt: skip
+
+    def _rid(self, step: int) -> str:
+        return f"{self.job_id}-step-{step}"
+
+    def _score(self, samples: list[RolloutSample]) -> tuple[list[Scored], list[float]]:
+        """Rewards and GRPO advantages per group; a carried group's prompt is its own."""
+        groups = by_prompt(samples)
+        rewards = [
+            [reward(self.problems[s.request_id][s.prompt_index], decode(self.tok, s.token_ids))
+             for s in g]
+            for g in groups
+        ]  # fmt: skip
+        scored = [
+            Scored(self._prompt(s), s.token_ids, s.logprobs, r, a)
+            for g, rs, adv in zip(groups, rewards, group_advantages(rewards), strict=True)
+            for s, r, a in zip(g, rs, adv, strict=True)
+        ]
+        return scored, [r for rs in rewards for r in rs]
+
+    def _prompt(self, s: RolloutSample) -> list[int]:
+        if s.prompt_token_ids:
+            return list(s.prompt_token_ids)
+        step = int(s.request_id.rsplit("-", 1)[1])
+        return list(self.dataset.batch(step)[s.prompt_index][1])
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _threads:
+    """torch's intra-op threads set for a block."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.before)
