@@ -120,6 +120,19 @@ def draft_step_ms(drafter: EagleDrafter, b: int, context: int, repeats: int) -> 
         return _best_ms(run, repeats, dev)
 
 
+def measure_row(model: CausalLM, drafter: EagleDrafter, b: int, args) -> dict:
+    """decode / verify / draft ms at batch b, the bound per accepted token, and the SD bounds
+    at `args.accepted` (None without it)."""
+    k, a = args.k, args.accepted
+    dec, dec_cuda = forward_ms(model, b, 1, args.context, args.repeats)
+    ver, _ = forward_ms(model, b, k + 1, args.context, args.repeats)
+    dra = draft_step_ms(drafter, b, args.context, args.repeats)
+    per = dec / (ver + k * dra)
+    return dict(batch=b, decode_ms=dec, verify_ms=ver, draft_ms=dra, decode_cuda_ms=dec_cuda,
+                bound_per_accepted_token=per, sd_bound=a and a * per,
+                sd_bound_free_drafter=a and a * dec / ver)  # fmt: skip
+
+
 def random_model(shape: str, dtype: torch.dtype, device: str) -> tuple[CausalLM, EagleDrafter]:
     """A policy of a named shape with random weights, built on the device, and a drafter."""
     with torch.device(device):
@@ -180,15 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         for label, model, drafter in models(args, name):
             first = None
             for b in batches:
-                dec, dec_cuda = forward_ms(model, b, 1, args.context, args.repeats)
+                row = measure_row(model, drafter, b, args)
+                rows.append(row | dict(model=label, dtype=name))
+                dec, ver, dra = row["decode_ms"], row["verify_ms"], row["draft_ms"]
                 first = first or dec
-                ver, _ = forward_ms(model, b, k + 1, args.context, args.repeats)
-                dra = draft_step_ms(drafter, b, args.context, args.repeats)
-                per, per_free = dec / (ver + k * dra), dec / ver
-                bound, free = (a or 1.0) * per, (a or 1.0) * per_free
-                row = dict(model=label, dtype=name, batch=b, decode_ms=dec, verify_ms=ver)
-                row |= dict(draft_ms=dra, decode_cuda_ms=dec_cuda, bound_per_accepted_token=per)
-                rows.append(row | dict(sd_bound=a and bound, sd_bound_free_drafter=a and free))
+                bound = (a or 1.0) * row["bound_per_accepted_token"]
+                free = (a or 1.0) * dec / ver
                 print(
                     f"| {label} | {name} | {b} | {dec:.2f} | {dec / first:.2f}x | {ver:.2f} "
                     f"| {ver / dec:.2f}x | {dra:.2f} | {dra / dec:.3f} | {bound:.2f}x "
