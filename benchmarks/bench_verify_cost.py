@@ -120,6 +120,23 @@ def draft_step_ms(drafter: EagleDrafter, b: int, context: int, repeats: int) -> 
         return _best_ms(run, repeats, dev)
 
 
+def print_header(args, where: str) -> None:
+    """The run's settings and the table's header (SD bound columns only with a measured a)."""
+    a = args.accepted
+    print(
+        f"context {args.context} tokens, k={args.k}, accepted length a={a or 'not given'}, "
+        f"threads {args.threads}, "
+        f"device {args.device} ({where})",
+        flush=True,
+    )
+    print(
+        "\n| model | dtype | batch | decode ms | decode / batch-1 decode | verify ms "
+        "| verify / decode | draft step ms | draft / decode | "
+        + ("SD bound | SD bound, free drafter |" if a else "bound / a | bound / a, free drafter |")
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
 def measure_row(model: CausalLM, drafter: EagleDrafter, b: int, args) -> dict:
     """decode / verify / draft ms at batch b, the bound per accepted token, and the SD bounds
     at `args.accepted` (None without it)."""
@@ -176,18 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     k, a = args.k, args.accepted
     where = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
-    print(
-        f"context {args.context} tokens, k={k}, accepted length a={a or 'not given'}, "
-        f"threads {args.threads}, "
-        f"device {args.device} ({where})",
-        flush=True,
-    )
-    print(
-        "\n| model | dtype | batch | decode ms | decode / batch-1 decode | verify ms "
-        "| verify / decode | draft step ms | draft / decode | "
-        + ("SD bound | SD bound, free drafter |" if a else "bound / a | bound / a, free drafter |")
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print_header(args, where)
     rows = []
     for name in args.dtypes.split(","):
         for label, model, drafter in models(args, name):
