@@ -18,6 +18,7 @@ where each bucket's time went.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -456,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=sorted(DTYPES), default="float32", help="engine weights and activations"
     )
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    ap.add_argument("--json", type=Path, help="write each epoch's per-mode medians here")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens = 2, 2, min(args.max_new_tokens, 48)
@@ -511,7 +513,28 @@ def main(argv: list[str] | None = None) -> int:
             print_gate(per_mode["adaptive"][-1].gate)
         if "history" in per_mode:
             print_history(per_mode["history"])
+    if args.json:
+        write_json(args.json, runs, args.device)
     return 0
+
+
+def write_json(path: Path, runs: list[dict[str, list[Run]]], device: str) -> None:
+    """Per epoch and mode the medians of wall seconds, mean accepted length and SD step
+    share; the device, and the most memory allocated on it when it is CUDA."""
+
+    def med(rs: list[Run], key: str) -> float:
+        return statistics.median(r.summary[key] or 0.0 for r in rs)
+
+    epochs = [
+        {m: {"seconds": statistics.median(r.seconds for r in rs),
+             "mean_accepted_length": med(rs, "mean_accepted_length"),
+             "sd_step_share": med(rs, "sd_step_share")} for m, rs in per_mode.items() if rs}
+        for per_mode in runs
+    ]  # fmt: skip
+    cuda = device.startswith("cuda")
+    mem = torch.cuda.max_memory_allocated(device) if cuda else 0
+    path.write_text(json.dumps({"device": device, "cuda_max_memory_bytes": mem,
+                                "epochs": epochs}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

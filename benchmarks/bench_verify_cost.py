@@ -8,10 +8,13 @@ at a context length typical of the long tail:
     verify  one target forward, k + 1 new tokens per row (verification of a k-token chain)
     draft   one EAGLE drafter step (the chain costs k of them)
 
-and the per-step speedup that SD can reach at most with a given accepted length a (tokens
-emitted per row per SD step, bonus included): a * decode / (verify + k * draft), and with a
-free drafter: a * decode / verify. Sampling and bookkeeping are left out, so real steps are
-slower than these bounds.
+and the per-step speedup that SD can reach at most with an accepted length a (tokens emitted
+per row per SD step, bonus included) measured elsewhere and passed as `--accepted` (the GPU
+check passes bench_spec's on the same device): a * decode / (verify + k * draft), and with a
+free drafter: a * decode / verify. Without `--accepted` the table shows the bound per accepted
+token, decode / (verify + k * draft). Sampling and bookkeeping are left out, so real steps
+are slower than these bounds. On CUDA each row also records the CUDA time of one decode
+(`decode_cuda_ms`, CUDA events): the GPU did the work when it is > 0.
 
 On a GPU (`--device cuda`), `--shape qwen2-0.5b` adds a randomly initialised model of that
 shape (built on the device, nothing downloaded) with a random EAGLE drafter: the regime the
@@ -71,8 +74,23 @@ def _best_ms(fn, repeats: int, device: torch.device) -> float:
     return 1000 * best
 
 
-def forward_ms(model: CausalLM, b: int, width: int, context: int, repeats: int) -> float:
-    """One target forward of `width` new tokens for each of b rows holding `context` tokens."""
+def _cuda_ms(fn, device: torch.device) -> float:
+    """CUDA time of one call, by events on the device's stream (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return float(start.elapsed_time(end))
+
+
+def forward_ms(
+    model: CausalLM, b: int, width: int, context: int, repeats: int
+) -> tuple[float, float]:
+    """One target forward of `width` new tokens for each of b rows holding `context` tokens:
+    (best wall ms per call, CUDA ms of one call)."""
     cache = model.new_cache(b, context + width + 1)
     dev = cache.k.device
     lens = [context - (i % 7) for i in range(b)]  # ragged, as in a real running batch
@@ -83,7 +101,7 @@ def forward_ms(model: CausalLM, b: int, width: int, context: int, repeats: int) 
         model(tokens, cache, batch, last_only=width == 1)
 
     with torch.inference_mode():
-        return _best_ms(run, repeats, dev)
+        return _best_ms(run, repeats, dev), _cuda_ms(run, dev)
 
 
 def draft_step_ms(drafter: EagleDrafter, b: int, context: int, repeats: int) -> float:
@@ -100,6 +118,36 @@ def draft_step_ms(drafter: EagleDrafter, b: int, context: int, repeats: int) -> 
 
     with torch.inference_mode():
         return _best_ms(run, repeats, dev)
+
+
+def print_header(args, where: str) -> None:
+    """The run's settings and the table's header (SD bound columns only with a measured a)."""
+    a = args.accepted
+    print(
+        f"context {args.context} tokens, k={args.k}, accepted length a={a or 'not given'}, "
+        f"threads {args.threads}, "
+        f"device {args.device} ({where})",
+        flush=True,
+    )
+    print(
+        "\n| model | dtype | batch | decode ms | decode / batch-1 decode | verify ms "
+        "| verify / decode | draft step ms | draft / decode | "
+        + ("SD bound | SD bound, free drafter |" if a else "bound / a | bound / a, free drafter |")
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def measure_row(model: CausalLM, drafter: EagleDrafter, b: int, args) -> dict:
+    """decode / verify / draft ms at batch b, the bound per accepted token, and the SD bounds
+    at `args.accepted` (None without it)."""
+    k, a = args.k, args.accepted
+    dec, dec_cuda = forward_ms(model, b, 1, args.context, args.repeats)
+    ver, _ = forward_ms(model, b, k + 1, args.context, args.repeats)
+    dra = draft_step_ms(drafter, b, args.context, args.repeats)
+    per = dec / (ver + k * dra)
+    return dict(batch=b, decode_ms=dec, verify_ms=ver, draft_ms=dra, decode_cuda_ms=dec_cuda,
+                bound_per_accepted_token=per, sd_bound=a and a * per,
+                sd_bound_free_drafter=a and a * dec / ver)  # fmt: skip
 
 
 def random_model(shape: str, dtype: torch.dtype, device: str) -> tuple[CausalLM, EagleDrafter]:
@@ -129,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--accepted",
         type=float,
-        default=4.0,
-        help="tokens per row per SD step (EAGLE k=4 at T=1 on the shipped policy: ~4)",
+        help="measured tokens per row per SD step (bench_spec's mean acc len); without it the "
+        "table shows the bound per accepted token",
     )
     ap.add_argument("--context", type=int, default=500, help="tokens already in each row")
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -145,28 +193,18 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     k, a = args.k, args.accepted
     where = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
-    print(
-        f"context {args.context} tokens, k={k}, accepted length a={a}, threads {args.threads}, "
-        f"device {args.device} ({where})",
-        flush=True,
-    )
-    print(
-        "\n| model | dtype | batch | decode ms | decode / batch-1 decode | verify ms "
-        "| verify / decode | draft step ms | draft / decode | SD bound | SD bound, free drafter |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print_header(args, where)
     rows = []
     for name in args.dtypes.split(","):
         for label, model, drafter in models(args, name):
             first = None
             for b in batches:
-                dec = forward_ms(model, b, 1, args.context, args.repeats)
+                row = measure_row(model, drafter, b, args)
+                rows.append(row | dict(model=label, dtype=name))
+                dec, ver, dra = row["decode_ms"], row["verify_ms"], row["draft_ms"]
                 first = first or dec
-                ver = forward_ms(model, b, k + 1, args.context, args.repeats)
-                dra = draft_step_ms(drafter, b, args.context, args.repeats)
-                bound, free = a * dec / (ver + k * dra), a * dec / ver
-                row = dict(model=label, dtype=name, batch=b, decode_ms=dec, verify_ms=ver)
-                rows.append(row | dict(draft_ms=dra, sd_bound=bound, sd_bound_free_drafter=free))
+                bound = (a or 1.0) * row["bound_per_accepted_token"]
+                free = (a or 1.0) * dec / ver
                 print(
                     f"| {label} | {name} | {b} | {dec:.2f} | {dec / first:.2f}x | {ver:.2f} "
                     f"| {ver / dec:.2f}x | {dra:.2f} | {dra / dec:.3f} | {bound:.2f}x "
@@ -179,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     print(
         "\nSD bound = a * decode / (verify + k * draft): the most one SD step can gain over "
-        "plain steps (sampling, bookkeeping and rejected chains only lower it)."
+        "plain steps (sampling, bookkeeping and rejected chains only lower it); "
+        + (f"a = {a}, measured (--accepted)." if a else "no measured a given: bound / a shown.")
     )
     return 0
 

@@ -9,7 +9,11 @@ that fails or runs out of time is recorded and the next one runs. What it writes
     report.txt   the same for a reader, with each step's table
     logs.txt     every step's whole output
 
-The report's format is described in docs/backends.md ("The GPU check").
+Every step's figures then go through its GPU assertion (`scripts/gpu_assertions.py`): on a
+real check a finding fails the step; on a dry run the assertions must reject the CPU's figures
+(a dry run whose CPU results pass a GPU assertion fails), and `--dry-run --strict` applies them
+as on a GPU, so that it fails on a CPU. The report's format is described in docs/backends.md
+("The GPU check").
 """
 
 from __future__ import annotations
@@ -18,16 +22,22 @@ import argparse
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.gpu_assertions import gpu_findings  # noqa: E402
+
 PY = sys.executable
 TEST_DIRS = ["tests/engine", "tests/spec", "tests/drafter"]
 DRY_TESTS = ["tests/engine/test_engine_model.py", "tests/engine/test_engine_batching.py"]
@@ -52,6 +62,8 @@ class Check:
     dry: bool
     tmp: Path
     deadline: float
+    strict: bool = True  # the GPU assertions fail steps (off on a dry run unless --strict)
+    accepted: float | None = None  # the accepted length the spec step measured
     logs: list[str] = field(default_factory=list)
 
     def left(self) -> float:
@@ -107,8 +119,6 @@ def step_env(c: Check) -> StepResult:
     text = c.run(res, [PY, "-c", probe], 60)
     if res.status == "ok":
         res.figures = json.loads(text.strip().splitlines()[-1])
-        if not c.dry and not res.figures.get("cuda_available"):
-            res.status, res.failures = "failed", ["torch sees no CUDA device"]
     return res
 
 
@@ -118,6 +128,8 @@ def step_tests(c: Check) -> StepResult:
     junit = c.tmp / "tests.xml"
     cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--device", c.device,
            f"--junitxml={junit}", "-o", "addopts=-ra --strict-markers"]  # fmt: skip
+    # Each test on a CUDA device records its CUDA allocations (tests/conftest.py) as a
+    # property of its JUnit case: only tests that allocated there count as run on CUDA.
     cmd += DRY_TESTS + ["-k", "greedy or logits"] if c.dry else TEST_DIRS
     if not c.dry and _has("xdist"):
         cmd += ["-n", "6"]  # the GPU machine has 16 cores; the tests are small
@@ -132,15 +144,21 @@ def _has(module: str) -> bool:
 
 
 def _junit(path: Path, failures: list[str]) -> tuple[dict, list[str]]:
-    """Counts and the failed tests (name: first line of the message) of a JUnit XML file."""
+    """Counts, the failed tests (name: first line of the message) and `cuda_tests` (passed
+    tests whose `cuda_allocations` property is > 0) of a JUnit XML file."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
     counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in
               ("tests", "failures", "errors", "skipped")}  # fmt: skip
+    counts["cuda_tests"] = 0
     for case in root.iter("testcase"):
-        for bad in list(case.findall("failure")) + list(case.findall("error")):
+        bads = [*case.findall("failure"), *case.findall("error")]
+        for bad in bads:
             msg = (bad.get("message") or "").strip().splitlines()
             failures.append(f"{case.get('classname')}::{case.get('name')}: {msg[0] if msg else ''}")
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        ran = not bads and case.find("skipped") is None
+        counts["cuda_tests"] += ran and int(props.get("cuda_allocations") or 0) > 0
     return counts, failures
 
 
@@ -208,9 +226,6 @@ def step_inventory(c: Check) -> StepResult:
             res.figures["foreign_pid"] = foreign.pid
             res.figures["devices_beside_foreign"] = json.loads(d.tltctl("devices", "-o", "json"))
         res.status = "ok"
-        res.failures += _inventory_findings(res.figures, c.dry)
-        if res.failures:
-            res.status = "failed"
     except (subprocess.SubprocessError, json.JSONDecodeError, ValueError) as exc:
         res.status, res.failures = "failed", [f"{type(exc).__name__}: {exc}"]
     finally:
@@ -224,33 +239,32 @@ def step_inventory(c: Check) -> StepResult:
     return res
 
 
-def _inventory_findings(fig: dict, dry: bool) -> list[str]:
-    """What the inventory should show: GPUs (cpu slots on a dry run), the foreign process."""
-    devs = fig["devices"]
-    devs = devs.get("devices", devs) if isinstance(devs, dict) else devs
-    kinds = {str(x.get("kind", "")).lower() for x in devs}
-    found = []
-    if not dry and not any("cuda" in k for k in kinds):
-        found.append(f"no CUDA device in the daemon's inventory (kinds {sorted(kinds)})")
-    if dry or "devices_beside_foreign" not in fig:
-        return found
-    after = fig["devices_beside_foreign"]
-    after = after.get("devices", after) if isinstance(after, dict) else after
-    text = json.dumps(after)
-    if str(fig["foreign_pid"]) not in text:
-        found.append("the foreign process's pid is not in the inventory (NVML hides it here?)")
-    if "foreign" not in text.lower():
-        found.append("no device marked foreign beside a foreign process")
-    return found
-
-
 def step_demo(c: Check) -> StepResult:
-    """`grpo_demo.py --quick`: GRPO through a real daemon that owns the GPU."""
+    """`grpo_demo.py --quick`: GRPO through a real daemon, then what its store says ran where."""
     res = StepResult("demo")
-    text = c.run(res, [PY, "examples/grpo_demo.py", "--quick"], 240)
+    work = c.tmp / "demo"
+    text = c.run(res, [PY, "examples/grpo_demo.py", "--quick", "--work-dir", str(work)], 240)
     res.figures["summary"] = [ln for ln in text.splitlines() if "x" in ln and (
         "speedup" in ln or "faster" in ln or "logprob" in ln)][-6:]  # fmt: skip
+    db = work / "tltd" / "tltd.db"
+    if db.exists():
+        res.figures |= _demo_store(db)
+    else:
+        res.failures.append(f"the demo's daemon left no database at {db}")
     return res
+
+
+def _demo_store(db: Path) -> dict:
+    """The demo daemon's devices, its workers' kinds and devices, and its sample count."""
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+        devices = con.execute("SELECT device_id, kind FROM devices").fetchall()
+        workers = con.execute("SELECT kind, device_id FROM workers").fetchall()
+        (samples,) = con.execute("SELECT count(*) FROM samples").fetchone()
+    return {
+        "devices": [{"device_id": d, "kind": k} for d, k in devices],
+        "workers": [{"kind": k, "device_id": d} for k, d in workers],
+        "samples": samples,
+    }
 
 
 def step_verify(c: Check) -> StepResult:
@@ -264,6 +278,8 @@ def step_verify(c: Check) -> StepResult:
         ("shipped", [*base, *small, "--dtypes", "float32,bfloat16"]),
         ("random", [*base, *small, "--dtypes", "bfloat16", "--shape", shapes, "--no-shipped"]),
     ]
+    if c.accepted:  # the SD bound at the accepted length the spec step measured here
+        runs = [(label, [*cmd, "--accepted", f"{c.accepted:.3f}"]) for label, cmd in runs]
     rows, statuses = [], []
     for label, cmd in runs:
         out = c.tmp / f"verify-{label}.json"
@@ -276,7 +292,9 @@ def step_verify(c: Check) -> StepResult:
         if out.exists():
             rows += json.loads(out.read_text())["rows"]
     res.status = next((s for s in statuses if s != "ok"), "ok")
-    res.figures["rows"] = rows
+    res.figures = {"device": c.device, "accepted": c.accepted, "rows": rows}
+    if c.accepted:
+        res.figures["accepted_source"] = "bench_spec adaptive mode, last epoch (spec step)"
     return res
 
 
@@ -296,9 +314,15 @@ def step_spec(c: Check) -> StepResult:
     """bench_spec on the device: SD off, adaptive and adaptive + history drafts over two epochs
     of the same prompts, on the shipped policy and drafter."""
     res = StepResult("spec")
+    out = c.tmp / "spec.json"
     cmd = [PY, "benchmarks/bench_spec.py", "--device", c.device, "--modes", "off,adaptive,history"]
-    cmd += ["--epochs", "2"] + (["--quick"] if c.dry else ["--repeats", "1"])
+    cmd += ["--epochs", "2", "--json", str(out)] + (["--quick"] if c.dry else ["--repeats", "1"])
     c.run(res, cmd, 120 if c.dry else 200)
+    if out.exists():
+        res.figures = json.loads(out.read_text())
+        last = res.figures["epochs"][-1] if res.figures.get("epochs") else {}
+        c.accepted = (last.get("adaptive") or {}).get("mean_accepted_length") or None
+        res.figures["measured_accepted_length"] = c.accepted
     return res
 
 
@@ -307,10 +331,26 @@ STEPS: dict[str, Callable[[Check], StepResult]] = {
     "inventory": step_inventory,
     "demo": step_demo,
     "tests": step_tests,
+    "spec": step_spec,  # before verify: its measured accepted length goes into the SD bound
     "verify": step_verify,
     "preemption": step_preemption,
-    "spec": step_spec,
 }
+
+
+def judge(c: Check, res: StepResult) -> None:
+    """Apply the step's GPU assertion. Strict: a finding fails the step. Dry: the assertion must
+    reject the CPU's figures, or it could pass without a GPU and the step fails."""
+    if res.status == "skipped":
+        return
+    found = gpu_findings(res.name, res.figures)
+    if c.strict:
+        res.failures += found
+        res.status = "failed" if found and res.status == "ok" else res.status
+        return
+    res.figures["dry_run_gpu_assertion_rejects"] = found
+    if not found:
+        res.status = "failed"
+        res.failures.append(f"the GPU assertion of {res.name} accepted CPU results")
 
 
 def write_report(out: Path, c: Check, results: list[StepResult], budget: float) -> None:
@@ -319,6 +359,7 @@ def write_report(out: Path, c: Check, results: list[StepResult], budget: float) 
     report = {
         "device": c.device,
         "dry_run": c.dry,
+        "gpu_assertions": "applied" if c.strict else "dry: must reject these CPU results",
         "machine": env,
         "budget_seconds": budget,
         "seconds": round(sum(r.seconds for r in results), 1),
@@ -327,12 +368,18 @@ def write_report(out: Path, c: Check, results: list[StepResult], budget: float) 
     }
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "logs.txt").write_text("\n".join(c.logs)[-8_000_000:])
-    lines = [f"tltd GPU check on {c.device} ({env.get('gpu', 'no GPU')}), "
-             f"{report['seconds']} s of a {budget:.0f} s budget: "
+    lines = [f"{'DRY RUN (no GPU figures): ' if c.dry else ''}"
+             f"tltd GPU check on {c.device} ({env.get('gpu', 'no GPU')}), "
+             f"{report['seconds']} s of a {budget:.0f} s budget, GPU assertions "
+             f"{report['gpu_assertions']}: "
              f"{'all steps ok' if report['ok'] else 'FAILURES'}"]  # fmt: skip
+    if c.dry and not c.strict:
+        lines.append("Every step ran on the CPU; '~' lines are what each GPU assertion found "
+                     "wrong with the CPU's results, as it must.")  # fmt: skip
     for r in results:
         lines.append(f"\n== {r.name}: {r.status} ({r.seconds} s)")
         lines += [f"   ! {f}" for f in r.failures[:40]]
+        lines += [f"   ~ {f}" for f in r.figures.get("dry_run_gpu_assertion_rejects", [])]
         if r.name == "preemption":
             lines.append("\n".join(r.log_tail.splitlines()[-5:]))
         elif r.name in ("verify", "spec", "demo"):
@@ -352,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dry-run", action="store_true", help="the same steps on cpu, small sizes")
+    ap.add_argument(
+        "--strict", action="store_true", help="with --dry-run: apply the GPU assertions (fails)"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for all steps")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"some of {','.join(STEPS)}")
@@ -359,12 +409,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="tltd-gpu-check-") as tmp:
+        strict = args.strict or not args.dry_run
         c = Check("cpu" if args.dry_run else args.device, args.dry_run, Path(tmp),
-                  time.monotonic() + args.budget)  # fmt: skip
+                  time.monotonic() + args.budget, strict=strict)  # fmt: skip
         for name in args.steps.split(","):
             print(f"[gpu-check] {name} ({c.left():.0f} s of the budget left)", flush=True)
             results.append(STEPS[name](c))
             r = results[-1]
+            judge(c, r)
             print(f"[gpu-check] {name}: {r.status} in {r.seconds} s", flush=True)
         write_report(args.out, c, results, args.budget)
     print((args.out / "report.txt").read_text())

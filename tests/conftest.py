@@ -49,6 +49,24 @@ def pytest_configure(config) -> None:
     torch_device.select(device)
 
 
+@pytest.fixture(autouse=True)
+def _cuda_allocations(request):
+    """On a CUDA `--device`, record how many allocations the test made there (a JUnit property,
+    `cuda_allocations`): the GPU check counts a test as run on CUDA only when it is > 0."""
+    device = torch_device.torch_device()
+    if not device.startswith("cuda"):
+        yield
+        return
+    import torch
+
+    def allocations() -> int:
+        return int(torch.cuda.memory_stats(device).get("allocation.all.allocated", 0))
+
+    before = allocations()
+    yield
+    request.node.user_properties.append(("cuda_allocations", allocations() - before))
+
+
 PG_ADMIN_URL = os.environ.get("TLTD_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 

@@ -26,7 +26,9 @@ class InitGroupRequest(BaseModel):
     rank_offset: int
     world_size: int
     group_name: str = "weight_update_group"
-    backend: str = "gloo"
+    # SGLang's default: a trainer that names no backend hosts an NCCL group, which the daemon
+    # (a CPU rank) refuses at once rather than wait for a gloo rendezvous that never comes.
+    backend: str = "nccl"
     rid: str | None = None  # SGLang's id of the control request itself: unused
 
 

@@ -11,7 +11,11 @@ or one tensor per call (SkyRL) thus makes one version per full sync.
 The group's keys are those SGLang's `init_custom_process_group` uses for its group name
 (`tltd.contract.broadcast.group_prefix`), or another prefix the caller names (vLLM's weight
 transfer: a trainer's default group). Gloo only: the daemon is a CPU process and cannot be an
-NCCL rank.
+NCCL rank. A trainer that builds an NCCL group instead gets that answer within a second or two,
+not at the rendezvous timeout: an explicit NCCL backend is refused at once, and while the
+daemon waits for the gloo rendezvous it watches the trainer's store for the NCCL id that vLLM's
+weight-transfer engine (TRL's `init_communicator`) publishes there, whose message names no
+backend.
 
 vLLM's weight transfer brackets an update instead (`start` .. `update`s .. `finish`): the
 version is committed at `finish` whatever arrived, the tensors not sent carried over from the
@@ -41,6 +45,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_TIMEOUT = 3600.0
+# vLLM's StatelessProcessGroup publishes rank 0's first broadcast under this key of the trainer's
+# store; its PyNcclCommunicator's first broadcast is the NCCL unique id. Present: the trainer is
+# building vLLM's NCCL weight-transfer group, which the daemon's gloo rank will never meet.
+_VLLM_NCCL_ID_KEY = "broadcast_from/0/0"
+_PROBE_SECONDS = 0.1  # how often the join looks for it
+NCCL_ANSWER = (
+    "the daemon joins the trainer's weight group as a CPU rank, over gloo only (an NCCL group "
+    "needs a CUDA rank). Host the group with gloo (torch.distributed with backend 'gloo'; "
+    "SGLang's route: backend 'gloo'), or sync weights from a checkpoint: "
+    "/update_weights_from_disk, or the tltd client's push"
+)
 # Trainers name dtypes as torch does, with or without the "torch." prefix.
 _DTYPE_CODES = {v: k for k, v in TensorSpec.TORCH_DTYPES.items()}
 
@@ -99,13 +114,13 @@ class WeightGroupService:
                 )
         import torch.distributed as dist
 
-        from tltd.contract.broadcast import group_prefix, process_group
+        from tltd.contract.broadcast import group_prefix
 
         timeout = datetime.timedelta(seconds=timeout_seconds)
         try:
             tcp = dist.TCPStore(address, port, world_size, False, timeout=timeout)
             keys = group_prefix(name) if prefix is None else prefix
-            pg = process_group("gloo", tcp, keys, rank, world_size, timeout)
+            pg = _join_gloo(tcp, (address, port), keys, rank, world_size, timeout)
         except (RuntimeError, OSError, ValueError) as exc:
             raise FailedPrecondition(
                 f"cannot join the trainer's group at {address}:{port}: {exc}",
@@ -245,6 +260,40 @@ class WeightGroupService:
             self.pushes.store_tensor(push, spec.name, stored.reshape(-1).view(torch.uint8).numpy())
 
 
+def _join_gloo(
+    tcp: Any, at: tuple[str, int], keys: str, rank: int, world: int, timeout: datetime.timedelta
+) -> Any:
+    """This rank's gloo group, joined in a thread while a second client of the trainer's store
+    looks for vLLM's NCCL id: found, the join is abandoned (its thread ends at the rendezvous
+    timeout, the group it may still make unused) and the trainer told at once."""
+    import torch.distributed as dist
+
+    from tltd.contract.broadcast import process_group
+
+    # No world size: this client is not counted among the ranks the trainer's store waits for.
+    probe = dist.TCPStore(at[0], at[1], None, False, timeout=timeout, wait_for_workers=False)
+    box: dict[str, Any] = {}
+
+    def join() -> None:
+        try:
+            box["pg"] = process_group("gloo", tcp, keys, rank, world, timeout)
+        except Exception as exc:  # noqa: BLE001 - raised again in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=join, name="weights-group-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(_PROBE_SECONDS)
+        if thread.is_alive() and probe.check([_VLLM_NCCL_ID_KEY]):
+            raise FailedPrecondition(
+                f"the trainer is building vLLM's NCCL weight-transfer group: {NCCL_ANSWER}",
+                field="backend",
+            )
+    if "error" in box:
+        raise box["error"]
+    return box["pg"]
+
+
 def _spec(i: int, t: tuple[str, str, tuple[int, ...]], specs: dict[str, TensorSpec]):
     """(the model's spec of tensor i, the torch dtype it is broadcast in)."""
     name, dtype, shape = t
@@ -266,9 +315,7 @@ def _check_group_args(
 ) -> None:
     check_id(name, "group_name")
     if backend != "gloo":
-        raise FailedPrecondition(
-            "the daemon joins as a CPU rank: only gloo (NCCL needs a CUDA rank)", field="backend"
-        )
+        raise FailedPrecondition(f"backend {backend!r}: {NCCL_ANSWER}", field="backend")
     if not 0 < port < 65536:
         raise InvalidArgument("must be 1-65535", field="master_port")
     if not 0 < rank < world_size:
