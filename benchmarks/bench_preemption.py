@@ -26,10 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tltd.contract.drafter_messages import Checkpointed, TrainingSample  # noqa: E402
+from tltd.contract.drafter_messages import (  # noqa: E402
+    Checkpointed,
+    TrainerSpec,  # noqa: E402
+    TrainingSample,
+)
+from tltd.drafter_training.process import TrainerProcess  # noqa: E402
 from tltd_workers.drafter.forward import target_hidden  # noqa: E402
 from tltd_workers.drafter.trainer import TrainerConfig  # noqa: E402
-from tltd_workers.drafter.trainer_process import TrainerProcess, TrainerSpec  # noqa: E402
 from tltd_workers.engine.transformer import load_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

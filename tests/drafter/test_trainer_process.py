@@ -26,16 +26,17 @@ from tltd.contract.drafter_messages import (
     Preempt,
     SetPolicy,
     Stepped,
+    TrainerSpec,
     TrainingSample,
 )
 from tltd.domain import DrafterStatus, Job
+from tltd.drafter_training.process import TrainerProcess
 from tltd.drafter_training.versions import record
 from tltd.store import Store
 from tltd.store.migrate import upgrade
 from tltd_workers.drafter.buffer import TrainingBuffer
 from tltd_workers.drafter.forward import target_hidden
 from tltd_workers.drafter.trainer import Trainer, TrainerConfig, latest_checkpoint
-from tltd_workers.drafter.trainer_process import TrainerProcess, TrainerSpec
 
 CFG = TrainerConfig(items_per_micro=2, micro_per_step=3, warmup_steps=3, lr=3e-3, row_len=64)
 STEPS = 14

@@ -959,12 +959,12 @@ def test_worker_process_over_a_pipe(policy, tmp_path, monkeypatch):
 
 def test_each_backend_has_its_worker_process():
     from tltd.domain import Backend
-    from tltd.supervisor.worker_process import worker_entry
+    from tltd.worker_code import rollout_entry
     from tltd_workers.rollout import sglang_worker, worker
 
     # SGLang's engine starts scheduler processes: a daemonic process may not have children.
-    assert worker_entry(Backend.SGLANG) == (sglang_worker.main, False)
-    assert worker_entry(Backend.TORCH) == (worker.main, True)
+    assert rollout_entry(Backend.SGLANG) == (sglang_worker.main, False)
+    assert rollout_entry(Backend.TORCH) == (worker.main, True)
 
 
 def test_a_job_of_another_backend_restarts_the_worker_on_it(sqlite_daemon, ckpt):

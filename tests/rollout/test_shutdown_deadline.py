@@ -83,14 +83,14 @@ def test_sigterm_during_a_long_node_drain_keeps_the_shutdown_grace(sqlite_url, t
 def test_shutdown_does_not_wait_for_a_trainer_still_loading(
     sqlite_store, tmp_path, ckpt, monkeypatch
 ):
-    import tltd_workers.drafter.trainer_process as dw
-    from tltd.contract.drafter_messages import Ready
+    import tltd.drafter_training.process as dw
+    from tltd.contract.drafter_messages import TrainerReady
 
     real_wait_for = dw.TrainerProcess.wait_for
     loaded = threading.Event()  # set when the test ends: no thread outlives it
 
     def slow_ready(self, kind, timeout=60.0):  # a big target loading onto a GPU
-        if kind is Ready:
+        if kind is TrainerReady:
             loaded.wait(SLOW)
         return real_wait_for(self, kind, timeout)
 

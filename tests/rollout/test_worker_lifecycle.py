@@ -294,7 +294,7 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
     from tltd_clients.errors import UnavailableError
 
     monkeypatch.setattr(
-        "tltd.supervisor.worker_process.worker_entry", lambda backend: (crashing_worker.main, True)
+        "tltd.worker_code.rollout_entry", lambda backend: (crashing_worker.main, True)
     )
     d = InProcessDaemon(_settings(tmp_path, cpu_slots=1), sqlite_store).start()
     sup = d.supervisor

@@ -17,10 +17,10 @@ from tltd.contract import drafter_messages as proto
 from tltd.devices import cpu_devices
 from tltd.domain import DeviceState, FinishReason, Job, Sample, SpeculativeConfig, WorkerState
 from tltd.drafter_training import DrafterTraining
-from tltd.drafter_training.runs import TrainerRun
+from tltd.drafter_training.process import TrainerProcess
+from tltd.drafter_training.runs import TrainerPhase, TrainerRun
 from tltd.metrics import METRICS
 from tltd.periodic import build_scheduler, reap_trainers
-from tltd_workers.drafter.trainer_process import TrainerProcess
 
 
 def _setup(store, policy_path) -> None:
@@ -38,7 +38,7 @@ async def _round_one_then(training: DrafterTraining, store, next_policy) -> tupl
     `next_policy` recorded as version 1; returns the run and its trainer's pid."""
     await training.start("cpu:0", "job")
     run = training._runs["job"]
-    await until(lambda: run.phase == "idle", "round 1 over")
+    await until(lambda: run.phase is TrainerPhase.IDLE, "round 1 over")
     store.add_policy_version("job", "checkpoint", str(next_policy))
     return run, run.worker.proc.pid
 
@@ -59,7 +59,7 @@ def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
             new = training._runs["job"]
             # Returned with the old trainer still there and the new one not yet spawned;
             # the device is recorded training and held by the new run meanwhile.
-            assert pid_alive(pid) and new is not old and new.phase == "starting"
+            assert pid_alive(pid) and new is not old and new.phase is TrainerPhase.STARTING
             assert new.worker is None and new.spawning is None
             assert store.get_device("cpu:0").state is DeviceState.TRAINING
             assert [(v.device_id, v.job_id) for v in training.views()] == [("cpu:0", "job")]
@@ -87,8 +87,8 @@ def test_a_new_policy_of_the_same_architecture_goes_into_the_running_trainer(
         await training.start("cpu:0", "job")
         # The same process trains round 2 on the new target: no stop, no spawn.
         assert training._runs["job"] is run and run.policy_version == 1
-        assert run.worker.proc.pid == pid and run.phase != "starting"
-        await until(lambda: run.phase == "idle", "round 2 over")
+        assert run.worker.proc.pid == pid and run.phase is not TrainerPhase.STARTING
+        await until(lambda: run.phase is TrainerPhase.IDLE, "round 2 over")
         assert run.worker.proc.pid == pid
         await training.close()
 
@@ -110,13 +110,13 @@ def test_a_round_cut_short_is_reported_resumable_and_an_ended_one_is_not(
             training.on_sample("job", (1, 2, 3), _sample(i))
         await training.start("cpu:0", "job")
         run = training._runs["job"]
-        await until(lambda: run.phase == "training" and run.step >= 1, "a step taken")
+        await until(lambda: run.phase is TrainerPhase.TRAINING and run.step >= 1, "a step taken")
         await training.preempt("cpu:0", "rollout work waiting")
-        await until(lambda: run.phase == "idle", "device free")
+        await until(lambda: run.phase is TrainerPhase.IDLE, "device free")
         assert training.job_view("job").cut_short is True  # the scheduler resumes it at once
-        run.round_target = run.step + 1  # let it end: one more step
+        run.round.target = run.step + 1  # let it end: one more step
         await training.start("cpu:0", "job")
-        await until(lambda: run.phase == "idle", "round over")
+        await until(lambda: run.phase is TrainerPhase.IDLE, "round over")
         assert training.job_view("job").cut_short is False  # a new round waits its rule
         # What a round in a rollout's tail trains on: 8 finished, every third held out.
         assert training.job_view("job").buffered == 6
@@ -133,9 +133,9 @@ def test_a_trainer_that_found_nothing_to_train_on_waits_for_a_new_sample(sqlite_
     for i in range(4):
         training.on_sample("job", (1, 2, 3), _sample(i))
     assert training.job_view("job").buffered == 3  # every third held out
-    run = training._runs["job"] = TrainerRun("job", "cpu:0", "cpu", 0, phase="training")
+    run = training._runs["job"] = TrainerRun("job", "cpu:0", "cpu", 0, phase=TrainerPhase.TRAINING)
     asyncio.run(training._handle((run, proto.Idle("no_data", 0))))
-    assert run.phase == "releasing" and training.job_view("job").buffered == 0
+    assert run.phase is TrainerPhase.RELEASING and training.job_view("job").buffered == 0
     training.on_sample("job", (1, 2, 3), _sample(4))
     assert training.job_view("job").buffered == 4
 
@@ -210,7 +210,7 @@ def test_a_hung_trainer_is_killed_by_the_heartbeat_reaper(sqlite_store, tmp_path
     async def main() -> None:
         await training.start("cpu:0", "job")
         run = training._runs["job"]
-        await until(lambda: run.phase == "idle", "round 1 over (no samples yet)")
+        await until(lambda: run.phase is TrainerPhase.IDLE, "round 1 over (no samples yet)")
         # Idle, its main thread waits for a command: the heartbeat thread keeps it alive.
         await asyncio.sleep(timeout + 1.0)
         assert await reap_trainers(training) == []
@@ -256,10 +256,10 @@ def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
             )
             # Rollout work arrives while the launch is still stopping the old trainer.
             await training.preempt("cpu:0", "rollout work waiting")
-            assert new.phase == "preempting"
+            assert new.phase is TrainerPhase.PREEMPTING
         finally:
             os.kill(pid, signal.SIGCONT)
-        await until(lambda: new.phase == "stopped", "the launch gave up")
+        await until(lambda: new.phase is TrainerPhase.STOPPED, "the launch gave up")
         assert not pid_alive(pid)
         await training.close()
 
@@ -288,15 +288,15 @@ def test_a_preempted_round_resumes_towards_its_own_end(sqlite_store, tmp_path, c
         await training.start("cpu:0", "job")
         run = training._runs["job"]
         await until(lambda: run.step >= 2, "training")
-        target = run.round_target
+        target = run.round.target
         assert target == 100_000
         await training.preempt("cpu:0", "rollout work is waiting")
-        await until(lambda: run.phase == "idle", "preempted")
+        await until(lambda: run.phase is TrainerPhase.IDLE, "preempted")
         stepped = run.step
         assert 2 <= stepped < target
         await training.start("cpu:0", "job")
         await until(lambda: run.step > stepped, "training again")
-        assert run.round_target == target  # not stepped + 100_000
+        assert run.round.target == target  # not stepped + 100_000
         assert f"(steps {stepped} -> {target})" in store.get_worker("drafter-job").state_reason
         await training.close()
 
@@ -320,7 +320,7 @@ def test_a_warm_started_trainer_waits_loaded_and_its_first_round_trains_at_once(
             training.on_sample("frozen", (1, 2, 3), _sample(i))
         await until(lambda: "job" in training._runs, "a warm start")
         run = training._runs["job"]
-        await until(lambda: run.phase == "idle", "the warm trainer up", timeout=120)
+        await until(lambda: run.phase is TrainerPhase.IDLE, "the warm trainer up", timeout=120)
         # Up, holding nothing: the device is idle, the scheduler sees no training and no
         # round to resume.
         assert run.device_id == "" and store.get_device("cpu:0").state is DeviceState.IDLE
@@ -330,7 +330,7 @@ def test_a_warm_started_trainer_waits_loaded_and_its_first_round_trains_at_once(
 
         await training.start("cpu:0", "job")
         # The same process trains at once: no spawn, no start-up on the device.
-        assert training._runs["job"] is run and run.phase == "training"
+        assert training._runs["job"] is run and run.phase is TrainerPhase.TRAINING
         assert run.worker.proc.pid == pid and run.device_id == "cpu:0"
         assert store.get_device("cpu:0").state is DeviceState.TRAINING
         assert METRICS.trainer_loading_seconds().get("cpu:0", 0.0) == loading

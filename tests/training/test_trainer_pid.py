@@ -9,7 +9,7 @@ from tests.training.conftest import training_settings
 from tltd.devices import cpu_devices
 from tltd.domain import Job, WorkerState
 from tltd.drafter_training import DrafterTraining
-from tltd_workers.drafter.trainer_process import TrainerProcess
+from tltd.drafter_training.process import TrainerProcess
 
 
 def test_trainer_pid_is_recorded_before_its_model_is_loaded(sqlite_store, tmp_path, monkeypatch):

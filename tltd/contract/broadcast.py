@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 
 TensorSpecs = Iterable[tuple[str, str, tuple[int, ...]]]  # (name, dtype code, shape), in order
 
+# One rollout worker per device: an SGLang engine runs on one GPU. A broadcast gives an engine
+# one rank per tensor-parallel GPU (SGLang joins as rank_offset + tp_rank), so the group's ranks
+# follow this.
+SGLANG_TP_SIZE = 1
+
 # The trainer is rank 0; in the daemon's group (gloo) the daemon is rank 1, so the workers
 # start at 2; in the workers' own group (nccl) they start at 1.
 FIRST_WORKER_RANK = 2

@@ -1,4 +1,5 @@
-"""The typed messages between the daemon and a drafter-training process (pickled over a Pipe).
+"""The typed messages between the daemon and a drafter-training process (pickled over a Pipe),
+and the spec the process is started with.
 
 The trainer computes and reports; the daemon decides. In particular a `Measure` makes the
 trainer save its drafter and measure held-out acceptance (its own and the active version's);
@@ -8,8 +9,53 @@ whether that becomes the active version is decided and recorded by the daemon
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+# ---- what a trainer process is started with ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The optimizer and packing of a drafter trainer (`tltd_workers.drafter.trainer.Trainer`)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    max_grad_norm: float = 1.0
+    items_per_micro: int = 4
+    micro_per_step: int = 2
+    row_len: int = 512  # packed row length (drafter positions); longer samples are windowed
+    loss_chunk: int = 64  # positions per loss chunk (a stop request is checked between chunks)
+    prefill_chunk: int = 64  # tokens per recompute forward (ditto)
+    seed: int = 0
+    prev_share: float = 0.5  # share of the previous rollout step's data in an epoch order
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """One drafter-training process: the target it loads, where it checkpoints, what it trains
+    with (`tltd_workers.drafter.trainer_process.main` runs it)."""
+
+    model_path: str  # the target (policy) checkpoint, HF layout
+    checkpoint_dir: str
+    device: str = "cpu"
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    buffer_bytes: int = 256 << 20
+    keep_hidden: bool = True
+    hidden_dtype: str = "bfloat16"
+    drafter_path: str | None = None  # start from this drafter (save_pretrained dir)
+    drafter_seed: int = 0  # ... or from EagleDrafter.random_init(seed)
+    start_step: int = 0  # the step count of `drafter_path` (a run continued on another node)
+    resume: bool = True  # continue from checkpoint_dir/LATEST when there is one
+    checkpoint_every: int = 0  # optimizer steps between async checkpoints (0: preempt/stop only)
+    threads: int = 1
+    heartbeat_seconds: float = 2.0
+    # Added to the process's nice value: on a node whose cores the rollout workers and the
+    # daemon also use, the OS gives the trainer only CPU time they leave (0: as the daemon).
+    nice: int = 19
+
 
 # ---- what is trained on ------------------------------------------------------------------
 
@@ -73,7 +119,7 @@ class Measure:
 
 
 @dataclass(frozen=True)
-class Stop:
+class StopTrainer:
     """Write a checkpoint, wait for it, exit."""
 
 
@@ -88,7 +134,7 @@ class SetPolicy:
     policy_version: int
 
 
-ToTrainer = AddSamples | Train | Preempt | WriteCheckpoint | Measure | Stop | SetPolicy
+ToTrainer = AddSamples | Train | Preempt | WriteCheckpoint | Measure | StopTrainer | SetPolicy
 
 # ---- trainer -> daemon -------------------------------------------------------------------
 
@@ -111,7 +157,9 @@ class StepResult:
 
 
 @dataclass(frozen=True)
-class Ready:
+class TrainerReady:
+    """The trainer is loaded: its step, the checkpoint it resumed from, its buffer's items."""
+
     step: int
     resumed_from: str | None
     items: int
@@ -171,10 +219,18 @@ class Failed:
 
 
 @dataclass(frozen=True)
-class Heartbeat:
+class TrainerHeartbeat:
     """Sent every `heartbeat_seconds` from a thread: a long step or measure is not silence."""
 
 
 FromTrainer = (
-    Ready | Stepped | Idle | DeviceFree | Checkpointed | Measured | Stopped | Failed | Heartbeat
+    TrainerReady
+    | Stepped
+    | Idle
+    | DeviceFree
+    | Checkpointed
+    | Measured
+    | Stopped
+    | Failed
+    | TrainerHeartbeat
 )

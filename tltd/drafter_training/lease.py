@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class DrafterLeases:
+class LeaseHolder:
     """This node's drafter leases, its read position in every job's samples, and how many
     samples of every node wait for each job (`backlog`)."""
 

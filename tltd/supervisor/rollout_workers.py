@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from tltd import worker_code
 from tltd.contract import rollout_messages as msg
-from tltd.contract.processes import worker_context
 from tltd.domain import Backend, Device, DeviceState, Sample, Worker, WorkerKind, WorkerState
 from tltd.memory_cgroup import MemoryCgroups
 from tltd.metrics import METRICS
@@ -79,7 +79,7 @@ class RolloutWorkers:
         self._on_finished = on_finished
         self._device_states: dict[str, DeviceState] = {}
         self._settling: dict[str, asyncio.TimerHandle] = {}
-        self._ctx = worker_context()
+        self._ctx = worker_code.worker_context()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.cgroups: MemoryCgroups | None = None
 

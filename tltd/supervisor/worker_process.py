@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
+from tltd import worker_code
 from tltd.contract import rollout_messages as msg
+from tltd.contract.broadcast import SGLANG_TP_SIZE
 from tltd.contract.processes import with_environment
 from tltd.domain import ENDED_STATUSES, Backend, Device, Sample, WorkerState
 from tltd.errors import Fenced, TltError
@@ -173,7 +175,7 @@ def spawn(
 ) -> None:
     """Start a fresh process for `handle` (forgetting what the old one held) and its threads;
     with `cgroups`, in a memory cgroup of its own with the limit, before it loads anything."""
-    target, daemon = worker_entry(handle.backend)
+    target, daemon = worker_code.rollout_entry(handle.backend)
     parent, child = ctx.Pipe()
     args: tuple[Any, ...] = (child, settings.worker_threads, settings.worker_heartbeat_seconds)
     if handle.backend is Backend.SGLANG:
@@ -212,26 +214,11 @@ def spawn(
     )
 
 
-def worker_entry(backend: Backend) -> tuple[Callable[..., None], bool]:
-    """The process target of a backend's rollout worker, and whether the process may be
-    daemonic: SGLang's engine starts its own scheduler processes, which a daemonic process
-    may not have (they die with it through SGLang's parent-death signal instead)."""
-    if backend is Backend.SGLANG:
-        from tltd_workers.rollout.sglang_worker import main as sglang_main
-
-        return sglang_main, False
-    from tltd_workers.rollout.worker import main as torch_main
-
-    return torch_main, True
-
-
 def broadcast_ranks(backend: Backend) -> int:
     """How many ranks a worker of `backend` takes in a policy broadcast: a torch worker one,
     an SGLang engine one per tensor-parallel GPU."""
     if backend is Backend.SGLANG:
-        from tltd_workers.sglang.translate import TP_SIZE
-
-        return TP_SIZE
+        return SGLANG_TP_SIZE
     return 1
 
 

@@ -45,28 +45,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from tltd.contract.checkpoint import check_drafter_tensors
-from tltd.contract.drafter_messages import StepResult
+from tltd.contract.drafter_messages import StepResult, TrainerConfig
 from tltd_workers.drafter.buffer import TrainingBuffer, TrainItem
 from tltd_workers.drafter.forward import drafter_features, target_hidden
 from tltd_workers.drafter.objective import EagleExample, align, eagle_loss
 from tltd_workers.drafter.packing import pack
 from tltd_workers.engine.eagle import EagleDrafter
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
-    max_grad_norm: float = 1.0
-    items_per_micro: int = 4
-    micro_per_step: int = 2
-    row_len: int = 512  # packed row length (drafter positions); longer samples are windowed
-    loss_chunk: int = 64  # positions per loss chunk (a stop request is checked between chunks)
-    prefill_chunk: int = 64  # tokens per recompute forward (ditto)
-    seed: int = 0
-    prev_share: float = 0.5  # share of the previous rollout step's data in an epoch order
 
 
 @dataclass

@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from tltd.contract.broadcast import SGLANG_TP_SIZE
 from tltd.contract.rollout_messages import EngineSpec, JoinBroadcast
 from tltd.domain import FinishReason, SamplingParams, TensorSpec
 
@@ -50,9 +51,8 @@ Selector = Literal["target", "draft"]
 # the drafter trainer runs on this same device when rollout goes idle, and needs room.
 MEM_FRACTION_STATIC = 0.7
 
-# One worker per device: an engine runs on one GPU. A broadcast gives an engine one rank per
-# tensor-parallel GPU (SGLang joins as rank_offset + tp_rank), so the group's ranks follow this.
-TP_SIZE = 1
+# One worker per device (`tltd.contract.broadcast`: a broadcast's ranks follow it).
+TP_SIZE = SGLANG_TP_SIZE
 
 # Seeds stay below 2**31 - 1 so that they fit any int32 path SGLang's sampler may take.
 _SEED_MODULUS = 2**31 - 1

@@ -1,23 +1,22 @@
-"""Drafter training on idle devices: the supervisor's `TrainingHook` over TrainerProcess processes.
+"""This node's drafter trainers: the supervisor's `TrainingHook`, one `TrainerRun` (and trainer
+process) per job, started, preempted, stopped and reaped here.
 
-The hook (this module) runs rounds; `runs.py` is one trainer process as the daemon tracks it,
-`samples.py` the samples it trains and is measured on, `lease.py` the several-node lease,
-`versions.py` the promote-or-reject decision on a measured candidate.
+Where the rest lives: `runs.py` is one trainer as the daemon tracks it (its phases and their
+transitions), `process.py` its process handle and spawn spec, `rounds.py` what a round does,
+`records.py` the one writer of the rows drafter training writes, `samples.py` the samples it
+trains and is measured on, `lease.py` the several-node lease, `versions.py` the promote-or-reject
+decision on a measured candidate.
 
 The scheduler decides (`start_training`, `preempt_training`); this module carries it out:
 - finished rollout samples are kept per job (`samples.py`), some held out to measure
   acceptance at publish time;
-- `start` spawns (or reuses) one `TrainerProcess` process per job (a new policy version of the
-  same architecture is loaded into it in place: `SetPolicy`), feeds it the new samples and
-  runs one round of `training_steps_per_round` optimizer steps on the device it was given; it
-  returns at once (it runs in the supervisor's tick): stopping an old trainer, spawning and
-  loading a new one run in a background task (`_launch`);
+- `start` spawns (or reuses) one `TrainerProcess` per job (a new policy version of the same
+  architecture is loaded into it in place: `SetPolicy`), feeds it the new samples and runs one
+  round of `training_steps_per_round` optimizer steps on the device it was given; it returns at
+  once (it runs in the supervisor's tick): stopping an old trainer, spawning and loading a new
+  one run in a background task (`_launch`);
 - `preempt` asks the worker for the device back and records the measured latency
   (request -> "device_free"); the trainer keeps its state in memory and resumes next round;
-- at the end of a round the trainer saves its drafter and measures held-out acceptance against
-  the active version (`Measure`); this module records the version and promotes it only when it
-  beats the active one (`versions.py`), and the supervisor then hot-swaps a promoted
-  version into the rollout workers;
 - `close` (SIGTERM / drain) stops every worker, which writes its trainer checkpoint first;
 - a worker heartbeats from a thread; `reap` (a periodic job) kills one silent for
   `training_heartbeat_timeout_seconds` (hung, not dead: a dead one's pipe closes).
@@ -27,8 +26,8 @@ lease (`lease.py`); samples then come from the store, every node's (`samples.py`
 
 The trainer speaks the typed protocol of `tltd.contract.drafter_messages`. Its messages are
 read by one thread per process (`tltd.supervisor.worker_pipe`) and handled, in order, by one
-task on the event loop; store writes go through `asyncio.to_thread` so the loop never waits on
-them.
+task on the event loop (`inbox.py`); store writes go through the one writer (`records.py`) so
+the loop never waits on them.
 """
 
 from __future__ import annotations
@@ -36,22 +35,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import shutil
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tltd.contract import drafter_messages as proto
 from tltd.domain import DeviceKind, DeviceState, Sample, WorkerState
-from tltd.drafter_training.lease import DrafterLeases
-from tltd.drafter_training.ordered import Inbox, OrderedWrites
-from tltd.drafter_training.runs import HOLDING, Preemption, TrainerProcess, TrainerRun
+from tltd.drafter_training.inbox import Inbox
+from tltd.drafter_training.lease import LeaseHolder
+from tltd.drafter_training.process import TrainerProcess, new_trainer, policy_config
+from tltd.drafter_training.records import TrainingRecords
+from tltd.drafter_training.rounds import Rounds
+from tltd.drafter_training.runs import HOLDING, Preemption, TrainerPhase, TrainerRun
 from tltd.drafter_training.samples import SampleBuffers, training_sample
-from tltd.drafter_training.spawn import import_trainer_code, new_trainer, policy_config
-from tltd.drafter_training.versions import active_drafter, publish, record
-from tltd.errors import Fenced
 from tltd.metrics import METRICS
 from tltd.scheduler import TrainingView
 from tltd.settings import Settings
@@ -63,6 +60,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Phases names, short: every method below moves runs between them.
+P = TrainerPhase
+
 
 class DrafterTraining:
     """The `tltd.supervisor.TrainingHook` of the daemon (one per node)."""
@@ -73,10 +73,10 @@ class DrafterTraining:
         self.root = Path(settings.data_dir) / "drafters"  # this node's trainer checkpoints
         self.cluster = store.dialect == "postgresql"
         self.samples = SampleBuffers(settings)
-        self.leases = DrafterLeases(store, settings, self.samples)  # several nodes
+        self.leases = LeaseHolder(store, settings, self.samples)  # several nodes
+        self.records = TrainingRecords(store)
+        self.rounds = Rounds(store, settings, self.samples, self.leases, self.records, self._kick)
         self.on_change: Callable[[], None] | None = None  # the supervisor's kick
-        self.preemptions: list[Preemption] = []
-        self.fenced: list[tuple[str, int]] = []  # (job, lease epoch) of publishes refused
         self._runs: dict[str, TrainerRun] = {}
         self._warmed: set[str] = set()  # jobs whose trainer was spawned ahead (or judged not to)
         self._last_start: dict[str, float] = {}
@@ -85,11 +85,15 @@ class DrafterTraining:
         self._close_deadline = math.inf  # monotonic; a later, shorter close lowers it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: Inbox[tuple[TrainerRun, proto.FromTrainer | None]] | None = None
-        self._writes: OrderedWrites | None = None
-        # The trainer's code (and torch with it) is imported into the daemon by the first
-        # round's `new_trainer`: seconds on a loaded node, which outlasted a rollout's tail
-        # and left the first round unspawned. Imported now, in the background, it is ready.
-        threading.Thread(target=import_trainer_code, name="trainer-import", daemon=True).start()
+
+    @property
+    def preemptions(self) -> list[Preemption]:
+        return self.rounds.preemptions
+
+    @property
+    def fenced(self) -> list[tuple[str, int]]:
+        """(job, lease epoch) of the publishes a lost lease refused."""
+        return self.rounds.fenced
 
     # ---- the TrainingHook protocol (event loop) ------------------------------------------
 
@@ -104,10 +108,12 @@ class DrafterTraining:
             self.leases.asked.add(job_id)
             fresh = max(fresh, self.leases.backlog.get(job_id, 0))
         run = self._runs.get(job_id)
-        cut_short = run is not None and run.round_open and (run.phase == "idle" or run.gave_way)
+        cut_short = (
+            run is not None and run.round.open and (run.phase is P.IDLE or run.round.gave_way)
+        )
         last = self._last_start.get(job_id)
         # A trainer that found nothing to train on holds nothing the next round could use.
-        buffered = 0 if run is not None and run.starved else self.samples.buffered(job_id)
+        buffered = 0 if run is not None and run.round.starved else self.samples.buffered(job_id)
         return JobTraining(fresh, last, cut_short, buffered)
 
     def on_sample(self, job_id: str, prompt: tuple[int, ...], sample: Sample) -> None:
@@ -116,7 +122,7 @@ class DrafterTraining:
             return
         run = self._runs.get(job_id)
         if run is not None:
-            run.starved = False
+            run.round.starved = False
         elif self.settings.training_warm_start and not self.cluster and job_id not in self._warmed:
             self._warmed.add(job_id)
             self._ensure_loop()
@@ -133,7 +139,7 @@ class DrafterTraining:
         new trainer process (and the stop of one it replaces) is left to a background task."""
         self._ensure_loop()
         run = self._runs.get(job_id)
-        if self._closed or (run is not None and run.phase not in ("idle", "stopped")):
+        if self._closed or (run is not None and run.phase not in (P.IDLE, P.STOPPED)):
             return
         lease = None
         if self.cluster:
@@ -141,7 +147,7 @@ class DrafterTraining:
             lease = await self.leases.claim(job_id)
             if lease is None or not await self.leases.pull(job_id, lease):
                 if run is not None:
-                    run.round_open = False  # not resumed at once either: it waits the cadence
+                    run.round.open = False  # not resumed at once either: it waits the cadence
                 return
         job = await asyncio.to_thread(self.store.get_job, job_id)
         device = await asyncio.to_thread(self.store.get_device, device_id)
@@ -150,32 +156,34 @@ class DrafterTraining:
         self.samples.fresh[job_id] = 0
         self.leases.backlog.pop(job_id, None)
         reason = f"training the drafter of job {job_id} on idle device {device_id}"
-        await self._set_device(device_id, DeviceState.TRAINING, reason)
+        await self.records.device(device_id, DeviceState.TRAINING, reason)
         alive = run is not None and run.alive
         lease_epoch = lease.lease_epoch if lease is not None else 0
-        if alive and (run.torch_device, run.lease_epoch) == (torch_device, lease_epoch):
+        if alive and (run.torch_device, run.lease.epoch) == (torch_device, lease_epoch):
             if run.policy_version != job.policy_version:
                 if await self._load_in_place(run, job.policy_version):
                     reason = f"{reason}; policy version {run.policy_version} loaded in place"
+            if run.phase is not P.IDLE:  # stopped meanwhile (a lost lease, a failure)
+                await self.records.device(device_id, DeviceState.IDLE, "its trainer stopped")
+                return
             if run.policy_version == job.policy_version:
                 run.device_id = device_id
-                await self._begin_round(run, reason)
+                await self.rounds.begin(run, reason)
                 return
         # A new device, another architecture or a dead trainer needs a new process, which
         # resumes from the checkpoint the old one writes as it stops. A new
         # lease taken from another node starts from the last version published.
-        new = TrainerRun(
-            job_id, device_id, torch_device, job.policy_version, lease_epoch=lease_epoch
-        )
+        new = TrainerRun(job_id, device_id, torch_device, job.policy_version)
+        new.lease.epoch = lease_epoch
         if lease is not None:
-            new.taken_over = bool(lease.taken_from) or (
-                run is not None and run.lease_epoch not in (0, lease_epoch)
+            new.lease.taken_over = bool(lease.taken_from) or (
+                run is not None and run.lease.epoch not in (0, lease_epoch)
             )
-            new.start_version = lease.published_version
+            new.lease.start_version = lease.published_version
         new.replaces = run if alive else None
         self._runs[job_id] = new
         METRICS.set_trainer_loading(device_id, True)  # held, not training until its Ready
-        start_version = new.start_version or job.drafter_version
+        start_version = new.lease.start_version or job.drafter_version
         new.launch = asyncio.ensure_future(self._launch(new, start_version, reason))
 
     async def _warm(self, job_id: str) -> None:
@@ -197,8 +205,9 @@ class DrafterTraining:
             return
         if self._closed or job_id in self._runs:  # a round started meanwhile
             return
-        # No round asked yet (round_open False): the scheduler's rule starts the first one.
-        run = TrainerRun(job_id, "", "cpu", job.policy_version, phase="warming", round_open=False)
+        # No round asked yet (round.open False): the scheduler's rule starts the first one.
+        run = TrainerRun(job_id, "", "cpu", job.policy_version, phase=P.WARMING)
+        run.round.open = False
         self._runs[job_id] = run
         reason = f"warm start: job {job_id}'s first samples are in; waits for an idle device"
         run.launch = asyncio.ensure_future(self._launch(run, job.drafter_version, reason))
@@ -209,10 +218,10 @@ class DrafterTraining:
             if run.device_id != device_id or run.phase not in HOLDING:
                 continue
             run.preempt_at, run.preempt_reason = time.monotonic(), reason
-            if run.phase == "starting":
-                run.phase = "preempting"  # _launch releases it once the process is up
-                continue
-            run.phase = "preempting"
+            starting = run.phase is P.STARTING
+            run.to(P.PREEMPTING)
+            if starting:
+                continue  # _launch releases it once the process is up
             run.send(proto.Preempt())
             log.info("preempting drafter training", extra={"job_id": run.job_id, "reason": reason})
 
@@ -238,18 +247,19 @@ class DrafterTraining:
         await asyncio.gather(*(self._close_run(run, why) for run in runs))
         if self._inbox is not None:
             await self._inbox.close()
+        await self.records.close()
 
     async def _close_run(self, run: TrainerRun, why: str) -> None:
         if run.launch is not None and not await self._wait(run.launch):
             # Still loading its target at the deadline: kill what it spawned (its launch then
             # fails, or finds the daemon closed); there is nothing to checkpoint yet.
-            run.phase = "stopped"
+            run.to(P.STOPPED)
             for worker in run.processes():
                 await asyncio.to_thread(worker.kill)
-            await self._record(run, WorkerState.STOPPING, why)
-            await self._record(run, WorkerState.STOPPED, f"{why}; killed while starting")
+            await self.records.worker(run, WorkerState.STOPPING, why)
+            await self.records.worker(run, WorkerState.STOPPED, f"{why}; killed while starting")
             if run.device_id:  # a warm start holds no device
-                await self._set_device(run.device_id, DeviceState.IDLE, why)
+                await self.records.device(run.device_id, DeviceState.IDLE, why)
             return
         if run.alive:
             await self._stop_run(run, why)
@@ -285,14 +295,15 @@ class DrafterTraining:
                 run.outbox.put(None)
         if self._inbox is not None:
             await self._inbox.close()
+        await self.records.close(wait=False)
 
     async def _stop_run(self, run: TrainerRun, why: str, timeout: float = 60.0) -> None:
         """Stop one trainer (checkpoint first) within `timeout`, or the close deadline."""
         limit = time.monotonic() + timeout
         holding = run.holding
-        run.phase = "stopping"  # its exit is expected from here on
-        await self._record(run, WorkerState.STOPPING, why)
-        run.send(proto.Stop())
+        run.to(P.STOPPING)  # its exit is expected from here on
+        await self.records.worker(run, WorkerState.STOPPING, why)
+        run.send(proto.StopTrainer())
         stopped = asyncio.ensure_future(run.stopped.wait())
         if not await self._wait(stopped, limit):
             stopped.cancel()
@@ -301,16 +312,16 @@ class DrafterTraining:
         if worker is not None:
             left = min(limit, self._close_deadline) - time.monotonic()
             await join_or_kill(worker.proc, min(10.0, left))
-        run.phase = "stopped"
+        run.to(P.STOPPED)
         if run.outbox is not None:
             run.outbox.put(None)
         ckpt = f"; checkpoint {run.checkpoint}" if run.checkpoint else "; no checkpoint written"
-        await self._record(run, WorkerState.STOPPED, f"{why}{ckpt}")
+        await self.records.worker(run, WorkerState.STOPPED, f"{why}{ckpt}")
         if holding:
-            await self._set_device(run.device_id, DeviceState.IDLE, why)
+            await self.records.device(run.device_id, DeviceState.IDLE, why)
         await self._release_lease(run)
 
-    # ---- rounds ---------------------------------------------------------------------------
+    # ---- a trainer's process ----------------------------------------------------------------
 
     async def _launch(self, run: TrainerRun, active_drafter: int, reason: str) -> None:
         """`start`'s background part: stop the trainer `run` replaces, spawn `run`'s, wait for
@@ -319,25 +330,43 @@ class DrafterTraining:
         try:
             started = await self._spawn_worker(run, active_drafter, reason)
         except Exception as exc:
-            if run.phase != "stopped":  # not killed by `close` (which recorded it)
+            if run.phase is not P.STOPPED:  # not killed by `close` (which recorded it)
                 log.exception("drafter trainer failed to start", extra={"job_id": run.job_id})
             await self._give_up(run, WorkerState.FAILED, f"cannot start: {exc}")
             return
-        if started is None and run.phase == "preempting":
-            why = self._note_preemption(run, run.step)
-            run.gave_way = True  # its round is still asked for: a new launch, at once
+        if started is None and run.phase is P.PREEMPTING:
+            why = self.rounds.note_preemption(run, run.step)
+            run.round.gave_way = True  # its round is still asked for: a new launch, at once
             await self._give_up(run, WorkerState.STOPPED, f"{why}; before its trainer started")
             return
         if started is None:
             await self._give_up(run, WorkerState.STOPPED, "not started: daemon shutting down")
             return
         worker, ready = started
-        if run.phase == "stopped":  # up after `close` gave up on it: nobody else stops it
+        if run.phase is P.STOPPED:  # up after `close` gave up on it: nobody else stops it
             await asyncio.to_thread(worker.kill)
             run.stopped.set()
             return
+        self._serve(run, worker, ready)
+        resumed = f", resumed from {ready.resumed_from}" if ready.resumed_from else ""
+        if run.phase is P.WARMING:
+            run.to(P.IDLE)
+            why = f"up at step {run.step}{resumed}; idle"
+            await self.records.worker(run, WorkerState.READY, why)
+            self._kick()
+            return
+        METRICS.set_trainer_loading(run.device_id, False)
+        await self.records.worker(run, WorkerState.READY, f"up at step {run.step}{resumed}")
+        if run.phase is P.PREEMPTING:  # preempted while loading: free the device at once
+            run.send(proto.Preempt())
+            return
+        if run.phase is P.STARTING:  # not stopped meanwhile
+            await self.rounds.begin(run, reason)
+
+    def _serve(self, run: TrainerRun, worker: TrainerProcess, ready: proto.TrainerReady) -> None:
+        """A trainer up: serve its pipe (messages to the inbox) and refill its empty buffer."""
         run.worker, run.step = worker, ready.step
-        run.published_step = run.step
+        run.round.published_step = run.step
         run.last_heartbeat = time.monotonic()
         assert self._loop is not None
         stamp = HeartbeatStamp(self.store, run.worker_id)
@@ -349,24 +378,12 @@ class DrafterTraining:
             deliver=lambda m: self._inbox_put(run, m),
             closed=lambda: self._inbox_put(run, None),
         )
-        resumed = f", resumed from {ready.resumed_from}" if ready.resumed_from else ""
         # A new process has an empty buffer: refill it with the recent samples.
         run.send(proto.AddSamples(self.samples.recent(run.job_id)))
-        if run.phase == "warming":
-            run.phase = "idle"
-            await self._record(run, WorkerState.READY, f"up at step {run.step}{resumed}; idle")
-            self._kick()
-            return
-        METRICS.set_trainer_loading(run.device_id, False)
-        await self._record(run, WorkerState.READY, f"up at step {run.step}{resumed}")
-        if run.phase == "preempting":  # preempted while loading: free the device at once
-            run.send(proto.Preempt())
-            return
-        await self._begin_round(run, reason)
 
     async def _spawn_worker(
         self, run: TrainerRun, active_drafter: int, reason: str
-    ) -> tuple[TrainerProcess, proto.Ready] | None:
+    ) -> tuple[TrainerProcess, proto.TrainerReady] | None:
         """Stop the trainer `run` replaces, then spawn `run`'s and wait for its Ready (killed
         if that fails); None, with nothing spawned, once `close` has begun or the device
         was preempted back for rollouts."""
@@ -376,23 +393,26 @@ class DrafterTraining:
             run.replaces = None
         # `close` may have recorded this run already (not overwritten); a device preempted
         # meanwhile is rollout's now (a trainer loading there could run it out of memory).
-        if self._closed or run.phase == "preempting":
+        if self._closed or run.phase is P.PREEMPTING:
             return None
-        await self._record(run, WorkerState.STARTING, f"spawning: {reason}")
-        args = (self.store, self.settings, self.root, run, active_drafter)
-        worker = await asyncio.to_thread(new_trainer, *args)
-        if self._closed or run.phase == "preempting":  # again, right before the spawn
-            if run.phase != "stopped":  # (STARTING is recorded: STOPPED only by way of it)
-                await self._record(run, WorkerState.STOPPING, "not spawned")
+        await self.records.worker(run, WorkerState.STARTING, f"spawning: {reason}")
+        args = (self.store, self.settings, self.root, run.job_id, run.policy_version)
+        worker, run.policy_config = await asyncio.to_thread(
+            new_trainer, *args, run.torch_device, active_drafter, run.lease.taken_over
+        )
+        if self._closed or run.phase is P.PREEMPTING:  # again, right before the spawn
+            if run.phase is not P.STOPPED:  # (STARTING is recorded: STOPPED only by way of it)
+                await self.records.worker(run, WorkerState.STOPPING, "not spawned")
             return None
         run.spawning = worker
         try:
             await asyncio.to_thread(worker.spawn)
             # Recorded at once: the model loading takes GPU memory, and a pid unknown to the
             # store would make that use look foreign (the device would be vacated).
-            await self._record(run, WorkerState.STARTING, f"loading: {reason}", pid=worker.proc.pid)
+            pid = worker.proc.pid
+            await self.records.worker(run, WorkerState.STARTING, f"loading: {reason}", pid=pid)
             ready = await asyncio.to_thread(
-                worker.wait_for, proto.Ready, self.settings.training_start_timeout_seconds
+                worker.wait_for, proto.TrainerReady, self.settings.training_start_timeout_seconds
             )
         except Exception:
             await asyncio.to_thread(worker.kill)  # e.g. timed out loading: not left holding it
@@ -417,50 +437,29 @@ class DrafterTraining:
     async def _give_up(self, run: TrainerRun, state: WorkerState, why: str) -> None:
         """A launch that ends without a trainer: record the run, give the device back."""
         run.stopped.set()
-        if run.phase == "stopped":  # `close` gave up on it first, and recorded that
+        if run.phase is P.STOPPED:  # `close` gave up on it first, and recorded that
             return
         holding = run.holding
-        run.phase = "stopped"
-        await self._record(run, state, why)
+        run.to(P.STOPPED)
+        await self.records.worker(run, state, why)
         if holding:  # not a warm start's (which holds no device)
-            await self._set_device(run.device_id, DeviceState.IDLE, why)
+            await self.records.device(run.device_id, DeviceState.IDLE, why)
         await self._release_lease(run)
         self._kick()
 
-    async def _begin_round(self, run: TrainerRun, reason: str) -> None:
-        unsent = self.samples.take_unsent(run.job_id)
-        if unsent:
-            run.send(proto.AddSamples(tuple(unsent)))
-        if run.measure_due:  # the round's steps are done; its measurement was cut short
-            await self._record(run, WorkerState.BUSY, f"{reason} (measuring step {run.step})")
-            await self._end_round(run, f"round done at step {run.step}")
-            return
-        run.phase = "training"
-        target = run.round_target
-        if target <= run.step:
-            target = run.step + self.settings.training_steps_per_round
-        run.round_target, run.round_open = target, True
-        run.send(proto.Train(target))
-        await self._record(run, WorkerState.BUSY, f"{reason} (steps {run.step} -> {target})")
-
-    async def _end_round(self, run: TrainerRun, why: str) -> None:
-        held = self.samples.held(run.job_id)
-        if run.step > run.published_step and held:
-            run.phase = "publishing"
-            active = await asyncio.to_thread(active_drafter, self.store, run.job_id)
-            out_dir = str(self.settings.drafter_versions_dir(run.job_id))
-            run.measured_to = self.leases.read_to.get(run.job_id, 0)
-            run.measure_due = True
-            run.send(proto.Measure(held, run.policy_version, out_dir, active))
-            return
-        run.measure_due = False
-        await self._release(run, why)
-
-    async def _release(self, run: TrainerRun, why: str) -> None:
-        """The round is over: free the device (moves state off an accelerator, checkpoints)."""
-        run.phase = "releasing"
-        run.preempt_reason = why
-        run.send(proto.Preempt())
+    async def _fail(self, run: TrainerRun, why: str) -> None:
+        """Kill the trainer, record it FAILED and give back the device it held."""
+        holding = run.holding
+        run.to(P.STOPPED)
+        if run.outbox is not None:
+            run.outbox.put(None)
+        if run.worker is not None:
+            await asyncio.to_thread(run.worker.kill)
+        await self.records.worker(run, WorkerState.FAILED, why)
+        if holding:
+            await self.records.device(run.device_id, DeviceState.IDLE, why)
+        await self._release_lease(run)
+        self._kick()
 
     # ---- worker messages (one consumer task, in order) -------------------------------------
 
@@ -469,7 +468,7 @@ class DrafterTraining:
     ) -> proto.FromTrainer | None:
         """Reader thread: any message is a sign of life; heartbeats stop here."""
         run.last_heartbeat = time.monotonic()
-        if isinstance(m, proto.Heartbeat):
+        if isinstance(m, proto.TrainerHeartbeat):
             stamp()  # shown by `tltctl workers`; written here, off the loop
             return None
         return m
@@ -485,14 +484,16 @@ class DrafterTraining:
         match m:
             case proto.Stepped(result=r):
                 run.step, run.loss = r.step, r.loss
-            case proto.Idle(reason=reason) if run.phase == "training":
-                run.round_open = False  # its steps done, or no data left to train on
-                run.starved = reason == "no_data"
-                await self._end_round(run, f"round done at step {run.step} ({reason})")
+            case proto.Idle(reason=reason) if run.phase is P.TRAINING:
+                run.round.open = False  # its steps done, or no data left to train on
+                run.round.starved = reason == "no_data"
+                await self.rounds.end(run, f"round done at step {run.step} ({reason})")
             case proto.Measured():
-                await self._on_measured(run, m)
+                lost = await self.rounds.on_measured(run, m)
+                if lost and run.alive:  # not awaited: its Stopped comes through this consumer
+                    asyncio.ensure_future(self._stop_run(run, lost))
             case proto.DeviceFree():
-                await self._on_device_free(run, m)
+                await self.rounds.on_device_free(run, m)
             case proto.Checkpointed(path=path):
                 run.checkpoint = path or run.checkpoint
             case proto.Stopped(path=path):
@@ -500,92 +501,13 @@ class DrafterTraining:
                 run.stopped.set()
             case proto.Failed() | None:
                 run.stopped.set()
-                if run.phase not in ("stopping", "stopped") and not self._closed:
+                if run.phase not in (P.STOPPING, P.STOPPED) and not self._closed:
                     await self._on_died(run, m.traceback if m else "process exited")
-
-    async def _on_measured(self, run: TrainerRun, m: proto.Measured) -> None:
-        """Record the candidate; the daemon decides whether it is promoted. Several nodes: the
-        publish is fenced by the lease; a refused one is deleted and its trainer stopped."""
-        run.published_step, run.measure_due, run.round_open = m.train_steps, False, False
-        shared = bool(self.settings.shared_dir)
-        if self.cluster:
-            args = (run.job_id, m, run.lease_epoch, shared, run.measured_to)
-            try:
-                dv = await self._write(publish, self.store, *args, fenced=True)
-            except Fenced as exc:
-                log.warning(
-                    "drafter lease lost: version not published, trainer stopped",
-                    extra={"job_id": run.job_id, "error": str(exc)},
-                )
-                self.fenced.append((run.job_id, run.lease_epoch))
-                await asyncio.to_thread(shutil.rmtree, m.path, True)
-                self.leases.held.pop(run.job_id, None)
-                if run.alive:  # not awaited: its Stopped comes through this consumer
-                    asyncio.ensure_future(self._stop_run(run, f"drafter lease lost: {exc}"))
-                return
-        else:
-            dv = await self._write(record, self.store, run.job_id, m, 0.0, shared)
-        status = dv.status.value if dv is not None else "not recorded"
-        version = dv.version if dv is not None else 0
-        log.info(
-            "drafter version published",
-            extra={"job_id": run.job_id, "version": version, "status": status},
-        )
-        self._kick()  # a promoted version is hot-swapped by the supervisor's next tick
-        if run.phase == "publishing":
-            await self._release(run, f"round done: published version {version} ({status})")
-
-    async def _on_device_free(self, run: TrainerRun, m: proto.DeviceFree) -> None:
-        if run.phase not in ("preempting", "releasing"):
-            return
-        why = run.preempt_reason
-        if run.phase == "preempting":
-            why = self._note_preemption(run, m.step)
-        if run.measure_due:  # its measurement was given up: resumed on the next idle device
-            run.round_open = True
-            why = f"{why}; the round's measurement is asked again next time"
-        # Idle once the device's IDLE is written: a start seen idle before that would record
-        # TRAINING first, and this IDLE would land after it.
-        await self._record(run, WorkerState.READY, why)
-        await self._set_device(run.device_id, DeviceState.IDLE, why)
-        run.phase, run.preempt_at = "idle", None
-        self._kick()
-
-    def _note_preemption(self, run: TrainerRun, step: int) -> str:
-        """Record a preemption whose device is free now; returns the reason to record."""
-        p = run.preemption(step)
-        if p is None:
-            return run.preempt_reason
-        self.preemptions.append(p)
-        METRICS.record_preemption(run.device_id, "rollout", latency_seconds=p.latency_seconds)
-        ms = round(p.latency_seconds * 1000, 1)
-        log.info("drafter training preempted", extra={"job_id": run.job_id, "latency_ms": ms})
-        return f"preempted: {run.preempt_reason}; device free after {ms:.0f} ms"
-
-    async def _set_device(self, device_id: str, state: DeviceState, why: str) -> None:
-        METRICS.set_device_state(device_id, state.value)  # exact training seconds
-        if state is not DeviceState.TRAINING:
-            METRICS.set_trainer_loading(device_id, False)
-        await self._write(self.store.set_device_state, device_id, state, why)
 
     async def _on_died(self, run: TrainerRun, why: str) -> None:
         last = why.strip().splitlines()[-1] if why.strip() else why
         log.error("drafter trainer died", extra={"job_id": run.job_id, "error": why})
         await self._fail(run, f"trainer died: {last}")
-
-    async def _fail(self, run: TrainerRun, why: str) -> None:
-        """Kill the trainer, record it FAILED and give back the device it held."""
-        holding = run.holding
-        run.phase = "stopped"
-        if run.outbox is not None:
-            run.outbox.put(None)
-        if run.worker is not None:
-            await asyncio.to_thread(run.worker.kill)
-        await self._record(run, WorkerState.FAILED, why)
-        if holding:
-            await self._set_device(run.device_id, DeviceState.IDLE, why)
-        await self._release_lease(run)
-        self._kick()
 
     # ---- several nodes: the drafter lease (lease.py) -------------------------------------
 
@@ -598,7 +520,7 @@ class DrafterTraining:
 
         def live_epoch(job_id: str) -> int | None:
             run = self._runs.get(job_id)
-            return None if run is None or run.phase == "stopped" else run.lease_epoch
+            return None if run is None or run.phase is P.STOPPED else run.lease.epoch
 
         lost = await self.leases.renew(live_epoch)
         for job_id in lost:
@@ -614,8 +536,9 @@ class DrafterTraining:
         newer trainer of the job runs under it."""
         if not self.cluster or self._runs.get(run.job_id) is not run:
             return
-        if self.leases.forget_if_held(run.job_id, run.lease_epoch):
-            await self._write(self.store.release_drafter_lease, run.job_id, run.lease_epoch)
+        if self.leases.forget_if_held(run.job_id, run.lease.epoch):
+            release = self.store.release_drafter_lease
+            await self.records.write(release, run.job_id, run.lease.epoch)
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -623,19 +546,8 @@ class DrafterTraining:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._inbox = Inbox(self._handle, lambda item: type(item[1]).__name__)
-            self._writes = OrderedWrites()
+            self.records.start()
 
     def _kick(self) -> None:
         if self.on_change is not None:
             self.on_change()
-
-    async def _write(self, fn: Callable[..., Any], *args: Any, fenced: bool = False) -> Any:
-        assert self._writes is not None
-        return await self._writes.write(fn, *args, fenced=fenced)
-
-    async def _record(
-        self, run: TrainerRun, state: WorkerState, reason: str, pid: int | None = None
-    ) -> None:
-        from tltd.supervisor.writes import upsert_worker
-
-        await self._write(upsert_worker, self.store, run.as_worker(state, reason, pid))
