@@ -148,8 +148,9 @@ class AsyncRun:
 
     def run(self, print_row: Any = None) -> list[AsyncRow]:
         """Every step; the leftover groups are dropped with the job at the end."""
-        self.client.generate([self.dataset.held_out[0][1]], n=1, temperature=0.0,
-                             max_new_tokens=4)  # fmt: skip - warm-up, not timed
+        self.client.generate(
+            [self.dataset.held_out[0][1]], n=1, temperature=0.0, max_new_tokens=4
+        )  # fmt: skip - warm-up, not timed
         last = time.perf_counter()
         pending = [self._submit(k) for k in range(min(LOOKAHEAD, self.cfg.steps))]
         for step in range(self.cfg.steps):
@@ -223,3 +224,104 @@ class _threads:
 
     def __exit__(self, *exc: object) -> None:
         torch.set_num_threads(self.before)
+
+
+# ---- what the run cost, and its report -------------------------------------------------------
+
+
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process, its live descendants, and the children it has
+    reaped (Linux /proc): the daemon with its workers and drafter trainers."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                raw = (entry / "stat").read_text()
+            except OSError:
+                continue  # exited meanwhile
+            stats[int(entry.name)] = raw[raw.rindex(")") + 2 :].split()
+    tree, grew = {pid}, True
+    while grew:  # field 1 (after the name) is the parent's pid
+        new = {p for p, f in stats.items() if int(f[1]) in tree} - tree
+        tree |= new
+        grew = bool(new)
+    total = sum(int(stats[p][11]) + int(stats[p][12]) for p in tree if p in stats)
+    if pid in stats:  # reaped children: cutime + cstime
+        total += int(stats[pid][13]) + int(stats[pid][14])
+    return total / ticks
+
+
+@dataclass(frozen=True)
+class AsyncOutcome:
+    rows: list[AsyncRow]
+    wall_s: float  # the steps' wall time (the sum of step_s)
+    cpu_s: float  # the daemon's and the trainer's CPU seconds over the steps
+    cores: int
+
+    @property
+    def bound_step_s(self) -> float:
+        """The mean step's necessary work spread over every core with nothing idle."""
+        return self.cpu_s / max(1, len(self.rows)) / self.cores
+
+
+def run_async(cfg: Any, daemon: Any, dataset: TaskDataset, model: Path, drafter: Path | None):
+    """The asynchronous TLT run, timed and its CPU counted; (outcome, its trainer)."""
+    run = AsyncRun(cfg, daemon.target, dataset, model, drafter)
+    try:
+        cpu0 = process_tree_cpu(daemon.proc.pid) + time.process_time()
+        rows = run.run(print_async_row)
+        cpu = process_tree_cpu(daemon.proc.pid) + time.process_time() - cpu0
+    finally:
+        run.close()
+    outcome = AsyncOutcome(rows, sum(r.step_s for r in rows), cpu, os.cpu_count() or 1)
+    return outcome, run.trainer
+
+
+ASYNC_HEADER = (
+    "async step | wait s | update s | step s | groups (carried) | staleness mean/max | "
+    "partial | reward"
+)
+
+
+def print_async_row(r: AsyncRow) -> None:
+    if r.step == 0:
+        print(f"\n{ASYNC_HEADER}", flush=True)
+    print(
+        f"  {r.step:8d} | {r.wait_s:6.1f} | {r.update_s:8.1f} | {r.step_s:6.1f} | "
+        f"{r.groups:6d} ({r.carried:2d})     | {r.staleness_mean:9.2f} / {r.staleness_max:<3d} | "
+        f"{100 * r.partial:6.1f}% | {r.mean_reward:.3f}",
+        flush=True,
+    )
+
+
+def print_async_summary(outcome: AsyncOutcome, off_step_s: list[float], scores: dict) -> None:
+    """End-to-end step speedup against the synchronous SD-off run (measured, and this machine's
+    bound for it), staleness, and the held-out reward, paired."""
+    from examples.heldout import paired
+
+    rows, steps = outcome.rows, max(1, len(outcome.rows))
+    off, mean = sum(off_step_s) / max(1, len(off_step_s)), outcome.wall_s / steps
+    work = outcome.cpu_s / steps
+    print(
+        f"asynchronous TLT: {mean:.1f} s per step against {off:.1f} s synchronous SD-off: "
+        f"end-to-end step speedup {off / mean:.2f}x (measured); bound "
+        f"{off / outcome.bound_step_s:.2f}x (its necessary work, {work:.1f} CPU-s per step of "
+        f"the daemon and the trainer, over {outcome.cores} cores with nothing idle)"
+    )
+    stale = [round(r.staleness_mean, 2) for r in rows]
+    worst = max((r.staleness_max for r in rows), default=0)
+    partial = 100 * sum(r.partial for r in rows) / steps
+    print(
+        f"  off-policy tokens, not hidden: staleness per step (versions behind the policy "
+        f"updated) {stale}, max {worst}; partial (tokens of two versions) {partial:.0f}% of "
+        f"samples; carried groups {sum(r.carried for r in rows)}; decoupled PPO, importance "
+        f"weights truncated at {IS_CAP}"
+    )
+    first, last = scores["initial"], scores["async"]
+    delta, se = paired(first.rewards, last.rewards)
+    line = f"  held out: {last.mean:.3f}, change {delta:+.3f} +- {se:.3f}"
+    if "tlt" in scores:
+        d2, se2 = paired(scores["tlt"].rewards, last.rewards)
+        line += f"; async - synchronous TLT at the end {d2:+.3f} +- {se2:.3f}"
+    print(line, flush=True)

@@ -4,6 +4,10 @@ a real `tltd serve`, once with TLT (adaptive speculative decoding) and once with
     python examples/grpo_demo.py            # 8 RL steps (4 epochs) per mode, held-out scores
     python examples/grpo_demo.py --quick    # 2 tiny steps per mode, a smoke test
     python examples/grpo_demo.py --http     # roll out through the openai client (HTTP door)
+    python examples/grpo_demo.py --no-async # without the asynchronous TLT run
+
+After the two synchronous runs, an asynchronous TLT run (examples/async_grpo.py) rolls out the
+next steps while the trainer updates, and is compared with the synchronous SD-off run.
 
 Each RL step: sample prompts -> the daemon rolls out n answers per prompt (temperature 1) ->
 score them with the task's reward -> group-normalised advantages -> one clipped policy-gradient
@@ -35,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from examples.async_grpo import AsyncOutcome, print_async_summary, run_async  # noqa: E402
 from examples.demo_report import (  # noqa: E402
     HEADER,
     MODES,
@@ -371,8 +376,13 @@ def windows(start, rollout_end, update_start, end) -> Window:
 
 
 def run_all(
-    cfg: DemoConfig, daemon: Daemon, model: Path, work_dir: Path, drafter: Path | None = None
-) -> tuple[dict[str, list[StepRow]], dict[str, HeldOutScore]]:
+    cfg: DemoConfig,
+    daemon: Daemon,
+    model: Path,
+    work_dir: Path,
+    drafter: Path | None = None,
+    with_async: bool = True,
+) -> tuple[dict[str, list[StepRow]], dict[str, HeldOutScore], AsyncOutcome | None]:
     """Held-out score of the initial policy, then the TLT run, then the SD-off run, each
     followed by the held-out score of its final policy.
 
@@ -398,7 +408,13 @@ def run_all(
         results[mode] = run.rows
         final = run.trainer.save(work_dir / f"final-{mode}")
         scores[mode] = evaluate(daemon, final, dataset, cfg, f"{mode} final policy", drafter)
-    return results, scores
+    outcome = None
+    if with_async:
+        outcome, trainer = run_async(cfg, daemon, dataset, model, drafter)
+        wait_until_no_training(RolloutClient(daemon.target))
+        final = trainer.save(work_dir / "final-async")
+        scores["async"] = evaluate(daemon, final, dataset, cfg, "async final policy", drafter)
+    return results, scores, outcome
 
 
 def evaluate(
@@ -527,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--http", action="store_true", help="roll out through the openai client (HTTP door)"
     )
+    parser.add_argument("--no-async", action="store_true", help="skip the asynchronous TLT run")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else DemoConfig()
     overrides = {"steps": args.steps, "prompts": args.prompts, "n": args.n,
@@ -564,8 +581,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{cfg.held_out_prompts} x n={cfg.held_out_n} with fixed sampling seeds",
                 flush=True,
             )
-            results, scores = run_all(cfg, daemon, model, work_dir, drafter)
+            with_async = not (args.no_async or args.http)
+            results, scores, outcome = run_all(cfg, daemon, model, work_dir, drafter, with_async)
             print_summary(results, scores)
+            if outcome is not None:
+                print_async_summary(outcome, [r.step_s for r in results["off"]], scores)
             if args.plot:
                 plot(results, scores, args.plot)
                 print(f"curves: {args.plot}")
