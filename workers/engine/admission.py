@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Sequence
 
-from tltd.domain import FinishReason, SamplingParams
+from tltd.domain import FinishReason, Sample, SamplingParams
 from tltd_workers.engine.datatypes import EngineConfig, SampleOutput
 from tltd_workers.engine.gate import GateState
 from tltd_workers.engine.history import HistoryDrafter
@@ -55,10 +55,13 @@ class Admission:
         sample_offset: int,
         past: Sequence[tuple[Hashable, Sequence[int]]],
         policy_version: int,
+        resume: Sample | None = None,
     ) -> None:
         """Check one prompt's request and queue it (Engine.add_request says what each means)."""
         prompt = [int(t) for t in prompt_ids]
         check_request(prompt, sampling, sample_offset, self.config, self.vocab_size)
+        if resume is not None:
+            check_resume(prompt, sampling, resume, self.config)
         wanted = set(range(sample_offset, sample_offset + sampling.n))
         if dup := wanted & self.live_samples(request_id, prompt_index):
             raise ValueError(
@@ -84,6 +87,7 @@ class Admission:
             group_key,
             sample_offset=sample_offset,
             past=past,
+            restore=resume,
         )
         self.waiting.append(group)
 
@@ -189,12 +193,54 @@ class Admission:
             s.eagle_ok = eagle
             if s.eagle_ok and s.history is None:
                 s.history = []  # lets a later drafter version catch up on this sample
+            if g.restore is not None:
+                restore(s, g.restore)
             if self.ngram is not None:
                 self.ngram.add_sequence(g.group_key, s.sample_key)
+                self.ngram.extend(g.group_key, s.sample_key, list(s.tokens))
             if self.history is not None:
                 s.answer_id = self.history.start(g.history_key, (g.request_id, g.prompt_index, idx))
+                self.history.extend(g.history_key, s.answer_id, list(s.tokens))
             rows.append(s)
         return rows
+
+
+def restore(s: Seq, stored: Sample) -> None:
+    """A resumed sample takes back what it had emitted: its tokens, their logprobs and
+    per-token versions (a new span opens where this engine's version differs), its counters,
+    and the provenance and top alternatives it was asked for. Its next token, drawn from the
+    resume's prefill as a plain draw, counts as a plain step (a sample's first token is the
+    only one in no step count)."""
+    s.tokens = list(stored.token_ids)
+    s.logprobs = list(stored.logprobs)
+    spans = list(stored.policy_spans) or [(0, stored.policy_version)]
+    if spans[-1][1] != s.group.policy_version:
+        spans.append((len(s.tokens), s.group.policy_version))
+    s.spans = spans
+    st = stored.speculative
+    s.draft_steps, s.plain_steps, s.accepted = st.draft_steps, st.plain_steps + 1, st.accepted_tokens
+    s.drafted, s.bonus, s.residual = st.drafted_tokens, st.bonus_tokens, st.residual_tokens
+    s.drafter_version = stored.drafter_version
+    if s.provenance is not None:
+        s.provenance = list(stored.provenance or ())
+    if s.top is not None:
+        s.top = list(stored.top_logprobs or ())
+
+
+def check_resume(
+    prompt: list[int], sampling: SamplingParams, stored: Sample, cfg: EngineConfig
+) -> None:
+    """Raise ValueError for a sample that cannot be resumed as given: one sample, unfinished
+    (no stop token, fewer tokens than max_new_tokens), whose tokens fit the sequence."""
+    tokens = list(stored.token_ids)
+    if sampling.n != 1:
+        raise ValueError("a resumed sample is added alone (sampling.n = 1)")
+    if len(stored.logprobs) != len(tokens):
+        raise ValueError("a resumed sample needs one logprob per token")
+    if len(tokens) >= sampling.max_new_tokens or set(tokens) & set(sampling.stop_token_ids):
+        raise ValueError("a resumed sample must be unfinished (no stop token, < max_new_tokens)")
+    if len(prompt) + len(tokens) >= cfg.max_seq_len:
+        raise ValueError(f"prompt + resumed tokens >= max_seq_len {cfg.max_seq_len}")
 
 
 def check_request(

@@ -117,7 +117,7 @@ def sample_output(s: Seq, reason: FinishReason) -> SampleOutput:
         s.tokens,
         s.logprobs,
         reason,
-        g.policy_version,
+        s.spans[0][1],  # the version that sampled its first token (a resumed one's earlier)
         s.drafter_version,
         s.draft_steps,
         s.plain_steps,

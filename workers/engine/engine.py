@@ -79,7 +79,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tltd.domain import FinishReason, LogprobMode, PromptLogprobs, SamplingParams, TopLogprobs
+from tltd.domain import (
+    FinishReason,
+    LogprobMode,
+    PromptLogprobs,
+    Sample,
+    SamplingParams,
+    TopLogprobs,
+)
 from tltd_workers.engine.admission import Admission
 from tltd_workers.engine.bandit import BucketedEpsilonGreedy, FixedStrategy
 from tltd_workers.engine.costs import CostModel, measure_costs
@@ -208,6 +215,7 @@ class Engine:
         speculative: bool = True,
         sample_offset: int = 0,
         history: Sequence[tuple[Hashable, Sequence[int]]] = (),
+        resume: Sample | None = None,
     ) -> None:
         """Queue one prompt with sampling.n samples; it joins the batch at a step boundary.
 
@@ -217,6 +225,10 @@ class Engine:
         `history`: earlier answers to this prompt (a sample id and its tokens each, oldest
         first, e.g. read from the store) that the history drafter adds when the prompt is
         admitted, unless it holds them already.
+        `resume`: sample `sample_offset` (n = 1) as stored unfinished (its tokens, logprobs,
+        per-token versions, counters): it goes on from its next token, drawn with the same
+        randomness (key, position) it would have had, from the prompt and its tokens
+        prefilled on this engine's weights; a version other than its last opens a new span.
         """
         self.admission.add(
             request_id,
@@ -228,6 +240,7 @@ class Engine:
             sample_offset=sample_offset,
             past=history,
             policy_version=self.policy_version,
+            resume=resume,
         )
 
     @property
@@ -263,7 +276,10 @@ class Engine:
         `max_new_tokens` left for a prompt without finished answers there."""
         samples = len(self.running) + sum(g.sampling.n for g in self.waiting)
         tokens = sum(self._predicted_left(s.group, len(s.tokens)) for s in self.running)
-        tokens += sum(g.sampling.n * self._predicted_left(g, 0) for g in self.waiting)
+        tokens += sum(
+            g.sampling.n * self._predicted_left(g, len(g.restore.token_ids) if g.restore else 0)
+            for g in self.waiting
+        )
         return EngineLoad(samples, tokens)
 
     def _predicted_left(self, g: Group, emitted: int) -> int:
@@ -389,11 +405,12 @@ class Engine:
         draw each sample's first token; returns the slots whose samples finished."""
         t0 = time.perf_counter()
         b0, n_groups = len(self.running), len(groups)
-        width = max(len(g.prompt) for g in groups)
+        contexts = [g.context for g in groups]
+        width = max(len(c) for c in contexts)
         tokens = torch.zeros(n_groups, width, dtype=torch.long)
-        for i, g in enumerate(groups):
-            tokens[i, : len(g.prompt)] = torch.tensor(g.prompt)
-        lens = [len(g.prompt) for g in groups]
+        for i, c in enumerate(contexts):
+            tokens[i, : len(c)] = torch.tensor(c)
+        lens = [len(c) for c in contexts]
         batch = Batch.make([0] * n_groups, lens, width, b0, self.cache.trash, self.device)
         scored = [g.sampling.prompt_logprobs is not None for g in groups]
         need_hidden = self.drafter is not None or any(g.return_hidden for g in groups)
@@ -404,9 +421,9 @@ class Engine:
         self.prefills += n_groups
         for i, g in enumerate(groups):
             if scored[i] and hidden is not None:
-                g.prompt_lp = self._prompt_logprobs(g, hidden[i, : lens[i]])
+                g.prompt_lp = self._prompt_logprobs(g, hidden[i, : len(g.prompt)])
         if hidden is not None:
-            self.speculation.take_in_prompts(b0, [g.prompt for g in groups], hidden)
+            self.speculation.take_in_prompts(b0, contexts, hidden)
         new, order = self.admission.place(
             groups, b0, lens, self.drafter is not None, self.speculation.eagle_cache
         )
@@ -561,7 +578,7 @@ def _keep_prompt_hidden(s: Seq, hidden: Tensor) -> None:
     (or a later drafter version must catch up on them); for the EAGLE drafter, which has read
     the prompt's own pairs at prefill (Speculation.take_in_prompts), only the last position's,
     whose next token is the sample's first."""
-    n = len(s.group.prompt)
+    n = len(s.group.context)
     # Copies, of only what each keeps: a view would keep the whole batch's hidden tensor alive.
     if s.history is not None:
         s.history.append(hidden[:n].clone())

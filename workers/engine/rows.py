@@ -9,7 +9,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tltd.domain import LogprobMode, PromptLogprobs, SamplingParams, TokenProvenance, TopLogprobs
+from tltd.domain import (
+    LogprobMode,
+    PromptLogprobs,
+    Sample,
+    SamplingParams,
+    TokenProvenance,
+    TopLogprobs,
+)
 from tltd_workers.engine.sampling import RowParams, returned_logprobs
 
 
@@ -32,6 +39,14 @@ class Group:
     past: Sequence[tuple[Hashable, Sequence[int]]] = ()
     history_key: tuple[int, ...] = ()
     prompt_lp: PromptLogprobs | None = None  # set at prefill when sampling.prompt_logprobs is
+    # A sample resumed from its stored tokens (n = 1): what it had emitted, continued from
+    # there; its prefill feeds the prompt and those tokens (`context`).
+    restore: Sample | None = None
+
+    @property
+    def context(self) -> list[int]:
+        """What the prefill feeds: the prompt, and a resumed sample's tokens so far."""
+        return self.prompt + list(self.restore.token_ids) if self.restore else self.prompt
 
 
 class Seq:
