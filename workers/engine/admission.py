@@ -218,7 +218,8 @@ def restore(s: Seq, stored: Sample) -> None:
         spans.append((len(s.tokens), s.group.policy_version))
     s.spans = spans
     st = stored.speculative
-    s.draft_steps, s.plain_steps, s.accepted = st.draft_steps, st.plain_steps + 1, st.accepted_tokens
+    s.draft_steps, s.accepted = st.draft_steps, st.accepted_tokens
+    s.plain_steps = st.plain_steps + 1
     s.drafted, s.bonus, s.residual = st.drafted_tokens, st.bonus_tokens, st.residual_tokens
     s.drafter_version = stored.drafter_version
     if s.provenance is not None:
