@@ -363,8 +363,9 @@ def test_a_drained_node_hands_its_work_to_the_others(cluster: Cluster, ckpt) -> 
     """SIGTERM on a node that runs work: its worker returns the running samples partial (the
     tokens so far), the node hands every unit to the other node and nothing fails. Streams
     that asked for partial samples receive them (on the drained node, or on the other after
-    re-attaching there; and on the other node) and then the complete samples, re-run there
-    from the stored seed; streams that did not ask receive each complete sample once."""
+    re-attaching there; and on the other node) and then the complete samples, which the other
+    node's worker resumes from the stored tokens; streams that did not ask receive each
+    complete sample once."""
     # Samples of 1000 tokens: far from done when node-b's worker is held (below).
     a = cluster.start("node-a", worker_max_seq_len=1100)
     # Grace 4 s: 3 s of work, then 1 s for the worker to return what runs.
@@ -461,6 +462,7 @@ def test_a_drained_node_hands_its_work_to_the_others(cluster: Cluster, ckpt) -> 
     assert _duplicates(cluster) == 0
     assert cluster.sql("SELECT count(*) FROM rollout_requests") == [(len(rids),)]
     assert any("handed to the other nodes" in r.get("msg", "") for r in b.logs())
+    assert any("resumed from their stored tokens" in r.get("msg", "") for r in a.logs())
     print(f"\nhand-over: partial samples {len(stored)}, their tokens so far {tokens}")
 
 

@@ -289,12 +289,13 @@ def test_an_open_request_of_a_cancelled_job_is_cancelled_after_a_restart(
     assert got[(0, 0)].partial and got[(0, 0)].finish_reason is FinishReason.CANCELLED
 
 
-def test_a_retry_after_a_restart_gets_the_rerun_sample_not_the_partial_one(
+def test_a_retry_after_a_restart_gets_the_resumed_sample_not_the_partial_one(
     sqlite_store, settings, ckpt
 ):
-    """A drain stored (0, 0) partial (ABORTED) and the daemon died before failing the request:
-    after the restart (0, 0) runs again. A trainer re-attaching meanwhile gets the stored
-    complete (0, 1) at once, then the complete (0, 0) when it finishes, never the partial."""
+    """A drain stored (0, 0) partial (ABORTED, its first tokens) and the daemon died before
+    failing the request: after the restart (0, 0) goes on from its stored tokens. A trainer
+    re-attaching meanwhile gets the stored complete (0, 1) at once, then the complete (0, 0)
+    when it finishes, never the partial."""
     from dataclasses import replace
 
     from tltd.devices import cpu_devices
@@ -306,9 +307,11 @@ def test_a_retry_after_a_restart_gets_the_rerun_sample_not_the_partial_one(
     store.create_request(RolloutRequest("r", "job", (tuple(PROMPTS[0]),), params))
     store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
     store.add_sample(Sample("r", 0, 1, (7, 8), (-0.5, -0.5), FinishReason.LENGTH))
+    whole = direct_outputs(ckpt, PROMPTS[:1], params)[(0, 0)]
     store.add_sample(
-        Sample("r", 0, 0, (5,), (-0.1,), FinishReason.ABORTED, partial=True, error="drained")
-    )
+        Sample("r", 0, 0, whole[:3], (-0.1,) * 3, FinishReason.ABORTED, partial=True,
+               error="drained")
+    )  # fmt: skip
     # Nothing runs until the test says so: the re-attach lands before (0, 0) is re-run.
     store.upsert_devices(cpu_devices(1))
     store.set_device_flags("cpu:0", cordoned=True, reason="test")
@@ -338,8 +341,9 @@ def test_a_retry_after_a_restart_gets_the_rerun_sample_not_the_partial_one(
     # Then the complete (0, 0), which the partial one's tokens begin.
     assert [(x.sample_index, x.partial) for x in late] == [(0, False)]
     assert list(late[0].token_ids) == [x.token_ids for x in got if x.sample_index == 0][0]
-    rerun = next(x for x in got if x.sample_index == 0)
-    assert tuple(rerun.token_ids) == direct_outputs(ckpt, PROMPTS[:1], params)[(0, 0)]
+    resumed = next(x for x in got if x.sample_index == 0)
+    assert tuple(resumed.token_ids) == whole  # greedy: as if it had never stopped
+    assert list(resumed.logprobs[:3]) == pytest.approx([-0.1] * 3)  # stored: carried over
     assert store.get_request("r").status is RequestStatus.COMPLETED
 
 

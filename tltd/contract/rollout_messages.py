@@ -104,6 +104,9 @@ class AddWork:
     speculative: bool = True
     # The job's earlier answers to this prompt, for the history drafter (sample id, tokens).
     history: tuple[tuple[tuple[str, int, int], tuple[int, ...]], ...] = ()
+    # Samples of `sample_indices` stored unfinished (a drained node's tokens so far): a torch
+    # worker goes on from their tokens; another backend runs them again from their seed.
+    resume: tuple[Sample, ...] = ()
 
 
 @dataclass(frozen=True)

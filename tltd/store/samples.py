@@ -109,6 +109,25 @@ class SampleRecords:
             ).all()
             return [convert.sample_from_row(r) for r in rows]
 
+    def resumable_samples(self, request_id: str, prompt_indices: Sequence[int]) -> list[Sample]:
+        """The unfinished samples stored of these prompts with tokens to go on from: partial,
+        ABORTED (a drained node's tokens so far), at least one token."""
+        sr = SampleRow
+        with self._tx(write=False) as s:
+            rows = s.execute(
+                select(SampleRow.__table__)
+                .where(
+                    sr.request_id == request_id,
+                    sr.prompt_index.in_(sorted(set(prompt_indices))),
+                    sr.partial.is_(True),
+                    sr.finish_reason == FinishReason.ABORTED.value,
+                    sr.num_tokens > 0,
+                )
+                .order_by(sr.prompt_index, sr.sample_index),
+                execution_options={BINARY_RESULTS: True},
+            ).all()
+            return [convert.sample_from_row(r) for r in rows]
+
     def prompt_history(
         self, job_id: str, prompt: Sequence[int], limit: int
     ) -> list[tuple[tuple[str, int, int], tuple[int, ...]]]:

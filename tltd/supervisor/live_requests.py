@@ -250,6 +250,14 @@ class LiveRequests:
         history = await self._history(req, job, units)  # read before the units can be assigned
         live, _ = self.queue.add(req, req.policy_version, done, time.monotonic(), units)
         live.history.update(history)
+        if partial - done:  # a drained node's tokens so far: go on from them
+            resume = await self._resumable(rid, units, partial - done)
+            live.resume.update(resume)
+            if resume:
+                log.info(
+                    "samples resumed from their stored tokens",
+                    extra={"request_id": rid, "samples": len(resume)},
+                )
         if done:  # stored before (by a node that lost them): streams here read them
             self.publish(rid, StreamEvent())
         # Debug, not info: a line per request is what agentic traffic (hundreds of short
@@ -269,6 +277,16 @@ class LiveRequests:
                 await self.finish_unstarted(live, keys, FinishReason.FAILED, why)
         if live.complete_units():
             await self.finalize(live)
+
+    async def _resumable(self, rid: str, units: set[int], keys: set[Key]) -> dict[Key, Sample]:
+        """The stored unfinished samples of `keys` to go on from (none if the store cannot be
+        read now: they run again from their seed)."""
+        try:
+            stored = await asyncio.to_thread(self.store.resumable_samples, rid, sorted(units))
+        except Exception:
+            log.warning("cannot read partial samples: run again", exc_info=True)
+            return {}
+        return {k: s for s in stored if (k := (s.prompt_index, s.sample_index)) in keys}
 
     async def _history(
         self, req: RolloutRequest, job: Job, units: set[int]

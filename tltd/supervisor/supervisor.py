@@ -497,6 +497,9 @@ class Supervisor:
                 req.sampling,
                 speculative=req.speculative is not SpeculativeMode.OFF,
                 history=live.history.get(a.prompt_index, ()),
+                resume=tuple(
+                    live.resume[k] for i in indices if (k := (a.prompt_index, i)) in live.resume
+                ),
             )
         )
         predicted = live.predicted_tokens(a.prompt_index) or req.sampling.max_new_tokens

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import KeysView
 from dataclasses import dataclass, field
 
-from tltd.domain import RequestStatus, RolloutRequest
+from tltd.domain import RequestStatus, RolloutRequest, Sample
 from tltd.scheduler import PendingWork
 
 Key = tuple[int, int]  # (prompt_index, sample_index)
@@ -44,6 +44,9 @@ class LiveRequest:
     history: dict[int, tuple[tuple[tuple[str, int, int], tuple[int, ...]], ...]] = field(
         default_factory=dict
     )
+    # Samples stored unfinished by a node that handed them over (a drain): where a worker goes
+    # on from, instead of running them again from their seed.
+    resume: dict[Key, Sample] = field(default_factory=dict)
 
     @property
     def units(self) -> KeysView[int]:

@@ -99,7 +99,21 @@ class RolloutWorker(WorkerLoop):
 
     def add(self, msg: AddWork) -> None:
         assert self.engine is not None
-        for first, count in contiguous_runs(msg.sample_indices):
+        resumed: set[int] = set()
+        for stored in msg.resume:
+            if stored.sample_index not in msg.sample_indices:
+                continue
+            try:
+                self.engine.add_request(
+                    msg.request_id, msg.prompt_ids, replace(msg.sampling, n=1),
+                    prompt_index=msg.prompt_index, speculative=msg.speculative,
+                    sample_offset=stored.sample_index, history=msg.history, resume=stored,
+                )  # fmt: skip
+                resumed.add(stored.sample_index)
+            except ValueError:  # it cannot go on from those tokens: it runs again from its seed
+                pass
+        fresh = [i for i in msg.sample_indices if i not in resumed]
+        for first, count in contiguous_runs(fresh):
             try:
                 self.engine.add_request(
                     msg.request_id,
