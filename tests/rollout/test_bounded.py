@@ -78,12 +78,13 @@ def test_a_group_older_than_the_staleness_bound_is_never_sent(sqlite_daemon, ckp
         got = list(c.generate("stale", PROMPTS, request_id="s1", bound=_bound(1), **run))
         wait_until(lambda: _units_done(d.store, "s1"), what="s1's other prompts done")
         c.update_policy("stale", str(ckpt2))  # s1's leftovers are now one version old
+        # One prompt: the staleness bound's admission rule, (0 + 1 + 1) x 3 >= 5 + 1, admits it.
         later = list(
-            c.generate("stale", MORE, request_id="s2", bound=_bound(3, carried=True), **run)
+            c.generate("stale", MORE[:1], request_id="s2", bound=_bound(3, carried=True), **run)
         )
     assert len(_groups(got)) == 1
-    # Only s2's own two groups: s1's four leftovers were too stale, and none arrives later.
-    assert set(_groups(later)) == {("s2", 0), ("s2", 1)}
+    # Only s2's own group: s1's four leftovers were too stale, and none arrives later.
+    assert set(_groups(later)) == {("s2", 0)}
     assert all(s.policy_version == 1 for s in later)
     assert METRICS.stale_groups.labels("stale")._value.get() - before == 4
     with d.store._tx(write=False) as s:
@@ -124,3 +125,49 @@ def test_streams_in_flight_together_share_the_jobs_groups_each_once(sqlite_daemo
     assert all(len(g) == 2 for groups in got for g in groups)
     assert not keys[0] & keys[1]
     assert keys[0] | keys[1] == {(r, p) for r in "ab" for p in range(3)}
+
+
+def test_the_staleness_bound_admits_a_request_once_a_new_version_allows_it(
+    sqlite_daemon, ckpt, ckpt2
+):
+    """AReaL's rule with eta = 0: bounded prompts accepted <= (0 + version + 1) x B (3 + 3 > 3
+    at version 0). The second step's request waits, not stored, until the first step's update
+    is pushed (3 + 3 <= 6)."""
+    import threading
+
+    from tltd_clients.errors import NotFoundError
+
+    d, run = sqlite_daemon, dict(sampling=sampling(**PARAMS))
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="eta0", max_staleness=0)
+        first = list(c.generate("eta0", PROMPTS[:3], request_id="e1", bound=_bound(3), **run))
+        got: list = []
+        t = threading.Thread(target=lambda: got.extend(
+            c.generate("eta0", PROMPTS[2:], request_id="e2", bound=_bound(3, True), **run)
+        ))  # fmt: skip
+        t.start()
+        t.join(1.5)  # (it must still wait: nothing admits it before the push)
+        with pytest.raises(NotFoundError):
+            c.get_request("e2")
+        c.update_policy("eta0", str(ckpt2))
+        t.join(60)
+    assert not t.is_alive()
+    assert len(_groups(first)) == 3 and set(_groups(got)) == {("e2", p) for p in range(3)}
+    assert all(s.policy_version == 1 for s in got)
+
+
+@pytest.mark.parametrize(
+    ("so_far", "new", "b", "version", "eta", "allowed"),
+    [
+        (0, 64, 16, 0, 0, True),  # the first request
+        (16, 16, 16, 0, 0, False),  # eta 0: one step's prompts per version
+        (16, 16, 16, 1, 0, True),
+        (32, 16, 16, 0, 2, True),  # eta 2: two steps ahead
+        (48, 16, 16, 0, 2, False),
+        (48, 16, 16, 0, None, True),  # no bound
+    ],
+)
+def test_staleness_admission_rule(so_far, new, b, version, eta, allowed):
+    from tltd.services.bounded import staleness_allows
+
+    assert staleness_allows(so_far, new, b, version, eta) is allowed

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from tltd.domain import RolloutRequest, Sample
+from tltd.domain import JobStatus, RolloutRequest, Sample
 from tltd.metrics import METRICS
 from tltd.store.deliveries import Delivery, SentGroup
 
@@ -44,6 +44,33 @@ async def follow_bounded(
         if not took.more_may_come:
             return  # every unit it could take is sent or dropped: fewer than asked
         await _woken(events, poll_seconds)
+
+
+def staleness_allows(
+    prompts_so_far: int, new_prompts: int, bound_groups: int, version: int, eta: int | None
+) -> bool:
+    """AReaL's admission rule for a job with staleness bound `eta`: the bounded prompts it has
+    accepted stay within (eta + version + 1) x B, B the step's groups, so the daemon starts no
+    sample more than eta versions before the trainer will take it. A job's first request is
+    always admitted."""
+    if eta is None or prompts_so_far == 0:
+        return True
+    return prompts_so_far + new_prompts <= (eta + version + 1) * bound_groups
+
+
+async def wait_for_staleness(store: Store, req: RolloutRequest, poll_seconds: float) -> None:
+    """Hold a new bounded request until its job's staleness bound admits it (a new policy
+    version raises the bound); a job without a bound admits it at once."""
+    while True:
+        job = await asyncio.to_thread(store.get_job, req.job_id)
+        if job.max_staleness is None or job.status is not JobStatus.ACTIVE:
+            return  # (admission refuses a job that is not active)
+        so_far = await asyncio.to_thread(store.bounded_prompts, req.job_id)
+        if staleness_allows(
+            so_far, len(req.prompts), req.bound_groups, job.policy_version, job.max_staleness
+        ):
+            return
+        await asyncio.sleep(poll_seconds)
 
 
 def _samples(groups: tuple[SentGroup, ...] | list[SentGroup]) -> list[Sample]:

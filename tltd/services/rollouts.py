@@ -34,7 +34,7 @@ from tltd.errors import (
     Unimplemented,
 )
 from tltd.metrics import METRICS
-from tltd.services.bounded import follow_bounded
+from tltd.services.bounded import follow_bounded, wait_for_staleness
 from tltd.services.checkpoints import model_limits
 from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
@@ -172,6 +172,10 @@ class RolloutService:
         # the store or received on the subscription (or both).
         events = sup.subscribe(rid)
         try:
+            if req.bound_groups and not await asyncio.to_thread(self._stored, rid):
+                # Its own faults are named first; then it waits for its job's staleness bound.
+                await asyncio.to_thread(self.prepare, req, speculative)
+                await wait_for_staleness(self.store, req, self.settings.bound_poll_seconds)
             stored, created = await self._admit_when_open(req, speculative, sup)
             METRICS.observe_admission(time.perf_counter() - started)
             if stored.bound_groups:  # asynchronous RL: whole groups until the bound

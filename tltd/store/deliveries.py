@@ -92,6 +92,21 @@ class GroupDeliveries:
             own_open, carried_open = self._open_counts(s, rr, carried)
             return Delivery(tuple(taken), tuple(stale), own_open, carried_open)
 
+    def bounded_prompts(self, job_id: str) -> int:
+        """Prompts (units) of the job's bounded requests so far: what the staleness bound's
+        admission rule counts (`tltd.services.bounded.staleness_allows`)."""
+        wu, req = WorkUnitRow, RolloutRequestRow
+        with self._tx(write=False) as s:
+            return int(
+                s.scalar(
+                    select(func.count())
+                    .select_from(wu)
+                    .join(req, req.request_id == wu.request_id)
+                    .where(req.job_id == job_id, req.bound_groups > 0)
+                )
+                or 0
+            )
+
     def sent_groups(self, request_id: str) -> list[SentGroup]:
         """The groups recorded as sent by `request_id`'s stream (a retry re-sends them)."""
         wu = WorkUnitRow
