@@ -178,6 +178,8 @@ def spawn(
     args: tuple[Any, ...] = (child, settings.worker_threads, settings.worker_heartbeat_seconds)
     if handle.backend is Backend.SGLANG:
         args += (settings.sglang_engine_factory,)
+    elif handle.backend is Backend.SIM:
+        args += (settings.sim_engine,)
     target, args = with_environment(target, *args)
     proc = ctx.Process(target=target, args=args, name=handle.worker_id, daemon=daemon)
     proc.start()
@@ -220,6 +222,10 @@ def worker_entry(backend: Backend) -> tuple[Callable[..., None], bool]:
         from tltd_workers.rollout.sglang_worker import main as sglang_main
 
         return sglang_main, False
+    if backend is Backend.SIM:
+        from tltd_workers.rollout.sim_worker import main as sim_main
+
+        return sim_main, True
     from tltd_workers.rollout.worker import main as torch_main
 
     return torch_main, True
