@@ -1,11 +1,18 @@
 """The daemon's own cost per request and per sample, beside the floors it cannot go below.
 
-A real `tltd serve` (SQLite and/or PostgreSQL) serves the shipped policy with SD off and 1 new
-token per sample, so generation is nearly free and what is left is the control plane:
-admission, SQL writes, the scheduler tick, the pipe, the stream back. `AsyncRolloutClient`
-in this process sends requests from 1, 16 and 64 concurrent tasks, n=1 and n=16; the table
-gives requests/s, samples/s, p50/p99 latency per request and the daemon process's CPU
-seconds per sample (its own, read from /proc: not its workers').
+A real `tltd serve` (SQLite and/or PostgreSQL) serves 1 new token per sample, so what is left
+is the control plane: admission, SQL writes, the scheduler tick, the pipe, the stream back.
+Each engine in one run (`--engines`), a daemon of its own each:
+  torch    the shipped policy with SD off (the engine computes the token)
+  sim0     the simulated engine at zero cost (backend "sim", `sim_engine` "zero"): the
+           daemon alone, its workers only draw a token
+  simgpu   the simulated engine asleep for a GPU's step: `benchmarks/gpu_model.py`'s roofline
+           of Qwen2.5-7B on an H100 as SimConfig's linear form (a projection's cost, not a
+           measured GPU)
+`AsyncRolloutClient` in this process sends requests from concurrent tasks (CLIENTSxN); the
+table gives requests/s, samples/s, p50/p99 latency per request, the daemon process's CPU ms per
+request and per sample (its own, read from /proc: not its workers') and, on PostgreSQL, the
+database's transactions per sample (pg_stat_database, every connection of the daemon).
 
 Floors measured in the same run, on the same machine, for the same request:
   engine   the engine in this process (one thread), the same prompt, n and 1 token
@@ -23,7 +30,8 @@ Floors measured in the same run, on the same machine, for the same request:
 before/after comparison shares one machine's load.
 
     nice -n 10 .venv/bin/python benchmarks/bench_control_plane.py [--db sqlite,postgresql]
-        [--scenarios 1x1,16x1,16x16,64x16] [--seconds 10] [--repeats 3] [--src ../before]
+        [--engines torch,sim0,simgpu] [--scenarios 1x1,16x1,64x1,16x16] [--seconds 10]
+        [--repeats 3] [--src ../before]
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from tltd.store.database import scratch_postgres  # noqa: E402
 MODEL = ROOT / "models" / "tiny-policy"
 PG_ADMIN_URL = os.environ.get("TLTD_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 JOB = "bench-cp"
+PG_STATS_PAUSE = 1.5  # seconds: every backend's counts reported (they report at most 1/s)
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -58,6 +67,41 @@ def process_cpu(pid: int) -> float:
     """user + system CPU seconds of one process (not its children), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def gpu_sim_config() -> str:
+    """`sim_engine` for a GPU-like step: `gpu_model`'s roofline of Qwen2.5-7B on an H100 in
+    SimConfig's linear form. A decode step streams the weights once (`forward_ms` at one row,
+    no context: 5.9 ms) and every row's KV cache (bytes per token over the usable bandwidth:
+    21 ns a token held); a prompt token costs its compute at the GEMM efficiency (26 us)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_model as g
+
+    dev, shape = g.H100, g.QWEN25_7B
+    step_ms = g.forward_ms(dev, shape, 1, 1, 0)
+    kv_ns = 1e9 * shape.kv_bytes() / (dev.hbm_bytes_s * dev.mem_eff)
+    prefill_us = 1e6 * 2 * shape.streamed_params() / (dev.bf16_flops * dev.gemm_eff)
+    return f"step_ms={step_ms:.3f},kv_ns={kv_ns:.2f},prefill_us={prefill_us:.2f}"
+
+
+# Engine name -> the daemon's sim_engine ("" : the torch engine computes).
+ENGINES = {"torch": "", "sim0": "zero", "simgpu": gpu_sim_config()}
+
+
+def pg_transactions(url: str) -> int:
+    """Transactions committed and rolled back in database `url` so far (pg_stat_database;
+    a backend reports its counts when idle, at most once a second: read after a pause)."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(text(
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database "
+                "WHERE datname = current_database()")).scalar_one())  # fmt: skip
+    finally:
+        engine.dispose()
 
 
 def load_average() -> str:
@@ -101,11 +145,15 @@ class Daemon:
     """`tltd serve` from checkout `src` (its daemon and workers) on a free port, on database
     `url`."""
 
-    def __init__(self, src: Path, url: str, data: Path, cpu_slots: int, prefix: list[str]):
+    def __init__(
+        self, src: Path, url: str, data: Path, cpu_slots: int, prefix: list[str], sim: str = ""
+    ):
         data.mkdir(parents=True, exist_ok=True)
         port_file = data / "port"
         env = source_env(src, data.parent)
         env["TLTD_DRAFTER_TRAINING"] = "false"
+        if sim:
+            env["TLTD_SIM_ENGINE"] = sim
         self.log_path = data / "tltd.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -121,6 +169,7 @@ class Daemon:
                 raise RuntimeError(f"tltd did not start: {self.log_path.read_text()[-3000:]}")
             time.sleep(0.1)
         self.target = f"127.0.0.1:{port_file.read_text().strip()}"
+        self.url, self.sim = url, sim
         self.pid = self._daemon_pid() if prefix else self.proc.pid
 
     def _daemon_pid(self) -> int:
@@ -153,6 +202,7 @@ class Result:
     samples: int = 0
     cpu: float = 0.0  # daemon CPU seconds
     failed: int = 0  # requests that ended in an error (not counted in the rates)
+    xacts: float = float("nan")  # PostgreSQL transactions in the run (nan: SQLite)
 
     def add(self, other: Result) -> None:
         self.latencies += other.latencies
@@ -161,6 +211,7 @@ class Result:
         self.samples += other.samples
         self.cpu += other.cpu
         self.failed += other.failed
+        self.xacts += other.xacts
 
     @property
     def rps(self) -> float:
@@ -205,13 +256,15 @@ async def drive(send, clients: int, seconds: float, min_requests: int) -> Result
 
 
 async def run_daemon_load(
-    target: str, pid: int, prompt: list[int], n: int, clients: int, seconds: float, warm: int
+    daemon: Daemon, prompt: list[int], n: int, clients: int, seconds: float, warm: int
 ) -> Result:
     from tltd_clients import AsyncRolloutClient
 
-    async with AsyncRolloutClient(target, timeout=600) as client:
+    pg = daemon.url if daemon.url.startswith("postgresql") else ""
+    async with AsyncRolloutClient(daemon.target, timeout=600) as client:
         await client.create_job(MODEL.resolve(), job_id=JOB, speculative="off",
-                                online_training=False)  # fmt: skip
+                                online_training=False,
+                                backend="sim" if daemon.sim else "torch")  # fmt: skip
 
         async def send(seed: int) -> int:
             got = await client.generate([prompt], n=n, max_new_tokens=1, temperature=1.0,
@@ -221,9 +274,15 @@ async def run_daemon_load(
 
         for i in range(warm):  # workers load the model; connections open
             await send(10**9 + i)
-        cpu0 = process_cpu(pid)
+        if pg:
+            await asyncio.sleep(PG_STATS_PAUSE)
+            xacts0 = pg_transactions(pg)
+        cpu0 = process_cpu(daemon.pid)
         result = await drive(send, clients, seconds, clients)
-        result.cpu = process_cpu(pid) - cpu0
+        result.cpu = process_cpu(daemon.pid) - cpu0
+        if pg:
+            await asyncio.sleep(PG_STATS_PAUSE)
+            result.xacts = pg_transactions(pg) - xacts0 - 1  # less the first read's own
         return result
 
 
@@ -455,10 +514,12 @@ def parse_scenarios(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]  # type: ignore[misc]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--db", default="sqlite,postgresql")
-    parser.add_argument("--scenarios", default="1x1,16x1,1x16,16x16,64x16",
+    parser.add_argument("--engines", default="torch,sim0,simgpu",
+                        help=f"comma separated, of {', '.join(ENGINES)}")  # fmt: skip
+    parser.add_argument("--scenarios", default="1x1,16x1,64x1,16x16",
                         help="CLIENTSxN, comma separated")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=10.0, help="per scenario and repeat")
     parser.add_argument("--repeats", type=int, default=3, help="results are medians of these")
@@ -474,12 +535,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="SQLite, 2 short scenarios")
     parser.add_argument("--echo-server", help=argparse.SUPPRESS)
     cfg = parser.parse_args(argv)
-    if cfg.echo_server:
-        echo_server(cfg.echo_server)
-        return 0
     if cfg.quick:
         cfg.db, cfg.scenarios, cfg.seconds, cfg.repeats = "sqlite", "1x1,4x4", 1.0, 1
         cfg.micro_samples, cfg.cpu_slots = 16, 1
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    if cfg.echo_server:
+        echo_server(cfg.echo_server)
+        return 0
     from examples.task.workload import rollout_prompts
 
     prompt = list(rollout_prompts(1, seed=7, model_dir=MODEL)[0][1])
@@ -489,48 +555,58 @@ def main(argv: list[str] | None = None) -> int:
     floors = {} if cfg.no_floors else measure_floors(cfg, prompt, scenarios)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tltd-bench-cp-") as scratch:
-        tmp = str(cfg.work_dir or scratch)
+        tmp = Path(cfg.work_dir or scratch)
         for db in cfg.db.split(","):
-            results: dict[tuple[str, int, int], list[Result]] = {}
-            for rep in range(cfg.repeats):
-                order = sources[rep % len(sources) :] + sources[: rep % len(sources)]
-                for name, src in order:
-                    for (clients, n), r in run_source(cfg, db, src, Path(tmp), prompt,
-                                                      scenarios, rep).items():  # fmt: skip
-                        results.setdefault((name, clients, n), []).append(r)
-            for (name, clients, n), runs in results.items():
-                rows.append((db, name, clients, n, runs))
+            rows += run_db(cfg, db, sources, tmp, prompt, scenarios)
             if not cfg.no_floors:
-                with database(db, Path(tmp)) as url:
-                    for n in sorted({n for _, n in scenarios}):
-                        floors[("sql", db, n)] = sql_floor(url, prompt, n, 5 if cfg.quick else 50)
-                for tokens, prompts in ((1, 1), (256, 1), (4096, 1), (256, 512)):
-                    for _ in range(cfg.repeats):  # each source in turn, a new database each
-                        for name, src in sources:
-                            with database(db, Path(tmp)) as url:
-                                key = ("store", db, tokens, name, prompts)
-                                floors.setdefault(key, []).append(store_stream_micro_of(
-                                    src, url, tokens, cfg.micro_samples, prompts))  # fmt: skip
+                measure_db_floors(cfg, db, sources, tmp, prompt, scenarios, floors)
     print(f"load average at end: {load_average()}")
-    print_tables(cfg, rows, floors)
+    print_tables(cfg, rows, floors, len(prompt))
     return 0
 
 
-def run_source(cfg, db: str, src: Path, tmp: Path, prompt, scenarios, rep: int):
+def run_db(cfg, db: str, sources, tmp: Path, prompt, scenarios) -> list:
+    """Every source and engine on database kind `db`, `cfg.repeats` times in rotation:
+    rows (db, source, engine, clients, n, runs)."""
+    results: dict[tuple[str, str, int, int], list[Result]] = {}
+    runs = [(name, src, engine) for engine in cfg.engines.split(",") for name, src in sources]
+    for rep in range(cfg.repeats):
+        for name, src, engine in runs[rep % len(runs) :] + runs[: rep % len(runs)]:
+            for (clients, n), r in run_source(cfg, db, src, tmp, prompt, scenarios, rep,
+                                              engine).items():  # fmt: skip
+                results.setdefault((name, engine, clients, n), []).append(r)
+    return [(db, name, engine, c, n, r) for (name, engine, c, n), r in results.items()]
+
+
+def measure_db_floors(cfg, db: str, sources, tmp: Path, prompt, scenarios, floors) -> None:
+    with database(db, tmp) as url:
+        for n in sorted({n for _, n in scenarios}):
+            floors[("sql", db, n)] = sql_floor(url, prompt, n, 5 if cfg.quick else 50)
+    for tokens, prompts in ((1, 1), (256, 1), (4096, 1), (256, 512)):
+        for _ in range(cfg.repeats):  # each source in turn, a new database each
+            for name, src in sources:
+                with database(db, tmp) as url:
+                    key = ("store", db, tokens, name, prompts)
+                    floors.setdefault(key, []).append(store_stream_micro_of(
+                        src, url, tokens, cfg.micro_samples, prompts))  # fmt: skip
+
+
+def run_source(cfg, db: str, src: Path, tmp: Path, prompt, scenarios, rep: int, engine: str):
     out = {}
     prefix = []
     if cfg.profile is not None:
         cfg.profile.mkdir(parents=True, exist_ok=True)
-        flame = cfg.profile / f"{db}-{src.name}-{rep}.txt"
+        flame = cfg.profile / f"{db}-{src.name}-{engine}-{rep}.txt"
         prefix = [str(Path(sys.executable).parent / "py-spy"), "record", "--gil", "-r", "200",
                   "-f", "raw", "-o", str(flame), "--"]  # fmt: skip
     with database(db, tmp) as url:
-        daemon = Daemon(src, url, tmp / f"d-{uuid.uuid4().hex[:6]}", cfg.cpu_slots, prefix)
+        data = tmp / f"d-{uuid.uuid4().hex[:6]}"
+        daemon = Daemon(src, url, data, cfg.cpu_slots, prefix, ENGINES[engine])
         try:
             for clients, n in scenarios:
                 warm = 2 * cfg.cpu_slots if (clients, n) == scenarios[0] else 1
                 out[(clients, n)] = asyncio.run(run_daemon_load(
-                    daemon.target, daemon.pid, prompt, n, clients, cfg.seconds, warm))  # fmt: skip
+                    daemon, prompt, n, clients, cfg.seconds, warm))  # fmt: skip
         finally:
             daemon.stop()
     return out
@@ -565,27 +641,44 @@ def _median(runs: list[Result], fn) -> float:
     return statistics.median(fn(r) for r in runs)
 
 
-def print_tables(cfg, rows, floors) -> None:
-    print(f"\nshipped policy {MODEL.name}, 1 new token per sample, SD off, "
-          f"{cfg.cpu_slots} CPU slot(s); medians of {cfg.repeats} x {cfg.seconds:g} s")  # fmt: skip
-    head = ("| db | daemon | clients | n | req/s | samples/s | p50 ms | p99 ms "
-            "| daemon CPU ms/sample | engine ms/req | p50 - engine ms | echo req/s "
-            "| req/s vs echo | sql ms/req | failed |")  # fmt: skip
+def engine_ms(engine: str, n: int, prompt_len: int, floors: dict) -> float:
+    """The engine's own time for one request of n samples of 1 token: measured for torch
+    (alone, in this process), the cost model's for the simulated engine (one step of n rows
+    and their prefill)."""
+    if not ENGINES[engine]:
+        return 1000 * floors.get(("engine", n), float("nan"))
+    from tltd.contract.sim import parse_sim
+
+    sim = parse_sim(ENGINES[engine])
+    return 1000 * sim.step_seconds(n, n * prompt_len) + n * prompt_len * sim.prefill_us / 1e3
+
+
+def print_tables(cfg, rows, floors, prompt_len: int) -> None:
+    print(f"\n1 new token per sample, SD off, {cfg.cpu_slots} CPU slot(s); medians of "
+          f"{cfg.repeats} x {cfg.seconds:g} s; engines: torch = the shipped policy "
+          f"{MODEL.name}, sim0 = simulated at zero cost, simgpu = simulated asleep for "
+          f"{ENGINES['simgpu']} (H100 Qwen2.5-7B roofline, a projection)")  # fmt: skip
+    head = ("| db | daemon | engine | clients | n | req/s | samples/s | p50 ms | p99 ms "
+            "| daemon CPU ms/req | daemon CPU ms/sample | PG xact/sample | engine ms/req "
+            "| p50 - engine ms | echo req/s | req/s vs echo | sql ms/req | failed |")  # fmt: skip
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
-    for db, name, clients, n, runs in rows:
+    for db, name, engine, clients, n, runs in rows:
         rps = _median(runs, lambda r: r.rps)
         sps = _median(runs, lambda r: r.sps)
         p50 = 1000 * _median(runs, lambda r: r.pct(0.5))
         p99 = 1000 * _median(runs, lambda r: r.pct(0.99))
+        cpu_req = 1000 * _median(runs, lambda r: r.cpu / max(1, r.requests))
         cpu = 1000 * _median(runs, lambda r: r.cpu / max(1, r.samples))
-        eng = 1000 * floors.get(("engine", n), float("nan"))
+        xacts = _median(runs, lambda r: r.xacts / max(1, r.samples))
+        eng = engine_ms(engine, n, prompt_len, floors)
         echo = floors.get(("echo", clients, n))
         echo_rps = echo.rps if echo else float("nan")
         sql = 1000 * floors.get(("sql", db, n), float("nan"))
-        print(f"| {db} | {name} | {clients} | {n} | {rps:.1f} | {sps:.1f} | {p50:.1f} | "
-              f"{p99:.1f} | {cpu:.2f} | {eng:.2f} | {p50 - eng:.1f} | {echo_rps:.0f} | "
-              f"{rps / echo_rps:.3f} | {sql:.2f} | {sum(r.failed for r in runs)} |")  # fmt: skip
+        print(f"| {db} | {name} | {engine} | {clients} | {n} | {rps:.1f} | {sps:.1f} | "
+              f"{p50:.1f} | {p99:.1f} | {cpu_req:.2f} | {cpu:.2f} | {xacts:.2f} | {eng:.2f} | "
+              f"{p50 - eng:.1f} | {echo_rps:.0f} | {rps / echo_rps:.3f} | {sql:.2f} | "
+              f"{sum(r.failed for r in runs)} |")  # fmt: skip
     micro = [k for k in floors if k[0] == "store"]
     if micro:
         print(f"\nstore and stream path alone, medians of {cfg.repeats}:")

@@ -468,6 +468,7 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         initial_drafter: str | Path | None = None,
         policy_switch: str = "finish_on_start_version",
         max_staleness: int | None = None,
+        backend: str = "",
     ) -> _JobR:
         """Create (idempotently, when job_id is given) a job; this client then uses it.
 
@@ -476,7 +477,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         its drafter version 1; needs speculative "auto" (a learned drafter).
         `policy_switch` "next_step": running samples move to a new policy version between
         decode steps (asynchronous RL); `max_staleness`: a bounded call never returns a group
-        with a token more than this many versions old (docs/rollouts.md)."""
+        with a token more than this many versions old (docs/rollouts.md). `backend` "torch",
+        "sglang" or "sim" (the simulated engine, docs/backends.md); "": the daemon's default."""
         spec = common_pb2.SpeculativeConfig(
             mode=_speculative_mode(speculative),
             batch_threshold=batch_threshold,
@@ -492,6 +494,7 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
             speculative=spec,
             policy_switch=_policy_switch(policy_switch),
             max_staleness=max_staleness,
+            backend=common_pb2.Backend.Value(f"BACKEND_{backend.upper()}") if backend else 0,
         )
         return self._unary(_Unary("CreateJob", "jobs", "CreateJob", req, self._use_job))
 

@@ -341,7 +341,11 @@ _JOB_STATUSES = {
 
 _UINT32 = click.IntRange(0, 2**32 - 1)  # what the proto fields can carry
 _VERSION = click.IntRange(1, 2**64 - 1)
-_BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "sglang": common_pb2.BACKEND_SGLANG}
+_BACKENDS = {
+    "torch": common_pb2.BACKEND_TORCH,
+    "sglang": common_pb2.BACKEND_SGLANG,
+    "sim": common_pb2.BACKEND_SIM,
+}
 _POLICY_SWITCHES = {
     "finish-on-start-version": job_pb2.POLICY_SWITCH_FINISH_ON_START_VERSION,
     "next-step": job_pb2.POLICY_SWITCH_NEXT_STEP,

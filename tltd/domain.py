@@ -19,6 +19,8 @@ def field_names(cls: type, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
 class Backend(enum.StrEnum):
     TORCH = "torch"
     SGLANG = "sglang"
+    # No model runs: samples are drawn, not computed (capacity planning; settings.sim_engine).
+    SIM = "sim"
 
 
 class SpeculativeMode(enum.StrEnum):
@@ -323,6 +325,8 @@ class Sample:
     # The prompt, for a sample sent by a later request than its own (a carried group); () =
     # the request's own prompt `prompt_index`. Not stored: the request holds it.
     prompt_token_ids: tuple[int, ...] = ()
+    # Drawn by the simulated engine (Backend.SIM): its tokens and logprobs mean nothing.
+    simulated: bool = False
 
 
 @dataclass(frozen=True)

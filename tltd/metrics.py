@@ -218,6 +218,12 @@ _DECLARED: dict[str, _Declared] = {
     "samples": _Declared(
         Counter, "tltd_rollout_samples", "Finished samples", ("job_id", "finish_reason")
     ),
+    "simulated_samples": _Declared(
+        Counter,
+        "tltd_simulated_samples",
+        "Finished samples drawn by the simulated engine (backend sim), not computed by a model",
+        ("job_id",),
+    ),
     "sample_steps": _Declared(
         Counter,
         "tltd_sample_decode_steps",
@@ -321,6 +327,7 @@ class Metrics:
     # Built from _DECLARED; named here for type checkers and readers.
     tokens: Counter
     samples: Counter
+    simulated_samples: Counter
     sample_steps: Counter
     accepted_tokens: Counter
     decode_steps: Counter
@@ -420,6 +427,8 @@ class Metrics:
             plain_steps=spec.plain_steps,
             accepted_tokens=spec.accepted_tokens,
         )
+        if sample.simulated:
+            self.simulated_samples.labels(job_id).inc()
 
     def observe_decode_steps(
         self,

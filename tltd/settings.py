@@ -47,6 +47,11 @@ class Settings:
     # The function ("module:function") SGLang workers build their engine with: sglang.Engine
     # by default; another for a wrapped engine (the tests name a fake engine here).
     sglang_engine_factory: str = "tltd_workers.sglang.engine:make_engine"
+    # The simulated engine (backend "sim": samples drawn, not computed, for capacity planning;
+    # `tltd.contract.sim.parse_sim`): "" refuses every job that asks for it; "zero" costs
+    # nothing; e.g. "step_ms=6.3,kv_ns=21,median=1500" sleeps a GPU-like step time. Never
+    # the default backend: a job must ask for it.
+    sim_engine: str = ""
     default_model_path: str = ""
     spec_batch_threshold: int = 32
     # Torch workers' SD gate: "measured" (step costs timed on the device + bandit) or
@@ -385,6 +390,13 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
         raise ConfigError(
             f"spec_gate must be 'measured' or 'threshold', got {settings.spec_gate!r}"
         )
+    if settings.sim_engine:
+        from tltd.contract.sim import parse_sim
+
+        try:
+            parse_sim(settings.sim_engine)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if settings.default_backend not in ("torch", "sglang"):
         raise ConfigError(
             f"default_backend must be 'torch' or 'sglang', got {settings.default_backend!r}"

@@ -41,6 +41,10 @@ def rollout_entry(backend: Backend) -> tuple[Callable[..., None], bool]:
         from tltd_workers.rollout.sglang_worker import main as sglang_main
 
         return sglang_main, False
+    if backend is Backend.SIM:
+        from tltd_workers.rollout.sim_worker import main as sim_main
+
+        return sim_main, True
     from tltd_workers.rollout.worker import main as torch_main
 
     return torch_main, True

@@ -27,7 +27,11 @@ from tltd.v1 import (
 
 # ---- enums: explicit tables (both directions) so a renamed member fails loudly -------------
 
-_BACKEND = {common_pb2.BACKEND_TORCH: d.Backend.TORCH, common_pb2.BACKEND_SGLANG: d.Backend.SGLANG}
+_BACKEND = {
+    common_pb2.BACKEND_TORCH: d.Backend.TORCH,
+    common_pb2.BACKEND_SGLANG: d.Backend.SGLANG,
+    common_pb2.BACKEND_SIM: d.Backend.SIM,
+}
 _SPEC_MODE = {
     common_pb2.SPECULATIVE_MODE_AUTO: d.SpeculativeMode.AUTO,
     common_pb2.SPECULATIVE_MODE_OFF: d.SpeculativeMode.OFF,
@@ -415,6 +419,7 @@ def sample_from_pb(pb: rollout_pb2.Sample) -> d.Sample:
         speculative=speculative_stats_from_pb(pb.speculative),
         provenance=provenance_from_pb(pb.provenance) if pb.HasField("provenance") else None,
         policy_spans=tuple((x.first_token, x.policy_version) for x in pb.policy_spans),
+        prompt_token_ids=tuple(pb.prompt_token_ids),
         # A sample that asked for alternatives but emitted no token has none on the wire.
         top_logprobs=_tops_from_pb(pb.top_logprobs) if pb.top_logprobs else None,
         prompt_logprobs=d.PromptLogprobs(

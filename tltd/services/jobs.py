@@ -81,6 +81,8 @@ class JobService:
                 "sglang backend needs a GPU host with sglang installed", field="backend"
             )
         spec = self._speculative(new.speculative)
+        if backend is Backend.SIM:
+            self._check_simulated(spec)
         source = None
         if spec.initial_drafter_path:
             source = self._check_initial_drafter(spec, resolved)
@@ -99,6 +101,21 @@ class JobService:
         if source is None:
             return self.store.create_job(job)
         return self._create_with_drafter(job, source)
+
+    def _check_simulated(self, spec: SpeculativeConfig) -> None:
+        """A simulated engine serves only a job that asked for it, on a daemon set to allow it."""
+        if not self.settings.sim_engine:
+            raise FailedPrecondition(
+                "the sim backend (simulated engine: samples drawn, not computed) is off on "
+                "this daemon; start it with sim_engine set (TLTD_SIM_ENGINE) to allow it",
+                field="backend",
+            )
+        if spec.online_training:
+            raise InvalidArgument(
+                "the sim backend draws its tokens: there is nothing to train a drafter on; "
+                "set it to false",
+                field="speculative.online_training",
+            )
 
     def _check_initial_drafter(self, spec: SpeculativeConfig, model_dir: Path) -> Path:
         if spec.mode is SpeculativeMode.OFF or spec.drafter in MODEL_FREE_DRAFTERS:

@@ -185,6 +185,8 @@ class SampleRow(Base):
     prompt_logprobs: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     partial: Mapped[bool] = mapped_column(Boolean, default=False)
     error: Mapped[str] = mapped_column(Text, default="")
+    # Drawn by the simulated engine, not computed by a model (Backend.SIM).
+    simulated: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 

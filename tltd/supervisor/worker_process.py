@@ -180,6 +180,8 @@ def spawn(
     args: tuple[Any, ...] = (child, settings.worker_threads, settings.worker_heartbeat_seconds)
     if handle.backend is Backend.SGLANG:
         args += (settings.sglang_engine_factory,)
+    elif handle.backend is Backend.SIM:
+        args += (settings.sim_engine,)
     target, args = with_environment(target, *args)
     proc = ctx.Process(target=target, args=args, name=handle.worker_id, daemon=daemon)
     proc.start()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tltd/v1/common.proto\x12\x07tltd.v1\"\xb3\x01\n\x11SpeculativeConfig\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.tltd.v1.SpeculativeMode\x12\x17\n\x0f\x62\x61tch_threshold\x18\x02 \x01(\r\x12\x15\n\rdraft_lengths\x18\x03 \x03(\r\x12\x0f\n\x07\x64rafter\x18\x04 \x01(\t\x12\x17\n\x0fonline_training\x18\x05 \x01(\x08\x12\x1c\n\x14initial_drafter_path\x18\x06 \x01(\t*I\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x11\n\rBACKEND_TORCH\x10\x01\x12\x12\n\x0e\x42\x41\x43KEND_SGLANG\x10\x02*h\n\x0fSpeculativeMode\x12 \n\x1cSPECULATIVE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SPECULATIVE_MODE_AUTO\x10\x01\x12\x18\n\x14SPECULATIVE_MODE_OFF\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tltd/v1/common.proto\x12\x07tltd.v1\"\xb3\x01\n\x11SpeculativeConfig\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.tltd.v1.SpeculativeMode\x12\x17\n\x0f\x62\x61tch_threshold\x18\x02 \x01(\r\x12\x15\n\rdraft_lengths\x18\x03 \x03(\r\x12\x0f\n\x07\x64rafter\x18\x04 \x01(\t\x12\x17\n\x0fonline_training\x18\x05 \x01(\x08\x12\x1c\n\x14initial_drafter_path\x18\x06 \x01(\t*Z\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x11\n\rBACKEND_TORCH\x10\x01\x12\x12\n\x0e\x42\x41\x43KEND_SGLANG\x10\x02\x12\x0f\n\x0b\x42\x41\x43KEND_SIM\x10\x03*h\n\x0fSpeculativeMode\x12 \n\x1cSPECULATIVE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SPECULATIVE_MODE_AUTO\x10\x01\x12\x18\n\x14SPECULATIVE_MODE_OFF\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tltd.v1.common_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BACKEND']._serialized_start=215
-  _globals['_BACKEND']._serialized_end=288
-  _globals['_SPECULATIVEMODE']._serialized_start=290
-  _globals['_SPECULATIVEMODE']._serialized_end=394
+  _globals['_BACKEND']._serialized_end=305
+  _globals['_SPECULATIVEMODE']._serialized_start=307
+  _globals['_SPECULATIVEMODE']._serialized_end=411
   _globals['_SPECULATIVECONFIG']._serialized_start=34
   _globals['_SPECULATIVECONFIG']._serialized_end=213
 # @@protoc_insertion_point(module_scope)

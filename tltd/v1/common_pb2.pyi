@@ -12,6 +12,7 @@ class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BACKEND_UNSPECIFIED: _ClassVar[Backend]
     BACKEND_TORCH: _ClassVar[Backend]
     BACKEND_SGLANG: _ClassVar[Backend]
+    BACKEND_SIM: _ClassVar[Backend]
 
 class SpeculativeMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +22,7 @@ class SpeculativeMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 BACKEND_UNSPECIFIED: Backend
 BACKEND_TORCH: Backend
 BACKEND_SGLANG: Backend
+BACKEND_SIM: Backend
 SPECULATIVE_MODE_UNSPECIFIED: SpeculativeMode
 SPECULATIVE_MODE_AUTO: SpeculativeMode
 SPECULATIVE_MODE_OFF: SpeculativeMode
