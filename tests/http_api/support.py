@@ -98,3 +98,14 @@ def wait_running(store, rid: str, timeout: float = 30.0) -> None:
             pass  # not stored yet
         time.sleep(0.02)
     raise AssertionError(f"request {rid} did not start running")
+
+
+def wait_held(http, count: int = 1, timeout: float = 60.0) -> None:
+    """Until `count` new requests of the job wait at this node's admission (held by a pause:
+    refused, not stored), as `/server_info` reports them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if http.get("/server_info").json()["tltd"]["held_requests"] >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{count} requests were not held at admission within {timeout} s")

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.http_api.conftest import JOB
-from tests.http_api.support import wait_running
+from tests.http_api.support import wait_held, wait_running
 from tltd.domain import RequestStatus
 from tltd.errors import NotFound
 
@@ -139,9 +139,8 @@ def test_pause_in_place_holds_new_requests_and_abort_request_by_rid(http, http_d
     assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
     try:
         t, out = _generate_in_thread(http_daemon.url, _long_body("held-1", [1, 5], 480))
-        t.join(1.0)
-        assert t.is_alive()  # held before admission: not even stored
-        with pytest.raises(NotFound):
+        wait_held(http)  # refused by the pause, waiting at admission
+        with pytest.raises(NotFound):  # held before admission: not even stored
             store.get_request("held-1")
     finally:
         http.post("/continue_generation", json={})

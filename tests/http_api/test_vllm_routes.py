@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from tests.http_api.conftest import JOB
-from tests.http_api.support import wait_running
+from tests.http_api.support import wait_held, wait_running
 from tltd.domain import RequestStatus
+from tltd.errors import NotFound
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 8]]
 
@@ -154,9 +155,11 @@ def test_pause_keep_holds_new_requests_until_resume(http, http_daemon):
     try:
         assert http.get("/is_paused").json() == {"is_paused": True}
         body = {"model": JOB, "prompt": PROMPTS[0], "max_tokens": 3, "seed": 1}
+        body["request_id"] = "vllm-held-1"
         t, out = _post_in_thread(http_daemon.url, "/v1/completions", body)
-        t.join(1.0)
-        assert t.is_alive()  # held at admission while paused
+        wait_held(http)  # refused by the pause, waiting at admission
+        with pytest.raises(NotFound):
+            http_daemon.store.get_request("vllm-held-1")  # not stored while paused
     finally:
         assert http.post("/resume").json()["was_paused"] is True
     t.join(60)

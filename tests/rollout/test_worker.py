@@ -12,6 +12,7 @@ from tltd.contract.rollout_messages import (
     Drained,
     EngineSpec,
     Finished,
+    Freeze,
     Heartbeat,
     LoadFailed,
     LoadModel,
@@ -92,6 +93,60 @@ def test_cancel_and_drain_return_partials(worker, ckpt):
     assert drained.partial == 3 and len(finished) == 3
     assert all(s.partial and s.finish_reason is FinishReason.ABORTED for s in finished)
     assert all(len(s.token_ids) < 200 for s in finished)
+
+
+def _frozen_beats(w: WorkerProcess, count: int) -> list[Heartbeat]:
+    """The ack of a Freeze(True) (the first heartbeat saying frozen), then `count` more."""
+    beats = [w.recv(Heartbeat, timeout=10)]
+    while not beats[0].frozen:
+        beats = [w.recv(Heartbeat, timeout=10)]
+    return beats + [w.recv(Heartbeat, timeout=10) for _ in range(count)]
+
+
+def _tokens(hb: Heartbeat) -> int:
+    return hb.stats["tokens"]["total"]  # type: ignore[index]
+
+
+def test_a_frozen_worker_takes_no_step_and_continues_exactly_once_thawed(ckpt):
+    """Frozen mid-sample, the engine emits nothing over several heartbeats (new work is not
+    even prefilled, a cancel is answered at once); thawed, its samples continue from where
+    they stood: their tokens are those of a run that was never frozen."""
+    worker = WorkerProcess(heartbeat_seconds=0.05)
+    try:
+        _freeze_and_thaw(worker, ckpt)
+    finally:
+        worker.close()
+
+
+def _freeze_and_thaw(worker: WorkerProcess, ckpt) -> None:
+    worker.recv(Ready)
+    worker.send(LoadModel("job", str(ckpt), 0, EngineSpec(max_batch=8, max_seq_len=1024)))
+    worker.recv(Ready)
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=1000, seed=5)
+    worker.send(AddWork(1, "kept", 0, (0, 1), PROMPTS[1], sampling, speculative=False))
+    while _tokens(worker.recv(Heartbeat, timeout=10)) == 0:
+        pass  # until it has decoded (the freeze comes mid-sample)
+    worker.send(Freeze(True))
+    beats = _frozen_beats(worker, 3)
+    assert {_tokens(b) for b in beats} == {_tokens(beats[0])}  # no step while frozen
+    assert 0 < _tokens(beats[0]) < 2 * 1000
+    assert all(b.frozen and b.running_samples == 2 for b in beats)
+    prefills = beats[0].stats["prefills"]
+
+    worker.send(AddWork(2, "cut", 0, (0,), PROMPTS[2], sampling, speculative=False))
+    more = [worker.recv(Heartbeat, timeout=10) for _ in range(3)]
+    assert all(_tokens(b) == _tokens(beats[0]) and b.stats["prefills"] == prefills for b in more)
+    assert more[-1].running_samples == 3  # queued in the engine, not started
+    worker.send(Cancel("cut"))  # answered while frozen
+    (cut,) = _collect(worker, 1).values()
+    assert cut.finish_reason is FinishReason.CANCELLED and cut.token_ids == ()
+
+    worker.send(Freeze(False))
+    got = _collect(worker, 2)
+    expected = direct_outputs(ckpt, [PROMPTS[1]], sampling, speculative=False)
+    assert {k: v.token_ids for k, v in got.items()} == expected
+    assert all(s.finish_reason is FinishReason.LENGTH and not s.partial for s in got.values())
+    assert not worker.recv(Heartbeat, timeout=10).frozen
 
 
 def test_bad_model_and_bad_work(worker, tmp_path, ckpt):

@@ -117,6 +117,16 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Freeze:
+    """Stop (`frozen`) or restart stepping the engine: what it runs keeps its tokens, its KV
+    cache and its place; new work queues in it; every other command still applies (a cancel
+    returns the request's samples at once, a drain, a new policy). The worker answers with a
+    heartbeat whose `frozen` says what it does now."""
+
+    frozen: bool
+
+
+@dataclass(frozen=True)
 class Drain:
     """Keep working for at most `seconds`, then return what still runs as partial samples."""
 
@@ -149,6 +159,9 @@ class Heartbeat:
     acked_seq: int  # the last AddWork.seq the engine has taken in
     idle_since: float | None  # wall clock (time.time()) the engine went empty; None = busy
     stats: dict[str, object] = field(default_factory=dict)  # engine counters (summary)
+    # Freeze: True = not stepping now, False = stepping; None = its backend cannot freeze
+    # (an SGLang engine runs its requests in processes of its own).
+    frozen: bool | None = False
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,16 @@ class WorkerError:
     fatal: bool = False
 
 
-ToWorker = LoadModel | LoadPolicy | SetDrafter | JoinBroadcast | AddWork | Cancel | Drain | Shutdown
+ToWorker = (
+    LoadModel
+    | LoadPolicy
+    | SetDrafter
+    | JoinBroadcast
+    | AddWork
+    | Cancel
+    | Freeze
+    | Drain
+    | Shutdown
+)
 # A worker may also send a list of them as one pipe message (a step's Finished samples).
 FromWorker = Ready | Heartbeat | Finished | Drained | LoadFailed | WorkerError

@@ -260,7 +260,9 @@ def output(body, params, req: RolloutRequest, s: Sample, vocab: Vocab) -> dict:
         "prompt_tokens": len(req.prompts[s.prompt_index]),
         "completion_tokens": len(ids),
         "cached_tokens": 0,
-        "weight_version": str(s.policy_version),
+        # SGLang's: the version of the last token, and a span per version the sample ran on
+        "weight_version": str((s.policy_spans or ((0, s.policy_version),))[-1][1]),
+        "weight_versions": weight_spans(s),
         # SGLang's speculative statistics; a verify step is one that checked >= 1 draft
         "spec_verify_ct": st.draft_steps,
         "spec_draft_token_num": st.drafted_tokens,
@@ -301,6 +303,8 @@ def _logprobs(body: GenerateRequest, prompt: tuple[int, ...], s: Sample, vocab: 
         "output_token_logprobs": [
             [_finite(lp), t, text(t)] for lp, t in zip(s.logprobs, s.token_ids, strict=True)
         ],
+        # The policy version that sampled each output token (AReaL's ModelResponse shape).
+        "output_versions": token_versions(s),
     }
     if body.top_logprobs_num:
 
@@ -310,6 +314,31 @@ def _logprobs(body: GenerateRequest, prompt: tuple[int, ...], s: Sample, vocab: 
 
         out["input_top_logprobs"] = [None] + [listed(t) for t in (p.top[start:] if p else ())]
         out["output_top_logprobs"] = [listed(t) for t in s.top_logprobs or ()]
+    return out
+
+
+def weight_spans(s: Sample) -> list[dict[str, Any]]:
+    """SGLang's `meta_info.weight_versions`: {"version", "start", "end"} per version the
+    sample's tokens came from, in order (end exclusive; versions as strings, as SGLang's)."""
+    spans = s.policy_spans or ((0, s.policy_version),)
+    n = len(s.token_ids)
+    ends = [first for first, _ in spans[1:]] + [n]
+    return [
+        {"version": str(v), "start": first, "end": min(end, n)}
+        for (first, v), end in zip(spans, ends, strict=True)
+        if first < n or first == 0
+    ]
+
+
+def token_versions(s: Sample) -> list[int]:
+    """One policy version per output token, from the sample's spans [(first token, version),
+    ...] (none: every token is `policy_version`'s)."""
+    spans = s.policy_spans or ((0, s.policy_version),)
+    n = len(s.token_ids)
+    ends = [first for first, _ in spans[1:]] + [n]
+    out: list[int] = []
+    for (first, version), end in zip(spans, ends, strict=True):
+        out.extend([version] * max(0, min(end, n) - first))
     return out
 
 

@@ -19,8 +19,9 @@ from tltd.errors import InvalidArgument, Unavailable
 from tltd.http import door, vllm_weights
 from tltd.services import PauseMode, Services
 
-# SGLang's pause modes -> tltd's. tltd cannot hold a request's KV in place or retract it to
-# the queue: in both, requests in flight finish on the version they started with.
+# SGLang's pause modes -> tltd's. in_place and retract both freeze the requests in flight
+# where they stand (their workers stop stepping, their KV cache kept: tltd does not retract a
+# request to recompute its prefix), and they continue after /continue_generation.
 _MODES = {"abort": PauseMode.ABORT, "in_place": PauseMode.KEEP, "retract": PauseMode.KEEP}
 
 
@@ -47,17 +48,24 @@ _job = door.addressed_job
 
 
 async def pause_generation(services: Services, request: Request) -> JSONResponse:
-    """SGLang's modes: abort (default; in-flight requests return finish reason abort),
-    in_place and retract (they finish on their start version). New requests wait."""
+    """SGLang's modes: abort (default; in-flight requests return finish reason abort with
+    their output so far), in_place and retract (they freeze in place until continued). New
+    requests wait."""
     body = door.parse(PauseRequest, await request.body() or b"{}")
     if body.mode not in _MODES:
         raise InvalidArgument(
             f"must be abort, in_place or retract, got {body.mode!r}", field="mode"
         )
     job = await _job(services, request)
-    count = await services.pauses.pause(job.job_id, _MODES[body.mode])
+    mode = _MODES[body.mode]
+    count = await services.pauses.pause(job.job_id, mode)
     return JSONResponse(
-        {"message": "Generation paused successfully.", "status": "ok", "aborted": count}
+        {
+            "message": "Generation paused successfully.",
+            "status": "ok",
+            "aborted": count if mode is PauseMode.ABORT else 0,
+            "frozen_workers": services.pauses.frozen_workers.get(job.job_id, 0),
+        }
     )
 
 
@@ -102,6 +110,9 @@ async def server_info(services: Services, request: Request) -> JSONResponse:
         "internal_states": [{"policy_version": job.policy_version}],
         "tltd": {
             "job_id": job.job_id,
+            # this node's requests held at admission by a pause, workers frozen by one
+            "held_requests": services.pauses.held(job.job_id),
+            "frozen_workers": services.pauses.frozen_workers.get(job.job_id, 0),
             "backend": job.backend.value,
             "policy_version": job.policy_version,
             "drafter_version": job.drafter_version,

@@ -41,7 +41,8 @@ async def reset_prefix_cache(services: Services, request: Request) -> JSONRespon
 
 
 async def pause(services: Services, request: Request) -> JSONResponse:
-    """?mode=keep|wait|abort (vLLM's; default abort): see PauseService."""
+    """?mode=keep|wait|abort (vLLM's; default abort): see PauseService. `requests`: those
+    aborted, waited for, or kept frozen; `frozen_workers`: this node's workers that stopped."""
     job = await _job(services, request)
     query = request.query_params
     # vLLM's older spelling of mode=wait
@@ -53,7 +54,10 @@ async def pause(services: Services, request: Request) -> JSONResponse:
         raise InvalidArgument(f"must be keep, wait or abort, got {raw!r}", field="mode") from None
     timeout = _float(request.query_params.get("timeout", "600"), "timeout")
     count = await services.pauses.pause(job.job_id, mode, timeout)
-    return JSONResponse({"status": "paused", "mode": mode.value, "requests": count})
+    frozen = services.pauses.frozen_workers.get(job.job_id, 0)
+    return JSONResponse(
+        {"status": "paused", "mode": mode.value, "requests": count, "frozen_workers": frozen}
+    )
 
 
 class AbortRequests(BaseModel):

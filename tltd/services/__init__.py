@@ -64,7 +64,8 @@ def build_services(
     policy = PolicyService(store, supervisor)
     pushes = PushService(store, settings, policy)
     rollouts = RolloutService(store, settings, node, supervisor)
-    rollouts.pauses = pauses = PauseService(store, rollouts.cancel)
+    apply = supervisor.apply_pauses if supervisor is not None else None
+    rollouts.pauses = pauses = PauseService(store, rollouts.cancel, apply)
     return Services(
         jobs=JobService(store, settings, supervisor),
         rollouts=rollouts,

@@ -184,6 +184,12 @@ class JobRecords:
         with self._tx(write=False) as s:
             return s.get(JobPauseRow, job_id) is not None
 
+    def paused_jobs(self, mode: str) -> frozenset[str]:
+        """The jobs paused in `mode` (on every node)."""
+        with self._tx(write=False) as s:
+            q = select(JobPauseRow.job_id).where(JobPauseRow.mode == mode)
+            return frozenset(s.scalars(q).all())
+
 
 def _add_job(s: Session, job: Job, now: datetime) -> JobRow:
     """A new job's row, ACTIVE, with policy version 0 (its model_path) and its event."""

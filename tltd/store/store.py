@@ -43,7 +43,8 @@ from tltd.store.workers import WorkerRecords
 from tltd.store.write_watch import WriteWatch
 
 # What a scheduler tick reads (`devices_and_jobs`): jobs, their active drafters, devices.
-SCHEDULING_TABLES = ("jobs", "drafter_versions", "devices")
+# ("job_pauses": a job paused keep freezes its workers on every node's next tick)
+SCHEDULING_TABLES = ("jobs", "drafter_versions", "devices", "job_pauses")
 
 
 class Store(

@@ -46,6 +46,7 @@ from tltd.store.leases import Claim, UnitEnd
 from tltd.store.rollout_requests import AdmissionClaim
 from tltd.supervisor.drain import NodeDrain
 from tltd.supervisor.fair_share import FairShare, active_jobs
+from tltd.supervisor.freezes import Freezes
 from tltd.supervisor.live_requests import LiveRequests, StreamEvent
 from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.policy_updates import PolicyUpdates
@@ -101,6 +102,7 @@ class Supervisor:
         self.handles = self.workers.handles
         self.models.switch_backend = self.workers.switch_backend
         self.state = TickState(store, self.settings.scheduler_tick_seconds)
+        self.freezes = Freezes(self.handles)  # workers of jobs paused keep: not stepping
         self.fair_share = FairShare()  # tokens served per job; a job waking from idle lifted
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
         self.leases = UnitLeases(store, settings, self.requests, self.handles, self._close)
@@ -378,6 +380,14 @@ class Supervisor:
             h.send(m)
         return sum(counts)
 
+    async def apply_pauses(self, job_id: str, timeout: float) -> int:
+        """A job's pause or resume was just recorded: freeze or thaw this node's workers now
+        (a tick reads it) and, for a pause that keeps requests in place, wait until the job's
+        workers here stopped stepping; returns how many did (0 after a resume). Other nodes
+        follow at their next tick."""
+        await self.tick()
+        return await self.freezes.wait_stopped(job_id, timeout)
+
     def kick_threadsafe(self) -> None:
         """Something changed in the store (a policy version, a job): tick soon."""
         if self._loop is not None and not self._closed:
@@ -430,7 +440,10 @@ class Supervisor:
         updates = self.policy_updates.mark()  # before the jobs are read: see policy_updates
         devices, jobs = self.state.reusable() or await asyncio.to_thread(self.state.read)
         self.workers.reconcile(devices, self.draining)
+        frozen = self.state.frozen
+        self.freezes.apply(frozen, thaw=False)  # before any work is sent this tick
         await self.models.plan(self.handles, self.queue, jobs)
+        self.freezes.apply(frozen)  # after the loads: a thawed sample steps on the newest
         if self._drain.assigning:  # (also in a drain's grace: alone, the node runs its work)
             await self.leases.claim(self._version_refusal, draining=self._drain.started)
         else:  # after the grace, alone: what is still queued ends "drained" (nobody else runs it)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 from tltd.domain import Device, Job, JobStatus
 
+KEEP_IN_PLACE = "keep"  # the pause mode (tltd.services.pause.PauseMode.KEEP) that freezes
+
 if TYPE_CHECKING:
     from tltd.store import Store
 
@@ -28,6 +30,7 @@ class _Read:
     at: float
     devices: list[Device]
     jobs: dict[str, Job]
+    frozen: frozenset[str]  # jobs paused with their requests kept in place
 
 
 class TickState:
@@ -38,6 +41,11 @@ class TickState:
         self.max_age = max_age
         self._last: _Read | None = None
         self.reads = 0  # store reads made (the rest were reused)
+
+    @property
+    def frozen(self) -> frozenset[str]:
+        """The jobs paused with their requests kept in place, as of the last read."""
+        return self._last.frozen if self._last is not None else frozenset()
 
     def reusable(self) -> tuple[list[Device], dict[str, Job]] | None:
         """The last read, when nothing it holds can have changed since (no store access)."""
@@ -55,6 +63,7 @@ class TickState:
         generation = self.store.scheduling_writes.generation
         at = time.monotonic()
         devices, jobs = self.store.devices_and_jobs([JobStatus.ACTIVE])
+        frozen = self.store.paused_jobs(KEEP_IN_PLACE)
         self.reads += 1
-        self._last = _Read(generation, at, devices, {j.job_id: j for j in jobs})
+        self._last = _Read(generation, at, devices, {j.job_id: j for j in jobs}, frozen)
         return self._last.devices, self._last.jobs

@@ -118,6 +118,7 @@ class WorkerHandle:
     # follows, or the broadcast's failure): it holds its samples until that version loads.
     broadcast_path: str = ""
     drafter_version: int = 0
+    frozen: bool = False  # sent Freeze(True) (its job is paused keep), not yet thawed
     seq: int = 0
     unacked: dict[int, int] = field(default_factory=dict)  # AddWork.seq -> expected tokens
     idle_since: float | None = None
@@ -200,7 +201,7 @@ def spawn(
     handle.proc = proc
     handle.since, handle.dead_at, handle.heartbeat = time.monotonic(), None, None
     handle.job_id, handle.policy_version, handle.drafter_version = "", 0, 0
-    handle.load, handle.fatal = None, ""
+    handle.load, handle.fatal, handle.frozen = None, "", False
     handle.unacked.clear()
     handle.idle_since = None
     handle.last_heartbeat = time.monotonic()

@@ -261,6 +261,13 @@ class Engine:
         }
         self._outputs.extend(self._finish(done))
 
+    def take_finished(self) -> list[SampleOutput]:
+        """The outputs the next step() would report before running anything (samples a cancel
+        finished), taken now without a step: a worker that is not stepping (frozen) sends a
+        cancel's samples at once."""
+        out, self._outputs = self._outputs, []
+        return out
+
     def abort_all(self) -> list[SampleOutput]:
         """Cancel every request, waiting or running; returns their outputs (CANCELLED, with the
         tokens so far). Nothing is left afterwards."""

@@ -21,6 +21,7 @@ from tltd.contract.rollout_messages import (
     Drain,
     Drained,
     Finished,
+    Freeze,
     Heartbeat,
     JoinBroadcast,
     LoadFailed,
@@ -71,7 +72,16 @@ class WorkerLoop:
     """One engine, one pipe. Single-threaded: a command never interrupts a step.
 
     Subclasses implement the engine hooks below; everything else is shared.
+
+    Frozen (a Freeze command: a job paused with its requests kept in place), the loop takes
+    no step: the engine's samples keep their tokens and KV cache, new work waits in it, and
+    the commands still apply (a cancel's samples are sent at once, a drain ends them as
+    partial, a new policy loads, and the samples continue on it once thawed).
     """
+
+    # False: the backend's engine runs by itself (SGLang's processes), not stepping it
+    # does not stop its samples, so a Freeze is not honoured (heartbeats say None).
+    can_freeze = True
 
     def __init__(self, conn: Connection, heartbeat_seconds: float) -> None:
         self.conn = conn
@@ -82,6 +92,7 @@ class WorkerLoop:
         self.idle_since: float | None = time.time()
         self.drain_deadline: float | None = None
         self.stopping = False
+        self.frozen = False
         self._last_heartbeat = 0.0
         # Policy weights received by a joined broadcast, until their version is loaded.
         self.broadcasts = BroadcastReceiver()
@@ -125,6 +136,11 @@ class WorkerLoop:
         """Finish the request's samples soon as CANCELLED (returned by a later `step`)."""
         raise NotImplementedError
 
+    def take_finished(self) -> list[Sample]:
+        """Samples already finished without a step (a cancel), which the next `step` would
+        report: a frozen loop sends them at once."""
+        return []
+
     def abort_everything(self) -> list[Sample]:
         """End all unfinished work now; what was cut short comes back CANCELLED."""
         raise NotImplementedError
@@ -149,7 +165,7 @@ class WorkerLoop:
     def run(self) -> None:
         self._ready()
         while not self.stopping:
-            timeout = 0.0 if self.busy() else self.heartbeat_seconds
+            timeout = 0.0 if self.busy() and not self.frozen else self.heartbeat_seconds
             if self.drain_deadline is not None:
                 timeout = min(timeout, max(0.0, self.drain_deadline - time.monotonic()))
             # Commands first: a cancel or drain takes effect before the next step.
@@ -161,17 +177,22 @@ class WorkerLoop:
             if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
                 self.drain_deadline = None
                 self.conn.send(Drained(self._abort_all()))
+            elif self.frozen:
+                if self.loaded():  # a cancel's samples, sent while not stepping
+                    self._send_finished(self.take_finished())
             elif self.busy():
                 self._step()
             self._maybe_heartbeat()
 
     def _step(self) -> None:
-        # A step's samples in one pipe message: one pickle and one write, not one each.
-        finished = [Finished(sample) for sample in self.step()]
-        if finished:
-            self.conn.send(finished)
+        self._send_finished(self.step())
         if not self.busy():
             self.idle_since = time.time()
+
+    def _send_finished(self, samples: list[Sample]) -> None:
+        # A step's samples in one pipe message: one pickle and one write, not one each.
+        if samples:
+            self.conn.send([Finished(sample) for sample in samples])
 
     def _maybe_heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -183,7 +204,12 @@ class WorkerLoop:
         running, remaining, stats = self.load_summary() if self.loaded() else (0, 0, {})
         self.conn.send(
             Heartbeat(
-                running, remaining, self.acked_seq, None if running else self.idle_since, stats
+                running,
+                remaining,
+                self.acked_seq,
+                None if running else self.idle_since,
+                stats,
+                self.frozen if self.can_freeze else None,
             )
         )
 
@@ -196,6 +222,9 @@ class WorkerLoop:
             case Cancel(request_id=rid):
                 if self.loaded():
                     self.cancel(rid)
+            case Freeze(frozen=frozen):
+                self.frozen = frozen and self.can_freeze
+                self._maybe_heartbeat(force=True)  # the daemon's ack: stopped (or not) now
             case Drain(seconds=s):
                 self.drain_deadline = time.monotonic() + max(0.0, s)
             case Shutdown():

@@ -183,6 +183,10 @@ class _Broadcast:
 class SglangWorker(WorkerLoop):
     """The shared loop over an SGLang engine (see the module docstring)."""
 
+    # SGLang's scheduler runs the requests in its own processes: not polling them does not
+    # stop them, so a job paused with requests kept in place lets them go on here.
+    can_freeze = False
+
     def __init__(self, conn: Connection, heartbeat_seconds: float, factory: EngineFactory) -> None:
         super().__init__(conn, heartbeat_seconds)
         self.factory = factory

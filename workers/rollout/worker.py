@@ -131,6 +131,10 @@ class RolloutWorker(WorkerLoop):
         assert self.engine is not None
         self.engine.cancel(request_id)
 
+    def take_finished(self) -> list[Sample]:
+        assert self.engine is not None
+        return [out.to_domain() for out in self.engine.take_finished()]
+
     def abort_everything(self) -> list[Sample]:
         assert self.engine is not None
         return [out.to_domain() for out in self.engine.abort_all()]
