@@ -8,16 +8,23 @@ same sampling law as the daemon's), no daemon.
 `--seeds` repeats each config with other sampling seeds (the demo's `--seed`): runs that
 differ only in their draws, as the demo's TLT and SD-off runs do (speculative decoding is
 lossless in law, not in draws), and the table's last lines say how far apart their final
-policies score on the held-out set.
+policies score.
+
+Settings are compared on the task's validation split (`--split validation`, the default;
+`examples/task/dataset.py`): disjoint from the training set and from the held-out set the demo
+reports, so the demo's held-out result is not scored on the prompts that chose its settings.
+`--split held-out` scores the demo's held-out set instead (to reproduce a demo figure, not to
+choose a setting).
 
 Each config runs `--steps` RL steps of `--prompts` x `--n` samples at temperature 1 from
 `models/tiny-policy`, as `make demo` does: the prompts come from the task's fixed training set
 iterated in shuffled epochs (`examples/task/dataset.py`, `--train-prompts` of them), GRPO
 advantages, clipped policy-gradient updates by `examples/grpo_trainer.py`. Per config the
 table prints the mean reward per step, the per-sample regression slope of the reward on the
-step (the demo's `reward trend`) with its standard error, and the reward on the held-out
-prompts before and after the run, sampled with the same seeds both times (paired: the standard
-error is that of the per-sample differences).
+step (the demo's `reward trend`) with its standard error, and the reward on the split's
+prompts before and after the run, sampled with the same seeds both times (paired; the standard
+error is taken over prompts, of their mean per-sample differences: a prompt's samples are not
+independent of each other).
 
 Configs: `demo` the demo's setting (DEMO_LR, DEMO_PASSES, DEMO_KL); `lr1e-4` one AdamW step
 at lr 1e-4; `fixed` the same prompts every step; `passes2` two clipped updates per batch at lr 3e-4;
@@ -120,9 +127,9 @@ def score(work, outs, tok) -> list[Scored]:
 
 
 def held_out(checkpoint: Path, args) -> HeldOutScore:
-    return held_out_score(
-        checkpoint, args.dataset.held_out, args.held_out_n or args.n, args.max_new_tokens
-    )
+    """The score on `--split`: the validation split (choosing settings) or the held-out set."""
+    items = args.dataset.validation if args.split == "validation" else args.dataset.held_out
+    return held_out_score(checkpoint, items, args.held_out_n or args.n, args.max_new_tokens)
 
 
 def make_trainer(cfg: Config, model: Path) -> GRPOTrainer:
@@ -168,14 +175,41 @@ def _ratio(value: float, standard_error: float) -> float:
     return value / standard_error if standard_error else float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
+def print_table(rows: list, finals: dict, before: HeldOutScore, split: str) -> None:
+    """Per config: reward per step, trend, and the change on the scored split; then how far
+    apart runs of one config that differ only in their sampling seeds end."""
+    print(f"\n{'config':<10}{'reward per step':<36}{'trend/step':>11}{'(SEs)':>7}"
+          f"{split + ' before':>17}{'after':>7}{'change':>9}{'(SEs)':>7}"
+          f"{'guesses':>13}{'mean len':>14}")  # fmt: skip
+    for name, steps, slope, se, after, (delta, dse) in rows:
+        per_step = " ".join(f"{s.mean_reward:.2f}" for s in steps)
+        guesses = f"{before.guess_share:.2f}->{after.guess_share:.2f}"
+        lengths = f"{before.mean_length:.0f}->{after.mean_length:.0f}"
+        print(f"{name:<10}{per_step:<36}{slope:>+11.3f}{_ratio(slope, se):>+7.1f}"
+              f"{before.mean:>17.3f}{after.mean:>7.3f}{delta:>+9.3f}{_ratio(delta, dse):>+7.1f}"
+              f"{guesses:>13}{lengths:>14}")  # fmt: skip
+    # Runs of one config that differ only in their sampling seeds: how far apart their final
+    # policies score, in the paired standard errors the demo's "TLT - off at the end" uses.
+    for name, runs in finals.items():
+        for i, (sa, ra) in enumerate(runs):
+            for sb, rb in runs[i + 1 :]:
+                delta, dse = paired(rb, ra, before.prompts)
+                print(f"{name}: seed {sa} - seed {sb} at the end: {delta:+.3f} +- {dse:.3f} "
+                      f"({_ratio(delta, dse):+.1f} standard errors)")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--train-prompts", type=int, default=32)
-    ap.add_argument("--held-out-prompts", type=int, default=32)
-    ap.add_argument("--held-out-n", type=int, help="samples per held-out prompt (default --n)")
+    ap.add_argument("--held-out-prompts", type=int, default=32, help="size of either split")
+    ap.add_argument("--held-out-n", type=int, help="samples per scored prompt (default --n)")
+    ap.add_argument(
+        "--split", choices=("validation", "held-out"), default="validation",
+        help="the prompts the runs are scored on: the validation split chooses settings",
+    )  # fmt: skip
     ap.add_argument("--configs", default="demo,lr1e-4")
     ap.add_argument(
         "--seeds", default="0",
@@ -187,22 +221,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     configs = [CONFIGS[name] for name in args.configs.split(",")]
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.model)
     args.dataset = build_dataset(
-        args.prompts, args.train_prompts, args.held_out_prompts, model_dir=args.model
-    )
+        args.prompts, args.train_prompts, args.held_out_prompts, model_dir=args.model,
+        validation_size=args.held_out_prompts,
+    )  # fmt: skip
     print(
         f"workload: {args.prompts} prompts x {args.n} samples per step (the demo's), "
-        f"{args.steps} steps; held out: {args.held_out_prompts} x {args.held_out_n or args.n}",
+        f"{args.steps} steps; scored on the {args.split} split: {args.held_out_prompts} x "
+        f"{args.held_out_n or args.n}",
         flush=True,
     )
     t0 = time.perf_counter()
     before = held_out(args.model, args)
     print(
-        f"  held out before: reward {before.mean:.3f}, guesses {before.guess_share:.2f} "
+        f"  {args.split} before: reward {before.mean:.3f}, guesses {before.guess_share:.2f} "
         f"(reward {before.guess_mean:.3f}; worked {before.worked_mean:.3f}), "
         f"mean length {before.mean_length:.0f} ({time.perf_counter() - t0:.0f}s)",
         flush=True,
@@ -217,31 +257,15 @@ def main(argv: list[str] | None = None) -> int:
                 after = held_out(last, args)
                 name = cfg.name if seed == 0 else f"{cfg.name}-s{seed}"
                 print(
-                    f"  {name} held out after: reward {after.mean:.3f}, guesses "
+                    f"  {name} {args.split} after: reward {after.mean:.3f}, guesses "
                     f"{after.guess_share:.2f} (reward {after.guess_mean:.3f}; worked "
                     f"{after.worked_mean:.3f}), mean length {after.mean_length:.0f}",
                     flush=True,
                 )
-                rows.append((name, steps, slope, se, after, paired(before.rewards, after.rewards)))
+                change = paired(before.rewards, after.rewards, before.prompts)
+                rows.append((name, steps, slope, se, after, change))
                 finals.setdefault(cfg.name, []).append((seed, after.rewards))
-    print(f"\n{'config':<10}{'reward per step':<36}{'trend/step':>11}{'(SEs)':>7}"
-          f"{'held out before':>17}{'after':>7}{'change':>9}{'(SEs)':>7}"
-          f"{'guesses':>13}{'mean len':>14}")  # fmt: skip
-    for name, steps, slope, se, after, (delta, dse) in rows:
-        per_step = " ".join(f"{s.mean_reward:.2f}" for s in steps)
-        guesses = f"{before.guess_share:.2f}->{after.guess_share:.2f}"
-        lengths = f"{before.mean_length:.0f}->{after.mean_length:.0f}"
-        print(f"{name:<10}{per_step:<36}{slope:>+11.3f}{_ratio(slope, se):>+7.1f}"
-              f"{before.mean:>17.3f}{after.mean:>7.3f}{delta:>+9.3f}{_ratio(delta, dse):>+7.1f}"
-              f"{guesses:>13}{lengths:>14}")  # fmt: skip
-    # Runs of one config that differ only in their sampling seeds: how far apart their final
-    # policies score, in the paired standard errors the demo's "TLT - off at the end" uses.
-    for name, runs in finals.items():
-        for i, (sa, ra) in enumerate(runs):
-            for sb, rb in runs[i + 1 :]:
-                delta, dse = paired(rb, ra)
-                print(f"{name}: seed {sa} - seed {sb} at the end: {delta:+.3f} +- {dse:.3f} "
-                      f"({_ratio(delta, dse):+.1f} standard errors)")  # fmt: skip
+    print_table(rows, finals, before, args.split)
     return 0
 
 

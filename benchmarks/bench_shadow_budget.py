@@ -42,18 +42,20 @@ class BudgetRun(demo.Run):
         if self.shadow is None:
             raise SystemExit("no drafter: the shadow measure compares two drafters")
         self.at, self.ks = at, ks
-        # step -> (drafter version used, [(k, used, frozen)])
+        # step -> (drafter version in service at the step's start, [(k, used, frozen)])
         self.sweeps: dict[int, tuple[int, list[tuple[int, float, float]]]] = {}
 
-    def measure_shadow(self, samples: list[RolloutSample], prompts) -> tuple[float, float]:
+    def measure_shadow(
+        self, samples: list[RolloutSample], prompts, version: int
+    ) -> tuple[float, float]:
+        """`version`: the drafter in service when the step's rollout began (the demo's)."""
         step = len(self.rows)  # the step being run: its row is appended after this
         if step not in self.at:
-            return super().measure_shadow(samples, prompts)
+            return super().measure_shadow(samples, prompts, version)
         assert self.shadow is not None
-        version = max((s.drafter_version for s in samples), default=0)
         weights = {k: v.detach() for k, v in self.trainer.model.state_dict().items()}
         ks = tuple(dict.fromkeys((self.shadow.k, *self.ks)))  # the demo's k first, once
-        got = self.shadow.measure_at(weights, samples, prompts, self.drafter_used(samples), ks)
+        got = self.shadow.measure_at(weights, samples, prompts, self.drafter_path(version), ks)
         by_k = dict(zip(ks, got, strict=True))
         self.sweeps[step] = (version, [(k, *by_k[k]) for k in self.ks])
         return by_k[self.shadow.k]  # the step's row: the demo's measure
@@ -63,7 +65,8 @@ def print_report(run: BudgetRun) -> None:
     ratios = [round(r.shadow[0] / r.shadow[1], 3) if r.shadow[1] else 0.0 for r in run.rows]
     assert run.shadow is not None
     print(f"\nshadow used / frozen per step at k = {run.shadow.k}: {ratios}")
-    print(f"drafter versions used per step: {[r.drafter_version for r in run.rows]}")
+    print(f"drafter version in service at each step's start (scored as used): "
+          f"{[r.shadow_version for r in run.rows]}")  # fmt: skip
     print(f"training reward per step: {[round(r.mean_reward, 2) for r in run.rows]}")
     head = " | ".join(f"k={k}: used / frozen" for k in run.ks)
     print(f"\n| step | epoch | drafter | {head} |")

@@ -19,6 +19,7 @@ While it runs, `TLTD_TARGET=<printed address> tltctl status` shows every device'
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import signal
@@ -64,11 +65,11 @@ MODEL = ROOT / "models" / "tiny-policy"
 DRAFTER = ROOT / "models" / "tiny-policy-eagle"
 # The trainer's setting: AdamW lr and clipped updates per rollout batch (each pass recomputes
 # the logprobs and clips the ratio against the daemon's), and no KL penalty towards the initial
-# policy, as in DAPO: over the demo's 8 steps lr 2e-4 without it raised the held-out reward by
-# 3.5 standard errors, where lr 3e-4 with a penalty of 0.1 raised it by 3.0, and the penalty's
-# reference forward was a quarter of the update's compute. benchmarks/bench_rl_trend.py
-# compares settings (its `lr2e-4` is this one; lr 5e-4 moved the arithmetic and lost held-out
-# reward, docs/performance.md section 5).
+# policy, as in DAPO; the penalty's reference forward was a quarter of the update's compute.
+# These were chosen among ~15 settings of benchmarks/bench_rl_trend.py scored on the held-out
+# set, before the task had a validation split, so that set took part in choosing them.
+# bench_rl_trend.py now compares settings on the validation split (docs/demo.md, "Which split
+# chose what").
 DEMO_LR = 2e-4
 DEMO_PASSES = 1
 DEMO_KL = 0.0
@@ -218,6 +219,21 @@ def rollout(
     return samples, finished, time.perf_counter() - start
 
 
+def pick_then_roll_out(
+    client: RolloutClient,
+    job_id: str,
+    prompts: list[list[int]],
+    cfg: DemoConfig,
+    seed: int,
+    label: str,
+) -> tuple[int, tuple[list[RolloutSample], list[float], float]]:
+    """The job's drafter version in service before the step's rollout begins, then the rollout.
+    That version is what the shadow scores as "used": promoted before any of the step's samples
+    existed, it never trained on them (a version promoted during the step may have)."""
+    in_service = int(client.raw.get_job(job_id).drafter_version)
+    return in_service, rollout(client, prompts, cfg, seed=seed, label=label)
+
+
 def tail_seconds(finish_times: list[float]) -> float:
     """Time from the moment 90% of the samples were done until the last one was."""
     times = sorted(finish_times)
@@ -287,12 +303,16 @@ class Run:
         problems = [p for p, _ in work]
         prompts = [ids for _, ids in work]
         at_start = self.daemon.device_seconds()
-        samples, finish, rollout_s = rollout(
-            self.client, prompts, cfg, seed=seed, label=f"{self.mode} step {step}"
+        in_service, (samples, finish, rollout_s) = pick_then_roll_out(
+            self.client, self.job_id, prompts, cfg, seed=seed, label=f"{self.mode} step {step}"
         )
         at_rollout_end = self.daemon.device_seconds()
-        shadow = self.measure_shadow(samples, prompts)  # not timed: a measurement
-        law = self.measure_law(samples, prompts)  # nor this one
+        # Not in the step's time: measurements. Their wall time and what the daemon did
+        # meanwhile (drafter training's wind-down) are recorded apart.
+        t_meas = time.perf_counter()
+        shadow = self.measure_shadow(samples, prompts, in_service)
+        law = self.measure_law(samples, prompts)
+        measure_s = time.perf_counter() - t_meas
         at_update = self.daemon.device_seconds()
         t0 = time.perf_counter()
         scored = score(samples, prompts, problems, self.tok)
@@ -307,7 +327,11 @@ class Run:
         window = windows(at_start, at_rollout_end, at_update, self.daemon.device_seconds())
         row = summarize(step, samples, finish, rollout_s, scored, stats[0].max_logprob_gap,
                         update_s, window)  # fmt: skip
-        row = replace(row, epoch=self.dataset.epoch_of(step), shadow=shadow, law=law)
+        row = replace(
+            row, epoch=self.dataset.epoch_of(step), shadow=shadow, law=law,
+            shadow_version=in_service if self.shadow is not None else 0,
+            measure_s=measure_s, update_tokens=stats[0].tokens,
+        )  # fmt: skip
         self.rows.append(row)
         print_row(self.mode, row)
         return row
@@ -333,16 +357,18 @@ class Run:
         with torch_threads(os.cpu_count() or 1):
             return token_law(self.trainer.model, picked, self.law_rng, self.trainer.pad_id)
 
-    def measure_shadow(self, samples: list[RolloutSample], prompts) -> tuple[float, float]:
-        """Accepted length of the drafter used and of the frozen initial one on the samples."""
+    def measure_shadow(
+        self, samples: list[RolloutSample], prompts, version: int
+    ) -> tuple[float, float]:
+        """Accepted length of drafter `version` (the one in service when the step's rollout
+        began) and of the frozen initial one on the samples; version 1 is the frozen one."""
         if self.shadow is None:
             return (0.0, 0.0)
         weights = {k: v.detach() for k, v in self.trainer.model.state_dict().items()}
-        return self.shadow.measure(weights, samples, prompts, self.drafter_used(samples))
+        return self.shadow.measure(weights, samples, prompts, self.drafter_path(version))
 
-    def drafter_used(self, samples: list[RolloutSample]) -> Path | None:
-        """The learned drafter the samples' highest version names; None for the initial one."""
-        version = max((s.drafter_version for s in samples), default=0)
+    def drafter_path(self, version: int) -> Path | None:
+        """The checkpoint of learned drafter `version`; None for the initial one (<= 1)."""
         if version <= 1:
             return None
         return Path(self.client.raw.get_drafter(self.job_id, version).path)
@@ -363,6 +389,9 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 def windows(start, rollout_end, update_start, end) -> Window:
+    """Device-seconds by state in the rollout window, the measurement gap and the update, from
+    the daemon's per-state totals at their four bounds."""
+
     def delta(a, b, state):
         return b.get(state, 0.0) - a.get(state, 0.0)
 
@@ -372,6 +401,8 @@ def windows(start, rollout_end, update_start, end) -> Window:
         rollout_loading=delta(start, rollout_end, "loading"),
         update_idle=delta(update_start, end, "idle"),
         update_training=delta(update_start, end, "training"),
+        gap_idle=delta(rollout_end, update_start, "idle"),
+        gap_training=delta(rollout_end, update_start, "training"),
     )
 
 
@@ -476,6 +507,15 @@ def quantile(values: list[int], q: float) -> int:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0
 
 
+def tokens_digest(samples: list[RolloutSample]) -> str:
+    """A digest of the samples' token ids in (prompt, sample) order: equal digests, the same
+    samples."""
+    h = hashlib.sha256()
+    for s in sorted(samples, key=lambda s: (s.prompt_index, s.sample_index)):
+        h.update(f"{s.prompt_index}:{s.sample_index}:{','.join(map(str, s.token_ids))};".encode())
+    return h.hexdigest()[:16]
+
+
 def summarize(step, samples, finish, rollout_s, scored, gap, update_s, window) -> StepRow:
     lengths = [s.num_tokens for s in samples]
     draft = sum(s.draft_steps for s in samples)
@@ -495,6 +535,8 @@ def summarize(step, samples, finish, rollout_s, scored, gap, update_s, window) -
         sd_share=sd_share(samples),
         accepted_length=(accepted + draft) / draft if draft else 0.0,
         drafter_version=max((s.drafter_version for s in samples), default=0),
+        drafter_versions=tuple(sorted({s.drafter_version for s in samples} - {0})),
+        tokens_digest=tokens_digest(samples),
         policy_version=max((s.policy_version for s in samples), default=0),
         window=window,
         mean_reward=mean,

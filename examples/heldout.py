@@ -1,11 +1,14 @@
-"""Held-out reward of a policy: the dataset's held-out prompts sampled with fixed seeds and
-speculative decoding off (by the engine in-process, or by a daemon job), so that two policies'
-scores pair up sample by sample."""
+"""Held-out reward of a policy: a split's prompts sampled with fixed seeds, by the engine
+in-process with speculative decoding off or by a daemon job (the demo's speculates with a frozen
+drafter: the accept rule gives a seeded sample the same tokens with SD on or off), so that two
+policies' scores pair up sample by sample; their difference's standard error is taken over
+prompts, whose samples are not independent of each other."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from examples.task import decode, load_tokenizer, reward
@@ -18,12 +21,13 @@ from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
 @dataclass(frozen=True)
 class HeldOutScore:
-    """Per sample, in (prompt, sample) order: reward, answer length (tokens), and whether the
-    answer was a bare guess (the answer line first, nothing worked out)."""
+    """Per sample, in (prompt, sample) order: reward, answer length (tokens), whether the
+    answer was a bare guess (the answer line first, nothing worked out), and its prompt."""
 
     rewards: list[float]
     lengths: list[int]
     guesses: list[bool]
+    prompts: list[int] = field(default_factory=list)  # the prompt index of each sample
 
     @property
     def mean(self) -> float:
@@ -77,12 +81,28 @@ def score_samples(items: list[Item], samples, tok) -> HeldOutScore:
         rewards=[reward(items[s.prompt_index][0], t) for s, t in zip(outs, texts, strict=True)],
         lengths=[len(s.token_ids) for s in outs],
         guesses=[t.lstrip().startswith(ANSWER_MARKER) for t in texts],
+        prompts=[s.prompt_index for s in outs],
     )
 
 
-def paired(before: list[float], after: list[float]) -> tuple[float, float]:
-    """Mean of the per-sample differences after - before, and its standard error."""
+def paired(
+    before: Sequence[float], after: Sequence[float], clusters: Sequence[int] | None = None
+) -> tuple[float, float]:
+    """Mean of the per-sample differences after - before, and its standard error over
+    `clusters` (each sample's prompt): the differences are averaged per prompt and the standard
+    error is that of the per-prompt means, since samples of one prompt are correlated (a
+    prompt the policy learnt moves all of its samples). Without clusters, every sample is its
+    own cluster. With equal cluster sizes the mean is the per-sample mean."""
     diffs = [a - b for a, b in zip(after, before, strict=True)]
-    mean = sum(diffs) / len(diffs)
-    var = sum((d - mean) ** 2 for d in diffs) / max(1, len(diffs) - 1)
-    return mean, math.sqrt(var / len(diffs))
+    keys = list(range(len(diffs))) if clusters is None else list(clusters)
+    if len(keys) != len(diffs):
+        raise ValueError(f"clusters: {len(keys)} labels for {len(diffs)} samples")
+    groups: dict[int, list[float]] = {}
+    for key, d in zip(keys, diffs, strict=True):
+        groups.setdefault(key, []).append(d)
+    means = [sum(g) / len(g) for g in groups.values()]
+    if not means:
+        return math.nan, math.nan
+    mean = sum(means) / len(means)
+    var = sum((m - mean) ** 2 for m in means) / max(1, len(means) - 1)
+    return mean, math.sqrt(var / len(means))

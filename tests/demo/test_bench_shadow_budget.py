@@ -24,8 +24,7 @@ def test_quick_run_measures_both_drafters_at_each_k(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
-    # The highest drafter version the step's samples carry; 0 when none was drafted by EAGLE
-    # (the measured gate and the bandit decide per step, from timings a loaded machine moves).
+    # The drafter version in service when the step's rollout began (the one scored as used).
     version = int(cells[2])
     chains = []
     for k, cell in zip((2, 4), cells[3:], strict=True):
@@ -33,7 +32,7 @@ def test_quick_run_measures_both_drafters_at_each_k(capsys):
         # 1 (nothing accepted) <= accepted length <= k + 1 (every draft accepted).
         assert 1.0 <= float(used) <= k + 1 and 1.0 <= float(frozen) <= k + 1
         assert float(ratio.strip("()x")) == pytest.approx(float(used) / float(frozen), abs=0.01)
-        if version <= 1:  # the frozen drafter is the one used (Run.drafter_used)
+        if version <= 1:  # the frozen drafter is the one in service (Run.drafter_path)
             assert used == frozen
         chains.append((float(used), float(frozen)))
     # Chains of 4 drafts accept at least what chains of 2 do (the same chains, cut later).

@@ -20,15 +20,22 @@ def test_quick_demo_runs_both_modes_and_shuts_down_cleanly(grpc_demo):
         assert int(row[8]) > 0  # tokens
         # Counted from the end: the columns before SD share (length statistics) may change.
         # Step 1's samples come from the policy pushed after step 0 (version 1).
-        assert row[-4] == row[1]
-        sd_share = float(row[-9])
+        assert row[-5] == row[1]
+        assert float(row[-3]) > 0  # the measurements' wall time, outside the step
+        # The shadow scores the version in service at the step's start: the offline drafter
+        # (version 1) or none, never a version promoted during the step.
+        if row[0] == "tlt":
+            assert row[-8] == "same" if row[-9] == "1" else row[-9] == "0", row
+        sd_share = float(row[-11])
         assert 0.0 <= sd_share <= 1.0 if row[0] == "tlt" else sd_share == 0.0, row
     # TLT verified drafts (0.12 measured); with speculative decoding off, none. Per step it may
     # be 0: the measured gate times its costs at worker start, and on a loaded machine it can
     # find plain decoding faster for a 2-prompt step.
-    assert max(float(r[-9]) for r in rows if r[0] == "tlt") > 0.0, rows
+    assert max(float(r[-11]) for r in rows if r[0] == "tlt") > 0.0, rows
     assert [r[2] for r in rows[:2]] == ["0.0", "1.0"]  # epochs: the 2 prompts twice
     assert "end-to-end step speedup" in out and "projection, not a measurement" in out
+    assert "one run per mode, TLT first" in out
+    assert "standard errors over the 2 prompts' mean differences" in out
     for label in ("initial policy", "tlt final policy", "off final policy"):
         assert f"held out ({label})" in out
     assert "tltd exited with status 0 after SIGTERM" in out

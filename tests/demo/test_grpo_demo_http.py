@@ -26,9 +26,10 @@ def test_http_run_matches_the_grpc_run(tmp_path, demo_model, grpc_demo):
     # tokens, p50, p99, capped ... reward: the SD-off samples are the same samples.
     assert http_row[8:12] == grpc_row[8:12]
     assert http_row[-1] == grpc_row[-1]  # mean reward
-    assert http_row[-4] == "1"  # the last step's samples come from the pushed policy
+    assert http_row[-5] == "1"  # the last step's samples come from the pushed policy
     for out in (over_http, over_grpc):
-        gap = float(re.search(r"daemon logprob\| over the run: (\S+)", out).group(1))
+        found = re.search(r"daemon logprob\| over the tokens .* rollout tokens\): (\S+)", out)
+        gap = float(found.group(1))
         assert gap < 1e-4
         assert "tltd exited with status 0 after SIGTERM" in out
     # The step's checkpoint went in through /update_weights_from_disk.

@@ -96,6 +96,8 @@ def test_harvest_share_and_end_to_end_projection():
     # A trainer's start-up holds the device without training: not counted as used.
     loading = Window(rollout_idle=3.0, rollout_training=9.0, rollout_loading=3.0)
     assert loading.harvested == pytest.approx(0.5)
+    # Training after the rollout: in the measurement gap and in the update.
+    assert Window(gap_training=1.5, update_training=4.0).outside_training == pytest.approx(5.5)
     # Amdahl: 85% of the step sped up 2x -> 1 / (0.15 + 0.425).
     assert projected_speedup(2.0) == pytest.approx(1 / 0.575)
     assert projected_speedup(2.0, rollout_share=1.0) == pytest.approx(2.0)

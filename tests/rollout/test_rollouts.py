@@ -88,7 +88,7 @@ def test_batch_streams_back_complete_and_lossless(daemon, ckpt):
     wait_until(lambda: _settled(daemon.supervisor), what="heartbeats caught up")
     prefills = [st["prefills"] for st in daemon.supervisor.worker_stats().values()]
     assert len(prefills) == 2 and all(p > 0 for p in prefills)
-    # Device states follow the work: rollout while it ran, idle after the idle grace.
+    # Device states follow the work: rollout while it ran, idle from the moment it ended.
     wait_until(
         lambda: {dv.state for dv in daemon.store.list_devices()} == {DeviceState.IDLE},
         what="devices idle",

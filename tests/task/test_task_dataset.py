@@ -38,3 +38,16 @@ def test_held_out_is_disjoint_from_training_and_fixed() -> None:
 def test_per_step_larger_than_the_training_set_is_refused() -> None:
     with pytest.raises(ValueError, match="per_step"):
         build_dataset(per_step=40, train_size=32, held_out_size=4)
+
+
+def test_validation_split_is_disjoint_from_training_and_held_out() -> None:
+    ds = build_dataset(per_step=16, train_size=32, held_out_size=32, validation_size=32)
+    train = {(p.start, p.step, p.count) for p, _ in ds.train}
+    held = {(p.start, p.step, p.count) for p, _ in ds.held_out}
+    val = [(p.start, p.step, p.count) for p, _ in ds.validation]
+    assert len(val) == 32 and len(set(val)) == 32
+    assert not set(val) & train and not set(val) & held
+    # Adding the split leaves the held-out set as it was: results stay comparable.
+    before = build_dataset(per_step=16, train_size=32, held_out_size=32, validation_size=0)
+    assert [p for p, _ in before.held_out] == [p for p, _ in ds.held_out]
+    assert before.validation == []

@@ -51,6 +51,14 @@ def restart_backoff(failures: int) -> float:
     return min(30.0, 0.5 * 2 ** min(failures - 1, 16)) if failures > 0 else 0.0
 
 
+def rollout_device_state(running_samples: int) -> DeviceState:
+    """What a device outside training is doing: ROLLOUT while its workers run samples, IDLE
+    from the moment they run none. The idle grace (`SchedulerConfig.idle_grace_seconds`)
+    decides when training may start on an idle device, not whether the device is idle: a
+    device that waits out the grace, or gets work back before it ends, was idle meanwhile."""
+    return DeviceState.ROLLOUT if running_samples > 0 else DeviceState.IDLE
+
+
 class RolloutWorkers:
     """One rollout worker per device: lifecycle, messages, and their recorded states."""
 
@@ -416,7 +424,6 @@ class RolloutWorkers:
 
     def record(self, decision: Decision, devices: list[Device]) -> None:
         """Write what changed in device and worker states after a tick's decision."""
-        idle = set(decision.idle_devices)
         # A device handed to training this tick gets its state from the training hook; an
         # IDLE written here too could land after it (another writer) and hide the training.
         to_training = {t.device_id for t in decision.start_training}
@@ -428,12 +435,9 @@ class RolloutWorkers:
                 self._device_states[d.device_id] = DeviceState.TRAINING
                 continue
             busy = sum(self.queue.inflight(s.worker_id) for s in self.on(d.device_id))
-            if busy:
-                self._record_device(d.device_id, DeviceState.ROLLOUT, f"{busy} samples running")
-            elif d.device_id in idle or not d.schedulable:
-                # A cordoned or draining device never counts as idle for training, but once
-                # its work ends it no longer runs rollouts either.
-                self._record_device(d.device_id, DeviceState.IDLE, "no rollout work")
+            state = rollout_device_state(busy)
+            reason = f"{busy} samples running" if busy else "no rollout work"
+            self._record_device(d.device_id, state, reason)
         for handle in self.handles.values():
             if handle.answered:
                 busy = self.queue.inflight(handle.worker_id) > 0
