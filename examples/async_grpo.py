@@ -319,9 +319,9 @@ def print_async_summary(outcome: AsyncOutcome, off_step_s: list[float], scores: 
         f"weights truncated at {IS_CAP}"
     )
     first, last = scores["initial"], scores["async"]
-    delta, se = paired(first.rewards, last.rewards)
-    line = f"  held out: {last.mean:.3f}, change {delta:+.3f} +- {se:.3f}"
+    delta, se = paired(first.rewards, last.rewards, first.prompts or None)
+    line = f"  held out: {last.mean:.3f}, change {delta:+.3f} +- {se:.3f} (over prompts)"
     if "tlt" in scores:
-        d2, se2 = paired(scores["tlt"].rewards, last.rewards)
+        d2, se2 = paired(scores["tlt"].rewards, last.rewards, first.prompts or None)
         line += f"; async - synchronous TLT at the end {d2:+.3f} +- {se2:.3f}"
     print(line, flush=True)
