@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from examples.cpu_time import demo_cpu
 from examples.grpo_trainer import GRPOTrainer, Scored, group_advantages
 from examples.task import decode, load_tokenizer, reward
 from examples.task.dataset import TaskDataset
@@ -135,6 +136,7 @@ class AsyncRun:
         )  # fmt: skip
         self.problems: dict[str, list[Any]] = {}  # request id -> its prompts' problems
         self.rows: list[AsyncRow] = []
+        self.cpu_s = 0.0
 
     def _submit(self, step: int) -> _Pending:
         work = self.dataset.batch(step)
@@ -146,12 +148,14 @@ class AsyncRun:
             stop_token_ids=[STOP_TOKEN_ID], seed=self.cfg.seed * 1000 + step,
         )  # fmt: skip
 
-    def run(self, print_row: Any = None) -> list[AsyncRow]:
-        """Every step; the leftover groups are dropped with the job at the end."""
+    def run(self, print_row: Any = None, cpu: Any = lambda: 0.0) -> list[AsyncRow]:
+        """Every step; the leftover groups are dropped with the job at the end. `cpu()`: CPU
+        seconds so far, read when the first step's timing starts and after the last update
+        (`cpu_s`)."""
         self.client.generate(
             [self.dataset.held_out[0][1]], n=1, temperature=0.0, max_new_tokens=4
         )  # fmt: skip - warm-up, not timed
-        last = time.perf_counter()
+        last, cpu0 = time.perf_counter(), cpu()
         pending = [self._submit(k) for k in range(min(LOOKAHEAD, self.cfg.steps))]
         for step in range(self.cfg.steps):
             t0 = time.perf_counter()
@@ -164,6 +168,7 @@ class AsyncRun:
             self.rows.append(row)
             if print_row is not None:
                 print_row(row)
+        self.cpu_s = cpu() - cpu0
         self.client.raw.cancel_job(self.job_id, "demo run finished")
         return self.rows
 
@@ -229,52 +234,22 @@ class _threads:
 # ---- what the run cost, and its report -------------------------------------------------------
 
 
-def process_tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process, its live descendants, and the children it has
-    reaped (Linux /proc): the daemon with its workers and drafter trainers."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, list[str]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                raw = (entry / "stat").read_text()
-            except OSError:
-                continue  # exited meanwhile
-            stats[int(entry.name)] = raw[raw.rindex(")") + 2 :].split()
-    tree, grew = {pid}, True
-    while grew:  # field 1 (after the name) is the parent's pid
-        new = {p for p, f in stats.items() if int(f[1]) in tree} - tree
-        tree |= new
-        grew = bool(new)
-    total = sum(int(stats[p][11]) + int(stats[p][12]) for p in tree if p in stats)
-    if pid in stats:  # reaped children: cutime + cstime
-        total += int(stats[pid][13]) + int(stats[pid][14])
-    return total / ticks
-
-
 @dataclass(frozen=True)
 class AsyncOutcome:
     rows: list[AsyncRow]
     wall_s: float  # the steps' wall time (the sum of step_s)
-    cpu_s: float  # the daemon's and the trainer's CPU seconds over the steps
+    cpu_s: float  # the daemon's and the trainer's CPU seconds over those steps
     cores: int
-
-    @property
-    def bound_step_s(self) -> float:
-        """The mean step's necessary work spread over every core with nothing idle."""
-        return self.cpu_s / max(1, len(self.rows)) / self.cores
 
 
 def run_async(cfg: Any, daemon: Any, dataset: TaskDataset, model: Path, drafter: Path | None):
-    """The asynchronous TLT run, timed and its CPU counted; (outcome, its trainer)."""
+    """The asynchronous TLT run, timed and its CPU counted over the steps; (outcome, trainer)."""
     run = AsyncRun(cfg, daemon.target, dataset, model, drafter)
     try:
-        cpu0 = process_tree_cpu(daemon.proc.pid) + time.process_time()
-        rows = run.run(print_async_row)
-        cpu = process_tree_cpu(daemon.proc.pid) + time.process_time() - cpu0
+        rows = run.run(print_async_row, cpu=lambda: demo_cpu(daemon.proc.pid))
     finally:
         run.close()
-    outcome = AsyncOutcome(rows, sum(r.step_s for r in rows), cpu, os.cpu_count() or 1)
+    outcome = AsyncOutcome(rows, sum(r.step_s for r in rows), run.cpu_s, os.cpu_count() or 1)
     return outcome, run.trainer
 
 
@@ -295,20 +270,26 @@ def print_async_row(r: AsyncRow) -> None:
     )
 
 
-def print_async_summary(outcome: AsyncOutcome, off_step_s: list[float], scores: dict) -> None:
-    """End-to-end step speedup against the synchronous SD-off run (measured, and this machine's
-    bound for it), staleness, and the held-out reward, paired."""
+def print_async_summary(outcome: AsyncOutcome, results: dict, scores: dict) -> None:
+    """End-to-end step speedup against the synchronous SD-off run, measured, beside this
+    machine's bound for it (the synchronous TLT step's work, rollout and update CPU-seconds of
+    the daemon and the trainer, spread over every core with nothing idle), staleness, and the
+    held-out reward, paired over prompts."""
     from examples.heldout import paired
 
     rows, steps = outcome.rows, max(1, len(outcome.rows))
-    off, mean = sum(off_step_s) / max(1, len(off_step_s)), outcome.wall_s / steps
-    work = outcome.cpu_s / steps
-    print(
-        f"asynchronous TLT: {mean:.1f} s per step against {off:.1f} s synchronous SD-off: "
-        f"end-to-end step speedup {off / mean:.2f}x (measured); bound "
-        f"{off / outcome.bound_step_s:.2f}x (its necessary work, {work:.1f} CPU-s per step of "
-        f"the daemon and the trainer, over {outcome.cores} cores with nothing idle)"
-    )
+    off_rows, tlt_rows = results.get("off", []), results.get("tlt", [])
+    off = sum(r.step_s for r in off_rows) / max(1, len(off_rows))
+    mean = outcome.wall_s / steps
+    line = f"asynchronous TLT: {mean:.1f} s per step against {off:.1f} s synchronous SD-off: "
+    line += f"end-to-end step speedup {off / mean:.2f}x (measured)"
+    if tlt_rows:
+        work = sum(r.rollout_cpu + r.update_cpu for r in tlt_rows) / len(tlt_rows)
+        line += (
+            f"; bound {off / (work / outcome.cores):.2f}x (the synchronous TLT step's work, "
+            f"{work:.1f} CPU-s, over {outcome.cores} cores with nothing idle)"
+        )
+    print(line + f"; the asynchronous run's own CPU {outcome.cpu_s / steps:.1f} s per step")
     stale = [round(r.staleness_mean, 2) for r in rows]
     worst = max((r.staleness_max for r in rows), default=0)
     partial = 100 * sum(r.partial for r in rows) / steps

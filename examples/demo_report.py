@@ -47,6 +47,10 @@ class StepRow:
     # the step's time, shown apart.
     measure_s: float = 0.0
     update_tokens: int = 0  # output tokens the logprob gap covers (the update's samples)
+    # CPU seconds of the daemon's processes and the trainer's during the rollout and the update
+    # (examples/cpu_time.py): the step's necessary work, whatever waited on what.
+    rollout_cpu: float = 0.0
+    update_cpu: float = 0.0
     tokens_digest: str = ""  # of the step's samples' token ids, in (prompt, sample) order
     # The law's tokens: those of the samples with an even sample index (examples/sampling_law.py).
     law: TokenLaw = field(default_factory=TokenLaw, repr=False)

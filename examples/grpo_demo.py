@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.async_grpo import AsyncOutcome, print_async_summary, run_async  # noqa: E402
+from examples.cpu_time import demo_cpu  # noqa: E402
 from examples.demo_report import (  # noqa: E402
     HEADER,
     MODES,
@@ -303,9 +304,11 @@ class Run:
         problems = [p for p, _ in work]
         prompts = [ids for _, ids in work]
         at_start = self.daemon.device_seconds()
+        cpu = [demo_cpu(self.daemon.proc.pid)]
         in_service, (samples, finish, rollout_s) = pick_then_roll_out(
             self.client, self.job_id, prompts, cfg, seed=seed, label=f"{self.mode} step {step}"
         )
+        cpu.append(demo_cpu(self.daemon.proc.pid))
         at_rollout_end = self.daemon.device_seconds()
         # Not in the step's time: measurements. Their wall time and what the daemon did
         # meanwhile (drafter training's wind-down) are recorded apart.
@@ -314,6 +317,7 @@ class Run:
         law = self.measure_law(samples, prompts)
         measure_s = time.perf_counter() - t_meas
         at_update = self.daemon.device_seconds()
+        cpu.append(demo_cpu(self.daemon.proc.pid))
         t0 = time.perf_counter()
         scored = score(samples, prompts, problems, self.tok)
         # The first pass starts from the weights that sampled: its gap checks the daemon's
@@ -324,6 +328,7 @@ class Run:
             stats = [self.trainer.update(scored) for _ in range(cfg.passes)]
         self.push(step)
         update_s = time.perf_counter() - t0
+        cpu.append(demo_cpu(self.daemon.proc.pid))
         window = windows(at_start, at_rollout_end, at_update, self.daemon.device_seconds())
         row = summarize(step, samples, finish, rollout_s, scored, stats[0].max_logprob_gap,
                         update_s, window)  # fmt: skip
@@ -331,6 +336,7 @@ class Run:
             row, epoch=self.dataset.epoch_of(step), shadow=shadow, law=law,
             shadow_version=in_service if self.shadow is not None else 0,
             measure_s=measure_s, update_tokens=stats[0].tokens,
+            rollout_cpu=cpu[1] - cpu[0], update_cpu=cpu[3] - cpu[2],
         )  # fmt: skip
         self.rows.append(row)
         print_row(self.mode, row)
@@ -627,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
             results, scores, outcome = run_all(cfg, daemon, model, work_dir, drafter, with_async)
             print_summary(results, scores)
             if outcome is not None:
-                print_async_summary(outcome, [r.step_s for r in results["off"]], scores)
+                print_async_summary(outcome, results, scores)
             if args.plot:
                 plot(results, scores, args.plot)
                 print(f"curves: {args.plot}")

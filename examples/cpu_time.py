@@ -1,0 +1,35 @@
+"""CPU seconds of the demo's processes: what a step's work costs, apart from its wall time."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process, its live descendants, and the children it has
+    reaped (Linux /proc): the daemon with its workers and drafter trainers."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                raw = (entry / "stat").read_text()
+            except OSError:
+                continue  # exited meanwhile
+            stats[int(entry.name)] = raw[raw.rindex(")") + 2 :].split()
+    tree, grew = {pid}, True
+    while grew:  # field 1 (after the name) is the parent's pid
+        new = {p for p, f in stats.items() if int(f[1]) in tree} - tree
+        tree |= new
+        grew = bool(new)
+    total = sum(int(stats[p][11]) + int(stats[p][12]) for p in tree if p in stats)
+    if pid in stats:  # reaped children: cutime + cstime
+        total += int(stats[pid][13]) + int(stats[pid][14])
+    return total / ticks
+
+
+def demo_cpu(daemon_pid: int) -> float:
+    """CPU seconds so far of the daemon's process tree and of this (the trainer's) process."""
+    return process_tree_cpu(daemon_pid) + time.process_time()
