@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from examples.cpu_time import demo_cpu
-from examples.grpo_trainer import GRPOTrainer, Scored, group_advantages
+from examples.grpo_trainer import GRPOTrainer, Scored, UpdateStats, group_advantages
 from examples.task import decode, load_tokenizer, reward
 from examples.task.dataset import TaskDataset
 from examples.task.workload import STOP_TOKEN_ID
@@ -122,20 +122,35 @@ class AsyncRun:
     """The asynchronous TLT run: one job, one trainer, rollout overlapping the update."""
 
     def __init__(
-        self, cfg: Any, target: str, dataset: TaskDataset, model: Path, drafter: Path | None
+        self,
+        cfg: Any,
+        target: str,
+        dataset: TaskDataset,
+        model: Path,
+        drafter: Path | None,
+        *,
+        max_staleness: int = MAX_STALENESS,
+        lookahead: int = LOOKAHEAD,
+        correction: bool = True,
+        job_id: str = "grpo-async",
     ) -> None:
+        """`lookahead`: requests sent ahead of the step being trained (0: the next one only
+        after the update is pushed, a synchronous run); `correction`: decoupled PPO, else the
+        plain clipped loss against the behaviour logprobs (what the correction is for)."""
         self.cfg, self.dataset, self.model = cfg, dataset, model
-        self.job_id = "grpo-async"
+        self.job_id, self.lookahead = job_id, lookahead
         self.tok = load_tokenizer(model)
         self.trainer = GRPOTrainer(model, lr=cfg.lr, seed=cfg.seed, kl_coef=cfg.kl)
-        self.trainer.pg_loss = decoupled_pg_loss()
+        if correction:
+            self.trainer.pg_loss = decoupled_pg_loss()
         self.client = RolloutClient(target)
         self.client.create_job(
             model, job_id=self.job_id, speculative="auto", online_training=True,
-            initial_drafter=drafter, policy_switch="next_step", max_staleness=MAX_STALENESS,
+            initial_drafter=drafter, policy_switch="next_step", max_staleness=max_staleness,
         )  # fmt: skip
         self.problems: dict[str, list[Any]] = {}  # request id -> its prompts' problems
         self.rows: list[AsyncRow] = []
+        self.stats: list[UpdateStats] = []  # each update's
         self.cpu_s = 0.0
 
     def _submit(self, step: int) -> _Pending:
@@ -155,15 +170,18 @@ class AsyncRun:
         self.client.generate(
             [self.dataset.held_out[0][1]], n=1, temperature=0.0, max_new_tokens=4
         )  # fmt: skip - warm-up, not timed
+        ahead, steps = self.lookahead, self.cfg.steps
         last, cpu0 = time.perf_counter(), cpu()
-        pending = [self._submit(k) for k in range(min(LOOKAHEAD, self.cfg.steps))]
-        for step in range(self.cfg.steps):
+        pending = [self._submit(k) for k in range(min(max(1, ahead), steps))]
+        for step in range(steps):
             t0 = time.perf_counter()
             samples = pending.pop(0).result()
             waited = time.perf_counter() - t0
-            if step + LOOKAHEAD < self.cfg.steps:
-                pending.append(self._submit(step + LOOKAHEAD))  # rolls out during the update
+            if ahead and step + ahead < steps:
+                pending.append(self._submit(step + ahead))  # rolls out during the update
             row = self._update(step, samples, waited, last)
+            if not ahead and step + 1 < steps:
+                pending.append(self._submit(step + 1))
             last = time.perf_counter()
             self.rows.append(row)
             if print_row is not None:
@@ -175,9 +193,10 @@ class AsyncRun:
     def _update(self, step: int, samples: list[RolloutSample], waited: float, last: float):
         t0 = time.perf_counter()
         scored, rewards = self._score(samples)
-        # One thread: the daemon's workers roll out the next step on the other cores.
-        with _threads(max(1, (os.cpu_count() or 2) // 2)):
-            self.trainer.update(scored)
+        # Half the cores while the daemon's workers roll out the next steps; all without.
+        cores = os.cpu_count() or 2
+        with _threads(max(1, cores // 2) if self.lookahead else cores):
+            self.stats.append(self.trainer.update(scored))
         self.client.push_policy(self.trainer.model.state_dict(), note=f"async step {step + 1}")
         now = time.perf_counter()
         stale = token_staleness(samples, step)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tltd.contract.sim import parse_sim
 from tltd.errors import ConfigError
 
 
@@ -390,14 +391,17 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
         raise ConfigError(
             f"spec_gate must be 'measured' or 'threshold', got {settings.spec_gate!r}"
         )
-    if settings.sim_engine:
-        from tltd.contract.sim import parse_sim
-
-        try:
-            parse_sim(settings.sim_engine)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    _check_sim_engine(settings.sim_engine)
     if settings.default_backend not in ("torch", "sglang"):
         raise ConfigError(
             f"default_backend must be 'torch' or 'sglang', got {settings.default_backend!r}"
         )
+
+
+def _check_sim_engine(value: str) -> None:
+    """The simulated engine's setting parses (`tltd.contract.sim`); "" = none allowed."""
+    if value:
+        try:
+            parse_sim(value)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None

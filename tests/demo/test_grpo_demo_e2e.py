@@ -39,6 +39,16 @@ def test_quick_demo_runs_both_modes_and_shuts_down_cleanly(grpc_demo):
     for label in ("initial policy", "tlt final policy", "off final policy"):
         assert f"held out ({label})" in out
     assert "tltd exited with status 0 after SIGTERM" in out
+    # The asynchronous TLT run: its rows, its comparison with SD off beside the bound, its
+    # off-policy tokens reported (step 1 trained on tokens of version 0: staleness 1).
+    cells = [line.split("|") for line in out.splitlines() if line.startswith("  ")]
+    async_rows = [c for c in cells if len(c) == 8 and c[0].strip().isdigit()]
+    assert [int(r[0]) for r in async_rows] == [0, 1], async_rows
+    assert int(async_rows[1][5].split("/")[1]) >= 1  # max staleness of step 1's tokens
+    assert "asynchronous TLT:" in out and "(measured); bound" in out
+    assert "off-policy tokens, not hidden" in out
+    assert "held out (async final policy)" in out
+    assert (work / "final-async" / "model.safetensors").exists()
     # The weights went in-band: no checkpoint directory per step, the final ones saved.
     for mode in ("tlt", "off"):
         assert not (work / f"ckpt-{mode}").exists()

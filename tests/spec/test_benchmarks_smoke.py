@@ -155,13 +155,19 @@ def test_bench_control_plane_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_control_plane.main(["--quick"]) == 0
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| sqlite |")]
-    load = [r for r in rows if r[1].strip() == "this" and len(r) == 15]
-    assert [(int(r[2]), int(r[3])) for r in load] == [(1, 1), (4, 4)]
+    load = [r for r in rows if r[1].strip() == "this" and len(r) == 18]
+    # The torch engine and the simulated one, at zero cost and asleep for a GPU's step time.
+    assert [(r[2].strip(), int(r[3]), int(r[4])) for r in load] == [
+        (engine, c, c) for engine in ("torch", "sim0", "simgpu") for c in (1, 4)
+    ]
     for r in load:
-        rps, sps, p50, p99, cpu, engine, _, echo, _, sql, failed = (float(x) for x in r[4:])
+        rps, sps, p50, p99, cpu, per_sample, _, engine, _, echo, _, sql, failed = (
+            float(x) for x in r[5:]
+        )
         assert failed == 0
-        assert 0 < rps and sps == pytest.approx(rps * int(r[3]), rel=0.01)
-        assert 0 < p50 <= p99 and cpu > 0 and engine > 0 and echo > 0 and sql > 0
+        assert 0 < rps and sps == pytest.approx(rps * int(r[4]), rel=0.01)
+        assert 0 < p50 <= p99 and cpu > 0 and per_sample > 0 and echo > 0 and sql > 0
+        assert engine > 0 if r[2].strip() != "sim0" else engine == 0
     micro = [r for r in rows if len(r) == 7]  # db, daemon, tokens, prompts, store, stream, total
     assert [(r[1].strip(), int(r[2]), int(r[3])) for r in micro] == [
         ("this", 1, 1),

@@ -255,7 +255,8 @@ LAYERS: list[tuple[str, ...]] = [
         "tltd.metrics",
         "tltd.worker_code",
     ),  # fmt: skip
-    ("tltd.settings", "tltd.contract", "tltd.logs"),  # config; the floor shared with workers
+    ("tltd.settings",),  # config (checks the simulated engine's with the contract's parser)
+    ("tltd.contract", "tltd.logs"),  # the floor shared with workers; logging
     ("tltd.domain", "tltd.errors", "tltd.v1", "tltd"),  # plain types, errors, stubs, version
 ]
 # Arrows that point up or sideways today, each with its reason (unit -> unit).

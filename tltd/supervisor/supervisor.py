@@ -36,7 +36,6 @@ from tltd.domain import (
     RequestStatus,
     RolloutRequest,
     Sample,
-    SpeculativeMode,
 )
 from tltd.metrics import METRICS
 from tltd.scheduler import Assignment, Decision, SchedulerConfig, schedule
@@ -498,24 +497,9 @@ class Supervisor:
         live, indices = self.requests.take(a.request_id, a.prompt_index, a.samples, a.worker_id)
         if live is None or not indices:
             return
-        req = live.req
         handle.seq += 1
-        handle.send(
-            msg.AddWork(
-                handle.seq,
-                req.request_id,
-                a.prompt_index,
-                tuple(indices),
-                req.prompts[a.prompt_index],
-                req.sampling,
-                speculative=req.speculative is not SpeculativeMode.OFF,
-                history=live.history.get(a.prompt_index, ()),
-                resume=tuple(
-                    live.resume[k] for i in indices if (k := (a.prompt_index, i)) in live.resume
-                ),
-            )
-        )
-        predicted = live.predicted_tokens(a.prompt_index) or req.sampling.max_new_tokens
+        handle.send(live.work(handle.seq, a.prompt_index, indices))
+        predicted = live.predicted_tokens(a.prompt_index) or live.req.sampling.max_new_tokens
         handle.unacked[handle.seq] = len(indices) * predicted
         handle.idle_since = None
         self.assigned_samples += len(indices)

@@ -14,7 +14,8 @@ from collections import Counter
 from collections.abc import KeysView
 from dataclasses import dataclass, field
 
-from tltd.domain import RequestStatus, RolloutRequest, Sample
+from tltd.contract.rollout_messages import AddWork
+from tltd.domain import RequestStatus, RolloutRequest, Sample, SpeculativeMode
 from tltd.scheduler import PendingWork
 
 Key = tuple[int, int]  # (prompt_index, sample_index)
@@ -65,6 +66,23 @@ class LiveRequest:
     def done(self) -> bool:
         """Every sample of every unit held here is finished."""
         return all(self.unit_complete(p) for p in self.units)
+
+    def work(self, seq: int, prompt_index: int, indices: list[int]) -> AddWork:
+        """What a worker is sent to run these samples of a prompt: with the prompt's earlier
+        answers (history drafts) and the stored tokens of those to go on from."""
+        req = self.req
+        keys = [(prompt_index, i) for i in indices]
+        return AddWork(
+            seq,
+            req.request_id,
+            prompt_index,
+            tuple(indices),
+            req.prompts[prompt_index],
+            req.sampling,
+            speculative=req.speculative is not SpeculativeMode.OFF,
+            history=self.history.get(prompt_index, ()),
+            resume=tuple(self.resume[k] for k in keys if k in self.resume),
+        )
 
     def predicted_tokens(self, prompt_index: int) -> int | None:
         """Predicted tokens per sample of a prompt: its earlier answers' mean length; without

@@ -1,0 +1,22 @@
+"""`benchmarks/bench_async.py --quick`: asynchronous GRPO runs side by side through a real
+daemon (synchronous eta 0, eta 2, and eta 2 without the off-policy correction)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_async_quick_prints_each_run(capsys):
+    from benchmarks import bench_async
+
+    assert bench_async.main(["--quick", "--etas", "0,2", "--uncorrected", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[0].strip(): line.split("|") for line in out.splitlines()
+            if line.startswith("eta ")}  # fmt: skip
+    assert set(rows) == {"eta 0", "eta 2", "eta 2 uncorrected"}
+    assert rows["eta 0"][2].strip() == "1.00x"
+    # eta 0 is synchronous: no token older than the policy it updates.
+    assert rows["eta 0"][3].split("/")[1].strip() == "0"
+    for row in rows.values():
+        assert float(row[1]) > 0 and "+-" in row[-1]
