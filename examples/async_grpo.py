@@ -2,9 +2,9 @@
 
 Each step's request is bounded (`bound_groups` = the step's prompts, `carried=True`): its stream
 ends once that many whole groups are done, whichever of the job's requests they answer (oldest
-first), so a step never waits for its slowest groups: they carry to the next step. Requests are
-sent `LOOKAHEAD` steps ahead, so the daemon always has the next prompts to roll out, during the
-tail and while the trainer trains; the new weights are pushed mid-rollout and the job
+first); with requests in flight together a step does not wait for its slowest groups: they
+carry to the next step. Requests are sent `LOOKAHEAD` steps ahead, so the daemon rolls out the
+next prompts while the trainer trains; the new weights are pushed mid-rollout and the job
 (policy_switch "next_step") moves its running samples to them between decode steps, recording
 per token which version sampled it. A group with a token more than `max_staleness` versions
 old is never returned.
@@ -37,8 +37,11 @@ from tltd_clients import RolloutClient, RolloutSample, by_prompt
 # Truncated importance weight (proximal / behaviour): a token the current policy finds far more
 # likely than the stale one that sampled it counts at most this much.
 IS_CAP = 2.0
-MAX_STALENESS = 2  # versions (AReaL's eta): the job never returns older groups
-LOOKAHEAD = 2  # requests in flight: the step's own and the next one's
+MAX_STALENESS = 1  # versions (AReaL's eta): the job never returns older groups
+# Requests sent ahead of the step being trained: the next step's is sent before the update. Two
+# ahead kept the daemon busier but trained every step on tokens two versions old, and the
+# held-out reward fell (docs/demo.md, "The asynchronous run").
+LOOKAHEAD = 1
 
 
 def decoupled_pg_loss(cap: float = IS_CAP) -> Any:

@@ -1,0 +1,62 @@
+"""Bounded requests (asynchronous RL) on two nodes of one PostgreSQL: a node killed while it
+runs a bounded request's prompts; the other takes them over, and every group is sent once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from tests.multinode.conftest import Cluster, long_only
+from tests.multinode.test_multinode import _duplicates
+from tests.rollout.support import direct_outputs, wait_until
+from tltd.domain import SamplingParams
+from tltd.v1 import rollout_pb2
+
+PROMPTS = [[5, 9, 3, 12], [6, 10, 4, 12], [7, 11, 5, 12], [8, 12, 6, 12]]
+LATER = [[9, 13, 7, 12]]
+PARAMS = dict(n=2, temperature=0.0, max_new_tokens=200)
+
+
+def _groups(samples) -> dict[tuple[str, int], tuple]:
+    out: dict[tuple[str, int], list] = {}
+    for s in samples:
+        out.setdefault((s.request_id, s.prompt_index), []).append(s)
+    return {k: tuple(sorted(tuple(s.token_ids) for s in v)) for k, v in out.items()}
+
+
+@long_only
+def test_a_killed_nodes_bounded_prompts_are_taken_over_and_sent_once(cluster: Cluster, ckpt):
+    a, b = cluster.start("node-a"), cluster.start("node-b")
+    with a.client() as c:
+        c.create_job(str(ckpt), job_id="bounded")
+    for d in (a, b):
+        d.wait_workers_ready("bounded", n=1, timeout=240)
+    sampling = rollout_pb2.SamplingParams(**PARAMS)
+    got: dict[str, list] = {"r1": [], "r2": []}
+
+    def stream(rid: str, prompts, bound) -> None:
+        with a.client() as ca:
+            got[rid].extend(ca.generate("bounded", prompts, sampling=sampling, request_id=rid,
+                                        bound=bound))  # fmt: skip
+
+    t = threading.Thread(target=stream, args=("r1", PROMPTS, rollout_pb2.StepBound(groups=1)))
+    t.start()
+    held = "SELECT count(*) FROM work_units WHERE owner_node = 'node-b' AND state = 'leased'"
+    wait_until(lambda: cluster.sql(held)[0][0] > 0, timeout=240, what="node-b runs r1")
+    os.killpg(b.proc.pid, signal.SIGKILL)
+    t.join(300)
+    assert not t.is_alive()
+    done = "SELECT count(*) FROM work_units WHERE request_id = 'r1' AND state = 'done'"
+    wait_until(lambda: cluster.sql(done) == [(4,)], timeout=300, what="r1 done on node-a")
+    stream("r2", LATER, rollout_pb2.StepBound(groups=4, carried=True))
+    g1, g2 = _groups(got["r1"]), _groups(got["r2"])
+    assert len(g1) == 1 and not set(g1) & set(g2)
+    assert set(g1) | set(g2) == {("r1", p) for p in range(4)} | {("r2", 0)}
+    assert _duplicates(cluster) == 0
+    sent = cluster.sql("SELECT request_id, prompt_index, delivered_to FROM work_units")
+    assert sorted(sent) == sorted([(r, p, "r1") for r, p in g1] + [(r, p, "r2") for r, p in g2])
+    ref = direct_outputs(ckpt, PROMPTS, SamplingParams(**PARAMS))
+    for (rid, p), tokens in {**g1, **g2}.items():
+        if rid == "r1":  # greedy: node-a's re-run is what node-b would have produced
+            assert tokens == tuple(sorted(ref[(p, i)] for i in range(PARAMS["n"])))
