@@ -28,7 +28,13 @@ import torch
 from torch import Tensor
 
 from examples.cpu_time import demo_cpu
-from examples.grpo_trainer import GRPOTrainer, Scored, UpdateStats, group_advantages
+from examples.grpo_trainer import (
+    GRPOTrainer,
+    Scored,
+    UpdateStats,
+    clipped_surrogate,
+    group_advantages,
+)
 from examples.task import decode, load_tokenizer, reward
 from examples.task.dataset import TaskDataset
 from examples.task.workload import STOP_TOKEN_ID
@@ -58,15 +64,9 @@ def decoupled_pg_loss(cap: float = IS_CAP) -> Any:
         token_level: bool = False,
     ) -> tuple[Tensor, Tensor]:
         prox = logprobs.detach()
-        weight = torch.exp(prox - behaviour).clamp(max=cap) * mask
+        weight = torch.exp(prox - behaviour).clamp(max=cap)
         ratio = torch.exp(logprobs - prox)
-        unclipped = ratio * advantages
-        clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
-        per_token = -weight * torch.minimum(unclipped, clipped) * mask
-        if token_level:
-            return per_token.sum(), (unclipped != clipped) & mask.bool()
-        per_sample = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_sample.sum(), (unclipped != clipped) & mask.bool()
+        return clipped_surrogate(ratio, advantages, mask, clip, token_level, weight)
 
     return loss
 

@@ -72,10 +72,26 @@ def clipped_pg_loss(
     ratio = p_new / p_rollout; with one update per rollout it starts at 1, so the gradient is
     the plain policy gradient A * grad log p, and clipping only matters if weights drift.
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    return clipped_surrogate(
+        torch.exp(logprobs - old_logprobs), advantages, mask, clip, token_level
+    )
+
+
+def clipped_surrogate(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float,
+    token_level: bool,
+    weight: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """-min(r A, clip(r) A) per token (times `weight`, when given), reduced as
+    `clipped_pg_loss` says; returns (loss, clipped-token mask)."""
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
     per_token = -torch.minimum(unclipped, clipped) * mask
+    if weight is not None:
+        per_token = per_token * weight
     if token_level:
         return per_token.sum(), (unclipped != clipped) & mask.bool()
     per_sample = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
