@@ -1,21 +1,22 @@
 """Asynchronous GRPO through a real `tltd serve`: the staleness bound eta side by side, and, for
-eta >= 2, the same run without the off-policy correction, so a reader sees why it is there.
+eta >= 2, the same run with decoupled PPO in place of the clipped ratio to the behaviour
+logprobs, so a reader sees what each off-policy correction does.
 
-    python benchmarks/bench_async.py            # eta 0, 1, 2, 4 (+ 2, 4 uncorrected), 8 steps
+    python benchmarks/bench_async.py            # eta 0, 1, 2, 4 (+ 2, 4 decoupled), 8 steps
     python benchmarks/bench_async.py --quick    # 2 tiny steps per run, a smoke test
 
 Every run is the demo's asynchronous TLT run (examples/async_grpo.py) on the demo's task,
 policy and drafter, from the same initial weights and prompts: bounded requests
 (`bound_groups` = the step's 16 prompts, `carried`), the job's `max_staleness` = eta, requests
 sent max(1, eta) steps ahead (eta 0: the next one only after the update is pushed, i.e.
-synchronous), decoupled PPO with importance weights truncated at 2 (or, "uncorrected", the
-plain clipped loss against the behaviour logprobs). Per run: mean step time (wall time between
-consecutive updates) and its ratio to eta 0's, token staleness (versions behind the policy
-updated), the share of samples whose tokens span two versions, groups carried, the updates'
-clipped-token share, and the held-out reward after the same number of steps (paired with the
-initial policy's, standard error over prompts). Off-policy tokens are never hidden: the
-staleness columns say how many there were. The bound kind measured is groups; a token budget or
-deadline is not a bound the daemon offers.
+synchronous), the clipped ratio p / p_behaviour (the daemon's logprob of the version that
+sampled each token), or "decoupled": decoupled PPO, importance weights truncated at 2. Per
+run: mean step time (wall time between consecutive updates) and its ratio to eta 0's, token
+staleness (versions behind the policy updated), the share of samples whose tokens span two
+versions, groups carried, the updates' clipped-token share, and the held-out reward after the
+same number of steps (paired with the initial policy's, standard error over prompts). Off-
+policy tokens are never hidden: the staleness columns say how many there were. The bound kind
+measured is groups; a token budget or deadline is not a bound the daemon offers.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ from examples.heldout import HeldOutScore, paired  # noqa: E402
 from examples.task.dataset import build_dataset  # noqa: E402
 
 ETAS = (0, 1, 2, 4)
-UNCORRECTED = (2, 4)
+DECOUPLED = (2, 4)
 
 
 @dataclass(frozen=True)
 class Result:
     label: str
     eta: int
-    correction: bool
+    decoupled: bool
     step_s: float
     staleness_mean: float
     staleness_max: int
@@ -53,12 +54,12 @@ class Result:
     score: HeldOutScore
 
 
-def one_run(cfg: DemoConfig, daemon: Daemon, dataset, eta: int, correction: bool) -> Result:
-    label = f"eta {eta}" + ("" if correction else " uncorrected")
-    job = f"bench-async-eta{eta}" + ("" if correction else "-raw")
+def one_run(cfg: DemoConfig, daemon: Daemon, dataset, eta: int, decoupled: bool) -> Result:
+    label = f"eta {eta}" + (" decoupled" if decoupled else "")
+    job = f"bench-async-eta{eta}" + ("-decoupled" if decoupled else "")
     ahead = max(1, eta) if eta else 0
     run = AsyncRun(cfg, daemon.target, dataset, MODEL, DRAFTER, max_staleness=eta,
-                   lookahead=ahead, correction=correction, job_id=job)  # fmt: skip
+                   lookahead=ahead, decoupled=decoupled, job_id=job)  # fmt: skip
     try:
         rows = run.run()
         final = run.trainer.save(daemon.data_dir / f"final-{job}")
@@ -67,7 +68,7 @@ def one_run(cfg: DemoConfig, daemon: Daemon, dataset, eta: int, correction: bool
     steps = max(1, len(rows))
     score = evaluate(daemon, final, dataset, cfg, label, DRAFTER)
     return Result(
-        label, eta, correction,
+        label, eta, decoupled,
         step_s=sum(r.step_s for r in rows) / steps,
         staleness_mean=sum(r.staleness_mean for r in rows) / steps,
         staleness_max=max((r.staleness_max for r in rows), default=0),
@@ -103,20 +104,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 tiny steps per run")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--etas", default=",".join(map(str, ETAS)))
-    parser.add_argument("--uncorrected", default=",".join(map(str, UNCORRECTED)))
+    parser.add_argument("--decoupled", default=",".join(map(str, DECOUPLED)))
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else DemoConfig()
     if args.steps:
         cfg = replace(cfg, steps=args.steps)
     etas = [int(x) for x in args.etas.split(",") if x]
-    raw = [int(x) for x in args.uncorrected.split(",") if x]
+    raw = [int(x) for x in args.decoupled.split(",") if x]
     dataset = build_dataset(cfg.prompts, cfg.train_prompts, cfg.held_out_prompts, model_dir=MODEL)
     with tempfile.TemporaryDirectory(prefix="tltd-bench-async-") as tmp:
         daemon = Daemon(Path(tmp), cfg.cpu_slots)
         try:
             t0 = time.perf_counter()
             initial = evaluate(daemon, MODEL, dataset, cfg, "initial policy", DRAFTER)
-            plan = [(e, True) for e in etas] + [(e, False) for e in raw]
+            plan = [(e, False) for e in etas] + [(e, True) for e in raw]
             results = [one_run(cfg, daemon, dataset, e, c) for e, c in plan]
             print_table(results, initial)
             print(f"({time.perf_counter() - t0:.0f} s in all)")

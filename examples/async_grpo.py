@@ -9,10 +9,13 @@ next prompts while the trainer trains; the new weights are pushed mid-rollout an
 per token which version sampled it. A group with a token more than `max_staleness` versions
 old is never returned.
 
-Off-policy tokens are not hidden from the loss: the update is decoupled PPO (AReaL): the
-clipped ratio is taken against the trainer's own weights before the update (the proximal
-policy), and each token is weighted by proximal / behaviour probability, the behaviour being
-the daemon's logprob of the version that sampled it, truncated at `IS_CAP`.
+Off-policy tokens are not hidden from the loss: the update is PPO's clipped surrogate with the
+ratio p / p_behaviour, the behaviour being the daemon's logprob of the version that sampled
+each token (the importance ratio of the stale sample, clipped: a trust region around the policy
+that sampled it). `decoupled_pg_loss` (AReaL's decoupled PPO: the ratio clipped against the
+trainer's own weights, each token weighted by proximal / behaviour probability truncated at
+`IS_CAP`) is the alternative `benchmarks/bench_async.py` compares; with one update pass per
+step it has no trust region and lost held-out reward here (docs/demo.md).
 """
 
 from __future__ import annotations
@@ -43,11 +46,8 @@ from tltd_clients import RolloutClient, RolloutSample, by_prompt
 # Truncated importance weight (proximal / behaviour): a token the current policy finds far more
 # likely than the stale one that sampled it counts at most this much.
 IS_CAP = 2.0
-MAX_STALENESS = 1  # versions (AReaL's eta): the job never returns older groups
-# Requests sent ahead of the step being trained: the next step's is sent before the update. Two
-# ahead kept the daemon busier but trained every step on tokens two versions old, and the
-# held-out reward fell (docs/demo.md, "The asynchronous run").
-LOOKAHEAD = 1
+MAX_STALENESS = 2  # versions (AReaL's eta): the job never sends older groups
+LOOKAHEAD = 2  # requests sent ahead of the step being trained: two steps' prompts in flight
 
 
 def decoupled_pg_loss(cap: float = IS_CAP) -> Any:
@@ -134,17 +134,17 @@ class AsyncRun:
         *,
         max_staleness: int = MAX_STALENESS,
         lookahead: int = LOOKAHEAD,
-        correction: bool = True,
+        decoupled: bool = False,
         job_id: str = "grpo-async",
     ) -> None:
         """`lookahead`: requests sent ahead of the step being trained (0: the next one only
-        after the update is pushed, a synchronous run); `correction`: decoupled PPO, else the
-        plain clipped loss against the behaviour logprobs (what the correction is for)."""
+        after the update is pushed, a synchronous run); `decoupled`: decoupled PPO instead of
+        the clipped ratio against the behaviour logprobs."""
         self.cfg, self.dataset, self.model = cfg, dataset, model
         self.job_id, self.lookahead = job_id, lookahead
         self.tok = load_tokenizer(model)
         self.trainer = GRPOTrainer(model, lr=cfg.lr, seed=cfg.seed, kl_coef=cfg.kl)
-        if correction:
+        if decoupled:
             self.trainer.pg_loss = decoupled_pg_loss()
         self.client = RolloutClient(target)
         self.client.create_job(
@@ -318,8 +318,8 @@ def print_async_summary(outcome: AsyncOutcome, results: dict, scores: dict) -> N
     print(
         f"  off-policy tokens, not hidden: staleness per step (versions behind the policy "
         f"updated) {stale}, max {worst}; partial (tokens of two versions) {partial:.0f}% of "
-        f"samples; carried groups {sum(r.carried for r in rows)}; decoupled PPO, importance "
-        f"weights truncated at {IS_CAP}"
+        f"samples; carried groups {sum(r.carried for r in rows)}; the loss clips each token's "
+        f"ratio to the behaviour logprob of the version that sampled it"
     )
     first, last = scores["initial"], scores["async"]
     delta, se = paired(first.rewards, last.rewards, first.prompts or None)

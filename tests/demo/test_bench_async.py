@@ -1,5 +1,5 @@
 """`benchmarks/bench_async.py --quick`: asynchronous GRPO runs side by side through a real
-daemon (synchronous eta 0, eta 2, and eta 2 without the off-policy correction)."""
+daemon (synchronous eta 0, eta 2, and eta 2 with decoupled PPO)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 def test_bench_async_quick_prints_each_run(capsys):
     from benchmarks import bench_async
 
-    assert bench_async.main(["--quick", "--etas", "0,2", "--uncorrected", "2"]) == 0
+    assert bench_async.main(["--quick", "--etas", "0,2", "--decoupled", "2"]) == 0
     out = capsys.readouterr().out
     rows = {line.split("|")[0].strip(): line.split("|") for line in out.splitlines()
             if line.startswith("eta ")}  # fmt: skip
-    assert set(rows) == {"eta 0", "eta 2", "eta 2 uncorrected"}
+    assert set(rows) == {"eta 0", "eta 2", "eta 2 decoupled"}
     assert rows["eta 0"][2].strip() == "1.00x"
     # eta 0 is synchronous: no token older than the policy it updates.
     assert rows["eta 0"][3].split("/")[1].strip() == "0"
