@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from examples.cpu_time import demo_cpu
+from examples.cpu_time import demo_cpu, torch_threads
 from examples.grpo_trainer import (
     GRPOTrainer,
     Scored,
@@ -151,15 +151,15 @@ class AsyncRun:
             model, job_id=self.job_id, speculative="auto", online_training=True,
             initial_drafter=drafter, policy_switch="next_step", max_staleness=max_staleness,
         )  # fmt: skip
-        self.problems: dict[str, list[Any]] = {}  # request id -> its prompts' problems
+        self.work: dict[str, list[Any]] = {}  # request id -> its (problem, prompt ids) items
         self.rows: list[AsyncRow] = []
         self.stats: list[UpdateStats] = []  # each update's
         self.cpu_s = 0.0
 
     def _submit(self, step: int) -> _Pending:
         work = self.dataset.batch(step)
-        rid = f"{self.job_id}-step-{step}"
-        self.problems[rid] = [p for p, _ in work]
+        rid = self._rid(step)
+        self.work[rid] = work
         return _Pending(
             self.client, [ids for _, ids in work], self.cfg.n, request_id=rid,
             temperature=1.0, max_new_tokens=self.cfg.max_new_tokens,
@@ -198,7 +198,7 @@ class AsyncRun:
         scored, rewards = self._score(samples)
         # Half the cores while the daemon's workers roll out the next steps; all without.
         cores = os.cpu_count() or 2
-        with _threads(max(1, cores // 2) if self.lookahead else cores):
+        with torch_threads(max(1, cores // 2) if self.lookahead else cores):
             self.stats.append(self.trainer.update(scored))
         self.client.push_policy(self.trainer.model.state_dict(), note=f"async step {step + 1}")
         now = time.perf_counter()
@@ -219,38 +219,19 @@ class AsyncRun:
         """Rewards and GRPO advantages per group; a carried group's prompt is its own."""
         groups = by_prompt(samples)
         rewards = [
-            [reward(self.problems[s.request_id][s.prompt_index], decode(self.tok, s.token_ids))
+            [reward(self.work[s.request_id][s.prompt_index][0], decode(self.tok, s.token_ids))
              for s in g]
             for g in groups
         ]  # fmt: skip
         scored = [
-            Scored(self._prompt(s), s.token_ids, s.logprobs, r, a)
+            Scored(list(self.work[s.request_id][s.prompt_index][1]), s.token_ids, s.logprobs, r, a)
             for g, rs, adv in zip(groups, rewards, group_advantages(rewards), strict=True)
             for s, r, a in zip(g, rs, adv, strict=True)
         ]
         return scored, [r for rs in rewards for r in rs]
 
-    def _prompt(self, s: RolloutSample) -> list[int]:
-        if s.prompt_token_ids:
-            return list(s.prompt_token_ids)
-        step = int(s.request_id.rsplit("-", 1)[1])
-        return list(self.dataset.batch(step)[s.prompt_index][1])
-
     def close(self) -> None:
         self.client.close()
-
-
-class _threads:
-    """torch's intra-op threads set for a block."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.before = n, torch.get_num_threads()
-
-    def __enter__(self) -> None:
-        torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_num_threads(self.before)
 
 
 # ---- what the run cost, and its report -------------------------------------------------------

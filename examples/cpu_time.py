@@ -1,10 +1,15 @@
-"""CPU seconds of the demo's processes: what a step's work costs, apart from its wall time."""
+"""The demo's CPU: the seconds its processes spent (what a step's work costs, apart from its wall
+time) and the threads the trainer's torch may use."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 
 def process_tree_cpu(pid: int) -> float:
@@ -33,3 +38,14 @@ def process_tree_cpu(pid: int) -> float:
 def demo_cpu(daemon_pid: int) -> float:
     """CPU seconds so far of the daemon's process tree and of this (the trainer's) process."""
     return process_tree_cpu(daemon_pid) + time.process_time()
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

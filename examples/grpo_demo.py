@@ -29,8 +29,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.async_grpo import AsyncOutcome, print_async_summary, run_async  # noqa: E402
-from examples.cpu_time import demo_cpu  # noqa: E402
+from examples.cpu_time import demo_cpu, torch_threads  # noqa: E402
 from examples.demo_report import (  # noqa: E402
     HEADER,
     MODES,
@@ -381,17 +379,6 @@ class Run:
 
     def close(self) -> None:
         self.client.close()
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to `n` inside the block."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def windows(start, rollout_end, update_start, end) -> Window:

@@ -6,11 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.api.support import make_settings
-from tests.http_api.support import HttpDaemon, make_text_checkpoint
-from tltd.store import Store
-from tltd.store.migrate import upgrade
-from tltd_clients import RolloutClient
+from tests.http_api.support import HttpDaemon, make_text_checkpoint, start_http_daemon
 
 JOB = "http-job"
 
@@ -24,28 +20,9 @@ def text_model(tmp_path_factory):
 def http_daemon(tmp_path_factory, text_model) -> Iterator[HttpDaemon]:
     """SQLite, one CPU slot, SD off (seeded samples reproduce exactly), HTTP on port 0, with
     job JOB created over gRPC and its worker warm."""
-    tmp = tmp_path_factory.mktemp("http-daemon")
-    url = f"sqlite:///{tmp / 'tltd.db'}"
-    upgrade(url)
-    store = Store(url)
-    settings = make_settings(
-        tmp,
-        cpu_slots=1,
-        worker_max_batch=16,
-        worker_max_seq_len=512,
-        worker_heartbeat_seconds=0.2,
-        shutdown_grace_seconds=10.0,
-        device_refresh_seconds=3600.0,
-        drafter_training=False,
-        http_enabled=True,
-        http_port=0,
-    )
-    d = HttpDaemon(settings, store).start()
+    d = start_http_daemon(tmp_path_factory.mktemp("http-daemon"), text_model, JOB, 512)
     try:
-        with RolloutClient(d.target) as c:
-            c.create_job(text_model, job_id=JOB, speculative="off", online_training=False)
-            c.generate([[1, 5, 6]], n=1, temperature=0.0, max_new_tokens=2)  # warm
         yield d
     finally:
         d.kill()
-        store.close()
+        d.store.close()

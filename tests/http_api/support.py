@@ -34,6 +34,33 @@ class HttpDaemon(InProcessDaemon):
         super().kill()
 
 
+def start_http_daemon(tmp: Path, model: Path, job_id: str, seq_len: int, **job) -> HttpDaemon:
+    """A real daemon on a fresh SQLite file, one CPU slot, SD off (seeded samples reproduce
+    exactly), HTTP on port 0, with `job_id` created over gRPC (`job`: create_job's extra
+    arguments) and its worker warm."""
+    from tests.api.support import make_settings
+    from tltd.store import Store
+    from tltd.store.migrate import upgrade
+    from tltd_clients import RolloutClient
+
+    url = f"sqlite:///{tmp / 'tltd.db'}"
+    upgrade(url)
+    settings = make_settings(
+        tmp, cpu_slots=1, worker_max_batch=16, worker_max_seq_len=seq_len,
+        worker_heartbeat_seconds=0.2, shutdown_grace_seconds=10.0,
+        device_refresh_seconds=3600.0, drafter_training=False, http_enabled=True, http_port=0,
+    )  # fmt: skip
+    d = HttpDaemon(settings, Store(url)).start()
+    try:
+        with RolloutClient(d.target) as c:
+            c.create_job(model, job_id=job_id, speculative="off", online_training=False, **job)
+            c.generate([[1, 5, 6]], n=1, temperature=0.0, max_new_tokens=2)  # warm
+    except BaseException:
+        d.kill()
+        raise
+    return d
+
+
 class ApiOnlyHttp:
     """The HTTP server exactly as the daemon builds it over services without workers (a
     rollout answers 501): auth, TLS and the read endpoints need no model."""

@@ -16,13 +16,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.api.support import make_settings
-from tests.http_api.support import HttpDaemon, wait_running
+from tests.http_api.support import HttpDaemon, start_http_daemon, wait_running
 from tltd.contract.rollout_messages import Heartbeat
 from tltd.domain import RequestStatus
-from tltd.store import Store
-from tltd.store.migrate import upgrade
-from tltd_clients import RolloutClient
 
 JOB = "keep-job"
 PROMPT = [1, 9, 8]
@@ -32,36 +28,12 @@ MAX = 900  # tokens: long enough to be paused mid-sample
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, text_model) -> Iterator[HttpDaemon]:
     tmp = tmp_path_factory.mktemp("keep-daemon")
-    url = f"sqlite:///{tmp / 'tltd.db'}"
-    upgrade(url)
-    store = Store(url)
-    settings = make_settings(
-        tmp,
-        cpu_slots=1,
-        worker_max_batch=16,
-        worker_max_seq_len=1024,
-        worker_heartbeat_seconds=0.2,
-        shutdown_grace_seconds=10.0,
-        device_refresh_seconds=3600.0,
-        drafter_training=False,
-        http_enabled=True,
-        http_port=0,
-    )
-    d = HttpDaemon(settings, store).start()
+    d = start_http_daemon(tmp, text_model, JOB, 1024, policy_switch="next_step")
     try:
-        with RolloutClient(d.target) as c:
-            c.create_job(
-                text_model,
-                job_id=JOB,
-                speculative="off",
-                online_training=False,
-                policy_switch="next_step",
-            )
-            c.generate([[1, 5, 6]], n=1, temperature=0.0, max_new_tokens=2)  # warm
         yield d
     finally:
         d.kill()
-        store.close()
+        d.store.close()
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def _units_done(store, request_id: str) -> bool:
 
 
 def test_groups_are_sent_whole_once_and_the_rest_carried(daemon, ckpt):
-    run = dict(sampling=sampling(**PARAMS))
+    run = dict(sampling=sampling(**PARAMS), timeout=120)
     with daemon.client() as c:
         c.create_job(str(ckpt), job_id="job")
         first = list(c.generate("job", PROMPTS, request_id="r1", bound=_bound(2), **run))
@@ -71,7 +71,7 @@ def test_groups_are_sent_whole_once_and_the_rest_carried(daemon, ckpt):
 
 
 def test_a_group_older_than_the_staleness_bound_is_never_sent(sqlite_daemon, ckpt, ckpt2):
-    d, run = sqlite_daemon, dict(sampling=sampling(**PARAMS))
+    d, run = sqlite_daemon, dict(sampling=sampling(**PARAMS), timeout=120)
     before = METRICS.stale_groups.labels("stale")._value.get()
     with d.client() as c:
         c.create_job(str(ckpt), job_id="stale", max_staleness=0)
@@ -137,7 +137,7 @@ def test_the_staleness_bound_admits_a_request_once_a_new_version_allows_it(
 
     from tltd_clients.errors import NotFoundError
 
-    d, run = sqlite_daemon, dict(sampling=sampling(**PARAMS))
+    d, run = sqlite_daemon, dict(sampling=sampling(**PARAMS), timeout=120)
     with d.client() as c:
         c.create_job(str(ckpt), job_id="eta0", max_staleness=0)
         first = list(c.generate("eta0", PROMPTS[:3], request_id="e1", bound=_bound(3), **run))

@@ -79,7 +79,7 @@ class GroupDeliveries:
             job = s.get(JobRow, rr.job_id)
             assert job is not None  # a request's job is deleted with it
             units = self._done_units(s, rr, carried, max(0, limit))
-            taken, stale = self._sort_by_staleness(s, units, rr, job, limit)
+            taken, stale, unread = self._sort_by_staleness(s, units, rr, job, limit)
             marks = [(g, request_id) for g in taken] + [(g, STALE) for g in stale]
             # In key order, the order a lease renewal locks units in (two orders deadlock);
             # a group another stream took meanwhile is not this one's.
@@ -90,7 +90,7 @@ class GroupDeliveries:
             }
             taken = [g for g in taken if (g.request_id, g.prompt_index) not in lost]
             own_open, carried_open = self._open_counts(s, rr, carried)
-            return Delivery(tuple(taken), tuple(stale), own_open, carried_open)
+            return Delivery(tuple(taken), tuple(stale), own_open + unread, carried_open)
 
     def bounded_prompts(self, job_id: str) -> int:
         """Prompts (units) of the job's bounded requests so far: what the staleness bound's
@@ -131,20 +131,21 @@ class GroupDeliveries:
 
     def _done_units(
         self, s: Session, rr: RolloutRequestRow, carried: bool, limit: int
-    ) -> list[tuple[str, int]]:
-        """Undelivered units that are done, in the order they are to be sent; carried ones
-        only with `carried`. Not locked: `_mark` takes each one conditionally."""
+    ) -> list[tuple[str, int, int]]:
+        """Undelivered units that are done (request, prompt, samples), in the order they are to
+        be sent; carried ones only with `carried`. Not locked: `_mark` takes each one
+        conditionally."""
         wu, req = WorkUnitRow, RolloutRequestRow
         mine = wu.request_id == rr.request_id
         whose = or_(mine, self._carried_from(rr)) if carried else mine
         q = (
-            select(wu.request_id, wu.prompt_index)
+            select(wu.request_id, wu.prompt_index, wu.samples)
             .join(req, req.request_id == wu.request_id)
             .where(whose, wu.delivered_to.is_(None), wu.state.in_((DONE, FAILED)))
             .order_by(case((mine, 1), else_=0), req.created_at, wu.request_id, wu.prompt_index)
         )
         # Stale groups are dropped, not sent: read past the limit to fill it.
-        return [(r[0], int(r[1])) for r in s.execute(q.limit(limit * 4 + 16)).all()]
+        return [(r[0], int(r[1]), int(r[2])) for r in s.execute(q.limit(limit * 4 + 16)).all()]
 
     @staticmethod
     def _carried_from(rr: RolloutRequestRow) -> object:
@@ -155,24 +156,29 @@ class GroupDeliveries:
     def _sort_by_staleness(
         self,
         s: Session,
-        units: list[tuple[str, int]],
+        units: list[tuple[str, int, int]],
         rr: RolloutRequestRow,
         job: JobRow,
         limit: int,
-    ) -> tuple[list[SentGroup], list[SentGroup]]:
-        """The first `limit` groups within the job's staleness bound, and the stale ones read
-        before the limit was reached."""
-        samples = self._samples(s, units)
-        prompts = self._prompts(s, {r for r, _ in units} - {rr.request_id})
+    ) -> tuple[list[SentGroup], list[SentGroup], int]:
+        """The first `limit` groups within the job's staleness bound, the stale ones read
+        before the limit was reached, and how many units this read did not find whole (left
+        for a later take: only a whole group is sent)."""
+        samples = self._samples(s, [(r, p) for r, p, _ in units])
+        prompts = self._prompts(s, {r for r, _, _ in units} - {rr.request_id})
         taken: list[SentGroup] = []
         stale: list[SentGroup] = []
-        for rid, p in units:
+        unread = 0
+        for rid, p, n in units:
             if len(taken) >= limit:
                 break
+            if len(samples.get((rid, p), ())) < n:
+                unread += 1
+                continue
             group = self._group(rid, p, samples, prompts, job.policy_version)
             bound = job.max_staleness
             (stale if bound is not None and group.staleness > bound else taken).append(group)
-        return taken, stale
+        return taken, stale, unread
 
     @staticmethod
     def _group(
