@@ -241,8 +241,10 @@ def _generate_request(
     request_id: str | None,
     speculative: str | None,
     return_partial: bool = False,
-    bound: tuple[int, bool] = (0, False),
+    bound: tuple[int, bool, bool, float | None] = (0, False, False, None),
 ) -> rollout_pb2.GenerateRequest:
+    groups, carried, park, deadline = bound
+    deadline_ms = 0 if deadline is None else max(1, round(deadline * 1000))
     return rollout_pb2.GenerateRequest(
         job_id=job_id,
         request_id=request_id or "",
@@ -251,7 +253,9 @@ def _generate_request(
         speculative=_speculative_mode(speculative),
         return_partial=return_partial,
         batch_samples=True,
-        bound=rollout_pb2.StepBound(groups=bound[0], carried=bound[1]),
+        bound=rollout_pb2.StepBound(
+            groups=groups, carried=carried, park=park, deadline_ms=deadline_ms
+        ),
     )
 
 
@@ -520,6 +524,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         return_partial: bool = False,
         bound_groups: int = 0,
         carried: bool = False,
+        park: bool = False,
+        deadline: float | None = None,
         **sampling_kwargs: Any,
     ) -> _StreamR:
         """Yield samples the moment they finish (finish order); an async iterator on the
@@ -533,12 +539,15 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
 
         `bound_groups` (asynchronous RL, docs/rollouts.md): yield whole groups only, and end
         once this many were yielded; the other prompts keep running, and a later call with
-        `carried=True` yields their groups (counted toward its own bound) before its own."""
+        `carried=True` yields their groups (counted toward its own bound) before its own.
+        `park=True`: at the bound the other prompts pause instead, their tokens stored, and
+        go on when the next call with `carried=True` is accepted. `deadline` (seconds from
+        acceptance): end then even with fewer groups."""
         params = _sampling(n, sampling, sampling_kwargs)
         rid = request_id or _new_request_id()
         req = _generate_request(
             self._job(job_id), prompts, params, rid, speculative, return_partial,
-            (bound_groups, carried),
+            (bound_groups, carried, park, deadline),
         )  # fmt: skip
         self.last_request_id = rid
         return self._samples(req, timeout)
@@ -555,6 +564,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         timeout: float | None = None,
         bound_groups: int = 0,
         carried: bool = False,
+        park: bool = False,
+        deadline: float | None = None,
         **sampling_kwargs: Any,
     ) -> _SamplesR:
         """Roll out `n` samples of every prompt (token ids); all samples, in (prompt, sample)
@@ -566,7 +577,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         "auto" (adaptive SD), "off", or None (the job's mode). `request_id` (default: a fresh
         one, see `last_request_id`) makes a retry attach to the same work. No overall timeout
         unless given: rollouts run long; when it passes, the request is cancelled and
-        DeadlineExceededError raised. `bound_groups`, `carried`: see stream(); the samples
+        DeadlineExceededError raised. `bound_groups`, `carried`, `park`, `deadline`: see
+        stream(); the samples
         are then those of the groups yielded (`by_prompt` groups them).
         """
         samples = self.stream(
@@ -579,6 +591,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
             timeout=timeout,
             bound_groups=bound_groups,
             carried=carried,
+            park=park,
+            deadline=deadline,
             **sampling_kwargs,
         )
         return self._in_order_of(samples)

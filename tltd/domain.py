@@ -243,6 +243,11 @@ class RolloutRequest:
     # job's other bounded requests that no stream sent come first.
     bound_groups: int = 0
     carried: bool = False
+    # At the bound, the unfinished prompts are parked (paused, their tokens stored) until the
+    # job's next carried request, instead of running on; the stream ends at `bound_deadline_ms`
+    # after acceptance (0 = none) even with fewer groups.
+    bound_park: bool = False
+    bound_deadline_ms: int = 0
 
     @property
     def samples_total(self) -> int:

@@ -14,7 +14,7 @@ from tests.rollout.support import ServeProcess, direct_outputs, wait_until
 from tests.rollout.test_rollouts import Stream
 from tltd.domain import SamplingParams
 from tltd.store import Store
-from tltd.v1 import rollout_pb2
+from tltd.v1 import job_pb2, rollout_pb2
 from tltd_clients.errors import UnavailableError
 
 SHORT = dict(n=2, temperature=0.0, max_new_tokens=16)
@@ -26,6 +26,10 @@ LATER = [[2, 7, 1]]
 
 def _bound(groups: int, carried: bool = False) -> rollout_pb2.StepBound:
     return rollout_pb2.StepBound(groups=groups, carried=carried)
+
+
+def _park(groups: int) -> rollout_pb2.StepBound:
+    return rollout_pb2.StepBound(groups=groups, park=True)
 
 
 def _groups(samples) -> dict[tuple[str, int], tuple]:
@@ -89,3 +93,51 @@ def test_groups_unsent_and_running_at_a_kill9_are_each_sent_once_after(db_url, t
         prompts, params = refs[rid]
         ref = direct_outputs(ckpt, prompts, SamplingParams(**params))
         assert tokens == tuple(sorted(ref[(p, i)] for i in range(params["n"])))
+
+
+# Token 16 ends prompt 0 after ~34 tokens (greedy, the tiny checkpoint); the others run on.
+PARKING = dict(n=2, temperature=0.0, max_new_tokens=400, stop_token_ids=[16])
+PARK_PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+@pytest.mark.slow
+def test_parked_samples_survive_a_kill9_and_go_on_from_their_tokens(db_url, tmp_path, ckpt, ckpt2):
+    """Paused samples and parked prompts are in the store only: after kill -9 and a restart a
+    retry re-sends what was sent, and a carried request on the new policy version goes on
+    from the stored tokens (spans: the old version's tokens, then the new one's), each group
+    once, nothing lost."""
+    a = ServeProcess(tmp_path, db_url, "a")
+    try:
+        with a.client() as c:
+            c.create_job(str(ckpt), job_id="job", policy_switch=job_pb2.POLICY_SWITCH_NEXT_STEP,
+                         max_staleness=4)  # fmt: skip
+            first = list(c.generate("job", PARK_PROMPTS, sampling=sampling(**PARKING),
+                                    request_id="p1", bound=_park(1)))  # fmt: skip
+            paused = c.get_request("p1", True).samples
+        a.proc.send_signal(signal.SIGKILL)
+        a.wait()
+    finally:
+        a.kill()
+    paused = {(s.prompt_index, s.sample_index): s for s in paused if s.partial}
+    parked = _sql(db_url, "SELECT prompt_index FROM work_units WHERE state = 'parked'")
+    assert paused and {p for p, _ in paused} <= {p for (p,) in parked}
+    b = ServeProcess(tmp_path, db_url, "b")
+    try:
+        with b.client() as c:
+            again = list(c.generate("job", PARK_PROMPTS, sampling=sampling(**PARKING),
+                                    request_id="p1", bound=_park(1)))  # fmt: skip
+            c.update_policy("job", str(ckpt2))
+            later = list(c.generate("job", LATER, sampling=sampling(**PARKING), request_id="p2",
+                                    bound=_bound(3, carried=True)))  # fmt: skip
+    finally:
+        b.kill()
+    g1, g2 = _groups(first), _groups(later)
+    assert len(g1) == 1 and _groups(again) == g1
+    assert set(g2) == ({("p1", p) for p in range(3)} - set(g1)) | {("p2", 0)}  # lost 0, dup 0
+    for s in later:
+        if (s.prompt_index, s.sample_index) in paused and s.request_id == "p1":
+            before = paused[(s.prompt_index, s.sample_index)]
+            k = len(before.token_ids)
+            assert k and tuple(s.token_ids[:k]) == tuple(before.token_ids)
+            spans = [(x.first_token, x.policy_version) for x in s.policy_spans]
+            assert spans == [(0, 0), (k, 1)], spans

@@ -289,13 +289,18 @@ def rollout_from_pb(
         sampling=sampling_from_pb(pb.sampling),
         bound_groups=pb.bound.groups,
         carried=pb.bound.carried,
+        bound_park=pb.bound.park,
+        bound_deadline_ms=pb.bound.deadline_ms,
     )
     return req, speculative_mode_from_pb(pb.speculative, "speculative")
 
 
 def rollout_to_pb(r: d.RolloutRequest) -> rollout_pb2.RolloutRequest:
     # The prompts go back as their count; the mode and policy version are not on the wire.
-    not_sent = ("prompts", "speculative", "policy_version", "bound_groups", "carried")
+    not_sent = (
+        "prompts", "speculative", "policy_version", "bound_groups", "carried", "bound_park",
+        "bound_deadline_ms",
+    )  # fmt: skip
     return rollout_pb2.RolloutRequest(
         **_same_named(r, skip=("sampling", "status", *not_sent)),
         status=request_status_to_pb(r.status),

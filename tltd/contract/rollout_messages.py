@@ -111,9 +111,12 @@ class AddWork:
 
 @dataclass(frozen=True)
 class Cancel:
-    """Finish every sample of the request now as CANCELLED (tokens so far)."""
+    """Finish every sample of the request now as CANCELLED (tokens so far); with `pause`, as
+    ABORTED: paused at a step bound, the daemon parks them and a later request goes on from
+    their tokens."""
 
     request_id: str
+    pause: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ prompts keep running after the stream ends; a later bounded request of the job t
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -34,7 +36,8 @@ async def follow_bounded(
     sent = len(before)
     if before:
         yield _samples(before)
-    while sent < want:
+    end = _deadline(req)
+    while sent < want and time.time() < end:
         took = await asyncio.to_thread(store.take_groups, rid, want - sent, req.carried)
         _observe(req.job_id, took)
         if took.groups:
@@ -43,7 +46,15 @@ async def follow_bounded(
             continue  # more may be done already
         if not took.more_may_come:
             return  # every unit it could take is sent or dropped: fewer than asked
-        await _woken(events, poll_seconds)
+        await _woken(events, min(poll_seconds, max(0.0, end - time.time())))
+
+
+def _deadline(req: RolloutRequest) -> float:
+    """When the stream ends with what it sent (wall clock): `bound_deadline_ms` after the
+    request's acceptance, which a retry keeps; never without one."""
+    if not req.bound_deadline_ms or req.created_at is None:
+        return math.inf
+    return req.created_at.timestamp() + req.bound_deadline_ms / 1000.0
 
 
 def staleness_allows(

@@ -182,6 +182,8 @@ class RolloutService:
                 poll = self.settings.bound_poll_seconds
                 async for samples in follow_bounded(self.store, stored, events, poll):
                     yield samples
+                if stored.bound_park:  # the rest waits for the job's next carried request
+                    await sup.park(rid)
                 return
             # A request this call created has nothing stored before the subscription: what
             # this node stores arrives on it, what others store wakes it (or the poll does).

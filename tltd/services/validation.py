@@ -98,8 +98,10 @@ def validate_rollout(
 def _check_bound(req: RolloutRequest, settings: Settings) -> None:
     """A step bound sends whole groups: at least one, and no more than can come (the
     request's own prompts, or with carried groups the most one request may hold)."""
-    if req.carried and not req.bound_groups:
-        raise InvalidArgument("needs bound.groups >= 1", field="bound.carried")
+    for name, set_ in (("carried", req.carried), ("park", req.bound_park),
+                       ("deadline_ms", req.bound_deadline_ms)):  # fmt: skip
+        if set_ and not req.bound_groups:
+            raise InvalidArgument("needs bound.groups >= 1", field=f"bound.{name}")
     most = settings.max_prompts_per_request if req.carried else len(req.prompts)
     if req.bound_groups > most:
         raise InvalidArgument(

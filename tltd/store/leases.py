@@ -46,6 +46,10 @@ UnitKey = tuple[str, int]  # (request_id, prompt_index)
 ClaimedState = dict[str, tuple[RolloutRequest, Job, set[tuple[int, int]], set[tuple[int, int]]]]
 
 QUEUED, LEASED, DONE, FAILED = "queued", "leased", "done", "failed"
+# A bounded request's prompt parked at its bound: held by no node, claimed by none, until the
+# job's next carried request queues it again (`RolloutRequests.admit_request`).
+PARKED = "parked"
+OPEN_STATES = (QUEUED, LEASED, PARKED)  # a unit not ended: its request has not ended
 
 _RENEW_CHUNK = 500  # units per renewal statement (bound parameters stay well under limits)
 
@@ -110,7 +114,7 @@ class _UnitStatements:
         open_units = (
             select(func.count())
             .select_from(wu)
-            .where(wu.c.request_id == bindparam("rid"), wu.c.state.in_((QUEUED, LEASED)))
+            .where(wu.c.request_id == bindparam("rid"), wu.c.state.in_(OPEN_STATES))
             .scalar_subquery()
         )
         all_units = (
@@ -285,6 +289,26 @@ class WorkLeases:
                 notify(s, WORK, request_id)
             return bool(result.rowcount)  # type: ignore[attr-defined]
 
+    def park_unit(self, request_id: str, prompt_index: int) -> bool:
+        """Park a unit this node holds (a bounded request's bound was reached): its samples
+        stored so far stay, paused ones among them; no node claims it until the job's next
+        carried request queues it again. Not a lost claim (as `release_unit`)."""
+        wu = WorkUnitRow
+        with self._tx() as s:
+            result = s.execute(
+                update(wu)
+                .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
+                .where(self._held(s))
+                .values(
+                    state=PARKED,
+                    owner_node=None,
+                    lease_expires_at=None,
+                    attempts=wu.attempts - 1,
+                    updated_at=utcnow(),
+                )
+            )
+            return bool(result.rowcount)  # type: ignore[attr-defined]
+
     def check_held(self, s: Session, request_id: str, prompt_index: int) -> None:
         """Raise Fenced unless this node holds the unit (called with the request row locked:
         a sample write then lands only while the lease is alive)."""
@@ -380,7 +404,9 @@ class WorkLeases:
             if req is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
             now = db_now(self.dialect)
-            free = or_(wu.state == QUEUED, and_(wu.state == LEASED, wu.lease_expires_at < now))
+            free = or_(
+                wu.state.in_((QUEUED, PARKED)), and_(wu.state == LEASED, wu.lease_expires_at < now)
+            )
             prompts = s.scalars(
                 select(wu.prompt_index)
                 .where(wu.request_id == request_id, free)
@@ -427,7 +453,7 @@ class WorkLeases:
             ).first()
             if head is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
-            is_open = case((wu.state.in_((QUEUED, LEASED)), 1), else_=0)
+            is_open = case((wu.state.in_(OPEN_STATES), 1), else_=0)
             units, open_units = s.execute(
                 select(func.count(), func.coalesce(func.sum(is_open), 0)).where(
                     wu.request_id == request_id

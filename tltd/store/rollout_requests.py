@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
-from sqlalchemy import bindparam, insert, select
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -17,7 +17,7 @@ from tltd.domain import JobStatus, RequestStatus, RolloutRequest
 from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_later_bound, db_later_params
-from tltd.store.leases import LEASED, QUEUED, Claim
+from tltd.store.leases import LEASED, PARKED, QUEUED, Claim
 from tltd.store.lookups import changed_fields, request_row
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import switch_status, switch_status_from
@@ -30,7 +30,10 @@ from tltd.store.tables import (
     utcnow,
 )
 
-_REQUEST_PARAMS = ("job_id", "prompts", "sampling", "speculative", "bound_groups", "carried")
+_REQUEST_PARAMS = (
+    "job_id", "prompts", "sampling", "speculative", "bound_groups", "carried", "bound_park",
+    "bound_deadline_ms",
+)  # fmt: skip
 
 
 def prompt_key(prompt: Sequence[int]) -> str:
@@ -150,6 +153,8 @@ class RolloutRequests:
                 conn.execute(st.request, {**convert.request_columns(stored),
                                           "created_at": now, "updated_at": now})  # fmt: skip
                 claims = self._insert_units(s, req, job.priority, now, claim)
+                if req.carried:
+                    self._unpark(s, req.job_id, now)
                 conn.execute(
                     st.event,
                     {"entity": "request", "entity_id": req.request_id, "old_status": "",
@@ -164,6 +169,24 @@ class RolloutRequests:
                 if existing is None:
                     raise
                 return Created(self._same_request(existing, req), False)
+
+    @staticmethod
+    def _unpark(s: Session, job_id: str, now: object) -> None:
+        """Queue the job's parked prompts again (a carried request takes their groups): any
+        node claims them and goes on from their stored tokens."""
+        wu, rr = WorkUnitRow, RolloutRequestRow
+        rows = s.execute(
+            update(wu)
+            .where(
+                wu.state == PARKED,
+                wu.request_id.in_(select(rr.request_id).where(rr.job_id == job_id)),
+            )
+            .values(state=QUEUED, updated_at=now)
+            .returning(wu.request_id)
+            .execution_options(synchronize_session=False)
+        ).all()
+        for rid in sorted({r[0] for r in rows}):
+            notify(s, WORK, rid)
 
     @functools.cached_property
     def _admission_statements(self) -> _AdmissionStatements:

@@ -139,6 +139,9 @@ class RolloutRequestRow(Base):
     # of the job's other bounded requests (not sent by them) count toward them.
     bound_groups: Mapped[int] = mapped_column(Integer, default=0)
     carried: Mapped[bool] = mapped_column(Boolean, default=False)
+    # ... and whether its unfinished prompts park at the bound; its deadline (0 = none).
+    bound_park: Mapped[bool] = mapped_column(Boolean, default=False)
+    bound_deadline_ms: Mapped[int] = mapped_column(Integer, default=0)
     status: Mapped[str] = mapped_column(STATUS, index=True)
     status_reason: Mapped[str] = mapped_column(Text, default="")
     samples_done: Mapped[int] = mapped_column(Integer, default=0)
@@ -300,7 +303,8 @@ class WorkUnitRow(Base):
     # answers. NULL for units stored before the column existed.
     prompt_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
     priority: Mapped[int] = mapped_column(BigInteger, default=0)  # the job's: claimed first
-    state: Mapped[str] = mapped_column(STATUS)  # "queued" | "leased" | "done" | "failed"
+    # "queued" | "leased" | "parked" (no node's: a carried request queues it) | "done" | "failed"
+    state: Mapped[str] = mapped_column(STATUS)
     owner_node: Mapped[str | None] = mapped_column(ID, nullable=True, index=True)
     owner_epoch: Mapped[int] = mapped_column(BigInteger, default=0)
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

@@ -366,7 +366,7 @@ class LiveRequests:
             self._writes.write_nowait(self.store.release_unit, rid, p, request=rid)
 
     def lose_units(
-        self, lost: set[tuple[str, int]], why: str = "unit lease lost"
+        self, lost: set[tuple[str, int]], why: str = "unit lease lost", level: int = logging.WARNING
     ) -> list[tuple[str, str]]:
         """Units whose lease this node lost (expired, taken over, an old epoch): forget them,
         writing nothing (the store would refuse it). Returns (worker, request) pairs whose
@@ -381,7 +381,7 @@ class LiveRequests:
                 continue  # being recorded: that write is fenced or lands, either way it ends
             for wid in self.queue.drop_unit(rid, p):
                 cancels.append((wid, rid))
-            log.warning(why, extra={"request_id": rid, "prompt_index": p})
+            log.log(level, why, extra={"request_id": rid, "prompt_index": p})
         return cancels
 
     # ---- samples that end without a worker's report --------------------------------------------

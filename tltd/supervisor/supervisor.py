@@ -43,11 +43,12 @@ from tltd.settings import Settings
 from tltd.store import notifications
 from tltd.store.leases import Claim, UnitEnd
 from tltd.store.rollout_requests import AdmissionClaim
-from tltd.supervisor.drain import NodeDrain
+from tltd.supervisor.drain import DRAIN_ANSWER_SECONDS, NodeDrain
 from tltd.supervisor.fair_share import FairShare, active_jobs
 from tltd.supervisor.freezes import Freezes
 from tltd.supervisor.live_requests import LiveRequests, StreamEvent
 from tltd.supervisor.model_planner import ModelPlanner
+from tltd.supervisor.parking import Parking
 from tltd.supervisor.policy_updates import PolicyUpdates
 from tltd.supervisor.rollout_workers import RolloutWorkers
 from tltd.supervisor.snapshot import build_snapshot
@@ -106,6 +107,7 @@ class Supervisor:
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
         self.leases = UnitLeases(store, settings, self.requests, self.handles, self._close)
         self._drain = NodeDrain(self.queue, self.requests, self.workers, self.leases)
+        self.parking = Parking(store, self.requests, self.handles, self.writes)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
@@ -290,6 +292,10 @@ class Supervisor:
         # Streams here of a request that runs elsewhere (or nowhere yet) read the store now:
         # this node's own notification of the cancel wakes none of them.
         self.requests.publish(request_id, StreamEvent())
+
+    async def park(self, request_id: str) -> int:
+        """Park a bounded request at its bound (`tltd.supervisor.parking`); the units parked."""
+        return await self.parking.park(request_id, DRAIN_ANSWER_SECONDS)
 
     async def _close(self, request_id: str, status: RequestStatus, reason: str) -> None:
         if request_id in self._admitting and self.queue.get(request_id) is None:
@@ -515,6 +521,11 @@ class Supervisor:
             # The tokens so far of a unit handed to another node: streamed to the callers
             # that asked for partial samples; the sample itself stays unfinished here.
             if stored is not None and live is not None:
+                self.requests.publish(live.request_id, StreamEvent(sample))
+            return
+        if sample.finish_reason is FinishReason.ABORTED and live is not None and live.parking:
+            # Paused at its request's step bound: it goes on, later, from what was stored.
+            if self.queue.paused(live.request_id, key) and stored is not None:
                 self.requests.publish(live.request_id, StreamEvent(sample))
             return
         if stored is None:

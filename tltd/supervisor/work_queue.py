@@ -48,6 +48,9 @@ class LiveRequest:
     # Samples stored unfinished by a node that handed them over (a drain): where a worker goes
     # on from, instead of running them again from their seed.
     resume: dict[Key, Sample] = field(default_factory=dict)
+    # Its step bound was reached and it parks (`tltd.supervisor.parking`): nothing more of it
+    # is handed out; what runs comes back paused.
+    parking: bool = False
 
     @property
     def units(self) -> KeysView[int]:
@@ -196,14 +199,14 @@ class WorkQueue:
                 live.predicted_tokens(p),
             )
             for live in self._live.values()
-            if live.outcome is None
+            if live.outcome is None and not live.parking
             for p, idx in sorted(live.pending.items())
         ]
 
     def take(self, request_id: str, prompt_index: int, count: int, worker_id: str) -> list[int]:
         """Move up to `count` pending samples of a prompt to `worker_id`; returns their indices."""
         live = self._live.get(request_id)
-        if live is None or live.outcome is not None:
+        if live is None or live.outcome is not None or live.parking:
             return []
         idx = live.pending.get(prompt_index, [])
         taken, rest = idx[:count], idx[count:]
@@ -241,6 +244,16 @@ class WorkQueue:
             live.failed += 1
             live.first_error = live.first_error or failed_error
         return live
+
+    def paused(self, request_id: str, key: Key) -> bool:
+        """A running sample came back paused (its request parks): it is no longer running,
+        and not finished here. False when it was not running."""
+        live = self._live.get(request_id)
+        if live is None or key not in live.running:
+            return False
+        wid = live.running.pop(key)
+        self._by_worker.get(wid, set()).discard((request_id, key))
+        return True
 
     def running_on(self, worker_id: str) -> list[tuple[LiveRequest, Key]]:
         return [

@@ -93,6 +93,7 @@ class WorkerLoop:
         self.drain_deadline: float | None = None
         self.stopping = False
         self.frozen = False
+        self.pausing: set[str] = set()  # requests paused at a step bound (Cancel.pause)
         self._last_heartbeat = 0.0
         # Policy weights received by a joined broadcast, until their version is loaded.
         self.broadcasts = BroadcastReceiver()
@@ -190,6 +191,8 @@ class WorkerLoop:
             self.idle_since = time.time()
 
     def _send_finished(self, samples: list[Sample]) -> None:
+        if self.pausing:  # a paused request's samples are cut short, not cancelled
+            samples = [_paused(x) if x.request_id in self.pausing else x for x in samples]
         # A step's samples in one pipe message: one pickle and one write, not one each.
         if samples:
             self.conn.send([Finished(sample) for sample in samples])
@@ -219,8 +222,10 @@ class WorkerLoop:
         match msg:
             case AddWork():
                 self._add(msg)
-            case Cancel(request_id=rid):
+            case Cancel(request_id=rid, pause=pause):
                 if self.loaded():
+                    if pause:
+                        self.pausing.add(rid)
                     self.cancel(rid)
             case Freeze(frozen=frozen):
                 self.frozen = frozen and self.can_freeze
@@ -242,6 +247,7 @@ class WorkerLoop:
 
     def _add(self, msg: AddWork) -> None:
         self.acked_seq = max(self.acked_seq, msg.seq)
+        self.pausing.discard(msg.request_id)  # parked and resumed: it runs again
         if not self.loaded():
             self.fail(msg, msg.sample_indices, "no model loaded on this worker")
             return
@@ -322,3 +328,10 @@ class WorkerLoop:
             self.conn.send(Finished(sample))
         self.idle_since = time.time()
         return partial
+
+
+def _paused(sample: Sample) -> Sample:
+    """A sample cut short by a pause: ABORTED (the daemon parks it), not CANCELLED."""
+    if sample.finish_reason is FinishReason.CANCELLED:
+        return replace(sample, finish_reason=FinishReason.ABORTED, partial=True)
+    return sample
