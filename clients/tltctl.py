@@ -502,8 +502,13 @@ def jobs_ls(obj: _Ctx, statuses: tuple[str, ...], limit: int) -> None:
 @_output_option
 @pass_ctx
 def jobs_show(obj: _Ctx, job_id: str) -> None:
-    """Show one job."""
-    _emit_record(obj, obj.client.get_job(job_id))
+    """Show one job (with a bounded job's groups, parked prompts and partial ratio)."""
+    job = obj.client.get_job(job_id)
+    extra = {}
+    if job.HasField("bounded") and job.bounded.samples_sent:
+        b = job.bounded
+        extra["partial_ratio"] = round(b.samples_multi_version / b.samples_sent, 3)
+    _emit_record(obj, job, extra)
 
 
 @jobs.command("cancel")

@@ -206,6 +206,20 @@ class Job:
     # A bounded Generate never sends a group with a token more than this many policy versions
     # older than the job's current one; None = no bound.
     max_staleness: int | None = None
+    bounded: BoundedStats | None = None  # read for GetJob only
+
+
+@dataclass(frozen=True)
+class BoundedStats:
+    """A job's bounded requests so far (`tltd.store.deliveries`; the proto's BoundedStats)."""
+
+    groups_sent: int = 0
+    groups_dropped_stale: int = 0
+    prompts_parked: int = 0
+    prompts_open: int = 0
+    samples_sent: int = 0
+    samples_multi_version: int = 0
+    max_version_spread: int = 0
 
 
 @dataclass(frozen=True)

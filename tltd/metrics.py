@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from typing import Any
@@ -312,6 +312,14 @@ _DECLARED: dict[str, _Declared] = {
         ("job_id",),
         buckets=(0, 1, 2, 3, 4, 6, 8, 16),
     ),
+    "version_spread": _Declared(
+        Histogram,
+        "tltd_sample_version_spread",
+        "Per sample sent by a bounded stream: how many policy versions its tokens span, less "
+        "1 (0 = one version; the share above 0 is the partial ratio)",
+        ("job_id",),
+        buckets=(0, 1, 2, 3, 4, 8),
+    ),
     "stale_groups": _Declared(
         Counter,
         "tltd_stale_groups_dropped_total",
@@ -343,6 +351,7 @@ class Metrics:
     sample_store_batch: Histogram
     groups_sent: Counter
     group_staleness: Histogram
+    version_spread: Histogram
     stale_groups: Counter
 
     def __init__(
@@ -396,9 +405,17 @@ class Metrics:
         self._spec.add(job_id, draft_steps, plain_steps, accepted_tokens)
 
     def observe_groups(
-        self, job_id: str, staleness: list[int], carried: list[bool], stale: int
+        self,
+        job_id: str,
+        staleness: list[int],
+        carried: list[bool],
+        stale: int,
+        spreads: Sequence[int] = (),
     ) -> None:
-        """Groups a bounded stream sent (their staleness, carried or not) and dropped."""
+        """Groups a bounded stream sent (their staleness, carried or not, and the version
+        spread of each sample) and dropped."""
+        for spread in spreads:
+            self.version_spread.labels(job_id).observe(spread)
         for versions, was_carried in zip(staleness, carried, strict=True):
             self.groups_sent.labels(job_id, str(was_carried).lower()).inc()
             self.group_staleness.labels(job_id).observe(versions)

@@ -5,13 +5,14 @@ each group sent once."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
 import pytest
 from sqlalchemy import text
 
-from tests.api.support import sampling
+from tests.api.support import run_tltctl, sampling
 from tests.rollout.support import direct_outputs
 from tltd.domain import SamplingParams
 from tltd.v1 import common_pb2, job_pb2, rollout_pb2
@@ -93,7 +94,7 @@ def test_parked_prompts_wait_then_go_on_from_their_tokens(daemon, ckpt):
 
 
 def test_a_parked_sample_goes_on_under_the_newest_version_and_its_spans_say_so(
-    sqlite_daemon, ckpt, ckpt2
+    sqlite_daemon, ckpt, ckpt2, capsys, monkeypatch
 ):
     """Per-token versions true by construction: the two checkpoints answer differently, so the
     resumed tokens are the new version's continuation of the stored ones."""
@@ -107,7 +108,15 @@ def test_a_parked_sample_goes_on_under_the_newest_version_and_its_spans_say_so(
         stored = {(s.prompt_index, s.sample_index): s for s in c.get_request("a", True).samples}
         c.update_policy("v", str(ckpt2))
         later = list(c.generate("v", MORE, request_id="b", bound=bound(6, carried=True), **run))
+        stats = c.get_job("v").bounded
+    monkeypatch.setenv("TLTD_TARGET", d.target)
+    code, out, _ = run_tltctl(capsys, "jobs", "show", "v", "-o", "json")
+    assert code == 0 and json.loads(out)["bounded"]["groups_sent"] == 7
+    assert json.loads(out)["partial_ratio"] == round(len(paused) / 14, 3)
     assert paused
+    assert stats.groups_sent == 7 and stats.prompts_parked == 0 and stats.samples_sent == 14
+    # The paused samples went on under v1; nothing else spans two versions.
+    assert stats.samples_multi_version == len(paused) and stats.max_version_spread == 1
     resumed = {(s.prompt_index, s.sample_index): s for s in later if s.request_id == "a"}
     for key, k in sorted(paused.items()):
         s, before = resumed[key], stored[key]

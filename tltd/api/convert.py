@@ -233,7 +233,8 @@ def new_job_from_pb(pb: job_pb2.CreateJobRequest) -> d.NewJob:
 
 def job_to_pb(job: d.Job) -> job_pb2.Job:
     return job_pb2.Job(
-        **_same_named(job, skip=("backend", "speculative", "status", "policy_switch")),
+        **_same_named(job, skip=("backend", "speculative", "status", "policy_switch", "bounded")),
+        bounded=None if job.bounded is None else job_pb2.BoundedStats(**_same_named(job.bounded)),
         backend=_BACKEND_PB[job.backend],
         speculative=speculative_to_pb(job.speculative),
         status=job_status_to_pb(job.status),

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from tltd.domain import JobStatus, RolloutRequest, Sample
 from tltd.metrics import METRICS
-from tltd.store.deliveries import Delivery, SentGroup
+from tltd.store.deliveries import Delivery, SentGroup, version_spread
 
 if TYPE_CHECKING:
     from tltd.store import Store
@@ -95,6 +95,7 @@ def _observe(job_id: str, took: Delivery) -> None:
             [g.staleness for g in took.groups],
             [g.carried for g in took.groups],
             len(took.stale),
+            [version_spread(x) for g in took.groups for x in g.samples],
         )
 
 

@@ -181,8 +181,11 @@ class JobService:
         return spec
 
     def get(self, job_id: str) -> Job:
+        """The job, with how its bounded requests went (if it has any)."""
         check_id(job_id, "job_id")
-        return self.store.get_job(job_id)
+        job = self.store.get_job(job_id)
+        stats = self.store.bounded_stats(job_id)
+        return job if stats is None else replace(job, bounded=stats)
 
     def list(self, statuses: list[JobStatus] | None = None, limit: int = 0) -> list[Job]:
         return self.store.list_jobs(statuses=statuses or None, limit=limit or 100)

@@ -80,10 +80,12 @@ def job_to_row(job: Job, row: JobRow | None = None) -> JobRow:
     row = row or JobRow(job_id=job.job_id)
     columns = {
         # Not stored with the job: its id is the row's key, the drafter version is read from
-        # the drafter versions, the times are the store's.
+        # the drafter versions, the times are the store's, the bounded stats are counted.
         **_columns(
-            job, skip=("job_id", "speculative", "drafter_version", "created_at", "updated_at")
-        ),
+            job,
+            skip=("job_id", "speculative", "drafter_version", "created_at", "updated_at",
+                  "bounded"),
+        ),  # fmt: skip
         **_columns(job.speculative, prefix="spec_"),
         "spec_draft_lengths": list(job.speculative.draft_lengths),
     }
@@ -101,7 +103,7 @@ def job_from_row(row: JobRow, drafter_version: int = 0) -> Job:
         prefix="spec_",
         draft_lengths=tuple(int(x) for x in row.spec_draft_lengths),
     )
-    return _from_columns(Job, row, speculative=spec, drafter_version=drafter_version)
+    return _from_columns(Job, row, speculative=spec, drafter_version=drafter_version, bounded=None)
 
 
 def policy_version_from_row(row: PolicyVersionRow) -> PolicyVersion:

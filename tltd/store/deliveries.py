@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 from sqlalchemy import and_, case, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from tltd.domain import Sample
+from tltd.domain import BoundedStats, Sample
 from tltd.errors import NotFound
 from tltd.store import convert
 from tltd.store.database import BINARY_RESULTS
-from tltd.store.leases import DONE, FAILED, LEASED, QUEUED
+from tltd.store.leases import DONE, FAILED, LEASED, PARKED, QUEUED
 from tltd.store.tables import JobRow, RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
 STALE = ""  # delivered_to of a group dropped as too stale to send
@@ -52,6 +52,11 @@ class Delivery:
     @property
     def more_may_come(self) -> bool:
         return bool(self.own_open or self.carried_open)
+
+
+def version_spread(sample: Sample) -> int:
+    """The versions a sample's tokens span, less 1 (0: one version)."""
+    return _spread([list(x) for x in sample.policy_spans], sample.policy_version)
 
 
 def oldest_version(sample: Sample) -> int:
@@ -106,6 +111,49 @@ class GroupDeliveries:
                 )
                 or 0
             )
+
+    def bounded_stats(self, job_id: str) -> BoundedStats | None:
+        """How the job's bounded requests went (None: it has none): groups sent and dropped,
+        prompts parked and open, and how many sent samples span more than one version."""
+        wu, rr, sr = WorkUnitRow, RolloutRequestRow, SampleRow
+        bounded = wu.request_id.in_(
+            select(rr.request_id).where(rr.job_id == job_id, rr.bound_groups > 0)
+        )
+        with self._tx(write=False) as s:
+            counts = dict(
+                s.execute(
+                    select(
+                        case(
+                            (wu.delivered_to == STALE, "stale"),
+                            (wu.delivered_to.is_not(None), "sent"),
+                            (wu.state == PARKED, "parked"),
+                            (wu.state.in_((QUEUED, LEASED)), "open"),
+                            else_="done",
+                        ).label("k"),
+                        func.count(),
+                    )
+                    .where(bounded)
+                    .group_by("k")
+                ).all()
+            )
+            if not counts:
+                return None
+            sent = and_(wu.delivered_to.is_not(None), wu.delivered_to != STALE)
+            spans = s.execute(
+                select(sr.policy_spans, sr.policy_version)
+                .join(wu, and_(wu.request_id == sr.request_id, wu.prompt_index == sr.prompt_index))
+                .where(bounded, sent)
+            ).all()
+        spreads = [_spread(r[0], int(r[1])) for r in spans]
+        return BoundedStats(
+            groups_sent=int(counts.get("sent", 0)),
+            groups_dropped_stale=int(counts.get("stale", 0)),
+            prompts_parked=int(counts.get("parked", 0)),
+            prompts_open=int(counts.get("open", 0)),
+            samples_sent=len(spreads),
+            samples_multi_version=sum(1 for x in spreads if x > 0),
+            max_version_spread=max(spreads, default=0),
+        )
 
     def sent_groups(self, request_id: str) -> list[SentGroup]:
         """The groups recorded as sent by `request_id`'s stream (a retry re-sends them)."""
@@ -262,3 +310,9 @@ class GroupDeliveries:
                 .where(self._carried_from(rr), open_, wu.delivered_to.is_(None))
             )
         return int(own or 0), int(other or 0)
+
+
+def _spread(spans: list | None, version: int) -> int:
+    """The versions a stored sample's tokens span, less 1 (0: one version)."""
+    versions = [int(v) for _, v in spans] if spans else [version]
+    return max(versions) - min(versions)

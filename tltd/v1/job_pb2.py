@@ -26,29 +26,31 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tltd.v1 import common_pb2 as tltd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11tltd/v1/job.proto\x12\x07tltd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14tltd/v1/common.proto\"\xd5\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nmodel_path\x18\x03 \x01(\t\x12!\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32\x10.tltd.v1.Backend\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12/\n\x0bspeculative\x18\x07 \x01(\x0b\x32\x1a.tltd.v1.SpeculativeConfig\x12\"\n\x06status\x18\x08 \x01(\x0e\x32\x12.tltd.v1.JobStatus\x12\x15\n\rstatus_reason\x18\t \x01(\t\x12\x16\n\x0epolicy_version\x18\n \x01(\x04\x12\x17\n\x0f\x64rafter_version\x18\x0b \x01(\x04\x12.\n\ncreated_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\rpolicy_switch\x18\x0e \x01(\x0e\x32\x15.tltd.v1.PolicySwitch\x12\x1a\n\rmax_staleness\x18\x0f \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_max_staleness\"\x96\x02\n\x10\x43reateJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nmodel_path\x18\x03 \x01(\t\x12!\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32\x10.tltd.v1.Backend\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12/\n\x0bspeculative\x18\x07 \x01(\x0b\x32\x1a.tltd.v1.SpeculativeConfig\x12,\n\rpolicy_switch\x18\x08 \x01(\x0e\x32\x15.tltd.v1.PolicySwitch\x12\x1a\n\rmax_staleness\x18\t \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_max_staleness\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"F\n\x0fListJobsRequest\x12$\n\x08statuses\x18\x01 \x03(\x0e\x32\x12.tltd.v1.JobStatus\x12\r\n\x05limit\x18\x02 \x01(\r\".\n\x10ListJobsResponse\x12\x1a\n\x04jobs\x18\x01 \x03(\x0b\x32\x0c.tltd.v1.Job\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t*o\n\tJobStatus\x12\x1a\n\x16JOB_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATUS_ACTIVE\x10\x01\x12\x18\n\x14JOB_STATUS_CANCELLED\x10\x02\x12\x15\n\x11JOB_STATUS_FAILED\x10\x03*u\n\x0cPolicySwitch\x12\x1d\n\x19POLICY_SWITCH_UNSPECIFIED\x10\x00\x12)\n%POLICY_SWITCH_FINISH_ON_START_VERSION\x10\x01\x12\x1b\n\x17POLICY_SWITCH_NEXT_STEP\x10\x02\x32\xe9\x01\n\nJobService\x12\x34\n\tCreateJob\x12\x19.tltd.v1.CreateJobRequest\x1a\x0c.tltd.v1.Job\x12.\n\x06GetJob\x12\x16.tltd.v1.GetJobRequest\x1a\x0c.tltd.v1.Job\x12?\n\x08ListJobs\x12\x18.tltd.v1.ListJobsRequest\x1a\x19.tltd.v1.ListJobsResponse\x12\x34\n\tCancelJob\x12\x19.tltd.v1.CancelJobRequest\x1a\x0c.tltd.v1.Jobb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11tltd/v1/job.proto\x12\x07tltd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14tltd/v1/common.proto\"\xfd\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nmodel_path\x18\x03 \x01(\t\x12!\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32\x10.tltd.v1.Backend\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12/\n\x0bspeculative\x18\x07 \x01(\x0b\x32\x1a.tltd.v1.SpeculativeConfig\x12\"\n\x06status\x18\x08 \x01(\x0e\x32\x12.tltd.v1.JobStatus\x12\x15\n\rstatus_reason\x18\t \x01(\t\x12\x16\n\x0epolicy_version\x18\n \x01(\x04\x12\x17\n\x0f\x64rafter_version\x18\x0b \x01(\x04\x12.\n\ncreated_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\rpolicy_switch\x18\x0e \x01(\x0e\x32\x15.tltd.v1.PolicySwitch\x12\x1a\n\rmax_staleness\x18\x0f \x01(\rH\x00\x88\x01\x01\x12&\n\x07\x62ounded\x18\x10 \x01(\x0b\x32\x15.tltd.v1.BoundedStatsB\x10\n\x0e_max_staleness\"\xc0\x01\n\x0c\x42oundedStats\x12\x13\n\x0bgroups_sent\x18\x01 \x01(\r\x12\x1c\n\x14groups_dropped_stale\x18\x02 \x01(\r\x12\x16\n\x0eprompts_parked\x18\x03 \x01(\r\x12\x14\n\x0cprompts_open\x18\x04 \x01(\r\x12\x14\n\x0csamples_sent\x18\x05 \x01(\r\x12\x1d\n\x15samples_multi_version\x18\x06 \x01(\r\x12\x1a\n\x12max_version_spread\x18\x07 \x01(\r\"\x96\x02\n\x10\x43reateJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nmodel_path\x18\x03 \x01(\t\x12!\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32\x10.tltd.v1.Backend\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12/\n\x0bspeculative\x18\x07 \x01(\x0b\x32\x1a.tltd.v1.SpeculativeConfig\x12,\n\rpolicy_switch\x18\x08 \x01(\x0e\x32\x15.tltd.v1.PolicySwitch\x12\x1a\n\rmax_staleness\x18\t \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_max_staleness\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"F\n\x0fListJobsRequest\x12$\n\x08statuses\x18\x01 \x03(\x0e\x32\x12.tltd.v1.JobStatus\x12\r\n\x05limit\x18\x02 \x01(\r\".\n\x10ListJobsResponse\x12\x1a\n\x04jobs\x18\x01 \x03(\x0b\x32\x0c.tltd.v1.Job\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t*o\n\tJobStatus\x12\x1a\n\x16JOB_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATUS_ACTIVE\x10\x01\x12\x18\n\x14JOB_STATUS_CANCELLED\x10\x02\x12\x15\n\x11JOB_STATUS_FAILED\x10\x03*u\n\x0cPolicySwitch\x12\x1d\n\x19POLICY_SWITCH_UNSPECIFIED\x10\x00\x12)\n%POLICY_SWITCH_FINISH_ON_START_VERSION\x10\x01\x12\x1b\n\x17POLICY_SWITCH_NEXT_STEP\x10\x02\x32\xe9\x01\n\nJobService\x12\x34\n\tCreateJob\x12\x19.tltd.v1.CreateJobRequest\x1a\x0c.tltd.v1.Job\x12.\n\x06GetJob\x12\x16.tltd.v1.GetJobRequest\x1a\x0c.tltd.v1.Job\x12?\n\x08ListJobs\x12\x18.tltd.v1.ListJobsRequest\x1a\x19.tltd.v1.ListJobsResponse\x12\x34\n\tCancelJob\x12\x19.tltd.v1.CancelJobRequest\x1a\x0c.tltd.v1.Jobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tltd.v1.job_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATUS']._serialized_start=1043
-  _globals['_JOBSTATUS']._serialized_end=1154
-  _globals['_POLICYSWITCH']._serialized_start=1156
-  _globals['_POLICYSWITCH']._serialized_end=1273
+  _globals['_JOBSTATUS']._serialized_start=1278
+  _globals['_JOBSTATUS']._serialized_end=1389
+  _globals['_POLICYSWITCH']._serialized_start=1391
+  _globals['_POLICYSWITCH']._serialized_end=1508
   _globals['_JOB']._serialized_start=86
-  _globals['_JOB']._serialized_end=555
-  _globals['_CREATEJOBREQUEST']._serialized_start=558
-  _globals['_CREATEJOBREQUEST']._serialized_end=836
-  _globals['_GETJOBREQUEST']._serialized_start=838
-  _globals['_GETJOBREQUEST']._serialized_end=869
-  _globals['_LISTJOBSREQUEST']._serialized_start=871
-  _globals['_LISTJOBSREQUEST']._serialized_end=941
-  _globals['_LISTJOBSRESPONSE']._serialized_start=943
-  _globals['_LISTJOBSRESPONSE']._serialized_end=989
-  _globals['_CANCELJOBREQUEST']._serialized_start=991
-  _globals['_CANCELJOBREQUEST']._serialized_end=1041
-  _globals['_JOBSERVICE']._serialized_start=1276
-  _globals['_JOBSERVICE']._serialized_end=1509
+  _globals['_JOB']._serialized_end=595
+  _globals['_BOUNDEDSTATS']._serialized_start=598
+  _globals['_BOUNDEDSTATS']._serialized_end=790
+  _globals['_CREATEJOBREQUEST']._serialized_start=793
+  _globals['_CREATEJOBREQUEST']._serialized_end=1071
+  _globals['_GETJOBREQUEST']._serialized_start=1073
+  _globals['_GETJOBREQUEST']._serialized_end=1104
+  _globals['_LISTJOBSREQUEST']._serialized_start=1106
+  _globals['_LISTJOBSREQUEST']._serialized_end=1176
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1178
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1224
+  _globals['_CANCELJOBREQUEST']._serialized_start=1226
+  _globals['_CANCELJOBREQUEST']._serialized_end=1276
+  _globals['_JOBSERVICE']._serialized_start=1511
+  _globals['_JOBSERVICE']._serialized_end=1744
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ POLICY_SWITCH_FINISH_ON_START_VERSION: PolicySwitch
 POLICY_SWITCH_NEXT_STEP: PolicySwitch
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative", "status", "status_reason", "policy_version", "drafter_version", "created_at", "updated_at", "policy_switch", "max_staleness")
+    __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative", "status", "status_reason", "policy_version", "drafter_version", "created_at", "updated_at", "policy_switch", "max_staleness", "bounded")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class Job(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     POLICY_SWITCH_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     model_path: str
@@ -63,7 +64,26 @@ class Job(_message.Message):
     updated_at: _timestamp_pb2.Timestamp
     policy_switch: PolicySwitch
     max_staleness: int
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., model_path: _Optional[str] = ..., backend: _Optional[_Union[_common_pb2.Backend, str]] = ..., priority: _Optional[int] = ..., weight: _Optional[float] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, str]] = ..., status_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_switch: _Optional[_Union[PolicySwitch, str]] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    bounded: BoundedStats
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., model_path: _Optional[str] = ..., backend: _Optional[_Union[_common_pb2.Backend, str]] = ..., priority: _Optional[int] = ..., weight: _Optional[float] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeConfig, _Mapping]] = ..., status: _Optional[_Union[JobStatus, str]] = ..., status_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., drafter_version: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_switch: _Optional[_Union[PolicySwitch, str]] = ..., max_staleness: _Optional[int] = ..., bounded: _Optional[_Union[BoundedStats, _Mapping]] = ...) -> None: ...
+
+class BoundedStats(_message.Message):
+    __slots__ = ("groups_sent", "groups_dropped_stale", "prompts_parked", "prompts_open", "samples_sent", "samples_multi_version", "max_version_spread")
+    GROUPS_SENT_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_PARKED_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_MULTI_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_VERSION_SPREAD_FIELD_NUMBER: _ClassVar[int]
+    groups_sent: int
+    groups_dropped_stale: int
+    prompts_parked: int
+    prompts_open: int
+    samples_sent: int
+    samples_multi_version: int
+    max_version_spread: int
+    def __init__(self, groups_sent: _Optional[int] = ..., groups_dropped_stale: _Optional[int] = ..., prompts_parked: _Optional[int] = ..., prompts_open: _Optional[int] = ..., samples_sent: _Optional[int] = ..., samples_multi_version: _Optional[int] = ..., max_version_spread: _Optional[int] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
     __slots__ = ("job_id", "name", "model_path", "backend", "priority", "weight", "speculative", "policy_switch", "max_staleness")
