@@ -72,8 +72,7 @@ def test_a_session_survives_a_daemon_kill9_between_and_during_turns(db_url, tmp_
             t3 = c.turn("s", 3, ENV[2], sampling=sampling(**SHORT)).turn
             closed = c.close_session("s")
             per_turn = [
-                len(c.get_request(t.request_id, include_samples=True).samples)
-                for t in closed.turns
+                len(c.get_request(t.request_id, include_samples=True).samples) for t in closed.turns
             ]
     finally:
         b.kill()

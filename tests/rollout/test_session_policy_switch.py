@@ -63,9 +63,7 @@ def _switch_mid_turn(d, c, new_policy):
     return got[0]
 
 
-def test_a_policy_switch_inside_a_turn_is_in_the_sessions_versions(
-    daemon, ckpt, tmp_path_factory
-):
+def test_a_policy_switch_inside_a_turn_is_in_the_sessions_versions(daemon, ckpt, tmp_path_factory):
     new = with_final_norm_changed(ckpt, tmp_path_factory.mktemp("norm") / "policy", seed=3)
     with daemon.client() as c:
         c.create_job(str(ckpt), job_id="switch", policy_switch=job_pb2.POLICY_SWITCH_NEXT_STEP)

@@ -9,7 +9,6 @@ import signal
 import threading
 
 import grpc
-import pytest
 
 from tests.api.support import fails, sampling
 from tests.rollout.support import direct_outputs, wait_until
@@ -29,8 +28,7 @@ def _expected(path, context: list[int]) -> list[int]:
 
 def _run_turns(c, session_id: str, inputs: list[list[int]]):
     return [
-        c.turn(session_id, i, env, sampling=sampling(**GREEDY)).turn
-        for i, env in enumerate(inputs)
+        c.turn(session_id, i, env, sampling=sampling(**GREEDY)).turn for i, env in enumerate(inputs)
     ]
 
 
