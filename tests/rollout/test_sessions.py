@@ -100,6 +100,8 @@ def test_bad_input_gets_a_status_naming_the_field(daemon, ckpt):
             c.turn("s", 1, sampling=sampling())
         with fails(code.INVALID_ARGUMENT, "sampling.n"):
             c.turn("s", 0, sampling=sampling(n=2))
+        with fails(code.INVALID_ARGUMENT, "sampling.top_logprobs"):
+            c.turn("s", 0, sampling=sampling(top_logprobs=2))
         with fails(code.INVALID_ARGUMENT, "sampling.temperature"):
             c.turn("s", 0, sampling=sampling(temperature=-1.0))
         with fails(code.INVALID_ARGUMENT, "input_token_ids[0]"):

@@ -54,6 +54,18 @@ def check_session_id(value: str) -> None:
         )
 
 
+def _check_not_returned(sampling: SamplingParams) -> None:
+    """What a turn does not return is refused rather than computed and dropped."""
+    for name, asked in (
+        ("return_provenance", sampling.return_provenance),
+        ("top_logprobs", sampling.top_logprobs != 0),
+        ("prompt_logprobs", sampling.prompt_logprobs is not None),
+    ):
+        if asked:
+            raise InvalidArgument("a turn does not return it: leave it unset",
+                                  field=f"sampling.{name}")  # fmt: skip
+
+
 class SessionService:
     def __init__(self, store: Store, settings: Settings, rollouts: RolloutService) -> None:
         self.store = store
@@ -115,6 +127,7 @@ class SessionService:
         if sampling.n != 1:
             raise InvalidArgument(f"a turn samples once: must be 0 or 1, got {sampling.n}",
                                   field="sampling.n")  # fmt: skip
+        _check_not_returned(sampling)
         job = self.store.get_job(session.job_id)
         limits = model_limits(job.model_path)
         if inputs:
