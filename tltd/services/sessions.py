@@ -134,6 +134,12 @@ class SessionService:
             check_tokens(inputs, "input_token_ids", limits.vocab_size)
         context, holder = context_limit(self.settings, limits)
         before = len(session.context_before(turn_index))
+        if before + len(inputs) > self.settings.max_prompt_tokens:
+            raise InvalidArgument(
+                f"{before} tokens of the session and {len(inputs)} new ones exceed the limit "
+                f"of {self.settings.max_prompt_tokens} (max_prompt_tokens)",
+                field="input_token_ids",
+            )
         if before + len(inputs) >= context:
             raise InvalidArgument(
                 f"{before} tokens of the session and {len(inputs)} new ones leave no room to "
