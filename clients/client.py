@@ -25,6 +25,8 @@ from tltd.v1 import (
     policy_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
 )
 from tltd_clients.endpoints import KEEPALIVE, channel_options
 from tltd_clients.errors import NotFoundError, from_rpc_error
@@ -131,6 +133,7 @@ class TltClient:
         self.drafters = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.jobs = job_pb2_grpc.JobServiceStub(self.channel)
         self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
+        self.sessions = session_pb2_grpc.SessionServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -252,6 +255,44 @@ class TltClient:
     ) -> rollout_pb2.RolloutRequest:
         req = rollout_pb2.CancelRequestRequest(request_id=request_id, reason=reason)
         return self.call(self.rollouts.CancelRequest, req, timeout=timeout).request
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def open_session(
+        self, job_id: str, prompt_token_ids: Iterable[int], session_id: str = ""
+    ) -> session_pb2.Session:
+        req = session_pb2.OpenSessionRequest(
+            job_id=job_id, session_id=session_id, prompt_token_ids=list(prompt_token_ids)
+        )
+        return self.call(self.sessions.OpenSession, req)
+
+    def turn(
+        self,
+        session_id: str,
+        turn_index: int,
+        input_token_ids: Iterable[int] = (),
+        *,
+        sampling: rollout_pb2.SamplingParams | None = None,
+        timeout: float | None = None,
+    ) -> session_pb2.TurnResponse:
+        """Run the session's turn `turn_index` (its done turns so far) after the new tokens
+        `input_token_ids`; a retry with the same arguments attaches to the same turn. No
+        deadline unless given one: a turn runs as long as its rollout."""
+        req = session_pb2.TurnRequest(
+            session_id=session_id,
+            turn_index=turn_index,
+            input_token_ids=list(input_token_ids),
+            sampling=sampling,
+        )
+        return self.call(self.sessions.Turn, req, timeout=timeout)
+
+    def get_session(self, session_id: str) -> session_pb2.Session:
+        req = session_pb2.GetSessionRequest(session_id=session_id)
+        return self.call(self.sessions.GetSession, req)
+
+    def close_session(self, session_id: str) -> session_pb2.Session:
+        req = session_pb2.CloseSessionRequest(session_id=session_id)
+        return self.call(self.sessions.CloseSession, req)
 
     # -- policy --------------------------------------------------------------------------------
 

@@ -563,3 +563,113 @@ class OpenedBroadcast:
     prefix: str  # the daemon's group (gloo)
     world_size: int
     workers: WorkerGroupKeys | None = None
+
+
+# ---- multi-turn sessions (token in / token out) ------------------------------------------------
+
+
+class SessionStatus(enum.StrEnum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class TurnStatus(enum.StrEnum):
+    RUNNING = "running"  # its rollout request runs (or waits for the caller's retry)
+    DONE = "done"
+
+
+# A session id leaves room for the turn's request id (`turn_request_id`) within 128 characters.
+MAX_SESSION_ID = 96
+
+
+def turn_request_id(session_id: str, turn_index: int, attempt: int) -> str:
+    """The rollout request that runs a turn: fixed by the session, the turn and how many turns
+    of the session were given up before (a given-up turn's request has ended; its next attempt
+    needs a new one). A retry of the turn finds the same request and attaches to it."""
+    return f"session:{session_id}:{turn_index}:{attempt}"
+
+
+@dataclass(frozen=True)
+class SessionTurn:
+    """One turn: the environment's tokens sent before it (loss mask 0) and what the policy
+    sampled (loss mask 1), with the behaviour logprobs and which version sampled which token."""
+
+    session_id: str
+    turn_index: int
+    input_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    request_id: str
+    status: TurnStatus = TurnStatus.RUNNING
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    finish_reason: FinishReason | None = None  # None while it runs
+    policy_version: int = 0
+    # As Sample.policy_spans: () = every token from `policy_version`.
+    policy_spans: tuple[tuple[int, int], ...] = ()
+
+    def token_versions(self) -> tuple[int, ...]:
+        """The policy version that sampled each of `token_ids` (the spans expanded)."""
+        spans = self.policy_spans or ((0, self.policy_version),)
+        out: list[int] = []
+        for i, (first, version) in enumerate(spans):
+            end = spans[i + 1][0] if i + 1 < len(spans) else len(self.token_ids)
+            out += [version] * (end - first)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A session's whole sequence as one training sample; the tuples are parallel."""
+
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]  # 1 = sampled by the policy, 0 = prompt or environment
+    logprobs: tuple[float, ...]  # behaviour logprob of a sampled token; 0.0 where mask is 0
+    policy_versions: tuple[int, ...]  # the version that sampled it; -1 where mask is 0
+    prompt_length: int
+
+
+@dataclass(frozen=True)
+class AgentSession:
+    """A multi-turn session of one job: its prompt and its turns (done ones, then the running
+    one if any). `attempts` counts turns given up (their request ended without a sample)."""
+
+    session_id: str
+    job_id: str
+    prompt_token_ids: tuple[int, ...]
+    status: SessionStatus = SessionStatus.OPEN
+    num_turns: int = 0  # turns done
+    num_tokens: int = 0  # the trajectory's length
+    attempts: int = 0
+    turns: tuple[SessionTurn, ...] = ()
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    @property
+    def running_turn(self) -> SessionTurn | None:
+        last = self.turns[-1] if self.turns else None
+        return last if last is not None and last.status is TurnStatus.RUNNING else None
+
+    def context_before(self, turn_index: int) -> tuple[int, ...]:
+        """The tokens the model saw before turn `turn_index`'s inputs: the prompt and every
+        done turn before it (their inputs and sampled tokens)."""
+        out = list(self.prompt_token_ids)
+        for turn in self.turns:
+            if turn.turn_index < turn_index and turn.status is TurnStatus.DONE:
+                out += [*turn.input_token_ids, *turn.token_ids]
+        return tuple(out)
+
+    def trajectory(self) -> Trajectory:
+        """The prompt, then each done turn's inputs (mask 0) and sampled tokens (mask 1)."""
+        ids, mask = list(self.prompt_token_ids), [0] * len(self.prompt_token_ids)
+        logprobs, versions = [0.0] * len(ids), [-1] * len(ids)
+        for turn in self.turns:
+            if turn.status is not TurnStatus.DONE:
+                continue
+            n_in, n_out = len(turn.input_token_ids), len(turn.token_ids)
+            ids += [*turn.input_token_ids, *turn.token_ids]
+            mask += [0] * n_in + [1] * n_out
+            logprobs += [0.0] * n_in + list(turn.logprobs)
+            versions += [-1] * n_in + list(turn.token_versions())
+        return Trajectory(
+            tuple(ids), tuple(mask), tuple(logprobs), tuple(versions), len(self.prompt_token_ids)
+        )

@@ -22,6 +22,7 @@ TLTD_SERVICES = {
     "tltd.v1.DrafterService",
     "tltd.v1.JobService",
     "tltd.v1.AdminService",
+    "tltd.v1.SessionService",
 }
 
 
@@ -32,6 +33,8 @@ def test_role_table():
     assert required_role("/tltd.v1.JobService/CreateJob") == "trainer"
     assert required_role("/tltd.v1.JobService/CancelJob") == "trainer"
     assert required_role("/tltd.v1.AdminService/GetStats") == "trainer"
+    for rpc in ("OpenSession", "Turn", "GetSession", "CloseSession"):
+        assert required_role(f"/tltd.v1.SessionService/{rpc}") == "trainer"
     assert (
         required_role("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo") == "trainer"
     )

@@ -38,7 +38,7 @@ from tests.rollout.support import InProcessDaemon, make_checkpoint
 from tltd.domain import RequestStatus
 from tltd.store import Store
 from tltd.store.migrate import upgrade
-from tltd.v1 import admin_pb2, drafter_pb2, job_pb2, policy_pb2, rollout_pb2
+from tltd.v1 import admin_pb2, drafter_pb2, job_pb2, policy_pb2, rollout_pb2, session_pb2
 
 C = grpc.StatusCode
 ALLOWED = {
@@ -49,7 +49,7 @@ GENERATE_SECONDS = 1.0  # an accepted rollout streams this long, then the test c
 
 METHODS = [
     m
-    for module in (admin_pb2, drafter_pb2, job_pb2, policy_pb2, rollout_pb2)
+    for module in (admin_pb2, drafter_pb2, job_pb2, policy_pb2, rollout_pb2, session_pb2)
     for service in module.DESCRIPTOR.services_by_name.values()
     for m in service.methods
 ]
@@ -106,6 +106,17 @@ def _templates(ckpt2, tmp) -> dict:
         "ExportDrafter": drafter_pb2.ExportDrafterRequest(
             job_id="fuzz-job", version=1, output_dir=str(tmp / "export")
         ),
+        "OpenSession": session_pb2.OpenSessionRequest(
+            job_id="fuzz-job", session_id="fuzz-s2", prompt_token_ids=[1, 2]
+        ),
+        "Turn": session_pb2.TurnRequest(
+            session_id="fuzz-s",
+            turn_index=0,
+            input_token_ids=[3],
+            sampling=rollout_pb2.SamplingParams(max_new_tokens=8, seed=3, temperature=1.0),
+        ),
+        "GetSession": session_pb2.GetSessionRequest(session_id="fuzz-s"),
+        "CloseSession": session_pb2.CloseSessionRequest(session_id="fuzz-s2"),
         "Cordon": admin_pb2.CordonRequest(device_id="cpu:7"),
         "Uncordon": admin_pb2.UncordonRequest(device_id="cpu:7"),
         "Drain": admin_pb2.DrainRequest(device_id="cpu:7"),
@@ -130,9 +141,11 @@ def fuzz_env(tmp_path_factory, ckpt, ckpt2):
         c.create_job(str(ckpt), job_id="fuzz-job")
         c.create_job(str(ckpt), job_id="probe")
         c.create_job(str(ckpt), job_id="fuzz-cancel")
+        c.open_session("fuzz-job", [1, 2, 3], session_id="fuzz-s")
     pools = {
         "job_id": ["fuzz-job"] * 6 + ["fuzz-cancel", "", "no-such-job"],
         "request_id": ["", "fuzz-r1", "fuzz-r2"],
+        "session_id": ["fuzz-s", "fuzz-s2", "", "no-such-session"],
         "model_path": [str(ckpt), str(ckpt2), str(bad), str(tmp / "afile"), "/no/such"],
         "path": [str(ckpt2), str(ckpt), str(bad), str(tmp / "afile"), "/no/such"],
         "initial_drafter_path": [str(ckpt), str(tmp / "afile"), "/no/such"],

@@ -23,6 +23,7 @@ from tltd.v1 import (
     job_pb2,
     policy_pb2,
     rollout_pb2,
+    session_pb2,
 )
 
 # ---- enums: explicit tables (both directions) so a renamed member fails loudly -------------
@@ -531,4 +532,45 @@ def stats_to_pb(s: d.Stats) -> admin_pb2.Stats:
         **_same_named(s, skip=("requests_by_status", "mean_accepted_length")),
         requests_by_status={str(k): int(v) for k, v in s.requests_by_status.items()},
         mean_accepted_length=_finite(s.mean_accepted_length),
+    )
+
+
+# ---- sessions ------------------------------------------------------------------------------
+
+_SESSION_STATUS_PB = {
+    d.SessionStatus.OPEN: session_pb2.SESSION_STATUS_OPEN,
+    d.SessionStatus.CLOSED: session_pb2.SESSION_STATUS_CLOSED,
+}
+_TURN_STATUS_PB = {
+    d.TurnStatus.RUNNING: session_pb2.TURN_STATUS_RUNNING,
+    d.TurnStatus.DONE: session_pb2.TURN_STATUS_DONE,
+}
+
+
+def turn_to_pb(t: d.SessionTurn) -> session_pb2.Turn:
+    pb = session_pb2.Turn(
+        turn_index=t.turn_index,
+        status=_TURN_STATUS_PB[t.status],
+        input_token_ids=t.input_token_ids,
+        token_ids=t.token_ids,
+        logprobs=t.logprobs,
+        finish_reason=_FINISH_PB[t.finish_reason] if t.finish_reason is not None else 0,
+        policy_version=t.policy_version,
+        request_id=t.request_id,
+    )
+    for first, version in t.policy_spans:
+        pb.policy_spans.add(first_token=first, policy_version=version)
+    return pb
+
+
+def trajectory_to_pb(t: d.Trajectory) -> session_pb2.Trajectory:
+    return session_pb2.Trajectory(**_same_named(t))
+
+
+def session_to_pb(s: d.AgentSession) -> session_pb2.Session:
+    return session_pb2.Session(
+        **_same_named(s, skip=("prompt_token_ids", "status", "attempts", "turns")),
+        status=_SESSION_STATUS_PB[s.status],
+        turns=[turn_to_pb(t) for t in s.turns],
+        trajectory=trajectory_to_pb(s.trajectory()),
     )

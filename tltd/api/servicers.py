@@ -19,6 +19,8 @@ from tltd.v1 import (
     policy_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
 )
 
 # Services are synchronous (the store is): `to_thread` keeps their I/O off the event loop.
@@ -48,6 +50,29 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def CancelRequest(self, request, context):
         req = await to_thread(self.svc.cancel, request.request_id, request.reason)
         return rollout_pb2.CancelRequestResponse(request=c.rollout_to_pb(req))
+
+
+class SessionServicer(session_pb2_grpc.SessionServiceServicer):
+    def __init__(self, services: Services) -> None:
+        self.svc = services.sessions
+
+    async def OpenSession(self, request, context):
+        prompt = tuple(request.prompt_token_ids)
+        session = await to_thread(self.svc.open, request.job_id, request.session_id, prompt)
+        return c.session_to_pb(session)
+
+    async def Turn(self, request, context):
+        inputs, sampling = tuple(request.input_token_ids), c.sampling_from_pb(request.sampling)
+        session, turn = await self.svc.turn(
+            request.session_id, request.turn_index, inputs, sampling
+        )
+        return session_pb2.TurnResponse(turn=c.turn_to_pb(turn), num_tokens=session.num_tokens)
+
+    async def GetSession(self, request, context):
+        return c.session_to_pb(await to_thread(self.svc.get, request.session_id))
+
+    async def CloseSession(self, request, context):
+        return c.session_to_pb(await to_thread(self.svc.close, request.session_id))
 
 
 class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
@@ -184,10 +209,12 @@ def add_servicers(server, services: Services) -> list[str]:
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(services), server)
     job_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(services), server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(services), server)
+    session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(services), server)
     return [
         rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name,
         policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name,
         drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name,
         job_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
         admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+        session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
     ]

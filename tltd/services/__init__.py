@@ -14,6 +14,7 @@ from tltd.services.pause import PauseMode, PauseService
 from tltd.services.policy import PolicyService
 from tltd.services.push import PushService
 from tltd.services.rollouts import RolloutService
+from tltd.services.sessions import SessionService
 from tltd.services.weight_groups import WeightGroupService
 from tltd.settings import Settings
 
@@ -34,6 +35,7 @@ __all__ = [
     "PushService",
     "RolloutService",
     "Services",
+    "SessionService",
     "WeightGroupService",
     "build_services",
 ]
@@ -51,6 +53,7 @@ class Services:
     node: NodeState
     pauses: PauseService
     weight_groups: WeightGroupService
+    sessions: SessionService
 
 
 def build_services(
@@ -77,4 +80,5 @@ def build_services(
         node=node,
         pauses=pauses,
         weight_groups=WeightGroupService(store, pushes),
+        sessions=SessionService(store, settings, rollouts),
     )

@@ -59,7 +59,7 @@ def check_text(value: str, field: str, max_chars: int) -> None:
         raise InvalidArgument("must not contain a NUL character (\\x00)", field=field)
 
 
-def _check_tokens(tokens: tuple[int, ...], field: str, vocab_size: int | None) -> None:
+def check_tokens(tokens: tuple[int, ...], field: str, vocab_size: int | None) -> None:
     # min/max run in C, so a 1024 x 8192 request costs milliseconds; the loop runs only to
     # find the index of a token already known to be bad.
     if min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size):
@@ -162,7 +162,7 @@ def _check_sampling(s: SamplingParams, vocab: int | None) -> None:
             f"must be a 64-bit unsigned integer, got {s.seed}", field="sampling.seed"
         )
     if s.stop_token_ids:
-        _check_tokens(s.stop_token_ids, "sampling.stop_token_ids", vocab)
+        check_tokens(s.stop_token_ids, "sampling.stop_token_ids", vocab)
     for name, n in (("top_logprobs", s.top_logprobs), ("prompt_logprobs", s.prompt_logprobs)):
         if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(
@@ -174,7 +174,7 @@ def _check_prompts(req: RolloutRequest, settings: Settings, model: ModelLimits |
     """Each prompt's tokens, and each sample's context (prompt + max_new_tokens) against the
     model's positions and a worker's sequence."""
     s, vocab = req.sampling, model.vocab_size if model else None
-    context, holder = _context_limit(settings, model)
+    context, holder = context_limit(settings, model)
     for i, prompt in enumerate(req.prompts):
         field = f"prompts[{i}].token_ids"
         if not prompt:
@@ -190,7 +190,7 @@ def _check_prompts(req: RolloutRequest, settings: Settings, model: ModelLimits |
                 "(prompt + generated)",
                 field=field,
             )
-        _check_tokens(prompt, field, vocab)
+        check_tokens(prompt, field, vocab)
     longest = max(len(p) for p in req.prompts)
     if longest + s.max_new_tokens > context:
         raise InvalidArgument(
@@ -200,7 +200,7 @@ def _check_prompts(req: RolloutRequest, settings: Settings, model: ModelLimits |
         )
 
 
-def _context_limit(settings: Settings, model: ModelLimits | None) -> tuple[int, str]:
+def context_limit(settings: Settings, model: ModelLimits | None) -> tuple[int, str]:
     """Tokens one sample may hold (prompt + generated), and what sets that (for messages)."""
     worker = settings.worker_max_seq_len
     if model is not None and model.max_positions is not None and model.max_positions < worker:

@@ -16,21 +16,27 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from tltd.domain import (
+    AgentSession,
     Device,
     DeviceProcess,
     DrafterVersion,
     Event,
+    FinishReason,
     Job,
+    LogprobMode,
     PolicyVersion,
     PromptLogprobs,
     RolloutRequest,
     Sample,
     SamplingParams,
+    SessionStatus,
+    SessionTurn,
     SpeculativeConfig,
     SpeculativeStats,
     TokenProvenance,
     TokenSource,
     TopLogprobs,
+    TurnStatus,
     Worker,
     field_names,
 )
@@ -42,6 +48,8 @@ from tltd.store.tables import (
     PolicyVersionRow,
     RolloutRequestRow,
     SampleRow,
+    SessionRow,
+    SessionTurnRow,
     WorkerRow,
 )
 
@@ -338,3 +346,73 @@ def worker_from_row(row: WorkerRow) -> Worker:
 
 def event_from_row(row: EventRow) -> Event:
     return _from_columns(Event, row, event_id=row.id)
+
+
+# ---- sessions --------------------------------------------------------------------------------
+
+
+def packed_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as a session stores them (little-endian int32: ids come off the wire as
+    int32)."""
+    return _packed("i", ids)
+
+
+def sampling_to_json(s: SamplingParams) -> dict[str, Any]:
+    """A turn's sampling as stored (the seed as text: JSON numbers lose a uint64's bits in
+    some readers)."""
+    return {
+        **_columns(s, skip=("stop_token_ids", "seed")),
+        "stop_token_ids": list(s.stop_token_ids),
+        "seed": None if s.seed is None else str(s.seed),
+    }
+
+
+def sampling_from_json(data: dict[str, Any]) -> SamplingParams:
+    given = {
+        "stop_token_ids": tuple(int(t) for t in data["stop_token_ids"]),
+        "seed": None if data["seed"] is None else int(data["seed"]),
+        "logprob_mode": LogprobMode(data["logprob_mode"]),
+    }
+    names = field_names(SamplingParams, tuple(given))
+    return SamplingParams(**{k: data[k] for k in names}, **given)
+
+
+def turn_from_row(row: SessionTurnRow) -> SessionTurn:
+    return SessionTurn(
+        session_id=row.session_id,
+        turn_index=row.turn_index,
+        input_token_ids=_unpacked("i", row.input_bin),
+        sampling=sampling_from_json(row.sampling),
+        request_id=row.request_id,
+        status=TurnStatus(row.status),
+        token_ids=_unpacked("i", row.token_ids_bin) if row.token_ids_bin is not None else (),
+        logprobs=_unpacked("d", row.logprobs_bin) if row.logprobs_bin is not None else (),
+        finish_reason=FinishReason(row.finish_reason) if row.finish_reason else None,
+        policy_version=row.policy_version,
+        policy_spans=tuple((int(i), int(v)) for i, v in row.policy_spans or ()),
+    )
+
+
+def fill_turn_row(row: SessionTurnRow, sample: Sample) -> None:
+    """A done turn's columns from the sample its request produced."""
+    row.status = TurnStatus.DONE.value
+    row.token_ids_bin = _packed("i", sample.token_ids)
+    row.logprobs_bin = _packed("d", sample.logprobs)
+    row.finish_reason = sample.finish_reason.value
+    row.policy_version = sample.policy_version
+    row.policy_spans = [list(x) for x in sample.policy_spans] or None
+
+
+def session_from_rows(row: SessionRow, turns: Sequence[SessionTurnRow]) -> AgentSession:
+    return AgentSession(
+        session_id=row.session_id,
+        job_id=row.job_id,
+        prompt_token_ids=_unpacked("i", row.prompt_bin),
+        status=SessionStatus(row.status),
+        num_turns=row.num_turns,
+        num_tokens=row.num_tokens,
+        attempts=row.attempts,
+        turns=tuple(turn_from_row(t) for t in turns),
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )

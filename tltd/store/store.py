@@ -13,6 +13,7 @@ uses the Store's `_tx`, `node_id`, `epoch` and `dialect`; shared row look-ups ar
   `drafter_leases.DrafterLeases`
 - nodes, devices, workers: `nodes.NodeRegistry`, `devices.DeviceInventory`, `workers.WorkerRecords`
 - unfinished policy pushes: `pushes.PushRecords`
+- multi-turn sessions and their turns: `sessions.SessionRecords`
 - events, retention, counters: `history.History`
 """
 
@@ -39,6 +40,7 @@ from tltd.store.pushes import PushRecords
 from tltd.store.rollout_requests import RolloutRequests
 from tltd.store.sample_batches import SampleBatches
 from tltd.store.samples import SampleRecords
+from tltd.store.sessions import SessionRecords
 from tltd.store.workers import WorkerRecords
 from tltd.store.write_watch import WriteWatch
 
@@ -60,6 +62,7 @@ class Store(
     NodeRegistry,
     DeviceInventory,
     WorkerRecords,
+    SessionRecords,
     History,
 ):
     """All persistent state of the daemon; tables come from `tltd.store.migrate.upgrade`.

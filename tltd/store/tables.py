@@ -369,3 +369,48 @@ class EventRow(Base):
     new_status: Mapped[str] = mapped_column(String(64), default="")
     reason: Mapped[str] = mapped_column(Text, default="")
     at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class SessionRow(Base):
+    """A multi-turn session of a job: its prompt and counters; its turns are rows of their own
+    (session_turns)."""
+
+    __tablename__ = "sessions"
+
+    session_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    job_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("jobs.job_id", ondelete="CASCADE"), index=True
+    )
+    prompt_bin: Mapped[bytes] = mapped_column(LargeBinary)  # little-endian int32 token ids
+    status: Mapped[str] = mapped_column(STATUS)
+    num_turns: Mapped[int] = mapped_column(Integer, default=0)  # done
+    num_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    # Turns given up (their request ended without a sample): the next attempt's request id.
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class SessionTurnRow(Base):
+    """One turn of a session: the environment's tokens before it, then (once done) what the
+    policy sampled, packed as samples are."""
+
+    __tablename__ = "session_turns"
+
+    session_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("sessions.session_id", ondelete="CASCADE"), primary_key=True
+    )
+    turn_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    request_id: Mapped[str] = mapped_column(ID)
+    status: Mapped[str] = mapped_column(STATUS)
+    input_bin: Mapped[bytes] = mapped_column(LargeBinary)
+    # The caller's sampling (after the wire's defaults): a retry must send the same.
+    sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
+    token_ids_bin: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    logprobs_bin: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    finish_reason: Mapped[str | None] = mapped_column(STATUS, nullable=True)
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    # [[first token index, policy version], ...] when more than one version sampled it.
+    policy_spans: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())

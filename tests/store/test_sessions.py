@@ -1,0 +1,103 @@
+"""The session records on SQLite and PostgreSQL: open (idempotent), a turn begun, done, retried
+and given up, closing; and the trajectory a session's turns make (mask, logprobs, versions)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tltd.domain import (
+    AgentSession,
+    FinishReason,
+    Job,
+    LogprobMode,
+    Sample,
+    SamplingParams,
+    SessionStatus,
+    SessionTurn,
+    TurnStatus,
+)
+from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, seed=2**64 - 1)
+
+
+def _sample(turn: SessionTurn, tokens, spans=()) -> Sample:
+    return Sample(
+        turn.request_id,
+        0,
+        0,
+        tuple(tokens),
+        tuple(-0.5 - i for i in range(len(tokens))),
+        FinishReason.LENGTH,
+        policy_version=spans[0][1] if spans else 3,
+        policy_spans=tuple(spans),
+    )
+
+
+@pytest.fixture
+def job(store) -> Job:
+    return store.create_job(Job(job_id="job", model_path="/m"))[0]
+
+
+def test_a_session_is_opened_once_and_its_turns_recorded(store, job):
+    opened, created = store.open_session(AgentSession("s", "job", (1, 2)))
+    assert created and opened.status is SessionStatus.OPEN and opened.num_tokens == 2
+    assert store.open_session(AgentSession("s", "job", (1, 2))) == (opened, False)
+    with pytest.raises(AlreadyExists) as info:
+        store.open_session(AgentSession("s", "job", (1,)))
+    assert info.value.field == "prompt_token_ids"
+    with pytest.raises(NotFound):
+        store.open_session(AgentSession("t", "nope", (1,)))
+    before, turn = store.begin_turn("s", 0, (), GREEDY)
+    assert turn.status is TurnStatus.RUNNING and turn.request_id == "session:s:0:0"
+    assert turn.sampling == GREEDY  # the uint64 seed kept whole
+    assert store.begin_turn("s", 0, (), GREEDY)[1] == turn  # a retry attaches
+    with pytest.raises(FailedPrecondition) as info:
+        store.begin_turn("s", 1, (9,), GREEDY)
+    assert info.value.field == "turn_index"
+    session, done = store.complete_turn(turn, _sample(turn, [7, 8]))
+    assert done.status is TurnStatus.DONE and done.token_ids == (7, 8)
+    assert session.num_turns == 1 and session.num_tokens == 4
+    assert store.complete_turn(turn, _sample(turn, [0]))[1] == done  # once only
+    assert store.begin_turn("s", 0, (), GREEDY)[1] == done
+    with pytest.raises(AlreadyExists) as info:
+        store.begin_turn("s", 0, (), SamplingParams(max_new_tokens=4))
+    assert info.value.field == "sampling.temperature"
+
+
+def test_a_given_up_turn_runs_again_under_a_new_request(store, job):
+    store.open_session(AgentSession("s", "job", (1,)))
+    _, turn = store.begin_turn("s", 0, (), GREEDY)
+    store.give_up_turn(turn)
+    session = store.get_session("s")
+    assert session.turns == () and session.attempts == 1 and session.num_turns == 0
+    _, again = store.begin_turn("s", 0, (), GREEDY)
+    assert again.request_id == "session:s:0:1"
+    with pytest.raises(FailedPrecondition):  # the old attempt cannot complete it
+        store.complete_turn(turn, _sample(turn, [5]))
+    closed = store.close_session("s")  # drops the running turn
+    assert closed.status is SessionStatus.CLOSED and closed.turns == ()
+    with pytest.raises(FailedPrecondition) as info:
+        store.begin_turn("s", 0, (), GREEDY)
+    assert info.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.field == "session_id"
+    assert store.close_session("s") == closed
+    with pytest.raises(NotFound):
+        store.get_session("nope")
+
+
+def test_the_trajectory_masks_environment_tokens_and_expands_spans(store, job):
+    store.open_session(AgentSession("s", "job", (1, 2, 3)))
+    _, t0 = store.begin_turn("s", 0, (), GREEDY)
+    store.complete_turn(t0, _sample(t0, [10, 11]))
+    raw = SamplingParams(max_new_tokens=4, logprob_mode=LogprobMode.RAW)
+    _, t1 = store.begin_turn("s", 1, (20,), raw)
+    session, _ = store.complete_turn(t1, _sample(t1, [30, 31, 32], spans=[(0, 3), (2, 4)]))
+    t = session.trajectory()
+    assert t.token_ids == (1, 2, 3, 10, 11, 20, 30, 31, 32) and t.prompt_length == 3
+    assert t.loss_mask == (0, 0, 0, 1, 1, 0, 1, 1, 1)
+    assert t.policy_versions == (-1, -1, -1, 3, 3, -1, 3, 3, 4)
+    assert t.logprobs == (0.0, 0.0, 0.0, -0.5, -1.5, 0.0, -0.5, -1.5, -2.5)
+    assert session.context_before(1) == (1, 2, 3, 10, 11)
+    assert session.turns[1].sampling == raw

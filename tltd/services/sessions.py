@@ -1,0 +1,228 @@
+"""Multi-turn sessions, token in and token out: open one, run its turns, read or close it.
+
+A turn is a rollout request of the session's whole sequence so far (n = 1) with an id fixed by
+the session and the turn (`turn_request_id`): it runs on the usual request path, so a retry of
+the turn, also after a daemon restart, attaches to the same request and nothing runs twice.
+Its sampled tokens, logprobs and policy spans are copied into the session once it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from tltd.domain import (
+    ENDED_STATUSES,
+    MAX_SESSION_ID,
+    AgentSession,
+    JobStatus,
+    RolloutRequest,
+    Sample,
+    SamplingParams,
+    SessionStatus,
+    SessionTurn,
+    TurnStatus,
+)
+from tltd.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, TltError
+from tltd.services.checkpoints import model_limits
+from tltd.services.validation import (
+    check_id,
+    check_tokens,
+    context_limit,
+    validate_rollout,
+)
+from tltd.settings import Settings
+
+if TYPE_CHECKING:
+    from tltd.services.rollouts import RolloutService
+    from tltd.store import Store
+
+_SESSION_ID_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_SESSION_ID - 1}}}")
+
+
+def check_session_id(value: str) -> None:
+    if not value:
+        raise InvalidArgument("must not be empty", field="session_id")
+    if not _SESSION_ID_RE.fullmatch(value):
+        raise InvalidArgument(
+            f"must be 1-{MAX_SESSION_ID} characters of letters, digits, '.', '_', ':' or '-' "
+            "starting with a letter or digit",
+            field="session_id",
+        )
+
+
+def _check_not_returned(sampling: SamplingParams) -> None:
+    """What a turn does not return is refused rather than computed and dropped."""
+    for name, asked in (
+        ("return_provenance", sampling.return_provenance),
+        ("top_logprobs", sampling.top_logprobs != 0),
+        ("prompt_logprobs", sampling.prompt_logprobs is not None),
+    ):
+        if asked:
+            raise InvalidArgument("a turn does not return it: leave it unset",
+                                  field=f"sampling.{name}")  # fmt: skip
+
+
+class SessionService:
+    def __init__(self, store: Store, settings: Settings, rollouts: RolloutService) -> None:
+        self.store = store
+        self.settings = settings
+        self.rollouts = rollouts
+
+    def open(self, job_id: str, session_id: str, prompt: tuple[int, ...]) -> AgentSession:
+        """Store a session of `job_id` starting from `prompt` (idempotent on session_id)."""
+        check_id(job_id, "job_id")
+        session_id = session_id or f"ses-{uuid.uuid4().hex}"
+        check_session_id(session_id)
+        job = self.store.get_job(job_id)
+        if job.status is not JobStatus.ACTIVE:
+            raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
+        field = "prompt_token_ids"
+        if not prompt:
+            raise InvalidArgument("must not be empty", field=field)
+        limits = model_limits(job.model_path)
+        context, holder = context_limit(self.settings, limits)
+        most = min(self.settings.max_prompt_tokens, context - 1)
+        if len(prompt) > most:
+            raise InvalidArgument(
+                f"{len(prompt)} tokens: at most {most} ({holder}, and one to generate)",
+                field=field,
+            )
+        check_tokens(prompt, field, limits.vocab_size)
+        stored, _ = self.store.open_session(AgentSession(session_id, job_id, prompt))
+        return stored
+
+    async def turn(
+        self, session_id: str, turn_index: int, inputs: tuple[int, ...], sampling: SamplingParams
+    ) -> tuple[AgentSession, SessionTurn]:
+        """Run turn `turn_index` (the session's done turns so far; a lower index returns that
+        turn as stored) and return the session after it with the turn. A retry attaches to
+        the turn's request; a turn whose request ends without a sample is given up (ABORTED:
+        send it again) and leaves the session as before it."""
+        check_session_id(session_id)
+        session = await asyncio.to_thread(self.store.get_session, session_id)
+        await asyncio.to_thread(self._check_turn, session, turn_index, inputs, sampling)
+        before, turn = await asyncio.to_thread(
+            self.store.begin_turn, session_id, turn_index, inputs, sampling
+        )
+        if turn.status is TurnStatus.DONE:  # a retry of a done turn
+            return await asyncio.to_thread(self.store.get_session, session_id), turn
+        prompt = before.context_before(turn_index) + inputs
+        sample = await self._run(turn, before.job_id, prompt)
+        return await asyncio.to_thread(self.store.complete_turn, turn, sample)
+
+    def _check_turn(
+        self,
+        session: AgentSession,
+        turn_index: int,
+        inputs: tuple[int, ...],
+        sampling: SamplingParams,
+    ) -> None:
+        """The turn's own fields, named as the caller sent them, before anything is stored."""
+        if session.status is SessionStatus.CLOSED:
+            raise FailedPrecondition(f"session {session.session_id} is closed", field="session_id")
+        if sampling.n != 1:
+            raise InvalidArgument(f"a turn samples once: must be 0 or 1, got {sampling.n}",
+                                  field="sampling.n")  # fmt: skip
+        _check_not_returned(sampling)
+        job = self.store.get_job(session.job_id)
+        limits = model_limits(job.model_path)
+        if inputs:
+            check_tokens(inputs, "input_token_ids", limits.vocab_size)
+        context, holder = context_limit(self.settings, limits)
+        before = len(session.context_before(turn_index))
+        if before + len(inputs) > self.settings.max_prompt_tokens:
+            raise InvalidArgument(
+                f"{before} tokens of the session and {len(inputs)} new ones exceed the limit "
+                f"of {self.settings.max_prompt_tokens} (max_prompt_tokens)",
+                field="input_token_ids",
+            )
+        if before + len(inputs) >= context:
+            raise InvalidArgument(
+                f"{before} tokens of the session and {len(inputs)} new ones leave no room to "
+                f"generate: {holder}",
+                field="input_token_ids",
+            )
+        if before + len(inputs) + sampling.max_new_tokens > context:
+            raise InvalidArgument(
+                f"{sampling.max_new_tokens} new tokens after the session's "
+                f"{before + len(inputs)} do not fit: {holder}, so at most "
+                f"{context - before - len(inputs)} here",
+                field="sampling.max_new_tokens",
+            )
+        # The rest of the sampling as any request's (the fields are named alike).
+        probe = RolloutRequest("", session.job_id, ((0,),), sampling)
+        validate_rollout(probe, self.settings, limits)
+
+    async def _run(self, turn: SessionTurn, job_id: str, prompt: tuple[int, ...]) -> Sample:
+        """The turn's one sample, from its request (created, or attached to)."""
+        req = RolloutRequest(turn.request_id, job_id, (prompt,), replace(turn.sampling, n=1))
+        samples: list[Sample] = []
+        try:
+            async for sample in self.rollouts.generate(req):
+                samples.append(sample)
+        except TltError:
+            await asyncio.to_thread(self._give_up_if_ended, turn)
+            raise
+        done = [s for s in samples if not s.partial]
+        if done:
+            return done[0]
+        await asyncio.to_thread(self._give_up_if_ended, turn)
+        reason = samples[0].finish_reason.value if samples else "without a sample"
+        raise Aborted(
+            f"turn {turn.turn_index} of session {turn.session_id} ended {reason}: "
+            "nothing was added to the session; send the turn again"
+        )
+
+    def _give_up_if_ended(self, turn: SessionTurn) -> None:
+        """A turn whose request was never stored (refused) or ended without its sample runs
+        no more: drop it, so that the turn can be sent again. One still open (e.g. going on
+        at another node) is kept: a retry attaches to it."""
+        try:
+            req = self.store.get_request(turn.request_id)
+        except NotFound:
+            req = None
+        if req is None or req.status in ENDED_STATUSES:
+            self.store.give_up_turn(turn)
+
+    def get(self, session_id: str) -> AgentSession:
+        """The session; a running turn whose request is done meanwhile is counted in."""
+        check_session_id(session_id)
+        return self._settled(self.store.get_session(session_id))
+
+    def close(self, session_id: str) -> AgentSession:
+        """End the session and return it. A turn still running is dropped from it and its
+        request cancelled; one whose request is done is counted in first."""
+        check_session_id(session_id)
+        session = self._settled(self.store.get_session(session_id))
+        running = session.running_turn
+        if running is not None and session.status is SessionStatus.OPEN:
+            self._cancel(running.request_id)
+        return self.store.close_session(session_id)
+
+    def _settled(self, session: AgentSession) -> AgentSession:
+        """Count in a running turn whose request has its sample (a caller that went away, a
+        daemon restarted mid-turn), or drop one whose request ended without it."""
+        turn = session.running_turn
+        if turn is None:
+            return session
+        try:
+            req = self.store.get_request(turn.request_id)
+        except NotFound:
+            return session  # not stored yet: its Turn call is on its way
+        done = [s for s in self.store.list_samples(turn.request_id) if not s.partial]
+        if done:
+            return self.store.complete_turn(turn, done[0])[0]
+        if req.status in ENDED_STATUSES:
+            self.store.give_up_turn(turn)
+            return self.store.get_session(session.session_id)
+        return session
+
+    def _cancel(self, request_id: str) -> None:
+        try:
+            self.rollouts.cancel(request_id, "its session was closed")
+        except (NotFound, FailedPrecondition):
+            pass  # never stored, or ended meanwhile: nothing runs
