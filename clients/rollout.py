@@ -241,9 +241,9 @@ def _generate_request(
     request_id: str | None,
     speculative: str | None,
     return_partial: bool = False,
-    bound: tuple[int, bool, bool, float | None] = (0, False, False, None),
+    bound: tuple[int, bool, bool, float | None, int] = (0, False, False, None, 0),
 ) -> rollout_pb2.GenerateRequest:
-    groups, carried, park, deadline = bound
+    groups, carried, park, deadline, max_tokens = bound
     deadline_ms = 0 if deadline is None else max(1, round(deadline * 1000))
     return rollout_pb2.GenerateRequest(
         job_id=job_id,
@@ -254,8 +254,9 @@ def _generate_request(
         return_partial=return_partial,
         batch_samples=True,
         bound=rollout_pb2.StepBound(
-            groups=groups, carried=carried, park=park, deadline_ms=deadline_ms
-        ),
+            groups=groups, carried=carried, park=park, deadline_ms=deadline_ms,
+            max_tokens=max_tokens,
+        ),  # fmt: skip
     )
 
 
@@ -526,6 +527,7 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         carried: bool = False,
         park: bool = False,
         deadline: float | None = None,
+        max_tokens: int = 0,
         **sampling_kwargs: Any,
     ) -> _StreamR:
         """Yield samples the moment they finish (finish order); an async iterator on the
@@ -542,12 +544,14 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         `carried=True` yields their groups (counted toward its own bound) before its own.
         `park=True`: at the bound the other prompts pause instead, their tokens stored, and
         go on when the next call with `carried=True` is accepted. `deadline` (seconds from
-        acceptance): end then even with fewer groups."""
+        acceptance): end then even with fewer groups. `max_tokens`: a token budget per sample
+        for this step; a sample that reaches it pauses and its prompt parks (as with `park`)
+        once its other samples are done or paused."""
         params = _sampling(n, sampling, sampling_kwargs)
         rid = request_id or _new_request_id()
         req = _generate_request(
             self._job(job_id), prompts, params, rid, speculative, return_partial,
-            (bound_groups, carried, park, deadline),
+            (bound_groups, carried, park, deadline, max_tokens),
         )  # fmt: skip
         self.last_request_id = rid
         return self._samples(req, timeout)
@@ -566,6 +570,7 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         carried: bool = False,
         park: bool = False,
         deadline: float | None = None,
+        max_tokens: int = 0,
         **sampling_kwargs: Any,
     ) -> _SamplesR:
         """Roll out `n` samples of every prompt (token ids); all samples, in (prompt, sample)
@@ -577,8 +582,8 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         "auto" (adaptive SD), "off", or None (the job's mode). `request_id` (default: a fresh
         one, see `last_request_id`) makes a retry attach to the same work. No overall timeout
         unless given: rollouts run long; when it passes, the request is cancelled and
-        DeadlineExceededError raised. `bound_groups`, `carried`, `park`, `deadline`: see
-        stream(); the samples
+        DeadlineExceededError raised. `bound_groups`, `carried`, `park`, `deadline`,
+        `max_tokens`: see stream(); the samples
         are then those of the groups yielded (`by_prompt` groups them).
         """
         samples = self.stream(
@@ -593,6 +598,7 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
             carried=carried,
             park=park,
             deadline=deadline,
+            max_tokens=max_tokens,
             **sampling_kwargs,
         )
         return self._in_order_of(samples)

@@ -262,6 +262,10 @@ class RolloutRequest:
     # after acceptance (0 = none) even with fewer groups.
     bound_park: bool = False
     bound_deadline_ms: int = 0
+    # A step's token budget per sample (0 = none): a sample that emits this many tokens in
+    # this step unfinished pauses, and its prompt parks once its other samples are done or
+    # paused, for the job's next carried request to go on from (torch backend).
+    bound_tokens: int = 0
 
     @property
     def samples_total(self) -> int:

@@ -14,7 +14,7 @@ from tests.rollout.support import ServeProcess, direct_outputs, wait_until
 from tests.rollout.test_rollouts import Stream
 from tltd.domain import SamplingParams
 from tltd.store import Store
-from tltd.v1 import job_pb2, rollout_pb2
+from tltd.v1 import common_pb2, job_pb2, rollout_pb2
 from tltd_clients.errors import UnavailableError
 
 SHORT = dict(n=2, temperature=0.0, max_new_tokens=16)
@@ -98,6 +98,7 @@ def test_groups_unsent_and_running_at_a_kill9_are_each_sent_once_after(db_url, t
 # Token 16 ends prompt 0 after ~34 tokens (greedy, the tiny checkpoint); the others run on.
 PARKING = dict(n=2, temperature=0.0, max_new_tokens=400, stop_token_ids=[16])
 PARK_PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+OFF = common_pb2.SPECULATIVE_MODE_OFF  # a token a step: the others still run at the bound
 
 
 @pytest.mark.slow
@@ -112,7 +113,7 @@ def test_parked_samples_survive_a_kill9_and_go_on_from_their_tokens(db_url, tmp_
             c.create_job(str(ckpt), job_id="job", policy_switch=job_pb2.POLICY_SWITCH_NEXT_STEP,
                          max_staleness=4)  # fmt: skip
             first = list(c.generate("job", PARK_PROMPTS, sampling=sampling(**PARKING),
-                                    request_id="p1", bound=_park(1)))  # fmt: skip
+                                    request_id="p1", bound=_park(1), speculative=OFF))  # fmt: skip
             paused = c.get_request("p1", True).samples
         a.proc.send_signal(signal.SIGKILL)
         a.wait()
@@ -125,10 +126,10 @@ def test_parked_samples_survive_a_kill9_and_go_on_from_their_tokens(db_url, tmp_
     try:
         with b.client() as c:
             again = list(c.generate("job", PARK_PROMPTS, sampling=sampling(**PARKING),
-                                    request_id="p1", bound=_park(1)))  # fmt: skip
+                                    request_id="p1", bound=_park(1), speculative=OFF))  # fmt: skip
             c.update_policy("job", str(ckpt2))
             later = list(c.generate("job", LATER, sampling=sampling(**PARKING), request_id="p2",
-                                    bound=_bound(3, carried=True)))  # fmt: skip
+                                    bound=_bound(3, carried=True), speculative=OFF))  # fmt: skip
     finally:
         b.kill()
     g1, g2 = _groups(first), _groups(later)

@@ -24,11 +24,15 @@ MORE = [[2, 7, 1], [8, 2, 8, 1]]
 # checkpoint): the others run to 400, so they are running when the first group is done.
 LONG = dict(n=2, temperature=0.0, max_new_tokens=400, stop_token_ids=[16])
 REF = SamplingParams(**{**LONG, "stop_token_ids": (16,)})  # the in-process engine's
+# Without speculative decoding a token a step: prompt 0's group is done ~10x sooner than the
+# others, which are running when the stream takes it (with drafts a repetitive tail can
+# finish before the stream's first take).
+OFF = common_pb2.SPECULATIVE_MODE_OFF
 
 
-def bound(groups: int, carried: bool = False, park: bool = False, deadline_ms: int = 0):
+def bound(groups: int, carried=False, park=False, deadline_ms=0, max_tokens=0):
     return rollout_pb2.StepBound(
-        groups=groups, carried=carried, park=park, deadline_ms=deadline_ms
+        groups=groups, carried=carried, park=park, deadline_ms=deadline_ms, max_tokens=max_tokens
     )
 
 
@@ -62,7 +66,7 @@ def paused_samples(store, rid: str) -> dict[tuple[int, int], int]:
 def test_parked_prompts_wait_then_go_on_from_their_tokens(daemon, ckpt):
     """Lossless across the pause: greedy samples paused mid-way and resumed are the tokens an
     uninterrupted run gives; each group is sent once; parked work takes no slot."""
-    run = dict(sampling=sampling(**LONG), timeout=300)
+    run = dict(sampling=sampling(**LONG), timeout=300, speculative=OFF)
     with daemon.client() as c:
         c.create_job(str(ckpt), job_id="job")
         first = list(c.generate("job", PROMPTS, request_id="r1", bound=bound(1, park=True), **run))
@@ -85,7 +89,7 @@ def test_parked_prompts_wait_then_go_on_from_their_tokens(daemon, ckpt):
     assert set(g1) | set(g2) == {("r1", p) for p in range(5)} | {("r2", 0), ("r2", 1)}
     assert not set(g1) & set(g2)
     assert all(len(v) == 2 and not any(s.partial for s in v) for v in g2.values())
-    ref = direct_outputs(ckpt, PROMPTS, REF)
+    ref = direct_outputs(ckpt, PROMPTS, REF, speculative=False)
     for (rid, p), samples in {**g1, **g2}.items():
         if rid == "r1":
             for s in samples:
@@ -98,7 +102,7 @@ def test_a_parked_sample_goes_on_under_the_newest_version_and_its_spans_say_so(
 ):
     """Per-token versions true by construction: the two checkpoints answer differently, so the
     resumed tokens are the new version's continuation of the stored ones."""
-    d, run = sqlite_daemon, dict(sampling=sampling(**LONG), timeout=300)
+    d, run = sqlite_daemon, dict(sampling=sampling(**LONG), timeout=300, speculative=OFF)
     with d.client() as c:
         c.create_job(
             str(ckpt), job_id="v", policy_switch=job_pb2.POLICY_SWITCH_NEXT_STEP, max_staleness=4
@@ -128,7 +132,7 @@ def test_a_parked_sample_goes_on_under_the_newest_version_and_its_spans_say_so(
         # The new version's own continuation of prompt + stored tokens (greedy).
         prompt = tuple(PROMPTS[key[0]]) + tuple(before.token_ids)
         left = LONG["max_new_tokens"] - k
-        ref = direct_outputs(ckpt2, [prompt], replace(REF, max_new_tokens=left))
+        ref = direct_outputs(ckpt2, [prompt], replace(REF, max_new_tokens=left), False)
         assert tuple(s.token_ids[k:]) == ref[(0, 0)][: len(s.token_ids) - k], key
 
 
@@ -153,7 +157,8 @@ def test_a_deadline_ends_the_stream_with_fewer_groups_and_parks_the_rest(sqlite_
 
 @pytest.mark.parametrize(
     ("b", "field"),
-    [(bound(0, park=True), "bound.park"), (bound(0, deadline_ms=100), "bound.deadline_ms")],
+    [(bound(0, park=True), "bound.park"), (bound(0, deadline_ms=100), "bound.deadline_ms"),
+     (bound(0, max_tokens=10), "bound.max_tokens")],
 )
 def test_park_and_deadline_need_a_bound(sqlite_daemon, ckpt, b, field):
     with sqlite_daemon.client() as c:
@@ -161,3 +166,34 @@ def test_park_and_deadline_need_a_bound(sqlite_daemon, ckpt, b, field):
         with pytest.raises(InvalidArgumentError) as err:
             list(c.generate("job", PROMPTS, sampling=sampling(**LONG), bound=b))
     assert field in str(err.value)
+
+
+def test_a_token_budget_pauses_long_samples_and_later_steps_go_on(sqlite_daemon, ckpt):
+    """Kimi-style partial rollouts: each step a sample emits at most 150 tokens; the long ones
+    pause, park, and go on in the next carried requests until done, each group sent once and
+    token-identical to an uninterrupted run."""
+    d, run = sqlite_daemon, dict(sampling=sampling(**LONG), timeout=300)
+    sent: dict[tuple[str, int], list] = {}
+    with d.client() as c:
+        c.create_job(str(ckpt), job_id="b")
+        first = list(c.generate("b", PROMPTS, request_id="t0", bound=bound(5, max_tokens=150),
+                                **run))  # fmt: skip
+        sent.update(groups_of(first))
+        paused = paused_samples(d.store, "t0")
+        states = unit_states(d.store, "t0")
+        for step in range(1, 4):
+            later = list(c.generate("b", [MORE[step % 2]], request_id=f"t{step}",
+                                    bound=bound(6, carried=True, max_tokens=150), **run))  # fmt: skip
+            assert not set(groups_of(later)) & set(sent)  # never twice
+            sent.update(groups_of(later))
+    # Prompt 0 stops after ~34 tokens: its group is the first step's only one; the others
+    # paused at exactly 150 tokens and parked.
+    assert set(groups_of(first)) == {("t0", 0)}
+    assert states == {0: "done", 1: "parked", 2: "parked", 3: "parked", 4: "parked"}
+    assert paused and set(paused.values()) == {150}
+    # Prompt 1 ends at ~160 tokens (second step); the rest reach 400 in the third.
+    assert {k for k in sent if k[0] == "t0"} == {("t0", p) for p in range(5)}
+    ref = direct_outputs(ckpt, PROMPTS, REF)
+    for (rid, p), samples in sent.items():
+        if rid == "t0":
+            assert all(tuple(s.token_ids) == ref[(p, s.sample_index)] for s in samples), p

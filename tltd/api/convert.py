@@ -293,6 +293,7 @@ def rollout_from_pb(
         carried=pb.bound.carried,
         bound_park=pb.bound.park,
         bound_deadline_ms=pb.bound.deadline_ms,
+        bound_tokens=pb.bound.max_tokens,
     )
     return req, speculative_mode_from_pb(pb.speculative, "speculative")
 
@@ -301,7 +302,7 @@ def rollout_to_pb(r: d.RolloutRequest) -> rollout_pb2.RolloutRequest:
     # The prompts go back as their count; the mode and policy version are not on the wire.
     not_sent = (
         "prompts", "speculative", "policy_version", "bound_groups", "carried", "bound_park",
-        "bound_deadline_ms",
+        "bound_deadline_ms", "bound_tokens",
     )  # fmt: skip
     return rollout_pb2.RolloutRequest(
         **_same_named(r, skip=("sampling", "status", *not_sent)),

@@ -107,6 +107,9 @@ class AddWork:
     # Samples of `sample_indices` stored unfinished (a drained node's tokens so far): a torch
     # worker goes on from their tokens; another backend runs them again from their seed.
     resume: tuple[Sample, ...] = ()
+    # A step's token budget per sample (StepBound.max_tokens): a sample that emits this many
+    # tokens here unfinished comes back paused (ABORTED); 0 = none. Torch engine only.
+    pause_after: int = 0
 
 
 @dataclass(frozen=True)

@@ -369,6 +369,12 @@ def _check_backend_options(req: RolloutRequest, job: Job) -> None:
     token came from."""
     if job.backend is Backend.TORCH:
         return
+    if req.bound_tokens:
+        raise FailedPrecondition(
+            f"a step token budget pauses samples in the torch engine; job {job.job_id} runs "
+            f"on {job.backend.value}",
+            field="bound.max_tokens",
+        )
     s = req.sampling
     if s.logprob_mode is not LogprobMode.PROCESSED:
         raise FailedPrecondition(

@@ -99,7 +99,8 @@ def _check_bound(req: RolloutRequest, settings: Settings) -> None:
     """A step bound sends whole groups: at least one, and no more than can come (the
     request's own prompts, or with carried groups the most one request may hold)."""
     for name, set_ in (("carried", req.carried), ("park", req.bound_park),
-                       ("deadline_ms", req.bound_deadline_ms)):  # fmt: skip
+                       ("deadline_ms", req.bound_deadline_ms),
+                       ("max_tokens", req.bound_tokens)):  # fmt: skip
         if set_ and not req.bound_groups:
             raise InvalidArgument("needs bound.groups >= 1", field=f"bound.{name}")
     most = settings.max_prompts_per_request if req.carried else len(req.prompts)

@@ -32,7 +32,7 @@ from tltd.store.tables import (
 
 _REQUEST_PARAMS = (
     "job_id", "prompts", "sampling", "speculative", "bound_groups", "carried", "bound_park",
-    "bound_deadline_ms",
+    "bound_deadline_ms", "bound_tokens",
 )  # fmt: skip
 
 

@@ -73,8 +73,9 @@ class _Statements:
             wu.c.prompt_index.in_(bindparam("prompts", expanding=True)),
         )
         self.stored = select(
-            sr.c.id, sr.c.prompt_index, sr.c.sample_index, sr.c.partial, sr.c.finish_reason
-        ).where(
+            sr.c.id, sr.c.prompt_index, sr.c.sample_index, sr.c.partial, sr.c.finish_reason,
+            sr.c.num_tokens,
+        ).where(  # fmt: skip
             sr.c.request_id == rid,
             sr.c.prompt_index.in_(bindparam("prompts", expanding=True)),
         )
@@ -180,7 +181,9 @@ class SampleBatches:
         for i, sample in ok:
             key = (sample.prompt_index, sample.sample_index)
             existing = stored.get(key)
-            if existing is not None and (ended or not replaces(existing[1], existing[2], sample)):
+            if existing is not None and (
+                ended or not replaces(existing[1], existing[2], sample, existing[3])
+            ):
                 out[i] = False  # a duplicate, or a replacement too late (see add_sample)
                 continue
             row = convert.sample_columns(sample)
@@ -194,7 +197,7 @@ class SampleBatches:
                 conn.execute(st.insert, [row])
             else:
                 rows.append(row)
-            stored[key] = (0, sample.partial, sample.finish_reason)
+            stored[key] = (0, sample.partial, sample.finish_reason, len(sample.token_ids))
             done += not sample.partial
             complete[key[0]] += not sample.partial
             out[i] = True
@@ -297,8 +300,8 @@ def _prompt_count(s: Session, rid: str) -> int:
 
 def _stored_keys(
     conn: Connection, st: _Statements, rid: str, samples: list[Sample]
-) -> tuple[dict[tuple[int, int], tuple[int, bool, str]], Counter[int]]:
-    """(prompt index, sample index) -> (row id, partial, finish reason) of those of
+) -> tuple[dict[tuple[int, int], tuple[int, bool, str, int]], Counter[int]]:
+    """(prompt index, sample index) -> (row id, partial, finish reason, tokens) of those of
     `samples` stored, and the complete samples stored per prompt of `samples`."""
     keys = {(x.prompt_index, x.sample_index) for x in samples}
     prompts = sorted({p for p, _ in keys})
@@ -307,5 +310,5 @@ def _stored_keys(
         p, i, partial = int(r[1]), int(r[2]), bool(r[3])
         complete[p] += not partial
         if (p, i) in keys:
-            stored[(p, i)] = (int(r[0]), partial, str(r[4]))
+            stored[(p, i)] = (int(r[0]), partial, str(r[4]), int(r[5]))
     return stored, complete

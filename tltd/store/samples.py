@@ -64,7 +64,7 @@ class SampleRecords:
                     )
                 )
                 if existing is not None and not replaces(
-                    existing.partial, existing.finish_reason, sample
+                    existing.partial, existing.finish_reason, sample, existing.num_tokens
                 ):
                     return False
                 # A sample not stored yet is still recorded on an ended request: a cancel
@@ -152,15 +152,21 @@ class SampleRecords:
         ]
 
 
-def replaces(stored_partial: bool, stored_reason: str, sample: Sample) -> bool:
+def replaces(
+    stored_partial: bool, stored_reason: str, sample: Sample, stored_tokens: int = 0
+) -> bool:
     """Whether `sample` replaces the stored sample of its key (while the request is open). A
     partial one is replaced by the complete sample of a later run, and by a FAILED one: a
     sample that ran out of attempts fails, and the request's final status counts that verdict,
-    not the tokens so far of a run that was lost (cancelled when its lease was)."""
+    not the tokens so far of a run that was lost (cancelled when its lease was). A paused
+    sample (ABORTED) is replaced by a longer paused one: it went on from those tokens."""
     if not stored_partial:
         return False
     if not sample.partial:
         return True
+    aborted = FinishReason.ABORTED
+    if sample.finish_reason is aborted and stored_reason == aborted.value:
+        return len(sample.token_ids) > stored_tokens
     return sample.finish_reason is FinishReason.FAILED and stored_reason != FinishReason.FAILED
 
 

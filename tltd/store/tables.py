@@ -142,6 +142,7 @@ class RolloutRequestRow(Base):
     # ... and whether its unfinished prompts park at the bound; its deadline (0 = none).
     bound_park: Mapped[bool] = mapped_column(Boolean, default=False)
     bound_deadline_ms: Mapped[int] = mapped_column(Integer, default=0)
+    bound_tokens: Mapped[int] = mapped_column(Integer, default=0)  # a step's budget per sample
     status: Mapped[str] = mapped_column(STATUS, index=True)
     status_reason: Mapped[str] = mapped_column(Text, default="")
     samples_done: Mapped[int] = mapped_column(Integer, default=0)

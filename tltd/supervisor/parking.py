@@ -1,7 +1,9 @@
-"""Parking a bounded request at its bound (`StepBound.park`): its running samples pause where
-they are, their tokens stored, and its unfinished prompts wait in the store, held by no node,
-until the job's next carried request queues them again; the node that claims one then goes on
-from the stored tokens (`LiveRequests.take_claims`), under the job's newest policy version.
+"""Parking a bounded request's unfinished prompts: at its bound (`StepBound.park`) its running
+samples pause where they are, and with a step token budget (`StepBound.max_tokens`) each
+sample pauses once it has emitted that many tokens here. A paused sample's tokens are stored;
+its prompt (work unit) parks in the store, held by no node, until the job's next carried
+request queues it again; the node that claims it then goes on from the stored tokens
+(`LiveRequests.take_claims`), under the job's newest policy version.
 
 Order matters for durability: a paused sample is stored (by its worker's pipe reader, while
 this node still holds the unit) before the unit is parked, so a crash in between leaves a
@@ -13,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any
 
 from tltd.contract import rollout_messages as msg
-from tltd.supervisor.live_requests import LiveRequests
-from tltd.supervisor.work_queue import Key
+from tltd.domain import FinishReason, Sample
+from tltd.supervisor.live_requests import LiveRequests, StreamEvent
+from tltd.supervisor.work_queue import LiveRequest
 from tltd.supervisor.worker_process import WorkerHandle
 from tltd.supervisor.writes import OrderedWrites
 
@@ -35,12 +38,14 @@ class Parking:
         requests: LiveRequests,
         handles: Mapping[str, WorkerHandle],
         writes: OrderedWrites,
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
     ) -> None:
         self.store = store
         self.requests = requests
         self.queue = requests.queue
         self.handles = handles
         self.writes = writes
+        self._spawn = spawn
 
     async def park(self, request_id: str, answer_seconds: float) -> int:
         """Pause the request's running samples (their workers return them within
@@ -59,6 +64,38 @@ class Parking:
         while live.running and time.monotonic() < end:
             await asyncio.sleep(0.02)
         units = {(request_id, p) for p in live.units if not live.unit_complete(p)}
+        await self._park_units(units)
+        return len(units)
+
+    def took(self, live: LiveRequest, sample: Sample, stored: bool) -> bool:
+        """A sample came back paused (a park, or the step's token budget): it no longer runs
+        here and is not finished here; True when it was such a sample (then it is handled)."""
+        budget = live.req.bound_tokens > 0
+        if sample.finish_reason is not FinishReason.ABORTED or live.outcome is not None:
+            return False
+        if not (live.parking or budget):
+            return False
+        key = (sample.prompt_index, sample.sample_index)
+        if not self.queue.paused(live.request_id, key):
+            return True  # not running here (a duplicate): nothing changes
+        if stored:  # to the callers that asked for partial samples
+            self.requests.publish(live.request_id, StreamEvent(sample))
+        if not live.parking:
+            live.paused.add(key)
+            self._spawn(self.settle(live, key[0]))
+        return True
+
+    async def settle(self, live: LiveRequest, p: int) -> None:
+        """Park a unit of a budgeted request once each of its samples is done or paused, one
+        of them paused: the job's next carried request goes on from the paused ones."""
+        keys = {(p, s) for s in range(live.req.sampling.n)}
+        paused = keys & live.paused
+        if not paused or p not in live.units or not keys <= live.finished | live.paused:
+            return
+        live.paused -= paused
+        await self._park_units({(live.request_id, p)})
+
+    async def _park_units(self, units: set[tuple[str, int]]) -> None:
         lost = self.requests.lose_units(units, "unit parked at its step bound", logging.DEBUG)
         for wid, rid in lost:  # still running past the answer time: its tokens are dropped
             handle = self.handles.get(wid)
@@ -71,12 +108,4 @@ class Parking:
             except Exception:  # held, not parked: its lease lapses and it is claimed again
                 log.exception("cannot park a unit", extra={"request_id": rid, "prompt": p})
         if units:
-            log.info("request parked at its step bound", extra={"request_id": request_id,
-                                                                 "prompts": len(units)})  # fmt: skip
-        return len(units)
-
-    def returned(self, request_id: str, key: Key) -> bool:
-        """A sample of a parking request came back paused (stored by the pipe's reader): it
-        no longer runs here; True when it was one of that request's running samples."""
-        live = self.queue.get(request_id)
-        return live is not None and live.parking and self.queue.paused(request_id, key)
+            log.info("prompts parked at their step bound", extra={"units": len(units)})

@@ -107,7 +107,7 @@ class Supervisor:
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
         self.leases = UnitLeases(store, settings, self.requests, self.handles, self._close)
         self._drain = NodeDrain(self.queue, self.requests, self.workers, self.leases)
-        self.parking = Parking(store, self.requests, self.handles, self.writes)
+        self.parking = Parking(store, self.requests, self.handles, self.writes, self._spawn)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Event | None = None
@@ -523,17 +523,16 @@ class Supervisor:
             if stored is not None and live is not None:
                 self.requests.publish(live.request_id, StreamEvent(sample))
             return
-        if sample.finish_reason is FinishReason.ABORTED and live is not None and live.parking:
-            # Paused at its request's step bound: it goes on, later, from what was stored.
-            if self.queue.paused(live.request_id, key) and stored is not None:
-                self.requests.publish(live.request_id, StreamEvent(sample))
-            return
+        if live is not None and self.parking.took(live, sample, stored is not None):
+            return  # paused at its request's step bound: it goes on later from what was stored
         if stored is None:
             # Not persisted, so not streamed: run it again (counts as a lost attempt).
             if live is not None and live.running.get(key) == handle.worker_id:
                 self._spawn(self.requests.retry_sample(live, key))
             return
         live = self.requests.stored(sample, end)
+        if live is not None and live.paused:  # its unit may now be all done or paused
+            self._spawn(self.parking.settle(live, key[0]))
         if self.queue.inflight(handle.worker_id) == 0:
             handle.idle_since = time.monotonic()
         if live is None:

@@ -51,6 +51,7 @@ class LiveRequest:
     # Its step bound was reached and it parks (`tltd.supervisor.parking`): nothing more of it
     # is handed out; what runs comes back paused.
     parking: bool = False
+    paused: set[Key] = field(default_factory=set)  # came back paused by the step's token budget
 
     @property
     def units(self) -> KeysView[int]:
@@ -85,6 +86,7 @@ class LiveRequest:
             speculative=req.speculative is not SpeculativeMode.OFF,
             history=self.history.get(prompt_index, ()),
             resume=tuple(self.resume[k] for k in keys if k in self.resume),
+            pause_after=req.bound_tokens,
         )
 
     def predicted_tokens(self, prompt_index: int) -> int | None:

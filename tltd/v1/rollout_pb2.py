@@ -26,23 +26,23 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tltd.v1 import common_pb2 as tltd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tltd/v1/rollout.proto\x12\x07tltd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14tltd/v1/common.proto\"\xb8\x02\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12*\n\x0clogprob_mode\x18\x08 \x01(\x0e\x32\x14.tltd.v1.LogprobMode\x12\x19\n\x11return_provenance\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"T\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\r\n\x05ranks\x18\x02 \x03(\r\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.tltd.v1.TopLogprobs\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x83\x02\n\x0fGenerateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12 \n\x07prompts\x18\x03 \x03(\x0b\x32\x0f.tltd.v1.Prompt\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.tltd.v1.SamplingParams\x12-\n\x0bspeculative\x18\x05 \x01(\x0e\x32\x18.tltd.v1.SpeculativeMode\x12\x16\n\x0ereturn_partial\x18\x06 \x01(\x08\x12\x15\n\rbatch_samples\x18\x07 \x01(\x08\x12!\n\x05\x62ound\x18\x08 \x01(\x0b\x32\x12.tltd.v1.StepBound\"O\n\tStepBound\x12\x0e\n\x06groups\x18\x01 \x01(\r\x12\x0f\n\x07\x63\x61rried\x18\x02 \x01(\x08\x12\x0c\n\x04park\x18\x03 \x01(\x08\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\"\xba\x01\n\x10SpeculativeStats\x12\x13\n\x0b\x64raft_steps\x18\x01 \x01(\r\x12\x13\n\x0bplain_steps\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x62onus_tokens\x18\x06 \x01(\r\x12\x17\n\x0fresidual_tokens\x18\x07 \x01(\r\"t\n\x0fTokenProvenance\x12$\n\x06source\x18\x01 \x03(\x0e\x32\x14.tltd.v1.TokenSource\x12%\n\x07\x64rafter\x18\x02 \x03(\x0e\x32\x14.tltd.v1.DrafterKind\x12\x14\n\x0c\x64raft_length\x18\x03 \x03(\r\"9\n\nPolicySpan\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\"\x80\x04\n\x06Sample\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprompt_index\x18\x02 \x01(\r\x12\x14\n\x0csample_index\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.tltd.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x04\x12\x17\n\x0f\x64rafter_version\x18\x08 \x01(\x04\x12.\n\x0bspeculative\x18\t \x01(\x0b\x32\x19.tltd.v1.SpeculativeStats\x12\x0f\n\x07partial\x18\n \x01(\x08\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12,\n\nprovenance\x18\x0c \x01(\x0b\x32\x18.tltd.v1.TokenProvenance\x12)\n\x0cpolicy_spans\x18\r \x03(\x0b\x32\x13.tltd.v1.PolicySpan\x12*\n\x0ctop_logprobs\x18\x0e \x03(\x0b\x32\x14.tltd.v1.TopLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x0f \x01(\x0b\x32\x17.tltd.v1.PromptLogprobs\x12\x18\n\x10prompt_token_ids\x18\x10 \x03(\x05\x12\x11\n\tsimulated\x18\x11 \x01(\x08\"U\n\x10GenerateResponse\x12\x1f\n\x06sample\x18\x01 \x01(\x0b\x32\x0f.tltd.v1.Sample\x12 \n\x07samples\x18\x02 \x03(\x0b\x32\x0f.tltd.v1.Sample\"\xc0\x02\n\x0eRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12&\n\x06status\x18\x03 \x01(\x0e\x32\x16.tltd.v1.RequestStatus\x12\x13\n\x0bnum_prompts\x18\x04 \x01(\r\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.tltd.v1.SamplingParams\x12\x15\n\rsamples_total\x18\x06 \x01(\r\x12\x14\n\x0csamples_done\x18\x07 \x01(\r\x12\x15\n\rstatus_reason\x18\x08 \x01(\t\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"@\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0finclude_samples\x18\x02 \x01(\x08\"`\n\x12GetRequestResponse\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.tltd.v1.RolloutRequest\x12 \n\x07samples\x18\x02 \x03(\x0b\x32\x0f.tltd.v1.Sample\":\n\x14\x43\x61ncelRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"A\n\x15\x43\x61ncelRequestResponse\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.tltd.v1.RolloutRequest*]\n\x0bLogprobMode\x12\x1c\n\x18LOGPROB_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16LOGPROB_MODE_PROCESSED\x10\x01\x12\x14\n\x10LOGPROB_MODE_RAW\x10\x02*\xb1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x12\x18\n\x14\x46INISH_REASON_FAILED\x10\x05*\x91\x01\n\x0bTokenSource\x12\x1c\n\x18TOKEN_SOURCE_UNSPECIFIED\x10\x00\x12\x16\n\x12TOKEN_SOURCE_PLAIN\x10\x01\x12\x19\n\x15TOKEN_SOURCE_ACCEPTED\x10\x02\x12\x19\n\x15TOKEN_SOURCE_RESIDUAL\x10\x03\x12\x16\n\x12TOKEN_SOURCE_BONUS\x10\x04*u\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_EAGLE\x10\x02\x12\x18\n\x14\x44RAFTER_KIND_HISTORY\x10\x03*\xbd\x01\n\rRequestStatus\x12\x1e\n\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATUS_QUEUED\x10\x01\x12\x1a\n\x16REQUEST_STATUS_RUNNING\x10\x02\x12\x1c\n\x18REQUEST_STATUS_COMPLETED\x10\x03\x12\x1c\n\x18REQUEST_STATUS_CANCELLED\x10\x04\x12\x19\n\x15REQUEST_STATUS_FAILED\x10\x05\x32\xea\x01\n\x0eRolloutService\x12\x41\n\x08Generate\x12\x18.tltd.v1.GenerateRequest\x1a\x19.tltd.v1.GenerateResponse0\x01\x12\x45\n\nGetRequest\x12\x1a.tltd.v1.GetRequestRequest\x1a\x1b.tltd.v1.GetRequestResponse\x12N\n\rCancelRequest\x12\x1d.tltd.v1.CancelRequestRequest\x1a\x1e.tltd.v1.CancelRequestResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tltd/v1/rollout.proto\x12\x07tltd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14tltd/v1/common.proto\"\xb8\x02\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12*\n\x0clogprob_mode\x18\x08 \x01(\x0e\x32\x14.tltd.v1.LogprobMode\x12\x19\n\x11return_provenance\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"T\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\r\n\x05ranks\x18\x02 \x03(\r\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.tltd.v1.TopLogprobs\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x83\x02\n\x0fGenerateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12 \n\x07prompts\x18\x03 \x03(\x0b\x32\x0f.tltd.v1.Prompt\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.tltd.v1.SamplingParams\x12-\n\x0bspeculative\x18\x05 \x01(\x0e\x32\x18.tltd.v1.SpeculativeMode\x12\x16\n\x0ereturn_partial\x18\x06 \x01(\x08\x12\x15\n\rbatch_samples\x18\x07 \x01(\x08\x12!\n\x05\x62ound\x18\x08 \x01(\x0b\x32\x12.tltd.v1.StepBound\"c\n\tStepBound\x12\x0e\n\x06groups\x18\x01 \x01(\r\x12\x0f\n\x07\x63\x61rried\x18\x02 \x01(\x08\x12\x0c\n\x04park\x18\x03 \x01(\x08\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\"\xba\x01\n\x10SpeculativeStats\x12\x13\n\x0b\x64raft_steps\x18\x01 \x01(\r\x12\x13\n\x0bplain_steps\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x62onus_tokens\x18\x06 \x01(\r\x12\x17\n\x0fresidual_tokens\x18\x07 \x01(\r\"t\n\x0fTokenProvenance\x12$\n\x06source\x18\x01 \x03(\x0e\x32\x14.tltd.v1.TokenSource\x12%\n\x07\x64rafter\x18\x02 \x03(\x0e\x32\x14.tltd.v1.DrafterKind\x12\x14\n\x0c\x64raft_length\x18\x03 \x03(\r\"9\n\nPolicySpan\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\"\x80\x04\n\x06Sample\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprompt_index\x18\x02 \x01(\r\x12\x14\n\x0csample_index\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.tltd.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x04\x12\x17\n\x0f\x64rafter_version\x18\x08 \x01(\x04\x12.\n\x0bspeculative\x18\t \x01(\x0b\x32\x19.tltd.v1.SpeculativeStats\x12\x0f\n\x07partial\x18\n \x01(\x08\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12,\n\nprovenance\x18\x0c \x01(\x0b\x32\x18.tltd.v1.TokenProvenance\x12)\n\x0cpolicy_spans\x18\r \x03(\x0b\x32\x13.tltd.v1.PolicySpan\x12*\n\x0ctop_logprobs\x18\x0e \x03(\x0b\x32\x14.tltd.v1.TopLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x0f \x01(\x0b\x32\x17.tltd.v1.PromptLogprobs\x12\x18\n\x10prompt_token_ids\x18\x10 \x03(\x05\x12\x11\n\tsimulated\x18\x11 \x01(\x08\"U\n\x10GenerateResponse\x12\x1f\n\x06sample\x18\x01 \x01(\x0b\x32\x0f.tltd.v1.Sample\x12 \n\x07samples\x18\x02 \x03(\x0b\x32\x0f.tltd.v1.Sample\"\xc0\x02\n\x0eRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12&\n\x06status\x18\x03 \x01(\x0e\x32\x16.tltd.v1.RequestStatus\x12\x13\n\x0bnum_prompts\x18\x04 \x01(\r\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.tltd.v1.SamplingParams\x12\x15\n\rsamples_total\x18\x06 \x01(\r\x12\x14\n\x0csamples_done\x18\x07 \x01(\r\x12\x15\n\rstatus_reason\x18\x08 \x01(\t\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"@\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0finclude_samples\x18\x02 \x01(\x08\"`\n\x12GetRequestResponse\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.tltd.v1.RolloutRequest\x12 \n\x07samples\x18\x02 \x03(\x0b\x32\x0f.tltd.v1.Sample\":\n\x14\x43\x61ncelRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"A\n\x15\x43\x61ncelRequestResponse\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.tltd.v1.RolloutRequest*]\n\x0bLogprobMode\x12\x1c\n\x18LOGPROB_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16LOGPROB_MODE_PROCESSED\x10\x01\x12\x14\n\x10LOGPROB_MODE_RAW\x10\x02*\xb1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x12\x18\n\x14\x46INISH_REASON_FAILED\x10\x05*\x91\x01\n\x0bTokenSource\x12\x1c\n\x18TOKEN_SOURCE_UNSPECIFIED\x10\x00\x12\x16\n\x12TOKEN_SOURCE_PLAIN\x10\x01\x12\x19\n\x15TOKEN_SOURCE_ACCEPTED\x10\x02\x12\x19\n\x15TOKEN_SOURCE_RESIDUAL\x10\x03\x12\x16\n\x12TOKEN_SOURCE_BONUS\x10\x04*u\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_EAGLE\x10\x02\x12\x18\n\x14\x44RAFTER_KIND_HISTORY\x10\x03*\xbd\x01\n\rRequestStatus\x12\x1e\n\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATUS_QUEUED\x10\x01\x12\x1a\n\x16REQUEST_STATUS_RUNNING\x10\x02\x12\x1c\n\x18REQUEST_STATUS_COMPLETED\x10\x03\x12\x1c\n\x18REQUEST_STATUS_CANCELLED\x10\x04\x12\x19\n\x15REQUEST_STATUS_FAILED\x10\x05\x32\xea\x01\n\x0eRolloutService\x12\x41\n\x08Generate\x12\x18.tltd.v1.GenerateRequest\x1a\x19.tltd.v1.GenerateResponse0\x01\x12\x45\n\nGetRequest\x12\x1a.tltd.v1.GetRequestRequest\x1a\x1b.tltd.v1.GetRequestResponse\x12N\n\rCancelRequest\x12\x1d.tltd.v1.CancelRequestRequest\x1a\x1e.tltd.v1.CancelRequestResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tltd.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOGPROBMODE']._serialized_start=2496
-  _globals['_LOGPROBMODE']._serialized_end=2589
-  _globals['_FINISHREASON']._serialized_start=2592
-  _globals['_FINISHREASON']._serialized_end=2769
-  _globals['_TOKENSOURCE']._serialized_start=2772
-  _globals['_TOKENSOURCE']._serialized_end=2917
-  _globals['_DRAFTERKIND']._serialized_start=2919
-  _globals['_DRAFTERKIND']._serialized_end=3036
-  _globals['_REQUESTSTATUS']._serialized_start=3039
-  _globals['_REQUESTSTATUS']._serialized_end=3228
+  _globals['_LOGPROBMODE']._serialized_start=2516
+  _globals['_LOGPROBMODE']._serialized_end=2609
+  _globals['_FINISHREASON']._serialized_start=2612
+  _globals['_FINISHREASON']._serialized_end=2789
+  _globals['_TOKENSOURCE']._serialized_start=2792
+  _globals['_TOKENSOURCE']._serialized_end=2937
+  _globals['_DRAFTERKIND']._serialized_start=2939
+  _globals['_DRAFTERKIND']._serialized_end=3056
+  _globals['_REQUESTSTATUS']._serialized_start=3059
+  _globals['_REQUESTSTATUS']._serialized_end=3248
   _globals['_SAMPLINGPARAMS']._serialized_start=90
   _globals['_SAMPLINGPARAMS']._serialized_end=402
   _globals['_TOPLOGPROBS']._serialized_start=404
@@ -54,27 +54,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=572
   _globals['_GENERATEREQUEST']._serialized_end=831
   _globals['_STEPBOUND']._serialized_start=833
-  _globals['_STEPBOUND']._serialized_end=912
-  _globals['_SPECULATIVESTATS']._serialized_start=915
-  _globals['_SPECULATIVESTATS']._serialized_end=1101
-  _globals['_TOKENPROVENANCE']._serialized_start=1103
-  _globals['_TOKENPROVENANCE']._serialized_end=1219
-  _globals['_POLICYSPAN']._serialized_start=1221
-  _globals['_POLICYSPAN']._serialized_end=1278
-  _globals['_SAMPLE']._serialized_start=1281
-  _globals['_SAMPLE']._serialized_end=1793
-  _globals['_GENERATERESPONSE']._serialized_start=1795
-  _globals['_GENERATERESPONSE']._serialized_end=1880
-  _globals['_ROLLOUTREQUEST']._serialized_start=1883
-  _globals['_ROLLOUTREQUEST']._serialized_end=2203
-  _globals['_GETREQUESTREQUEST']._serialized_start=2205
-  _globals['_GETREQUESTREQUEST']._serialized_end=2269
-  _globals['_GETREQUESTRESPONSE']._serialized_start=2271
-  _globals['_GETREQUESTRESPONSE']._serialized_end=2367
-  _globals['_CANCELREQUESTREQUEST']._serialized_start=2369
-  _globals['_CANCELREQUESTREQUEST']._serialized_end=2427
-  _globals['_CANCELREQUESTRESPONSE']._serialized_start=2429
-  _globals['_CANCELREQUESTRESPONSE']._serialized_end=2494
-  _globals['_ROLLOUTSERVICE']._serialized_start=3231
-  _globals['_ROLLOUTSERVICE']._serialized_end=3465
+  _globals['_STEPBOUND']._serialized_end=932
+  _globals['_SPECULATIVESTATS']._serialized_start=935
+  _globals['_SPECULATIVESTATS']._serialized_end=1121
+  _globals['_TOKENPROVENANCE']._serialized_start=1123
+  _globals['_TOKENPROVENANCE']._serialized_end=1239
+  _globals['_POLICYSPAN']._serialized_start=1241
+  _globals['_POLICYSPAN']._serialized_end=1298
+  _globals['_SAMPLE']._serialized_start=1301
+  _globals['_SAMPLE']._serialized_end=1813
+  _globals['_GENERATERESPONSE']._serialized_start=1815
+  _globals['_GENERATERESPONSE']._serialized_end=1900
+  _globals['_ROLLOUTREQUEST']._serialized_start=1903
+  _globals['_ROLLOUTREQUEST']._serialized_end=2223
+  _globals['_GETREQUESTREQUEST']._serialized_start=2225
+  _globals['_GETREQUESTREQUEST']._serialized_end=2289
+  _globals['_GETREQUESTRESPONSE']._serialized_start=2291
+  _globals['_GETREQUESTRESPONSE']._serialized_end=2387
+  _globals['_CANCELREQUESTREQUEST']._serialized_start=2389
+  _globals['_CANCELREQUESTREQUEST']._serialized_end=2447
+  _globals['_CANCELREQUESTRESPONSE']._serialized_start=2449
+  _globals['_CANCELREQUESTRESPONSE']._serialized_end=2514
+  _globals['_ROLLOUTSERVICE']._serialized_start=3251
+  _globals['_ROLLOUTSERVICE']._serialized_end=3485
 # @@protoc_insertion_point(module_scope)

@@ -145,16 +145,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeMode, str]] = ..., return_partial: _Optional[bool] = ..., batch_samples: _Optional[bool] = ..., bound: _Optional[_Union[StepBound, _Mapping]] = ...) -> None: ...
 
 class StepBound(_message.Message):
-    __slots__ = ("groups", "carried", "park", "deadline_ms")
+    __slots__ = ("groups", "carried", "park", "deadline_ms", "max_tokens")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     CARRIED_FIELD_NUMBER: _ClassVar[int]
     PARK_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     groups: int
     carried: bool
     park: bool
     deadline_ms: int
-    def __init__(self, groups: _Optional[int] = ..., carried: _Optional[bool] = ..., park: _Optional[bool] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, groups: _Optional[int] = ..., carried: _Optional[bool] = ..., park: _Optional[bool] = ..., deadline_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
     __slots__ = ("draft_steps", "plain_steps", "accepted_tokens", "mean_accepted_length", "drafted_tokens", "bonus_tokens", "residual_tokens")

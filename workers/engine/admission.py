@@ -56,6 +56,7 @@ class Admission:
         past: Sequence[tuple[Hashable, Sequence[int]]],
         policy_version: int,
         resume: Sample | None = None,
+        pause_after: int = 0,
     ) -> None:
         """Check one prompt's request and queue it (Engine.add_request says what each means)."""
         prompt = [int(t) for t in prompt_ids]
@@ -88,6 +89,7 @@ class Admission:
             sample_offset=sample_offset,
             past=past,
             restore=resume,
+            pause_after=max(0, pause_after),
         )
         self.waiting.append(group)
 
@@ -195,6 +197,8 @@ class Admission:
                 s.history = []  # lets a later drafter version catch up on this sample
             if g.restore is not None:
                 restore(s, g.restore)
+            if g.pause_after and len(s.tokens) + g.pause_after < s.max_new:
+                s.max_new, s.pauses = len(s.tokens) + g.pause_after, True
             if self.ngram is not None:
                 self.ngram.add_sequence(g.group_key, s.sample_key)
                 self.ngram.extend(g.group_key, s.sample_key, list(s.tokens))

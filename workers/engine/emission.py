@@ -99,7 +99,7 @@ def _append(s: Seq, toks: list[int], lps: list[float]) -> tuple[FinishReason | N
         if t in s.stop:
             return FinishReason.STOP, n
         if len(s.tokens) >= s.max_new:
-            return FinishReason.LENGTH, n
+            return (FinishReason.ABORTED if s.pauses else FinishReason.LENGTH), n
     return None, n
 
 

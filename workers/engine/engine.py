@@ -216,6 +216,7 @@ class Engine:
         sample_offset: int = 0,
         history: Sequence[tuple[Hashable, Sequence[int]]] = (),
         resume: Sample | None = None,
+        pause_after: int = 0,
     ) -> None:
         """Queue one prompt with sampling.n samples; it joins the batch at a step boundary.
 
@@ -229,6 +230,8 @@ class Engine:
         per-token versions, counters): it goes on from its next token, drawn with the same
         randomness (key, position) it would have had, from the prompt and its tokens
         prefilled on this engine's weights; a version other than its last opens a new span.
+        `pause_after`: a step's token budget; a sample that emits this many tokens here
+        unfinished ends ABORTED with them (paused; resumed later with `resume`).
         """
         self.admission.add(
             request_id,
@@ -241,6 +244,7 @@ class Engine:
             past=history,
             policy_version=self.policy_version,
             resume=resume,
+            pause_after=pause_after,
         )
 
     @property

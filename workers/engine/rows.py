@@ -42,6 +42,9 @@ class Group:
     # A sample resumed from its stored tokens (n = 1): what it had emitted, continued from
     # there; its prefill feeds the prompt and those tokens (`context`).
     restore: Sample | None = None
+    # Tokens each sample may emit here before it pauses (ABORTED, a step's token budget: it
+    # goes on later from its stored tokens); 0 = no budget.
+    pause_after: int = 0
 
     @property
     def context(self) -> list[int]:
@@ -60,6 +63,7 @@ class Seq:
         "logprobs",
         "stop",
         "max_new",
+        "pauses",
         "draft_steps",
         "plain_steps",
         "accepted",
@@ -85,6 +89,7 @@ class Seq:
         self.logprobs: list[float] = []
         self.stop = frozenset(group.sampling.stop_token_ids)
         self.max_new = max_new
+        self.pauses = False  # max_new is a step's token budget: reaching it pauses the sample
         self.draft_steps = self.plain_steps = self.accepted = self.drafter_version = 0
         self.drafted = self.bonus = self.residual = 0
         self.provenance: list[TokenProvenance] | None = (

@@ -108,6 +108,7 @@ class RolloutWorker(WorkerLoop):
                     msg.request_id, msg.prompt_ids, replace(msg.sampling, n=1),
                     prompt_index=msg.prompt_index, speculative=msg.speculative,
                     sample_offset=stored.sample_index, history=msg.history, resume=stored,
+                    pause_after=msg.pause_after,
                 )  # fmt: skip
                 resumed.add(stored.sample_index)
             except ValueError:  # it cannot go on from those tokens: it runs again from its seed
@@ -123,6 +124,7 @@ class RolloutWorker(WorkerLoop):
                     speculative=msg.speculative,
                     sample_offset=first,
                     history=msg.history,
+                    pause_after=msg.pause_after,
                 )
             except ValueError as exc:  # e.g. a prompt longer than this engine's max_seq_len
                 self.fail(msg, range(first, first + count), str(exc))
