@@ -136,12 +136,14 @@ class AsyncRun:
         lookahead: int = LOOKAHEAD,
         decoupled: bool = False,
         job_id: str = "grpo-async",
+        token_budget: int = 0,
     ) -> None:
         """`lookahead`: requests sent ahead of the step being trained (0: the next one only
         after the update is pushed, a synchronous run); `decoupled`: decoupled PPO instead of
-        the clipped ratio against the behaviour logprobs."""
+        the clipped ratio against the behaviour logprobs; `token_budget`: tokens a sample may
+        emit per step (0: no budget), the rest paused and resumed by later steps' requests."""
         self.cfg, self.dataset, self.model = cfg, dataset, model
-        self.job_id, self.lookahead = job_id, lookahead
+        self.job_id, self.lookahead, self.token_budget = job_id, lookahead, token_budget
         self.tok = load_tokenizer(model)
         self.trainer = GRPOTrainer(model, lr=cfg.lr, seed=cfg.seed, kl_coef=cfg.kl)
         if decoupled:
@@ -164,6 +166,7 @@ class AsyncRun:
             self.client, [ids for _, ids in work], self.cfg.n, request_id=rid,
             temperature=1.0, max_new_tokens=self.cfg.max_new_tokens,
             stop_token_ids=[STOP_TOKEN_ID], seed=self.cfg.seed * 1000 + step,
+            max_tokens=self.token_budget,
         )  # fmt: skip
 
     def run(self, print_row: Any = None, cpu: Any = lambda: 0.0) -> list[AsyncRow]:

@@ -182,8 +182,10 @@ def test_a_token_budget_pauses_long_samples_and_later_steps_go_on(sqlite_daemon,
         paused = paused_samples(d.store, "t0")
         states = unit_states(d.store, "t0")
         for step in range(1, 4):
-            later = list(c.generate("b", [MORE[step % 2]], request_id=f"t{step}",
-                                    bound=bound(6, carried=True, max_tokens=150), **run))  # fmt: skip
+            step_bound = bound(6, carried=True, max_tokens=150)
+            later = list(
+                c.generate("b", [MORE[step % 2]], request_id=f"t{step}", bound=step_bound, **run)
+            )
             assert not set(groups_of(later)) & set(sent)  # never twice
             sent.update(groups_of(later))
     # Prompt 0 stops after ~34 tokens: its group is the first step's only one; the others
