@@ -11,7 +11,7 @@ from tests.multinode.conftest import Cluster, long_only
 from tests.multinode.test_multinode import _duplicates
 from tests.rollout.support import direct_outputs, wait_until
 from tltd.domain import SamplingParams
-from tltd.v1 import rollout_pb2
+from tltd.v1 import common_pb2, rollout_pb2
 
 PROMPTS = [[5, 9, 3, 12], [6, 10, 4, 12], [7, 11, 5, 12], [8, 12, 6, 12]]
 LATER = [[9, 13, 7, 12]]
@@ -60,3 +60,49 @@ def test_a_killed_nodes_bounded_prompts_are_taken_over_and_sent_once(cluster: Cl
     for (rid, p), tokens in {**g1, **g2}.items():
         if rid == "r1":  # greedy: node-a's re-run is what node-b would have produced
             assert tokens == tuple(sorted(ref[(p, i)] for i in range(PARAMS["n"])))
+
+
+# Token 16 ends prompt 0 after ~34 tokens (greedy, the tiny checkpoint); the others run on.
+PARK_PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
+PARKING = dict(n=2, temperature=0.0, max_new_tokens=200, stop_token_ids=[16])
+OFF = common_pb2.SPECULATIVE_MODE_OFF  # a token a step: the others still run at the bound
+
+
+@long_only
+def test_paused_samples_of_a_killed_node_go_on_from_their_tokens_on_the_other(
+    cluster: Cluster, ckpt
+):
+    """Node a parks a request at its bound (paused samples stored), then dies (kill -9);
+    node b's carried request goes on from a's stored tokens: each group once, the paused
+    tokens kept, greedy output as an uninterrupted run's."""
+    a = cluster.start("node-a")
+    with a.client() as c:
+        c.create_job(str(ckpt), job_id="park")
+    a.wait_workers_ready("park", n=1, timeout=240)
+    sampling = rollout_pb2.SamplingParams(**PARKING)
+    with a.client() as ca:
+        park = rollout_pb2.StepBound(groups=1, park=True)
+        first = list(ca.generate("park", PARK_PROMPTS, sampling=sampling, request_id="p1",
+                                 speculative=OFF, bound=park))  # fmt: skip
+        paused = {(s.prompt_index, s.sample_index): tuple(s.token_ids)
+                  for s in ca.get_request("p1", True).samples if s.partial}  # fmt: skip
+    b = cluster.start("node-b")
+    b.wait_workers_ready("park", n=1, timeout=240)
+    os.killpg(a.proc.pid, signal.SIGKILL)
+    with b.client() as cb:
+        later = list(cb.generate("park", LATER, sampling=sampling, request_id="p2",
+                                 speculative=OFF,
+                                 bound=rollout_pb2.StepBound(groups=4, carried=True)))  # fmt: skip
+    g1, g2 = _groups(first), _groups(later)
+    assert paused and all(paused.values())  # tokens were stored when a parked
+    assert set(g1) == {("p1", 0)}
+    assert set(g2) == {("p1", p) for p in range(1, 4)} | {("p2", 0)}  # lost 0, dup 0
+    assert _duplicates(cluster) == 0
+    greedy = SamplingParams(**{**PARKING, "stop_token_ids": (16,)})
+    ref = direct_outputs(ckpt, PARK_PROMPTS, greedy, speculative=False)
+    for s in later:
+        key = (s.prompt_index, s.sample_index)
+        if s.request_id == "p1":
+            assert tuple(s.token_ids) == ref[key]
+            if key in paused:  # went on from what node a stored
+                assert tuple(s.token_ids[: len(paused[key])]) == paused[key]
