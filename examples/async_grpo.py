@@ -169,10 +169,13 @@ class AsyncRun:
             max_tokens=self.token_budget,
         )  # fmt: skip
 
-    def run(self, print_row: Any = None, cpu: Any = lambda: 0.0) -> list[AsyncRow]:
+    def run(
+        self, print_row: Any = None, cpu: Any = lambda: 0.0, keep: Any = None
+    ) -> list[AsyncRow]:
         """Every step; the leftover groups are dropped with the job at the end. `cpu()`: CPU
         seconds so far, read when the first step's timing starts and after the last update
-        (`cpu_s`)."""
+        (`cpu_s`); `keep(step, seconds, model)` after each update (a copy of the weights, in
+        the step's time: the rollouts go on meanwhile)."""
         self.client.generate(
             [self.dataset.held_out[0][1]], n=1, temperature=0.0, max_new_tokens=4
         )  # fmt: skip - warm-up, not timed
@@ -190,6 +193,8 @@ class AsyncRun:
                 pending.append(self._submit(step + 1))
             last = time.perf_counter()
             self.rows.append(row)
+            if keep is not None:
+                keep(step + 1, sum(r.step_s for r in self.rows), self.trainer.model)
             if print_row is not None:
                 print_row(row)
         self.cpu_s = cpu() - cpu0
@@ -248,11 +253,19 @@ class AsyncOutcome:
     cores: int
 
 
-def run_async(cfg: Any, daemon: Any, dataset: TaskDataset, model: Path, drafter: Path | None):
-    """The asynchronous TLT run, timed and its CPU counted over the steps; (outcome, trainer)."""
+def run_async(
+    cfg: Any,
+    daemon: Any,
+    dataset: TaskDataset,
+    model: Path,
+    drafter: Path | None,
+    keep: Any = None,
+):
+    """The asynchronous TLT run, timed and its CPU counted over the steps; (outcome, trainer).
+    `keep(step, seconds, model)`: called after each update (the held-out curves)."""
     run = AsyncRun(cfg, daemon.target, dataset, model, drafter)
     try:
-        rows = run.run(print_async_row, cpu=lambda: demo_cpu(daemon.proc.pid))
+        rows = run.run(print_async_row, cpu=lambda: demo_cpu(daemon.proc.pid), keep=keep)
     finally:
         run.close()
     outcome = AsyncOutcome(rows, sum(r.step_s for r in rows), run.cpu_s, os.cpu_count() or 1)

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from examples.async_grpo import AsyncOutcome, print_async_summary, run_async  # noqa: E402
 from examples.cpu_time import demo_cpu, torch_threads  # noqa: E402
+from examples.curves import CURVE_N, Curves, curve_config  # noqa: E402
 from examples.demo_report import (  # noqa: E402
     HEADER,
     MODES,
@@ -406,6 +407,7 @@ def run_all(
     work_dir: Path,
     drafter: Path | None = None,
     with_async: bool = True,
+    curves: Curves | None = None,
 ) -> tuple[dict[str, list[StepRow]], dict[str, HeldOutScore], AsyncOutcome | None]:
     """Held-out score of the initial policy, then the TLT run, then the SD-off run, each
     followed by the held-out score of its final policy.
@@ -425,6 +427,9 @@ def run_all(
             run.warm_up()
             for step in range(cfg.steps):
                 run.step(step)
+                if curves is not None:  # after the step's timing: its wall time so far
+                    seconds = sum(r.rollout_s + r.update_s for r in run.rows)
+                    curves.of(mode).keep(step + 1, seconds, run.trainer.model)
             run.client.raw.cancel_job(run.job_id, "demo run finished")
             wait_until_no_training(run.client)
         finally:
@@ -434,11 +439,34 @@ def run_all(
         scores[mode] = evaluate(daemon, final, dataset, cfg, f"{mode} final policy", drafter)
     outcome = None
     if with_async:
-        outcome, trainer = run_async(cfg, daemon, dataset, model, drafter)
+        keep = None if curves is None else curves.of("async").keep
+        outcome, trainer = run_async(cfg, daemon, dataset, model, drafter, keep)
         wait_until_no_training(RolloutClient(daemon.target))
         final = trainer.save(work_dir / "final-async")
         scores["async"] = evaluate(daemon, final, dataset, cfg, "async final policy", drafter)
+    if curves is not None:
+        score_curves(curves, cfg, daemon, dataset, model, work_dir, drafter)
     return results, scores, outcome
+
+
+def score_curves(
+    curves: Curves,
+    cfg: DemoConfig,
+    daemon: Daemon,
+    dataset: TaskDataset,
+    model: Path,
+    work_dir: Path,
+    drafter: Path | None,
+) -> None:
+    """Every kept policy's held-out reward (and the initial one's), at `CURVE_N` samples."""
+    small = curve_config(cfg)
+    print(f"\nheld-out curves ({CURVE_N} samples per prompt per point)", flush=True)
+
+    def score_of(ckpt: Path, label: str) -> float:
+        return evaluate(daemon, ckpt, dataset, small, label, drafter).mean
+
+    curves.initial = score_of(model, "curve initial policy")
+    curves.score(GRPOTrainer(model, lr=cfg.lr, seed=cfg.seed), work_dir, score_of)
 
 
 def evaluate(
@@ -576,6 +604,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, help="keep checkpoints and the daemon's data")
     parser.add_argument("--plot", type=Path, help="write the curves to this PNG (matplotlib)")
     parser.add_argument(
+        "--curves", type=Path,
+        help="score each step's policy of every run on the held-out set and draw reward per "
+        "step and per wall-clock second to this PNG (a few minutes more)",
+    )  # fmt: skip
+    parser.add_argument(
         "--http", action="store_true", help="roll out through the openai client (HTTP door)"
     )
     parser.add_argument("--no-async", action="store_true", help="skip the asynchronous TLT run")
@@ -617,13 +650,19 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             with_async = not (args.no_async or args.http)
-            results, scores, outcome = run_all(cfg, daemon, model, work_dir, drafter, with_async)
+            curves = Curves() if args.curves else None
+            results, scores, outcome = run_all(
+                cfg, daemon, model, work_dir, drafter, with_async, curves
+            )
             print_summary(results, scores)
             if outcome is not None:
                 print_async_summary(outcome, results, scores)
             if args.plot:
                 plot(results, scores, args.plot)
                 print(f"curves: {args.plot}")
+            if curves is not None:
+                curves.plot(args.curves)
+                print(f"held-out curves: {args.curves}")
             code = 0
         except TltClientError as exc:
             print(f"\ndemo failed: the daemon answered {exc}", file=sys.stderr, flush=True)
