@@ -71,8 +71,8 @@ class Parking:
             except Exception:  # held, not parked: its lease lapses and it is claimed again
                 log.exception("cannot park a unit", extra={"request_id": rid, "prompt": p})
         if units:
-            log.info("request parked at its step bound", extra={"request_id": request_id,
-                                                                 "prompts": len(units)})  # fmt: skip
+            extra = {"request_id": request_id, "prompts": len(units)}
+            log.info("request parked at its step bound", extra=extra)
         return len(units)
 
     def returned(self, request_id: str, key: Key) -> bool:
