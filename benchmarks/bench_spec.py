@@ -526,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
             for epoch, r in enumerate(run_mode(mode, model, drafter, work, warm, args, rep)):
                 runs[epoch][mode].append(r)
                 print(f"  [{rep + 1}/{args.repeats}] {mode} epoch {epoch + 1}: {r.seconds:.1f}s")
+            if args.trace is not None:  # and just after: the load may change during the pass
+                record_costs(args, model, drafter, len(work) * args.samples, rep, mode)
             sys.stdout.flush()
     for epoch, per_mode in enumerate(runs):
         if args.epochs > 1:
@@ -557,11 +559,13 @@ def record_costs(
     mode: str,
 ) -> None:
     """Time whole engine steps at the batch sizes and contexts a pass runs at (a short and a
-    long context; the shortest and longest draft) into the trace."""
+    long context; the shortest and longest draft) into the trace, for `mode`'s passes of
+    repeat `rep` (timed before and after them)."""
     batches = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
     contexts = (64, min(1024, args.max_new_tokens))
     t0 = time.perf_counter()
-    costs = measure_step_costs(model, drafter, batches, (min(args.ks), max(args.ks)), contexts)
+    ks = (min(args.ks), max(args.ks))
+    costs = measure_step_costs(model, drafter, batches, ks, contexts, steps=6)
     write_line(args.trace, {"type": "costs", "rep": rep, "mode": mode, **costs.as_dict()})
     print(f"  [{rep + 1}/{args.repeats}] step costs timed in {time.perf_counter() - t0:.1f}s")
 

@@ -170,7 +170,7 @@ class Drafts:
         while n < offered:
             ok = right.get(pos + n)
             if ok is None:
-                rng = random.Random(hash((self.seed, sid, drafter, pos + n)))
+                rng = random.Random(f"{self.seed}/{sid}/{drafter}/{pos + n}")
                 ok = rng.random() < self.alpha[drafter]
             if not ok:
                 break
@@ -200,6 +200,7 @@ class SimResult:
     arms: Counter[str] = field(default_factory=Counter)
     draft_rows: int = 0
     draft_gained: int = 0
+    steps: list[float] = field(default_factory=list)  # seconds of every step, prefills too
 
 
 class Simulator:
@@ -238,6 +239,7 @@ class Simulator:
                 dt = self.table.prefill_ms(len(admitted), width) / 1000
                 res.seconds += dt
                 res.per_bucket[0] += dt
+                res.steps.append(dt)
                 for req, prompt, n, _, max_new in admitted:
                     for i in range(n):
                         length = lengths.get((req, i), 1)
@@ -249,6 +251,7 @@ class Simulator:
                 continue
             dt = self._step(running, drafts, res)
             res.seconds += dt
+            res.steps.append(dt)
             running[:] = [r for r in running if r.pos < r.length]
         return res
 
@@ -322,14 +325,26 @@ class Simulator:
 Passes = dict[tuple[int, str], list[dict[str, Any]]]
 
 
+def mean_costs(a: StepCosts, b: StepCosts) -> StepCosts:
+    """The mean of two timings of the same step costs (before and after a pass)."""
+    models = {
+        c: CostModel({n: _mix(m.buckets[n], b.models[c].buckets[n], 0.5) for n in m.buckets}, c)
+        for c, m in a.models.items()
+    }
+    prefill = (_lerp(a.prefill[0], b.prefill[0], 0.5), _lerp(a.prefill[1], b.prefill[1], 0.5))
+    return StepCosts(models, prefill)
+
+
 def load(path: Path) -> tuple[dict[tuple[int, str], StepCosts], Passes]:
-    """A trace's step costs per (repeat, mode) (timed just before that mode's passes), and its
-    passes per (repeat, mode) in order."""
+    """A trace's step costs per (repeat, mode) (the mean of the timings just before and just
+    after that mode's passes), and its passes per (repeat, mode) in order."""
     costs: dict[tuple[int, str], StepCosts] = {}
     runs: Passes = defaultdict(list)
     for line in read_trace(path):
         if line["type"] == "costs":
-            costs[(line["rep"], line["mode"])] = StepCosts.from_dict(line)
+            key = (line["rep"], line["mode"])
+            got = StepCosts.from_dict(line)
+            costs[key] = mean_costs(costs[key], got) if key in costs else got
         elif line["type"] == "run":
             runs[(line["rep"], line["mode"])].append(line)
     return costs, runs
@@ -347,6 +362,32 @@ def replay(passes: list[dict[str, Any]], table: CostTable) -> list[tuple[dict, S
     return out
 
 
+def step_costs(p: Mapping[str, Any], table: CostTable) -> list[tuple[float, float]]:
+    """(measured, predicted) seconds of every recorded step: the table's cost of the step as
+    the engine took it (its batch, the rows' mean context, its arm and widest draft)."""
+    prompts = {g[0]: g[1] for g in p["groups"]}
+    prompt_of = [prompts[r] for r, _, _ in p["samples"]]
+    rows_at = [prompt_of[0]]
+    out = []
+    for seconds, batch, arm, rows in p["steps"]:
+        if arm == PREFILL:
+            width = max(prompts[r] for r in rows)
+            out.append((seconds, table.prefill_ms(len(rows), width) / 1000))
+            continue
+        if rows is not None:
+            rows_at = [prompt_of[sid] + pos for sid, pos, *_ in rows]
+        cost = table.at(batch, statistics.fmean(rows_at))  # plain: the last SD step's context
+        if arm == "plain" or rows is None:
+            out.append((seconds, cost.plain_ms / 1000))
+            continue
+        s, width = strategy(arm), max(r[2] for r in rows)
+        draft = s.k * cost.draft_ms if s.drafter == "eagle" else 0.0
+        out.append(
+            (seconds, (cost.verify(width) + draft) / 1000 if width else cost.plain_ms / 1000)
+        )
+    return out
+
+
 def measured(p: Mapping[str, Any]) -> tuple[float, dict[int, float]]:
     """A recorded pass's summed step seconds, and per running-batch bucket (0 = prefill)."""
     per: dict[int, float] = defaultdict(float)
@@ -356,6 +397,10 @@ def measured(p: Mapping[str, Any]) -> tuple[float, dict[int, float]]:
 
 
 # -- validation and projection ----------------------------------------------------------------
+
+
+def _q(xs: Sequence[float], f: float) -> float:
+    return xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan")
 
 
 def _pct(sim: float, real: float) -> str:
@@ -374,8 +419,17 @@ def validate(path: Path, tolerance: float = 0.10) -> bool:
         for (r, mode), passes in runs.items():
             if r != rep:
                 continue
-            for p, res in replay(passes, measured_table(costs[(rep, mode)])):
+            table = measured_table(costs[(rep, mode)])
+            for p, res in replay(passes, table):
                 steps_s, per = measured(p)
+                # SD off: the replay takes the recorded steps one for one (same batches and
+                # contexts); otherwise each recorded step as the engine took it, at table costs.
+                if p["config"]["spec_mode"] == "off":
+                    pairs = [(s[0], c) for s, c in zip(p["steps"], res.steps, strict=True)]
+                else:
+                    pairs = step_costs(p, table)
+                per_step = sorted(m / c for m, c in pairs if c > 0)
+                fixed = sum(c for _, c in pairs)
                 walls[mode] = (p["seconds"], res.seconds)
                 err = res.seconds / p["seconds"] - 1
                 ok &= abs(err) <= tolerance
@@ -385,7 +439,9 @@ def validate(path: Path, tolerance: float = 0.10) -> bool:
                     f"| {rep + 1} | {mode} | {p['seconds']:.2f} | {steps_s:.2f} "
                     f"| {res.seconds:.2f} "
                     f"| {100 * err:+.1f}% | {n_steps} / {sum(res.arms.values())} "
-                    f"| {sd} / {sum(n for a, n in res.arms.items() if a != 'plain')} |"
+                    f"| {sd} / {sum(n for a, n in res.arms.items() if a != 'plain')} "
+                    f"| {_pct(fixed, steps_s)} | {_q(per_step, 0.1):.2f} / {_q(per_step, 0.5):.2f}"
+                    f" / {_q(per_step, 0.9):.2f} |"
                 )
                 cells = [
                     f"{per.get(b, 0.0):.2f} / {res.per_bucket.get(b, 0.0):.2f} "
@@ -406,8 +462,9 @@ def validate(path: Path, tolerance: float = 0.10) -> bool:
             )
     print(f"replay of {path} under the step costs timed in the same run (per repeat)\n")
     print("| repeat | mode | measured wall s | of which engine steps | simulated s | error "
-          "| decode steps measured / sim | SD steps measured / sim |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+          "| decode steps measured / sim | SD steps measured / sim | recorded steps at the "
+          "table's costs | per step measured / table p10 / p50 / p90 |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
     print("\n| repeat | ratio | measured | simulated | error |\n|---:|---|---:|---:|---:|")
     print("\n".join(ratios))
