@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.rollout_trace import Recorder, measure_step_costs, write_line  # noqa: E402
 from examples.task.reasoning import reward  # noqa: E402
 from examples.task.tokenizer import decode, load_tokenizer  # noqa: E402
 from examples.task.workload import (  # noqa: E402
@@ -123,11 +124,12 @@ def _counters(engine: Engine) -> list[float]:
 
 
 def timed_generate(
-    engine: Engine, requests: list[Request]
+    engine: Engine, requests: list[Request], recorder: Recorder | None = None
 ) -> tuple[list[SampleOutput], dict[int, list[float]], dict[int, list[float]]]:
     """Run `requests` to completion, timing every engine step by its running-batch bucket;
     also per bucket: row steps, the history drafter's draft rows and accepted drafts, and the
-    engine's draft / verify / plain seconds (Run.detail)."""
+    engine's draft / verify / plain seconds (Run.detail). `recorder`: a trace of every step
+    (rollout_trace.py)."""
     for r in requests:
         engine.add_request(r.request_id, r.prompt_ids, r.sampling, prompt_index=r.prompt_index)
     outs: list[SampleOutput] = []
@@ -137,9 +139,13 @@ def timed_generate(
         batch = len(engine.running)
         before = sum(len(s.tokens) for s in engine.running)
         counters = _counters(engine)
+        if recorder is not None:
+            recorder.before()
         t0 = time.perf_counter()
         done = engine.step()
         seconds = time.perf_counter() - t0
+        if recorder is not None:
+            recorder.after(seconds, done)
         after = sum(len(s.tokens) for s in engine.running) + sum(len(o.token_ids) for o in done)
         # A step that admitted prompts prefilled them (and decoded nothing).
         key = 0 if engine.running and len(engine.running) > batch else bucket_of(max(batch, 1))
@@ -192,6 +198,7 @@ def run_mode(
     work: list,
     warm: list,
     args: argparse.Namespace,
+    rep: int = 0,
 ) -> list[Run]:
     """The workload through a fresh engine in one mode, after the `warm` passes, once per
     epoch (`args.epochs`): one Run each.
@@ -201,6 +208,7 @@ def run_mode(
     RL step replays the same distribution), so exploring untried arms is not a cost of every
     rollout. Each epoch then rolls out the same prompts with new seeds through that engine
     (what the history drafter learns from). Stats are reset before every timed epoch.
+    With `args.trace`, every pass (warm ones too) is recorded there as one trace line.
     """
     every = [work, *warm]
     engine = make_engine(
@@ -211,16 +219,28 @@ def run_mode(
         max(len(p) for w in every for _, p in w) + args.max_new_tokens + 1,
         args,
     )
+    trace = args.trace
     for j, w in enumerate(warm):
-        engine.generate(requests_for(w, args, f"warm{j}-", 10_000 * (j + 1)))
+        warm_requests = requests_for(w, args, f"warm{j}-", 10_000 * (j + 1))
+        if trace is None:
+            engine.generate(warm_requests)
+            continue
+        rec = Recorder(engine)
+        t0 = time.perf_counter()
+        timed_generate(engine, warm_requests, rec)
+        line = rec.run(time.perf_counter() - t0, mode=mode, rep=rep, epoch=-1, warm=j)
+        write_line(trace, line)
     tok = load_tokenizer(args.model)
     runs = []
     for epoch in range(args.epochs):
         engine.stats.reset()
         requests = requests_for(work, args, f"e{epoch}-w", args.seed + 1_000_003 * epoch)
+        rec = Recorder(engine) if trace is not None else None
         t0 = time.perf_counter()
-        outs, per_bucket, detail = timed_generate(engine, requests)
+        outs, per_bucket, detail = timed_generate(engine, requests, rec)
         seconds = time.perf_counter() - t0
+        if rec is not None and trace is not None:
+            write_line(trace, rec.run(seconds, mode=mode, rep=rep, epoch=epoch, warm=None))
         rewards = [reward(work[o.prompt_index][0], decode(tok, o.token_ids)) for o in outs]
         runs.append(
             Run(
@@ -458,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     ap.add_argument("--json", type=Path, help="write each epoch's per-mode medians here")
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        help="record every pass's steps and this machine's step costs here (JSON lines), "
+        "for benchmarks/sim_rollout.py",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens = 2, 2, min(args.max_new_tokens, 48)
@@ -491,11 +517,17 @@ def main(argv: list[str] | None = None) -> int:
     ]
     # epoch -> mode -> one Run per repeat; modes interleaved within every repeat
     runs: list[dict[str, list[Run]]] = [{m: [] for m in modes} for _ in range(args.epochs)]
+    if args.trace is not None:
+        args.trace.write_text("")
     for rep in range(args.repeats):
         for mode in modes:
-            for epoch, r in enumerate(run_mode(mode, model, drafter, work, warm, args)):
+            if args.trace is not None:  # step costs timed just before, under the same load
+                record_costs(args, model, drafter, len(work) * args.samples, rep, mode)
+            for epoch, r in enumerate(run_mode(mode, model, drafter, work, warm, args, rep)):
                 runs[epoch][mode].append(r)
                 print(f"  [{rep + 1}/{args.repeats}] {mode} epoch {epoch + 1}: {r.seconds:.1f}s")
+            if args.trace is not None:  # and just after: the load may change during the pass
+                record_costs(args, model, drafter, len(work) * args.samples, rep, mode)
             sys.stdout.flush()
     for epoch, per_mode in enumerate(runs):
         if args.epochs > 1:
@@ -516,6 +548,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, runs, args.device)
     return 0
+
+
+def record_costs(
+    args: argparse.Namespace,
+    model: CausalLM,
+    drafter: EagleDrafter | None,
+    rows: int,
+    rep: int,
+    mode: str,
+) -> None:
+    """Time whole engine steps at the batch sizes and contexts a pass runs at (a short and a
+    long context; the shortest and longest draft) into the trace, for `mode`'s passes of
+    repeat `rep` (timed before and after them)."""
+    batches = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
+    contexts = (64, min(1024, args.max_new_tokens))
+    t0 = time.perf_counter()
+    ks = (min(args.ks), max(args.ks))
+    costs = measure_step_costs(model, drafter, batches, ks, contexts, steps=6)
+    write_line(args.trace, {"type": "costs", "rep": rep, "mode": mode, **costs.as_dict()})
+    print(f"  [{rep + 1}/{args.repeats}] step costs timed in {time.perf_counter() - t0:.1f}s")
 
 
 def write_json(path: Path, runs: list[dict[str, list[Run]]], device: str) -> None:

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args.temperature, args.ks, args.threshold, args.dtype = 1.0, KS, 32, "float32"
     args.device = "cpu"
     args.confidence = EngineConfig().draft_confidence
-    args.epochs, args.history_ks = 1, HISTORY_DRAFT_LENGTHS
+    args.epochs, args.history_ks, args.trace = 1, HISTORY_DRAFT_LENGTHS, None
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens, args.repeats = 2, 2, 48, 1
         args.points, args.plot = "0@2,8", None

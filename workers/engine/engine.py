@@ -157,7 +157,7 @@ class Engine:
         self.history: HistoryDrafter | None = None
         if cfg.spec_mode != "off" and any(st.drafter == "history" for st in cfg.strategies):
             self.history = HistoryDrafter(cfg.history_max_tokens, cfg.history_max_prompt_tokens)
-        self.bandit, self.gate_state = _gate(cfg, gate_state)
+        self.bandit, self.gate_state = gate_for(cfg, gate_state)
         # The measured gate's priors (speculation.py).
         self.costs = self._cost_model(costs) if cfg.measured_gate else None
         vocab = self.model.config.vocab_size
@@ -561,7 +561,7 @@ def _checked(cfg: EngineConfig) -> EngineConfig:
     return cfg
 
 
-def _gate(
+def gate_for(
     cfg: EngineConfig, earlier: GateState | None
 ) -> tuple[BucketedEpsilonGreedy | FixedStrategy, GateState | None]:
     """The bandit that picks each decode step's arm, and what the gate learns (None in the

@@ -5,8 +5,14 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from tltd_workers.engine.bandit import PLAIN, BucketedEpsilonGreedy, Strategy
-from tltd_workers.engine.costs import expected_tokens
+from tltd_workers.engine.bandit import (
+    PLAIN,
+    BucketedEpsilonGreedy,
+    FixedStrategy,
+    NoStrategyAvailable,
+    Strategy,
+)
+from tltd_workers.engine.costs import CostModel, arm_rewards, expected_tokens
 
 DEFAULT_ACCEPTANCE = 0.5  # per-position acceptance assumed for a drafter never observed
 PRIOR_POSITIONS = 16.0  # the prior acceptance counts as this many drafted positions
@@ -177,6 +183,42 @@ class GateState:
             }
             for d, a in self.acceptance.items()
         }
+
+
+def arm_priors(
+    costs: CostModel | None, gate_state: GateState | None, batch_size: int
+) -> dict[str, float] | None:
+    """Predicted tokens/s per arm at this batch size's bucket (None: no cost model there)."""
+    if costs is None or gate_state is None:
+        return None
+    bucket = gate_state.bandit.bucket(batch_size)
+    cost = costs.buckets.get(bucket)
+    if cost is None:
+        return None
+    return arm_rewards(cost, bucket, gate_state.tokens_per_step())
+
+
+def choose_arm(
+    bandit: BucketedEpsilonGreedy | FixedStrategy,
+    gate_state: GateState | None,
+    costs: CostModel | None,
+    batch_size: int,
+    available: Collection[str],
+    versions: tuple[int, int],
+) -> Strategy | None:
+    """The adaptive gate's arm for a decode step of `batch_size` rows, None for a plain step: a
+    pure function of what the gate learned, the cost model and the drafters `available` now
+    (the engine calls it with measured costs; a simulator with a device's cost model).
+    `versions`: the (policy, EAGLE drafter) versions in use, for the reset rule."""
+    if gate_state is not None:
+        gate_state.sync(*versions)
+    untried = gate_state.untried(available) if gate_state is not None else None
+    try:
+        return bandit.choose(
+            batch_size, available, arm_priors(costs, gate_state, batch_size), untried
+        )
+    except NoStrategyAvailable:
+        return None
 
 
 def verdicts(

@@ -11,17 +11,12 @@ import torch
 from torch import Tensor
 
 from tltd.domain import FinishReason, TopLogprobs
-from tltd_workers.engine.bandit import (
-    BucketedEpsilonGreedy,
-    FixedStrategy,
-    NoStrategyAvailable,
-    Strategy,
-)
-from tltd_workers.engine.costs import CostModel, arm_rewards, expected_tokens, fallback_pays
+from tltd_workers.engine.bandit import BucketedEpsilonGreedy, FixedStrategy, Strategy
+from tltd_workers.engine.costs import CostModel, expected_tokens, fallback_pays
 from tltd_workers.engine.datatypes import EngineConfig
 from tltd_workers.engine.eagle import EagleDrafter
 from tltd_workers.engine.emission import Emission
-from tltd_workers.engine.gate import GateState
+from tltd_workers.engine.gate import GateState, arm_priors, choose_arm
 from tltd_workers.engine.history import HistoryDrafter
 from tltd_workers.engine.kv_cache import KVCache
 from tltd_workers.engine.ngram import NgramDrafter
@@ -162,28 +157,23 @@ class Speculation:
             return None
         if not cfg.measured_gate and b > cfg.batch_threshold:
             return None
-        if self.gate_state is not None:
-            self.gate_state.sync(policy_version, self.drafter_version)
         available = {"ngram"}
         if self._history_ready():
             available.add("history")
         if self.drafter is not None and any(s.eagle_ok for s in self.running):
             available.add("eagle")
-        untried = self.gate_state.untried(available) if self.gate_state is not None else None
-        try:
-            return self.bandit.choose(b, available, self.priors(b), untried)
-        except NoStrategyAvailable:
-            return None
+        return choose_arm(
+            self.bandit,
+            self.gate_state,
+            self.costs,
+            b,
+            available,
+            (policy_version, self.drafter_version),
+        )
 
     def priors(self, batch_size: int) -> dict[str, float] | None:
         """Predicted tokens/s per arm at this batch size's bucket (None: no cost model there)."""
-        if self.costs is None or self.gate_state is None:
-            return None
-        bucket = self.gate_state.bandit.bucket(batch_size)
-        cost = self.costs.buckets.get(bucket)
-        if cost is None:
-            return None
-        return arm_rewards(cost, bucket, self.gate_state.tokens_per_step())
+        return arm_priors(self.costs, self.gate_state, batch_size)
 
     def _history_ready(self) -> bool:
         """Whether the history arm is offered: when at least half of the speculative rows'

@@ -109,6 +109,9 @@ class EngineStats:
     # and drafts of it accepted.
     drafter_rows: Counter[str] = field(default_factory=Counter)
     drafter_accepted: Counter[str] = field(default_factory=Counter)
+    # A recorder's list (a rollout trace), None when nothing records: one entry per decode
+    # pass, ("plain", rows) or (strategy, drafted, accepted, emitted, drafters) per row.
+    step_log: list[tuple] | None = None
 
     def record_plain_step(self, batch_size: int, tokens: int, seconds: float) -> None:
         """One ordinary decode pass over batch_size sequences producing `tokens` tokens."""
@@ -116,6 +119,8 @@ class EngineStats:
         self.plain_rows += batch_size
         self.plain_tokens += tokens
         self.plain_seconds += seconds
+        if self.step_log is not None:
+            self.step_log.append(("plain", batch_size))
 
     def record_spec_step(
         self,
@@ -165,6 +170,8 @@ class EngineStats:
         self.spec.setdefault(name, _SpecTotals()).add(step)
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
+        if self.step_log is not None:
+            self.step_log.append((name, d_rows, a_rows, e_rows, list(kinds)))
 
     def record_phase(self, phase: str, seconds: float) -> None:
         """Time spent outside decode steps (e.g. "prefill", "drafter_train")."""
@@ -248,6 +255,6 @@ class EngineStats:
         self.drafter_accepted.update(other.drafter_accepted)
 
     def reset(self) -> None:
-        """Zero every counter (e.g. after a stats report)."""
-        fresh = EngineStats()
+        """Zero every counter (e.g. after a stats report); a recorder's step_log stays."""
+        fresh = EngineStats(step_log=self.step_log)
         self.__dict__.update(fresh.__dict__)
