@@ -402,7 +402,7 @@ def sql_floor(url: str, prompt: list[int], n: int, requests: int) -> float:
     upgrade(url)
     store = Store(url)
     try:
-        store.create_job(Job(job_id=JOB, model_path=str(MODEL)))
+        store.jobs.create(Job(job_id=JOB, model_path=str(MODEL)))
         sample_row = _columns(convert.sample_to_row(sample_from_response(canned_response(1))))
         times = []
         for i in range(requests + 2):
@@ -410,7 +410,7 @@ def sql_floor(url: str, prompt: list[int], n: int, requests: int) -> float:
             req = RolloutRequest(rid, JOB, (tuple(prompt),), SamplingParams(n=n, seed=i))
             req_row = _columns(convert.request_to_row(req))
             t0 = time.perf_counter()
-            with store.engine.begin() as conn:
+            with store.db.engine.begin() as conn:
                 conn.execute(insert(RolloutRequestRow), [{
                     **req_row, "status": "queued", "status_reason": "", "samples_done": 0,
                     "policy_version": 0, "created_at": now, "updated_at": now}])  # fmt: skip
@@ -461,7 +461,7 @@ def store_stream_micro(
     store = Store(url, node_id="bench")
     template = sample_from_response(canned_response(tokens))
     try:
-        store.create_job(Job(job_id=JOB, model_path=str(MODEL)))
+        store.jobs.create(Job(job_id=JOB, model_path=str(MODEL)))
         n = 16
         write_cpu = read_cpu = 0.0
         request_prompts = ((1, 2, 3),) if prompts == 1 else (tuple(range(4, 204)),) * prompts

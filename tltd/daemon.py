@@ -131,7 +131,7 @@ class Daemon:
             self.listener = Listener(
                 self.store.url,
                 lambda ch, rid, own: loop.call_soon_threadsafe(self._on_notify, ch, rid, own),
-                self.store.own_backends,
+                self.store.db.own_backends,
             ).start()
         # `tltctl drain --node`: stop admitting and drain the workers, keep serving reads.
         self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))

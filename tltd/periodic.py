@@ -94,7 +94,7 @@ def roll_up_metrics(store: Store, metrics: Metrics = METRICS) -> None:
     depth: dict[str, int] = {}
     for req in unfinished:
         depth[req.job_id] = depth.get(req.job_id, 0) + req.samples_total - req.samples_done
-    active = store.list_jobs([JobStatus.ACTIVE], limit=10_000)
+    active = store.jobs.list([JobStatus.ACTIVE], limit=10_000)
     for job in active:
         metrics.set_queue_depth(job.job_id, depth.get(job.job_id, 0))
         metrics.set_policy_version(job.job_id, job.policy_version)
@@ -195,7 +195,7 @@ def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, in
 def _retire_drafters(store: Store, keep: int) -> list[tuple[str, int]]:
     why = f"garbage-collected: not among the newest {keep}, not pinned, not active"
     retired = []
-    for job in store.list_jobs(None, 1 << 30):
+    for job in store.jobs.list(None, 1 << 30):
         versions = [
             v
             for v in store.list_drafters(job.job_id)
@@ -213,7 +213,7 @@ def _delete_retired_checkpoints(store: Store, root: Path) -> int:
     """Delete the directories of retired versions this node can read under `root`; returns
     how many it deleted (none when they are gone already)."""
     deleted = 0
-    for job in store.list_jobs(None, 1 << 30):
+    for job in store.jobs.list(None, 1 << 30):
         for v in store.list_drafters(job.job_id):
             if v.status is not DrafterStatus.RETIRED or not v.readable_on(store.node_id):
                 continue  # another node's own storage: that node's GC deletes it

@@ -22,7 +22,7 @@ JOB = Job(job_id="job-1", model_path="/models/tiny")
 def nodes(db_url, tmp_path):
     upgrade(db_url)
     stores = [Store(db_url, node_id=n) for n in ("node-a", "node-b")]
-    stores[0].create_job(JOB)
+    stores[0].jobs.create(JOB)
     try:
         yield [build_services(s, make_settings(tmp_path / s.node_id)) for s in stores]
     finally:

@@ -416,7 +416,7 @@ def test_cancel_job_again_cancels_requests_left_open(client, daemon, model_dir):
     store = daemon.store
     client.create_job(str(model_dir), job_id="job")
     store.create_request(RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2)))
-    store.set_job_status("job", JobStatus.CANCELLED, "first")
+    store.jobs.set_status("job", JobStatus.CANCELLED, "first")
     assert store.get_request("r").status is RequestStatus.QUEUED
     job = client.cancel_job("job", "second")
     assert job.status == job_pb2.JOB_STATUS_CANCELLED and job.status_reason == "first"

@@ -88,7 +88,7 @@ def test_jobs_create(ctl, auth_daemon, model_dir):
         "initial_drafter_path": "",
     }
     assert job["policy_switch"] == "POLICY_SWITCH_NEXT_STEP"
-    stored = auth_daemon.store.get_job("job-2")
+    stored = auth_daemon.store.jobs.get("job-2")
     assert stored.speculative.draft_lengths == (2, 4) and not stored.speculative.online_training
     assert stored.policy_switch.value == "next_step"
 
@@ -123,7 +123,7 @@ def test_jobs_create_bad_field(ctl, auth_daemon, model_dir, extra, status, field
     code, out, err = ctl("jobs", "create", str(model_dir), *extra)
     assert code == 1 and out == ""
     assert err.startswith(f"tltctl: {status}: {field}:"), err
-    assert auth_daemon.store.list_jobs() == []  # nothing was created
+    assert auth_daemon.store.jobs.list() == []  # nothing was created
 
 
 def test_jobs_create_bad_model_path(ctl, auth_daemon, tmp_path):

@@ -72,7 +72,7 @@ def test_promoted_drafter_hot_swaps_mid_generation_losslessly(store, tmp_path):
             strict=True,
         )
     ]
-    store.create_job(Job(job_id="job", model_path=str(target_dir)))
+    store.jobs.create(Job(job_id="job", model_path=str(target_dir)))
     dv = publish(
         store,
         "job",

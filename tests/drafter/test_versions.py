@@ -120,7 +120,7 @@ def test_training_raises_held_out_acceptance(target, trained, held_out):
 def test_publish_promotes_better_and_rejects_worse(
     store, target, target_dir, trained, held_out, tmp_path
 ):
-    store.create_job(Job(job_id="j1", model_path=str(target_dir)))
+    store.jobs.create(Job(job_id="j1", model_path=str(target_dir)))
     v1 = publish(
         store,
         "j1",

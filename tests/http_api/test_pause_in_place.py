@@ -120,7 +120,7 @@ def _generate_body(rid: str) -> dict:
 
 def test_sglang_in_place_update_and_continue_give_per_token_versions(daemon, http, text_model):
     store, rid = daemon.store, "keep-sgl-1"
-    v0, before = store.get_job(JOB).policy_version, _idle_tokens(daemon)
+    v0, before = store.jobs.get(JOB).policy_version, _idle_tokens(daemon)
     t, out = _in_thread(
         lambda: httpx.post(daemon.url + "/generate", json=_generate_body(rid), timeout=120)
     )
@@ -150,7 +150,7 @@ def test_sglang_in_place_update_and_continue_give_per_token_versions(daemon, htt
 
 def test_an_abort_while_frozen_returns_the_output_so_far(daemon, http):
     store, rid = daemon.store, "keep-sgl-2"
-    v, before = store.get_job(JOB).policy_version, _idle_tokens(daemon)
+    v, before = store.jobs.get(JOB).policy_version, _idle_tokens(daemon)
     t, out = _in_thread(
         lambda: httpx.post(daemon.url + "/generate", json=_generate_body(rid), timeout=120)
     )

@@ -97,7 +97,7 @@ def test_areal_weight_update_dance(http, http_daemon, text_model):
     and its tokens so far -> update from disk -> continue -> the client resubmits prompt +
     tokens for the rest, which runs on the new version."""
     store, prompt, max_new = http_daemon.store, [1, 9, 8], 480
-    before = store.get_job(JOB).policy_version
+    before = store.jobs.get(JOB).policy_version
     t, out = _generate_in_thread(http_daemon.url, _long_body("areal-1", prompt, max_new))
     wait_running(store, "areal-1")
     assert http.post("/pause_generation", json={}).json()["aborted"] == 1
@@ -169,7 +169,7 @@ def _meta(weights: dict, names: list[str]) -> dict:
 
 def test_a_gloo_group_update_becomes_a_version(http, http_daemon, text_model, tmp_path):
     store = http_daemon.store
-    before = store.get_job(JOB).policy_version
+    before = store.jobs.get(JOB).policy_version
     weights = load_file(str(text_model / "model.safetensors"))
     names = sorted(weights)
     buckets = [names[: len(names) // 2], names[len(names) // 2 :]]  # slime sends buckets
@@ -232,7 +232,7 @@ def test_a_gloo_group_update_becomes_a_version(http, http_daemon, text_model, tm
     assert len(across["output_ids"]) == 300
     assert store.get_request("across-1").status is RequestStatus.COMPLETED
     # The version holds exactly what the trainer sent (cast to the checkpoint's dtype).
-    version = store.get_policy_version(JOB, before + 1)
+    version = store.policies.get(JOB, before + 1)
     got = load_file(str(Path(version.path) / "model.safetensors"))
     sent = load_file(str(out))
     assert set(got) == set(sent) == set(weights)

@@ -220,4 +220,4 @@ def test_abort_requests_by_id_and_weight_info(http, http_daemon):
     assert out["response"].json()["choices"][0]["finish_reason"] == "abort"
     assert http.get("/is_paused").json() == {"is_paused": False}  # no pause involved
     info = http.get("/weight_info").json()
-    assert info["policy_version"] == http_daemon.store.get_job(JOB).policy_version
+    assert info["policy_version"] == http_daemon.store.jobs.get(JOB).policy_version

@@ -29,7 +29,7 @@ def _version(path: str, steps: int) -> DrafterVersion:
 
 
 def test_one_node_holds_the_lease_under_concurrent_claims(pg_store: Store) -> None:
-    pg_store.create_job(JOB)
+    pg_store.jobs.create(JOB)
     nodes = [_node(pg_store, f"n{i}") for i in range(6)]
     try:
         for _ in range(5):
@@ -60,7 +60,7 @@ def test_one_node_holds_the_lease_under_concurrent_claims(pg_store: Store) -> No
 
 
 def test_a_lapsed_lease_cannot_publish_and_a_takeover_continues(pg_store: Store) -> None:
-    pg_store.create_job(JOB)
+    pg_store.jobs.create(JOB)
     a, b = _node(pg_store, "a"), _node(pg_store, "b")
     try:
         la = a.claim_drafter_lease(JOB.job_id, LONG)
@@ -102,7 +102,7 @@ def test_a_lapsed_lease_cannot_publish_and_a_takeover_continues(pg_store: Store)
 
 
 def test_a_restarted_node_takes_its_own_lease_back(pg_store: Store) -> None:
-    pg_store.create_job(JOB)
+    pg_store.jobs.create(JOB)
     a = _node(pg_store, "a")
     first = a.claim_drafter_lease(JOB.job_id, LONG)
     a.close()
@@ -116,7 +116,7 @@ def test_a_restarted_node_takes_its_own_lease_back(pg_store: Store) -> None:
 
 
 def test_the_cursor_reads_samples_from_every_node(pg_store: Store) -> None:
-    pg_store.create_job(JOB)
+    pg_store.jobs.create(JOB)
     for i in range(2):
         prompts = ((1, 2, 3 + i), (4, 5, 6 + i))
         pg_store.create_request(RolloutRequest(f"r{i}", JOB.job_id, prompts, SAMPLING))
@@ -175,7 +175,7 @@ def test_the_cursor_reads_samples_from_every_node(pg_store: Store) -> None:
 def test_a_restart_rejects_only_its_own_candidates(pg_store: Store, tmp_path) -> None:
     """A node's start rejects the candidates a crash left behind: its own, not one another
     node is evaluating now."""
-    pg_store.create_job(JOB)
+    pg_store.jobs.create(JOB)
     a, b = _node(pg_store, "a"), _node(pg_store, "b")
     try:
         mine = a.add_drafter_version(replace(_version(str(tmp_path / "a1"), 3), node_id="a"))
@@ -196,7 +196,7 @@ def test_drafter_gc_retires_on_one_node_and_each_node_deletes_its_own(
     retired them, and never another node's."""
     from tltd.periodic import gc_drafters
 
-    pg_store.create_job(JOB)
+    pg_store.jobs.create(JOB)
     a, b = _node(pg_store, "a"), _node(pg_store, "b")
     roots = {"a": tmp_path / "a" / "drafters", "b": tmp_path / "b" / "drafters"}
     try:

@@ -131,7 +131,7 @@ def test_request_on_a_version_that_failed_to_load_fails_at_once(sqlite_daemon, c
         d.wait_workers_ready(2)
         # UpdatePolicy refuses such a checkpoint; a recorded version's files can still go bad
         # (overwritten or deleted on the node), which the store's version stands for here.
-        d.store.add_policy_version("job", "checkpoint", str(bad))
+        d.store.policies.add("job", "checkpoint", str(bad))
         d.supervisor.kick_threadsafe()  # the idle workers preload it: LoadFailed
         bad_versions = d.supervisor.models.bad_versions
         wait_until(lambda: ("job", 1) in bad_versions, what="load failed")

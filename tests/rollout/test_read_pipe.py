@@ -21,7 +21,7 @@ from tltd.supervisor.worker_process import store_reported
 def test_a_sample_that_ran_twice_streams_the_stored_copy(store: Store) -> None:
     """A retry may produce other tokens (SD vs plain, another worker); the trainer must see
     the copy the store holds, not the new one."""
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     first = _sample(0, 1, tokens=(7, 8, 9))
     assert store.add_sample(first)

@@ -245,10 +245,10 @@ def test_request_recovered_after_a_crash_runs_on_the_version_it_was_accepted_on(
     pushed v1 in between."""
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=1)
     store = sqlite_store
-    store.create_job(Job(job_id="job", model_path=str(ckpt)))
+    store.jobs.create(Job(job_id="job", model_path=str(ckpt)))
     store.create_request(RolloutRequest("r", "job", tuple(map(tuple, PROMPTS[:2])), params))
     store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
-    store.add_policy_version("job", "checkpoint", str(ckpt2))
+    store.policies.add("job", "checkpoint", str(ckpt2))
     d = InProcessDaemon(settings, store).start()
     try:
         wait_until(
@@ -272,11 +272,11 @@ def test_an_open_request_of_a_cancelled_job_is_cancelled_after_a_restart(
 
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=1)
     store = sqlite_store
-    store.create_job(Job(job_id="job", model_path=str(ckpt)))
+    store.jobs.create(Job(job_id="job", model_path=str(ckpt)))
     store.create_request(RolloutRequest("r", "job", (tuple(PROMPTS[0]),), params))
     store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
     store.add_sample(Sample("r", 0, 1, (7, 8), (-0.5, -0.5), FinishReason.LENGTH))
-    store.set_job_status("job", JobStatus.CANCELLED, "trainer gone")
+    store.jobs.set_status("job", JobStatus.CANCELLED, "trainer gone")
     d = InProcessDaemon(settings, store).start()
     d.kill()
     req = store.get_request("r")
@@ -303,7 +303,7 @@ def test_a_retry_after_a_restart_gets_the_resumed_sample_not_the_partial_one(
 
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=1)
     store = sqlite_store
-    store.create_job(Job(job_id="job", model_path=str(ckpt)))
+    store.jobs.create(Job(job_id="job", model_path=str(ckpt)))
     store.create_request(RolloutRequest("r", "job", (tuple(PROMPTS[0]),), params))
     store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
     store.add_sample(Sample("r", 0, 1, (7, 8), (-0.5, -0.5), FinishReason.LENGTH))
@@ -537,7 +537,7 @@ def test_a_prompts_stored_answers_draft_its_next_rollout_after_a_restart(
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12)
     want = direct_outputs(ckpt, PROMPTS[:2], params)
     store = sqlite_store
-    store.create_job(Job(job_id="job", model_path=str(ckpt)))
+    store.jobs.create(Job(job_id="job", model_path=str(ckpt)))
     store.create_request(RolloutRequest("epoch-1", "job", tuple(map(tuple, PROMPTS[:2])), params))
     for (p, s), tokens in want.items():
         sample = Sample("epoch-1", p, s, tokens, (-1.0,) * len(tokens), FinishReason.STOP)

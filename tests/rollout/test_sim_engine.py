@@ -84,7 +84,7 @@ def test_sim_job_refused_on_a_daemon_that_does_not_allow_it(sqlite_store, tmp_pa
             assert job.backend == common_pb2.BACKEND_TORCH
     finally:
         d.stop()
-    assert [j.backend.value for j in sqlite_store.list_jobs()] == ["torch"]
+    assert [j.backend.value for j in sqlite_store.jobs.list()] == ["torch"]
 
 
 def test_sim_job_must_turn_online_training_off(sqlite_store, tmp_path) -> None:

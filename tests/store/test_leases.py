@@ -31,7 +31,7 @@ def _node(store: Store, node_id: str) -> Store:
 
 
 def _requests(store: Store, count: int, prompts: int) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     for i in range(count):
         prompt_ids = tuple((1, 2, p) for p in range(prompts))
         store.create_request(RolloutRequest(f"r{i:04d}", JOB.job_id, prompt_ids, SAMPLING))
@@ -179,12 +179,12 @@ def test_a_unit_ends_without_reading_the_requests_prompts(store: Store) -> None:
         a.claim_units(capacity=10, lease_seconds=LONG_LEASE)
         for p in range(2):
             a.add_samples([_sample("r0000", p, i) for i in range(SAMPLING.n)])
-        event.listen(a.engine, "before_cursor_execute", seen)
+        event.listen(a.db.engine, "before_cursor_execute", seen)
         try:
             assert a.finish_unit("r0000", 0, None, "").left == 1
             end = a.finish_unit("r0000", 1, RequestStatus.CANCELLED, "stop")
         finally:
-            event.remove(a.engine, "before_cursor_execute", seen)
+            event.remove(a.db.engine, "before_cursor_execute", seen)
         assert end == UnitEnd(RequestStatus.CANCELLED, "stop", 0)
         assert statements and not any("rollout_requests.prompts" in x for x in statements)
         assert a.get_request("r0000").status is RequestStatus.CANCELLED
@@ -381,7 +381,7 @@ def test_a_unit_given_back_is_not_a_lost_attempt(store: Store) -> None:
 
 
 def test_a_request_admitted_with_a_claim_leases_what_fits_to_its_node(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     a = _node(store, "a")
     b = _node(store, "b") if store.dialect == "postgresql" else None
     try:
@@ -416,7 +416,7 @@ def test_a_request_admitted_with_a_claim_leases_what_fits_to_its_node(store: Sto
 
 
 def test_a_sample_batch_records_the_units_it_completes(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     a = _node(store, "a")
     try:
         req = RolloutRequest("r0", JOB.job_id, ((1,), (2,)), SAMPLING)  # n=2 each

@@ -15,7 +15,7 @@ from tltd.store import Store
 
 
 def test_a_batch_stores_each_sample_by_the_single_write_rules(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     assert store.add_sample(_sample(0, 0, tokens=(1,)))
     partial = replace(_sample(1, 0, tokens=(2,)), partial=True, finish_reason=FinishReason.ABORTED)
@@ -53,7 +53,7 @@ def test_a_batch_stores_each_sample_by_the_single_write_rules(store: Store) -> N
 def test_an_ended_request_keeps_what_its_streams_were_given(store: Store) -> None:
     from tltd.domain import RequestStatus
 
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     partial = replace(_sample(0, 0), partial=True, finish_reason=FinishReason.CANCELLED)
     assert store.add_samples([partial]) == [True]
@@ -65,7 +65,7 @@ def test_an_ended_request_keeps_what_its_streams_were_given(store: Store) -> Non
 
 
 def test_leases_fence_each_unit_of_a_batch(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     a = _node(store, "a")
     try:
@@ -81,7 +81,7 @@ def test_leases_fence_each_unit_of_a_batch(store: Store) -> None:
 
 
 def test_a_batch_over_several_requests_is_one_write_each(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     for rid in ("req-b", "req-a"):
         store.create_request(_request(rid))
     batch = [
@@ -103,20 +103,20 @@ def test_a_batch_in_range_checks_its_keys_against_the_work_units_not_the_prompts
 ) -> None:
     """The prompts (a request's largest column: 512 prompts of 200 tokens are ~100k ids of
     JSON) are read only to word the error for an index out of range."""
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     statements: list[str] = []
 
     def seen(conn, cursor, statement, params, context, executemany) -> None:
         statements.append(statement)
 
-    event.listen(store.engine, "before_cursor_execute", seen)
+    event.listen(store.db.engine, "before_cursor_execute", seen)
     try:
         assert store.add_samples([_sample(0, 0), _sample(1, 1)]) == [True, True]
         assert statements and not any("rollout_requests.prompts" in x for x in statements)
         got = store.add_samples([_sample(0, 1), _sample(2, 0)])
     finally:
-        event.remove(store.engine, "before_cursor_execute", seen)
+        event.remove(store.db.engine, "before_cursor_execute", seen)
     assert got[0] is True
     assert isinstance(got[1], InvalidArgument) and got[1].field == "prompt_index"
     assert f"for {len(_request().prompts)} prompts" in str(got[1])

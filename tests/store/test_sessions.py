@@ -37,7 +37,7 @@ def _sample(turn: SessionTurn, tokens, spans=()) -> Sample:
 
 @pytest.fixture
 def job(store) -> Job:
-    return store.create_job(Job(job_id="job", model_path="/m"))[0]
+    return store.jobs.create(Job(job_id="job", model_path="/m"))[0]
 
 
 def test_a_session_is_opened_once_and_its_turns_recorded(store, job):

@@ -78,22 +78,22 @@ def test_dialect(store: Store) -> None:
 
 
 def test_create_job_is_idempotent(store: Store) -> None:
-    job, created = store.create_job(JOB)
+    job, created = store.jobs.create(JOB)
     assert created
     assert (job.status, job.policy_version, job.drafter_version) == (JobStatus.ACTIVE, 0, 0)
     assert job.created_at is not None and job.created_at.tzinfo == UTC
-    again, created = store.create_job(JOB)
+    again, created = store.jobs.create(JOB)
     assert not created
     assert again == job
-    assert store.get_job(JOB.job_id) == job
+    assert store.jobs.get(JOB.job_id) == job
     assert _events(store, "job", JOB.job_id) == [("", "active", "created")]
 
 
 def test_create_job_conflict_names_the_field(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     spec = SpeculativeConfig(batch_threshold=8)
     with pytest.raises(AlreadyExists) as exc:
-        store.create_job(replace(JOB, model_path="/other", speculative=spec))
+        store.jobs.create(replace(JOB, model_path="/other", speculative=spec))
     assert exc.value.field == "job_id"
     assert "model_path" in str(exc.value) and "speculative" in str(exc.value)
     assert str(exc.value).startswith("job_id: ")
@@ -103,14 +103,14 @@ def test_round_trips_every_job_field(store: Store) -> None:
     spec = SpeculativeConfig(
         batch_threshold=4, draft_lengths=(1, 3), drafter="ngram", online_training=False
     )
-    job, _ = store.create_job(replace(JOB, speculative=spec))
+    job, _ = store.jobs.create(replace(JOB, speculative=spec))
     assert job.speculative == spec
     assert (job.name, job.priority, job.weight) == ("grpo", 2, 0.5)
 
 
 def test_not_found_names_the_field(store: Store) -> None:
     with pytest.raises(NotFound, match=r"^job_id: job 'nope' not found$"):
-        store.get_job("nope")
+        store.jobs.get("nope")
     with pytest.raises(NotFound, match=r"^request_id: rollout request 'nope' not found$"):
         store.get_request("nope")
     with pytest.raises(NotFound, match=r"^device_id: "):
@@ -119,32 +119,32 @@ def test_not_found_names_the_field(store: Store) -> None:
         store.set_worker_state("w-x", WorkerState.READY, "")
     with pytest.raises(NotFound, match=r"^job_id: "):
         store.create_request(_request())
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     with pytest.raises(NotFound, match=r"^version: drafter version 3 of job 'job-1' not found"):
         store.get_drafter(JOB.job_id, 3)
     with pytest.raises(NotFound, match=r"^version: policy version 7"):
-        store.get_policy_version(JOB.job_id, 7)
+        store.policies.get(JOB.job_id, 7)
 
 
 def test_list_jobs_newest_first_and_filtered(store: Store) -> None:
     for i in range(3):
-        store.create_job(replace(JOB, job_id=f"j{i}"))
-    store.set_job_status("j1", JobStatus.CANCELLED, "done")
-    assert [j.job_id for j in store.list_jobs()] == ["j2", "j1", "j0"]
-    assert [j.job_id for j in store.list_jobs([JobStatus.ACTIVE])] == ["j2", "j0"]
-    assert [j.job_id for j in store.list_jobs(limit=1)] == ["j2"]
+        store.jobs.create(replace(JOB, job_id=f"j{i}"))
+    store.jobs.set_status("j1", JobStatus.CANCELLED, "done")
+    assert [j.job_id for j in store.jobs.list()] == ["j2", "j1", "j0"]
+    assert [j.job_id for j in store.jobs.list([JobStatus.ACTIVE])] == ["j2", "j0"]
+    assert [j.job_id for j in store.jobs.list(limit=1)] == ["j2"]
 
 
 def test_job_transitions(store: Store) -> None:
-    store.create_job(JOB)
-    job = store.set_job_status(JOB.job_id, JobStatus.CANCELLED, "trainer finished")
+    store.jobs.create(JOB)
+    job = store.jobs.set_status(JOB.job_id, JobStatus.CANCELLED, "trainer finished")
     assert (job.status, job.status_reason) == (JobStatus.CANCELLED, "trainer finished")
     # Same status again is a harmless no-op; leaving a final status is not allowed.
-    assert store.set_job_status(JOB.job_id, JobStatus.CANCELLED, "again").status_reason == (
+    assert store.jobs.set_status(JOB.job_id, JobStatus.CANCELLED, "again").status_reason == (
         "trainer finished"
     )
     with pytest.raises(FailedPrecondition, match="job 'job-1' cannot go from cancelled to active"):
-        store.set_job_status(JOB.job_id, JobStatus.ACTIVE, "revive")
+        store.jobs.set_status(JOB.job_id, JobStatus.ACTIVE, "revive")
     assert _events(store, "job", JOB.job_id) == [
         ("", "active", "created"),
         ("active", "cancelled", "trainer finished"),
@@ -152,7 +152,7 @@ def test_job_transitions(store: Store) -> None:
     with pytest.raises(FailedPrecondition, match="job_id: job 'job-1' is cancelled"):
         store.create_request(_request())
     with pytest.raises(FailedPrecondition):
-        store.add_policy_version(JOB.job_id, "checkpoint", "/ckpt/1")
+        store.policies.add(JOB.job_id, "checkpoint", "/ckpt/1")
 
 
 def test_concurrent_identical_creates_all_succeed(store: Store) -> None:
@@ -164,7 +164,7 @@ def test_concurrent_identical_creates_all_succeed(store: Store) -> None:
     def create(i: int) -> None:
         try:
             if i % 2:
-                job, created = store.create_job(JOB)
+                job, created = store.jobs.create(JOB)
                 results.append(("job", created))
             else:
                 while True:  # the request needs the job; spin until a creator committed it
@@ -192,25 +192,25 @@ def test_concurrent_identical_creates_all_succeed(store: Store) -> None:
 
 
 def test_policy_versions_increment(store: Store) -> None:
-    store.create_job(JOB)
-    v0 = store.get_policy_version(JOB.job_id)
+    store.jobs.create(JOB)
+    v0 = store.policies.get(JOB.job_id)
     assert (v0.version, v0.source, v0.path) == (0, "initial", JOB.model_path)
-    v1 = store.add_policy_version(JOB.job_id, "checkpoint", "/ckpt/1", note="step 1")
-    v2 = store.add_policy_version(JOB.job_id, "checkpoint", "/ckpt/2")
+    v1 = store.policies.add(JOB.job_id, "checkpoint", "/ckpt/1", note="step 1")
+    v2 = store.policies.add(JOB.job_id, "checkpoint", "/ckpt/2")
     assert (v1.version, v2.version, v1.note) == (1, 2, "step 1")
-    assert store.get_job(JOB.job_id).policy_version == 2
-    assert store.get_policy_version(JOB.job_id) == v2
-    assert store.get_policy_version(JOB.job_id, 1) == v1
-    assert [v.version for v in store.list_policy_versions(JOB.job_id)] == [0, 1, 2]
+    assert store.jobs.get(JOB.job_id).policy_version == 2
+    assert store.policies.get(JOB.job_id) == v2
+    assert store.policies.get(JOB.job_id, 1) == v1
+    assert [v.version for v in store.policies.list(JOB.job_id)] == [0, 1, 2]
 
 
 def test_concurrent_policy_versions_get_distinct_numbers(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     errors: list[BaseException] = []
 
     def push(i: int) -> None:
         try:
-            store.add_policy_version(JOB.job_id, "checkpoint", f"/ckpt/{i}")
+            store.policies.add(JOB.job_id, "checkpoint", f"/ckpt/{i}")
         except BaseException as exc:  # collected and asserted below
             errors.append(exc)
 
@@ -220,14 +220,14 @@ def test_concurrent_policy_versions_get_distinct_numbers(store: Store) -> None:
     for t in threads:
         t.join()
     assert errors == []
-    assert [v.version for v in store.list_policy_versions(JOB.job_id)] == list(range(7))
+    assert [v.version for v in store.policies.list(JOB.job_id)] == list(range(7))
 
 
 # ---- requests and samples -----------------------------------------------------------------
 
 
 def test_create_request_is_idempotent(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     req, created = store.create_request(_request())
     assert created and req.status == RequestStatus.QUEUED and req.samples_done == 0
     assert (req.prompts, req.sampling) == (PROMPTS, SAMPLING)
@@ -242,7 +242,7 @@ def test_create_request_is_idempotent(store: Store) -> None:
 def test_logprob_mode_and_provenance_flag_are_request_parameters(store: Store) -> None:
     """They round-trip, and a retry that asks for other logprobs or provenance is not the
     same request (its samples would carry something else)."""
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     raw = replace(SAMPLING, logprob_mode=LogprobMode.RAW, return_provenance=True)
     req, _ = store.create_request(replace(_request(), sampling=raw))
     assert store.get_request("req-1").sampling == raw == req.sampling
@@ -262,7 +262,7 @@ def test_logprob_mode_and_provenance_flag_are_request_parameters(store: Store) -
 def test_top_and_prompt_logprobs_round_trip(store: Store) -> None:
     """Requests keep what they asked scored; samples keep the scores, -inf (a token top-k
     excluded) included, and nothing when not asked."""
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     asked = replace(SAMPLING, top_logprobs=3, prompt_logprobs=0)
     req, _ = store.create_request(replace(_request(), sampling=asked))
     assert store.get_request("req-1").sampling == asked == req.sampling
@@ -279,8 +279,8 @@ def test_top_and_prompt_logprobs_round_trip(store: Store) -> None:
 
 
 def test_list_requests_queue_order_and_filters(store: Store) -> None:
-    store.create_job(JOB)
-    store.create_job(replace(JOB, job_id="job-2"))
+    store.jobs.create(JOB)
+    store.jobs.create(replace(JOB, job_id="job-2"))
     for i in range(3):
         store.create_request(_request(f"r{i}"))
     store.create_request(replace(_request("other"), job_id="job-2"))
@@ -293,7 +293,7 @@ def test_list_requests_queue_order_and_filters(store: Store) -> None:
 
 
 def test_mark_running_moves_only_a_queued_request(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     assert store.mark_running("req-1", "running on w0") is True
     assert store.mark_running("req-1", "running on w1") is False  # running already
@@ -313,25 +313,25 @@ def test_mark_running_moves_only_a_queued_request(store: Store) -> None:
 def test_create_request_unless_paused_stores_nothing_but_lets_a_retry_attach(
     store: Store,
 ) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request("stored"))
-    store.set_job_paused(JOB.job_id, "hold")
+    store.jobs.set_paused(JOB.job_id, "hold")
     with pytest.raises(JobPaused):
         store.create_request(_request("new"), unless_paused=True)
     with pytest.raises(NotFound):
         store.get_request("new")
     assert store.create_request(_request("stored"), unless_paused=True)[1] is False
     assert store.create_request(_request("new"))[1] is True  # a pause gates only when asked
-    store.set_job_paused(JOB.job_id, None)
+    store.jobs.set_paused(JOB.job_id, None)
     assert store.create_request(_request("new-2"), unless_paused=True)[1] is True
-    store.set_job_status(JOB.job_id, JobStatus.CANCELLED, "done")
+    store.jobs.set_status(JOB.job_id, JobStatus.CANCELLED, "done")
     assert store.create_request(_request("stored"))[1] is False  # a retry attaches still
     with pytest.raises(FailedPrecondition, match="cancelled"):
         store.create_request(_request("new-3"))
 
 
 def test_request_transitions_and_events(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     store.set_request_status("req-1", RequestStatus.RUNNING, "worker w0")
     store.set_request_status("req-1", RequestStatus.QUEUED, "worker lost")  # requeue
@@ -353,7 +353,7 @@ def test_request_transitions_and_events(store: Store) -> None:
 
 
 def test_add_sample_idempotent_and_counts(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     spec = SpeculativeStats(
         draft_steps=2,
@@ -385,7 +385,7 @@ def test_add_sample_idempotent_and_counts(store: Store) -> None:
 def test_prune_history_deletes_only_ended_requests_and_events_before_the_cut(
     store: Store,
 ) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     for rid in ("old-done", "old-failed", "old-open"):
         store.create_request(_request(rid))
     store.set_request_status("old-done", RequestStatus.RUNNING, "w0")
@@ -419,7 +419,7 @@ def test_prune_history_deletes_only_ended_requests_and_events_before_the_cut(
 
 
 def test_partial_sample_is_replaced_by_complete_one(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     partial = replace(_sample(0, 0, tokens=(7,)), partial=True, finish_reason=FinishReason.ABORTED)
     assert store.add_sample(partial) is True
@@ -440,7 +440,7 @@ def test_an_ended_request_keeps_the_samples_it_streamed(store: Store) -> None:
     """A late complete sample (from a worker already given up on) does not replace the partial
     one stored and streamed in its place once the request ended; a sample not stored yet is
     still recorded (a cancel closes the request in the store before its samples are)."""
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     lost = replace(_sample(0, 0, tokens=()), partial=True, finish_reason=FinishReason.FAILED)
     assert store.add_sample(replace(lost, logprobs=())) is True
@@ -462,7 +462,7 @@ def test_an_ended_request_keeps_the_samples_it_streamed(store: Store) -> None:
 def test_add_sample_validates(store: Store) -> None:
     with pytest.raises(NotFound, match="^request_id: "):
         store.add_sample(_sample(0, 0))
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     with pytest.raises(InvalidArgument, match="^prompt_index: "):
         store.add_sample(_sample(2, 0))
@@ -476,11 +476,11 @@ def test_add_sample_validates(store: Store) -> None:
 
 
 def test_request_records_the_policy_version_it_was_accepted_on(store: Store) -> None:
-    store.create_job(JOB)
-    store.add_policy_version(JOB.job_id, "checkpoint", "/ckpt/1")
+    store.jobs.create(JOB)
+    store.policies.add(JOB.job_id, "checkpoint", "/ckpt/1")
     req, _ = store.create_request(_request())
     assert req.policy_version == 1
-    store.add_policy_version(JOB.job_id, "checkpoint", "/ckpt/2")
+    store.policies.add(JOB.job_id, "checkpoint", "/ckpt/2")
     again, created = store.create_request(_request())  # a retry after the update
     assert not created and again.policy_version == 1
     assert store.get_request("req-1").policy_version == 1
@@ -497,7 +497,7 @@ def test_cancel_job_racing_create_request_leaves_no_open_request(
     from tltd.services import build_services
     from tltd.store import convert
 
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     reached, go = threading.Event(), threading.Event()
     to_columns = convert.request_columns
 
@@ -517,7 +517,7 @@ def test_cancel_job_racing_create_request_leaves_no_open_request(
     go.set()
     creator.join(10)
     canceller.join(10)
-    assert store.get_job(JOB.job_id).status is JobStatus.CANCELLED
+    assert store.jobs.get(JOB.job_id).status is JobStatus.CANCELLED
     assert store.get_request("req-1").status is RequestStatus.CANCELLED
 
 
@@ -537,7 +537,7 @@ def _drafter(version: int = 99) -> DrafterVersion:
 
 
 def test_drafter_numbering_and_active(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     assert store.active_drafter_version(JOB.job_id) == 0
     d1 = store.add_drafter_version(_drafter())
     d2 = store.add_drafter_version(_drafter())
@@ -553,23 +553,23 @@ def test_drafter_numbering_and_active(store: Store) -> None:
     assert store.active_drafter_version(JOB.job_id) == 1
     store.set_drafter_status(JOB.job_id, 2, DrafterStatus.PROMOTED, "acceptance 4.0")
     assert store.active_drafter_version(JOB.job_id) == 2
-    assert store.get_job(JOB.job_id).drafter_version == 2
-    assert [j.drafter_version for j in store.list_jobs()] == [2]
+    assert store.jobs.get(JOB.job_id).drafter_version == 2
+    assert [j.drafter_version for j in store.jobs.list()] == [2]
     assert [d.active for d in store.list_drafters(JOB.job_id)] == [False, True]
     assert store.get_drafter(JOB.job_id, 2).active
     # Versions are numbered per job.
-    store.create_job(replace(JOB, job_id="job-2"))
+    store.jobs.create(replace(JOB, job_id="job-2"))
     assert store.add_drafter_version(replace(_drafter(), job_id="job-2")).version == 1
 
 
 def test_pin_unpin_and_retire(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     for _ in range(3):
         store.add_drafter_version(_drafter())
     store.set_drafter_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "")
     store.set_drafter_status(JOB.job_id, 2, DrafterStatus.PROMOTED, "")
     assert store.pin_drafter(JOB.job_id, 1) == 1  # roll back to an older version
-    assert store.get_job(JOB.job_id).drafter_version == 1
+    assert store.jobs.get(JOB.job_id).drafter_version == 1
     assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [True, False, False]
     with pytest.raises(FailedPrecondition, match="^version: drafter version 3 .* candidate"):
         store.pin_drafter(JOB.job_id, 3)  # not judged yet
@@ -596,7 +596,7 @@ def test_pin_unpin_and_retire(store: Store) -> None:
 def test_candidates_left_by_a_crash_are_rejected(store: Store) -> None:
     """A kill -9 between recording a drafter version and judging it leaves a candidate: the
     start-up sweep rejects it (GC can then collect it); judged versions are left alone."""
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     for _ in range(2):
         store.add_drafter_version(_drafter())
     store.set_drafter_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "better")
@@ -737,7 +737,7 @@ def test_worker_lifecycle(store: Store) -> None:
 
 
 def test_list_events_filters_and_limit(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     for i in range(3):
         store.create_request(_request(f"r{i}"))
     events = store.list_events()
@@ -752,9 +752,9 @@ def test_stats(store: Store) -> None:
     empty = store.stats()
     assert empty["samples_total"] == 0 and empty["mean_accepted_length"] == 0.0
     assert empty["requests_by_status"] == {s.value: 0 for s in RequestStatus}
-    store.create_job(JOB)
-    store.create_job(replace(JOB, job_id="gone"))
-    store.set_job_status("gone", JobStatus.FAILED, "oom")
+    store.jobs.create(JOB)
+    store.jobs.create(replace(JOB, job_id="gone"))
+    store.jobs.set_status("gone", JobStatus.FAILED, "oom")
     store.create_request(_request())
     store.create_request(_request("req-2"))
     store.set_request_status("req-2", RequestStatus.RUNNING, "")
@@ -772,13 +772,13 @@ def test_stats(store: Store) -> None:
 
 
 def test_state_survives_reopen(store: Store) -> None:
-    store.create_job(JOB)
+    store.jobs.create(JOB)
     store.create_request(_request())
     store.close()
     reopened = Store(store.url)
     try:
         assert reopened.get_request("req-1").sampling == SAMPLING
-        assert reopened.get_job(JOB.job_id).created_at.tzinfo == UTC
+        assert reopened.jobs.get(JOB.job_id).created_at.tzinfo == UTC
     finally:
         reopened.close()
 
@@ -789,8 +789,8 @@ def test_uint64_seeds_and_uint32_job_numbers_round_trip(store):
     batch thresholds beyond a signed INTEGER."""
     big = 2**32 - 1
     job = replace(JOB, priority=big, speculative=SpeculativeConfig(batch_threshold=big))
-    store.create_job(job)
-    got = store.get_job(JOB.job_id)
+    store.jobs.create(job)
+    got = store.jobs.get(JOB.job_id)
     assert got.priority == big and got.speculative.batch_threshold == big
     for i, seed in enumerate((0, 2**63 - 1, 2**63, 2**64 - 1)):
         req = replace(_request(f"req-{i}"), sampling=replace(SAMPLING, seed=seed))
@@ -804,8 +804,8 @@ def test_uint64_seeds_and_uint32_job_numbers_round_trip(store):
 
 
 def test_prompt_history_finds_a_prompts_whole_answers_across_requests(store: Store) -> None:
-    store.create_job(JOB)
-    store.create_job(replace(JOB, job_id="job-2"))
+    store.jobs.create(JOB)
+    store.jobs.create(replace(JOB, job_id="job-2"))
     store.create_request(_request("req-1"))  # prompts (1, 2, 3) and (4, 5)
     store.create_request(replace(_request("req-2"), prompts=((4, 5), (1, 2, 3))))
     store.create_request(replace(_request("req-3"), job_id="job-2"))  # another job

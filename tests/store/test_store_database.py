@@ -63,14 +63,14 @@ def test_datetimes_are_aware_utc(store: Store) -> None:
 
     plus2 = timezone(timedelta(hours=2))
     at = datetime(2026, 1, 1, 12, 0, tzinfo=plus2)
-    job, _ = store.create_job(Job(job_id="j", model_path="/m"))
-    with Session(store.engine) as s, s.begin():
+    job, _ = store.jobs.create(Job(job_id="j", model_path="/m"))
+    with Session(store.db.engine) as s, s.begin():
         s.get(JobRow, "j").updated_at = at
-    with Session(store.engine) as s:
+    with Session(store.db.engine) as s:
         got = s.get(JobRow, "j").updated_at
     assert got == at and got.tzinfo == UTC and got.hour == 10
     with pytest.raises(StatementError, match="naive datetime"):
-        with Session(store.engine) as s, s.begin():
+        with Session(store.db.engine) as s, s.begin():
             s.get(JobRow, "j").updated_at = datetime(2026, 1, 1)
     assert abs(utcnow() - job.created_at) < timedelta(minutes=1)
 
@@ -81,7 +81,7 @@ def test_concurrent_writers_on_sqlite_do_not_fail(sqlite_url: str) -> None:
     upgrade(sqlite_url)
     a, b = Store(sqlite_url), Store(sqlite_url)
     try:
-        a.create_job(Job(job_id="j", model_path="/m"))
+        a.jobs.create(Job(job_id="j", model_path="/m"))
         a.create_request(
             RolloutRequest(
                 request_id="r", job_id="j", prompts=((1,),) * 40, sampling=SamplingParams(n=2)
@@ -147,7 +147,7 @@ def test_writers_of_one_store_take_turns_and_give_them_up(sqlite_url: str) -> No
     upgrade(sqlite_url)
     store = Store(sqlite_url)
     try:
-        store.create_job(Job(job_id="j", model_path="/m"))
+        store.jobs.create(Job(job_id="j", model_path="/m"))
         errors: list[BaseException] = []
 
         def write(i: int) -> None:
@@ -169,7 +169,7 @@ def test_writers_of_one_store_take_turns_and_give_them_up(sqlite_url: str) -> No
         with pytest.raises(AlreadyExists):  # a refused write ...
             store.create_request(RolloutRequest("r-0-0", "j", ((2,),), SamplingParams()))
         done = threading.Event()
-        threading.Thread(target=lambda: (store.create_job(Job("k", "/m")), done.set())).start()
+        threading.Thread(target=lambda: (store.jobs.create(Job("k", "/m")), done.set())).start()
         assert done.wait(5)  # ... left the turn free for the next one
     finally:
         store.close()

@@ -318,7 +318,7 @@ def test_packed_payloads_read_old_json_rows_and_downgrade_to_json(db_url: str) -
     try:
         (old,) = store.list_samples("r")
         assert (old.token_ids, old.logprobs) == ((5,), (-0.5,))
-        store.create_job(JOB)
+        store.jobs.create(JOB)
         store.create_request(_request())
         new = _sample(0, 0, tokens=(70000, 1, 2**31 - 1))
         new = type(new)(**{**new.__dict__, "logprobs": (-0.1, -1e-300, -123.456789)})
@@ -326,7 +326,7 @@ def test_packed_payloads_read_old_json_rows_and_downgrade_to_json(db_url: str) -
         got = store.list_samples("req-1")
         assert (got[0].token_ids, got[0].logprobs) == (new.token_ids, new.logprobs)
         assert got[1].token_ids == (2**31,)  # beyond int32: kept as JSON
-        with store.engine.connect() as conn:
+        with store.db.engine.connect() as conn:
             packed = conn.execute(
                 text("SELECT count(*) FROM samples WHERE token_ids_bin IS NOT NULL")
             ).scalar()

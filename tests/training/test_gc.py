@@ -19,7 +19,7 @@ def _version(store, job_id: str, path, status: DrafterStatus) -> int:
 
 def test_gc_keeps_newest_pinned_and_active(sqlite_store, tmp_path):
     store, root = sqlite_store, tmp_path / "drafters"
-    store.create_job(Job("job", str(tmp_path / "policy")))
+    store.jobs.create(Job("job", str(tmp_path / "policy")))
     P, R = DrafterStatus.PROMOTED, DrafterStatus.REJECTED
     statuses = [P, R, P, R, R, P, R]  # v1..v7; v6 is the newest promoted = active
     for i, st in enumerate(statuses, 1):
@@ -74,7 +74,7 @@ def test_gc_is_a_declared_periodic_job(sqlite_store, tmp_path):
 
 def _old_versions(store, tmp_path, root):
     """A job with v1..v4 promoted (v4 active); with keep=1, v1..v3 are candidates."""
-    store.create_job(Job("job", str(tmp_path / "policy")))
+    store.jobs.create(Job("job", str(tmp_path / "policy")))
     for i in range(1, 5):
         _version(store, "job", root / "job" / f"v{i}", DrafterStatus.PROMOTED)
 
@@ -126,7 +126,7 @@ def test_a_candidate_left_by_a_crash_is_rejected_at_start_then_collected(sqlite_
     from tests.rollout.support import InProcessDaemon
 
     store, root = sqlite_store, tmp_path / "drafters"
-    store.create_job(Job("job", str(tmp_path / "policy")))
+    store.jobs.create(Job("job", str(tmp_path / "policy")))
     _version(store, "job", root / "job" / "v1", DrafterStatus.PROMOTED)
     (root / "job" / "v2").mkdir()
     store.add_drafter_version(

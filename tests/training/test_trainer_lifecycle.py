@@ -24,7 +24,7 @@ from tltd.periodic import build_scheduler, reap_trainers
 
 
 def _setup(store, policy_path) -> None:
-    store.create_job(Job("job", str(policy_path)))
+    store.jobs.create(Job("job", str(policy_path)))
     store.upsert_devices(cpu_devices(1))
 
 
@@ -39,7 +39,7 @@ async def _round_one_then(training: DrafterTraining, store, next_policy) -> tupl
     await training.start("cpu:0", "job")
     run = training._runs["job"]
     await until(lambda: run.phase is TrainerPhase.IDLE, "round 1 over")
-    store.add_policy_version("job", "checkpoint", str(next_policy))
+    store.policies.add("job", "checkpoint", str(next_policy))
     return run, run.worker.proc.pid
 
 
@@ -311,7 +311,9 @@ def test_a_warm_started_trainer_waits_loaded_and_its_first_round_trains_at_once(
     training. A job without online training gets none."""
     store = sqlite_store
     _setup(store, ckpt)
-    store.create_job(Job("frozen", str(ckpt), speculative=SpeculativeConfig(online_training=False)))
+    store.jobs.create(
+        Job("frozen", str(ckpt), speculative=SpeculativeConfig(online_training=False))
+    )
     training = DrafterTraining(store, training_settings(tmp_path, training_warm_start=True))
 
     async def main() -> None:

@@ -14,7 +14,7 @@ from tltd.drafter_training.process import TrainerProcess
 
 def test_trainer_pid_is_recorded_before_its_model_is_loaded(sqlite_store, tmp_path, monkeypatch):
     store = sqlite_store
-    store.create_job(Job("job", str(tmp_path / "policy")))
+    store.jobs.create(Job("job", str(tmp_path / "policy")))
     store.upsert_devices(cpu_devices(1))
     seen = {}
 

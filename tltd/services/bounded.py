@@ -73,7 +73,7 @@ async def wait_for_staleness(store: Store, req: RolloutRequest, poll_seconds: fl
     """Hold a new bounded request until its job's staleness bound admits it (a new policy
     version raises the bound); a job without a bound admits it at once."""
     while True:
-        job = await asyncio.to_thread(store.get_job, req.job_id)
+        job = await asyncio.to_thread(store.jobs.get, req.job_id)
         if job.max_staleness is None or job.status is not JobStatus.ACTIVE:
             return  # (admission refuses a job that is not active)
         so_far = await asyncio.to_thread(store.bounded_prompts, req.job_id)

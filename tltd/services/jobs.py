@@ -99,7 +99,7 @@ class JobService:
             max_staleness=new.max_staleness,
         )
         if source is None:
-            return self.store.create_job(job)
+            return self.store.jobs.create(job)
         return self._create_with_drafter(job, source)
 
     def _check_simulated(self, spec: SpeculativeConfig) -> None:
@@ -151,7 +151,7 @@ class JobService:
             shared=bool(self.settings.shared_dir),
         )
         try:
-            created, is_new = self.store.create_job(job, initial)
+            created, is_new = self.store.jobs.create(job, initial)
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise
@@ -183,12 +183,12 @@ class JobService:
     def get(self, job_id: str) -> Job:
         """The job, with how its bounded requests went (if it has any)."""
         check_id(job_id, "job_id")
-        job = self.store.get_job(job_id)
+        job = self.store.jobs.get(job_id)
         stats = self.store.bounded_stats(job_id)
         return job if stats is None else replace(job, bounded=stats)
 
     def list(self, statuses: list[JobStatus] | None = None, limit: int = 0) -> list[Job]:
-        return self.store.list_jobs(statuses=statuses or None, limit=limit or 100)
+        return self.store.jobs.list(statuses=statuses or None, limit=limit or 100)
 
     def cancel(self, job_id: str, reason: str = "") -> Job:
         """Cancel a job and its unfinished requests.
@@ -199,7 +199,7 @@ class JobService:
         check_id(job_id, "job_id")
         check_text(reason, "reason", MAX_REASON)
         # A no-op returning the job when it is already cancelled (FailedPrecondition if failed).
-        job = self.store.set_job_status(
+        job = self.store.jobs.set_status(
             job_id, JobStatus.CANCELLED, reason or "cancelled by caller"
         )
         why = f"job cancelled: {job.status_reason}"

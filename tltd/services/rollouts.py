@@ -118,7 +118,7 @@ class RolloutService:
         read = self.supervisor.state.reusable() if self.supervisor is not None else None
         if read is not None and job_id in read[1]:
             return read[1][job_id], read[0]
-        return self.store.job_and_devices(job_id)  # NotFound names job_id
+        return self.store.jobs.job_and_devices(job_id)  # NotFound names job_id
 
     async def generate(
         self,

@@ -77,7 +77,7 @@ class SessionService:
         check_id(job_id, "job_id")
         session_id = session_id or f"ses-{uuid.uuid4().hex}"
         check_session_id(session_id)
-        job = self.store.get_job(job_id)
+        job = self.store.jobs.get(job_id)
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
         field = "prompt_token_ids"
@@ -128,7 +128,7 @@ class SessionService:
             raise InvalidArgument(f"a turn samples once: must be 0 or 1, got {sampling.n}",
                                   field="sampling.n")  # fmt: skip
         _check_not_returned(sampling)
-        job = self.store.get_job(session.job_id)
+        job = self.store.jobs.get(session.job_id)
         limits = model_limits(job.model_path)
         if inputs:
             check_tokens(inputs, "input_token_ids", limits.vocab_size)

@@ -129,7 +129,7 @@ class NodeRegistry:
             yield True
             return
         key = _lock_key(name)
-        with self.engine.connect() as conn:  # type: ignore[attr-defined]
+        with self.db.engine.connect() as conn:  # type: ignore[attr-defined]
             held = bool(conn.scalar(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}))
             conn.commit()
             try:

@@ -345,7 +345,7 @@ class LiveRequests:
         jobs: dict[str, tuple[JobStatus, str]] = {}
         for req in open_reqs:
             if req.job_id not in jobs:
-                job = await asyncio.to_thread(self.store.get_job, req.job_id)
+                job = await asyncio.to_thread(self.store.jobs.get, req.job_id)
                 jobs[req.job_id] = (job.status, job.status_reason)
             closing = self._closing(req, *jobs[req.job_id], lambda j, v: None)
             if closing is None:

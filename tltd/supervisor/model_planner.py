@@ -231,7 +231,7 @@ class ModelPlanner:
     async def _policy_path(self, job_id: str, version: int) -> str:
         key = (job_id, version)
         if key not in self._paths:
-            pv = await asyncio.to_thread(self.store.get_policy_version, job_id, version)
+            pv = await asyncio.to_thread(self.store.policies.get, job_id, version)
             self._paths[key] = pv.path
         return self._paths[key]
 

@@ -314,7 +314,7 @@ class Supervisor:
         if self._closed:
             return
         if channel == notifications.STATE:  # the next tick reads jobs and devices again
-            self.store.scheduling_writes.changed_elsewhere(request_id)
+            self.store.db.scheduling_writes.changed_elsewhere(request_id)
             return
         if channel == notifications.SAMPLE and (own or self.runs_every_unit(request_id)):
             return  # stored by this node: its streams had it as an event

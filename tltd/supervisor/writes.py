@@ -154,7 +154,8 @@ class OrderedWrites:
 
 
 def _name(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__name__", repr(fn))
+    # A repository's method by its class too ("JobRecords.create"): its name alone says little.
+    return getattr(fn, "__qualname__", repr(fn))
 
 
 def _closed_message(fn: Callable[..., Any]) -> str:
