@@ -467,13 +467,13 @@ def store_stream_micro(
         request_prompts = ((1, 2, 3),) if prompts == 1 else (tuple(range(4, 204)),) * prompts
         for r in range(max(1, samples // n)):
             rid = f"micro-{r}"
-            store.create_request(RolloutRequest(
+            store.requests.create(RolloutRequest(
                 rid, JOB, request_prompts, SamplingParams(n=n, max_new_tokens=tokens)))  # fmt: skip
             batch = [_replace_sample(template, request_id=rid, sample_index=s) for s in range(n)]
             c0 = time.process_time()
             add_samples(store, batch)
             c1 = time.process_time()
-            _, _, got, _ = store.stream_state(rid, 0)
+            _, _, got, _ = store.leases.stream_state(rid, 0)
             wire = [m.SerializeToString() for m in generate_batch_responses(got)]
             c2 = time.process_time()
             assert len(got) == n and wire

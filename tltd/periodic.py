@@ -90,7 +90,7 @@ def roll_up_metrics(store: Store, metrics: Metrics = METRICS) -> None:
     had_gauges = metrics.job_ids()
     for device in store.list_devices():
         metrics.set_device_state(device.device_id, device.state.value)
-    unfinished = store.list_requests(list(OPEN_STATUSES), limit=100_000)
+    unfinished = store.requests.list(list(OPEN_STATUSES), limit=100_000)
     depth: dict[str, int] = {}
     for req in unfinished:
         depth[req.job_id] = depth.get(req.job_id, 0) + req.samples_total - req.samples_done

@@ -339,8 +339,8 @@ def test_get_and_cancel_stored_request(client, daemon, model_dir):
         prompts=((1, 2), (3,)),
         sampling=SamplingParams(n=2, temperature=0.5, max_new_tokens=4, seed=7),
     )
-    daemon.store.create_request(req)
-    daemon.store.add_sample(
+    daemon.store.requests.create(req)
+    daemon.store.samples.add(
         Sample(
             request_id="req-1",
             prompt_index=0,
@@ -374,13 +374,13 @@ def test_get_and_cancel_stored_request(client, daemon, model_dir):
 
 def test_cancel_job_cancels_its_open_requests(client, daemon, model_dir):
     client.create_job(str(model_dir), job_id="job")
-    daemon.store.create_request(
+    daemon.store.requests.create(
         RolloutRequest(
             request_id="r", job_id="job", prompts=((1,),), sampling=SamplingParams(max_new_tokens=2)
         )
     )
     client.cancel_job("job")
-    assert daemon.store.get_request("r").status is RequestStatus.CANCELLED
+    assert daemon.store.requests.get("r").status is RequestStatus.CANCELLED
 
 
 def test_cancel_job_skips_a_request_that_ends_meanwhile(client, daemon, model_dir, monkeypatch):
@@ -390,24 +390,24 @@ def test_cancel_job_skips_a_request_that_ends_meanwhile(client, daemon, model_di
     client.create_job(str(model_dir), job_id="job")
     req = RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2))
     for rid in ("r1", "r2", "r3"):
-        store.create_request(replace(req, request_id=rid))
-    store.set_request_status("r1", RequestStatus.RUNNING, "running")
-    listed = store.list_requests
+        store.requests.create(replace(req, request_id=rid))
+    store.requests.set_status("r1", RequestStatus.RUNNING, "running")
+    listed = store.requests.list
 
     def list_then_complete_r1(*args, **kwargs):
         out = listed(*args, **kwargs)
-        store.set_request_status("r1", RequestStatus.COMPLETED, "all samples finished")
+        store.requests.set_status("r1", RequestStatus.COMPLETED, "all samples finished")
         return out
 
-    monkeypatch.setattr(store, "list_requests", list_then_complete_r1)
+    monkeypatch.setattr(store.requests, "list", list_then_complete_r1)
     assert client.cancel_job("job", "stop").status == job_pb2.JOB_STATUS_CANCELLED
-    status = {rid: store.get_request(rid).status for rid in ("r1", "r2", "r3")}
+    status = {rid: store.requests.get(rid).status for rid in ("r1", "r2", "r3")}
     assert status == {
         "r1": RequestStatus.COMPLETED,
         "r2": RequestStatus.CANCELLED,
         "r3": RequestStatus.CANCELLED,
     }
-    assert store.get_request("r2").status_reason == "job cancelled: stop"
+    assert store.requests.get("r2").status_reason == "job cancelled: stop"
 
 
 def test_cancel_job_again_cancels_requests_left_open(client, daemon, model_dir):
@@ -415,12 +415,12 @@ def test_cancel_job_again_cancels_requests_left_open(client, daemon, model_dir):
     # open: a retried CancelJob cancels them (with the reason the job was cancelled for).
     store = daemon.store
     client.create_job(str(model_dir), job_id="job")
-    store.create_request(RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2)))
+    store.requests.create(RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2)))
     store.jobs.set_status("job", JobStatus.CANCELLED, "first")
-    assert store.get_request("r").status is RequestStatus.QUEUED
+    assert store.requests.get("r").status is RequestStatus.QUEUED
     job = client.cancel_job("job", "second")
     assert job.status == job_pb2.JOB_STATUS_CANCELLED and job.status_reason == "first"
-    got = store.get_request("r")
+    got = store.requests.get("r")
     assert (got.status, got.status_reason) == (RequestStatus.CANCELLED, "job cancelled: first")
 
 
@@ -434,13 +434,13 @@ def test_cancel_job_cancels_more_than_a_thousand_open_requests(sqlite_store, tmp
             client.create_job(str(model_dir), job_id="job")
             req = RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2))
             for i in range(1001):
-                store.create_request(replace(req, request_id=f"r{i:04d}"))
+                store.requests.create(replace(req, request_id=f"r{i:04d}"))
             client.cancel_job("job")
     finally:
         d.stop()
     open_statuses = [RequestStatus.QUEUED, RequestStatus.RUNNING]
-    assert store.list_requests(open_statuses, "job", limit=None) == []
-    assert store.get_request("r1000").status is RequestStatus.CANCELLED
+    assert store.requests.list(open_statuses, "job", limit=None) == []
+    assert store.requests.get("r1000").status is RequestStatus.CANCELLED
 
 
 # ---- policy ----------------------------------------------------------------------------------
@@ -618,7 +618,7 @@ def test_text_with_nul_or_too_long_is_refused_by_name(client, daemon, model_dir,
     with fails(C.INVALID_ARGUMENT, "model_path", "NUL"):
         client.create_job(str(model_dir) + "\x00")
     client.create_job(str(model_dir), job_id="job", name="y" * 256)
-    daemon.store.create_request(
+    daemon.store.requests.create(
         RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2))
     )
     for reason in (nul, long_reason):
@@ -637,7 +637,7 @@ def test_text_with_nul_or_too_long_is_refused_by_name(client, daemon, model_dir,
     )
     with fails(C.INVALID_ARGUMENT, "output_dir", "NUL"):
         client.export_drafter("job", 1, str(tmp_path / "out") + "\x00")
-    assert daemon.store.get_request("r").status is RequestStatus.QUEUED
+    assert daemon.store.requests.get("r").status is RequestStatus.QUEUED
     assert client.get_job("job").status == job_pb2.JOB_STATUS_ACTIVE
     assert client.get_policy("job").version == 0
     assert not client.list_devices()[0].cordoned
@@ -695,7 +695,7 @@ def test_drain_node_refuses_new_rollouts(client, model_dir):
 
 def test_stats(client, daemon, model_dir):
     client.create_job(str(model_dir), job_id="job")
-    daemon.store.create_request(
+    daemon.store.requests.create(
         RolloutRequest(
             request_id="r", job_id="job", prompts=((1,),), sampling=SamplingParams(max_new_tokens=2)
         )

@@ -239,7 +239,7 @@ def test_raw_logprobs_and_provenance_need_the_torch_backend(client, sqlite_store
         client.generate([[1]], job_id="sg", max_new_tokens=2, logprob_mode="raw")
     with pytest.raises(FailedPreconditionError, match="sampling.return_provenance"):
         client.generate([[1]], job_id="sg", max_new_tokens=2, return_provenance=True)
-    assert sqlite_store.list_requests(job_id="sg") == []
+    assert sqlite_store.requests.list(job_id="sg") == []
 
 
 def test_sampling_keywords_override_the_params_object():

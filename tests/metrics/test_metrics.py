@@ -189,7 +189,7 @@ def test_roll_up_mirrors_the_store(sqlite_url, tmp_path):
         model = str(write_model_dir(tmp_path / "model"))
         store.jobs.create(Job(job_id="rj", model_path=model))
         store.policies.add("rj", "checkpoint", model)
-        store.create_request(
+        store.requests.create(
             RolloutRequest("r1", "rj", ((1, 2), (3,)), SamplingParams(n=4, max_new_tokens=8))
         )
         store.set_device_state("cpu:1", DeviceState.ROLLOUT, "test")

@@ -119,17 +119,17 @@ def test_the_cursor_reads_samples_from_every_node(pg_store: Store) -> None:
     pg_store.jobs.create(JOB)
     for i in range(2):
         prompts = ((1, 2, 3 + i), (4, 5, 6 + i))
-        pg_store.create_request(RolloutRequest(f"r{i}", JOB.job_id, prompts, SAMPLING))
+        pg_store.requests.create(RolloutRequest(f"r{i}", JOB.job_id, prompts, SAMPLING))
     a, b, c = _node(pg_store, "a"), _node(pg_store, "b"), _node(pg_store, "c")
     try:
         # a runs the units of r0, b those of r1 (each node's own samples).
-        claims = {n.node_id: n.claim_units(capacity=4, lease_seconds=LONG) for n in (a, b)}
+        claims = {n.node_id: n.leases.claim_units(capacity=4, lease_seconds=LONG) for n in (a, b)}
         written = {}
         for n in (a, b):
             for cl in claims[n.node_id]:
                 for s in range(SAMPLING.n):
                     tokens = (100 + cl.prompt_index, 200 + s, ord(n.node_id))
-                    n.add_sample(
+                    n.samples.add(
                         Sample(cl.request_id, cl.prompt_index, s, tokens, (-0.1,) * 3,
                                FinishReason.STOP)
                     )  # fmt: skip
@@ -154,10 +154,10 @@ def test_the_cursor_reads_samples_from_every_node(pg_store: Store) -> None:
         assert c.drafter_backlog([JOB.job_id]) == {}
         assert c.finished_samples(JOB.job_id, read[-1].sample_id, 1000) == []
         # A new sample on a, a partial one on b (not trained on): only a's is read next.
-        pg_store.create_request(RolloutRequest("r2", JOB.job_id, ((9, 9, 9),), SAMPLING))
-        [unit] = a.claim_units(capacity=4, lease_seconds=LONG)
-        a.add_sample(Sample("r2", 0, 0, (7, 7, 7), (-0.1,) * 3, FinishReason.LENGTH))
-        a.add_sample(Sample("r2", 0, 1, (8,), (-0.1,), FinishReason.CANCELLED, partial=True))
+        pg_store.requests.create(RolloutRequest("r2", JOB.job_id, ((9, 9, 9),), SAMPLING))
+        [unit] = a.leases.claim_units(capacity=4, lease_seconds=LONG)
+        a.samples.add(Sample("r2", 0, 0, (7, 7, 7), (-0.1,) * 3, FinishReason.LENGTH))
+        a.samples.add(Sample("r2", 0, 1, (8,), (-0.1,), FinishReason.CANCELLED, partial=True))
         assert c.drafter_backlog([JOB.job_id]) == {JOB.job_id: 1}
         [new] = c.finished_samples(JOB.job_id, read[-1].sample_id, 1000)
         assert new.token_ids == (7, 7, 7) and new.prompt == (9, 9, 9)

@@ -5,7 +5,7 @@ claimed again, and the request completes with every sample once.
 Two ways a PostgreSQL restart leaves such a unit (both seen in `test_fault_postgres_restart`):
 the claim statement commits but its answer is lost with the connection, or the claim lands
 and reading its request right after fails. A third: a request admitted on a node alone leases
-its units to that node in its own transaction (`Store.admit_request`), and that commit's
+its units to that node in its own transaction (`store.requests.admit`), and that commit's
 answer is lost; the caller's retry attaches to it. The fault is injected at the store call (a real
 driver error, as the restart raises it); everything else is real: the daemon in-process with
 real worker processes, SQLite and PostgreSQL.

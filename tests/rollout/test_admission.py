@@ -51,7 +51,7 @@ def _held(monkeypatch, store, name: str) -> tuple[threading.Event, threading.Eve
 
 def _status(store, request_id: str) -> RequestStatus | None:
     try:
-        return store.get_request(request_id).status
+        return store.requests.get(request_id).status
     except NotFound:
         return None
 
@@ -67,7 +67,7 @@ def test_caller_gone_during_admission_still_runs_the_request(sqlite_daemon, ckpt
                             request_id="gone", timeout=0.3))  # fmt: skip
     # Stored after the caller left, and still handed to the workers: it completes.
     wait_until(lambda: _status(d.store, "gone") is RequestStatus.COMPLETED, what="completed")
-    assert len(d.store.list_samples("gone")) == len(PROMPTS) * 2
+    assert len(d.store.samples.list("gone")) == len(PROMPTS) * 2
 
 
 def test_node_drain_during_admission_fails_the_request_at_once(sqlite_daemon, ckpt, monkeypatch):
@@ -86,7 +86,7 @@ def test_node_drain_during_admission_fails_the_request_at_once(sqlite_daemon, ck
         got = stream.result(10)
     assert isinstance(stream.error, UnavailableError) and "drained" in str(stream.error)
     assert len(got) == 2 and all(s.partial and not s.token_ids for s in got)
-    req = d.store.get_request("late")
+    req = d.store.requests.get("late")
     assert req.status is RequestStatus.FAILED and "node drained" in req.status_reason
 
 
@@ -97,7 +97,7 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
         d.wait_workers_ready(2)
         # The request is stored (committed), and made live only after this returns: held
         # until the cancel has been answered, so the cancel finds nothing live to stop.
-        real = d.store.admit_request
+        real = d.store.requests.admit
         cancelled = threading.Event()
 
         def stored_then_held(req, *args):
@@ -105,7 +105,7 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
             cancelled.wait(30)
             return got
 
-        monkeypatch.setattr(d.store, "admit_request", stored_then_held)
+        monkeypatch.setattr(d.store.requests, "admit", stored_then_held)
         stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=300),
                         request_id="x")  # fmt: skip
         wait_until(lambda: _status(d.store, "x") is not None, what="stored")
@@ -118,7 +118,7 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
     assert stream.error is None
     assert len(got) == 2 and all(s.finish_reason == CANCELLED for s in got)
     assert all(len(s.token_ids) < 300 for s in got)
-    assert d.store.get_request("x").status is RequestStatus.CANCELLED
+    assert d.store.requests.get("x").status is RequestStatus.CANCELLED
     assert sup.queue.get("x") is None
 
 
@@ -141,9 +141,9 @@ def test_request_on_a_version_that_failed_to_load_fails_at_once(sqlite_daemon, c
             list(c.generate("job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=4),
                             request_id="after", timeout=20))  # fmt: skip
         assert time.monotonic() - t0 < 5
-    req = d.store.get_request("after")
+    req = d.store.requests.get("after")
     assert req.status is RequestStatus.FAILED and "policy version 1" in req.status_reason
-    samples = d.store.list_samples("after")
+    samples = d.store.samples.list("after")
     assert len(samples) == 2 and {s.finish_reason for s in samples} == {FinishReason.FAILED}
 
 
@@ -328,7 +328,7 @@ def test_devices_held_by_foreign_processes_refuse_generate_as_retryable(sqlite_d
         after = list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4)))
     expected = direct_outputs(ckpt, PROMPTS[:2], SamplingParams(**greedy))
     assert _by_key(got_first) == _by_key(got_retry) == expected
-    assert d.store.get_request("long").status is RequestStatus.COMPLETED
+    assert d.store.requests.get("long").status is RequestStatus.COMPLETED
     assert len(after) == 1 and not after[0].partial
 
 
@@ -374,7 +374,7 @@ def test_gpus_held_by_foreign_processes_at_the_hardware_boundary(sqlite_store, t
             with pytest.raises(FailedPreconditionError, match=drained + ".*uncordon"):
                 list(c.generate("job", [[1, 2, 3]], sampling=params, timeout=10))
         assert not any(s.alive for s in d.supervisor.handles.values())  # none was ever started
-        assert d.store.list_requests(None, None, 100) == []  # nothing was queued for nobody
+        assert d.store.requests.list(None, None, 100) == []  # nothing was queued for nobody
     finally:
         d.kill()
 
@@ -389,7 +389,7 @@ def test_a_retry_after_a_policy_update_runs_on_the_version_recorded_at_acceptanc
     live before the retry does: either way it runs on v0)."""
     d, sup = sqlite_daemon, sqlite_daemon.supervisor
     params = sampling(n=2, temperature=0.0, max_new_tokens=12, seed=3)
-    real_create, gate, calls = d.store.admit_request, threading.Event(), []
+    real_create, gate, calls = d.store.requests.admit, threading.Event(), []
 
     def create_then_hold(req, *args):
         out = real_create(req, *args)
@@ -402,7 +402,7 @@ def test_a_retry_after_a_policy_update_runs_on_the_version_recorded_at_acceptanc
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        monkeypatch.setattr(d.store, "admit_request", create_then_hold)
+        monkeypatch.setattr(d.store.requests, "admit", create_then_hold)
         with pytest.raises(Exception, match="(?i)deadline"):
             list(c.generate("job", PROMPTS[:2], sampling=params, request_id="r", timeout=0.3))
         assert calls == ["stored v0"]
@@ -425,8 +425,8 @@ def test_a_retry_after_a_policy_update_runs_on_the_version_recorded_at_acceptanc
     assert {s.policy_version for s in got} == {0}
     same = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=3)
     assert _by_key(got) == _by_key(again) == direct_outputs(ckpt, PROMPTS[:2], same)
-    assert d.store.get_request("r").policy_version == 0
-    assert {s.policy_version for s in d.store.list_samples("r")} == {0}
+    assert d.store.requests.get("r").policy_version == 0
+    assert {s.policy_version for s in d.store.samples.list("r")} == {0}
     assert {s.policy_version for s in new} == {1}
     assert _by_key(new) == direct_outputs(ckpt2, PROMPTS[:2], same)
 

@@ -128,9 +128,9 @@ def test_sigterm_drains_within_the_grace_and_exits_0(sqlite_url, tmp_path, ckpt)
     assert any(0 < len(s.token_ids) < 1000 for s in partial)  # tokens so far
     store = Store(sqlite_url)
     try:
-        req = store.get_request("big")
+        req = store.requests.get("big")
         assert req.status is RequestStatus.FAILED and "drained" in req.status_reason
-        stored = store.list_samples("big")
+        stored = store.samples.list("big")
         assert len(stored) == total
         assert {s.finish_reason for s in stored if s.partial} == {FinishReason.ABORTED}
         assert all(w.state is WorkerState.STOPPED for w in store.list_workers())

@@ -52,7 +52,7 @@ def test_sigterm_with_a_hung_worker_ends_at_the_grace(sqlite_url, tmp_path, ckpt
     assert "drained" in str(stream.error)
     store = Store(sqlite_url)
     try:
-        assert store.get_request("big").status is RequestStatus.FAILED
+        assert store.requests.get("big").status is RequestStatus.FAILED
         assert all(w.state is WorkerState.STOPPED for w in store.list_workers())
     finally:
         store.close()
@@ -154,7 +154,7 @@ def test_a_request_that_cannot_be_closed_does_not_keep_the_drain_from_the_others
     finally:
         d.kill()
     assert "drained" in str(streams["b"].error)  # closed by the drain, not cut by the stop
-    assert sqlite_store.get_request("b").status is RequestStatus.FAILED
+    assert sqlite_store.requests.get("b").status is RequestStatus.FAILED
 
 
 def test_a_failing_drain_still_stops_the_workers(sqlite_store, tmp_path, ckpt, monkeypatch):

@@ -45,7 +45,7 @@ def test_a_priority_job_gets_a_worker_while_a_busy_job_still_waits(sqlite_store,
             list(c.generate(job, prompts, sampling=s, request_id=rid, timeout=120))
         done[rid] = time.monotonic() - t0
         if rid == "b":  # how far A had got when B finished
-            a_done_at_b.append(sqlite_store.get_request("a").samples_done)
+            a_done_at_b.append(sqlite_store.requests.get("a").samples_done)
 
     try:
         with d.client() as c:
@@ -259,8 +259,8 @@ def test_a_store_error_on_the_final_status_is_retried_before_the_stream_ends(
             # The unit's record is the write that ends the request (its last unit). A sample's
             # own transaction records it when it can (`store_samples`): not here, so that the
             # node's write is the one that fails.
-            sqlite_store.end_unit_if_complete = lambda *args: None
-            real, failures = sqlite_store.finish_unit, []
+            sqlite_store.leases.end_unit_if_complete = lambda *args: None
+            real, failures = sqlite_store.leases.finish_unit, []
 
             def flaky(request_id, *args, **kwargs):
                 if request_id == "r" and len(failures) < 2:
@@ -268,15 +268,15 @@ def test_a_store_error_on_the_final_status_is_retried_before_the_stream_ends(
                     raise OperationalError("UPDATE work_units", {}, Exception("locked"))
                 return real(request_id, *args, **kwargs)
 
-            sqlite_store.finish_unit = flaky
+            sqlite_store.leases.finish_unit = flaky
             s = sampling(n=2, max_new_tokens=8)
             out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r", timeout=30))
             assert len(out) == 2 and len(failures) == 2
-            assert sqlite_store.get_request("r").status is RequestStatus.COMPLETED
+            assert sqlite_store.requests.get("r").status is RequestStatus.COMPLETED
             assert d.supervisor.queue.get("r") is None
             out = list(c.generate("job", [[4, 5]], sampling=s, request_id="r2", timeout=30))
             assert len(out) == 2
-            assert sqlite_store.get_request("r2").status is RequestStatus.COMPLETED
+            assert sqlite_store.requests.get("r2").status is RequestStatus.COMPLETED
     finally:
         d.kill()
 
@@ -314,9 +314,9 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
             got = stream.result(60)
             died = "cannot load policy version 0 of job job: the worker process died while"
             assert len(got) == 2 and all(s.error.startswith(died) for s in got), got
-            req = sqlite_store.get_request("r1")
+            req = sqlite_store.requests.get("r1")
             assert req.status is RequestStatus.FAILED and "exit code 137" in req.status_reason
-            assert {s.finish_reason for s in sqlite_store.list_samples("r1")} == {
+            assert {s.finish_reason for s in sqlite_store.samples.list("r1")} == {
                 FinishReason.FAILED
             }
             assert ("job", 0) in sup.models.bad_versions

@@ -22,13 +22,13 @@ def test_stored_samples_new_work_and_ended_requests_are_notified(pg_store: Store
     try:
         assert listener.connected.wait(10)
         pg_store.jobs.create(JOB)
-        pg_store.create_request(RolloutRequest("r1", JOB.job_id, ((1, 2),), SAMPLING))
+        pg_store.requests.create(RolloutRequest("r1", JOB.job_id, ((1, 2),), SAMPLING))
         assert got.get(timeout=5) == (WORK, "r1")
-        pg_store.add_sample(Sample("r1", 0, 0, (7,), (-0.5,), FinishReason.STOP))
+        pg_store.samples.add(Sample("r1", 0, 0, (7,), (-0.5,), FinishReason.STOP))
         assert got.get(timeout=5) == (SAMPLE, "r1")
-        pg_store.set_request_status("r1", RequestStatus.CANCELLED, "stop")
+        pg_store.requests.set_status("r1", RequestStatus.CANCELLED, "stop")
         assert got.get(timeout=5) == (REQUEST, "r1")
-        pg_store.set_request_status("r1", RequestStatus.CANCELLED, "again")  # no change
+        pg_store.requests.set_status("r1", RequestStatus.CANCELLED, "again")  # no change
         with pytest.raises(queue.Empty):
             got.get(timeout=1.0)
     finally:
@@ -52,7 +52,7 @@ def test_writes_of_what_a_tick_reads_move_the_other_nodes_counts(pg_store: Store
         pg_store.jobs.create(JOB)  # a job created on this node
         assert got.get(timeout=5) == pg_store.db.scheduling_writes.origin
         assert other.db.scheduling_writes.generation == before + 1
-        pg_store.create_request(RolloutRequest("r1", JOB.job_id, ((1, 2),), SAMPLING))
+        pg_store.requests.create(RolloutRequest("r1", JOB.job_id, ((1, 2),), SAMPLING))
         with pytest.raises(queue.Empty):  # not what a tick reads: nothing sent
             got.get(timeout=1.0)
         other.jobs.create(replace(JOB, job_id="job-b"))  # its own write moves it once
@@ -79,13 +79,13 @@ def test_a_node_tells_its_own_notifications_from_another_node_s(pg_store: Store)
         assert listener.connected.wait(10)
         pg_store.jobs.create(JOB)
         for rid in ("mine", "theirs"):
-            pg_store.create_request(RolloutRequest(rid, JOB.job_id, ((1, 2),), SAMPLING))
-        pg_store.add_sample(Sample("mine", 0, 0, (7,), (-0.5,), FinishReason.STOP))
+            pg_store.requests.create(RolloutRequest(rid, JOB.job_id, ((1, 2),), SAMPLING))
+        pg_store.samples.add(Sample("mine", 0, 0, (7,), (-0.5,), FinishReason.STOP))
         assert got.get(timeout=5) == ("mine", True)
-        other.add_sample(Sample("theirs", 0, 0, (7,), (-0.5,), FinishReason.STOP))
+        other.samples.add(Sample("theirs", 0, 0, (7,), (-0.5,), FinishReason.STOP))
         assert got.get(timeout=5) == ("theirs", False)
         pg_store.db.engine.dispose()  # every pooled session closed: new ones, new pids
-        pg_store.add_sample(Sample("mine", 0, 1, (7,), (-0.5,), FinishReason.STOP))
+        pg_store.samples.add(Sample("mine", 0, 1, (7,), (-0.5,), FinishReason.STOP))
         assert got.get(timeout=5) == ("mine", True)
     finally:
         listener.stop()

@@ -112,13 +112,13 @@ def test_not_found_names_the_field(store: Store) -> None:
     with pytest.raises(NotFound, match=r"^job_id: job 'nope' not found$"):
         store.jobs.get("nope")
     with pytest.raises(NotFound, match=r"^request_id: rollout request 'nope' not found$"):
-        store.get_request("nope")
+        store.requests.get("nope")
     with pytest.raises(NotFound, match=r"^device_id: "):
         store.get_device("cuda:9")
     with pytest.raises(NotFound, match=r"^worker_id: "):
         store.set_worker_state("w-x", WorkerState.READY, "")
     with pytest.raises(NotFound, match=r"^job_id: "):
-        store.create_request(_request())
+        store.requests.create(_request())
     store.jobs.create(JOB)
     with pytest.raises(NotFound, match=r"^version: drafter version 3 of job 'job-1' not found"):
         store.get_drafter(JOB.job_id, 3)
@@ -150,7 +150,7 @@ def test_job_transitions(store: Store) -> None:
         ("active", "cancelled", "trainer finished"),
     ]
     with pytest.raises(FailedPrecondition, match="job_id: job 'job-1' is cancelled"):
-        store.create_request(_request())
+        store.requests.create(_request())
     with pytest.raises(FailedPrecondition):
         store.policies.add(JOB.job_id, "checkpoint", "/ckpt/1")
 
@@ -169,7 +169,7 @@ def test_concurrent_identical_creates_all_succeed(store: Store) -> None:
             else:
                 while True:  # the request needs the job; spin until a creator committed it
                     try:
-                        _, created = store.create_request(_request())
+                        _, created = store.requests.create(_request())
                         break
                     except NotFound:
                         continue
@@ -228,15 +228,15 @@ def test_concurrent_policy_versions_get_distinct_numbers(store: Store) -> None:
 
 def test_create_request_is_idempotent(store: Store) -> None:
     store.jobs.create(JOB)
-    req, created = store.create_request(_request())
+    req, created = store.requests.create(_request())
     assert created and req.status == RequestStatus.QUEUED and req.samples_done == 0
     assert (req.prompts, req.sampling) == (PROMPTS, SAMPLING)
-    again, created = store.create_request(_request())
+    again, created = store.requests.create(_request())
     assert not created and again == req
     with pytest.raises(AlreadyExists, match=r"^request_id: .*'req-1'.*sampling"):
-        store.create_request(replace(_request(), sampling=replace(SAMPLING, n=3)))
+        store.requests.create(replace(_request(), sampling=replace(SAMPLING, n=3)))
     with pytest.raises(AlreadyExists, match="prompts"):
-        store.create_request(replace(_request(), prompts=((1, 2, 3),)))
+        store.requests.create(replace(_request(), prompts=((1, 2, 3),)))
 
 
 def test_logprob_mode_and_provenance_flag_are_request_parameters(store: Store) -> None:
@@ -244,15 +244,15 @@ def test_logprob_mode_and_provenance_flag_are_request_parameters(store: Store) -
     same request (its samples would carry something else)."""
     store.jobs.create(JOB)
     raw = replace(SAMPLING, logprob_mode=LogprobMode.RAW, return_provenance=True)
-    req, _ = store.create_request(replace(_request(), sampling=raw))
-    assert store.get_request("req-1").sampling == raw == req.sampling
+    req, _ = store.requests.create(replace(_request(), sampling=raw))
+    assert store.requests.get("req-1").sampling == raw == req.sampling
     for other in (
         replace(raw, logprob_mode=LogprobMode.PROCESSED),
         replace(raw, return_provenance=False),
     ):
         with pytest.raises(AlreadyExists, match="sampling"):
-            store.create_request(replace(_request(), sampling=other))
-    req, _ = store.create_request(_request("req-2"))
+            store.requests.create(replace(_request(), sampling=other))
+    req, _ = store.requests.create(_request("req-2"))
     assert (req.sampling.logprob_mode, req.sampling.return_provenance) == (
         LogprobMode.PROCESSED,
         False,
@@ -264,16 +264,16 @@ def test_top_and_prompt_logprobs_round_trip(store: Store) -> None:
     excluded) included, and nothing when not asked."""
     store.jobs.create(JOB)
     asked = replace(SAMPLING, top_logprobs=3, prompt_logprobs=0)
-    req, _ = store.create_request(replace(_request(), sampling=asked))
-    assert store.get_request("req-1").sampling == asked == req.sampling
+    req, _ = store.requests.create(replace(_request(), sampling=asked))
+    assert store.requests.get("req-1").sampling == asked == req.sampling
     with pytest.raises(AlreadyExists, match="sampling"):
-        store.create_request(replace(_request(), sampling=replace(asked, prompt_logprobs=None)))
+        store.requests.create(replace(_request(), sampling=replace(asked, prompt_logprobs=None)))
     top = (TopLogprobs((1, 2), (-0.5, float("-inf"))),)
     prompt = PromptLogprobs((-1.5, float("-inf")), (2, 40), (top[0], top[0]))
     first = replace(_sample(0, 0), token_ids=(5,), logprobs=(-0.5,))
-    store.add_sample(replace(first, top_logprobs=top, prompt_logprobs=prompt))
-    store.add_sample(_sample(0, 1))
-    got = store.list_samples("req-1")
+    store.samples.add(replace(first, top_logprobs=top, prompt_logprobs=prompt))
+    store.samples.add(_sample(0, 1))
+    got = store.samples.list("req-1")
     assert got[0] == replace(first, top_logprobs=top, prompt_logprobs=prompt)
     assert (got[1].top_logprobs, got[1].prompt_logprobs) == (None, None)
 
@@ -282,64 +282,64 @@ def test_list_requests_queue_order_and_filters(store: Store) -> None:
     store.jobs.create(JOB)
     store.jobs.create(replace(JOB, job_id="job-2"))
     for i in range(3):
-        store.create_request(_request(f"r{i}"))
-    store.create_request(replace(_request("other"), job_id="job-2"))
-    store.set_request_status("r1", RequestStatus.RUNNING, "picked")
-    assert [r.request_id for r in store.list_requests(job_id=JOB.job_id)] == ["r0", "r1", "r2"]
-    queued = store.list_requests([RequestStatus.QUEUED], job_id=JOB.job_id)
+        store.requests.create(_request(f"r{i}"))
+    store.requests.create(replace(_request("other"), job_id="job-2"))
+    store.requests.set_status("r1", RequestStatus.RUNNING, "picked")
+    assert [r.request_id for r in store.requests.list(job_id=JOB.job_id)] == ["r0", "r1", "r2"]
+    queued = store.requests.list([RequestStatus.QUEUED], job_id=JOB.job_id)
     assert [r.request_id for r in queued] == ["r0", "r2"]
-    assert len(store.list_requests(limit=2)) == 2
-    assert len(store.list_requests()) == 4
+    assert len(store.requests.list(limit=2)) == 2
+    assert len(store.requests.list()) == 4
 
 
 def test_mark_running_moves_only_a_queued_request(store: Store) -> None:
     store.jobs.create(JOB)
-    store.create_request(_request())
-    assert store.mark_running("req-1", "running on w0") is True
-    assert store.mark_running("req-1", "running on w1") is False  # running already
-    req = store.get_request("req-1")
+    store.requests.create(_request())
+    assert store.requests.mark_running("req-1", "running on w0") is True
+    assert store.requests.mark_running("req-1", "running on w1") is False  # running already
+    req = store.requests.get("req-1")
     assert (req.status, req.status_reason) == (RequestStatus.RUNNING, "running on w0")
-    store.create_request(_request("req-2"))
-    store.set_request_status("req-2", RequestStatus.CANCELLED, "stop")
-    assert store.mark_running("req-2", "running on w0") is False  # ended meanwhile: stands
-    assert store.get_request("req-2").status is RequestStatus.CANCELLED
+    store.requests.create(_request("req-2"))
+    store.requests.set_status("req-2", RequestStatus.CANCELLED, "stop")
+    assert store.requests.mark_running("req-2", "running on w0") is False  # ended meanwhile: stands
+    assert store.requests.get("req-2").status is RequestStatus.CANCELLED
     assert _events(store, "request", "req-1") == [
         ("", "queued", "submitted"),
         ("queued", "running", "running on w0"),
     ]
-    assert store.mark_running("nope", "running on w0") is False
+    assert store.requests.mark_running("nope", "running on w0") is False
 
 
 def test_create_request_unless_paused_stores_nothing_but_lets_a_retry_attach(
     store: Store,
 ) -> None:
     store.jobs.create(JOB)
-    store.create_request(_request("stored"))
+    store.requests.create(_request("stored"))
     store.jobs.set_paused(JOB.job_id, "hold")
     with pytest.raises(JobPaused):
-        store.create_request(_request("new"), unless_paused=True)
+        store.requests.create(_request("new"), unless_paused=True)
     with pytest.raises(NotFound):
-        store.get_request("new")
-    assert store.create_request(_request("stored"), unless_paused=True)[1] is False
-    assert store.create_request(_request("new"))[1] is True  # a pause gates only when asked
+        store.requests.get("new")
+    assert store.requests.create(_request("stored"), unless_paused=True)[1] is False
+    assert store.requests.create(_request("new"))[1] is True  # a pause gates only when asked
     store.jobs.set_paused(JOB.job_id, None)
-    assert store.create_request(_request("new-2"), unless_paused=True)[1] is True
+    assert store.requests.create(_request("new-2"), unless_paused=True)[1] is True
     store.jobs.set_status(JOB.job_id, JobStatus.CANCELLED, "done")
-    assert store.create_request(_request("stored"))[1] is False  # a retry attaches still
+    assert store.requests.create(_request("stored"))[1] is False  # a retry attaches still
     with pytest.raises(FailedPrecondition, match="cancelled"):
-        store.create_request(_request("new-3"))
+        store.requests.create(_request("new-3"))
 
 
 def test_request_transitions_and_events(store: Store) -> None:
     store.jobs.create(JOB)
-    store.create_request(_request())
-    store.set_request_status("req-1", RequestStatus.RUNNING, "worker w0")
-    store.set_request_status("req-1", RequestStatus.QUEUED, "worker lost")  # requeue
-    store.set_request_status("req-1", RequestStatus.RUNNING, "worker w1")
-    req = store.set_request_status("req-1", RequestStatus.COMPLETED, "all samples")
+    store.requests.create(_request())
+    store.requests.set_status("req-1", RequestStatus.RUNNING, "worker w0")
+    store.requests.set_status("req-1", RequestStatus.QUEUED, "worker lost")  # requeue
+    store.requests.set_status("req-1", RequestStatus.RUNNING, "worker w1")
+    req = store.requests.set_status("req-1", RequestStatus.COMPLETED, "all samples")
     assert (req.status, req.status_reason) == (RequestStatus.COMPLETED, "all samples")
     with pytest.raises(FailedPrecondition, match="request 'req-1' cannot go from completed"):
-        store.set_request_status("req-1", RequestStatus.CANCELLED, "too late")
+        store.requests.set_status("req-1", RequestStatus.CANCELLED, "too late")
     assert _events(store, "request", "req-1") == [
         ("", "queued", "submitted"),
         ("queued", "running", "worker w0"),
@@ -347,14 +347,14 @@ def test_request_transitions_and_events(store: Store) -> None:
         ("queued", "running", "worker w1"),
         ("running", "completed", "all samples"),
     ]
-    store.create_request(_request("req-2"))
+    store.requests.create(_request("req-2"))
     with pytest.raises(FailedPrecondition, match="from queued to completed"):
-        store.set_request_status("req-2", RequestStatus.COMPLETED, "")
+        store.requests.set_status("req-2", RequestStatus.COMPLETED, "")
 
 
 def test_add_sample_idempotent_and_counts(store: Store) -> None:
     store.jobs.create(JOB)
-    store.create_request(_request())
+    store.requests.create(_request())
     spec = SpeculativeStats(
         draft_steps=2,
         plain_steps=1,
@@ -370,13 +370,13 @@ def test_add_sample_idempotent_and_counts(store: Store) -> None:
         TokenProvenance(TokenSource.RESIDUAL, "ngram", 4),
     )
     first = _sample(1, 1, policy_version=3, drafter_version=2, speculative=spec, provenance=prov)
-    assert store.add_sample(first) is True
-    assert store.add_sample(first) is False
-    assert store.add_sample(replace(first, token_ids=(1,), logprobs=(-1.0,))) is False
-    assert store.add_sample(_sample(0, 1)) is True
-    assert store.add_sample(_sample(0, 0)) is True
-    assert store.get_request("req-1").samples_done == 3
-    got = store.list_samples("req-1")
+    assert store.samples.add(first) is True
+    assert store.samples.add(first) is False
+    assert store.samples.add(replace(first, token_ids=(1,), logprobs=(-1.0,))) is False
+    assert store.samples.add(_sample(0, 1)) is True
+    assert store.samples.add(_sample(0, 0)) is True
+    assert store.requests.get("req-1").samples_done == 3
+    got = store.samples.list("req-1")
     assert [(s.prompt_index, s.sample_index) for s in got] == [(0, 0), (0, 1), (1, 1)]
     assert got[2] == first  # every field round-trips, including spec stats and provenance
     assert got[0].provenance is None  # not asked for: none stored
@@ -387,27 +387,27 @@ def test_prune_history_deletes_only_ended_requests_and_events_before_the_cut(
 ) -> None:
     store.jobs.create(JOB)
     for rid in ("old-done", "old-failed", "old-open"):
-        store.create_request(_request(rid))
-    store.set_request_status("old-done", RequestStatus.RUNNING, "w0")
-    store.add_sample(replace(_sample(0, 0), request_id="old-done"))
-    store.set_request_status("old-done", RequestStatus.COMPLETED, "all samples")
-    store.set_request_status("old-failed", RequestStatus.FAILED, "bad")
+        store.requests.create(_request(rid))
+    store.requests.set_status("old-done", RequestStatus.RUNNING, "w0")
+    store.samples.add(replace(_sample(0, 0), request_id="old-done"))
+    store.requests.set_status("old-done", RequestStatus.COMPLETED, "all samples")
+    store.requests.set_status("old-failed", RequestStatus.FAILED, "bad")
     before_cut = len(store.list_events(limit=10_000))
     time.sleep(0.01)
     cut = datetime.now(UTC)
     time.sleep(0.01)
-    store.create_request(_request("new-done"))
-    store.set_request_status("new-done", RequestStatus.RUNNING, "w0")
-    store.add_sample(replace(_sample(0, 0), request_id="new-done"))
-    store.set_request_status("new-done", RequestStatus.COMPLETED, "all samples")
+    store.requests.create(_request("new-done"))
+    store.requests.set_status("new-done", RequestStatus.RUNNING, "w0")
+    store.samples.add(replace(_sample(0, 0), request_id="new-done"))
+    store.requests.set_status("new-done", RequestStatus.COMPLETED, "all samples")
 
     assert store.prune_history(cut, budget_seconds=-1) == (0, 0)  # out of time: next run
     assert store.prune_history(cut, batch=1) == (2, before_cut)  # batch=1: several rounds
     for rid in ("old-done", "old-failed"):
         with pytest.raises(NotFound):
-            store.get_request(rid)
-    assert store.get_request("old-open").status is RequestStatus.QUEUED  # open: kept
-    assert len(store.list_samples("new-done")) == 1
+            store.requests.get(rid)
+    assert store.requests.get("old-open").status is RequestStatus.QUEUED  # open: kept
+    assert len(store.samples.list("new-done")) == 1
     assert store.stats()["samples_total"] == 1
     assert [e[1] for e in _events(store, "request", "new-done")] == [
         "queued",
@@ -420,19 +420,19 @@ def test_prune_history_deletes_only_ended_requests_and_events_before_the_cut(
 
 def test_partial_sample_is_replaced_by_complete_one(store: Store) -> None:
     store.jobs.create(JOB)
-    store.create_request(_request())
+    store.requests.create(_request())
     partial = replace(_sample(0, 0, tokens=(7,)), partial=True, finish_reason=FinishReason.ABORTED)
-    assert store.add_sample(partial) is True
-    assert store.get_request("req-1").samples_done == 0  # partial samples are not "done"
-    _, _, [seen], cursor = store.stream_state("req-1", 0)
+    assert store.samples.add(partial) is True
+    assert store.requests.get("req-1").samples_done == 0  # partial samples are not "done"
+    _, _, [seen], cursor = store.leases.stream_state("req-1", 0)
     assert seen.partial
-    assert store.add_sample(_sample(0, 0)) is True
-    assert store.add_sample(partial) is False
-    assert store.get_request("req-1").samples_done == 1
-    (only,) = store.list_samples("req-1")
+    assert store.samples.add(_sample(0, 0)) is True
+    assert store.samples.add(partial) is False
+    assert store.requests.get("req-1").samples_done == 1
+    (only,) = store.samples.list("req-1")
     assert (only.partial, only.token_ids) == (False, (7, 8, 9))
     # A stream that read the partial one reads the complete one after it (a new row id).
-    _, _, [after], _ = store.stream_state("req-1", cursor)
+    _, _, [after], _ = store.leases.stream_state("req-1", cursor)
     assert (after.partial, after.token_ids) == (False, (7, 8, 9))
 
 
@@ -441,50 +441,50 @@ def test_an_ended_request_keeps_the_samples_it_streamed(store: Store) -> None:
     one stored and streamed in its place once the request ended; a sample not stored yet is
     still recorded (a cancel closes the request in the store before its samples are)."""
     store.jobs.create(JOB)
-    store.create_request(_request())
+    store.requests.create(_request())
     lost = replace(_sample(0, 0, tokens=()), partial=True, finish_reason=FinishReason.FAILED)
-    assert store.add_sample(replace(lost, logprobs=())) is True
-    store.set_request_status("req-1", RequestStatus.RUNNING, "")
-    store.set_request_status("req-1", RequestStatus.FAILED, "1 of 4 samples failed")
-    assert store.add_sample(_sample(0, 0)) is False
-    assert store.add_sample(_sample(0, 1)) is True
-    got = store.list_samples("req-1")
+    assert store.samples.add(replace(lost, logprobs=())) is True
+    store.requests.set_status("req-1", RequestStatus.RUNNING, "")
+    store.requests.set_status("req-1", RequestStatus.FAILED, "1 of 4 samples failed")
+    assert store.samples.add(_sample(0, 0)) is False
+    assert store.samples.add(_sample(0, 1)) is True
+    got = store.samples.list("req-1")
     assert [(s.sample_index, s.partial) for s in got] == [(0, True), (1, False)]
-    assert store.get_request("req-1").samples_done == 1
+    assert store.requests.get("req-1").samples_done == 1
     # Still open: a partial one left by a drain is replaced when it runs again.
-    store.create_request(_request("req-2"))
+    store.requests.create(_request("req-2"))
     aborted = replace(_sample(0, 0, tokens=(7,)), partial=True, finish_reason=FinishReason.ABORTED)
-    assert store.add_sample(replace(aborted, request_id="req-2")) is True
-    assert store.add_sample(replace(_sample(0, 0), request_id="req-2")) is True
-    assert not store.list_samples("req-2")[0].partial
+    assert store.samples.add(replace(aborted, request_id="req-2")) is True
+    assert store.samples.add(replace(_sample(0, 0), request_id="req-2")) is True
+    assert not store.samples.list("req-2")[0].partial
 
 
 def test_add_sample_validates(store: Store) -> None:
     with pytest.raises(NotFound, match="^request_id: "):
-        store.add_sample(_sample(0, 0))
+        store.samples.add(_sample(0, 0))
     store.jobs.create(JOB)
-    store.create_request(_request())
+    store.requests.create(_request())
     with pytest.raises(InvalidArgument, match="^prompt_index: "):
-        store.add_sample(_sample(2, 0))
+        store.samples.add(_sample(2, 0))
     with pytest.raises(InvalidArgument, match="^sample_index: "):
-        store.add_sample(_sample(0, 2))
+        store.samples.add(_sample(0, 2))
     # The same refusal on both databases (PostgreSQL's JSON has no NaN, SQLite stored it).
     for bad in (math.nan, -math.inf, math.inf):
         with pytest.raises(InvalidArgument, match=r"^logprobs\[1\]: .*not finite"):
-            store.add_sample(replace(_sample(0, 0), logprobs=(-0.5, bad, -0.5)))
-    assert store.list_samples("req-1") == []
+            store.samples.add(replace(_sample(0, 0), logprobs=(-0.5, bad, -0.5)))
+    assert store.samples.list("req-1") == []
 
 
 def test_request_records_the_policy_version_it_was_accepted_on(store: Store) -> None:
     store.jobs.create(JOB)
     store.policies.add(JOB.job_id, "checkpoint", "/ckpt/1")
-    req, _ = store.create_request(_request())
+    req, _ = store.requests.create(_request())
     assert req.policy_version == 1
     store.policies.add(JOB.job_id, "checkpoint", "/ckpt/2")
-    again, created = store.create_request(_request())  # a retry after the update
+    again, created = store.requests.create(_request())  # a retry after the update
     assert not created and again.policy_version == 1
-    assert store.get_request("req-1").policy_version == 1
-    (listed,) = store.list_requests()
+    assert store.requests.get("req-1").policy_version == 1
+    (listed,) = store.requests.list()
     assert listed.policy_version == 1
 
 
@@ -507,7 +507,7 @@ def test_cancel_job_racing_create_request_leaves_no_open_request(
         return to_columns(req)
 
     monkeypatch.setattr(convert, "request_columns", paused)
-    creator = threading.Thread(target=store.create_request, args=(_request(),))
+    creator = threading.Thread(target=store.requests.create, args=(_request(),))
     creator.start()
     assert reached.wait(5)
     jobs = build_services(store, make_settings(tmp_path)).jobs
@@ -518,7 +518,7 @@ def test_cancel_job_racing_create_request_leaves_no_open_request(
     creator.join(10)
     canceller.join(10)
     assert store.jobs.get(JOB.job_id).status is JobStatus.CANCELLED
-    assert store.get_request("req-1").status is RequestStatus.CANCELLED
+    assert store.requests.get("req-1").status is RequestStatus.CANCELLED
 
 
 # ---- drafters -----------------------------------------------------------------------------
@@ -739,7 +739,7 @@ def test_worker_lifecycle(store: Store) -> None:
 def test_list_events_filters_and_limit(store: Store) -> None:
     store.jobs.create(JOB)
     for i in range(3):
-        store.create_request(_request(f"r{i}"))
+        store.requests.create(_request(f"r{i}"))
     events = store.list_events()
     assert [e.entity for e in events] == ["job", "request", "request", "request"]
     ids = [e.event_id for e in events]
@@ -755,13 +755,13 @@ def test_stats(store: Store) -> None:
     store.jobs.create(JOB)
     store.jobs.create(replace(JOB, job_id="gone"))
     store.jobs.set_status("gone", JobStatus.FAILED, "oom")
-    store.create_request(_request())
-    store.create_request(_request("req-2"))
-    store.set_request_status("req-2", RequestStatus.RUNNING, "")
+    store.requests.create(_request())
+    store.requests.create(_request("req-2"))
+    store.requests.set_status("req-2", RequestStatus.RUNNING, "")
     # Accepted length weighted by draft steps: (2*2.0 + 6*4.0) / 8 = 3.5; plain samples ignored.
-    store.add_sample(_sample(0, 0, tokens=(1, 2, 3), speculative=SpeculativeStats(2, 0, 4, 2.0)))
-    store.add_sample(_sample(0, 1, tokens=(1,) * 10, speculative=SpeculativeStats(6, 1, 24, 4.0)))
-    store.add_sample(_sample(1, 0, tokens=(1, 2)))
+    store.samples.add(_sample(0, 0, tokens=(1, 2, 3), speculative=SpeculativeStats(2, 0, 4, 2.0)))
+    store.samples.add(_sample(0, 1, tokens=(1,) * 10, speculative=SpeculativeStats(6, 1, 24, 4.0)))
+    store.samples.add(_sample(1, 0, tokens=(1, 2)))
     stats = store.stats()
     assert stats["requests_by_status"]["queued"] == 1
     assert stats["requests_by_status"]["running"] == 1
@@ -773,11 +773,11 @@ def test_stats(store: Store) -> None:
 
 def test_state_survives_reopen(store: Store) -> None:
     store.jobs.create(JOB)
-    store.create_request(_request())
+    store.requests.create(_request())
     store.close()
     reopened = Store(store.url)
     try:
-        assert reopened.get_request("req-1").sampling == SAMPLING
+        assert reopened.requests.get("req-1").sampling == SAMPLING
         assert reopened.jobs.get(JOB.job_id).created_at.tzinfo == UTC
     finally:
         reopened.close()
@@ -794,21 +794,21 @@ def test_uint64_seeds_and_uint32_job_numbers_round_trip(store):
     assert got.priority == big and got.speculative.batch_threshold == big
     for i, seed in enumerate((0, 2**63 - 1, 2**63, 2**64 - 1)):
         req = replace(_request(f"req-{i}"), sampling=replace(SAMPLING, seed=seed))
-        stored, created = store.create_request(req)
+        stored, created = store.requests.create(req)
         assert created and stored.sampling.seed == seed
-        assert store.get_request(f"req-{i}").sampling.seed == seed
+        assert store.requests.get(f"req-{i}").sampling.seed == seed
         # A retry with the same seed is the same request (not ALREADY_EXISTS).
-        assert store.create_request(req)[1] is False
+        assert store.requests.create(req)[1] is False
     with pytest.raises(AlreadyExists):
-        store.create_request(replace(_request("req-3"), sampling=replace(SAMPLING, seed=7)))
+        store.requests.create(replace(_request("req-3"), sampling=replace(SAMPLING, seed=7)))
 
 
 def test_prompt_history_finds_a_prompts_whole_answers_across_requests(store: Store) -> None:
     store.jobs.create(JOB)
     store.jobs.create(replace(JOB, job_id="job-2"))
-    store.create_request(_request("req-1"))  # prompts (1, 2, 3) and (4, 5)
-    store.create_request(replace(_request("req-2"), prompts=((4, 5), (1, 2, 3))))
-    store.create_request(replace(_request("req-3"), job_id="job-2"))  # another job
+    store.requests.create(_request("req-1"))  # prompts (1, 2, 3) and (4, 5)
+    store.requests.create(replace(_request("req-2"), prompts=((4, 5), (1, 2, 3))))
+    store.requests.create(replace(_request("req-3"), job_id="job-2"))  # another job
     for rid, p, s, toks, partial in [
         ("req-1", 0, 0, (10, 11), False),
         ("req-1", 0, 1, (12,), True),  # partial: not an answer
@@ -816,9 +816,11 @@ def test_prompt_history_finds_a_prompts_whole_answers_across_requests(store: Sto
         ("req-2", 1, 1, (13, 14), False),  # (1, 2, 3) again, at another index
         ("req-3", 0, 0, (99,), False),
     ]:
-        store.add_sample(replace(_sample(p, s, toks), request_id=rid, partial=partial))
-    got = store.prompt_history(JOB.job_id, (1, 2, 3), limit=10)
+        store.samples.add(replace(_sample(p, s, toks), request_id=rid, partial=partial))
+    got = store.samples.prompt_history(JOB.job_id, (1, 2, 3), limit=10)
     assert got == [(("req-1", 0, 0), (10, 11)), (("req-2", 1, 1), (13, 14))]  # oldest first
-    assert store.prompt_history(JOB.job_id, (1, 2, 3), limit=1) == [(("req-2", 1, 1), (13, 14))]
-    assert store.prompt_history(JOB.job_id, (4, 5), limit=10) == [(("req-1", 1, 0), (20,))]
-    assert store.prompt_history(JOB.job_id, (1, 2), limit=10) == []
+    assert store.samples.prompt_history(JOB.job_id, (1, 2, 3), limit=1) == [
+        (("req-2", 1, 1), (13, 14))
+    ]
+    assert store.samples.prompt_history(JOB.job_id, (4, 5), limit=10) == [(("req-1", 1, 0), (20,))]
+    assert store.samples.prompt_history(JOB.job_id, (1, 2), limit=10) == []

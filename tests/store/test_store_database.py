@@ -82,7 +82,7 @@ def test_concurrent_writers_on_sqlite_do_not_fail(sqlite_url: str) -> None:
     a, b = Store(sqlite_url), Store(sqlite_url)
     try:
         a.jobs.create(Job(job_id="j", model_path="/m"))
-        a.create_request(
+        a.requests.create(
             RolloutRequest(
                 request_id="r", job_id="j", prompts=((1,),) * 40, sampling=SamplingParams(n=2)
             )
@@ -93,8 +93,10 @@ def test_concurrent_writers_on_sqlite_do_not_fail(sqlite_url: str) -> None:
             try:
                 for p in prompt_indices:
                     for s in range(2):
-                        store.add_sample(Sample("r", p, s, (1, 2), (-0.1, -0.2), FinishReason.STOP))
-                        store.get_request("r")
+                        store.samples.add(
+                            Sample("r", p, s, (1, 2), (-0.1, -0.2), FinishReason.STOP)
+                        )
+                        store.requests.get("r")
             except BaseException as exc:  # collected and asserted below
                 errors.append(exc)
 
@@ -108,8 +110,8 @@ def test_concurrent_writers_on_sqlite_do_not_fail(sqlite_url: str) -> None:
         for t in threads:
             t.join()
         assert errors == []
-        assert a.get_request("r").samples_done == 80
-        assert len(b.list_samples("r")) == 80
+        assert a.requests.get("r").samples_done == 80
+        assert len(b.samples.list("r")) == 80
     finally:
         a.close()
         b.close()
@@ -153,7 +155,7 @@ def test_writers_of_one_store_take_turns_and_give_them_up(sqlite_url: str) -> No
         def write(i: int) -> None:
             try:
                 for k in range(10):
-                    store.create_request(
+                    store.requests.create(
                         RolloutRequest(f"r-{i}-{k}", "j", ((1,),), SamplingParams())
                     )
             except BaseException as exc:  # collected and asserted below
@@ -165,9 +167,9 @@ def test_writers_of_one_store_take_turns_and_give_them_up(sqlite_url: str) -> No
         for t in threads:
             t.join()
         assert errors == []
-        assert len(store.list_requests(None, "j", None)) == 40
+        assert len(store.requests.list(None, "j", None)) == 40
         with pytest.raises(AlreadyExists):  # a refused write ...
-            store.create_request(RolloutRequest("r-0-0", "j", ((2,),), SamplingParams()))
+            store.requests.create(RolloutRequest("r-0-0", "j", ((2,),), SamplingParams()))
         done = threading.Event()
         threading.Thread(target=lambda: (store.jobs.create(Job("k", "/m")), done.set())).start()
         assert done.wait(5)  # ... left the turn free for the next one

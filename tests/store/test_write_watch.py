@@ -48,7 +48,7 @@ def test_reads_and_other_tables_leave_it(store: Store) -> None:
     req = RolloutRequest(
         request_id="r1", job_id=JOB.job_id, prompts=((1, 2),), sampling=SamplingParams(n=1)
     )
-    assert not _moves(store, lambda: store.create_request(req))
+    assert not _moves(store, lambda: store.requests.create(req))
 
 
 def test_a_refused_write_leaves_it(store: Store) -> None:

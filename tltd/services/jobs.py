@@ -184,7 +184,7 @@ class JobService:
         """The job, with how its bounded requests went (if it has any)."""
         check_id(job_id, "job_id")
         job = self.store.jobs.get(job_id)
-        stats = self.store.bounded_stats(job_id)
+        stats = self.store.deliveries.bounded_stats(job_id)
         return job if stats is None else replace(job, bounded=stats)
 
     def list(self, statuses: list[JobStatus] | None = None, limit: int = 0) -> list[Job]:
@@ -205,16 +205,16 @@ class JobService:
         why = f"job cancelled: {job.status_reason}"
         # All of them (limit=None): the store refuses new requests of a cancelled job, so
         # this list is complete.
-        for req in self.store.list_requests(statuses=OPEN_STATUSES, job_id=job_id, limit=None):
+        for req in self.store.requests.list(statuses=OPEN_STATUSES, job_id=job_id, limit=None):
             try:
-                self.store.set_request_status(req.request_id, RequestStatus.CANCELLED, why)
+                self.store.requests.set_status(req.request_id, RequestStatus.CANCELLED, why)
             except FailedPrecondition:
                 # It ended (completed / failed) since the listing: nothing left to cancel,
                 # and the rest of the job's requests must still be cancelled.
-                if self.store.get_request(req.request_id).status in OPEN_STATUSES:
+                if self.store.requests.get(req.request_id).status in OPEN_STATUSES:
                     raise
                 continue
-            self.store.end_queued_units(req.request_id, FinishReason.CANCELLED, why)
+            self.store.leases.end_queued_units(req.request_id, FinishReason.CANCELLED, why)
             if self.supervisor is not None:
                 self.supervisor.cancel_threadsafe(req.request_id, why)
         return job

@@ -72,7 +72,7 @@ class PauseService:
             return await asyncio.to_thread(self.abort_open, job_id, "aborted by a pause")
         if mode is PauseMode.WAIT:
             return await self._drain(job_id, timeout)
-        return len(await asyncio.to_thread(self.store.list_requests, _OPEN, job_id, None))
+        return len(await asyncio.to_thread(self.store.requests.list, _OPEN, job_id, None))
 
     async def resume(self, job_id: str) -> bool:
         """Let held requests in and frozen ones go on, on every node; False when the job was
@@ -107,7 +107,7 @@ class PauseService:
         if request_id:
             open_ids = [request_id]
         else:
-            open_ids = [r.request_id for r in self.store.list_requests(_OPEN, job_id, None)]
+            open_ids = [r.request_id for r in self.store.requests.list(_OPEN, job_id, None)]
         cancelled = 0
         for rid in open_ids:
             try:
@@ -122,7 +122,7 @@ class PauseService:
         first = None
         deadline = time.monotonic() + timeout
         while True:
-            open_now = await asyncio.to_thread(self.store.list_requests, _OPEN, job_id, None)
+            open_now = await asyncio.to_thread(self.store.requests.list, _OPEN, job_id, None)
             first = len(open_now) if first is None else first
             if not open_now:
                 return first

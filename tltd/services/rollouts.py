@@ -237,11 +237,11 @@ class RolloutService:
         whether it has ended with no unit open (then the samples are all of them: every one
         is final now, also partial samples read before)."""
         cur, open_units, samples, cursor = await asyncio.to_thread(
-            self.store.stream_state, rid, cursor
+            self.store.leases.stream_state, rid, cursor
         )
         ended = cur.status in ENDED_STATUSES and open_units == 0
         if ended:
-            samples = await asyncio.to_thread(self.store.list_samples, rid)
+            samples = await asyncio.to_thread(self.store.samples.list, rid)
         return cur, samples, cursor, ended
 
     def _check_not_handed_over(self, sup: Supervisor, rid: str) -> None:
@@ -298,7 +298,7 @@ class RolloutService:
         if req.sampling.seed is None:
             req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
         claim = sup.admission_claim()
-        return self.store.admit_request(req, self.pauses is not None, claim), job
+        return self.store.requests.admit(req, self.pauses is not None, claim), job
 
     def _is_retry(self, req: RolloutRequest) -> bool:
         """The request_id is stored already: a retry, which attaches to its work."""
@@ -312,7 +312,7 @@ class RolloutService:
 
     def _stored(self, request_id: str) -> bool:
         try:
-            self.store.get_request(request_id)
+            self.store.requests.get(request_id)
         except NotFound:
             return False
         return True
@@ -321,15 +321,15 @@ class RolloutService:
         self, request_id: str, include_samples: bool = False
     ) -> tuple[RolloutRequest, list[Sample]]:
         check_id(request_id, "request_id")
-        req = self.store.get_request(request_id)
-        samples = self.store.list_samples(request_id) if include_samples else []
+        req = self.store.requests.get(request_id)
+        samples = self.store.samples.list(request_id) if include_samples else []
         return req, samples
 
     def cancel(self, request_id: str, reason: str = "") -> RolloutRequest:
         """Cancel an unfinished request; cancelling a cancelled one is a no-op."""
         check_id(request_id, "request_id")
         check_text(reason, "reason", MAX_REASON)
-        req = self.store.get_request(request_id)
+        req = self.store.requests.get(request_id)
         if req.status is RequestStatus.CANCELLED:
             return req
         if req.status in ENDED_STATUSES:
@@ -337,9 +337,9 @@ class RolloutService:
                 f"request {request_id} already {req.status.value}", field="request_id"
             )
         reason = reason or "cancelled by caller"
-        req = self.store.set_request_status(request_id, RequestStatus.CANCELLED, reason)
+        req = self.store.requests.set_status(request_id, RequestStatus.CANCELLED, reason)
         # Units no node holds end here; a node running one stops it at its next renewal.
-        self.store.end_queued_units(request_id, FinishReason.CANCELLED, reason)
+        self.store.leases.end_queued_units(request_id, FinishReason.CANCELLED, reason)
         if self.supervisor is not None:
             self.supervisor.cancel_threadsafe(request_id, reason)
         return req

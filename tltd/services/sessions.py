@@ -182,7 +182,7 @@ class SessionService:
         no more: drop it, so that the turn can be sent again. One still open (e.g. going on
         at another node) is kept: a retry attaches to it."""
         try:
-            req = self.store.get_request(turn.request_id)
+            req = self.store.requests.get(turn.request_id)
         except NotFound:
             req = None
         if req is None or req.status in ENDED_STATUSES:
@@ -210,10 +210,10 @@ class SessionService:
         if turn is None:
             return session
         try:
-            req = self.store.get_request(turn.request_id)
+            req = self.store.requests.get(turn.request_id)
         except NotFound:
             return session  # not stored yet: its Turn call is on its way
-        done = [s for s in self.store.list_samples(turn.request_id) if not s.partial]
+        done = [s for s in self.store.samples.list(turn.request_id) if not s.partial]
         if done:
             return self.store.complete_turn(turn, done[0])[0]
         if req.status in ENDED_STATUSES:

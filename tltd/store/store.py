@@ -46,11 +46,6 @@ from tltd.store.workers import WorkerRecords
 
 
 class Store(
-    RolloutRequests,
-    SampleRecords,
-    SampleBatches,
-    WorkLeases,
-    GroupDeliveries,
     DrafterVersions,
     DrafterLeases,
     NodeRegistry,
@@ -69,6 +64,11 @@ class Store(
         self.jobs = JobRecords(db)
         self.policies = PolicyVersions(db)
         self.pushes = PushRecords(db)
+        self.requests = RolloutRequests(db)
+        self.leases = WorkLeases(db)
+        self.samples = SampleRecords(db, self.leases)
+        self.sample_batches = SampleBatches(db, self.samples, self.leases)
+        self.deliveries = GroupDeliveries(db)
 
     @property
     def url(self) -> str:

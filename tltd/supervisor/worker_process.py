@@ -229,7 +229,7 @@ def store_reported(
     store: Store, stamp: HeartbeatStamp, messages: list[msg.FromWorker], worker_id: str = ""
 ) -> list[tuple[msg.FromWorker, bool | None, UnitEnd | None]]:
     """Reader thread: samples are stored here, before the loop streams them; the samples of
-    messages that arrived together in one transaction (`Store.store_samples`), with the ends
+    messages that arrived together in one transaction (`store.sample_batches.store`), with the ends
     of the units they complete (and the start of a request `worker_id` ran, when the node's
     own write of it has not landed yet)."""
     finished = [m for m in messages if isinstance(m, msg.Finished)]
@@ -239,7 +239,7 @@ def store_reported(
         started = time.perf_counter()
         try:
             samples = [m.sample for m in finished]
-            batch = store.store_samples(samples, end_units=True, worker_id=worker_id)
+            batch = store.sample_batches.store(samples, end_units=True, worker_id=worker_id)
             results: list = batch.outcomes
             ends = batch.ends
         except Exception as exc:  # none of them stored: each runs again
@@ -298,7 +298,7 @@ def _stored_copy(store: Store, sample: Sample) -> Sample:
     """The copy the store already holds of a sample that ran twice (e.g. its first result
     reached the store but not the loop): what the trainer sees must be what is stored."""
     key = (sample.prompt_index, sample.sample_index)
-    for s in store.list_samples(sample.request_id):
+    for s in store.samples.list(sample.request_id):
         if (s.prompt_index, s.sample_index) == key:
             return s
     return sample

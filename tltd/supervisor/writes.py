@@ -42,7 +42,7 @@ class OrderedWrites:
     database gone, a deadlock) is undone whole and run again one call at a time, as without it.
 
     A batch writes the rows of requests in request id order (writes of one request in the
-    order queued), the order in which a sample batch locks them (`Store.store_samples`): on
+    order queued), the order in which a sample batch locks them (`store.sample_batches.store`): on
     PostgreSQL two transactions that lock request rows in different orders deadlock, and the
     database breaks the tie only after `deadlock_timeout` (1 s).
     """
@@ -196,7 +196,7 @@ def _deliver(item: _Item, outcome: tuple[bool, Any]) -> None:
 def add_samples(store: Store, samples: list[Sample]) -> None:
     """Store samples in one transaction; raises the first sample's error, if any (the others
     are stored all the same)."""
-    for outcome in store.add_samples(samples):
+    for outcome in store.sample_batches.add(samples):
         if isinstance(outcome, Exception):
             raise outcome
 
