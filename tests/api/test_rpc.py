@@ -523,7 +523,7 @@ def test_drafters_list_get_pin(client, daemon, model_dir):
     listed = client.list_drafters("job")
     assert list(listed.drafters) == [] and listed.active_version == 0
     for version, status in ((1, DrafterStatus.PROMOTED), (2, DrafterStatus.PROMOTED)):
-        daemon.store.add_drafter_version(
+        daemon.store.drafters.add(
             DrafterVersion(
                 job_id="job",
                 version=version,
@@ -534,7 +534,7 @@ def test_drafters_list_get_pin(client, daemon, model_dir):
                 acceptance_length=2.0 + version,
             )
         )
-        daemon.store.set_drafter_status("job", version, status, "evaluated")
+        daemon.store.drafters.set_status("job", version, status, "evaluated")
     listed = client.list_drafters("job")
     assert [v.version for v in listed.drafters] == [1, 2] and listed.active_version == 2
     v1 = client.get_drafter("job", 1)
@@ -579,7 +579,7 @@ def test_export_drafter_writes_an_sglang_eagle_checkpoint(client, daemon, tmp_pa
     target = make_checkpoint(tmp_path / "policy")
     EagleDrafter.random_init(load_model(target), seed=1).save_pretrained(tmp_path / "drafter")
     client.create_job(str(target), job_id="job")
-    daemon.store.add_drafter_version(
+    daemon.store.drafters.add(
         DrafterVersion(job_id="job", version=0, policy_version=0, path=str(tmp_path / "drafter"))
     )
     out = tmp_path / "export"
@@ -632,7 +632,7 @@ def test_text_with_nul_or_too_long_is_refused_by_name(client, daemon, model_dir,
             client.update_policy("job", str(write_model_dir(tmp_path / "step-1")), note=reason)
     with fails(C.INVALID_ARGUMENT, "checkpoint.path", "NUL"):
         client.update_policy("job", str(tmp_path / "step-1") + "\x00")
-    daemon.store.add_drafter_version(
+    daemon.store.drafters.add(
         DrafterVersion(job_id="job", version=0, policy_version=0, path="/d/1")
     )
     with fails(C.INVALID_ARGUMENT, "output_dir", "NUL"):

@@ -114,7 +114,7 @@ def test_preempted_k_times_and_restarted_ends_like_uninterrupted(tmp_path, sqlit
         dv = record(store, "j", m)
         assert dv.version == 1 and dv.train_steps == STEPS and dv.policy_version == 2
         assert dv.status in (DrafterStatus.PROMOTED, DrafterStatus.REJECTED)
-        assert store.get_drafter("j", 1).acceptance_length == m.acceptance >= 1.0
+        assert store.drafters.get("j", 1).acceptance_length == m.acceptance >= 1.0
         store.close()
         w2.stop()
     finally:

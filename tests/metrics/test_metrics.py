@@ -192,7 +192,7 @@ def test_roll_up_mirrors_the_store(sqlite_url, tmp_path):
         store.requests.create(
             RolloutRequest("r1", "rj", ((1, 2), (3,)), SamplingParams(n=4, max_new_tokens=8))
         )
-        store.set_device_state("cpu:1", DeviceState.ROLLOUT, "test")
+        store.devices.set_state("cpu:1", DeviceState.ROLLOUT, "test")
         m = Metrics()
         roll_up_metrics(store, m)
         assert value(m, "tltd_queue_depth", job_id="rj") == 8

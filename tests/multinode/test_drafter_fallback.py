@@ -32,7 +32,7 @@ def _version(
     if make_dir:
         path.mkdir(parents=True)
     dv = DrafterVersion(JOB_ID, 0, 0, str(path), status=status, node_id=node_id, shared=shared)
-    return store.add_drafter_version(dv).version
+    return store.drafters.add(dv).version
 
 
 def _sync(planner: ModelPlanner, store: Store, handle) -> msg.SetDrafter | None:

@@ -60,7 +60,7 @@ def test_overlapping_finalize_calls_record_each_unit_once(store: Store, tmp_path
             for p in (0, 1):
                 for s in range(2):
                     node.samples.add(_sample(rid, p, s))
-            node.finish_unit = gated_finish_unit  # type: ignore[method-assign]
+            node.leases.finish_unit = gated_finish_unit  # type: ignore[method-assign]
 
             for s in range(2):
                 reqs.queue.finish(rid, (1, s))

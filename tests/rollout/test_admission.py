@@ -156,8 +156,8 @@ def test_no_schedulable_device_refuses_generate_until_uncordoned(sqlite_daemon, 
         d.wait_workers_ready(2)
         params = sampling(n=2, max_new_tokens=4)
         done = list(c.generate("job", [[1, 2, 3]], sampling=params, request_id="done"))
-        for dev in d.store.list_devices():
-            d.store.set_device_flags(dev.device_id, draining=True, reason="node drained")
+        for dev in d.store.devices.list():
+            d.store.devices.set_flags(dev.device_id, draining=True, reason="node drained")
         with pytest.raises(FailedPreconditionError, match="no schedulable device.*uncordon"):
             list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4), timeout=10))
         # A retry of a stored request still attaches (a client reconnecting reads its samples).
@@ -293,7 +293,7 @@ def test_devices_held_by_foreign_processes_refuse_generate_as_retryable(sqlite_d
         wait_until(lambda: sum(map(sup.queue.inflight, sup.handles)) > 0, what="long running")
         # Device discovery reports a foreign process on both CPU slots (the seam the
         # inventory writes through); the supervisor vacates them.
-        d.store.upsert_devices(_foreign(cpu_devices(2)))
+        d.store.devices.upsert(_foreign(cpu_devices(2)))
         sup.kick_threadsafe()
         wait_until(lambda: not any(s.alive for s in sup.handles.values()), what="vacated")
 
@@ -362,7 +362,7 @@ def test_gpus_held_by_foreign_processes_at_the_hardware_boundary(sqlite_store, t
             # (and no longer foreign). Nothing can run on either GPU: still refused.
             nvml.gpus[1] = {"error": pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)}
             refresh_devices(d.store, nvml, settings.cpu_slots)
-            lost = d.store.get_device("cuda:1")
+            lost = d.store.devices.get("cuda:1")
             assert lost.state is DeviceState.UNAVAILABLE and not lost.foreign
             with pytest.raises(UnavailableError, match=r"\(cuda:0 foreign, cuda:1 unavailable\)"):
                 list(c.generate("job", [[1, 2, 3]], sampling=params, timeout=10))

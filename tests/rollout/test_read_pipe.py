@@ -64,10 +64,10 @@ def test_a_heartbeat_before_the_worker_is_recorded_waits_for_it(
     with caplog.at_level(logging.WARNING):
         stamp()
     assert caplog.records == []
-    store.upsert_worker(Worker(worker_id="w0", kind=WorkerKind.ROLLOUT, device_id="cpu:0"))
-    assert store.get_worker("w0").last_heartbeat is None
+    store.workers.upsert(Worker(worker_id="w0", kind=WorkerKind.ROLLOUT, device_id="cpu:0"))
+    assert store.workers.get("w0").last_heartbeat is None
     stamp()  # not held back by the write interval: nothing was written before
-    assert store.get_worker("w0").last_heartbeat is not None
+    assert store.workers.get("w0").last_heartbeat is not None
 
 
 def test_a_worker_never_recorded_is_logged_once_per_period(

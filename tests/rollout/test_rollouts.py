@@ -90,11 +90,11 @@ def test_batch_streams_back_complete_and_lossless(daemon, ckpt):
     assert len(prefills) == 2 and all(p > 0 for p in prefills)
     # Device states follow the work: rollout while it ran, idle from the moment it ended.
     wait_until(
-        lambda: {dv.state for dv in daemon.store.list_devices()} == {DeviceState.IDLE},
+        lambda: {dv.state for dv in daemon.store.devices.list()} == {DeviceState.IDLE},
         what="devices idle",
     )
     for dev in ("cpu:0", "cpu:1"):
-        states = [e.new_status for e in daemon.store.list_events("device", dev)]
+        states = [e.new_status for e in daemon.store.history.list_events("device", dev)]
         assert "rollout" in states and states[-1] == "idle"
 
 
@@ -156,7 +156,7 @@ def test_worker_killed_mid_batch_the_batch_still_completes(sqlite_daemon, ckpt):
     assert sup.assigned_samples > 16  # the lost samples ran again
     restarted = workers["rollout-cpu:0"]
     assert restarted.pid != victim and restarted.state in ("ready", "busy")
-    events = d.store.list_events("worker", "rollout-cpu:0")
+    events = d.store.history.list_events("worker", "rollout-cpu:0")
     assert any(e.new_status == "failed" and "exit code" in e.reason for e in events)
     assert any(e.old_status == "failed" and e.new_status == "starting" for e in events)
 
@@ -313,8 +313,8 @@ def test_a_retry_after_a_restart_gets_the_resumed_sample_not_the_partial_one(
                error="drained")
     )  # fmt: skip
     # Nothing runs until the test says so: the re-attach lands before (0, 0) is re-run.
-    store.upsert_devices(cpu_devices(1))
-    store.set_device_flags("cpu:0", cordoned=True, reason="test")
+    store.devices.upsert(cpu_devices(1))
+    store.devices.set_flags("cpu:0", cordoned=True, reason="test")
     d = InProcessDaemon(replace(settings, cpu_slots=1), store).start()
     try:
         with d.client() as c:
@@ -358,7 +358,7 @@ def test_foreign_device_is_vacated_and_its_work_moves(sqlite_daemon, ckpt):
         stream = Stream(c, "job", PROMPTS[:2], sampling=sampling(**params), request_id="f-1")
         wait_until(lambda: sup.queue.inflight("rollout-cpu:1") > 0, what="work on cpu:1")
         # The inventory reports a foreign process on cpu:1 (as device discovery would).
-        d.store.upsert_devices(
+        d.store.devices.upsert(
             [
                 Device("cpu:0", DeviceKind.CPU, 0),
                 Device(
@@ -410,7 +410,7 @@ def test_silent_worker_is_reaped_and_its_work_requeued(sqlite_store, tmp_path, c
             got = stream.result()
         assert stream.error is None and len(got) == 8
         assert _by_key(got) == direct_outputs(ckpt, PROMPTS[:2], SamplingParams(**params))
-        events = d.store.list_events("worker", "rollout-cpu:1")
+        events = d.store.history.list_events("worker", "rollout-cpu:1")
         assert any(e.new_status == "failed" and "no heartbeat" in e.reason for e in events)
     finally:
         d.kill()
@@ -510,10 +510,10 @@ def test_promoted_drafter_is_hot_swapped_into_workers_and_stays_lossless(
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        dv = d.store.add_drafter_version(
+        dv = d.store.drafters.add(
             DrafterVersion("job", 0, policy_version=0, path=str(tmp_path / "drafter"))
         )
-        d.store.set_drafter_status("job", dv.version, DrafterStatus.PROMOTED, "test")
+        d.store.drafters.set_status("job", dv.version, DrafterStatus.PROMOTED, "test")
         sup.kick_threadsafe()
         wait_until(
             lambda: all(

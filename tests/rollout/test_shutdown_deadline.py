@@ -53,7 +53,7 @@ def test_sigterm_with_a_hung_worker_ends_at_the_grace(sqlite_url, tmp_path, ckpt
     store = Store(sqlite_url)
     try:
         assert store.requests.get("big").status is RequestStatus.FAILED
-        assert all(w.state is WorkerState.STOPPED for w in store.list_workers())
+        assert all(w.state is WorkerState.STOPPED for w in store.workers.list())
     finally:
         store.close()
 
@@ -113,7 +113,7 @@ def test_shutdown_does_not_wait_for_a_trainer_still_loading(
         loaded.set()
         d.kill()
     assert took < GRACE + SLACK, took
-    trainer = sqlite_store.get_worker("drafter-job")
+    trainer = sqlite_store.workers.get("drafter-job")
     assert trainer.state is WorkerState.STOPPED and "killed while starting" in trainer.state_reason
 
 
@@ -173,5 +173,5 @@ def test_a_failing_drain_still_stops_the_workers(sqlite_store, tmp_path, ckpt, m
         d.daemon = None
     finally:
         d.kill()
-    workers = sqlite_store.list_workers()
+    workers = sqlite_store.workers.list()
     assert workers and all(w.state is WorkerState.STOPPED for w in workers)

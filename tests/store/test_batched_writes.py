@@ -61,7 +61,7 @@ def test_a_failed_write_in_a_batch_is_undone_alone(store: Store) -> None:
                 (store.jobs.create, JOB),
                 (store.jobs.create, replace(JOB, model_path="/elsewhere")),  # a conflict
                 (_half_written, store),
-                (store.get_device, "cuda:9"),  # not found
+                (store.devices.get, "cuda:9"),  # not found
                 (store.jobs.create, other),
             ],
         )
@@ -198,7 +198,7 @@ def test_a_thread_hop_that_fails_fails_its_writes_and_the_writer_goes_on(
 
     writes = OrderedWrites(store.batch)
     error, created, writer_ended = asyncio.run(
-        _a_write_then_another(writes, store, store.get_device, "cpu:0")
+        _a_write_then_another(writes, store, store.devices.get, "cpu:0")
     )
     assert isinstance(error, RuntimeError) and "new thread" in str(error)
     assert created[1] is True and not writer_ended

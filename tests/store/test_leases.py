@@ -26,7 +26,7 @@ DOWN = 30.0  # a node's heartbeat threshold: missed beats are written, never wai
 
 def _node(store: Store, node_id: str) -> Store:
     other = Store(store.url, node_id=node_id)
-    other.join_node(f"{node_id}:1", down_seconds=30.0)
+    other.nodes.join(f"{node_id}:1", down_seconds=30.0)
     return other
 
 
@@ -281,14 +281,14 @@ def test_sqlite_refuses_a_second_live_node(sqlite_store: Store) -> None:
     b = Store(sqlite_store.url, node_id="b")
     try:
         with pytest.raises(ConfigError, match="in use by node 'a'"):
-            b.join_node("b:1", down_seconds=30.0)
-        a.leave_node()  # a clean shutdown frees the database for another node
-        assert b.join_node("b:1", down_seconds=30.0) == 1
+            b.nodes.join("b:1", down_seconds=30.0)
+        a.nodes.leave()  # a clean shutdown frees the database for another node
+        assert b.nodes.join("b:1", down_seconds=30.0) == 1
         # A node silent for longer than the threshold does not hold it either.
         c = Store(sqlite_store.url, node_id="c")
         try:
             assert silence_node(b, "b") == 1
-            assert c.join_node("c:1", down_seconds=DOWN) == 1
+            assert c.nodes.join("c:1", down_seconds=DOWN) == 1
         finally:
             c.close()
     finally:
@@ -301,17 +301,17 @@ def test_nodes_are_down_after_a_missed_heartbeat_and_back_with_a_new_epoch(
 ) -> None:
     a = _node(sqlite_store, "a")
     try:
-        [n] = a.list_nodes(down_seconds=DOWN)
+        [n] = a.nodes.list(down_seconds=DOWN)
         assert (n.node_id, n.status, n.epoch, n.address) == ("a", NodeStatus.UP, 1, "a:1")
-        assert a.beat_node(down_seconds=DOWN) == 1  # on time: same epoch
+        assert a.nodes.beat(down_seconds=DOWN) == 1  # on time: same epoch
         assert silence_node(a, "a") == 1  # heartbeats missed for longer than DOWN
-        assert a.list_nodes(down_seconds=DOWN)[0].status is NodeStatus.DOWN
-        assert a.beat_node(down_seconds=DOWN) == 2  # back after being DOWN: a new epoch
-        assert a.list_nodes(down_seconds=DOWN)[0].status is NodeStatus.UP
+        assert a.nodes.list(down_seconds=DOWN)[0].status is NodeStatus.DOWN
+        assert a.nodes.beat(down_seconds=DOWN) == 2  # back after being DOWN: a new epoch
+        assert a.nodes.list(down_seconds=DOWN)[0].status is NodeStatus.UP
         a2 = _node(sqlite_store, "a")  # another process joins with the same id
         try:
             with pytest.raises(Fenced):
-                a.beat_node(down_seconds=5.0)
+                a.nodes.beat(down_seconds=5.0)
         finally:
             a2.close()
     finally:
@@ -326,13 +326,13 @@ def test_cluster_wide_job_runs_on_one_node_at_a_time(pg_store: Store) -> None:
     _requests(pg_store, 1, 1)
     pg_store.requests.set_status("r0000", RequestStatus.CANCELLED, "old")
     try:
-        with a.cluster_lock("history-gc") as mine:
+        with a.nodes.cluster_lock("history-gc") as mine:
             assert mine
-            with b.cluster_lock("history-gc") as theirs:
+            with b.nodes.cluster_lock("history-gc") as theirs:
                 assert not theirs  # not waited for: skipped
             assert prune_history(b, retention_hours=1e-9) == (0, 0)
             assert b.requests.get("r0000").status is RequestStatus.CANCELLED
-        with b.cluster_lock("history-gc") as theirs:
+        with b.nodes.cluster_lock("history-gc") as theirs:
             assert theirs  # released at the end of a's block
         time.sleep(0.01)
         requests, _ = prune_history(b, retention_hours=1e-9)

@@ -66,7 +66,7 @@ def _sample(p: int, s: int, tokens=(7, 8, 9), **kw) -> Sample:
 def _events(store: Store, entity: str, entity_id: str) -> list[tuple[str, str, str]]:
     return [
         (e.old_status, e.new_status, e.reason)
-        for e in store.list_events(entity=entity, entity_id=entity_id)
+        for e in store.history.list_events(entity=entity, entity_id=entity_id)
     ]
 
 
@@ -114,14 +114,14 @@ def test_not_found_names_the_field(store: Store) -> None:
     with pytest.raises(NotFound, match=r"^request_id: rollout request 'nope' not found$"):
         store.requests.get("nope")
     with pytest.raises(NotFound, match=r"^device_id: "):
-        store.get_device("cuda:9")
+        store.devices.get("cuda:9")
     with pytest.raises(NotFound, match=r"^worker_id: "):
-        store.set_worker_state("w-x", WorkerState.READY, "")
+        store.workers.set_state("w-x", WorkerState.READY, "")
     with pytest.raises(NotFound, match=r"^job_id: "):
         store.requests.create(_request())
     store.jobs.create(JOB)
     with pytest.raises(NotFound, match=r"^version: drafter version 3 of job 'job-1' not found"):
-        store.get_drafter(JOB.job_id, 3)
+        store.drafters.get(JOB.job_id, 3)
     with pytest.raises(NotFound, match=r"^version: policy version 7"):
         store.policies.get(JOB.job_id, 7)
 
@@ -392,7 +392,7 @@ def test_prune_history_deletes_only_ended_requests_and_events_before_the_cut(
     store.samples.add(replace(_sample(0, 0), request_id="old-done"))
     store.requests.set_status("old-done", RequestStatus.COMPLETED, "all samples")
     store.requests.set_status("old-failed", RequestStatus.FAILED, "bad")
-    before_cut = len(store.list_events(limit=10_000))
+    before_cut = len(store.history.list_events(limit=10_000))
     time.sleep(0.01)
     cut = datetime.now(UTC)
     time.sleep(0.01)
@@ -401,21 +401,21 @@ def test_prune_history_deletes_only_ended_requests_and_events_before_the_cut(
     store.samples.add(replace(_sample(0, 0), request_id="new-done"))
     store.requests.set_status("new-done", RequestStatus.COMPLETED, "all samples")
 
-    assert store.prune_history(cut, budget_seconds=-1) == (0, 0)  # out of time: next run
-    assert store.prune_history(cut, batch=1) == (2, before_cut)  # batch=1: several rounds
+    assert store.history.prune(cut, budget_seconds=-1) == (0, 0)  # out of time: next run
+    assert store.history.prune(cut, batch=1) == (2, before_cut)  # batch=1: several rounds
     for rid in ("old-done", "old-failed"):
         with pytest.raises(NotFound):
             store.requests.get(rid)
     assert store.requests.get("old-open").status is RequestStatus.QUEUED  # open: kept
     assert len(store.samples.list("new-done")) == 1
-    assert store.stats()["samples_total"] == 1
+    assert store.history.stats()["samples_total"] == 1
     assert [e[1] for e in _events(store, "request", "new-done")] == [
         "queued",
         "running",
         "completed",
     ]
     assert _events(store, "request", "old-open") == []  # its events predate the cut
-    assert store.prune_history(cut) == (0, 0)
+    assert store.history.prune(cut) == (0, 0)
 
 
 def test_partial_sample_is_replaced_by_complete_one(store: Store) -> None:
@@ -538,9 +538,9 @@ def _drafter(version: int = 99) -> DrafterVersion:
 
 def test_drafter_numbering_and_active(store: Store) -> None:
     store.jobs.create(JOB)
-    assert store.active_drafter_version(JOB.job_id) == 0
-    d1 = store.add_drafter_version(_drafter())
-    d2 = store.add_drafter_version(_drafter())
+    assert store.drafters.active_version(JOB.job_id) == 0
+    d1 = store.drafters.add(_drafter())
+    d2 = store.drafters.add(_drafter())
     assert (d1.version, d2.version) == (1, 2)  # dv.version is ignored
     assert (d1.status, d1.active, d1.loss, d1.train_steps) == (
         DrafterStatus.CANDIDATE,
@@ -548,47 +548,47 @@ def test_drafter_numbering_and_active(store: Store) -> None:
         0.25,
         100,
     )
-    assert store.active_drafter_version(JOB.job_id) == 0  # candidates are not active
-    store.set_drafter_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "acceptance 3.5")
-    assert store.active_drafter_version(JOB.job_id) == 1
-    store.set_drafter_status(JOB.job_id, 2, DrafterStatus.PROMOTED, "acceptance 4.0")
-    assert store.active_drafter_version(JOB.job_id) == 2
+    assert store.drafters.active_version(JOB.job_id) == 0  # candidates are not active
+    store.drafters.set_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "acceptance 3.5")
+    assert store.drafters.active_version(JOB.job_id) == 1
+    store.drafters.set_status(JOB.job_id, 2, DrafterStatus.PROMOTED, "acceptance 4.0")
+    assert store.drafters.active_version(JOB.job_id) == 2
     assert store.jobs.get(JOB.job_id).drafter_version == 2
     assert [j.drafter_version for j in store.jobs.list()] == [2]
-    assert [d.active for d in store.list_drafters(JOB.job_id)] == [False, True]
-    assert store.get_drafter(JOB.job_id, 2).active
+    assert [d.active for d in store.drafters.list(JOB.job_id)] == [False, True]
+    assert store.drafters.get(JOB.job_id, 2).active
     # Versions are numbered per job.
     store.jobs.create(replace(JOB, job_id="job-2"))
-    assert store.add_drafter_version(replace(_drafter(), job_id="job-2")).version == 1
+    assert store.drafters.add(replace(_drafter(), job_id="job-2")).version == 1
 
 
 def test_pin_unpin_and_retire(store: Store) -> None:
     store.jobs.create(JOB)
     for _ in range(3):
-        store.add_drafter_version(_drafter())
-    store.set_drafter_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "")
-    store.set_drafter_status(JOB.job_id, 2, DrafterStatus.PROMOTED, "")
-    assert store.pin_drafter(JOB.job_id, 1) == 1  # roll back to an older version
+        store.drafters.add(_drafter())
+    store.drafters.set_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "")
+    store.drafters.set_status(JOB.job_id, 2, DrafterStatus.PROMOTED, "")
+    assert store.drafters.pin(JOB.job_id, 1) == 1  # roll back to an older version
     assert store.jobs.get(JOB.job_id).drafter_version == 1
-    assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [True, False, False]
+    assert [d.pinned for d in store.drafters.list(JOB.job_id)] == [True, False, False]
     with pytest.raises(FailedPrecondition, match="^version: drafter version 3 .* candidate"):
-        store.pin_drafter(JOB.job_id, 3)  # not judged yet
-    assert store.pin_drafter(JOB.job_id, 2) == 2  # moves the pin
-    assert [d.pinned for d in store.list_drafters(JOB.job_id)] == [False, True, False]
-    assert store.pin_drafter(JOB.job_id, 0) == 2  # unpin -> newest promoted
-    store.pin_drafter(JOB.job_id, 2)
-    retired = store.set_drafter_status(JOB.job_id, 2, DrafterStatus.RETIRED, "regressed")
+        store.drafters.pin(JOB.job_id, 3)  # not judged yet
+    assert store.drafters.pin(JOB.job_id, 2) == 2  # moves the pin
+    assert [d.pinned for d in store.drafters.list(JOB.job_id)] == [False, True, False]
+    assert store.drafters.pin(JOB.job_id, 0) == 2  # unpin -> newest promoted
+    store.drafters.pin(JOB.job_id, 2)
+    retired = store.drafters.set_status(JOB.job_id, 2, DrafterStatus.RETIRED, "regressed")
     assert (retired.pinned, retired.active) == (False, False)  # retiring drops the pin
-    assert store.active_drafter_version(JOB.job_id) == 1
+    assert store.drafters.active_version(JOB.job_id) == 1
     with pytest.raises(FailedPrecondition, match="^version: drafter version 2 .* retired"):
-        store.pin_drafter(JOB.job_id, 2)
-    store.set_drafter_status(JOB.job_id, 3, DrafterStatus.REJECTED, "worse")
+        store.drafters.pin(JOB.job_id, 2)
+    store.drafters.set_status(JOB.job_id, 3, DrafterStatus.REJECTED, "worse")
     with pytest.raises(FailedPrecondition, match="rejected"):
-        store.pin_drafter(JOB.job_id, 3)
+        store.drafters.pin(JOB.job_id, 3)
     with pytest.raises(NotFound, match="^version: "):
-        store.pin_drafter(JOB.job_id, 42)
+        store.drafters.pin(JOB.job_id, 42)
     with pytest.raises(FailedPrecondition, match="drafter 'job-1/3' cannot go from rejected"):
-        store.set_drafter_status(JOB.job_id, 3, DrafterStatus.PROMOTED, "")
+        store.drafters.set_status(JOB.job_id, 3, DrafterStatus.PROMOTED, "")
     assert ("candidate", "promoted", "") in _events(store, "drafter", "job-1/1")
     assert ("pinned", "unpinned", "retired: regressed") in _events(store, "drafter", "job-1/2")
 
@@ -598,14 +598,14 @@ def test_candidates_left_by_a_crash_are_rejected(store: Store) -> None:
     start-up sweep rejects it (GC can then collect it); judged versions are left alone."""
     store.jobs.create(JOB)
     for _ in range(2):
-        store.add_drafter_version(_drafter())
-    store.set_drafter_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "better")
+        store.drafters.add(_drafter())
+    store.drafters.set_status(JOB.job_id, 1, DrafterStatus.PROMOTED, "better")
     why = "evaluation interrupted by a restart"
-    assert [d.version for d in store.reject_candidate_drafters(why)] == [2]
-    got = store.list_drafters(JOB.job_id)
+    assert [d.version for d in store.drafters.reject_candidates(why)] == [2]
+    got = store.drafters.list(JOB.job_id)
     assert [d.status for d in got] == [DrafterStatus.PROMOTED, DrafterStatus.REJECTED]
     assert ("candidate", "rejected", why) in _events(store, "drafter", "job-1/2")
-    assert store.reject_candidate_drafters(why) == []
+    assert store.drafters.reject_candidates(why) == []
 
 
 # ---- devices and workers ------------------------------------------------------------------
@@ -624,13 +624,13 @@ def _gpu(i: int, **kw) -> Device:
 
 
 def test_device_upsert_preserves_operator_flags(store: Store) -> None:
-    devs = store.upsert_devices([_gpu(0), _gpu(1)])
+    devs = store.devices.upsert([_gpu(0), _gpu(1)])
     assert [d.device_id for d in devs] == ["cuda:0", "cuda:1"]
-    store.set_device_flags("cuda:0", cordoned=True, reason="bad fan")
-    store.set_device_flags("cuda:1", draining=True, reason="maintenance")
-    store.set_device_state("cuda:1", DeviceState.ROLLOUT, "worker w1")
+    store.devices.set_flags("cuda:0", cordoned=True, reason="bad fan")
+    store.devices.set_flags("cuda:1", draining=True, reason="maintenance")
+    store.devices.set_state("cuda:1", DeviceState.ROLLOUT, "worker w1")
     proc = DeviceProcess(pid=4242, used_memory_bytes=1 << 30)
-    devs = store.upsert_devices(
+    devs = store.devices.upsert(
         [
             _gpu(0, memory_used_bytes=5 << 30, utilization=0.5, processes=(proc,)),
             _gpu(1),
@@ -650,17 +650,17 @@ def test_device_upsert_preserves_operator_flags(store: Store) -> None:
         ("", "idle", "discovered"),
         ("schedulable", "cordoned", "bad fan"),
     ]
-    store.set_device_flags("cuda:0", cordoned=False, reason="fixed")
-    assert store.get_device("cuda:0").schedulable
+    store.devices.set_flags("cuda:0", cordoned=False, reason="fixed")
+    assert store.devices.get("cuda:0").schedulable
 
 
 def test_vanished_device_becomes_unavailable_and_returns(store: Store) -> None:
-    store.upsert_devices([_gpu(0), _gpu(1)])
-    store.set_device_flags("cuda:1", cordoned=True, reason="x")
-    d0, d1 = store.upsert_devices([_gpu(0)])
+    store.devices.upsert([_gpu(0), _gpu(1)])
+    store.devices.set_flags("cuda:1", cordoned=True, reason="x")
+    d0, d1 = store.devices.upsert([_gpu(0)])
     assert d1.state == DeviceState.UNAVAILABLE and d1.state_reason
     assert d0.state == DeviceState.IDLE
-    d1 = store.upsert_devices([_gpu(0), _gpu(1)])[1]
+    d1 = store.devices.upsert([_gpu(0), _gpu(1)])[1]
     assert (d1.state, d1.cordoned) == (DeviceState.IDLE, True)
     assert [e[:2] for e in _events(store, "device", "cuda:1")][-2:] == [
         ("idle", "unavailable"),
@@ -671,24 +671,24 @@ def test_vanished_device_becomes_unavailable_and_returns(store: Store) -> None:
 def test_an_unavailable_device_is_made_usable_by_the_inventory_only(store: Store) -> None:
     """Training on a GPU that vanishes: the tick preempts it, and the trainer then gives the
     device back (IDLE). That write must not make the broken GPU schedulable again."""
-    store.upsert_devices([_gpu(0), _gpu(1)])
-    store.set_device_state("cuda:1", DeviceState.TRAINING, "drafter training job-1")
-    store.upsert_devices([_gpu(0)])  # the refresh no longer sees cuda:1
+    store.devices.upsert([_gpu(0), _gpu(1)])
+    store.devices.set_state("cuda:1", DeviceState.TRAINING, "drafter training job-1")
+    store.devices.upsert([_gpu(0)])  # the refresh no longer sees cuda:1
     for state in (DeviceState.IDLE, DeviceState.ROLLOUT, DeviceState.TRAINING):
-        d1 = store.set_device_state("cuda:1", state, "training gave the device back")
+        d1 = store.devices.set_state("cuda:1", state, "training gave the device back")
         assert d1.state == DeviceState.UNAVAILABLE and not d1.schedulable
-    assert store.get_device("cuda:1").state == DeviceState.UNAVAILABLE
+    assert store.devices.get("cuda:1").state == DeviceState.UNAVAILABLE
     assert [e[:2] for e in _events(store, "device", "cuda:1")][-1] == ("training", "unavailable")
-    d1 = store.upsert_devices([_gpu(0), _gpu(1)])[1]  # seen again
+    d1 = store.devices.upsert([_gpu(0), _gpu(1)])[1]  # seen again
     assert d1.state == DeviceState.IDLE and d1.schedulable
-    assert store.set_device_state("cuda:1", DeviceState.ROLLOUT, "w").state == DeviceState.ROLLOUT
+    assert store.devices.set_state("cuda:1", DeviceState.ROLLOUT, "w").state == DeviceState.ROLLOUT
 
 
 def test_foreign_device_reason(store: Store) -> None:
-    store.upsert_devices([_gpu(0)])
-    (d,) = store.upsert_devices([_gpu(0, foreign=True, state_reason="foreign process pid 7")])
+    store.devices.upsert([_gpu(0)])
+    (d,) = store.devices.upsert([_gpu(0, foreign=True, state_reason="foreign process pid 7")])
     assert d.foreign and d.state_reason == "foreign process pid 7" and not d.schedulable
-    (d,) = store.upsert_devices([_gpu(0)])
+    (d,) = store.devices.upsert([_gpu(0)])
     assert not d.foreign and d.state_reason == ""
     assert [e[:2] for e in _events(store, "device", "cuda:0")][-2:] == [
         ("ours", "foreign"),
@@ -697,29 +697,31 @@ def test_foreign_device_reason(store: Store) -> None:
 
 
 def test_worker_lifecycle(store: Store) -> None:
-    w = store.upsert_worker(
+    w = store.workers.upsert(
         Worker(
             worker_id="w0", kind=WorkerKind.ROLLOUT, device_id="cpu:0", job_id=JOB.job_id, pid=123
         )
     )
     assert w.state == WorkerState.STARTING and w.started_at is not None
-    store.upsert_worker(Worker(worker_id="w1", kind=WorkerKind.DRAFTER_TRAINING, device_id="cpu:1"))
-    store.set_worker_state("w0", WorkerState.READY, "loaded")
-    store.set_worker_state("w0", WorkerState.BUSY, "req-1")
-    store.set_worker_state("w0", WorkerState.READY, "done")
+    store.workers.upsert(
+        Worker(worker_id="w1", kind=WorkerKind.DRAFTER_TRAINING, device_id="cpu:1")
+    )
+    store.workers.set_state("w0", WorkerState.READY, "loaded")
+    store.workers.set_state("w0", WorkerState.BUSY, "req-1")
+    store.workers.set_state("w0", WorkerState.READY, "done")
     with pytest.raises(FailedPrecondition, match="worker 'w0' cannot go from ready to stopped"):
-        store.set_worker_state("w0", WorkerState.STOPPED, "")
-    store.set_worker_state("w0", WorkerState.STOPPING, "shutdown")
-    store.set_worker_state("w0", WorkerState.STOPPED, "exited 0")
+        store.workers.set_state("w0", WorkerState.STOPPED, "")
+    store.workers.set_state("w0", WorkerState.STOPPING, "shutdown")
+    store.workers.set_state("w0", WorkerState.STOPPED, "exited 0")
     with pytest.raises(FailedPrecondition):
-        store.set_worker_state("w0", WorkerState.READY, "")
+        store.workers.set_state("w0", WorkerState.READY, "")
     # A stopped worker slot can be started again (a restart), with a new pid.
-    w = store.upsert_worker(replace(w, pid=456, state=WorkerState.STARTING))
+    w = store.workers.upsert(replace(w, pid=456, state=WorkerState.STARTING))
     assert (w.state, w.pid) == (WorkerState.STARTING, 456)
-    hb = store.heartbeat_worker("w0")
+    hb = store.workers.heartbeat("w0")
     assert hb.last_heartbeat is not None
-    assert [x.worker_id for x in store.list_workers()] == ["w0", "w1"]
-    assert [x.worker_id for x in store.list_workers("cpu:1")] == ["w1"]
+    assert [x.worker_id for x in store.workers.list()] == ["w0", "w1"]
+    assert [x.worker_id for x in store.workers.list("cpu:1")] == ["w1"]
     assert [e[1] for e in _events(store, "worker", "w0")] == [
         "starting",
         "ready",
@@ -729,8 +731,8 @@ def test_worker_lifecycle(store: Store) -> None:
         "stopped",
         "starting",
     ]
-    store.set_worker_state("w1", WorkerState.FAILED, "crashed")
-    assert store.get_worker("w1").state_reason == "crashed"
+    store.workers.set_state("w1", WorkerState.FAILED, "crashed")
+    assert store.workers.get("w1").state_reason == "crashed"
 
 
 # ---- events and stats ---------------------------------------------------------------------
@@ -740,16 +742,18 @@ def test_list_events_filters_and_limit(store: Store) -> None:
     store.jobs.create(JOB)
     for i in range(3):
         store.requests.create(_request(f"r{i}"))
-    events = store.list_events()
+    events = store.history.list_events()
     assert [e.entity for e in events] == ["job", "request", "request", "request"]
     ids = [e.event_id for e in events]
     assert ids == sorted(ids)
-    assert [e.entity_id for e in store.list_events(limit=2)] == ["r1", "r2"]  # latest two
-    assert [e.entity_id for e in store.list_events(entity="request", entity_id="r0")] == ["r0"]
+    assert [e.entity_id for e in store.history.list_events(limit=2)] == ["r1", "r2"]  # latest two
+    assert [e.entity_id for e in store.history.list_events(entity="request", entity_id="r0")] == [
+        "r0"
+    ]
 
 
 def test_stats(store: Store) -> None:
-    empty = store.stats()
+    empty = store.history.stats()
     assert empty["samples_total"] == 0 and empty["mean_accepted_length"] == 0.0
     assert empty["requests_by_status"] == {s.value: 0 for s in RequestStatus}
     store.jobs.create(JOB)
@@ -762,7 +766,7 @@ def test_stats(store: Store) -> None:
     store.samples.add(_sample(0, 0, tokens=(1, 2, 3), speculative=SpeculativeStats(2, 0, 4, 2.0)))
     store.samples.add(_sample(0, 1, tokens=(1,) * 10, speculative=SpeculativeStats(6, 1, 24, 4.0)))
     store.samples.add(_sample(1, 0, tokens=(1, 2)))
-    stats = store.stats()
+    stats = store.history.stats()
     assert stats["requests_by_status"]["queued"] == 1
     assert stats["requests_by_status"]["running"] == 1
     assert stats["samples_total"] == 3

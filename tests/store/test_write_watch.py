@@ -33,12 +33,12 @@ def _moves(store: Store, write) -> bool:
 def test_writes_to_jobs_devices_and_drafters_move_the_count(store: Store) -> None:
     assert _moves(store, lambda: store.jobs.create(JOB))
     device = cpu_devices(1)[0]
-    assert _moves(store, lambda: store.upsert_devices([device]))
+    assert _moves(store, lambda: store.devices.upsert([device]))
     assert _moves(
-        store, lambda: store.set_device_state(device.device_id, DeviceState.ROLLOUT, "busy")
+        store, lambda: store.devices.set_state(device.device_id, DeviceState.ROLLOUT, "busy")
     )
     dv = DrafterVersion(JOB.job_id, 1, 0, "/d/1", status=DrafterStatus.PROMOTED)
-    assert _moves(store, lambda: store.add_drafter_version(dv))
+    assert _moves(store, lambda: store.drafters.add(dv))
     assert _moves(store, lambda: store.jobs.set_status(JOB.job_id, JobStatus.CANCELLED, "done"))
 
 

@@ -128,7 +128,7 @@ def new_trainer(
     policy = store.policies.get(job_id, policy_version)
     start_from, start_step = None, 0
     if active_drafter:
-        dv = store.get_drafter(job_id, active_drafter)
+        dv = store.drafters.get(job_id, active_drafter)
         if dv.readable_on(store.node_id) and Path(dv.path).is_dir():
             start_from = dv.path
             start_step = dv.train_steps if taken_over else 0

@@ -150,7 +150,7 @@ class DrafterTraining:
                     run.round.open = False  # not resumed at once either: it waits the cadence
                 return
         job = await asyncio.to_thread(self.store.jobs.get, job_id)
-        device = await asyncio.to_thread(self.store.get_device, device_id)
+        device = await asyncio.to_thread(self.store.devices.get, device_id)
         torch_device = "cpu" if device.kind is DeviceKind.CPU else device_id
         self._last_start[job_id] = time.monotonic()
         self.samples.fresh[job_id] = 0
@@ -195,7 +195,7 @@ class DrafterTraining:
             return
         try:
             job = await asyncio.to_thread(self.store.jobs.get, job_id)
-            devices = await asyncio.to_thread(self.store.list_devices)
+            devices = await asyncio.to_thread(self.store.devices.list)
         except Exception:  # an optimisation: the first round starts its trainer anyway
             log.warning("no warm start for the drafter trainer", exc_info=True,
                         extra={"job_id": job_id})  # fmt: skip
@@ -537,7 +537,7 @@ class DrafterTraining:
         if not self.cluster or self._runs.get(run.job_id) is not run:
             return
         if self.leases.forget_if_held(run.job_id, run.lease.epoch):
-            release = self.store.release_drafter_lease
+            release = self.store.drafter_leases.release
             await self.records.write(release, run.job_id, run.lease.epoch)
 
     # ---- helpers --------------------------------------------------------------------------

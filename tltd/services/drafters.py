@@ -27,13 +27,13 @@ class DrafterService:
         """All versions of a job's drafter and the version workers use now (0 = none)."""
         check_id(job_id, "job_id")
         self.store.jobs.get(job_id)  # NotFound for an unknown job, not an empty list
-        return self.store.list_drafters(job_id), self.store.active_drafter_version(job_id)
+        return self.store.drafters.list(job_id), self.store.drafters.active_version(job_id)
 
     def get(self, job_id: str, version: int) -> DrafterVersion:
         check_id(job_id, "job_id")
         if version < 1:
             raise InvalidArgument("must be >= 1", field="version")
-        return self.store.get_drafter(job_id, version)
+        return self.store.drafters.get(job_id, version)
 
     def pin(self, job_id: str, version: int) -> tuple[DrafterVersion | None, int]:
         """Pin a version (0 unpins); returns the pinned drafter (None when unpinned) and the
@@ -41,9 +41,9 @@ class DrafterService:
         check_id(job_id, "job_id")
         self.store.jobs.get(job_id)
         if version:
-            self.store.get_drafter(job_id, version)  # NotFound names the version
-        active = self.store.pin_drafter(job_id, version)
-        return (self.store.get_drafter(job_id, version) if version else None), active
+            self.store.drafters.get(job_id, version)  # NotFound names the version
+        active = self.store.drafters.pin(job_id, version)
+        return (self.store.drafters.get(job_id, version) if version else None), active
 
     def export(
         self, job_id: str, version: int, output_dir: str, fmt: str = ""

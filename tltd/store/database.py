@@ -39,7 +39,7 @@ class Database:
     """One engine and its sessions, shared by the store's repositories: each of their calls is
     one short transaction (`tx`). `node_id` names the node whose devices and workers the
     repositories read and write; `epoch` is its fencing token, set when the node joins
-    (`NodeRegistry.join_node`; 0: not joined)."""
+    (`NodeRegistry.join`; 0: not joined)."""
 
     def __init__(self, url: str, node_id: str) -> None:
         self.url = url

@@ -45,16 +45,9 @@ from tltd.store.sessions import SessionRecords
 from tltd.store.workers import WorkerRecords
 
 
-class Store(
-    DrafterVersions,
-    DrafterLeases,
-    NodeRegistry,
-    DeviceInventory,
-    WorkerRecords,
-    SessionRecords,
-    History,
-):
-    """All persistent state of the daemon; tables come from `tltd.store.migrate.upgrade`.
+class Store:
+    """All persistent state of the daemon, as repositories over one database; tables come
+    from `tltd.store.migrate.upgrade`.
 
     `node_id` names the node whose devices and workers this store reads and writes (default:
     the host name); `epoch` is set when the node joins (`nodes.join`)."""
@@ -69,6 +62,13 @@ class Store(
         self.samples = SampleRecords(db, self.leases)
         self.sample_batches = SampleBatches(db, self.samples, self.leases)
         self.deliveries = GroupDeliveries(db)
+        self.drafters = DrafterVersions(db)
+        self.drafter_leases = DrafterLeases(db)
+        self.nodes = NodeRegistry(db)
+        self.devices = DeviceInventory(db)
+        self.workers = WorkerRecords(db)
+        self.sessions = SessionRecords(db)
+        self.history = History(db)
 
     @property
     def url(self) -> str:
@@ -81,10 +81,6 @@ class Store(
     @property
     def epoch(self) -> int:
         return self.db.epoch
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self.db.epoch = value
 
     @property
     def dialect(self) -> str:

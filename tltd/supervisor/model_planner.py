@@ -264,13 +264,13 @@ class ModelPlanner:
         """`active` when this node can read it; else the newest promoted version it can read
         (one it trained itself, one on shared storage), else none, looked at again after
         `_DRAFTER_RECHECK_SECONDS`. Why the active one is not run is logged once."""
-        dv = self.store.get_drafter(job_id, active)
+        dv = self.store.drafters.get(job_id, active)
         why = self._unreadable(dv)
         if why is None:
             return active, dv.path, math.inf
         readable = [
             v
-            for v in self.store.list_drafters(job_id)
+            for v in self.store.drafters.list(job_id)
             if v.version != active
             and v.status is DrafterStatus.PROMOTED
             and self._unreadable(v) is None

@@ -171,7 +171,7 @@ class UnitLeases:
         return self._others[1]
 
     def _others_up(self) -> bool:
-        nodes = self.store.list_nodes(self.settings.node_down_seconds)
+        nodes = self.store.nodes.list(self.settings.node_down_seconds)
         return any(n.status is NodeStatus.UP and n.node_id != self.store.node_id for n in nodes)
 
     async def renew(self) -> set[tuple[str, int]]:

@@ -203,4 +203,4 @@ def add_samples(store: Store, samples: list[Sample]) -> None:
 
 def upsert_worker(store: Store, worker: Worker) -> None:
     """A restart goes FAILED/STOPPED -> STARTING; the store checks every other move."""
-    store.record_worker(worker)
+    store.workers.record(worker)
