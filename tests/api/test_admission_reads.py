@@ -27,7 +27,7 @@ def test_admission_uses_the_ticks_read_until_a_write(store: Store, tmp_path: Pat
 
     reads = []
     real = store.jobs.job_and_devices
-    store.job_and_devices = lambda job_id: reads.append(job_id) or real(job_id)
+    store.jobs.job_and_devices = lambda job_id: reads.append(job_id) or real(job_id)
     assert services.rollouts.prepare(req).request_id == "r1"
     assert reads == []  # the tick's read served it
 

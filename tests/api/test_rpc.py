@@ -426,7 +426,7 @@ def test_cancel_job_again_cancels_requests_left_open(client, daemon, model_dir):
 
 def test_cancel_job_cancels_more_than_a_thousand_open_requests(sqlite_store, tmp_path, model_dir):
     # SQLite only: 2000 short transactions take seconds more on PostgreSQL, and the defect
-    # (list_requests' default limit of 1000) was the same on both.
+    # (`store.requests.list`' default limit of 1000) was the same on both.
     store = sqlite_store
     d = DaemonThread(make_settings(tmp_path), store).start()
     try:

@@ -64,7 +64,7 @@ def test_the_answer_goes_out_before_the_request_end_is_recorded(http_daemon, mon
         return finish_unit(*args, **kwargs)
 
     monkeypatch.setattr(store.leases, "finish_unit", held)
-    # A sample's own transaction records its unit's end when it can (`store_samples`): here
+    # A sample's own transaction records its unit's end when it can (`sample_batches.store`): here
     # the node's own write does, the one that is held.
     monkeypatch.setattr(store.leases, "end_unit_if_complete", lambda *args: None)
     try:

@@ -23,21 +23,21 @@ from tltd_clients.errors import FailedPreconditionError, UnavailableError
 CANCELLED = rollout_pb2.FINISH_REASON_CANCELLED
 
 
-def _slow(monkeypatch, store, name: str, seconds: float) -> None:
-    """Widen an admission window: the store call `name` takes `seconds` longer."""
-    real = getattr(store, name)
+def _slow(monkeypatch, repo, name: str, seconds: float) -> None:
+    """Widen an admission window: the repository call `name` takes `seconds` longer."""
+    real = getattr(repo, name)
 
     def slow(*args):
         time.sleep(seconds)
         return real(*args)
 
-    monkeypatch.setattr(store, name, slow)
+    monkeypatch.setattr(repo, name, slow)
 
 
-def _held(monkeypatch, store, name: str) -> tuple[threading.Event, threading.Event]:
-    """Hold an admission inside the store call `name`: (entered, release); the call waits for
+def _held(monkeypatch, repo, name: str) -> tuple[threading.Event, threading.Event]:
+    """Hold an admission inside the repository call `name`: (entered, release); the call waits for
     `release` (at most 30 s) once `entered` is set."""
-    real = getattr(store, name)
+    real = getattr(repo, name)
     entered, release = threading.Event(), threading.Event()
 
     def held(*args):
@@ -45,7 +45,7 @@ def _held(monkeypatch, store, name: str) -> tuple[threading.Event, threading.Eve
         release.wait(30)
         return real(*args)
 
-    monkeypatch.setattr(store, name, held)
+    monkeypatch.setattr(repo, name, held)
     return entered, release
 
 
@@ -61,7 +61,7 @@ def test_caller_gone_during_admission_still_runs_the_request(sqlite_daemon, ckpt
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        _slow(monkeypatch, d.store, "admit_request", 1.0)
+        _slow(monkeypatch, d.store.requests, "admit", 1.0)
         with pytest.raises(Exception, match="(?i)deadline"):
             list(c.generate("job", PROMPTS, sampling=sampling(n=2, max_new_tokens=4),
                             request_id="gone", timeout=0.3))  # fmt: skip
@@ -75,7 +75,7 @@ def test_node_drain_during_admission_fails_the_request_at_once(sqlite_daemon, ck
     with d.client() as c, d.client() as c2:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        storing, release = _held(monkeypatch, d.store, "admit_request")
+        storing, release = _held(monkeypatch, d.store.requests, "admit")
         try:
             stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=8),
                             request_id="late", timeout=20)  # fmt: skip

@@ -257,7 +257,7 @@ def test_a_store_error_on_the_final_status_is_retried_before_the_stream_ends(
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(1)
             # The unit's record is the write that ends the request (its last unit). A sample's
-            # own transaction records it when it can (`store_samples`): not here, so that the
+            # own transaction records it when it can (`sample_batches.store`): not here, so that the
             # node's write is the one that fails.
             sqlite_store.leases.end_unit_if_complete = lambda *args: None
             real, failures = sqlite_store.leases.finish_unit, []

@@ -1,5 +1,5 @@
-"""Group-committed sample writes (`store.sample_batches.add`) follow `add_sample`'s rules sample by
-sample, on SQLite and PostgreSQL."""
+"""Group-committed sample writes (`store.sample_batches.add`) follow `store.samples.add`'s rules
+sample by sample, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 

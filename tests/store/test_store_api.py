@@ -491,7 +491,7 @@ def test_request_records_the_policy_version_it_was_accepted_on(store: Store) -> 
 def test_cancel_job_racing_create_request_leaves_no_open_request(
     store: Store, tmp_path, monkeypatch
 ) -> None:
-    """create_request paused after it found the job ACTIVE, CancelJob meanwhile: the cancel
+    """`requests.create` paused after it found the job ACTIVE, CancelJob meanwhile: the cancel
     waits for the request (PostgreSQL: the job row is share-locked) and cancels it."""
     from tests.api.support import make_settings
     from tltd.services import build_services

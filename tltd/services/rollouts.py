@@ -292,7 +292,7 @@ class RolloutService:
         self, req: RolloutRequest, speculative: SpeculativeMode | None, sup: Supervisor
     ) -> tuple[Created, Job]:
         """`prepare`, the request's seed (fixed by its id when it gave none), then the store's
-        `admit_request` with what this node may lease to itself (`admission_claim`), refused
+        `store.requests.admit` with what this node may lease to itself (`admission_claim`), refused
         while its job is paused (JobPaused)."""
         req, job = self._prepared(req, speculative)
         if req.sampling.seed is None:

@@ -106,7 +106,7 @@ class DeviceInventory:
     def set_state(self, device_id: str, new: DeviceState, reason: str) -> Device:
         """Record what a device is doing (idle/rollout/training/unavailable), with an event.
         An UNAVAILABLE device stays so: only an inventory refresh that sees it again
-        (`upsert_devices`) makes it usable, not a worker or trainer giving it back (whose
+        (`upsert`) makes it usable, not a worker or trainer giving it back (whose
         write may land after the refresh that found it broken)."""
         with self.db.tx() as s:
             row = self._device_row(s, device_id)
@@ -120,7 +120,7 @@ class DeviceInventory:
 
 
 def _refresh_device(s: Session, row: DeviceRow, d: Device, now: datetime) -> None:
-    """Decide state/state_reason of a known device from an observation (see upsert_devices)."""
+    """Decide state/state_reason of a known device from an observation (see `upsert`)."""
     if row.state == DeviceState.UNAVAILABLE or d.state == DeviceState.UNAVAILABLE:
         if row.state != d.state:
             record_event(

@@ -105,7 +105,7 @@ class DrafterVersions:
     def retire(self, job_id: str, versions: Sequence[int], reason: str) -> list[DrafterVersion]:
         """Retire those of `versions` that are, at the moment of the write, evaluated
         (promoted or rejected), unpinned and not the active one; returns the retired ones
-        (only their checkpoints may be deleted). The job row is locked as `pin_drafter` locks
+        (only their checkpoints may be deleted). The job row is locked as `pin` locks
         it, so a pin lands either before (its version is kept) or after (refused: a retired
         version cannot be pinned), never in between a read of the pins and the retire."""
         if not versions:

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class NodeRegistry:
-    """The nodes: joins, heartbeats, drains and cordons."""
+    """The nodes: a join takes a new epoch (this node's fencing token, kept on the database:
+    0 until it joins), heartbeats, drains and cordons."""
 
     def __init__(self, db: Database) -> None:
         self.db = db

@@ -48,7 +48,7 @@ def running_on(worker_id: str) -> str:
 
 
 class JobPaused(Exception):
-    """create_request(unless_paused=True) stored nothing: the request's job is paused."""
+    """`create(unless_paused=True)` stored nothing: the request's job is paused."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class AdmissionClaim:
 
 @dataclass(frozen=True)
 class Created:
-    """create_request's answer: the stored request, whether this call created it, and the
+    """`create`'s answer: the stored request, whether this call created it, and the
     units it leased to this node (`AdmissionClaim`; none for a retry)."""
 
     request: RolloutRequest
@@ -72,7 +72,7 @@ class Created:
 
 
 class _AdmissionStatements:
-    """admit_request's statements, built once per store (see sample_batches._Statements)."""
+    """`admit`'s statements, built once per store (see sample_batches._Statements)."""
 
     def __init__(self, dialect: str) -> None:
         jobs, pauses = JobRow.__table__, JobPauseRow.__table__
@@ -101,7 +101,7 @@ class RolloutRequests:
     def create(
         self, req: RolloutRequest, unless_paused: bool = False
     ) -> tuple[RolloutRequest, bool]:
-        """Queue a rollout request; idempotent on request_id (see create_job): a retry gets
+        """Queue a rollout request; idempotent on request_id (see `JobRecords.create`): a retry gets
         the stored request (False), whatever its job's state. Otherwise the job must exist
         (NotFound) and be active (FailedPrecondition), and with `unless_paused` not be paused
         (JobPaused: nothing stored)."""
@@ -114,7 +114,7 @@ class RolloutRequests:
         unless_paused: bool = False,
         claim: AdmissionClaim | None = None,
     ) -> Created:
-        """`create_request`; with `claim` (on a joined node) the new request's first units
+        """`create`; with `claim` (on a joined node) the new request's first units
         whose samples fit its capacity are leased to this node in the same transaction, as
         `claim_units` would lease them: the node that admitted the request runs them without
         claiming them and reading back what it just wrote. The other units are queued for
@@ -254,7 +254,7 @@ class RolloutRequests:
             return [convert.request_from_row(r) for r in s.scalars(q.limit(limit)).all()]
 
     def mark_running(self, request_id: str, reason: str) -> bool:
-        """QUEUED -> RUNNING with its event, as `set_request_status` records it; True when it
+        """QUEUED -> RUNNING with its event, as `set_status` records it; True when it
         moved. Any other status stands (RUNNING already, or ended meanwhile). Two statements,
         nothing read back: a node calls it once per request it starts. Other nodes are not
         notified: a request starting changes nothing their streams send or their units do."""

@@ -37,13 +37,13 @@ from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 # Prompt indices at or past this are out of range of any request (and of SQL integers).
 _MAX_INDEX = 1 << 31
 
-# What add_samples says of each sample: stored (True), a duplicate (False), or why not.
+# What `add` says of each sample: stored (True), a duplicate (False), or why not.
 Outcome = bool | TltError
 
 
 @dataclass
 class StoredBatch:
-    """`store_samples`' answer: per sample its `Outcome`; per unit a sample of the batch
+    """`store`'s answer: per sample its `Outcome`; per unit a sample of the batch
     completed, the unit's end recorded in the same transaction."""
 
     outcomes: list[Outcome]
@@ -99,7 +99,7 @@ class SampleBatches:
         return _Statements(self.db.dialect)
 
     def add(self, samples: Sequence[Sample]) -> list[Outcome]:
-        """Store `samples` in one transaction; per sample what `add_sample` would return
+        """Store `samples` in one transaction; per sample what `SampleRecords.add` would return
         (True stored, False a duplicate), or the error it would raise (InvalidArgument,
         NotFound, Fenced) for that sample alone. A database error raises for all of them:
         none is stored."""
@@ -108,7 +108,7 @@ class SampleBatches:
     def store(
         self, samples: Sequence[Sample], end_units: bool = False, worker_id: str = ""
     ) -> StoredBatch:
-        """`add_samples`; with `end_units`, a held unit whose samples are now all stored and
+        """`add`; with `end_units`, a held unit whose samples are now all stored and
         complete is also recorded done in the same transaction (with the request's final
         status when it was its last open unit), as `finish_unit` would with no outcome
         decided on the node: one transaction less per unit. A request still QUEUED (its
@@ -134,7 +134,7 @@ class SampleBatches:
                         s, rid, items, out, now, ends if end_units else None, worker_id
                     )
         except IntegrityError:
-            # Only a concurrent insert of one of these keys gets here (see add_sample): the
+            # Only a concurrent insert of one of these keys gets here (see `SampleRecords.add`): the
             # batch rolled back; each sample alone then says which were stored elsewhere.
             outcomes = [
                 o if o is not None else self._one(x) for x, o in zip(samples, out, strict=True)
@@ -178,13 +178,13 @@ class SampleBatches:
             key = (sample.prompt_index, sample.sample_index)
             existing = stored.get(key)
             if existing is not None and (ended or not replaces(existing[1], existing[2], sample)):
-                out[i] = False  # a duplicate, or a replacement too late (see add_sample)
+                out[i] = False  # a duplicate, or a replacement too late (see `SampleRecords.add`)
                 continue
             row = convert.sample_columns(sample)
             row["created_at"] = now
             if existing is not None:
                 # The complete sample that replaces a partial one takes a new, larger row id,
-                # as add_sample explains.
+                # as `SampleRecords.add` explains.
                 conn.execute(sr.__table__.delete().where(sr.id == existing[0]))
                 if self.db.dialect == "sqlite":
                     row["id"] = int(conn.scalar(select(func.max(sr.id))) or 0) + 1
@@ -218,7 +218,7 @@ class SampleBatches:
         done: int,
         worker_id: str,
     ) -> bool:
-        """With `ends`, the units these samples completed recorded done (see store_samples);
+        """With `ends`, the units these samples completed recorded done (see `store`);
         True when that ended the request."""
         if ends is None or not done:
             return False

@@ -36,7 +36,7 @@ class WorkerRecords:
     def record(self, worker: Worker) -> Worker:
         """The supervisor's record of one of its workers, in one transaction: the same state
         again keeps its started_at; a STARTING over a process not stopped or failed records
-        that one FAILED first ("replaced by a new process"); then as `upsert_worker`."""
+        that one FAILED first ("replaced by a new process"); then as `upsert`."""
         with self.db.tx() as s:
             row = s.get(WorkerRow, (self.db.node_id, worker.worker_id))
             if row is not None and row.state == worker.state:

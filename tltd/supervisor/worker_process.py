@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # on_message(handle, generation, message, stored, end): stored is None when a Finished sample
-# could not be persisted (then it is not streamed but run again), else what `add_samples` said
-# of it; end is its unit's end when the sample's transaction recorded it (`store_samples`).
+# could not be persisted (then it is not streamed but run again), else what `SampleBatches.add` said
+# of it; end is its unit's end when the sample's transaction recorded it (`SampleBatches.store`).
 OnMessage = Callable[["WorkerHandle", int, msg.FromWorker, "bool | None", "UnitEnd | None"], None]
 OnExit = Callable[["WorkerHandle", int], None]
 
@@ -283,7 +283,7 @@ def _ends_request(item: _Reported) -> bool:
 
 
 def _stored(sample: Sample, result: object) -> bool | None:
-    """add_samples' word on one sample as the loop takes it: None = not persisted."""
+    """`SampleBatches.add`'s word on one sample as the loop takes it: None = not persisted."""
     if isinstance(result, bool):
         return result
     rid = sample.request_id
