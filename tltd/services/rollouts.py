@@ -179,11 +179,8 @@ class RolloutService:
             stored, created = await self._admit_when_open(req, speculative, sup)
             METRICS.observe_admission(time.perf_counter() - started)
             if stored.bound_groups:  # asynchronous RL: whole groups until the bound
-                poll = self.settings.bound_poll_seconds
-                async for samples in follow_bounded(self.store, stored, events, poll):
+                async for samples in self._follow_bounded(sup, stored, created, events):
                     yield samples
-                if stored.bound_park:  # the rest waits for the job's next carried request
-                    await sup.park(rid)
                 return
             # A request this call created has nothing stored before the subscription: what
             # this node stores arrives on it, what others store wakes it (or the poll does).
@@ -191,6 +188,27 @@ class RolloutService:
                 yield samples
         finally:
             sup.unsubscribe(rid, events)
+
+    async def _follow_bounded(
+        self,
+        sup: Supervisor,
+        stored: RolloutRequest,
+        created: bool,
+        events: asyncio.Queue[StreamEvent],
+    ) -> AsyncIterator[list[Sample]]:
+        """A bounded request's groups until its bound; with `bound_park`, then park the rest,
+        unless this call only re-sent what an earlier one sent (that one parked: its prompts
+        may run again by now, for a later carried request)."""
+        sent_before = 0
+        if stored.bound_park and not created:
+            sent_before = len(await asyncio.to_thread(self.store.sent_groups, stored.request_id))
+        sent_now = 0
+        poll = self.settings.bound_poll_seconds
+        async for samples in follow_bounded(self.store, stored, events, poll):
+            sent_now += len({(x.request_id, x.prompt_index) for x in samples})
+            yield samples
+        if stored.bound_park and (created or sent_now > sent_before):
+            await sup.park(stored.request_id)
 
     async def _follow(
         self,
