@@ -201,7 +201,8 @@ class RolloutService:
         may run again by now, for a later carried request)."""
         sent_before = 0
         if stored.bound_park and not created:
-            sent_before = len(await asyncio.to_thread(self.store.sent_groups, stored.request_id))
+            sent = await asyncio.to_thread(self.store.deliveries.sent_groups, stored.request_id)
+            sent_before = len(sent)
         sent_now = 0
         poll = self.settings.bound_poll_seconds
         async for samples in follow_bounded(self.store, stored, events, poll):
