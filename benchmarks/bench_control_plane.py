@@ -402,7 +402,7 @@ def sql_floor(url: str, prompt: list[int], n: int, requests: int) -> float:
     upgrade(url)
     store = Store(url)
     try:
-        store.create_job(Job(job_id=JOB, model_path=str(MODEL)))
+        store.jobs.create(Job(job_id=JOB, model_path=str(MODEL)))
         sample_row = _columns(convert.sample_to_row(sample_from_response(canned_response(1))))
         times = []
         for i in range(requests + 2):
@@ -410,7 +410,7 @@ def sql_floor(url: str, prompt: list[int], n: int, requests: int) -> float:
             req = RolloutRequest(rid, JOB, (tuple(prompt),), SamplingParams(n=n, seed=i))
             req_row = _columns(convert.request_to_row(req))
             t0 = time.perf_counter()
-            with store.engine.begin() as conn:
+            with store.db.engine.begin() as conn:
                 conn.execute(insert(RolloutRequestRow), [{
                     **req_row, "status": "queued", "status_reason": "", "samples_done": 0,
                     "policy_version": 0, "created_at": now, "updated_at": now}])  # fmt: skip
@@ -461,19 +461,19 @@ def store_stream_micro(
     store = Store(url, node_id="bench")
     template = sample_from_response(canned_response(tokens))
     try:
-        store.create_job(Job(job_id=JOB, model_path=str(MODEL)))
+        store.jobs.create(Job(job_id=JOB, model_path=str(MODEL)))
         n = 16
         write_cpu = read_cpu = 0.0
         request_prompts = ((1, 2, 3),) if prompts == 1 else (tuple(range(4, 204)),) * prompts
         for r in range(max(1, samples // n)):
             rid = f"micro-{r}"
-            store.create_request(RolloutRequest(
+            store.requests.create(RolloutRequest(
                 rid, JOB, request_prompts, SamplingParams(n=n, max_new_tokens=tokens)))  # fmt: skip
             batch = [_replace_sample(template, request_id=rid, sample_index=s) for s in range(n)]
             c0 = time.process_time()
             add_samples(store, batch)
             c1 = time.process_time()
-            _, _, got, _ = store.stream_state(rid, 0)
+            _, _, got, _ = store.leases.stream_state(rid, 0)
             wire = [m.SerializeToString() for m in generate_batch_responses(got)]
             c2 = time.process_time()
             assert len(got) == n and wire

@@ -114,7 +114,7 @@ class Daemon:
     async def start(self) -> None:
         settings, loop = self.settings, asyncio.get_running_loop()
         # First: the epoch fences every write below that depends on what this node owns.
-        await asyncio.to_thread(self.store.join_node, settings.address, settings.node_down_seconds)
+        await asyncio.to_thread(self.store.nodes.join, settings.address, settings.node_down_seconds)
         devices = await asyncio.to_thread(
             refresh_devices, self.store, self.nvml, settings.cpu_slots
         )
@@ -122,7 +122,7 @@ class Daemon:
         # A drafter evaluation a crash interrupted left its version a candidate: never pinned,
         # never collected, unless rejected.
         await asyncio.to_thread(
-            self.store.reject_candidate_drafters, "evaluation interrupted by a restart"
+            self.store.drafters.reject_candidates, "evaluation interrupted by a restart"
         )
         await self.supervisor.start()  # re-queues what a crashed daemon left open
         # Pushes a previous run was receiving cannot resume: their progress was in its memory.
@@ -131,7 +131,7 @@ class Daemon:
             self.listener = Listener(
                 self.store.url,
                 lambda ch, rid, own: loop.call_soon_threadsafe(self._on_notify, ch, rid, own),
-                self.store.own_backends,
+                self.store.db.own_backends,
             ).start()
         # `tltctl drain --node`: stop admitting and drain the workers, keep serving reads.
         self.node.on_draining(lambda: loop.call_soon_threadsafe(self._drain_node))
@@ -186,7 +186,7 @@ class Daemon:
         self.supervisor.on_notify(channel, payload, own)
 
     def _check_requests(self) -> None:
-        requested = self.store.requested_drain()
+        requested = self.store.nodes.requested_drain()
         if requested is not None:
             self._drain_requested(*requested)
 
@@ -243,7 +243,7 @@ class Daemon:
         if self.listener is not None:
             await asyncio.to_thread(self.listener.stop)
         try:
-            await asyncio.to_thread(self.store.leave_node)
+            await asyncio.to_thread(self.store.nodes.leave)
         except Exception:  # the database may be what failed; the node then shows DOWN
             log.warning("cannot record the node as left", exc_info=True)
         if self.metrics is not None:

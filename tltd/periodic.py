@@ -43,7 +43,7 @@ _NOTICE_MTIME_SLACK_SECONDS = 2.0
 def our_pids(store: Store) -> set[int]:
     """The daemon, its workers and every descendant of them (SGLang runs the model in its own
     subprocesses): their GPU use does not make a device foreign."""
-    return with_descendants({os.getpid()} | {w.pid for w in store.list_workers() if w.pid})
+    return with_descendants({os.getpid()} | {w.pid for w in store.workers.list() if w.pid})
 
 
 def with_descendants(pids: set[int], proc: str = "/proc") -> set[int]:
@@ -76,7 +76,7 @@ def with_descendants(pids: set[int], proc: str = "/proc") -> set[int]:
 
 def refresh_devices(store: Store, nvml: Nvml | None, cpu_slots: int) -> list[Device]:
     """Re-read the device inventory and store it (cordon/drain flags are kept by the store)."""
-    devices = store.upsert_devices(discover(nvml, cpu_slots, our_pids(store)))
+    devices = store.devices.upsert(discover(nvml, cpu_slots, our_pids(store)))
     log.debug("devices refreshed", extra={"devices": len(devices)})
     return devices
 
@@ -88,13 +88,13 @@ def roll_up_metrics(store: Store, metrics: Metrics = METRICS) -> None:
     # Read before the jobs: a job with gauges by now and not listed active below has ended
     # (one created meanwhile is not in this set, so it cannot be dropped by mistake).
     had_gauges = metrics.job_ids()
-    for device in store.list_devices():
+    for device in store.devices.list():
         metrics.set_device_state(device.device_id, device.state.value)
-    unfinished = store.list_requests(list(OPEN_STATUSES), limit=100_000)
+    unfinished = store.requests.list(list(OPEN_STATUSES), limit=100_000)
     depth: dict[str, int] = {}
     for req in unfinished:
         depth[req.job_id] = depth.get(req.job_id, 0) + req.samples_total - req.samples_done
-    active = store.list_jobs([JobStatus.ACTIVE], limit=10_000)
+    active = store.jobs.list([JobStatus.ACTIVE], limit=10_000)
     for job in active:
         metrics.set_queue_depth(job.job_id, depth.get(job.job_id, 0))
         metrics.set_policy_version(job.job_id, job.policy_version)
@@ -181,7 +181,7 @@ def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, in
     elsewhere are never deleted), whichever node retired it. Returns the (job id, version)
     pairs this call retired."""
     retired: list[tuple[str, int]] = []
-    with store.cluster_lock("drafter-gc") as mine:
+    with store.nodes.cluster_lock("drafter-gc") as mine:
         if mine:
             retired = _retire_drafters(store, keep)
         else:
@@ -195,17 +195,17 @@ def gc_drafters(store: Store, keep: int, root: str | Path) -> list[tuple[str, in
 def _retire_drafters(store: Store, keep: int) -> list[tuple[str, int]]:
     why = f"garbage-collected: not among the newest {keep}, not pinned, not active"
     retired = []
-    for job in store.list_jobs(None, 1 << 30):
+    for job in store.jobs.list(None, 1 << 30):
         versions = [
             v
-            for v in store.list_drafters(job.job_id)
+            for v in store.drafters.list(job.job_id)
             if v.status in (DrafterStatus.PROMOTED, DrafterStatus.REJECTED)
         ]
         newest = {v.version for v in sorted(versions, key=lambda v: v.version)[-keep:]}
         old = [v.version for v in versions if v.version not in newest]
         # The store re-checks pinned / active as it retires: a pin may land after the read
         # above. Only what it retired loses its checkpoint.
-        retired += [(job.job_id, v.version) for v in store.retire_drafters(job.job_id, old, why)]
+        retired += [(job.job_id, v.version) for v in store.drafters.retire(job.job_id, old, why)]
     return retired
 
 
@@ -213,8 +213,8 @@ def _delete_retired_checkpoints(store: Store, root: Path) -> int:
     """Delete the directories of retired versions this node can read under `root`; returns
     how many it deleted (none when they are gone already)."""
     deleted = 0
-    for job in store.list_jobs(None, 1 << 30):
-        for v in store.list_drafters(job.job_id):
+    for job in store.jobs.list(None, 1 << 30):
+        for v in store.drafters.list(job.job_id):
             if v.status is not DrafterStatus.RETIRED or not v.readable_on(store.node_id):
                 continue  # another node's own storage: that node's GC deletes it
             path = Path(v.path).resolve()
@@ -230,11 +230,11 @@ def prune_history(store: Store, retention_hours: float) -> tuple[int, int]:
     A retry of a pruned request id is a new request. One node at a time (an advisory lock on
     PostgreSQL): a node that finds another one pruning skips this run."""
     before = datetime.now(UTC) - timedelta(hours=retention_hours)
-    with store.cluster_lock("history-gc") as mine:
+    with store.nodes.cluster_lock("history-gc") as mine:
         if not mine:
             log.debug("history pruning runs on another node")
             return 0, 0
-        requests, events = store.prune_history(before)
+        requests, events = store.history.prune(before)
     if requests or events:
         log.info(
             "history pruned",
@@ -260,7 +260,7 @@ def beat_node(store: Store, settings: Settings, beat: NodeBeat) -> int:
     a beat after such a silence takes a new epoch, and what the node ran is dropped."""
     before = store.epoch
     try:
-        epoch = store.beat_node(settings.node_down_seconds, beat.address)
+        epoch = store.nodes.beat(settings.node_down_seconds, beat.address)
     except Fenced as exc:
         log.error("node fenced: %s", exc)
         beat.on_fenced()
@@ -268,7 +268,7 @@ def beat_node(store: Store, settings: Settings, beat: NodeBeat) -> int:
     if epoch != before:
         beat.on_new_epoch()
     if beat.on_drain_requested is not None and store.dialect == "postgresql":
-        requested = store.requested_drain()
+        requested = store.nodes.requested_drain()
         if requested is not None:
             beat.on_drain_requested(*requested)
     return epoch

@@ -97,7 +97,7 @@ def write_checkpoint(path: Path, config: dict) -> Path:
 
 
 def seed_devices(store, n: int = 2) -> list[Device]:
-    return store.upsert_devices(
+    return store.devices.upsert(
         [
             Device(device_id=f"cpu:{i}", kind=DeviceKind.CPU, index=i, name="cpu slot")
             for i in range(n)

@@ -26,12 +26,12 @@ def test_admission_uses_the_ticks_read_until_a_write(store: Store, tmp_path: Pat
     sup.state.read()  # what a tick would have read
 
     reads = []
-    real = store.job_and_devices
-    store.job_and_devices = lambda job_id: reads.append(job_id) or real(job_id)
+    real = store.jobs.job_and_devices
+    store.jobs.job_and_devices = lambda job_id: reads.append(job_id) or real(job_id)
     assert services.rollouts.prepare(req).request_id == "r1"
     assert reads == []  # the tick's read served it
 
-    store.set_job_status("job", JobStatus.CANCELLED, "trainer finished")  # a write: read again
+    store.jobs.set_status("job", JobStatus.CANCELLED, "trainer finished")  # a write: read again
     with pytest.raises(FailedPrecondition, match="job_id") as info:
         services.rollouts.prepare(req)
     assert "cancelled" in str(info.value) and reads == ["job"]

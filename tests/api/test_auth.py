@@ -94,7 +94,7 @@ def test_trainer_role(auth_daemon, model_dir):
         with pytest.raises(PermissionDeniedError):
             c.cordon("cpu:1")
         assert c.cancel_job("job").job_id == "job"
-    assert not auth_daemon.store.get_device("cpu:0").cordoned  # the denied call did nothing
+    assert not auth_daemon.store.devices.get("cpu:0").cordoned  # the denied call did nothing
     assert not auth_daemon.node.draining
 
 

@@ -17,7 +17,7 @@ from tests.api.support import DaemonThread, fails, make_settings, seed_devices
 from tests.ci import skip_unless_ci
 from tests.http_api.support import ApiOnlyHttp
 from tests.reliability import pg_cluster
-from tltd.errors import ResourceExhausted, Unavailable
+from tltd.errors import ResourceExhausted, Unavailable, database_error
 from tltd.store import Store, database
 from tltd.store.migrate import upgrade
 
@@ -100,14 +100,14 @@ def test_only_failures_of_the_database_itself_are_retryable(tmp_path):
     try:
         with pytest.raises(DBAPIError) as bad, engine.connect() as conn:
             conn.execute(text("SELECT * FROM no_such_table"))
-        assert database.database_error(bad.value) is None
-        assert database.database_error(ValueError("x")) is None
+        assert database_error(bad.value) is None
+        assert database_error(ValueError("x")) is None
         full = sqlite3.OperationalError("database or disk is full")
         full.sqlite_errorcode = 13  # SQLITE_FULL, as sqlite3 sets it
-        err = database.database_error(DBAPIError("INSERT", {}, full))
+        err = database_error(DBAPIError("INSERT", {}, full))
         assert isinstance(err, ResourceExhausted) and "disk full" in str(err)
         locked = sqlite3.OperationalError("database is locked")
         locked.sqlite_errorcode = 5  # SQLITE_BUSY
-        assert isinstance(database.database_error(DBAPIError("x", {}, locked)), Unavailable)
+        assert isinstance(database_error(DBAPIError("x", {}, locked)), Unavailable)
     finally:
         engine.dispose()

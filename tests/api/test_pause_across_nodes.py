@@ -22,7 +22,7 @@ JOB = Job(job_id="job-1", model_path="/models/tiny")
 def nodes(db_url, tmp_path):
     upgrade(db_url)
     stores = [Store(db_url, node_id=n) for n in ("node-a", "node-b")]
-    stores[0].create_job(JOB)
+    stores[0].jobs.create(JOB)
     try:
         yield [build_services(s, make_settings(tmp_path / s.node_id)) for s in stores]
     finally:
@@ -57,7 +57,7 @@ def test_a_pause_through_one_node_holds_admission_on_another(nodes):
 def test_an_abort_through_one_node_ends_requests_stored_by_another(nodes):
     a, b = nodes
     req = RolloutRequest("on-b", JOB.job_id, ((1, 2),), SamplingParams(max_new_tokens=4))
-    b.rollouts.store.create_request(req)
+    b.rollouts.store.requests.create(req)
 
     async def scenario():
         aborted = await a.pauses.pause(JOB.job_id, PauseMode.ABORT)
@@ -66,5 +66,5 @@ def test_an_abort_through_one_node_ends_requests_stored_by_another(nodes):
         await b.pauses.resume(JOB.job_id)
 
     asyncio.run(scenario())
-    got = b.rollouts.store.get_request("on-b")
+    got = b.rollouts.store.requests.get("on-b")
     assert got.status is RequestStatus.CANCELLED and "pause" in got.status_reason

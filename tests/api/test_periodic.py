@@ -27,10 +27,10 @@ from tltd.periodic import (
 def test_refresh_devices_body(store):
     devices = refresh_devices(store, None, cpu_slots=3)
     assert [d.device_id for d in devices] == ["cpu:0", "cpu:1", "cpu:2"]
-    assert [d.device_id for d in store.list_devices()] == ["cpu:0", "cpu:1", "cpu:2"]
-    store.set_device_flags("cpu:1", cordoned=True, reason="test")
+    assert [d.device_id for d in store.devices.list()] == ["cpu:0", "cpu:1", "cpu:2"]
+    store.devices.set_flags("cpu:1", cordoned=True, reason="test")
     refresh_devices(store, None, cpu_slots=3)
-    assert store.get_device("cpu:1").cordoned  # operator flags survive a refresh
+    assert store.devices.get("cpu:1").cordoned  # operator flags survive a refresh
     assert os.getpid() in our_pids(store)
 
 
@@ -70,14 +70,14 @@ def test_scheduler_runs_the_refresh(sqlite_store, tmp_path):
         scheduler.start()
         try:
             for _ in range(200):  # condition wait, not a timed assertion
-                if sqlite_store.list_devices():
+                if sqlite_store.devices.list():
                     break
                 await asyncio.sleep(0.05)
         finally:
             scheduler.shutdown(wait=True)
 
     asyncio.run(main())
-    assert [d.device_id for d in sqlite_store.list_devices()] == ["cpu:0", "cpu:1"]
+    assert [d.device_id for d in sqlite_store.devices.list()] == ["cpu:0", "cpu:1"]
 
 
 class _OneGpu:
@@ -117,7 +117,7 @@ def test_a_gpu_used_by_a_child_of_our_worker_is_not_foreign(store):
     worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     engine_pid = int(worker.stdout.readline())
     try:
-        store.upsert_worker(
+        store.workers.upsert(
             Worker(
                 "rollout-cuda:0", WorkerKind.ROLLOUT, "cuda:0", "", WorkerState.READY, worker.pid
             )

@@ -382,7 +382,7 @@ def test_a_push_records_its_progress_while_its_stream_still_runs(
     seen: list[int] = []
 
     def recorded() -> int:
-        rows = [r for r in store.list_pushes() if r[:2] == ("job", "mid")]
+        rows = [r for r in store.pushes.list() if r[:2] == ("job", "mid")]
         return sum(rows[0][3].values()) if rows else 0
 
     def progress(p) -> None:
@@ -422,7 +422,7 @@ def test_an_unfinished_push_resumes_after_a_daemon_restart(sqlite_store, tmp_pat
             assert 0 < held < sum(t.numel() * 2 for t in sd.values())
     finally:
         first.stop()
-    assert [r[:2] for r in sqlite_store.list_pushes()] == [("job", "across")]
+    assert [r[:2] for r in sqlite_store.pushes.list()] == [("job", "across")]
 
     second = DaemonThread(settings, sqlite_store)
     second.services.pushes.clean_start()  # as the daemon does at start
@@ -437,7 +437,7 @@ def test_an_unfinished_push_resumes_after_a_daemon_restart(sqlite_store, tmp_pat
             assert got.policy.version == 1 and _same(_stored(c, 1), sd)
     finally:
         second.stop()
-    assert sqlite_store.list_pushes() == []
+    assert sqlite_store.pushes.list() == []
 
 
 def test_a_restart_drops_recorded_pushes_whose_file_is_gone(sqlite_store, tmp_path, policy):
@@ -459,4 +459,4 @@ def test_a_restart_drops_recorded_pushes_whose_file_is_gone(sqlite_store, tmp_pa
     pushes = PushService(sqlite_store, settings, d.services.policy)  # the next start's
     shutil.rmtree(pushes.staging_root / "job" / "lost")
     pushes.clean_start()
-    assert sqlite_store.list_pushes() == [] and not pushes._pushes
+    assert sqlite_store.pushes.list() == [] and not pushes._pushes

@@ -339,8 +339,8 @@ def test_get_and_cancel_stored_request(client, daemon, model_dir):
         prompts=((1, 2), (3,)),
         sampling=SamplingParams(n=2, temperature=0.5, max_new_tokens=4, seed=7),
     )
-    daemon.store.create_request(req)
-    daemon.store.add_sample(
+    daemon.store.requests.create(req)
+    daemon.store.samples.add(
         Sample(
             request_id="req-1",
             prompt_index=0,
@@ -374,13 +374,13 @@ def test_get_and_cancel_stored_request(client, daemon, model_dir):
 
 def test_cancel_job_cancels_its_open_requests(client, daemon, model_dir):
     client.create_job(str(model_dir), job_id="job")
-    daemon.store.create_request(
+    daemon.store.requests.create(
         RolloutRequest(
             request_id="r", job_id="job", prompts=((1,),), sampling=SamplingParams(max_new_tokens=2)
         )
     )
     client.cancel_job("job")
-    assert daemon.store.get_request("r").status is RequestStatus.CANCELLED
+    assert daemon.store.requests.get("r").status is RequestStatus.CANCELLED
 
 
 def test_cancel_job_skips_a_request_that_ends_meanwhile(client, daemon, model_dir, monkeypatch):
@@ -390,24 +390,24 @@ def test_cancel_job_skips_a_request_that_ends_meanwhile(client, daemon, model_di
     client.create_job(str(model_dir), job_id="job")
     req = RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2))
     for rid in ("r1", "r2", "r3"):
-        store.create_request(replace(req, request_id=rid))
-    store.set_request_status("r1", RequestStatus.RUNNING, "running")
-    listed = store.list_requests
+        store.requests.create(replace(req, request_id=rid))
+    store.requests.set_status("r1", RequestStatus.RUNNING, "running")
+    listed = store.requests.list
 
     def list_then_complete_r1(*args, **kwargs):
         out = listed(*args, **kwargs)
-        store.set_request_status("r1", RequestStatus.COMPLETED, "all samples finished")
+        store.requests.set_status("r1", RequestStatus.COMPLETED, "all samples finished")
         return out
 
-    monkeypatch.setattr(store, "list_requests", list_then_complete_r1)
+    monkeypatch.setattr(store.requests, "list", list_then_complete_r1)
     assert client.cancel_job("job", "stop").status == job_pb2.JOB_STATUS_CANCELLED
-    status = {rid: store.get_request(rid).status for rid in ("r1", "r2", "r3")}
+    status = {rid: store.requests.get(rid).status for rid in ("r1", "r2", "r3")}
     assert status == {
         "r1": RequestStatus.COMPLETED,
         "r2": RequestStatus.CANCELLED,
         "r3": RequestStatus.CANCELLED,
     }
-    assert store.get_request("r2").status_reason == "job cancelled: stop"
+    assert store.requests.get("r2").status_reason == "job cancelled: stop"
 
 
 def test_cancel_job_again_cancels_requests_left_open(client, daemon, model_dir):
@@ -415,18 +415,18 @@ def test_cancel_job_again_cancels_requests_left_open(client, daemon, model_dir):
     # open: a retried CancelJob cancels them (with the reason the job was cancelled for).
     store = daemon.store
     client.create_job(str(model_dir), job_id="job")
-    store.create_request(RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2)))
-    store.set_job_status("job", JobStatus.CANCELLED, "first")
-    assert store.get_request("r").status is RequestStatus.QUEUED
+    store.requests.create(RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2)))
+    store.jobs.set_status("job", JobStatus.CANCELLED, "first")
+    assert store.requests.get("r").status is RequestStatus.QUEUED
     job = client.cancel_job("job", "second")
     assert job.status == job_pb2.JOB_STATUS_CANCELLED and job.status_reason == "first"
-    got = store.get_request("r")
+    got = store.requests.get("r")
     assert (got.status, got.status_reason) == (RequestStatus.CANCELLED, "job cancelled: first")
 
 
 def test_cancel_job_cancels_more_than_a_thousand_open_requests(sqlite_store, tmp_path, model_dir):
     # SQLite only: 2000 short transactions take seconds more on PostgreSQL, and the defect
-    # (list_requests' default limit of 1000) was the same on both.
+    # (`store.requests.list`' default limit of 1000) was the same on both.
     store = sqlite_store
     d = DaemonThread(make_settings(tmp_path), store).start()
     try:
@@ -434,13 +434,13 @@ def test_cancel_job_cancels_more_than_a_thousand_open_requests(sqlite_store, tmp
             client.create_job(str(model_dir), job_id="job")
             req = RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2))
             for i in range(1001):
-                store.create_request(replace(req, request_id=f"r{i:04d}"))
+                store.requests.create(replace(req, request_id=f"r{i:04d}"))
             client.cancel_job("job")
     finally:
         d.stop()
     open_statuses = [RequestStatus.QUEUED, RequestStatus.RUNNING]
-    assert store.list_requests(open_statuses, "job", limit=None) == []
-    assert store.get_request("r1000").status is RequestStatus.CANCELLED
+    assert store.requests.list(open_statuses, "job", limit=None) == []
+    assert store.requests.get("r1000").status is RequestStatus.CANCELLED
 
 
 # ---- policy ----------------------------------------------------------------------------------
@@ -523,7 +523,7 @@ def test_drafters_list_get_pin(client, daemon, model_dir):
     listed = client.list_drafters("job")
     assert list(listed.drafters) == [] and listed.active_version == 0
     for version, status in ((1, DrafterStatus.PROMOTED), (2, DrafterStatus.PROMOTED)):
-        daemon.store.add_drafter_version(
+        daemon.store.drafters.add(
             DrafterVersion(
                 job_id="job",
                 version=version,
@@ -534,7 +534,7 @@ def test_drafters_list_get_pin(client, daemon, model_dir):
                 acceptance_length=2.0 + version,
             )
         )
-        daemon.store.set_drafter_status("job", version, status, "evaluated")
+        daemon.store.drafters.set_status("job", version, status, "evaluated")
     listed = client.list_drafters("job")
     assert [v.version for v in listed.drafters] == [1, 2] and listed.active_version == 2
     v1 = client.get_drafter("job", 1)
@@ -579,7 +579,7 @@ def test_export_drafter_writes_an_sglang_eagle_checkpoint(client, daemon, tmp_pa
     target = make_checkpoint(tmp_path / "policy")
     EagleDrafter.random_init(load_model(target), seed=1).save_pretrained(tmp_path / "drafter")
     client.create_job(str(target), job_id="job")
-    daemon.store.add_drafter_version(
+    daemon.store.drafters.add(
         DrafterVersion(job_id="job", version=0, policy_version=0, path=str(tmp_path / "drafter"))
     )
     out = tmp_path / "export"
@@ -618,7 +618,7 @@ def test_text_with_nul_or_too_long_is_refused_by_name(client, daemon, model_dir,
     with fails(C.INVALID_ARGUMENT, "model_path", "NUL"):
         client.create_job(str(model_dir) + "\x00")
     client.create_job(str(model_dir), job_id="job", name="y" * 256)
-    daemon.store.create_request(
+    daemon.store.requests.create(
         RolloutRequest("r", "job", ((1,),), SamplingParams(max_new_tokens=2))
     )
     for reason in (nul, long_reason):
@@ -632,12 +632,12 @@ def test_text_with_nul_or_too_long_is_refused_by_name(client, daemon, model_dir,
             client.update_policy("job", str(write_model_dir(tmp_path / "step-1")), note=reason)
     with fails(C.INVALID_ARGUMENT, "checkpoint.path", "NUL"):
         client.update_policy("job", str(tmp_path / "step-1") + "\x00")
-    daemon.store.add_drafter_version(
+    daemon.store.drafters.add(
         DrafterVersion(job_id="job", version=0, policy_version=0, path="/d/1")
     )
     with fails(C.INVALID_ARGUMENT, "output_dir", "NUL"):
         client.export_drafter("job", 1, str(tmp_path / "out") + "\x00")
-    assert daemon.store.get_request("r").status is RequestStatus.QUEUED
+    assert daemon.store.requests.get("r").status is RequestStatus.QUEUED
     assert client.get_job("job").status == job_pb2.JOB_STATUS_ACTIVE
     assert client.get_policy("job").version == 0
     assert not client.list_devices()[0].cordoned
@@ -695,7 +695,7 @@ def test_drain_node_refuses_new_rollouts(client, model_dir):
 
 def test_stats(client, daemon, model_dir):
     client.create_job(str(model_dir), job_id="job")
-    daemon.store.create_request(
+    daemon.store.requests.create(
         RolloutRequest(
             request_id="r", job_id="job", prompts=((1,),), sampling=SamplingParams(max_new_tokens=2)
         )

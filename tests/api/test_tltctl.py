@@ -88,7 +88,7 @@ def test_jobs_create(ctl, auth_daemon, model_dir):
         "initial_drafter_path": "",
     }
     assert job["policy_switch"] == "POLICY_SWITCH_NEXT_STEP"
-    stored = auth_daemon.store.get_job("job-2")
+    stored = auth_daemon.store.jobs.get("job-2")
     assert stored.speculative.draft_lengths == (2, 4) and not stored.speculative.online_training
     assert stored.policy_switch.value == "next_step"
 
@@ -123,7 +123,7 @@ def test_jobs_create_bad_field(ctl, auth_daemon, model_dir, extra, status, field
     code, out, err = ctl("jobs", "create", str(model_dir), *extra)
     assert code == 1 and out == ""
     assert err.startswith(f"tltctl: {status}: {field}:"), err
-    assert auth_daemon.store.list_jobs() == []  # nothing was created
+    assert auth_daemon.store.jobs.list() == []  # nothing was created
 
 
 def test_jobs_create_bad_model_path(ctl, auth_daemon, tmp_path):
@@ -138,7 +138,7 @@ def test_jobs_create_bad_model_path(ctl, auth_daemon, tmp_path):
 def test_drafters(ctl, auth_daemon, model_dir):
     with auth_daemon.client(ADMIN_TOKEN) as c:
         c.create_job(str(model_dir), job_id="job")
-    auth_daemon.store.add_drafter_version(
+    auth_daemon.store.drafters.add(
         DrafterVersion(
             job_id="job",
             version=1,
@@ -149,7 +149,7 @@ def test_drafters(ctl, auth_daemon, model_dir):
             acceptance_length=3.5,
         )
     )
-    auth_daemon.store.set_drafter_status("job", 1, DrafterStatus.PROMOTED, "better")
+    auth_daemon.store.drafters.set_status("job", 1, DrafterStatus.PROMOTED, "better")
     code, out, _ = ctl("drafters", "ls", "job")
     assert code == 0 and "promoted" in out and "3.50" in out and "active drafter version 1" in out
     code, out, _ = ctl("drafters", "ls", "job", "-o", "json")
@@ -167,7 +167,7 @@ def test_drafters(ctl, auth_daemon, model_dir):
 def test_cordon_uncordon_drain(ctl, auth_daemon):
     code, out, _ = ctl("cordon", "cpu:0", "--reason", "fan")
     assert code == 0 and "cordoned" in out
-    assert auth_daemon.store.get_device("cpu:0").cordoned
+    assert auth_daemon.store.devices.get("cpu:0").cordoned
     assert "cpu:0=idle(cordoned) cpu:1=idle" in ctl("status")[1]
     code, out, _ = ctl("uncordon", "cpu:0", "-o", "json")
     assert json.loads(out)[0]["cordoned"] is False
@@ -177,7 +177,7 @@ def test_cordon_uncordon_drain(ctl, auth_daemon):
     assert code == 2 and "DEVICE_ID or --node" in err  # usage error, nothing sent
     code, out, err = ctl("drain", "cpu:0", "--grace", "5")  # was accepted and ignored
     assert code == 2 and "--grace applies to --node only" in err
-    assert not auth_daemon.store.get_device("cpu:0").draining
+    assert not auth_daemon.store.devices.get("cpu:0").draining
     code, out, _ = ctl("drain", "--node", "-o", "json")
     assert code == 0 and all(d["draining"] for d in json.loads(out))
     assert auth_daemon.node.draining
@@ -207,7 +207,7 @@ def test_error_boundary(ctl, capsys, monkeypatch):
 def test_nodes(ctl, auth_daemon):
     """A node that joined the database shows up in `tltctl nodes` (`tltd serve` joins at
     start; this API-only daemon joins here)."""
-    auth_daemon.store.join_node("127.0.0.1:1", down_seconds=30.0)
+    auth_daemon.store.nodes.join("127.0.0.1:1", down_seconds=30.0)
     code, out, err = ctl("nodes")
     assert code == 0 and err == "" and "NODE" in out and "EPOCH" in out
     code, out, _ = ctl("nodes", "-o", "json")

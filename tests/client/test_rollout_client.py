@@ -234,12 +234,12 @@ def test_logprob_mode_and_provenance_keywords():
 def test_raw_logprobs_and_provenance_need_the_torch_backend(client, sqlite_store, model_dir):
     """An sglang job returns SGLang's logprobs and knows no per-token provenance: asking for
     either is refused by name, before anything is stored."""
-    sqlite_store.create_job(Job("sg", str(model_dir), backend=Backend.SGLANG))
+    sqlite_store.jobs.create(Job("sg", str(model_dir), backend=Backend.SGLANG))
     with pytest.raises(FailedPreconditionError, match="sampling.logprob_mode: .*torch backend"):
         client.generate([[1]], job_id="sg", max_new_tokens=2, logprob_mode="raw")
     with pytest.raises(FailedPreconditionError, match="sampling.return_provenance"):
         client.generate([[1]], job_id="sg", max_new_tokens=2, return_provenance=True)
-    assert sqlite_store.list_requests(job_id="sg") == []
+    assert sqlite_store.requests.list(job_id="sg") == []
 
 
 def test_sampling_keywords_override_the_params_object():

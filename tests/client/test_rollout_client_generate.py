@@ -135,7 +135,7 @@ LONG = SamplingParams(n=32, temperature=1.0, max_new_tokens=80)
 
 def stored(daemon: InProcessDaemon, request_id: str) -> bool:
     try:
-        daemon.store.get_request(request_id)
+        daemon.store.requests.get(request_id)
     except NotFound:
         return False
     return True
@@ -258,7 +258,7 @@ _ADMISSION_DEADLINE = 1.5
 def slow_admission(daemon: InProcessDaemon, monkeypatch) -> threading.Event:
     """Make storing a request take longer than `_ADMISSION_DEADLINE` from the moment it starts;
     the event is set once the daemon is storing one."""
-    real_create = daemon.store.admit_request
+    real_create = daemon.store.requests.admit
     storing = threading.Event()
 
     def slow_create(req, *args):
@@ -266,7 +266,7 @@ def slow_admission(daemon: InProcessDaemon, monkeypatch) -> threading.Event:
         time.sleep(_ADMISSION_DEADLINE + 0.5)
         return real_create(req, *args)
 
-    monkeypatch.setattr(daemon.store, "admit_request", slow_create)
+    monkeypatch.setattr(daemon.store.requests, "admit", slow_create)
     return storing
 
 
@@ -319,7 +319,7 @@ def test_async_requests_abandoned_while_the_daemon_stores_them_are_cancelled(
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
     for rid in ids:
-        req = daemon.store.get_request(rid)  # stored after the caller left, then cancelled
+        req = daemon.store.requests.get(rid)  # stored after the caller left, then cancelled
         assert req.status is RequestStatus.CANCELLED, (rid, req.status, req.status_reason)
         assert "abandoned by the client" in req.status_reason
     # The work stopped: nothing of these requests is live or running, and they did not run in
@@ -327,7 +327,7 @@ def test_async_requests_abandoned_while_the_daemon_stores_them_are_cancelled(
     wait_until(lambda: all(sup.queue.get(rid) is None for rid in ids), what="requests closed")
     wait_until(lambda: all(sup.queue.inflight(w) == 0 for w in sup.handles), what="workers free")
     for rid in ids:
-        req, samples = daemon.store.get_request(rid), daemon.store.list_samples(rid)
+        req, samples = daemon.store.requests.get(rid), daemon.store.samples.list(rid)
         assert req.samples_done < req.samples_total == len(PROMPTS) * LONG.n
         assert all(not s.partial or s.finish_reason is FinishReason.CANCELLED for s in samples)
 

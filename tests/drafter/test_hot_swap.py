@@ -72,7 +72,7 @@ def test_promoted_drafter_hot_swaps_mid_generation_losslessly(store, tmp_path):
             strict=True,
         )
     ]
-    store.create_job(Job(job_id="job", model_path=str(target_dir)))
+    store.jobs.create(Job(job_id="job", model_path=str(target_dir)))
     dv = publish(
         store,
         "job",
@@ -102,7 +102,7 @@ def test_promoted_drafter_hot_swaps_mid_generation_losslessly(store, tmp_path):
         got, steps = [], 0
         while e.has_work():
             if steps == swap_after:
-                active = store.get_drafter("job", store.active_drafter_version("job"))
+                active = store.drafters.get("job", store.drafters.active_version("job"))
                 drafter = EagleDrafter.from_pretrained(active.path, e.model)
                 e.set_drafter(drafter, active.version)
             got.extend(e.step())

@@ -107,14 +107,14 @@ def test_preempted_k_times_and_restarted_ends_like_uninterrupted(tmp_path, sqlit
         # The worker measures a candidate; the daemon records it as a version.
         upgrade(sqlite_url)
         store = Store(sqlite_url)
-        store.create_job(Job(job_id="j", model_path=str(model_dir)))
+        store.jobs.create(Job(job_id="j", model_path=str(model_dir)))
         held = tuple(TrainingSample(tuple(t), rs) for t, rs in rollout_samples(target, 3, seed=8))
         m = w2.measure(Measure(held, policy_version=2, out_dir=str(tmp_path / "versions")))
         assert m.train_steps == STEPS and m.baseline == 1.0 and m.held_out == 3
         dv = record(store, "j", m)
         assert dv.version == 1 and dv.train_steps == STEPS and dv.policy_version == 2
         assert dv.status in (DrafterStatus.PROMOTED, DrafterStatus.REJECTED)
-        assert store.get_drafter("j", 1).acceptance_length == m.acceptance >= 1.0
+        assert store.drafters.get("j", 1).acceptance_length == m.acceptance >= 1.0
         store.close()
         w2.stop()
     finally:

@@ -120,7 +120,7 @@ def test_training_raises_held_out_acceptance(target, trained, held_out):
 def test_publish_promotes_better_and_rejects_worse(
     store, target, target_dir, trained, held_out, tmp_path
 ):
-    store.create_job(Job(job_id="j1", model_path=str(target_dir)))
+    store.jobs.create(Job(job_id="j1", model_path=str(target_dir)))
     v1 = publish(
         store,
         "j1",
@@ -132,7 +132,7 @@ def test_publish_promotes_better_and_rejects_worse(
         out_dir=tmp_path,
     )
     assert v1.status is DrafterStatus.PROMOTED and v1.acceptance_length > 1.0
-    assert store.active_drafter_version("j1") == v1.version
+    assert store.drafters.active_version("j1") == v1.version
     assert set(load_file(f"{v1.path}/model.safetensors")) == set(trained.params)
 
     worse = new_drafter(target, seed=7)
@@ -141,8 +141,8 @@ def test_publish_promotes_better_and_rejects_worse(
     )
     assert v2.status is DrafterStatus.REJECTED
     assert v2.acceptance_length < v1.acceptance_length
-    assert store.active_drafter_version("j1") == v1.version, "a worse drafter is never active"
-    rows = {d.version: d for d in store.list_drafters("j1")}
+    assert store.drafters.active_version("j1") == v1.version, "a worse drafter is never active"
+    rows = {d.version: d for d in store.drafters.list("j1")}
     assert rows[v2.version].policy_version == 1 and rows[v1.version].train_steps == trained.step
     # The same drafter again is no improvement over itself: rejected too.
     v3 = publish(
@@ -317,8 +317,8 @@ def test_online_versions_must_beat_the_initial_drafter(
     jobs = JobService(store, Settings(data_dir=str(tmp_path / "data")))
     spec = SpeculativeConfig(batch_threshold=0, initial_drafter_path=str(tmp_path / "fitted"))
     job, _ = jobs.create(NewJob(job_id="j1", model_path=str(target_dir), speculative=spec))
-    assert job.drafter_version == 1 and store.active_drafter_version("j1") == 1
-    initial = store.get_drafter("j1", 1)
+    assert job.drafter_version == 1 and store.drafters.active_version("j1") == 1
+    initial = store.drafters.get("j1", 1)
     assert initial.status is DrafterStatus.PROMOTED and initial.policy_version == 0
     # What a rollout worker and a fresh online trainer load: the initial drafter's weights.
     loaded = EagleDrafter.from_pretrained(initial.path, target)
@@ -330,4 +330,4 @@ def test_online_versions_must_beat_the_initial_drafter(
         store, "j1", worse, held_out, policy_version=1, train_steps=0, loss=9.9, out_dir=tmp_path
     )
     assert v2.version == 2 and v2.status is DrafterStatus.REJECTED
-    assert store.active_drafter_version("j1") == 1, "the initial drafter stays active"
+    assert store.drafters.active_version("j1") == 1, "the initial drafter stays active"

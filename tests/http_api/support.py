@@ -119,7 +119,7 @@ def wait_running(store, rid: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if store.get_request(rid).status is RequestStatus.RUNNING:
+            if store.requests.get(rid).status is RequestStatus.RUNNING:
                 return
         except NotFound:
             pass  # not stored yet

@@ -96,7 +96,7 @@ def test_vllm_pause_keep_freezes_a_completion_until_resume(daemon, http):
     assert r.json() == {"status": "paused", "mode": "keep", "requests": 1, "frozen_workers": 1}
     try:
         _assert_frozen(daemon)
-        assert daemon.store.get_request(rid).status is RequestStatus.RUNNING
+        assert daemon.store.requests.get(rid).status is RequestStatus.RUNNING
     finally:
         assert http.post("/resume").json()["was_paused"] is True
     t.join(120)
@@ -120,7 +120,7 @@ def _generate_body(rid: str) -> dict:
 
 def test_sglang_in_place_update_and_continue_give_per_token_versions(daemon, http, text_model):
     store, rid = daemon.store, "keep-sgl-1"
-    v0, before = store.get_job(JOB).policy_version, _idle_tokens(daemon)
+    v0, before = store.jobs.get(JOB).policy_version, _idle_tokens(daemon)
     t, out = _in_thread(
         lambda: httpx.post(daemon.url + "/generate", json=_generate_body(rid), timeout=120)
     )
@@ -144,13 +144,13 @@ def test_sglang_in_place_update_and_continue_give_per_token_versions(daemon, htt
     ]
     assert meta["weight_version"] == str(v1)  # SGLang's: the last token's
     assert len(meta["output_token_logprobs"]) == MAX
-    (sample,) = store.list_samples(rid)
+    (sample,) = store.samples.list(rid)
     assert sample.policy_spans == ((0, v0), (frozen_at, v1))
 
 
 def test_an_abort_while_frozen_returns_the_output_so_far(daemon, http):
     store, rid = daemon.store, "keep-sgl-2"
-    v, before = store.get_job(JOB).policy_version, _idle_tokens(daemon)
+    v, before = store.jobs.get(JOB).policy_version, _idle_tokens(daemon)
     t, out = _in_thread(
         lambda: httpx.post(daemon.url + "/generate", json=_generate_body(rid), timeout=120)
     )
@@ -170,4 +170,4 @@ def test_an_abort_while_frozen_returns_the_output_so_far(daemon, http):
     assert [p[1] for p in meta["output_token_logprobs"]] == got["output_ids"]
     assert meta["output_versions"] == [v] * frozen_at
     assert meta["weight_versions"] == [{"version": str(v), "start": 0, "end": frozen_at}]
-    assert store.get_request(rid).status is RequestStatus.CANCELLED
+    assert store.requests.get(rid).status is RequestStatus.CANCELLED

@@ -97,7 +97,7 @@ def test_areal_weight_update_dance(http, http_daemon, text_model):
     and its tokens so far -> update from disk -> continue -> the client resubmits prompt +
     tokens for the rest, which runs on the new version."""
     store, prompt, max_new = http_daemon.store, [1, 9, 8], 480
-    before = store.get_job(JOB).policy_version
+    before = store.jobs.get(JOB).policy_version
     t, out = _generate_in_thread(http_daemon.url, _long_body("areal-1", prompt, max_new))
     wait_running(store, "areal-1")
     assert http.post("/pause_generation", json={}).json()["aborted"] == 1
@@ -128,8 +128,8 @@ def test_areal_weight_update_dance(http, http_daemon, text_model):
     assert len(got) + len(second["output_ids"]) == max_new  # every token accounted for
     assert second["meta_info"]["weight_version"] == str(before + 1)
     # The store keeps both, each once: the aborted one cancelled with its partial sample.
-    assert store.get_request("areal-1").status is RequestStatus.CANCELLED
-    (partial,) = store.list_samples("areal-1")
+    assert store.requests.get("areal-1").status is RequestStatus.CANCELLED
+    (partial,) = store.samples.list("areal-1")
     assert partial.partial and list(partial.token_ids) == got
     assert partial.policy_version == before
 
@@ -141,7 +141,7 @@ def test_pause_in_place_holds_new_requests_and_abort_request_by_rid(http, http_d
         t, out = _generate_in_thread(http_daemon.url, _long_body("held-1", [1, 5], 480))
         wait_held(http)  # refused by the pause, waiting at admission
         with pytest.raises(NotFound):  # held before admission: not even stored
-            store.get_request("held-1")
+            store.requests.get("held-1")
     finally:
         http.post("/continue_generation", json={})
     wait_running(store, "held-1")
@@ -169,7 +169,7 @@ def _meta(weights: dict, names: list[str]) -> dict:
 
 def test_a_gloo_group_update_becomes_a_version(http, http_daemon, text_model, tmp_path):
     store = http_daemon.store
-    before = store.get_job(JOB).policy_version
+    before = store.jobs.get(JOB).policy_version
     weights = load_file(str(text_model / "model.safetensors"))
     names = sorted(weights)
     buckets = [names[: len(names) // 2], names[len(names) // 2 :]]  # slime sends buckets
@@ -230,9 +230,9 @@ def test_a_gloo_group_update_becomes_a_version(http, http_daemon, text_model, tm
     across = flight["r"].json()
     assert across["meta_info"]["weight_version"] == str(before)  # finished on its start version
     assert len(across["output_ids"]) == 300
-    assert store.get_request("across-1").status is RequestStatus.COMPLETED
+    assert store.requests.get("across-1").status is RequestStatus.COMPLETED
     # The version holds exactly what the trainer sent (cast to the checkpoint's dtype).
-    version = store.get_policy_version(JOB, before + 1)
+    version = store.policies.get(JOB, before + 1)
     got = load_file(str(Path(version.path) / "model.safetensors"))
     sent = load_file(str(out))
     assert set(got) == set(sent) == set(weights)

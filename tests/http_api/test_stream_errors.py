@@ -33,7 +33,7 @@ def test_a_database_error_inside_a_stream_is_a_retryable_error_event(
         raise OperationalError("INSERT INTO requests", {}, orig)
 
     # Storing the request is the stream's first step, after its headers went out.
-    monkeypatch.setattr(http_daemon.store, "admit_request", locked)
+    monkeypatch.setattr(http_daemon.store.requests, "admit", locked)
     with httpx.Client(base_url=http_daemon.url, timeout=60) as c:
         with c.stream("POST", path, json=STREAMS[path]) as r:
             assert r.status_code == 200

@@ -25,7 +25,7 @@ def _body(i: int, rid: str) -> dict:
 def _ended(store, rid: str, timeout: float = 30.0) -> RequestStatus:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = store.get_request(rid).status
+        status = store.requests.get(rid).status
         if status in ENDED_STATUSES:
             return status
         time.sleep(0.02)
@@ -46,7 +46,7 @@ def test_concurrent_one_prompt_requests_each_get_their_own_samples(http_daemon):
     for rid, answer in zip(rids, answers, strict=True):
         assert answer["request_id"] == rid
         assert _ended(http_daemon.store, rid) is RequestStatus.COMPLETED
-        stored = http_daemon.store.list_samples(rid)
+        stored = http_daemon.store.samples.list(rid)
         assert [c["token_ids"] for c in answer["choices"]] == [list(s.token_ids) for s in stored]
         assert [c["index"] for c in answer["choices"]] == [0, 1]
         assert all(len(c["token_ids"]) == 5 for c in answer["choices"])
@@ -56,26 +56,26 @@ def test_the_answer_goes_out_before_the_request_end_is_recorded(http_daemon, mon
     """Recording the end waits here; the caller has its whole answer meanwhile."""
     store, rid = http_daemon.store, "tokens-early-1"
     release, recording = threading.Event(), threading.Event()
-    finish_unit = store.finish_unit
+    finish_unit = store.leases.finish_unit
 
     def held(*args, **kwargs):
         recording.set()
         release.wait(30)
         return finish_unit(*args, **kwargs)
 
-    monkeypatch.setattr(store, "finish_unit", held)
-    # A sample's own transaction records its unit's end when it can (`store_samples`): here
+    monkeypatch.setattr(store.leases, "finish_unit", held)
+    # A sample's own transaction records its unit's end when it can (`sample_batches.store`): here
     # the node's own write does, the one that is held.
-    monkeypatch.setattr(store, "end_unit_if_complete", lambda *args: None)
+    monkeypatch.setattr(store.leases, "end_unit_if_complete", lambda *args: None)
     try:
         r = httpx.post(f"{http_daemon.url}/inference/v1/generate", json=_body(0, rid), timeout=20)
         assert r.status_code == 200, r.text
         # The end is recorded after the answer went out (or while it did): it is held here.
         assert recording.wait(20)
-        assert store.get_request(rid).status is RequestStatus.RUNNING  # its end not recorded
+        assert store.requests.get(rid).status is RequestStatus.RUNNING  # its end not recorded
     finally:
         release.set()
         monkeypatch.undo()
     assert _ended(store, rid) is RequestStatus.COMPLETED
-    stored = [list(s.token_ids) for s in store.list_samples(rid)]
+    stored = [list(s.token_ids) for s in store.samples.list(rid)]
     assert [c["token_ids"] for c in r.json()["choices"]] == stored

@@ -159,7 +159,7 @@ def test_pause_keep_holds_new_requests_until_resume(http, http_daemon):
         t, out = _post_in_thread(http_daemon.url, "/v1/completions", body)
         wait_held(http)  # refused by the pause, waiting at admission
         with pytest.raises(NotFound):
-            http_daemon.store.get_request("vllm-held-1")  # not stored while paused
+            http_daemon.store.requests.get("vllm-held-1")  # not stored while paused
     finally:
         assert http.post("/resume").json()["was_paused"] is True
     t.join(60)
@@ -202,7 +202,7 @@ def test_pause_wait_returns_once_in_flight_requests_finish(http, http_daemon):
         r = http.post("/pause", params={"mode": "wait", "timeout": "60"})
         assert r.status_code == 200 and r.json()["requests"] == 1
         # Returned only once the request ended: its answer is whole.
-        assert http_daemon.store.get_request(rid).status is RequestStatus.COMPLETED
+        assert http_daemon.store.requests.get(rid).status is RequestStatus.COMPLETED
     finally:
         http.post("/resume")
     t.join(60)
@@ -220,4 +220,4 @@ def test_abort_requests_by_id_and_weight_info(http, http_daemon):
     assert out["response"].json()["choices"][0]["finish_reason"] == "abort"
     assert http.get("/is_paused").json() == {"is_paused": False}  # no pause involved
     info = http.get("/weight_info").json()
-    assert info["policy_version"] == http_daemon.store.get_job(JOB).policy_version
+    assert info["policy_version"] == http_daemon.store.jobs.get(JOB).policy_version

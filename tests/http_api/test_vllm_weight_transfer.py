@@ -45,8 +45,8 @@ def _update_info(weights: dict, names: list[str]) -> dict:
 
 def test_a_bracketed_update_becomes_one_version(http, http_daemon, text_model, tmp_path):
     store = http_daemon.store
-    before = store.get_job(JOB).policy_version
-    old = load_file(str(Path(store.get_policy_version(JOB, before).path) / "model.safetensors"))
+    before = store.jobs.get(JOB).policy_version
+    old = load_file(str(Path(store.policies.get(JOB, before).path) / "model.safetensors"))
     weights = load_file(str(text_model / "model.safetensors"))
     names = sorted(weights)
     kept = names[-2:]  # not sent: vLLM keeps the parameters an update leaves out
@@ -70,7 +70,7 @@ def test_a_bracketed_update_becomes_one_version(http, http_daemon, text_model, t
             r = http.post("/update_weights", json=_update_info(weights, bucket))
             assert r.status_code == 200, r.text
             assert r.json()["received"] == len(bucket)
-        assert store.get_job(JOB).policy_version == before  # nothing until finish
+        assert store.jobs.get(JOB).policy_version == before  # nothing until finish
         done = http.post("/finish_weight_update", json={"weight_version": "step-3"})
         assert done.status_code == 200, done.text
         assert done.json()["policy_version"] == before + 1
@@ -78,7 +78,7 @@ def test_a_bracketed_update_becomes_one_version(http, http_daemon, text_model, t
     finally:
         if trainer.poll() is None:
             trainer.kill()
-    version = store.get_policy_version(JOB, before + 1)
+    version = store.policies.get(JOB, before + 1)
     got = load_file(str(Path(version.path) / "model.safetensors"))
     sent = load_file(str(out))
     assert set(sent) == set(sent_names) and set(got) == set(names)
@@ -97,9 +97,7 @@ def test_a_bracketed_update_becomes_one_version(http, http_daemon, text_model, t
     assert http.post("/start_weight_update", json={}).status_code == 200
     again = http.post("/finish_weight_update", json={}).json()
     assert again["policy_version"] == before + 2 and again["weight_version"] == str(before + 2)
-    same = load_file(
-        str(Path(store.get_policy_version(JOB, before + 2).path) / "model.safetensors")
-    )
+    same = load_file(str(Path(store.policies.get(JOB, before + 2).path) / "model.safetensors"))
     assert all(torch.equal(same[n], got[n]) for n in names)
 
 

@@ -187,12 +187,12 @@ def test_roll_up_mirrors_the_store(sqlite_url, tmp_path):
 
         seed_devices(store, 2)
         model = str(write_model_dir(tmp_path / "model"))
-        store.create_job(Job(job_id="rj", model_path=model))
-        store.add_policy_version("rj", "checkpoint", model)
-        store.create_request(
+        store.jobs.create(Job(job_id="rj", model_path=model))
+        store.policies.add("rj", "checkpoint", model)
+        store.requests.create(
             RolloutRequest("r1", "rj", ((1, 2), (3,)), SamplingParams(n=4, max_new_tokens=8))
         )
-        store.set_device_state("cpu:1", DeviceState.ROLLOUT, "test")
+        store.devices.set_state("cpu:1", DeviceState.ROLLOUT, "test")
         m = Metrics()
         roll_up_metrics(store, m)
         assert value(m, "tltd_queue_depth", job_id="rj") == 8
@@ -203,11 +203,11 @@ def test_roll_up_mirrors_the_store(sqlite_url, tmp_path):
 
         # A job that left ACTIVE loses its gauges instead of freezing at its last values;
         # its counters keep their totals. Active jobs keep theirs.
-        store.create_job(Job(job_id="other", model_path=model))
+        store.jobs.create(Job(job_id="other", model_path=model))
         m.observe_sample("rj", tokens=5, finish_reason="stop", draft_steps=1, plain_steps=1)
         roll_up_metrics(store, m)
         assert value(m, "tltd_sd_step_share", job_id="rj") == 0.5
-        store.set_job_status("rj", JobStatus.CANCELLED, "test")
+        store.jobs.set_status("rj", JobStatus.CANCELLED, "test")
         roll_up_metrics(store, m)
         for name in (
             "tltd_queue_depth",

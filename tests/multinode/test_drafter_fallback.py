@@ -32,12 +32,12 @@ def _version(
     if make_dir:
         path.mkdir(parents=True)
     dv = DrafterVersion(JOB_ID, 0, 0, str(path), status=status, node_id=node_id, shared=shared)
-    return store.add_drafter_version(dv).version
+    return store.drafters.add(dv).version
 
 
 def _sync(planner: ModelPlanner, store: Store, handle) -> msg.SetDrafter | None:
     """One planner pass over the job as stored; the worker's Ready applied to `handle`."""
-    job = store.get_job(JOB_ID)
+    job = store.jobs.get(JOB_ID)
     asyncio.run(planner._sync_drafter(handle, job))
     if handle.outbox.empty():
         return None
@@ -47,7 +47,7 @@ def _sync(planner: ModelPlanner, store: Store, handle) -> msg.SetDrafter | None:
 
 
 def test_a_node_runs_the_newest_drafter_it_can_read(store: Store, tmp_path, caplog) -> None:
-    store.create_job(Job(JOB_ID, "/m"))
+    store.jobs.create(Job(JOB_ID, "/m"))
     here = Store(store.url, node_id="b")  # the planner's node
     clock = _Clock()
     planner = ModelPlanner(here, Settings(), clock=clock)
@@ -58,7 +58,7 @@ def test_a_node_runs_the_newest_drafter_it_can_read(store: Store, tmp_path, capl
         v2 = _version(store, shared / "v2", "a", shared=True)  # on the shared dir
         _version(store, b_dir / "v3", "b", status=DrafterStatus.REJECTED)  # never run
         v4 = _version(store, a_dir / "v4", "a")  # on node a's own storage: the active one
-        assert store.get_job(JOB_ID).drafter_version == v4
+        assert store.jobs.get(JOB_ID).drafter_version == v4
 
         with caplog.at_level(logging.WARNING, logger=PLANNER_LOG):
             assert _sync(planner, store, handle) == msg.SetDrafter(str(shared / "v2"), v2)
@@ -95,7 +95,7 @@ def test_a_node_runs_the_newest_drafter_it_can_read(store: Store, tmp_path, capl
 def test_with_no_readable_version_the_job_runs_without_a_learned_drafter(
     store: Store, tmp_path, caplog
 ) -> None:
-    store.create_job(Job(JOB_ID, "/m"))
+    store.jobs.create(Job(JOB_ID, "/m"))
     here = Store(store.url, node_id="b")
     planner = ModelPlanner(here, Settings(), clock=_Clock())
     handle = _slot()

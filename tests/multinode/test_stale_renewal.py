@@ -43,7 +43,7 @@ def test_a_renewal_does_not_lose_units_claimed_again_while_it_ran(store: Store, 
         leases = UnitLeases(node, make_settings(tmp_path), reqs, {}, close)
         try:
             await reqs.take_claims(*_claimed(node, LONG_LEASE))
-            node.renew_leases = stuck_renewal  # type: ignore[method-assign]
+            node.leases.renew = stuck_renewal  # type: ignore[method-assign]
             renewal = asyncio.create_task(leases.renew())
             await asyncio.to_thread(in_renewal.wait, 10)
             # Meanwhile unit 1's lease is lost (rejoin) and the unit claimed again.

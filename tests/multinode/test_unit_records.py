@@ -36,7 +36,7 @@ def test_overlapping_finalize_calls_record_each_unit_once(store: Store, tmp_path
     rid = "r0000"
     calls: list[int] = []
     gate = threading.Event()
-    real_finish_unit = node.finish_unit
+    real_finish_unit = node.leases.finish_unit
 
     def gated_finish_unit(request_id, prompt_index, outcome, reason):
         calls.append(prompt_index)
@@ -59,8 +59,8 @@ def test_overlapping_finalize_calls_record_each_unit_once(store: Store, tmp_path
             assert live is not None and live.units == {0, 1}
             for p in (0, 1):
                 for s in range(2):
-                    node.add_sample(_sample(rid, p, s))
-            node.finish_unit = gated_finish_unit  # type: ignore[method-assign]
+                    node.samples.add(_sample(rid, p, s))
+            node.leases.finish_unit = gated_finish_unit  # type: ignore[method-assign]
 
             for s in range(2):
                 reqs.queue.finish(rid, (1, s))
@@ -85,7 +85,7 @@ def test_overlapping_finalize_calls_record_each_unit_once(store: Store, tmp_path
             asyncio.run(run())
         assert sorted(calls) == [0, 1], f"finish_unit calls by unit: {calls}"
         assert "unit not recorded" not in caplog.text
-        req = store.get_request(rid)
+        req = store.requests.get(rid)
         assert req.status is RequestStatus.COMPLETED, req.status_reason
     finally:
         node.close()
@@ -116,8 +116,8 @@ def test_a_unit_claimed_past_the_attempt_limit_fails_with_the_reason(
         return reqs
 
     try:
-        assert [u.attempts for u in a.claim_units(100, LONG_LEASE)] == [1, 1]
-        assert a.add_sample(_sample(rid, 0, 0))  # stored by the first owner: kept
+        assert [u.attempts for u in a.leases.claim_units(100, LONG_LEASE)] == [1, 1]
+        assert a.samples.add(_sample(rid, 0, 0))  # stored by the first owner: kept
         assert expire_unit_leases(store) == 2  # a loses them
         second = asyncio.run(take(b, LONG_LEASE))
         live = second.queue.get(rid)
@@ -126,10 +126,10 @@ def test_a_unit_claimed_past_the_attempt_limit_fails_with_the_reason(
         third = asyncio.run(take(c, LONG_LEASE))
         assert third.queue.get(rid) is None  # both units ended and recorded at once
         why = "claimed 2 times by nodes that lost it (limit 2)"
-        req = store.get_request(rid)
+        req = store.requests.get(rid)
         assert req.status is RequestStatus.FAILED
         assert req.status_reason == f"3 of 4 samples failed: {why}"
-        got = {(s.prompt_index, s.sample_index): s for s in store.list_samples(rid)}
+        got = {(s.prompt_index, s.sample_index): s for s in store.samples.list(rid)}
         assert not got[(0, 0)].partial and got[(0, 0)].token_ids == (7, 8)
         for key in [(0, 1), (1, 0), (1, 1)]:
             assert got[key].partial and got[key].finish_reason is FinishReason.FAILED
@@ -141,5 +141,5 @@ def test_a_unit_claimed_past_the_attempt_limit_fails_with_the_reason(
 
 def _claimed(node, lease: float):
     """What the supervisor hands take_claims: the claims and the claimed requests' state."""
-    claims = node.claim_units(100, lease)
-    return claims, node.claimed_state(sorted({c.request_id for c in claims}))
+    claims = node.leases.claim_units(100, lease)
+    return claims, node.leases.claimed_state(sorted({c.request_id for c in claims}))

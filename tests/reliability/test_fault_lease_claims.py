@@ -5,7 +5,7 @@ claimed again, and the request completes with every sample once.
 Two ways a PostgreSQL restart leaves such a unit (both seen in `test_fault_postgres_restart`):
 the claim statement commits but its answer is lost with the connection, or the claim lands
 and reading its request right after fails. A third: a request admitted on a node alone leases
-its units to that node in its own transaction (`Store.admit_request`), and that commit's
+its units to that node in its own transaction (`store.requests.admit`), and that commit's
 answer is lost; the caller's retry attaches to it. The fault is injected at the store call (a real
 driver error, as the restart raises it); everything else is real: the daemon in-process with
 real worker processes, SQLite and PostgreSQL.
@@ -93,20 +93,21 @@ def _attempts(store, request_id: str) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "method, call_first",
+    "repository, method, call_first",
     [
-        ("claim_units", True),  # the claim committed, its answer lost with the connection
-        ("claimed_state", False),  # the claim landed; reading the claimed request failed
-        ("admit_request", True),  # the request and its units' lease committed, answer lost
+        ("leases", "claim_units", True),  # the claim committed, its answer lost with the connection
+        ("leases", "claimed_state", False),  # the claim landed; reading the claimed request failed
+        ("requests", "admit", True),  # the request and its units' lease committed, answer lost
     ],
     ids=["claim-answer-lost", "claimed-request-unreadable", "admission-answer-lost"],
 )
 def test_a_claim_that_meets_a_database_error_is_claimed_again(
-    daemon, ckpt, monkeypatch, method, call_first
+    daemon, ckpt, monkeypatch, repository, method, call_first
 ):
-    fault = _FailOnce(getattr(daemon.store, method), call_first=call_first)
-    monkeypatch.setattr(daemon.store, method, fault)
-    if method != "admit_request":  # the units are claimed at a tick, as with other nodes up
+    repo = getattr(daemon.store, repository)
+    fault = _FailOnce(getattr(repo, method), call_first=call_first)
+    monkeypatch.setattr(repo, method, fault)
+    if method != "admit":  # the units are claimed at a tick, as with other nodes up
         monkeypatch.setattr(daemon.supervisor.leases, "admission_capacity", lambda draining: 0)
     rid = f"lease-{method}"
     with daemon.client() as c:
@@ -122,7 +123,7 @@ def test_a_claim_that_meets_a_database_error_is_claimed_again(
                 )
             )  # fmt: skip
 
-        if method == "admit_request":  # the caller is told UNAVAILABLE and retries
+        if method == "admit":  # the caller is told UNAVAILABLE and retries
             with pytest.raises(UnavailableError, match="database unavailable"):
                 generate()
         # Without the lapse the unit stays leased here, renewed forever, and this times out.

@@ -180,7 +180,7 @@ def _call(channel, method, data: bytes) -> tuple[C, str]:
 def _cancel_open_rollouts(store, channel) -> None:
     """Accepted fuzz rollouts are cancelled so they do not pile up on the one worker."""
     cancel = channel.unary_unary("/tltd.v1.RolloutService/CancelRequest")
-    open_ = store.list_requests([RequestStatus.QUEUED, RequestStatus.RUNNING], limit=None)
+    open_ = store.requests.list([RequestStatus.QUEUED, RequestStatus.RUNNING], limit=None)
     for r in open_:
         if r.job_id != "probe":
             req = rollout_pb2.CancelRequestRequest(request_id=r.request_id, reason="fuzz cleanup")

@@ -23,21 +23,21 @@ from tltd_clients.errors import FailedPreconditionError, UnavailableError
 CANCELLED = rollout_pb2.FINISH_REASON_CANCELLED
 
 
-def _slow(monkeypatch, store, name: str, seconds: float) -> None:
-    """Widen an admission window: the store call `name` takes `seconds` longer."""
-    real = getattr(store, name)
+def _slow(monkeypatch, repo, name: str, seconds: float) -> None:
+    """Widen an admission window: the repository call `name` takes `seconds` longer."""
+    real = getattr(repo, name)
 
     def slow(*args):
         time.sleep(seconds)
         return real(*args)
 
-    monkeypatch.setattr(store, name, slow)
+    monkeypatch.setattr(repo, name, slow)
 
 
-def _held(monkeypatch, store, name: str) -> tuple[threading.Event, threading.Event]:
-    """Hold an admission inside the store call `name`: (entered, release); the call waits for
+def _held(monkeypatch, repo, name: str) -> tuple[threading.Event, threading.Event]:
+    """Hold an admission inside the repository call `name`: (entered, release); the call waits for
     `release` (at most 30 s) once `entered` is set."""
-    real = getattr(store, name)
+    real = getattr(repo, name)
     entered, release = threading.Event(), threading.Event()
 
     def held(*args):
@@ -45,13 +45,13 @@ def _held(monkeypatch, store, name: str) -> tuple[threading.Event, threading.Eve
         release.wait(30)
         return real(*args)
 
-    monkeypatch.setattr(store, name, held)
+    monkeypatch.setattr(repo, name, held)
     return entered, release
 
 
 def _status(store, request_id: str) -> RequestStatus | None:
     try:
-        return store.get_request(request_id).status
+        return store.requests.get(request_id).status
     except NotFound:
         return None
 
@@ -61,13 +61,13 @@ def test_caller_gone_during_admission_still_runs_the_request(sqlite_daemon, ckpt
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        _slow(monkeypatch, d.store, "admit_request", 1.0)
+        _slow(monkeypatch, d.store.requests, "admit", 1.0)
         with pytest.raises(Exception, match="(?i)deadline"):
             list(c.generate("job", PROMPTS, sampling=sampling(n=2, max_new_tokens=4),
                             request_id="gone", timeout=0.3))  # fmt: skip
     # Stored after the caller left, and still handed to the workers: it completes.
     wait_until(lambda: _status(d.store, "gone") is RequestStatus.COMPLETED, what="completed")
-    assert len(d.store.list_samples("gone")) == len(PROMPTS) * 2
+    assert len(d.store.samples.list("gone")) == len(PROMPTS) * 2
 
 
 def test_node_drain_during_admission_fails_the_request_at_once(sqlite_daemon, ckpt, monkeypatch):
@@ -75,7 +75,7 @@ def test_node_drain_during_admission_fails_the_request_at_once(sqlite_daemon, ck
     with d.client() as c, d.client() as c2:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        storing, release = _held(monkeypatch, d.store, "admit_request")
+        storing, release = _held(monkeypatch, d.store.requests, "admit")
         try:
             stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=8),
                             request_id="late", timeout=20)  # fmt: skip
@@ -86,7 +86,7 @@ def test_node_drain_during_admission_fails_the_request_at_once(sqlite_daemon, ck
         got = stream.result(10)
     assert isinstance(stream.error, UnavailableError) and "drained" in str(stream.error)
     assert len(got) == 2 and all(s.partial and not s.token_ids for s in got)
-    req = d.store.get_request("late")
+    req = d.store.requests.get("late")
     assert req.status is RequestStatus.FAILED and "node drained" in req.status_reason
 
 
@@ -97,7 +97,7 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
         d.wait_workers_ready(2)
         # The request is stored (committed), and made live only after this returns: held
         # until the cancel has been answered, so the cancel finds nothing live to stop.
-        real = d.store.admit_request
+        real = d.store.requests.admit
         cancelled = threading.Event()
 
         def stored_then_held(req, *args):
@@ -105,7 +105,7 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
             cancelled.wait(30)
             return got
 
-        monkeypatch.setattr(d.store, "admit_request", stored_then_held)
+        monkeypatch.setattr(d.store.requests, "admit", stored_then_held)
         stream = Stream(c, "job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=300),
                         request_id="x")  # fmt: skip
         wait_until(lambda: _status(d.store, "x") is not None, what="stored")
@@ -118,7 +118,7 @@ def test_cancel_during_submit_is_not_lost(sqlite_daemon, ckpt, monkeypatch):
     assert stream.error is None
     assert len(got) == 2 and all(s.finish_reason == CANCELLED for s in got)
     assert all(len(s.token_ids) < 300 for s in got)
-    assert d.store.get_request("x").status is RequestStatus.CANCELLED
+    assert d.store.requests.get("x").status is RequestStatus.CANCELLED
     assert sup.queue.get("x") is None
 
 
@@ -131,7 +131,7 @@ def test_request_on_a_version_that_failed_to_load_fails_at_once(sqlite_daemon, c
         d.wait_workers_ready(2)
         # UpdatePolicy refuses such a checkpoint; a recorded version's files can still go bad
         # (overwritten or deleted on the node), which the store's version stands for here.
-        d.store.add_policy_version("job", "checkpoint", str(bad))
+        d.store.policies.add("job", "checkpoint", str(bad))
         d.supervisor.kick_threadsafe()  # the idle workers preload it: LoadFailed
         bad_versions = d.supervisor.models.bad_versions
         wait_until(lambda: ("job", 1) in bad_versions, what="load failed")
@@ -141,9 +141,9 @@ def test_request_on_a_version_that_failed_to_load_fails_at_once(sqlite_daemon, c
             list(c.generate("job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=4),
                             request_id="after", timeout=20))  # fmt: skip
         assert time.monotonic() - t0 < 5
-    req = d.store.get_request("after")
+    req = d.store.requests.get("after")
     assert req.status is RequestStatus.FAILED and "policy version 1" in req.status_reason
-    samples = d.store.list_samples("after")
+    samples = d.store.samples.list("after")
     assert len(samples) == 2 and {s.finish_reason for s in samples} == {FinishReason.FAILED}
 
 
@@ -156,8 +156,8 @@ def test_no_schedulable_device_refuses_generate_until_uncordoned(sqlite_daemon, 
         d.wait_workers_ready(2)
         params = sampling(n=2, max_new_tokens=4)
         done = list(c.generate("job", [[1, 2, 3]], sampling=params, request_id="done"))
-        for dev in d.store.list_devices():
-            d.store.set_device_flags(dev.device_id, draining=True, reason="node drained")
+        for dev in d.store.devices.list():
+            d.store.devices.set_flags(dev.device_id, draining=True, reason="node drained")
         with pytest.raises(FailedPreconditionError, match="no schedulable device.*uncordon"):
             list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4), timeout=10))
         # A retry of a stored request still attaches (a client reconnecting reads its samples).
@@ -293,7 +293,7 @@ def test_devices_held_by_foreign_processes_refuse_generate_as_retryable(sqlite_d
         wait_until(lambda: sum(map(sup.queue.inflight, sup.handles)) > 0, what="long running")
         # Device discovery reports a foreign process on both CPU slots (the seam the
         # inventory writes through); the supervisor vacates them.
-        d.store.upsert_devices(_foreign(cpu_devices(2)))
+        d.store.devices.upsert(_foreign(cpu_devices(2)))
         sup.kick_threadsafe()
         wait_until(lambda: not any(s.alive for s in sup.handles.values()), what="vacated")
 
@@ -328,7 +328,7 @@ def test_devices_held_by_foreign_processes_refuse_generate_as_retryable(sqlite_d
         after = list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4)))
     expected = direct_outputs(ckpt, PROMPTS[:2], SamplingParams(**greedy))
     assert _by_key(got_first) == _by_key(got_retry) == expected
-    assert d.store.get_request("long").status is RequestStatus.COMPLETED
+    assert d.store.requests.get("long").status is RequestStatus.COMPLETED
     assert len(after) == 1 and not after[0].partial
 
 
@@ -362,7 +362,7 @@ def test_gpus_held_by_foreign_processes_at_the_hardware_boundary(sqlite_store, t
             # (and no longer foreign). Nothing can run on either GPU: still refused.
             nvml.gpus[1] = {"error": pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)}
             refresh_devices(d.store, nvml, settings.cpu_slots)
-            lost = d.store.get_device("cuda:1")
+            lost = d.store.devices.get("cuda:1")
             assert lost.state is DeviceState.UNAVAILABLE and not lost.foreign
             with pytest.raises(UnavailableError, match=r"\(cuda:0 foreign, cuda:1 unavailable\)"):
                 list(c.generate("job", [[1, 2, 3]], sampling=params, timeout=10))
@@ -374,7 +374,7 @@ def test_gpus_held_by_foreign_processes_at_the_hardware_boundary(sqlite_store, t
             with pytest.raises(FailedPreconditionError, match=drained + ".*uncordon"):
                 list(c.generate("job", [[1, 2, 3]], sampling=params, timeout=10))
         assert not any(s.alive for s in d.supervisor.handles.values())  # none was ever started
-        assert d.store.list_requests(None, None, 100) == []  # nothing was queued for nobody
+        assert d.store.requests.list(None, None, 100) == []  # nothing was queued for nobody
     finally:
         d.kill()
 
@@ -389,7 +389,7 @@ def test_a_retry_after_a_policy_update_runs_on_the_version_recorded_at_acceptanc
     live before the retry does: either way it runs on v0)."""
     d, sup = sqlite_daemon, sqlite_daemon.supervisor
     params = sampling(n=2, temperature=0.0, max_new_tokens=12, seed=3)
-    real_create, gate, calls = d.store.admit_request, threading.Event(), []
+    real_create, gate, calls = d.store.requests.admit, threading.Event(), []
 
     def create_then_hold(req, *args):
         out = real_create(req, *args)
@@ -402,7 +402,7 @@ def test_a_retry_after_a_policy_update_runs_on_the_version_recorded_at_acceptanc
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        monkeypatch.setattr(d.store, "admit_request", create_then_hold)
+        monkeypatch.setattr(d.store.requests, "admit", create_then_hold)
         with pytest.raises(Exception, match="(?i)deadline"):
             list(c.generate("job", PROMPTS[:2], sampling=params, request_id="r", timeout=0.3))
         assert calls == ["stored v0"]
@@ -425,8 +425,8 @@ def test_a_retry_after_a_policy_update_runs_on_the_version_recorded_at_acceptanc
     assert {s.policy_version for s in got} == {0}
     same = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=3)
     assert _by_key(got) == _by_key(again) == direct_outputs(ckpt, PROMPTS[:2], same)
-    assert d.store.get_request("r").policy_version == 0
-    assert {s.policy_version for s in d.store.list_samples("r")} == {0}
+    assert d.store.requests.get("r").policy_version == 0
+    assert {s.policy_version for s in d.store.samples.list("r")} == {0}
     assert {s.policy_version for s in new} == {1}
     assert _by_key(new) == direct_outputs(ckpt2, PROMPTS[:2], same)
 

@@ -85,9 +85,9 @@ def test_daemon_kill9_mid_batch_then_restart(db_url, tmp_path, ckpt):
     assert "cannot load" in statuses["r3"].status_reason
     store = Store(db_url)
     try:
-        events = store.list_events("request", "r1")
+        events = store.history.list_events("request", "r1")
         assert any("daemon restarted" in e.reason for e in events)
-        workers = store.list_workers()
+        workers = store.workers.list()
         assert all(w.state is WorkerState.STOPPED for w in workers)
     finally:
         store.close()
@@ -128,12 +128,12 @@ def test_sigterm_drains_within_the_grace_and_exits_0(sqlite_url, tmp_path, ckpt)
     assert any(0 < len(s.token_ids) < 1000 for s in partial)  # tokens so far
     store = Store(sqlite_url)
     try:
-        req = store.get_request("big")
+        req = store.requests.get("big")
         assert req.status is RequestStatus.FAILED and "drained" in req.status_reason
-        stored = store.list_samples("big")
+        stored = store.samples.list("big")
         assert len(stored) == total
         assert {s.finish_reason for s in stored if s.partial} == {FinishReason.ABORTED}
-        assert all(w.state is WorkerState.STOPPED for w in store.list_workers())
+        assert all(w.state is WorkerState.STOPPED for w in store.workers.list())
     finally:
         store.close()
     messages = [r["msg"] for r in d.logs()]
@@ -173,7 +173,7 @@ def test_a_signal_to_the_whole_process_group_still_drains(sqlite_url, tmp_path, 
     assert any(0 < len(s.token_ids) < 1000 for s in partial)  # tokens so far, not lost workers
     store = Store(sqlite_url)
     try:
-        assert all(w.state is WorkerState.STOPPED for w in store.list_workers())
+        assert all(w.state is WorkerState.STOPPED for w in store.workers.list())
     finally:
         store.close()
     assert not any(pid_alive(p) for p in pids)

@@ -26,8 +26,9 @@ class _Store:
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = root
+        self.drafters = self  # the drafter versions' repository: `get` alone
 
-    def get_drafter(self, job_id: str, version: int) -> DrafterVersion:
+    def get(self, job_id: str, version: int) -> DrafterVersion:
         assert self.root is not None
         path = self.root / job_id / str(version)
         path.mkdir(parents=True, exist_ok=True)
@@ -193,8 +194,9 @@ class _Versions:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.policies = self  # the policy versions' repository: `get` alone
 
-    def get_policy_version(self, job_id: str, version: int):
+    def get(self, job_id: str, version: int):
         return type("PolicyVersion", (), {"path": self.path})()
 
 

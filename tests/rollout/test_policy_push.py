@@ -100,7 +100,7 @@ def test_a_push_killed_midway_leaves_no_version_and_the_old_one_serving(sqlite_d
             raise AssertionError("the dropped push is still known")
         except NotFoundError:
             pass
-        assert [v.version for v in d.store.list_policy_versions("job")] == [0]
+        assert [v.version for v in d.store.policies.list("job")] == [0]
 
 
 _BROADCASTER = """
@@ -266,7 +266,7 @@ def test_an_sglang_worker_joins_the_broadcast_through_sglangs_distributed_update
     try:
         with d.client() as c:
             # As from a GPU node sharing the database: this host has no sglang to create it.
-            d.store.create_job(Job("job", str(ckpt), backend=Backend.SGLANG))
+            d.store.jobs.create(Job("job", str(ckpt), backend=Backend.SGLANG))
             d.wait_workers_ready(1)
             handles = d.supervisor.handles.values()
             wait_until(lambda: all(h.job_id == "job" for h in handles), what="the job loaded")

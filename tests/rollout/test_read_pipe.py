@@ -21,10 +21,10 @@ from tltd.supervisor.worker_process import store_reported
 def test_a_sample_that_ran_twice_streams_the_stored_copy(store: Store) -> None:
     """A retry may produce other tokens (SD vs plain, another worker); the trainer must see
     the copy the store holds, not the new one."""
-    store.create_job(JOB)
-    store.create_request(_request())
+    store.jobs.create(JOB)
+    store.requests.create(_request())
     first = _sample(0, 1, tokens=(7, 8, 9))
-    assert store.add_sample(first)
+    assert store.samples.add(first)
     rerun = replace(first, token_ids=(5, 5), logprobs=(-1.0, -2.0))
     fresh = _sample(1, 0, tokens=(4,))
 
@@ -52,7 +52,7 @@ def test_a_sample_that_ran_twice_streams_the_stored_copy(store: Store) -> None:
     (dup, dup_stored, _), (new, new_stored, _) = got[:2]
     assert dup_stored is False and dup.sample == first  # the stored copy, not the rerun
     assert new_stored is True and new.sample == fresh
-    assert [s.token_ids for s in store.list_samples(first.request_id)] == [(7, 8, 9), (4,)]
+    assert [s.token_ids for s in store.samples.list(first.request_id)] == [(7, 8, 9), (4,)]
 
 
 def test_a_heartbeat_before_the_worker_is_recorded_waits_for_it(
@@ -64,10 +64,10 @@ def test_a_heartbeat_before_the_worker_is_recorded_waits_for_it(
     with caplog.at_level(logging.WARNING):
         stamp()
     assert caplog.records == []
-    store.upsert_worker(Worker(worker_id="w0", kind=WorkerKind.ROLLOUT, device_id="cpu:0"))
-    assert store.get_worker("w0").last_heartbeat is None
+    store.workers.upsert(Worker(worker_id="w0", kind=WorkerKind.ROLLOUT, device_id="cpu:0"))
+    assert store.workers.get("w0").last_heartbeat is None
     stamp()  # not held back by the write interval: nothing was written before
-    assert store.get_worker("w0").last_heartbeat is not None
+    assert store.workers.get("w0").last_heartbeat is not None
 
 
 def test_a_worker_never_recorded_is_logged_once_per_period(

@@ -90,11 +90,11 @@ def test_batch_streams_back_complete_and_lossless(daemon, ckpt):
     assert len(prefills) == 2 and all(p > 0 for p in prefills)
     # Device states follow the work: rollout while it ran, idle from the moment it ended.
     wait_until(
-        lambda: {dv.state for dv in daemon.store.list_devices()} == {DeviceState.IDLE},
+        lambda: {dv.state for dv in daemon.store.devices.list()} == {DeviceState.IDLE},
         what="devices idle",
     )
     for dev in ("cpu:0", "cpu:1"):
-        states = [e.new_status for e in daemon.store.list_events("device", dev)]
+        states = [e.new_status for e in daemon.store.history.list_events("device", dev)]
         assert "rollout" in states and states[-1] == "idle"
 
 
@@ -156,7 +156,7 @@ def test_worker_killed_mid_batch_the_batch_still_completes(sqlite_daemon, ckpt):
     assert sup.assigned_samples > 16  # the lost samples ran again
     restarted = workers["rollout-cpu:0"]
     assert restarted.pid != victim and restarted.state in ("ready", "busy")
-    events = d.store.list_events("worker", "rollout-cpu:0")
+    events = d.store.history.list_events("worker", "rollout-cpu:0")
     assert any(e.new_status == "failed" and "exit code" in e.reason for e in events)
     assert any(e.old_status == "failed" and e.new_status == "starting" for e in events)
 
@@ -185,7 +185,7 @@ def test_retry_attaches_to_the_same_work(sqlite_daemon, ckpt):
     assert sup.assigned_samples == 12  # no sample ran twice
     wait_until(lambda: _settled(sup), what="heartbeats caught up")
     assert sum(st["prefills"] for st in sup.worker_stats().values()) <= 6  # 3 prompts, 2 workers
-    assert len(d.store.list_samples("idem")) == 12
+    assert len(d.store.samples.list("idem")) == 12
 
 
 def test_cancel_stops_the_work_promptly(sqlite_daemon, ckpt):
@@ -233,7 +233,7 @@ def test_policy_update_mid_stream_old_requests_finish_on_their_version(sqlite_da
     expected_b = direct_outputs(ckpt2, PROMPTS[2:4], SamplingParams(**new))
     assert _by_key(got_b) == expected_b
     assert all(s.policy_version == 1 for s in sup.handles.values())
-    stored = d.store.list_samples("new")
+    stored = d.store.samples.list("new")
     assert {s.policy_version for s in stored} == {1}
 
 
@@ -245,20 +245,20 @@ def test_request_recovered_after_a_crash_runs_on_the_version_it_was_accepted_on(
     pushed v1 in between."""
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=1)
     store = sqlite_store
-    store.create_job(Job(job_id="job", model_path=str(ckpt)))
-    store.create_request(RolloutRequest("r", "job", tuple(map(tuple, PROMPTS[:2])), params))
-    store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
-    store.add_policy_version("job", "checkpoint", str(ckpt2))
+    store.jobs.create(Job(job_id="job", model_path=str(ckpt)))
+    store.requests.create(RolloutRequest("r", "job", tuple(map(tuple, PROMPTS[:2])), params))
+    store.requests.set_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
+    store.policies.add("job", "checkpoint", str(ckpt2))
     d = InProcessDaemon(settings, store).start()
     try:
         wait_until(
-            lambda: store.get_request("r").status is RequestStatus.COMPLETED,
+            lambda: store.requests.get("r").status is RequestStatus.COMPLETED,
             timeout=60,
             what="recovered request completed",
         )
     finally:
         d.kill()
-    got = store.list_samples("r")
+    got = store.samples.list("r")
     assert {s.policy_version for s in got} == {0}
     assert _by_key(got) == direct_outputs(ckpt, PROMPTS[:2], params)
 
@@ -272,19 +272,19 @@ def test_an_open_request_of_a_cancelled_job_is_cancelled_after_a_restart(
 
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=1)
     store = sqlite_store
-    store.create_job(Job(job_id="job", model_path=str(ckpt)))
-    store.create_request(RolloutRequest("r", "job", (tuple(PROMPTS[0]),), params))
-    store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
-    store.add_sample(Sample("r", 0, 1, (7, 8), (-0.5, -0.5), FinishReason.LENGTH))
-    store.set_job_status("job", JobStatus.CANCELLED, "trainer gone")
+    store.jobs.create(Job(job_id="job", model_path=str(ckpt)))
+    store.requests.create(RolloutRequest("r", "job", (tuple(PROMPTS[0]),), params))
+    store.requests.set_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
+    store.samples.add(Sample("r", 0, 1, (7, 8), (-0.5, -0.5), FinishReason.LENGTH))
+    store.jobs.set_status("job", JobStatus.CANCELLED, "trainer gone")
     d = InProcessDaemon(settings, store).start()
     d.kill()
-    req = store.get_request("r")
+    req = store.requests.get("r")
     assert (req.status, req.status_reason) == (
         RequestStatus.CANCELLED,
         "job cancelled: trainer gone",
     )
-    got = {(s.prompt_index, s.sample_index): s for s in store.list_samples("r")}
+    got = {(s.prompt_index, s.sample_index): s for s in store.samples.list("r")}
     assert not got[(0, 1)].partial and got[(0, 1)].token_ids == (7, 8)
     assert got[(0, 0)].partial and got[(0, 0)].finish_reason is FinishReason.CANCELLED
 
@@ -303,18 +303,18 @@ def test_a_retry_after_a_restart_gets_the_resumed_sample_not_the_partial_one(
 
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, seed=1)
     store = sqlite_store
-    store.create_job(Job(job_id="job", model_path=str(ckpt)))
-    store.create_request(RolloutRequest("r", "job", (tuple(PROMPTS[0]),), params))
-    store.set_request_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
-    store.add_sample(Sample("r", 0, 1, (7, 8), (-0.5, -0.5), FinishReason.LENGTH))
+    store.jobs.create(Job(job_id="job", model_path=str(ckpt)))
+    store.requests.create(RolloutRequest("r", "job", (tuple(PROMPTS[0]),), params))
+    store.requests.set_status("r", RequestStatus.RUNNING, "on a worker when the daemon died")
+    store.samples.add(Sample("r", 0, 1, (7, 8), (-0.5, -0.5), FinishReason.LENGTH))
     whole = direct_outputs(ckpt, PROMPTS[:1], params)[(0, 0)]
-    store.add_sample(
+    store.samples.add(
         Sample("r", 0, 0, whole[:3], (-0.1,) * 3, FinishReason.ABORTED, partial=True,
                error="drained")
     )  # fmt: skip
     # Nothing runs until the test says so: the re-attach lands before (0, 0) is re-run.
-    store.upsert_devices(cpu_devices(1))
-    store.set_device_flags("cpu:0", cordoned=True, reason="test")
+    store.devices.upsert(cpu_devices(1))
+    store.devices.set_flags("cpu:0", cordoned=True, reason="test")
     d = InProcessDaemon(replace(settings, cpu_slots=1), store).start()
     try:
         with d.client() as c:
@@ -344,7 +344,7 @@ def test_a_retry_after_a_restart_gets_the_resumed_sample_not_the_partial_one(
     resumed = next(x for x in got if x.sample_index == 0)
     assert tuple(resumed.token_ids) == whole  # greedy: as if it had never stopped
     assert list(resumed.logprobs[:3]) == pytest.approx([-0.1] * 3)  # stored: carried over
-    assert store.get_request("r").status is RequestStatus.COMPLETED
+    assert store.requests.get("r").status is RequestStatus.COMPLETED
 
 
 def test_foreign_device_is_vacated_and_its_work_moves(sqlite_daemon, ckpt):
@@ -358,7 +358,7 @@ def test_foreign_device_is_vacated_and_its_work_moves(sqlite_daemon, ckpt):
         stream = Stream(c, "job", PROMPTS[:2], sampling=sampling(**params), request_id="f-1")
         wait_until(lambda: sup.queue.inflight("rollout-cpu:1") > 0, what="work on cpu:1")
         # The inventory reports a foreign process on cpu:1 (as device discovery would).
-        d.store.upsert_devices(
+        d.store.devices.upsert(
             [
                 Device("cpu:0", DeviceKind.CPU, 0),
                 Device(
@@ -410,7 +410,7 @@ def test_silent_worker_is_reaped_and_its_work_requeued(sqlite_store, tmp_path, c
             got = stream.result()
         assert stream.error is None and len(got) == 8
         assert _by_key(got) == direct_outputs(ckpt, PROMPTS[:2], SamplingParams(**params))
-        events = d.store.list_events("worker", "rollout-cpu:1")
+        events = d.store.history.list_events("worker", "rollout-cpu:1")
         assert any(e.new_status == "failed" and "no heartbeat" in e.reason for e in events)
     finally:
         d.kill()
@@ -484,7 +484,7 @@ def test_cancelling_the_job_cancels_its_running_request(sqlite_daemon, ckpt):
         try:
             c.cancel_job("job", reason="experiment over")
             wait_until(
-                lambda: d.store.get_request("j-1").status is RequestStatus.CANCELLED,
+                lambda: d.store.requests.get("j-1").status is RequestStatus.CANCELLED,
                 what="the cancel stored",
             )
         finally:
@@ -510,10 +510,10 @@ def test_promoted_drafter_is_hot_swapped_into_workers_and_stays_lossless(
     with d.client() as c:
         c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready(2)
-        dv = d.store.add_drafter_version(
+        dv = d.store.drafters.add(
             DrafterVersion("job", 0, policy_version=0, path=str(tmp_path / "drafter"))
         )
-        d.store.set_drafter_status("job", dv.version, DrafterStatus.PROMOTED, "test")
+        d.store.drafters.set_status("job", dv.version, DrafterStatus.PROMOTED, "test")
         sup.kick_threadsafe()
         wait_until(
             lambda: all(
@@ -537,11 +537,11 @@ def test_a_prompts_stored_answers_draft_its_next_rollout_after_a_restart(
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12)
     want = direct_outputs(ckpt, PROMPTS[:2], params)
     store = sqlite_store
-    store.create_job(Job(job_id="job", model_path=str(ckpt)))
-    store.create_request(RolloutRequest("epoch-1", "job", tuple(map(tuple, PROMPTS[:2])), params))
+    store.jobs.create(Job(job_id="job", model_path=str(ckpt)))
+    store.requests.create(RolloutRequest("epoch-1", "job", tuple(map(tuple, PROMPTS[:2])), params))
     for (p, s), tokens in want.items():
         sample = Sample("epoch-1", p, s, tokens, (-1.0,) * len(tokens), FinishReason.STOP)
-        store.add_sample(sample)
+        store.samples.add(sample)
     d = InProcessDaemon(settings, store).start()
     try:
         with d.client() as c:
@@ -579,21 +579,21 @@ def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
                              worker_heartbeat_seconds=0.2, device_refresh_seconds=3600.0,
                              stream_poll_seconds=0.02, drafter_training=False)  # fmt: skip
     reads: list[str] = []
-    stream_state = store.stream_state
+    stream_state = store.leases.stream_state
 
     def counted(request_id, cursor):
         reads.append(request_id)
         return stream_state(request_id, cursor)
 
     listed: list[str] = []
-    list_samples = store.list_samples
+    list_samples = store.samples.list
 
     def counted_list(request_id, *args, **kwargs):
         listed.append(request_id)
         return list_samples(request_id, *args, **kwargs)
 
-    monkeypatch.setattr(store, "stream_state", counted)
-    monkeypatch.setattr(store, "list_samples", counted_list)
+    monkeypatch.setattr(store.leases, "stream_state", counted)
+    monkeypatch.setattr(store.samples, "list", counted_list)
     d = InProcessDaemon(settings, store).start()
     try:
         params = dict(n=8, temperature=1.0, max_new_tokens=400, seed=5)
@@ -610,4 +610,4 @@ def test_a_stream_whose_units_all_run_here_reads_the_store_only_to_end(
     # Before the node claimed the units (a tick): a handful, not one per poll.
     assert reads.count("q") <= 5, (reads.count("q"), took)
     assert listed.count("q") == 0
-    assert _by_key(got) == _by_key(store.list_samples("q"))
+    assert _by_key(got) == _by_key(store.samples.list("q"))

@@ -981,13 +981,13 @@ def test_a_job_of_another_backend_restarts_the_worker_on_it(sqlite_daemon, ckpt)
         c.create_job(str(ckpt), job_id="t")  # the daemon's default: torch
         d.wait_workers_ready(2)
         assert {s.backend for s in sup.handles.values()} == {Backend.TORCH}
-        d.store.create_job(Job("s", str(ckpt), backend=Backend.SGLANG))
+        d.store.jobs.create(Job("s", str(ckpt), backend=Backend.SGLANG))
         params = pb_sampling(n=2, max_new_tokens=4)
         with pytest.raises(UnavailableError, match="CUDA devices only"):
             list(c.generate("s", [[1, 2]], sampling=params, request_id="on-sglang"))
         switched = [s for s in sup.handles.values() if s.backend is Backend.SGLANG]
         assert switched and all(s.proc.daemon is False for s in switched)
-        events = d.store.list_events("worker", switched[0].worker_id)
+        events = d.store.history.list_events("worker", switched[0].worker_id)
         assert any("switching to the sglang backend" in e.reason for e in events)
         got = list(c.generate("t", [[1, 2]], sampling=params, request_id="on-torch"))
         assert len(got) == 2 and all(len(s.token_ids) == 4 for s in got)

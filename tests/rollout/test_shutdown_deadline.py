@@ -52,8 +52,8 @@ def test_sigterm_with_a_hung_worker_ends_at_the_grace(sqlite_url, tmp_path, ckpt
     assert "drained" in str(stream.error)
     store = Store(sqlite_url)
     try:
-        assert store.get_request("big").status is RequestStatus.FAILED
-        assert all(w.state is WorkerState.STOPPED for w in store.list_workers())
+        assert store.requests.get("big").status is RequestStatus.FAILED
+        assert all(w.state is WorkerState.STOPPED for w in store.workers.list())
     finally:
         store.close()
 
@@ -113,7 +113,7 @@ def test_shutdown_does_not_wait_for_a_trainer_still_loading(
         loaded.set()
         d.kill()
     assert took < GRACE + SLACK, took
-    trainer = sqlite_store.get_worker("drafter-job")
+    trainer = sqlite_store.workers.get("drafter-job")
     assert trainer.state is WorkerState.STOPPED and "killed while starting" in trainer.state_reason
 
 
@@ -154,7 +154,7 @@ def test_a_request_that_cannot_be_closed_does_not_keep_the_drain_from_the_others
     finally:
         d.kill()
     assert "drained" in str(streams["b"].error)  # closed by the drain, not cut by the stop
-    assert sqlite_store.get_request("b").status is RequestStatus.FAILED
+    assert sqlite_store.requests.get("b").status is RequestStatus.FAILED
 
 
 def test_a_failing_drain_still_stops_the_workers(sqlite_store, tmp_path, ckpt, monkeypatch):
@@ -173,5 +173,5 @@ def test_a_failing_drain_still_stops_the_workers(sqlite_store, tmp_path, ckpt, m
         d.daemon = None
     finally:
         d.kill()
-    workers = sqlite_store.list_workers()
+    workers = sqlite_store.workers.list()
     assert workers and all(w.state is WorkerState.STOPPED for w in workers)

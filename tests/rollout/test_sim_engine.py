@@ -84,7 +84,7 @@ def test_sim_job_refused_on_a_daemon_that_does_not_allow_it(sqlite_store, tmp_pa
             assert job.backend == common_pb2.BACKEND_TORCH
     finally:
         d.stop()
-    assert [j.backend.value for j in sqlite_store.list_jobs()] == ["torch"]
+    assert [j.backend.value for j in sqlite_store.jobs.list()] == ["torch"]
 
 
 def test_sim_job_must_turn_online_training_off(sqlite_store, tmp_path) -> None:
@@ -255,9 +255,9 @@ def test_daemon_marks_simulated_samples_and_keeps_real_jobs_real(sim_daemon, tmp
     assert len(stored) == 8 and all(s.simulated for s in stored)
     assert len(real) == 4 and not any(s.simulated for s in real)
     assert not any(s.simulated for s in stored_real)
-    rows = sim_daemon.store.list_samples("r-sim")
+    rows = sim_daemon.store.samples.list("r-sim")
     assert len(rows) == 8 and all(s.simulated for s in rows)
-    assert not any(s.simulated for s in sim_daemon.store.list_samples("r-real"))
+    assert not any(s.simulated for s in sim_daemon.store.samples.list("r-real"))
     assert METRICS.simulated_samples.labels("sim")._value.get() - before == 8
     assert METRICS.simulated_samples.labels("real")._value.get() == 0
 

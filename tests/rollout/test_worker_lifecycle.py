@@ -45,7 +45,7 @@ def test_a_priority_job_gets_a_worker_while_a_busy_job_still_waits(sqlite_store,
             list(c.generate(job, prompts, sampling=s, request_id=rid, timeout=120))
         done[rid] = time.monotonic() - t0
         if rid == "b":  # how far A had got when B finished
-            a_done_at_b.append(sqlite_store.get_request("a").samples_done)
+            a_done_at_b.append(sqlite_store.requests.get("a").samples_done)
 
     try:
         with d.client() as c:
@@ -78,7 +78,7 @@ def _hang_and_take_device(d: InProcessDaemon, store) -> WorkerHandle:
     os.kill(handle.proc.pid, signal.SIGSTOP)
     devs = cpu_devices(2)
     devs[0] = replace(devs[0], foreign=True, state_reason="foreign process: pid 1")
-    store.upsert_devices(devs)
+    store.devices.upsert(devs)
     d.loop.call_soon_threadsafe(d.supervisor.kick)
     wait_until(lambda: not handle.alive, timeout=20, what="vacating")
     return handle
@@ -89,7 +89,7 @@ def _assert_stopped_before_restart(store, worker_id: str) -> None:
     started; store writes are asynchronous (in order), so wait for the new one's record."""
 
     def states() -> list[str]:
-        return [e.new_status for e in store.list_events("worker", worker_id)]
+        return [e.new_status for e in store.history.list_events("worker", worker_id)]
 
     wait_until(lambda: states().count("starting") == 2, timeout=30, what="restart recorded")
     got = states()
@@ -132,9 +132,9 @@ def test_vacating_a_hung_worker_does_not_stall_scheduling(
             out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r1", timeout=60))
             assert len(out) == 2
             assert pid_alive(pid) and handle.phase is Phase.EXITING
-            assert sqlite_store.get_worker("rollout-cpu:0").state is WorkerState.STOPPING
+            assert sqlite_store.workers.get("rollout-cpu:0").state is WorkerState.STOPPING
             # The device is free again, but its old process still lives: no second worker.
-            sqlite_store.upsert_devices(cpu_devices(2))
+            sqlite_store.devices.upsert(cpu_devices(2))
             out = list(c.generate("job", [[4, 5]], sampling=s, request_id="r2", timeout=60))
             assert len(out) == 2
             assert handle.phase is Phase.EXITING and handle.proc.pid == pid and pid_alive(pid)
@@ -194,7 +194,7 @@ def test_a_store_error_on_a_heartbeat_does_not_stop_reading_the_worker(
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(1)
-            real, calls = sqlite_store.heartbeat_worker, []
+            real, calls = sqlite_store.workers.heartbeat, []
 
             def flaky(worker_id):
                 calls.append(worker_id)
@@ -202,7 +202,7 @@ def test_a_store_error_on_a_heartbeat_does_not_stop_reading_the_worker(
                     raise OperationalError("UPDATE workers", {}, Exception("database is locked"))
                 return real(worker_id)
 
-            sqlite_store.heartbeat_worker = flaky
+            sqlite_store.workers.heartbeat = flaky
             wait_until(lambda: calls, timeout=10, what="heartbeat write")
             s = sampling(n=2, max_new_tokens=8)
             out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r", timeout=20))
@@ -213,11 +213,11 @@ def test_a_store_error_on_a_heartbeat_does_not_stop_reading_the_worker(
 
 
 def test_a_device_left_training_by_a_crashed_daemon_is_idle_again(sqlite_store, tmp_path):
-    sqlite_store.upsert_devices(cpu_devices(2))
-    sqlite_store.set_device_state("cpu:0", DeviceState.TRAINING, "previous daemon (crashed)")
+    sqlite_store.devices.upsert(cpu_devices(2))
+    sqlite_store.devices.set_state("cpu:0", DeviceState.TRAINING, "previous daemon (crashed)")
     d = InProcessDaemon(_settings(tmp_path), sqlite_store).start()
     try:
-        assert sqlite_store.get_device("cpu:0").state is DeviceState.IDLE
+        assert sqlite_store.devices.get("cpu:0").state is DeviceState.IDLE
     finally:
         d.kill()
 
@@ -231,11 +231,11 @@ def test_a_cordoned_device_is_idle_once_its_work_ends(sqlite_store, tmp_path, ck
             s = sampling(n=4, max_new_tokens=64)
             stream = c.generate("job", [[5, 6, 7]], sampling=s, request_id="r", timeout=60)
             first = next(iter(stream))  # running on cpu:0 now
-            sqlite_store.set_device_flags("cpu:0", cordoned=True, reason="test")
+            sqlite_store.devices.set_flags("cpu:0", cordoned=True, reason="test")
             rest = list(stream)
             assert 1 + len(rest) == 4 and first.token_ids
             wait_until(
-                lambda: sqlite_store.get_device("cpu:0").state is DeviceState.IDLE,
+                lambda: sqlite_store.devices.get("cpu:0").state is DeviceState.IDLE,
                 timeout=10,
                 what="cordoned device recorded idle",
             )
@@ -257,10 +257,10 @@ def test_a_store_error_on_the_final_status_is_retried_before_the_stream_ends(
             c.create_job(str(ckpt), job_id="job")
             d.wait_workers_ready(1)
             # The unit's record is the write that ends the request (its last unit). A sample's
-            # own transaction records it when it can (`store_samples`): not here, so that the
+            # own transaction records it when it can (`sample_batches.store`): not here, so that the
             # node's write is the one that fails.
-            sqlite_store.end_unit_if_complete = lambda *args: None
-            real, failures = sqlite_store.finish_unit, []
+            sqlite_store.leases.end_unit_if_complete = lambda *args: None
+            real, failures = sqlite_store.leases.finish_unit, []
 
             def flaky(request_id, *args, **kwargs):
                 if request_id == "r" and len(failures) < 2:
@@ -268,15 +268,15 @@ def test_a_store_error_on_the_final_status_is_retried_before_the_stream_ends(
                     raise OperationalError("UPDATE work_units", {}, Exception("locked"))
                 return real(request_id, *args, **kwargs)
 
-            sqlite_store.finish_unit = flaky
+            sqlite_store.leases.finish_unit = flaky
             s = sampling(n=2, max_new_tokens=8)
             out = list(c.generate("job", [[1, 2, 3]], sampling=s, request_id="r", timeout=30))
             assert len(out) == 2 and len(failures) == 2
-            assert sqlite_store.get_request("r").status is RequestStatus.COMPLETED
+            assert sqlite_store.requests.get("r").status is RequestStatus.COMPLETED
             assert d.supervisor.queue.get("r") is None
             out = list(c.generate("job", [[4, 5]], sampling=s, request_id="r2", timeout=30))
             assert len(out) == 2
-            assert sqlite_store.get_request("r2").status is RequestStatus.COMPLETED
+            assert sqlite_store.requests.get("r2").status is RequestStatus.COMPLETED
     finally:
         d.kill()
 
@@ -314,9 +314,9 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
             got = stream.result(60)
             died = "cannot load policy version 0 of job job: the worker process died while"
             assert len(got) == 2 and all(s.error.startswith(died) for s in got), got
-            req = sqlite_store.get_request("r1")
+            req = sqlite_store.requests.get("r1")
             assert req.status is RequestStatus.FAILED and "exit code 137" in req.status_reason
-            assert {s.finish_reason for s in sqlite_store.list_samples("r1")} == {
+            assert {s.finish_reason for s in sqlite_store.samples.list("r1")} == {
                 FinishReason.FAILED
             }
             assert ("job", 0) in sup.models.bad_versions

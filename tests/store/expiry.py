@@ -16,7 +16,7 @@ LONG_AGO = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 def _write(store: Store, stmt) -> int:
-    with store.engine.begin() as conn:
+    with store.db.engine.begin() as conn:
         return conn.execute(stmt).rowcount
 
 

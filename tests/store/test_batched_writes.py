@@ -21,7 +21,7 @@ JOB = Job(job_id="job-a", model_path="/models/tiny", name="grpo")
 def _half_written(store: Store) -> None:
     """A write that adds a row, then refuses: its row must not stay."""
     with store._tx():  # in a batch: one savepoint around both
-        store.create_job(replace(JOB, job_id="half"))
+        store.jobs.create(replace(JOB, job_id="half"))
         raise FailedPrecondition("half: refused after writing", field="job_id")
 
 
@@ -58,11 +58,11 @@ def test_a_failed_write_in_a_batch_is_undone_alone(store: Store) -> None:
         _queue_at_once(
             OrderedWrites(batch),
             [
-                (store.create_job, JOB),
-                (store.create_job, replace(JOB, model_path="/elsewhere")),  # a conflict
+                (store.jobs.create, JOB),
+                (store.jobs.create, replace(JOB, model_path="/elsewhere")),  # a conflict
                 (_half_written, store),
-                (store.get_device, "cuda:9"),  # not found
-                (store.create_job, other),
+                (store.devices.get, "cuda:9"),  # not found
+                (store.jobs.create, other),
             ],
         )
     )
@@ -71,19 +71,19 @@ def test_a_failed_write_in_a_batch_is_undone_alone(store: Store) -> None:
     assert isinstance(results[1], AlreadyExists) and results[1].field == "job_id"
     assert isinstance(results[2], FailedPrecondition)
     assert isinstance(results[3], NotFound)
-    assert sorted(j.job_id for j in store.list_jobs()) == ["job-a", "job-b"]  # no "half"
+    assert sorted(j.job_id for j in store.jobs.list()) == ["job-a", "job-b"]  # no "half"
 
 
 def test_a_batch_that_does_not_commit_is_written_again_one_by_one(store: Store) -> None:
     batch, opened = _counting(store, fail_commit=True)
     jobs = [replace(JOB, job_id=f"job-{i}") for i in range(4)]
     results = asyncio.run(
-        _queue_at_once(OrderedWrites(batch), [(store.create_job, j) for j in jobs])
+        _queue_at_once(OrderedWrites(batch), [(store.jobs.create, j) for j in jobs])
     )
     assert len(opened) == 1
     # Each created exactly once: the undone batch left nothing, the one-by-one run wrote all.
     assert [created for _, created in results] == [True] * 4
-    assert sorted(j.job_id for j in store.list_jobs()) == [j.job_id for j in jobs]
+    assert sorted(j.job_id for j in store.jobs.list()) == [j.job_id for j in jobs]
 
 
 @pytest.mark.parametrize("batched", [True, False])
@@ -138,7 +138,7 @@ async def _a_write_then_another(writes: OrderedWrites, store: Store, fn, *args):
         first = await asyncio.wait_for(
             asyncio.gather(writes.write(fn, *args), return_exceptions=True), 10.0
         )
-        second = await asyncio.wait_for(writes.write(store.create_job, JOB), 10.0)
+        second = await asyncio.wait_for(writes.write(store.jobs.create, JOB), 10.0)
         return first[0], second, runner.done()
     finally:
         runner.cancel()
@@ -159,7 +159,7 @@ def test_a_store_call_raising_a_base_exception_does_not_end_the_writer(
     error, created, writer_ended = asyncio.run(_a_write_then_another(writes, store, cancelled))
     assert isinstance(error, RuntimeError) and "CancelledError" in str(error)
     assert created[1] is True and not writer_ended
-    assert [j.job_id for j in store.list_jobs()] == ["job-a"]
+    assert [j.job_id for j in store.jobs.list()] == ["job-a"]
 
 
 def test_joining_the_writes_ends_when_the_writer_has_ended(store: Store) -> None:
@@ -171,11 +171,11 @@ def test_joining_the_writes_ends_when_the_writer_has_ended(store: Store) -> None
         runner = asyncio.create_task(writes.run())
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
-        writes.write_nowait(store.create_job, JOB)  # queued for a writer that is gone
+        writes.write_nowait(store.jobs.create, JOB)  # queued for a writer that is gone
         await asyncio.wait_for(writes.join(runner), 5.0)
 
     asyncio.run(scenario())
-    assert store.list_jobs() == []
+    assert store.jobs.list() == []
 
 
 def test_a_thread_hop_that_fails_fails_its_writes_and_the_writer_goes_on(
@@ -198,7 +198,7 @@ def test_a_thread_hop_that_fails_fails_its_writes_and_the_writer_goes_on(
 
     writes = OrderedWrites(store.batch)
     error, created, writer_ended = asyncio.run(
-        _a_write_then_another(writes, store, store.get_device, "cpu:0")
+        _a_write_then_another(writes, store, store.devices.get, "cpu:0")
     )
     assert isinstance(error, RuntimeError) and "new thread" in str(error)
     assert created[1] is True and not writer_ended
@@ -215,22 +215,22 @@ def test_writes_left_when_the_writer_stops_fail_instead_of_waiting_for_ever(stor
         runner = asyncio.create_task(writes.run())
         await writes.join(runner)
         runner.cancel()
-        late = asyncio.ensure_future(writes.write(store.create_job, JOB))
+        late = asyncio.ensure_future(writes.write(store.jobs.create, JOB))
         await asyncio.sleep(0)  # queued
         await asyncio.gather(runner, return_exceptions=True)
         writes.close()
         queued = await asyncio.wait_for(asyncio.gather(late, return_exceptions=True), 5.0)
-        writes.write_nowait(store.create_job, JOB)  # dropped, logged
+        writes.write_nowait(store.jobs.create, JOB)  # dropped, logged
         try:
-            await writes.write(store.create_job, JOB)
+            await writes.write(store.jobs.create, JOB)
         except WritesClosed as exc:
             return queued[0], exc
         return queued[0], None
 
     queued, later = asyncio.run(scenario())
-    assert isinstance(queued, WritesClosed) and "create_job" in str(queued)
+    assert isinstance(queued, WritesClosed) and "JobRecords.create" in str(queued)
     assert isinstance(later, WritesClosed)
-    assert store.list_jobs() == []
+    assert store.jobs.list() == []
 
 
 def test_a_write_in_flight_when_the_writer_is_cancelled_fails_its_caller(store: Store) -> None:

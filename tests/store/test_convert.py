@@ -99,7 +99,7 @@ def test_a_drafter_version_survives_its_row_but_its_pin_and_activity_do_not():
     )
     row = convert.drafter_to_row(dv, version=8)
     row.created_at = NOW
-    assert row.pinned is False  # pinning goes through Store.pin_drafter only
+    assert row.pinned is False  # pinning goes through store.drafters.pin only
     back = convert.drafter_from_row(row, active_version=8)
     assert back == d.DrafterVersion(**{**vars(dv), "version": 8, "pinned": False})
     assert convert.drafter_from_row(row, active_version=7).active is False

@@ -165,14 +165,14 @@ def test_host_memory_parses_meminfo(tmp_path: Path) -> None:
 def test_refresh_into_store_keeps_cordon_and_tracks_foreign(store) -> None:
     ours = os.getpid()
     nvml = FakeNvml([_gpu(0), _gpu(1)])
-    store.upsert_devices(discover(nvml, 1, {ours}))
-    store.set_device_flags("cuda:0", cordoned=True, reason="operator")
+    store.devices.upsert(discover(nvml, 1, {ours}))
+    store.devices.set_flags("cuda:0", cordoned=True, reason="operator")
     nvml.gpus[1]["procs"] = [(4321, GIB)]  # someone else's job lands on GPU 1
-    d0, d1 = store.upsert_devices(discover(nvml, 1, {ours}))
+    d0, d1 = store.devices.upsert(discover(nvml, 1, {ours}))
     assert d0.cordoned and not d0.foreign
     assert d1.foreign and "pid 4321" in d1.state_reason and not d1.schedulable
     nvml.gpus[1]["procs"] = []  # ...and leaves
-    d0, d1 = store.upsert_devices(discover(nvml, 1, {ours}))
+    d0, d1 = store.devices.upsert(discover(nvml, 1, {ours}))
     assert d0.cordoned and d1.schedulable and d1.state_reason == ""
 
 

@@ -21,14 +21,14 @@ def test_stored_samples_new_work_and_ended_requests_are_notified(pg_store: Store
     ).start()
     try:
         assert listener.connected.wait(10)
-        pg_store.create_job(JOB)
-        pg_store.create_request(RolloutRequest("r1", JOB.job_id, ((1, 2),), SAMPLING))
+        pg_store.jobs.create(JOB)
+        pg_store.requests.create(RolloutRequest("r1", JOB.job_id, ((1, 2),), SAMPLING))
         assert got.get(timeout=5) == (WORK, "r1")
-        pg_store.add_sample(Sample("r1", 0, 0, (7,), (-0.5,), FinishReason.STOP))
+        pg_store.samples.add(Sample("r1", 0, 0, (7,), (-0.5,), FinishReason.STOP))
         assert got.get(timeout=5) == (SAMPLE, "r1")
-        pg_store.set_request_status("r1", RequestStatus.CANCELLED, "stop")
+        pg_store.requests.set_status("r1", RequestStatus.CANCELLED, "stop")
         assert got.get(timeout=5) == (REQUEST, "r1")
-        pg_store.set_request_status("r1", RequestStatus.CANCELLED, "again")  # no change
+        pg_store.requests.set_status("r1", RequestStatus.CANCELLED, "again")  # no change
         with pytest.raises(queue.Empty):
             got.get(timeout=1.0)
     finally:
@@ -42,22 +42,22 @@ def test_writes_of_what_a_tick_reads_move_the_other_nodes_counts(pg_store: Store
 
     def heard(channel: str, payload: str, _own: bool) -> None:
         if channel == STATE:
-            other.scheduling_writes.changed_elsewhere(payload)
+            other.db.scheduling_writes.changed_elsewhere(payload)
             got.put(payload)
 
     listener = Listener(pg_store.url, heard).start()
     try:
         assert listener.connected.wait(10)
-        before = other.scheduling_writes.generation
-        pg_store.create_job(JOB)  # a job created on this node
-        assert got.get(timeout=5) == pg_store.scheduling_writes.origin
-        assert other.scheduling_writes.generation == before + 1
-        pg_store.create_request(RolloutRequest("r1", JOB.job_id, ((1, 2),), SAMPLING))
+        before = other.db.scheduling_writes.generation
+        pg_store.jobs.create(JOB)  # a job created on this node
+        assert got.get(timeout=5) == pg_store.db.scheduling_writes.origin
+        assert other.db.scheduling_writes.generation == before + 1
+        pg_store.requests.create(RolloutRequest("r1", JOB.job_id, ((1, 2),), SAMPLING))
         with pytest.raises(queue.Empty):  # not what a tick reads: nothing sent
             got.get(timeout=1.0)
-        other.create_job(replace(JOB, job_id="job-b"))  # its own write moves it once
-        assert got.get(timeout=5) == other.scheduling_writes.origin  # heard back: not again
-        assert other.scheduling_writes.generation == before + 2
+        other.jobs.create(replace(JOB, job_id="job-b"))  # its own write moves it once
+        assert got.get(timeout=5) == other.db.scheduling_writes.origin  # heard back: not again
+        assert other.db.scheduling_writes.generation == before + 2
     finally:
         listener.stop()
         other.close()
@@ -73,19 +73,19 @@ def test_a_node_tells_its_own_notifications_from_another_node_s(pg_store: Store)
     listener = Listener(
         pg_store.url,
         lambda ch, payload, own: ch == SAMPLE and got.put((payload, own)),
-        pg_store.own_backends,
+        pg_store.db.own_backends,
     ).start()
     try:
         assert listener.connected.wait(10)
-        pg_store.create_job(JOB)
+        pg_store.jobs.create(JOB)
         for rid in ("mine", "theirs"):
-            pg_store.create_request(RolloutRequest(rid, JOB.job_id, ((1, 2),), SAMPLING))
-        pg_store.add_sample(Sample("mine", 0, 0, (7,), (-0.5,), FinishReason.STOP))
+            pg_store.requests.create(RolloutRequest(rid, JOB.job_id, ((1, 2),), SAMPLING))
+        pg_store.samples.add(Sample("mine", 0, 0, (7,), (-0.5,), FinishReason.STOP))
         assert got.get(timeout=5) == ("mine", True)
-        other.add_sample(Sample("theirs", 0, 0, (7,), (-0.5,), FinishReason.STOP))
+        other.samples.add(Sample("theirs", 0, 0, (7,), (-0.5,), FinishReason.STOP))
         assert got.get(timeout=5) == ("theirs", False)
-        pg_store.engine.dispose()  # every pooled session closed: new ones, new pids
-        pg_store.add_sample(Sample("mine", 0, 1, (7,), (-0.5,), FinishReason.STOP))
+        pg_store.db.engine.dispose()  # every pooled session closed: new ones, new pids
+        pg_store.samples.add(Sample("mine", 0, 1, (7,), (-0.5,), FinishReason.STOP))
         assert got.get(timeout=5) == ("mine", True)
     finally:
         listener.stop()

@@ -37,63 +37,63 @@ def _sample(turn: SessionTurn, tokens, spans=()) -> Sample:
 
 @pytest.fixture
 def job(store) -> Job:
-    return store.create_job(Job(job_id="job", model_path="/m"))[0]
+    return store.jobs.create(Job(job_id="job", model_path="/m"))[0]
 
 
 def test_a_session_is_opened_once_and_its_turns_recorded(store, job):
-    opened, created = store.open_session(AgentSession("s", "job", (1, 2)))
+    opened, created = store.sessions.open(AgentSession("s", "job", (1, 2)))
     assert created and opened.status is SessionStatus.OPEN and opened.num_tokens == 2
-    assert store.open_session(AgentSession("s", "job", (1, 2))) == (opened, False)
+    assert store.sessions.open(AgentSession("s", "job", (1, 2))) == (opened, False)
     with pytest.raises(AlreadyExists) as info:
-        store.open_session(AgentSession("s", "job", (1,)))
+        store.sessions.open(AgentSession("s", "job", (1,)))
     assert info.value.field == "prompt_token_ids"
     with pytest.raises(NotFound):
-        store.open_session(AgentSession("t", "nope", (1,)))
-    before, turn = store.begin_turn("s", 0, (), GREEDY)
+        store.sessions.open(AgentSession("t", "nope", (1,)))
+    before, turn = store.sessions.begin_turn("s", 0, (), GREEDY)
     assert turn.status is TurnStatus.RUNNING and turn.request_id == "session:s:0:0"
     assert turn.sampling == GREEDY  # the uint64 seed kept whole
-    assert store.begin_turn("s", 0, (), GREEDY)[1] == turn  # a retry attaches
+    assert store.sessions.begin_turn("s", 0, (), GREEDY)[1] == turn  # a retry attaches
     with pytest.raises(FailedPrecondition) as info:
-        store.begin_turn("s", 1, (9,), GREEDY)
+        store.sessions.begin_turn("s", 1, (9,), GREEDY)
     assert info.value.field == "turn_index"
-    session, done = store.complete_turn(turn, _sample(turn, [7, 8]))
+    session, done = store.sessions.complete_turn(turn, _sample(turn, [7, 8]))
     assert done.status is TurnStatus.DONE and done.token_ids == (7, 8)
     assert session.num_turns == 1 and session.num_tokens == 4
-    assert store.complete_turn(turn, _sample(turn, [0]))[1] == done  # once only
-    assert store.begin_turn("s", 0, (), GREEDY)[1] == done
+    assert store.sessions.complete_turn(turn, _sample(turn, [0]))[1] == done  # once only
+    assert store.sessions.begin_turn("s", 0, (), GREEDY)[1] == done
     with pytest.raises(AlreadyExists) as info:
-        store.begin_turn("s", 0, (), SamplingParams(max_new_tokens=4))
+        store.sessions.begin_turn("s", 0, (), SamplingParams(max_new_tokens=4))
     assert info.value.field == "sampling.temperature"
 
 
 def test_a_given_up_turn_runs_again_under_a_new_request(store, job):
-    store.open_session(AgentSession("s", "job", (1,)))
-    _, turn = store.begin_turn("s", 0, (), GREEDY)
-    store.give_up_turn(turn)
-    session = store.get_session("s")
+    store.sessions.open(AgentSession("s", "job", (1,)))
+    _, turn = store.sessions.begin_turn("s", 0, (), GREEDY)
+    store.sessions.give_up_turn(turn)
+    session = store.sessions.get("s")
     assert session.turns == () and session.attempts == 1 and session.num_turns == 0
-    _, again = store.begin_turn("s", 0, (), GREEDY)
+    _, again = store.sessions.begin_turn("s", 0, (), GREEDY)
     assert again.request_id == "session:s:0:1"
     with pytest.raises(FailedPrecondition):  # the old attempt cannot complete it
-        store.complete_turn(turn, _sample(turn, [5]))
-    closed = store.close_session("s")  # drops the running turn
+        store.sessions.complete_turn(turn, _sample(turn, [5]))
+    closed = store.sessions.close("s")  # drops the running turn
     assert closed.status is SessionStatus.CLOSED and closed.turns == ()
     with pytest.raises(FailedPrecondition) as info:
-        store.begin_turn("s", 0, (), GREEDY)
+        store.sessions.begin_turn("s", 0, (), GREEDY)
     assert info.value.code is grpc.StatusCode.FAILED_PRECONDITION
     assert info.value.field == "session_id"
-    assert store.close_session("s") == closed
+    assert store.sessions.close("s") == closed
     with pytest.raises(NotFound):
-        store.get_session("nope")
+        store.sessions.get("nope")
 
 
 def test_the_trajectory_masks_environment_tokens_and_expands_spans(store, job):
-    store.open_session(AgentSession("s", "job", (1, 2, 3)))
-    _, t0 = store.begin_turn("s", 0, (), GREEDY)
-    store.complete_turn(t0, _sample(t0, [10, 11]))
+    store.sessions.open(AgentSession("s", "job", (1, 2, 3)))
+    _, t0 = store.sessions.begin_turn("s", 0, (), GREEDY)
+    store.sessions.complete_turn(t0, _sample(t0, [10, 11]))
     raw = SamplingParams(max_new_tokens=4, logprob_mode=LogprobMode.RAW)
-    _, t1 = store.begin_turn("s", 1, (20,), raw)
-    session, _ = store.complete_turn(t1, _sample(t1, [30, 31, 32], spans=[(0, 3), (2, 4)]))
+    _, t1 = store.sessions.begin_turn("s", 1, (20,), raw)
+    session, _ = store.sessions.complete_turn(t1, _sample(t1, [30, 31, 32], spans=[(0, 3), (2, 4)]))
     t = session.trajectory()
     assert t.token_ids == (1, 2, 3, 10, 11, 20, 30, 31, 32) and t.prompt_length == 3
     assert t.loss_mask == (0, 0, 0, 1, 1, 0, 1, 1, 1)

@@ -63,14 +63,14 @@ def test_datetimes_are_aware_utc(store: Store) -> None:
 
     plus2 = timezone(timedelta(hours=2))
     at = datetime(2026, 1, 1, 12, 0, tzinfo=plus2)
-    job, _ = store.create_job(Job(job_id="j", model_path="/m"))
-    with Session(store.engine) as s, s.begin():
+    job, _ = store.jobs.create(Job(job_id="j", model_path="/m"))
+    with Session(store.db.engine) as s, s.begin():
         s.get(JobRow, "j").updated_at = at
-    with Session(store.engine) as s:
+    with Session(store.db.engine) as s:
         got = s.get(JobRow, "j").updated_at
     assert got == at and got.tzinfo == UTC and got.hour == 10
     with pytest.raises(StatementError, match="naive datetime"):
-        with Session(store.engine) as s, s.begin():
+        with Session(store.db.engine) as s, s.begin():
             s.get(JobRow, "j").updated_at = datetime(2026, 1, 1)
     assert abs(utcnow() - job.created_at) < timedelta(minutes=1)
 
@@ -81,8 +81,8 @@ def test_concurrent_writers_on_sqlite_do_not_fail(sqlite_url: str) -> None:
     upgrade(sqlite_url)
     a, b = Store(sqlite_url), Store(sqlite_url)
     try:
-        a.create_job(Job(job_id="j", model_path="/m"))
-        a.create_request(
+        a.jobs.create(Job(job_id="j", model_path="/m"))
+        a.requests.create(
             RolloutRequest(
                 request_id="r", job_id="j", prompts=((1,),) * 40, sampling=SamplingParams(n=2)
             )
@@ -93,8 +93,10 @@ def test_concurrent_writers_on_sqlite_do_not_fail(sqlite_url: str) -> None:
             try:
                 for p in prompt_indices:
                     for s in range(2):
-                        store.add_sample(Sample("r", p, s, (1, 2), (-0.1, -0.2), FinishReason.STOP))
-                        store.get_request("r")
+                        store.samples.add(
+                            Sample("r", p, s, (1, 2), (-0.1, -0.2), FinishReason.STOP)
+                        )
+                        store.requests.get("r")
             except BaseException as exc:  # collected and asserted below
                 errors.append(exc)
 
@@ -108,8 +110,8 @@ def test_concurrent_writers_on_sqlite_do_not_fail(sqlite_url: str) -> None:
         for t in threads:
             t.join()
         assert errors == []
-        assert a.get_request("r").samples_done == 80
-        assert len(b.list_samples("r")) == 80
+        assert a.requests.get("r").samples_done == 80
+        assert len(b.samples.list("r")) == 80
     finally:
         a.close()
         b.close()
@@ -147,13 +149,13 @@ def test_writers_of_one_store_take_turns_and_give_them_up(sqlite_url: str) -> No
     upgrade(sqlite_url)
     store = Store(sqlite_url)
     try:
-        store.create_job(Job(job_id="j", model_path="/m"))
+        store.jobs.create(Job(job_id="j", model_path="/m"))
         errors: list[BaseException] = []
 
         def write(i: int) -> None:
             try:
                 for k in range(10):
-                    store.create_request(
+                    store.requests.create(
                         RolloutRequest(f"r-{i}-{k}", "j", ((1,),), SamplingParams())
                     )
             except BaseException as exc:  # collected and asserted below
@@ -165,11 +167,11 @@ def test_writers_of_one_store_take_turns_and_give_them_up(sqlite_url: str) -> No
         for t in threads:
             t.join()
         assert errors == []
-        assert len(store.list_requests(None, "j", None)) == 40
+        assert len(store.requests.list(None, "j", None)) == 40
         with pytest.raises(AlreadyExists):  # a refused write ...
-            store.create_request(RolloutRequest("r-0-0", "j", ((2,),), SamplingParams()))
+            store.requests.create(RolloutRequest("r-0-0", "j", ((2,),), SamplingParams()))
         done = threading.Event()
-        threading.Thread(target=lambda: (store.create_job(Job("k", "/m")), done.set())).start()
+        threading.Thread(target=lambda: (store.jobs.create(Job("k", "/m")), done.set())).start()
         assert done.wait(5)  # ... left the turn free for the next one
     finally:
         store.close()

@@ -166,12 +166,12 @@ def test_sd_statistics_columns_are_filled_for_existing_rows(db_url: str) -> None
     _upgrade_from_0001_rows(db_url)
     store = Store(db_url)
     try:
-        req = store.get_request("r")
+        req = store.requests.get("r")
         assert (req.sampling.logprob_mode, req.sampling.return_provenance) == (
             LogprobMode.PROCESSED,
             False,
         )
-        (sample,) = store.list_samples("r")
+        (sample,) = store.samples.list("r")
         spec = sample.speculative
         assert (spec.drafted_tokens, spec.bonus_tokens, spec.residual_tokens) == (0, 0, 0)
         assert sample.provenance is None and sample.token_ids == (5,)
@@ -316,17 +316,17 @@ def test_packed_payloads_read_old_json_rows_and_downgrade_to_json(db_url: str) -
     _upgrade_from_0001_rows(db_url)  # a JSON sample in the oldest schema
     store = Store(db_url)
     try:
-        (old,) = store.list_samples("r")
+        (old,) = store.samples.list("r")
         assert (old.token_ids, old.logprobs) == ((5,), (-0.5,))
-        store.create_job(JOB)
-        store.create_request(_request())
+        store.jobs.create(JOB)
+        store.requests.create(_request())
         new = _sample(0, 0, tokens=(70000, 1, 2**31 - 1))
         new = type(new)(**{**new.__dict__, "logprobs": (-0.1, -1e-300, -123.456789)})
-        assert store.add_samples([new, _sample(0, 1, tokens=(2**31,))]) == [True, True]
-        got = store.list_samples("req-1")
+        assert store.sample_batches.add([new, _sample(0, 1, tokens=(2**31,))]) == [True, True]
+        got = store.samples.list("req-1")
         assert (got[0].token_ids, got[0].logprobs) == (new.token_ids, new.logprobs)
         assert got[1].token_ids == (2**31,)  # beyond int32: kept as JSON
-        with store.engine.connect() as conn:
+        with store.db.engine.connect() as conn:
             packed = conn.execute(
                 text("SELECT count(*) FROM samples WHERE token_ids_bin IS NOT NULL")
             ).scalar()

@@ -202,14 +202,14 @@ def test_an_update_in_flight_during_a_tick_drops_its_training_start(
     """UpdatePolicy has begun but its store write has not committed while a whole tick runs:
     the tick reads version 0 and must not start training. (Without the fix it did.)"""
     entered, release = threading.Event(), threading.Event()
-    real_add = sqlite_store.add_policy_version
+    real_add = sqlite_store.policies.add
 
     def blocked_add(*args, **kw):
         entered.set()
         assert release.wait(60)
         return real_add(*args, **kw)
 
-    monkeypatch.setattr(sqlite_store, "add_policy_version", blocked_add)
+    monkeypatch.setattr(sqlite_store.policies, "add", blocked_add)
     r = RacingSupervisor(sqlite_store, tmp_path, monkeypatch, lambda decision: None)
 
     async def main() -> list[tuple[int, bool]]:

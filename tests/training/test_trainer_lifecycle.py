@@ -24,8 +24,8 @@ from tltd.periodic import build_scheduler, reap_trainers
 
 
 def _setup(store, policy_path) -> None:
-    store.create_job(Job("job", str(policy_path)))
-    store.upsert_devices(cpu_devices(1))
+    store.jobs.create(Job("job", str(policy_path)))
+    store.devices.upsert(cpu_devices(1))
 
 
 def _sample(i: int) -> Sample:
@@ -39,7 +39,7 @@ async def _round_one_then(training: DrafterTraining, store, next_policy) -> tupl
     await training.start("cpu:0", "job")
     run = training._runs["job"]
     await until(lambda: run.phase is TrainerPhase.IDLE, "round 1 over")
-    store.add_policy_version("job", "checkpoint", str(next_policy))
+    store.policies.add("job", "checkpoint", str(next_policy))
     return run, run.worker.proc.pid
 
 
@@ -61,7 +61,7 @@ def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
             # the device is recorded training and held by the new run meanwhile.
             assert pid_alive(pid) and new is not old and new.phase is TrainerPhase.STARTING
             assert new.worker is None and new.spawning is None
-            assert store.get_device("cpu:0").state is DeviceState.TRAINING
+            assert store.devices.get("cpu:0").state is DeviceState.TRAINING
             assert [(v.device_id, v.job_id) for v in training.views()] == [("cpu:0", "job")]
         finally:
             os.kill(pid, signal.SIGCONT)  # now it stops, writing its checkpoint
@@ -70,7 +70,7 @@ def test_start_returns_while_the_trainer_it_replaces_is_still_stopping(
         await training.close()
 
     asyncio.run(main())
-    reasons = [e.reason for e in store.list_events("worker", "drafter-job")]
+    reasons = [e.reason for e in store.history.list_events("worker", "drafter-job")]
     restart = next(i for i, r in enumerate(reasons) if "restarting for policy version 1" in r)
     assert any("resumed from" in r for r in reasons[restart:]), reasons
 
@@ -93,7 +93,7 @@ def test_a_new_policy_of_the_same_architecture_goes_into_the_running_trainer(
         await training.close()
 
     asyncio.run(main())
-    reasons = [e.reason for e in store.list_events("worker", "drafter-job")]
+    reasons = [e.reason for e in store.history.list_events("worker", "drafter-job")]
     assert any("; policy version 1 loaded in place (steps" in r for r in reasons), reasons
     assert not any("restarting" in r or "spawning" in r for r in reasons[1:]), reasons
 
@@ -158,9 +158,9 @@ def test_no_trainer_is_spawned_once_close_began(sqlite_store, tmp_path, monkeypa
 
     asyncio.run(main())
     assert not spawned
-    row = store.get_worker("drafter-job")
+    row = store.workers.get("drafter-job")
     assert row.state is WorkerState.STOPPED and "shutting down" in row.state_reason
-    assert store.get_device("cpu:0").state is DeviceState.IDLE
+    assert store.devices.get("cpu:0").state is DeviceState.IDLE
 
 
 def test_a_launch_failing_while_closing_gives_the_device_back(sqlite_store, tmp_path, monkeypatch):
@@ -180,16 +180,16 @@ def test_a_launch_failing_while_closing_gives_the_device_back(sqlite_store, tmp_
 
     async def main() -> None:
         await training.start("cpu:0", "job")
-        assert store.get_device("cpu:0").state is DeviceState.TRAINING
+        assert store.devices.get("cpu:0").state is DeviceState.TRAINING
         await asyncio.to_thread(loading.wait, 30)
         closed = training.close()
         closing.set()
         await closed
 
     asyncio.run(main())
-    row = store.get_worker("drafter-job")
+    row = store.workers.get("drafter-job")
     assert row.state is WorkerState.FAILED and "out of memory" in row.state_reason
-    assert store.get_device("cpu:0").state is DeviceState.IDLE
+    assert store.devices.get("cpu:0").state is DeviceState.IDLE
     assert procs and not procs[0].is_alive()
 
 
@@ -214,12 +214,12 @@ def test_a_hung_trainer_is_killed_by_the_heartbeat_reaper(sqlite_store, tmp_path
         # Idle, its main thread waits for a command: the heartbeat thread keeps it alive.
         await asyncio.sleep(timeout + 1.0)
         assert await reap_trainers(training) == []
-        assert store.get_worker("drafter-job").last_heartbeat is not None  # tltctl shows it
+        assert store.workers.get("drafter-job").last_heartbeat is not None  # tltctl shows it
         for i in range(8):
             training.on_sample("job", (1, 2, 3), _sample(i))
         await training.start("cpu:0", "job")
         await until(lambda: run.step >= 1, "training")
-        assert store.get_device("cpu:0").state is DeviceState.TRAINING
+        assert store.devices.get("cpu:0").state is DeviceState.TRAINING
         pid = run.worker.proc.pid
         os.kill(pid, signal.SIGSTOP)  # hung, not dead: its pipe stays open
         killed: list[str] = []
@@ -231,9 +231,9 @@ def test_a_hung_trainer_is_killed_by_the_heartbeat_reaper(sqlite_store, tmp_path
         await training.close()
 
     asyncio.run(main())
-    row = store.get_worker("drafter-job")
+    row = store.workers.get("drafter-job")
     assert row.state is WorkerState.FAILED and "no heartbeat for 3s" in row.state_reason
-    assert store.get_device("cpu:0").state is DeviceState.IDLE
+    assert store.devices.get("cpu:0").state is DeviceState.IDLE
 
 
 def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
@@ -266,8 +266,8 @@ def test_a_launch_preempted_while_it_stops_the_old_trainer_spawns_nothing(
     asyncio.run(main())
     # No trainer loaded its target onto a device rollout has taken back.
     assert spawned == []
-    assert store.get_device("cpu:0").state is DeviceState.IDLE
-    row = store.get_worker("drafter-job")
+    assert store.devices.get("cpu:0").state is DeviceState.IDLE
+    row = store.workers.get("drafter-job")
     assert "preempted: rollout work waiting" in row.state_reason
     assert [p.reason for p in training.preemptions] == ["rollout work waiting"]
 
@@ -297,7 +297,7 @@ def test_a_preempted_round_resumes_towards_its_own_end(sqlite_store, tmp_path, c
         await training.start("cpu:0", "job")
         await until(lambda: run.step > stepped, "training again")
         assert run.round.target == target  # not stepped + 100_000
-        assert f"(steps {stepped} -> {target})" in store.get_worker("drafter-job").state_reason
+        assert f"(steps {stepped} -> {target})" in store.workers.get("drafter-job").state_reason
         await training.close()
 
     asyncio.run(main())
@@ -311,7 +311,9 @@ def test_a_warm_started_trainer_waits_loaded_and_its_first_round_trains_at_once(
     training. A job without online training gets none."""
     store = sqlite_store
     _setup(store, ckpt)
-    store.create_job(Job("frozen", str(ckpt), speculative=SpeculativeConfig(online_training=False)))
+    store.jobs.create(
+        Job("frozen", str(ckpt), speculative=SpeculativeConfig(online_training=False))
+    )
     training = DrafterTraining(store, training_settings(tmp_path, training_warm_start=True))
 
     async def main() -> None:
@@ -323,7 +325,7 @@ def test_a_warm_started_trainer_waits_loaded_and_its_first_round_trains_at_once(
         await until(lambda: run.phase is TrainerPhase.IDLE, "the warm trainer up", timeout=120)
         # Up, holding nothing: the device is idle, the scheduler sees no training and no
         # round to resume.
-        assert run.device_id == "" and store.get_device("cpu:0").state is DeviceState.IDLE
+        assert run.device_id == "" and store.devices.get("cpu:0").state is DeviceState.IDLE
         assert training.views() == () and training.job_view("job").cut_short is False
         assert "frozen" not in training._runs
         pid, loading = run.worker.proc.pid, METRICS.trainer_loading_seconds().get("cpu:0", 0.0)
@@ -332,13 +334,13 @@ def test_a_warm_started_trainer_waits_loaded_and_its_first_round_trains_at_once(
         # The same process trains at once: no spawn, no start-up on the device.
         assert training._runs["job"] is run and run.phase is TrainerPhase.TRAINING
         assert run.worker.proc.pid == pid and run.device_id == "cpu:0"
-        assert store.get_device("cpu:0").state is DeviceState.TRAINING
+        assert store.devices.get("cpu:0").state is DeviceState.TRAINING
         assert METRICS.trainer_loading_seconds().get("cpu:0", 0.0) == loading
         await until(lambda: run.step >= 1, "a step taken on the warm trainer")
         await training.close()
 
     asyncio.run(main())
-    reasons = [e.reason for e in store.list_events("worker", "drafter-job")]
+    reasons = [e.reason for e in store.history.list_events("worker", "drafter-job")]
     assert sum("spawning" in r for r in reasons) == 1, reasons
     assert any("warm start" in r for r in reasons) and any(r.endswith("; idle") for r in reasons)
-    assert store.get_device("cpu:0").state is DeviceState.IDLE
+    assert store.devices.get("cpu:0").state is DeviceState.IDLE

@@ -14,12 +14,12 @@ from tltd.drafter_training.process import TrainerProcess
 
 def test_trainer_pid_is_recorded_before_its_model_is_loaded(sqlite_store, tmp_path, monkeypatch):
     store = sqlite_store
-    store.create_job(Job("job", str(tmp_path / "policy")))
-    store.upsert_devices(cpu_devices(1))
+    store.jobs.create(Job("job", str(tmp_path / "policy")))
+    store.devices.upsert(cpu_devices(1))
     seen = {}
 
     def loading(self, kind, timeout=60.0):  # the model "loads" until we have looked
-        row = next(w for w in store.list_workers() if w.worker_id == "drafter-job")
+        row = next(w for w in store.workers.list() if w.worker_id == "drafter-job")
         seen.update(pid=row.pid, proc_pid=self.proc.pid, state=row.state, proc=self.proc)
         raise TimeoutError("model load timed out")
 
@@ -33,5 +33,5 @@ def test_trainer_pid_is_recorded_before_its_model_is_loaded(sqlite_store, tmp_pa
     asyncio.run(main())
     assert seen["pid"] == seen["proc_pid"] > 0 and seen["state"] is WorkerState.STARTING
     assert not seen["proc"].is_alive()  # not left loading after the failed start
-    row = next(w for w in store.list_workers() if w.worker_id == "drafter-job")
+    row = next(w for w in store.workers.list() if w.worker_id == "drafter-job")
     assert row.state is WorkerState.FAILED and "timed out" in row.state_reason

@@ -51,14 +51,14 @@ def test_training_starts_when_idle_and_is_preempted_by_a_new_batch(start_daemon,
         assert w.job_id == "job" and w.worker_id == "drafter-job" and w.pid
         # The worker row and the device row are separate writes: wait for the second.
         _wait(
-            lambda: d.store.get_device(w.device_id).state is DeviceState.TRAINING,
+            lambda: d.store.devices.get(w.device_id).state is DeviceState.TRAINING,
             what="device state training",
         )
         _wait(lambda: hook._runs["job"].step >= 2, what="two optimizer steps")
 
         got = list(c.generate("job", PROMPTS, sampling=sampling(**PARAMS), request_id="b-2"))
         w = _wait(lambda: (t := _trainer(c)) and t.state == "ready" and t, what="preempted")
-        events = d.store.list_events("worker", "drafter-job")
+        events = d.store.history.list_events("worker", "drafter-job")
     assert _by_key(got) == direct_outputs(ckpt, PROMPTS, SamplingParams(**PARAMS))
     assert "preempted: rollout work is waiting" in w.state_reason
     transitions = [(e.old_status, e.new_status, e.reason) for e in events]
@@ -72,7 +72,7 @@ def test_training_starts_when_idle_and_is_preempted_by_a_new_batch(start_daemon,
     print(f"\ndrafter training preemption latency: {p.latency_seconds * 1000:.1f} ms")
     # The device came back from training (a later round may have taken it again since: the
     # second batch left fresh samples, so its current state proves nothing).
-    device_events = d.store.list_events("device", w.device_id)
+    device_events = d.store.history.list_events("device", w.device_id)
     assert any(
         (e.old_status, e.new_status) == ("training", "idle") and "preempted" in e.reason
         for e in device_events
@@ -125,7 +125,7 @@ def test_round_publishes_a_version_and_shutdown_leaves_a_checkpoint(start_daemon
     assert ckpt_dir is not None and (ckpt_dir / "model.safetensors").is_file()
     meta = json.loads((ckpt_dir / "trainer.json").read_text())
     assert meta["trainer"]["row_len"] == 8  # the daemon setting reached the trainer
-    w = d.store.get_worker("drafter-job")
+    w = d.store.workers.get("drafter-job")
     assert w.state is WorkerState.STOPPED and str(ckpt_dir) in w.state_reason
 
 
@@ -149,7 +149,7 @@ def test_new_policy_is_loaded_into_the_trainer_in_place_and_node_drain_stops_tra
         # The trainer of round 2 trained on the new target, loaded into the same process: its
         # drafter carried on from round 1.
         assert listed.drafters[1].train_steps == 6
-        reasons = [e.reason for e in d.store.list_events("worker", "drafter-job")]
+        reasons = [e.reason for e in d.store.history.list_events("worker", "drafter-job")]
         assert any("; policy version 1 loaded in place (steps" in r for r in reasons)
         assert not any("restarting" in r for r in reasons)
         _wait(lambda: (t := _trainer(c)) and t.state == "ready", what="round 2 done")

@@ -12,8 +12,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from tltd.domain import Role
-from tltd.errors import InvalidArgument, TltError
-from tltd.store.database import database_error
+from tltd.errors import InvalidArgument, typed_error
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +148,7 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """TltError -> its status code and message; a database that is down or locked ->
-    UNAVAILABLE (`tltd.store.database.database_error`); anything else -> INTERNAL plus a logged
+    UNAVAILABLE (`tltd.errors.typed_error`); anything else -> INTERNAL plus a logged
     traceback. Works for unary and streaming methods, generator- or write()-style.
 
     Request bytes that do not decode (truncated, invalid UTF-8 in a string field) are the
@@ -209,10 +208,11 @@ async def _checked_stream(requests):
 
 async def _map_error(method: str, exc: BaseException, context) -> None:
     # A database outage or lock is the caller's to retry (UNAVAILABLE), not a daemon bug.
-    exc = database_error(exc) or exc
-    if isinstance(exc, TltError):
-        log.info("rpc failed", extra={"method": method, "code": exc.code.name, "error": str(exc)})
-        await context.abort(exc.code, str(exc))  # raises AbortError: nothing below runs
+    typed = typed_error(exc)
+    if typed is not None:
+        extra = {"method": method, "code": typed.code.name, "error": str(typed)}
+        log.info("rpc failed", extra=extra)
+        await context.abort(typed.code, str(typed))  # raises AbortError: nothing below runs
     log.error("unexpected error in %s", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (see daemon log)")
 

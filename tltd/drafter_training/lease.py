@@ -48,7 +48,7 @@ class LeaseHolder:
         """Take or extend the job's drafter lease; None while another node holds it."""
         try:
             lease = await asyncio.to_thread(
-                self.store.claim_drafter_lease, job_id, self.settings.drafter_lease_seconds
+                self.store.drafter_leases.claim, job_id, self.settings.drafter_lease_seconds
             )
         except Exception:
             log.exception("drafter lease claim failed", extra={"job_id": job_id})
@@ -83,13 +83,20 @@ class LeaseHolder:
                 self.buffers.clear(job_id)
                 n = recent + cfg.training_held_out_samples * cfg.training_held_out_every
                 older = await asyncio.to_thread(
-                    store.finished_samples, job_id, 0, n, up_to=lease.cursor, newest=True
+                    store.drafter_leases.finished_samples,
+                    job_id,
+                    0,
+                    n,
+                    up_to=lease.cursor,
+                    newest=True,
                 )
                 self._take(job_id, older)
                 self._pulled[job_id] = lease.lease_epoch
                 self.read_to[job_id] = lease.cursor
             after = max(self.read_to.get(job_id, 0), lease.cursor)
-            new = await asyncio.to_thread(store.finished_samples, job_id, after, recent)
+            new = await asyncio.to_thread(
+                store.drafter_leases.finished_samples, job_id, after, recent
+            )
         except Exception:
             log.exception("drafter samples not read", extra={"job_id": job_id})
             return False
@@ -119,7 +126,7 @@ class LeaseHolder:
                 # Its own thread: a renewal queued behind busy store calls could let it lapse.
                 ok = await asyncio.get_running_loop().run_in_executor(
                     self._renewer,
-                    self.store.renew_drafter_lease,
+                    self.store.drafter_leases.renew,
                     job_id,
                     lease.lease_epoch,
                     self.settings.drafter_lease_seconds,
@@ -134,7 +141,10 @@ class LeaseHolder:
             log.warning("drafter lease lost: trainer stopped", extra={"job_id": job_id})
         try:
             self.backlog = await asyncio.get_running_loop().run_in_executor(
-                self._renewer, self.store.drafter_backlog, sorted(self.asked), dict(self.read_to)
+                self._renewer,
+                self.store.drafter_leases.backlog,
+                sorted(self.asked),
+                dict(self.read_to),
             )
         except Exception:
             log.exception("drafter backlog not read")

@@ -125,10 +125,10 @@ def new_trainer(
     one starts from the drafter the rollout workers use (`active_drafter`, 0: none) where this
     node can read it; `taken_over`: the lease came from another node, whose drafter is newer
     than this node's checkpoint. Reads the store."""
-    policy = store.get_policy_version(job_id, policy_version)
+    policy = store.policies.get(job_id, policy_version)
     start_from, start_step = None, 0
     if active_drafter:
-        dv = store.get_drafter(job_id, active_drafter)
+        dv = store.drafters.get(job_id, active_drafter)
         if dv.readable_on(store.node_id) and Path(dv.path).is_dir():
             start_from = dv.path
             start_step = dv.train_steps if taken_over else 0

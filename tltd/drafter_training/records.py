@@ -76,4 +76,4 @@ class TrainingRecords:
         METRICS.set_device_state(device_id, state.value)  # exact training seconds
         if state is not DeviceState.TRAINING:
             METRICS.set_trainer_loading(device_id, False)
-        await self.write(self.store.set_device_state, device_id, state, why)
+        await self.write(self.store.devices.set_state, device_id, state, why)

@@ -149,8 +149,8 @@ class DrafterTraining:
                 if run is not None:
                     run.round.open = False  # not resumed at once either: it waits the cadence
                 return
-        job = await asyncio.to_thread(self.store.get_job, job_id)
-        device = await asyncio.to_thread(self.store.get_device, device_id)
+        job = await asyncio.to_thread(self.store.jobs.get, job_id)
+        device = await asyncio.to_thread(self.store.devices.get, device_id)
         torch_device = "cpu" if device.kind is DeviceKind.CPU else device_id
         self._last_start[job_id] = time.monotonic()
         self.samples.fresh[job_id] = 0
@@ -194,8 +194,8 @@ class DrafterTraining:
         if self._closed:
             return
         try:
-            job = await asyncio.to_thread(self.store.get_job, job_id)
-            devices = await asyncio.to_thread(self.store.list_devices)
+            job = await asyncio.to_thread(self.store.jobs.get, job_id)
+            devices = await asyncio.to_thread(self.store.devices.list)
         except Exception:  # an optimisation: the first round starts its trainer anyway
             log.warning("no warm start for the drafter trainer", exc_info=True,
                         extra={"job_id": job_id})  # fmt: skip
@@ -426,7 +426,7 @@ class DrafterTraining:
         is the same (an RL job pushes one every step: a new process would load torch, the
         target and a checkpoint again, seconds of a rollout's short tail); its drafter,
         optimizer and buffer carry on. Otherwise it is left to a new process."""
-        policy = await asyncio.to_thread(self.store.get_policy_version, run.job_id, version)
+        policy = await asyncio.to_thread(self.store.policies.get, run.job_id, version)
         config = await asyncio.to_thread(policy_config, policy.path)
         if config is None or config != run.policy_config:
             return False
@@ -537,7 +537,7 @@ class DrafterTraining:
         if not self.cluster or self._runs.get(run.job_id) is not run:
             return
         if self.leases.forget_if_held(run.job_id, run.lease.epoch):
-            release = self.store.release_drafter_lease
+            release = self.store.drafter_leases.release
             await self.records.write(release, run.job_id, run.lease.epoch)
 
     # ---- helpers --------------------------------------------------------------------------

@@ -16,10 +16,10 @@ def active_drafter(store: Store, job_id: str) -> ActiveDrafter | None:
     """The version a job's next candidate must beat (pinned, else newest promoted). A version
     this node cannot read (another node's local storage) is compared by its recorded
     acceptance: its path is not given."""
-    version = store.active_drafter_version(job_id)
+    version = store.drafters.active_version(job_id)
     if not version:
         return None
-    current = store.get_drafter(job_id, version)
+    current = store.drafters.get(job_id, version)
     path = current.path if current.readable_on(store.node_id) else ""
     return ActiveDrafter(version, path, current.acceptance_length)
 
@@ -63,7 +63,7 @@ def publish(
     no longer this node's)."""
     status, reason = _decide(m, min_gain)
     dv = _candidate(job_id, m, shared)
-    return store.publish_drafter(dv, lease_epoch, status, reason, cursor)
+    return store.drafter_leases.publish(dv, lease_epoch, status, reason, cursor)
 
 
 def record(
@@ -72,6 +72,6 @@ def record(
     """Record a measured candidate as a version: PROMOTED (active from now) only when its
     held-out acceptance exceeds the baseline by more than `min_gain`, else REJECTED (kept on
     disk for inspection)."""
-    dv = store.add_drafter_version(_candidate(job_id, m, shared, node_id=store.node_id))
+    dv = store.drafters.add(_candidate(job_id, m, shared, node_id=store.node_id))
     status, reason = _decide(m, min_gain)
-    return store.set_drafter_status(job_id, dv.version, status, reason)
+    return store.drafters.set_status(job_id, dv.version, status, reason)

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 import grpc
 from pydantic import ValidationError
 
-from tltd.errors import InvalidArgument, TltError
-from tltd.store.database import database_error
+from tltd.errors import InvalidArgument, TltError, typed_error
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ def failure_body(raised: BaseException, renames: Renames, where: str) -> tuple[i
     """(HTTP status, body) for whatever a handler or a stream raised: a typed error as it
     maps; a database that is down or locked as the caller's to retry (503), not a daemon bug;
     anything else 500, its traceback logged (`where` says in what)."""
-    exc = raised if isinstance(raised, TltError) else database_error(raised)
+    exc = typed_error(raised)
     if exc is None:
         log.error("unexpected error in %s", where, exc_info=raised)
         return internal_error_body()

@@ -22,28 +22,28 @@ class AdminService:
 
     def list_nodes(self) -> list[Node]:
         """Every daemon on the database; DOWN when its heartbeat is older than the threshold."""
-        return self.store.list_nodes(self.down_seconds)
+        return self.store.nodes.list(self.down_seconds)
 
     def list_devices(self) -> list[Device]:
-        return self.store.list_devices()
+        return self.store.devices.list()
 
     def list_workers(self, device_id: str = "") -> list[Worker]:
         if device_id:
-            self.store.get_device(device_id)  # NotFound rather than a silent empty list
-        return self.store.list_workers(device_id=device_id or None)
+            self.store.devices.get(device_id)  # NotFound rather than a silent empty list
+        return self.store.workers.list(device_id=device_id or None)
 
     def cordon(self, device_id: str, reason: str = "") -> Device:
         """No new work is placed on the device; what runs there keeps running."""
         self._check_device_id(device_id)
         check_text(reason, "reason", MAX_REASON)
-        return self.store.set_device_flags(
+        return self.store.devices.set_flags(
             device_id, cordoned=True, reason=reason or "cordoned by operator"
         )
 
     def uncordon(self, device_id: str) -> Device:
         """Make the device schedulable again (clears both cordon and a device-level drain)."""
         self._check_device_id(device_id)
-        return self.store.set_device_flags(
+        return self.store.devices.set_flags(
             device_id, cordoned=False, draining=False, reason="uncordoned by operator"
         )
 
@@ -51,11 +51,11 @@ class AdminService:
         """Cordon every device of a node (this one or another of the database)."""
         check_id(node_id, "node_id")
         check_text(reason, "reason", MAX_REASON)
-        return self.store.set_node_cordon(node_id, True, reason or "node cordoned by operator")
+        return self.store.nodes.set_cordon(node_id, True, reason or "node cordoned by operator")
 
     def uncordon_node(self, node_id: str) -> list[Device]:
         check_id(node_id, "node_id")
-        return self.store.set_node_cordon(node_id, False, "node uncordoned by operator")
+        return self.store.nodes.set_cordon(node_id, False, "node uncordoned by operator")
 
     def drain(
         self,
@@ -86,11 +86,11 @@ class AdminService:
             reason = reason or "node drained by operator"
             if node_id and node_id != self.store.node_id:
                 check_id(node_id, "node_id")
-                return self.store.request_node_drain(node_id, reason, grace_seconds)
+                return self.store.nodes.request_drain(node_id, reason, grace_seconds)
             self.node.start_draining(reason, grace_seconds or None)
             return [
-                self.store.set_device_flags(d.device_id, draining=True, reason=reason)
-                for d in self.store.list_devices()
+                self.store.devices.set_flags(d.device_id, draining=True, reason=reason)
+                for d in self.store.devices.list()
             ]
         self._check_device_id(device_id)
         if grace_seconds:
@@ -100,18 +100,18 @@ class AdminService:
                 field="grace_seconds",
             )
         reason = reason or "drained by operator"
-        return [self.store.set_device_flags(device_id, draining=True, reason=reason)]
+        return [self.store.devices.set_flags(device_id, draining=True, reason=reason)]
 
     def stats(self) -> Stats:
-        s = self.store.stats()
-        devices = self.store.list_devices()
+        s = self.store.history.stats()
+        devices = self.store.devices.list()
         return Stats(
             version=tltd.__version__,
             uptime_seconds=self.node.uptime_seconds(),
             database=self.store.dialect,
             devices=len(devices),
             devices_schedulable=sum(d.schedulable for d in devices),
-            workers=len(self.store.list_workers()),
+            workers=len(self.store.workers.list()),
             jobs_active=s["jobs_active"],
             requests_by_status=dict(s["requests_by_status"]),
             samples_total=s["samples_total"],

@@ -32,13 +32,13 @@ async def follow_bounded(
 ) -> AsyncIterator[list[Sample]]:
     """The samples of the groups sent to `req`'s stream, a list per take (never empty)."""
     rid, want = req.request_id, req.bound_groups
-    before = await asyncio.to_thread(store.sent_groups, rid)
+    before = await asyncio.to_thread(store.deliveries.sent_groups, rid)
     sent = len(before)
     if before:
         yield _samples(before)
     end = _deadline(req)
     while sent < want and time.time() < end:
-        took = await asyncio.to_thread(store.take_groups, rid, want - sent, req.carried)
+        took = await asyncio.to_thread(store.deliveries.take_groups, rid, want - sent, req.carried)
         _observe(req.job_id, took)
         if took.groups:
             sent += len(took.groups)
@@ -73,10 +73,10 @@ async def wait_for_staleness(store: Store, req: RolloutRequest, poll_seconds: fl
     """Hold a new bounded request until its job's staleness bound admits it (a new policy
     version raises the bound); a job without a bound admits it at once."""
     while True:
-        job = await asyncio.to_thread(store.get_job, req.job_id)
+        job = await asyncio.to_thread(store.jobs.get, req.job_id)
         if job.max_staleness is None or job.status is not JobStatus.ACTIVE:
             return  # (admission refuses a job that is not active)
-        so_far = await asyncio.to_thread(store.bounded_prompts, req.job_id)
+        so_far = await asyncio.to_thread(store.deliveries.bounded_prompts, req.job_id)
         if staleness_allows(
             so_far, len(req.prompts), req.bound_groups, job.policy_version, job.max_staleness
         ):

@@ -26,24 +26,24 @@ class DrafterService:
     def list(self, job_id: str) -> tuple[list[DrafterVersion], int]:
         """All versions of a job's drafter and the version workers use now (0 = none)."""
         check_id(job_id, "job_id")
-        self.store.get_job(job_id)  # NotFound for an unknown job, not an empty list
-        return self.store.list_drafters(job_id), self.store.active_drafter_version(job_id)
+        self.store.jobs.get(job_id)  # NotFound for an unknown job, not an empty list
+        return self.store.drafters.list(job_id), self.store.drafters.active_version(job_id)
 
     def get(self, job_id: str, version: int) -> DrafterVersion:
         check_id(job_id, "job_id")
         if version < 1:
             raise InvalidArgument("must be >= 1", field="version")
-        return self.store.get_drafter(job_id, version)
+        return self.store.drafters.get(job_id, version)
 
     def pin(self, job_id: str, version: int) -> tuple[DrafterVersion | None, int]:
         """Pin a version (0 unpins); returns the pinned drafter (None when unpinned) and the
         version now active."""
         check_id(job_id, "job_id")
-        self.store.get_job(job_id)
+        self.store.jobs.get(job_id)
         if version:
-            self.store.get_drafter(job_id, version)  # NotFound names the version
-        active = self.store.pin_drafter(job_id, version)
-        return (self.store.get_drafter(job_id, version) if version else None), active
+            self.store.drafters.get(job_id, version)  # NotFound names the version
+        active = self.store.drafters.pin(job_id, version)
+        return (self.store.drafters.get(job_id, version) if version else None), active
 
     def export(
         self, job_id: str, version: int, output_dir: str, fmt: str = ""
@@ -58,7 +58,7 @@ class DrafterService:
             raise InvalidArgument(f"must be one of {', '.join(EXPORT_FORMATS)}", field="format")
         out = _output_dir(output_dir)
         dv = self.get(job_id, version)
-        policy = self.store.get_policy_version(job_id, dv.policy_version)
+        policy = self.store.policies.get(job_id, dv.policy_version)
         needed = [Path(dv.path) / "model.safetensors", Path(dv.path) / "config.json"]
         needed.append(Path(policy.path) / "config.json")
         for f in needed:

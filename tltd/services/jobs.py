@@ -99,7 +99,7 @@ class JobService:
             max_staleness=new.max_staleness,
         )
         if source is None:
-            return self.store.create_job(job)
+            return self.store.jobs.create(job)
         return self._create_with_drafter(job, source)
 
     def _check_simulated(self, spec: SpeculativeConfig) -> None:
@@ -151,7 +151,7 @@ class JobService:
             shared=bool(self.settings.shared_dir),
         )
         try:
-            created, is_new = self.store.create_job(job, initial)
+            created, is_new = self.store.jobs.create(job, initial)
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise
@@ -183,12 +183,12 @@ class JobService:
     def get(self, job_id: str) -> Job:
         """The job, with how its bounded requests went (if it has any)."""
         check_id(job_id, "job_id")
-        job = self.store.get_job(job_id)
-        stats = self.store.bounded_stats(job_id)
+        job = self.store.jobs.get(job_id)
+        stats = self.store.deliveries.bounded_stats(job_id)
         return job if stats is None else replace(job, bounded=stats)
 
     def list(self, statuses: list[JobStatus] | None = None, limit: int = 0) -> list[Job]:
-        return self.store.list_jobs(statuses=statuses or None, limit=limit or 100)
+        return self.store.jobs.list(statuses=statuses or None, limit=limit or 100)
 
     def cancel(self, job_id: str, reason: str = "") -> Job:
         """Cancel a job and its unfinished requests.
@@ -199,22 +199,22 @@ class JobService:
         check_id(job_id, "job_id")
         check_text(reason, "reason", MAX_REASON)
         # A no-op returning the job when it is already cancelled (FailedPrecondition if failed).
-        job = self.store.set_job_status(
+        job = self.store.jobs.set_status(
             job_id, JobStatus.CANCELLED, reason or "cancelled by caller"
         )
         why = f"job cancelled: {job.status_reason}"
         # All of them (limit=None): the store refuses new requests of a cancelled job, so
         # this list is complete.
-        for req in self.store.list_requests(statuses=OPEN_STATUSES, job_id=job_id, limit=None):
+        for req in self.store.requests.list(statuses=OPEN_STATUSES, job_id=job_id, limit=None):
             try:
-                self.store.set_request_status(req.request_id, RequestStatus.CANCELLED, why)
+                self.store.requests.set_status(req.request_id, RequestStatus.CANCELLED, why)
             except FailedPrecondition:
                 # It ended (completed / failed) since the listing: nothing left to cancel,
                 # and the rest of the job's requests must still be cancelled.
-                if self.store.get_request(req.request_id).status in OPEN_STATUSES:
+                if self.store.requests.get(req.request_id).status in OPEN_STATUSES:
                     raise
                 continue
-            self.store.end_queued_units(req.request_id, FinishReason.CANCELLED, why)
+            self.store.leases.end_queued_units(req.request_id, FinishReason.CANCELLED, why)
             if self.supervisor is not None:
                 self.supervisor.cancel_threadsafe(req.request_id, why)
         return job

@@ -57,7 +57,7 @@ class PauseService:
         return self._held.get(job_id, 0)
 
     def is_paused(self, job_id: str) -> bool:
-        return self.store.is_job_paused(job_id)
+        return self.store.jobs.is_paused(job_id)
 
     async def pause(self, job_id: str, mode: PauseMode, timeout: float = 600.0) -> int:
         """Hold new requests of `job_id` on every node; returns how many open requests were
@@ -65,19 +65,19 @@ class PauseService:
         this node's workers of the job stopped stepping (other nodes' at their next tick)."""
         if not 0 < timeout <= _MAX_WAIT:
             raise InvalidArgument(f"must be in (0, {_MAX_WAIT:.0f}] seconds", field="timeout")
-        await asyncio.to_thread(self.store.set_job_paused, job_id, mode.value)
+        await asyncio.to_thread(self.store.jobs.set_paused, job_id, mode.value)
         frozen = await self.apply(job_id, timeout) if self.apply is not None else 0
         self.frozen_workers[job_id] = frozen
         if mode is PauseMode.ABORT:
             return await asyncio.to_thread(self.abort_open, job_id, "aborted by a pause")
         if mode is PauseMode.WAIT:
             return await self._drain(job_id, timeout)
-        return len(await asyncio.to_thread(self.store.list_requests, _OPEN, job_id, None))
+        return len(await asyncio.to_thread(self.store.requests.list, _OPEN, job_id, None))
 
     async def resume(self, job_id: str) -> bool:
         """Let held requests in and frozen ones go on, on every node; False when the job was
         not paused."""
-        was = await asyncio.to_thread(self.store.set_job_paused, job_id, None)
+        was = await asyncio.to_thread(self.store.jobs.set_paused, job_id, None)
         gate = self._resumed.pop(job_id, None)
         if gate is not None:
             gate.set()  # this node's held requests go at once; others' at their next read
@@ -90,7 +90,7 @@ class PauseService:
         """Return once `job_id` is not paused (at once when it is not)."""
         self._held[job_id] = self._held.get(job_id, 0) + 1
         try:
-            while await asyncio.to_thread(self.store.is_job_paused, job_id):
+            while await asyncio.to_thread(self.store.jobs.is_paused, job_id):
                 gate = self._resumed.setdefault(job_id, asyncio.Event())
                 try:  # asyncio.timeout: wait_for (3.11) can swallow a cancel of the caller
                     async with asyncio.timeout(POLL_SECONDS):
@@ -107,7 +107,7 @@ class PauseService:
         if request_id:
             open_ids = [request_id]
         else:
-            open_ids = [r.request_id for r in self.store.list_requests(_OPEN, job_id, None)]
+            open_ids = [r.request_id for r in self.store.requests.list(_OPEN, job_id, None)]
         cancelled = 0
         for rid in open_ids:
             try:
@@ -122,7 +122,7 @@ class PauseService:
         first = None
         deadline = time.monotonic() + timeout
         while True:
-            open_now = await asyncio.to_thread(self.store.list_requests, _OPEN, job_id, None)
+            open_now = await asyncio.to_thread(self.store.requests.list, _OPEN, job_id, None)
             first = len(open_now) if first is None else first
             if not open_now:
                 return first

@@ -46,7 +46,7 @@ class PolicyService:
             raise Unimplemented(f"UpdatePolicy from {source} is reserved: {instead}")
         if source != "checkpoint":
             raise InvalidArgument(f"unknown source {source!r}", field="source")
-        job = self.store.get_job(job_id)
+        job = self.store.jobs.get(job_id)
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
         resolved = check_model_dir(path, "checkpoint.path", require_weights=True)
@@ -60,7 +60,7 @@ class PolicyService:
         # before it cannot start drafter training on that stale read.
         gate = self.supervisor.updating_policy(job_id) if self.supervisor else nullcontext()
         with gate:
-            version = self.store.add_policy_version(job_id, source, path, note=note)
+            version = self.store.policies.add(job_id, source, path, note=note)
         if self.supervisor is not None:
             # Idle workers load it now; busy ones once their old-version work is done.
             self.supervisor.kick_threadsafe()
@@ -68,4 +68,4 @@ class PolicyService:
 
     def get(self, job_id: str, version: int | None = None) -> PolicyVersion:
         check_id(job_id, "job_id")
-        return self.store.get_policy_version(job_id, version)
+        return self.store.policies.get(job_id, version)

@@ -233,7 +233,7 @@ class PushService:
                     field="header.update_id",
                 )
             self._pushes[key] = push
-        self.store.save_push(header.job_id, header.update_id, _header_json(header), push.received)
+        self.store.pushes.save(header.job_id, header.update_id, _header_json(header), push.received)
         return push
 
     def detach(self, push: _Push) -> None:
@@ -265,7 +265,7 @@ class PushService:
             with self._lock:
                 if self._pushes.get((h.job_id, h.update_id)) is not push:
                     return
-            self.store.save_push(h.job_id, h.update_id, _header_json(h), received)
+            self.store.pushes.save(h.job_id, h.update_id, _header_json(h), received)
         finally:
             push.recording.release()
 
@@ -345,7 +345,7 @@ class PushService:
         try:
             # Whole and checked, or gone: a complete push that fails here cannot be mended by
             # resuming it.
-            job = self.store.get_job(h.job_id)
+            job = self.store.jobs.get(h.job_id)
             push.staging.finish()
             _copy_side_files(Path(job.model_path), staged)
             check_policy_checkpoint(staged, Path(job.model_path), "commit")
@@ -411,7 +411,7 @@ class PushService:
         for reuse)."""
         shutil.rmtree(self.recycle_root, ignore_errors=True)
         kept: set[Path] = set()
-        for job_id, update_id, header, received in self.store.list_pushes():
+        for job_id, update_id, header, received in self.store.pushes.list():
             try:
                 push = self._restore(job_id, update_id, header, received)
             except Exception as exc:  # its file, its job or its base is gone: drop it
@@ -420,7 +420,7 @@ class PushService:
                     extra={"job_id": job_id, "update_id": update_id, "reason": str(exc)},
                 )
                 shutil.rmtree(self.staging_root / job_id / update_id, ignore_errors=True)
-                self.store.delete_push(job_id, update_id)
+                self.store.pushes.delete(job_id, update_id)
                 continue
             with self._lock:
                 self._pushes[job_id, update_id] = push
@@ -438,7 +438,7 @@ class PushService:
             header.get("note", ""),
             header.get("base_version"),
         )
-        job = self.store.get_job(job_id)
+        job = self.store.jobs.get(job_id)
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job_id} is {job.status.value}")
         path = self.staging_root / job_id / update_id / WEIGHTS_FILE
@@ -456,7 +456,7 @@ class PushService:
     def _forget(self, h: PushHeader) -> None:
         """The push's record goes (committed, or dropped with its files)."""
         try:
-            self.store.delete_push(h.job_id, h.update_id)
+            self.store.pushes.delete(h.job_id, h.update_id)
         except Exception:  # the row is dropped at the next start when its file is gone
             log.warning("push record not deleted", extra={"job_id": h.job_id}, exc_info=True)
 
@@ -464,7 +464,7 @@ class PushService:
 
     def _check_header(self, h: PushHeader) -> None:
         check_header_fields(h)
-        job = self.store.get_job(h.job_id)
+        job = self.store.jobs.get(h.job_id)
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {h.job_id} is {job.status.value}", field="job_id")
         announced = {t.name: {"dtype": t.dtype, "shape": list(t.shape)} for t in h.tensors}
@@ -495,7 +495,7 @@ class PushService:
     def _base(self, h: PushHeader) -> HeldTensors:
         """The tensors of the version a delta push applies to, each checked to match."""
         try:
-            v = self.store.get_policy_version(h.job_id, h.base_version)
+            v = self.store.policies.get(h.job_id, h.base_version)
         except NotFound as exc:
             raise NotFound(str(exc), field="header.base_version") from None
         try:
@@ -549,7 +549,7 @@ class PushService:
             bases = {p.header.base_version for (j, _), p in self._pushes.items() if j == job_id}
         in_use = self.in_use(job_id)
         retired = []
-        for v in self.store.list_policy_versions(job_id):
+        for v in self.store.policies.list(job_id):
             path = Path(v.path)
             if (
                 v.source == "push"
@@ -605,7 +605,7 @@ class PushService:
         """The version a committed push became (its directory is named after the update id)."""
         path = str(self.versions_root / job_id / update_id)
         try:
-            versions = self.store.list_policy_versions(job_id)
+            versions = self.store.policies.list(job_id)
         except NotFound:
             return None
         return next((v for v in versions if v.source == "push" and v.path == path), None)

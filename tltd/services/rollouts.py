@@ -118,7 +118,7 @@ class RolloutService:
         read = self.supervisor.state.reusable() if self.supervisor is not None else None
         if read is not None and job_id in read[1]:
             return read[1][job_id], read[0]
-        return self.store.job_and_devices(job_id)  # NotFound names job_id
+        return self.store.jobs.job_and_devices(job_id)  # NotFound names job_id
 
     async def generate(
         self,
@@ -201,7 +201,8 @@ class RolloutService:
         may run again by now, for a later carried request)."""
         sent_before = 0
         if stored.bound_park and not created:
-            sent_before = len(await asyncio.to_thread(self.store.sent_groups, stored.request_id))
+            sent = await asyncio.to_thread(self.store.deliveries.sent_groups, stored.request_id)
+            sent_before = len(sent)
         sent_now = 0
         poll = self.settings.bound_poll_seconds
         async for samples in follow_bounded(self.store, stored, events, poll):
@@ -255,11 +256,11 @@ class RolloutService:
         whether it has ended with no unit open (then the samples are all of them: every one
         is final now, also partial samples read before)."""
         cur, open_units, samples, cursor = await asyncio.to_thread(
-            self.store.stream_state, rid, cursor
+            self.store.leases.stream_state, rid, cursor
         )
         ended = cur.status in ENDED_STATUSES and open_units == 0
         if ended:
-            samples = await asyncio.to_thread(self.store.list_samples, rid)
+            samples = await asyncio.to_thread(self.store.samples.list, rid)
         return cur, samples, cursor, ended
 
     def _check_not_handed_over(self, sup: Supervisor, rid: str) -> None:
@@ -310,13 +311,13 @@ class RolloutService:
         self, req: RolloutRequest, speculative: SpeculativeMode | None, sup: Supervisor
     ) -> tuple[Created, Job]:
         """`prepare`, the request's seed (fixed by its id when it gave none), then the store's
-        `admit_request` with what this node may lease to itself (`admission_claim`), refused
+        `store.requests.admit` with what this node may lease to itself (`admission_claim`), refused
         while its job is paused (JobPaused)."""
         req, job = self._prepared(req, speculative)
         if req.sampling.seed is None:
             req = replace(req, sampling=replace(req.sampling, seed=derived_seed(req.request_id)))
         claim = sup.admission_claim()
-        return self.store.admit_request(req, self.pauses is not None, claim), job
+        return self.store.requests.admit(req, self.pauses is not None, claim), job
 
     def _is_retry(self, req: RolloutRequest) -> bool:
         """The request_id is stored already: a retry, which attaches to its work."""
@@ -330,7 +331,7 @@ class RolloutService:
 
     def _stored(self, request_id: str) -> bool:
         try:
-            self.store.get_request(request_id)
+            self.store.requests.get(request_id)
         except NotFound:
             return False
         return True
@@ -339,15 +340,15 @@ class RolloutService:
         self, request_id: str, include_samples: bool = False
     ) -> tuple[RolloutRequest, list[Sample]]:
         check_id(request_id, "request_id")
-        req = self.store.get_request(request_id)
-        samples = self.store.list_samples(request_id) if include_samples else []
+        req = self.store.requests.get(request_id)
+        samples = self.store.samples.list(request_id) if include_samples else []
         return req, samples
 
     def cancel(self, request_id: str, reason: str = "") -> RolloutRequest:
         """Cancel an unfinished request; cancelling a cancelled one is a no-op."""
         check_id(request_id, "request_id")
         check_text(reason, "reason", MAX_REASON)
-        req = self.store.get_request(request_id)
+        req = self.store.requests.get(request_id)
         if req.status is RequestStatus.CANCELLED:
             return req
         if req.status in ENDED_STATUSES:
@@ -355,9 +356,9 @@ class RolloutService:
                 f"request {request_id} already {req.status.value}", field="request_id"
             )
         reason = reason or "cancelled by caller"
-        req = self.store.set_request_status(request_id, RequestStatus.CANCELLED, reason)
+        req = self.store.requests.set_status(request_id, RequestStatus.CANCELLED, reason)
         # Units no node holds end here; a node running one stops it at its next renewal.
-        self.store.end_queued_units(request_id, FinishReason.CANCELLED, reason)
+        self.store.leases.end_queued_units(request_id, FinishReason.CANCELLED, reason)
         if self.supervisor is not None:
             self.supervisor.cancel_threadsafe(request_id, reason)
         return req

@@ -77,7 +77,7 @@ class SessionService:
         check_id(job_id, "job_id")
         session_id = session_id or f"ses-{uuid.uuid4().hex}"
         check_session_id(session_id)
-        job = self.store.get_job(job_id)
+        job = self.store.jobs.get(job_id)
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
         field = "prompt_token_ids"
@@ -92,7 +92,7 @@ class SessionService:
                 field=field,
             )
         check_tokens(prompt, field, limits.vocab_size)
-        stored, _ = self.store.open_session(AgentSession(session_id, job_id, prompt))
+        stored, _ = self.store.sessions.open(AgentSession(session_id, job_id, prompt))
         return stored
 
     async def turn(
@@ -103,16 +103,16 @@ class SessionService:
         the turn's request; a turn whose request ends without a sample is given up (ABORTED:
         send it again) and leaves the session as before it."""
         check_session_id(session_id)
-        session = await asyncio.to_thread(self.store.get_session, session_id)
+        session = await asyncio.to_thread(self.store.sessions.get, session_id)
         await asyncio.to_thread(self._check_turn, session, turn_index, inputs, sampling)
         before, turn = await asyncio.to_thread(
-            self.store.begin_turn, session_id, turn_index, inputs, sampling
+            self.store.sessions.begin_turn, session_id, turn_index, inputs, sampling
         )
         if turn.status is TurnStatus.DONE:  # a retry of a done turn
-            return await asyncio.to_thread(self.store.get_session, session_id), turn
+            return await asyncio.to_thread(self.store.sessions.get, session_id), turn
         prompt = before.context_before(turn_index) + inputs
         sample = await self._run(turn, before.job_id, prompt)
-        return await asyncio.to_thread(self.store.complete_turn, turn, sample)
+        return await asyncio.to_thread(self.store.sessions.complete_turn, turn, sample)
 
     def _check_turn(
         self,
@@ -128,7 +128,7 @@ class SessionService:
             raise InvalidArgument(f"a turn samples once: must be 0 or 1, got {sampling.n}",
                                   field="sampling.n")  # fmt: skip
         _check_not_returned(sampling)
-        job = self.store.get_job(session.job_id)
+        job = self.store.jobs.get(session.job_id)
         limits = model_limits(job.model_path)
         if inputs:
             check_tokens(inputs, "input_token_ids", limits.vocab_size)
@@ -182,26 +182,26 @@ class SessionService:
         no more: drop it, so that the turn can be sent again. One still open (e.g. going on
         at another node) is kept: a retry attaches to it."""
         try:
-            req = self.store.get_request(turn.request_id)
+            req = self.store.requests.get(turn.request_id)
         except NotFound:
             req = None
         if req is None or req.status in ENDED_STATUSES:
-            self.store.give_up_turn(turn)
+            self.store.sessions.give_up_turn(turn)
 
     def get(self, session_id: str) -> AgentSession:
         """The session; a running turn whose request is done meanwhile is counted in."""
         check_session_id(session_id)
-        return self._settled(self.store.get_session(session_id))
+        return self._settled(self.store.sessions.get(session_id))
 
     def close(self, session_id: str) -> AgentSession:
         """End the session and return it. A turn still running is dropped from it and its
         request cancelled; one whose request is done is counted in first."""
         check_session_id(session_id)
-        session = self._settled(self.store.get_session(session_id))
+        session = self._settled(self.store.sessions.get(session_id))
         running = session.running_turn
         if running is not None and session.status is SessionStatus.OPEN:
             self._cancel(running.request_id)
-        return self.store.close_session(session_id)
+        return self.store.sessions.close(session_id)
 
     def _settled(self, session: AgentSession) -> AgentSession:
         """Count in a running turn whose request has its sample (a caller that went away, a
@@ -210,15 +210,15 @@ class SessionService:
         if turn is None:
             return session
         try:
-            req = self.store.get_request(turn.request_id)
+            req = self.store.requests.get(turn.request_id)
         except NotFound:
             return session  # not stored yet: its Turn call is on its way
-        done = [s for s in self.store.list_samples(turn.request_id) if not s.partial]
+        done = [s for s in self.store.samples.list(turn.request_id) if not s.partial]
         if done:
-            return self.store.complete_turn(turn, done[0])[0]
+            return self.store.sessions.complete_turn(turn, done[0])[0]
         if req.status in ENDED_STATUSES:
-            self.store.give_up_turn(turn)
-            return self.store.get_session(session.session_id)
+            self.store.sessions.give_up_turn(turn)
+            return self.store.sessions.get(session.session_id)
         return session
 
     def _cancel(self, request_id: str) -> None:

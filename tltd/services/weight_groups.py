@@ -105,7 +105,7 @@ class WeightGroupService:
         its keys are under `prefix` in the trainer's store (None: SGLang's for `name`)."""
         check_id(job_id, "job_id")
         _check_group_args(name, port, rank, world_size, backend, timeout_seconds)
-        self.store.get_job(job_id)  # NotFound names the job
+        self.store.jobs.get(job_id)  # NotFound names the job
         key = (job_id, name)
         with self._lock:
             if key in self._groups:
@@ -197,8 +197,8 @@ class WeightGroupService:
         rest = [s for s in push.header.tensors if s.name not in group.received]
         if not rest:
             return
-        job = self.store.get_job(group.job_id)
-        current = self.store.get_policy_version(group.job_id, job.policy_version)
+        job = self.store.jobs.get(group.job_id)
+        current = self.store.policies.get(group.job_id, job.policy_version)
         held = HeldTensors(Path(current.path))
         try:
             for s in rest:
@@ -237,7 +237,7 @@ class WeightGroupService:
 
     def _begin(self, group: _Group, note: str) -> _Push:
         """A push of the job's whole tensor set, as its model's checkpoint holds it."""
-        job = self.store.get_job(group.job_id)
+        job = self.store.jobs.get(group.job_id)
         headers = checkpoint_tensors(Path(job.model_path), "job")
         specs = tuple(
             TensorSpec(n, h["dtype"], tuple(h["shape"])) for n, h in sorted(headers.items())

@@ -1,4 +1,5 @@
-"""Persistence: the Store (SQLite or PostgreSQL) and its Alembic migrations."""
+"""Persistence: the Store, repositories over one SQL database (SQLite or PostgreSQL), and its
+Alembic migrations."""
 
 from __future__ import annotations
 

@@ -310,7 +310,7 @@ def drafter_to_row(dv: DrafterVersion, version: int) -> DrafterVersionRow:
         # `active` is the job's choice (not stored with the version), the time the store's.
         **_columns(dv, skip=("version", "pinned", "active", "created_at")),
         version=version,
-        pinned=False,  # pinning goes through Store.pin_drafter only
+        pinned=False,  # pinning goes through store.drafters.pin only
     )
 
 

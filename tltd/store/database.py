@@ -1,4 +1,6 @@
-"""Engine construction: SQLite (WAL, foreign keys, busy timeout) or PostgreSQL via psycopg 3."""
+"""The one database the store's repositories share (`Database`: engine, sessions, transactions,
+this node's id and epoch), and its engine: SQLite (WAL, foreign keys, busy timeout) or PostgreSQL
+via psycopg 3."""
 
 from __future__ import annotations
 
@@ -6,15 +8,16 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, Connection, Engine, create_engine, make_url
+from sqlalchemy.orm import Session, sessionmaker
 
-from tltd.errors import ResourceExhausted, TltError, Unavailable
+from tltd.store import notifications
+from tltd.store.write_watch import WriteWatch
 
 log = logging.getLogger(__name__)
 
@@ -25,42 +28,74 @@ WRITE_OPTION = "tltd_write"
 # (bytea) then arrive as they are, not as hex text to decode: a 4,096-token sample's read
 # costs ~0.1 ms of CPU less. Set where the columns' binary loaders give the same values.
 BINARY_RESULTS = "tltd_binary_results"
+# What a scheduler tick reads (`devices_and_jobs`): jobs, their active drafters, devices.
+# ("job_pauses": a job paused keep freezes its workers on every node's next tick)
+SCHEDULING_TABLES = ("jobs", "drafter_versions", "devices", "job_pauses")
 
 
-# SQLite result codes of a database that is busy or unreachable for now, not of a bad statement
-# (primary codes: extended ones carry them in the low byte).
-_SQLITE_TRANSIENT = frozenset({5, 6, 10, 14, 15})  # BUSY, LOCKED, IOERR, CANTOPEN, PROTOCOL
-_SQLITE_FULL = 13
+class Database:
+    """One engine and its sessions, shared by the store's repositories: each of their calls is
+    one short transaction (`tx`). `node_id` names the node whose devices and workers the
+    repositories read and write; `epoch` is its fencing token, set when the node joins
+    (`NodeRegistry.join`; 0: not joined)."""
 
+    def __init__(self, url: str, node_id: str) -> None:
+        self.url = url
+        self.node_id = node_id
+        self.epoch = 0
+        self.engine = make_engine(url)
+        self.own_backends = notifications.OwnBackends(self.engine)  # PostgreSQL sessions
+        self._reader = sessionmaker(self.engine, expire_on_commit=False)
+        # Writers announce themselves so that SQLite takes its write lock at BEGIN.
+        writer_engine = self.engine.execution_options(**{WRITE_OPTION: True})
+        self._writer = sessionmaker(writer_engine, expire_on_commit=False)
+        # PostgreSQL locks rows; SQLite's writers take turns (WriteTurn).
+        self._write_turn = WriteTurn() if self.dialect == "sqlite" else nullcontext
+        # Moves after each commit that changed what a tick reads (see write_watch).
+        self.scheduling_writes = WriteWatch(SCHEDULING_TABLES, notifications.STATE)
+        self.scheduling_writes.watch(self._writer)
+        self.scheduling_writes.watch(self._reader)
+        self._batch = threading.local()  # .session: the open `batch` of this thread
 
-def database_error(exc: BaseException) -> TltError | None:
-    """A database failure a caller can retry, as a typed error: the connection lost or refused
-    (a PostgreSQL restart), a lock held past the busy timeout; RESOURCE_EXHAUSTED for a full
-    disk. None for anything else (a bad statement stays an internal error).
+    @property
+    def dialect(self) -> str:
+        """ "sqlite" or "postgresql"."""
+        return self.engine.dialect.name
 
-    Only for the transport boundary: inside the daemon, store writes that fail this way are
-    retried as they are (they must not look like a request's own refusal)."""
-    if isinstance(exc, sa_exc.TimeoutError):  # no pooled connection came free
-        return Unavailable(f"database unavailable, retry: {_first_line(exc)}")
-    if not isinstance(exc, sa_exc.DBAPIError):
-        return None
-    code = getattr(exc.orig, "sqlite_errorcode", None)
-    if code is not None:
-        if code & 0xFF == _SQLITE_FULL:
-            return ResourceExhausted(f"database disk full: {_first_line(exc.orig)}")
-        if code & 0xFF not in _SQLITE_TRANSIENT:
-            return None
-    elif not (
-        exc.connection_invalidated
-        or isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError))
-    ):
-        return None
-    return Unavailable(f"database unavailable, retry: {_first_line(exc.orig or exc)}")
+    def close(self) -> None:
+        self.engine.dispose()
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Make the repository calls of this thread, until the block ends, one transaction (one
+        commit, one write turn), each call in a savepoint of its own: a call that raises undoes
+        only its own writes. Nothing is committed unless the block ends without an error; then
+        nothing of it is, and the caller may run the calls again one by one."""
+        with self._write_turn(), self._writer.begin() as session:
+            self._batch.session = session
+            try:
+                yield
+            finally:
+                self._batch.session = None
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]
+    @contextmanager
+    def tx(self, write: bool = True) -> Iterator[Session]:
+        """A session in a transaction of its own (or a savepoint of this thread's `batch`);
+        committed when the block ends without an error."""
+        batch: Session | None = getattr(self._batch, "session", None)
+        if batch is not None:
+            # Each call reads afresh, as it would in a transaction of its own (a row an earlier
+            # call loaded may have changed since; a lock taken now must see it as it is).
+            batch.expire_all()
+            with batch.begin_nested() if write else nullcontext():
+                yield batch
+            return
+        if not write:
+            with self._reader.begin() as session:
+                yield session
+            return
+        with self._write_turn(), self._writer.begin() as session:
+            yield session
 
 
 def normalize_url(url: str | URL) -> URL:

@@ -10,8 +10,7 @@ request re-sends exactly the groups recorded for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from sqlalchemy import and_, case, func, or_, select, tuple_, update
@@ -20,7 +19,7 @@ from sqlalchemy.orm import Session
 from tltd.domain import BoundedStats, Sample
 from tltd.errors import NotFound
 from tltd.store import convert
-from tltd.store.database import BINARY_RESULTS
+from tltd.store.database import BINARY_RESULTS, Database
 from tltd.store.leases import DONE, FAILED, LEASED, PARKED, QUEUED
 from tltd.store.tables import JobRow, RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
@@ -67,17 +66,17 @@ def oldest_version(sample: Sample) -> int:
 
 
 class GroupDeliveries:
-    """Mixed into the Store (uses its `_tx` and `dialect`)."""
+    """The groups bounded requests send, and what they may still send."""
 
-    dialect: str
-    _tx: Callable[..., AbstractContextManager[Session]]
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     def take_groups(self, request_id: str, limit: int, carried: bool) -> Delivery:
         """Take up to `limit` whole groups for the stream of `request_id`: with `carried`,
         first those left over by the job's other bounded requests (oldest request first),
         then its own (by prompt). A group with a token more than the job's `max_staleness`
         versions older than its current version is dropped instead (recorded, never sent)."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             rr = s.get(RolloutRequestRow, request_id)
             if rr is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
@@ -101,7 +100,7 @@ class GroupDeliveries:
         """Prompts (units) of the job's bounded requests so far: what the staleness bound's
         admission rule counts (`tltd.services.bounded.staleness_allows`)."""
         wu, req = WorkUnitRow, RolloutRequestRow
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             return int(
                 s.scalar(
                     select(func.count())
@@ -119,7 +118,7 @@ class GroupDeliveries:
         bounded = wu.request_id.in_(
             select(rr.request_id).where(rr.job_id == job_id, rr.bound_groups > 0)
         )
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             counts = dict(
                 s.execute(
                     select(
@@ -158,7 +157,7 @@ class GroupDeliveries:
     def sent_groups(self, request_id: str) -> list[SentGroup]:
         """The groups recorded as sent by `request_id`'s stream (a retry re-sends them)."""
         wu = WorkUnitRow
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             rr = s.get(RolloutRequestRow, request_id)
             if rr is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from datetime import datetime
 
 from sqlalchemy import select
@@ -12,18 +11,19 @@ from sqlalchemy.orm import Session
 from tltd.domain import Device, DeviceState
 from tltd.errors import NotFound
 from tltd.store import convert
+from tltd.store.database import Database
 from tltd.store.lookups import device_rows
 from tltd.store.status import record_event
 from tltd.store.tables import DeviceRow, utcnow
 
 
 class DeviceInventory:
-    """Mixed into the Store (uses its `node_id` and `_tx`)."""
+    """This node's devices (and every node's, read)."""
 
-    node_id: str
-    _tx: Callable[..., AbstractContextManager[Session]]
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
-    def upsert_devices(self, devices: Sequence[Device]) -> list[Device]:
+    def upsert(self, devices: Sequence[Device]) -> list[Device]:
         """Apply an inventory refresh.
 
         Observed fields (memory, utilization, processes, foreign, ...) are overwritten;
@@ -32,9 +32,9 @@ class DeviceInventory:
         `devices` becomes UNAVAILABLE. Returns the whole inventory.
         """
         # One transaction: the inserts, updates and vanishings see one snapshot.
-        with self._tx() as s:
+        with self.db.tx() as s:
             now = utcnow()
-            mine = select(DeviceRow).where(DeviceRow.node_id == self.node_id)
+            mine = select(DeviceRow).where(DeviceRow.node_id == self.db.node_id)
             rows = {r.device_id: r for r in s.scalars(mine).all()}
             seen = set()
             for d in devices:
@@ -49,12 +49,12 @@ class DeviceInventory:
                 if device_id not in seen:
                     _vanish(s, row, now)
             s.flush()
-            return [convert.device_from_row(r) for r in device_rows(s, self.node_id)]
+            return [convert.device_from_row(r) for r in device_rows(s, self.db.node_id)]
 
     def _add_device(self, s: Session, d: Device, now: datetime) -> DeviceRow:
         """A device seen for the first time: its flags and state as observed, an event."""
         row = DeviceRow(
-            node_id=self.node_id,
+            node_id=self.db.node_id,
             device_id=d.device_id,
             cordoned=d.cordoned,
             draining=d.draining,
@@ -68,21 +68,21 @@ class DeviceInventory:
     def _device_row(self, s: Session, device_id: str) -> DeviceRow:
         """This node's device, or another node's as "NODE/DEVICE" (device ids have no "/")."""
         node, _, device = device_id.rpartition("/")
-        row = s.get(DeviceRow, (node or self.node_id, device))
+        row = s.get(DeviceRow, (node or self.db.node_id, device))
         if row is None:
             raise NotFound(f"device {device_id!r} not found", field="device_id")
         return row
 
-    def list_devices(self) -> list[Device]:
+    def list(self) -> list[Device]:
         """All devices ever seen, by kind then index."""
-        with self._tx(write=False) as s:
-            return [convert.device_from_row(r) for r in device_rows(s, self.node_id)]
+        with self.db.tx(write=False) as s:
+            return [convert.device_from_row(r) for r in device_rows(s, self.db.node_id)]
 
-    def get_device(self, device_id: str) -> Device:
-        with self._tx(write=False) as s:
+    def get(self, device_id: str) -> Device:
+        with self.db.tx(write=False) as s:
             return convert.device_from_row(self._device_row(s, device_id))
 
-    def set_device_flags(
+    def set_flags(
         self,
         device_id: str,
         *,
@@ -91,7 +91,7 @@ class DeviceInventory:
         reason: str = "",
     ) -> Device:
         """Set operator flags (None leaves a flag as is); records an event when they change."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             row = self._device_row(s, device_id)
             old = _flags(row)
             if cordoned is not None:
@@ -103,12 +103,12 @@ class DeviceInventory:
                 record_event(s, "device", device_id, old, _flags(row), reason, at=row.updated_at)
             return convert.device_from_row(row)
 
-    def set_device_state(self, device_id: str, new: DeviceState, reason: str) -> Device:
+    def set_state(self, device_id: str, new: DeviceState, reason: str) -> Device:
         """Record what a device is doing (idle/rollout/training/unavailable), with an event.
         An UNAVAILABLE device stays so: only an inventory refresh that sees it again
-        (`upsert_devices`) makes it usable, not a worker or trainer giving it back (whose
+        (`upsert`) makes it usable, not a worker or trainer giving it back (whose
         write may land after the refresh that found it broken)."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             row = self._device_row(s, device_id)
             if row.state == DeviceState.UNAVAILABLE:
                 return convert.device_from_row(row)
@@ -120,7 +120,7 @@ class DeviceInventory:
 
 
 def _refresh_device(s: Session, row: DeviceRow, d: Device, now: datetime) -> None:
-    """Decide state/state_reason of a known device from an observation (see upsert_devices)."""
+    """Decide state/state_reason of a known device from an observation (see `upsert`)."""
     if row.state == DeviceState.UNAVAILABLE or d.state == DeviceState.UNAVAILABLE:
         if row.state != d.state:
             record_event(

@@ -12,8 +12,7 @@ samples table after a cursor (the last sample id consumed) kept in the lease row
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -25,6 +24,7 @@ from tltd.domain import DrafterLease, DrafterStatus, DrafterVersion, FinishReaso
 from tltd.errors import Fenced
 from tltd.store import convert
 from tltd.store.clock import db_now, read_db_now
+from tltd.store.database import Database
 from tltd.store.lookups import active_versions
 from tltd.store.status import record_event
 from tltd.store.tables import (
@@ -51,30 +51,28 @@ class FinishedSample:
 
 
 class DrafterLeases:
-    """Mixed into the Store (uses its `node_id`, `epoch`, `dialect` and `_tx`)."""
+    """Drafter training's lease per job, and the samples it trains on."""
 
-    node_id: str
-    epoch: int
-    dialect: str
-    _tx: Callable[..., AbstractContextManager[Session]]
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     def _held_lease(self, lease_epoch: int) -> object:
         dl = DrafterLeaseRow
         return and_(
-            dl.owner_node == self.node_id,
+            dl.owner_node == self.db.node_id,
             dl.lease_epoch == lease_epoch,
-            dl.expires_at > db_now(self.dialect),
+            dl.expires_at > db_now(self.db.dialect),
         )
 
-    def claim_drafter_lease(self, job_id: str, lease_seconds: float) -> DrafterLease | None:
+    def claim(self, job_id: str, lease_seconds: float) -> DrafterLease | None:
         """Take (or extend) the lease on training `job_id`'s drafter; None while another node
         holds it unexpired. A lease held by this node under an older node epoch (a previous
         process) is taken again, with a new lease epoch."""
-        if not self.epoch:
+        if not self.db.epoch:
             return None
         dl = DrafterLeaseRow
-        insert = (postgresql if self.dialect == "postgresql" else sqlite).insert
-        with self._tx() as s:
+        insert = (postgresql if self.db.dialect == "postgresql" else sqlite).insert
+        with self.db.tx() as s:
             s.execute(
                 insert(dl)
                 .values(
@@ -93,24 +91,24 @@ class DrafterLeases:
             assert row is not None
             now = read_db_now(s)
             alive = row.expires_at > now
-            mine = row.owner_node == self.node_id and row.owner_epoch == self.epoch
-            if alive and not mine and row.owner_node != self.node_id:
+            mine = row.owner_node == self.db.node_id and row.owner_epoch == self.db.epoch
+            if alive and not mine and row.owner_node != self.db.node_id:
                 return None
-            values: dict = {"expires_at": db_now(self.dialect, lease_seconds)}
+            values: dict = {"expires_at": db_now(self.db.dialect, lease_seconds)}
             taken_from = ""
             if not (alive and mine):
                 values |= {
-                    "owner_node": self.node_id,
-                    "owner_epoch": self.epoch,
+                    "owner_node": self.db.node_id,
+                    "owner_epoch": self.db.epoch,
                     "lease_epoch": row.lease_epoch + 1,
                 }
-                if row.owner_node not in ("", self.node_id):
+                if row.owner_node not in ("", self.db.node_id):
                     taken_from = row.owner_node
-                why = f"node {self.node_id} epoch {self.epoch}"
+                why = f"node {self.db.node_id} epoch {self.db.epoch}"
                 if taken_from:
                     why += f", taken over from node {taken_from}"
                 record_event(
-                    s, "drafter_lease", job_id, row.owner_node, self.node_id, f"claimed: {why}"
+                    s, "drafter_lease", job_id, row.owner_node, self.db.node_id, f"claimed: {why}"
                 )
             values["updated_at"] = utcnow()
             out = s.execute(
@@ -121,26 +119,26 @@ class DrafterLeases:
             ).one()
         return DrafterLease(job_id, int(out[0]), int(out[1]), int(out[2]), taken_from)
 
-    def renew_drafter_lease(self, job_id: str, lease_epoch: int, lease_seconds: float) -> bool:
+    def renew(self, job_id: str, lease_epoch: int, lease_seconds: float) -> bool:
         """Extend a lease this node still holds; False when it lapsed or was taken."""
         dl = DrafterLeaseRow
-        with self._tx() as s:
+        with self.db.tx() as s:
             result = s.execute(
                 update(dl)
                 .where(dl.job_id == job_id, self._held_lease(lease_epoch))
-                .values(expires_at=db_now(self.dialect, lease_seconds), updated_at=utcnow())
+                .values(expires_at=db_now(self.db.dialect, lease_seconds), updated_at=utcnow())
             )
             return bool(result.rowcount)  # type: ignore[attr-defined]
 
-    def release_drafter_lease(self, job_id: str, lease_epoch: int) -> bool:
+    def release(self, job_id: str, lease_epoch: int) -> bool:
         """Let the lease expire now (its trainer stopped): another node may claim it at once.
         The owner is kept: whoever claims next knows training moved."""
         dl = DrafterLeaseRow
-        with self._tx() as s:
+        with self.db.tx() as s:
             result = s.execute(
                 update(dl)
                 .where(dl.job_id == job_id, self._held_lease(lease_epoch))
-                .values(expires_at=db_now(self.dialect), updated_at=utcnow())
+                .values(expires_at=db_now(self.db.dialect), updated_at=utcnow())
             )
             return bool(result.rowcount)  # type: ignore[attr-defined]
 
@@ -153,11 +151,11 @@ class DrafterLeases:
         )
         if held is None:
             raise Fenced(
-                f"the drafter lease of job {job_id!r} is not held by node {self.node_id!r} "
+                f"the drafter lease of job {job_id!r} is not held by node {self.db.node_id!r} "
                 f"lease epoch {lease_epoch}: it lapsed or another node took it"
             )
 
-    def publish_drafter(
+    def publish(
         self,
         dv: DrafterVersion,
         lease_epoch: int,
@@ -171,7 +169,7 @@ class DrafterLeases:
         holds the lease row: Fenced (nothing recorded) unless this node holds the lease under
         `lease_epoch`. Samples a lost holder read but never published are read again by the
         next one."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             self._check_lease(s, dv.job_id, lease_epoch)  # locks the lease row
             job = s.get(JobRow, dv.job_id, with_for_update=True)  # serializes numbering
             if job is None:
@@ -185,7 +183,7 @@ class DrafterLeases:
             row = convert.drafter_to_row(dv, (last or 0) + 1)
             row.status = str(status)
             row.status_reason = reason
-            row.node_id = self.node_id
+            row.node_id = self.db.node_id
             row.created_at = row.updated_at = now
             s.add(row)
             entity = f"{dv.job_id}/{row.version}"
@@ -206,10 +204,10 @@ class DrafterLeases:
             active = active_versions(s, [dv.job_id])[dv.job_id]
             return convert.drafter_from_row(row, active)
 
-    def drafter_lease_owner(self, job_id: str) -> tuple[str, int, bool] | None:
+    def owner(self, job_id: str) -> tuple[str, int, bool] | None:
         """(owner node, lease epoch, alive by the database's clock) of a job's lease."""
         dl = DrafterLeaseRow
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             row = s.get(dl, job_id)
             if row is None:
                 return None
@@ -249,7 +247,7 @@ class DrafterLeases:
         )
         if up_to is not None:
             query = query.where(sr.id <= up_to)
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             rows = s.execute(query).all()
             ids = sorted({r[1] for r in rows})
             prompts = dict(
@@ -266,7 +264,7 @@ class DrafterLeases:
         ]
         return sorted(out, key=lambda f: f.sample_id)
 
-    def drafter_backlog(
+    def backlog(
         self, job_ids: Sequence[str], read_to: Mapping[str, int] | None = None
     ) -> dict[str, int]:
         """Finished samples per job that its drafter has not been trained on: above the
@@ -277,7 +275,7 @@ class DrafterLeases:
         sr, rr, dl = SampleRow, RolloutRequestRow, DrafterLeaseRow
         read_to = read_to or {}
         out: dict[str, int] = {}
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             cursors = dict(
                 s.execute(select(dl.job_id, dl.cursor).where(dl.job_id.in_(list(job_ids)))).all()
             )

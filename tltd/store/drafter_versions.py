@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
 
 from tltd.domain import DrafterStatus, DrafterVersion
 from tltd.errors import FailedPrecondition
 from tltd.store import convert
+from tltd.store.database import Database
 from tltd.store.lookups import active_versions, drafter_row, job_row
 from tltd.store.status import record_event, switch_status
 from tltd.store.tables import DrafterVersionRow, utcnow
 
 
 class DrafterVersions:
-    """Mixed into the Store (uses its `node_id`, `dialect` and `_tx`)."""
+    """Drafter versions and their statuses."""
 
-    node_id: str
-    dialect: str
-    _tx: Callable[..., AbstractContextManager[Session]]
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
-    def add_drafter_version(self, dv: DrafterVersion) -> DrafterVersion:
+    def add(self, dv: DrafterVersion) -> DrafterVersion:
         """Record a drafter checkpoint; its version is max + 1 per job (dv.version is ignored)."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             job_row(s, dv.job_id, lock=True)  # serializes version numbering per job
             last = s.scalar(
                 select(func.max(DrafterVersionRow.version)).where(
@@ -43,14 +41,14 @@ class DrafterVersions:
             active = active_versions(s, [dv.job_id])[dv.job_id]
             return convert.drafter_from_row(row, active)
 
-    def get_drafter(self, job_id: str, version: int) -> DrafterVersion:
-        with self._tx(write=False) as s:
+    def get(self, job_id: str, version: int) -> DrafterVersion:
+        with self.db.tx(write=False) as s:
             row = drafter_row(s, job_id, version)
             return convert.drafter_from_row(row, active_versions(s, [job_id])[job_id])
 
-    def list_drafters(self, job_id: str) -> list[DrafterVersion]:
+    def list(self, job_id: str) -> list[DrafterVersion]:
         """Drafter versions of a job, oldest first, with `active` set on the active one."""
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             job_row(s, job_id)
             rows = s.scalars(
                 select(DrafterVersionRow)
@@ -60,18 +58,18 @@ class DrafterVersions:
             active = active_versions(s, [job_id])[job_id]
             return [convert.drafter_from_row(r, active) for r in rows]
 
-    def active_drafter_version(self, job_id: str) -> int:
+    def active_version(self, job_id: str) -> int:
         """The pinned version if any, else the newest PROMOTED one, else 0 (no learned drafter)."""
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             job_row(s, job_id)
             return active_versions(s, [job_id])[job_id]
 
-    def set_drafter_status(
+    def set_status(
         self, job_id: str, version: int, new: DrafterStatus, reason: str
     ) -> DrafterVersion:
         """Move a drafter version through candidate -> promoted|rejected -> retired. A
         rejected or retired version loses its pin (the active version falls back)."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             row = drafter_row(s, job_id, version)
             entity_id = f"{job_id}/{version}"
             now = utcnow()
@@ -84,7 +82,7 @@ class DrafterVersions:
             s.flush()
             return convert.drafter_from_row(row, active_versions(s, [job_id])[job_id])
 
-    def reject_candidate_drafters(self, reason: str) -> list[DrafterVersion]:
+    def reject_candidates(self, reason: str) -> list[DrafterVersion]:
         """Reject every drafter version this node wrote that is still a candidate: at
         start-up one is a leftover of an evaluation a crash interrupted (recorded, never
         judged). Rejected, GC collects it. On PostgreSQL only this node's (and those with no
@@ -92,31 +90,27 @@ class DrafterVersions:
         versions rejected."""
         dv = DrafterVersionRow
         query = select(dv.job_id, dv.version).where(dv.status == DrafterStatus.CANDIDATE.value)
-        if self.dialect == "postgresql":
-            query = query.where(dv.node_id.in_((self.node_id, "")))
-        with self._tx(write=False) as s:
+        if self.db.dialect == "postgresql":
+            query = query.where(dv.node_id.in_((self.db.node_id, "")))
+        with self.db.tx(write=False) as s:
             keys = s.execute(query).all()
         rejected = []
         for job_id, version in keys:
             try:
-                rejected.append(
-                    self.set_drafter_status(job_id, version, DrafterStatus.REJECTED, reason)
-                )
+                rejected.append(self.set_status(job_id, version, DrafterStatus.REJECTED, reason))
             except FailedPrecondition:
                 pass  # judged meanwhile
         return rejected
 
-    def retire_drafters(
-        self, job_id: str, versions: Sequence[int], reason: str
-    ) -> list[DrafterVersion]:
+    def retire(self, job_id: str, versions: Sequence[int], reason: str) -> list[DrafterVersion]:
         """Retire those of `versions` that are, at the moment of the write, evaluated
         (promoted or rejected), unpinned and not the active one; returns the retired ones
-        (only their checkpoints may be deleted). The job row is locked as `pin_drafter` locks
+        (only their checkpoints may be deleted). The job row is locked as `pin` locks
         it, so a pin lands either before (its version is kept) or after (refused: a retired
         version cannot be pinned), never in between a read of the pins and the retire."""
         if not versions:
             return []
-        with self._tx() as s:
+        with self.db.tx() as s:
             job_row(s, job_id, lock=True)
             active = active_versions(s, [job_id])[job_id]
             dv = DrafterVersionRow
@@ -138,10 +132,10 @@ class DrafterVersions:
             s.flush()
             return [convert.drafter_from_row(r, active) for r in rows]
 
-    def pin_drafter(self, job_id: str, version: int) -> int:
+    def pin(self, job_id: str, version: int) -> int:
         """Pin `version` (a promoted one) as the job's active drafter (0 unpins); returns the
         active version."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             job_row(s, job_id, lock=True)
             target = None
             if version:

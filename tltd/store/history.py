@@ -3,29 +3,28 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import delete, func, select
-from sqlalchemy.orm import Session
 
 from tltd.domain import Event, JobStatus, RequestStatus
 from tltd.store import convert
+from tltd.store.database import Database
 from tltd.store.tables import EventRow, JobRow, RolloutRequestRow, SampleRow
 
 
 class History:
-    """Mixed into the Store (uses its `_tx`)."""
+    """Events, the retention that prunes old history, counters."""
 
-    _tx: Callable[..., AbstractContextManager[Session]]
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     def list_events(
         self, entity: str | None = None, entity_id: str | None = None, limit: int = 1000
     ) -> list[Event]:
         """The latest `limit` events matching the filters, in the order they happened."""
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             q = select(EventRow).order_by(EventRow.id.desc()).limit(limit)
             if entity is not None:
                 q = q.where(EventRow.entity == entity)
@@ -33,7 +32,7 @@ class History:
                 q = q.where(EventRow.entity_id == entity_id)
             return [convert.event_from_row(r) for r in reversed(s.scalars(q).all())]
 
-    def prune_history(
+    def prune(
         self, before: datetime, batch: int = 500, budget_seconds: float = 10.0
     ) -> tuple[int, int]:
         """Delete the requests that ended before `before`, with their samples, and the events
@@ -51,7 +50,7 @@ class History:
         rr, ev = RolloutRequestRow, EventRow
         requests = events = 0
         while True:
-            with self._tx() as s:
+            with self.db.tx() as s:
                 ids = s.scalars(
                     select(rr.request_id)
                     .where(rr.status.in_(ended), rr.updated_at < before)
@@ -65,7 +64,7 @@ class History:
                 s.execute(delete(rr).where(rr.request_id.in_(ids)))
                 requests += len(ids)
         while True:
-            with self._tx() as s:
+            with self.db.tx() as s:
                 old = s.scalars(select(ev.id).where(ev.at < before).limit(batch)).all()
                 if not old or time.monotonic() > stop_at:
                     break
@@ -79,7 +78,7 @@ class History:
         mean_accepted_length is the per-sample mean weighted by each sample's draft steps,
         i.e. accepted tokens per speculative step over all samples that used SD.
         """
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             by_status = {str(st): 0 for st in RequestStatus}
             for status, count in s.execute(
                 select(RolloutRequestRow.status, func.count()).group_by(RolloutRequestRow.status)

@@ -1,20 +1,19 @@
-"""Jobs, their policy versions, and the pause every node's admission reads."""
+"""Jobs, and the pause every node's admission reads (their policy versions: `policies`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from tltd.domain import Device, DrafterStatus, DrafterVersion, Job, JobStatus, PolicyVersion
-from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
+from tltd.domain import Device, DrafterStatus, DrafterVersion, Job, JobStatus
+from tltd.errors import AlreadyExists
 from tltd.store import convert
+from tltd.store.database import Database
 from tltd.store.lookups import (
-    MAX_VERSION,
     active_versions,
     changed_fields,
     device_rows,
@@ -37,14 +36,12 @@ _JOB_PARAMS = (
 
 
 class JobRecords:
-    """Mixed into the Store (uses its `node_id` and `_tx`)."""
+    """Jobs and the pause every node's admission reads."""
 
-    node_id: str
-    _tx: Callable[..., AbstractContextManager[Session]]
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
-    def create_job(
-        self, job: Job, initial_drafter: DrafterVersion | None = None
-    ) -> tuple[Job, bool]:
+    def create(self, job: Job, initial_drafter: DrafterVersion | None = None) -> tuple[Job, bool]:
         """Create a job (with policy version 0 = its model_path); a retry with the same
         parameters returns the existing job and False, different parameters raise AlreadyExists.
 
@@ -53,7 +50,7 @@ class JobRecords:
         never seen without it; a retry ignores it (the caller removes its copy).
         """
         try:
-            with self._tx() as s:
+            with self.db.tx() as s:
                 existing = s.get(JobRow, job.job_id)
                 if existing is not None:
                     return self._same_job(s, existing, job), False
@@ -67,7 +64,7 @@ class JobRecords:
                 return convert.job_from_row(row, 1), True
         except IntegrityError:
             # A concurrent create of the same id committed first: answer as a retry would.
-            with self._tx(write=False) as s:
+            with self.db.tx(write=False) as s:
                 existing = s.get(JobRow, job.job_id)
                 if existing is None:
                     raise
@@ -83,13 +80,13 @@ class JobRecords:
             )
         return current
 
-    def get_job(self, job_id: str) -> Job:
-        with self._tx(write=False) as s:
+    def get(self, job_id: str) -> Job:
+        with self.db.tx(write=False) as s:
             return read_job(s, job_row(s, job_id))
 
-    def list_jobs(self, statuses: Sequence[JobStatus] | None = None, limit: int = 100) -> list[Job]:
+    def list(self, statuses: Sequence[JobStatus] | None = None, limit: int = 100) -> list[Job]:
         """Jobs, newest first."""
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             q = select(JobRow).order_by(JobRow.created_at.desc(), JobRow.job_id.desc())
             if statuses:
                 q = q.where(JobRow.status.in_([str(x) for x in statuses]))
@@ -99,75 +96,32 @@ class JobRecords:
 
     def job_and_devices(self, job_id: str) -> tuple[Job, list[Device]]:
         """A job and this node's devices, in one read (what admitting a request checks)."""
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             job = read_job(s, job_row(s, job_id))
-            return job, [convert.device_from_row(r) for r in device_rows(s, self.node_id)]
+            return job, [convert.device_from_row(r) for r in device_rows(s, self.db.node_id)]
 
     def devices_and_jobs(self, statuses: Sequence[JobStatus]) -> tuple[list[Device], list[Job]]:
         """This node's devices and the jobs of `statuses` (up to 10,000), in one read (what a
         scheduler tick decides on)."""
-        with self._tx(write=False) as s:
-            devices = [convert.device_from_row(r) for r in device_rows(s, self.node_id)]
+        with self.db.tx(write=False) as s:
+            devices = [convert.device_from_row(r) for r in device_rows(s, self.db.node_id)]
             q = select(JobRow).where(JobRow.status.in_([str(x) for x in statuses]))
             rows = s.scalars(q.order_by(JobRow.created_at.desc()).limit(10_000)).all()
             active = active_versions(s, [r.job_id for r in rows])
             return devices, [convert.job_from_row(r, active[r.job_id]) for r in rows]
 
-    def set_job_status(self, job_id: str, new: JobStatus, reason: str) -> Job:
-        with self._tx() as s:
+    def set_status(self, job_id: str, new: JobStatus, reason: str) -> Job:
+        with self.db.tx() as s:
             row = job_row(s, job_id, lock=True)
             switch_status(s, "job", job_id, row, new, reason)
             return read_job(s, row)
 
-    def add_policy_version(
-        self, job_id: str, source: str, path: str, note: str = ""
-    ) -> PolicyVersion:
-        """Record a new policy version (current + 1) and make it the job's current one."""
-        with self._tx() as s:
-            job = job_row(s, job_id, lock=True)  # the lock serializes version numbering
-            if job.status != JobStatus.ACTIVE:
-                raise FailedPrecondition(f"job {job_id!r} is {job.status}", field="job_id")
-            now = utcnow()
-            pv = PolicyVersionRow(
-                job_id=job_id,
-                version=job.policy_version + 1,
-                source=source,
-                path=path,
-                note=note,
-                created_at=now,
-            )
-            s.add(pv)
-            job.policy_version, job.updated_at = pv.version, now
-            s.flush()
-            return convert.policy_version_from_row(pv)
-
-    def get_policy_version(self, job_id: str, version: int | None = None) -> PolicyVersion:
-        """A policy version of the job; None = the current one."""
-        with self._tx(write=False) as s:
-            job = job_row(s, job_id)
-            v = job.policy_version if version is None else version
-            # A larger number names no version (and may not fit the driver's integers).
-            row = s.get(PolicyVersionRow, (job_id, v)) if v <= MAX_VERSION else None
-            if row is None:
-                raise NotFound(f"policy version {v} of job {job_id!r} not found", field="version")
-            return convert.policy_version_from_row(row)
-
-    def list_policy_versions(self, job_id: str) -> list[PolicyVersion]:
-        with self._tx(write=False) as s:
-            job_row(s, job_id)
-            rows = s.scalars(
-                select(PolicyVersionRow)
-                .where(PolicyVersionRow.job_id == job_id)
-                .order_by(PolicyVersionRow.version)
-            ).all()
-            return [convert.policy_version_from_row(r) for r in rows]
-
     # ---- paused jobs (every node's admission gate) -------------------------------------
 
-    def set_job_paused(self, job_id: str, mode: str | None) -> bool:
+    def set_paused(self, job_id: str, mode: str | None) -> bool:
         """Pause the job for every node (`mode`: how, for the record) or resume it (None);
         returns whether it was paused before."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             job_row(s, job_id)  # NotFound names the job
             row = s.get(JobPauseRow, job_id)
             was = row is not None
@@ -180,13 +134,13 @@ class JobRecords:
                 row.mode = mode
             return was
 
-    def is_job_paused(self, job_id: str) -> bool:
-        with self._tx(write=False) as s:
+    def is_paused(self, job_id: str) -> bool:
+        with self.db.tx(write=False) as s:
             return s.get(JobPauseRow, job_id) is not None
 
-    def paused_jobs(self, mode: str) -> frozenset[str]:
+    def paused(self, mode: str) -> frozenset[str]:
         """The jobs paused in `mode` (on every node)."""
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             q = select(JobPauseRow.job_id).where(JobPauseRow.mode == mode)
             return frozenset(s.scalars(q).all())
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,7 @@ from tltd.domain import (
 from tltd.errors import Fenced, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_now, db_now_bound, db_now_params
-from tltd.store.database import BINARY_RESULTS
+from tltd.store.database import BINARY_RESULTS, Database
 from tltd.store.lookups import active_versions
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import switch_status, switch_status_from
@@ -42,12 +41,12 @@ from tltd.store.tables import (
 )
 
 UnitKey = tuple[str, int]  # (request_id, prompt_index)
-# Store.claimed_state: request id -> (request, job, complete sample keys, partial sample keys).
+# WorkLeases.claimed_state: request id -> (request, job, complete sample keys, partial sample keys).
 ClaimedState = dict[str, tuple[RolloutRequest, Job, set[tuple[int, int]], set[tuple[int, int]]]]
 
 QUEUED, LEASED, DONE, FAILED = "queued", "leased", "done", "failed"
 # A bounded request's prompt parked at its bound: held by no node, claimed by none, until the
-# job's next carried request queues it again (`RolloutRequests.admit_request`).
+# job's next carried request queues it again (`RolloutRequests.admit`).
 PARKED = "parked"
 OPEN_STATES = (QUEUED, LEASED, PARKED)  # a unit not ended: its request has not ended
 
@@ -134,28 +133,26 @@ class _UnitStatements:
 
 
 class WorkLeases:
-    """Mixed into the Store (uses its `node_id`, `epoch`, `dialect` and `_tx`)."""
+    """Work units under leases, and the state of the requests they belong to."""
 
-    node_id: str
-    epoch: int
-    dialect: str
-    _tx: Callable[..., AbstractContextManager[Session]]
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     @functools.cached_property
     def _unit_statements(self) -> _UnitStatements:
-        return _UnitStatements(self.dialect)
+        return _UnitStatements(self.db.dialect)
 
     def _held(self, s: Session) -> object:
         """The condition of a unit this node holds now: its owner and epoch, lease alive."""
-        return and_(*_held_by(self.node_id, self.epoch, db_now(self.dialect)))
+        return and_(*_held_by(self.db.node_id, self.db.epoch, db_now(self.db.dialect)))
 
     def claim_units(self, capacity: int, lease_seconds: float) -> list[Claim]:
         """Claim queued units, and units whose lease expired, oldest first, while the samples
         of those claimed before each one stay under `capacity`: one statement. Rows another
         node is claiming at the same moment are skipped, not waited for."""
-        if capacity <= 0 or not self.epoch:
+        if capacity <= 0 or not self.db.epoch:
             return []
-        wu, now = WorkUnitRow, db_now(self.dialect)
+        wu, now = WorkUnitRow, db_now(self.db.dialect)
         claimable = or_(wu.state == QUEUED, and_(wu.state == LEASED, wu.lease_expires_at < now))
         order = (wu.priority.desc(), wu.created_at, wu.request_id, wu.prompt_index)
         # Each unit holds at least one sample: `capacity` rows bound what can fit.
@@ -191,19 +188,19 @@ class WorkLeases:
             .where(wu.request_id == picked.c.request_id, wu.prompt_index == picked.c.prompt_index)
             .values(
                 state=LEASED,
-                owner_node=self.node_id,
-                owner_epoch=self.epoch,
-                lease_expires_at=db_now(self.dialect, lease_seconds),
+                owner_node=self.db.node_id,
+                owner_epoch=self.db.epoch,
+                lease_expires_at=db_now(self.db.dialect, lease_seconds),
                 attempts=wu.attempts + 1,
                 updated_at=utcnow(),
             )
             .returning(wu.request_id, wu.prompt_index, wu.attempts)
         )
-        with self._tx() as s:
+        with self.db.tx() as s:
             rows = s.execute(stmt).all()
         return sorted(Claim(r[0], int(r[1]), int(r[2])) for r in rows)
 
-    def renew_leases(self, units: Collection[UnitKey], lease_seconds: float) -> set[UnitKey]:
+    def renew(self, units: Collection[UnitKey], lease_seconds: float) -> set[UnitKey]:
         """Extend the leases of `units` (those this node runs) that it still holds; returns
         the units renewed (one of `units` not among them is lost: stop running it).
 
@@ -216,10 +213,10 @@ class WorkLeases:
         renewed: set[UnitKey] = set()
         if not keys:
             return renewed
-        with self._tx() as s:
+        with self.db.tx() as s:
             for i in range(0, len(keys), _RENEW_CHUNK):
                 chunk = tuple_(wu.request_id, wu.prompt_index).in_(keys[i : i + _RENEW_CHUNK])
-                if self.dialect == "postgresql":
+                if self.db.dialect == "postgresql":
                     # Lock in key order first, the order a sample batch ends units in: an
                     # UPDATE locks in scan order, and two orders deadlock.
                     s.execute(
@@ -232,24 +229,24 @@ class WorkLeases:
                     update(wu)
                     .where(chunk)
                     .where(self._held(s))
-                    .values(lease_expires_at=db_now(self.dialect, lease_seconds))
+                    .values(lease_expires_at=db_now(self.db.dialect, lease_seconds))
                     .returning(wu.request_id, wu.prompt_index)
                 ).all()
                 renewed |= {(r[0], int(r[1])) for r in rows}
         return renewed
 
-    def release_stale_leases(self) -> int:
+    def release_stale(self) -> int:
         """Units this node holds under an older epoch (a previous process, or this one before
         it was taken for DOWN) go back to the queue; returns how many. A request of theirs
         that then runs nowhere goes back to QUEUED, with the reason."""
         wu = WorkUnitRow
-        with self._tx() as s:
+        with self.db.tx() as s:
             rows = s.execute(
                 update(wu)
                 .where(
                     wu.state == LEASED,
-                    wu.owner_node == self.node_id,
-                    wu.owner_epoch < self.epoch,
+                    wu.owner_node == self.db.node_id,
+                    wu.owner_epoch < self.db.epoch,
                 )
                 .values(state=QUEUED, owner_node=None, lease_expires_at=None, updated_at=utcnow())
                 .returning(wu.request_id)
@@ -264,7 +261,7 @@ class WorkLeases:
                 )
                 notify(s, WORK, rid)
                 if req is not None and req.status == RequestStatus.RUNNING and not running:
-                    why = f"daemon restarted: {units} units of node {self.node_id} re-queued"
+                    why = f"daemon restarted: {units} units of node {self.db.node_id} re-queued"
                     switch_status(s, "request", rid, req, RequestStatus.QUEUED, why)
             return len(rows)
 
@@ -272,7 +269,7 @@ class WorkLeases:
         """Give a unit this node holds back to the queue (its samples stored so far stay).
         Given back, not lost: its claim does not count toward `max_sample_attempts`."""
         wu = WorkUnitRow
-        with self._tx() as s:
+        with self.db.tx() as s:
             result = s.execute(
                 update(wu)
                 .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
@@ -294,7 +291,7 @@ class WorkLeases:
         stored so far stay, paused ones among them; no node claims it until the job's next
         carried request queues it again. Not a lost claim (as `release_unit`)."""
         wu = WorkUnitRow
-        with self._tx() as s:
+        with self.db.tx() as s:
             result = s.execute(
                 update(wu)
                 .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
@@ -320,8 +317,8 @@ class WorkLeases:
         )
         if held is None:
             raise Fenced(
-                f"unit {request_id}/{prompt_index} is not held by node {self.node_id!r} "
-                f"epoch {self.epoch}"
+                f"unit {request_id}/{prompt_index} is not held by node {self.db.node_id!r} "
+                f"epoch {self.db.epoch}"
             )
 
     def finish_unit(
@@ -333,7 +330,7 @@ class WorkLeases:
         status already final stands. Returns the request's status and reason after it and its
         open units left. Raises Fenced when the unit is not held or a sample is missing."""
         st = self._unit_statements
-        with self._tx() as s:
+        with self.db.tx() as s:
             conn = s.connection()
             row = conn.execute(st.request, {"rid": request_id}).first()
             if row is None:
@@ -350,9 +347,9 @@ class WorkLeases:
 
     def _unit_params(self, request_id: str, prompt_index: int, n: int) -> dict[str, Any]:
         """The bound values of `_UnitStatements` for one unit of a request of `n` samples."""
-        return {"rid": request_id, "p": prompt_index, "node": self.node_id,
-                "epoch": self.epoch, "n": n, "now": utcnow(),
-                **db_now_params(self.dialect)}  # fmt: skip
+        return {"rid": request_id, "p": prompt_index, "node": self.db.node_id,
+                "epoch": self.db.epoch, "n": n, "now": utcnow(),
+                **db_now_params(self.db.dialect)}  # fmt: skip
 
     def end_unit_if_complete(
         self, s: Session, request_id: str, prompt_index: int, n: int, status: RequestStatus,
@@ -399,11 +396,11 @@ class WorkLeases:
         samples stored partial with `why`, the units done. Units held by a node are ended by
         it (or, if it is lost, by whichever node claims them next). Returns units ended."""
         wu, sr = WorkUnitRow, SampleRow
-        with self._tx() as s:
+        with self.db.tx() as s:
             req = s.get(RolloutRequestRow, request_id, with_for_update=True)
             if req is None:
                 raise NotFound(f"rollout request {request_id!r} not found", field="request_id")
-            now = db_now(self.dialect)
+            now = db_now(self.db.dialect)
             free = or_(
                 wu.state.in_((QUEUED, PARKED)), and_(wu.state == LEASED, wu.lease_expires_at < now)
             )
@@ -447,7 +444,7 @@ class WorkLeases:
         the samples stored after row `after_id` and the largest row id seen. Every prompt has
         a work unit, so the units give the sample total: the prompts are not read."""
         rr, wu = RolloutRequestRow, WorkUnitRow
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             head = s.execute(
                 select(rr.status, rr.status_reason, rr.n).where(rr.request_id == request_id)
             ).first()
@@ -480,7 +477,7 @@ class WorkLeases:
         ids = sorted(set(request_ids))
         if not ids:
             return {}
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             reqs = {r.request_id: r for r in s.scalars(select(rr).where(rr.request_id.in_(ids)))}
             keys: dict[str, tuple[set, set]] = {rid: (set(), set()) for rid in reqs}
             for rid, p, i, partial in s.execute(
@@ -508,7 +505,7 @@ class WorkLeases:
         if not request_ids:
             return {}
         rr = RolloutRequestRow
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             rows = s.execute(
                 select(rr.request_id, rr.status, rr.status_reason).where(
                     rr.request_id.in_(list(request_ids))

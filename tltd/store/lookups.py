@@ -1,4 +1,4 @@
-"""Row look-ups the Store's parts share: a job, request or drafter version by key (NotFound
+"""Row look-ups the store's repositories share: a job, request or drafter version by key (NotFound
 when there is none), a job's active drafter version, this node's devices."""
 
 from __future__ import annotations

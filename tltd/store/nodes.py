@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from sqlalchemy import case, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -15,6 +15,7 @@ from tltd.domain import Device, Node, NodeStatus
 from tltd.errors import ConfigError, Fenced, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_now, read_db_now
+from tltd.store.database import Database
 from tltd.store.notifications import NODE, notify
 from tltd.store.status import record_event
 from tltd.store.tables import DeviceRow, NodeRow, WorkerRow, utcnow
@@ -23,27 +24,26 @@ log = logging.getLogger(__name__)
 
 
 class NodeRegistry:
-    """Mixed into the Store: `node_id` and `epoch` say who writes (epoch 0: not joined)."""
+    """The nodes: a join takes a new epoch (this node's fencing token, kept on the database:
+    0 until it joins), heartbeats, drains and cordons."""
 
-    node_id: str
-    epoch: int
-    dialect: str
-    _tx: Callable[..., AbstractContextManager[Session]]
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
-    def join_node(self, address: str, down_seconds: float) -> int:
+    def join(self, address: str, down_seconds: float) -> int:
         """Register this node and increment its epoch in one statement; returns the epoch.
 
         SQLite is single-node: a join is refused (ConfigError) while another node's row is up
         with a heartbeat younger than `down_seconds` (SQLite's write lock, taken at BEGIN,
         makes the check and the join one step). Rows written before nodes existed (node id
         "") become this node's."""
-        with self._tx() as s:
-            if self.dialect == "sqlite":
+        with self.db.tx() as s:
+            if self.db.dialect == "sqlite":
                 self._refuse_second_node(s, down_seconds)
-            insert = (postgresql if self.dialect == "postgresql" else sqlite).insert
-            now = db_now(self.dialect)
+            insert = (postgresql if self.db.dialect == "postgresql" else sqlite).insert
+            now = db_now(self.db.dialect)
             stmt = insert(NodeRow).values(
-                node_id=self.node_id, address=address, state="up", epoch=1,
+                node_id=self.db.node_id, address=address, state="up", epoch=1,
                 heartbeat_at=now, started_at=now,
             )  # fmt: skip
             stmt = stmt.on_conflict_do_update(
@@ -63,21 +63,21 @@ class NodeRegistry:
             epoch = int(s.execute(stmt).scalar_one())
             for table in (DeviceRow, WorkerRow):
                 key = table.device_id if table is DeviceRow else table.worker_id
-                taken = select(key).where(table.node_id == self.node_id).scalar_subquery()
+                taken = select(key).where(table.node_id == self.db.node_id).scalar_subquery()
                 s.execute(
                     update(table)
                     .where(table.node_id == "", key.not_in(taken))
-                    .values(node_id=self.node_id)
+                    .values(node_id=self.db.node_id)
                 )
-            record_event(s, "node", self.node_id, "", "up", f"joined with epoch {epoch}")
-        self.epoch = epoch
-        log.info("node joined", extra={"node_id": self.node_id, "epoch": epoch})
+            record_event(s, "node", self.db.node_id, "", "up", f"joined with epoch {epoch}")
+        self.db.epoch = epoch
+        log.info("node joined", extra={"node_id": self.db.node_id, "epoch": epoch})
         return epoch
 
     def _refuse_second_node(self, s: Session, down_seconds: float) -> None:
         now = read_db_now(s)
         for row in s.scalars(
-            select(NodeRow).where(NodeRow.node_id != self.node_id, NodeRow.state == "up")
+            select(NodeRow).where(NodeRow.node_id != self.db.node_id, NodeRow.state == "up")
         ):
             age = (now - row.heartbeat_at).total_seconds()
             if age < down_seconds:
@@ -87,15 +87,15 @@ class NodeRegistry:
                     "PostgreSQL database (database_url)"
                 )
 
-    def beat_node(self, down_seconds: float, address: str | None = None) -> int:
+    def beat(self, down_seconds: float, address: str | None = None) -> int:
         """Stamp this node's heartbeat; returns its epoch. A beat after a silence longer than
         `down_seconds` (the node was DOWN: paused, cut off) takes a new epoch in the same
         statement, so whatever it held under the old one is fenced. Raises Fenced when
         another process has joined under this node id since."""
-        with self._tx() as s:
-            stale = NodeRow.heartbeat_at < db_now(self.dialect, -down_seconds)
+        with self.db.tx() as s:
+            stale = NodeRow.heartbeat_at < db_now(self.db.dialect, -down_seconds)
             values: dict = {
-                "heartbeat_at": db_now(self.dialect),
+                "heartbeat_at": db_now(self.db.dialect),
                 "state": "up",
                 "epoch": case((stale, NodeRow.epoch + 1), else_=NodeRow.epoch),
             }
@@ -103,33 +103,33 @@ class NodeRegistry:
                 values["address"] = address
             epoch = s.execute(
                 update(NodeRow)
-                .where(NodeRow.node_id == self.node_id, NodeRow.epoch == self.epoch)
+                .where(NodeRow.node_id == self.db.node_id, NodeRow.epoch == self.db.epoch)
                 .values(**values)
                 .returning(NodeRow.epoch)
             ).scalar_one_or_none()
             if epoch is None:
                 raise Fenced(
-                    f"node {self.node_id!r} epoch {self.epoch} is no longer current: another "
+                    f"node {self.db.node_id!r} epoch {self.db.epoch} is no longer current: another "
                     "daemon joined with this node id"
                 )
-            if epoch != self.epoch:
+            if epoch != self.db.epoch:
                 why = f"back after more than {down_seconds:g}s without a heartbeat"
-                record_event(s, "node", self.node_id, "down", "up", f"{why}: epoch {epoch}")
-        if epoch != self.epoch:
-            log.warning("node rejoined", extra={"node_id": self.node_id, "epoch": epoch})
-        self.epoch = int(epoch)
-        return self.epoch
+                record_event(s, "node", self.db.node_id, "down", "up", f"{why}: epoch {epoch}")
+        if epoch != self.db.epoch:
+            log.warning("node rejoined", extra={"node_id": self.db.node_id, "epoch": epoch})
+        self.db.epoch = int(epoch)
+        return self.db.epoch
 
     @contextmanager
     def cluster_lock(self, name: str) -> Iterator[bool]:
         """Hold PostgreSQL's session advisory lock `name` for the block if no other node
         holds it (yields False then, without waiting): a cluster-wide periodic job runs on
         one node at a time. SQLite has one node: always True."""
-        if self.dialect != "postgresql":
+        if self.db.dialect != "postgresql":
             yield True
             return
         key = _lock_key(name)
-        with self.engine.connect() as conn:  # type: ignore[attr-defined]
+        with self.db.engine.connect() as conn:
             held = bool(conn.scalar(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}))
             conn.commit()
             try:
@@ -139,21 +139,21 @@ class NodeRegistry:
                     conn.scalar(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
                     conn.commit()
 
-    def leave_node(self) -> None:
+    def leave(self) -> None:
         """A clean shutdown: the node is LEFT (not DOWN) until it joins again."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             s.execute(
                 update(NodeRow)
-                .where(NodeRow.node_id == self.node_id, NodeRow.epoch == self.epoch)
+                .where(NodeRow.node_id == self.db.node_id, NodeRow.epoch == self.db.epoch)
                 .values(state="left")
             )
-            record_event(s, "node", self.node_id, "up", "left", "shut down")
+            record_event(s, "node", self.db.node_id, "up", "left", "shut down")
 
-    def request_node_drain(self, node_id: str, reason: str, grace_seconds: float) -> list[Device]:
+    def request_drain(self, node_id: str, reason: str, grace_seconds: float) -> list[Device]:
         """Ask node `node_id` (any node of the database) to drain: recorded on its row with
         its devices marked draining, and announced (NODE notification); the node starts
         draining at the notification or its next heartbeat. Returns its devices."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             row = self._node_row(s, node_id)
             if not row.drain_requested:
                 record_event(s, "node", node_id, "", "drain requested", reason)
@@ -164,10 +164,10 @@ class NodeRegistry:
             notify(s, NODE, node_id)
             return devices
 
-    def set_node_cordon(self, node_id: str, cordoned: bool, reason: str) -> list[Device]:
+    def set_cordon(self, node_id: str, cordoned: bool, reason: str) -> list[Device]:
         """Cordon (or uncordon) every device of node `node_id`: it is given no new work
         (what runs there keeps running); its scheduler reads the flags at its next tick."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             row = self._node_row(s, node_id)
             if row.cordoned != cordoned:
                 new = "cordoned" if cordoned else "uncordoned"
@@ -177,8 +177,8 @@ class NodeRegistry:
 
     def requested_drain(self) -> tuple[str, float] | None:
         """(reason, grace seconds) when a drain of this node was requested through the store."""
-        with self._tx(write=False) as s:
-            row = s.get(NodeRow, self.node_id)
+        with self.db.tx(write=False) as s:
+            row = s.get(NodeRow, self.db.node_id)
             if row is None or not row.drain_requested:
                 return None
             return row.drain_reason, row.drain_grace_seconds
@@ -209,10 +209,10 @@ class NodeRegistry:
         s.flush()
         return [convert.device_from_row(r) for r in rows]
 
-    def list_nodes(self, down_seconds: float) -> list[Node]:
+    def list(self, down_seconds: float) -> list[Node]:
         """Every node ever joined, by id; DOWN when its heartbeat is older than
         `down_seconds` by the database's clock."""
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             now = read_db_now(s)
             return [
                 _node(row, (now - row.heartbeat_at).total_seconds(), down_seconds)

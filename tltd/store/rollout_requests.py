@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from sqlalchemy import bindparam, insert, select, update
@@ -17,6 +16,7 @@ from tltd.domain import JobStatus, RequestStatus, RolloutRequest
 from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_later_bound, db_later_params
+from tltd.store.database import Database
 from tltd.store.leases import LEASED, PARKED, QUEUED, Claim
 from tltd.store.lookups import changed_fields, request_row
 from tltd.store.notifications import REQUEST, WORK, notify
@@ -48,7 +48,7 @@ def running_on(worker_id: str) -> str:
 
 
 class JobPaused(Exception):
-    """create_request(unless_paused=True) stored nothing: the request's job is paused."""
+    """`create(unless_paused=True)` stored nothing: the request's job is paused."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class AdmissionClaim:
 
 @dataclass(frozen=True)
 class Created:
-    """create_request's answer: the stored request, whether this call created it, and the
+    """`create`'s answer: the stored request, whether this call created it, and the
     units it leased to this node (`AdmissionClaim`; none for a retry)."""
 
     request: RolloutRequest
@@ -72,7 +72,7 @@ class Created:
 
 
 class _AdmissionStatements:
-    """admit_request's statements, built once per store (see sample_batches._Statements)."""
+    """`admit`'s statements, built once per store (see sample_batches._Statements)."""
 
     def __init__(self, dialect: str) -> None:
         jobs, pauses = JobRow.__table__, JobPauseRow.__table__
@@ -93,37 +93,35 @@ class _AdmissionStatements:
 
 
 class RolloutRequests:
-    """Mixed into the Store (uses its `_tx`, `node_id`, `epoch` and `dialect`)."""
+    """Rollout requests: admitted with their work units, read, and moved through their statuses."""
 
-    _tx: Callable[..., AbstractContextManager[Session]]
-    node_id: str
-    epoch: int
-    dialect: str
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
-    def create_request(
+    def create(
         self, req: RolloutRequest, unless_paused: bool = False
     ) -> tuple[RolloutRequest, bool]:
-        """Queue a rollout request; idempotent on request_id (see create_job): a retry gets
+        """Queue a rollout request; idempotent on request_id (see `JobRecords.create`): a retry gets
         the stored request (False), whatever its job's state. Otherwise the job must exist
         (NotFound) and be active (FailedPrecondition), and with `unless_paused` not be paused
         (JobPaused: nothing stored)."""
-        created = self.admit_request(req, unless_paused)
+        created = self.admit(req, unless_paused)
         return created.request, created.created
 
-    def admit_request(
+    def admit(
         self,
         req: RolloutRequest,
         unless_paused: bool = False,
         claim: AdmissionClaim | None = None,
     ) -> Created:
-        """`create_request`; with `claim` (on a joined node) the new request's first units
+        """`create`; with `claim` (on a joined node) the new request's first units
         whose samples fit its capacity are leased to this node in the same transaction, as
         `claim_units` would lease them: the node that admitted the request runs them without
         claiming them and reading back what it just wrote. The other units are queued for
         any node."""
         st = self._admission_statements
         try:
-            with self._tx() as s:
+            with self.db.tx() as s:
                 conn = s.connection()
                 # FOR SHARE until commit: a concurrent cancel of the job (FOR UPDATE) waits for
                 # this request and then sees it, and a new policy version waits too, so the
@@ -164,7 +162,7 @@ class RolloutRequests:
                     notify(s, WORK, req.request_id)
                 return Created(stored, True, claims)
         except IntegrityError:  # the request_id is stored: a retry (or a concurrent one)
-            with self._tx(write=False) as s:
+            with self.db.tx(write=False) as s:
                 existing = s.get(RolloutRequestRow, req.request_id)
                 if existing is None:
                     raise
@@ -190,7 +188,7 @@ class RolloutRequests:
 
     @functools.cached_property
     def _admission_statements(self) -> _AdmissionStatements:
-        return _AdmissionStatements(self.dialect)
+        return _AdmissionStatements(self.db.dialect)
 
     def _insert_units(
         self,
@@ -204,7 +202,7 @@ class RolloutRequests:
         first ones whose samples fit its capacity leased to this node. Returns those."""
         n, rid = req.sampling.n, req.request_id
         fit = 0
-        if claim is not None and claim.capacity > 0 and self.epoch:
+        if claim is not None and claim.capacity > 0 and self.db.epoch:
             # As claim_units: a unit is taken while the samples before it stay under capacity.
             fit = min(len(req.prompts), -(-claim.capacity // max(1, n)))
         rows = [
@@ -216,11 +214,9 @@ class RolloutRequests:
         st, conn = self._admission_statements, s.connection()
         if fit:
             assert claim is not None
-            lease = db_later_params(self.dialect, claim.lease_seconds)
-            conn.execute(
-                st.leased_units,
-                [{**r, "node": self.node_id, "epoch": self.epoch, **lease} for r in rows[:fit]],
-            )  # fmt: skip
+            lease = db_later_params(self.db.dialect, claim.lease_seconds)
+            owner = {"node": self.db.node_id, "epoch": self.db.epoch}
+            conn.execute(st.leased_units, [{**r, **owner, **lease} for r in rows[:fit]])
         if fit < len(rows):
             conn.execute(st.queued_units, rows[fit:])
         return tuple(Claim(rid, p, 1) for p in range(fit))
@@ -237,18 +233,18 @@ class RolloutRequests:
             )
         return current
 
-    def get_request(self, request_id: str) -> RolloutRequest:
-        with self._tx(write=False) as s:
+    def get(self, request_id: str) -> RolloutRequest:
+        with self.db.tx(write=False) as s:
             return convert.request_from_row(request_row(s, request_id))
 
-    def list_requests(
+    def list(
         self,
         statuses: Sequence[RequestStatus] | None = None,
         job_id: str | None = None,
         limit: int | None = 1000,
     ) -> list[RolloutRequest]:
         """Requests, oldest first (queue order); limit None = all of them."""
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             q = select(RolloutRequestRow)
             if statuses:
                 q = q.where(RolloutRequestRow.status.in_([str(x) for x in statuses]))
@@ -258,20 +254,18 @@ class RolloutRequests:
             return [convert.request_from_row(r) for r in s.scalars(q.limit(limit)).all()]
 
     def mark_running(self, request_id: str, reason: str) -> bool:
-        """QUEUED -> RUNNING with its event, as `set_request_status` records it; True when it
+        """QUEUED -> RUNNING with its event, as `set_status` records it; True when it
         moved. Any other status stands (RUNNING already, or ended meanwhile). Two statements,
         nothing read back: a node calls it once per request it starts. Other nodes are not
         notified: a request starting changes nothing their streams send or their units do."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             return switch_status_from(
                 s, "request", RolloutRequestRow, request_id,
                 RequestStatus.QUEUED, RequestStatus.RUNNING, reason,
             )  # fmt: skip
 
-    def set_request_status(
-        self, request_id: str, new: RequestStatus, reason: str
-    ) -> RolloutRequest:
-        with self._tx() as s:
+    def set_status(self, request_id: str, new: RequestStatus, reason: str) -> RolloutRequest:
+        with self.db.tx() as s:
             row = request_row(s, request_id, lock=True)
             if switch_status(s, "request", request_id, row, new, reason):
                 notify(s, REQUEST, request_id)  # streams and the nodes running it look now

@@ -1,6 +1,6 @@
 """Group-committed sample writes: every sample a worker reported at once, in one transaction.
 
-The rules are `Store.add_sample`'s (`tltd.store.samples`), sample by sample (idempotent on
+The rules are `store.samples.add`'s (`tltd.store.samples`), sample by sample (idempotent on
 the sample's key, a partial sample replaced as `samples.replaces` says, nothing replaced once
 the request ended, leases fence every write); only the transaction is shared. Each request
 row is locked once (in request id order, so two writers never wait on each other crosswise)
@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, bindparam, func, select, update
@@ -27,23 +26,24 @@ from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.store import convert
 from tltd.store.clock import db_now_params
-from tltd.store.leases import UnitEnd, held_bound
+from tltd.store.database import Database
+from tltd.store.leases import UnitEnd, WorkLeases, held_bound
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.rollout_requests import running_on
-from tltd.store.samples import not_finite_error, out_of_range_error, replaces
+from tltd.store.samples import SampleRecords, not_finite_error, out_of_range_error, replaces
 from tltd.store.status import switch_status_from
 from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
 # Prompt indices at or past this are out of range of any request (and of SQL integers).
 _MAX_INDEX = 1 << 31
 
-# What add_samples says of each sample: stored (True), a duplicate (False), or why not.
+# What `add` says of each sample: stored (True), a duplicate (False), or why not.
 Outcome = bool | TltError
 
 
 @dataclass
 class StoredBatch:
-    """`store_samples`' answer: per sample its `Outcome`; per unit a sample of the batch
+    """`store`'s answer: per sample its `Outcome`; per unit a sample of the batch
     completed, the unit's end recorded in the same transaction."""
 
     outcomes: list[Outcome]
@@ -88,31 +88,28 @@ class _Statements:
 
 
 class SampleBatches:
-    """Mixed into the Store (uses its `node_id`, `epoch`, `dialect`, `_tx` and
-    `add_sample`)."""
+    """A worker's samples written in one transaction."""
 
-    node_id: str
-    epoch: int
-    dialect: str
-    _tx: Callable[..., AbstractContextManager[Session]]
-    add_sample: Callable[[Sample], bool]
-    end_unit_if_complete: Callable[..., UnitEnd | None]
+    def __init__(self, db: Database, samples: SampleRecords, leases: WorkLeases) -> None:
+        self.db = db
+        self.samples = samples
+        self.leases = leases
 
     @functools.cached_property
     def _batch_statements(self) -> _Statements:
-        return _Statements(self.dialect)
+        return _Statements(self.db.dialect)
 
-    def add_samples(self, samples: Sequence[Sample]) -> list[Outcome]:
-        """Store `samples` in one transaction; per sample what `add_sample` would return
+    def add(self, samples: Sequence[Sample]) -> list[Outcome]:
+        """Store `samples` in one transaction; per sample what `SampleRecords.add` would return
         (True stored, False a duplicate), or the error it would raise (InvalidArgument,
         NotFound, Fenced) for that sample alone. A database error raises for all of them:
         none is stored."""
-        return self.store_samples(samples).outcomes
+        return self.store(samples).outcomes
 
-    def store_samples(
+    def store(
         self, samples: Sequence[Sample], end_units: bool = False, worker_id: str = ""
     ) -> StoredBatch:
-        """`add_samples`; with `end_units`, a held unit whose samples are now all stored and
+        """`add`; with `end_units`, a held unit whose samples are now all stored and
         complete is also recorded done in the same transaction (with the request's final
         status when it was its last open unit), as `finish_unit` would with no outcome
         decided on the node: one transaction less per unit. A request still QUEUED (its
@@ -130,7 +127,7 @@ class SampleBatches:
         if not by_request:
             return StoredBatch(out)  # type: ignore[arg-type]
         try:
-            with self._tx() as s:
+            with self.db.tx() as s:
                 now = utcnow()
                 for rid in sorted(by_request):
                     items = [(i, samples[i]) for i in by_request[rid]]
@@ -138,7 +135,7 @@ class SampleBatches:
                         s, rid, items, out, now, ends if end_units else None, worker_id
                     )
         except IntegrityError:
-            # Only a concurrent insert of one of these keys gets here (see add_sample): the
+            # Only a concurrent insert of one of these keys gets here (see `SampleRecords.add`): the
             # batch rolled back; each sample alone then says which were stored elsewhere.
             outcomes = [
                 o if o is not None else self._one(x) for x, o in zip(samples, out, strict=True)
@@ -148,7 +145,7 @@ class SampleBatches:
 
     def _one(self, sample: Sample) -> Outcome:
         try:
-            return self.add_sample(sample)
+            return self.samples.add(sample)
         except TltError as exc:
             return exc
 
@@ -184,15 +181,15 @@ class SampleBatches:
             if existing is not None and (
                 ended or not replaces(existing[1], existing[2], sample, existing[3])
             ):
-                out[i] = False  # a duplicate, or a replacement too late (see add_sample)
+                out[i] = False  # a duplicate, or a replacement too late (see `SampleRecords.add`)
                 continue
             row = convert.sample_columns(sample)
             row["created_at"] = now
             if existing is not None:
                 # The complete sample that replaces a partial one takes a new, larger row id,
-                # as add_sample explains.
+                # as `SampleRecords.add` explains.
                 conn.execute(sr.__table__.delete().where(sr.id == existing[0]))
-                if self.dialect == "sqlite":
+                if self.db.dialect == "sqlite":
                     row["id"] = int(conn.scalar(select(func.max(sr.id))) or 0) + 1
                 conn.execute(st.insert, [row])
             else:
@@ -224,7 +221,7 @@ class SampleBatches:
         done: int,
         worker_id: str,
     ) -> bool:
-        """With `ends`, the units these samples completed recorded done (see store_samples);
+        """With `ends`, the units these samples completed recorded done (see `store`);
         True when that ended the request."""
         if ends is None or not done:
             return False
@@ -237,7 +234,7 @@ class SampleBatches:
             return False
         for p in sorted({x.prompt_index for i, x in ok if out[i] is True and not x.partial}):
             if complete[p] == n:
-                end = self.end_unit_if_complete(s, rid, p, n, status, reason)
+                end = self.leases.end_unit_if_complete(s, rid, p, n, status, reason)
                 if end is not None:
                     ends[(rid, p)] = end
                     status, reason = end.status, end.reason
@@ -269,10 +266,10 @@ class SampleBatches:
                 if prompts is None:
                     prompts = _prompt_count(s, rid)
                 bad = out_of_range_error(sample, prompts, n)
-                if bad is None and self.epoch:
+                if bad is None and self.db.epoch:
                     bad = Fenced(
                         f"unit {rid}/{sample.prompt_index} is not held by node "
-                        f"{self.node_id!r} epoch {self.epoch}"
+                        f"{self.db.node_id!r} epoch {self.db.epoch}"
                     )
             if bad is not None:
                 out[i] = bad
@@ -287,9 +284,10 @@ class SampleBatches:
         st = self._batch_statements
         params: dict[str, object] = {"rid": rid, "prompts": sorted(prompts)}
         statement = st.units
-        if self.epoch:
+        if self.db.epoch:
             statement = st.held
-            params |= {"node": self.node_id, "epoch": self.epoch} | db_now_params(self.dialect)
+            owner = {"node": self.db.node_id, "epoch": self.db.epoch}
+            params |= owner | db_now_params(self.db.dialect)
         return {int(r[0]) for r in s.connection().execute(statement, params)}
 
 

@@ -6,8 +6,7 @@ passes before it is stored are here too (`tltd.store.sample_batches` applies the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -16,7 +15,8 @@ from sqlalchemy.orm import Session
 from tltd.domain import ENDED_STATUSES, FinishReason, RequestStatus, Sample
 from tltd.errors import InvalidArgument
 from tltd.store import convert
-from tltd.store.database import BINARY_RESULTS
+from tltd.store.database import BINARY_RESULTS, Database
+from tltd.store.leases import WorkLeases
 from tltd.store.lookups import request_row
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.rollout_requests import prompt_key
@@ -24,14 +24,13 @@ from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 
 
 class SampleRecords:
-    """Mixed into the Store (uses its `epoch`, `dialect`, `_tx` and `check_held`)."""
+    """Samples one at a time, and their reads."""
 
-    epoch: int
-    dialect: str
-    _tx: Callable[..., AbstractContextManager[Session]]
-    check_held: Callable[[Session, str, int], None]
+    def __init__(self, db: Database, leases: WorkLeases) -> None:
+        self.db = db
+        self.leases = leases
 
-    def add_sample(self, sample: Sample) -> bool:
+    def add(self, sample: Sample) -> bool:
         """Store a finished (or partial) sample; idempotent on (request_id, prompt_index,
         sample_index).
 
@@ -49,13 +48,13 @@ class SampleRecords:
         if bad is not None:
             raise bad
         try:
-            with self._tx() as s:
+            with self.db.tx() as s:
                 req = request_row(s, sample.request_id, lock=True)
                 bad = out_of_range_error(sample, len(req.prompts), req.n)
                 if bad is not None:
                     raise bad
-                if self.epoch:  # a joined node writes only into units it holds
-                    self.check_held(s, sample.request_id, sample.prompt_index)
+                if self.db.epoch:  # a joined node writes only into units it holds
+                    self.leases.check_held(s, sample.request_id, sample.prompt_index)
                 existing = s.scalar(
                     select(SampleRow).where(
                         SampleRow.request_id == sample.request_id,
@@ -92,14 +91,14 @@ class SampleRecords:
         stream reads its request's samples past the last row id it saw, and must see the
         complete sample that replaced a partial one (the request row's lock keeps one
         request's ids in commit order; SQLite would give the id freed by the delete again)."""
-        if self.dialect == "sqlite":
+        if self.db.dialect == "sqlite":
             row.id = int(s.scalar(select(func.max(SampleRow.id))) or 0) + 1
         s.delete(existing)
         s.flush()
 
-    def list_samples(self, request_id: str) -> list[Sample]:
+    def list(self, request_id: str) -> list[Sample]:
         """Samples of a request ordered by (prompt_index, sample_index)."""
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             request_row(s, request_id)
             rows = s.execute(
                 select(SampleRow.__table__)  # rows, not ORM objects: read once, never changed
@@ -109,11 +108,11 @@ class SampleRecords:
             ).all()
             return [convert.sample_from_row(r) for r in rows]
 
-    def resumable_samples(self, request_id: str, prompt_indices: Sequence[int]) -> list[Sample]:
+    def resumable(self, request_id: str, prompt_indices: Sequence[int]) -> list[Sample]:
         """The unfinished samples stored of these prompts with tokens to go on from: partial,
         ABORTED (a drained node's tokens so far), at least one token."""
         sr = SampleRow
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             rows = s.execute(
                 select(SampleRow.__table__)
                 .where(
@@ -134,7 +133,7 @@ class SampleRecords:
         """The job's `limit` most recent whole samples of this prompt, from any request and
         node, oldest first: ((request id, prompt index, sample index), token ids) each. What
         the history drafter starts from when the prompt is admitted again."""
-        with self._tx(write=False) as s:
+        with self.db.tx(write=False) as s:
             rows = s.execute(
                 select(SampleRow.request_id, SampleRow.prompt_index, SampleRow.sample_index,
                        SampleRow.token_ids_bin, SampleRow.token_ids)

@@ -3,9 +3,6 @@ closing it. Each call is one transaction on the session's row, locked."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -21,20 +18,22 @@ from tltd.domain import (
 )
 from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
 from tltd.store import convert
+from tltd.store.database import Database
 from tltd.store.lookups import job_row
 from tltd.store.tables import SessionRow, SessionTurnRow, utcnow
 
 
 class SessionRecords:
-    """Mixed into the Store (uses its `_tx`)."""
+    """Multi-turn sessions and their turns."""
 
-    _tx: Callable[..., AbstractContextManager[Session]]
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
-    def open_session(self, session: AgentSession) -> tuple[AgentSession, bool]:
+    def open(self, session: AgentSession) -> tuple[AgentSession, bool]:
         """Store a new session (True), or return the stored one of that id when it has the
         same job and prompt (False); another job or prompt is ALREADY_EXISTS."""
         try:
-            with self._tx() as s:
+            with self.db.tx() as s:
                 existing = s.get(SessionRow, session.session_id)
                 if existing is None:
                     job_row(s, session.job_id)  # NotFound names job_id
@@ -56,10 +55,10 @@ class SessionRecords:
                     return _read(s, session.session_id), True
                 return _same_session(_read(s, session.session_id), session), False
         except IntegrityError:  # opened by a concurrent call meanwhile: compare with it
-            return _same_session(self.get_session(session.session_id), session), False
+            return _same_session(self.get(session.session_id), session), False
 
-    def get_session(self, session_id: str) -> AgentSession:
-        with self._tx(write=False) as s:
+    def get(self, session_id: str) -> AgentSession:
+        with self.db.tx(write=False) as s:
             return _read(s, session_id)
 
     def begin_turn(
@@ -69,7 +68,7 @@ class SessionRecords:
         (the session as it was before it, and the turn). A retry (same index, inputs and
         sampling) gets the stored turn, running or done; any other call while a turn runs, a
         turn out of order or other inputs for a stored turn are refused, naming the field."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             row = _session_row(s, session_id, lock=True)
             if row.status != SessionStatus.OPEN.value:
                 raise FailedPrecondition(f"session {session_id} is closed", field="session_id")
@@ -112,7 +111,7 @@ class SessionRecords:
     def complete_turn(self, turn: SessionTurn, sample: Sample) -> tuple[AgentSession, SessionTurn]:
         """Record what the turn's request sampled and count the turn done; a turn done
         already is returned as it is (two calls attached to one turn both end here)."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             row = _session_row(s, turn.session_id, lock=True)
             t = _turn_row(s, turn)
             if t.status == TurnStatus.RUNNING.value:
@@ -127,7 +126,7 @@ class SessionRecords:
     def give_up_turn(self, turn: SessionTurn) -> None:
         """Drop a running turn whose request ended without a sample (failed, cancelled):
         the session is as before it, and the turn's next attempt runs a new request."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             row = _session_row(s, turn.session_id, lock=True)
             t = s.get(SessionTurnRow, (turn.session_id, turn.turn_index))
             if t is None or t.status != TurnStatus.RUNNING.value:
@@ -137,9 +136,9 @@ class SessionRecords:
                 row.attempts += 1
                 row.updated_at = utcnow()
 
-    def close_session(self, session_id: str) -> AgentSession:
+    def close(self, session_id: str) -> AgentSession:
         """No more turns; a running turn is dropped (the caller settles it first)."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             row = _session_row(s, session_id, lock=True)
             if row.status != SessionStatus.CLOSED.value:
                 for t in s.scalars(

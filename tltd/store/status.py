@@ -79,7 +79,7 @@ def switch_status_from(
 ) -> bool:
     """`switch_status` for a row not loaded: one UPDATE that moves it only from status `old`
     (then records the event; returns True), else changes nothing (False). Core statements,
-    built once: not for the tables a scheduler tick reads (`Store.scheduling_writes` watches
+    built once: not for the tables a scheduler tick reads (`Database.scheduling_writes` watches
     the ORM's writes)."""
     check_transition(entity, entity_id, str(old), str(new))
     now = utcnow()

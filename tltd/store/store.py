@@ -1,33 +1,33 @@
 """The Store: short synchronous SQL transactions that speak domain dataclasses and TltErrors.
 
-One class over one engine, assembled from one part per aggregate (each part is a mixin that
-uses the Store's `_tx`, `node_id`, `epoch` and `dialect`; shared row look-ups are in
-`tltd.store.lookups`):
+One `Database` (engine, sessions, this node's id and epoch: `tltd.store.database`) shared by
+repositories named after what they hold, each in a module of its own (shared row look-ups
+are in `tltd.store.lookups`):
 
-- jobs, policy versions, paused jobs: `jobs.JobRecords`
-- rollout requests: `rollout_requests.RolloutRequests`
-- samples, one at a time / a worker's batch: `samples.SampleRecords`, `sample_batches.SampleBatches`
-- work units under leases: `leases.WorkLeases`
-- groups sent by bounded (asynchronous RL) requests: `deliveries.GroupDeliveries`
-- drafter versions / drafter training's lease: `drafter_versions.DrafterVersions`,
-  `drafter_leases.DrafterLeases`
-- nodes, devices, workers: `nodes.NodeRegistry`, `devices.DeviceInventory`, `workers.WorkerRecords`
-- unfinished policy pushes: `pushes.PushRecords`
-- multi-turn sessions and their turns: `sessions.SessionRecords`
-- events, retention, counters: `history.History`
+- `jobs`: jobs and paused jobs (`jobs.JobRecords`); `policies`: their policy versions
+  (`policies.PolicyVersions`)
+- `requests`: rollout requests (`rollout_requests.RolloutRequests`)
+- `leases`: work units under leases, and the state of their requests (`leases.WorkLeases`)
+- `samples`: samples one at a time and their reads (`samples.SampleRecords`);
+  `sample_batches`: a worker's samples in one transaction (`sample_batches.SampleBatches`)
+- `deliveries`: groups sent by bounded (asynchronous RL) requests (`deliveries.GroupDeliveries`)
+- `drafters`: drafter versions (`drafter_versions.DrafterVersions`); `drafter_leases`:
+  drafter training's lease and what it reads (`drafter_leases.DrafterLeases`)
+- `nodes`, `devices`, `workers`: `nodes.NodeRegistry`, `devices.DeviceInventory`,
+  `workers.WorkerRecords`
+- `pushes`: unfinished policy pushes (`pushes.PushRecords`)
+- `sessions`: multi-turn sessions and their turns (`sessions.SessionRecords`)
+- `history`: events, retention, counters (`history.History`)
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager
 
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from tltd.settings import default_node_id
-from tltd.store import notifications
-from tltd.store.database import WRITE_OPTION, WriteTurn, make_engine
+from tltd.store.database import Database
 from tltd.store.deliveries import GroupDeliveries
 from tltd.store.devices import DeviceInventory
 from tltd.store.drafter_leases import DrafterLeases
@@ -36,92 +36,63 @@ from tltd.store.history import History
 from tltd.store.jobs import JobRecords
 from tltd.store.leases import WorkLeases
 from tltd.store.nodes import NodeRegistry
+from tltd.store.policies import PolicyVersions
 from tltd.store.pushes import PushRecords
 from tltd.store.rollout_requests import RolloutRequests
 from tltd.store.sample_batches import SampleBatches
 from tltd.store.samples import SampleRecords
 from tltd.store.sessions import SessionRecords
 from tltd.store.workers import WorkerRecords
-from tltd.store.write_watch import WriteWatch
-
-# What a scheduler tick reads (`devices_and_jobs`): jobs, their active drafters, devices.
-# ("job_pauses": a job paused keep freezes its workers on every node's next tick)
-SCHEDULING_TABLES = ("jobs", "drafter_versions", "devices", "job_pauses")
 
 
-class Store(
-    JobRecords,
-    PushRecords,
-    RolloutRequests,
-    SampleRecords,
-    SampleBatches,
-    WorkLeases,
-    GroupDeliveries,
-    DrafterVersions,
-    DrafterLeases,
-    NodeRegistry,
-    DeviceInventory,
-    WorkerRecords,
-    SessionRecords,
-    History,
-):
-    """All persistent state of the daemon; tables come from `tltd.store.migrate.upgrade`.
+class Store:
+    """All persistent state of the daemon, as repositories over one database; tables come
+    from `tltd.store.migrate.upgrade`.
 
     `node_id` names the node whose devices and workers this store reads and writes (default:
-    the host name); `epoch` is set when the node joins (`join_node`)."""
+    the host name); `epoch` is set when the node joins (`nodes.join`)."""
 
     def __init__(self, url: str, node_id: str = "") -> None:
-        self.url = url
-        self.node_id = node_id or default_node_id()
-        self.epoch = 0
-        self.engine = make_engine(url)
-        self.own_backends = notifications.OwnBackends(self.engine)  # PostgreSQL sessions
-        self._reader = sessionmaker(self.engine, expire_on_commit=False)
-        # Writers announce themselves so that SQLite takes its write lock at BEGIN.
-        writer_engine = self.engine.execution_options(**{WRITE_OPTION: True})
-        self._writer = sessionmaker(writer_engine, expire_on_commit=False)
-        # PostgreSQL locks rows; SQLite's writers take turns (WriteTurn).
-        self._write_turn = WriteTurn() if self.dialect == "sqlite" else nullcontext
-        # Moves after each commit that changed what a tick reads (see write_watch).
-        self.scheduling_writes = WriteWatch(SCHEDULING_TABLES, notifications.STATE)
-        self.scheduling_writes.watch(self._writer)
-        self.scheduling_writes.watch(self._reader)
-        self._batch = threading.local()  # .session: the open `batch` of this thread
+        self.db = db = Database(url, node_id or default_node_id())
+        self.jobs = JobRecords(db)
+        self.policies = PolicyVersions(db)
+        self.pushes = PushRecords(db)
+        self.requests = RolloutRequests(db)
+        self.leases = WorkLeases(db)
+        self.samples = SampleRecords(db, self.leases)
+        self.sample_batches = SampleBatches(db, self.samples, self.leases)
+        self.deliveries = GroupDeliveries(db)
+        self.drafters = DrafterVersions(db)
+        self.drafter_leases = DrafterLeases(db)
+        self.nodes = NodeRegistry(db)
+        self.devices = DeviceInventory(db)
+        self.workers = WorkerRecords(db)
+        self.sessions = SessionRecords(db)
+        self.history = History(db)
+
+    @property
+    def url(self) -> str:
+        return self.db.url
+
+    @property
+    def node_id(self) -> str:
+        return self.db.node_id
+
+    @property
+    def epoch(self) -> int:
+        return self.db.epoch
 
     @property
     def dialect(self) -> str:
         """ "sqlite" or "postgresql"."""
-        return self.engine.dialect.name
+        return self.db.dialect
 
     def close(self) -> None:
-        self.engine.dispose()
+        self.db.close()
 
-    @contextmanager
-    def batch(self) -> Iterator[None]:
-        """Make the store calls of this thread, until the block ends, one transaction (one
-        commit, one write turn), each call in a savepoint of its own: a call that raises undoes
-        only its own writes. Nothing is committed unless the block ends without an error; then
-        nothing of it is, and the caller may run the calls again one by one."""
-        with self._write_turn(), self._writer.begin() as session:
-            self._batch.session = session
-            try:
-                yield
-            finally:
-                self._batch.session = None
+    def batch(self) -> AbstractContextManager[None]:
+        """One transaction for this thread's store calls until the block ends (`Database.batch`)."""
+        return self.db.batch()
 
-    @contextmanager
-    def _tx(self, write: bool = True) -> Iterator[Session]:
-        batch: Session | None = getattr(self._batch, "session", None)
-        if batch is not None:
-            # Each call reads afresh, as it would in a transaction of its own (a row an earlier
-            # call loaded may have changed since; a lock taken now must see it as it is).
-            batch.expire_all()
-            with batch.begin_nested() if write else nullcontext():
-                yield batch
-            return
-        if not write:
-            with self._reader.begin() as session:
-                yield session
-            return
-        with self._write_turn(), self._writer.begin() as session:
-            yield session
+    def _tx(self, write: bool = True) -> AbstractContextManager[Session]:
+        return self.db.tx(write)

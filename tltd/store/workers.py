@@ -3,8 +3,6 @@ moved through their states."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import replace
 
 from sqlalchemy import select, update
@@ -13,6 +11,7 @@ from sqlalchemy.orm import Session
 from tltd.domain import Worker, WorkerState
 from tltd.errors import NotFound
 from tltd.store import convert
+from tltd.store.database import Database
 from tltd.store.status import check_transition, record_event, switch_status
 from tltd.store.tables import WorkerRow, utcnow
 
@@ -20,26 +19,26 @@ _FINAL_WORKER_STATES = (WorkerState.STOPPED, WorkerState.FAILED)
 
 
 class WorkerRecords:
-    """Mixed into the Store (uses its `node_id` and `_tx`)."""
+    """Worker processes' records."""
 
-    node_id: str
-    _tx: Callable[..., AbstractContextManager[Session]]
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
-    def upsert_worker(self, worker: Worker) -> Worker:
+    def upsert(self, worker: Worker) -> Worker:
         """Register a worker or update its process facts (pid, device, job, heartbeat).
 
         A state change goes through the transition map; a stopped/failed worker may come back
         as STARTING (a restart of the same slot). Every state change records an event.
         """
-        with self._tx() as s:
+        with self.db.tx() as s:
             return self._upsert_worker(s, worker)
 
-    def record_worker(self, worker: Worker) -> Worker:
+    def record(self, worker: Worker) -> Worker:
         """The supervisor's record of one of its workers, in one transaction: the same state
         again keeps its started_at; a STARTING over a process not stopped or failed records
-        that one FAILED first ("replaced by a new process"); then as `upsert_worker`."""
-        with self._tx() as s:
-            row = s.get(WorkerRow, (self.node_id, worker.worker_id))
+        that one FAILED first ("replaced by a new process"); then as `upsert`."""
+        with self.db.tx() as s:
+            row = s.get(WorkerRow, (self.db.node_id, worker.worker_id))
             if row is not None and row.state == worker.state:
                 worker = replace(worker, started_at=row.started_at)
             elif (
@@ -53,10 +52,10 @@ class WorkerRecords:
 
     def _upsert_worker(self, s: Session, worker: Worker) -> Worker:
         now = utcnow()
-        row = s.get(WorkerRow, (self.node_id, worker.worker_id))
+        row = s.get(WorkerRow, (self.db.node_id, worker.worker_id))
         if row is None:
             row = WorkerRow(
-                node_id=self.node_id, worker_id=worker.worker_id, state=str(worker.state)
+                node_id=self.db.node_id, worker_id=worker.worker_id, state=str(worker.state)
             )
             s.add(row)
             record_event(
@@ -91,39 +90,39 @@ class WorkerRecords:
         return convert.worker_from_row(row)
 
     def _worker_row(self, s: Session, worker_id: str) -> WorkerRow:
-        row = s.get(WorkerRow, (self.node_id, worker_id))
+        row = s.get(WorkerRow, (self.db.node_id, worker_id))
         if row is None:
             raise NotFound(f"worker {worker_id!r} not found", field="worker_id")
         return row
 
-    def get_worker(self, worker_id: str) -> Worker:
-        with self._tx(write=False) as s:
+    def get(self, worker_id: str) -> Worker:
+        with self.db.tx(write=False) as s:
             return convert.worker_from_row(self._worker_row(s, worker_id))
 
-    def list_workers(self, device_id: str | None = None) -> list[Worker]:
-        with self._tx(write=False) as s:
+    def list(self, device_id: str | None = None) -> list[Worker]:
+        with self.db.tx(write=False) as s:
             q = (
                 select(WorkerRow)
-                .where(WorkerRow.node_id == self.node_id)
+                .where(WorkerRow.node_id == self.db.node_id)
                 .order_by(WorkerRow.worker_id)
             )
             if device_id is not None:
                 q = q.where(WorkerRow.device_id == device_id)
             return [convert.worker_from_row(r) for r in s.scalars(q).all()]
 
-    def set_worker_state(self, worker_id: str, new: WorkerState, reason: str) -> Worker:
-        with self._tx() as s:
+    def set_state(self, worker_id: str, new: WorkerState, reason: str) -> Worker:
+        with self.db.tx() as s:
             row = self._worker_row(s, worker_id)
             switch_status(s, "worker", worker_id, row, new, reason)
             return convert.worker_from_row(row)
 
-    def heartbeat_worker(self, worker_id: str) -> Worker:
+    def heartbeat(self, worker_id: str) -> Worker:
         """Stamp last_heartbeat = now (the supervisor's liveness record)."""
-        with self._tx() as s:
+        with self.db.tx() as s:
             now = utcnow()
             result = s.execute(
                 update(WorkerRow)
-                .where(WorkerRow.node_id == self.node_id, WorkerRow.worker_id == worker_id)
+                .where(WorkerRow.node_id == self.db.node_id, WorkerRow.worker_id == worker_id)
                 .values(last_heartbeat=now, updated_at=now)
             )
             if result.rowcount == 0:  # type: ignore[attr-defined]

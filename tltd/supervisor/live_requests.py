@@ -133,8 +133,8 @@ class LiveRequests:
 
     def _record_start(self, request_id: str, reason: str) -> None:
         """A request started here and still live: RUNNING (`mark_running`). One that ended
-        meanwhile recorded its start with its samples (`Store.store_samples`): a short request
-        then takes no transaction of its own for it."""
+        meanwhile recorded its start with its samples (`store.sample_batches.store`): a short
+        request then takes no transaction of its own for it."""
         if self._start_unwritten(request_id):
             self._writes.write_nowait(self._write_start, request_id, reason, request=request_id)
 
@@ -147,7 +147,7 @@ class LiveRequests:
         recorded its start (or that ended) meanwhile takes no transaction for it."""
         if not self._start_unwritten(request_id):
             return False
-        return self.store.mark_running(request_id, reason)
+        return self.store.requests.mark_running(request_id, reason)
 
     def stored(self, sample: Sample, end: UnitEnd | None = None) -> LiveRequest | None:
         """A worker's sample is stored: it is finished here and streamed, and a unit it
@@ -282,7 +282,7 @@ class LiveRequests:
         """The stored unfinished samples of `keys` to go on from (none if the store cannot be
         read now: they run again from their seed)."""
         try:
-            stored = await asyncio.to_thread(self.store.resumable_samples, rid, sorted(units))
+            stored = await asyncio.to_thread(self.store.samples.resumable, rid, sorted(units))
         except Exception:
             log.warning("cannot read partial samples: run again", exc_info=True)
             return {}
@@ -301,7 +301,10 @@ class LiveRequests:
             try:
                 out[p] = tuple(
                     await asyncio.to_thread(
-                        self.store.prompt_history, req.job_id, req.prompts[p], HISTORY_SAMPLES
+                        self.store.samples.prompt_history,
+                        req.job_id,
+                        req.prompts[p],
+                        HISTORY_SAMPLES,
                     )
                 )
             except Exception:
@@ -340,12 +343,12 @@ class LiveRequests:
         end as that job's live requests do: CANCELLED with the job's reason, or FAILED; their
         units no node holds end at once, the others when their node renews or loses them."""
         open_reqs = await asyncio.to_thread(
-            self.store.list_requests, list(OPEN_STATUSES), None, 1 << 30
+            self.store.requests.list, list(OPEN_STATUSES), None, 1 << 30
         )
         jobs: dict[str, tuple[JobStatus, str]] = {}
         for req in open_reqs:
             if req.job_id not in jobs:
-                job = await asyncio.to_thread(self.store.get_job, req.job_id)
+                job = await asyncio.to_thread(self.store.jobs.get, req.job_id)
                 jobs[req.job_id] = (job.status, job.status_reason)
             closing = self._closing(req, *jobs[req.job_id], lambda j, v: None)
             if closing is None:
@@ -354,16 +357,18 @@ class LiveRequests:
             try:
                 rid = req.request_id
                 await self._writes.write(
-                    self.store.set_request_status, rid, status, why, request=rid
+                    self.store.requests.set_status, rid, status, why, request=rid
                 )
-                await self._writes.write(self.store.end_queued_units, rid, finish, why, request=rid)
+                await self._writes.write(
+                    self.store.leases.end_queued_units, rid, finish, why, request=rid
+                )
             except TltError:
                 log.info("request ended meanwhile", extra={"request_id": req.request_id})
 
     def release(self, units: set[tuple[str, int]]) -> None:
         """Give units held here back to the queue (ordered behind the writes before)."""
         for rid, p in sorted(units):
-            self._writes.write_nowait(self.store.release_unit, rid, p, request=rid)
+            self._writes.write_nowait(self.store.leases.release_unit, rid, p, request=rid)
 
     def lose_units(
         self, lost: set[tuple[str, int]], why: str = "unit lease lost", level: int = logging.WARNING
@@ -483,7 +488,7 @@ class LiveRequests:
         rid = live.request_id
         try:
             end = await self._writes.write(
-                self.store.finish_unit, rid, p, live.outcome, live.reason, request=rid
+                self.store.leases.finish_unit, rid, p, live.outcome, live.reason, request=rid
             )
         except (Fenced, NotFound) as exc:
             log.warning("unit not recorded: %s", exc, extra={"request_id": rid})

@@ -231,7 +231,7 @@ class ModelPlanner:
     async def _policy_path(self, job_id: str, version: int) -> str:
         key = (job_id, version)
         if key not in self._paths:
-            pv = await asyncio.to_thread(self.store.get_policy_version, job_id, version)
+            pv = await asyncio.to_thread(self.store.policies.get, job_id, version)
             self._paths[key] = pv.path
         return self._paths[key]
 
@@ -264,13 +264,13 @@ class ModelPlanner:
         """`active` when this node can read it; else the newest promoted version it can read
         (one it trained itself, one on shared storage), else none, looked at again after
         `_DRAFTER_RECHECK_SECONDS`. Why the active one is not run is logged once."""
-        dv = self.store.get_drafter(job_id, active)
+        dv = self.store.drafters.get(job_id, active)
         why = self._unreadable(dv)
         if why is None:
             return active, dv.path, math.inf
         readable = [
             v
-            for v in self.store.list_drafters(job_id)
+            for v in self.store.drafters.list(job_id)
             if v.version != active
             and v.status is DrafterStatus.PROMOTED
             and self._unreadable(v) is None

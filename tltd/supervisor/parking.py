@@ -104,7 +104,7 @@ class Parking:
         # Awaited: the job's next carried request, once admitted, finds them parked.
         for rid, p in sorted(units):
             try:
-                await self.writes.write(self.store.park_unit, rid, p, request=rid)
+                await self.writes.write(self.store.leases.park_unit, rid, p, request=rid)
             except Exception:  # held, not parked: its lease lapses and it is claimed again
                 log.exception("cannot park a unit", extra={"request_id": rid, "prompt": p})
         if units:

@@ -104,19 +104,19 @@ class RolloutWorkers:
 
     async def recover(self) -> None:
         """After a crash: the old daemon's workers, and its drafter training, are gone."""
-        for w in await asyncio.to_thread(self.store.list_workers):
+        for w in await asyncio.to_thread(self.store.workers.list):
             if w.state not in (WorkerState.STOPPED, WorkerState.FAILED):
                 await self.writes.write(
-                    self.store.set_worker_state,
+                    self.store.workers.set_state,
                     w.worker_id,
                     WorkerState.FAILED,
                     "daemon restarted: the previous daemon ended without stopping it",
                 )
         # Nothing else rewrites TRAINING.
-        for d in await asyncio.to_thread(self.store.list_devices):
+        for d in await asyncio.to_thread(self.store.devices.list):
             if d.state is DeviceState.TRAINING:
                 await self.writes.write(
-                    self.store.set_device_state,
+                    self.store.devices.set_state,
                     d.device_id,
                     DeviceState.IDLE,
                     "daemon restarted: the previous daemon's drafter training is gone",
@@ -482,4 +482,4 @@ class RolloutWorkers:
             return
         self._device_states[device_id] = state
         METRICS.set_device_state(device_id, state.value)  # exact; the roll-up polls the store
-        self.writes.write_nowait(self.store.set_device_state, device_id, state, reason)
+        self.writes.write_nowait(self.store.devices.set_state, device_id, state, reason)

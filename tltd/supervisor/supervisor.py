@@ -140,7 +140,7 @@ class Supervisor:
         with their missing samples). Other nodes' rows are not touched."""
         await self.workers.recover()
         await self.requests.end_requests_of_ended_jobs()
-        released = await asyncio.to_thread(self.store.release_stale_leases)
+        released = await asyncio.to_thread(self.store.leases.release_stale)
         if released:
             log.info("units of the previous process re-queued", extra={"units": released})
 
@@ -154,7 +154,7 @@ class Supervisor:
         await self.recover_leases()
 
     async def recover_leases(self) -> None:
-        await asyncio.to_thread(self.store.release_stale_leases)
+        await asyncio.to_thread(self.store.leases.release_stale)
         self.kick()
 
     async def renew_leases(self) -> set[tuple[str, int]]:
@@ -314,7 +314,7 @@ class Supervisor:
         if self._closed:
             return
         if channel == notifications.STATE:  # the next tick reads jobs and devices again
-            self.store.scheduling_writes.changed_elsewhere(request_id)
+            self.store.db.scheduling_writes.changed_elsewhere(request_id)
             return
         if channel == notifications.SAMPLE and (own or self.runs_every_unit(request_id)):
             return  # stored by this node: its streams had it as an event

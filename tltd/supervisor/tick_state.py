@@ -3,7 +3,7 @@ changed.
 
 Every sample, admission and lease event wakes the tick, several times per request; the devices
 and jobs it reads change far more rarely. A read is reused while the store's count of committed
-writes to those tables (`Store.scheduling_writes`) is unchanged and it is younger than
+writes to those tables (`Database.scheduling_writes`) is unchanged and it is younger than
 `max_age`. Another node's writes (a job created or re-weighted there, a device cordoned
 through it, a drafter it promoted) move the count through a notification on PostgreSQL; a
 notification can be missed, so a read is never reused past `max_age`, the tick's period: a
@@ -50,7 +50,7 @@ class TickState:
     def reusable(self) -> tuple[list[Device], dict[str, Job]] | None:
         """The last read, when nothing it holds can have changed since (no store access)."""
         last = self._last
-        if last is None or last.generation != self.store.scheduling_writes.generation:
+        if last is None or last.generation != self.store.db.scheduling_writes.generation:
             return None
         if time.monotonic() - last.at >= self.max_age:
             return None
@@ -60,10 +60,10 @@ class TickState:
         """Read the store (worker thread)."""
         # Taken before the read: a write committed while it runs moves it, so this read is not
         # reused after that write.
-        generation = self.store.scheduling_writes.generation
+        generation = self.store.db.scheduling_writes.generation
         at = time.monotonic()
-        devices, jobs = self.store.devices_and_jobs([JobStatus.ACTIVE])
-        frozen = self.store.paused_jobs(KEEP_IN_PLACE)
+        devices, jobs = self.store.jobs.devices_and_jobs([JobStatus.ACTIVE])
+        frozen = self.store.jobs.paused(KEEP_IN_PLACE)
         self.reads += 1
         self._last = _Read(generation, at, devices, {j.job_id: j for j in jobs}, frozen)
         return self._last.devices, self._last.jobs

@@ -63,7 +63,7 @@ class UnitLeases:
 
     def admission_capacity(self, draining: bool) -> int:
         """Samples a request admitted here now may lease to this node in its own transaction
-        (`Store.admit_request`): all of them while this node is alone (it would claim every
+        (`store.requests.admit`): all of them while this node is alone (it would claim every
         queued unit at its next tick anyway); none while other nodes are up (their queued
         units come first, in the order `claim_units` takes them), or while it drains. A store
         call (`others_up`): not on the event loop."""
@@ -133,13 +133,13 @@ class UnitLeases:
 
     def _claim_and_read(self, free: int) -> tuple[list[Claim], ClaimedState | Exception]:
         """Claim (its own transaction: committed, the units are this node's) and read what the
-        claimed units need (`Store.claimed_state`), in one thread hop. A failed read is
+        claimed units need (`store.leases.claimed_state`), in one thread hop. A failed read is
         returned, not raised: the claims stand, and `take_claims` lets their leases lapse."""
-        claims = self.store.claim_units(free, self.settings.lease_seconds)
+        claims = self.store.leases.claim_units(free, self.settings.lease_seconds)
         if not claims:
             return claims, {}
         try:
-            return claims, self.store.claimed_state(sorted({c.request_id for c in claims}))
+            return claims, self.store.leases.claimed_state(sorted({c.request_id for c in claims}))
         except Exception as exc:
             return claims, exc
 
@@ -171,7 +171,7 @@ class UnitLeases:
         return self._others[1]
 
     def _others_up(self) -> bool:
-        nodes = self.store.list_nodes(self.settings.node_down_seconds)
+        nodes = self.store.nodes.list(self.settings.node_down_seconds)
         return any(n.status is NodeStatus.UP and n.node_id != self.store.node_id for n in nodes)
 
     async def renew(self) -> set[tuple[str, int]]:
@@ -183,7 +183,7 @@ class UnitLeases:
         held = {(live.request_id, p): c for live in self.queue for p, c in live.claims.items()}
         # Its own thread: a renewal queued behind busy store calls could let leases lapse.
         renewed = await asyncio.get_running_loop().run_in_executor(
-            self._renewer, self.store.renew_leases, set(held), self.settings.lease_seconds
+            self._renewer, self.store.leases.renew, set(held), self.settings.lease_seconds
         )
         # Only the claims this renewal was for: a unit lost meanwhile (e.g. at a rejoin while
         # the store was locked) and claimed again is a new lease this renewal did not cover.
@@ -191,7 +191,7 @@ class UnitLeases:
         if lost:
             self.stop(lost)
         ids = [live.request_id for live in self.queue if live.outcome is None]
-        statuses = await asyncio.to_thread(self.store.request_statuses, ids)
+        statuses = await asyncio.to_thread(self.store.leases.request_statuses, ids)
         for rid, (status, reason) in statuses.items():
             live = self.queue.get(rid)
             if live is not None and live.outcome is None and status in ENDED_STATUSES:
@@ -203,7 +203,7 @@ class UnitLeases:
         live = self.queue.get(request_id)
         if live is None or live.outcome is not None:
             return
-        statuses = await asyncio.to_thread(self.store.request_statuses, [request_id])
+        statuses = await asyncio.to_thread(self.store.leases.request_statuses, [request_id])
         status, reason = statuses.get(request_id, ("", ""))
         if status in ENDED_STATUSES:
             await self._close(request_id, RequestStatus(status), reason)

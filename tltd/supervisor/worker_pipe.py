@@ -127,7 +127,7 @@ class HeartbeatStamp:
             return
         self._last = time.monotonic()
         try:
-            self.store.heartbeat_worker(self.worker_id)
+            self.store.workers.heartbeat(self.worker_id)
         except NotFound:
             # A worker's first heartbeat can reach the reader before the loop has recorded
             # the worker: nothing to stamp yet, and the next heartbeat tries again. A worker

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # on_message(handle, generation, message, stored, end): stored is None when a Finished sample
-# could not be persisted (then it is not streamed but run again), else what `add_samples` said
-# of it; end is its unit's end when the sample's transaction recorded it (`store_samples`).
+# could not be persisted (then it is not streamed but run again), else what `SampleBatches.add` said
+# of it; end is its unit's end when the sample's transaction recorded it (`SampleBatches.store`).
 OnMessage = Callable[["WorkerHandle", int, msg.FromWorker, "bool | None", "UnitEnd | None"], None]
 OnExit = Callable[["WorkerHandle", int], None]
 
@@ -229,7 +229,7 @@ def store_reported(
     store: Store, stamp: HeartbeatStamp, messages: list[msg.FromWorker], worker_id: str = ""
 ) -> list[tuple[msg.FromWorker, bool | None, UnitEnd | None]]:
     """Reader thread: samples are stored here, before the loop streams them; the samples of
-    messages that arrived together in one transaction (`Store.store_samples`), with the ends
+    messages that arrived together in one transaction (`store.sample_batches.store`), with the ends
     of the units they complete (and the start of a request `worker_id` ran, when the node's
     own write of it has not landed yet)."""
     finished = [m for m in messages if isinstance(m, msg.Finished)]
@@ -239,7 +239,7 @@ def store_reported(
         started = time.perf_counter()
         try:
             samples = [m.sample for m in finished]
-            batch = store.store_samples(samples, end_units=True, worker_id=worker_id)
+            batch = store.sample_batches.store(samples, end_units=True, worker_id=worker_id)
             results: list = batch.outcomes
             ends = batch.ends
         except Exception as exc:  # none of them stored: each runs again
@@ -283,7 +283,7 @@ def _ends_request(item: _Reported) -> bool:
 
 
 def _stored(sample: Sample, result: object) -> bool | None:
-    """add_samples' word on one sample as the loop takes it: None = not persisted."""
+    """`SampleBatches.add`'s word on one sample as the loop takes it: None = not persisted."""
     if isinstance(result, bool):
         return result
     rid = sample.request_id
@@ -298,7 +298,7 @@ def _stored_copy(store: Store, sample: Sample) -> Sample:
     """The copy the store already holds of a sample that ran twice (e.g. its first result
     reached the store but not the loop): what the trainer sees must be what is stored."""
     key = (sample.prompt_index, sample.sample_index)
-    for s in store.list_samples(sample.request_id):
+    for s in store.samples.list(sample.request_id):
         if (s.prompt_index, s.sample_index) == key:
             return s
     return sample

@@ -42,7 +42,7 @@ class OrderedWrites:
     database gone, a deadlock) is undone whole and run again one call at a time, as without it.
 
     A batch writes the rows of requests in request id order (writes of one request in the
-    order queued), the order in which a sample batch locks them (`Store.store_samples`): on
+    order queued), the order in which a sample batch locks them (`store.sample_batches.store`): on
     PostgreSQL two transactions that lock request rows in different orders deadlock, and the
     database breaks the tie only after `deadlock_timeout` (1 s).
     """
@@ -154,7 +154,8 @@ class OrderedWrites:
 
 
 def _name(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__name__", repr(fn))
+    # A repository's method by its class too ("JobRecords.create"): its name alone says little.
+    return getattr(fn, "__qualname__", repr(fn))
 
 
 def _closed_message(fn: Callable[..., Any]) -> str:
@@ -195,11 +196,11 @@ def _deliver(item: _Item, outcome: tuple[bool, Any]) -> None:
 def add_samples(store: Store, samples: list[Sample]) -> None:
     """Store samples in one transaction; raises the first sample's error, if any (the others
     are stored all the same)."""
-    for outcome in store.add_samples(samples):
+    for outcome in store.sample_batches.add(samples):
         if isinstance(outcome, Exception):
             raise outcome
 
 
 def upsert_worker(store: Store, worker: Worker) -> None:
     """A restart goes FAILED/STOPPED -> STARTING; the store checks every other move."""
-    store.record_worker(worker)
+    store.workers.record(worker)
