@@ -96,7 +96,7 @@ def test_groups_unsent_and_running_at_a_kill9_are_each_sent_once_after(db_url, t
 
 
 # Token 16 ends prompt 0 after ~34 tokens (greedy, the tiny checkpoint); the others run on.
-PARKING = dict(n=2, temperature=0.0, max_new_tokens=400, stop_token_ids=[16])
+PARKING = dict(n=2, temperature=0.0, max_new_tokens=1000, stop_token_ids=[16])
 PARK_PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
 OFF = common_pb2.SPECULATIVE_MODE_OFF  # a token a step: the others still run at the bound
 

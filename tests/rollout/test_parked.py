@@ -21,9 +21,10 @@ from tltd_clients.errors import InvalidArgumentError
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [3, 1, 4, 1, 5]]
 MORE = [[2, 7, 1], [8, 2, 8, 1]]
 # Token 16 ends prompt 0 after ~34 tokens and prompt 1 after ~160 (greedy, the tiny
-# checkpoint): the others run to 400, so they are running when the first group is done.
-LONG = dict(n=2, temperature=0.0, max_new_tokens=400, stop_token_ids=[16])
+# checkpoint): the others run to the cap, so they are running when the first group is done.
+LONG = dict(n=2, temperature=0.0, max_new_tokens=1000, stop_token_ids=[16])
 REF = SamplingParams(**{**LONG, "stop_token_ids": (16,)})  # the in-process engine's
+BUDGETED = dict(LONG, max_new_tokens=400)  # three steps of 150 tokens reach the cap
 # Without speculative decoding a token a step: prompt 0's group is done ~10x sooner than the
 # others, which are running when the stream takes it (with drafts a repetitive tail can
 # finish before the stream's first take).
@@ -172,7 +173,7 @@ def test_a_token_budget_pauses_long_samples_and_later_steps_go_on(sqlite_daemon,
     """Kimi-style partial rollouts: each step a sample emits at most 150 tokens; the long ones
     pause, park, and go on in the next carried requests until done, each group sent once and
     token-identical to an uninterrupted run."""
-    d, run = sqlite_daemon, dict(sampling=sampling(**LONG), timeout=300)
+    d, run = sqlite_daemon, dict(sampling=sampling(**BUDGETED), timeout=300)
     sent: dict[tuple[str, int], list] = {}
     with d.client() as c:
         c.create_job(str(ckpt), job_id="b")
@@ -195,7 +196,7 @@ def test_a_token_budget_pauses_long_samples_and_later_steps_go_on(sqlite_daemon,
     assert paused and set(paused.values()) == {150}
     # Prompt 1 ends at ~160 tokens (second step); the rest reach 400 in the third.
     assert {k for k in sent if k[0] == "t0"} == {("t0", p) for p in range(5)}
-    ref = direct_outputs(ckpt, PROMPTS, REF)
+    ref = direct_outputs(ckpt, PROMPTS, replace(REF, max_new_tokens=400))
     for (rid, p), samples in sent.items():
         if rid == "t0":
             assert all(tuple(s.token_ids) == ref[(p, s.sample_index)] for s in samples), p

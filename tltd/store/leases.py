@@ -268,28 +268,16 @@ class WorkLeases:
     def release_unit(self, request_id: str, prompt_index: int) -> bool:
         """Give a unit this node holds back to the queue (its samples stored so far stay).
         Given back, not lost: its claim does not count toward `max_sample_attempts`."""
-        wu = WorkUnitRow
-        with self.db.tx() as s:
-            result = s.execute(
-                update(wu)
-                .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
-                .where(self._held(s))
-                .values(
-                    state=QUEUED,
-                    owner_node=None,
-                    lease_expires_at=None,
-                    attempts=wu.attempts - 1,
-                    updated_at=utcnow(),
-                )
-            )
-            if result.rowcount:  # type: ignore[attr-defined]
-                notify(s, WORK, request_id)
-            return bool(result.rowcount)  # type: ignore[attr-defined]
+        return self._give_up(request_id, prompt_index, QUEUED)
 
     def park_unit(self, request_id: str, prompt_index: int) -> bool:
         """Park a unit this node holds (a bounded request's bound was reached): its samples
         stored so far stay, paused ones among them; no node claims it until the job's next
         carried request queues it again. Not a lost claim (as `release_unit`)."""
+        return self._give_up(request_id, prompt_index, PARKED)
+
+    def _give_up(self, request_id: str, prompt_index: int, state: str) -> bool:
+        """A held unit to `state`, no node's, its claim not counted; False if not held."""
         wu = WorkUnitRow
         with self.db.tx() as s:
             result = s.execute(
@@ -297,13 +285,15 @@ class WorkLeases:
                 .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
                 .where(self._held(s))
                 .values(
-                    state=PARKED,
+                    state=state,
                     owner_node=None,
                     lease_expires_at=None,
                     attempts=wu.attempts - 1,
                     updated_at=utcnow(),
                 )
             )
+            if result.rowcount and state == QUEUED:  # type: ignore[attr-defined]
+                notify(s, WORK, request_id)
             return bool(result.rowcount)  # type: ignore[attr-defined]
 
     def check_held(self, s: Session, request_id: str, prompt_index: int) -> None:
