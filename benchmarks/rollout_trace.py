@@ -6,7 +6,8 @@ wall time, running batch and kind: a prefill (the prompts it admitted), a plain 
 SD pass with per row the sample, its position (tokens emitted before the step), drafts
 verified, drafts accepted, tokens gained and the drafter that proposed them. `costs` lines
 hold step costs timed on the same machine in the same process (`measure_step_costs`), so that
-machine load weighs on both alike. sim_rollout.py replays the runs under such costs.
+machine load weighs on both alike. sim_rollout.py replays the runs under such costs, and under
+costs fitted on another repeat's recorded step times.
 
 Recording reads the engine from outside (its running rows before a step, `EngineStats.step_log`
 after it): the engine decides exactly as it does unrecorded.

@@ -17,8 +17,11 @@ drafter drafted right or wrong; a chain keeps the run of right tokens from its s
 recorded step covered being right at the drafter's recorded acceptance rate. N-gram drafting and
 the EAGLE drafter's catch-up after plain steps cost nothing here.
 
-`validate` feeds the step costs timed in the same run (rollout_trace.measure_step_costs) and
-prints, per run and per running-batch bucket, measured against simulated wall time.
+`validate` replays every run under two cost tables and prints, per run, ratio, recorded step
+and running-batch bucket, measured against simulated wall time side by side: the whole steps
+timed in isolation just before and after the run (rollout_trace.measure_step_costs), and
+costs fitted on the engine's own recorded steps of the other repeat (`fitted_table`, held
+out: no run is priced by costs fitted on itself).
 `project` feeds `gpu_model`'s roofline costs; every figure it prints is a projection.
 """
 
@@ -34,6 +37,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -83,6 +88,7 @@ class CostTable:
     models: Mapping[int, CostModel]
     prefill_ms: Callable[[int, int], float]
     label: str = ""
+    fit: Mapping[str, float] | None = None  # fitted_table's ms per term (FIT_TERMS)
 
     def at(self, batch: int, context: float) -> BucketCost:
         ctxs = sorted(self.models)
@@ -98,6 +104,15 @@ class CostTable:
         """What the engine's gate would have measured on this device: costs per bucket at the
         context it times them at."""
         return CostModel({b: self.at(b, context) for b in buckets}, context)
+
+
+def step_ms(cost: BucketCost, arm: Strategy | None, width: int) -> float:
+    """ms of one decode step: plain (`arm` None, or no row drafted: `width` 0), or an SD step
+    verifying up to `width` drafts per row, after k EAGLE draft steps (n-grams draft free)."""
+    if arm is None or width == 0:
+        return cost.plain_ms
+    draft = arm.k * cost.draft_ms if arm.drafter == "eagle" else 0.0
+    return cost.verify(width) + draft
 
 
 def measured_table(costs: StepCosts) -> CostTable:
@@ -309,8 +324,7 @@ class Simulator:
             if dlen:
                 res.draft_rows += 1
                 res.draft_gained += g
-        draft = arm.k * cost.draft_ms if arm.drafter == "eagle" else 0.0
-        dt = (cost.verify(max(dlens)) + draft) / 1000 if max(dlens) else cost.plain_ms / 1000
+        dt = step_ms(cost, arm, max(dlens)) / 1000
         if self.gate_state is not None:
             self.gate_state.observe(arm.drafter, dlens, accs)
         self.bandit.record(b, arm, sum(gained) / b, dt)
@@ -362,30 +376,133 @@ def replay(passes: list[dict[str, Any]], table: CostTable) -> list[tuple[dict, S
     return out
 
 
-def step_costs(p: Mapping[str, Any], table: CostTable) -> list[tuple[float, float]]:
-    """(measured, predicted) seconds of every recorded step: the table's cost of the step as
-    the engine took it (its batch, the rows' mean context, its arm and widest draft)."""
+@dataclass(frozen=True)
+class Step:
+    """One recorded engine step as the replay prices it: its seconds, running batch, the rows'
+    mean context (prompt + tokens emitted before the step), its arm (PREFILL, "plain" or a
+    strategy), the most drafts a row verified (0: none), and for a prefill its prompts and
+    padded width."""
+
+    seconds: float
+    batch: int
+    context: float
+    arm: str
+    width: int = 0
+    prompts: int = 0
+
+
+def recorded_steps(p: Mapping[str, Any]) -> list[Step]:
+    """A recorded pass's steps, each row's position followed through the pass as the replay
+    does (a prefill admits its prompts' samples longer than one token at position 1; a plain
+    step adds a token to every row; an SD step's rows say where they stood and what they
+    gained), so that plain steps have a context too."""
     prompts = {g[0]: g[1] for g in p["groups"]}
-    prompt_of = [prompts[r] for r, _, _ in p["samples"]]
-    rows_at = [prompt_of[0]]
+    n = {g[0]: g[2] for g in p["groups"]}
+    lengths = {(r, i): k for r, i, k in p["samples"]}
+    ids = {(r, i): sid for sid, (r, i, _) in enumerate(p["samples"])}
+    running: dict[int, list[int]] = {}  # sample -> [prompt, position, length]
     out = []
     for seconds, batch, arm, rows in p["steps"]:
         if arm == PREFILL:
+            for r in rows:
+                for i in range(n[r]):
+                    if lengths.get((r, i), 1) > 1:
+                        running[ids[(r, i)]] = [prompts[r], 1, lengths[(r, i)]]
             width = max(prompts[r] for r in rows)
-            out.append((seconds, table.prefill_ms(len(rows), width) / 1000))
+            out.append(Step(seconds, batch, 0.0, PREFILL, width, len(rows)))
             continue
-        if rows is not None:
-            rows_at = [prompt_of[sid] + pos for sid, pos, *_ in rows]
-        cost = table.at(batch, statistics.fmean(rows_at))  # plain: the last SD step's context
+        for sid, pos, *_ in rows or ():
+            running[sid][1] = pos
+        context = statistics.fmean(v[0] + v[1] for v in running.values()) if running else 0.0
         if arm == "plain" or rows is None:
-            out.append((seconds, cost.plain_ms / 1000))
-            continue
-        s, width = strategy(arm), max(r[2] for r in rows)
-        draft = s.k * cost.draft_ms if s.drafter == "eagle" else 0.0
-        out.append(
-            (seconds, (cost.verify(width) + draft) / 1000 if width else cost.plain_ms / 1000)
-        )
+            for v in running.values():
+                v[1] += 1
+            out.append(Step(seconds, batch, context, "plain"))
+        else:
+            for sid, pos, _, _, gained, _ in rows:
+                running[sid][1] = pos + gained
+            out.append(Step(seconds, batch, context, arm, max(r[2] for r in rows)))
+        running = {sid: v for sid, v in running.items() if v[1] < v[2]}
     return out
+
+
+def step_costs(p: Mapping[str, Any], table: CostTable) -> list[tuple[float, float]]:
+    """(measured, predicted) seconds of every recorded step: the table's cost of the step as
+    the engine took it (its batch, the rows' mean context, its arm and widest draft)."""
+    out = []
+    for s in recorded_steps(p):
+        if s.arm == PREFILL:
+            out.append((s.seconds, table.prefill_ms(s.prompts, s.width) / 1000))
+            continue
+        arm = None if s.arm == "plain" else strategy(s.arm)
+        out.append((s.seconds, step_ms(table.at(s.batch, s.context), arm, s.width) / 1000))
+    return out
+
+
+# -- costs fitted on recorded steps -----------------------------------------------------------
+
+# A decode step's ms, linear in these terms (B rows, C = mean context / 1000, w the most drafts
+# a row verified, k EAGLE draft steps): a plain step, what verifying w drafts adds, drafting.
+FIT_TERMS = ("1", "B", "B*C", "SD", "B*w", "B*w*C", "k", "k*B")
+
+
+def _terms(batch: int, context: float, arm: Strategy | None, width: int) -> list[float]:
+    b, c = float(batch), context / 1000
+    if arm is None or width == 0:
+        return [1.0, b, b * c, 0.0, 0.0, 0.0, 0.0, 0.0]
+    k = arm.k if arm.drafter == "eagle" else 0
+    return [1.0, b, b * c, 1.0, b * width, b * width * c, k, k * b]
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with no negative coefficient: the most negative term is dropped and the
+    rest refitted until none is (a cost cannot fall as batch, context or drafts grow)."""
+    keep = list(range(x.shape[1]))
+    while True:
+        coef = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        if not keep or coef.min() >= 0:
+            break
+        keep.pop(int(coef.argmin()))
+    out = np.zeros(x.shape[1])
+    out[keep] = coef
+    return out
+
+
+def fitted_table(passes: Sequence[Mapping[str, Any]], label: str = "in-run") -> CostTable:
+    """The cost table of the engine's own recorded steps: least squares (nonnegative) of every
+    decode step's wall ms on `FIT_TERMS`, which are exactly the engine's `BucketCost` form
+    (plain, verify per width, draft per step), so `at` is that fit at any batch and context;
+    a prefill's ms per padded prompt position is their recorded total over their positions.
+    Seconds are fitted, not their ratios: a wall time is the sum of its steps'."""
+    steps = [s for p in passes for s in recorded_steps(p)]
+    decode = [s for s in steps if s.arm != PREFILL]
+    x = np.array([
+        _terms(s.batch, s.context, None if s.arm == "plain" else strategy(s.arm), s.width)
+        for s in decode
+    ])  # fmt: skip
+    coef = _nonnegative_fit(x, np.array([1000 * s.seconds for s in decode]))
+    p0, p1, p2, v0, v1, v2, d0, d1 = (float(c) for c in coef)
+    ks = [strategy(n).k for p in passes for n in p["config"]["strategies"]] or [1]
+    batches = sorted({1, *(1 << i for i in range(max(s.batch for s in decode).bit_length()))})
+
+    def bucket(b: int, context: int) -> BucketCost:
+        c = context / 1000
+        plain = p0 + p1 * b + p2 * b * c
+        verify = {w + 1: plain + v0 + v1 * b * w + v2 * b * w * c for w in range(1, max(ks) + 1)}
+        return BucketCost(plain, verify, d0 + d1 * b)
+
+    # The fit is bilinear in batch and context: CostTable's interpolation between two
+    # contexts and any batch sizes reproduces it exactly.
+    models = {c: CostModel({b: bucket(b, c) for b in batches}, c) for c in (0, 1024)}
+    pre = [s for s in steps if s.arm == PREFILL]
+    positions = max(1, sum(s.prompts * s.width for s in pre))
+    per_position = sum(1000 * s.seconds for s in pre) / positions
+    return CostTable(
+        models,
+        lambda prompts, width: per_position * prompts * width,
+        label,
+        dict(zip(FIT_TERMS, coef.tolist(), strict=True)),
+    )
 
 
 def measured(p: Mapping[str, Any]) -> tuple[float, dict[int, float]]:
@@ -407,74 +524,163 @@ def _pct(sim: float, real: float) -> str:
     return f"{100 * (sim / real - 1):+.1f}%" if real else "-"
 
 
+def cross_fitted(runs: Passes) -> dict[int, CostTable]:
+    """Per repeat, `fitted_table` on every pass of the other repeats (none with one repeat):
+    held out, so that no pass is priced by costs fitted on its own steps."""
+    reps = sorted({r for r, _ in runs})
+    return {
+        rep: fitted_table(
+            [p for (r, _), ps in runs.items() if r != rep for p in ps],
+            "repeat " + "+".join(str(r + 1) for r in reps if r != rep),
+        )
+        for rep in reps
+        if len(reps) > 1
+    }
+
+
+@dataclass
+class _Checked:
+    """One timed pass replayed under one cost table, and its recorded steps priced by it."""
+
+    p: dict[str, Any]
+    res: SimResult
+    pairs: list[tuple[float, float]]  # (measured, the table's) seconds per recorded step
+
+
+def _check(passes: list[dict[str, Any]], table: CostTable) -> list[_Checked]:
+    out = []
+    for p, res in replay(passes, table):
+        # SD off: the replay takes the recorded steps one for one (same batches and contexts);
+        # otherwise each recorded step as the engine took it, at the table's costs.
+        if p["config"]["spec_mode"] == "off":
+            pairs = [(s[0], c) for s, c in zip(p["steps"], res.steps, strict=True)]
+        else:
+            pairs = step_costs(p, table)
+        out.append(_Checked(p, res, pairs))
+    return out
+
+
+def _fit_line_text(t: CostTable) -> str:
+    f = t.fit or {}
+    return (
+        f"plain {f['1']:.2f} + {f['B']:.3f} B + {f['B*C']:.3f} B*C ms; an SD step verifying w "
+        f"drafts a row adds {f['SD']:.2f} + {f['B*w']:.3f} B*w + {f['B*w*C']:.3f} B*w*C, and "
+        f"k EAGLE draft steps k x ({f['k']:.3f} + {f['k*B']:.3f} B) (B rows, C mean context / "
+        "1000)"
+    )
+
+
 def validate(path: Path, tolerance: float = 0.10) -> bool:
-    """Per repeat and mode: the recorded wall time against the replay under the step costs timed
-    in that repeat; the ratio of SD off to each other mode; per bucket the same. True when every
-    run and every ratio is within `tolerance`."""
+    """Per repeat and mode, the recorded wall time against its replay under two cost sources:
+    `isolated`, whole engine steps timed just before and after that mode's passes in that
+    repeat (rollout_trace.measure_step_costs); `in-run`, `fitted_table` on the recorded steps
+    of the OTHER repeats (every pass, warm ones included, both modes): cross-fitted, no run is
+    priced by costs fitted on itself. Then the ratio of SD off to each other mode, the recorded
+    steps priced at each table (the per-step error), and per bucket the same. True when every
+    run and every ratio is within `tolerance` under the in-run costs (under the isolated ones
+    where the trace has a single repeat)."""
     costs, runs = load(path)
-    ok = True
-    rows, ratios, buckets = [], [], []
-    for rep in sorted({r for r, _ in runs}):
-        walls: dict[str, tuple[float, float]] = {}
+    reps = sorted({r for r, _ in runs})
+    fits = cross_fitted(runs)
+    sources = {
+        "isolated": {
+            k: _check(ps, measured_table(costs[k])) for k, ps in runs.items() if k in costs
+        },
+        "in-run": {k: _check(ps, fits[k[0]]) for k, ps in runs.items() if k[0] in fits},
+    }
+    names = [n for n, got in sources.items() if got]
+    if not names:
+        print(f"{path}: no step costs and a single repeat: nothing to price the runs with")
+        return False
+    within = {n: [0, 0, 0, 0] for n in names}  # runs within, runs, ratios within, ratios
+
+    def err(name: str, real: float, sim: float, slot: int, unit: str = "") -> str:
+        within[name][slot] += abs(sim / real - 1) <= tolerance
+        within[name][slot + 1] += 1
+        return f"{sim:.2f}{unit} | {_pct(sim, real)}"
+
+    head = " | ".join(f"{n} costs: simulated | error" for n in names)
+    rows, ratios = [], []
+    for rep in reps:
+        real: dict[str, float] = {}  # mode -> measured wall s
+        sim: dict[str, dict[str, float]] = defaultdict(dict)  # cost source -> mode -> s
         for (r, mode), passes in runs.items():
             if r != rep:
                 continue
-            table = measured_table(costs[(rep, mode)])
-            for p, res in replay(passes, table):
-                steps_s, per = measured(p)
-                # SD off: the replay takes the recorded steps one for one (same batches and
-                # contexts); otherwise each recorded step as the engine took it, at table costs.
-                if p["config"]["spec_mode"] == "off":
-                    pairs = [(s[0], c) for s, c in zip(p["steps"], res.steps, strict=True)]
-                else:
-                    pairs = step_costs(p, table)
-                per_step = sorted(m / c for m, c in pairs if c > 0)
-                fixed = sum(c for _, c in pairs)
-                walls[mode] = (p["seconds"], res.seconds)
-                err = res.seconds / p["seconds"] - 1
-                ok &= abs(err) <= tolerance
-                sd = sum(1 for s in p["steps"] if s[2] not in ("plain", PREFILL))
-                n_steps = sum(1 for s in p["steps"] if s[2] != PREFILL)
+            for i, p in enumerate(q for q in passes if q.get("warm") is None):
+                real[mode] = p["seconds"]
+                cells = []
+                for n in names:
+                    got = sources[n].get((r, mode))
+                    if got:
+                        sim[n][mode] = got[i].res.seconds
+                        cells.append(err(n, p["seconds"], got[i].res.seconds, 0))
+                    else:
+                        cells.append("- | -")
                 rows.append(
-                    f"| {rep + 1} | {mode} | {p['seconds']:.2f} | {steps_s:.2f} "
-                    f"| {res.seconds:.2f} "
-                    f"| {100 * err:+.1f}% | {n_steps} / {sum(res.arms.values())} "
-                    f"| {sd} / {sum(n for a, n in res.arms.items() if a != 'plain')} "
-                    f"| {_pct(fixed, steps_s)} | {_q(per_step, 0.1):.2f} / {_q(per_step, 0.5):.2f}"
-                    f" / {_q(per_step, 0.9):.2f} |"
-                )
-                cells = [
-                    f"{per.get(b, 0.0):.2f} / {res.per_bucket.get(b, 0.0):.2f} "
-                    f"({_pct(res.per_bucket.get(b, 0.0), per.get(b, 0.0))})"
-                    for b in sorted(set(per) | set(res.per_bucket))
-                ]
-                keys = sorted(set(per) | set(res.per_bucket))
-                buckets.append((rep, mode, keys, cells))
-        base = walls.get("off")
-        for mode, (real, sim) in walls.items():
-            if mode == "off" or base is None:
-                continue
-            r_real, r_sim = base[0] / real, base[1] / sim
-            ok &= abs(r_sim / r_real - 1) <= tolerance
+                    f"| {rep + 1} | {mode} | {p['seconds']:.2f} | {measured(p)[0]:.2f} | "
+                    + " | ".join(cells) + " |"
+                )  # fmt: skip
+        for mode in [m for m in real if m != "off" and "off" in real]:
+            cells = [
+                err(n, real["off"] / real[mode], sim[n]["off"] / sim[n][mode], 2, "x")
+                if "off" in sim[n] and mode in sim[n]
+                else "- | -"
+                for n in names
+            ]
             ratios.append(
-                f"| {rep + 1} | off / {mode} | {r_real:.2f}x | {r_sim:.2f}x "
-                f"| {_pct(r_sim, r_real)} |"
-            )
-    print(f"replay of {path} under the step costs timed in the same run (per repeat)\n")
-    print("| repeat | mode | measured wall s | of which engine steps | simulated s | error "
-          "| decode steps measured / sim | SD steps measured / sim | recorded steps at the "
-          "table's costs | per step measured / table p10 / p50 / p90 |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+                f"| {rep + 1} | off / {mode} | {real['off'] / real[mode]:.2f}x | "
+                + " | ".join(cells) + " |"
+            )  # fmt: skip
+
+    in_run = "fitted on the other repeat's recorded steps" if fits else "none: a single repeat"
+    print(f"replay of {path}: isolated costs (whole steps timed before and after each pass), "
+          f"in-run costs ({in_run})\n")  # fmt: skip
+    print(f"| repeat | mode | measured wall s | of which engine steps | {head} |")
+    print("|---:|---|---:|---:|" + "---:|---:|" * len(names))
     print("\n".join(rows))
-    print("\n| repeat | ratio | measured | simulated | error |\n|---:|---|---:|---:|---:|")
+    print(f"\n| repeat | ratio | measured | {head} |\n|---:|---|---:|" + "---:|---:|" * len(names))
     print("\n".join(ratios))
+    for rep, t in fits.items():
+        print(f"\nin-run costs for repeat {rep + 1}, fitted on {t.label}: {_fit_line_text(t)}")
+    print("\nper step: the recorded steps priced at the table's costs")
+    print(
+        "| repeat | mode | costs | decode steps measured / sim | SD steps measured / sim "
+        "| recorded steps at the table's costs | per step measured / table p10 / p50 / p90 |"
+    )
+    print("|---:|---|---|---:|---:|---:|---:|")  # fmt: skip
+    lines = []
+    for rep, mode in runs:
+        for n in names:
+            for c in sources[n].get((rep, mode), []):
+                steps_s, per = measured(c.p)
+                per_step = sorted(m / t for m, t in c.pairs if t > 0)
+                sd = sum(1 for s in c.p["steps"] if s[2] not in ("plain", PREFILL))
+                n_steps = sum(1 for s in c.p["steps"] if s[2] != PREFILL)
+                sim_sd = sum(k for a, k in c.res.arms.items() if a != "plain")
+                print(
+                    f"| {rep + 1} | {mode} | {n} | {n_steps} / {sum(c.res.arms.values())} "
+                    f"| {sd} / {sim_sd} | {_pct(sum(t for _, t in c.pairs), steps_s)} "
+                    f"| {_q(per_step, 0.1):.2f} / {_q(per_step, 0.5):.2f} / "
+                    f"{_q(per_step, 0.9):.2f} |"
+                )
+                keys = sorted(set(per) | set(c.res.per_bucket))
+                lines.append(f"  repeat {rep + 1} {mode}, {n} costs: " + ", ".join(
+                    f"{'prefill' if b == 0 else f'<={b}'} {per.get(b, 0.0):.2f} / "
+                    f"{c.res.per_bucket.get(b, 0.0):.2f} "
+                    f"({_pct(c.res.per_bucket.get(b, 0.0), per.get(b, 0.0))})"
+                    for b in keys
+                ))  # fmt: skip
     print("\nper running-batch bucket (0 = prefill): measured / simulated seconds (error)")
-    for rep, mode, keys, cells in buckets:
-        print(f"  repeat {rep + 1} {mode}: " + ", ".join(
-            f"{'prefill' if b == 0 else f'<={b}'} {c}" for b, c in zip(keys, cells, strict=True)
-        ))  # fmt: skip
-    print(f"\nwithin +-{100 * tolerance:.0f}% (every run and ratio): {'yes' if ok else 'NO'}")
-    return ok
+    print("\n".join(lines))
+    print()
+    for n in names:
+        a, b, c, d = within[n]
+        verdict = "yes" if a == b and c == d else "NO"
+        print(f"{n} costs within +-{100 * tolerance:.0f}% (every run and ratio): {verdict} "
+              f"({a} of {b} runs, {c} of {d} ratios)")  # fmt: skip
+    gate = within["in-run" if "in-run" in within else names[0]]
+    return gate[0] == gate[1] and gate[2] == gate[3]
 
 
 def gpu_table(device: str, shape: str, ks: Sequence[int], batches: Sequence[int]) -> CostTable:
@@ -529,7 +735,7 @@ def project(path: Path, devices: Sequence[str], shapes: Sequence[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("validate", help="replay under the step costs timed in the same run")
+    v = sub.add_parser("validate", help="replay under isolated and in-run (held-out) step costs")
     v.add_argument("trace", type=Path)
     v.add_argument("--tolerance", type=float, default=0.10)
     pr = sub.add_parser("project", help="PROJECTION: replay under gpu_model's H100/H200 costs")

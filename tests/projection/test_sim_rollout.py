@@ -6,7 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.rollout_trace import PREFILL
-from benchmarks.sim_rollout import CostTable, Drafts, load, measured_table, replay
+from benchmarks.sim_rollout import (
+    CostTable,
+    Drafts,
+    cross_fitted,
+    fitted_table,
+    load,
+    measured_table,
+    recorded_steps,
+    replay,
+    step_costs,
+)
 from tltd_workers.engine.costs import BucketCost, CostModel
 
 # bench_spec.py --prompts 2 --samples 4 --max-new-tokens 192 --repeats 1 --modes off,adaptive
@@ -75,3 +85,54 @@ def test_a_chain_keeps_the_run_of_tokens_its_drafter_got_right():
     assert d.offer(0, "eagle", 2, 4) == (4, 1)  # from inside it: up to the wrong token
     assert d.offer(0, "eagle", 4, 2) == (2, 2)
     assert d.offer(0, "ngram", 4, 2) == (0, 0)  # a drafter that never ran drafts nothing
+
+
+def _priced(passes: list[dict], table: CostTable) -> tuple[float, float]:
+    """(recorded, priced at the table) seconds of every step of the passes."""
+    pairs = [pair for p in passes for pair in step_costs(p, table)]
+    return sum(m for m, _ in pairs), sum(t for _, t in pairs)
+
+
+def test_a_table_fitted_on_steps_of_known_costs_prices_every_step_back():
+    # Steps whose seconds follow known BucketCost-form costs (plain 2 + 0.3 x batch + 0.5 x
+    # batch x context / 1000 ms; verifying w drafts adds 1 + 0.2 x batch x w; a draft step
+    # 0.4 + 0.05 x batch): the fit recovers them, so every step is priced back exactly.
+    _, runs = load(TRACE)
+    passes = []
+    for p in (q for ps in runs.values() for q in ps):
+        steps = []
+        for s, rec in zip(p["steps"], recorded_steps(p), strict=True):
+            b, c = rec.batch, rec.context / 1000
+            ms = 2 + 0.3 * b + 0.5 * b * c
+            if rec.arm == PREFILL:
+                ms = 0.01 * rec.prompts * rec.width
+            elif rec.arm != "plain" and rec.width:
+                ms += 1 + 0.2 * b * rec.width
+                drafter, k = rec.arm.split("/k")
+                ms += int(k) * (0.4 + 0.05 * b) if drafter == "eagle" else 0.0
+            steps.append([ms / 1000, *s[1:]])
+        passes.append({**p, "steps": steps})
+    table = fitted_table(passes)
+    for p in passes:
+        for measured, priced in step_costs(p, table):
+            assert abs(priced - measured) < 1e-9 + 1e-6 * measured
+    assert table.fit is not None and abs(table.fit["k*B"] - 0.05) < 1e-6
+
+
+def test_in_run_costs_of_a_repeat_come_from_the_other_repeat_only():
+    # A second repeat whose every step took twice as long: the costs cross-fitted for the
+    # first price its steps at twice their recorded seconds, and the other way round.
+    _, runs = load(TRACE)
+    doubled = {
+        (1, mode): [{**p, "steps": [[2 * s[0], *s[1:]] for s in p["steps"]]} for p in ps]
+        for (_, mode), ps in runs.items()
+    }
+    tables = cross_fitted({**runs, **doubled})
+    assert set(tables) == {0, 1} and tables[0].label == "repeat 2"
+    first = [p for ps in runs.values() for p in ps]
+    second = [p for ps in doubled.values() for p in ps]
+    recorded, priced = _priced(first, tables[0])
+    assert abs(priced / recorded - 2) < 1e-6
+    recorded, priced = _priced(second, tables[1])
+    assert abs(priced / recorded - 0.5) < 1e-6
+    assert cross_fitted(runs) == {}  # one repeat: nothing to hold out
