@@ -1,7 +1,9 @@
 """The supervisor: rollout worker processes, their health, live requests and the scheduling tick.
 
 `supervisor` holds the `Supervisor` (lifecycle, the tick, the rollout API); the other modules are
-its parts: `rollout_workers`, `worker_process`, `requests`, `model_planner`, `snapshot`, `writes`.
+its parts: `rollout_workers` and `worker_process` (the worker processes), `live_requests` and
+`work_queue` (the requests live here), `unit_leases` (this node's work leases), `parking` (step
+bounds), `drain`, `model_planner`, `snapshot`, `writes`.
 """
 
 from tltd.supervisor.live_requests import StreamEvent

@@ -18,7 +18,7 @@ Public API (used by the rollout worker and the drafter trainer)::
     engine.gate_snapshot()           # cost model, acceptance, predicted vs measured gain
     Engine(..., costs=CostModel, gate_state=GateState)  # reuse what another engine measured
     # EngineConfig, Request, SampleOutput live in tltd_workers.engine.datatypes (re-exported here)
-    EngineConfig.from_speculative(job.speculative, max_batch=...)  # a job's config -> engine's
+    EngineConfig.from_spec(EngineSpec.for_job(...))  # a job's speculative config -> engine's
     SampleOutput.to_domain() -> tltd.domain.Sample
 
 Semantics:
