@@ -13,6 +13,7 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tltd.domain import JobStatus, RolloutRequest, Sample
@@ -24,13 +25,22 @@ if TYPE_CHECKING:
     from tltd.supervisor.live_requests import StreamEvent
 
 
+@dataclass
+class Taken:
+    """Groups a bounded stream took in this call (not counting those a retry re-sends)."""
+
+    groups: int = 0
+
+
 async def follow_bounded(
     store: Store,
     req: RolloutRequest,
     events: asyncio.Queue[StreamEvent],
     poll_seconds: float,
+    taken: Taken | None = None,
 ) -> AsyncIterator[list[Sample]]:
-    """The samples of the groups sent to `req`'s stream, a list per take (never empty)."""
+    """The samples of the groups sent to `req`'s stream, a list per take (never empty);
+    `taken` counts the groups this call took."""
     rid, want = req.request_id, req.bound_groups
     before = await asyncio.to_thread(store.deliveries.sent_groups, rid)
     sent = len(before)
@@ -42,6 +52,8 @@ async def follow_bounded(
         _observe(req.job_id, took)
         if took.groups:
             sent += len(took.groups)
+            if taken is not None:
+                taken.groups += len(took.groups)
             yield _samples(took.groups)
             continue  # more may be done already
         if not took.more_may_come:

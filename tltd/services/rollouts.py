@@ -34,7 +34,7 @@ from tltd.errors import (
     Unimplemented,
 )
 from tltd.metrics import METRICS
-from tltd.services.bounded import follow_bounded, wait_for_staleness
+from tltd.services.bounded import Taken, follow_bounded, wait_for_staleness
 from tltd.services.checkpoints import model_limits
 from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
@@ -199,16 +199,10 @@ class RolloutService:
         """A bounded request's groups until its bound; with `bound_park`, then park the rest,
         unless this call only re-sent what an earlier one sent (that one parked: its prompts
         may run again by now, for a later carried request)."""
-        sent_before = 0
-        if stored.bound_park and not created:
-            sent = await asyncio.to_thread(self.store.deliveries.sent_groups, stored.request_id)
-            sent_before = len(sent)
-        sent_now = 0
-        poll = self.settings.bound_poll_seconds
-        async for samples in follow_bounded(self.store, stored, events, poll):
-            sent_now += len({(x.request_id, x.prompt_index) for x in samples})
+        taken, poll = Taken(), self.settings.bound_poll_seconds
+        async for samples in follow_bounded(self.store, stored, events, poll, taken):
             yield samples
-        if stored.bound_park and (created or sent_now > sent_before):
+        if stored.bound_park and (created or taken.groups):
             await sup.park(stored.request_id)
 
     async def _follow(
