@@ -135,10 +135,20 @@ def test_parked_samples_survive_a_kill9_and_go_on_from_their_tokens(db_url, tmp_
     g1, g2 = _groups(first), _groups(later)
     assert len(g1) == 1 and _groups(again) == g1
     assert set(g2) == ({("p1", p) for p in range(3)} - set(g1)) | {("p2", 0)}  # lost 0, dup 0
+    # Version 0's own tokens (greedy): what the paused samples hold, and what a resumed one
+    # adds before its worker has loaded version 1 (the switch is in flight: spans say where).
+    v0_params = SamplingParams(**{**PARKING, "max_new_tokens": 200, "stop_token_ids": (16,)})
+    v0 = direct_outputs(ckpt, PARK_PROMPTS, v0_params)
+    resumed = 0
     for s in later:
         if (s.prompt_index, s.sample_index) in paused and s.request_id == "p1":
             before = paused[(s.prompt_index, s.sample_index)]
             k = len(before.token_ids)
             assert k and tuple(s.token_ids[:k]) == tuple(before.token_ids)
             spans = [(x.first_token, x.policy_version) for x in s.policy_spans]
-            assert spans == [(0, 0), (k, 1)], spans
+            assert len(spans) == 2 and spans[0] == (0, 0) and spans[1][1] == 1, spans
+            j = spans[1][0]
+            assert k <= j < len(s.token_ids) and j < 200, (k, j)
+            assert tuple(s.token_ids[:j]) == v0[(s.prompt_index, 0)][:j]
+            resumed += 1
+    assert resumed == len(paused)

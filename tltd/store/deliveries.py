@@ -293,12 +293,15 @@ class GroupDeliveries:
         return bool(result.rowcount)  # type: ignore[attr-defined]
 
     def _open_counts(self, s: Session, rr: RolloutRequestRow, carried: bool) -> tuple[int, int]:
-        """Units still running or queued: the request's own, and (with `carried`) those of the
-        job's other bounded requests not sent yet."""
+        """Units not sent yet that may still be: the request's own, and (with `carried`) the
+        job's other bounded requests'. Running, queued, or done since `_done_units` read:
+        on PostgreSQL each statement sees what committed before it, so a unit done in
+        between is counted here (the stream takes it next) instead of ending the stream
+        short. A parked unit comes back only through a carried request's admission."""
         wu, req = WorkUnitRow, RolloutRequestRow
-        open_ = wu.state.in_((QUEUED, LEASED))
+        unsent = and_(wu.delivered_to.is_(None), wu.state != PARKED)
         own = s.scalar(
-            select(func.count()).select_from(wu).where(wu.request_id == rr.request_id, open_)
+            select(func.count()).select_from(wu).where(wu.request_id == rr.request_id, unsent)
         )
         other = 0
         if carried:
@@ -306,7 +309,7 @@ class GroupDeliveries:
                 select(func.count())
                 .select_from(wu)
                 .join(req, req.request_id == wu.request_id)
-                .where(self._carried_from(rr), open_, wu.delivered_to.is_(None))
+                .where(self._carried_from(rr), unsent)
             )
         return int(own or 0), int(other or 0)
 
