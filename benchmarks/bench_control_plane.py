@@ -536,7 +536,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--echo-server", help=argparse.SUPPRESS)
     cfg = parser.parse_args(argv)
     if cfg.quick:
-        cfg.db, cfg.scenarios, cfg.seconds, cfg.repeats = "sqlite", "1x1,4x4", 1.0, 1
+        cfg.db, cfg.scenarios, cfg.seconds, cfg.repeats = "sqlite", "1x1,4x4", 0.5, 1
         cfg.micro_samples, cfg.cpu_slots = 16, 1
     return cfg
 

@@ -23,7 +23,7 @@ from contextlib import ExitStack, contextmanager
 import pytest
 from sqlalchemy import text
 
-from tests import torch_device
+from tests import durations, torch_device
 from tests.ci import skip_unless_ci
 from tltd.store import Store
 from tltd.store.database import make_engine, scratch_postgres
@@ -47,6 +47,12 @@ def pytest_configure(config) -> None:
         if not torch.cuda.is_available():
             raise pytest.UsageError(f"--device {device}: torch sees no CUDA device")
     torch_device.select(device)
+    if os.environ.get("TLTD_RECORD_DURATIONS") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(durations.Recorder(), "tltd-durations")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    durations.order(items)
 
 
 @pytest.fixture(autouse=True)

@@ -69,7 +69,8 @@ def _chatter(
 
 def test_memory_and_descriptors_stay_bounded(sqlite_serve, ckpt, ckpt2, size, figures):
     d = sqlite_serve
-    seconds = {"short": 25.0, "long": float(os.environ.get("TLTD_SOAK_SECONDS", "1800"))}[size]
+    seconds = {"short": 16.0, "long": float(os.environ.get("TLTD_SOAK_SECONDS", "1800"))}[size]
+    every = 5 if size == "short" else 15  # seconds between policy updates
     job = f"soak-{size}"
     pid = d.proc.pid
     with TltClient(d.target, timeout=120) as c:
@@ -83,7 +84,7 @@ def test_memory_and_descriptors_stay_bounded(sqlite_serve, ckpt, ckpt2, size, fi
         started = time.monotonic()
         while (elapsed := time.monotonic() - started) < seconds:
             samples.append((elapsed, _rss_mb(pid), _fds(pid)))
-            if len(samples) % 15 == 0:  # a policy update every ~15 s, alternating weights
+            if len(samples) % every == 0:  # a policy update, alternating weights
                 path = ckpt2 if pushes % 2 == 0 else ckpt
                 c.update_policy(job, str(path), note="soak")
                 pushes += 1
