@@ -643,7 +643,7 @@ class RolloutClient(_RolloutCore[JobInfo, int, None, list[RolloutSample], Iterat
         samples = client.generate(prompts, n=8, temperature=1.0, max_new_tokens=512)
         version = client.update_policy("ckpt/step-1")
 
-    Failures raise the typed errors of `clients.errors` (InvalidArgumentError naming the
+    Failures raise the typed errors of `tltd_clients.errors` (InvalidArgumentError naming the
     field, NotFoundError, UnavailableError while the daemon drains, DeadlineExceededError
     when a `timeout` passes, ...); bad arguments that never reach the daemon (an unknown
     `speculative` mode or sampling field, n < 1) raise ValueError / TypeError.
@@ -660,7 +660,7 @@ class RolloutClient(_RolloutCore[JobInfo, int, None, list[RolloutSample], Iterat
     broken mid-way) is retried on the next endpoint after a backoff, up to `retries` times
     in a row without progress; a stream is re-sent with the same request id (it re-attaches)
     and never delivers a sample twice. When every retry failed: AllEndpointsUnavailableError
-    naming each endpoint's last error. Failovers are logged (logger `clients.failover`).
+    naming each endpoint's last error. Failovers are logged (logger `tltd_clients.failover`).
     Keepalive pings every `keepalive` seconds (None: off) break a stream whose daemon
     vanished without closing the connection, so that it fails over too.
     """
