@@ -46,6 +46,7 @@ from tltd.store.rollout_requests import AdmissionClaim
 from tltd.supervisor.drain import DRAIN_ANSWER_SECONDS, NodeDrain
 from tltd.supervisor.fair_share import FairShare, active_jobs
 from tltd.supervisor.freezes import Freezes
+from tltd.supervisor.lease_keeper import LeaseKeeper
 from tltd.supervisor.live_requests import LiveRequests, StreamEvent
 from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.parking import Parking
@@ -54,7 +55,6 @@ from tltd.supervisor.rollout_workers import RolloutWorkers
 from tltd.supervisor.snapshot import build_snapshot
 from tltd.supervisor.tick_state import TickState
 from tltd.supervisor.training_hook import TrainingHook
-from tltd.supervisor.unit_leases import UnitLeases
 from tltd.supervisor.worker_process import WorkerHandle, broadcast_ranks
 from tltd.supervisor.writes import OrderedWrites
 
@@ -105,7 +105,7 @@ class Supervisor:
         self.freezes = Freezes(self.handles)  # workers of jobs paused keep: not stepping
         self.fair_share = FairShare()  # tokens served per job; a job waking from idle lifted
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
-        self.leases = UnitLeases(store, settings, self.requests, self.handles, self._close)
+        self.leases = LeaseKeeper(store, settings, self.requests, self.handles, self._close)
         self._drain = NodeDrain(self.queue, self.requests, self.workers, self.leases)
         self.parking = Parking(store, self.requests, self.handles, self.writes, self._spawn)
         self._closed = False
@@ -158,7 +158,7 @@ class Supervisor:
         self.kick()
 
     async def renew_leases(self) -> set[tuple[str, int]]:
-        """The periodic lease renewal (see `UnitLeases.renew`)."""
+        """The periodic lease renewal (see `LeaseKeeper.renew`)."""
         if self._closed:
             return set()
         lost = await self.leases.renew()
@@ -258,7 +258,7 @@ class Supervisor:
 
     def admission_claim(self) -> AdmissionClaim | None:
         """What a request admitted here now may lease to this node in its own transaction
-        (`UnitLeases.admission_capacity`; a store read at most once per heartbeat period: not
+        (`LeaseKeeper.admission_capacity`; a store read at most once per heartbeat period: not
         on the event loop); None: its units are claimed at a tick."""
         capacity = self.leases.admission_capacity(self._drain.started)
         if capacity <= 0:

@@ -22,7 +22,10 @@ Key = tuple[int, int]  # (prompt_index, sample_index)
 
 
 @dataclass
-class LiveRequest:
+class RequestLedger:
+    """One live request's entry in the work queue: where each of its samples is (the streams,
+    the stores and the retries around it are `tltd.supervisor.live_requests.LiveRequests`)."""
+
     req: RolloutRequest
     policy_version: int  # every sample runs on this version (see `tltd.supervisor.model_planner`)
     enqueued_at: float
@@ -111,7 +114,7 @@ class LiveRequest:
 
 class WorkQueue:
     def __init__(self) -> None:
-        self._live: dict[str, LiveRequest] = {}
+        self._live: dict[str, RequestLedger] = {}
         self._by_worker: dict[str, set[tuple[str, Key]]] = {}
         self._claims = itertools.count(1)
 
@@ -121,7 +124,7 @@ class WorkQueue:
     def __iter__(self):
         return iter(list(self._live.values()))
 
-    def get(self, request_id: str) -> LiveRequest | None:
+    def get(self, request_id: str) -> RequestLedger | None:
         return self._live.get(request_id)
 
     def claim_of(self, request_id: str, prompt_index: int) -> int | None:
@@ -137,14 +140,14 @@ class WorkQueue:
         finished: set[Key],
         now: float,
         units: set[int] | None = None,
-    ) -> tuple[LiveRequest, bool]:
+    ) -> tuple[RequestLedger, bool]:
         """Make the prompts `units` (default: all) of a request live, every sample of them not
         in `finished` pending; True when the request was not live. A unit already live is
         left as it is."""
         live = self._live.get(req.request_id)
         created = live is None
         if live is None:
-            live = LiveRequest(req, policy_version, now, {})
+            live = RequestLedger(req, policy_version, now, {})
             self._live[req.request_id] = live
         for p in sorted(set(range(len(req.prompts))) if units is None else units):
             if p in live.units:
@@ -224,7 +227,7 @@ class WorkQueue:
 
     def finish(
         self, request_id: str, key: Key, failed_error: str | None = None
-    ) -> LiveRequest | None:
+    ) -> RequestLedger | None:
         """Record a finished sample; None when it is not live or already finished (a duplicate).
 
         `failed_error` is not None for a sample that finished FAILED.
@@ -257,7 +260,7 @@ class WorkQueue:
         self._by_worker.get(wid, set()).discard((request_id, key))
         return True
 
-    def running_on(self, worker_id: str) -> list[tuple[LiveRequest, Key]]:
+    def running_on(self, worker_id: str) -> list[tuple[RequestLedger, Key]]:
         return [
             (self._live[rid], key)
             for rid, key in sorted(self._by_worker.get(worker_id, ()))
@@ -267,11 +270,11 @@ class WorkQueue:
     def inflight(self, worker_id: str) -> int:
         return len(self._by_worker.get(worker_id, ()))
 
-    def lose_worker(self, worker_id: str, max_attempts: int) -> list[tuple[LiveRequest, Key]]:
+    def lose_worker(self, worker_id: str, max_attempts: int) -> list[tuple[RequestLedger, Key]]:
         """A worker died: its samples go back to pending (retried), except those of requests
         that are closing or that exhausted `max_attempts`: those are returned, for the caller
         to finish (cancelled / aborted / failed)."""
-        give_up: list[tuple[LiveRequest, Key]] = []
+        give_up: list[tuple[RequestLedger, Key]] = []
         for live, key in self.running_on(worker_id):
             del live.running[key]
             live.attempts[key] += 1
