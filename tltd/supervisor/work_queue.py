@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import KeysView
 from dataclasses import dataclass, field
 
+from tltd.contract.lengths import predicted_left
 from tltd.contract.rollout_messages import AddWork
 from tltd.domain import RequestStatus, RolloutRequest, Sample, SpeculativeMode
 from tltd.scheduler import PendingWork
@@ -96,11 +97,11 @@ class RequestLedger:
         """Predicted tokens per sample of a prompt: its earlier answers' mean length; without
         any, the mean over the earlier answers of this request's other prompts (the job's
         prior); None without either. At most max_new_tokens."""
+        # The engine predicts with the same rule (`predicted_left`) for the load it reports,
+        # from its own history drafter; here it is before any worker runs the prompt.
         answers = self.history.get(prompt_index) or [a for h in self.history.values() for a in h]
-        if not answers:
-            return None
-        mean = sum(len(tokens) for _, tokens in answers) / len(answers)
-        return max(1, min(self.req.sampling.max_new_tokens, round(mean)))
+        mean = sum(len(t) for _, t in answers) / len(answers) if answers else None
+        return predicted_left(mean, self.req.sampling.max_new_tokens)
 
     def unit_complete(self, prompt_index: int) -> bool:
         return all((prompt_index, s) in self.finished for s in range(self.req.sampling.n))
