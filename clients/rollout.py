@@ -189,7 +189,9 @@ def _fields(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
-def _job_from_pb(pb: job_pb2.Job) -> JobInfo:
+def _job_info_from_pb(pb: job_pb2.Job) -> JobInfo:
+    """The client's own reader: `tltd.api.convert` only writes a Job (the daemon never reads
+    one), and JobInfo is the trainer's summary of it in plain strings."""
     status = job_pb2.JobStatus.Name(pb.status).removeprefix("JOB_STATUS_").lower()
     mode = "off" if pb.speculative.mode == common_pb2.SPECULATIVE_MODE_OFF else "auto"
     return JobInfo(pb.job_id, pb.model_path, status, pb.policy_version, pb.drafter_version, mode)
@@ -504,13 +506,13 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         return self._unary(_Unary("CreateJob", "jobs", "CreateJob", req, self._use_job))
 
     def _use_job(self, pb: job_pb2.Job) -> JobInfo:
-        info = _job_from_pb(pb)
+        info = _job_info_from_pb(pb)
         self.job_id = info.job_id
         return info
 
     def job(self, job_id: str | None = None) -> _JobR:
         req = job_pb2.GetJobRequest(job_id=self._job(job_id))
-        return self._unary(_Unary("GetJob", "jobs", "GetJob", req, _job_from_pb))
+        return self._unary(_Unary("GetJob", "jobs", "GetJob", req, _job_info_from_pb))
 
     def stream(
         self,
