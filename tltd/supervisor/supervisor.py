@@ -30,6 +30,7 @@ from tltd.contract import rollout_messages as msg
 from tltd.contract.broadcast import assign_ranks
 from tltd.domain import (
     Backend,
+    Device,
     DeviceKind,
     FinishReason,
     Job,
@@ -228,8 +229,7 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _writer_ended(self, task: asyncio.Task) -> None:
-        """The store writer ends only at `stop`; before, nothing this node does is stored any
-        more, so say so."""
+        """The store writer ends only at `stop`; before, nothing here is stored any more: say so."""
         if self._closed:
             return
         why = "cancelled" if task.cancelled() else repr(task.exception())
@@ -400,11 +400,12 @@ class Supervisor:
 
     def worker_stats(self) -> dict[str, dict[str, object]]:
         """The latest engine counters each worker reported (tests, metrics)."""
-        return {
-            wid: dict(s.heartbeat.stats)
-            for wid, s in self.handles.items()
-            if s.heartbeat is not None
-        }
+        beats = {wid: h.heartbeat for wid, h in self.handles.items()}
+        return {wid: dict(b.stats) for wid, b in beats.items() if b is not None}
+
+    def last_read(self) -> tuple[list[Device], dict[str, Job]] | None:
+        """The tick's last read of devices and active jobs while current (`TickState.reusable`)."""
+        return self.state.reusable()
 
     async def reap(self) -> list[str]:
         """Kill workers that stopped answering (the periodic reaper) and restart them now;
