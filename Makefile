@@ -11,7 +11,7 @@ install:
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[daemon,torch,postgres,dev]"
 
-# The one pinned command that produces the committed stubs (tests/test_stubs.py checks them).
+# The one pinned command that produces the committed stubs (tests/api/test_stubs.py checks them).
 stubs:
 	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/tltd/v1/*.proto
 

@@ -189,7 +189,9 @@ def _fields(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
-def _job_from_pb(pb: job_pb2.Job) -> JobInfo:
+def _job_info_from_pb(pb: job_pb2.Job) -> JobInfo:
+    """The client's own reader: `tltd.api.convert` only writes a Job (the daemon never reads
+    one), and JobInfo is the trainer's summary of it in plain strings."""
     status = job_pb2.JobStatus.Name(pb.status).removeprefix("JOB_STATUS_").lower()
     mode = "off" if pb.speculative.mode == common_pb2.SPECULATIVE_MODE_OFF else "auto"
     return JobInfo(pb.job_id, pb.model_path, status, pb.policy_version, pb.drafter_version, mode)
@@ -504,13 +506,13 @@ class _RolloutCore(Generic[_JobR, _IntR, _NoneR, _SamplesR, _StreamR]):
         return self._unary(_Unary("CreateJob", "jobs", "CreateJob", req, self._use_job))
 
     def _use_job(self, pb: job_pb2.Job) -> JobInfo:
-        info = _job_from_pb(pb)
+        info = _job_info_from_pb(pb)
         self.job_id = info.job_id
         return info
 
     def job(self, job_id: str | None = None) -> _JobR:
         req = job_pb2.GetJobRequest(job_id=self._job(job_id))
-        return self._unary(_Unary("GetJob", "jobs", "GetJob", req, _job_from_pb))
+        return self._unary(_Unary("GetJob", "jobs", "GetJob", req, _job_info_from_pb))
 
     def stream(
         self,
@@ -643,7 +645,7 @@ class RolloutClient(_RolloutCore[JobInfo, int, None, list[RolloutSample], Iterat
         samples = client.generate(prompts, n=8, temperature=1.0, max_new_tokens=512)
         version = client.update_policy("ckpt/step-1")
 
-    Failures raise the typed errors of `clients.errors` (InvalidArgumentError naming the
+    Failures raise the typed errors of `tltd_clients.errors` (InvalidArgumentError naming the
     field, NotFoundError, UnavailableError while the daemon drains, DeadlineExceededError
     when a `timeout` passes, ...); bad arguments that never reach the daemon (an unknown
     `speculative` mode or sampling field, n < 1) raise ValueError / TypeError.
@@ -660,7 +662,7 @@ class RolloutClient(_RolloutCore[JobInfo, int, None, list[RolloutSample], Iterat
     broken mid-way) is retried on the next endpoint after a backoff, up to `retries` times
     in a row without progress; a stream is re-sent with the same request id (it re-attaches)
     and never delivers a sample twice. When every retry failed: AllEndpointsUnavailableError
-    naming each endpoint's last error. Failovers are logged (logger `clients.failover`).
+    naming each endpoint's last error. Failovers are logged (logger `tltd_clients.failover`).
     Keepalive pings every `keepalive` seconds (None: off) break a stream whose daemon
     vanished without closing the connection, so that it fails over too.
     """

@@ -276,7 +276,7 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
 
 def _kill_leftover_workers() -> None:
     """Kill worker processes still there (only after a failed start or shutdown): they ignore
-    SIGTERM (`workers.signals`), so multiprocessing's exit handler, which terminates and then
+    SIGTERM (`tltd_workers.signals`), so multiprocessing's exit handler, which terminates and then
     joins them, would wait for them for ever."""
     for proc in mp.active_children():
         proc.kill()

@@ -14,8 +14,8 @@ from tests.multinode.test_unit_records import _claimed
 from tests.store.expiry import expire_unit_leases
 from tests.store.test_leases import LONG_LEASE, _node, _requests
 from tltd.store import Store
+from tltd.supervisor.lease_keeper import LeaseKeeper
 from tltd.supervisor.live_requests import LiveRequests
-from tltd.supervisor.unit_leases import UnitLeases
 from tltd.supervisor.writes import OrderedWrites
 
 
@@ -40,7 +40,7 @@ def test_a_renewal_does_not_lose_units_claimed_again_while_it_ran(store: Store, 
         async def close(*_args) -> None:
             return None
 
-        leases = UnitLeases(node, make_settings(tmp_path), reqs, {}, close)
+        leases = LeaseKeeper(node, make_settings(tmp_path), reqs, {}, close)
         try:
             await reqs.take_claims(*_claimed(node, LONG_LEASE))
             node.leases.renew = stuck_renewal  # type: ignore[method-assign]

@@ -1,11 +1,11 @@
-"""UnitLeases.release_excess: what a node no longer alone gives back to the others."""
+"""LeaseKeeper.release_excess: what a node no longer alone gives back to the others."""
 
 from __future__ import annotations
 
 from tltd.domain import Device, DeviceKind, RolloutRequest, SamplingParams
 from tltd.settings import Settings
-from tltd.supervisor.unit_leases import UnitLeases
-from tltd.supervisor.work_queue import LiveRequest
+from tltd.supervisor.lease_keeper import LeaseKeeper
+from tltd.supervisor.work_queue import RequestLedger
 from tltd.supervisor.worker_process import Phase, WorkerHandle
 
 
@@ -17,7 +17,7 @@ class _Queue(list):
 class _Requests:
     """What release_excess calls: the units it loses here and releases to the queue."""
 
-    def __init__(self, lives: list[LiveRequest]) -> None:
+    def __init__(self, lives: list[RequestLedger]) -> None:
         self.queue = _Queue(lives)
         self.released: set[tuple[str, int]] = set()
 
@@ -28,17 +28,17 @@ class _Requests:
         self.released |= set(units)
 
 
-def _live(rid: str, at: float, prompts: int, n: int = 4) -> LiveRequest:
+def _live(rid: str, at: float, prompts: int, n: int = 4) -> RequestLedger:
     req = RolloutRequest(rid, "job", tuple((1, 2) for _ in range(prompts)), SamplingParams(n=n))
     pending = {p: list(range(n)) for p in range(prompts)}
-    return LiveRequest(req, 0, at, pending, claims={p: p + 1 for p in range(prompts)})
+    return RequestLedger(req, 0, at, pending, claims={p: p + 1 for p in range(prompts)})
 
 
-def _leases(lives: list[LiveRequest], phase: Phase) -> tuple[UnitLeases, _Requests]:
+def _leases(lives: list[RequestLedger], phase: Phase) -> tuple[LeaseKeeper, _Requests]:
     requests = _Requests(lives)
     handle = WorkerHandle("w0", Device("cpu:0", DeviceKind.CPU, 0), phase=phase)
     settings = Settings(worker_max_batch=4)
-    leases = UnitLeases(None, settings, requests, {"w0": handle}, None)  # type: ignore[arg-type]
+    leases = LeaseKeeper(None, settings, requests, {"w0": handle}, None)  # type: ignore[arg-type]
     return leases, requests
 
 

@@ -1,6 +1,7 @@
 """The product's shape, checked so that a regrowth fails a test instead of a review: no class
-over 500 lines, no function over 60, no two product classes of one name, and a daemon that
-starts drafter training without importing torch (its trainers import it, in their process)."""
+over 500 lines, no function over 60, no two product classes of one name (nor one named as the
+plural of another beside it), and a daemon that starts drafter training without importing torch
+(its trainers import it, in their process)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,36 @@ def test_no_two_product_classes_share_a_name():
     assert not bad, bad
     stale = set(SAME_NAME) - set(shared)
     assert not stale, f"allowed but gone (drop them from the list): {stale}"
+
+
+# A class named as another's plural in its own package reads as the holder of those objects;
+# each pair allowed with its reason (singular name -> why).
+PLURAL_ALLOWED = {
+    "AbortRequest": (
+        "request bodies of SGLang's /abort_request (http/sglang_control.py) and vLLM's "
+        "/abort_requests (http/vllm_api.py), named after their endpoints"
+    ),
+}
+
+
+def _plural_pairs(classes: list[tuple[Path, str]]) -> set[str]:
+    """Singular names with a class of the same name plus "s" in the same folder."""
+    by_folder: dict[Path, set[str]] = defaultdict(set)
+    for path, name in classes:
+        by_folder[path.parent].add(name)
+    return {n for names in by_folder.values() for n in names if n + "s" in names}
+
+
+def test_no_class_is_named_as_the_plural_of_another_in_its_package():
+    classes = [(p, n.name) for p, n in _definitions() if isinstance(n, ast.ClassDef)]
+    pairs = _plural_pairs(classes)
+    bad = sorted(pairs - set(PLURAL_ALLOWED))
+    assert not bad, f"rename one of each pair, or allow it with a reason: {bad}"
+    stale = set(PLURAL_ALLOWED) - pairs
+    assert not stale, f"allowed but gone (drop them from the list): {stale}"
+    # The check sees a pair (it is not blind).
+    assert _plural_pairs([(ROOT / "a/x.py", "Run"), (ROOT / "a/y.py", "Runs")]) == {"Run"}
+    assert not _plural_pairs([(ROOT / "a/x.py", "Run"), (ROOT / "b/y.py", "Runs")])
 
 
 def test_the_size_checks_see_a_long_class_and_function():

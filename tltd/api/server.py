@@ -93,7 +93,7 @@ def build_server(settings: Settings, services: Services) -> ApiServer:
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
             # A second daemon on the same port must fail, not silently share it.
             ("grpc.so_reuseport", 0),
-            # Clients ping to notice a daemon that vanished mid-stream (clients.endpoints):
+            # Clients ping to notice a daemon that vanished mid-stream (tltd_clients.endpoints):
             # allow pings every second even while a long rollout sends nothing.
             ("grpc.http2.min_ping_interval_without_data_ms", 1000),
         ],

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Rounds:
+class RoundRunner:
     """Runs the rounds of this node's trainers; keeps their preemptions and refused publishes."""
 
     def __init__(

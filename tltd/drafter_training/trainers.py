@@ -46,7 +46,7 @@ from tltd.drafter_training.inbox import Inbox
 from tltd.drafter_training.lease import LeaseHolder
 from tltd.drafter_training.process import TrainerProcess, new_trainer, policy_config
 from tltd.drafter_training.records import TrainingRecords
-from tltd.drafter_training.rounds import Rounds
+from tltd.drafter_training.rounds import RoundRunner
 from tltd.drafter_training.runs import HOLDING, Preemption, TrainerPhase, TrainerRun
 from tltd.drafter_training.samples import SampleBuffers, training_sample
 from tltd.metrics import METRICS
@@ -75,7 +75,9 @@ class DrafterTraining:
         self.samples = SampleBuffers(settings)
         self.leases = LeaseHolder(store, settings, self.samples)  # several nodes
         self.records = TrainingRecords(store)
-        self.rounds = Rounds(store, settings, self.samples, self.leases, self.records, self._kick)
+        self.rounds = RoundRunner(
+            store, settings, self.samples, self.leases, self.records, self._kick
+        )
         self.on_change: Callable[[], None] | None = None  # the supervisor's kick
         self._runs: dict[str, TrainerRun] = {}
         self._warmed: set[str] = set()  # jobs whose trainer was spawned ahead (or judged not to)

@@ -113,9 +113,9 @@ class RolloutService:
 
     def _job_and_devices(self, job_id: str) -> tuple[Job, list[Device]]:
         """The job and this node's devices: the scheduler's last read while nothing in it can
-        have changed (`TickState`), else the store's. Either may be a moment old: the request's
-        own transaction checks again that the job is active."""
-        read = self.supervisor.state.reusable() if self.supervisor is not None else None
+        have changed (`Supervisor.last_read`), else the store's. Either may be a moment old:
+        the request's own transaction checks again that the job is active."""
+        read = self.supervisor.last_read() if self.supervisor is not None else None
         if read is not None and job_id in read[1]:
             return read[1][job_id], read[0]
         return self.store.jobs.job_and_devices(job_id)  # NotFound names job_id

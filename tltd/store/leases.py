@@ -133,7 +133,9 @@ class _UnitStatements:
 
 
 class WorkLeases:
-    """Work units under leases, and the state of the requests they belong to."""
+    """Work units under leases, and the state of the requests they belong to: the rows every
+    node claims from, fenced by owner and epoch (one node's side of them:
+    `tltd.supervisor.lease_keeper.LeaseKeeper`)."""
 
     def __init__(self, db: Database) -> None:
         self.db = db

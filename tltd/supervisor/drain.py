@@ -7,9 +7,9 @@ import asyncio
 import logging
 import time
 
+from tltd.supervisor.lease_keeper import LeaseKeeper
 from tltd.supervisor.live_requests import LiveRequests
 from tltd.supervisor.rollout_workers import RolloutWorkers
-from tltd.supervisor.unit_leases import UnitLeases
 from tltd.supervisor.work_queue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ class NodeDrain:
         queue: WorkQueue,
         requests: LiveRequests,
         workers: RolloutWorkers,
-        leases: UnitLeases | None = None,
+        leases: LeaseKeeper | None = None,
     ) -> None:
         self.queue = queue
         self.leases = leases
@@ -80,7 +80,7 @@ class NodeDrain:
         while len(self.queue) and time.monotonic() < writes_end:
             await asyncio.sleep(0.05)
 
-    async def _hand_over(self, leases: UnitLeases) -> None:
+    async def _hand_over(self, leases: LeaseKeeper) -> None:
         """Other nodes finish the work, nothing fails. The workers first return what runs as
         partial samples (ABORTED, the tokens so far), stored while this node still holds the
         units: streams that asked for partial samples get them, on any node. Then every unit

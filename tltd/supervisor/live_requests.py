@@ -28,7 +28,7 @@ from tltd.errors import Fenced, NotFound, TltError
 from tltd.settings import Settings
 from tltd.store.leases import Claim, ClaimedState, UnitEnd
 from tltd.store.rollout_requests import running_on
-from tltd.supervisor.work_queue import Key, LiveRequest, WorkQueue
+from tltd.supervisor.work_queue import Key, RequestLedger, WorkQueue
 from tltd.supervisor.writes import OrderedWrites, WritesClosed, add_samples
 
 # A prompt's most recent stored answers handed to the history drafter when the prompt is
@@ -118,7 +118,7 @@ class LiveRequests:
 
     def take(
         self, request_id: str, prompt_index: int, count: int, worker_id: str
-    ) -> tuple[LiveRequest | None, list[int]]:
+    ) -> tuple[RequestLedger | None, list[int]]:
         """Hand up to `count` waiting samples of a prompt to `worker_id`: the request and the
         sample indices (none when it is not live or closing). The first samples handed out
         make the request RUNNING, once it has run `START_SETTLE_SECONDS`."""
@@ -149,7 +149,7 @@ class LiveRequests:
             return False
         return self.store.requests.mark_running(request_id, reason)
 
-    def stored(self, sample: Sample, end: UnitEnd | None = None) -> LiveRequest | None:
+    def stored(self, sample: Sample, end: UnitEnd | None = None) -> RequestLedger | None:
         """A worker's sample is stored: it is finished here and streamed, and a unit it
         completes is recorded (`end`: the sample's transaction recorded it already). None
         when it is not live here or a duplicate."""
@@ -391,7 +391,7 @@ class LiveRequests:
 
     # ---- samples that end without a worker's report --------------------------------------------
 
-    async def retry_sample(self, live: LiveRequest, key: Key) -> None:
+    async def retry_sample(self, live: RequestLedger, key: Key) -> None:
         """A sample that could not be stored runs again (counts as a lost attempt)."""
         if self.queue.requeue(live.request_id, key, self.settings.max_sample_attempts):
             await self.finish_unstarted(live, [key], FinishReason.FAILED, "cannot store sample")
@@ -421,7 +421,7 @@ class LiveRequests:
                 self._spawn(self.finish_unstarted(live, keys, FinishReason.FAILED, reason))
 
     async def finish_unstarted(
-        self, live: LiveRequest, keys: list[Key], reason: FinishReason, error: str
+        self, live: RequestLedger, keys: list[Key], reason: FinishReason, error: str
     ) -> None:
         """Finish samples no worker will report: store them (partial, no tokens), stream them."""
         samples = [
@@ -454,7 +454,7 @@ class LiveRequests:
         if live.complete_units():
             await self.finalize(live)
 
-    async def finalize(self, live: LiveRequest) -> None:
+    async def finalize(self, live: RequestLedger) -> None:
         """Record every complete unit of `live` done; the last unit of a request records its
         final status too (`WorkLeases.finish_unit`), and then its streams here end.
 
@@ -484,7 +484,7 @@ class LiveRequests:
                 log.exception("cannot record a unit, retrying", extra={"request_id": unit[0]})
                 self._spawn(self._retry_unit(live, p))
 
-    async def _finish_unit(self, live: LiveRequest, p: int) -> None:
+    async def _finish_unit(self, live: RequestLedger, p: int) -> None:
         rid = live.request_id
         try:
             end = await self._writes.write(
@@ -500,7 +500,7 @@ class LiveRequests:
             return
         self._recorded(live, p, end)
 
-    def _recorded(self, live: LiveRequest, p: int, end: UnitEnd) -> None:
+    def _recorded(self, live: RequestLedger, p: int, end: UnitEnd) -> None:
         """Unit `p` of `live` is recorded done in the store, `end` what that write said: it
         leaves the queue, and once the request ended its streams here are told."""
         rid = live.request_id
@@ -511,7 +511,7 @@ class LiveRequests:
             here = len(live.recorded) == len(live.req.prompts)
             self.publish(rid, StreamEvent(None, end.status, end.reason, end.left == 0, here))
 
-    async def _retry_unit(self, live: LiveRequest, p: int) -> None:
+    async def _retry_unit(self, live: RequestLedger, p: int) -> None:
         """Retry a unit's write until it lands, backing off up to `_FINAL_RETRY_MAX` seconds;
         each try is queued behind the other writes, so none of them waits on it."""
         delay = _FINAL_RETRY_FIRST

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tltd.contract import rollout_messages as msg
 from tltd.domain import FinishReason, Sample
 from tltd.supervisor.live_requests import LiveRequests, StreamEvent
-from tltd.supervisor.work_queue import LiveRequest
+from tltd.supervisor.work_queue import RequestLedger
 from tltd.supervisor.worker_process import WorkerHandle
 from tltd.supervisor.writes import OrderedWrites
 
@@ -67,7 +67,7 @@ class Parking:
         await self._park_units(units)
         return len(units)
 
-    def took(self, live: LiveRequest, sample: Sample, stored: bool) -> bool:
+    def took(self, live: RequestLedger, sample: Sample, stored: bool) -> bool:
         """A sample came back paused (a park, or the step's token budget): it no longer runs
         here and is not finished here; True when it was such a sample (then it is handled)."""
         budget = live.req.bound_tokens > 0
@@ -85,7 +85,7 @@ class Parking:
             self._spawn(self.settle(live, key[0]))
         return True
 
-    async def settle(self, live: LiveRequest, p: int) -> None:
+    async def settle(self, live: RequestLedger, p: int) -> None:
         """Park a unit of a budgeted request once each of its samples is done or paused, one
         of them paused: the job's next carried request goes on from the paused ones."""
         keys = {(p, s) for s in range(live.req.sampling.n)}

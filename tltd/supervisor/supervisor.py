@@ -30,6 +30,7 @@ from tltd.contract import rollout_messages as msg
 from tltd.contract.broadcast import assign_ranks
 from tltd.domain import (
     Backend,
+    Device,
     DeviceKind,
     FinishReason,
     Job,
@@ -46,6 +47,7 @@ from tltd.store.rollout_requests import AdmissionClaim
 from tltd.supervisor.drain import DRAIN_ANSWER_SECONDS, NodeDrain
 from tltd.supervisor.fair_share import FairShare, active_jobs
 from tltd.supervisor.freezes import Freezes
+from tltd.supervisor.lease_keeper import LeaseKeeper
 from tltd.supervisor.live_requests import LiveRequests, StreamEvent
 from tltd.supervisor.model_planner import ModelPlanner
 from tltd.supervisor.parking import Parking
@@ -54,7 +56,6 @@ from tltd.supervisor.rollout_workers import RolloutWorkers
 from tltd.supervisor.snapshot import build_snapshot
 from tltd.supervisor.tick_state import TickState
 from tltd.supervisor.training_hook import TrainingHook
-from tltd.supervisor.unit_leases import UnitLeases
 from tltd.supervisor.worker_process import WorkerHandle, broadcast_ranks
 from tltd.supervisor.writes import OrderedWrites
 
@@ -105,7 +106,7 @@ class Supervisor:
         self.freezes = Freezes(self.handles)  # workers of jobs paused keep: not stepping
         self.fair_share = FairShare()  # tokens served per job; a job waking from idle lifted
         self.assigned_samples = 0  # samples handed to workers, ever (no work is duplicated)
-        self.leases = UnitLeases(store, settings, self.requests, self.handles, self._close)
+        self.leases = LeaseKeeper(store, settings, self.requests, self.handles, self._close)
         self._drain = NodeDrain(self.queue, self.requests, self.workers, self.leases)
         self.parking = Parking(store, self.requests, self.handles, self.writes, self._spawn)
         self._closed = False
@@ -158,7 +159,7 @@ class Supervisor:
         self.kick()
 
     async def renew_leases(self) -> set[tuple[str, int]]:
-        """The periodic lease renewal (see `UnitLeases.renew`)."""
+        """The periodic lease renewal (see `LeaseKeeper.renew`)."""
         if self._closed:
             return set()
         lost = await self.leases.renew()
@@ -228,8 +229,7 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _writer_ended(self, task: asyncio.Task) -> None:
-        """The store writer ends only at `stop`; before, nothing this node does is stored any
-        more, so say so."""
+        """The store writer ends only at `stop`; before, nothing here is stored any more: say so."""
         if self._closed:
             return
         why = "cancelled" if task.cancelled() else repr(task.exception())
@@ -258,7 +258,7 @@ class Supervisor:
 
     def admission_claim(self) -> AdmissionClaim | None:
         """What a request admitted here now may lease to this node in its own transaction
-        (`UnitLeases.admission_capacity`; a store read at most once per heartbeat period: not
+        (`LeaseKeeper.admission_capacity`; a store read at most once per heartbeat period: not
         on the event loop); None: its units are claimed at a tick."""
         capacity = self.leases.admission_capacity(self._drain.started)
         if capacity <= 0:
@@ -400,11 +400,12 @@ class Supervisor:
 
     def worker_stats(self) -> dict[str, dict[str, object]]:
         """The latest engine counters each worker reported (tests, metrics)."""
-        return {
-            wid: dict(s.heartbeat.stats)
-            for wid, s in self.handles.items()
-            if s.heartbeat is not None
-        }
+        beats = {wid: h.heartbeat for wid, h in self.handles.items()}
+        return {wid: dict(b.stats) for wid, b in beats.items() if b is not None}
+
+    def last_read(self) -> tuple[list[Device], dict[str, Job]] | None:
+        """The tick's last read of devices and active jobs while current (`TickState.reusable`)."""
+        return self.state.reusable()
 
     async def reap(self) -> list[str]:
         """Kill workers that stopped answering (the periodic reaper) and restart them now;

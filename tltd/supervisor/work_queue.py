@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import KeysView
 from dataclasses import dataclass, field
 
+from tltd.contract.lengths import predicted_left
 from tltd.contract.rollout_messages import AddWork
 from tltd.domain import RequestStatus, RolloutRequest, Sample, SpeculativeMode
 from tltd.scheduler import PendingWork
@@ -22,7 +23,10 @@ Key = tuple[int, int]  # (prompt_index, sample_index)
 
 
 @dataclass
-class LiveRequest:
+class RequestLedger:
+    """One live request's entry in the work queue: where each of its samples is (the streams,
+    the stores and the retries around it are `tltd.supervisor.live_requests.LiveRequests`)."""
+
     req: RolloutRequest
     policy_version: int  # every sample runs on this version (see `tltd.supervisor.model_planner`)
     enqueued_at: float
@@ -93,11 +97,11 @@ class LiveRequest:
         """Predicted tokens per sample of a prompt: its earlier answers' mean length; without
         any, the mean over the earlier answers of this request's other prompts (the job's
         prior); None without either. At most max_new_tokens."""
+        # The engine predicts with the same rule (`predicted_left`) for the load it reports,
+        # from its own history drafter; here it is before any worker runs the prompt.
         answers = self.history.get(prompt_index) or [a for h in self.history.values() for a in h]
-        if not answers:
-            return None
-        mean = sum(len(tokens) for _, tokens in answers) / len(answers)
-        return max(1, min(self.req.sampling.max_new_tokens, round(mean)))
+        mean = sum(len(t) for _, t in answers) / len(answers) if answers else None
+        return predicted_left(mean, self.req.sampling.max_new_tokens)
 
     def unit_complete(self, prompt_index: int) -> bool:
         return all((prompt_index, s) in self.finished for s in range(self.req.sampling.n))
@@ -111,7 +115,7 @@ class LiveRequest:
 
 class WorkQueue:
     def __init__(self) -> None:
-        self._live: dict[str, LiveRequest] = {}
+        self._live: dict[str, RequestLedger] = {}
         self._by_worker: dict[str, set[tuple[str, Key]]] = {}
         self._claims = itertools.count(1)
 
@@ -121,7 +125,7 @@ class WorkQueue:
     def __iter__(self):
         return iter(list(self._live.values()))
 
-    def get(self, request_id: str) -> LiveRequest | None:
+    def get(self, request_id: str) -> RequestLedger | None:
         return self._live.get(request_id)
 
     def claim_of(self, request_id: str, prompt_index: int) -> int | None:
@@ -137,14 +141,14 @@ class WorkQueue:
         finished: set[Key],
         now: float,
         units: set[int] | None = None,
-    ) -> tuple[LiveRequest, bool]:
+    ) -> tuple[RequestLedger, bool]:
         """Make the prompts `units` (default: all) of a request live, every sample of them not
         in `finished` pending; True when the request was not live. A unit already live is
         left as it is."""
         live = self._live.get(req.request_id)
         created = live is None
         if live is None:
-            live = LiveRequest(req, policy_version, now, {})
+            live = RequestLedger(req, policy_version, now, {})
             self._live[req.request_id] = live
         for p in sorted(set(range(len(req.prompts))) if units is None else units):
             if p in live.units:
@@ -224,7 +228,7 @@ class WorkQueue:
 
     def finish(
         self, request_id: str, key: Key, failed_error: str | None = None
-    ) -> LiveRequest | None:
+    ) -> RequestLedger | None:
         """Record a finished sample; None when it is not live or already finished (a duplicate).
 
         `failed_error` is not None for a sample that finished FAILED.
@@ -257,7 +261,7 @@ class WorkQueue:
         self._by_worker.get(wid, set()).discard((request_id, key))
         return True
 
-    def running_on(self, worker_id: str) -> list[tuple[LiveRequest, Key]]:
+    def running_on(self, worker_id: str) -> list[tuple[RequestLedger, Key]]:
         return [
             (self._live[rid], key)
             for rid, key in sorted(self._by_worker.get(worker_id, ()))
@@ -267,11 +271,11 @@ class WorkQueue:
     def inflight(self, worker_id: str) -> int:
         return len(self._by_worker.get(worker_id, ()))
 
-    def lose_worker(self, worker_id: str, max_attempts: int) -> list[tuple[LiveRequest, Key]]:
+    def lose_worker(self, worker_id: str, max_attempts: int) -> list[tuple[RequestLedger, Key]]:
         """A worker died: its samples go back to pending (retried), except those of requests
         that are closing or that exhausted `max_attempts`: those are returned, for the caller
         to finish (cancelled / aborted / failed)."""
-        give_up: list[tuple[LiveRequest, Key]] = []
+        give_up: list[tuple[RequestLedger, Key]] = []
         for live, key in self.running_on(worker_id):
             del live.running[key]
             live.attempts[key] += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Sequence
 
+from tltd.contract.lengths import new_token_cap
 from tltd.domain import FinishReason, Sample, SamplingParams
 from tltd_workers.engine.datatypes import EngineConfig, SampleOutput
 from tltd_workers.engine.gate import GateState
@@ -187,7 +188,7 @@ class Admission:
 
     def _rows(self, g: Group, eagle: bool) -> list[Seq]:
         """The group's n samples, each registered with the drafters."""
-        max_new = min(g.sampling.max_new_tokens, self.config.max_seq_len - len(g.prompt))
+        max_new = new_token_cap(g.sampling.max_new_tokens, len(g.prompt), self.config.max_seq_len)
         rows: list[Seq] = []
         for j in range(g.sampling.n):
             idx = g.sample_offset + j

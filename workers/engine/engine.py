@@ -79,6 +79,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tltd.contract.lengths import new_token_cap, predicted_left
 from tltd.domain import (
     FinishReason,
     LogprobMode,
@@ -294,9 +295,13 @@ class Engine:
         return EngineLoad(samples, tokens)
 
     def _predicted_left(self, g: Group, emitted: int) -> int:
-        cap = min(g.sampling.max_new_tokens, self.config.max_seq_len - len(g.prompt)) - emitted
+        # The daemon predicts with the same rule before a sample runs (`RequestLedger.
+        # predicted_tokens`, from the store); here the mean is what this engine's history
+        # drafter holds, and without one the sample may run to its cap.
+        cap = new_token_cap(g.sampling.max_new_tokens, len(g.prompt), self.config.max_seq_len)
         mean = self.history.mean_length(tuple(g.prompt)) if self.history is not None else None
-        return cap if mean is None else max(1, min(cap, round(mean) - emitted))
+        left = predicted_left(mean, cap, emitted)
+        return cap - emitted if left is None else left
 
     def generate(self, requests: Iterable[Request]) -> list[SampleOutput]:
         """Queue the requests and step until everything finished; outputs in finish order."""

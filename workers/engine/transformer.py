@@ -145,7 +145,7 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, batch: Batch, gro
     that share a kv head become extra query rows of it ([B, nkv, groups * T, hd], head h =
     kv * groups + g, torch's repeat_interleave convention). The CPU kernel then reads each kv
     head once per block of query rows instead of once per query head: 10-30% less attention
-    time at decode and verify shapes (benchmarks/bench_cpu_regime.py).
+    time at decode and verify shapes (benchmarks/RESULTS.md, "Grouped-query attention").
     """
     b, t, nq, hd = q.shape
     nkv = keys.shape[1]

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tltd.contract.lengths import new_token_cap
 from tltd.contract.rollout_messages import AddWork, EngineSpec, JoinBroadcast, LoadModel
 from tltd.domain import FinishReason, Sample, SamplingParams, SpeculativeStats
 from tltd_workers.rollout.loop import WorkerLoop, describe, serve
@@ -239,8 +240,8 @@ class SglangWorker(WorkerLoop):
 
     def add(self, msg: AddWork) -> None:
         eagle = _eagle_version(self.args, self.drafter_version)
-        room = self.spec.max_seq_len - len(msg.prompt_ids)
-        if room <= 0:  # as the torch engine: the prompt alone fills the context
+        cap = new_token_cap(msg.sampling.max_new_tokens, len(msg.prompt_ids), self.spec.max_seq_len)
+        if len(msg.prompt_ids) >= self.spec.max_seq_len:  # as the torch engine: no room left
             error = f"prompt of {len(msg.prompt_ids)} tokens >= max_seq_len {self.spec.max_seq_len}"
             self.fail(msg, msg.sample_indices, error)
             return
@@ -251,7 +252,7 @@ class SglangWorker(WorkerLoop):
                 i,
                 tuple(msg.prompt_ids),
                 msg.sampling,
-                min(msg.sampling.max_new_tokens, room),
+                cap,
                 self._policy_version,
             )
             self._submit(s, eagle)

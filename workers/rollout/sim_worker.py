@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from tltd.contract.lengths import new_token_cap
 from tltd.contract.rollout_messages import AddWork, EngineSpec, LoadModel
 from tltd.contract.sim import SimConfig, parse_sim
 from tltd.domain import FinishReason, Sample
@@ -134,12 +135,11 @@ class SimWorker(WorkerLoop):
     # -- work -----------------------------------------------------------------------------
 
     def add(self, msg: AddWork) -> None:
-        room = self.spec.max_seq_len - len(msg.prompt_ids)
-        if room <= 0:  # as the torch engine: the prompt alone fills the context
+        cap = new_token_cap(msg.sampling.max_new_tokens, len(msg.prompt_ids), self.spec.max_seq_len)
+        if len(msg.prompt_ids) >= self.spec.max_seq_len:  # as the torch engine: no room left
             error = f"prompt of {len(msg.prompt_ids)} tokens >= max_seq_len {self.spec.max_seq_len}"
             self.fail(msg, msg.sample_indices, error)
             return
-        cap = min(msg.sampling.max_new_tokens, room)
         stops = msg.sampling.stop_token_ids
         stop = stops[0] if stops else self.eos
         for i in msg.sample_indices:

@@ -86,7 +86,7 @@ def keep_stop_signals_ignored(tokenizer_manager: Any) -> None:
     """SGLang's TokenizerManager installs a SIGTERM handler on its loop when it first runs
     (`auto_create_handle_loop`), replacing the worker's SIG_IGN: its watchdog would then
     shut the engine down and exit without a drain. The daemon alone stops its workers (see
-    `workers.signals`), so the handler it installs here does nothing."""
+    `tltd_workers.signals`), so the handler it installs here does nothing."""
     base = tokenizer_manager.signal_handler_class
 
     class KeepRunning(base):  # type: ignore[misc,valid-type]

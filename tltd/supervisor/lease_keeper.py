@@ -25,7 +25,10 @@ log = logging.getLogger(__name__)
 _ALL = 1 << 20  # a claim with no capacity bound (a draining node alone ends what is queued)
 
 
-class UnitLeases:
+class LeaseKeeper:
+    """This node keeping its work leases: what it claims, renews, gives back and loses. The
+    lease rows, shared by every node, are the store's (`tltd.store.leases.WorkLeases`)."""
+
     def __init__(
         self,
         store: Store,
