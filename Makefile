@@ -20,10 +20,11 @@ stubs:
 # clone's `make test` (install included) took 9.3 and 9.9 min with two. Three and four were
 # faster (the suite 11.7 -> 10.2 and 9.5 min on a slower day), but each test then ran 30-60%
 # longer, and tests with 1.5-3 s leases or heartbeats failed under that load.
-# TEST_WORKERS=0 runs it in this process.
+# TEST_WORKERS=0 runs it in this process. Files go out longest first (tests/durations.py),
+# not by their number of tests.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The SGLang adapter against the real sglang package, in its own cached environment (CPU
 # torch, sglang with --no-deps: scripts/sglang_contract_env.sh; the project itself is installed
