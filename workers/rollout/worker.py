@@ -125,6 +125,7 @@ class RolloutWorker(WorkerLoop):
                     sample_offset=first,
                     history=msg.history,
                     pause_after=msg.pause_after,
+                    cache_key=msg.cache_key,
                 )
             except ValueError as exc:  # e.g. a prompt longer than this engine's max_seq_len
                 self.fail(msg, range(first, first + count), str(exc))
@@ -145,4 +146,5 @@ class RolloutWorker(WorkerLoop):
         assert self.engine is not None
         e = self.engine
         held = e.load()
-        return held.samples, held.remaining_tokens, e.stats.summary() | {"prefills": e.prefills}
+        extra = {"prefills": e.prefills, "prefix_cache": e.prefix.summary()}
+        return held.samples, held.remaining_tokens, e.stats.summary() | extra
