@@ -63,9 +63,13 @@ Semantics:
   a new policy or drafter version drops parts of it.
 - hidden_states (return_hidden_states=True): the target's final-norm hidden state at every
   position fed to it, [len(prompt) + len(token_ids) - 1, H] (the last token is never fed).
+- A request with a `cache_key` (a session's turn) leaves its sample's KV kept under the key,
+  and a later prompt with the key prefills only what it does not share with it (lossless;
+  prefix_cache.py says when nothing is reused).
 - Where the parts live: admission.py (waiting prompts, their slots), speculation.py (the gate,
   the drafts, the verify pass), emission.py (tokens into their samples and the drafters'
-  corpora, a finished sample's output), rows.py (a running sample and its prompt).
+  corpora, a finished sample's output), rows.py (a running sample and its prompt),
+  prefix_cache.py (sessions' KV kept between turns).
 """
 
 from __future__ import annotations
