@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         f"SD {args.spec}; {args.threads} thread(s)"
     )
     reusing, stateless = _engine(w, args.spec), _engine(w, args.spec)
+    for engine in (reusing, stateless):  # first forwards allocate: not in either arm's time
+        run_arm(engine, w, 2, False, "warm-up")
     rows = []
     for i, turns in enumerate(counts):
         tag = f"r{i}"
