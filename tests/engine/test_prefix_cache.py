@@ -262,3 +262,27 @@ def test_the_law_test_sees_kv_of_other_tokens(tiny, monkeypatch):
     monkeypatch.setattr(prefix_mod, "shared_prefix", lambda a, b: len(a))
     counts, context = _reusing_turns(tiny, "off", first_prompt=[(t + 3) % V for t in PROMPT])
     assert chi_square_p_value(counts, _second_turn_law(tiny, context)) < 1e-6
+
+
+def test_a_resumed_turn_keeps_its_kv_too(ckpt):
+    """A turn paused at a step's token budget and resumed (from its stored tokens) on another
+    engine leaves that engine the KV of the prompt and all its tokens."""
+    prompt = [1, 2, 3, 4, 5]
+    first = _engine(ckpt)
+    first.add_request("t", prompt, GREEDY, pause_after=3)
+    paused = []
+    while first.has_work():
+        paused += first.step()
+    stored = paused[0].to_domain()
+    assert len(stored.token_ids) == 3 and stored.partial
+    engine = _engine(ckpt)
+    engine.add_request("t", prompt, GREEDY, resume=stored, cache_key="k")
+    done = []
+    while engine.has_work():
+        done += engine.step()
+    tokens = done[0].token_ids
+    assert engine.prefix.entries["k"].tokens == tuple(prompt + tokens[:-1])
+    context = prompt + tokens + [7, 8]
+    got = engine.generate([Request("t2", context, GREEDY, cache_key="k")])[0]
+    want = _engine(ckpt, budget=0).generate([Request("t2", context, GREEDY)])[0]
+    assert got.token_ids == want.token_ids and engine.prefix.stats.hits == 1

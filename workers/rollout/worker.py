@@ -108,7 +108,7 @@ class RolloutWorker(WorkerLoop):
                     msg.request_id, msg.prompt_ids, replace(msg.sampling, n=1),
                     prompt_index=msg.prompt_index, speculative=msg.speculative,
                     sample_offset=stored.sample_index, history=msg.history, resume=stored,
-                    pause_after=msg.pause_after,
+                    pause_after=msg.pause_after, cache_key=msg.cache_key,
                 )  # fmt: skip
                 resumed.add(stored.sample_index)
             except ValueError:  # it cannot go on from those tokens: it runs again from its seed
