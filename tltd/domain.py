@@ -593,6 +593,18 @@ def turn_request_id(session_id: str, turn_index: int, attempt: int) -> str:
     return f"session:{session_id}:{turn_index}:{attempt}"
 
 
+def turn_session_id(request_id: str) -> str:
+    """The session whose turn the request runs (`turn_request_id`); "" for another request.
+    A worker keeps a session's KV under it for the next turn (a hint: the engine reuses KV
+    only where the tokens match)."""
+    if not request_id.startswith("session:"):
+        return ""
+    parts = request_id[len("session:") :].rsplit(":", 2)
+    if len(parts) != 3 or not parts[0] or not (parts[1].isdigit() and parts[2].isdigit()):
+        return ""
+    return parts[0]
+
+
 @dataclass(frozen=True)
 class SessionTurn:
     """One turn: the environment's tokens sent before it (loss mask 0) and what the policy

@@ -10,6 +10,7 @@ Other parts of the daemon call the update methods of the process-wide `METRICS` 
     METRICS.observe_decode_steps(device_id, plain_steps=..., spec_steps=...,
                                  accepted_lengths={1: 3, 4: 10})   # engine stats deltas
     METRICS.observe_engine_summary(device_id, previous, current)  # EngineStats.summary()s
+    #   (and a torch engine's `prefix_cache` counters: prefix cache hits, prefill tokens)
     METRICS.set_queue_depth(job_id, samples_waiting)
     METRICS.set_device_state(device_id, "rollout" | "idle" | "training" | "unavailable")
     METRICS.set_trainer_loading(device_id, True)  # a TRAINING device whose trainer is loading
@@ -249,6 +250,20 @@ _DECLARED: dict[str, _Declared] = {
         ("device_id",),
         _ACCEPTED_LENGTH_BUCKETS,
     ),
+    "prefix_lookups": _Declared(
+        Counter,
+        "tltd_prefix_cache_lookups",
+        "Session turns whose prefill looked for their session's kept KV, by result: hit "
+        "(reused some positions) or miss (prefilled in full)",
+        ("device_id", "result"),
+    ),
+    "prefill_tokens": _Declared(
+        Counter,
+        "tltd_prefill_tokens",
+        "Prompt positions of prefills by source: computed (a forward ran over them) or "
+        "reused (a session's kept KV restored)",
+        ("device_id", "source"),
+    ),
     "queue_depth": _Declared(
         Gauge, "tltd_queue_depth", "Samples accepted but not finished, per job", ("job_id",)
     ),
@@ -340,6 +355,8 @@ class Metrics:
     accepted_tokens: Counter
     decode_steps: Counter
     accepted_length: Histogram
+    prefix_lookups: Counter
+    prefill_tokens: Counter
     queue_depth: Gauge
     drafter_version: Gauge
     policy_version: Gauge
@@ -489,6 +506,23 @@ class Metrics:
             spec_steps=spec,
             accepted_lengths={k: v for k, v in hist.items() if v > 0},
         )
+        self._observe_prefix(device_id, previous, current)
+
+    def _observe_prefix(
+        self, device_id: str, previous: Mapping[str, Any] | None, current: Mapping[str, Any]
+    ) -> None:
+        """The prefix cache's counters (a torch engine's summary `prefix_cache`) since the
+        last summary; a fresh engine's from zero."""
+        cur = current.get("prefix_cache") or {}
+        prev = (previous or {}).get("prefix_cache") or {}
+        names = ("hits", "misses", "prefilled_tokens", "reused_tokens")
+        delta = {k: int(cur.get(k, 0)) - int(prev.get(k, 0)) for k in names}
+        if any(v < 0 for v in delta.values()):  # counters went back: a new engine
+            delta = {k: int(cur.get(k, 0)) for k in names}
+        self.prefix_lookups.labels(device_id, "hit").inc(delta["hits"])
+        self.prefix_lookups.labels(device_id, "miss").inc(delta["misses"])
+        self.prefill_tokens.labels(device_id, "computed").inc(delta["prefilled_tokens"])
+        self.prefill_tokens.labels(device_id, "reused").inc(delta["reused_tokens"])
 
     def set_queue_depth(self, job_id: str, samples: int) -> None:
         self.queue_depth.labels(job_id).set(samples)

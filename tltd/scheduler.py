@@ -31,12 +31,18 @@ to decode for what they run. Within a request the prompts predicted longest are 
 each sample onto the worker with the least predicted work, so that the long samples spread over
 the workers instead of piling up on one (a tail is long partly because one worker got all the
 long samples: Seer's longest-first, RhymeRL's length-balanced workers).
+
+A session's turn goes where its KV is. The worker that ran a session's last turn keeps its KV
+(`Snapshot.holders`), so the next turn prefills only its new tokens there: the turn goes to
+that worker unless it is gone, cannot take it (full, another job or version) or runs more than
+`sticky_slack_samples` samples beyond the least loaded worker that can; then, as a first turn
+does, to the least loaded one (which prefills the whole sequence).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -56,6 +62,10 @@ class SchedulerConfig:
     # another job may take it: the gap between a trainer's requests (a stream's end, the next
     # request's admission) is shorter, a training step between rollouts is longer.
     spare_grace_seconds: float = 1.0
+    # A session's turn leaves the worker holding its KV when that one runs more samples than
+    # this beyond the least loaded worker that could take it (a re-prefill is cheaper than
+    # waiting behind a busy worker).
+    sticky_slack_samples: int = 4
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,7 @@ class PendingWork:
     # Predicted tokens per sample: from the prompt's earlier answers, else a prior from the
     # job's (None: no prediction; expected_tokens stands for it).
     predicted_tokens: int | None = None
+    cache_key: str = ""  # a session turn's key: its last turn's worker holds its KV
 
     @property
     def work(self) -> int:
@@ -138,6 +149,7 @@ class Snapshot:
     training: tuple[TrainingView, ...]
     pending: tuple[PendingWork, ...]
     jobs: tuple[JobView, ...]
+    holders: Mapping[str, str] = field(default_factory=dict)  # session key -> worker with its KV
 
 
 @dataclass(frozen=True)
@@ -326,7 +338,8 @@ def _place(
             # does hold, or the two would wait for each other.
             _pop(queues, job_id)
             continue
-        per_worker = _spread(work, load, takes, by_worker, training_devices, cfg)
+        holder = snap.holders.get(work.cache_key) if work.cache_key else None
+        per_worker = _spread(work, load, takes, by_worker, training_devices, cfg, holder)
         served[job_id] += work.work * sum(per_worker.values())
         assignments += [
             Assignment(work.request_id, work.prompt_index, count, wid)
@@ -366,10 +379,12 @@ def _spread(
     by_worker: dict[str, RolloutWorkerView],
     training_devices: set[str],
     cfg: SchedulerConfig,
+    holder: str | None = None,
 ) -> dict[str, int]:
     """Samples of one prompt per worker, one at a time to the worker with the least expected
     remaining work, so the n samples of a prompt spread when that balances the load (long
-    tails are the cost); `load` is updated. Fewer than `work.samples` when workers are full."""
+    tails are the cost); `load` is updated. Fewer than `work.samples` when workers are full.
+    `holder`: the worker holding the work's KV (`sticky`)."""
     per_worker: dict[str, int] = {}
     for _ in range(work.samples):
         candidates = [
@@ -379,7 +394,7 @@ def _spread(
         ]
         if not candidates:
             break
-        wid = min(
+        wid = sticky(holder, candidates, load, cfg.sticky_slack_samples) or min(
             candidates,
             key=lambda w: (
                 load[w][1],
@@ -392,6 +407,17 @@ def _spread(
         load[wid] = (running + 1, tokens + work.work)
         per_worker[wid] = per_worker.get(wid, 0) + 1
     return per_worker
+
+
+def sticky(
+    holder: str | None, candidates: list[str], load: Mapping[str, tuple[int, int]], slack: int
+) -> str | None:
+    """The worker holding a session's KV, when it can take the turn (a candidate) and runs at
+    most `slack` samples more than the least loaded candidate; None: place it as any work."""
+    if holder is None or holder not in candidates:
+        return None  # gone, full, or holding another job or version
+    least = min(load[w][0] for w in candidates)
+    return holder if load[holder][0] <= least + slack else None
 
 
 def _unplaced(

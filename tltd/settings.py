@@ -64,6 +64,8 @@ class Settings:
     # 2,048-token cap reasoning rollouts commonly use
     worker_max_seq_len: int = 2304
     worker_threads: int = 1  # torch threads per CPU worker
+    # KV of sessions' finished turns a torch worker keeps for their next turn (MiB; 0 = none)
+    worker_prefix_cache_mb: int = 256
     worker_heartbeat_seconds: float = 0.5
     worker_heartbeat_timeout_seconds: float = 30.0  # silent this long while up -> killed
     worker_start_timeout_seconds: float = 300.0  # spawn or model load taking longer -> killed
@@ -367,6 +369,8 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
         raise ConfigError("cpu_slots must be >= 0")
     if settings.worker_max_batch < 1 or settings.worker_max_seq_len < 2:
         raise ConfigError("worker_max_batch must be >= 1 and worker_max_seq_len >= 2")
+    if settings.worker_prefix_cache_mb < 0:
+        raise ConfigError("worker_prefix_cache_mb must be >= 0")
     if settings.training_steps_per_round < 1 or settings.training_held_out_every < 2:
         raise ConfigError("training_steps_per_round must be >= 1, training_held_out_every >= 2")
     beat = settings.worker_heartbeat_seconds

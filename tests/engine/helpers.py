@@ -69,3 +69,24 @@ def with_final_norm_changed(src: Path, dst: Path, seed: int) -> Path:
     sd["model.norm.weight"] = norm * (1 + 2 * torch.randn(norm.shape, generator=g))
     save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def chi_square_p_value(counts, law) -> float:
+    """Goodness of fit of observed outcome counts to an exact law (outcome -> probability),
+    cells with fewer than 5 expected draws pooled; 0 for a draw the law forbids."""
+    from scipy.stats import chisquare
+
+    n = sum(counts.values())
+    if any(law.get(c, 0.0) <= 0.0 for c in counts):
+        return 0.0  # an outcome the exact law forbids (e.g. cut by top-p) was drawn
+    big = [c for c, p in law.items() if p * n >= 5]  # pool the cells too rare for chi-square
+    obs = [counts.get(c, 0) for c in big]
+    exp = [law[c] * n for c in big]
+    rest_obs, rest_exp = n - sum(obs), n - sum(exp)
+    if rest_exp > 1e-9 * n:  # the pooled rare cells; absent when the big cells hold all mass
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    elif rest_obs:
+        return 0.0  # draws in cells that hold (numerically) no mass
+    exp = [e * n / sum(exp) for e in exp]  # rounding: chisquare wants equal totals
+    return chisquare(obs, exp).pvalue

@@ -15,8 +15,8 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
+from tests.engine.helpers import chi_square_p_value as _p_value
 from tests.engine.helpers import make_checkpoint
 from tests.torch_device import torch_device
 from tltd.domain import SamplingParams
@@ -127,23 +127,6 @@ def test_sampled_speculative_output_is_plain_decodings_token_for_token(ckpt, str
         torch.testing.assert_close(on[key].logprobs, o.logprobs, atol=1e-4, rtol=0)
     # Drafts were kept and rejected (a random EAGLE drafter's are seldom kept).
     assert 0 < summary["acceptance_rate"] < 0.95, summary
-
-
-def _p_value(counts, law):
-    n = sum(counts.values())
-    if any(law.get(c, 0.0) <= 0.0 for c in counts):
-        return 0.0  # an outcome the exact law forbids (e.g. cut by top-p) was drawn
-    big = [c for c, p in law.items() if p * n >= 5]  # pool the cells too rare for chi-square
-    obs = [counts.get(c, 0) for c in big]
-    exp = [law[c] * n for c in big]
-    rest_obs, rest_exp = n - sum(obs), n - sum(exp)
-    if rest_exp > 1e-9 * n:  # the pooled rare cells; absent when the big cells hold all mass
-        obs.append(rest_obs)
-        exp.append(rest_exp)
-    elif rest_obs:
-        return 0.0  # draws in cells that hold (numerically) no mass
-    exp = [e * n / sum(exp) for e in exp]  # rounding: chisquare wants equal totals
-    return chisquare(obs, exp).pvalue
 
 
 @pytest.mark.parametrize(

@@ -348,3 +348,27 @@ def test_engine_summaries_become_step_deltas_and_survive_a_reload():
     fresh.record_plain_step(2, 2, 0.1)
     m.observe_engine_summary("cpu:0", second, fresh.summary())
     assert (steps("plain"), steps("speculative")) == (3, 2)
+
+
+def test_prefix_cache_counters_become_deltas_and_survive_a_reload():
+    from tltd_workers.engine.prefix_cache import PrefixStats
+
+    m = Metrics()
+    a = PrefixStats(hits=2, misses=1, reused_tokens=90, prefilled_tokens=30).summary(0, 0)
+    b = PrefixStats(hits=5, misses=1, reused_tokens=300, prefilled_tokens=45).summary(0, 0)
+    m.observe_engine_summary("cpu:0", None, {"prefix_cache": a})
+    m.observe_engine_summary("cpu:0", {"prefix_cache": a}, {"prefix_cache": b})
+    m.observe_engine_summary("cpu:0", {"prefix_cache": b}, {"prefix_cache": b})  # nothing new
+
+    def counts():
+        return (
+            value(m, "tltd_prefix_cache_lookups_total", device_id="cpu:0", result="hit"),
+            value(m, "tltd_prefix_cache_lookups_total", device_id="cpu:0", result="miss"),
+            value(m, "tltd_prefill_tokens_total", device_id="cpu:0", source="computed"),
+            value(m, "tltd_prefill_tokens_total", device_id="cpu:0", source="reused"),
+        )
+
+    assert counts() == (5, 1, 45, 300)
+    fresh = PrefixStats(hits=1, prefilled_tokens=4, reused_tokens=10).summary(0, 0)
+    m.observe_engine_summary("cpu:0", {"prefix_cache": b}, {"prefix_cache": fresh})  # a reload
+    assert counts() == (6, 1, 49, 310)

@@ -106,3 +106,19 @@ def test_scheduler_places_work_only_on_workers_with_its_policy_version():
         for a in decision.assignments:
             placed[a.worker_id] = placed.get(a.worker_id, 0) + a.samples
         assert placed == expected, name
+
+
+def test_a_session_turn_carries_its_key_and_its_worker_is_remembered():
+    q = WorkQueue()
+    turn = RolloutRequest("session:ep:7:0:3:0", "job", ((1, 2),), SamplingParams(n=1))
+    other = RolloutRequest("r", "job", ((1, 2),), SamplingParams(n=1))
+    q.add(turn, 0, set(), now=1.0)
+    q.add(other, 0, set(), now=1.0)
+    keys = {w.request_id: w.cache_key for w in q.pending_work()}
+    assert keys == {"session:ep:7:0:3:0": "ep:7:0", "r": ""}  # a session id may hold ':'
+    q.take(turn.request_id, 0, 1, "w1")
+    assert q.get(turn.request_id).work(1, 0, [0]).cache_key == "ep:7:0"
+    q.finish(turn.request_id, (0, 0))
+    assert dict(q.holders) == {"ep:7:0": "w1"}
+    q.lose_worker("w1", max_attempts=3)
+    assert not q.holders  # the KV it held is gone with it

@@ -28,6 +28,7 @@ class EngineSpec:
     drafter: str = "auto"  # "auto" | "ngram" | "eagle" | "history"
     device: str = "cpu"
     seed: int = 0
+    prefix_cache_bytes: int = 256 << 20  # a torch engine's kept session KV (0: none)
 
     @classmethod
     def for_job(cls, spec: SpeculativeConfig, **kw: Any) -> EngineSpec:
@@ -110,6 +111,9 @@ class AddWork:
     # A step's token budget per sample (StepBound.max_tokens): a sample that emits this many
     # tokens here unfinished comes back paused (ABORTED); 0 = none. Torch engine only.
     pause_after: int = 0
+    # A session's key: the sample's KV is kept after it ends and the session's next turn
+    # prefills only its new tokens on the same worker ("" = not kept). Torch engine only.
+    cache_key: str = ""
 
 
 @dataclass(frozen=True)

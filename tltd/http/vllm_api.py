@@ -34,8 +34,8 @@ async def get_world_size(services: Services, request: Request) -> JSONResponse:
 
 
 async def reset_prefix_cache(services: Services, request: Request) -> JSONResponse:
-    """tltd keeps no KV cache across requests: after a weight update nothing stale can be
-    reused, so there is nothing to drop."""
+    """The only KV kept across requests (sessions' turns) is dropped by the engine itself when
+    new weights load, so nothing stale can be reused and there is nothing to drop."""
     await _job(services, request)
     return JSONResponse({"success": True})
 

@@ -215,6 +215,7 @@ class ModelPlanner:
             max_seq_len=self.settings.worker_max_seq_len,
             gate=self.settings.spec_gate,
             device=device,
+            prefix_cache_bytes=self.settings.worker_prefix_cache_mb << 20,
         )
         handle.start_load(Load(LoadKind.MODEL, job.job_id, version))
         handle.send(msg.LoadModel(job.job_id, path, version, engine))

@@ -80,6 +80,7 @@ def build_snapshot(
     pending = tuple(
         replace(p, policy_version=None) if p.job_id in at_step else p for p in queue.pending_work()
     )
+    held = queue.holders
     return Snapshot(
         now=now,
         devices=tuple(device_view(d) for d in devices),
@@ -87,4 +88,6 @@ def build_snapshot(
         training=training.views() if training else (),
         pending=pending,
         jobs=tuple(job_views),
+        # Only the waiting turns' holders: the map holds every recent session.
+        holders={p.cache_key: queue.holders[p.cache_key] for p in pending if p.cache_key in held},
     )

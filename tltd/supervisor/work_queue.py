@@ -10,16 +10,18 @@ complete when every one of its samples is finished.
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import KeysView
 from dataclasses import dataclass, field
 
 from tltd.contract.lengths import predicted_left
 from tltd.contract.rollout_messages import AddWork
-from tltd.domain import RequestStatus, RolloutRequest, Sample, SpeculativeMode
+from tltd.domain import RequestStatus, RolloutRequest, Sample, SpeculativeMode, turn_session_id
 from tltd.scheduler import PendingWork
 
 Key = tuple[int, int]  # (prompt_index, sample_index)
+# Sessions whose last turn's worker is remembered (`WorkQueue.holders`), least recent dropped.
+MAX_HOLDERS = 1 << 16
 
 
 @dataclass
@@ -91,7 +93,14 @@ class RequestLedger:
             history=self.history.get(prompt_index, ()),
             resume=tuple(self.resume[k] for k in keys if k in self.resume),
             pause_after=req.bound_tokens,
+            cache_key=self.cache_key,
         )
+
+    @property
+    def cache_key(self) -> str:
+        """A session turn's key under which its worker keeps the KV for the next turn ("" for
+        another request)."""
+        return turn_session_id(self.request_id) if self.req.sampling.n == 1 else ""
 
     def predicted_tokens(self, prompt_index: int) -> int | None:
         """Predicted tokens per sample of a prompt: its earlier answers' mean length; without
@@ -118,6 +127,8 @@ class WorkQueue:
         self._live: dict[str, RequestLedger] = {}
         self._by_worker: dict[str, set[tuple[str, Key]]] = {}
         self._claims = itertools.count(1)
+        # Session key -> the worker that ran its last turn (and so holds its KV), newest last.
+        self.holders: OrderedDict[str, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._live)
@@ -203,6 +214,7 @@ class WorkQueue:
                 live.enqueued_at,
                 live.policy_version,
                 live.predicted_tokens(p),
+                live.cache_key,
             )
             for live in self._live.values()
             if live.outcome is None and not live.parking
@@ -239,6 +251,7 @@ class WorkQueue:
         wid = live.running.pop(key, None)
         if wid is not None:
             self._by_worker.get(wid, set()).discard((request_id, key))
+            self._held_by(live.cache_key, wid)
         else:  # finished without running (cancelled or aborted while pending)
             idx = live.pending.get(key[0], [])
             if key[1] in idx:
@@ -250,6 +263,14 @@ class WorkQueue:
             live.failed += 1
             live.first_error = live.first_error or failed_error
         return live
+
+    def _held_by(self, cache_key: str, worker_id: str) -> None:
+        if not cache_key:
+            return
+        self.holders.pop(cache_key, None)
+        self.holders[cache_key] = worker_id
+        while len(self.holders) > MAX_HOLDERS:
+            self.holders.popitem(last=False)
 
     def paused(self, request_id: str, key: Key) -> bool:
         """A running sample came back paused (its request parks): it is no longer running,
@@ -286,6 +307,8 @@ class WorkQueue:
             idx.append(key[1])
             idx.sort()
         self._by_worker.pop(worker_id, None)
+        for k in [k for k, w in self.holders.items() if w == worker_id]:
+            del self.holders[k]  # its engine and the KV it kept are gone
         return give_up
 
     def requeue(self, request_id: str, key: Key, max_attempts: int) -> bool:

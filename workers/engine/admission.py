@@ -58,6 +58,7 @@ class Admission:
         policy_version: int,
         resume: Sample | None = None,
         pause_after: int = 0,
+        cache_key: str = "",
     ) -> None:
         """Check one prompt's request and queue it (Engine.add_request says what each means)."""
         prompt = [int(t) for t in prompt_ids]
@@ -91,6 +92,7 @@ class Admission:
             past=past,
             restore=resume,
             pause_after=max(0, pause_after),
+            cache_key=cache_key,
         )
         self.waiting.append(group)
 

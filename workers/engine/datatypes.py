@@ -67,6 +67,9 @@ class EngineConfig:
     history_max_tokens: int = 1 << 18
     history_max_prompt_tokens: int = 1 << 16
     max_prefill_tokens: int = 8192  # padded prompt tokens per prefill forward
+    # KV of finished keyed samples (session turns) kept for the next request of the same key
+    # (prefix_cache.py), least recently kept dropped first; 0 = none kept.
+    prefix_cache_bytes: int = 256 << 20
     seed: int = 0
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
@@ -110,6 +113,7 @@ class EngineConfig:
             strategies=strategies,
             device=spec.device,
             seed=spec.seed,
+            prefix_cache_bytes=spec.prefix_cache_bytes,
         )
 
 
@@ -123,6 +127,7 @@ class Request:
     prompt_index: int = 0
     return_hidden_states: bool = False
     speculative: bool = True
+    cache_key: str = ""  # Engine.add_request
 
 
 @dataclass(frozen=True)

@@ -63,9 +63,13 @@ Semantics:
   a new policy or drafter version drops parts of it.
 - hidden_states (return_hidden_states=True): the target's final-norm hidden state at every
   position fed to it, [len(prompt) + len(token_ids) - 1, H] (the last token is never fed).
+- A request with a `cache_key` (a session's turn) leaves its sample's KV kept under the key,
+  and a later prompt with the key prefills only what it does not share with it (lossless;
+  prefix_cache.py says when nothing is reused).
 - Where the parts live: admission.py (waiting prompts, their slots), speculation.py (the gate,
   the drafts, the verify pass), emission.py (tokens into their samples and the drafters'
-  corpora, a finished sample's output), rows.py (a running sample and its prompt).
+  corpora, a finished sample's output), rows.py (a running sample and its prompt),
+  prefix_cache.py (sessions' KV kept between turns).
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ from tltd_workers.engine.emission import Emission, sample_output
 from tltd_workers.engine.gate import GateState, verdicts
 from tltd_workers.engine.history import HistoryDrafter
 from tltd_workers.engine.ngram import NgramDrafter
+from tltd_workers.engine.prefix_cache import PrefixCache
 from tltd_workers.engine.rows import Group, Seq, row_keys, row_params, top_alternatives
 from tltd_workers.engine.sampling import (
     SAMPLE,
@@ -166,6 +171,7 @@ class Engine:
             cfg, vocab, self.running, self.cache, corpus, self.history, self.gate_state
         )
         self.emission = Emission(corpus, self.history)
+        self.prefix = PrefixCache(cfg.prefix_cache_bytes)  # sessions' KV between turns
         self.speculation = Speculation(
             cfg,
             self.model,
@@ -218,6 +224,7 @@ class Engine:
         history: Sequence[tuple[Hashable, Sequence[int]]] = (),
         resume: Sample | None = None,
         pause_after: int = 0,
+        cache_key: str = "",
     ) -> None:
         """Queue one prompt with sampling.n samples; it joins the batch at a step boundary.
 
@@ -233,6 +240,8 @@ class Engine:
         prefilled on this engine's weights; a version other than its last opens a new span.
         `pause_after`: a step's token budget; a sample that emits this many tokens here
         unfinished ends ABORTED with them (paused; resumed later with `resume`).
+        `cache_key`: a session's key (prefix_cache.py): a sample of n = 1 leaves its KV kept
+        under it, and the prompt reuses the KV kept under it where they share a prefix.
         """
         self.admission.add(
             request_id,
@@ -246,6 +255,7 @@ class Engine:
             policy_version=self.policy_version,
             resume=resume,
             pause_after=pause_after,
+            cache_key=cache_key,
         )
 
     @property
@@ -313,6 +323,7 @@ class Engine:
                 prompt_index=r.prompt_index,
                 return_hidden_states=r.return_hidden_states,
                 speculative=r.speculative,
+                cache_key=r.cache_key,
             )
         out: list[SampleOutput] = []
         while self.has_work():
@@ -392,6 +403,7 @@ class Engine:
         p = next(self.model.parameters())
         load_weights(self.model, {k: v.to(dtype=p.dtype, device=p.device) for k, v in sd.items()})
         self.policy_version = version
+        self.prefix.new_weights()
         for g in self.waiting:
             g.policy_version = version
         for s in self.running:
@@ -422,15 +434,18 @@ class Engine:
         t0 = time.perf_counter()
         b0, n_groups = len(self.running), len(groups)
         contexts = [g.context for g in groups]
-        width = max(len(c) for c in contexts)
-        tokens = torch.zeros(n_groups, width, dtype=torch.long)
-        for i, c in enumerate(contexts):
-            tokens[i, : len(c)] = torch.tensor(c)
-        lens = [len(c) for c in contexts]
-        batch = Batch.make([0] * n_groups, lens, width, b0, self.cache.trash, self.device)
         scored = [g.sampling.prompt_logprobs is not None for g in groups]
         need_hidden = self.drafter is not None or any(g.return_hidden for g in groups)
         need_hidden = need_hidden or any(scored)
+        # Positions restored from a session's kept KV are not fed again (prefix_cache.py).
+        reused = self.prefix.admit(groups, b0, self.cache, need_hidden)
+        lens = [len(c) for c in contexts]
+        fed = [len(c) - m for c, m in zip(contexts, reused, strict=True)]
+        width = max(fed)
+        tokens = torch.zeros(n_groups, width, dtype=torch.long)
+        for i, c in enumerate(contexts):
+            tokens[i, : fed[i]] = torch.tensor(c[reused[i] :])
+        batch = Batch.make(reused, fed, width, b0, self.cache.trash, self.device)
         logits, hidden = self.model(
             tokens.to(self.device), self.cache, batch, last_only=True, return_hidden=need_hidden
         )
@@ -547,6 +562,7 @@ class Engine:
         for slot in sorted(done, reverse=True):
             s = self.running[slot]
             out.append(sample_output(s, done[slot]))
+            self.prefix.keep(s, self.cache, slot)
             last = len(self.running) - 1
             self.cache.move(last, slot)
             if eagle_cache is not None:

@@ -18,3 +18,4 @@ class EngineSpec(Protocol):
     drafter: str
     device: str
     seed: int
+    prefix_cache_bytes: int

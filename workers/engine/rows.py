@@ -45,6 +45,10 @@ class Group:
     # Tokens each sample may emit here before it pauses (ABORTED, a step's token budget: it
     # goes on later from its stored tokens); 0 = no budget.
     pause_after: int = 0
+    # Its sample's KV is kept after it finishes and reused by a later request with the same
+    # key (prefix_cache.py); "" = neither. `kv_epoch`: the weights its prefill ran on.
+    cache_key: str = ""
+    kv_epoch: int = -1
 
     @property
     def context(self) -> list[int]:

@@ -108,7 +108,7 @@ class RolloutWorker(WorkerLoop):
                     msg.request_id, msg.prompt_ids, replace(msg.sampling, n=1),
                     prompt_index=msg.prompt_index, speculative=msg.speculative,
                     sample_offset=stored.sample_index, history=msg.history, resume=stored,
-                    pause_after=msg.pause_after,
+                    pause_after=msg.pause_after, cache_key=msg.cache_key,
                 )  # fmt: skip
                 resumed.add(stored.sample_index)
             except ValueError:  # it cannot go on from those tokens: it runs again from its seed
@@ -125,6 +125,7 @@ class RolloutWorker(WorkerLoop):
                     sample_offset=first,
                     history=msg.history,
                     pause_after=msg.pause_after,
+                    cache_key=msg.cache_key,
                 )
             except ValueError as exc:  # e.g. a prompt longer than this engine's max_seq_len
                 self.fail(msg, range(first, first + count), str(exc))
@@ -145,4 +146,5 @@ class RolloutWorker(WorkerLoop):
         assert self.engine is not None
         e = self.engine
         held = e.load()
-        return held.samples, held.remaining_tokens, e.stats.summary() | {"prefills": e.prefills}
+        extra = {"prefills": e.prefills, "prefix_cache": e.prefix.summary()}
+        return held.samples, held.remaining_tokens, e.stats.summary() | extra

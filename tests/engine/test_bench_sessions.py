@@ -1,0 +1,26 @@
+"""`benchmarks/bench_sessions.py --quick` on the project's own policy: the table's claims hold
+(every turn's tokens identical with and without reuse, fewer positions prefilled with it)."""
+
+from __future__ import annotations
+
+from benchmarks import bench_sessions
+
+
+def test_bench_sessions_quick_table(capsys):
+    assert bench_sessions.main(["--quick"]) == 0  # 1 when some turn's tokens differ
+    out = capsys.readouterr().out
+    assert out.startswith("workload: 2 sessions")
+    rows: dict[tuple[int, str], list[str]] = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) == 10 and cells[0].isdigit():
+            rows[(int(cells[0]), cells[1])] = cells
+    assert sorted({t for t, _ in rows}) == [4, 8, 12]  # 12: as many as the context holds
+    for turns in (4, 8, 12):
+        reuse, stateless = rows[(turns, "reuse")], rows[(turns, "stateless")]
+        assert reuse[9] == "yes"
+        prefilled, reused, full = int(reuse[2]), int(reuse[3]), int(stateless[2])
+        assert 0 < prefilled < full and prefilled + reused == full and int(stateless[3]) == 0
+        assert reuse[4] == f"{100 * (1 - prefilled / full):4.1f}%"
+        # Every turn after the first reused all but the last sampled token of the turn before.
+        assert reused == sum(2 * (8 + t * (4 + 3) - 3 - 1) for t in range(1, turns))
