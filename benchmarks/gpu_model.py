@@ -109,6 +109,9 @@ class Shape:
         return fc + self.layer_params() + (self.draft_vocab or self.vocab) * self.hidden
 
 
+# Qwen2.5-0.5B: not a policy the projection tables cover (SHAPES); the GPU check compares the
+# projection with measured step costs of a random model of its dimensions.
+QWEN25_05B = Shape("Qwen2.5-0.5B", 24, 896, 4864, 14, 2, 64, 151936, tied=True)
 QWEN25_15B = Shape("Qwen2.5-1.5B", 28, 1536, 8960, 12, 2, 128, 151936, tied=True)
 QWEN25_7B = Shape("Qwen2.5-7B", 28, 3584, 18944, 28, 4, 128, 152064, tied=False)
 QWEN25_32B = Shape("Qwen2.5-32B", 64, 5120, 27648, 40, 8, 128, 152064, tied=False)

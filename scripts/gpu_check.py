@@ -268,7 +268,8 @@ def _demo_store(db: Path) -> dict:
 
 
 def step_verify(c: Check) -> StepResult:
-    """bench_verify_cost: decode / verify / draft-step ms per batch, shipped and random shapes."""
+    """bench_verify_cost: decode / verify / draft-step ms per batch, shipped and random shapes,
+    and the roofline projection of each bf16 random-shape row beside it (with its error)."""
     res = StepResult("verify")
     base = [PY, "benchmarks/bench_verify_cost.py", "--device", c.device, "--threads", "4"]
     small = ["--batches", "1,4", "--repeats", "2", "--context", "64"] if c.dry else [
@@ -280,7 +281,7 @@ def step_verify(c: Check) -> StepResult:
     ]
     if c.accepted:  # the SD bound at the accepted length the spec step measured here
         runs = [(label, [*cmd, "--accepted", f"{c.accepted:.3f}"]) for label, cmd in runs]
-    rows, statuses = [], []
+    rows, statuses, meta = [], [], {}
     for label, cmd in runs:
         out = c.tmp / f"verify-{label}.json"
         part = StepResult(res.name)
@@ -290,12 +291,28 @@ def step_verify(c: Check) -> StepResult:
         res.seconds += part.seconds
         res.command, res.log_tail = part.command, part.log_tail
         if out.exists():
-            rows += json.loads(out.read_text())["rows"]
+            meta = json.loads(out.read_text())
+            rows += meta.pop("rows")
     res.status = next((s for s in statuses if s != "ok"), "ok")
     res.figures = {"device": c.device, "accepted": c.accepted, "rows": rows}
     if c.accepted:
         res.figures["accepted_source"] = "bench_spec adaptive mode, last epoch (spec step)"
+    res.figures["device_name"] = meta.get("device_name", c.device)
+    res.figures["projection"] = _projection(rows, meta)
     return res
+
+
+def _projection(rows: list[dict], meta: dict) -> dict:
+    """The roofline projection of each measured row and its error (benchmarks/projection_error);
+    where it cannot be computed, why, so that the measured rows are kept either way."""
+    try:
+        from benchmarks.projection_error import compare, figures, lines
+
+        comp = compare(rows, str(meta.get("device_name", "")), meta["context"], meta["k"])
+    except Exception as exc:  # noqa: BLE001 -- a check step records a failure, it never dies of one
+        line = f"projection vs measurement: not computed ({type(exc).__name__}: {exc})"
+        return {"error": line, "lines": [line]}
+    return figures(comp) | {"lines": lines(comp)}
 
 
 def step_preemption(c: Check) -> StepResult:
@@ -384,6 +401,7 @@ def write_report(out: Path, c: Check, results: list[StepResult], budget: float) 
             lines.append("\n".join(r.log_tail.splitlines()[-5:]))
         elif r.name in ("verify", "spec", "demo"):
             lines.append(_table_lines(r.log_tail))
+            lines += (r.figures.get("projection") or {}).get("lines", [])
         elif r.figures:
             lines.append("   " + json.dumps(r.figures, default=str)[:1500])
     (out / "report.txt").write_text("\n".join(lines) + "\n")
