@@ -227,7 +227,7 @@ def _read(s: Session, session_id: str) -> AgentSession:
 
 
 def _same_session(stored: AgentSession, asked: AgentSession) -> AgentSession:
-    for name in ("job_id", "prompt_token_ids"):
+    for name in ("job_id", "prompt_token_ids", "streaming"):
         if getattr(stored, name) != getattr(asked, name):
             raise AlreadyExists(
                 f"session {stored.session_id} exists with another {name}", field=name
