@@ -6,12 +6,21 @@ field, and the daemon goes on serving."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
 
 from tests.api.support import sampling
 from tests.http_api.conftest import JOB
+
+# SGLang's bodies, checked against sglang's own types and session controller by
+# tests/sglang_contract/test_http_contract.py
+CASES = json.loads(
+    (Path(__file__).resolve().parents[1] / "sglang_contract" / "http_cases.json").read_text()
+)["sessions"]
 
 PROMPT = [1, 5, 6, 7]
 ENV = [[8, 9, 10], [11, 12]]  # the environment's answers after turns 0 and 1
@@ -74,16 +83,13 @@ def _turn(sid: str, ids: list[int], **params) -> dict:
 
 
 def test_sglang_session_with_rids_gives_the_grpc_trajectory(http, http_daemon, reference):
-    sid = _post(http, "/open_session", {"capacity_of_str_len": 4096, "session_id": "sg-1"})
-    assert sid == "sg-1"
-    first = _post(http, "/generate", _turn(sid, PROMPT, rid=None, offset=0, replace=False))
-    rid = first["meta_info"]["id"]
-    outs = [first]
-    for env in ENV:
-        outs.append(_post(http, "/generate", _turn(sid, env, rid=rid, replace=False)))
-        rid = outs[-1]["meta_info"]["id"]
-    retry = _post(http, "/generate", _turn(sid, ENV[1], rid=outs[1]["meta_info"]["id"]))
-    assert retry["output_ids"] == outs[2]["output_ids"] and retry["meta_info"]["id"] == rid
+    sid = _post(http, "/open_session", CASES["open_rids"])
+    assert sid == "sg-rids"
+    outs = [_post(http, "/generate", body) for body in CASES["turns_rids"]]
+    ids = [o["meta_info"]["id"] for o in outs]
+    assert ids == [f"session:{sid}:{k}:0" for k in range(3)]  # the rids the bodies name
+    retry = _post(http, "/generate", CASES["turns_rids"][2])
+    assert retry["output_ids"] == outs[2]["output_ids"] and retry["meta_info"]["id"] == ids[2]
     assert [len(o["output_ids"]) for o in outs] == [N] * 3
     assert outs[2]["meta_info"]["prompt_tokens"] == len(PROMPT) + 2 * N + 5  # the whole context
     logprobs = [lp for o in outs for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
@@ -92,16 +98,15 @@ def test_sglang_session_with_rids_gives_the_grpc_trajectory(http, http_daemon, r
     _same_trajectory(closed["trajectory"], reference)
     sampled = [lp for lp, m in zip(closed["trajectory"]["logprobs"], reference["loss_mask"],
                                    strict=True) if m]  # fmt: skip
-    assert sampled == pytest.approx(logprobs, abs=0)
+    assert sampled == logprobs
     with http_daemon.client() as c:  # the same session over gRPC
         assert list(c.get_session(sid).trajectory.token_ids) == reference["token_ids"]
 
 
 def test_a_streaming_sglang_session_continues_without_rids(http, reference):
-    sid = _post(http, "/open_session", {"capacity_of_str_len": 4096, "streaming": True})
-    _post(http, "/generate", _turn(sid, PROMPT))
-    for env in ENV:
-        _post(http, "/generate", _turn(sid, env))
+    sid = _post(http, "/open_session", CASES["open_streaming"])
+    for body in CASES["turns_streaming"]:
+        _post(http, "/generate", body)
     _same_trajectory(_post(http, "/close_session", {"session_id": sid})["trajectory"], reference)
 
 
