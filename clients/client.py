@@ -294,6 +294,12 @@ class TltClient:
         req = session_pb2.CloseSessionRequest(session_id=session_id)
         return self.call(self.sessions.CloseSession, req)
 
+    def list_sessions(
+        self, job_id: str = "", statuses: Iterable[int] = (), limit: int = 0
+    ) -> list[session_pb2.SessionSummary]:
+        req = session_pb2.ListSessionsRequest(job_id=job_id, statuses=list(statuses), limit=limit)
+        return list(self.call(self.sessions.ListSessions, req).sessions)
+
     # -- policy --------------------------------------------------------------------------------
 
     def update_policy(

@@ -15,7 +15,7 @@ from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
 
-from tltd.v1 import admin_pb2, common_pb2, drafter_pb2, job_pb2
+from tltd.v1 import admin_pb2, common_pb2, drafter_pb2, job_pb2, session_pb2
 from tltd_clients.client import DEFAULT_TARGET, TltClient
 from tltd_clients.errors import TltClientError
 
@@ -161,6 +161,7 @@ def _enum(value: str) -> str:
         "BACKEND_",
         "REQUEST_STATUS_",
         "SPECULATIVE_MODE_",
+        "SESSION_STATUS_",
     ):
         if value.startswith(prefix):
             return value[len(prefix) :].lower()
@@ -519,6 +520,47 @@ def jobs_show(obj: _Ctx, job_id: str) -> None:
 def jobs_cancel(obj: _Ctx, job_id: str, reason: str) -> None:
     """Cancel a job and its unfinished rollout requests."""
     _emit_record(obj, obj.client.cancel_job(job_id, reason or "cancelled with tltctl"))
+
+
+_SESSION_STATUSES = {
+    "open": session_pb2.SESSION_STATUS_OPEN,
+    "closed": session_pb2.SESSION_STATUS_CLOSED,
+}
+
+
+@cli.command()
+@click.option("--job", "job_id", default="", help="Only this job's sessions.")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    type=click.Choice(list(_SESSION_STATUSES)),
+    help="Only sessions in this status (repeatable).",
+)
+@click.option("--limit", type=_UINT32, default=100, show_default=True)
+@_output_option
+@pass_ctx
+def sessions(obj: _Ctx, job_id: str, statuses: tuple[str, ...], limit: int) -> None:
+    """List multi-turn sessions, newest first (RUNNING: the turn running now)."""
+    found = obj.client.list_sessions(job_id, [_SESSION_STATUSES[s] for s in statuses], limit)
+    rows = [
+        (
+            s.session_id,
+            s.job_id,
+            s.num_turns,
+            s.num_tokens,
+            _enum(session_pb2.SessionStatus.Name(s.status)),
+            s.running_turn if s.running_turn >= 0 else "-",
+            _when(s, "updated_at"),
+        )
+        for s in found
+    ]
+    _emit(
+        obj,
+        [_dict(s) for s in found],
+        ("SESSION", "JOB", "TURNS", "TOKENS", "STATE", "RUNNING", "UPDATED"),
+        rows,
+    )
 
 
 @cli.group()

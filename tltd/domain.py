@@ -659,6 +659,9 @@ class AgentSession:
     turns: tuple[SessionTurn, ...] = ()
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    # Opened by SGLang's /open_session: its first request gives the prompt (empty until
+    # then); `streaming`: a request naming no earlier turn continues the latest one.
+    streaming: bool = False
 
     @property
     def running_turn(self) -> SessionTurn | None:
@@ -689,3 +692,17 @@ class AgentSession:
         return Trajectory(
             tuple(ids), tuple(mask), tuple(logprobs), tuple(versions), len(self.prompt_token_ids)
         )
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    """A session as listed: its counters and the turn running now, if any (-1: none)."""
+
+    session_id: str
+    job_id: str
+    status: SessionStatus
+    num_turns: int
+    num_tokens: int
+    running_turn: int
+    created_at: datetime | None = None
+    updated_at: datetime | None = None

@@ -8,7 +8,7 @@ import pytest
 
 from tests.api.support import ADMIN_TOKEN, TRAINER_TOKEN
 from tests.api.support import run_tltctl as run
-from tltd.domain import DrafterStatus, DrafterVersion
+from tltd.domain import DrafterStatus, DrafterVersion, SamplingParams
 
 
 @pytest.fixture
@@ -162,6 +162,27 @@ def test_drafters(ctl, auth_daemon, model_dir):
     code, out, err = ctl("drafters", "export", "job", "1", "--output-dir", "/tmp/x")
     # /d/1 does not exist: one clear error line, exit 1 (a real export is tested in test_rpc)
     assert code == 1 and out == "" and "failed_precondition" in err.lower() and "/d/1" in err
+
+
+def test_sessions(ctl, auth_daemon, model_dir):
+    with auth_daemon.client(TRAINER_TOKEN) as c:
+        c.create_job(str(model_dir), job_id="job")
+        c.open_session("job", [1, 2, 3], session_id="ep-1")
+        c.open_session("job", [4], session_id="ep-2")
+        c.close_session("ep-2")
+    # a turn recorded RUNNING (this daemon has no workers to run it)
+    auth_daemon.store.sessions.begin_turn("ep-1", 0, (), SamplingParams(max_new_tokens=4))
+    code, out, err = ctl("sessions")
+    assert code == 0 and err == ""
+    assert "SESSION" in out and "RUNNING" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith("ep-1"))
+    assert row[:6] == ["ep-1", "job", "0", "3", "open", "0"]  # turns, tokens, state, running
+    code, out, _ = ctl("sessions", "--status", "closed", "-o", "json", token=TRAINER_TOKEN)
+    assert [(s["session_id"], s["running_turn"]) for s in json.loads(out)] == [("ep-2", -1)]
+    code, out, _ = ctl("sessions", "--job", "nope", "-o", "json")
+    assert code == 0 and json.loads(out) == []
+    code, out, err = ctl("sessions", "--job", "bad id!")
+    assert code == 1 and "job_id" in err
 
 
 def test_cordon_uncordon_drain(ctl, auth_daemon):

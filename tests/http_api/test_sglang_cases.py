@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from tltd.domain import FinishReason, Job, RolloutRequest, Sample, SamplingParams
-from tltd.http import door, sglang_api, sglang_control, sglang_weights
+from tltd.http import door, sglang_api, sglang_control, sglang_sessions, sglang_weights
 from tltd.http.vocab import Vocab
 
 CASES = json.loads(
@@ -36,6 +36,18 @@ def test_tltd_accepts_every_body():
         assert req.prompts and req.sampling.max_new_tokens > 0
 
 
+def test_tltd_accepts_every_session_body():
+    cases = CASES["sessions"]
+    for body in (cases["open_rids"], cases["open_streaming"]):
+        door.parse(sglang_sessions.OpenSessionRequest, json.dumps(body).encode())
+    for body in cases["close"]:
+        door.parse(sglang_sessions.CloseSessionRequest, json.dumps(body).encode())
+    for body in cases["turns_rids"] + cases["turns_streaming"]:
+        parsed = door.parse(sglang_api.GenerateRequest, json.dumps(body).encode())
+        sglang_sessions.SessionParams.model_validate(parsed.session_params)
+        sglang_api.parse_sampling(parsed.sampling_params)
+
+
 def test_the_field_lists_are_the_fields_tltd_takes():
     fields = CASES["fields"]
     assert fields["GenerateReqInput"] == sorted(sglang_api.GenerateRequest.model_fields)
@@ -51,6 +63,9 @@ def test_the_field_lists_are_the_fields_tltd_takes():
         "PauseGenerationReqInput": sglang_control.PauseRequest,
         "ContinueGenerationReqInput": sglang_control.ContinueRequest,
         "AbortReq": sglang_control.AbortRequest,
+        "OpenSessionReqInput": sglang_sessions.OpenSessionRequest,
+        "CloseSessionReqInput": sglang_sessions.CloseSessionRequest,
+        "SessionParams": sglang_sessions.SessionParams,
     }
     for struct, model in ours.items():
         assert fields[struct] == sorted(set(model.model_fields) - legacy), struct

@@ -1,5 +1,6 @@
 """The session records on SQLite and PostgreSQL: open (idempotent), a turn begun, done, retried
-and given up, closing; and the trajectory a session's turns make (mask, logprobs, versions)."""
+and given up, closing; the trajectory a session's turns make (mask, logprobs, versions); a
+prompt given after opening (SGLang's sessions); and the listing."""
 
 from __future__ import annotations
 
@@ -101,3 +102,36 @@ def test_the_trajectory_masks_environment_tokens_and_expands_spans(store, job):
     assert t.logprobs == (0.0, 0.0, 0.0, -0.5, -1.5, 0.0, -0.5, -1.5, -2.5)
     assert session.context_before(1) == (1, 2, 3, 10, 11)
     assert session.turns[1].sampling == raw
+
+
+def test_a_prompt_given_after_opening_and_the_listing(store, job):
+    store.jobs.create(Job(job_id="other", model_path="/m"))
+    opened, _ = store.sessions.open(AgentSession("sg", "job", (), streaming=True))
+    assert opened.prompt_token_ids == () and opened.num_tokens == 0 and opened.streaming
+    assert store.sessions.open(AgentSession("sg", "job", (), streaming=True))[1] is False
+    with pytest.raises(AlreadyExists) as info:  # the same id opened as another kind
+        store.sessions.open(AgentSession("sg", "job", ()))
+    assert info.value.field == "streaming"
+    given = store.sessions.set_prompt("sg", (1, 2, 3))
+    assert given.prompt_token_ids == (1, 2, 3) and given.num_tokens == 3
+    assert store.sessions.set_prompt("sg", (1, 2, 3)) == given  # again: a no-op
+    with pytest.raises(AlreadyExists) as info:
+        store.sessions.set_prompt("sg", (1, 2))
+    assert info.value.field == "prompt_token_ids"
+    store.sessions.open(AgentSession("b", "other", (4,)))
+    store.sessions.begin_turn("b", 0, (), GREEDY)
+    store.sessions.open(AgentSession("c", "job", (5,)))
+    store.sessions.close("c")
+
+    listed = {s.session_id: s for s in store.sessions.list()}
+    assert set(listed) == {"sg", "b", "c"}
+    assert (listed["b"].running_turn, listed["sg"].running_turn) == (0, -1)
+    assert (listed["sg"].num_tokens, listed["b"].job_id) == (3, "other")
+    assert [s.session_id for s in store.sessions.list("job", [SessionStatus.CLOSED])] == ["c"]
+    assert {s.session_id for s in store.sessions.list(statuses=[SessionStatus.OPEN])} == {
+        "sg",
+        "b",
+    }
+    assert len(store.sessions.list(limit=2)) == 2
+    with pytest.raises(FailedPrecondition):
+        store.sessions.set_prompt("c", (1,))

@@ -542,6 +542,7 @@ _SESSION_STATUS_PB = {
     d.SessionStatus.OPEN: session_pb2.SESSION_STATUS_OPEN,
     d.SessionStatus.CLOSED: session_pb2.SESSION_STATUS_CLOSED,
 }
+_SESSION_STATUS = _inverse(_SESSION_STATUS_PB)
 _TURN_STATUS_PB = {
     d.TurnStatus.RUNNING: session_pb2.TURN_STATUS_RUNNING,
     d.TurnStatus.DONE: session_pb2.TURN_STATUS_DONE,
@@ -574,4 +575,24 @@ def session_to_pb(s: d.AgentSession) -> session_pb2.Session:
         status=_SESSION_STATUS_PB[s.status],
         turns=[turn_to_pb(t) for t in s.turns],
         trajectory=trajectory_to_pb(s.trajectory()),
+    )
+
+
+def session_statuses_from_pb(values) -> list[d.SessionStatus]:
+    """The statuses to list (empty = all); UNSPECIFIED or unknown is refused, as for jobs."""
+    out = []
+    for i, v in enumerate(values):
+        if v not in _SESSION_STATUS:
+            what = "SESSION_STATUS_UNSPECIFIED" if v == 0 else f"unknown value {v}"
+            raise InvalidArgument(
+                f"{what} is not a session status (an empty list means all)",
+                field=f"statuses[{i}]",
+            )
+        out.append(_SESSION_STATUS[v])
+    return out
+
+
+def session_summary_to_pb(s: d.SessionSummary) -> session_pb2.SessionSummary:
+    return session_pb2.SessionSummary(
+        **_same_named(s, skip=("status",)), status=_SESSION_STATUS_PB[s.status]
     )

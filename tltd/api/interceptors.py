@@ -51,6 +51,7 @@ _TRAINER_METHODS = frozenset(
         "/tltd.v1.SessionService/Turn",
         "/tltd.v1.SessionService/GetSession",
         "/tltd.v1.SessionService/CloseSession",
+        "/tltd.v1.SessionService/ListSessions",
     }
 )
 

@@ -74,6 +74,13 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     async def CloseSession(self, request, context):
         return c.session_to_pb(await to_thread(self.svc.close, request.session_id))
 
+    async def ListSessions(self, request, context):
+        statuses = c.session_statuses_from_pb(request.statuses)
+        found = await to_thread(self.svc.list, request.job_id, statuses, request.limit)
+        return session_pb2.ListSessionsResponse(
+            sessions=[c.session_summary_to_pb(s) for s in found]
+        )
+
 
 class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     def __init__(self, services: Services) -> None:

@@ -15,8 +15,10 @@ from starlette.routing import Route
 
 from tltd.http import (
     openai_api,
+    openai_sessions,
     sglang_api,
     sglang_control,
+    sglang_sessions,
     sglang_weights,
     vllm_api,
     vllm_weights,
@@ -39,8 +41,16 @@ def build_app(services: Services, tokens) -> Starlette:
         )
 
     oa, sg = openai_api.RENAMES, sglang_api.RENAMES
+    sgs = sglang_sessions.RENAMES + sg
     routes = [
-        route("/v1/completions", "completions", openai_api.completions, "POST", oa),
+        route(
+            "/v1/completions",
+            "completions",
+            openai_sessions.completions,
+            "POST",
+            openai_sessions.RENAMES + oa,
+        ),
+        route("/finish_session", "close_session", openai_sessions.finish_session, "POST", oa),
         route("/v1/models", "models", openai_api.models, "GET", oa),
         route("/health", "health", sglang_api.health, "GET", sg),
         # vLLM's own routes, on the job `model` names or the only active one.
@@ -57,7 +67,17 @@ def build_app(services: Services, tokens) -> Starlette:
     # SGLang's endpoints, on the job the URL names or (without one) the only active job.
     for prefix in ("", "/jobs/{job_id}"):
         routes += [
-            route(f"{prefix}/generate", "generate", sglang_api.generate, "POST", sg),
+            route(f"{prefix}/generate", "generate", sglang_sessions.generate, "POST", sgs),
+            route(
+                f"{prefix}/open_session", "open_session", sglang_sessions.open_session, "POST", sg
+            ),
+            route(
+                f"{prefix}/close_session",
+                "close_session",
+                sglang_sessions.close_session,
+                "POST",
+                sg,
+            ),
             route(
                 f"{prefix}/update_weights_from_disk",
                 "update_weights",

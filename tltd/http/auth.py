@@ -24,6 +24,8 @@ ROUTE_METHODS = {
     "flush_cache": "/tltd.v1.PolicyService/UpdatePolicy",
     "abort": "/tltd.v1.RolloutService/CancelRequest",
     "weights_group": "/tltd.v1.PolicyService/OpenBroadcast",
+    "open_session": "/tltd.v1.SessionService/OpenSession",
+    "close_session": "/tltd.v1.SessionService/CloseSession",
 }
 
 

@@ -351,7 +351,7 @@ def _tltd_fields(s: Sample) -> dict:
     }
 
 
-def _usage(req: RolloutRequest, samples: list[Sample]) -> dict:
+def usage(req: RolloutRequest, samples: list[Sample]) -> dict:
     prompt = sum(len(p) for p in req.prompts)
     completion = sum(len(s.token_ids) for s in samples)
     return {
@@ -361,8 +361,10 @@ def _usage(req: RolloutRequest, samples: list[Sample]) -> dict:
     }
 
 
-async def completions(services: Services, request: Request) -> JSONResponse | StreamingResponse:
-    body = door.parse(CompletionRequest, await request.body())
+async def completions(
+    services: Services, request: Request, body: CompletionRequest
+) -> JSONResponse | StreamingResponse:
+    """A completion without X-Session-ID (the route: openai_sessions.completions)."""
     rid = door.request_id(
         request.headers.get(door.REQUEST_ID_HEADER), body.request_id, "request_id"
     )
@@ -382,7 +384,7 @@ async def completions(services: Services, request: Request) -> JSONResponse | St
             "id": done[0].request_id,
             **head,
             "choices": [choice(body, req, s, vocab) for s in done],
-            "usage": _usage(req, done),
+            "usage": usage(req, done),
         }
     )
 
@@ -397,7 +399,7 @@ async def _events(body, req, samples, vocab, head):
             yield door.sse({"id": req.request_id, **head, "choices": [choice(body, req, s, vocab)]})
         if body.stream_options and body.stream_options.include_usage:
             yield door.sse(
-                {"id": req.request_id, **head, "choices": [], "usage": _usage(req, done)}
+                {"id": req.request_id, **head, "choices": [], "usage": usage(req, done)}
             )
     except Exception as raised:  # noqa: BLE001 - the stream must end with an error, not silently
         yield door.sse(failure_body(raised, RENAMES, "a completions stream")[1])

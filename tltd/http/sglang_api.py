@@ -95,12 +95,14 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     rid: str | None = None
     log_metrics: bool = True
-    # Accepted at their no-op values only (_refuse_unsupported): AReaL sends image_data: []
+    # Accepted at their no-op values only (refuse_unsupported): AReaL sends image_data: []
     # with every text-only request.
     image_data: Any = None
     custom_logit_processor: str | None = None
     return_hidden_states: bool = False
     lora_path: Any = None
+    # A turn of a session opened by /open_session (tltd/http/sglang_sessions.py).
+    session_params: Any = None
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -121,7 +123,7 @@ class UpdateWeightsRequest(BaseModel):
     manifest: dict[str, Any] | None = None
 
 
-def _sampling(raw: dict | list | None) -> SglangSampling:
+def parse_sampling(raw: dict | list | None) -> SglangSampling:
     """One set of parameters: a batch's per-prompt list must repeat the same one (a tltd
     request runs its prompts alike)."""
     if isinstance(raw, list):
@@ -176,7 +178,7 @@ def _no_images(value: Any) -> bool:
     return isinstance(value, list) and all(v is None or v == [] for v in value)
 
 
-def _refuse_unsupported(body: GenerateRequest) -> None:
+def refuse_unsupported(body: GenerateRequest) -> None:
     if not _no_images(body.image_data):
         raise InvalidArgument("images are not supported: only none or []", field="image_data")
     for name in ("custom_logit_processor", "lora_path"):
@@ -213,32 +215,36 @@ def _scores_prompt(body: GenerateRequest, prompts: tuple[tuple[int, ...], ...]) 
 
 def to_rollout(body: GenerateRequest, job: Job, vocab: Vocab, request_id: str):
     """(domain request, text-side parameters, whether the input was single)."""
-    _refuse_unsupported(body)
-    params = _sampling(body.sampling_params)
+    refuse_unsupported(body)
+    params = parse_sampling(body.sampling_params)
     prompts, single = _prompts(body, vocab)
+    sampling = domain_sampling(body, params, vocab, _scores_prompt(body, prompts))
+    req = RolloutRequest(request_id, job.job_id, prompts, sampling)
+    return req, params, single and params.n == 1
+
+
+def domain_sampling(
+    body: GenerateRequest, params: SglangSampling, vocab: Vocab, scores_prompt: bool
+) -> SamplingParams:
+    """The domain's sampling: stop strings as their tokens, the model's EOS unless
+    ignore_eos (SGLang stops there), alternatives and prompt logprobs when asked."""
     top_n = (body.top_logprobs_num or 0) if body.return_logprob else 0
     stops = [*(params.stop_token_ids or ())]
     texts = [params.stop] if isinstance(params.stop, str) else (params.stop or [])
     stops += [vocab.stop_token(s, f"sampling_params.stop[{i}]") for i, s in enumerate(texts)]
     if not params.ignore_eos:
-        stops += vocab.eos_ids  # SGLang stops at the model's EOS unless ignore_eos
-    req = RolloutRequest(
-        request_id=request_id,
-        job_id=job.job_id,
-        prompts=prompts,
-        sampling=SamplingParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=0 if params.top_k in (0, -1) else params.top_k,
-            max_new_tokens=128 if params.max_new_tokens is None else params.max_new_tokens,
-            stop_token_ids=tuple(dict.fromkeys(stops)),
-            seed=params.sampling_seed,
-            top_logprobs=top_n,
-            prompt_logprobs=top_n if _scores_prompt(body, prompts) else None,
-        ),
+        stops += vocab.eos_ids
+    return SamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=0 if params.top_k in (0, -1) else params.top_k,
+        max_new_tokens=128 if params.max_new_tokens is None else params.max_new_tokens,
+        stop_token_ids=tuple(dict.fromkeys(stops)),
+        seed=params.sampling_seed,
+        top_logprobs=top_n,
+        prompt_logprobs=top_n if scores_prompt else None,
     )
-    return req, params, single and params.n == 1
 
 
 def output(body, params, req: RolloutRequest, s: Sample, vocab: Vocab) -> dict:
@@ -349,8 +355,8 @@ def _finite(lp: float) -> float | None:
 _job = door.addressed_job
 
 
-async def generate(services: Services, request: Request) -> Response:
-    body = door.parse(GenerateRequest, await request.body())
+async def generate(services: Services, request: Request, body: GenerateRequest) -> Response:
+    """A /generate without session_params (the route: sglang_sessions.generate)."""
     rid = door.request_id(request.headers.get(door.REQUEST_ID_HEADER), body.rid, "rid")
     job = await _job(services, request)
     vocab = await asyncio.to_thread(vocab_for, job.model_path)  # reads tokenizer.json once

@@ -1,5 +1,6 @@
 """A job model's text side for the HTTP door: its tokenizer.json (string prompts, text out,
-stop strings) and its end-of-sequence ids (these servers stop there unless told not to)."""
+stop strings), its end-of-sequence ids (these servers stop there unless told not to) and its
+beginning-of-sequence id."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 class Vocab:
     tokenizer: Any  # tokenizers.Tokenizer, or None when the model directory has none
     eos_ids: tuple[int, ...]
+    bos_id: int | None = None
 
     def encode(self, text: str, field: str, special: bool = True) -> tuple[int, ...]:
         """Token ids of `text` as the model's tokenizer makes them (its post-processor adds
@@ -80,14 +82,16 @@ def vocab_for(model_path: str) -> Vocab:
         except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions
             # Text is optional on this door: token ids still work. Say why text does not.
             log.warning("cannot load %s/tokenizer.json: %s", model_path, exc)
-    return Vocab(tokenizer, _eos_ids(path))
+    bos = _config_ids(path, "bos_token_id")
+    return Vocab(tokenizer, _config_ids(path, "eos_token_id"), bos[0] if bos else None)
 
 
-def _eos_ids(path: Path) -> tuple[int, ...]:
-    """eos_token_id of generation_config.json, else of config.json (an int or a list)."""
+def _config_ids(path: Path, key: str) -> tuple[int, ...]:
+    """`key` (eos_token_id, bos_token_id) of generation_config.json, else of config.json (an
+    int or a list)."""
     for name in ("generation_config.json", "config.json"):
         try:
-            value = json.loads((path / name).read_text()).get("eos_token_id")
+            value = json.loads((path / name).read_text()).get(key)
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(value, int) and value >= 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from tltd.domain import (
     Sample,
     SamplingParams,
     SessionStatus,
+    SessionSummary,
     SessionTurn,
     TurnStatus,
 )
@@ -72,18 +74,42 @@ class SessionService:
         self.settings = settings
         self.rollouts = rollouts
 
-    def open(self, job_id: str, session_id: str, prompt: tuple[int, ...]) -> AgentSession:
-        """Store a session of `job_id` starting from `prompt` (idempotent on session_id)."""
+    def open(
+        self,
+        job_id: str,
+        session_id: str,
+        prompt: tuple[int, ...],
+        *,
+        prompt_later: bool = False,
+        streaming: bool = False,
+    ) -> AgentSession:
+        """Store a session of `job_id` starting from `prompt` (idempotent on session_id).
+        With `prompt_later` (SGLang's /open_session) the prompt is empty until `set_prompt`."""
         check_id(job_id, "job_id")
         session_id = session_id or f"ses-{uuid.uuid4().hex}"
         check_session_id(session_id)
         job = self.store.jobs.get(job_id)
         if job.status is not JobStatus.ACTIVE:
             raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
+        if not prompt_later:
+            self._check_prompt(job.model_path, prompt)
+        stored, _ = self.store.sessions.open(
+            AgentSession(session_id, job_id, prompt, streaming=streaming)
+        )
+        return stored
+
+    def set_prompt(self, session_id: str, prompt: tuple[int, ...]) -> AgentSession:
+        """The prompt of a session opened without one (the same one again: a no-op)."""
+        check_session_id(session_id)
+        session = self.store.sessions.get(session_id)
+        self._check_prompt(self.store.jobs.get(session.job_id).model_path, prompt)
+        return self.store.sessions.set_prompt(session_id, prompt)
+
+    def _check_prompt(self, model_path: str, prompt: tuple[int, ...]) -> None:
         field = "prompt_token_ids"
         if not prompt:
             raise InvalidArgument("must not be empty", field=field)
-        limits = model_limits(job.model_path)
+        limits = model_limits(model_path)
         context, holder = context_limit(self.settings, limits)
         most = min(self.settings.max_prompt_tokens, context - 1)
         if len(prompt) > most:
@@ -92,8 +118,14 @@ class SessionService:
                 field=field,
             )
         check_tokens(prompt, field, limits.vocab_size)
-        stored, _ = self.store.sessions.open(AgentSession(session_id, job_id, prompt))
-        return stored
+
+    def list(
+        self, job_id: str = "", statuses: Sequence[SessionStatus] = (), limit: int = 100
+    ) -> list[SessionSummary]:
+        """Sessions, newest first (of one job when `job_id` is set)."""
+        if job_id:
+            check_id(job_id, "job_id")
+        return self.store.sessions.list(job_id, statuses, limit)
 
     async def turn(
         self, session_id: str, turn_index: int, inputs: tuple[int, ...], sampling: SamplingParams
@@ -134,6 +166,11 @@ class SessionService:
             check_tokens(inputs, "input_token_ids", limits.vocab_size)
         context, holder = context_limit(self.settings, limits)
         before = len(session.context_before(turn_index))
+        if before + len(inputs) == 0:
+            raise InvalidArgument(
+                "the session has no prompt yet: its first turn needs input tokens",
+                field="input_token_ids",
+            )
         if before + len(inputs) > self.settings.max_prompt_tokens:
             raise InvalidArgument(
                 f"{before} tokens of the session and {len(inputs)} new ones exceed the limit "

@@ -30,6 +30,7 @@ from tltd.domain import (
     Sample,
     SamplingParams,
     SessionStatus,
+    SessionSummary,
     SessionTurn,
     SpeculativeConfig,
     SpeculativeStats,
@@ -357,6 +358,10 @@ def packed_ids(ids: Sequence[int]) -> bytes:
     return _packed("i", ids)
 
 
+def unpacked_ids(blob: bytes) -> tuple[int, ...]:
+    return _unpacked("i", blob)
+
+
 def sampling_to_json(s: SamplingParams) -> dict[str, Any]:
     """A turn's sampling as stored (the seed as text: JSON numbers lose a uint64's bits in
     some readers)."""
@@ -403,6 +408,19 @@ def fill_turn_row(row: SessionTurnRow, sample: Sample) -> None:
     row.policy_spans = [list(x) for x in sample.policy_spans] or None
 
 
+def session_summary(row: SessionRow, running_turn: int) -> SessionSummary:
+    return SessionSummary(
+        session_id=row.session_id,
+        job_id=row.job_id,
+        status=SessionStatus(row.status),
+        num_turns=row.num_turns,
+        num_tokens=row.num_tokens,
+        running_turn=running_turn,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
 def session_from_rows(row: SessionRow, turns: Sequence[SessionTurnRow]) -> AgentSession:
     return AgentSession(
         session_id=row.session_id,
@@ -413,6 +431,7 @@ def session_from_rows(row: SessionRow, turns: Sequence[SessionTurnRow]) -> Agent
         num_tokens=row.num_tokens,
         attempts=row.attempts,
         turns=tuple(turn_from_row(t) for t in turns),
+        streaming=row.streaming,
         created_at=row.created_at,
         updated_at=row.updated_at,
     )

@@ -3,6 +3,8 @@ closing it. Each call is one transaction on the session's row, locked."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -12,6 +14,7 @@ from tltd.domain import (
     Sample,
     SamplingParams,
     SessionStatus,
+    SessionSummary,
     SessionTurn,
     TurnStatus,
     turn_request_id,
@@ -47,6 +50,7 @@ class SessionRecords:
                             num_turns=0,
                             num_tokens=len(session.prompt_token_ids),
                             attempts=0,
+                            streaming=session.streaming,
                             created_at=now,
                             updated_at=now,
                         )
@@ -59,6 +63,46 @@ class SessionRecords:
 
     def get(self, session_id: str) -> AgentSession:
         with self.db.tx(write=False) as s:
+            return _read(s, session_id)
+
+    def list(
+        self, job_id: str = "", statuses: Sequence[SessionStatus] = (), limit: int = 100
+    ) -> list[SessionSummary]:
+        """Sessions, newest first, with the index of each one's running turn (-1: none)."""
+        q = select(SessionRow).order_by(SessionRow.created_at.desc(), SessionRow.session_id)
+        if job_id:
+            q = q.where(SessionRow.job_id == job_id)
+        if statuses:
+            q = q.where(SessionRow.status.in_([st.value for st in statuses]))
+        with self.db.tx(write=False) as s:
+            rows = s.scalars(q.limit(limit) if limit else q).all()
+            running = dict(
+                s.execute(
+                    select(SessionTurnRow.session_id, SessionTurnRow.turn_index).where(
+                        SessionTurnRow.session_id.in_([r.session_id for r in rows]),
+                        SessionTurnRow.status == TurnStatus.RUNNING.value,
+                    )
+                ).all()
+            )
+            return [convert.session_summary(r, running.get(r.session_id, -1)) for r in rows]
+
+    def set_prompt(self, session_id: str, prompt: tuple[int, ...]) -> AgentSession:
+        """Give a session opened without a prompt its prompt (its first request's tokens);
+        the same prompt again is a no-op, another one ALREADY_EXISTS."""
+        with self.db.tx() as s:
+            row = _session_row(s, session_id, lock=True)
+            if row.status != SessionStatus.OPEN.value:
+                raise FailedPrecondition(f"session {session_id} is closed", field="session_id")
+            stored = convert.unpacked_ids(row.prompt_bin)
+            if not stored:
+                row.prompt_bin = convert.packed_ids(prompt)
+                row.num_tokens = len(prompt)
+                row.updated_at = utcnow()
+                s.flush()
+            elif stored != prompt:
+                raise AlreadyExists(
+                    f"session {session_id} has another prompt", field="prompt_token_ids"
+                )
             return _read(s, session_id)
 
     def begin_turn(
@@ -183,7 +227,7 @@ def _read(s: Session, session_id: str) -> AgentSession:
 
 
 def _same_session(stored: AgentSession, asked: AgentSession) -> AgentSession:
-    for name in ("job_id", "prompt_token_ids"):
+    for name in ("job_id", "prompt_token_ids", "streaming"):
         if getattr(stored, name) != getattr(asked, name):
             raise AlreadyExists(
                 f"session {stored.session_id} exists with another {name}", field=name

@@ -388,6 +388,8 @@ class SessionRow(Base):
     num_tokens: Mapped[int] = mapped_column(Integer, default=0)
     # Turns given up (their request ended without a sample): the next attempt's request id.
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # A request naming no earlier turn continues the latest one (SGLang's streaming session).
+    streaming: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 

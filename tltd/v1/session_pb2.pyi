@@ -96,7 +96,7 @@ class Trajectory(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "job_id", "status", "num_turns", "num_tokens", "turns", "trajectory", "created_at", "updated_at")
+    __slots__ = ("session_id", "job_id", "status", "num_turns", "num_tokens", "turns", "trajectory", "created_at", "updated_at", "streaming")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Session(_message.Message):
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     job_id: str
     status: SessionStatus
@@ -115,7 +116,8 @@ class Session(_message.Message):
     trajectory: Trajectory
     created_at: _timestamp_pb2.Timestamp
     updated_at: _timestamp_pb2.Timestamp
-    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., status: _Optional[_Union[SessionStatus, str]] = ..., num_turns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., trajectory: _Optional[_Union[Trajectory, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    streaming: bool
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., status: _Optional[_Union[SessionStatus, str]] = ..., num_turns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., trajectory: _Optional[_Union[Trajectory, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., streaming: _Optional[bool] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -128,3 +130,39 @@ class CloseSessionRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("job_id", "statuses", "limit")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    statuses: _containers.RepeatedScalarFieldContainer[SessionStatus]
+    limit: int
+    def __init__(self, job_id: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[SessionStatus, str]]] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class SessionSummary(_message.Message):
+    __slots__ = ("session_id", "job_id", "status", "num_turns", "num_tokens", "running_turn", "created_at", "updated_at")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TURN_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    job_id: str
+    status: SessionStatus
+    num_turns: int
+    num_tokens: int
+    running_turn: int
+    created_at: _timestamp_pb2.Timestamp
+    updated_at: _timestamp_pb2.Timestamp
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., status: _Optional[_Union[SessionStatus, str]] = ..., num_turns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., running_turn: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ...) -> None: ...

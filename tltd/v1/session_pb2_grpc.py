@@ -60,6 +60,11 @@ class SessionServiceStub:
                 request_serializer=tltd_dot_v1_dot_session__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=tltd_dot_v1_dot_session__pb2.Session.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/tltd.v1.SessionService/ListSessions',
+                request_serializer=tltd_dot_v1_dot_session__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=tltd_dot_v1_dot_session__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -103,6 +108,13 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSessions(self, request, context):
+        """Sessions, newest first, without their tokens (tltctl sessions).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +137,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=tltd_dot_v1_dot_session__pb2.CloseSessionRequest.FromString,
                     response_serializer=tltd_dot_v1_dot_session__pb2.Session.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=tltd_dot_v1_dot_session__pb2.ListSessionsRequest.FromString,
+                    response_serializer=tltd_dot_v1_dot_session__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -241,6 +258,33 @@ class SessionService:
             '/tltd.v1.SessionService/CloseSession',
             tltd_dot_v1_dot_session__pb2.CloseSessionRequest.SerializeToString,
             tltd_dot_v1_dot_session__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tltd.v1.SessionService/ListSessions',
+            tltd_dot_v1_dot_session__pb2.ListSessionsRequest.SerializeToString,
+            tltd_dot_v1_dot_session__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,
