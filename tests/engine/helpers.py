@@ -90,3 +90,31 @@ def chi_square_p_value(counts, law) -> float:
         return 0.0  # draws in cells that hold (numerically) no mass
     exp = [e * n / sum(exp) for e in exp]  # rounding: chisquare wants equal totals
     return chisquare(obs, exp).pvalue
+
+
+def three_token_law(ckpt, context, vocab: int, temperature: float, top_p: float) -> dict:
+    """P(t1, t2, t3) after `context` under the processed distribution (transformers, fp64),
+    by enumeration of every prefix of the `vocab`-token model at `ckpt`."""
+    import itertools
+
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).eval()
+    warp = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)]
+
+    def probs(prefixes):
+        ids = torch.tensor([list(context) + list(p) for p in prefixes])
+        with torch.no_grad():
+            scores = model(ids).logits[:, -1]
+        for w in warp:
+            scores = w(ids, scores)
+        return torch.softmax(scores, -1)
+
+    p1, p2 = probs([()])[0], probs([(a,) for a in range(vocab)])
+    pairs = list(itertools.product(range(vocab), repeat=2))
+    law = {}
+    for (a, b), row in zip(pairs, probs(pairs), strict=True):
+        for c in range(vocab):
+            law[(a, b, c)] = float(p1[a] * p2[a, b] * row[c])
+    return law

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.engine.helpers import chi_square_p_value as _p_value
-from tests.engine.helpers import make_checkpoint
+from tests.engine.helpers import make_checkpoint, three_token_law
 from tests.torch_device import torch_device
 from tltd.domain import SamplingParams
 from tltd_workers.engine import speculation as speculation_mod
@@ -49,30 +49,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exact(ckpt):
-    """P(t1, t2, t3) under the processed distribution, by enumeration of all prefixes."""
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).eval()
-    warp = [TemperatureLogitsWarper(TEMPERATURE), TopPLogitsWarper(TOP_P)]
-
-    def probs(prefixes):
-        ids = torch.tensor([PROMPT + list(p) for p in prefixes])
-        with torch.no_grad():
-            scores = model(ids).logits[:, -1]
-        for w in warp:
-            scores = w(ids, scores)
-        return torch.softmax(scores, -1)
-
-    p1 = probs([()])[0]
-    p2 = probs([(a,) for a in range(V)])
-    pairs = list(itertools.product(range(V), repeat=2))
-    p3 = probs(pairs)
-    law = {}
-    for (a, b), row in zip(pairs, p3, strict=True):
-        for c in range(V):
-            law[(a, b, c)] = float(p1[a] * p2[a, b] * row[c])
-    return law
+    return three_token_law(ckpt, PROMPT, V, TEMPERATURE, TOP_P)
 
 
 def _engine(ckpt, mode, strategy, eagle, seed=0, confidence=0.0, drafter_scale=1.0) -> Engine:

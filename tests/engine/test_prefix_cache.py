@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.engine.helpers import chi_square_p_value, make_checkpoint
+from tests.engine.helpers import chi_square_p_value, make_checkpoint, three_token_law
 from tests.torch_device import torch_device
 from tltd.domain import SamplingParams
 from tltd_workers.engine import prefix_cache as prefix_mod
@@ -203,31 +203,6 @@ def tiny(tmp_path_factory):
     )  # fmt: skip
 
 
-def _second_turn_law(tiny, context):
-    """P(t1, t2, t3) after `context` under the processed distribution (transformers, fp64)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float64).eval()
-    warp = [TemperatureLogitsWarper(TEMPERATURE), TopPLogitsWarper(TOP_P)]
-
-    def probs(prefixes):
-        ids = torch.tensor([context + list(p) for p in prefixes])
-        with torch.no_grad():
-            scores = model(ids).logits[:, -1]
-        for w in warp:
-            scores = w(ids, scores)
-        return torch.softmax(scores, -1)
-
-    p1, p2 = probs([()])[0], probs([(a,) for a in range(V)])
-    pairs = list(itertools.product(range(V), repeat=2))
-    law = {}
-    for (a, b), row in zip(pairs, probs(pairs), strict=True):
-        for c in range(V):
-            law[(a, b, c)] = float(p1[a] * p2[a, b] * row[c])
-    return law
-
-
 def _reusing_turns(tiny, mode, first_prompt=PROMPT):
     """Many sessions: a greedy first turn of `first_prompt`, then a sampled turn of PROMPT,
     its answer and ENV that reuses the first turn's KV; its tokens' counts and context."""
@@ -254,14 +229,16 @@ def _reusing_turns(tiny, mode, first_prompt=PROMPT):
 @pytest.mark.parametrize("mode", ["off", "fixed"], ids=["plain", "sd"])
 def test_a_reusing_turns_sampled_tokens_follow_the_exact_law(tiny, mode):
     counts, context = _reusing_turns(tiny, mode)
-    assert chi_square_p_value(counts, _second_turn_law(tiny, context)) > 1e-3
+    law = three_token_law(tiny, context, V, TEMPERATURE, TOP_P)
+    assert chi_square_p_value(counts, law) > 1e-3
 
 
 def test_the_law_test_sees_kv_of_other_tokens(tiny, monkeypatch):
     """KV kept for another first prompt, restored as if it matched (the check bypassed)."""
     monkeypatch.setattr(prefix_mod, "shared_prefix", lambda a, b: len(a))
     counts, context = _reusing_turns(tiny, "off", first_prompt=[(t + 3) % V for t in PROMPT])
-    assert chi_square_p_value(counts, _second_turn_law(tiny, context)) < 1e-6
+    law = three_token_law(tiny, context, V, TEMPERATURE, TOP_P)
+    assert chi_square_p_value(counts, law) < 1e-6
 
 
 def test_a_resumed_turn_keeps_its_kv_too(ckpt):
