@@ -258,11 +258,33 @@ def rollout_seconds(
     while pos < lengths[-1]:
         rows = sum(1 for n in lengths if n > pos)
         cost = bucket_cost(dev, shape, rows, rollout.prompt + pos, ks)
-        per_token = cost.plain_ms
-        if alpha is not None:
-            for k in ks:
-                sd = cost.step_ms(Strategy("eagle", k)) / expected_tokens(alpha, 1.0, k)
-                per_token = min(per_token, sd)
-        total += per_token * chunk
+        total += _step_ms(cost, alpha, ks) * chunk
         pos += chunk
     return total / 1000.0
+
+
+def untailed_seconds(
+    dev: Device, shape: Shape, rollout: Rollout, alpha: float | None, ks: Sequence[int]
+) -> float:
+    """Decode time of `rollout`'s tokens when no device waits for the tail (asynchronous RL
+    with partial rollouts): the running batch stays at `rollout.rows`, a finished sample's
+    place going to a new one and an unfinished sample going on in the next step, each token at
+    the mean context of all tokens decoded. alpha None: plain decoding; else the best arm at
+    that batch (plain where no SD arm pays). Tokens then run up to a few policy versions
+    behind: off-policy, and the trainer must correct for it."""
+    lengths = rollout.lengths()
+    tokens = sum(lengths)
+    context = rollout.prompt + round(sum(n * n for n in lengths) / (2 * tokens))
+    cost = bucket_cost(dev, shape, rollout.rows, context, ks)
+    return tokens / rollout.rows * _step_ms(cost, alpha, ks) / 1000.0
+
+
+def _step_ms(cost: BucketCost, alpha: float | None, ks: Sequence[int]) -> float:
+    """ms per token position of every running row: plain, or the cheapest arm per token a
+    k-draft chain advances (plain where none pays)."""
+    per_token = cost.plain_ms
+    if alpha is not None:
+        for k in ks:
+            sd = cost.step_ms(Strategy("eagle", k)) / expected_tokens(alpha, 1.0, k)
+            per_token = min(per_token, sd)
+    return per_token

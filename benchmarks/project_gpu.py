@@ -7,7 +7,8 @@ anchors; per device x policy shape the SD gain per running batch (the arm the en
 `predict` picks, chains of 2-8 drafts accepted with per-position probability alpha, the
 drafter's LM head included); and the rollout speedup, the rollout's share of an RL step and
 the end-to-end speedup of a synchronous GRPO step (`Rollout`'s long-tailed lengths, the update
-at a stated MFU), with bands over alpha 0.6-0.85, MFU 0.3-0.5 and overheads x0.5-2.
+at a stated MFU) and of an asynchronous one (no tail waited for; off-policy tokens), with
+bands over alpha 0.6-0.85, MFU 0.3-0.5 and overheads x0.5-2.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from benchmarks.gpu_model import (  # noqa: E402
     anchor_gain,
     rollout_seconds,
     sd_gain,
+    untailed_seconds,
     update_seconds,
 )
 
@@ -59,12 +61,14 @@ def step_row(dev: Device, shape: Shape, alpha: float) -> str:
 
 
 def e2e(dev: Device, shape: Shape, rollout: Rollout, alpha: float, mfu: float) -> tuple:
-    """(rollout speedup, rollout share of the SD-off step, end-to-end speedup)."""
+    """(rollout speedup, rollout share of the SD-off step, end-to-end speedup, and that of an
+    asynchronous step with SD: no tail waited for, the update as long as before)."""
     off = rollout_seconds(dev, shape, rollout, None, KS)
     on = rollout_seconds(dev, shape, rollout, alpha, KS)
+    untailed = untailed_seconds(dev, shape, rollout, alpha, KS)
     tokens = sum(rollout.lengths()) + rollout.prompt * rollout.rows
     upd = update_seconds(shape, tokens, mfu, dev)
-    return off / on, off / (off + upd), (off + upd) / (on + upd)
+    return off / on, off / (off + upd), (off + upd) / (on + upd), (off + upd) / (untailed + upd)
 
 
 def e2e_row(dev: Device, shape: Shape, rollout: Rollout, alpha: float, mfu: float) -> str:
@@ -72,7 +76,7 @@ def e2e_row(dev: Device, shape: Shape, rollout: Rollout, alpha: float, mfu: floa
     bands = [e2e(dev.scaled(o), shape, rollout, a, m)
              for a, m, o in itertools.product(ALPHAS, MFUS, OVERHEADS)]  # fmt: skip
     cells = []
-    for i, fmt in enumerate(("{:.2f}x", "{:.0%}", "{:.2f}x")):
+    for i, fmt in enumerate(("{:.2f}x", "{:.0%}", "{:.2f}x", "{:.2f}x")):
         lo, hi = min(x[i] for x in bands), max(x[i] for x in bands)
         cells.append(f"{fmt.format(nominal[i])} [{fmt.format(lo)}-{fmt.format(hi)}]")
     return f"| {dev.name} | {shape.name} | " + " | ".join(cells) + " |"
@@ -98,10 +102,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.mfu:g}; nominal [band over alpha {ALPHAS}, MFU {MFUS}, overheads x"
           f"{OVERHEADS}] -- projection")  # fmt: skip
     print("| device | policy | rollout speedup | rollout share of step (SD off) "
-          "| end-to-end speedup |")  # fmt: skip
-    print("|---|---|---:|---:|---:|")
+          "| end-to-end speedup | asynchronous end-to-end (off-policy tokens) |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|")
     for dev, shape in itertools.product(DEVICES.values(), SHAPES.values()):
         print(e2e_row(dev, shape, rollout, args.alpha, args.mfu))
+    print("\nAsynchronous: partial rollouts keep every device's batch full (no sample waits "
+          "for the tail; unfinished ones go on in the next step), with SD where it pays at that "
+          "batch; the update as long as in the synchronous step (on devices of its own, or "
+          "between rollouts). Its tokens are up to a few policy versions old: off-policy, and "
+          "the trainer must correct for them (docs/rollouts.md).")  # fmt: skip
     print("\nAll figures above are projections of a roofline model with fitted overheads "
           "(docs/performance.md, 'GPU projection'); drafter training is assumed to run on "
           "idle devices at no cost to the step, as in TLT.")  # fmt: skip

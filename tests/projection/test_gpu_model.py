@@ -20,6 +20,7 @@ from benchmarks.gpu_model import (
     forward_ms,
     rollout_seconds,
     sd_gain,
+    untailed_seconds,
 )
 from tltd_workers.engine.costs import expected_tokens, predict
 
@@ -79,3 +80,21 @@ def test_a_long_tailed_rollout_gains_from_sd():
     off = rollout_seconds(H100, QWEN25_7B, r, None, [2, 4])
     on = rollout_seconds(H100, QWEN25_7B, r, 0.75, [2, 4])
     assert 1.2 < off / on < 3.0
+
+
+def test_without_a_tail_the_untailed_rollout_is_the_synchronous_one():
+    """Equal lengths: nothing to wait for, so keeping the batch full changes nothing (the
+    mean context stands for the chunks' contexts: within 2%; 768 tokens are whole chunks of
+    the synchronous integration's 64)."""
+    r = Rollout(rows=32, median=768, tail=1.0, max_new=4096)
+    assert set(r.lengths()) == {768}
+    for alpha in (None, 0.75):
+        sync = rollout_seconds(H100, QWEN25_7B, r, alpha, [2, 4])
+        assert untailed_seconds(H100, QWEN25_7B, r, alpha, [2, 4]) == pytest.approx(sync, rel=0.02)
+
+
+def test_a_long_tail_is_what_the_untailed_rollout_saves():
+    r = Rollout(rows=32, median=400, max_new=4096)
+    off = rollout_seconds(H100, QWEN25_7B, r, None, [2, 4])
+    untailed = untailed_seconds(H100, QWEN25_7B, r, None, [2, 4])
+    assert 1.5 < off / untailed < 10  # the tail ran at a small batch; here every step is full
