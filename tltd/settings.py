@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tltd.contract.sim import parse_sim
+from tltd.domain import SESSION_PLACEMENTS
 from tltd.errors import ConfigError
 
 
@@ -66,6 +67,9 @@ class Settings:
     worker_threads: int = 1  # torch threads per CPU worker
     # KV of sessions' finished turns a torch worker keeps for their next turn (MiB; 0 = none)
     worker_prefix_cache_mb: int = 256
+    # Where a session's turn runs (`tltd.scheduler`): "sticky" (the worker with its KV unless
+    # that one is much busier), "hash" (by session id, whatever the load), "round_robin".
+    session_placement: str = "sticky"
     worker_heartbeat_seconds: float = 0.5
     worker_heartbeat_timeout_seconds: float = 30.0  # silent this long while up -> killed
     worker_start_timeout_seconds: float = 300.0  # spawn or model load taking longer -> killed
@@ -394,6 +398,11 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
     if settings.spec_gate not in ("measured", "threshold"):
         raise ConfigError(
             f"spec_gate must be 'measured' or 'threshold', got {settings.spec_gate!r}"
+        )
+    if settings.session_placement not in SESSION_PLACEMENTS:
+        raise ConfigError(
+            f"session_placement must be one of {', '.join(SESSION_PLACEMENTS)}, "
+            f"got {settings.session_placement!r}"
         )
     _check_sim_engine(settings.sim_engine)
     if settings.default_backend not in ("torch", "sglang"):
