@@ -22,7 +22,11 @@ them to one engine). A session's prompt has `--prompt` tokens; each turn samples
 `--answer` tokens (greedy, no stop token) and the environment then appends `--env` tokens
 (fixed pseudo-random tokens per session and turn) before the next. Rounds rotate the rules
 (sticky, hash, round_robin, sticky, ...) so that the machine's load drifts over all of them;
-the session ids differ per round (so does the hash's split of them).
+the session ids differ per round (so does the hash's split of them). A session's KV waits in
+its worker's prefix cache only between its turns (a turn takes it out while it runs): with the
+environment answering at once (`--env-ms 0`) and the default 256 MiB, nothing is evicted;
+`--env-ms` (the environment's time per step) and `--cache-mb` (`worker_prefix_cache_mb`) put
+the cache under pressure, where a worker given more sessions than its share drops KV.
 
 Per rule: turns run, how they split over the two workers, the prefix-cache hit rate over the
 turns that can hit (every turn but a session's first; the daemon's
@@ -61,6 +65,7 @@ class Workload:
     answer: int
     env: int
     rounds: int
+    env_ms: int = 0  # the environment's time per step (a tool call), in each session's time
 
     def sessions(self, tag: str) -> list[tuple[str, int]]:
         """(session id, turns) of one round, the long sessions first."""
@@ -75,7 +80,7 @@ class Workload:
 
 @dataclass
 class Counts:
-    """The daemon's prefix-cache counters, per device (its metrics endpoint)."""
+    """The daemon's prefix-cache counters, per device (its metrics registry)."""
 
     hits: dict[str, float] = field(default_factory=dict)
     misses: dict[str, float] = field(default_factory=dict)
@@ -122,7 +127,6 @@ class LocalDaemon:
         self.daemon = self.call(_make(Daemon, self.settings, self.store, None))  # None: CPU slots
         self.call(self.daemon.start())
         self.target = f"127.0.0.1:{self.daemon.api.port}"
-        self.rule = ""
 
     def call(self, coro, timeout: float = 180.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -133,7 +137,6 @@ class LocalDaemon:
 
         settings = replace(self.settings, session_placement=rule)
         self.daemon.supervisor.sched_cfg = scheduler_config(settings)
-        self.rule = rule
 
     def prepare(self, w: Workload) -> None:
         """The job, and both workers loaded and past their first forwards (not timed)."""
@@ -210,6 +213,8 @@ def run_session(target: str, sid: str, turns: int, w: Workload, seed: int) -> fl
         start = time.perf_counter()
         c.open_session(JOB, _tokens(seed, w.prompt), session_id=sid)
         for t in range(turns):
+            if t and w.env_ms:
+                time.sleep(w.env_ms / 1000)  # its KV waits in the worker's prefix cache
             env = _tokens(1000 * seed + t, w.env) if t else []
             out = c.turn(sid, t, env, sampling=sp).turn
             if len(out.token_ids) != w.answer:
@@ -319,18 +324,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env", type=int, default=32, help="environment tokens per turn")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cache-mb", type=int, help="worker_prefix_cache_mb (default: the daemon's)")
+    p.add_argument("--env-ms", type=int, default=0, help="environment time per step (ms)")
     args = p.parse_args(argv)
     if args.quick:
         args.long, args.long_turns, args.short, args.short_turns = 1, 6, 4, 2
         args.prompt, args.answer, args.env, args.rounds = 32, 4, 8, 1
     w = Workload(
         args.long, args.long_turns, args.short, args.short_turns,
-        args.prompt, args.answer, args.env, args.rounds,
+        args.prompt, args.answer, args.env, args.rounds, args.env_ms,
     )  # fmt: skip
     print(
         f"workload per round: {w.long} sessions of {w.long_turns} turns and {w.short} of "
         f"{w.short_turns}, all at once ({w.turns} turns); prompt {w.prompt} tokens, each turn "
-        f"samples {w.answer} (greedy, no stop) then the environment adds {w.env}; "
+        f"samples {w.answer} (greedy, no stop) then the environment adds {w.env} after "
+        f"{w.env_ms} ms; "
         f"{w.rounds} round(s) per rule, rotated; 2 torch workers, model {MODEL.name}, SD off; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
