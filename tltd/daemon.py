@@ -271,6 +271,7 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
         training_cadence_seconds=settings.training_cadence_seconds,
         train_during_rollout_only=settings.training_window == "rollout",
         max_samples_per_worker=settings.worker_max_batch,
+        session_placement=settings.session_placement,
     )
 
 

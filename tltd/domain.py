@@ -584,6 +584,8 @@ class TurnStatus(enum.StrEnum):
 
 # A session id leaves room for the turn's request id (`turn_request_id`) within 128 characters.
 MAX_SESSION_ID = 96
+# Where a session's turns run: the rules of `tltd.scheduler.session_worker`.
+SESSION_PLACEMENTS = ("sticky", "hash", "round_robin")
 
 
 def turn_request_id(session_id: str, turn_index: int, attempt: int) -> str:

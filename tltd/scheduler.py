@@ -36,11 +36,15 @@ A session's turn goes where its KV is. The worker that ran a session's last turn
 (`Snapshot.holders`), so the next turn prefills only its new tokens there: the turn goes to
 that worker unless it is gone, cannot take it (full, another job or version) or runs more than
 `sticky_slack_samples` samples beyond the least loaded worker that can; then, as a first turn
-does, to the least loaded one (which prefills the whole sequence).
+does, to the least loaded one (which prefills the whole sequence). `session_placement` picks
+another rule for benchmarks and ablations: "hash" sends every turn of a session to one worker by
+its key (rendezvous hashing over the workers that can take it), whatever their load; "round_robin"
+ignores the KV and hands turns to the workers in rotation.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -66,6 +70,7 @@ class SchedulerConfig:
     # this beyond the least loaded worker that could take it (a re-prefill is cheaper than
     # waiting behind a busy worker).
     sticky_slack_samples: int = 4
+    session_placement: str = "sticky"  # one of tltd.domain.SESSION_PLACEMENTS
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,7 @@ class Snapshot:
     pending: tuple[PendingWork, ...]
     jobs: tuple[JobView, ...]
     holders: Mapping[str, str] = field(default_factory=dict)  # session key -> worker with its KV
+    turns_handed_out: int = 0  # session turns given to workers so far (the round-robin's place)
 
 
 @dataclass(frozen=True)
@@ -320,6 +326,7 @@ def _place(
     # Virtual time per job: tokens served / weight. Higher priority always goes first.
     served = {j: float(v.served_tokens) for j, v in jobs.items()}
     queues = _queues(snap, jobs)
+    turn = snap.turns_handed_out  # the next session turn's place in the round robin
     assignments: list[Assignment] = []
     while queues:
         job_id = min(
@@ -339,7 +346,8 @@ def _place(
             _pop(queues, job_id)
             continue
         holder = snap.holders.get(work.cache_key) if work.cache_key else None
-        per_worker = _spread(work, load, takes, by_worker, training_devices, cfg, holder)
+        per_worker = _spread(work, load, takes, by_worker, training_devices, cfg, (holder, turn))
+        turn += sum(per_worker.values()) if work.cache_key else 0
         served[job_id] += work.work * sum(per_worker.values())
         assignments += [
             Assignment(work.request_id, work.prompt_index, count, wid)
@@ -379,14 +387,16 @@ def _spread(
     by_worker: dict[str, RolloutWorkerView],
     training_devices: set[str],
     cfg: SchedulerConfig,
-    holder: str | None = None,
+    session: tuple[str | None, int] = (None, 0),
 ) -> dict[str, int]:
     """Samples of one prompt per worker, one at a time to the worker with the least expected
     remaining work, so the n samples of a prompt spread when that balances the load (long
     tails are the cost); `load` is updated. Fewer than `work.samples` when workers are full.
-    `holder`: the worker holding the work's KV (`sticky`)."""
+    A session's turn goes where `session_worker` says, given `session`: the worker holding its
+    KV and the number of turns handed out before it."""
     per_worker: dict[str, int] = {}
-    for _ in range(work.samples):
+    holder, turn = session
+    for i in range(work.samples):
         candidates = [
             wid
             for wid, (running, _) in load.items()
@@ -394,7 +404,7 @@ def _spread(
         ]
         if not candidates:
             break
-        wid = sticky(holder, candidates, load, cfg.sticky_slack_samples) or min(
+        wid = session_worker(work.cache_key, holder, turn + i, candidates, load, cfg) or min(
             candidates,
             key=lambda w: (
                 load[w][1],
@@ -407,6 +417,41 @@ def _spread(
         load[wid] = (running + 1, tokens + work.work)
         per_worker[wid] = per_worker.get(wid, 0) + 1
     return per_worker
+
+
+def session_worker(
+    key: str,
+    holder: str | None,
+    turn: int,
+    candidates: list[str],
+    load: Mapping[str, tuple[int, int]],
+    cfg: SchedulerConfig,
+) -> str | None:
+    """The worker for a session's turn under `cfg.session_placement` (`key`: the session's,
+    "" for other work; `turn`: turns handed out before this one); None: place it as any work."""
+    if not key:
+        return None
+    if cfg.session_placement == "hash":
+        return hashed(key, candidates)
+    if cfg.session_placement == "round_robin":
+        return rotated(turn, candidates)
+    return sticky(holder, candidates, load, cfg.sticky_slack_samples)
+
+
+def hashed(key: str, candidates: list[str]) -> str:
+    """Rendezvous (highest random weight) hashing: the candidate scoring highest with `key`,
+    so a worker coming or going moves only the keys it wins or held. Load plays no part."""
+
+    def score(wid: str) -> bytes:
+        return hashlib.blake2b(f"{key}\0{wid}".encode(), digest_size=8).digest()
+
+    return max(candidates, key=lambda w: (score(w), w))
+
+
+def rotated(turn: int, candidates: list[str]) -> str:
+    """Round robin: the `turn`-th turn handed out goes to the next candidate by id."""
+    ordered = sorted(candidates)
+    return ordered[turn % len(ordered)]
 
 
 def sticky(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tltd.contract.sim import parse_sim
+from tltd.domain import SESSION_PLACEMENTS
 from tltd.errors import ConfigError
 
 
@@ -66,6 +67,9 @@ class Settings:
     worker_threads: int = 1  # torch threads per CPU worker
     # KV of sessions' finished turns a torch worker keeps for their next turn (MiB; 0 = none)
     worker_prefix_cache_mb: int = 256
+    # Where a session's turn runs (`tltd.scheduler`): "sticky" (the worker with its KV unless
+    # that one is much busier), "hash" (by session id, whatever the load), "round_robin".
+    session_placement: str = "sticky"
     worker_heartbeat_seconds: float = 0.5
     worker_heartbeat_timeout_seconds: float = 30.0  # silent this long while up -> killed
     worker_start_timeout_seconds: float = 300.0  # spawn or model load taking longer -> killed
@@ -342,6 +346,15 @@ def _check_ranges(settings: Settings, sources: Mapping[str, str]) -> None:
             raise ConfigError(f"{name} must be a port (0-65535), got {value!r}{where}")
 
 
+# Settings that take one of a few words.
+_CHOICES = {
+    "training_window": ("idle", "rollout"),
+    "spec_gate": ("measured", "threshold"),
+    "session_placement": SESSION_PLACEMENTS,
+    "default_backend": ("torch", "sglang"),
+}
+
+
 def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> None:
     """Refuse configurations that are unsafe or cannot work, saying why (and, given
     `sources`, where the value came from)."""
@@ -387,19 +400,10 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
         raise ConfigError("drafter_keep_versions must be >= 1")
     if settings.max_sample_attempts < 1:
         raise ConfigError("max_sample_attempts must be >= 1")
-    if settings.training_window not in ("idle", "rollout"):
-        raise ConfigError(
-            f"training_window must be 'idle' or 'rollout', got {settings.training_window!r}"
-        )
-    if settings.spec_gate not in ("measured", "threshold"):
-        raise ConfigError(
-            f"spec_gate must be 'measured' or 'threshold', got {settings.spec_gate!r}"
-        )
+    for name, allowed in _CHOICES.items():
+        if (value := getattr(settings, name)) not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
     _check_sim_engine(settings.sim_engine)
-    if settings.default_backend not in ("torch", "sglang"):
-        raise ConfigError(
-            f"default_backend must be 'torch' or 'sglang', got {settings.default_backend!r}"
-        )
 
 
 def _check_sim_engine(value: str) -> None:

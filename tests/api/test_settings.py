@@ -42,12 +42,24 @@ def test_precedence_file_env_flags(tmp_path):
         ({"cpu_slots": -1}, "cpu_slots"),
         ({"default_backend": "vllm"}, "default_backend"),
         ({"spec_gate": "always"}, "spec_gate"),
+        ({"session_placement": "random"}, "session_placement must be one of sticky, hash"),
         ({"bogus": 1}, "unknown setting"),
     ],
 )
 def test_refuses_unsafe_or_broken_settings(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_settings(None, env={}, overrides=overrides)
+
+
+def test_session_placement_reaches_the_scheduler():
+    from tltd.daemon import scheduler_config
+
+    assert load_settings(None, env={}).session_placement == "sticky"
+    for value in ("sticky", "hash", "round_robin"):
+        s = load_settings(None, env={"TLTD_SESSION_PLACEMENT": value})
+        assert scheduler_config(s).session_placement == value
+    with pytest.raises(ConfigError, match="TLTD_SESSION_PLACEMENT|session_placement"):
+        load_settings(None, env={"TLTD_SESSION_PLACEMENT": "Sticky"})
 
 
 def test_beyond_loopback_with_tokens_and_tls_is_allowed():

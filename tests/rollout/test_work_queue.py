@@ -116,7 +116,10 @@ def test_a_session_turn_carries_its_key_and_its_worker_is_remembered():
     q.add(other, 0, set(), now=1.0)
     keys = {w.request_id: w.cache_key for w in q.pending_work()}
     assert keys == {"session:ep:7:0:3:0": "ep:7:0", "r": ""}  # a session id may hold ':'
+    q.take(other.request_id, 0, 1, "w0")
+    assert q.turns_handed_out == 0  # the round robin counts session turns only
     q.take(turn.request_id, 0, 1, "w1")
+    assert q.turns_handed_out == 1
     assert q.get(turn.request_id).work(1, 0, [0]).cache_key == "ep:7:0"
     q.finish(turn.request_id, (0, 0))
     assert dict(q.holders) == {"ep:7:0": "w1"}

@@ -90,4 +90,5 @@ def build_snapshot(
         jobs=tuple(job_views),
         # Only the waiting turns' holders: the map holds every recent session.
         holders={p.cache_key: queue.holders[p.cache_key] for p in pending if p.cache_key in held},
+        turns_handed_out=queue.turns_handed_out,
     )

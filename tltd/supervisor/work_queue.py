@@ -129,6 +129,7 @@ class WorkQueue:
         self._claims = itertools.count(1)
         # Session key -> the worker that ran its last turn (and so holds its KV), newest last.
         self.holders: OrderedDict[str, str] = OrderedDict()
+        self.turns_handed_out = 0  # session turns' samples given to workers (a round robin's place)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -236,6 +237,8 @@ class WorkQueue:
         for s in taken:
             live.running[(prompt_index, s)] = worker_id
             slot.add((request_id, (prompt_index, s)))
+        if live.cache_key:
+            self.turns_handed_out += len(taken)
         return taken
 
     def finish(
