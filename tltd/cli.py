@@ -11,6 +11,7 @@ import tltd
 from tltd.errors import ConfigError
 from tltd.logs import configure_logging
 from tltd.settings import load_settings
+from tltd.worker_code import start_forkserver
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -79,6 +80,7 @@ def serve(
     try:
         settings = load_settings(config_file, overrides=overrides)
         configure_logging(settings.log_level, settings.log_json)
+        start_forkserver()
         # Imported late so that `tltd --help` stays fast and config errors need no database.
         from tltd.daemon import serve as run
 

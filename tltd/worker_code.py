@@ -33,6 +33,16 @@ def worker_context() -> Any:
     return ctx
 
 
+def start_forkserver() -> None:
+    """Start the forkserver now (it returns at once): its imports (torch, ~2.5 s on a 2-core
+    CPU) then run beside the daemon's own start (imports, migrations, joining) instead of
+    holding up the first worker's start, and with it the daemon's first answer."""
+    from multiprocessing import forkserver
+
+    worker_context()
+    forkserver.ensure_running()
+
+
 def rollout_entry(backend: Backend) -> tuple[Callable[..., None], bool]:
     """The process target of a backend's rollout worker, and whether the process may be
     daemonic: SGLang's engine starts its own scheduler processes, which a daemonic process

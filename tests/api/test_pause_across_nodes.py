@@ -13,14 +13,13 @@ from tltd.domain import Job, RequestStatus, RolloutRequest, SamplingParams
 from tltd.services import PauseMode, build_services
 from tltd.services.pause import POLL_SECONDS
 from tltd.store import Store
-from tltd.store.migrate import upgrade
 
 JOB = Job(job_id="job-1", model_path="/models/tiny")
 
 
 @pytest.fixture
-def nodes(db_url, tmp_path):
-    upgrade(db_url)
+def nodes(migrated_db_url, tmp_path):
+    db_url = migrated_db_url
     stores = [Store(db_url, node_id=n) for n in ("node-a", "node-b")]
     stores[0].jobs.create(JOB)
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -86,8 +87,10 @@ def two_daemons(request, tmp_path, ckpt, b_env) -> Iterator[list[ServeProcess]]:
                 home = tmp_path / name
                 home.mkdir()
                 if backend == "postgresql":
-                    url = stack.enter_context(_fresh_pg_database())
+                    template = request.getfixturevalue("_pg_template")
+                    url = stack.enter_context(_fresh_pg_database(template))
                 else:
+                    shutil.copyfile(request.getfixturevalue("_sqlite_template"), home / "tltd.db")
                     url = f"sqlite:///{home / 'tltd.db'}"
                 env = {"worker_max_batch": "1", "shutdown_grace_seconds": "2"}
                 env |= b_env if name == "b" else {}

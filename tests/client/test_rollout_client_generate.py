@@ -20,7 +20,6 @@ from tltd.domain import FinishReason, RequestStatus, SamplingParams
 from tltd.errors import NotFound
 from tltd.metrics import METRICS
 from tltd.store import Store
-from tltd.store.migrate import upgrade
 from tltd.v1 import rollout_pb2
 from tltd_clients import AsyncRolloutClient, RolloutClient, by_prompt
 from tltd_clients.errors import DeadlineExceededError
@@ -29,8 +28,8 @@ PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 
 
 @pytest.fixture
-def daemon(sqlite_url, tmp_path) -> Iterator[InProcessDaemon]:
-    upgrade(sqlite_url)
+def daemon(migrated_sqlite_url, tmp_path) -> Iterator[InProcessDaemon]:
+    sqlite_url = migrated_sqlite_url
     store = Store(sqlite_url)
     settings = make_settings(
         tmp_path,

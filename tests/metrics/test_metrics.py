@@ -20,7 +20,6 @@ from tltd.domain import DeviceState, Job, JobStatus, RolloutRequest, SamplingPar
 from tltd.metrics import METRICS, Metrics, start_metrics_server
 from tltd.periodic import roll_up_metrics
 from tltd.store import Store
-from tltd.store.migrate import upgrade
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -179,8 +178,8 @@ def test_http_endpoint_serves_a_parseable_exposition():
         scrape(server.port)
 
 
-def test_roll_up_mirrors_the_store(sqlite_url, tmp_path):
-    upgrade(sqlite_url)
+def test_roll_up_mirrors_the_store(migrated_sqlite_url, tmp_path):
+    sqlite_url = migrated_sqlite_url
     store = Store(sqlite_url)
     try:
         from tests.api.support import seed_devices, write_model_dir

@@ -50,8 +50,8 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path, pg_url):
-    c = Cluster(tmp_path, pg_url)
+def cluster(tmp_path, migrated_pg_copy):
+    c = Cluster(tmp_path, migrated_pg_copy)
     try:
         yield c
     finally:

@@ -52,9 +52,9 @@ def _timeline(sampler: WorkerSampler) -> str:
 
 
 @pytest.fixture
-def four_workers(sqlite_url, tmp_path):
+def four_workers(migrated_sqlite_url, tmp_path):
     d = ServeProcess(
-        tmp_path, sqlite_url, cpu_slots=4, start_timeout=180,
+        tmp_path, migrated_sqlite_url, cpu_slots=4, start_timeout=180,
         worker_max_batch=BATCH, worker_max_seq_len=256, drafter_training="false",
     )  # fmt: skip
     try:

@@ -237,12 +237,12 @@ def test_a_retry_attaches_during_a_node_drain(sqlite_store, tmp_path, ckpt):
     assert _status(sqlite_store, "r") is RequestStatus.COMPLETED
 
 
-def test_preemption_notice_file_drains_and_exits_0(sqlite_url, tmp_path, ckpt):
+def test_preemption_notice_file_drains_and_exits_0(migrated_sqlite_url, tmp_path, ckpt):
     from tests.rollout.support import ServeProcess
 
     notice = tmp_path / "preempted"
-    d = ServeProcess(tmp_path, sqlite_url, shutdown_grace_seconds=4.0, drafter_training="false",
-                     preemption_notice_file=str(notice))  # fmt: skip
+    d = ServeProcess(tmp_path, migrated_sqlite_url, shutdown_grace_seconds=4.0,
+                     drafter_training="false", preemption_notice_file=str(notice))  # fmt: skip
     try:
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")

@@ -39,8 +39,8 @@ def _groups(samples) -> dict[tuple[str, int], tuple]:
     return {k: tuple(sorted(tuple(s.token_ids) for s in v)) for k, v in out.items()}
 
 
-def _sql(db_url: str, query: str) -> list:
-    store = Store(db_url)
+def _sql(migrated_db_url: str, query: str) -> list:
+    store = Store(migrated_db_url)
     try:
         with store._tx(write=False) as s:
             return [tuple(r) for r in s.execute(text(query)).all()]
@@ -49,8 +49,10 @@ def _sql(db_url: str, query: str) -> list:
 
 
 @pytest.mark.slow
-def test_groups_unsent_and_running_at_a_kill9_are_each_sent_once_after(db_url, tmp_path, ckpt):
-    a = ServeProcess(tmp_path, db_url, "a")
+def test_groups_unsent_and_running_at_a_kill9_are_each_sent_once_after(
+    migrated_db_url, tmp_path, ckpt
+):
+    a = ServeProcess(tmp_path, migrated_db_url, "a")
     try:
         with a.client() as c:
             c.create_job(str(ckpt), job_id="job")
@@ -60,14 +62,14 @@ def test_groups_unsent_and_running_at_a_kill9_are_each_sent_once_after(db_url, t
             s2 = Stream(c, "job", RUNNING, sampling=sampling(**LONG), request_id="r2",
                         bound=_bound(2))  # fmt: skip
             leased = "SELECT count(*) FROM work_units WHERE request_id = 'r2' AND state = 'leased'"
-            wait_until(lambda: _sql(db_url, leased) == [(2,)], what="r2 running")
+            wait_until(lambda: _sql(migrated_db_url, leased) == [(2,)], what="r2 running")
             a.proc.send_signal(signal.SIGKILL)
             a.wait()
             s2.result(30)
             assert isinstance(s2.error, UnavailableError), s2.error
     finally:
         a.kill()
-    b = ServeProcess(tmp_path, db_url, "b")
+    b = ServeProcess(tmp_path, migrated_db_url, "b")
     try:
         with b.client() as c:
             again = list(c.generate("job", FIRST, sampling=short, request_id="r1", bound=_bound(1)))
@@ -82,7 +84,7 @@ def test_groups_unsent_and_running_at_a_kill9_are_each_sent_once_after(db_url, t
     assert set(g2) == {("r2", 0), ("r2", 1)}  # run again from their seeds after the restart
     # r1's two unsent groups (done before the kill) and r3's own: lost 0, duplicated 0.
     assert set(g3) == ({("r1", p) for p in range(3)} - set(g1)) | {("r3", 0)}
-    sent = _sql(db_url, "SELECT request_id, prompt_index, delivered_to FROM work_units")
+    sent = _sql(migrated_db_url, "SELECT request_id, prompt_index, delivered_to FROM work_units")
     assert sorted(sent) == sorted(
         [(rid, p, to) for (rid, p), to in [*((k, "r1") for k in g1), *((k, "r2") for k in g2),
                                            *((k, "r3") for k in g3)]]
@@ -102,12 +104,14 @@ OFF = common_pb2.SPECULATIVE_MODE_OFF  # a token a step: the others still run at
 
 
 @pytest.mark.slow
-def test_parked_samples_survive_a_kill9_and_go_on_from_their_tokens(db_url, tmp_path, ckpt, ckpt2):
+def test_parked_samples_survive_a_kill9_and_go_on_from_their_tokens(
+    migrated_db_url, tmp_path, ckpt, ckpt2
+):
     """Paused samples and parked prompts are in the store only: after kill -9 and a restart a
     retry re-sends what was sent, and a carried request on the new policy version goes on
     from the stored tokens (spans: the old version's tokens, then the new one's), each group
     once, nothing lost."""
-    a = ServeProcess(tmp_path, db_url, "a")
+    a = ServeProcess(tmp_path, migrated_db_url, "a")
     try:
         with a.client() as c:
             c.create_job(str(ckpt), job_id="job", policy_switch=job_pb2.POLICY_SWITCH_NEXT_STEP,
@@ -120,9 +124,9 @@ def test_parked_samples_survive_a_kill9_and_go_on_from_their_tokens(db_url, tmp_
     finally:
         a.kill()
     paused = {(s.prompt_index, s.sample_index): s for s in paused if s.partial}
-    parked = _sql(db_url, "SELECT prompt_index FROM work_units WHERE state = 'parked'")
+    parked = _sql(migrated_db_url, "SELECT prompt_index FROM work_units WHERE state = 'parked'")
     assert paused and {p for p, _ in paused} <= {p for (p,) in parked}
-    b = ServeProcess(tmp_path, db_url, "b")
+    b = ServeProcess(tmp_path, migrated_db_url, "b")
     try:
         with b.client() as c:
             again = list(c.generate("job", PARK_PROMPTS, sampling=sampling(**PARKING),

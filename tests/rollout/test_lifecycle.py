@@ -94,9 +94,9 @@ def test_daemon_kill9_mid_batch_then_restart(db_url, tmp_path, ckpt):
 
 
 @pytest.mark.slow
-def test_sigterm_drains_within_the_grace_and_exits_0(sqlite_url, tmp_path, ckpt):
+def test_sigterm_drains_within_the_grace_and_exits_0(migrated_sqlite_url, tmp_path, ckpt):
     grace = 2.0
-    d = ServeProcess(tmp_path, sqlite_url, shutdown_grace_seconds=grace)
+    d = ServeProcess(tmp_path, migrated_sqlite_url, shutdown_grace_seconds=grace)
     try:
         with d.client() as c:
             c.create_job(str(ckpt), job_id="job")
@@ -126,7 +126,7 @@ def test_sigterm_drains_within_the_grace_and_exits_0(sqlite_url, tmp_path, ckpt)
     partial = [s for s in got if s.partial]
     assert partial and all(s.finish_reason == rollout_pb2.FINISH_REASON_ABORTED for s in partial)
     assert any(0 < len(s.token_ids) < 1000 for s in partial)  # tokens so far
-    store = Store(sqlite_url)
+    store = Store(migrated_sqlite_url)
     try:
         req = store.requests.get("big")
         assert req.status is RequestStatus.FAILED and "drained" in req.status_reason
@@ -142,13 +142,13 @@ def test_sigterm_drains_within_the_grace_and_exits_0(sqlite_url, tmp_path, ckpt)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_to_the_whole_process_group_still_drains(sqlite_url, tmp_path, ckpt, sig):
+def test_a_signal_to_the_whole_process_group_still_drains(migrated_sqlite_url, tmp_path, ckpt, sig):
     """Ctrl-C in a terminal (SIGINT) and systemd's stop with KillMode=control-group (SIGTERM)
     signal the daemon and every worker at once: the workers leave the stop to the daemon, so
     the drain still returns the tokens so far, and no worker process is left behind."""
     import os
 
-    d = ServeProcess(tmp_path, sqlite_url, shutdown_grace_seconds=2.0)
+    d = ServeProcess(tmp_path, migrated_sqlite_url, shutdown_grace_seconds=2.0)
     try:
         with d.client() as c:
             # SD off: 64 identical greedy siblings are what the history and n-gram drafters
@@ -171,7 +171,7 @@ def test_a_signal_to_the_whole_process_group_still_drains(sqlite_url, tmp_path, 
     partial = [s for s in got if s.partial]
     assert partial and all(s.finish_reason == rollout_pb2.FINISH_REASON_ABORTED for s in partial)
     assert any(0 < len(s.token_ids) < 1000 for s in partial)  # tokens so far, not lost workers
-    store = Store(sqlite_url)
+    store = Store(migrated_sqlite_url)
     try:
         assert all(w.state is WorkerState.STOPPED for w in store.workers.list())
     finally:

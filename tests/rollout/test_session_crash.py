@@ -25,10 +25,10 @@ def _expected(path, context: list[int], max_new_tokens: int) -> list[int]:
     return list(direct_outputs(path, [context], greedy)[(0, 0)])
 
 
-def _first_daemon(tmp_path, db_url: str, ckpt):
+def _first_daemon(tmp_path, migrated_db_url: str, ckpt):
     """Two turns done, the third running (long) when the daemon is killed: the session as
     read before the kill."""
-    a = ServeProcess(tmp_path, db_url, "a")
+    a = ServeProcess(tmp_path, migrated_db_url, "a")
     try:
         with a.client() as c:
             c.create_job(str(ckpt), job_id="job")
@@ -50,7 +50,7 @@ def _first_daemon(tmp_path, db_url: str, ckpt):
                 "SELECT count(*) FROM work_units "
                 "WHERE request_id = 'session:s:2:0' AND state = 'leased'"
             )
-            wait_until(lambda: _sql(db_url, leased) == [(1,)], what="turn 2 running")
+            wait_until(lambda: _sql(migrated_db_url, leased) == [(1,)], what="turn 2 running")
             a.proc.send_signal(signal.SIGKILL)
             a.wait()
             t.join(30)
@@ -61,9 +61,11 @@ def _first_daemon(tmp_path, db_url: str, ckpt):
 
 
 @pytest.mark.slow
-def test_a_session_survives_a_daemon_kill9_between_and_during_turns(db_url, tmp_path, ckpt):
-    before = _first_daemon(tmp_path, db_url, ckpt)
-    b = ServeProcess(tmp_path, db_url, "b")
+def test_a_session_survives_a_daemon_kill9_between_and_during_turns(
+    migrated_db_url, tmp_path, ckpt
+):
+    before = _first_daemon(tmp_path, migrated_db_url, ckpt)
+    b = ServeProcess(tmp_path, migrated_db_url, "b")
     try:
         with b.client() as c:
             after = c.get_session("s")

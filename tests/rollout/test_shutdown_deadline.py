@@ -24,8 +24,10 @@ SLOW = 30.0
 LONG = dict(n=16, temperature=0.0, max_new_tokens=1000)
 
 
-def test_sigterm_with_a_hung_worker_ends_at_the_grace(sqlite_url, tmp_path, ckpt):
-    d = ServeProcess(tmp_path, sqlite_url, shutdown_grace_seconds=GRACE, drafter_training="false")
+def test_sigterm_with_a_hung_worker_ends_at_the_grace(migrated_sqlite_url, tmp_path, ckpt):
+    d = ServeProcess(
+        tmp_path, migrated_sqlite_url, shutdown_grace_seconds=GRACE, drafter_training="false"
+    )
     workers = []
     try:
         with d.client() as c:
@@ -50,7 +52,7 @@ def test_sigterm_with_a_hung_worker_ends_at_the_grace(sqlite_url, tmp_path, ckpt
         d.kill()
     assert code == 0 and took < GRACE + SLACK, took
     assert "drained" in str(stream.error)
-    store = Store(sqlite_url)
+    store = Store(migrated_sqlite_url)
     try:
         assert store.requests.get("big").status is RequestStatus.FAILED
         assert all(w.state is WorkerState.STOPPED for w in store.workers.list())
@@ -58,8 +60,10 @@ def test_sigterm_with_a_hung_worker_ends_at_the_grace(sqlite_url, tmp_path, ckpt
         store.close()
 
 
-def test_sigterm_during_a_long_node_drain_keeps_the_shutdown_grace(sqlite_url, tmp_path, ckpt):
-    d = ServeProcess(tmp_path, sqlite_url, shutdown_grace_seconds=GRACE,
+def test_sigterm_during_a_long_node_drain_keeps_the_shutdown_grace(
+    migrated_sqlite_url, tmp_path, ckpt
+):
+    d = ServeProcess(tmp_path, migrated_sqlite_url, shutdown_grace_seconds=GRACE,
                      drain_grace_seconds=3 * SLOW, drafter_training="false")  # fmt: skip
     try:
         with d.client() as c:

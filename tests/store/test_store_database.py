@@ -14,7 +14,6 @@ from tltd.domain import FinishReason, Job, RolloutRequest, Sample, SamplingParam
 from tltd.errors import AlreadyExists
 from tltd.store import Store, database
 from tltd.store.database import WriteTurn, make_engine, normalize_url
-from tltd.store.migrate import upgrade
 from tltd.store.tables import JobRow, utcnow
 
 
@@ -34,8 +33,8 @@ def test_sqlite_pragmas_applied_on_every_connection(tmp_path) -> None:
     assert (tmp_path / "a" / "b" / "x.db").exists()
 
 
-def test_sqlite_foreign_keys_enforced(sqlite_url: str) -> None:
-    upgrade(sqlite_url)
+def test_sqlite_foreign_keys_enforced(migrated_sqlite_url: str) -> None:
+    sqlite_url = migrated_sqlite_url
     engine = make_engine(sqlite_url)
     try:
         with pytest.raises(IntegrityError, match="FOREIGN KEY"), engine.begin() as conn:
@@ -75,10 +74,10 @@ def test_datetimes_are_aware_utc(store: Store) -> None:
     assert abs(utcnow() - job.created_at) < timedelta(minutes=1)
 
 
-def test_concurrent_writers_on_sqlite_do_not_fail(sqlite_url: str) -> None:
+def test_concurrent_writers_on_sqlite_do_not_fail(migrated_sqlite_url: str) -> None:
     """Two Store instances (two pools) writing at once: BEGIN IMMEDIATE + busy_timeout serialize
     them instead of failing with "database is locked"."""
-    upgrade(sqlite_url)
+    sqlite_url = migrated_sqlite_url
     a, b = Store(sqlite_url), Store(sqlite_url)
     try:
         a.jobs.create(Job(job_id="j", model_path="/m"))
@@ -144,9 +143,9 @@ def test_a_frozen_transaction_does_not_hold_its_row_locks_for_ever(pg_url: str) 
     engine.dispose()
 
 
-def test_writers_of_one_store_take_turns_and_give_them_up(sqlite_url: str) -> None:
+def test_writers_of_one_store_take_turns_and_give_them_up(migrated_sqlite_url: str) -> None:
     """Concurrent writers of one SQLite store all land; one that raises gives its turn up."""
-    upgrade(sqlite_url)
+    sqlite_url = migrated_sqlite_url
     store = Store(sqlite_url)
     try:
         store.jobs.create(Job(job_id="j", model_path="/m"))

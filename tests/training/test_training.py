@@ -173,7 +173,7 @@ def test_training_off_by_setting(start_daemon, ckpt):
 @pytest.mark.slow
 @pytest.mark.parametrize("group", [False, True], ids=["daemon", "process-group"])
 def test_sigterm_while_training_exits_0_with_a_drafter_checkpoint(
-    tmp_path, sqlite_url, ckpt, group
+    tmp_path, migrated_sqlite_url, ckpt, group
 ):
     """`tltd serve` as a real process: SIGTERM mid-round -> the trainer checkpoints, exit 0;
     also when every process of the daemon gets it (systemd's stop, KillMode=control-group)."""
@@ -186,7 +186,7 @@ def test_sigterm_while_training_exits_0_with_a_drafter_checkpoint(
 
     serve = ServeProcess(
         tmp_path,
-        sqlite_url,
+        migrated_sqlite_url,
         training_idle_grace_seconds="0.2",
         training_min_fresh_samples="4",
         training_steps_per_round="100000",

@@ -186,17 +186,20 @@ class WriteTurn:
 
 
 @contextmanager
-def scratch_postgres(admin_url: str, prefix: str) -> Iterator[str]:
+def scratch_postgres(admin_url: str, prefix: str, template: str = "") -> Iterator[str]:
     """A new, uniquely named database on the PostgreSQL server of `admin_url` (for tests and
     benchmarks); yields its SQLAlchemy URL and drops it afterwards (FORCE: a caller that
-    failed mid-way may still hold connections). psycopg's errors reach the caller."""
+    failed mid-way may still hold connections). `template`: a copy of that database (no one
+    may be connected to it), e.g. one migrated once instead of migrating each copy (~3 s).
+    psycopg's errors reach the caller."""
     import psycopg
 
     admin = make_url(admin_url)
     conninfo = admin.set(drivername="postgresql").render_as_string(hide_password=False)
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    copy = f' TEMPLATE "{make_url(template).database}"' if template else ""
     with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"{copy}')
     try:
         yield admin.set(drivername="postgresql+psycopg", database=name).render_as_string(
             hide_password=False
