@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import random
@@ -177,14 +178,30 @@ class PgReader:
         import psycopg
 
         self.conn = psycopg.connect(conninfo(url), autocommit=True)
+        # Its own polls of work_units by index: their reads stay small beside the nodes'.
+        self.conn.execute("SET enable_seqscan = off")
         self.pid = self.conn.info.backend_pid
         self.xacts = 0
+        self.own_reads: Counter[str] = Counter()  # table -> rows this connection read
         self.lock = threading.Lock()
 
     def rows(self, query: str, *params) -> list[tuple]:
         with self.lock:
             self.xacts += 1
             return list(self.conn.execute(query, params or None).fetchall())
+
+    def counted(self, query: str, *params) -> list[tuple]:
+        """`rows` in a transaction of its own, adding the rows it read per table to
+        `own_reads` (pg_stat_xact_user_tables: this transaction's counts)."""
+        with self.lock, self.conn.transaction():
+            self.xacts += 1
+            rows = list(self.conn.execute(query, params or None).fetchall())
+            for table, read in self.conn.execute(
+                "SELECT relname, seq_tup_read + coalesce(idx_tup_fetch, 0) "
+                "FROM pg_stat_xact_user_tables"
+            ).fetchall():
+                self.own_reads[table] += int(read)
+            return rows
 
     def close(self) -> None:
         self.conn.close()
@@ -214,9 +231,10 @@ def pg_counters(pg: PgReader) -> PgCounters:
 
 
 def pg_backends(pg: PgReader) -> list[tuple[int, str, str, str]]:
-    """(pid, application state, query, backend type) of the database's other backends."""
+    """(pid, state, query, what it waits for) of the database's other backends."""
     return pg.rows(
-        "SELECT pid, coalesce(state, ''), coalesce(query, ''), coalesce(backend_type, '') "
+        "SELECT pid, coalesce(state, ''), coalesce(query, ''), "
+        "coalesce(wait_event_type || ':' || wait_event, '') "
         "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
     )
 
@@ -282,15 +300,16 @@ class CoordinationMonitor:
         backends = pg_backends(self.pg)
         self.polls += 1
         self.max_backends = max(self.max_backends, len(backends))
-        for _pid, state, query, _kind in backends:
+        for _pid, state, query, wait in backends:
             if state.startswith("idle in transaction"):
                 self.in_tx += 1  # a transaction open while its node computes: locks held
             elif state == "active":
-                label = query_label(query)
+                # A row-lock wait is contention, not CPU: named apart.
+                label = query_label(query) + (f" [{wait}]" if wait else "")
                 self.active[label] += 1
                 self.examples.setdefault(label, " ".join(query.split())[:160])
         self.cpu.observe(self._backend_cpu(backends))
-        for rid, p, attempts, created, updated, owner in self.pg.rows(
+        for rid, p, attempts, created, updated, owner in self.pg.counted(
             "SELECT request_id, prompt_index, attempts, created_at, updated_at, owner_node "
             "FROM work_units WHERE state = 'leased'"
         ):
@@ -320,6 +339,7 @@ class LoadLedger:
     turns: dict[str, int] = field(default_factory=dict)  # session id -> turns done
     closed: set[str] = field(default_factory=set)
     failed: list[str] = field(default_factory=list)
+    failovers: int = 0  # calls that moved to another node
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def samples(self) -> int:
@@ -434,6 +454,18 @@ def kill_and_watch(node: ClusterNode, pg: PgReader, nodes_cpu: CpuLedger) -> Tak
     return Takeover(node.node_id, held)
 
 
+class _FailoverCount(logging.Handler):
+    """Counts the clients' failover warnings (a call moved off the killed node) instead of
+    printing each."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+
 async def run_load(cfg, nodes: list[ClusterNode], pg: PgReader, nodes_cpu: CpuLedger):
     """Every caller until `cfg.seconds`, the last node killed at 40% of it: the ledger, the
     takeover, the wall time to the last answer."""
@@ -453,9 +485,18 @@ async def run_load(cfg, nodes: list[ClusterNode], pg: PgReader, nodes_cpu: CpuLe
         return await asyncio.to_thread(kill_and_watch, nodes[-1], pg, nodes_cpu)
 
     callers = [grpo_caller(i, targets, stop_at, ledger) for i in range(cfg.grpo * len(nodes))]
-    takeover, *_ = await asyncio.gather(killer(), *callers)
-    for t in threads:
-        await asyncio.to_thread(t.join, 600)
+    failovers = _FailoverCount()
+    log = logging.getLogger("tltd_clients.failover")
+    log.addHandler(failovers)
+    log.propagate = False
+    try:
+        takeover, *_ = await asyncio.gather(killer(), *callers)
+        for t in threads:
+            await asyncio.to_thread(t.join, 600)
+    finally:
+        log.removeHandler(failovers)
+        log.propagate = True
+    ledger.failovers = failovers.count
     return ledger, takeover, time.monotonic() - t0
 
 
@@ -477,6 +518,7 @@ class NodesRun:
     lost: int = 0
     duplicated: int = 0
     failed: list[str] = field(default_factory=list)
+    failovers: int = 0
     claim_ms: list[float] = field(default_factory=list)  # first claims seen
     reclaims: int = 0
     units: int = 0
@@ -549,7 +591,7 @@ def run_k(cfg, k: int, tmp: Path) -> NodesRun:
             pg = monitor.pg
             wait_ready(pg, k, cfg.slots)
             run.idle_xacts_s, run.idle_cpu_s, c0 = idle_costs(pg, k, cfg.idle)
-            own0 = pg.xacts
+            own0, own_reads0 = pg.xacts, Counter(pg.own_reads)
             nodes_cpu = CpuLedger()
             for node in nodes:
                 nodes_cpu.observe(node.cpu(), start=True)
@@ -564,7 +606,7 @@ def run_k(cfg, k: int, tmp: Path) -> NodesRun:
             run.pg_cpu, run.node_cpu = monitor.cpu.seconds(), nodes_cpu.seconds()
             killed_after = 0.4 * cfg.seconds + (run.takeover.seconds or 0.0)
             run.node_seconds = (k - 1) * (run.wall + PG_STATS_PAUSE) + killed_after
-            record(run, ledger, monitor, c0, c1)
+            record(run, ledger, monitor, c0, c1, own_reads0)
             check(run, ledger, pg)
         finally:
             if pg is not None:
@@ -574,25 +616,29 @@ def run_k(cfg, k: int, tmp: Path) -> NodesRun:
     return run
 
 
-def record(run: NodesRun, ledger: LoadLedger, monitor: CoordinationMonitor, c0, c1) -> None:
+def record(
+    run: NodesRun, ledger: LoadLedger, monitor: CoordinationMonitor, c0, c1, own_reads0: Counter
+) -> None:
     run.samples, run.turns = ledger.samples(), ledger.turns_done()
     run.samples_asked, run.requests = sum(ledger.asked.values()), len(ledger.asked)
     run.sessions, run.failed = len(ledger.turns), list(ledger.failed)
+    run.failovers = ledger.failovers
     run.claim_ms = sorted(1000 * s for (_, _, a), s in monitor.claims.items() if a == 1)
     run.reclaims = sum(1 for (_, _, a) in monitor.claims if a > 1)
     run.max_backends = monitor.max_backends
     run.polls, run.busy, run.in_tx = monitor.polls, sum(monitor.active.values()), monitor.in_tx
     seen = run.busy or 1
     run.queries = [(label, count / seen, monitor.examples[label])
-                   for label, count in monitor.active.most_common(6)]  # fmt: skip
+                   for label, count in monitor.active.most_common()]  # fmt: skip
     by_table: Counter[str] = Counter()
     for label, count in monitor.active.items():
-        by_table[label.split(" ", 1)[-1]] += count
+        by_table[label.split(" [")[0].split(" ", 1)[-1]] += count
     run.by_table = [(t, c / seen) for t, c in by_table.most_common(4)]
     items = max(1, run.items)
     deltas = []
     for table, (written, read) in c1.tables.items():
         w0, r0 = c0.tables.get(table, (0, 0))
+        read -= monitor.pg.own_reads[table] - own_reads0[table]
         deltas.append((table, (written - w0) / items, (read - r0) / items))
     run.tables = sorted(deltas, key=lambda t: -t[1])[:5]
 
@@ -663,7 +709,9 @@ def project(run: NodesRun, cfg) -> Projection:
     if run.queries:
         label, share, _ = run.queries[0]
         tables = ", ".join(f"{t} {x:.0%}" for t, x in run.by_table)
-        why = f"{label}, {share:.0%} of busy-backend samples; by table {tables}"
+        locks = sum(x for q, x, _ in run.queries if "[Lock:" in q)
+        why = (f"{label}, {share:.0%} of busy-backend samples; by table {tables}; "
+               f"{locks:.0%} waiting on a row lock")  # fmt: skip
     else:
         why = "no statement sampled running"
     return Projection(1000 * cpu, 1000 * run.idle_cpu_s, node_rate, nodes, why)
@@ -688,7 +736,7 @@ def table_rows(runs: list[NodesRun], cfg) -> list[str]:
             f"{p.pg_cpu_ms:.2f} | {p.idle_cpu_ms_s:.1f} | "
             f"{1000 * r.node_cpu / max(1, r.items):.1f} | {r.max_backends} | "
             f"{r.takeover.seconds:.1f} ({r.takeover.held}) | {r.lost} | {r.duplicated} | "
-            f"{len(r.failed)} | {p.nodes:.0f} |"
+            f"{len(r.failed)} | {math.floor(p.nodes)} |"
         )  # fmt: skip
     return out
 
@@ -696,12 +744,13 @@ def table_rows(runs: list[NodesRun], cfg) -> list[str]:
 def details(run: NodesRun) -> list[str]:
     out = [f"\n{run.nodes} nodes: {run.requests} GRPO requests ({run.samples} of "
            f"{run.samples_asked} samples), {run.sessions} sessions ({run.turns} turns); "
-           f"re-claims seen {run.reclaims}; PG transactions {run.xacts:.0f}, PG CPU "
+           f"re-claims seen {run.reclaims}; client failovers {run.failovers}; PG "
+           f"transactions {run.xacts:.0f}, PG CPU "
            f"{run.pg_cpu:.1f} s, daemons' CPU {run.node_cpu:.1f} s in the window"]  # fmt: skip
     out.append(f"  busiest statements: share of {run.busy} backends found running one in "
                f"{run.polls} polls of pg_stat_activity ({run.in_tx} found idle inside a "
                "transaction):")  # fmt: skip
-    out += [f"    {share:6.1%}  {label:<32} {text[:110]}" for label, share, text in run.queries]
+    out += [f"    {x:6.1%}  {label:<44} {text[:90]}" for label, x, text in run.queries[:8]]
     out.append("  tables, rows written / rows read per sample or turn:")
     out += [f"    {t:<20} {w:8.2f} {r:10.1f}" for t, w, r in run.tables]
     out += [f"  failed: {f}" for f in run.failed[:5]]
@@ -732,7 +781,7 @@ def report(runs: list[NodesRun], cfg) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", default="4", help="K values, comma separated (4-8 fit)")
+    parser.add_argument("--nodes", default="2,4", help="K values, comma separated (2-8)")
     parser.add_argument("--slots", type=int, default=2, help="simulated devices per node")
     parser.add_argument("--seconds", type=float, default=60.0, help="callers start work this long")
     parser.add_argument("--idle", type=float, default=3.0, help="idle window, seconds")
