@@ -38,6 +38,10 @@ def cluster():
 @pytest.mark.postgres
 def test_a_postgres_restart_mid_rollout_loses_nothing(cluster, tmp_path, ckpt, size, figures):
     restarts, between = {"short": (1, 2.0), "long": (10, 20.0)}[size]
+    # A request that failed in the outage answers every retry of its id with the same
+    # UNAVAILABLE; the trainer's patience, not the daemon, then sets how long the run lasts
+    # (the short variant's outage is ~0.2 s: 20 s is ample).
+    patience = {"short": 20.0, "long": 120.0}[size]
     d = ServeProcess(
         tmp_path, cluster.url, worker_max_batch=8, worker_max_seq_len=256, start_timeout=180
     )
@@ -45,7 +49,10 @@ def test_a_postgres_restart_mid_rollout_loses_nothing(cluster, tmp_path, ckpt, s
         with TltClient(d.target, timeout=120) as c:
             c.create_job(str(ckpt), job_id="job")
         d.wait_workers_ready("job", n=2, timeout=120)
-        trainer = Trainer(d.target, "job", inflight=4, prompts=2, n=4, max_new_tokens=32).start()
+        trainer = Trainer(
+            d.target, "job", inflight=4, prompts=2, n=4, max_new_tokens=32,
+            retry_seconds=patience,
+        ).start()  # fmt: skip
         outages = []
         for _ in range(restarts):
             time.sleep(between)
