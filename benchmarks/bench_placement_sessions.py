@@ -165,10 +165,15 @@ class LocalDaemon:
         from tltd.metrics import METRICS
 
         out = Counts()
-        for h in self.daemon.supervisor.handles.values():  # a worker without turns shows 0
-            out.hits[h.device.device_id] = out.misses[h.device.device_id] = 0.0
+        devices = {h.device.device_id for h in self.daemon.supervisor.handles.values()}
+        for d in devices:  # a worker without turns shows 0
+            out.hits[d] = out.misses[d] = 0.0
         for family in METRICS.registry.collect():
             for s in family.samples:
+                # The registry is the process's: other daemons run here (a test process) left
+                # counters of devices not this daemon's.
+                if s.labels.get("device_id", "") not in devices:
+                    continue
                 if s.name == "tltd_prefix_cache_lookups_total":
                     into = out.hits if s.labels["result"] == "hit" else out.misses
                     into[s.labels["device_id"]] = into.get(s.labels["device_id"], 0.0) + s.value
