@@ -11,18 +11,10 @@ import threading
 
 from tests.api.support import sampling
 from tests.multinode.conftest import Cluster, long_only
-from tests.rollout.support import direct_outputs, wait_until
-from tltd.domain import SamplingParams
+from tests.rollout.support import wait_until
+from tests.rollout.test_session_crash import ENV, PROMPT, SHORT, _expected
 
-PROMPT = [1, 2, 3, 4]
-ENV = [[5, 6, 7], [8, 9], [10]]
-SHORT = dict(temperature=0.0, max_new_tokens=12)
 LONG = dict(temperature=0.0, max_new_tokens=200)  # the context fits NODE_ENV's 256
-
-
-def _expected(path, context: list[int], max_new_tokens: int) -> list[int]:
-    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
-    return list(direct_outputs(path, [context], greedy)[(0, 0)])
 
 
 def _kill_during_turn_2(cluster: Cluster, a) -> str:
