@@ -312,6 +312,19 @@ _DECLARED: dict[str, _Declared] = {
         "Samples stored per transaction",
         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
     ),
+    "sample_checkpoints": _Declared(
+        Counter,
+        "tltd_sample_checkpoints_total",
+        "Running samples' tokens so far stored as checkpoints (a node that takes a sample "
+        "over after a loss goes on from them)",
+    ),
+    "samples_resumed": _Declared(
+        Counter,
+        "tltd_samples_resumed_total",
+        "Samples that went on from stored tokens instead of running again: from a running "
+        "sample's checkpoint, or from a paused or drained sample's partial form",
+        ("source",),
+    ),
     "groups_sent": _Declared(
         Counter,
         "tltd_bounded_groups_sent_total",
@@ -366,6 +379,8 @@ class Metrics:
     admission_latency: Histogram
     sample_store_latency: Histogram
     sample_store_batch: Histogram
+    sample_checkpoints: Counter
+    samples_resumed: Counter
     groups_sent: Counter
     group_staleness: Histogram
     version_spread: Histogram

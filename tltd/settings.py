@@ -78,6 +78,10 @@ class Settings:
     # killer ends the worker: recorded as such, its samples re-run on a fresh process.
     worker_memory_limit_mb: int = 0
     max_sample_attempts: int = 3  # workers lost while running one sample before it fails
+    # A torch worker stores the tokens so far of a sample running this long (then again each
+    # time as long again): a node that takes the sample over after a loss goes on from them
+    # (0 = never: it runs again from its seed).
+    sample_checkpoint_seconds: float = 10.0
     scheduler_tick_seconds: float = 0.5  # the supervisor also ticks on every event
     # Drafter training on idle devices (tltd.drafter_training); a job opts in with
     # speculative.online_training, this switch turns it off for the whole node.

@@ -1,10 +1,12 @@
 """Bounded requests (asynchronous RL) across a daemon kill -9: the groups a stream did not send
-and the units still running survive it, every group is sent once, and each stream's retry
-re-sends exactly what it sent before."""
+and the units still running survive it (running samples go on from their checkpoints, paused
+ones from their stored tokens), every group is sent once, and each stream's retry re-sends
+exactly what it sent before."""
 
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 
 import pytest
 from sqlalchemy import text
@@ -12,16 +14,17 @@ from sqlalchemy import text
 from tests.api.support import sampling
 from tests.rollout.support import ServeProcess, direct_outputs, wait_until
 from tests.rollout.test_rollouts import Stream
-from tltd.domain import SamplingParams
+from tltd.domain import Sample, SamplingParams
 from tltd.store import Store
 from tltd.v1 import common_pb2, job_pb2, rollout_pb2
 from tltd_clients.errors import UnavailableError
 
 SHORT = dict(n=2, temperature=0.0, max_new_tokens=16)
-LONG = dict(n=2, temperature=0.0, max_new_tokens=600)
+LONG = dict(n=2, temperature=0.0, max_new_tokens=1000)
 FIRST = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
 RUNNING = [[10, 11, 12], [3, 1, 4, 1, 5]]
 LATER = [[2, 7, 1]]
+OFF = common_pb2.SPECULATIVE_MODE_OFF  # a token a step: long samples take a while
 
 
 def _bound(groups: int, carried: bool = False) -> rollout_pb2.StepBound:
@@ -52,7 +55,10 @@ def _sql(migrated_db_url: str, query: str) -> list:
 def test_groups_unsent_and_running_at_a_kill9_are_each_sent_once_after(
     migrated_db_url, tmp_path, ckpt
 ):
-    a = ServeProcess(tmp_path, migrated_db_url, "a")
+    """Running samples go on from their checkpoints after a kill -9 and a restart: lost 0,
+    duplicated 0; a checkpoint made to differ from what the policy would sample (its last
+    token changed) shows that what was stored is what the sample went on from."""
+    a = ServeProcess(tmp_path, migrated_db_url, "a", sample_checkpoint_seconds="0.2")
     try:
         with a.client() as c:
             c.create_job(str(ckpt), job_id="job")
@@ -60,28 +66,31 @@ def test_groups_unsent_and_running_at_a_kill9_are_each_sent_once_after(
             r1 = list(c.generate("job", FIRST, sampling=short, request_id="r1", bound=_bound(1)))
             # r2's units run long: they are still leased (running) when the daemon dies.
             s2 = Stream(c, "job", RUNNING, sampling=sampling(**LONG), request_id="r2",
-                        bound=_bound(2))  # fmt: skip
-            leased = "SELECT count(*) FROM work_units WHERE request_id = 'r2' AND state = 'leased'"
-            wait_until(lambda: _sql(migrated_db_url, leased) == [(2,)], what="r2 running")
+                        bound=_bound(2), speculative=OFF)  # fmt: skip
+            saved = "SELECT count(*) FROM sample_checkpoints WHERE request_id = 'r2'"
+            wait_until(lambda: _sql(migrated_db_url, saved) == [(4,)], what="r2 checkpointed")
             a.proc.send_signal(signal.SIGKILL)
             a.wait()
             s2.result(30)
             assert isinstance(s2.error, UnavailableError), s2.error
     finally:
         a.kill()
+    done = "SELECT count(*) FROM samples WHERE request_id = 'r2' AND NOT partial"
+    assert _sql(migrated_db_url, done) == [(0,)]  # all four were running
+    altered = alter_a_checkpoint(migrated_db_url, "r2", [0, 1])
     b = ServeProcess(tmp_path, migrated_db_url, "b")
     try:
         with b.client() as c:
             again = list(c.generate("job", FIRST, sampling=short, request_id="r1", bound=_bound(1)))
             r2 = list(c.generate("job", RUNNING, sampling=sampling(**LONG), request_id="r2",
-                                 bound=_bound(2)))  # fmt: skip
+                                 bound=_bound(2), speculative=OFF))  # fmt: skip
             r3 = list(c.generate("job", LATER, sampling=short, request_id="r3",
                                  bound=_bound(3, carried=True)))  # fmt: skip
     finally:
         b.kill()
     g1, g2, g3 = _groups(r1), _groups(r2), _groups(r3)
     assert len(g1) == 1 and _groups(again) == g1  # the retry re-sends what r1 sent
-    assert set(g2) == {("r2", 0), ("r2", 1)}  # run again from their seeds after the restart
+    assert set(g2) == {("r2", 0), ("r2", 1)}
     # r1's two unsent groups (done before the kill) and r3's own: lost 0, duplicated 0.
     assert set(g3) == ({("r1", p) for p in range(3)} - set(g1)) | {("r3", 0)}
     sent = _sql(migrated_db_url, "SELECT request_id, prompt_index, delivered_to FROM work_units")
@@ -89,18 +98,59 @@ def test_groups_unsent_and_running_at_a_kill9_are_each_sent_once_after(
         [(rid, p, to) for (rid, p), to in [*((k, "r1") for k in g1), *((k, "r2") for k in g2),
                                            *((k, "r3") for k in g3)]]
     )  # fmt: skip
-    # The tokens are the engine's own (greedy: a re-run reproduces them).
+    check_resumed(ckpt, r2, altered, RUNNING, LONG)
+    # The other tokens are the engine's own (greedy: going on from a checkpoint reproduces
+    # an uninterrupted run).
     refs = {"r1": (FIRST, SHORT), "r2": (RUNNING, LONG), "r3": (LATER, SHORT)}
-    for (rid, p), tokens in {**g1, **g2, **g3}.items():
-        prompts, params = refs[rid]
+    key = (altered.prompt_index, altered.sample_index)
+    for s in [*r1, *r2, *r3]:
+        if (s.request_id, s.prompt_index, s.sample_index) == ("r2", *key):
+            continue
+        prompts, params = refs[s.request_id]
         ref = direct_outputs(ckpt, prompts, SamplingParams(**params))
-        assert tokens == tuple(sorted(ref[(p, i)] for i in range(params["n"])))
+        assert tuple(s.token_ids) == ref[(s.prompt_index, s.sample_index)]
+
+
+def alter_a_checkpoint(db_url: str, request_id: str, prompts: list[int]) -> Sample:
+    """Change the last stored token of one checkpoint of these units (to a token the policy
+    did not sample there); returns the checkpoint as altered."""
+    store = Store(db_url)
+    try:
+        saved = store.checkpoints.of_units(request_id, prompts)
+        assert saved and all(x.token_ids for x in saved)
+        x = saved[0]
+        last = x.token_ids[-1]
+        altered = replace(x, token_ids=(*x.token_ids[:-1], 3 if last != 3 else 4))
+        with store._tx() as s:
+            s.execute(
+                text("DELETE FROM sample_checkpoints WHERE request_id = :r "
+                     "AND prompt_index = :p AND sample_index = :i"),
+                {"r": request_id, "p": x.prompt_index, "i": x.sample_index},
+            )  # fmt: skip
+        assert store.checkpoints.save([altered]) == 1
+        return altered
+    finally:
+        store.close()
+
+
+def check_resumed(ckpt, samples, altered: Sample, prompts, params: dict) -> None:
+    """The altered sample starts with the stored tokens, then goes on greedily from them."""
+    (s,) = [
+        x for x in samples
+        if (x.request_id, x.prompt_index, x.sample_index)
+        == (altered.request_id, altered.prompt_index, altered.sample_index)
+    ]  # fmt: skip
+    k = len(altered.token_ids)
+    assert tuple(s.token_ids[:k]) == altered.token_ids
+    assert tuple(s.logprobs[:k]) == pytest.approx(altered.logprobs)
+    prompt = [*prompts[s.prompt_index], *altered.token_ids]
+    rest = {**params, "n": 1, "max_new_tokens": params["max_new_tokens"] - k}
+    assert tuple(s.token_ids[k:]) == direct_outputs(ckpt, [prompt], SamplingParams(**rest))[(0, 0)]
 
 
 # Token 16 ends prompt 0 after ~34 tokens (greedy, the tiny checkpoint); the others run on.
 PARKING = dict(n=2, temperature=0.0, max_new_tokens=1000, stop_token_ids=[16])
 PARK_PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
-OFF = common_pb2.SPECULATIVE_MODE_OFF  # a token a step: the others still run at the bound
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from tltd.contract.rollout_messages import (
     LoadFailed,
     LoadModel,
     Ready,
+    SampleCheckpoint,
     SetDrafter,
     Shutdown,
 )
@@ -177,3 +178,32 @@ def test_a_drafter_that_cannot_load_is_reported_with_its_version(worker, tmp_pat
     assert failed.drafter and failed.policy_version == 7 and failed.job_id == "job"
     ready = worker.recv(Ready)
     assert ready.policy_version == 2 and ready.drafter_version == 0
+
+
+def test_samples_running_a_while_are_checkpointed_and_go_on(worker, ckpt):
+    """A sample running longer than `checkpoint_seconds` is sent as a SampleCheckpoint (its
+    tokens so far, ABORTED, partial), again only once it has more tokens, and keeps running
+    to the engine's own end; a sample done within one interval never is."""
+    long = SamplingParams(n=1, temperature=0.0, max_new_tokens=400)
+    short = SamplingParams(n=1, temperature=0.0, max_new_tokens=2)
+    expected = direct_outputs(ckpt, PROMPTS[:1], long, speculative=False)[(0, 0)]
+    worker.recv(Ready)
+    spec = EngineSpec(max_batch=8, max_seq_len=512)
+    worker.send(LoadModel("job", str(ckpt), 0, spec, checkpoint_seconds=0.05))
+    worker.recv(Ready)
+    worker.send(AddWork(1, "long", 0, (0,), PROMPTS[0], long, speculative=False))
+    worker.send(AddWork(2, "short", 1, (0,), PROMPTS[1], short, speculative=False))
+    others: list = []
+    done = worker.recv(Finished, keep=others)
+    while done.sample.request_id != "long":
+        done = worker.recv(Finished, keep=others)
+    saved = [m.sample for m in others if isinstance(m, SampleCheckpoint)]
+    assert saved and {s.request_id for s in saved} == {"long"}
+    lengths = [len(s.token_ids) for s in saved]
+    assert lengths == sorted(set(lengths))  # each one longer than the last
+    final = done.sample
+    assert final.token_ids == expected and not final.partial
+    for s in saved:
+        k = len(s.token_ids)
+        assert s.finish_reason is FinishReason.ABORTED and s.partial
+        assert s.token_ids == final.token_ids[:k] and s.logprobs == final.logprobs[:k]

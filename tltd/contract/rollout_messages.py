@@ -54,6 +54,9 @@ class LoadModel:
     path: str
     policy_version: int
     engine: EngineSpec = field(default_factory=EngineSpec)
+    # Send a SampleCheckpoint of each sample running this long, and again each time as long again
+    # (0 = never).
+    checkpoint_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,14 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class SampleCheckpoint:
+    """A running sample's tokens so far (ABORTED, partial): it goes on running. Stored so that
+    a node taking its unit over after a loss continues from them."""
+
+    sample: Sample
+
+
+@dataclass(frozen=True)
 class Drained:
     """The drain deadline passed: every unfinished sample was sent as partial."""
 
@@ -218,4 +229,4 @@ ToWorker = (
     | Shutdown
 )
 # A worker may also send a list of them as one pipe message (a step's Finished samples).
-FromWorker = Ready | Heartbeat | Finished | Drained | LoadFailed | WorkerError
+FromWorker = Ready | Heartbeat | Finished | SampleCheckpoint | Drained | LoadFailed | WorkerError

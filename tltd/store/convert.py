@@ -13,6 +13,8 @@ import math
 import struct
 import typing
 from collections.abc import Sequence
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from tltd.domain import (
@@ -92,8 +94,14 @@ def job_to_row(job: Job, row: JobRow | None = None) -> JobRow:
         # the drafter versions, the times are the store's, the bounded stats are counted.
         **_columns(
             job,
-            skip=("job_id", "speculative", "drafter_version", "created_at", "updated_at",
-                  "bounded"),
+            skip=(
+                "job_id",
+                "speculative",
+                "drafter_version",
+                "created_at",
+                "updated_at",
+                "bounded",
+            ),
         ),  # fmt: skip
         **_columns(job.speculative, prefix="spec_"),
         "spec_draft_lengths": list(job.speculative.draft_lengths),
@@ -249,6 +257,26 @@ def sample_from_row(row: SampleRow) -> Sample:
         prompt_logprobs=prompt_logprobs_from_json(row.prompt_logprobs),
         prompt_token_ids=(),
     )
+
+
+# A sample's columns a checkpoint row holds as its own; the others go in its `state` (JSON).
+_CHECKPOINT_COLUMNS = ("request_id", "prompt_index", "sample_index", "num_tokens",
+                       "token_ids_bin", "logprobs_bin")  # fmt: skip
+
+
+def checkpoint_columns(s: Sample) -> dict[str, Any]:
+    """A running sample's checkpoint row (`updated_at` not included): its tokens so far
+    packed, its other columns as `samples` would hold them (prompt logprobs left out: the
+    resumed run's prefill computes them again)."""
+    cols = sample_columns(replace(s, prompt_logprobs=None))
+    own = {k: cols.pop(k) for k in _CHECKPOINT_COLUMNS}
+    return own | {"state": cols}
+
+
+def sample_from_checkpoint(row: Any) -> Sample:
+    """The unfinished sample a checkpoint row holds (ABORTED, partial: to go on from)."""
+    cols = {**row.state, **{k: getattr(row, k) for k in _CHECKPOINT_COLUMNS}}
+    return sample_from_row(SimpleNamespace(**cols))  # type: ignore[arg-type]
 
 
 def _to_json_floats(xs: tuple[float, ...]) -> list[float | None]:

@@ -11,7 +11,13 @@ from sqlalchemy import delete, func, select
 from tltd.domain import Event, JobStatus, RequestStatus
 from tltd.store import convert
 from tltd.store.database import Database
-from tltd.store.tables import EventRow, JobRow, RolloutRequestRow, SampleRow
+from tltd.store.tables import (
+    EventRow,
+    JobRow,
+    RolloutRequestRow,
+    SampleCheckpointRow,
+    SampleRow,
+)
 
 
 class History:
@@ -61,6 +67,8 @@ class History:
                 # Samples first: the cascade is the schema's, but not every SQLite connection
                 # that may have written this file enforced foreign keys.
                 s.execute(delete(SampleRow).where(SampleRow.request_id.in_(ids)))
+                cp = SampleCheckpointRow
+                s.execute(delete(cp).where(cp.request_id.in_(ids)))
                 s.execute(delete(rr).where(rr.request_id.in_(ids)))
                 requests += len(ids)
         while True:

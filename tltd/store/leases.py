@@ -144,7 +144,7 @@ class WorkLeases:
     def _unit_statements(self) -> _UnitStatements:
         return _UnitStatements(self.db.dialect)
 
-    def _held(self, s: Session) -> object:
+    def held(self, s: Session) -> object:
         """The condition of a unit this node holds now: its owner and epoch, lease alive."""
         return and_(*_held_by(self.db.node_id, self.db.epoch, db_now(self.db.dialect)))
 
@@ -230,7 +230,7 @@ class WorkLeases:
                 rows = s.execute(
                     update(wu)
                     .where(chunk)
-                    .where(self._held(s))
+                    .where(self.held(s))
                     .values(lease_expires_at=db_now(self.db.dialect, lease_seconds))
                     .returning(wu.request_id, wu.prompt_index)
                 ).all()
@@ -285,7 +285,7 @@ class WorkLeases:
             result = s.execute(
                 update(wu)
                 .where(wu.request_id == request_id, wu.prompt_index == prompt_index)
-                .where(self._held(s))
+                .where(self.held(s))
                 .values(
                     state=state,
                     owner_node=None,
@@ -304,7 +304,7 @@ class WorkLeases:
         wu = WorkUnitRow
         held = s.scalar(
             select(wu.prompt_index).where(
-                wu.request_id == request_id, wu.prompt_index == prompt_index, self._held(s)
+                wu.request_id == request_id, wu.prompt_index == prompt_index, self.held(s)
             )
         )
         if held is None:

@@ -9,7 +9,8 @@ are in `tltd.store.lookups`):
 - `requests`: rollout requests (`rollout_requests.RolloutRequests`)
 - `leases`: work units under leases, and the state of their requests (`leases.WorkLeases`)
 - `samples`: samples one at a time and their reads (`samples.SampleRecords`);
-  `sample_batches`: a worker's samples in one transaction (`sample_batches.SampleBatches`)
+  `sample_batches`: a worker's samples in one transaction (`sample_batches.SampleBatches`);
+  `checkpoints`: running samples' tokens so far (`sample_checkpoints.SampleCheckpoints`)
 - `deliveries`: groups sent by bounded (asynchronous RL) requests (`deliveries.GroupDeliveries`)
 - `drafters`: drafter versions (`drafter_versions.DrafterVersions`); `drafter_leases`:
   drafter training's lease and what it reads (`drafter_leases.DrafterLeases`)
@@ -40,6 +41,7 @@ from tltd.store.policies import PolicyVersions
 from tltd.store.pushes import PushRecords
 from tltd.store.rollout_requests import RolloutRequests
 from tltd.store.sample_batches import SampleBatches
+from tltd.store.sample_checkpoints import SampleCheckpoints
 from tltd.store.samples import SampleRecords
 from tltd.store.sessions import SessionRecords
 from tltd.store.workers import WorkerRecords
@@ -61,6 +63,7 @@ class Store:
         self.leases = WorkLeases(db)
         self.samples = SampleRecords(db, self.leases)
         self.sample_batches = SampleBatches(db, self.samples, self.leases)
+        self.checkpoints = SampleCheckpoints(db, self.leases)
         self.deliveries = GroupDeliveries(db)
         self.drafters = DrafterVersions(db)
         self.drafter_leases = DrafterLeases(db)

@@ -194,6 +194,26 @@ class SampleRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
+class SampleCheckpointRow(Base):
+    """A running sample's tokens so far, stored while it runs: a node that takes its unit over
+    after a loss goes on from them. The newest (longest) one per sample; not a result."""
+
+    __tablename__ = "sample_checkpoints"
+
+    request_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("rollout_requests.request_id", ondelete="CASCADE"), primary_key=True
+    )
+    prompt_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    sample_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    # Packed as in samples (NULL, with the values in `state`, for ids beyond int32).
+    token_ids_bin: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    logprobs_bin: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    # The rest of the sample's columns (versions, spans, counters) as `samples` holds them.
+    state: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
 class DrafterVersionRow(Base):
     __tablename__ = "drafter_versions"
     __table_args__ = (UniqueConstraint("job_id", "version"),)

@@ -25,6 +25,7 @@ from tltd.domain import (
     Sample,
 )
 from tltd.errors import Fenced, NotFound, TltError
+from tltd.metrics import METRICS
 from tltd.settings import Settings
 from tltd.store.leases import Claim, ClaimedState, UnitEnd
 from tltd.store.rollout_requests import running_on
@@ -250,8 +251,11 @@ class LiveRequests:
         history = await self._history(req, job, units)  # read before the units can be assigned
         live, _ = self.queue.add(req, req.policy_version, done, time.monotonic(), units)
         live.history.update(history)
-        if partial - done:  # a drained node's tokens so far: go on from them
-            resume = await self._resumable(rid, units, partial - done)
+        # Units claimed before by a node that lost them may have checkpoints to go on from;
+        # a paused or drained sample's tokens so far are stored partial.
+        lost = {c.prompt_index for c in claims if c.attempts > 1}
+        if partial - done or lost:
+            resume = await self._resumable(rid, units, lost, done)
             live.resume.update(resume)
             if resume:
                 log.info(
@@ -278,15 +282,34 @@ class LiveRequests:
         if live.complete_units():
             await self.finalize(live)
 
-    async def _resumable(self, rid: str, units: set[int], keys: set[Key]) -> dict[Key, Sample]:
-        """The stored unfinished samples of `keys` to go on from (none if the store cannot be
-        read now: they run again from their seed)."""
+    async def _resumable(
+        self, rid: str, units: set[int], lost: set[int], done: set[Key]
+    ) -> dict[Key, Sample]:
+        """The unfinished samples of `units` to go on from, not in `done`, per sample the
+        longest stored: a paused or drained sample's partial form, or (units of `lost`) a
+        running sample's checkpoint. None if the store cannot be read now: they run again
+        from their seeds."""
+
+        def read() -> list[tuple[str, Sample]]:
+            stored = self.store.samples.resumable(rid, sorted(units))
+            saved = self.store.checkpoints.of_units(rid, sorted(lost)) if lost else []
+            return [("partial", x) for x in stored] + [("checkpoint", x) for x in saved]
+
         try:
-            stored = await asyncio.to_thread(self.store.samples.resumable, rid, sorted(units))
+            found = await asyncio.to_thread(read)
         except Exception:
-            log.warning("cannot read partial samples: run again", exc_info=True)
+            log.warning("cannot read stored tokens: run again", exc_info=True)
             return {}
-        return {k: s for s in stored if (k := (s.prompt_index, s.sample_index)) in keys}
+        best: dict[Key, tuple[str, Sample]] = {}
+        for source, sample in found:
+            k = (sample.prompt_index, sample.sample_index)
+            if k not in done and (
+                k not in best or len(sample.token_ids) > len(best[k][1].token_ids)
+            ):
+                best[k] = (source, sample)
+        for source, _ in best.values():
+            METRICS.samples_resumed.labels(source).inc()
+        return {k: sample for k, (_, sample) in best.items()}
 
     async def _history(
         self, req: RolloutRequest, job: Job, units: set[int]

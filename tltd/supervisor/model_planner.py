@@ -218,7 +218,8 @@ class ModelPlanner:
             prefix_cache_bytes=self.settings.worker_prefix_cache_mb << 20,
         )
         handle.start_load(Load(LoadKind.MODEL, job.job_id, version))
-        handle.send(msg.LoadModel(job.job_id, path, version, engine))
+        every = self.settings.sample_checkpoint_seconds
+        handle.send(msg.LoadModel(job.job_id, path, version, engine, checkpoint_seconds=every))
         handle.reason = f"loading job {job.job_id} policy version {version}"
 
     async def _broadcast_recorded(self, handle: WorkerHandle, job: Job | None) -> bool:

@@ -231,7 +231,11 @@ def store_reported(
     """Reader thread: samples are stored here, before the loop streams them; the samples of
     messages that arrived together in one transaction (`store.sample_batches.store`), with the ends
     of the units they complete (and the start of a request `worker_id` ran, when the node's
-    own write of it has not landed yet)."""
+    own write of it has not landed yet). Checkpoints are stored apart and not handed on."""
+    saved = [m.sample for m in messages if isinstance(m, msg.SampleCheckpoint)]
+    if saved:
+        messages = [m for m in messages if not isinstance(m, msg.SampleCheckpoint)]
+        save_checkpoints(store, saved)
     finished = [m for m in messages if isinstance(m, msg.Finished)]
     outcomes: dict[int, bool | None] = {}
     ends: dict[tuple[str, int], UnitEnd] = {}
@@ -259,6 +263,15 @@ def store_reported(
             stamp()
         out.append((m, stored, end))
     return _request_ends_last(out)
+
+
+def save_checkpoints(store: Store, samples: list[Sample]) -> None:
+    """Reader thread: running samples' tokens so far. Not stored (the database is out): after
+    a loss those samples run again from their seeds, as without checkpoints."""
+    try:
+        METRICS.sample_checkpoints.inc(store.checkpoints.save(samples))
+    except Exception:
+        log.warning("cannot store sample checkpoints", exc_info=True)
 
 
 _Reported = tuple[msg.FromWorker, bool | None, UnitEnd | None]

@@ -103,12 +103,12 @@ def _append(s: Seq, toks: list[int], lps: list[float]) -> tuple[FinishReason | N
     return None, n
 
 
-def sample_output(s: Seq, reason: FinishReason) -> SampleOutput:
-    """What a finished sample reports."""
-    hidden = None
-    if s.group.return_hidden and s.history is not None:
+def sample_output(s: Seq, reason: FinishReason, hidden: bool = True) -> SampleOutput:
+    """What a finished sample reports (`hidden`: with its hidden states, when it keeps them)."""
+    states = None
+    if hidden and s.group.return_hidden and s.history is not None:
         # On the host: a finished sample crosses a process pipe to the training buffer.
-        hidden = torch.cat(s.history)[: len(s.group.prompt) + len(s.tokens) - 1].cpu()
+        states = torch.cat(s.history)[: len(s.group.prompt) + len(s.tokens) - 1].cpu()
     g = s.group
     return SampleOutput(
         g.request_id,
@@ -122,7 +122,7 @@ def sample_output(s: Seq, reason: FinishReason) -> SampleOutput:
         s.draft_steps,
         s.plain_steps,
         s.accepted,
-        hidden,
+        states,
         drafted_tokens=s.drafted,
         bonus_tokens=s.bonus,
         residual_tokens=s.residual,

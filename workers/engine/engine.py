@@ -291,6 +291,13 @@ class Engine:
             self.cancel(request_id)
         return self.step()
 
+    def snapshot(self) -> list[SampleOutput]:
+        """The running samples with tokens, as they stand (ABORTED, no hidden states), left
+        running: what a checkpoint stores to go on from (`add_request(resume=)`)."""
+        return [
+            sample_output(s, FinishReason.ABORTED, hidden=False) for s in self.running if s.tokens
+        ]
+
     def load(self) -> EngineLoad:
         """What the engine holds: samples waiting or running, and the tokens they are predicted
         to still generate: per sample its prompt's mean answer length in the history drafter

@@ -28,6 +28,7 @@ from tltd.contract.rollout_messages import (
     LoadModel,
     LoadPolicy,
     Ready,
+    SampleCheckpoint,
     SetDrafter,
     Shutdown,
     ToWorker,
@@ -98,6 +99,11 @@ class WorkerLoop:
         # Policy weights received by a joined broadcast, until their version is loaded.
         self.broadcasts = BroadcastReceiver()
         self.policy_source = ""  # "broadcast" when the loaded policy came from one
+        # LoadModel's: how often the samples running are checkpointed (0 = never).
+        self.checkpoint_seconds = 0.0
+        self._checkpoint_at = 0.0  # monotonic time of the next checkpoint round
+        # Samples running at the last round -> tokens last sent as a checkpoint (0 = none).
+        self._checkpoint_round: dict[tuple[str, int, int], int] = {}
 
     # -- engine hooks (a backend implements these) ----------------------------------------
 
@@ -146,6 +152,12 @@ class WorkerLoop:
         """End all unfinished work now; what was cut short comes back CANCELLED."""
         raise NotImplementedError
 
+    def checkpoints(self) -> list[Sample]:
+        """The samples running now with their tokens so far (ABORTED, partial), left running.
+        A backend without them (none by default) is not checkpointed: after a loss its
+        samples run again from their seeds."""
+        return []
+
     def load_summary(self) -> tuple[int, int, dict[str, object]]:
         """(running samples, upper bound of tokens still to decode, engine counters)."""
         raise NotImplementedError
@@ -183,12 +195,33 @@ class WorkerLoop:
                     self._send_finished(self.take_finished())
             elif self.busy():
                 self._step()
+                self._maybe_checkpoint()
             self._maybe_heartbeat()
 
     def _step(self) -> None:
         self._send_finished(self.step())
         if not self.busy():
             self.idle_since = time.time()
+
+    def _maybe_checkpoint(self) -> None:
+        """Every `checkpoint_seconds`, send the samples that were running at the last round
+        and have emitted tokens since last sent: a sample is stored once it has run that
+        long, then again each time as long again (a short sample never is)."""
+        now = time.monotonic()
+        if self.checkpoint_seconds <= 0 or now < self._checkpoint_at or not self.loaded():
+            return
+        self._checkpoint_at = now + self.checkpoint_seconds
+        before, self._checkpoint_round = self._checkpoint_round, {}
+        out = []
+        for sample in self.checkpoints():
+            key = (sample.request_id, sample.prompt_index, sample.sample_index)
+            sent = before.get(key)
+            if sent is not None and len(sample.token_ids) > sent:
+                out.append(SampleCheckpoint(sample))
+                sent = len(sample.token_ids)
+            self._checkpoint_round[key] = sent or 0
+        if out:
+            self.conn.send(out)
 
     def _send_finished(self, samples: list[Sample]) -> None:
         if self.pausing:  # a paused request's samples are cut short, not cancelled
@@ -284,6 +317,7 @@ class WorkerLoop:
             self._ready()  # tells the daemon what is loaded now: nothing
             return
         self.job_id, self.drafter_version = msg.job_id, 0
+        self.checkpoint_seconds, self._checkpoint_round = msg.checkpoint_seconds, {}
         self.idle_since = time.time()
         self._ready()
 

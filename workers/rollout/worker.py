@@ -142,6 +142,10 @@ class RolloutWorker(WorkerLoop):
         assert self.engine is not None
         return [out.to_domain() for out in self.engine.abort_all()]
 
+    def checkpoints(self) -> list[Sample]:
+        assert self.engine is not None
+        return [out.to_domain() for out in self.engine.snapshot()]
+
     def load_summary(self) -> tuple[int, int, dict[str, object]]:
         assert self.engine is not None
         e = self.engine
