@@ -52,6 +52,9 @@ class RequestStatus(enum.StrEnum):
 # A request is open until it ends; nothing rewrites an ended request's status.
 OPEN_STATUSES = (RequestStatus.QUEUED, RequestStatus.RUNNING)
 ENDED_STATUSES = (RequestStatus.COMPLETED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+# How the reason of a request FAILED by a node that drained (or shut down) alone begins: the
+# node's answer is final, but another daemon may run it (a client re-sends it there).
+DRAINED_REASON = "drained: "
 
 
 class FinishReason(enum.StrEnum):

@@ -38,9 +38,9 @@ def cluster():
 @pytest.mark.postgres
 def test_a_postgres_restart_mid_rollout_loses_nothing(cluster, tmp_path, ckpt, size, figures):
     restarts, between = {"short": (1, 2.0), "long": (10, 20.0)}[size]
-    # A request that failed in the outage answers every retry of its id with the same
-    # UNAVAILABLE; the trainer's patience, not the daemon, then sets how long the run lasts
-    # (the short variant's outage is ~0.2 s: 20 s is ample).
+    # A request that failed in the outage answers FAILED_PRECONDITION (final, not retried);
+    # the trainer's patience bounds its retries of UNAVAILABLE (the short variant's outage is
+    # ~0.2 s: 20 s is ample).
     patience = {"short": 20.0, "long": 120.0}[size]
     d = ServeProcess(
         tmp_path, cluster.url, worker_max_batch=8, worker_max_seq_len=256, start_timeout=180

@@ -137,7 +137,7 @@ def test_request_on_a_version_that_failed_to_load_fails_at_once(sqlite_daemon, c
         wait_until(lambda: ("job", 1) in bad_versions, what="load failed")
         t0 = time.monotonic()
         why = "cannot load policy version 1 of job job: its last load failed; it is retried in"
-        with pytest.raises(UnavailableError, match=why):
+        with pytest.raises(FailedPreconditionError, match=why):
             list(c.generate("job", [[1, 2, 3]], sampling=sampling(n=2, max_new_tokens=4),
                             request_id="after", timeout=20))  # fmt: skip
         assert time.monotonic() - t0 < 5

@@ -14,7 +14,7 @@ from tests.rollout.test_rollouts import PROMPTS, Stream, _by_key
 from tltd.domain import FinishReason, RequestStatus, SamplingParams, WorkerState
 from tltd.store import Store
 from tltd.v1 import common_pb2, rollout_pb2
-from tltd_clients.errors import NotFoundError, UnavailableError
+from tltd_clients.errors import FailedPreconditionError, NotFoundError, UnavailableError
 
 LONG = dict(n=4, temperature=0.0, max_new_tokens=800)
 RUNNING = rollout_pb2.REQUEST_STATUS_RUNNING
@@ -64,7 +64,7 @@ def test_daemon_kill9_mid_batch_then_restart(db_url, tmp_path, ckpt):
             # The trainer retries with the same ids: it gets every sample, generated once.
             r1 = list(c.generate("job", PROMPTS[:4], sampling=sampling(**LONG), request_id="r1"))
             r2 = list(c.generate("job", PROMPTS[4:], sampling=sampling(**LONG), request_id="r2"))
-            with pytest.raises(UnavailableError, match="cannot load policy version 0"):
+            with pytest.raises(FailedPreconditionError, match="cannot load policy version 0"):
                 list(
                     c.generate(
                         "other",

@@ -974,7 +974,7 @@ def test_a_job_of_another_backend_restarts_the_worker_on_it(sqlite_daemon, ckpt)
     from tests.api.support import sampling as pb_sampling
     from tests.rollout.support import wait_until
     from tltd.domain import Backend, Job
-    from tltd_clients.errors import UnavailableError
+    from tltd_clients.errors import FailedPreconditionError
 
     d, sup = sqlite_daemon, sqlite_daemon.supervisor
     with d.client() as c:
@@ -983,7 +983,7 @@ def test_a_job_of_another_backend_restarts_the_worker_on_it(sqlite_daemon, ckpt)
         assert {s.backend for s in sup.handles.values()} == {Backend.TORCH}
         d.store.jobs.create(Job("s", str(ckpt), backend=Backend.SGLANG))
         params = pb_sampling(n=2, max_new_tokens=4)
-        with pytest.raises(UnavailableError, match="CUDA devices only"):
+        with pytest.raises(FailedPreconditionError, match="CUDA devices only"):
             list(c.generate("s", [[1, 2]], sampling=params, request_id="on-sglang"))
         switched = [s for s in sup.handles.values() if s.backend is Backend.SGLANG]
         assert switched and all(s.proc.daemon is False for s in switched)

@@ -291,7 +291,7 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
     from tests.rollout import crashing_worker
     from tests.rollout.test_rollouts import Stream
     from tltd.domain import FinishReason, RequestStatus
-    from tltd_clients.errors import UnavailableError
+    from tltd_clients.errors import FailedPreconditionError
 
     monkeypatch.setattr(
         "tltd.worker_code.rollout_entry", lambda backend: (crashing_worker.main, True)
@@ -324,7 +324,7 @@ def test_a_load_that_kills_the_worker_fails_its_requests_and_is_held_back(
             # its Ready did not forgive the crash.
             wait_until(lambda: handle.generation == 2 and handle.answered, what="restarted")
             assert handle.failures == 1 and not handle.job_id and handle.policy_load == ""
-            with pytest.raises(UnavailableError, match="its last load failed"):
+            with pytest.raises(FailedPreconditionError, match="its last load failed"):
                 list(c.generate("job", [[1, 2, 3]], sampling=sampling(max_new_tokens=4),
                                 timeout=20))  # fmt: skip
     finally:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tltd.domain import (
+    DRAINED_REASON,
     ENDED_STATUSES,
     Backend,
     Device,
@@ -155,7 +156,8 @@ class RolloutService:
         far), and the complete sample that replaces it follows. A request runs on the job's
         policy version current at its acceptance. The stream ends once the request has ended
         and none of its units is open; a request that ends FAILED ends the stream with
-        UNAVAILABLE naming the reason, after its partial samples. A node that handed its work
+        FAILED_PRECONDITION naming the reason, after its partial samples (final: a retry of
+        the id gets the same answer). A node that handed its work
         to the other nodes (a drain) ends its streams with UNAVAILABLE after what they had:
         the caller re-attaches on another node. A bounded request (`bound_groups`) streams
         whole groups instead, until its bound (`tltd.services.bounded`).
@@ -521,6 +523,13 @@ async def _stored_here(
 
 
 def _end(request_id: str, status: RequestStatus | None, reason: str) -> None:
-    """How a Generate stream ends: normally, unless the request failed."""
-    if status is RequestStatus.FAILED:
+    """How a Generate stream ends: normally, unless the request failed. FAILED is final here
+    (a retry of the id gets the same answer), so it is not a code a trainer retries, except
+    when its node drained: a client with other daemons re-sends it there."""
+    if status is RequestStatus.FAILED and reason.startswith(DRAINED_REASON):
         raise Unavailable(f"request {request_id} failed: {reason}")
+    if status is RequestStatus.FAILED:
+        raise FailedPrecondition(
+            f"request {request_id} failed: {reason} (final: send its prompts again under a "
+            "new request_id)"
+        )

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+from tltd.domain import DRAINED_REASON
 from tltd.supervisor.lease_keeper import LeaseKeeper
 from tltd.supervisor.live_requests import LiveRequests
 from tltd.supervisor.rollout_workers import RolloutWorkers
@@ -69,7 +70,7 @@ class NodeDrain:
         if self.leases is not None and await asyncio.to_thread(self.leases.others_up):
             await self._hand_over(self.leases)
             return
-        reason = f"drained: {self.why}"
+        reason = DRAINED_REASON + self.why
         log.info("draining workers", extra={"requests": len(self.queue)})
         busy = self.workers.ask_to_drain()
         await self.requests.fail_all(reason)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from tltd.contract import rollout_messages as msg
 from tltd.contract.broadcast import assign_ranks
 from tltd.domain import (
+    DRAINED_REASON,
     Backend,
     Device,
     DeviceKind,
@@ -200,7 +201,7 @@ class Supervisor:
     def _refusal(self, job_id: str, policy_version: int) -> tuple[FinishReason, str] | None:
         """Why a unit claimed now could never run, if it could not."""
         if self._drain.started:
-            return FinishReason.ABORTED, f"drained: {self._drain.why}"
+            return FinishReason.ABORTED, DRAINED_REASON + self._drain.why
         return self._version_refusal(job_id, policy_version)
 
     def _version_refusal(self, job_id: str, policy_version: int) -> tuple[FinishReason, str] | None:
