@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import sys
 import tempfile
 import threading
@@ -204,8 +205,10 @@ def _ready(workers) -> bool:
 
 
 def _tokens(seed: int, count: int) -> list[int]:
-    """Fixed pseudo-random tokens in 3..53 (the policy's vocabulary, clear of pad, bos, eos)."""
-    return [3 + (seed * 7919 + j * 104729) % 51 for j in range(count)]
+    """Fixed pseudo-random tokens in 3..53 (the policy's vocabulary, clear of pad, bos, eos),
+    another sequence for every seed: sessions of one prompt would share its prefill."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 54) for _ in range(count)]
 
 
 def run_session(target: str, sid: str, turns: int, w: Workload, seed: int) -> float:
@@ -260,7 +263,9 @@ def run_round(d: LocalDaemon, w: Workload, n: int, res: Result) -> None:
     """Every session of round `n` at once under rule `res.rule`; adds its figures to `res`."""
     d.use(res.rule)
     before = d.counts()
-    sessions, seed = w.sessions(f"{res.rule}-r{n}"), 1 + n * (w.long + w.short)
+    # Prompts of their own in every round of every rule (see `_tokens`).
+    first = 1 + (n * len(RULES) + RULES.index(res.rule)) * (w.long + w.short)
+    sessions, seed = w.sessions(f"{res.rule}-r{n}"), first
     latencies: list[float] = [0.0] * len(sessions)
     errors: list[BaseException] = []
 

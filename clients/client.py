@@ -266,6 +266,17 @@ class TltClient:
         )
         return self.call(self.sessions.OpenSession, req)
 
+    def open_session_group(
+        self, job_id: str, prompt_token_ids: Iterable[int], n: int, group_id: str = ""
+    ) -> session_pb2.SessionGroup:
+        """Open n sessions of one prompt, "<group_id>.0" .. "<group_id>.<n-1>" (GRPO over
+        agents): their first turns share the prompt's prefill on a worker. Give each turn its
+        own seed, or none (then it derives from the session id), for their answers to differ."""
+        req = session_pb2.OpenSessionGroupRequest(
+            job_id=job_id, group_id=group_id, prompt_token_ids=list(prompt_token_ids), n=n
+        )
+        return self.call(self.sessions.OpenSessionGroup, req)
+
     def turn(
         self,
         session_id: str,

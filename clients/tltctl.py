@@ -541,7 +541,9 @@ _SESSION_STATUSES = {
 @_output_option
 @pass_ctx
 def sessions(obj: _Ctx, job_id: str, statuses: tuple[str, ...], limit: int) -> None:
-    """List multi-turn sessions, newest first (RUNNING: the turn running now)."""
+    """List multi-turn sessions, newest first (RUNNING: the turn running now; PINNED: the
+    node/worker holding its KV; REUSED: turns that reused it, positions restored; both as
+    the node answering knows them)."""
     found = obj.client.list_sessions(job_id, [_SESSION_STATUSES[s] for s in statuses], limit)
     rows = [
         (
@@ -551,16 +553,14 @@ def sessions(obj: _Ctx, job_id: str, statuses: tuple[str, ...], limit: int) -> N
             s.num_tokens,
             _enum(session_pb2.SessionStatus.Name(s.status)),
             s.running_turn if s.running_turn >= 0 else "-",
+            f"{s.node_id}/{s.worker_id}" if s.worker_id else "-",
+            f"{s.reuse_hits} ({s.reused_tokens})",
             _when(s, "updated_at"),
         )
         for s in found
     ]
-    _emit(
-        obj,
-        [_dict(s) for s in found],
-        ("SESSION", "JOB", "TURNS", "TOKENS", "STATE", "RUNNING", "UPDATED"),
-        rows,
-    )
+    header = ("SESSION", "JOB", "TURNS", "TOKENS", "STATE", "RUNNING", "PINNED", "REUSED")
+    _emit(obj, [_dict(s) for s in found], (*header, "UPDATED"), rows)
 
 
 @cli.group()

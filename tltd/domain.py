@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import ClassVar
@@ -353,6 +356,9 @@ class Sample:
     prompt_token_ids: tuple[int, ...] = ()
     # Drawn by the simulated engine (Backend.SIM): its tokens and logprobs mean nothing.
     simulated: bool = False
+    # Prompt positions the worker restored from kept KV instead of computing them (a session's
+    # earlier turn, or its prompt prefilled for another session). Not stored.
+    reused_tokens: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -587,6 +593,9 @@ class TurnStatus(enum.StrEnum):
 
 # A session id leaves room for the turn's request id (`turn_request_id`) within 128 characters.
 MAX_SESSION_ID = 96
+# Sessions a group opens at most, and a group id's length that leaves room for ".<index>".
+MAX_GROUP_SESSIONS = 256
+MAX_GROUP_ID = MAX_SESSION_ID - 4
 # Where a session's turns run: the rules of `tltd.scheduler.session_worker`.
 SESSION_PLACEMENTS = ("sticky", "hash", "round_robin")
 
@@ -598,16 +607,36 @@ def turn_request_id(session_id: str, turn_index: int, attempt: int) -> str:
     return f"session:{session_id}:{turn_index}:{attempt}"
 
 
+def turn_of(request_id: str) -> tuple[str, int] | None:
+    """The session and the turn index a turn's request runs (`turn_request_id`); None for
+    another request."""
+    if not request_id.startswith("session:"):
+        return None
+    parts = request_id[len("session:") :].rsplit(":", 2)
+    if len(parts) != 3 or not parts[0] or not (parts[1].isdigit() and parts[2].isdigit()):
+        return None
+    return parts[0], int(parts[1])
+
+
 def turn_session_id(request_id: str) -> str:
     """The session whose turn the request runs (`turn_request_id`); "" for another request.
     A worker keeps a session's KV under it for the next turn (a hint: the engine reuses KV
     only where the tokens match)."""
-    if not request_id.startswith("session:"):
-        return ""
-    parts = request_id[len("session:") :].rsplit(":", 2)
-    if len(parts) != 3 or not parts[0] or not (parts[1].isdigit() and parts[2].isdigit()):
-        return ""
-    return parts[0]
+    turn = turn_of(request_id)
+    return turn[0] if turn is not None else ""
+
+
+def prompt_share_key(job_id: str, prompt: Sequence[int]) -> str:
+    """The key of a first turn's prompt: the sessions of one prompt (a group) share its
+    prefill on a worker that keeps its KV under this key. '#' starts no session id, so it
+    never names a session's own KV."""
+    data = array("q", prompt).tobytes() + job_id.encode()
+    return "#" + hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def group_session_id(group_id: str, index: int) -> str:
+    """The `index`-th session of a group opened in one call (OpenSessionGroup)."""
+    return f"{group_id}.{index}"
 
 
 @dataclass(frozen=True)
@@ -711,3 +740,9 @@ class SessionSummary:
     running_turn: int
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    # Known to the node that answers, from its memory (`tltd.supervisor.session_pins`): the
+    # worker holding the session's KV now ("" = none here) and what its turns reused there.
+    worker_id: str = ""
+    node_id: str = ""
+    reuse_hits: int = 0  # turns that reused kept KV
+    reused_tokens: int = 0  # prompt positions those turns restored instead of computing

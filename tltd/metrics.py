@@ -12,6 +12,8 @@ Other parts of the daemon call the update methods of the process-wide `METRICS` 
     METRICS.observe_engine_summary(device_id, previous, current)  # EngineStats.summary()s
     #   (and a torch engine's `prefix_cache` counters: prefix cache hits, prefill tokens)
     METRICS.set_queue_depth(job_id, samples_waiting)
+    METRICS.set_session_pins(worker_id, sessions)  # open sessions whose KV the worker holds
+    METRICS.record_repins(["gone"])                # session turns sent away from their KV
     METRICS.set_device_state(device_id, "rollout" | "idle" | "training" | "unavailable")
     METRICS.set_trainer_loading(device_id, True)  # a TRAINING device whose trainer is loading
     METRICS.set_drafter_version(job_id, version); METRICS.set_policy_version(job_id, version)
@@ -264,6 +266,21 @@ _DECLARED: dict[str, _Declared] = {
         "reused (a session's kept KV restored)",
         ("device_id", "source"),
     ),
+    "session_pins": _Declared(
+        Gauge,
+        "tltd_session_pins",
+        "Open sessions whose KV a worker holds (their last turn ran there; the next one goes "
+        "there unless it is re-pinned)",
+        ("worker_id",),
+    ),
+    "session_repins": _Declared(
+        Counter,
+        "tltd_session_repins",
+        "Session turns sent to another worker than the one holding their KV, by reason: gone "
+        "(lost with the KV, stopped, cordoned), version (another job or policy version), full, "
+        "overloaded (beyond sticky_slack_samples) or rule (session_placement hash, round_robin)",
+        ("reason",),
+    ),
     "queue_depth": _Declared(
         Gauge, "tltd_queue_depth", "Samples accepted but not finished, per job", ("job_id",)
     ),
@@ -370,6 +387,8 @@ class Metrics:
     accepted_length: Histogram
     prefix_lookups: Counter
     prefill_tokens: Counter
+    session_pins: Gauge
+    session_repins: Counter
     queue_depth: Gauge
     drafter_version: Gauge
     policy_version: Gauge
@@ -538,6 +557,13 @@ class Metrics:
         self.prefix_lookups.labels(device_id, "miss").inc(delta["misses"])
         self.prefill_tokens.labels(device_id, "computed").inc(delta["prefilled_tokens"])
         self.prefill_tokens.labels(device_id, "reused").inc(delta["reused_tokens"])
+
+    def set_session_pins(self, worker_id: str, sessions: int) -> None:
+        self.session_pins.labels(worker_id).set(sessions)
+
+    def record_repins(self, reasons: Sequence[str]) -> None:
+        for reason in reasons:
+            self.session_repins.labels(reason).inc()
 
     def set_queue_depth(self, job_id: str, samples: int) -> None:
         self.queue_depth.labels(job_id).set(samples)

@@ -39,7 +39,10 @@ that worker unless it is gone, cannot take it (full, another job or version) or 
 does, to the least loaded one (which prefills the whole sequence). `session_placement` picks
 another rule for benchmarks and ablations: "hash" sends every turn of a session to one worker by
 its key (rendezvous hashing over the workers that can take it), whatever their load; "round_robin"
-ignores the KV and hands turns to the workers in rotation.
+ignores the KV and hands turns to the workers in rotation. A turn sent away from the worker with
+its KV is a re-pin, and says why (`repin_reason`). The first turns of sessions of one prompt (a
+group) follow the first of them to its worker under the same rule (`Snapshot.holders` maps the
+prompt's key too), so that one prefill of the prompt serves them.
 """
 
 from __future__ import annotations
@@ -120,6 +123,8 @@ class PendingWork:
     # job's (None: no prediction; expected_tokens stands for it).
     predicted_tokens: int | None = None
     cache_key: str = ""  # a session turn's key: its last turn's worker holds its KV
+    # A session's first turn's prompt key: where the other sessions of its prompt went.
+    share_key: str = ""
 
     @property
     def work(self) -> int:
@@ -154,7 +159,8 @@ class Snapshot:
     training: tuple[TrainingView, ...]
     pending: tuple[PendingWork, ...]
     jobs: tuple[JobView, ...]
-    holders: Mapping[str, str] = field(default_factory=dict)  # session key -> worker with its KV
+    # Session key -> the worker with its KV ("" = lost with it); first prompt key -> worker.
+    holders: Mapping[str, str] = field(default_factory=dict)
     turns_handed_out: int = 0  # session turns given to workers so far (the round-robin's place)
 
 
@@ -164,6 +170,7 @@ class Assignment:
     prompt_index: int
     samples: int
     worker_id: str
+    repin: str = ""  # a session turn sent away from the worker with its KV: why (repin_reason)
 
 
 @dataclass(frozen=True)
@@ -327,6 +334,7 @@ def _place(
     served = {j: float(v.served_tokens) for j, v in jobs.items()}
     queues = _queues(snap, jobs)
     turn = snap.turns_handed_out  # the next session turn's place in the round robin
+    shares: dict[str, str] = {}  # a first prompt's key -> where its sessions go (this tick)
     assignments: list[Assignment] = []
     while queues:
         job_id = min(
@@ -345,14 +353,11 @@ def _place(
             # does hold, or the two would wait for each other.
             _pop(queues, job_id)
             continue
-        holder = snap.holders.get(work.cache_key) if work.cache_key else None
+        holder = _holder(snap, work, shares)
         per_worker = _spread(work, load, takes, by_worker, training_devices, cfg, (holder, turn))
         turn += sum(per_worker.values()) if work.cache_key else 0
         served[job_id] += work.work * sum(per_worker.values())
-        assignments += [
-            Assignment(work.request_id, work.prompt_index, count, wid)
-            for wid, count in per_worker.items()
-        ]
+        assignments += _assignments(snap, work, per_worker, (load, takes), cfg, shares)
         if sum(per_worker.values()) < work.samples:
             # No room for this prompt (workers of its job and version are full): the job's
             # later prompts wait too, so that a job keeps its FIFO order; other jobs may place.
@@ -360,6 +365,60 @@ def _place(
             continue
         _pop(queues, job_id)
     return assignments, load
+
+
+def _holder(snap: Snapshot, work: PendingWork, shares: Mapping[str, str]) -> str | None:
+    """Where a session turn's KV is: the worker that ran the session's last turn ("" when it
+    was lost); for a first turn, where its prompt's other sessions went (a group)."""
+    if not work.cache_key:
+        return None
+    own = snap.holders.get(work.cache_key)
+    if own is not None or not work.share_key:
+        return own
+    return shares.get(work.share_key, snap.holders.get(work.share_key))
+
+
+def _assignments(
+    snap: Snapshot,
+    work: PendingWork,
+    per_worker: dict[str, int],
+    fit: tuple[dict[str, tuple[int, int]], Callable[[str], bool]],
+    cfg: SchedulerConfig,
+    shares: dict[str, str],
+) -> list[Assignment]:
+    """The work's assignments, a re-pinned session turn's with its reason (`repin_reason`,
+    given the loads and who `takes` it); a first turn's prompt key notes where it went."""
+    own = snap.holders.get(work.cache_key) if work.cache_key else None
+    why = repin_reason(own, per_worker, *fit, cfg)
+    if work.share_key and per_worker:
+        first = snap.holders.get(work.share_key) or next(iter(per_worker))
+        shares.setdefault(work.share_key, first)
+    return [
+        Assignment(work.request_id, work.prompt_index, count, wid, why)
+        for wid, count in per_worker.items()
+    ]
+
+
+def repin_reason(
+    holder: str | None,
+    per_worker: Mapping[str, int],
+    load: Mapping[str, tuple[int, int]],
+    takes: Callable[[str], bool],
+    cfg: SchedulerConfig,
+) -> str:
+    """Why a session's turn went to another worker than `holder`, which holds its KV: "gone"
+    (lost with its KV, stopped, cordoned, draining), "version" (it holds another job or
+    policy version), "full", "overloaded" (over `sticky_slack_samples`) or "rule" (hash or
+    round robin placement); "" when it stayed, or there was none."""
+    if holder is None or not per_worker or holder in per_worker:
+        return ""
+    if holder not in load:
+        return "gone"
+    if not takes(holder):
+        return "version"
+    if load[holder][0] >= cfg.max_samples_per_worker:
+        return "full"
+    return "overloaded" if cfg.session_placement == "sticky" else "rule"
 
 
 def _queues(snap: Snapshot, jobs: dict[str, JobView]) -> dict[str, list[PendingWork]]:

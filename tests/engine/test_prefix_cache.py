@@ -263,3 +263,55 @@ def test_a_resumed_turn_keeps_its_kv_too(ckpt):
     got = engine.generate([Request("t2", context, GREEDY, cache_key="k")])[0]
     want = _engine(ckpt, budget=0).generate([Request("t2", context, GREEDY)])[0]
     assert got.token_ids == want.token_ids and engine.prefix.stats.hits == 1
+
+
+# ---- a group: sessions of one prompt share its prefill ---------------------------------------
+
+GROUP_PROMPT = [4, 4, 5, 6, 7, 8, 2, 9, 1, 3]
+
+
+def _first_turns(engine: Engine, shared: bool, seeds=(11, 12, 13, 14), one_by_one=False):
+    """The first turns of sessions of GROUP_PROMPT (each its own key and seed), all added at
+    once or one after the other; their outputs in session order."""
+    key = "#p" if shared else ""
+    reqs = [
+        Request(f"g{i}", GROUP_PROMPT, _seeded(SAMPLED, seed), cache_key=f"g{i}", share_key=key)
+        for i, seed in enumerate(seeds)
+    ]
+    outs = [o for r in reqs for o in engine.generate([r])] if one_by_one else engine.generate(reqs)
+    return sorted(outs, key=lambda o: o.request_id)
+
+
+@pytest.mark.parametrize("one_by_one", [False, True], ids=["together", "one_by_one"])
+def test_a_groups_first_turns_share_one_prefill_and_sample_the_same_tokens(ckpt, one_by_one):
+    engine = _engine(ckpt)
+    got = _first_turns(engine, shared=True, one_by_one=one_by_one)
+    want = _first_turns(_engine(ckpt, budget=0), shared=True)
+    _same([got], [want])
+    assert len({tuple(o.token_ids) for o in got}) > 1  # their own seeds: other answers
+    st = engine.prefix.stats
+    # One prefill of the prompt; the others restore all of it but its last token.
+    assert st.prefilled_tokens == len(GROUP_PROMPT) + 3
+    assert (st.hits, st.reused_tokens) == (3, 3 * (len(GROUP_PROMPT) - 1))
+    assert [o.reused_tokens for o in got] == [0] + [len(GROUP_PROMPT) - 1] * 3
+    # The shared entry stays for later sessions of the prompt; each session keeps its own.
+    assert {"#p", "g0", "g1", "g2", "g3"} <= engine.prefix.entries.keys()
+
+
+def test_without_a_share_key_each_first_turn_prefills_the_prompt(ckpt):
+    engine = _engine(ckpt)
+    _first_turns(engine, shared=False)
+    assert engine.prefix.stats.prefilled_tokens == 4 * len(GROUP_PROMPT)
+    assert engine.prefix.stats.hits == 0
+
+
+def test_a_shared_prompt_with_an_eagle_drafter_neither_waits_nor_reuses(ckpt):
+    """Prompts that need their hidden states prefill in full, together (none held back)."""
+    from tltd_workers.engine.eagle import EagleDrafter
+
+    engine = _engine(ckpt)
+    engine.set_drafter(EagleDrafter.random_init(engine.model, seed=0), 1)
+    for i in range(3):
+        engine.add_request(f"g{i}", GROUP_PROMPT, GREEDY, cache_key=f"g{i}", share_key="#p")
+    engine.step()
+    assert engine.prefills == 3 and engine.prefix.stats.hits == 0

@@ -167,7 +167,8 @@ def test_turns_follow_their_kv_to_the_worker_that_ran_the_first_turn(daemon_with
 def _busy_worker(d: InProcessDaemon, c) -> str:
     """Start a long turn of another session and stop its worker process (SIGSTOP): the
     worker holds work and takes no step; returns its id."""
-    c.open_session("job", PROMPT, session_id="busy")
+    # Another prompt: a first turn of PROMPT would follow it (sessions of one prompt share it).
+    c.open_session("job", [9, 8, 7], session_id="busy")
     long = sampling(temperature=0.0, max_new_tokens=900)
     t = threading.Thread(target=lambda: _ignore(lambda: c.turn("busy", 0, sampling=long)))
     t.start()

@@ -125,3 +125,44 @@ def test_a_session_turn_carries_its_key_and_its_worker_is_remembered():
     assert dict(q.holders) == {"ep:7:0": "w1"}
     q.lose_worker("w1", max_attempts=3)
     assert not q.holders  # the KV it held is gone with it
+
+
+def test_pins_count_open_sessions_per_worker_and_remember_a_lost_one():
+    q = WorkQueue()
+    for sid, wid in (("a", "w0"), ("b", "w0"), ("c", "w1")):
+        rid = f"session:{sid}:1:0"
+        q.add(RolloutRequest(rid, "job", ((1, 2),), SamplingParams(n=1)), 0, set(), now=1.0)
+        q.take(rid, 0, 1, wid)
+        q.finish(rid, (0, 0), reused_tokens=5 if sid == "a" else 0)
+    pins = q.pins
+    assert (pins.pinned_on("w0"), pins.pinned_on("w1")) == (2, 1)
+    a = pins.get("a")
+    assert (a.worker_id, a.turns, a.hits, a.reused_tokens) == ("w0", 1, 1, 5)
+    pins.release("b")  # closed
+    assert pins.pinned_on("w0") == 1 and pins.holder("b") is None
+    q.lose_worker("w0", max_attempts=3)
+    assert pins.pinned_on("w0") == 0
+    assert pins.holder("a") == ""  # its next turn is a re-pin: "gone"
+    assert pins.get("a").hits == 1  # its counters stay
+    # A closed session's turn that ends after the close (cancelled) pins nothing.
+    q.add(RolloutRequest("session:b:2:0", "job", ((1, 2),), SamplingParams(n=1)), 0, set(), 1.0)
+    q.take("session:b:2:0", 0, 1, "w1")
+    q.finish("session:b:2:0", (0, 0))
+    assert pins.pinned_on("w1") == 1 and pins.holder("b") is None
+
+
+def test_a_first_turn_carries_its_prompt_key_and_its_worker_is_noted_when_handed_out():
+    q = WorkQueue()
+    firsts = [RolloutRequest(f"session:g.{i}:0:0", "job", ((1, 2, 3),), SamplingParams(n=1))
+              for i in range(2)]  # fmt: skip
+    later = RolloutRequest("session:g.0:1:0", "job", ((1, 2, 3),), SamplingParams(n=1))
+    other_job = RolloutRequest("session:h.0:0:0", "job2", ((1, 2, 3),), SamplingParams(n=1))
+    for r in (*firsts, later, other_job):
+        q.add(r, 0, set(), now=1.0)
+    keys = {w.request_id: w.share_key for w in q.pending_work()}
+    assert keys["session:g.0:0:0"] == keys["session:g.1:0:0"] != ""
+    assert keys["session:g.0:1:0"] == ""  # only a first turn shares its prompt
+    assert keys["session:h.0:0:0"] not in ("", keys["session:g.0:0:0"])  # per job
+    q.take("session:g.0:0:0", 0, 1, "w1")
+    assert q.pins.holder(keys["session:g.1:0:0"]) == "w1"
+    assert q.get("session:g.0:0:0").work(1, 0, [0]).share_key == keys["session:g.0:0:0"]

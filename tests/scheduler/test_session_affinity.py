@@ -1,7 +1,11 @@
 """A session's turn goes to the worker holding its KV unless that one is gone, cannot take it
-or is much busier than the least loaded one (the pure policy, table-driven)."""
+or is much busier than the least loaded one, and a turn sent elsewhere says why (a re-pin);
+the first turns of sessions of one prompt (a group) follow one another (the pure policy,
+table-driven)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -19,35 +23,59 @@ def _snap(workers, pending, holders) -> Snapshot:
 
 
 @pytest.mark.parametrize(
-    "name, workers, holders, expected",
+    "name, workers, holders, expected, repin",
     [
-        ("a first turn: the least loaded", [wk(0, running=2, tokens=200), wk(1)], {}, "w1"),
+        ("a first turn: the least loaded", [wk(0, running=2, tokens=200), wk(1)], {}, "w1", ""),
         (
             "a later turn: its holder, though busier",
             [wk(0, running=2, tokens=900), wk(1)],
             {"s1": "w0"},
             "w0",
+            "",
         ),
         (
             "a holder much busier than the least loaded: another worker",
             [wk(0, running=5, tokens=500), wk(1)],
             {"s1": "w0"},
             "w1",
+            "overloaded",
         ),
-        ("a holder that is gone: the least loaded", [wk(1, running=1), wk(2)], {"s1": "w0"}, "w2"),
-        ("a full holder: another worker", [wk(0, running=8), wk(1, running=7)], {"s1": "w0"}, "w1"),
+        (
+            "a holder that is gone: the least loaded",
+            [wk(1, running=1), wk(2)],
+            {"s1": "w0"},
+            "w2",
+            "gone",
+        ),
+        ("a holder lost with its KV", [wk(0), wk(1, running=1)], {"s1": ""}, "w0", "gone"),
+        (
+            "a full holder: another worker",
+            [wk(0, running=8), wk(1, running=7)],
+            {"s1": "w0"},
+            "w1",
+            "full",
+        ),
         (
             "a holder now serving another job: another worker",
             [wk(0, job="other"), wk(1, running=3)],
             {"s1": "w0"},
             "w1",
+            "version",
         ),
-        ("another session's holder is no pull", [wk(0), wk(1, running=2)], {"s2": "w1"}, "w0"),
+        ("another session's holder is no pull", [wk(0), wk(1, running=2)], {"s2": "w1"}, "w0", ""),
     ],
 )
-def test_a_turn_goes_to_its_kv_unless_that_costs_more(name, workers, holders, expected):
+def test_a_turn_goes_to_its_kv_unless_that_costs_more(name, workers, holders, expected, repin):
     decision = schedule(_snap(workers, [turn()], holders), CFG)
     assert placed(decision) == {expected: 1}, name
+    assert [a.repin for a in decision.assignments] == [repin], name
+
+
+def test_a_turn_placed_by_another_rule_away_from_its_kv_is_a_re_pin_by_rule():
+    rotation = replace(CFG, session_placement="round_robin")
+    snap = replace(_snap([wk(0), wk(1)], [turn()], {"s1": "w0"}), turns_handed_out=1)
+    decision = schedule(snap, rotation)
+    assert [(a.worker_id, a.repin) for a in decision.assignments] == [("w1", "rule")]
 
 
 def test_the_slack_is_in_samples_and_inclusive():
@@ -61,3 +89,27 @@ def test_the_slack_is_in_samples_and_inclusive():
 def test_turns_of_two_sessions_each_go_to_their_holder():
     decision = schedule(_snap([wk(0), wk(1)], [turn("a"), turn("b")], {"a": "w1", "b": "w1"}), CFG)
     assert placed(decision) == {"w1": 2}
+
+
+def first_turn(key: str, prompt_key: str = "#p", at: float = 0.0) -> PendingWork:
+    return PendingWork(
+        f"session:{key}:0:0", 0, "j", 1, 100, at, cache_key=key, share_key=prompt_key
+    )
+
+
+def test_first_turns_of_one_prompt_follow_one_another_within_the_slack():
+    """Placed in one tick: the first goes to the least loaded worker (w1), the others after
+    it while it runs at most `sticky_slack_samples` (4) more than w0 (1): six, then w0."""
+    group = [first_turn(f"g.{i}", at=float(i)) for i in range(7)]
+    decision = schedule(_snap([wk(0, running=1, tokens=100), wk(1)], group, {}), CFG)
+    by_turn = [a.worker_id for a in sorted(decision.assignments, key=lambda a: a.request_id)]
+    assert by_turn == ["w1"] * 6 + ["w0"]
+    assert all(a.repin == "" for a in decision.assignments)  # no session's KV was left
+    # Another prompt's first turn is no pull.
+    other = schedule(_snap([wk(0), wk(1, running=1)], [first_turn("h.0", "#q")], {}), CFG)
+    assert placed(other) == {"w0": 1}
+
+
+def test_a_later_first_turn_follows_where_its_prompt_went_before():
+    decision = schedule(_snap([wk(0), wk(1, running=3)], [first_turn("g.5")], {"#p": "w1"}), CFG)
+    assert placed(decision) == {"w1": 1}

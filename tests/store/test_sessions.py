@@ -135,3 +135,18 @@ def test_a_prompt_given_after_opening_and_the_listing(store, job):
     assert len(store.sessions.list(limit=2)) == 2
     with pytest.raises(FailedPrecondition):
         store.sessions.set_prompt("c", (1,))
+
+
+def test_sessions_opened_together_are_each_opened_once(store, job):
+    group = [AgentSession(f"g.{i}", "job", (1, 2)) for i in range(3)]
+    store.sessions.open(group[1])  # one of them opened before
+    opened = store.sessions.open_all(group)
+    assert [s.session_id for s in opened] == ["g.0", "g.1", "g.2"]
+    assert store.sessions.open_all(group) == opened  # again: the same sessions
+    with pytest.raises(AlreadyExists) as info:
+        store.sessions.open_all(
+            [AgentSession("g.3", "job", (1, 2)), AgentSession("g.0", "job", (5,))]
+        )
+    assert info.value.field == "prompt_token_ids"
+    with pytest.raises(NotFound):
+        store.sessions.get("g.3")  # one transaction: nothing of the refused call was stored

@@ -391,7 +391,7 @@ def generate_batch_responses(
 
 def _sample_fields(s: d.Sample) -> dict[str, Any]:
     return {
-        **_same_named(s, skip=("finish_reason", "speculative", *_SAMPLE_PARTS)),
+        **_same_named(s, skip=("finish_reason", "speculative", "reused_tokens", *_SAMPLE_PARTS)),
         "finish_reason": _FINISH_PB[s.finish_reason],
         "speculative": _same_named(s.speculative),
     }
@@ -428,6 +428,7 @@ def sample_from_pb(pb: rollout_pb2.Sample) -> d.Sample:
         provenance=provenance_from_pb(pb.provenance) if pb.HasField("provenance") else None,
         policy_spans=tuple((x.first_token, x.policy_version) for x in pb.policy_spans),
         prompt_token_ids=tuple(pb.prompt_token_ids),
+        reused_tokens=0,
         # A sample that asked for alternatives but emitted no token has none on the wire.
         top_logprobs=_tops_from_pb(pb.top_logprobs) if pb.top_logprobs else None,
         prompt_logprobs=d.PromptLogprobs(
@@ -575,6 +576,12 @@ def session_to_pb(s: d.AgentSession) -> session_pb2.Session:
         status=_SESSION_STATUS_PB[s.status],
         turns=[turn_to_pb(t) for t in s.turns],
         trajectory=trajectory_to_pb(s.trajectory()),
+    )
+
+
+def session_group_to_pb(group_id: str, sessions: list[d.AgentSession]) -> session_pb2.SessionGroup:
+    return session_pb2.SessionGroup(
+        group_id=group_id, sessions=[session_to_pb(s) for s in sessions]
     )
 
 

@@ -48,6 +48,7 @@ _TRAINER_METHODS = frozenset(
         "/tltd.v1.AdminService/ListWorkers",
         "/tltd.v1.AdminService/GetStats",
         "/tltd.v1.SessionService/OpenSession",
+        "/tltd.v1.SessionService/OpenSessionGroup",
         "/tltd.v1.SessionService/Turn",
         "/tltd.v1.SessionService/GetSession",
         "/tltd.v1.SessionService/CloseSession",

@@ -61,6 +61,13 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         session = await to_thread(self.svc.open, request.job_id, request.session_id, prompt)
         return c.session_to_pb(session)
 
+    async def OpenSessionGroup(self, request, context):
+        prompt = tuple(request.prompt_token_ids)
+        group_id, sessions = await to_thread(
+            self.svc.open_group, request.job_id, request.group_id, prompt, request.n
+        )
+        return c.session_group_to_pb(group_id, sessions)
+
     async def Turn(self, request, context):
         inputs, sampling = tuple(request.input_token_ids), c.sampling_from_pb(request.sampling)
         session, turn = await self.svc.turn(

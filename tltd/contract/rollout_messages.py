@@ -117,6 +117,9 @@ class AddWork:
     # A session's key: the sample's KV is kept after it ends and the session's next turn
     # prefills only its new tokens on the same worker ("" = not kept). Torch engine only.
     cache_key: str = ""
+    # A session's first prompt (`tltd.domain.prompt_share_key`): its KV is kept under this key
+    # at prefill, for the other sessions of that prompt to reuse ("" = none). Torch only.
+    share_key: str = ""
 
 
 @dataclass(frozen=True)

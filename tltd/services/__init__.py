@@ -80,5 +80,7 @@ def build_services(
         node=node,
         pauses=pauses,
         weight_groups=WeightGroupService(store, pushes),
-        sessions=SessionService(store, settings, rollouts),
+        sessions=SessionService(
+            store, settings, rollouts, supervisor.queue.pins if supervisor is not None else None
+        ),
     )

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from tltd.domain import (
     ENDED_STATUSES,
+    MAX_GROUP_ID,
+    MAX_GROUP_SESSIONS,
     MAX_SESSION_ID,
     AgentSession,
     JobStatus,
@@ -27,6 +29,7 @@ from tltd.domain import (
     SessionSummary,
     SessionTurn,
     TurnStatus,
+    group_session_id,
 )
 from tltd.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, TltError
 from tltd.services.checkpoints import model_limits
@@ -41,18 +44,19 @@ from tltd.settings import Settings
 if TYPE_CHECKING:
     from tltd.services.rollouts import RolloutService
     from tltd.store import Store
+    from tltd.supervisor.session_pins import SessionPins
 
-_SESSION_ID_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_SESSION_ID - 1}}}")
+_ID_CHARS = r"[A-Za-z0-9][A-Za-z0-9._:-]"
 
 
-def check_session_id(value: str) -> None:
+def check_session_id(value: str, field: str = "session_id", most: int = MAX_SESSION_ID) -> None:
     if not value:
-        raise InvalidArgument("must not be empty", field="session_id")
-    if not _SESSION_ID_RE.fullmatch(value):
+        raise InvalidArgument("must not be empty", field=field)
+    if not re.fullmatch(rf"{_ID_CHARS}{{0,{most - 1}}}", value):
         raise InvalidArgument(
-            f"must be 1-{MAX_SESSION_ID} characters of letters, digits, '.', '_', ':' or '-' "
+            f"must be 1-{most} characters of letters, digits, '.', '_', ':' or '-' "
             "starting with a letter or digit",
-            field="session_id",
+            field=field,
         )
 
 
@@ -69,10 +73,17 @@ def _check_not_returned(sampling: SamplingParams) -> None:
 
 
 class SessionService:
-    def __init__(self, store: Store, settings: Settings, rollouts: RolloutService) -> None:
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        rollouts: RolloutService,
+        pins: SessionPins | None = None,
+    ) -> None:
         self.store = store
         self.settings = settings
         self.rollouts = rollouts
+        self.pins = pins  # this node's (None: it runs no workers)
 
     def open(
         self,
@@ -98,6 +109,25 @@ class SessionService:
         )
         return stored
 
+    def open_group(
+        self, job_id: str, group_id: str, prompt: tuple[int, ...], n: int
+    ) -> tuple[str, list[AgentSession]]:
+        """Open sessions `<group_id>.0` .. `<group_id>.<n-1>` of `prompt` (each idempotent as
+        `open`; empty group id: the daemon assigns `grp-<uuid>`). They are sessions like any
+        other; their first turns share the prompt's prefill on a worker (as the first turns of
+        any sessions of one prompt do). Returns the group id and the sessions."""
+        group_id = group_id or f"grp-{uuid.uuid4().hex}"
+        check_session_id(group_id, "group_id", MAX_GROUP_ID)
+        if not 1 <= n <= MAX_GROUP_SESSIONS:
+            raise InvalidArgument(f"must be 1-{MAX_GROUP_SESSIONS}, got {n}", field="n")
+        check_id(job_id, "job_id")
+        job = self.store.jobs.get(job_id)
+        if job.status is not JobStatus.ACTIVE:
+            raise FailedPrecondition(f"job {job_id} is {job.status.value}", field="job_id")
+        self._check_prompt(job.model_path, prompt)
+        sessions = [AgentSession(group_session_id(group_id, i), job_id, prompt) for i in range(n)]
+        return group_id, self.store.sessions.open_all(sessions)
+
     def set_prompt(self, session_id: str, prompt: tuple[int, ...]) -> AgentSession:
         """The prompt of a session opened without one (the same one again: a no-op)."""
         check_session_id(session_id)
@@ -122,10 +152,24 @@ class SessionService:
     def list(
         self, job_id: str = "", statuses: Sequence[SessionStatus] = (), limit: int = 100
     ) -> list[SessionSummary]:
-        """Sessions, newest first (of one job when `job_id` is set)."""
+        """Sessions, newest first (of one job when `job_id` is set), with where this node
+        holds their KV and what their turns reused here."""
         if job_id:
             check_id(job_id, "job_id")
-        return self.store.sessions.list(job_id, statuses, limit)
+        found = self.store.sessions.list(job_id, statuses, limit)
+        return found if self.pins is None else [self._pinned(s, self.pins) for s in found]
+
+    def _pinned(self, summary: SessionSummary, pins: SessionPins) -> SessionSummary:
+        pin = pins.get(summary.session_id)
+        if pin is None:
+            return summary
+        return replace(
+            summary,
+            worker_id=pin.worker_id if pin.pinned else "",
+            node_id=self.store.node_id if pin.pinned else "",
+            reuse_hits=pin.hits,
+            reused_tokens=pin.reused_tokens,
+        )
 
     async def turn(
         self, session_id: str, turn_index: int, inputs: tuple[int, ...], sampling: SamplingParams
@@ -238,7 +282,10 @@ class SessionService:
         running = session.running_turn
         if running is not None and session.status is SessionStatus.OPEN:
             self._cancel(running.request_id)
-        return self.store.sessions.close(session_id)
+        closed = self.store.sessions.close(session_id)
+        if self.pins is not None:
+            self.pins.release(session_id)  # (a close at another node leaves this node's pin)
+        return closed
 
     def _settled(self, session: AgentSession) -> AgentSession:
         """Count in a running turn whose request has its sample (a caller that went away, a

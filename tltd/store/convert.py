@@ -195,6 +195,7 @@ _SAMPLE_STORED_OTHERWISE = (
     "top_logprobs",
     "prompt_logprobs",
     "prompt_token_ids",  # not stored: the request holds its prompts
+    "reused_tokens",  # not stored: the worker's count, for the sessions' pins
 )
 
 
@@ -256,6 +257,7 @@ def sample_from_row(row: SampleRow) -> Sample:
         else tuple(_top_from_json(t) for t in row.top_logprobs),
         prompt_logprobs=prompt_logprobs_from_json(row.prompt_logprobs),
         prompt_token_ids=(),
+        reused_tokens=0,
     )
 
 

@@ -37,29 +37,18 @@ class SessionRecords:
         same job and prompt (False); another job or prompt is ALREADY_EXISTS."""
         try:
             with self.db.tx() as s:
-                existing = s.get(SessionRow, session.session_id)
-                if existing is None:
-                    job_row(s, session.job_id)  # NotFound names job_id
-                    now = utcnow()
-                    s.add(
-                        SessionRow(
-                            session_id=session.session_id,
-                            job_id=session.job_id,
-                            prompt_bin=convert.packed_ids(session.prompt_token_ids),
-                            status=SessionStatus.OPEN.value,
-                            num_turns=0,
-                            num_tokens=len(session.prompt_token_ids),
-                            attempts=0,
-                            streaming=session.streaming,
-                            created_at=now,
-                            updated_at=now,
-                        )
-                    )
-                    s.flush()
-                    return _read(s, session.session_id), True
-                return _same_session(_read(s, session.session_id), session), False
+                return _open(s, session)
         except IntegrityError:  # opened by a concurrent call meanwhile: compare with it
             return _same_session(self.get(session.session_id), session), False
+
+    def open_all(self, sessions: Sequence[AgentSession]) -> list[AgentSession]:
+        """`open` each of them, in one transaction (one by one if a concurrent call opened
+        one of them meanwhile)."""
+        try:
+            with self.db.tx() as s:
+                return [_open(s, session)[0] for session in sessions]
+        except IntegrityError:
+            return [self.open(session)[0] for session in sessions]
 
     def get(self, session_id: str) -> AgentSession:
         with self.db.tx(write=False) as s:
@@ -196,6 +185,30 @@ class SessionRecords:
                 row.updated_at = utcnow()
                 s.flush()
             return _read(s, session_id)
+
+
+def _open(s: Session, session: AgentSession) -> tuple[AgentSession, bool]:
+    """`SessionRecords.open` within a transaction."""
+    if s.get(SessionRow, session.session_id) is not None:
+        return _same_session(_read(s, session.session_id), session), False
+    job_row(s, session.job_id)  # NotFound names job_id
+    now = utcnow()
+    s.add(
+        SessionRow(
+            session_id=session.session_id,
+            job_id=session.job_id,
+            prompt_bin=convert.packed_ids(session.prompt_token_ids),
+            status=SessionStatus.OPEN.value,
+            num_turns=0,
+            num_tokens=len(session.prompt_token_ids),
+            attempts=0,
+            streaming=session.streaming,
+            created_at=now,
+            updated_at=now,
+        )
+    )
+    s.flush()
+    return _read(s, session.session_id), True
 
 
 def _session_row(s: Session, session_id: str, *, lock: bool = False) -> SessionRow:

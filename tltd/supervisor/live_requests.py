@@ -158,7 +158,7 @@ class LiveRequests:
         failed = None
         if sample.finish_reason is FinishReason.FAILED:
             failed = sample.error or "failed"
-        live = self.queue.finish(sample.request_id, key, failed)
+        live = self.queue.finish(sample.request_id, key, failed, sample.reused_tokens)
         if live is None:
             return None
         self.publish(live.request_id, StreamEvent(sample))

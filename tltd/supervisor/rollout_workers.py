@@ -442,6 +442,8 @@ class RolloutWorkers:
             if handle.answered:
                 busy = self.queue.inflight(handle.worker_id) > 0
                 self._settle(handle, WorkerState.BUSY if busy else WorkerState.READY)
+            METRICS.set_session_pins(handle.worker_id, self.queue.pins.pinned_on(handle.worker_id))
+        METRICS.record_repins([a.repin for a in decision.assignments if a.repin])
 
     def _settle(self, handle: WorkerHandle, state: WorkerState) -> None:
         """`handle` is BUSY or READY now; the store gets it after SETTLE_SECONDS if it holds."""

@@ -80,7 +80,15 @@ def build_snapshot(
     pending = tuple(
         replace(p, policy_version=None) if p.job_id in at_step else p for p in queue.pending_work()
     )
-    held = queue.holders
+    pins = queue.pins
+    # Only the waiting turns' holders (their sessions' and first prompts'): the pins hold
+    # every recent session.
+    holders = {
+        key: holder
+        for p in pending
+        for key in (p.cache_key, p.share_key)
+        if key and (holder := pins.holder(key)) is not None
+    }
     return Snapshot(
         now=now,
         devices=tuple(device_view(d) for d in devices),
@@ -88,7 +96,6 @@ def build_snapshot(
         training=training.views() if training else (),
         pending=pending,
         jobs=tuple(job_views),
-        # Only the waiting turns' holders: the map holds every recent session.
-        holders={p.cache_key: queue.holders[p.cache_key] for p in pending if p.cache_key in held},
+        holders=holders,
         turns_handed_out=queue.turns_handed_out,
     )

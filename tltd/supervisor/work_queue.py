@@ -9,19 +9,27 @@ complete when every one of its samples is finished.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import KeysView
 from dataclasses import dataclass, field
 
 from tltd.contract.lengths import predicted_left
 from tltd.contract.rollout_messages import AddWork
-from tltd.domain import RequestStatus, RolloutRequest, Sample, SpeculativeMode, turn_session_id
+from tltd.domain import (
+    RequestStatus,
+    RolloutRequest,
+    Sample,
+    SpeculativeMode,
+    prompt_share_key,
+    turn_of,
+    turn_session_id,
+)
 from tltd.scheduler import PendingWork
+from tltd.supervisor.session_pins import SessionPins
 
 Key = tuple[int, int]  # (prompt_index, sample_index)
-# Sessions whose last turn's worker is remembered (`WorkQueue.holders`), least recent dropped.
-MAX_HOLDERS = 1 << 16
 
 
 @dataclass
@@ -94,6 +102,7 @@ class RequestLedger:
             resume=tuple(self.resume[k] for k in keys if k in self.resume),
             pause_after=req.bound_tokens,
             cache_key=self.cache_key,
+            share_key=self.share_key,
         )
 
     @property
@@ -101,6 +110,15 @@ class RequestLedger:
         """A session turn's key under which its worker keeps the KV for the next turn ("" for
         another request)."""
         return turn_session_id(self.request_id) if self.req.sampling.n == 1 else ""
+
+    @functools.cached_property
+    def share_key(self) -> str:
+        """A session's first turn's prompt key: the sessions of one prompt (a group) share its
+        prefill on one worker ("" for another request)."""
+        turn = turn_of(self.request_id)
+        if turn is None or turn[1] != 0 or self.req.sampling.n != 1:
+            return ""
+        return prompt_share_key(self.job_id, self.req.prompts[0])
 
     def predicted_tokens(self, prompt_index: int) -> int | None:
         """Predicted tokens per sample of a prompt: its earlier answers' mean length; without
@@ -127,12 +145,17 @@ class WorkQueue:
         self._live: dict[str, RequestLedger] = {}
         self._by_worker: dict[str, set[tuple[str, Key]]] = {}
         self._claims = itertools.count(1)
-        # Session key -> the worker that ran its last turn (and so holds its KV), newest last.
-        self.holders: OrderedDict[str, str] = OrderedDict()
+        # Session key -> the worker that ran its last turn (and so holds its KV).
+        self.pins = SessionPins()
         self.turns_handed_out = 0  # session turns' samples given to workers (a round robin's place)
 
     def __len__(self) -> int:
         return len(self._live)
+
+    @property
+    def holders(self) -> dict[str, str]:
+        """Session key -> the worker holding its KV, for the sessions pinned now."""
+        return self.pins.holders()
 
     def __iter__(self):
         return iter(list(self._live.values()))
@@ -216,6 +239,7 @@ class WorkQueue:
                 live.policy_version,
                 live.predicted_tokens(p),
                 live.cache_key,
+                live.share_key,
             )
             for live in self._live.values()
             if live.outcome is None and not live.parking
@@ -239,14 +263,17 @@ class WorkQueue:
             slot.add((request_id, (prompt_index, s)))
         if live.cache_key:
             self.turns_handed_out += len(taken)
+        if live.share_key and taken:
+            self.pins.shared(live.share_key, worker_id)
         return taken
 
     def finish(
-        self, request_id: str, key: Key, failed_error: str | None = None
+        self, request_id: str, key: Key, failed_error: str | None = None, reused_tokens: int = 0
     ) -> RequestLedger | None:
         """Record a finished sample; None when it is not live or already finished (a duplicate).
 
-        `failed_error` is not None for a sample that finished FAILED.
+        `failed_error` is not None for a sample that finished FAILED; `reused_tokens`: prompt
+        positions its worker restored from kept KV.
         """
         live = self._live.get(request_id)
         if live is None or key in live.finished or key[0] not in live.units:
@@ -254,7 +281,8 @@ class WorkQueue:
         wid = live.running.pop(key, None)
         if wid is not None:
             self._by_worker.get(wid, set()).discard((request_id, key))
-            self._held_by(live.cache_key, wid)
+            if live.cache_key:
+                self.pins.held_by(live.cache_key, wid, reused_tokens)
         else:  # finished without running (cancelled or aborted while pending)
             idx = live.pending.get(key[0], [])
             if key[1] in idx:
@@ -266,14 +294,6 @@ class WorkQueue:
             live.failed += 1
             live.first_error = live.first_error or failed_error
         return live
-
-    def _held_by(self, cache_key: str, worker_id: str) -> None:
-        if not cache_key:
-            return
-        self.holders.pop(cache_key, None)
-        self.holders[cache_key] = worker_id
-        while len(self.holders) > MAX_HOLDERS:
-            self.holders.popitem(last=False)
 
     def paused(self, request_id: str, key: Key) -> bool:
         """A running sample came back paused (its request parks): it is no longer running,
@@ -310,8 +330,7 @@ class WorkQueue:
             idx.append(key[1])
             idx.sort()
         self._by_worker.pop(worker_id, None)
-        for k in [k for k, w in self.holders.items() if w == worker_id]:
-            del self.holders[k]  # its engine and the KV it kept are gone
+        self.pins.lose_worker(worker_id)  # its engine and the KV it kept are gone
         return give_up
 
     def requeue(self, request_id: str, key: Key, max_attempts: int) -> bool:

@@ -26,39 +26,43 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tltd.v1 import rollout_pb2 as tltd_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tltd/v1/session.proto\x12\x07tltd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15tltd/v1/rollout.proto\"R\n\x12OpenSessionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\"y\n\x0bTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nturn_index\x18\x02 \x01(\r\x12\x17\n\x0finput_token_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.tltd.v1.SamplingParams\"?\n\x0cTurnResponse\x12\x1b\n\x04turn\x18\x01 \x01(\x0b\x32\r.tltd.v1.Turn\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x82\x02\n\x04Turn\x12\x12\n\nturn_index\x18\x01 \x01(\r\x12#\n\x06status\x18\x02 \x01(\x0e\x32\x13.tltd.v1.TurnStatus\x12\x17\n\x0finput_token_ids\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.tltd.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x04\x12)\n\x0cpolicy_spans\x18\x08 \x03(\x0b\x32\x13.tltd.v1.PolicySpan\x12\x12\n\nrequest_id\x18\t \x01(\t\"t\n\nTrajectory\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tloss_mask\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x04 \x03(\x03\x12\x15\n\rprompt_length\x18\x05 \x01(\r\"\xb6\x02\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12&\n\x06status\x18\x03 \x01(\x0e\x32\x16.tltd.v1.SessionStatus\x12\x11\n\tnum_turns\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x1c\n\x05turns\x18\x06 \x03(\x0b\x32\r.tltd.v1.Turn\x12\'\n\ntrajectory\x18\x07 \x01(\x0b\x32\x13.tltd.v1.Trajectory\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tstreaming\x18\n \x01(\x08\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"^\n\x13ListSessionsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12(\n\x08statuses\x18\x02 \x03(\x0e\x32\x16.tltd.v1.SessionStatus\x12\r\n\x05limit\x18\x03 \x01(\r\"\xf9\x01\n\x0eSessionSummary\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12&\n\x06status\x18\x03 \x01(\x0e\x32\x16.tltd.v1.SessionStatus\x12\x11\n\tnum_turns\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x14\n\x0crunning_turn\x18\x06 \x01(\x05\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"A\n\x14ListSessionsResponse\x12)\n\x08sessions\x18\x01 \x03(\x0b\x32\x17.tltd.v1.SessionSummary*X\n\nTurnStatus\x12\x1b\n\x17TURN_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13TURN_STATUS_RUNNING\x10\x01\x12\x14\n\x10TURN_STATUS_DONE\x10\x02*c\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SESSION_STATUS_OPEN\x10\x01\x12\x19\n\x15SESSION_STATUS_CLOSED\x10\x02\x32\xcc\x02\n\x0eSessionService\x12<\n\x0bOpenSession\x12\x1b.tltd.v1.OpenSessionRequest\x1a\x10.tltd.v1.Session\x12\x33\n\x04Turn\x12\x14.tltd.v1.TurnRequest\x1a\x15.tltd.v1.TurnResponse\x12:\n\nGetSession\x12\x1a.tltd.v1.GetSessionRequest\x1a\x10.tltd.v1.Session\x12>\n\x0c\x43loseSession\x12\x1c.tltd.v1.CloseSessionRequest\x1a\x10.tltd.v1.Session\x12K\n\x0cListSessions\x12\x1c.tltd.v1.ListSessionsRequest\x1a\x1d.tltd.v1.ListSessionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tltd/v1/session.proto\x12\x07tltd.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15tltd/v1/rollout.proto\"R\n\x12OpenSessionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\"`\n\x17OpenSessionGroupRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\t\n\x01n\x18\x04 \x01(\r\"D\n\x0cSessionGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\"\n\x08sessions\x18\x02 \x03(\x0b\x32\x10.tltd.v1.Session\"y\n\x0bTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nturn_index\x18\x02 \x01(\r\x12\x17\n\x0finput_token_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.tltd.v1.SamplingParams\"?\n\x0cTurnResponse\x12\x1b\n\x04turn\x18\x01 \x01(\x0b\x32\r.tltd.v1.Turn\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x82\x02\n\x04Turn\x12\x12\n\nturn_index\x18\x01 \x01(\r\x12#\n\x06status\x18\x02 \x01(\x0e\x32\x13.tltd.v1.TurnStatus\x12\x17\n\x0finput_token_ids\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.tltd.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x04\x12)\n\x0cpolicy_spans\x18\x08 \x03(\x0b\x32\x13.tltd.v1.PolicySpan\x12\x12\n\nrequest_id\x18\t \x01(\t\"t\n\nTrajectory\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tloss_mask\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x04 \x03(\x03\x12\x15\n\rprompt_length\x18\x05 \x01(\r\"\xb6\x02\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12&\n\x06status\x18\x03 \x01(\x0e\x32\x16.tltd.v1.SessionStatus\x12\x11\n\tnum_turns\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x1c\n\x05turns\x18\x06 \x03(\x0b\x32\r.tltd.v1.Turn\x12\'\n\ntrajectory\x18\x07 \x01(\x0b\x32\x13.tltd.v1.Trajectory\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tstreaming\x18\n \x01(\x08\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"^\n\x13ListSessionsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12(\n\x08statuses\x18\x02 \x03(\x0e\x32\x16.tltd.v1.SessionStatus\x12\r\n\x05limit\x18\x03 \x01(\r\"\xc8\x02\n\x0eSessionSummary\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12&\n\x06status\x18\x03 \x01(\x0e\x32\x16.tltd.v1.SessionStatus\x12\x11\n\tnum_turns\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x14\n\x0crunning_turn\x18\x06 \x01(\x05\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x0f\n\x07node_id\x18\n \x01(\t\x12\x12\n\nreuse_hits\x18\x0b \x01(\r\x12\x15\n\rreused_tokens\x18\x0c \x01(\x04\"A\n\x14ListSessionsResponse\x12)\n\x08sessions\x18\x01 \x03(\x0b\x32\x17.tltd.v1.SessionSummary*X\n\nTurnStatus\x12\x1b\n\x17TURN_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13TURN_STATUS_RUNNING\x10\x01\x12\x14\n\x10TURN_STATUS_DONE\x10\x02*c\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SESSION_STATUS_OPEN\x10\x01\x12\x19\n\x15SESSION_STATUS_CLOSED\x10\x02\x32\x99\x03\n\x0eSessionService\x12<\n\x0bOpenSession\x12\x1b.tltd.v1.OpenSessionRequest\x1a\x10.tltd.v1.Session\x12K\n\x10OpenSessionGroup\x12 .tltd.v1.OpenSessionGroupRequest\x1a\x15.tltd.v1.SessionGroup\x12\x33\n\x04Turn\x12\x14.tltd.v1.TurnRequest\x1a\x15.tltd.v1.TurnResponse\x12:\n\nGetSession\x12\x1a.tltd.v1.GetSessionRequest\x1a\x10.tltd.v1.Session\x12>\n\x0c\x43loseSession\x12\x1c.tltd.v1.CloseSessionRequest\x1a\x10.tltd.v1.Session\x12K\n\x0cListSessions\x12\x1c.tltd.v1.ListSessionsRequest\x1a\x1d.tltd.v1.ListSessionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tltd.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TURNSTATUS']._serialized_start=1553
-  _globals['_TURNSTATUS']._serialized_end=1641
-  _globals['_SESSIONSTATUS']._serialized_start=1643
-  _globals['_SESSIONSTATUS']._serialized_end=1742
+  _globals['_TURNSTATUS']._serialized_start=1800
+  _globals['_TURNSTATUS']._serialized_end=1888
+  _globals['_SESSIONSTATUS']._serialized_start=1890
+  _globals['_SESSIONSTATUS']._serialized_end=1989
   _globals['_OPENSESSIONREQUEST']._serialized_start=90
   _globals['_OPENSESSIONREQUEST']._serialized_end=172
-  _globals['_TURNREQUEST']._serialized_start=174
-  _globals['_TURNREQUEST']._serialized_end=295
-  _globals['_TURNRESPONSE']._serialized_start=297
-  _globals['_TURNRESPONSE']._serialized_end=360
-  _globals['_TURN']._serialized_start=363
-  _globals['_TURN']._serialized_end=621
-  _globals['_TRAJECTORY']._serialized_start=623
-  _globals['_TRAJECTORY']._serialized_end=739
-  _globals['_SESSION']._serialized_start=742
-  _globals['_SESSION']._serialized_end=1052
-  _globals['_GETSESSIONREQUEST']._serialized_start=1054
-  _globals['_GETSESSIONREQUEST']._serialized_end=1093
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1095
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1136
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1138
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1232
-  _globals['_SESSIONSUMMARY']._serialized_start=1235
-  _globals['_SESSIONSUMMARY']._serialized_end=1484
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1486
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1551
-  _globals['_SESSIONSERVICE']._serialized_start=1745
-  _globals['_SESSIONSERVICE']._serialized_end=2077
+  _globals['_OPENSESSIONGROUPREQUEST']._serialized_start=174
+  _globals['_OPENSESSIONGROUPREQUEST']._serialized_end=270
+  _globals['_SESSIONGROUP']._serialized_start=272
+  _globals['_SESSIONGROUP']._serialized_end=340
+  _globals['_TURNREQUEST']._serialized_start=342
+  _globals['_TURNREQUEST']._serialized_end=463
+  _globals['_TURNRESPONSE']._serialized_start=465
+  _globals['_TURNRESPONSE']._serialized_end=528
+  _globals['_TURN']._serialized_start=531
+  _globals['_TURN']._serialized_end=789
+  _globals['_TRAJECTORY']._serialized_start=791
+  _globals['_TRAJECTORY']._serialized_end=907
+  _globals['_SESSION']._serialized_start=910
+  _globals['_SESSION']._serialized_end=1220
+  _globals['_GETSESSIONREQUEST']._serialized_start=1222
+  _globals['_GETSESSIONREQUEST']._serialized_end=1261
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1263
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1304
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1306
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1400
+  _globals['_SESSIONSUMMARY']._serialized_start=1403
+  _globals['_SESSIONSUMMARY']._serialized_end=1731
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1733
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1798
+  _globals['_SESSIONSERVICE']._serialized_start=1992
+  _globals['_SESSIONSERVICE']._serialized_end=2401
 # @@protoc_insertion_point(module_scope)

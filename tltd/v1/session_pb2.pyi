@@ -39,6 +39,26 @@ class OpenSessionRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class OpenSessionGroupRequest(_message.Message):
+    __slots__ = ("job_id", "group_id", "prompt_token_ids", "n")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    n: int
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ...) -> None: ...
+
+class SessionGroup(_message.Message):
+    __slots__ = ("group_id", "sessions")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    def __init__(self, group_id: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
+
 class TurnRequest(_message.Message):
     __slots__ = ("session_id", "turn_index", "input_token_ids", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -142,7 +162,7 @@ class ListSessionsRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[SessionStatus, str]]] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class SessionSummary(_message.Message):
-    __slots__ = ("session_id", "job_id", "status", "num_turns", "num_tokens", "running_turn", "created_at", "updated_at")
+    __slots__ = ("session_id", "job_id", "status", "num_turns", "num_tokens", "running_turn", "created_at", "updated_at", "worker_id", "node_id", "reuse_hits", "reused_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +171,10 @@ class SessionSummary(_message.Message):
     RUNNING_TURN_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REUSE_HITS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     job_id: str
     status: SessionStatus
@@ -159,7 +183,11 @@ class SessionSummary(_message.Message):
     running_turn: int
     created_at: _timestamp_pb2.Timestamp
     updated_at: _timestamp_pb2.Timestamp
-    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., status: _Optional[_Union[SessionStatus, str]] = ..., num_turns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., running_turn: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    worker_id: str
+    node_id: str
+    reuse_hits: int
+    reused_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., status: _Optional[_Union[SessionStatus, str]] = ..., num_turns: _Optional[int] = ..., num_tokens: _Optional[int] = ..., running_turn: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., reuse_hits: _Optional[int] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions",)

@@ -45,6 +45,11 @@ class SessionServiceStub:
                 request_serializer=tltd_dot_v1_dot_session__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=tltd_dot_v1_dot_session__pb2.Session.FromString,
                 _registered_method=True)
+        self.OpenSessionGroup = channel.unary_unary(
+                '/tltd.v1.SessionService/OpenSessionGroup',
+                request_serializer=tltd_dot_v1_dot_session__pb2.OpenSessionGroupRequest.SerializeToString,
+                response_deserializer=tltd_dot_v1_dot_session__pb2.SessionGroup.FromString,
+                _registered_method=True)
         self.Turn = channel.unary_unary(
                 '/tltd.v1.SessionService/Turn',
                 request_serializer=tltd_dot_v1_dot_session__pb2.TurnRequest.SerializeToString,
@@ -79,6 +84,14 @@ class SessionServiceServicer:
     def OpenSession(self, request, context):
         """Idempotent on session_id: opening it again with the same job and prompt returns it;
         anything else is ALREADY_EXISTS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSessionGroup(self, request, context):
+        """Opens n sessions of one prompt (GRPO over agents), each as OpenSession would: their
+        first turns share the prompt's prefill on a worker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +135,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.OpenSession,
                     request_deserializer=tltd_dot_v1_dot_session__pb2.OpenSessionRequest.FromString,
                     response_serializer=tltd_dot_v1_dot_session__pb2.Session.SerializeToString,
+            ),
+            'OpenSessionGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSessionGroup,
+                    request_deserializer=tltd_dot_v1_dot_session__pb2.OpenSessionGroupRequest.FromString,
+                    response_serializer=tltd_dot_v1_dot_session__pb2.SessionGroup.SerializeToString,
             ),
             'Turn': grpc.unary_unary_rpc_method_handler(
                     servicer.Turn,
@@ -177,6 +195,33 @@ class SessionService:
             '/tltd.v1.SessionService/OpenSession',
             tltd_dot_v1_dot_session__pb2.OpenSessionRequest.SerializeToString,
             tltd_dot_v1_dot_session__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSessionGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tltd.v1.SessionService/OpenSessionGroup',
+            tltd_dot_v1_dot_session__pb2.OpenSessionGroupRequest.SerializeToString,
+            tltd_dot_v1_dot_session__pb2.SessionGroup.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,7 +4,7 @@ all their samples fit, and each sample gets a cache slot (the prompt's KV forked
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from tltd.contract.lengths import new_token_cap
 from tltd.domain import FinishReason, Sample, SamplingParams
@@ -59,6 +59,7 @@ class Admission:
         resume: Sample | None = None,
         pause_after: int = 0,
         cache_key: str = "",
+        share_key: str = "",
     ) -> None:
         """Check one prompt's request and queue it (Engine.add_request says what each means)."""
         prompt = [int(t) for t in prompt_ids]
@@ -93,6 +94,7 @@ class Admission:
             restore=resume,
             pause_after=max(0, pause_after),
             cache_key=cache_key,
+            share_key=share_key,
         )
         self.waiting.append(group)
 
@@ -128,16 +130,23 @@ class Admission:
                 )
         return out
 
-    def schedule(self) -> list[Group]:
-        """FIFO admission of whole prompts (all n samples) while slots and the budget allow."""
+    def schedule(self, waits: Callable[[str], bool] = lambda key: False) -> list[Group]:
+        """FIFO admission of whole prompts (all n samples) while slots and the budget allow.
+        A prompt whose share key an admitted one has stops it when `waits(key)`: the next
+        step it reuses that one's prefill instead of computing it alongside."""
         free = self.config.max_batch - len(self.running)
         admitted: list[Group] = []
         width = 0
+        sharing: set[str] = set()
         while self.waiting and self.waiting[0].sampling.n <= free:
             g = self.waiting[0]
             w = max(width, len(g.prompt))
             if admitted and w * (len(admitted) + 1) > self.config.max_prefill_tokens:
                 break
+            if g.share_key in sharing and waits(g.share_key):
+                break
+            if g.share_key:
+                sharing.add(g.share_key)
             admitted.append(self.waiting.popleft())
             free -= g.sampling.n
             width = w

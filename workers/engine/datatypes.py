@@ -128,6 +128,7 @@ class Request:
     return_hidden_states: bool = False
     speculative: bool = True
     cache_key: str = ""  # Engine.add_request
+    share_key: str = ""  # Engine.add_request
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,7 @@ class SampleOutput:
     policy_spans: tuple[tuple[int, int], ...] = ()
     top_logprobs: list[TopLogprobs] | None = None  # per token, when sampling.top_logprobs > 0
     prompt_logprobs: PromptLogprobs | None = None  # when sampling.prompt_logprobs is set
+    reused_tokens: int = 0  # prompt positions restored from kept KV (prefix_cache.py)
 
     def to_domain(self) -> Sample:
         """The `tltd.domain.Sample` the daemon stores and streams (hidden states dropped)."""
@@ -188,6 +190,7 @@ class SampleOutput:
             prompt_logprobs=self.prompt_logprobs,
             # Only a sample that ran to its end is whole; a cancelled one keeps its tokens.
             partial=self.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH),
+            reused_tokens=self.reused_tokens,
         )
 
     @property

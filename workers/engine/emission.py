@@ -130,4 +130,5 @@ def sample_output(s: Seq, reason: FinishReason, hidden: bool = True) -> SampleOu
         policy_spans=tuple(s.spans) if len(s.spans) > 1 else (),
         top_logprobs=s.top,
         prompt_logprobs=g.prompt_lp,
+        reused_tokens=g.reused,
     )

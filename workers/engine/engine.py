@@ -65,7 +65,8 @@ Semantics:
   position fed to it, [len(prompt) + len(token_ids) - 1, H] (the last token is never fed).
 - A request with a `cache_key` (a session's turn) leaves its sample's KV kept under the key,
   and a later prompt with the key prefills only what it does not share with it (lossless;
-  prefix_cache.py says when nothing is reused).
+  prefix_cache.py says when nothing is reused). A session's first prompt with a `share_key`
+  is kept under that key at prefill, for the other sessions of that prompt.
 - Where the parts live: admission.py (waiting prompts, their slots), speculation.py (the gate,
   the drafts, the verify pass), emission.py (tokens into their samples and the drafters'
   corpora, a finished sample's output), rows.py (a running sample and its prompt),
@@ -225,6 +226,7 @@ class Engine:
         resume: Sample | None = None,
         pause_after: int = 0,
         cache_key: str = "",
+        share_key: str = "",
     ) -> None:
         """Queue one prompt with sampling.n samples; it joins the batch at a step boundary.
 
@@ -242,6 +244,8 @@ class Engine:
         unfinished ends ABORTED with them (paused; resumed later with `resume`).
         `cache_key`: a session's key (prefix_cache.py): a sample of n = 1 leaves its KV kept
         under it, and the prompt reuses the KV kept under it where they share a prefix.
+        `share_key`: a session's first prompt (with a `cache_key`): its KV is kept under this
+        key at prefill, and other prompts with the key reuse it (a group of sessions).
         """
         self.admission.add(
             request_id,
@@ -256,6 +260,7 @@ class Engine:
             resume=resume,
             pause_after=pause_after,
             cache_key=cache_key,
+            share_key=share_key,
         )
 
     @property
@@ -331,6 +336,7 @@ class Engine:
                 return_hidden_states=r.return_hidden_states,
                 speculative=r.speculative,
                 cache_key=r.cache_key,
+                share_key=r.share_key,
             )
         out: list[SampleOutput] = []
         while self.has_work():
@@ -425,7 +431,7 @@ class Engine:
         """One iteration: schedule (admit waiting prompts if they fit), run (their prefill, else
         one decode step), postprocess (report finished samples, compact the batch)."""
         out, self._outputs = self._outputs, []
-        admitted = self.admission.schedule()
+        admitted = self.admission.schedule(self._waits_for_share)
         if admitted:
             done = self._prefill(admitted)
         elif self.running:
@@ -434,6 +440,11 @@ class Engine:
             return out
         out.extend(self._finish(done))
         return out
+
+    def _waits_for_share(self, share_key: str) -> bool:
+        """A prompt whose share key another prompt of this admission prefills now waits one
+        step, then reuses that prefill's KV (not when nothing would be kept or reused)."""
+        return self.drafter is None and self.prefix.sharing(share_key)
 
     def _prefill(self, groups: list[Group]) -> dict[int, FinishReason]:
         """Prefill each prompt once (leader slots), fork its KV into its n sample slots, and
@@ -457,6 +468,7 @@ class Engine:
             tokens.to(self.device), self.cache, batch, last_only=True, return_hidden=need_hidden
         )
         self.prefills += n_groups
+        self.prefix.share(groups, b0, self.cache, need_hidden)
         for i, g in enumerate(groups):
             if scored[i] and hidden is not None:
                 g.prompt_lp = self._prompt_logprobs(g, hidden[i, : len(g.prompt)])

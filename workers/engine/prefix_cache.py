@@ -9,6 +9,12 @@ token) are copied into its leader slot and the prefill runs over the rest only. 
 attention makes the KV of a position a function of the tokens up to it and of the weights, so
 this is the same computation as a full prefill up to floating-point order.
 
+A session's first prompt can be shared: a group of sessions opened on one prompt sends each
+first turn with the prompt's `share_key`. The first of them to be prefilled leaves the prompt's
+KV here under that key at once (not taken back, as a session's own entry is); the others
+restore it and prefill the last prompt token only. The engine holds a prompt back one step
+when another with its share key is prefilled in the same step (`sharing`).
+
 Bounded by bytes, least recently kept dropped first. New weights drop everything (`new_weights`):
 KV computed by other weights is never reused, and a sample whose KV mixes two versions (a
 policy loaded while it ran) is not kept. Requests that need the prompt's hidden states (an
@@ -104,15 +110,31 @@ class PrefixCache:
             g.kv_epoch = self.epoch
             m = 0
             if g.cache_key and not hidden and self._may_reuse(g):
-                m = self._restore(g, cache, b0 + i)
+                m = self._restore(g, cache, b0 + i) or self._restore_shared(g, cache, b0 + i)
                 if m:
                     self.stats.hits += 1
                     self.stats.reused_tokens += m
                 else:
                     self.stats.misses += 1
             reused.append(m)
+            g.reused = m
             self.stats.prefilled_tokens += len(g.context) - m
         return reused
+
+    def sharing(self, share_key: str) -> bool:
+        """Whether a prompt with this share key would reuse KV that a prompt prefilled now
+        keeps (nothing kept under the key yet, and the cache is on)."""
+        return self.budget_bytes > 0 and share_key not in self.entries
+
+    def share(self, groups: Sequence[Group], b0: int, cache: KVCache, hidden: bool) -> None:
+        """After the groups' prefill into leader slots b0 + i: keep each shared first prompt's
+        KV under its share key, unless kept already."""
+        for i, g in enumerate(groups):
+            if not g.share_key or hidden or not self._may_reuse(g) or g.share_key in self.entries:
+                continue
+            n = len(g.context)
+            k, v = cache.k[:, b0 + i, :, :n].clone(), cache.v[:, b0 + i, :, :n].clone()
+            self._put(g.share_key, PrefixEntry(tuple(g.context), k, v))
 
     @staticmethod
     def _may_reuse(g: Group) -> bool:
@@ -124,13 +146,16 @@ class PrefixCache:
         if entry is None:
             return 0
         self.held_bytes -= entry.nbytes
-        context = g.context
-        m = min(shared_prefix(entry.tokens, context), len(context) - 1)
-        if m <= 0:
+        return _copy(entry, g.context, cache, slot)
+
+    def _restore_shared(self, g: Group, cache: KVCache, slot: int) -> int:
+        """Copy the shared positions of the share key's entry into `slot`, leaving it kept for
+        the others; how many (0: none)."""
+        entry = self.entries.get(g.share_key) if g.share_key else None
+        if entry is None:
             return 0
-        cache.k[:, slot, :, :m] = entry.k[:, :, :m]
-        cache.v[:, slot, :, :m] = entry.v[:, :, :m]
-        return m
+        self.entries.move_to_end(g.share_key)
+        return _copy(entry, g.context, cache, slot)
 
     def keep(self, s: Seq, cache: KVCache, slot: int) -> None:
         """A finished sample leaves the KV of its computed positions here, when it is a keyed
@@ -147,7 +172,12 @@ class PrefixCache:
         entry = PrefixEntry(
             tuple(seq[:n]), cache.k[:, slot, :, :n].clone(), cache.v[:, slot, :, :n].clone()
         )
-        old = self.entries.pop(g.cache_key, None)
+        self._put(g.cache_key, entry)
+
+    def _put(self, key: str, entry: PrefixEntry) -> None:
+        """Keep `entry` under `key` (replacing what was), dropping the least recent entries
+        for the budget."""
+        old = self.entries.pop(key, None)
         if old is not None:
             self.held_bytes -= old.nbytes
         if entry.nbytes > self.budget_bytes:
@@ -156,6 +186,17 @@ class PrefixCache:
             _, dropped = self.entries.popitem(last=False)
             self.held_bytes -= dropped.nbytes
             self.stats.evicted += 1
-        self.entries[g.cache_key] = entry
+        self.entries[key] = entry
         self.held_bytes += entry.nbytes
         self.stats.kept += 1
+
+
+def _copy(entry: PrefixEntry, context: Sequence[int], cache: KVCache, slot: int) -> int:
+    """Copy the positions `context` shares with the entry (at most all but its last token,
+    whose logits draw the first new token) into `slot`; how many."""
+    m = min(shared_prefix(entry.tokens, context), len(context) - 1)
+    if m <= 0:
+        return 0
+    cache.k[:, slot, :, :m] = entry.k[:, :, :m]
+    cache.v[:, slot, :, :m] = entry.v[:, :, :m]
+    return m

@@ -49,6 +49,10 @@ class Group:
     # key (prefix_cache.py); "" = neither. `kv_epoch`: the weights its prefill ran on.
     cache_key: str = ""
     kv_epoch: int = -1
+    # A session's first prompt: its KV is kept under this key at prefill too, for the other
+    # sessions of that prompt (a group) to reuse ("" = none). `reused`: positions restored.
+    share_key: str = ""
+    reused: int = 0
 
     @property
     def context(self) -> list[int]:

@@ -109,6 +109,7 @@ class RolloutWorker(WorkerLoop):
                     prompt_index=msg.prompt_index, speculative=msg.speculative,
                     sample_offset=stored.sample_index, history=msg.history, resume=stored,
                     pause_after=msg.pause_after, cache_key=msg.cache_key,
+                    share_key=msg.share_key,
                 )  # fmt: skip
                 resumed.add(stored.sample_index)
             except ValueError:  # it cannot go on from those tokens: it runs again from its seed
@@ -126,6 +127,7 @@ class RolloutWorker(WorkerLoop):
                     history=msg.history,
                     pause_after=msg.pause_after,
                     cache_key=msg.cache_key,
+                    share_key=msg.share_key,
                 )
             except ValueError as exc:  # e.g. a prompt longer than this engine's max_seq_len
                 self.fail(msg, range(first, first + count), str(exc))
