@@ -272,6 +272,10 @@ class RolloutRequest:
     # this step unfinished pauses, and its prompt parks once its other samples are done or
     # paused, for the job's next carried request to go on from (torch backend).
     bound_tokens: int = 0
+    # A session's turn: the node that holds the session's KV (it ran the previous turn). Its
+    # units wait for that node a while (`Settings.session_affinity_seconds`); stored on them,
+    # not on the request ("" once read back).
+    preferred_node: str = ""
 
     @property
     def samples_total(self) -> int:

@@ -70,6 +70,9 @@ class Settings:
     # Where a session's turn runs (`tltd.scheduler`): "sticky" (the worker with its KV unless
     # that one is much busier), "hash" (by session id, whatever the load), "round_robin".
     session_placement: str = "sticky"
+    # Several nodes, "sticky": a session's turn waits this long for the node that ran its
+    # previous turn (it holds the KV) before another node with room takes it.
+    session_affinity_seconds: float = 1.0
     worker_heartbeat_seconds: float = 0.5
     worker_heartbeat_timeout_seconds: float = 30.0  # silent this long while up -> killed
     worker_start_timeout_seconds: float = 300.0  # spawn or model load taking longer -> killed

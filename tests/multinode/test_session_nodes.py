@@ -82,3 +82,26 @@ def test_a_session_goes_on_on_another_node_when_its_node_is_lost(cluster: Cluste
     assert list(trajectory.loss_mask) == mask
     # One policy version all along: 0 on every sampled token, -1 on the rest.
     assert list(trajectory.policy_versions) == [0 if m else -1 for m in mask]
+
+
+@long_only
+def test_a_sessions_turns_go_to_the_node_holding_its_kv(cluster: Cluster, ckpt):
+    """Turns sent through either node run on the node that ran the session's first turn (it
+    holds the KV), and reuse it there."""
+    a, b = cluster.start("node-a"), cluster.start("node-b")
+    with a.client() as c:
+        c.create_job(str(ckpt), job_id="job")
+        c.open_session("job", PROMPT, session_id="s")
+    for d in (a, b):
+        d.wait_workers_ready("job", n=1, timeout=240)
+    with a.client() as ca, b.client() as cb:
+        for i, c in enumerate((ca, cb, ca, cb)):
+            c.turn("s", i, ENV[i - 1] if i else [], sampling=sampling(**SHORT))
+        closed = ca.close_session("s")
+    ids = ", ".join(f"'{t.request_id}'" for t in closed.turns)
+    owners = cluster.sql(f"SELECT DISTINCT owner_node FROM work_units WHERE request_id IN ({ids})")
+    assert len(owners) == 1, owners
+    holder = cluster.nodes[owners[0][0]]
+    with holder.client() as c:
+        (summary,) = [s for s in c.list_sessions("job") if s.session_id == "s"]
+    assert summary.reuse_hits == 3

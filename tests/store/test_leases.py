@@ -452,3 +452,28 @@ def test_a_sample_batch_records_the_units_it_completes(store: Store) -> None:
         assert a.leases.finish_unit("r1", 0, None, "").left == 1
     finally:
         a.close()
+
+
+def test_a_unit_preferring_a_node_waits_for_it_then_goes_to_any(pg_store: Store) -> None:
+    """A session's turn prefers the node holding its KV: another node leaves it alone for
+    the affinity window, the preferred node takes it at once; past the window, anyone may."""
+    store = pg_store
+    store.jobs.create(JOB)
+    turn = RolloutRequest("turn-1", JOB.job_id, ((1, 2, 3),), SAMPLING, preferred_node="b")
+    store.requests.create(turn)
+    store.requests.create(RolloutRequest("other", JOB.job_id, ((4, 5),), SAMPLING))
+    a, b = _node(store, "a"), _node(store, "b")
+    try:
+        got = a.leases.claim_units(capacity=8, lease_seconds=LONG_LEASE, affinity_seconds=60)
+        assert [c.request_id for c in got] == ["other"]  # turn-1 is left to b
+        got = b.leases.claim_units(capacity=8, lease_seconds=LONG_LEASE, affinity_seconds=60)
+        assert [c.request_id for c in got] == ["turn-1"]
+        store.requests.create(
+            RolloutRequest("turn-2", JOB.job_id, ((1, 2, 3, 4),), SAMPLING, preferred_node="b")
+        )
+        time.sleep(0.3)
+        got = a.leases.claim_units(capacity=8, lease_seconds=LONG_LEASE, affinity_seconds=0.2)
+        assert [c.request_id for c in got] == ["turn-2"]  # b did not take it in time
+    finally:
+        a.close()
+        b.close()

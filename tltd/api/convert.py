@@ -302,7 +302,7 @@ def rollout_to_pb(r: d.RolloutRequest) -> rollout_pb2.RolloutRequest:
     # The prompts go back as their count; the mode and policy version are not on the wire.
     not_sent = (
         "prompts", "speculative", "policy_version", "bound_groups", "carried", "bound_park",
-        "bound_deadline_ms", "bound_tokens",
+        "bound_deadline_ms", "bound_tokens", "preferred_node",
     )  # fmt: skip
     return rollout_pb2.RolloutRequest(
         **_same_named(r, skip=("sampling", "status", *not_sent)),

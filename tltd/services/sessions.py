@@ -239,8 +239,12 @@ class SessionService:
         validate_rollout(probe, self.settings, limits)
 
     async def _run(self, turn: SessionTurn, job_id: str, prompt: tuple[int, ...]) -> Sample:
-        """The turn's one sample, from its request (created, or attached to)."""
-        req = RolloutRequest(turn.request_id, job_id, (prompt,), replace(turn.sampling, n=1))
+        """The turn's one sample, from its request (created, or attached to), which prefers
+        the node holding the session's KV (`_preferred_node`)."""
+        node = await asyncio.to_thread(self._preferred_node, turn)
+        req = RolloutRequest(
+            turn.request_id, job_id, (prompt,), replace(turn.sampling, n=1), preferred_node=node
+        )
         samples: list[Sample] = []
         try:
             async for sample in self.rollouts.generate(req):
@@ -257,6 +261,14 @@ class SessionService:
             f"turn {turn.turn_index} of session {turn.session_id} ended {reason}: "
             "nothing was added to the session; send the turn again"
         )
+
+    def _preferred_node(self, turn: SessionTurn) -> str:
+        """With sticky placement on a shared database (several nodes), the node that ran the
+        previous turn: it holds the session's KV. Otherwise none."""
+        sticky = self.settings.session_placement == "sticky"
+        if turn.turn_index == 0 or not sticky or self.store.dialect != "postgresql":
+            return ""
+        return self.store.sessions.turn_node(turn.session_id, turn.turn_index - 1)
 
     def _give_up_if_ended(self, turn: SessionTurn) -> None:
         """A turn whose request was never stored (refused) or ended without its sample runs

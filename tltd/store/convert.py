@@ -146,7 +146,7 @@ def request_columns(req: RolloutRequest) -> dict[str, Any]:
     """A request's column values (a Core insert's row; the times not included)."""
     sp = req.sampling
     return {
-        **_columns(req, skip=("prompts", "sampling", "created_at", "updated_at")),
+        **_columns(req, skip=("prompts", "sampling", "created_at", "updated_at", "preferred_node")),
         **_columns(sp, skip=("stop_token_ids", "seed")),
         "prompts": [list(p) for p in req.prompts],
         "stop_token_ids": list(sp.stop_token_ids),
@@ -162,7 +162,7 @@ def request_from_row(row: RolloutRequestRow) -> RolloutRequest:
         seed=None if row.seed is None else seed_from_column(row.seed),
     )
     prompts = tuple(tuple(int(t) for t in p) for p in row.prompts)
-    return _from_columns(RolloutRequest, row, prompts=prompts, sampling=sampling)
+    return _from_columns(RolloutRequest, row, prompts=prompts, sampling=sampling, preferred_node="")
 
 
 def sample_to_row(s: Sample) -> SampleRow:

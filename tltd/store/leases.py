@@ -148,14 +148,18 @@ class WorkLeases:
         """The condition of a unit this node holds now: its owner and epoch, lease alive."""
         return and_(*_held_by(self.db.node_id, self.db.epoch, db_now(self.db.dialect)))
 
-    def claim_units(self, capacity: int, lease_seconds: float) -> list[Claim]:
+    def claim_units(
+        self, capacity: int, lease_seconds: float, affinity_seconds: float = 0.0
+    ) -> list[Claim]:
         """Claim queued units, and units whose lease expired, oldest first, while the samples
         of those claimed before each one stay under `capacity`: one statement. Rows another
-        node is claiming at the same moment are skipped, not waited for."""
+        node is claiming at the same moment are skipped, not waited for. A unit that prefers
+        another node (a session's turn, whose KV that node holds) is left to it for
+        `affinity_seconds` after its creation (by the creating node's clock)."""
         if capacity <= 0 or not self.db.epoch:
             return []
-        wu, now = WorkUnitRow, db_now(self.db.dialect)
-        claimable = or_(wu.state == QUEUED, and_(wu.state == LEASED, wu.lease_expires_at < now))
+        wu = WorkUnitRow
+        claimable = self._claimable(affinity_seconds)
         order = (wu.priority.desc(), wu.created_at, wu.request_id, wu.prompt_index)
         # Each unit holds at least one sample: `capacity` rows bound what can fit.
         cand = (
@@ -201,6 +205,19 @@ class WorkLeases:
         with self.db.tx() as s:
             rows = s.execute(stmt).all()
         return sorted(Claim(r[0], int(r[1]), int(r[2])) for r in rows)
+
+    def _claimable(self, affinity_seconds: float) -> Any:
+        """A unit this node may claim now: queued, or its lease expired; one preferring
+        another node only once `affinity_seconds` have passed since its creation."""
+        wu, now = WorkUnitRow, db_now(self.db.dialect)
+        claimable = or_(wu.state == QUEUED, and_(wu.state == LEASED, wu.lease_expires_at < now))
+        if affinity_seconds <= 0:
+            return claimable
+        return and_(claimable, or_(
+            wu.preferred_node.is_(None),
+            wu.preferred_node == self.db.node_id,
+            wu.created_at < db_now(self.db.dialect, -affinity_seconds),
+        ))  # fmt: skip
 
     def renew(self, units: Collection[UnitKey], lease_seconds: float) -> set[UnitKey]:
         """Extend the leases of `units` (those this node runs) that it still holds; returns

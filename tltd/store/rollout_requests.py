@@ -208,7 +208,7 @@ class RolloutRequests:
         rows = [
             {"request_id": rid, "prompt_index": p, "samples": n,
              "prompt_key": prompt_key(req.prompts[p]), "priority": priority, "reason": "",
-             "created_at": now, "updated_at": now}
+             "preferred_node": req.preferred_node or None, "created_at": now, "updated_at": now}
             for p in range(len(req.prompts))
         ]  # fmt: skip
         st, conn = self._admission_statements, s.connection()

@@ -23,7 +23,7 @@ from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
 from tltd.store import convert
 from tltd.store.database import Database
 from tltd.store.lookups import job_row
-from tltd.store.tables import SessionRow, SessionTurnRow, utcnow
+from tltd.store.tables import SessionRow, SessionTurnRow, WorkUnitRow, utcnow
 
 
 class SessionRecords:
@@ -140,6 +140,18 @@ class SessionRecords:
             row.updated_at = now
             s.flush()
             return session, _read(s, session_id).turns[-1]
+
+    def turn_node(self, session_id: str, turn_index: int) -> str:
+        """The node that ran turn `turn_index`'s request ("" when none did, or it is gone
+        from the store): the one holding the session's KV after it."""
+        st, wu = SessionTurnRow, WorkUnitRow
+        with self.db.tx(write=False) as s:
+            node = s.scalar(
+                select(wu.owner_node)
+                .join(st, st.request_id == wu.request_id)
+                .where(st.session_id == session_id, st.turn_index == turn_index)
+            )  # fmt: skip
+        return node or ""
 
     def complete_turn(self, turn: SessionTurn, sample: Sample) -> tuple[AgentSession, SessionTurn]:
         """Record what the turn's request sampled and count the turn done; a turn done

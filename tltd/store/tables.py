@@ -328,6 +328,9 @@ class WorkUnitRow(Base):
     state: Mapped[str] = mapped_column(STATUS)
     owner_node: Mapped[str | None] = mapped_column(ID, nullable=True, index=True)
     owner_epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    # A session's turn: the node that ran the previous turn (it holds the session's KV);
+    # other nodes leave the unit to it for `session_affinity_seconds` after its creation.
+    preferred_node: Mapped[str | None] = mapped_column(ID, nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # claims so far
     reason: Mapped[str] = mapped_column(Text, default="")

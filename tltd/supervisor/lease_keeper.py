@@ -138,7 +138,8 @@ class LeaseKeeper:
         """Claim (its own transaction: committed, the units are this node's) and read what the
         claimed units need (`store.leases.claimed_state`), in one thread hop. A failed read is
         returned, not raised: the claims stand, and `take_claims` lets their leases lapse."""
-        claims = self.store.leases.claim_units(free, self.settings.lease_seconds)
+        s = self.settings
+        claims = self.store.leases.claim_units(free, s.lease_seconds, s.session_affinity_seconds)
         if not claims:
             return claims, {}
         try:
