@@ -225,8 +225,9 @@ def _delete_retired_checkpoints(store: Store, root: Path) -> int:
 
 
 def prune_history(store: Store, retention_hours: float) -> tuple[int, int]:
-    """Delete requests (with their samples) that ended more than `retention_hours` ago, and
-    events as old: without it the database grows by every rollout's tokens and logprobs.
+    """Delete requests (with their samples) that ended more than `retention_hours` ago, closed
+    sessions as old (with their turns), and events as old: without it the database grows by
+    every rollout's tokens and logprobs.
     A retry of a pruned request id is a new request. One node at a time (an advisory lock on
     PostgreSQL): a node that finds another one pruning skips this run."""
     before = datetime.now(UTC) - timedelta(hours=retention_hours)
@@ -235,11 +236,13 @@ def prune_history(store: Store, retention_hours: float) -> tuple[int, int]:
             log.debug("history pruning runs on another node")
             return 0, 0
         requests, events = store.history.prune(before)
-    if requests or events:
+        sessions = store.sessions.prune_closed(before)
+    if requests or events or sessions:
         log.info(
             "history pruned",
-            extra={"requests": requests, "events": events, "retention_hours": retention_hours},
-        )
+            extra={"requests": requests, "sessions": sessions, "events": events,
+                   "retention_hours": retention_hours},
+        )  # fmt: skip
     return requests, events
 
 

@@ -150,3 +150,20 @@ def test_sessions_opened_together_are_each_opened_once(store, job):
     assert info.value.field == "prompt_token_ids"
     with pytest.raises(NotFound):
         store.sessions.get("g.3")  # one transaction: nothing of the refused call was stored
+
+
+def test_retention_deletes_closed_sessions_with_their_turns_only(store, job):
+    from datetime import timedelta
+
+    from tltd.store.tables import utcnow
+
+    store.sessions.open(AgentSession("done", "job", (1, 2)))
+    _, turn = store.sessions.begin_turn("done", 0, (), GREEDY)
+    store.sessions.complete_turn(turn, _sample(turn, [7]))
+    store.sessions.close("done")
+    store.sessions.open(AgentSession("open", "job", (3,)))
+    assert store.sessions.prune_closed(utcnow() - timedelta(hours=1)) == 0  # not old enough
+    assert store.sessions.prune_closed(utcnow() + timedelta(seconds=1)) == 1
+    with pytest.raises(NotFound):
+        store.sessions.get("done")
+    assert store.sessions.get("open").status is SessionStatus.OPEN  # never an open one

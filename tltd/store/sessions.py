@@ -4,8 +4,9 @@ closing it. Each call is one transaction on the session's row, locked."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -140,6 +141,25 @@ class SessionRecords:
             row.updated_at = now
             s.flush()
             return session, _read(s, session_id).turns[-1]
+
+    def prune_closed(self, before: datetime, batch: int = 500) -> int:
+        """Delete the sessions closed before `before`, with their turns, a batch per
+        transaction (the history retention); returns how many."""
+        sr, st = SessionRow, SessionTurnRow
+        deleted = 0
+        while True:
+            with self.db.tx() as s:
+                ids = s.scalars(
+                    select(sr.session_id)
+                    .where(sr.status == SessionStatus.CLOSED.value, sr.updated_at < before)
+                    .limit(batch)
+                ).all()
+                if not ids:
+                    return deleted
+                # Turns first: not every SQLite connection that wrote the file enforced keys.
+                s.execute(delete(st).where(st.session_id.in_(ids)))
+                s.execute(delete(sr).where(sr.session_id.in_(ids)))
+                deleted += len(ids)
 
     def turn_node(self, session_id: str, turn_index: int) -> str:
         """The node that ran turn `turn_index`'s request ("" when none did, or it is gone
