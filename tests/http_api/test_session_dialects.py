@@ -110,6 +110,39 @@ def test_a_streaming_sglang_session_continues_without_rids(http, reference):
     _same_trajectory(_post(http, "/close_session", {"session_id": sid})["trajectory"], reference)
 
 
+def _events(http, path: str, body: dict, headers: dict | None = None) -> list:
+    """A streamed answer's events ([DONE] last)."""
+    with http.stream("POST", path, json=body, headers=headers or {}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [x[len("data: "):] for x in r.iter_lines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_streamed_turns_answer_the_whole_turn_in_one_event(http, reference):
+    """SGLang's `stream` and OpenAI's: each turn arrives whole as one event, the same turns as
+    unstreamed (the trajectory the gRPC session gives)."""
+    sid = _post(http, "/open_session", {"capacity_of_str_len": 64, "session_id": "sg-streamed"})
+    rid = None
+    for ids in [PROMPT, *ENV]:
+        (out,) = _events(http, "/generate", {**_turn(sid, ids, rid=rid), "stream": True})
+        assert len(out["output_ids"]) == N
+        rid = out["meta_info"]["id"]
+    _same_trajectory(_post(http, "/close_session", {"session_id": sid})["trajectory"], reference)
+    conversation = list(PROMPT)
+    body = {"model": JOB, "max_tokens": N, "temperature": 0.0, "logprobs": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    for env in [[], *ENV]:
+        conversation += env
+        chunk, usage = _events(http, "/v1/completions", {**body, "prompt": conversation},
+                               {"X-Session-ID": "oa-streamed"})  # fmt: skip
+        assert chunk["choices"][0]["prompt_token_ids"] == conversation
+        assert usage["usage"]["completion_tokens"] == N and not usage["choices"]
+        conversation += chunk["choices"][0]["token_ids"]
+    r = http.post("/finish_session", headers={"X-Session-ID": "oa-streamed"})
+    _same_trajectory(r.json()["trajectory"], reference)
+
+
 def test_sglang_refusals_name_the_field(http):
     _refused(http, "/open_session", {"session_id": "x"}, "capacity_of_str_len")
     _refused(http, "/open_session", {"capacity_of_str_len": 9, "timeout": 5.0}, "timeout")
@@ -119,7 +152,6 @@ def test_sglang_refusals_name_the_field(http):
     _refused(http, "/generate", _turn(sid, PROMPT, colour=1), "session_params.colour")
     _refused(http, "/generate", _turn(sid, PROMPT, drop_previous_output=True),
              "session_params.drop_previous_output")  # fmt: skip
-    _refused(http, "/generate", {**_turn(sid, PROMPT), "stream": True}, "stream")
     _refused(http, "/generate", {**_turn(sid, PROMPT), "rid": "mine"}, "rid")
     _refused(http, "/generate", _turn(sid, [[1, 2], [3]]), "input_ids")
     _refused(http, "/generate", _turn(sid, []), "input_ids")  # a first request needs tokens
@@ -187,7 +219,6 @@ def test_openai_conversation_refusals_name_the_field(oai, http):
     _bad(oai, "prompt", "oa-bad", [PROMPT, PROMPT])
     _bad(oai, "n", "oa-bad", PROMPT, n=2)
     _bad(oai, "logprobs", "oa-bad", PROMPT, logprobs=3)
-    _bad(oai, "stream", "oa-bad", PROMPT, stream=True)
     _bad(oai, "request_id", "oa-bad", PROMPT, extra_body={"request_id": "r-1"})
     r = http.post("/finish_session", json={"session_id": "oa-bad"},
                   headers={"X-Session-ID": "other"})  # fmt: skip

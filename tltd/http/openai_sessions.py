@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from tltd.domain import AgentSession, Job
 from tltd.errors import InvalidArgument, NotFound
 from tltd.http import door, openai_api
-from tltd.http.session_turns import get_session, run_turn, session_json
+from tltd.http.session_turns import events_response, get_session, run_turn, session_json
 from tltd.http.vocab import vocab_for
 from tltd.services import Services
 
@@ -45,8 +45,6 @@ async def completions(services: Services, request: Request) -> Response:
     session_id = request.headers.get(SESSION_HEADER)
     if not session_id:
         return await openai_api.completions(services, request, body)
-    if body.stream:
-        raise InvalidArgument("a conversation's turn answers once: only false", field="stream")
     if body.request_id or request.headers.get(door.REQUEST_ID_HEADER):
         raise InvalidArgument(
             "a conversation's turn has the daemon's id; a retry is the same prompt again",
@@ -65,16 +63,16 @@ async def completions(services: Services, request: Request) -> Response:
     with_ids = body.model_copy(update={"return_token_ids": True})  # the caller's next prompt
     choice = openai_api.choice(with_ids, req, sample, vocab)
     choice["tltd"] |= {"session_id": session.session_id, "turn_index": turn.turn_index}
-    return JSONResponse(
-        {
-            "id": turn.request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.model,
-            "choices": [choice],
-            "usage": openai_api.usage(req, [sample]),
-        }
-    )
+    head = {"id": turn.request_id, "object": "text_completion", "created": int(time.time()),
+            "model": body.model}  # fmt: skip
+    usage = openai_api.usage(req, [sample])
+    if not body.stream:
+        return JSONResponse({**head, "choices": [choice], "usage": usage})
+    # Streamed as a completion's sample is: the whole turn in one chunk once it is done.
+    events = [{**head, "choices": [choice]}]
+    if body.stream_options and body.stream_options.include_usage:
+        events.append({**head, "choices": [], "usage": usage})
+    return events_response(events)
 
 
 async def _session(

@@ -4,8 +4,12 @@ turn as the sample the door's answer is written from, and the trajectory as JSON
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+
+from starlette.responses import StreamingResponse
 
 from tltd.domain import AgentSession, RolloutRequest, Sample, SamplingParams, SessionTurn
+from tltd.http import door
 from tltd.services import Services
 
 
@@ -55,3 +59,15 @@ def session_json(session: AgentSession) -> dict:
             "prompt_length": t.prompt_length,
         },
     }
+
+
+def events_response(events: list[dict]) -> StreamingResponse:
+    """A streamed answer of a turn already done: its events, then [DONE] (a turn is one
+    sample; the dialects stream samples whole)."""
+
+    async def body() -> AsyncIterator[str]:
+        for event in events:
+            yield door.sse(event)
+        yield door.sse("[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream")

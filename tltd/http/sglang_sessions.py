@@ -20,7 +20,7 @@ from tltd.domain import AgentSession, TurnStatus
 from tltd.errors import FailedPrecondition, InvalidArgument
 from tltd.http import door, sglang_api
 from tltd.http.errors import from_validation
-from tltd.http.session_turns import get_session, run_turn, session_json
+from tltd.http.session_turns import events_response, get_session, run_turn, session_json
 from tltd.http.vocab import Vocab, vocab_for
 from tltd.services import Services
 
@@ -108,7 +108,9 @@ async def generate(services: Services, request: Request) -> Response:
     if not session.prompt_token_ids:
         session = await asyncio.to_thread(services.sessions.set_prompt, session.session_id, ids)
     _, _, req, sample = await run_turn(services, session, index, inputs, sampling)
-    return JSONResponse(sglang_api.output(body, sampling_params, req, sample, vocab))
+    out = sglang_api.output(body, sampling_params, req, sample, vocab)
+    # Streamed as a plain /generate's sample is: the whole turn in one event once it is done.
+    return events_response([out]) if body.stream else JSONResponse(out)
 
 
 def _session_params(raw: Any) -> SessionParams:
@@ -129,8 +131,6 @@ def _session_params(raw: Any) -> SessionParams:
 
 def _refuse_for_a_turn(body: sglang_api.GenerateRequest) -> None:
     sglang_api.refuse_unsupported(body)
-    if body.stream:
-        raise InvalidArgument("a session's turn answers once: only false", field="stream")
     if body.rid is not None:
         raise InvalidArgument(
             "a session's turn has the daemon's id (meta_info.id): leave it unset", field="rid"
