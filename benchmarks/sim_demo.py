@@ -19,6 +19,7 @@ pair's (the other mode's same step).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,12 @@ from typing import Any
 from benchmarks.rollout_trace import PREFILL, read_trace
 from benchmarks.sim_rollout import CostTable, Simulator, fitted_table, step_costs
 
+# The cost table a step's passes on a worker are priced with (None: nothing to hold out).
+TableFor = Callable[["DemoStep", str], CostTable] | None
+
 # A pass that began up to this long before the trainer's clock started its rollout still
-# belongs to it (the two clocks are read in different processes).
-START_SLACK_S = 0.05
+# belongs to it (one wall clock, read in different processes).
+START_SLACK_S = 0.005
 
 
 @dataclass
@@ -40,6 +44,7 @@ class DemoStep:
     job: str
     start: float  # wall clock (time.time())
     seconds: float
+    load: float | None = None  # the machine's 1-minute load average when it ended
     passes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def engine_seconds(self) -> float:
@@ -58,7 +63,7 @@ class DemoTrace:
 def load_demo(trace_dir: Path) -> DemoTrace:
     """The steps of `trace_dir`/demo.jsonl with their passes, and the passes per engine."""
     steps = [
-        DemoStep(s["mode"], s["step"], s["job"], s["start"], s["seconds"])
+        DemoStep(s["mode"], s["step"], s["job"], s["start"], s["seconds"], s.get("load"))
         for s in read_trace(trace_dir / "demo.jsonl")
         if s["type"] == "step"
     ]
@@ -71,34 +76,42 @@ def load_demo(trace_dir: Path) -> DemoTrace:
             if p["type"] != "run" or p["job"] not in jobs:
                 continue
             engines[(p["worker"], p["job"])].append(p)
-            for s in steps:
-                if s.job == p["job"] and s.start - START_SLACK_S <= p["start"] < s.start + s.seconds:
-                    s.passes.append((p["worker"], p))
+            began = [
+                s for s in steps if s.job == p["job"] and s.start - START_SLACK_S <= p["start"]
+            ]
+            last = max(began, key=lambda s: s.start, default=None)
+            if last is not None and p["start"] < last.start + last.seconds:
+                last.passes.append((p["worker"], p))
     for passes in engines.values():
         passes.sort(key=lambda p: p["start"])
     return DemoTrace(steps, dict(engines))
 
 
-def held_out_tables(trace: DemoTrace) -> dict[int, CostTable]:
-    """Per RL step index, costs fitted on the passes of every other step index (both modes)."""
+def by_step(trace: DemoTrace) -> TableFor:
+    """Costs held out by RL step: for a step, fitted on the passes of every other RL step
+    (both modes); None with a single step."""
     indices = sorted({s.step for s in trace.steps})
-    return {
-        i: fitted_table(
-            [p for s in trace.steps if s.step != i for _, p in s.passes], f"steps other than {i}"
-        )
+    if len(indices) < 2:
+        return None
+    tables = {
+        i: fitted_table([p for s in trace.steps if s.step != i for _, p in s.passes])
         for i in indices
-        if len(indices) > 1
     }
+    return lambda step, worker: tables[step.step]
 
 
-def simulate_step(trace: DemoTrace, step: DemoStep, table: CostTable) -> float:
-    """The step's simulated rollout seconds: every engine of its job replays its passes up to
-    the step's under `table`; the latest simulated end of the step's passes."""
-    ends = [0.0]
+def simulate_step(
+    trace: DemoTrace, step: DemoStep, table_for: Callable[[DemoStep, str], CostTable]
+) -> tuple[float, float]:
+    """The step's simulated rollout seconds (every engine of its job replays its passes up to
+    the step's under its worker's table: the latest simulated end of the step's passes), and
+    the same end with each pass's recorded steps priced at that table instead of replayed."""
+    ends, priced = [0.0], [0.0]
     mine = {id(p) for _, p in step.passes}
-    for (_, job), passes in trace.engines.items():
+    for (worker, job), passes in trace.engines.items():
         if job != step.job:
             continue
+        table = table_for(step, worker)
         sim = None
         for p in passes:
             if p["start"] >= step.start + step.seconds:
@@ -108,13 +121,8 @@ def simulate_step(trace: DemoTrace, step: DemoStep, table: CostTable) -> float:
             got = sim.run(p)
             if id(p) in mine:
                 ends.append(p["start"] - step.start + got.seconds)
-    return max(ends)
-
-
-def _priced(step: DemoStep, table: CostTable) -> tuple[float, float]:
-    """The step's recorded engine seconds, and the same steps priced at the table's costs."""
-    pairs = [pair for _, p in step.passes for pair in step_costs(p, table)]
-    return sum(m for m, _ in pairs), sum(t for _, t in pairs)
+                priced.append(p["start"] - step.start + sum(t for _, t in step_costs(p, table)))
+    return max(ends), max(priced)
 
 
 def _pct(sim: float, real: float) -> str:
@@ -126,64 +134,86 @@ def _sd_share(step: DemoStep) -> float:
     return sum(1 for s in steps if s[2] != "plain") / max(1, len(steps))
 
 
+SOURCES = {"other RL steps": by_step}
+
+
 def validate_demo(trace_dir: Path, tolerance: float = 0.10) -> bool:
-    """Per RL step and mode: the rollout the trainer timed, the engines' part of it, the
-    replay under held-out costs and its error; then the SD-off / TLT ratio per step. True when
-    every step and every ratio is within `tolerance` of the trainer's timing."""
+    """Per RL step and mode: the rollout the trainer timed, the engines' part of it, and per
+    cost source (SOURCES, all held out) the replay, its error, the error of the recorded
+    steps priced at those costs (the costs' own) and the replay against the latter (the
+    simulator's: decisions and batching); then the SD-off / TLT ratio per step. True when
+    every step and every ratio is within `tolerance` of the trainer's timing under the first
+    source (RL steps held out)."""
     trace = load_demo(trace_dir)
-    tables = held_out_tables(trace)
-    if not tables:
+    sources = {n: f(trace) for n, f in SOURCES.items()}
+    if any(t is None for t in sources.values()):
         print(f"{trace_dir}: a single RL step: nothing to hold out to price it with")
         return False
-    print(f"replay of {trace_dir} per RL step, costs fitted on the recorded engine steps of "
-          "every other RL step (both modes)\n")  # fmt: skip
-    print("| step | mode | workers | passes | SD steps | rollout s (trainer) | engines s "
-          "| simulated s | error | error vs engines | recorded steps priced |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    sim: dict[tuple[str, int], float] = {}
-    real: dict[tuple[str, int], float] = {}
-    ok = bad = 0
-    for s in sorted(trace.steps, key=lambda s: (s.mode, s.step)):
-        table = tables[s.step]
-        sim[(s.mode, s.step)] = t = simulate_step(trace, s, table)
-        real[(s.mode, s.step)] = s.seconds
-        recorded, priced = _priced(s, table)
-        within = abs(t / s.seconds - 1) <= tolerance
-        ok, bad = ok + within, bad + (not within)
-        print(f"| {s.step} | {s.mode} | {len({w for w, _ in s.passes})} | {len(s.passes)} "
-              f"| {100 * _sd_share(s):.0f}% | {s.seconds:.2f} | {s.engine_seconds():.2f} "
-              f"| {t:.2f} | {_pct(t, s.seconds)} | {_pct(t, s.engine_seconds())} "
-              f"| {_pct(priced, recorded)} |")  # fmt: skip
+    print(f"replay of {trace_dir} per RL step under held-out costs fitted on recorded engine "
+          "steps\n")  # fmt: skip
+    sim: dict[str, dict[tuple[str, int], float]] = {}
+    real = {(s.mode, s.step): s.seconds for s in trace.steps}
+    verdicts = []
+    for name, table_for in sources.items():
+        assert table_for is not None
+        sim[name] = _step_table(trace, name, table_for, tolerance)
+        within = sum(abs(sim[name][k] / real[k] - 1) <= tolerance for k in real)
+        verdicts.append((name, within, len(real)))
     ratios = _print_ratios(sim, real, tolerance)
-    _print_totals(sim, real)
-    verdict = "yes" if bad == 0 and ratios[1] == 0 else "NO"
-    print(f"\nwithin +-{100 * tolerance:.0f}% (every step and ratio): {verdict} ({ok} of "
-          f"{ok + bad} steps, {ratios[0]} of {sum(ratios)} ratios)")  # fmt: skip
-    return verdict == "yes"
+    print()
+    for (name, within, n), (r_in, r_all) in zip(verdicts, ratios, strict=True):
+        verdict = "yes" if within == n and r_in == r_all else "NO"
+        print(f"costs from {name}: within +-{100 * tolerance:.0f}% (every step and ratio): "
+              f"{verdict} ({within} of {n} steps, {r_in} of {r_all} ratios)")  # fmt: skip
+    return verdicts[0][1] == verdicts[0][2] and ratios[0][0] == ratios[0][1]
+
+
+def _step_table(
+    trace: DemoTrace, name: str, table_for: Callable[[DemoStep, str], CostTable], tolerance: float
+) -> dict[tuple[str, int], float]:
+    """Print one cost source's per-step table; the simulated seconds per (mode, step)."""
+    print(f"costs fitted on the {name}")
+    print("| step | mode | load | passes | SD steps | rollout s (trainer) | engines s "
+          "| simulated s | error | recorded steps at these costs | simulated vs those "
+          "|")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    out = {}
+    for s in sorted(trace.steps, key=lambda s: (s.mode, s.step)):
+        t, priced = simulate_step(trace, s, table_for)
+        out[(s.mode, s.step)] = t
+        flag = "" if abs(t / s.seconds - 1) <= tolerance else " **"
+        load = "-" if s.load is None else f"{s.load:.1f}"
+        print(f"| {s.step} | {s.mode} | {load} | {len(s.passes)} | {100 * _sd_share(s):.0f}% "
+              f"| {s.seconds:.2f} | {s.engine_seconds():.2f} | {t:.2f} "
+              f"| {_pct(t, s.seconds)}{flag} | {_pct(priced, s.engine_seconds())} "
+              f"| {_pct(t, priced)} |")  # fmt: skip
+    for mode in sorted({m for m, _ in out}):
+        r = sum(x.seconds for x in trace.steps if x.mode == mode)
+        t = sum(v for (m, _), v in out.items() if m == mode)
+        print(f"{mode}, all steps: measured {r:.2f} s, simulated {t:.2f} s ({_pct(t, r)})")
+    print()
+    return out
 
 
 def _print_ratios(
-    sim: dict[tuple[str, int], float], real: dict[tuple[str, int], float], tolerance: float
-) -> tuple[int, int]:
-    """SD off / TLT per step, measured and simulated; (ratios within, ratios outside)."""
-    print("\n| step | SD off / TLT measured | simulated | error |\n|---:|---:|---:|---:|")
-    ok = bad = 0
-    for mode, i in sorted(k for k in real if k[0] == "tlt"):
-        if ("off", i) not in real:
-            continue
-        m = real[("off", i)] / real[(mode, i)]
-        t = sim[("off", i)] / sim[(mode, i)]
-        within = abs(t / m - 1) <= tolerance
-        ok, bad = ok + within, bad + (not within)
-        print(f"| {i} | {m:.2f}x | {t:.2f}x | {_pct(t, m)} |")
-    return ok, bad
-
-
-def _print_totals(sim: dict[tuple[str, int], float], real: dict[tuple[str, int], float]) -> None:
-    for mode in sorted({m for m, _ in real}):
-        r = sum(v for (m, _), v in real.items() if m == mode)
-        t = sum(v for (m, _), v in sim.items() if m == mode)
-        print(f"\n{mode}, all steps: measured {r:.2f} s, simulated {t:.2f} s ({_pct(t, r)})",
-              end="")  # fmt: skip
-    print()
-
+    sim: dict[str, dict[tuple[str, int], float]],
+    real: dict[tuple[str, int], float],
+    tolerance: float,
+) -> list[tuple[int, int]]:
+    """SD off / TLT per step, measured and simulated per cost source; per source (ratios
+    within, ratios)."""
+    names = list(sim)
+    print("| step | SD off / TLT measured | "
+          + " | ".join(f"{n}: simulated | error" for n in names) + " |")  # fmt: skip
+    print("|---:|---:|" + "---:|---:|" * len(names))
+    counts = [[0, 0] for _ in names]
+    for i in sorted(i for m, i in real if m == "tlt" and ("off", i) in real):
+        m = real[("off", i)] / real[("tlt", i)]
+        cells = []
+        for j, n in enumerate(names):
+            t = sim[n][("off", i)] / sim[n][("tlt", i)]
+            counts[j][0] += abs(t / m - 1) <= tolerance
+            counts[j][1] += 1
+            cells.append(f"{t:.2f}x | {_pct(t, m)}")
+        print(f"| {i} | {m:.2f}x | " + " | ".join(cells) + " |")
+    return [(a, b) for a, b in counts]

@@ -141,8 +141,8 @@ class Drafts:
     any position: the drafts a chain from there keeps are the run of right tokens from it;
     a token no step covered is right with the drafter's recorded per-position acceptance
     (a seeded draw per sample, drafter and position, so that every query agrees). How many
-    drafts the drafter offers (an n-gram match may be short) comes from the sample's
-    nearest recorded step."""
+    drafts the drafter offers (an n-gram match or a history walk may be short) comes from the
+    sample's nearest recorded step."""
 
     seed: int = 0
     right: dict[tuple[int, str], dict[int, bool]] = field(default_factory=dict)
@@ -169,7 +169,10 @@ class Drafts:
                     right[pos + acc] = False
                     missed[kind] += 1
                 kept[kind] += acc
-                offers[(sid, kind)].append((pos, dlen if dlen < k else None))
+                # A full offer says the drafter had k to give and maybe more; not a history
+                # walk's, which stops where its support falls (taken as no longer than seen).
+                full = dlen >= k and kind != "history"
+                offers[(sid, kind)].append((pos, None if full else dlen))
         for key, ev in offers.items():
             ev.sort(key=lambda e: e[0])
             out.offers[key] = ([p for p, _ in ev], [o for _, o in ev])

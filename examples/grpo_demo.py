@@ -351,13 +351,15 @@ class Run:
         return row
 
     def record_step(self, step: int, rollout_s: float, samples: int) -> None:
-        """With --trace: the step's rollout (its job, wall-clock start, seconds) beside the
-        workers' traces, so that sim_rollout.py finds the engine passes of each RL step."""
+        """With --trace: the step's rollout (its job, wall-clock start, seconds; the machine's
+        load average) beside the workers' traces, so that sim_rollout.py finds the engine
+        passes of each RL step."""
         if self.daemon.trace_dir is None:
             return
         start = time.time() - rollout_s
         line = {"type": "step", "mode": self.mode, "step": step, "job": self.job_id,
-                "start": start, "seconds": rollout_s, "samples": samples}  # fmt: skip
+                "start": start, "seconds": rollout_s, "samples": samples,
+                "load": os.getloadavg()[0]}  # fmt: skip
         with (self.daemon.trace_dir / "demo.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
 
