@@ -1,6 +1,7 @@
 """Replay a demo's recorded rollouts per RL step (`examples/grpo_demo.py --trace DIR`).
 
     python benchmarks/sim_rollout.py validate DIR    # per RL step: measured vs simulated
+    python benchmarks/sim_rollout.py project DIR     # PROJECTION: H100 / H200 costs
 
 DIR holds `demo.jsonl` (per RL step: mode, job, wall-clock start and seconds of its rollout as
 the trainer timed it) and one trace per rollout worker (`<worker>.jsonl`, written by the
@@ -19,13 +20,21 @@ pair's (the other mode's same step).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.rollout_trace import PREFILL, read_trace
-from benchmarks.sim_rollout import CostTable, Simulator, fitted_table, step_costs
+from benchmarks.sim_rollout import (
+    CostTable,
+    Simulator,
+    fitted_table,
+    gpu_table,
+    step_costs,
+    strategy,
+)
+from tltd_workers.engine.engine import EngineConfig
 
 # The cost table a step's passes on a worker are priced with (None: nothing to hold out).
 TableFor = Callable[["DemoStep", str], CostTable] | None
@@ -113,9 +122,8 @@ def simulate_step(
             continue
         table = table_for(step, worker)
         sim = None
-        for p in passes:
-            if p["start"] >= step.start + step.seconds:
-                break
+        upto = max((i for i, p in enumerate(passes) if id(p) in mine), default=-1)
+        for p in passes[: upto + 1]:
             sim = sim or Simulator(p["config"], table)
             sim.drafter = bool(p["config"]["drafter"])
             got = sim.run(p)
@@ -134,48 +142,67 @@ def _sd_share(step: DemoStep) -> float:
     return sum(1 for s in steps if s[2] != "plain") / max(1, len(steps))
 
 
-SOURCES = {"other RL steps": by_step}
+def in_cpu_time(trace: DemoTrace) -> DemoTrace | None:
+    """The trace with every engine step's wall time replaced by its CPU time, and each RL
+    step's measured rollout by what those make: its passes' latest start after the step's +
+    their steps' CPU seconds. None where the workers did not time CPU."""
+    timed: dict[int, dict[str, Any]] = {}
+    for passes in trace.engines.values():
+        for p in passes:
+            if len(p.get("cpu", ())) != len(p["steps"]):
+                return None
+            steps = [[c, *s[1:]] for c, s in zip(p["cpu"], p["steps"], strict=True)]
+            timed[id(p)] = {**p, "steps": steps, "seconds": sum(p["cpu"])}
+    steps = []
+    for s in trace.steps:
+        passes = [(w, timed[id(p)]) for w, p in s.passes]
+        seconds = max((p["start"] - s.start + p["seconds"] for _, p in passes), default=0.0)
+        steps.append(DemoStep(s.mode, s.step, s.job, s.start, seconds, s.load, passes))
+    engines = {k: [timed[id(p)] for p in ps] for k, ps in trace.engines.items()}
+    return DemoTrace(steps, engines)
 
 
 def validate_demo(trace_dir: Path, tolerance: float = 0.10) -> bool:
-    """Per RL step and mode: the rollout the trainer timed, the engines' part of it, and per
-    cost source (SOURCES, all held out) the replay, its error, the error of the recorded
-    steps priced at those costs (the costs' own) and the replay against the latter (the
-    simulator's: decisions and batching); then the SD-off / TLT ratio per step. True when
-    every step and every ratio is within `tolerance` of the trainer's timing under the first
-    source (RL steps held out)."""
+    """Per RL step and mode, the rollout against its replay under costs held out by RL step
+    (`by_step`), in wall time (the rollout as the trainer timed it) and in the engines' CPU
+    time (what the steps cost without the other processes of a shared machine); then the
+    SD-off / TLT ratio per step. True when every step and every ratio is within `tolerance`
+    in wall time."""
     trace = load_demo(trace_dir)
-    sources = {n: f(trace) for n, f in SOURCES.items()}
-    if any(t is None for t in sources.values()):
-        print(f"{trace_dir}: a single RL step: nothing to hold out to price it with")
+    print(f"replay of {trace_dir} per RL step, costs fitted on the recorded engine steps of the "
+          "other RL steps (both modes)\n")  # fmt: skip
+    ok = _validate(trace, "wall time", "rollout s (trainer)", tolerance)
+    cpu = in_cpu_time(trace)
+    if cpu is not None:
+        _validate(cpu, "CPU time of the engines' steps", "CPU s", tolerance)
+    return ok
+
+
+def _validate(trace: DemoTrace, title: str, measured: str, tolerance: float) -> bool:
+    table_for = by_step(trace)
+    if table_for is None:
+        print("a single RL step: nothing to hold out to price it with")
         return False
-    print(f"replay of {trace_dir} per RL step under held-out costs fitted on recorded engine "
-          "steps\n")  # fmt: skip
-    sim: dict[str, dict[tuple[str, int], float]] = {}
+    print(f"{title}:")
+    sim = _step_table(trace, table_for, measured, tolerance)
     real = {(s.mode, s.step): s.seconds for s in trace.steps}
-    verdicts = []
-    for name, table_for in sources.items():
-        assert table_for is not None
-        sim[name] = _step_table(trace, name, table_for, tolerance)
-        within = sum(abs(sim[name][k] / real[k] - 1) <= tolerance for k in real)
-        verdicts.append((name, within, len(real)))
-    ratios = _print_ratios(sim, real, tolerance)
-    print()
-    for (name, within, n), (r_in, r_all) in zip(verdicts, ratios, strict=True):
-        verdict = "yes" if within == n and r_in == r_all else "NO"
-        print(f"costs from {name}: within +-{100 * tolerance:.0f}% (every step and ratio): "
-              f"{verdict} ({within} of {n} steps, {r_in} of {r_all} ratios)")  # fmt: skip
-    return verdicts[0][1] == verdicts[0][2] and ratios[0][0] == ratios[0][1]
+    within = sum(abs(sim[k] / real[k] - 1) <= tolerance for k in real)
+    r_in, r_all = _print_ratios(sim, real, tolerance)
+    verdict = "yes" if within == len(real) and r_in == r_all else "NO"
+    print(f"{title}: within +-{100 * tolerance:.0f}% (every step and ratio): {verdict} "
+          f"({within} of {len(real)} steps, {r_in} of {r_all} ratios)\n")  # fmt: skip
+    return verdict == "yes"
 
 
 def _step_table(
-    trace: DemoTrace, name: str, table_for: Callable[[DemoStep, str], CostTable], tolerance: float
+    trace: DemoTrace,
+    table_for: Callable[[DemoStep, str], CostTable],
+    measured: str,
+    tolerance: float,
 ) -> dict[tuple[str, int], float]:
-    """Print one cost source's per-step table; the simulated seconds per (mode, step)."""
-    print(f"costs fitted on the {name}")
-    print("| step | mode | load | passes | SD steps | rollout s (trainer) | engines s "
-          "| simulated s | error | recorded steps at these costs | simulated vs those "
-          "|")  # fmt: skip
+    """Print the per-step table; the simulated seconds per (mode, step)."""
+    print(f"| step | mode | load | passes | SD steps | {measured} | engines s | simulated s "
+          "| error | recorded steps at these costs | simulated vs those |")  # fmt: skip
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     out = {}
     for s in sorted(trace.steps, key=lambda s: (s.mode, s.step)):
@@ -191,29 +218,53 @@ def _step_table(
         r = sum(x.seconds for x in trace.steps if x.mode == mode)
         t = sum(v for (m, _), v in out.items() if m == mode)
         print(f"{mode}, all steps: measured {r:.2f} s, simulated {t:.2f} s ({_pct(t, r)})")
-    print()
     return out
 
 
 def _print_ratios(
-    sim: dict[str, dict[tuple[str, int], float]],
-    real: dict[tuple[str, int], float],
-    tolerance: float,
-) -> list[tuple[int, int]]:
-    """SD off / TLT per step, measured and simulated per cost source; per source (ratios
-    within, ratios)."""
-    names = list(sim)
-    print("| step | SD off / TLT measured | "
-          + " | ".join(f"{n}: simulated | error" for n in names) + " |")  # fmt: skip
-    print("|---:|---:|" + "---:|---:|" * len(names))
-    counts = [[0, 0] for _ in names]
+    sim: dict[tuple[str, int], float], real: dict[tuple[str, int], float], tolerance: float
+) -> tuple[int, int]:
+    """SD off / TLT per step, measured and simulated; (ratios within, ratios)."""
+    print("\n| step | SD off / TLT measured | simulated | error |\n|---:|---:|---:|---:|")
+    within = n = 0
     for i in sorted(i for m, i in real if m == "tlt" and ("off", i) in real):
         m = real[("off", i)] / real[("tlt", i)]
-        cells = []
-        for j, n in enumerate(names):
-            t = sim[n][("off", i)] / sim[n][("tlt", i)]
-            counts[j][0] += abs(t / m - 1) <= tolerance
-            counts[j][1] += 1
-            cells.append(f"{t:.2f}x | {_pct(t, m)}")
-        print(f"| {i} | {m:.2f}x | " + " | ".join(cells) + " |")
-    return [(a, b) for a, b in counts]
+        t = sim[("off", i)] / sim[("tlt", i)]
+        within += abs(t / m - 1) <= tolerance
+        n += 1
+        print(f"| {i} | {m:.2f}x | {t:.2f}x | {_pct(t, m)} |")
+    return within, n
+
+
+def project_demo(trace_dir: Path, devices: Sequence[str], shapes: Sequence[str]) -> None:
+    """PROJECTION: every RL step's recorded passes replayed under gpu_model's costs (the
+    engines' gate deciding from them), summed per mode; beside them this CPU's measured
+    rollouts and their replay under costs held out by RL step."""
+    trace = load_demo(trace_dir)
+    modes = sorted({s.mode for s in trace.steps}, reverse=True)  # tlt, off
+    cfgs = [p["config"] for ps in trace.engines.values() for p in ps[:1]]
+    ks = sorted({strategy(n).k for c in cfgs for n in c["strategies"]})
+    batches = EngineConfig(max_batch=max(c["max_batch"] for c in cfgs)).bucket_sizes()
+
+    def total(mode: str, table_for: Callable[[DemoStep, str], CostTable]) -> float:
+        return sum(simulate_step(trace, s, table_for)[0] for s in trace.steps if s.mode == mode)
+
+    print(f"PROJECTION (not a measurement): {trace_dir}'s {len(trace.steps)} RL step "
+          "rollouts replayed under gpu_model's roofline costs, acceptance and lengths as "
+          "recorded\n")  # fmt: skip
+    print("| costs | " + " | ".join(f"{m} rollouts s" for m in modes) + " | speedup |")
+    print("|---|" + "---:|" * (len(modes) + 1))
+    rows = [("this CPU (measured)", {m: sum(s.seconds for s in trace.steps if s.mode == m)
+                                     for m in modes})]  # fmt: skip
+    held_out = by_step(trace)
+    if held_out is not None:
+        rows.append(
+            ("this CPU (simulated, held-out costs)", {m: total(m, held_out) for m in modes})
+        )
+    for d in devices:
+        for shape in shapes:
+            table = gpu_table(d, shape, ks, batches)
+            rows.append((table.label, {m: total(m, lambda s, w, t=table: t) for m in modes}))
+    for label, got in rows:
+        speedup = got["off"] / got["tlt"] if {"off", "tlt"} <= set(got) else float("nan")
+        print(f"| {label} | " + " | ".join(f"{got[m]:.2f}" for m in modes) + f" | {speedup:.2f}x |")

@@ -2,6 +2,7 @@
 
     python benchmarks/sim_rollout.py validate TRACE     # vs the wall times the trace measured
     python benchmarks/sim_rollout.py validate DIR       # a demo's, per RL step (sim_demo.py)
+    python benchmarks/sim_rollout.py project DIR        # PROJECTION: a demo's, per mode
     python benchmarks/sim_rollout.py project TRACE      # PROJECTION: H100 / H200 costs
 
 A trace (`bench_spec.py --trace`, rollout_trace.py) fixes what does not depend on the
@@ -142,17 +143,21 @@ class Drafts:
     a token no step covered is right with the drafter's recorded per-position acceptance
     (a seeded draw per sample, drafter and position, so that every query agrees). How many
     drafts the drafter offers (an n-gram match or a history walk may be short) comes from the
-    sample's nearest recorded step."""
+    sample's nearest recorded step; a history walk from inside a recorded one ends where that
+    one did (its support fell there, whichever position it started from)."""
 
     seed: int = 0
     right: dict[tuple[int, str], dict[int, bool]] = field(default_factory=dict)
     offers: dict[tuple[int, str], tuple[list[int], list[int | None]]] = field(default_factory=dict)
     alpha: dict[str, float] = field(default_factory=dict)
+    walks: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # history's
+    kept: dict[tuple[int, str], list[int]] = field(default_factory=dict)  # as `offers`
 
     @staticmethod
     def of_run(run: Mapping[str, Any], seed: int = 0) -> Drafts:
         out = Drafts(seed)
-        offers: dict[tuple[int, str], list[tuple[int, int | None]]] = defaultdict(list)
+        offers: dict[tuple[int, str], list[tuple[int, int | None, int]]] = defaultdict(list)
+        walks: dict[int, list[tuple[int, int]]] = defaultdict(list)
         kept: Counter[str] = Counter()
         missed: Counter[str] = Counter()
         eagle_k = eagle_draft_length(run.get("config", {}).get("strategies", ()))
@@ -172,10 +177,16 @@ class Drafts:
                 # A full offer says the drafter had k to give and maybe more; not a history
                 # walk's, which stops where its support falls (taken as no longer than seen).
                 full = dlen >= k and kind != "history"
-                offers[(sid, kind)].append((pos, None if full else dlen))
+                offers[(sid, kind)].append((pos, None if full else dlen, acc))
+                if kind == "history" and dlen:
+                    walks[sid].append((pos, pos + dlen))
         for key, ev in offers.items():
             ev.sort(key=lambda e: e[0])
-            out.offers[key] = ([p for p, _ in ev], [o for _, o in ev])
+            out.offers[key] = ([e[0] for e in ev], [e[1] for e in ev])
+            out.kept[key] = [e[2] for e in ev]
+        for sid, spans in walks.items():
+            spans.sort()
+            out.walks[sid] = ([a for a, _ in spans], [b for _, b in spans])
         for d in kept | missed:
             out.alpha[d] = kept[d] / max(1, kept[d] + missed[d])
         return out
@@ -185,14 +196,18 @@ class Drafts:
         if drafter not in self.alpha:
             return 0, 0
         got = self.offers.get((sid, drafter))
-        offered = k
+        offered, near = k, -1
         if got is not None:
             positions, offs = got
-            i = bisect.bisect_left(positions, pos)
-            if i == len(positions) or (i > 0 and pos - positions[i - 1] < positions[i] - pos):
-                i -= 1
-            offered = min(k, offs[i] if offs[i] is not None else k)
+            near = bisect.bisect_left(positions, pos)
+            if near == len(positions) or (
+                near > 0 and pos - positions[near - 1] < positions[near] - pos
+            ):
+                near -= 1
+            offered = min(k, offs[near] if offs[near] is not None else k)
         right = self.right.get((sid, drafter), {})
+        if drafter == "history" and near >= 0:
+            return self._walk(sid, pos, offered, right, self.kept[(sid, drafter)][near])
         n = 0
         while n < offered:
             ok = right.get(pos + n)
@@ -201,6 +216,23 @@ class Drafts:
                 ok = rng.random() < self.alpha[drafter]
             if not ok:
                 break
+            n += 1
+        return offered, n
+
+    def _walk(
+        self, sid: int, pos: int, offered: int, right: Mapping[int, bool], near_kept: int
+    ) -> tuple[int, int]:
+        """A history walk at `pos`: from inside a recorded walk it ends where that one did
+        (its support fell there) and keeps that one's right tokens; elsewhere it keeps what
+        the nearest recorded walk kept. Per-position acceptance says little here: a walk
+        offers only what it is sure of, and stops where it is not."""
+        starts, ends = self.walks.get(sid, ([], []))
+        i = bisect.bisect_right(starts, pos) - 1
+        if i < 0 or pos >= ends[i] or pos not in right:
+            return offered, min(offered, near_kept)
+        offered = min(offered, ends[i] - pos)
+        n = 0
+        while n < offered and right.get(pos + n):
             n += 1
         return offered, n
 
@@ -851,6 +883,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if validate_demo(args.trace, args.tolerance) else 1
     if args.cmd == "validate":
         return 0 if validate(args.trace, args.tolerance) else 1
+    if args.trace.is_dir():
+        from benchmarks.sim_demo import project_demo
+
+        project_demo(args.trace, args.devices.split(","), args.shapes.split(","))
+        return 0
     project(args.trace, args.devices.split(","), args.shapes.split(","))
     return 0
 

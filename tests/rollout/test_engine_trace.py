@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sim_demo import load_demo, simulate_step, validate_demo
+from benchmarks.sim_demo import (
+    in_cpu_time,
+    load_demo,
+    project_demo,
+    simulate_step,
+    validate_demo,
+)
 from benchmarks.sim_rollout import CostTable, Simulator, recorded_steps
 from tests.rollout.support import make_checkpoint
 from tltd.contract.rollout_messages import AddWork, EngineSpec, LoadModel
@@ -77,6 +83,7 @@ def test_a_traced_worker_samples_the_same_tokens_and_writes_a_line_per_busy_peri
     arms = {s[2] for s in first["steps"]}
     assert first["steps"][0][2] == "prefill" and arms <= {"prefill", "plain", "ngram/k2"}
     assert len(first["at"]) == len(first["steps"]) and first["at"] == sorted(first["at"])
+    assert len(first["cpu"]) == len(first["steps"])  # the engine thread's CPU time per step
     assert sum(s[0] for s in first["steps"]) <= first["seconds"]
     assert first["versions"][0][1:] == [1, 0]
 
@@ -114,6 +121,13 @@ def test_a_demo_trace_is_replayed_per_rl_step(ckpt, tmp_path, capsys):
     assert list(trace.engines) == [(mp.current_process().name, "job")]
     simulated, priced = simulate_step(trace, trace.steps[1], lambda step, worker: _flat_costs())
     assert simulated > 0 and priced > 0
+    cpu = in_cpu_time(trace)  # the same steps in the engine's CPU seconds
+    assert (
+        cpu is not None
+        and cpu.steps[0].passes[0][1]["steps"][0][0] == trace.steps[0].passes[0][1]["cpu"][0]
+    )
     validate_demo(tmp_path)  # costs fitted on the other step: prints the per-step table
     out = capsys.readouterr().out
     assert "| 0 | tlt | - | 1 |" in out and "| 1 | tlt | - | 1 |" in out
+    project_demo(tmp_path, ["H100"], ["Qwen2.5-1.5B"])  # the same steps under a GPU's costs
+    assert "| H100 Qwen2.5-1.5B (projection) |" in capsys.readouterr().out

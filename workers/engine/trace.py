@@ -6,9 +6,9 @@ context length, samples, arrival (s after the pass began), token cap, earlier an
 the history drafter and a key of its tokens; per sample its length; per step its wall time,
 running batch and kind: a prefill (the prompts it admitted), a plain pass, or an SD pass with
 per row the sample, its position (tokens emitted before the step), drafts verified, drafts
-accepted, tokens gained and the drafter that proposed them; when each step began; and when
-the (policy, drafter) versions in use changed. `benchmarks/sim_rollout.py` replays such passes
-under a device's step costs.
+accepted, tokens gained and the drafter that proposed them; when each step began and (in a
+worker) its CPU time; and when the (policy, drafter) versions in use changed.
+`benchmarks/sim_rollout.py` replays such passes under a device's step costs.
 
 Recording reads the engine before a step (its waiting and running rows) and after it
 (`EngineStats.step_log`): the engine decides exactly as it does unrecorded.
@@ -49,6 +49,9 @@ class Recorder:
     lengths: dict[int, int] = field(default_factory=dict)
     steps: list[list[Any]] = field(default_factory=list)
     at: list[float] = field(default_factory=list)  # when each step began (s into the pass)
+    # CPU seconds of each step in the recording thread (the engine's, with one torch thread):
+    # its cost without the other processes a shared machine ran meanwhile. Empty: not timed.
+    cpu: list[float] = field(default_factory=list)
     versions: list[list[float]] = field(default_factory=list)  # [s, policy, drafter] changes
     _ids: dict[int, tuple[Group, str]] = field(default_factory=dict)  # id(group) -> its id
     _outputs: dict[tuple[str, int, int], tuple[str, int]] = field(default_factory=dict)
@@ -73,11 +76,15 @@ class Recorder:
         self._now = now
         self.log.clear()
 
-    def after(self, seconds: float, done: Sequence[SampleOutput]) -> None:
+    def after(
+        self, seconds: float, done: Sequence[SampleOutput], cpu_seconds: float | None = None
+    ) -> None:
         steps = len(self.steps)
         self._after(seconds, done)
         if len(self.steps) > steps:
             self.at.append(round(self._now, 6))
+            if cpu_seconds is not None:
+                self.cpu.append(round(cpu_seconds, 7))
 
     def _after(self, seconds: float, done: Sequence[SampleOutput]) -> None:
         e = self.engine
@@ -128,6 +135,7 @@ class Recorder:
             "samples": [[r, i, self.lengths.get(sid, 0)] for (r, i), sid in samples],
             "steps": self.steps,
             "at": self.at,
+            "cpu": self.cpu,
             "versions": self.versions,
         }
 
@@ -175,10 +183,10 @@ class EngineTrace:
             self._meta = {"worker": self.worker, "job": job_id, "engine": self.engines,
                           "start": time.time(), "pid": os.getpid()}  # fmt: skip
         self._rec.before()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         done = engine.step()
         self._last = time.perf_counter()
-        self._rec.after(self._last - t0, done)
+        self._rec.after(self._last - t0, done, time.thread_time() - c0)
         if not engine.has_work():
             self.flush()
         return done
