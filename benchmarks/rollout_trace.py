@@ -1,16 +1,11 @@
-"""Rollout traces: what the engine did per decode step, and the step costs of the device it ran on.
+"""Rollout traces of benchmark passes, and the step costs of the device they ran on.
 
-A trace (JSON lines) holds, per rollout pass of one engine (`run` lines): its configuration,
-per prompt its length, samples and arrival, per sample its length, and per engine step its
-wall time, running batch and kind: a prefill (the prompts it admitted), a plain pass, or an
-SD pass with per row the sample, its position (tokens emitted before the step), drafts
-verified, drafts accepted, tokens gained and the drafter that proposed them. `costs` lines
-hold step costs timed on the same machine in the same process (`measure_step_costs`), so that
-machine load weighs on both alike. sim_rollout.py replays the runs under such costs, and under
-costs fitted on another repeat's recorded step times.
-
-Recording reads the engine from outside (its running rows before a step, `EngineStats.step_log`
-after it): the engine decides exactly as it does unrecorded.
+The trace format and its recorder live with the engine (`tltd_workers.engine.trace`: a rollout
+worker records its own busy periods there when the daemon's `engine_trace_dir` is set);
+bench_spec.py records its passes with the same `Recorder`. `costs` lines hold step costs timed
+on the same machine in the same process (`measure_step_costs`), so that machine load weighs on
+both alike. sim_rollout.py replays the runs under such costs, and under costs fitted on another
+repeat's recorded step times.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import json
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,95 +22,11 @@ from tltd.domain import SamplingParams
 from tltd_workers.engine.bandit import Strategy
 from tltd_workers.engine.costs import BucketCost, CostModel, smoothed
 from tltd_workers.engine.eagle import EagleDrafter
-from tltd_workers.engine.engine import Engine, EngineConfig, SampleOutput
+from tltd_workers.engine.engine import Engine, EngineConfig
+from tltd_workers.engine.trace import PREFILL, Recorder, write_line
 from tltd_workers.engine.transformer import CausalLM
 
-PREFILL = "prefill"
-
-
-@dataclass
-class Recorder:
-    """Records one pass of `engine`: call `before()` and `after(seconds, done)` around every
-    engine.step(); `run(...)` returns the trace line."""
-
-    engine: Engine
-    log: list[tuple] = field(default_factory=list)
-    # per prompt: request, prompt tokens, n, arrival (s), max_new_tokens
-    groups: list[list[Any]] = field(default_factory=list)
-    samples: dict[tuple[str, int], int] = field(default_factory=dict)  # sample -> trace id
-    lengths: dict[int, int] = field(default_factory=dict)
-    steps: list[list[Any]] = field(default_factory=list)
-    _rows: list[tuple[int, int]] = field(default_factory=list)
-    _waiting: list[str] = field(default_factory=list)
-    _t0: float = field(default_factory=time.perf_counter)
-
-    def __post_init__(self) -> None:
-        self.engine.stats.step_log = self.log
-
-    def close(self) -> None:
-        self.engine.stats.step_log = None
-
-    def before(self) -> None:
-        e = self.engine
-        now = time.perf_counter() - self._t0
-        known = {g[0] for g in self.groups}
-        for g in e.waiting:
-            if g.request_id not in known:
-                n, cap = g.sampling.n, g.sampling.max_new_tokens
-                self.groups.append([g.request_id, len(g.context), n, now, cap])
-        self._rows = [(self._sid(s.group.request_id, s.index), len(s.tokens)) for s in e.running]
-        self._waiting = [g.request_id for g in e.waiting]
-        self.log.clear()
-
-    def after(self, seconds: float, done: Sequence[SampleOutput]) -> None:
-        e = self.engine
-        for o in done:
-            self.lengths[self._sid(o.request_id, o.sample_index)] = len(o.token_ids)
-        if not self.log:  # no decode pass: a prefill (or nothing ran)
-            still = {g.request_id for g in e.waiting}
-            admitted = [r for r in self._waiting if r not in still]
-            if admitted:
-                self.steps.append([seconds, len(self._rows), PREFILL, admitted])
-            return
-        arm, *per_row = self.log[0]
-        if arm == "plain":
-            self.steps.append([seconds, len(self._rows), arm, None])
-            return
-        drafted, accepted, emitted, kinds = per_row
-        rows = [
-            [sid, pos, d, a, g, kind]
-            for (sid, pos), d, a, g, kind in zip(
-                self._rows, drafted, accepted, emitted, kinds, strict=True
-            )
-        ]
-        self.steps.append([seconds, len(self._rows), arm, rows])
-
-    def run(self, seconds: float, **meta: Any) -> dict[str, Any]:
-        """The trace line of this pass: `meta` (mode, repeat, ...) and what was recorded."""
-        self.close()
-        samples = sorted(self.samples.items(), key=lambda kv: kv[1])
-        cfg = self.engine.config
-        return {
-            "type": "run",
-            **meta,
-            "seconds": seconds,
-            "config": {
-                "spec_mode": cfg.spec_mode,
-                "gate": cfg.gate,
-                "strategies": [s.name for s in cfg.strategies],
-                "max_batch": cfg.max_batch,
-                "batch_threshold": cfg.batch_threshold,
-                "max_prefill_tokens": cfg.max_prefill_tokens,
-                "seed": cfg.seed,
-                "drafter": self.engine.drafter is not None,
-            },
-            "groups": self.groups,
-            "samples": [[r, i, self.lengths.get(sid, 0)] for (r, i), sid in samples],
-            "steps": self.steps,
-        }
-
-    def _sid(self, request_id: str, index: int) -> int:
-        return self.samples.setdefault((request_id, index), len(self.samples))
+__all__ = ["PREFILL", "Recorder", "StepCosts", "measure_step_costs", "read_trace", "write_line"]
 
 
 def strategy(name: str) -> Strategy:
@@ -262,9 +173,3 @@ def read_trace(path: Path) -> Iterator[dict[str, Any]]:
         for line in f:
             if line.strip():
                 yield json.loads(line)
-
-
-def write_line(path: Path, line: dict[str, Any]) -> None:
-    """Append one line to a trace file."""
-    with path.open("a") as f:
-        f.write(json.dumps(line, separators=(",", ":")) + "\n")

@@ -1,6 +1,8 @@
 """Replay recorded rollouts under a device's step costs: continuous batching with the engine's gate.
 
     python benchmarks/sim_rollout.py validate TRACE     # vs the wall times the trace measured
+    python benchmarks/sim_rollout.py validate DIR       # a demo's, per RL step (sim_demo.py)
+    python benchmarks/sim_rollout.py project DIR        # PROJECTION: a demo's, per mode
     python benchmarks/sim_rollout.py project TRACE      # PROJECTION: H100 / H200 costs
 
 A trace (`bench_spec.py --trace`, rollout_trace.py) fixes what does not depend on the
@@ -44,9 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.rollout_trace import PREFILL, StepCosts, read_trace, strategy  # noqa: E402
 from tltd_workers.engine.bandit import Strategy  # noqa: E402
-from tltd_workers.engine.costs import BucketCost, CostModel  # noqa: E402
+from tltd_workers.engine.costs import (  # noqa: E402
+    BucketCost,
+    CostModel,
+    expected_tokens,
+    fallback_pays,
+)
 from tltd_workers.engine.engine import EngineConfig, gate_for  # noqa: E402
 from tltd_workers.engine.gate import choose_arm  # noqa: E402
+from tltd_workers.engine.speculation import HISTORY_MIN_DRAFT  # noqa: E402
 
 GATE_CONTEXT = EngineConfig().cost_context  # the context the engine times its gate's costs at
 
@@ -106,13 +114,13 @@ class CostTable:
         return CostModel({b: self.at(b, context) for b in buckets}, context)
 
 
-def step_ms(cost: BucketCost, arm: Strategy | None, width: int) -> float:
-    """ms of one decode step: plain (`arm` None, or no row drafted: `width` 0), or an SD step
-    verifying up to `width` drafts per row, after k EAGLE draft steps (n-grams draft free)."""
-    if arm is None or width == 0:
+def step_ms(cost: BucketCost, width: int, draft_steps: int = 0) -> float:
+    """ms of one decode step: plain (no row drafted: `width` 0), or an SD step verifying up
+    to `width` drafts per row, after `draft_steps` EAGLE draft steps (n-gram and history
+    drafts are free: dictionary look-ups)."""
+    if width == 0:
         return cost.plain_ms
-    draft = arm.k * cost.draft_ms if arm.drafter == "eagle" else 0.0
-    return cost.verify(width) + draft
+    return cost.verify(width) + draft_steps * cost.draft_ms
 
 
 def measured_table(costs: StepCosts) -> CostTable:
@@ -134,25 +142,31 @@ class Drafts:
     any position: the drafts a chain from there keeps are the run of right tokens from it;
     a token no step covered is right with the drafter's recorded per-position acceptance
     (a seeded draw per sample, drafter and position, so that every query agrees). How many
-    drafts the drafter offers (an n-gram match may be short) comes from the sample's
-    nearest recorded step."""
+    drafts the drafter offers (an n-gram match or a history walk may be short) comes from the
+    sample's nearest recorded step; a history walk from inside a recorded one ends where that
+    one did (its support fell there, whichever position it started from)."""
 
     seed: int = 0
     right: dict[tuple[int, str], dict[int, bool]] = field(default_factory=dict)
     offers: dict[tuple[int, str], tuple[list[int], list[int | None]]] = field(default_factory=dict)
     alpha: dict[str, float] = field(default_factory=dict)
+    walks: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # history's
+    kept: dict[tuple[int, str], list[int]] = field(default_factory=dict)  # as `offers`
 
     @staticmethod
     def of_run(run: Mapping[str, Any], seed: int = 0) -> Drafts:
         out = Drafts(seed)
-        offers: dict[tuple[int, str], list[tuple[int, int | None]]] = defaultdict(list)
+        offers: dict[tuple[int, str], list[tuple[int, int | None, int]]] = defaultdict(list)
+        walks: dict[int, list[tuple[int, int]]] = defaultdict(list)
         kept: Counter[str] = Counter()
         missed: Counter[str] = Counter()
+        eagle_k = eagle_draft_length(run.get("config", {}).get("strategies", ()))
         for _, _, arm, rows in run["steps"]:
             if arm in (PREFILL, "plain") or rows is None:
                 continue
-            k = strategy(arm).k
             for sid, pos, dlen, acc, _, kind in rows:
+                # A history step's rows without a long walk draft with EAGLE (its longest k).
+                k = strategy(arm).k if kind == strategy(arm).drafter else eagle_k
                 right = out.right.setdefault((sid, kind), {})
                 for j in range(acc):
                     right[pos + j] = True
@@ -160,10 +174,19 @@ class Drafts:
                     right[pos + acc] = False
                     missed[kind] += 1
                 kept[kind] += acc
-                offers[(sid, kind)].append((pos, dlen if dlen < k else None))
+                # A full offer says the drafter had k to give and maybe more; not a history
+                # walk's, which stops where its support falls (taken as no longer than seen).
+                full = dlen >= k and kind != "history"
+                offers[(sid, kind)].append((pos, None if full else dlen, acc))
+                if kind == "history" and dlen:
+                    walks[sid].append((pos, pos + dlen))
         for key, ev in offers.items():
             ev.sort(key=lambda e: e[0])
-            out.offers[key] = ([p for p, _ in ev], [o for _, o in ev])
+            out.offers[key] = ([e[0] for e in ev], [e[1] for e in ev])
+            out.kept[key] = [e[2] for e in ev]
+        for sid, spans in walks.items():
+            spans.sort()
+            out.walks[sid] = ([a for a, _ in spans], [b for _, b in spans])
         for d in kept | missed:
             out.alpha[d] = kept[d] / max(1, kept[d] + missed[d])
         return out
@@ -173,14 +196,18 @@ class Drafts:
         if drafter not in self.alpha:
             return 0, 0
         got = self.offers.get((sid, drafter))
-        offered = k
+        offered, near = k, -1
         if got is not None:
             positions, offs = got
-            i = bisect.bisect_left(positions, pos)
-            if i == len(positions) or (i > 0 and pos - positions[i - 1] < positions[i] - pos):
-                i -= 1
-            offered = min(k, offs[i] if offs[i] is not None else k)
+            near = bisect.bisect_left(positions, pos)
+            if near == len(positions) or (
+                near > 0 and pos - positions[near - 1] < positions[near] - pos
+            ):
+                near -= 1
+            offered = min(k, offs[near] if offs[near] is not None else k)
         right = self.right.get((sid, drafter), {})
+        if drafter == "history" and near >= 0:
+            return self._walk(sid, pos, offered, right, self.kept[(sid, drafter)][near])
         n = 0
         while n < offered:
             ok = right.get(pos + n)
@@ -191,6 +218,28 @@ class Drafts:
                 break
             n += 1
         return offered, n
+
+    def _walk(
+        self, sid: int, pos: int, offered: int, right: Mapping[int, bool], near_kept: int
+    ) -> tuple[int, int]:
+        """A history walk at `pos`: from inside a recorded walk it ends where that one did
+        (its support fell there) and keeps that one's right tokens; elsewhere it keeps what
+        the nearest recorded walk kept. Per-position acceptance says little here: a walk
+        offers only what it is sure of, and stops where it is not."""
+        starts, ends = self.walks.get(sid, ([], []))
+        i = bisect.bisect_right(starts, pos) - 1
+        if i < 0 or pos >= ends[i] or pos not in right:
+            return offered, min(offered, near_kept)
+        offered = min(offered, ends[i] - pos)
+        n = 0
+        while n < offered and right.get(pos + n):
+            n += 1
+        return offered, n
+
+
+def eagle_draft_length(strategies: Sequence[str]) -> int:
+    """The EAGLE rows' draft length in a history step: the longest EAGLE arm (0: none)."""
+    return max((strategy(n).k for n in strategies if n.startswith("eagle/")), default=0)
 
 
 # -- the simulation ---------------------------------------------------------------------------
@@ -203,6 +252,7 @@ class _Row:
     length: int
     max_new: int
     prompt: int
+    key: str = ""  # the prompt's tokens' key (the history drafter's answers are per prompt)
 
 
 @dataclass
@@ -218,8 +268,21 @@ class SimResult:
     steps: list[float] = field(default_factory=list)  # seconds of every step, prefills too
 
 
+@dataclass
+class _Offers:
+    """One SD step's rows: drafts verified, drafts kept, the drafter of each, draft steps."""
+
+    dlens: list[int]
+    accs: list[int]
+    kinds: list[str]
+    draft_steps: int
+
+
 class Simulator:
-    """One engine's passes (its gate lives across them, as in the benchmark) under `table`."""
+    """One engine's passes (its gate lives across them, as in the benchmark and in a worker)
+    under `table`. The history arm (drafts from the prompt's earlier answers) is offered as
+    the engine offers it: once at least half of the running rows' prompts have a finished
+    answer, given at admission (the trace's earlier answers) or finished by this engine."""
 
     def __init__(self, config: Mapping[str, Any], table: CostTable) -> None:
         strategies = tuple(strategy(n) for n in config["strategies"])
@@ -233,14 +296,22 @@ class Simulator:
             max_prefill_tokens=config.get("max_prefill_tokens", EngineConfig().max_prefill_tokens),
         )
         self.drafter = bool(config["drafter"])
+        self.history = any(s.drafter == "history" for s in strategies)
+        self.eagle_k = eagle_draft_length(config["strategies"])
         self.table = table
         self.bandit, self.gate_state = gate_for(self.cfg, None)
         self.gate_costs = (
             table.gate_model(self.cfg.bucket_sizes()) if self.cfg.measured_gate else None
         )
+        self.answered: set[str] = set()  # prompts with a finished answer in the history
+        self.engine: Any = None  # the recorded engine the passes ran on (a worker's count)
+        self.versions: list[list[float]] = []  # [s, policy, drafter] of the pass replayed
 
     def run(self, run: Mapping[str, Any]) -> SimResult:
         """Replay one recorded pass."""
+        if run.get("engine") != self.engine:  # a new engine: its history drafter starts empty
+            self.engine, self.answered = run.get("engine"), set()
+        self.versions = run.get("versions") or [[0.0, 0, int(self.drafter)]]
         drafts = Drafts.of_run(run, self.cfg.seed)
         lengths = {(r, i): n for r, i, n in run["samples"]}
         ids = {(r, i): sid for sid, (r, i, _) in enumerate(run["samples"])}
@@ -255,11 +326,14 @@ class Simulator:
                 res.seconds += dt
                 res.per_bucket[0] += dt
                 res.steps.append(dt)
-                for req, prompt, n, _, max_new in admitted:
+                for req, prompt, n, _, max_new, *more in admitted:
+                    key = self._opened(*more)
                     for i in range(n):
                         length = lengths.get((req, i), 1)
                         if length > 1:
-                            running.append(_Row(ids[(req, i)], 1, length, max_new, prompt))
+                            running.append(_Row(ids[(req, i)], 1, length, max_new, prompt, key))
+                        else:
+                            self.answered.add(key)
                 continue
             if not running:  # idle until the next prompt arrives
                 res.seconds = max(res.seconds, waiting[0][3])
@@ -267,8 +341,18 @@ class Simulator:
             dt = self._step(running, drafts, res)
             res.seconds += dt
             res.steps.append(dt)
+            self.answered.update(r.key for r in running if r.pos >= r.length)
             running[:] = [r for r in running if r.pos < r.length]
         return res
+
+    def _opened(self, past: int = 0, key: str = "") -> str:
+        """A prompt joins the history drafter (engine: Admission._open): with earlier answers
+        (or answers this engine finished), the gate's history estimate restarts once."""
+        if self.history and key and (past or key in self.answered):
+            self.answered.add(key)
+            if self.gate_state is not None:
+                self.gate_state.history_arrived()
+        return key
 
     def _admit(self, waiting: list, running: list[_Row], now: float) -> list:
         """FIFO admission of whole prompts while slots and the prefill budget allow (the
@@ -285,22 +369,24 @@ class Simulator:
             width = w
         return admitted
 
-    def _choose(self, b: int) -> Strategy | None:
-        """The engine's gate (Speculation.choose) for a batch of b speculative rows."""
-        cfg = self.cfg
+    def _choose(self, running: list[_Row], now: float) -> Strategy | None:
+        """The engine's gate (Speculation.choose) for the running rows at pass time `now`."""
+        cfg, b = self.cfg, len(running)
         if cfg.spec_mode == "off" or (not cfg.measured_gate and b > cfg.batch_threshold):
             return None
         available = {"ngram", "eagle"} if self.drafter else {"ngram"}
-        return choose_arm(
-            self.bandit, self.gate_state, self.gate_costs, b, available, (0, int(self.drafter))
-        )
+        if self.history and 2 * sum(r.key in self.answered for r in running) >= b:
+            available.add("history")
+        i = max(0, bisect.bisect_right([v[0] for v in self.versions], now) - 1)
+        versions = (int(self.versions[i][1]), int(self.versions[i][2]))
+        return choose_arm(self.bandit, self.gate_state, self.gate_costs, b, available, versions)
 
     def _step(self, running: list[_Row], drafts: Drafts, res: SimResult) -> float:
         """One decode step of the running rows; returns its seconds."""
         b = len(running)
         context = statistics.fmean(r.prompt + r.pos for r in running)
         cost = self.table.at(b, context)
-        arm = self._choose(b)
+        arm = self._choose(running, res.seconds)
         bucket = bucket_of(b)
         if arm is None:
             dt = cost.plain_ms / 1000
@@ -311,26 +397,73 @@ class Simulator:
             res.arms["plain"] += 1
             res.per_bucket[bucket] += dt
             return dt
-        dlens, accs, gained = [], [], []
-        for r in running:
-            cap = max(0, min(arm.k, r.max_new - r.pos - 1))
-            dlen, match = drafts.offer(r.sid, arm.drafter, r.pos, cap) if cap else (0, 0)
-            acc = min(match, dlen)
+        got = self._offers(running, drafts, arm)
+        gained = []
+        for r, dlen, acc in zip(running, got.dlens, got.accs, strict=True):
             g = min(1 + acc, r.length - r.pos)
             r.pos += g
-            dlens.append(dlen)
-            accs.append(acc)
             gained.append(g)
             if dlen:
                 res.draft_rows += 1
                 res.draft_gained += g
-        dt = step_ms(cost, arm, max(dlens)) / 1000
-        if self.gate_state is not None:
-            self.gate_state.observe(arm.drafter, dlens, accs)
+        dt = step_ms(cost, max(got.dlens), got.draft_steps) / 1000
+        if self.gate_state is not None:  # per drafter, as Speculation._observe
+            for kind in dict.fromkeys(got.kinds):
+                rows = [i for i, k in enumerate(got.kinds) if k == kind]
+                self.gate_state.observe(
+                    kind, [got.dlens[i] for i in rows], [got.accs[i] for i in rows]
+                )
         self.bandit.record(b, arm, sum(gained) / b, dt)
         res.arms[arm.name] += 1
         res.per_bucket[bucket] += dt
         return dt
+
+    def _offers(self, running: list[_Row], drafts: Drafts, arm: Strategy) -> _Offers:
+        """Each row's drafts under `arm` (Speculation._propose): up to k within its token cap;
+        in a history step, rows whose walk is shorter than HISTORY_MIN_DRAFT draft with EAGLE
+        (its longest k) when a drafter is set and `costs.fallback_pays` says so."""
+        caps = [max(0, min(arm.k, r.max_new - r.pos - 1)) for r in running]
+        got = [
+            drafts.offer(r.sid, arm.drafter, r.pos, c) if c else (0, 0)
+            for r, c in zip(running, caps, strict=True)
+        ]
+        kinds = [arm.drafter] * len(running)
+        steps = arm.k if arm.drafter == "eagle" else 0
+        if arm.drafter == "history" and self.drafter and self.eagle_k:
+            short = [i for i, c in enumerate(caps) if c and got[i][0] < min(HISTORY_MIN_DRAFT, c)]
+            k = min(self.eagle_k, max(caps))
+            if short and self._fallback_pays(running, got, short, k):
+                steps = k
+                for i in short:
+                    got[i] = drafts.offer(running[i].sid, "eagle", running[i].pos, min(caps[i], k))
+                    kinds[i] = "eagle"
+        return _Offers([d for d, _ in got], [min(a, d) for d, a in got], kinds, steps)
+
+    def _fallback_pays(
+        self, running: list[_Row], got: list[tuple[int, int]], short: list[int], k: int
+    ) -> bool:
+        """Speculation._fallback_pays on the gate's costs (no drafter backlog: the replay does
+        not follow the positions EAGLE has yet to read)."""
+        if self.gate_costs is None or self.gate_state is None:
+            return True
+        b = len(running)
+        bucket = self.gate_state.bandit.bucket(b)
+        cost = self.gate_costs.buckets.get(bucket)
+        if cost is None:
+            return True
+        acceptance = self.gate_state.acceptance
+        skip = set(short)
+        walks = [d for i, (d, _) in enumerate(got) if i not in skip and d]
+        alpha = acceptance["history"].alpha
+        return fallback_pays(
+            cost, bucket, b,
+            history_rows=len(walks),
+            history_tokens=sum(expected_tokens(alpha, 1.0, n) for n in walks),
+            history_positions=sum(walks),
+            fallback_rows=len(short),
+            eagle_tokens=acceptance["eagle"].tokens_per_step(k),
+            k=k,
+        )  # fmt: skip
 
 
 # -- reading a trace --------------------------------------------------------------------------
@@ -380,8 +513,9 @@ def replay(passes: list[dict[str, Any]], table: CostTable) -> list[tuple[dict, S
 class Step:
     """One recorded engine step as the replay prices it: its seconds, running batch, the rows'
     mean context (prompt + tokens emitted before the step), its arm (PREFILL, "plain" or a
-    strategy), the most drafts a row verified (0: none), and for a prefill its prompts and
-    padded width."""
+    strategy), the most drafts a row verified (0: none), for a prefill its prompts and padded
+    width, and the EAGLE draft steps it ran (an EAGLE arm's k; a history step's longest EAGLE k
+    when some row drafted with EAGLE)."""
 
     seconds: float
     batch: int
@@ -389,6 +523,7 @@ class Step:
     arm: str
     width: int = 0
     prompts: int = 0
+    draft_steps: int = 0
 
 
 def recorded_steps(p: Mapping[str, Any]) -> list[Step]:
@@ -400,6 +535,7 @@ def recorded_steps(p: Mapping[str, Any]) -> list[Step]:
     n = {g[0]: g[2] for g in p["groups"]}
     lengths = {(r, i): k for r, i, k in p["samples"]}
     ids = {(r, i): sid for sid, (r, i, _) in enumerate(p["samples"])}
+    eagle_k = eagle_draft_length(p["config"]["strategies"])
     running: dict[int, list[int]] = {}  # sample -> [prompt, position, length]
     out = []
     for seconds, batch, arm, rows in p["steps"]:
@@ -421,7 +557,9 @@ def recorded_steps(p: Mapping[str, Any]) -> list[Step]:
         else:
             for sid, pos, _, _, gained, _ in rows:
                 running[sid][1] = pos + gained
-            out.append(Step(seconds, batch, context, arm, max(r[2] for r in rows)))
+            k = strategy(arm).k if arm.startswith("eagle/") else 0
+            k = eagle_k if any(r[5] == "eagle" for r in rows) and not k else k
+            out.append(Step(seconds, batch, context, arm, max(r[2] for r in rows), 0, k))
         running = {sid: v for sid, v in running.items() if v[1] < v[2]}
     return out
 
@@ -434,8 +572,8 @@ def step_costs(p: Mapping[str, Any], table: CostTable) -> list[tuple[float, floa
         if s.arm == PREFILL:
             out.append((s.seconds, table.prefill_ms(s.prompts, s.width) / 1000))
             continue
-        arm = None if s.arm == "plain" else strategy(s.arm)
-        out.append((s.seconds, step_ms(table.at(s.batch, s.context), arm, s.width) / 1000))
+        ms = step_ms(table.at(s.batch, s.context), s.width, s.draft_steps)
+        out.append((s.seconds, ms / 1000))
     return out
 
 
@@ -446,11 +584,10 @@ def step_costs(p: Mapping[str, Any], table: CostTable) -> list[tuple[float, floa
 FIT_TERMS = ("1", "B", "B*C", "SD", "B*w", "B*w*C", "k", "k*B")
 
 
-def _terms(batch: int, context: float, arm: Strategy | None, width: int) -> list[float]:
-    b, c = float(batch), context / 1000
-    if arm is None or width == 0:
+def _terms(batch: int, context: float, width: int, draft_steps: int) -> list[float]:
+    b, c, k = float(batch), context / 1000, draft_steps
+    if width == 0:
         return [1.0, b, b * c, 0.0, 0.0, 0.0, 0.0, 0.0]
-    k = arm.k if arm.drafter == "eagle" else 0
     return [1.0, b, b * c, 1.0, b * width, b * width * c, k, k * b]
 
 
@@ -476,10 +613,7 @@ def fitted_table(passes: Sequence[Mapping[str, Any]], label: str = "in-run") -> 
     Seconds are fitted, not their ratios: a wall time is the sum of its steps'."""
     steps = [s for p in passes for s in recorded_steps(p)]
     decode = [s for s in steps if s.arm != PREFILL]
-    x = np.array([
-        _terms(s.batch, s.context, None if s.arm == "plain" else strategy(s.arm), s.width)
-        for s in decode
-    ])  # fmt: skip
+    x = np.array([_terms(s.batch, s.context, s.width, s.draft_steps) for s in decode])
     coef = _nonnegative_fit(x, np.array([1000 * s.seconds for s in decode]))
     p0, p1, p2, v0, v1, v2, d0, d1 = (float(c) for c in coef)
     ks = [strategy(n).k for p in passes for n in p["config"]["strategies"]] or [1]
@@ -743,8 +877,17 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--devices", default="H100,H200")
     pr.add_argument("--shapes", default="Qwen2.5-1.5B,Qwen2.5-7B,Qwen2.5-32B")
     args = ap.parse_args(argv)
+    if args.cmd == "validate" and args.trace.is_dir():  # a demo's (grpo_demo.py --trace DIR)
+        from benchmarks.sim_demo import validate_demo
+
+        return 0 if validate_demo(args.trace, args.tolerance) else 1
     if args.cmd == "validate":
         return 0 if validate(args.trace, args.tolerance) else 1
+    if args.trace.is_dir():
+        from benchmarks.sim_demo import project_demo
+
+        project_demo(args.trace, args.devices.split(","), args.shapes.split(","))
+        return 0
     project(args.trace, args.devices.split(","), args.shapes.split(","))
     return 0
 

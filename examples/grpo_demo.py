@@ -5,6 +5,7 @@ a real `tltd serve`, once with TLT (adaptive speculative decoding) and once with
     python examples/grpo_demo.py --quick    # 2 tiny steps per mode, a smoke test
     python examples/grpo_demo.py --http     # roll out through the openai client (HTTP door)
     python examples/grpo_demo.py --no-async # without the asynchronous TLT run
+    python examples/grpo_demo.py --trace DIR  # record the engines' steps (sim_rollout.py)
 
 After the two synchronous runs, an asynchronous TLT run (examples/async_grpo.py) rolls out the
 next steps while the trainer updates, and is compared with the synchronous SD-off run.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import random
 import signal
@@ -107,10 +109,14 @@ def free_port() -> int:
 
 
 class Daemon:
-    """`tltd serve` on the embedded defaults (SQLite under `data_dir`, torch backend, CPU slots)."""
+    """`tltd serve` on the embedded defaults (SQLite under `data_dir`, torch backend, CPU slots).
+    `trace_dir`: its torch workers record their engines' steps there (`engine_trace_dir`)."""
 
-    def __init__(self, data_dir: Path, cpu_slots: int, http: bool = False) -> None:
+    def __init__(
+        self, data_dir: Path, cpu_slots: int, http: bool = False, trace_dir: Path | None = None
+    ) -> None:
         self.data_dir = data_dir
+        self.trace_dir = trace_dir
         self.port_file = data_dir / "port"
         http_port_file = data_dir / "http.port"
         self.log_path = data_dir / "tltd.log"
@@ -131,6 +137,8 @@ class Daemon:
         # The drafter's trainer is spawned at the job's first sample and waits, loaded, for
         # the first tail: its start-up (seconds here) would otherwise take that tail.
         env["TLTD_TRAINING_WARM_START"] = "true"
+        if trace_dir is not None:
+            env["TLTD_ENGINE_TRACE_DIR"] = str(trace_dir)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
@@ -307,6 +315,7 @@ class Run:
         in_service, (samples, finish, rollout_s) = pick_then_roll_out(
             self.client, self.job_id, prompts, cfg, seed=seed, label=f"{self.mode} step {step}"
         )
+        self.record_step(step, rollout_s, len(samples))
         cpu.append(demo_cpu(self.daemon.proc.pid))
         at_rollout_end = self.daemon.device_seconds()
         # Not in the step's time: measurements. Their wall time and what the daemon did
@@ -340,6 +349,19 @@ class Run:
         self.rows.append(row)
         print_row(self.mode, row)
         return row
+
+    def record_step(self, step: int, rollout_s: float, samples: int) -> None:
+        """With --trace: the step's rollout (its job, wall-clock start, seconds; the machine's
+        load average) beside the workers' traces, so that sim_rollout.py finds the engine
+        passes of each RL step."""
+        if self.daemon.trace_dir is None:
+            return
+        start = time.time() - rollout_s
+        line = {"type": "step", "mode": self.mode, "step": step, "job": self.job_id,
+                "start": start, "seconds": rollout_s, "samples": samples,
+                "load": os.getloadavg()[0]}  # fmt: skip
+        with (self.daemon.trace_dir / "demo.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def push(self, step: int) -> None:
         """The new weights to the daemon: in-band over gRPC (no checkpoint on disk), or as a
@@ -612,6 +634,11 @@ def main(argv: list[str] | None = None) -> int:
         "--http", action="store_true", help="roll out through the openai client (HTTP door)"
     )
     parser.add_argument("--no-async", action="store_true", help="skip the asynchronous TLT run")
+    parser.add_argument(
+        "--trace", type=Path,
+        help="record every engine step of the daemon's workers and each RL step's rollout to "
+        "this directory (replay: python benchmarks/sim_rollout.py validate DIR)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else DemoConfig()
     overrides = {"steps": args.steps, "prompts": args.prompts, "n": args.n,
@@ -635,7 +662,12 @@ def main(argv: list[str] | None = None) -> int:
         work_dir = (args.work_dir or Path(tmp)).resolve()
         work_dir.mkdir(parents=True, exist_ok=True)
         print(f"starting tltd serve (SQLite, torch backend, {cfg.cpu_slots} CPU slots)", flush=True)
-        daemon = Daemon(work_dir, cfg.cpu_slots, http=args.http)
+        trace = args.trace.resolve() if args.trace else None
+        if trace is not None:
+            trace.mkdir(parents=True, exist_ok=True)
+            for old in trace.glob("*.jsonl"):  # a new recording, not appended to an old one
+                old.unlink()
+        daemon = Daemon(work_dir, cfg.cpu_slots, http=args.http, trace_dir=trace)
         code = 1
         try:
             print(

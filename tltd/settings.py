@@ -65,6 +65,10 @@ class Settings:
     # 2,048-token cap reasoning rollouts commonly use
     worker_max_seq_len: int = 2304
     worker_threads: int = 1  # torch threads per CPU worker
+    # Torch workers append what their engine did per step (batch, arm, drafts kept, sample
+    # lengths, step times) to <dir>/<worker id>.jsonl, for benchmarks/sim_rollout.py to replay
+    # under another device's costs; "" = off. Recording does not change what the engine does.
+    engine_trace_dir: str = ""
     # KV of sessions' finished turns a torch worker keeps for their next turn (MiB; 0 = none)
     worker_prefix_cache_mb: int = 256
     # Where a session's turn runs (`tltd.scheduler`): "sticky" (the worker with its KV unless

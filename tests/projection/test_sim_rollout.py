@@ -87,6 +87,19 @@ def test_a_chain_keeps_the_run_of_tokens_its_drafter_got_right():
     assert d.offer(0, "ngram", 4, 2) == (0, 0)  # a drafter that never ran drafts nothing
 
 
+def test_a_history_walk_ends_where_the_recorded_one_did_and_keeps_what_the_nearest_kept():
+    run = {"steps": [
+        [0.01, 1, "history/k16", [[0, 10, 6, 6, 7, "history"]]],  # 10..15 right, then it stopped
+        [0.01, 1, "history/k16", [[0, 40, 8, 3, 4, "history"]]],  # 40..42 right, 43 wrong
+    ]}  # fmt: skip
+    d = Drafts.of_run(run)
+    assert d.offer(0, "history", 12, 16) == (4, 4)  # inside the first walk: it ends at 16
+    assert d.offer(0, "history", 41, 16) == (7, 2)  # inside the second: up to the wrong token
+    # Where no walk was recorded: the nearest recorded walk's offer and what it kept.
+    assert d.offer(0, "history", 30, 16) == (8, 3)
+    assert d.offer(0, "history", 20, 16) == (6, 6)
+
+
 def _priced(passes: list[dict], table: CostTable) -> tuple[float, float]:
     """(recorded, priced at the table) seconds of every step of the passes."""
     pairs = [pair for p in passes for pair in step_costs(p, table)]

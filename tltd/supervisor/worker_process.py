@@ -183,6 +183,8 @@ def spawn(
         args += (settings.sglang_engine_factory,)
     elif handle.backend is Backend.SIM:
         args += (settings.sim_engine,)
+    else:
+        args += (settings.engine_trace_dir,)
     target, args = with_environment(target, *args)
     proc = ctx.Process(target=target, args=args, name=handle.worker_id, daemon=daemon)
     proc.start()

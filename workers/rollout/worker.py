@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tltd.contract.rollout_messages import AddWork, JoinBroadcast, LoadModel
@@ -14,6 +16,7 @@ from tltd_workers.signals import ignore_stop_signals
 if TYPE_CHECKING:  # the engine (torch) is imported only by the worker process, at load
     from tltd_workers.engine.costs import CostModel
     from tltd_workers.engine.gate import GateState
+    from tltd_workers.engine.trace import EngineTrace
 
 __all__ = ["RolloutWorker", "contiguous_runs", "main"]
 
@@ -21,26 +24,36 @@ __all__ = ["RolloutWorker", "contiguous_runs", "main"]
 GATE_STATES_KEPT = 4
 
 
-def main(conn: Connection, threads: int = 1, heartbeat_seconds: float = 0.5) -> None:
+def main(
+    conn: Connection, threads: int = 1, heartbeat_seconds: float = 0.5, trace_dir: str = ""
+) -> None:
     """Process entry point (multiprocessing spawn target). Exit 0 on Shutdown or a closed pipe,
-    1 after a fatal error (reported first, when the pipe still works)."""
+    1 after a fatal error (reported first, when the pipe still works). `trace_dir`: record
+    the engine's steps to <trace_dir>/<worker id>.jsonl ("" = not)."""
     ignore_stop_signals()
     import torch
 
     torch.set_num_threads(max(1, threads))
-    serve(conn, RolloutWorker(conn, heartbeat_seconds))
+    serve(conn, RolloutWorker(conn, heartbeat_seconds, trace_dir))
 
 
 class RolloutWorker(WorkerLoop):
     """The shared loop over the project's own torch `Engine`."""
 
-    def __init__(self, conn: Connection, heartbeat_seconds: float) -> None:
+    def __init__(self, conn: Connection, heartbeat_seconds: float, trace_dir: str = "") -> None:
         super().__init__(conn, heartbeat_seconds)
         self.engine = None  # tltd_workers.engine.engine.Engine once a LoadModel arrived
         # Kept across engines: the decode costs measured on this device (reused while the
         # architecture is the same) and, per job, what the SD gate learned.
         self.costs: CostModel | None = None
         self.gate_states: dict[str, GateState] = {}  # by job id, oldest first
+        # What the engine did per step, read from outside it (the daemon's engine_trace_dir).
+        self.trace: EngineTrace | None = None
+        if trace_dir:
+            from tltd_workers.engine.trace import EngineTrace
+
+            name = mp.current_process().name
+            self.trace = EngineTrace(Path(trace_dir) / f"{name}.jsonl", name)
 
     def loaded(self) -> bool:
         return self.engine is not None
@@ -53,12 +66,16 @@ class RolloutWorker(WorkerLoop):
 
     def step(self) -> list[Sample]:
         assert self.engine is not None
+        if self.trace is not None:
+            return [out.to_domain() for out in self.trace.step(self.engine, self.job_id)]
         return [out.to_domain() for out in self.engine.step()]
 
     def load(self, msg: LoadModel) -> None:
         from tltd_workers.engine.engine import Engine, EngineConfig
         from tltd_workers.engine.transformer import serving_dtype
 
+        if self.trace is not None:
+            self.trace.engine_loaded()
         self.engine = None  # free the old model before loading the next one
         self.policy_source = ""
         self.broadcasts.drop()  # weights received for the job it held are not needed now
@@ -142,11 +159,17 @@ class RolloutWorker(WorkerLoop):
 
     def abort_everything(self) -> list[Sample]:
         assert self.engine is not None
+        if self.trace is not None:
+            self.trace.flush()
         return [out.to_domain() for out in self.engine.abort_all()]
 
     def checkpoints(self) -> list[Sample]:
         assert self.engine is not None
         return [out.to_domain() for out in self.engine.snapshot()]
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.flush()
 
     def load_summary(self) -> tuple[int, int, dict[str, object]]:
         assert self.engine is not None
