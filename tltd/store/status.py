@@ -98,6 +98,32 @@ def switch_status_from(
     return bool(moved)
 
 
+def switch_statuses_from(
+    session: Session, entity: str, row_type: type, moves: list[tuple[str, str]], new: str,
+    reason: str,
+) -> int:  # fmt: skip
+    """`switch_status_from` for many rows, each from its own old status (`moves`: key, old),
+    read under their row locks in this transaction: one UPDATE and one event INSERT, both
+    executemany. Returns the rows moved."""
+    if not moves:
+        return 0
+    for key, old in moves:
+        check_transition(entity, key, str(old), str(new))
+    now = utcnow()
+    conn = session.connection()
+    params = [
+        {"key": key, "old": str(old), "new": str(new), "reason": reason, "now": now}
+        for key, old in moves
+    ]
+    moved = conn.execute(_guarded_update(entity, row_type), params).rowcount
+    conn.execute(
+        _EVENT_INSERT,
+        [{"entity": entity, "entity_id": key, "old_status": str(old), "new_status": str(new),
+          "reason": reason, "at": now} for key, old in moves],
+    )  # fmt: skip
+    return moved
+
+
 @functools.cache
 def _guarded_update(entity: str, row_type: type) -> Update:
     """UPDATE <row> SET status = :new ... WHERE key = :key AND status = :old (built once)."""
