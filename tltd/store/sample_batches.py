@@ -232,19 +232,25 @@ class SampleBatches:
         True when that ended the request."""
         if ends is None or not done:
             return False
+        started = ""
         if status is RequestStatus.QUEUED and worker_id:  # as mark_running would record it
-            reason = running_on(worker_id)
-            if switch_status_from(s, "request", RolloutRequestRow, rid, status,
-                                  RequestStatus.RUNNING, reason):  # fmt: skip
-                status = RequestStatus.RUNNING
+            # Written with the request's end when these samples end it (one statement less),
+            # else below. The row is locked: it is QUEUED until this transaction moves it.
+            started = reason = running_on(worker_id)
+            status = RequestStatus.RUNNING
         if status is not RequestStatus.RUNNING:
             return False
         for p in sorted({x.prompt_index for i, x in ok if out[i] is True and not x.partial}):
             if complete[p] == n:
-                end = self.leases.end_unit_if_complete(s, rid, p, n, status, reason)
+                end = self.leases.end_unit_if_complete(s, rid, p, n, status, reason, started)
                 if end is not None:
                     ends[(rid, p)] = end
+                    if end.status is not RequestStatus.RUNNING:
+                        started = ""  # written with the end
                     status, reason = end.status, end.reason
+        if started:
+            switch_status_from(s, "request", RolloutRequestRow, rid, RequestStatus.QUEUED,
+                               RequestStatus.RUNNING, started)  # fmt: skip
         return status in ENDED_STATUSES
 
     def _writable(
