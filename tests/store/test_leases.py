@@ -444,6 +444,22 @@ def test_a_sample_batch_records_the_units_it_completes(store: Store) -> None:
         got = a.sample_batches.store([_sample("r2", 0, 0), _sample("r2", 0, 1)], True, "w1")
         assert got.ends == {("r2", 0): UnitEnd(RequestStatus.RUNNING, "running on w1", 1)}
         assert not a.requests.mark_running("r2", "running on w1")  # the node's own write: a no-op
+        # A batch that starts the request and ends it records both moves (one statement on
+        # PostgreSQL), their events in order.
+        one = RolloutRequest("r3", JOB.job_id, ((1,),), SAMPLING)
+        a.requests.admit(one, claim=AdmissionClaim(100, LONG_LEASE))
+        got = a.sample_batches.store([_sample("r3", 0, 0), _sample("r3", 0, 1)], True, "w1")
+        assert got.ends == {
+            ("r3", 0): UnitEnd(RequestStatus.COMPLETED, "all 2 samples finished", 0)
+        }
+        moves = [
+            (e.old_status, e.new_status, e.reason) for e in a.history.list_events("request", "r3")
+        ]
+        assert moves == [
+            ("", "queued", "submitted"),
+            ("queued", "running", "running on w1"),
+            ("running", "completed", "all 2 samples finished"),
+        ]
         # Without end_units a complete unit stays open for the node to record.
         a.requests.admit(replace(req, request_id="r1"), claim=AdmissionClaim(100, LONG_LEASE))
         a.requests.mark_running("r1", "running on w0")

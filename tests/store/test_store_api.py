@@ -521,6 +521,63 @@ def test_cancel_job_racing_create_request_leaves_no_open_request(
     assert store.requests.get("req-1").status is RequestStatus.CANCELLED
 
 
+def _cancel_job_transactions(store: Store, tmp_path, requests: int) -> int:
+    """Transactions committed by CancelJob of a job with `requests` open requests: the first
+    RUNNING with a sample stored, the second COMPLETED, the rest QUEUED."""
+    from sqlalchemy import event
+
+    from tests.api.support import make_settings
+    from tltd.services import build_services
+
+    job = replace(JOB, job_id=f"job-{requests}")
+    store.jobs.create(job)
+    rids = [f"r{requests}-{i:03d}" for i in range(requests)]
+    for rid in rids:
+        store.requests.create(replace(_request(rid), job_id=job.job_id))
+    store.requests.set_status(rids[0], RequestStatus.RUNNING, "running")
+    store.samples.add(replace(_sample(0, 1), request_id=rids[0]))
+    store.requests.set_status(rids[1], RequestStatus.RUNNING, "running")
+    store.requests.set_status(rids[1], RequestStatus.COMPLETED, "all samples finished")
+    commits = []
+
+    def count(conn) -> None:
+        commits.append(conn)
+
+    event.listen(store.db.engine, "commit", count)
+    try:
+        build_services(store, make_settings(tmp_path)).jobs.cancel(job.job_id, "over")
+    finally:
+        event.remove(store.db.engine, "commit", count)
+    got = {rid: store.requests.get(rid) for rid in rids}
+    assert got[rids[1]].status is RequestStatus.COMPLETED  # ended before: keeps its end
+    for rid in [rids[0], *rids[2:]]:
+        assert (got[rid].status, got[rid].status_reason) == (
+            RequestStatus.CANCELLED, "job cancelled: over"
+        )  # fmt: skip
+        # Every unit ended, its missing samples stored partial: a stream of it ends.
+        _, open_units, samples, _ = store.leases.stream_state(rid, 0)
+        assert open_units == 0 and len(samples) == len(PROMPTS) * SAMPLING.n
+        stored = {(x.prompt_index, x.sample_index): x for x in samples}
+        assert not stored[(0, 1)].partial if rid == rids[0] else stored[(0, 1)].partial
+        assert all(
+            x.partial and x.finish_reason is FinishReason.CANCELLED and x.error == got[rid]
+            .status_reason for k, x in stored.items() if not (rid == rids[0] and k == (0, 1))
+        )  # fmt: skip
+        events = store.history.list_events("request", rid)
+        assert events[-1].new_status == "cancelled"
+    return len(commits)
+
+
+def test_cancel_job_cancels_its_requests_in_a_constant_number_of_transactions(
+    store: Store, tmp_path
+) -> None:
+    """CancelJob ends every open request of the job (status, event, queued units, partial
+    samples) in the same transactions whether it has 3 requests or 40."""
+    assert _cancel_job_transactions(store, tmp_path, 3) == _cancel_job_transactions(
+        store, tmp_path, 40
+    )
+
+
 # ---- drafters -----------------------------------------------------------------------------
 
 

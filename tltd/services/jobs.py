@@ -12,15 +12,12 @@ from typing import TYPE_CHECKING
 
 from tltd.domain import (
     MODEL_FREE_DRAFTERS,
-    OPEN_STATUSES,
     Backend,
     DrafterVersion,
-    FinishReason,
     Job,
     JobStatus,
     NewJob,
     PolicySwitch,
-    RequestStatus,
     SpeculativeConfig,
     SpeculativeMode,
 )
@@ -203,18 +200,9 @@ class JobService:
             job_id, JobStatus.CANCELLED, reason or "cancelled by caller"
         )
         why = f"job cancelled: {job.status_reason}"
-        # All of them (limit=None): the store refuses new requests of a cancelled job, so
-        # this list is complete.
-        for req in self.store.requests.list(statuses=OPEN_STATUSES, job_id=job_id, limit=None):
-            try:
-                self.store.requests.set_status(req.request_id, RequestStatus.CANCELLED, why)
-            except FailedPrecondition:
-                # It ended (completed / failed) since the listing: nothing left to cancel,
-                # and the rest of the job's requests must still be cancelled.
-                if self.store.requests.get(req.request_id).status in OPEN_STATUSES:
-                    raise
-                continue
-            self.store.leases.end_queued_units(req.request_id, FinishReason.CANCELLED, why)
+        # All of them, in one transaction: the store refuses new requests of a cancelled job,
+        # so none is left open; one that ended meanwhile keeps its end.
+        for request_id in self.store.cancels.cancel_job_requests(job_id, why):
             if self.supervisor is not None:
-                self.supervisor.cancel_threadsafe(req.request_id, why)
+                self.supervisor.cancel_threadsafe(request_id, why)
         return job

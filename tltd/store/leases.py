@@ -31,7 +31,7 @@ from tltd.store.clock import db_now, db_now_bound, db_now_params
 from tltd.store.database import BINARY_RESULTS, Database
 from tltd.store.lookups import active_versions
 from tltd.store.notifications import REQUEST, WORK, notify
-from tltd.store.status import switch_status, switch_status_from
+from tltd.store.status import switch_status, switch_status_from, switch_status_through
 from tltd.store.tables import (
     JobRow,
     RolloutRequestRow,
@@ -362,14 +362,16 @@ class WorkLeases:
 
     def end_unit_if_complete(
         self, s: Session, request_id: str, prompt_index: int, n: int, status: RequestStatus,
-        reason: str,
+        reason: str, started: str = "",
     ) -> UnitEnd | None:  # fmt: skip
         """In a sample batch's transaction: the unit is done when it is held and every sample
-        of it is stored (`finish_unit` with no outcome decided here); None when not."""
+        of it is stored (`finish_unit` with no outcome decided here); None when not.
+        `started`: the request, QUEUED in the store, is RUNNING for that reason (passed as
+        `status`), its start not written yet: written with its end when this ends it."""
         params = self._unit_params(request_id, prompt_index, n)
         if s.connection().execute(self._unit_statements.done, params).first() is None:
             return None
-        return self._close_unit(s, params, status, reason, None, "")
+        return self._close_unit(s, params, status, reason, None, "", started)
 
     def _close_unit(
         self,
@@ -379,10 +381,11 @@ class WorkLeases:
         reason: str,
         outcome: RequestStatus | None,
         why: str,
+        started: str = "",
     ) -> UnitEnd:
         """A unit was just recorded done: the request's open units left and, when none is,
         its final status (see `finish_unit`) recorded. `status` and `reason` are the
-        request's as read in this transaction."""
+        request's as read in this transaction (`started`: see `end_unit_if_complete`)."""
         st, conn, rid = self._unit_statements, s.connection(), params["rid"]
         left, failed, first_error, units = conn.execute(st.open_and_failed, params).one()
         if left == 0 and status not in ENDED_STATUSES:
@@ -391,6 +394,12 @@ class WorkLeases:
                 total = int(units or 0) * int(params["n"])
                 new, why = _final_status(total, failed, first_error)
             old = status
+            if started:  # its start and its end: one statement
+                steps = [(RequestStatus.RUNNING, started), (new, why)]
+                switch_status_through(s, "request", RolloutRequestRow, rid, RequestStatus.QUEUED,
+                                      steps)  # fmt: skip
+                notify(s, REQUEST, rid)
+                return UnitEnd(new, why, int(left))
             if old is RequestStatus.QUEUED and new is RequestStatus.COMPLETED:
                 switch_status_from(s, "request", RolloutRequestRow, rid, old,
                                    RequestStatus.RUNNING, "resumed")  # fmt: skip

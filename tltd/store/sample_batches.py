@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import Connection, bindparam, func, select, update
+from sqlalchemy import Row, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -63,22 +63,29 @@ class _Statements:
             .where(rr.c.request_id == rid)
             .with_for_update()
         )
-        self.held = select(wu.c.prompt_index).where(
-            wu.c.request_id == rid,
-            wu.c.prompt_index.in_(bindparam("prompts", expanding=True)),
-            *held_bound(dialect),
+        # The units written into and, in the same round trip, their samples stored (a unit
+        # without any: one row of NULL sample columns).
+        units = (
+            select(
+                wu.c.prompt_index,
+                sr.c.id,
+                sr.c.sample_index,
+                sr.c.partial,
+                sr.c.finish_reason,
+                sr.c.num_tokens,
+            )
+            .select_from(
+                wu.outerjoin(
+                    sr,
+                    (sr.c.request_id == wu.c.request_id) & (sr.c.prompt_index == wu.c.prompt_index),
+                )
+            )
+            .where(
+                wu.c.request_id == rid, wu.c.prompt_index.in_(bindparam("prompts", expanding=True))
+            )
         )
-        self.units = select(wu.c.prompt_index).where(
-            wu.c.request_id == rid,
-            wu.c.prompt_index.in_(bindparam("prompts", expanding=True)),
-        )
-        self.stored = select(
-            sr.c.id, sr.c.prompt_index, sr.c.sample_index, sr.c.partial, sr.c.finish_reason,
-            sr.c.num_tokens,
-        ).where(  # fmt: skip
-            sr.c.request_id == rid,
-            sr.c.prompt_index.in_(bindparam("prompts", expanding=True)),
-        )
+        self.held = units.where(*held_bound(dialect))
+        self.units = units
         self.insert = sr.insert()
         self.bump = (
             update(rr)
@@ -168,10 +175,10 @@ class SampleBatches:
                 out[i] = NotFound(f"rollout request {rid!r} not found", field="request_id")
             return
         n, status = int(head[0]), RequestStatus(head[1])
-        ok = self._writable(s, rid, n, items, out)
+        ok, units = self._writable(s, rid, n, items, out)
         if not ok:
             return
-        stored, complete = _stored_keys(conn, st, rid, [x for _, x in ok])
+        stored, complete = _stored_keys(units, [x for _, x in ok])
         ended = RequestStatus(status) in ENDED_STATUSES
         sr = SampleRow
         rows, done = [], 0
@@ -225,19 +232,25 @@ class SampleBatches:
         True when that ended the request."""
         if ends is None or not done:
             return False
+        started = ""
         if status is RequestStatus.QUEUED and worker_id:  # as mark_running would record it
-            reason = running_on(worker_id)
-            if switch_status_from(s, "request", RolloutRequestRow, rid, status,
-                                  RequestStatus.RUNNING, reason):  # fmt: skip
-                status = RequestStatus.RUNNING
+            # Written with the request's end when these samples end it (one statement less),
+            # else below. The row is locked: it is QUEUED until this transaction moves it.
+            started = reason = running_on(worker_id)
+            status = RequestStatus.RUNNING
         if status is not RequestStatus.RUNNING:
             return False
         for p in sorted({x.prompt_index for i, x in ok if out[i] is True and not x.partial}):
             if complete[p] == n:
-                end = self.leases.end_unit_if_complete(s, rid, p, n, status, reason)
+                end = self.leases.end_unit_if_complete(s, rid, p, n, status, reason, started)
                 if end is not None:
                     ends[(rid, p)] = end
+                    if end.status is not RequestStatus.RUNNING:
+                        started = ""  # written with the end
                     status, reason = end.status, end.reason
+        if started:
+            switch_status_from(s, "request", RolloutRequestRow, rid, RequestStatus.QUEUED,
+                               RequestStatus.RUNNING, started)  # fmt: skip
         return status in ENDED_STATUSES
 
     def _writable(
@@ -247,16 +260,17 @@ class SampleBatches:
         n: int,
         items: list[tuple[int, Sample]],
         out: list[Outcome | None],
-    ) -> list[tuple[int, Sample]]:
+    ) -> tuple[list[tuple[int, Sample]], list[Row]]:
         """Those of `items` this node may write into request `rid` (`n` samples per prompt):
         keys in range and, on a joined node, units it holds; `out` says why of the others.
         Every prompt has a work unit, so a sample's prompt index is in range when its unit
         exists (held, on a joined node): the request's prompts are read only for a sample
-        without one, for the error's wording."""
-        writable: set[int] = set()
+        without one, for the error's wording. Also the writable units' rows (`_Statements`)."""
+        units: list[Row] = []
         plausible = {x.prompt_index for _, x in items if 0 <= x.prompt_index < _MAX_INDEX}
         if plausible:
-            writable = self._writable_units(s, rid, plausible)
+            units = self._writable_units(s, rid, plausible)
+        writable = {int(r[0]) for r in units}
         prompts: int | None = None
         ok = []
         for i, sample in items:
@@ -275,12 +289,12 @@ class SampleBatches:
                 out[i] = bad
             else:
                 ok.append((i, sample))
-        return ok
+        return ok, units
 
-    def _writable_units(self, s: Session, rid: str, prompts: set[int]) -> set[int]:
-        """Of `prompts`, the units of `rid` this node may write: those it holds on a joined
-        node (a joined node writes only into units it holds), every one that exists on a
-        node alone."""
+    def _writable_units(self, s: Session, rid: str, prompts: set[int]) -> list[Row]:
+        """Of `prompts`, the units of `rid` this node may write, with their stored samples
+        (`_Statements`): those it holds on a joined node (a joined node writes only into
+        units it holds), every one that exists on a node alone."""
         st = self._batch_statements
         params: dict[str, object] = {"rid": rid, "prompts": sorted(prompts)}
         statement = st.units
@@ -288,7 +302,7 @@ class SampleBatches:
             statement = st.held
             owner = {"node": self.db.node_id, "epoch": self.db.epoch}
             params |= owner | db_now_params(self.db.dialect)
-        return {int(r[0]) for r in s.connection().execute(statement, params)}
+        return list(s.connection().execute(statement, params))
 
 
 def _prompt_count(s: Session, rid: str) -> int:
@@ -297,16 +311,20 @@ def _prompt_count(s: Session, rid: str) -> int:
 
 
 def _stored_keys(
-    conn: Connection, st: _Statements, rid: str, samples: list[Sample]
+    units: list[Row], samples: list[Sample]
 ) -> tuple[dict[tuple[int, int], tuple[int, bool, str, int]], Counter[int]]:
     """(prompt index, sample index) -> (row id, partial, finish reason, tokens) of those of
-    `samples` stored, and the complete samples stored per prompt of `samples`."""
+    `samples` stored, and the complete samples stored per prompt of `samples`, from their
+    units' rows (`_Statements`)."""
     keys = {(x.prompt_index, x.sample_index) for x in samples}
-    prompts = sorted({p for p, _ in keys})
+    prompts = {p for p, _ in keys}
     stored, complete = {}, Counter[int]()
-    for r in conn.execute(st.stored, {"rid": rid, "prompts": prompts}):
-        p, i, partial = int(r[1]), int(r[2]), bool(r[3])
+    for r in units:
+        p = int(r[0])
+        if r[1] is None or p not in prompts:
+            continue
+        i, partial = int(r[2]), bool(r[3])
         complete[p] += not partial
         if (p, i) in keys:
-            stored[(p, i)] = (int(r[0]), partial, str(r[4]), int(r[5]))
+            stored[(p, i)] = (int(r[1]), partial, str(r[4]), int(r[5]))
     return stored, complete

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from datetime import datetime
 
-from sqlalchemy import Insert, Update, bindparam, select, update
+from sqlalchemy import Insert, Update, bindparam, literal, select, union_all, update
 from sqlalchemy.orm import Session
 
 from tltd.domain import DrafterStatus, JobStatus, RequestStatus, WorkerState
@@ -98,6 +98,65 @@ def switch_status_from(
     return bool(moved)
 
 
+def switch_status_through(
+    session: Session, entity: str, row_type: type, entity_id: str, old: str,
+    steps: list[tuple[str, str]],
+) -> bool:  # fmt: skip
+    """`switch_status_from` through one or more statuses in a row (`steps`: status, reason;
+    each move allowed from the one before): one UPDATE from `old` to the last, an event per
+    step (in order); on PostgreSQL one statement for all of it. True when the row moved."""
+    before = [str(old), *(str(x) for x, _ in steps[:-1])]
+    for prev, (new, _) in zip(before, steps, strict=True):
+        check_transition(entity, entity_id, prev, str(new))
+    now = utcnow()
+    last, reason = steps[-1]
+    params: dict[str, object] = {
+        "key": entity_id, "old": str(old), "new": str(last), "reason": reason, "now": now,
+    }  # fmt: skip
+    events = [
+        {"entity": entity, "entity_id": entity_id, "old_status": prev, "new_status": str(new),
+         "reason": why, "at": now}
+        for prev, (new, why) in zip(before, steps, strict=True)
+    ]  # fmt: skip
+    conn = session.connection()
+    if conn.dialect.name == "postgresql":
+        params["entity"] = entity
+        for i, e in enumerate(events):
+            params |= {f"o{i}": e["old_status"], f"n{i}": e["new_status"], f"r{i}": e["reason"]}
+        statement = _moved_through_with_events(entity, row_type, len(steps))
+        return conn.execute(statement, params).first() is not None
+    moved = conn.execute(_guarded_update(entity, row_type), params).rowcount
+    if moved:
+        conn.execute(_EVENT_INSERT, events)
+    return bool(moved)
+
+
+def switch_statuses_from(
+    session: Session, entity: str, row_type: type, moves: list[tuple[str, str]], new: str,
+    reason: str,
+) -> int:  # fmt: skip
+    """`switch_status_from` for many rows, each from its own old status (`moves`: key, old),
+    read under their row locks in this transaction: one UPDATE and one event INSERT, both
+    executemany. Returns the rows moved."""
+    if not moves:
+        return 0
+    for key, old in moves:
+        check_transition(entity, key, str(old), str(new))
+    now = utcnow()
+    conn = session.connection()
+    params = [
+        {"key": key, "old": str(old), "new": str(new), "reason": reason, "now": now}
+        for key, old in moves
+    ]
+    moved = conn.execute(_guarded_update(entity, row_type), params).rowcount
+    conn.execute(
+        _EVENT_INSERT,
+        [{"entity": entity, "entity_id": key, "old_status": str(old), "new_status": str(new),
+          "reason": reason, "at": now} for key, old in moves],
+    )  # fmt: skip
+    return moved
+
+
 @functools.cache
 def _guarded_update(entity: str, row_type: type) -> Update:
     """UPDATE <row> SET status = :new ... WHERE key = :key AND status = :old (built once)."""
@@ -133,6 +192,33 @@ def _moved_with_event(entity: str, row_type: type) -> Insert:
     cols = [ev.c.entity, ev.c.entity_id, ev.c.old_status, ev.c.new_status, ev.c.reason, ev.c.at]
     # RETURNING: the driver's row count of an INSERT fed by a data-modifying CTE is -1.
     return ev.insert().from_select(cols, row).returning(ev.c.id)
+
+
+@functools.cache
+def _moved_through_with_events(entity: str, row_type: type, steps: int) -> Insert:
+    """`_moved_with_event` with an event per step of `switch_status_through` (binds o<i>,
+    n<i>, r<i>), inserted in step order (PostgreSQL; built once)."""
+    table = row_type.__table__  # type: ignore[attr-defined]
+    key = next(iter(table.primary_key.columns))
+    moved = _guarded_update(entity, row_type).returning(key).cte("moved")
+    ev = EventRow.__table__
+    rows = union_all(
+        *(
+            select(
+                bindparam("entity", type_=ev.c.entity.type).label("entity"),
+                moved.c[key.name].label("entity_id"),
+                bindparam(f"o{i}", type_=ev.c.old_status.type).label("old_status"),
+                bindparam(f"n{i}", type_=ev.c.new_status.type).label("new_status"),
+                bindparam(f"r{i}", type_=ev.c.reason.type).label("reason"),
+                bindparam("now", type_=ev.c.at.type).label("at"),
+                literal(i).label("step"),
+            ).select_from(moved)
+            for i in range(steps)
+        )
+    ).subquery("steps")
+    cols = [ev.c.entity, ev.c.entity_id, ev.c.old_status, ev.c.new_status, ev.c.reason, ev.c.at]
+    ordered = select(*(rows.c[c.name] for c in cols)).order_by(rows.c.step)
+    return ev.insert().from_select(cols, ordered).returning(ev.c.id)
 
 
 _EVENT_INSERT = EventRow.__table__.insert()

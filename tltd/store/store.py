@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager
 from sqlalchemy.orm import Session
 
 from tltd.settings import default_node_id
+from tltd.store.cancels import RequestCancels
 from tltd.store.database import Database
 from tltd.store.deliveries import GroupDeliveries
 from tltd.store.devices import DeviceInventory
@@ -61,6 +62,7 @@ class Store:
         self.pushes = PushRecords(db)
         self.requests = RolloutRequests(db)
         self.leases = WorkLeases(db)
+        self.cancels = RequestCancels(db)
         self.samples = SampleRecords(db, self.leases)
         self.sample_batches = SampleBatches(db, self.samples, self.leases)
         self.checkpoints = SampleCheckpoints(db, self.leases)

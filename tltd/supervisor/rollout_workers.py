@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 # How long a stopped (or vacated) worker gets to exit before it is killed.
 EXIT_SECONDS = 5.0
 SWITCH_EXIT_SECONDS = 20.0  # a graceful engine shutdown (SGLang frees its GPU memory)
-# A worker goes BUSY and back to READY with every request it runs; the store (and its event
-# log) gets the flip once the new state has held this long, not twice per request.
+# A worker goes BUSY and back to READY with every request it runs, its device ROLLOUT and back
+# to IDLE: the store (and its event log) gets a worker's flip, and a device's IDLE, once the new
+# state has held this long, not twice per request (a device's write also makes the next tick
+# read the devices and jobs again). A device's ROLLOUT is written at once.
 SETTLE_SECONDS = 0.2
 _SETTLING = (WorkerState.BUSY, WorkerState.READY)
 
@@ -85,7 +87,9 @@ class RolloutWorkers:
         self._kick = kick
         self._run_task = run_task
         self._on_finished = on_finished
-        self._device_states: dict[str, DeviceState] = {}
+        self._device_states: dict[str, DeviceState] = {}  # as written (or to be)
+        self._device_now: dict[str, DeviceState] = {}  # as of the last tick
+        self._device_settling: dict[str, tuple[asyncio.TimerHandle, str]] = {}
         self._settling: dict[str, asyncio.TimerHandle] = {}
         self._ctx = worker_code.worker_context()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -296,6 +300,8 @@ class RolloutWorkers:
 
     async def stop(self, deadline: float) -> None:
         """Shutdown to every worker; killed when still there at `deadline` (monotonic)."""
+        for device_id in list(self._device_settling):
+            self._unsettle(device_id, flush=True)
         self.closed = True
         for handle in self.handles.values():
             if handle.alive:
@@ -429,10 +435,14 @@ class RolloutWorkers:
         to_training = {t.device_id for t in decision.start_training}
         for d in devices:
             if d.state in (DeviceState.UNAVAILABLE, DeviceState.TRAINING):
+                self._unsettle(d.device_id)  # an IDLE settling could land after that
                 continue
             if d.device_id in to_training:
-                # Not ours to write, but remembered, so that our next state for it is written.
+                # Not ours to write, but remembered, so that our next state for it is written
+                # (and an IDLE still settling is not: it could land after the training's).
                 self._device_states[d.device_id] = DeviceState.TRAINING
+                self._device_now[d.device_id] = DeviceState.TRAINING
+                self._unsettle(d.device_id)
                 continue
             busy = sum(self.queue.inflight(s.worker_id) for s in self.on(d.device_id))
             state = rollout_device_state(busy)
@@ -480,8 +490,35 @@ class RolloutWorkers:
         self.writes.write_nowait(upsert_worker, self.store, worker)
 
     def _record_device(self, device_id: str, state: DeviceState, reason: str) -> None:
+        if self._device_now.get(device_id) is not state:
+            self._device_now[device_id] = state
+            METRICS.set_device_state(device_id, state.value)  # exact; the roll-up polls the store
         if self._device_states.get(device_id) is state:
             return
+        if state is not DeviceState.IDLE:
+            self._write_device(device_id, state, reason)
+        elif device_id not in self._device_settling:
+            assert self._loop is not None
+            timer = self._loop.call_later(
+                SETTLE_SECONDS, self._write_device_settled, device_id, reason
+            )
+            self._device_settling[device_id] = (timer, reason)
+
+    def _write_device_settled(self, device_id: str, reason: str) -> None:
+        self._device_settling.pop(device_id, None)
+        # Busy again, or handed to training, meanwhile: that stands.
+        if self._device_now.get(device_id) is DeviceState.IDLE and not self.closed:
+            if self._device_states.get(device_id) is not DeviceState.IDLE:
+                self._write_device(device_id, DeviceState.IDLE, reason)
+
+    def _unsettle(self, device_id: str, flush: bool = False) -> None:
+        """Drop the device's IDLE still settling (with `flush`, write it now instead)."""
+        settling = self._device_settling.pop(device_id, None)
+        if settling is not None:
+            settling[0].cancel()
+            if flush:
+                self._write_device_settled(device_id, settling[1])
+
+    def _write_device(self, device_id: str, state: DeviceState, reason: str) -> None:
         self._device_states[device_id] = state
-        METRICS.set_device_state(device_id, state.value)  # exact; the roll-up polls the store
         self.writes.write_nowait(self.store.devices.set_state, device_id, state, reason)
