@@ -13,7 +13,9 @@ def _die(*_args: object) -> None:
     os._exit(137)
 
 
-def main(conn: Connection, threads: int = 1, heartbeat_seconds: float = 0.5) -> None:
+def main(
+    conn: Connection, threads: int = 1, heartbeat_seconds: float = 0.5, trace_dir: str = ""
+) -> None:
     worker.RolloutWorker.load = _die
     worker.RolloutWorker.load_policy = _die
-    worker.main(conn, threads, heartbeat_seconds)
+    worker.main(conn, threads, heartbeat_seconds, trace_dir)
