@@ -47,7 +47,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -485,19 +485,25 @@ def store_stream_micro(
         store.close()
 
 
-def store_stream_micro_of(
-    src: Path, url: str, tokens: int, samples: int, prompts: int = 1
-) -> tuple[float, float]:
-    """`store_stream_micro` of checkout `src`: its own benchmark module and store, in a process
-    of its own (the store's code is what differs between checkouts; a checkout whose copy of
-    this file predates the micro's `prompts` needs this copy put in its benchmarks/)."""
+# The store micro's shapes: (tokens a sample, prompts a request).
+MICROS = ((1, 1), (256, 1), (4096, 1), (256, 512))
+
+
+def store_stream_micros_of(
+    src: Path, warm_url: str, runs: list[tuple]
+) -> list[tuple[float, float]]:
+    """`store_stream_micro(*run)` of checkout `src` for each of `runs` (url, tokens, samples,
+    prompts), in one process of its own (the store's code is what differs between checkouts; a
+    checkout whose copy of this file predates the micro's `prompts` needs this copy put in its
+    benchmarks/). A warm-up run on database `warm_url` goes first: a process's first run pays
+    imports and first-call costs that the others would not."""
     code = ("import json, sys; sys.path.insert(0, 'benchmarks'); "
             "from bench_control_plane import store_stream_micro as m; "
-            f"print(json.dumps(m({url!r}, {tokens}, {samples}, {prompts})))")  # fmt: skip
+            f"m({warm_url!r}, 1, 16, 1); runs = {runs!r}; "
+            "print(json.dumps([m(*r) for r in runs]))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=src, check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
-    w, r = json.loads(out.strip().splitlines()[-1])
-    return w, r
+    return [(w, r) for w, r in json.loads(out.strip().splitlines()[-1])]
 
 
 def _replace_sample(sample, **changes):
@@ -582,13 +588,16 @@ def measure_db_floors(cfg, db: str, sources, tmp: Path, prompt, scenarios, floor
     with database(db, tmp) as url:
         for n in sorted({n for _, n in scenarios}):
             floors[("sql", db, n)] = sql_floor(url, prompt, n, 5 if cfg.quick else 50)
-    for tokens, prompts in ((1, 1), (256, 1), (4096, 1), (256, 512)):
-        for _ in range(cfg.repeats):  # each source in turn, a new database each
-            for name, src in sources:
-                with database(db, tmp) as url:
-                    key = ("store", db, tokens, name, prompts)
-                    floors.setdefault(key, []).append(store_stream_micro_of(
-                        src, url, tokens, cfg.micro_samples, prompts))  # fmt: skip
+    for _ in range(cfg.repeats):  # each source in turn, a new database for each micro
+        for name, src in sources:
+            with ExitStack() as stack:
+                warm, *urls = [stack.enter_context(database(db, tmp)) for _ in range(5)]
+                runs = [
+                    (url, t, cfg.micro_samples, p) for url, (t, p) in zip(urls, MICROS, strict=True)
+                ]
+                got = store_stream_micros_of(src, warm, runs)
+            for (tokens, prompts), write_read in zip(MICROS, got, strict=True):
+                floors.setdefault(("store", db, tokens, name, prompts), []).append(write_read)
 
 
 def run_source(cfg, db: str, src: Path, tmp: Path, prompt, scenarios, rep: int, engine: str):

@@ -792,10 +792,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pg-busy", type=float, default=0.7, help="their usable share")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep logs here")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
-    parser.add_argument("--quick", action="store_true", help="10 s, 2 nodes (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="7 s, 2 nodes (a smoke test)")
     cfg = parser.parse_args(argv)
     if cfg.quick:
-        cfg.nodes, cfg.seconds, cfg.idle, cfg.grpo, cfg.sessions = "2", 10.0, 1.0, 2, 1
+        cfg.nodes, cfg.seconds, cfg.idle, cfg.grpo, cfg.sessions = "2", 7.0, 1.0, 2, 1
     return cfg
 
 

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from sqlalchemy.engine import make_url
@@ -20,7 +21,6 @@ from tltd.api.server import build_server
 from tltd.devices import Nvml, PynvmlBackend
 from tltd.drafter_training import DrafterTraining
 from tltd.errors import ConfigError
-from tltd.http.server import HttpServer, build_http_server
 from tltd.metrics import MetricsServer, start_metrics_server
 from tltd.periodic import NodeBeat, build_scheduler, refresh_devices, roll_up_metrics
 from tltd.scheduler import SchedulerConfig
@@ -30,6 +30,9 @@ from tltd.store import Store
 from tltd.store.migrate import upgrade
 from tltd.store.notifications import NODE, Listener
 from tltd.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from tltd.http.server import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +104,13 @@ class Daemon:
             self.training.on_change = self.supervisor.kick
         self.services = build_services(store, settings, self.node, self.supervisor)
         self.api = build_server(settings, self.services)
-        # The HTTP door: a second transport over the same services (docs/http.md).
-        self.http: HttpServer | None = (
-            build_http_server(settings, self.services) if settings.http_enabled else None
-        )
+        # The HTTP door: a second transport over the same services (docs/http.md), imported
+        # only when on (its web stack is ~0.3 s of a daemon's start).
+        self.http: HttpServer | None = None
+        if settings.http_enabled:
+            from tltd.http.server import build_http_server
+
+            self.http = build_http_server(settings, self.services)
         self.scheduler: AsyncIOScheduler | None = None
         self.listener: Listener | None = None
         self.metrics: MetricsServer | None = None

@@ -20,7 +20,7 @@ from tltd.v1 import rollout_pb2
 TRAINING_ENV = dict(
     drafter_training="true", training_idle_grace_seconds=0.2, training_min_fresh_samples=4,
     training_cadence_seconds=0.5, training_held_out_every=3, training_steps_per_round=3,
-    training_row_len=8, drafter_lease_seconds=10,
+    training_row_len=8, drafter_lease_seconds=5,
 )  # fmt: skip
 
 
