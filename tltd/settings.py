@@ -71,6 +71,9 @@ class Settings:
     engine_trace_dir: str = ""
     # KV of sessions' finished turns a torch worker keeps for their next turn (MiB; 0 = none)
     worker_prefix_cache_mb: int = 256
+    # A torch worker's first load times its forwards per batch size for the measured gate's
+    # cost model, within this budget (batches it does not reach are timed online; 0 = none).
+    worker_cost_budget_seconds: float = 2.0
     # Where a session's turn runs (`tltd.scheduler`): "sticky" (the worker with its KV unless
     # that one is much busier), "hash" (by session id, whatever the load), "round_robin".
     session_placement: str = "sticky"
@@ -395,6 +398,8 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
         raise ConfigError("worker_max_batch must be >= 1 and worker_max_seq_len >= 2")
     if settings.worker_prefix_cache_mb < 0:
         raise ConfigError("worker_prefix_cache_mb must be >= 0")
+    if not settings.worker_cost_budget_seconds >= 0:  # NaN fails too
+        raise ConfigError("worker_cost_budget_seconds must be >= 0")
     if settings.training_steps_per_round < 1 or settings.training_held_out_every < 2:
         raise ConfigError("training_steps_per_round must be >= 1, training_held_out_every >= 2")
     beat = settings.worker_heartbeat_seconds

@@ -23,6 +23,10 @@ from tltd_clients.errors import TltClientError
 from tltd_clients.tltctl import main as tltctl_main
 
 VOCAB = 100
+# Daemons under test time the measured gate's costs at a worker's load for 0.2 s, not the
+# default 2 s: every worker load pays it, what these tests check does not depend on the gate's
+# priors (tests/spec checks those), and batch sizes not timed are timed online.
+TEST_COST_BUDGET_SECONDS = 0.2
 ADMIN_TOKEN = "admin-secret-token"
 TRAINER_TOKEN = "trainer-secret-token"
 
@@ -71,7 +75,11 @@ class DaemonThread:
 
 def make_settings(tmp_path: Path, **overrides) -> Settings:
     """Settings as the daemon would load them, with no file and an empty environment."""
-    values = {"port": 0, "data_dir": str(tmp_path / "data")} | overrides
+    values = {
+        "port": 0,
+        "data_dir": str(tmp_path / "data"),
+        "worker_cost_budget_seconds": TEST_COST_BUDGET_SECONDS,
+    } | overrides
     return load_settings(None, env={}, overrides=values)
 
 

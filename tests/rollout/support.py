@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from tests.api.support import TEST_COST_BUDGET_SECONDS
 from tltd.supervisor.worker_process import Phase
 
 VOCAB = 48
@@ -238,6 +239,7 @@ class ServeProcess:
             "TLTD_WORKER_MAX_SEQ_LEN": "1024",
             "TLTD_WORKER_HEARTBEAT_SECONDS": "0.2",
             "TLTD_DEVICE_REFRESH_SECONDS": "3600",
+            "TLTD_WORKER_COST_BUDGET_SECONDS": str(TEST_COST_BUDGET_SECONDS),
         } | {f"TLTD_{k.upper()}": str(v) for k, v in env.items()}
         cmd = [
             sys.executable, "-m", "tltd", "serve", "--port", "0",

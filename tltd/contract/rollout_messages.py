@@ -29,6 +29,7 @@ class EngineSpec:
     device: str = "cpu"
     seed: int = 0
     prefix_cache_bytes: int = 256 << 20  # a torch engine's kept session KV (0: none)
+    cost_budget_s: float = 2.0  # the measured gate's cost timing at load (0: none)
 
     @classmethod
     def for_job(cls, spec: SpeculativeConfig, **kw: Any) -> EngineSpec:

@@ -216,6 +216,7 @@ class ModelPlanner:
             gate=self.settings.spec_gate,
             device=device,
             prefix_cache_bytes=self.settings.worker_prefix_cache_mb << 20,
+            cost_budget_s=self.settings.worker_cost_budget_seconds,
         )
         handle.start_load(Load(LoadKind.MODEL, job.job_id, version))
         every = self.settings.sample_checkpoint_seconds

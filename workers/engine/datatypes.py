@@ -114,6 +114,7 @@ class EngineConfig:
             device=spec.device,
             seed=spec.seed,
             prefix_cache_bytes=spec.prefix_cache_bytes,
+            cost_budget_s=spec.cost_budget_s,
         )
 
 

@@ -19,3 +19,4 @@ class EngineSpec(Protocol):
     device: str
     seed: int
     prefix_cache_bytes: int
+    cost_budget_s: float
