@@ -385,7 +385,7 @@ class FakeEngine:
             raise ValueError(f"top_p must be in (0, 1], got {p['top_p']}.")
         assert p.get("n", 1) == 1 and p["max_new_tokens"] > 0 and return_logprob and rid
         self.submitted.append((rid, list(input_ids or []), p))
-        self._log("submit", rid=rid, input_ids=list(input_ids or []), params=p)
+        self._log("submit", rid=rid, pid=os.getpid(), input_ids=list(input_ids or []), params=p)
         await asyncio.sleep(0)  # tokenization: until then the rid is unknown to aborts
         g = _Gen(rid, list(input_ids or []), p, self.loop.create_future())
         g.versions.append({"version": self.weight_version, "start": 0, "end": 0})
