@@ -1,6 +1,6 @@
 """`make demo-agent`: GRPO over multi-turn agent sessions of a real `tltd serve`.
 
-    python examples/agent_demo.py            # 16 RL steps, held-out reward before and after
+    python examples/agent_demo.py            # 12 RL steps, held-out reward before and after
     python examples/agent_demo.py --quick    # 2 tiny steps, a smoke test
 
 The agent is the task's policy with a calculator (examples/task/calculator.py): a turn ends
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,7 +52,7 @@ TURN_SEEDS = 64
 
 @dataclass(frozen=True)
 class AgentConfig:
-    steps: int = 16  # 8 epochs of the training set
+    steps: int = 12  # 6 epochs of the training set
     prompts: int = 16  # per step
     train_prompts: int = 32
     held_out_prompts: int = 32
@@ -82,9 +82,14 @@ class Episode:
     logprobs: list[float]
     versions: list[int]
     prompt_length: int
-    turns: int
+    inputs: list[list[int]]  # per turn: the environment's tokens before it (none on the first)
+    outputs: list[int]  # per turn: how many tokens the policy sampled
     calls: int
     reward: float = 0.0
+
+    @property
+    def turns(self) -> int:
+        return len(self.outputs)
 
     @property
     def answer_ids(self) -> list[int]:
@@ -111,11 +116,12 @@ class Agent:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def run(self, session_id: str, prompt_length: int, seed: int) -> tuple[int, int]:
+    def run(self, session_id: str, seed: int) -> tuple[list[list[int]], list[int], int]:
         """The session's turns until the policy stops without a call, or its budget of sampled
-        tokens or calls is spent: (turns, calls)."""
+        tokens or calls is spent: (each turn's input, each turn's sampled count, calls)."""
         answer: list[int] = []  # sampled and environment tokens after the prompt
         inputs: list[int] = []
+        script: tuple[list[list[int]], list[int]] = ([], [])
         calls = sampled = turn = 0
         while sampled < self.cfg.max_new_tokens:
             tool = calls < self.cfg.calls
@@ -126,13 +132,15 @@ class Agent:
             )  # fmt: skip
             out = self.client.turn(session_id, turn, inputs, sampling=sp).turn
             turn += 1
+            script[0].append(inputs)
+            script[1].append(len(out.token_ids))
             answer += [*inputs, *out.token_ids]
             sampled += len(out.token_ids)
             if not (tool and out.token_ids and out.token_ids[-1] == self.call_id):
                 break
             inputs = self.encode(calculator(decode(self.tok, answer)))
             calls += 1
-        return turn, calls
+        return script[0], script[1], calls
 
     def rollout(self, items: list[Item], n: int, seed: int, tag: str) -> list[Episode]:
         """n sessions per item (a group each), all run at once, closed; in (prompt, sample)
@@ -140,16 +148,17 @@ class Agent:
         work = []
         for i, (_, ids) in enumerate(items):
             group = self.client.open_session_group(self.job_id, ids, n, f"{self.job_id}.{tag}.p{i}")
-            work += [(i, k, s.session_id, len(ids)) for k, s in enumerate(group.sessions)]
+            work += [(i, k, s.session_id) for k, s in enumerate(group.sessions)]
 
-        def one(w: tuple[int, int, str, int]) -> Episode:
-            i, k, sid, plen = w
-            turns, calls = self.run(sid, plen, seed + (i * n + k) * TURN_SEEDS)
+        def one(w: tuple[int, int, str]) -> Episode:
+            i, k, sid = w
+            inputs, outputs, calls = self.run(sid, seed + (i * n + k) * TURN_SEEDS)
             t = self.client.close_session(sid).trajectory
             ep = Episode(i, k, list(t.token_ids), list(t.loss_mask), list(t.logprobs),
-                         list(t.policy_versions), int(t.prompt_length), turns, calls)  # fmt: skip
+                         list(t.policy_versions), int(t.prompt_length), inputs, outputs,
+                         calls)  # fmt: skip
             text = decode(self.tok, ep.answer_ids)
-            return Episode(**(vars(ep) | {"reward": reward(items[i][0], text)}))
+            return replace(ep, reward=reward(items[i][0], text))
 
         with ThreadPoolExecutor(max_workers=len(work)) as pool:
             return list(pool.map(one, work))
@@ -164,9 +173,13 @@ def to_scored(episodes: list[Episode]) -> list[Scored]:
     advantages = group_advantages([[ep.reward for ep in g] for g in groups.values()])
     return [
         Scored(
-            ep.token_ids[: ep.prompt_length], ep.answer_ids, ep.logprobs[ep.prompt_length :],
-            ep.reward, a, loss_mask=ep.loss_mask[ep.prompt_length :],
-        )  # fmt: skip
+            ep.token_ids[: ep.prompt_length],
+            ep.answer_ids,
+            ep.logprobs[ep.prompt_length :],
+            ep.reward,
+            a,
+            loss_mask=ep.loss_mask[ep.prompt_length :],
+        )
         for g, adv in zip(groups.values(), advantages, strict=True)
         for ep, a in zip(g, adv, strict=True)
     ]

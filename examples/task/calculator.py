@@ -15,8 +15,9 @@ import re
 from examples.task.reasoning import DIGITS_REVERSED, TASK_STYLE
 
 CALL = "="  # the character that ends a turn and calls the tool
-# The line's operands right before the call: four digits each, as every style writes them.
-_OPERANDS = re.compile(r"(\d{4})\s*[+*]\s*(\d{4})\s*[=>]$")
+# The line's operands right before the call, as the "sum" and "reversed" styles write them (the
+# shipped policy's is "reversed"; the other styles end their sums with another character).
+_OPERANDS = re.compile(r"(\d{4})\+(\d{4})=$")
 
 
 def calculator(text: str, style: str = TASK_STYLE) -> str:
