@@ -63,6 +63,9 @@ class AgentConfig:
     lr: float = DEMO_LR
     seed: int = 0
     cpu_slots: int = 2
+    # The update's torch threads (0: every core, as the rollout is over by then). On a machine
+    # that other jobs load, 1: threads that wait for each other's descheduled peers spin.
+    update_threads: int = 0
 
 
 QUICK = AgentConfig(
@@ -243,7 +246,7 @@ class AgentRun:
         self.episodes.append(episodes)
         scored = to_scored(episodes)
         t1 = time.perf_counter()
-        with torch_threads(os.cpu_count() or 1):
+        with torch_threads(self.cfg.update_threads or os.cpu_count() or 1):
             stats = self.trainer.update(scored)
         self.client.push_policy(self.trainer.model.state_dict(), note=f"agent step {step + 1}")
         count = max(1, len(episodes))
@@ -341,7 +344,9 @@ def summary(out: Outcome) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 tiny steps")
-    for name in ("steps", "prompts", "n", "held-out-n", "calls", "max-new-tokens", "seed"):
+    names = ("steps", "prompts", "n", "held-out-n", "calls", "max-new-tokens", "seed",
+             "update-threads")  # fmt: skip
+    for name in names:
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--lr", type=float, help=f"the trainer's AdamW lr (default {DEMO_LR})")
     parser.add_argument("--model", type=Path, default=MODEL)
