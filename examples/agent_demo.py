@@ -10,6 +10,11 @@ session (docs/sessions.md): the prompt, then per turn the tool's output (environ
 loss mask 0) and what the policy sampled (mask 1, with its behaviour logprob and policy
 version). The reward is the final answer's (1 or 0).
 
+Why a calculator and not a checker that answers "wrong, check again" after the answer: the
+shipped policy was never trained on text after its `<eos>` or its `answer:` marker, and in-process
+it got 0 of 24 such retries right (after "check", a re-posed prompt, or both). The calculator's
+output is what the policy would have written next, so every turn stays in the policy's format.
+
 Each RL step: per prompt a group of n sessions (`OpenSessionGroup`), every session run turn by
 turn, all at once -> close each and take its trajectory -> group-normalised advantages -> one
 clipped policy-gradient update on the trajectories' sampled tokens, the ratio taken against
@@ -63,9 +68,10 @@ class AgentConfig:
     lr: float = DEMO_LR
     seed: int = 0
     cpu_slots: int = 2
-    # The update's torch threads (0: every core, as the rollout is over by then). On a machine
-    # that other jobs load, 1: threads that wait for each other's descheduled peers spin.
-    update_threads: int = 0
+    # The update's torch threads (0: every core, the rollout being over by then). 1: on a
+    # machine other jobs loaded, a 2-thread update took 183 s against 14-24 s on one (threads
+    # spin waiting for descheduled peers); the measured runs (docs/sessions.md) used 1.
+    update_threads: int = 1
 
 
 QUICK = AgentConfig(
