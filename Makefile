@@ -1,7 +1,7 @@
 PY ?= .venv/bin/python
 PIP ?= $(PY) -m pip
 
-.PHONY: install stubs test test-sglang test-trl lint demo demo-quick daemon-demo serve \
+.PHONY: install stubs test test-sglang test-trl lint demo demo-quick demo-agent daemon-demo serve \
 	gpu-check gpu-check-dry gpu-wheels
 
 # torch==2.13.0 first: on CPU-only machines it is a local CPU build; anything that admits a
@@ -57,6 +57,10 @@ demo: install
 
 demo-quick: install
 	$(PY) examples/grpo_demo.py --quick
+
+# GRPO over multi-turn sessions: the policy calls a calculator tool (examples/agent_demo.py).
+demo-agent: install
+	$(PY) examples/agent_demo.py
 
 # The daemon alone answering tltctl (no rollouts).
 daemon-demo: install

@@ -25,6 +25,9 @@ class Scored:
     rollout_logprobs: list[float]  # what the daemon's target said when it sampled them
     reward: float
     advantage: float = 0.0
+    # 1 where the policy sampled the token, 0 where the environment wrote it (a multi-turn
+    # session's tool output: in the context, never trained on); None: every token sampled.
+    loss_mask: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,7 @@ class GRPOTrainer:
             targets = torch.tensor(s.token_ids)
             rows = logp_all[row, p - 1 : p - 1 + t]
             lp[row, :t] = rows.gather(-1, targets[:, None])[:, 0]
-            mask[row, :t] = 1
+            mask[row, :t] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask[:t])
         return lp, mask
 
     def _kl(self, group: list[Scored], lp: Tensor, mask: Tensor) -> Tensor:
@@ -203,7 +206,8 @@ class GRPOTrainer:
             lp, mask = self.token_logprobs(group)
             for row, s in enumerate(group):
                 old = torch.tensor(s.rollout_logprobs)
-                gap = max(gap, float((lp[row, : len(old)] - old).abs().max()))
+                diff = (lp[row, : len(old)] - old).abs() * mask[row, : len(old)]
+                gap = max(gap, float(diff.max()))
         return gap
 
     def update(self, batch: list[Scored]) -> UpdateStats:
