@@ -124,6 +124,7 @@ def test_config_file_values_are_type_checked(tmp_path, toml, message):
         ({"TLTD_SHUTDOWN_GRACE_SECONDS": "-1"}, "shutdown_grace_seconds must be >= 0"),
         ({"TLTD_WORKER_HEARTBEAT_SECONDS": "0"}, "worker_heartbeat_seconds must be > 0"),
         ({"TLTD_DEVICE_REFRESH_SECONDS": "0"}, "device_refresh_seconds must be > 0"),
+        ({"TLTD_WORKER_COST_BUDGET_SECONDS": "-1"}, "worker_cost_budget_seconds must be >= 0"),
         (
             {"TLTD_TRAINING_HEARTBEAT_TIMEOUT_SECONDS": "0"},
             "training_heartbeat_timeout_seconds must be > 0",

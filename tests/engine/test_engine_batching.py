@@ -322,8 +322,9 @@ def test_config_from_a_jobs_speculative_config():
     from tltd.domain import SpeculativeConfig, SpeculativeMode
 
     job = SpeculativeConfig(draft_lengths=(2, 5, 5))
-    cfg = EngineConfig.from_spec(EngineSpec.for_job(job, max_batch=8))
+    cfg = EngineConfig.from_spec(EngineSpec.for_job(job, max_batch=8, cost_budget_s=0.5))
     assert cfg.spec_mode == "adaptive" and cfg.max_batch == 8 and cfg.batch_threshold == 32
+    assert cfg.cost_budget_s == 0.5  # the daemon's worker_cost_budget_seconds
     assert set(cfg.strategies) == {Strategy(d, k) for d in ("ngram", "eagle") for k in (2, 5)} | {
         Strategy("history", k) for k in HISTORY_DRAFT_LENGTHS
     }
