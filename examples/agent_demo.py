@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.cpu_time import torch_threads  # noqa: E402
-from examples.grpo_demo import DEMO_LR, MODEL, Daemon  # noqa: E402
+from examples.grpo_demo import DEMO_LR, MODEL, Daemon, run_then_stop  # noqa: E402
 from examples.grpo_trainer import GRPOTrainer, Scored, group_advantages  # noqa: E402
 from examples.heldout import HeldOutScore, paired  # noqa: E402
 from examples.task import decode, load_tokenizer, reward  # noqa: E402
@@ -48,7 +48,7 @@ from examples.task.dataset import HELD_OUT_SAMPLING_SEED, Item, TaskDataset, bui
 from examples.task.reasoning import ANSWER_MARKER  # noqa: E402
 from examples.task.workload import STOP_TOKEN_ID  # noqa: E402
 from tltd.v1 import rollout_pb2  # noqa: E402
-from tltd_clients import RolloutClient, TltClient, TltClientError  # noqa: E402
+from tltd_clients import RolloutClient, TltClient  # noqa: E402
 
 # Seeds of a turn: base + (session number * TURN_SEEDS + turn), so that no two turns of a step
 # share one and the held-out turns are the same before and after.
@@ -370,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         work_dir.mkdir(parents=True, exist_ok=True)
         print(f"starting tltd serve ({cfg.cpu_slots} CPU slots)", flush=True)
         daemon = Daemon(work_dir, cfg.cpu_slots)
-        code = 1
-        try:
+
+        def run() -> None:
             print(
                 f"daemon at {daemon.target}; {cfg.steps} GRPO steps, {cfg.prompts} prompts x "
                 f"{cfg.n} sessions, up to {cfg.calls} calculator calls and {cfg.max_new_tokens} "
@@ -380,13 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             print(summary(train(cfg, daemon, args.model.resolve(), work_dir)), flush=True)
-            code = 0
-        except TltClientError as exc:
-            print(f"\nagent demo failed: the daemon answered {exc}", file=sys.stderr, flush=True)
-        finally:
-            status = daemon.stop()
-            print(f"tltd exited with status {status} after SIGTERM", flush=True)
-        return code if status == 0 else 1
+
+        return run_then_stop(daemon, "agent demo", run)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -668,8 +669,8 @@ def main(argv: list[str] | None = None) -> int:
             for old in trace.glob("*.jsonl"):  # a new recording, not appended to an old one
                 old.unlink()
         daemon = Daemon(work_dir, cfg.cpu_slots, http=args.http, trace_dir=trace)
-        code = 1
-        try:
+
+        def run() -> None:
             print(
                 f"daemon at {daemon.target}; watch it with: TLTD_TARGET={daemon.target} "
                 f"tltctl status   (metrics: http://127.0.0.1:{daemon.metrics_port}/metrics)"
@@ -695,15 +696,26 @@ def main(argv: list[str] | None = None) -> int:
             if curves is not None:
                 curves.plot(args.curves)
                 print(f"held-out curves: {args.curves}")
-            code = 0
-        except TltClientError as exc:
-            print(f"\ndemo failed: the daemon answered {exc}", file=sys.stderr, flush=True)
-        except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr, flush=True)
-        finally:
-            status = daemon.stop()
-            print(f"tltd exited with status {status} after SIGTERM", flush=True)
-        return code if status == 0 else 1
+
+        return run_then_stop(daemon, "demo", run)
+
+
+def run_then_stop(daemon: Daemon, label: str, body: Callable[[], None]) -> int:
+    """`body()`, then the daemon stopped by SIGTERM whatever happened: 0 when the body ran to
+    its end and the daemon exited with 0. A daemon's error answer or Ctrl-C is printed, not
+    raised, so the daemon is always stopped first."""
+    code = 1
+    try:
+        body()
+        code = 0
+    except TltClientError as exc:
+        print(f"\n{label} failed: the daemon answered {exc}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr, flush=True)
+    finally:
+        status = daemon.stop()
+        print(f"tltd exited with status {status} after SIGTERM", flush=True)
+    return code if status == 0 else 1
 
 
 if __name__ == "__main__":
