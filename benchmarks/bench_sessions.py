@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODEL = ROOT / "models" / "tiny-policy"
+DRAFTER = ROOT / "models" / "tiny-policy-eagle"
 
 
 @dataclass(frozen=True)
@@ -105,14 +106,21 @@ def run_arm(engine, w: Workload, turns: int, keyed: bool, tag: str) -> Arm:
 
 
 def _engine(w: Workload, spec: str):
+    """`spec`: off, fixed (n-gram drafts, k 4) or eagle (the shipped EAGLE drafter, k 4)."""
     from tltd_workers.engine.bandit import Strategy
+    from tltd_workers.engine.eagle import EagleDrafter
     from tltd_workers.engine.engine import Engine, EngineConfig
 
     cfg = EngineConfig(
-        max_batch=max(1, w.sessions), max_seq_len=w.max_seq_len, spec_mode=spec,
-        strategies=(Strategy("ngram", 4),), batch_threshold=max(1, w.sessions),
+        max_batch=max(1, w.sessions), max_seq_len=w.max_seq_len,
+        spec_mode="off" if spec == "off" else "fixed",
+        strategies=(Strategy("eagle" if spec == "eagle" else "ngram", 4),),
+        batch_threshold=max(1, w.sessions),
     )  # fmt: skip
-    return Engine(str(MODEL), cfg)
+    engine = Engine(str(MODEL), cfg)
+    if spec == "eagle":
+        engine.set_drafter(EagleDrafter.from_pretrained(DRAFTER, engine.model), 1)
+    return engine
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -149,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env", type=int, default=24, help="environment tokens per turn")
     p.add_argument("--max-seq-len", type=int, default=2304, help="the engine's context")
     p.add_argument("--turns", default="8,16,max", help="comma-separated; max = what fits")
-    p.add_argument("--spec", default="off", choices=("off", "fixed"), help="fixed: n-gram SD")
+    p.add_argument(
+        "--spec", default="off", choices=("off", "fixed", "eagle"),
+        help="fixed: n-gram SD; eagle: the shipped EAGLE drafter (models/tiny-policy-eagle)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     if args.quick:
@@ -181,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     print(table(rows))
+    if args.spec != "off":
+        print("drafts accepted / drafted, warm-up included: " + ", ".join(
+            f"{name} {e.stats.summary()['tokens']['accepted']} / "
+            f"{e.stats.summary()['drafted_tokens']}"
+            for name, e in (("reuse", reusing), ("stateless", stateless))
+        ))  # fmt: skip
     return 0 if all(r.identical for r in rows) else 1
 
 

@@ -1,13 +1,19 @@
 """`benchmarks/bench_sessions.py --quick` on the project's own policy: the table's claims hold
-(every turn's tokens identical with and without reuse, fewer positions prefilled with it)."""
+(every turn's tokens identical with and without reuse, fewer positions prefilled with it), SD
+off and with the shipped EAGLE drafter drafting inside the turns."""
 
 from __future__ import annotations
+
+import re
+
+import pytest
 
 from benchmarks import bench_sessions
 
 
-def test_bench_sessions_quick_table(capsys):
-    assert bench_sessions.main(["--quick"]) == 0  # 1 when some turn's tokens differ
+@pytest.mark.parametrize("spec", ["off", "eagle"])
+def test_bench_sessions_quick_table(capsys, spec):
+    assert bench_sessions.main(["--quick", "--spec", spec]) == 0  # 1: some turn's tokens differ
     out = capsys.readouterr().out
     assert out.startswith("workload: 2 sessions")
     rows: dict[tuple[int, str], list[str]] = {}
@@ -24,3 +30,9 @@ def test_bench_sessions_quick_table(capsys):
         assert reuse[4] == f"{100 * (1 - prefilled / full):4.1f}%"
         # Every turn after the first reused all but the last sampled token of the turn before.
         assert reused == sum(2 * (8 + t * (4 + 3) - 3 - 1) for t in range(1, turns))
+    drafts = re.search(r"reuse (\d+) / (\d+), stateless (\d+) / (\d+)", out)
+    if spec == "eagle":  # the same drafts, accepted alike, with and without reuse
+        assert drafts is not None and int(drafts[1]) > 0
+        assert drafts.groups()[:2] == drafts.groups()[2:]
+    else:
+        assert drafts is None

@@ -15,6 +15,7 @@ import torch
 from tests.engine.helpers import chi_square_p_value, make_checkpoint, three_token_law
 from tests.torch_device import torch_device
 from tltd.domain import SamplingParams
+from tltd_workers.engine import engine as engine_mod
 from tltd_workers.engine import prefix_cache as prefix_mod
 from tltd_workers.engine.bandit import Strategy
 from tltd_workers.engine.engine import Engine, EngineConfig, Request
@@ -31,12 +32,15 @@ def ckpt(tmp_path_factory):
     )
 
 
-def _engine(ckpt, budget=64 << 20, mode="off", **kw) -> Engine:
+NGRAM = (Strategy("ngram", 3),)
+
+
+def _engine(ckpt, budget=64 << 20, mode="off", strategies=NGRAM, **kw) -> Engine:
     cfg = EngineConfig(
         max_batch=16,
         max_seq_len=256,
         spec_mode=mode,
-        strategies=(Strategy("ngram", 3),),
+        strategies=strategies,
         batch_threshold=16,
         prefix_cache_bytes=budget,
         device=torch_device(),
@@ -305,13 +309,67 @@ def test_without_a_share_key_each_first_turn_prefills_the_prompt(ckpt):
     assert engine.prefix.stats.hits == 0
 
 
-def test_a_shared_prompt_with_an_eagle_drafter_neither_waits_nor_reuses(ckpt):
-    """Prompts that need their hidden states prefill in full, together (none held back)."""
+def _eagle_engine(ckpt, budget=64 << 20) -> Engine:
     from tltd_workers.engine.eagle import EagleDrafter
 
-    engine = _engine(ckpt)
+    engine = _engine(ckpt, budget=budget, mode="fixed", strategies=(Strategy("eagle", 3),))
     engine.set_drafter(EagleDrafter.random_init(engine.model, seed=0), 1)
-    for i in range(3):
-        engine.add_request(f"g{i}", GROUP_PROMPT, GREEDY, cache_key=f"g{i}", share_key="#p")
-    engine.step()
-    assert engine.prefills == 3 and engine.prefix.stats.hits == 0
+    return engine
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_turns_reusing_kv_under_an_eagle_drafter_are_a_stateless_resends_tokens(ckpt, sampling):
+    """The entry keeps its positions' hidden states; the drafter reads the whole prompt from
+    them and the prefill's, so it drafts exactly what it drafts after a full prefill."""
+    stateless, reusing = _eagle_engine(ckpt, budget=0), _eagle_engine(ckpt)
+    want = run_sessions(stateless, PROMPTS, 5, sampling)
+    got = run_sessions(reusing, PROMPTS, 5, sampling)
+    _same(got, want)
+    st = reusing.prefix.stats
+    assert (st.hits, st.misses) == (4 * len(PROMPTS), len(PROMPTS))
+    assert st.prefilled_tokens + st.reused_tokens == stateless.prefix.stats.prefilled_tokens
+    assert _drafts(reusing)[0] > 0 and _drafts(reusing) == _drafts(stateless)
+
+
+def _drafts(engine: Engine) -> tuple[int, dict[str, int]]:
+    """Tokens drafted, and the tokens emitted by source (accepted drafts among them)."""
+    summary = engine.stats.summary()
+    return summary["drafted_tokens"], summary["tokens"]
+
+
+def test_the_eagle_check_sees_wrong_restored_hidden_states(ckpt, monkeypatch):
+    """The draft counts above can differ: zeroed restored hidden states change the drafts."""
+    real = engine_mod._with_restored
+    zeroed = lambda h, r, f: real(h, [x * 0 if x is not None else None for x in r], f)  # noqa: E731
+    monkeypatch.setattr(engine_mod, "_with_restored", zeroed)
+    stateless, reusing = _eagle_engine(ckpt, budget=0), _eagle_engine(ckpt)
+    run_sessions(stateless, PROMPTS, 5, GREEDY)
+    run_sessions(reusing, PROMPTS, 5, GREEDY)
+    assert _drafts(reusing) != _drafts(stateless)
+
+
+def test_kv_kept_without_hidden_states_is_not_reused_under_an_eagle_drafter(ckpt):
+    """A turn finished before a drafter was set kept no hidden states: the next turn, with a
+    drafter, prefills in full (same tokens), and the turn after it reuses again."""
+    from tltd_workers.engine.eagle import EagleDrafter
+
+    want = run_sessions(_eagle_engine(ckpt, budget=0), PROMPTS, 3, GREEDY)
+    engine = _engine(ckpt, mode="fixed", strategies=(Strategy("eagle", 3),))
+
+    def drafter_after_the_first_turn(t: int) -> None:
+        if t == 1:
+            engine.set_drafter(EagleDrafter.random_init(engine.model, seed=0), 1)
+
+    got = run_sessions(engine, PROMPTS, 3, GREEDY, between=drafter_after_the_first_turn)
+    assert [[o.token_ids for o in s] for s in got] == [[o.token_ids for o in s] for s in want]
+    assert (engine.prefix.stats.hits, engine.prefix.stats.misses) == (4, 8)
+
+
+def test_a_shared_prompt_with_an_eagle_drafter_is_prefilled_once(ckpt):
+    """The shared entry keeps the prompt's hidden states: the others restore all of it but its
+    last token, and their drafter reads the prompt from those."""
+    engine = _eagle_engine(ckpt)
+    got = _first_turns(engine, shared=True)
+    _same([got], [_first_turns(_eagle_engine(ckpt, budget=0), shared=True)])
+    assert engine.prefix.stats.prefilled_tokens == len(GROUP_PROMPT) + 3
+    assert engine.prefix.stats.hits == 3

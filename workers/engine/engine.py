@@ -444,7 +444,7 @@ class Engine:
     def _waits_for_share(self, share_key: str) -> bool:
         """A prompt whose share key another prompt of this admission prefills now waits one
         step, then reuses that prefill's KV (not when nothing would be kept or reused)."""
-        return self.drafter is None and self.prefix.sharing(share_key)
+        return self.prefix.sharing(share_key)
 
     def _prefill(self, groups: list[Group]) -> dict[int, FinishReason]:
         """Prefill each prompt once (leader slots), fork its KV into its n sample slots, and
@@ -456,7 +456,7 @@ class Engine:
         need_hidden = self.drafter is not None or any(g.return_hidden for g in groups)
         need_hidden = need_hidden or any(scored)
         # Positions restored from a session's kept KV are not fed again (prefix_cache.py).
-        reused = self.prefix.admit(groups, b0, self.cache, need_hidden)
+        reused, restored = self.prefix.admit(groups, b0, self.cache, need_hidden)
         lens = [len(c) for c in contexts]
         fed = [len(c) - m for c, m in zip(contexts, reused, strict=True)]
         width = max(fed)
@@ -468,7 +468,9 @@ class Engine:
             tokens.to(self.device), self.cache, batch, last_only=True, return_hidden=need_hidden
         )
         self.prefills += n_groups
-        self.prefix.share(groups, b0, self.cache, need_hidden)
+        if hidden is not None and any(reused):
+            hidden = _with_restored(hidden, restored, fed)
+        self.prefix.share(groups, b0, self.cache, hidden)
         for i, g in enumerate(groups):
             if scored[i] and hidden is not None:
                 g.prompt_lp = self._prompt_logprobs(g, hidden[i, : len(g.prompt)])
@@ -622,6 +624,19 @@ def gate_for(
             )
         )
     return earlier.bandit, earlier
+
+
+def _with_restored(hidden: Tensor, restored: list[Tensor | None], fed: list[int]) -> Tensor:
+    """A prefill's hidden states [group, fed position, H] with each group's restored positions'
+    (prefix_cache.py) put in front: [group, context position, H]."""
+    rows = [
+        torch.cat([h, hidden[i, : fed[i]]]) if h is not None else hidden[i, : fed[i]]
+        for i, h in enumerate(restored)
+    ]
+    out = hidden.new_zeros(len(rows), max(r.shape[0] for r in rows), hidden.shape[-1])
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
 
 
 def _keep_prompt_hidden(s: Seq, hidden: Tensor) -> None:

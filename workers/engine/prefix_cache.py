@@ -17,8 +17,11 @@ when another with its share key is prefilled in the same step (`sharing`).
 
 Bounded by bytes, least recently kept dropped first. New weights drop everything (`new_weights`):
 KV computed by other weights is never reused, and a sample whose KV mixes two versions (a
-policy loaded while it ran) is not kept. Requests that need the prompt's hidden states (an
-EAGLE drafter set, returned hidden states, prompt logprobs) prefill in full.
+policy loaded while it ran) is not kept. With an EAGLE drafter set the engine needs every
+prompt position's hidden state: an entry then keeps those of its positions too (the sample's
+`history`, which a drafter makes it keep), the restored ones join the prefill's, and the drafter
+reads the whole prompt again (one layer, not the target's). An entry without them is not
+reused then. Requests that return hidden states or prompt logprobs prefill in full.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from tltd_workers.engine.kv_cache import KVCache
@@ -35,15 +39,18 @@ from tltd_workers.engine.rows import Group, Seq
 
 @dataclass
 class PrefixEntry:
-    """The KV of `tokens` (position by position), as [layers, kv_heads, len, head_dim]."""
+    """The KV of `tokens` (position by position), as [layers, kv_heads, len, head_dim], and the
+    target's hidden state at each of them [len, H] when they were kept (None: not)."""
 
     tokens: tuple[int, ...]
     k: Tensor
     v: Tensor
+    hidden: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        extra = self.hidden.nbytes if self.hidden is not None else 0
+        return self.k.nbytes + self.v.nbytes + extra
 
 
 @dataclass
@@ -101,61 +108,77 @@ class PrefixCache:
         self.held_bytes = 0
         self.epoch += 1
 
-    def admit(self, groups: Sequence[Group], b0: int, cache: KVCache, hidden: bool) -> list[int]:
+    def admit(
+        self, groups: Sequence[Group], b0: int, cache: KVCache, hidden: bool
+    ) -> tuple[list[int], list[Tensor | None]]:
         """Before the groups' prefill into leader slots b0 + i: per group the positions whose
-        KV was restored into its slot (0: a full prefill). `hidden`: the prefill must return
-        the prompts' hidden states, so none reuses."""
+        KV was restored into its slot (0: a full prefill) and, with `hidden` (the prefill must
+        give every prompt position's hidden state), the restored positions' hidden states."""
         reused: list[int] = []
+        restored: list[Tensor | None] = []
         for i, g in enumerate(groups):
             g.kv_epoch = self.epoch
-            m = 0
-            if g.cache_key and not hidden and self._may_reuse(g):
-                m = self._restore(g, cache, b0 + i) or self._restore_shared(g, cache, b0 + i)
+            m, h = 0, None
+            if g.cache_key and self._may_reuse(g):
+                m, h = self._restore(g, cache, b0 + i, hidden)
+                if not m:
+                    m, h = self._restore_shared(g, cache, b0 + i, hidden)
                 if m:
                     self.stats.hits += 1
                     self.stats.reused_tokens += m
                 else:
                     self.stats.misses += 1
             reused.append(m)
+            restored.append(h)
             g.reused = m
             self.stats.prefilled_tokens += len(g.context) - m
-        return reused
+        return reused, restored
 
     def sharing(self, share_key: str) -> bool:
         """Whether a prompt with this share key would reuse KV that a prompt prefilled now
         keeps (nothing kept under the key yet, and the cache is on)."""
         return self.budget_bytes > 0 and share_key not in self.entries
 
-    def share(self, groups: Sequence[Group], b0: int, cache: KVCache, hidden: bool) -> None:
+    def share(
+        self, groups: Sequence[Group], b0: int, cache: KVCache, hidden: Tensor | None
+    ) -> None:
         """After the groups' prefill into leader slots b0 + i: keep each shared first prompt's
-        KV under its share key, unless kept already."""
+        KV (and its hidden states [group, position, H], when the prefill gave them) under its
+        share key, unless kept already."""
         for i, g in enumerate(groups):
-            if not g.share_key or hidden or not self._may_reuse(g) or g.share_key in self.entries:
+            if not g.share_key or not self._may_reuse(g) or g.share_key in self.entries:
                 continue
             n = len(g.context)
             k, v = cache.k[:, b0 + i, :, :n].clone(), cache.v[:, b0 + i, :, :n].clone()
-            self._put(g.share_key, PrefixEntry(tuple(g.context), k, v))
+            h = hidden[i, :n].clone() if hidden is not None else None
+            self._put(g.share_key, PrefixEntry(tuple(g.context), k, v, h))
 
     @staticmethod
     def _may_reuse(g: Group) -> bool:
         return not g.return_hidden and g.sampling.prompt_logprobs is None and g.restore is None
 
-    def _restore(self, g: Group, cache: KVCache, slot: int) -> int:
-        """Copy the shared positions of the key's entry into `slot`; how many (0: none)."""
-        entry = self.entries.pop(g.cache_key, None)
-        if entry is None:
-            return 0
+    def _restore(
+        self, g: Group, cache: KVCache, slot: int, hidden: bool
+    ) -> tuple[int, Tensor | None]:
+        """Copy the shared positions of the key's entry into `slot`: how many (0: none), and
+        their hidden states with `hidden` (an entry without them is left kept, unused)."""
+        entry = self.entries.get(g.cache_key)
+        if entry is None or (hidden and entry.hidden is None):
+            return 0, None
+        del self.entries[g.cache_key]
         self.held_bytes -= entry.nbytes
-        return _copy(entry, g.context, cache, slot)
+        return _copy(entry, g.context, cache, slot, hidden)
 
-    def _restore_shared(self, g: Group, cache: KVCache, slot: int) -> int:
+    def _restore_shared(
+        self, g: Group, cache: KVCache, slot: int, hidden: bool
+    ) -> tuple[int, Tensor | None]:
         """Copy the shared positions of the share key's entry into `slot`, leaving it kept for
-        the others; how many (0: none)."""
+        the others: how many (0: none), and their hidden states with `hidden`."""
         entry = self.entries.get(g.share_key) if g.share_key else None
-        if entry is None:
-            return 0
+        if entry is None or (hidden and entry.hidden is None):
+            return 0, None
         self.entries.move_to_end(g.share_key)
-        return _copy(entry, g.context, cache, slot)
+        return _copy(entry, g.context, cache, slot, hidden)
 
     def keep(self, s: Seq, cache: KVCache, slot: int) -> None:
         """A finished sample leaves the KV of its computed positions here, when it is a keyed
@@ -170,7 +193,10 @@ class PrefixCache:
         if n <= 0:
             return
         entry = PrefixEntry(
-            tuple(seq[:n]), cache.k[:, slot, :, :n].clone(), cache.v[:, slot, :, :n].clone()
+            tuple(seq[:n]),
+            cache.k[:, slot, :, :n].clone(),
+            cache.v[:, slot, :, :n].clone(),
+            _kept_hidden(s, n),
         )
         self._put(g.cache_key, entry)
 
@@ -191,12 +217,24 @@ class PrefixCache:
         self.stats.kept += 1
 
 
-def _copy(entry: PrefixEntry, context: Sequence[int], cache: KVCache, slot: int) -> int:
+def _kept_hidden(s: Seq, n: int) -> Tensor | None:
+    """The hidden states of a finished sample's first n positions, where it kept them all (its
+    `history`: the prompt's at prefill, then one a position fed); None otherwise."""
+    if not s.history:
+        return None
+    h = torch.cat(s.history)
+    return h[:n].clone() if h.shape[0] >= n else None
+
+
+def _copy(
+    entry: PrefixEntry, context: Sequence[int], cache: KVCache, slot: int, hidden: bool
+) -> tuple[int, Tensor | None]:
     """Copy the positions `context` shares with the entry (at most all but its last token,
-    whose logits draw the first new token) into `slot`; how many."""
+    whose logits draw the first new token) into `slot`: how many, and with `hidden` their
+    hidden states."""
     m = min(shared_prefix(entry.tokens, context), len(context) - 1)
     if m <= 0:
-        return 0
+        return 0, None
     cache.k[:, slot, :, :m] = entry.k[:, :, :m]
     cache.v[:, slot, :, :m] = entry.v[:, :, :m]
-    return m
+    return m, entry.hidden[:m] if hidden and entry.hidden is not None else None
