@@ -1,5 +1,6 @@
 """A session's KV kept between turns (prefix_cache.py) is lossless: every turn's tokens are the
-same as a stateless re-send of the whole sequence (greedy and seeded sampling, SD off and on),
+same as a stateless re-send of the whole sequence (greedy and seeded sampling, SD off, n-gram
+and EAGLE drafts; an EAGLE drafter drafts the same tokens too),
 logprobs within the tolerance SD is held to, and the law of a reusing turn's sampled tokens is
 the model's exact one (chi-square, as tests/engine/test_engine_distribution.py). New weights,
 another prefix, a tiny budget: a full prefill, with the same tokens."""
