@@ -210,12 +210,18 @@ def tiny(tmp_path_factory):
 
 def _reusing_turns(tiny, mode, first_prompt=PROMPT):
     """Many sessions: a greedy first turn of `first_prompt`, then a sampled turn of PROMPT,
-    its answer and ENV that reuses the first turn's KV; its tokens' counts and context."""
+    its answer and ENV that reuses the first turn's KV; its tokens' counts and context.
+    `mode` "eagle": SD with a (random) EAGLE drafter, which reads the restored hidden states."""
+    drafter = "eagle" if mode == "eagle" else "ngram"
     cfg = EngineConfig(
-        max_batch=64, max_seq_len=64, spec_mode=mode, strategies=(Strategy("ngram", 2),),
-        batch_threshold=64, device=torch_device(),
+        max_batch=64, max_seq_len=64, spec_mode="fixed" if mode == "eagle" else mode,
+        strategies=(Strategy(drafter, 2),), batch_threshold=64, device=torch_device(),
     )  # fmt: skip
     engine = Engine(str(tiny), cfg)
+    if mode == "eagle":
+        from tltd_workers.engine.eagle import EagleDrafter
+
+        engine.set_drafter(EagleDrafter.random_init(engine.model, seed=3), 1)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=4)
     first = engine.generate(
         [Request(f"a{i}", first_prompt, greedy, cache_key=f"k{i}") for i in range(N_SESSIONS)]
@@ -231,7 +237,7 @@ def _reusing_turns(tiny, mode, first_prompt=PROMPT):
     return Counter(tuple(o.token_ids[:3]) for o in second), context
 
 
-@pytest.mark.parametrize("mode", ["off", "fixed"], ids=["plain", "sd"])
+@pytest.mark.parametrize("mode", ["off", "fixed", "eagle"], ids=["plain", "sd", "eagle"])
 def test_a_reusing_turns_sampled_tokens_follow_the_exact_law(tiny, mode):
     counts, context = _reusing_turns(tiny, mode)
     law = three_token_law(tiny, context, V, TEMPERATURE, TOP_P)
