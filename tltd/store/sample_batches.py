@@ -17,6 +17,7 @@ import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from sqlalchemy import Row, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -207,9 +208,14 @@ class SampleBatches:
             out[i] = True
         if rows:
             conn.execute(st.insert, rows)
-        if done or rows:
-            conn.execute(st.bump, {"rid": rid, "done": done, "now": now})
-        if self._end_units(s, rid, ok, out, n, status, head[2], complete, ends, done, worker_id):
+        ending = [] if ends is None else _completed(ok, out, n, complete)
+        bump = None
+        if ending and self.leases.bumps_with_end and _runs(status, worker_id):
+            bump = (done, now)  # with the first unit's end: one statement less
+        else:
+            if done or rows:
+                conn.execute(st.bump, {"rid": rid, "done": done, "now": now})
+        if self._end_units(s, rid, ending, n, status, head[2], ends, done, worker_id, bump):
             return  # the request ended: its notification wakes the other nodes' streams
         if done or rows:
             notify(s, SAMPLE, rid)
@@ -218,18 +224,18 @@ class SampleBatches:
         self,
         s: Session,
         rid: str,
-        ok: list[tuple[int, Sample]],
-        out: list[Outcome | None],
+        ending: list[int],
         n: int,
         status: RequestStatus,
         reason: str,
-        complete: dict[int, int],
         ends: dict[tuple[str, int], UnitEnd] | None,
         done: int,
         worker_id: str,
+        bump: tuple[int, datetime] | None,
     ) -> bool:
-        """With `ends`, the units these samples completed recorded done (see `store`);
-        True when that ended the request."""
+        """With `ends`, the units these samples completed (`ending`) recorded done (see
+        `store`), the first with `bump` (`WorkLeases.end_unit_if_complete`); True when that
+        ended the request."""
         if ends is None or not done:
             return False
         started = ""
@@ -240,14 +246,14 @@ class SampleBatches:
             status = RequestStatus.RUNNING
         if status is not RequestStatus.RUNNING:
             return False
-        for p in sorted({x.prompt_index for i, x in ok if out[i] is True and not x.partial}):
-            if complete[p] == n:
-                end = self.leases.end_unit_if_complete(s, rid, p, n, status, reason, started)
-                if end is not None:
-                    ends[(rid, p)] = end
-                    if end.status is not RequestStatus.RUNNING:
-                        started = ""  # written with the end
-                    status, reason = end.status, end.reason
+        for p in ending:
+            end = self.leases.end_unit_if_complete(s, rid, p, n, status, reason, started, bump)
+            bump = None
+            if end is not None:
+                ends[(rid, p)] = end
+                if end.status is not RequestStatus.RUNNING:
+                    started = ""  # written with the end
+                status, reason = end.status, end.reason
         if started:
             switch_status_from(s, "request", RolloutRequestRow, rid, RequestStatus.QUEUED,
                                RequestStatus.RUNNING, started)  # fmt: skip
@@ -303,6 +309,21 @@ class SampleBatches:
             owner = {"node": self.db.node_id, "epoch": self.db.epoch}
             params |= owner | db_now_params(self.db.dialect)
         return list(s.connection().execute(statement, params))
+
+
+def _completed(
+    ok: list[tuple[int, Sample]], out: list[Outcome | None], n: int, complete: Counter[int]
+) -> list[int]:
+    """The prompts whose units the stored, complete samples of `ok` completed: `n` complete
+    samples stored now."""
+    stored = {x.prompt_index for i, x in ok if out[i] is True and not x.partial}
+    return [p for p in sorted(stored) if complete[p] == n]
+
+
+def _runs(status: RequestStatus, worker_id: str) -> bool:
+    """Whether `_end_units` records unit ends of a request in `status`: RUNNING, or QUEUED
+    with its start not written yet and `worker_id` running it."""
+    return status is RequestStatus.RUNNING or (status is RequestStatus.QUEUED and bool(worker_id))
 
 
 def _prompt_count(s: Session, rid: str) -> int:
