@@ -22,6 +22,7 @@ from sqlalchemy import (
     bindparam,
     case,
     func,
+    literal,
     or_,
     select,
     tuple_,
@@ -121,7 +122,8 @@ class _UnitStatements:
         open_units = (
             select(func.count())
             .select_from(wu)
-            .where(wu.c.request_id == bindparam("rid"), wu.c.state.in_(OPEN_STATES))
+            # A bind per state, not one expanding list: that is rendered at every execution.
+            .where(wu.c.request_id == bindparam("rid"), wu.c.state.in_(map(literal, OPEN_STATES)))
             .scalar_subquery()
         )
         all_units = (
