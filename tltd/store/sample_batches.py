@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import Row, bindparam, func, select, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -163,7 +164,7 @@ class SampleBatches:
         rid: str,
         items: list[tuple[int, Sample]],
         out: list[Outcome | None],
-        now: object,
+        now: datetime,
         ends: dict[tuple[str, int], UnitEnd] | None,
         worker_id: str = "",
     ) -> None:
@@ -209,16 +210,25 @@ class SampleBatches:
         if rows:
             conn.execute(st.insert, rows)
         ending = [] if ends is None else _completed(ok, out, n, complete)
-        bump = None
-        if ending and self.leases.bumps_with_end and _runs(status, worker_id):
-            bump = (done, now)  # with the first unit's end: one statement less
-        else:
-            if done or rows:
-                conn.execute(st.bump, {"rid": rid, "done": done, "now": now})
+        bump = self._bump(
+            conn, rid, done, bool(rows), now, bool(ending) and _runs(status, worker_id)
+        )
         if self._end_units(s, rid, ending, n, status, head[2], ends, done, worker_id, bump):
             return  # the request ended: its notification wakes the other nodes' streams
         if done or rows:
             notify(s, SAMPLE, rid)
+
+    def _bump(
+        self, conn: Connection, rid: str, done: int, wrote: bool, now: datetime, ends_units: bool
+    ) -> tuple[int, datetime] | None:
+        """The request's samples_done moved by `done` (and its updated_at) when the batch
+        wrote: on PostgreSQL, when a unit ends, by that end's statement (one statement less:
+        returned for `_end_units`), else here."""
+        if ends_units and self.leases.bumps_with_end:
+            return done, now
+        if done or wrote:
+            conn.execute(self._batch_statements.bump, {"rid": rid, "done": done, "now": now})
+        return None
 
     def _end_units(
         self,
