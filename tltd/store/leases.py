@@ -425,7 +425,7 @@ class WorkLeases:
         request's samples_done, and its updated_at, in the same statement, ended or not."""
         st, params = self._unit_statements, self._unit_params(request_id, prompt_index, n)
         if st.done_and_counts is not None:  # PostgreSQL: its end and the counts, one statement
-            bumped = {"bump": bump[0], "bumped_at": bump[1]} if bump else {"bump": 0}
+            bumped = dict(zip(("bump", "bumped_at"), bump or (0, None), strict=True))
             unit = {k: v for k, v in params.items() if k != "n"} | {"need": n}
             row = s.connection().execute(st.done_and_counts, unit | bumped).one()
             if not row[0]:
