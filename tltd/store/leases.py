@@ -16,7 +16,6 @@ from typing import Any
 
 from sqlalchemy import (
     Integer,
-    Select,
     Update,
     and_,
     bindparam,
@@ -42,7 +41,7 @@ from tltd.domain import (
 from tltd.errors import Fenced, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_now, db_now_bound, db_now_params
-from tltd.store.database import BINARY_RESULTS, Database
+from tltd.store.database import BINARY_RESULTS, Database, DriverStatement
 from tltd.store.lookups import active_versions
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import switch_status, switch_status_from, switch_status_through
@@ -158,7 +157,9 @@ class _UnitStatements:
         )
 
 
-def _done_and_counts(done_stmt: Any, open_units: Any, all_units: Any, failed: Any) -> Select:
+def _done_and_counts(
+    done_stmt: Any, open_units: Any, all_units: Any, failed: Any
+) -> DriverStatement:
     """PostgreSQL: `done` and `open_and_failed` in one statement, (units ended, open units
     left, failed samples, first error, units). The UPDATE runs in a CTE, whose change the outer
     query does not see: the unit it ended (open before) is taken off the open count. A sample
@@ -173,7 +174,7 @@ def _done_and_counts(done_stmt: Any, open_units: Any, all_units: Any, failed: An
         .values(samples_done=rr.c.samples_done + bump, updated_at=bindparam("bumped_at"))
         .cte("bumped")
     )
-    return (
+    return DriverStatement(
         select(ended, open_units - ended, func.count(), func.min(sr.c.error), all_units)
         .where(*failed)
         .add_cte(bumped)
@@ -427,7 +428,8 @@ class WorkLeases:
         if st.done_and_counts is not None:  # PostgreSQL: its end and the counts, one statement
             bumped = dict(zip(("bump", "bumped_at"), bump or (0, None), strict=True))
             unit = {k: v for k, v in params.items() if k != "n"} | {"need": n}
-            row = s.connection().execute(st.done_and_counts, unit | bumped).one()
+            row = st.done_and_counts.first(s.connection(), unit | bumped)
+            assert row is not None  # (an aggregate: one row)
             if not row[0]:
                 return None
             return self._close_unit(s, params, status, reason, None, "", started, row[1:])

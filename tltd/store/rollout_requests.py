@@ -38,7 +38,7 @@ from tltd.domain import JobStatus, RequestStatus, RolloutRequest
 from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_later_bound, db_later_params
-from tltd.store.database import Database
+from tltd.store.database import Database, DriverStatement
 from tltd.store.leases import LEASED, PARKED, QUEUED, Claim
 from tltd.store.lookups import changed_fields, request_row
 from tltd.store.notifications import REQUEST, WORK, notify
@@ -113,7 +113,7 @@ class _AdmissionStatements:
             attempts=1, lease_expires_at=db_later_bound(dialect),
         )  # fmt: skip
         self.event = EventRow.__table__.insert()
-        self.at_once = _admission_at_once() if dialect == "postgresql" else None
+        self.at_once = DriverStatement(_admission_at_once()) if dialect == "postgresql" else None
 
 
 def _admission_at_once() -> Select:
@@ -245,12 +245,12 @@ class RolloutRequests:
         fit = self._fit(req, claim)
         params = self._at_once_params(req, unless_paused, claim, fit, now)
         with one_statement as conn:
-            row = conn.execute(st.at_once, params).first()
-        if row is None or not row.inserted:
+            row = st.at_once.first(conn, params)  # status, policy_version, paused, inserted
+        if row is None or not row[3]:
             return None
         stored = replace(
             req, status=RequestStatus.QUEUED, status_reason="", samples_done=0,
-            policy_version=int(row.policy_version), created_at=now, updated_at=now,
+            policy_version=int(row[1]), created_at=now, updated_at=now,
         )  # fmt: skip
         return Created(stored, True, tuple(Claim(req.request_id, p, 1) for p in range(fit)))
 

@@ -28,7 +28,7 @@ from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.store import convert
 from tltd.store.clock import db_now_params
-from tltd.store.database import Database
+from tltd.store.database import Database, DriverStatement
 from tltd.store.leases import UnitEnd, WorkLeases, held_bound
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.rollout_requests import running_on
@@ -60,7 +60,7 @@ class _Statements:
     def __init__(self, dialect: str) -> None:
         rr, wu, sr = RolloutRequestRow.__table__, WorkUnitRow.__table__, SampleRow.__table__
         rid = bindparam("rid")
-        self.head = (
+        self.head = DriverStatement(
             select(rr.c.n, rr.c.status, rr.c.status_reason)
             .where(rr.c.request_id == rid)
             .with_for_update()
@@ -171,7 +171,7 @@ class SampleBatches:
         st, conn = self._batch_statements, s.connection()
         # The columns needed, not the row: its prompts (JSON, as long as the request's
         # prompts) are decoded only when a sample's prompt index must be checked against them.
-        head = conn.execute(st.head, {"rid": rid}).first()
+        head = st.head.first(conn, {"rid": rid})
         if head is None:
             for i, _ in items:
                 out[i] = NotFound(f"rollout request {rid!r} not found", field="request_id")

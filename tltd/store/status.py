@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from tltd.domain import DrafterStatus, JobStatus, RequestStatus, WorkerState
 from tltd.errors import FailedPrecondition
+from tltd.store.database import DriverStatement
 from tltd.store.notifications import notify
 from tltd.store.tables import EventRow, utcnow
 
@@ -91,7 +92,7 @@ def switch_status_from(
     if conn.dialect.name == "postgresql":  # one round trip: the event inserted from the UPDATE
         params |= {"entity": entity, "channel": channel}
         statement = _moved_with_event(entity, row_type, bool(channel))
-        return _notified(session, conn.execute(statement, params).first(), channel, entity_id)
+        return _notified(session, statement.first(conn, params), channel, entity_id)
     moved = conn.execute(_guarded_update(entity, row_type), params).rowcount
     if moved:
         session.connection().execute(
@@ -137,7 +138,7 @@ def switch_status_through(
         for i, e in enumerate(events):
             params |= {f"o{i}": e["old_status"], f"n{i}": e["new_status"], f"r{i}": e["reason"]}
         statement = _moved_through_with_events(entity, row_type, len(steps), bool(channel))
-        return _notified(session, conn.execute(statement, params).first(), channel, entity_id)
+        return _notified(session, statement.first(conn, params), channel, entity_id)
     moved = conn.execute(_guarded_update(entity, row_type), params).rowcount
     if moved:
         conn.execute(_EVENT_INSERT, events)
@@ -186,18 +187,20 @@ def _guarded_update(entity: str, row_type: type) -> Update:
     )
 
 
-def _returning(insert: Insert, notifies: bool) -> Insert:
+def _returning(insert: Insert, notifies: bool) -> DriverStatement:
     """RETURNING the event's id (the driver's row count of an INSERT fed by a data-modifying
     CTE is -1) and, when `notifies`, pg_notify("channel", key) per event: one per transaction
-    arrives (PostgreSQL sends a channel's same payload once)."""
+    arrives (PostgreSQL sends a channel's same payload once). Run on the driver's cursor."""
     ev = EventRow.__table__
     if notifies:
-        return insert.returning(ev.c.id, func.pg_notify(bindparam("channel"), ev.c.entity_id))
-    return insert.returning(ev.c.id)
+        insert = insert.returning(ev.c.id, func.pg_notify(bindparam("channel"), ev.c.entity_id))
+    else:
+        insert = insert.returning(ev.c.id)
+    return DriverStatement(insert)
 
 
 @functools.cache
-def _moved_with_event(entity: str, row_type: type, notifies: bool = False) -> Insert:
+def _moved_with_event(entity: str, row_type: type, notifies: bool = False) -> DriverStatement:
     """WITH moved AS (<the guarded UPDATE> RETURNING key) INSERT INTO events ... SELECT FROM
     moved: the event exactly when the row moved (PostgreSQL; built once); `_returning`."""
     table = row_type.__table__  # type: ignore[attr-defined]
@@ -219,7 +222,7 @@ def _moved_with_event(entity: str, row_type: type, notifies: bool = False) -> In
 @functools.cache
 def _moved_through_with_events(
     entity: str, row_type: type, steps: int, notifies: bool = False
-) -> Insert:
+) -> DriverStatement:
     """`_moved_with_event` with an event per step of `switch_status_through` (binds o<i>,
     n<i>, r<i>), inserted in step order (PostgreSQL; built once)."""
     table = row_type.__table__  # type: ignore[attr-defined]
