@@ -153,6 +153,16 @@ class DriverStatement:
         finally:
             cursor.close()
 
+    def all(self, conn: Connection, params: Mapping[str, Any]) -> list[Sequence[Any]]:
+        """Every row, as `first` runs it."""
+        if conn.dialect.name != "postgresql":
+            return list(conn.execute(self.statement, params))
+        cursor = self.execute(conn, params)
+        try:
+            return cursor.fetchall()
+        finally:
+            cursor.close()
+
     def _compiled_for(self, dialect: Dialect) -> tuple[Compiled, dict[str, Any]]:
         got = self._compiled.get(dialect.name)
         if got is None:

@@ -18,8 +18,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Row, bindparam, func, select, update
+from sqlalchemy import ARRAY, Integer, Row, any_, bindparam, func, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -82,13 +83,13 @@ class _Statements:
                     (sr.c.request_id == wu.c.request_id) & (sr.c.prompt_index == wu.c.prompt_index),
                 )
             )
-            .where(
-                wu.c.request_id == rid, wu.c.prompt_index.in_(bindparam("prompts", expanding=True))
-            )
+            .where(wu.c.request_id == rid, _in_prompts(wu.c.prompt_index, dialect))
         )
-        self.held = units.where(*held_bound(dialect))
-        self.units = units
+        self.held = DriverStatement(units.where(*held_bound(dialect)))
+        self.units = DriverStatement(units)
         self.insert = sr.insert()
+        # One row's INSERT by its columns (`SampleBatches._insert_one`).
+        self.one_insert: dict[tuple[str, ...], DriverStatement] = {}
         self.bump = (
             update(rr)
             .where(rr.c.request_id == rid)
@@ -207,8 +208,7 @@ class SampleBatches:
             done += not sample.partial
             complete[key[0]] += not sample.partial
             out[i] = True
-        if rows:
-            conn.execute(st.insert, rows)
+        self._insert(conn, rows)
         ending = [] if ends is None else _completed(ok, out, n, complete)
         bump = self._bump(
             conn, rid, done, bool(rows), now, bool(ending) and _runs(status, worker_id)
@@ -217,6 +217,23 @@ class SampleBatches:
             return  # the request ended: its notification wakes the other nodes' streams
         if done or rows:
             notify(s, SAMPLE, rid)
+
+    def _insert(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+        """The batch's new rows: one on PostgreSQL on the driver's cursor (`DriverStatement`);
+        several through SQLAlchemy, as one multi-row INSERT."""
+        st = self._batch_statements
+        if len(rows) != 1 or self.db.dialect != "postgresql":
+            if rows:
+                conn.execute(st.insert, rows)
+            return
+        row, columns = rows[0], tuple(rows[0])
+        one = st.one_insert.get(columns)
+        if one is None:
+            values = {k: bindparam(k) for k in columns}
+            one = st.one_insert[columns] = DriverStatement(
+                SampleRow.__table__.insert().values(values)
+            )
+        one.execute(conn, row).close()
 
     def _bump(
         self, conn: Connection, rid: str, done: int, wrote: bool, now: datetime, ends_units: bool
@@ -318,7 +335,15 @@ class SampleBatches:
             statement = st.held
             owner = {"node": self.db.node_id, "epoch": self.db.epoch}
             params |= owner | db_now_params(self.db.dialect)
-        return list(s.connection().execute(statement, params))
+        return statement.all(s.connection(), params)
+
+
+def _in_prompts(prompt_index: Any, dialect: str) -> Any:
+    """`prompt_index` among the bound "prompts": on PostgreSQL `= ANY` of one array bind (a
+    statement the driver runs as it is), elsewhere an IN list expanded at each execution."""
+    if dialect == "postgresql":
+        return prompt_index == any_(bindparam("prompts", type_=ARRAY(Integer())))
+    return prompt_index.in_(bindparam("prompts", expanding=True))
 
 
 def _completed(
