@@ -167,6 +167,9 @@ class DriverStatement:
         got = self._compiled.get(dialect.name)
         if got is None:
             compiled = self.statement.compile(dialect=dialect)
+            if compiled.insert_prefetch or compiled.update_prefetch:  # type: ignore[attr-defined]
+                # (Python-side column defaults: only an execution context computes them.)
+                raise ValueError("a DriverStatement must bind every column it writes")
             # (SQLAlchemy's own map of the binds' type processors: private, stable in 2.x.)
             processors = {k: p for k, p in compiled._bind_processors.items() if p is not None}
             got = self._compiled[dialect.name] = (compiled, processors)

@@ -40,6 +40,9 @@ from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 # Prompt indices at or past this are out of range of any request (and of SQL integers).
 _MAX_INDEX = 1 << 31
 
+# The most rows one INSERT of a batch carries (PostgreSQL binds at most 65,535 values).
+_INSERT_ROWS = 1000
+
 # What `add` says of each sample: stored (True), a duplicate (False), or why not.
 Outcome = bool | TltError
 
@@ -88,8 +91,8 @@ class _Statements:
         self.held = DriverStatement(units.where(*held_bound(dialect)))
         self.units = DriverStatement(units)
         self.insert = sr.insert()
-        # One row's INSERT by its columns (`SampleBatches._insert_one`).
-        self.one_insert: dict[tuple[str, ...], DriverStatement] = {}
+        # PostgreSQL: INSERTs of so many rows of these columns (`SampleBatches._insert`).
+        self.inserts: dict[tuple[tuple[str, ...], int], DriverStatement] = {}
         self.bump = (
             update(rr)
             .where(rr.c.request_id == rid)
@@ -219,21 +222,31 @@ class SampleBatches:
             notify(s, SAMPLE, rid)
 
     def _insert(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
-        """The batch's new rows: one on PostgreSQL on the driver's cursor (`DriverStatement`);
-        several through SQLAlchemy, as one multi-row INSERT."""
-        st = self._batch_statements
-        if len(rows) != 1 or self.db.dialect != "postgresql":
+        """The batch's new rows in one INSERT: on PostgreSQL on the driver's cursor, a
+        `DriverStatement` of that many rows of those columns (built once, bind "<column>_<i>"
+        for row i; at most `_INSERT_ROWS` rows a statement), elsewhere through SQLAlchemy."""
+        if self.db.dialect != "postgresql":
             if rows:
-                conn.execute(st.insert, rows)
+                conn.execute(self._batch_statements.insert, rows)
             return
-        row, columns = rows[0], tuple(rows[0])
-        one = st.one_insert.get(columns)
-        if one is None:
-            values = {k: bindparam(k) for k in columns}
-            one = st.one_insert[columns] = DriverStatement(
-                SampleRow.__table__.insert().values(values)
-            )
-        one.execute(conn, row).close()
+        for start in range(0, len(rows), _INSERT_ROWS):
+            chunk = rows[start : start + _INSERT_ROWS]
+            columns = tuple(chunk[0])
+            statement = self._rows_insert(columns, len(chunk))
+            params = {f"{k}_{i}": row[k] for i, row in enumerate(chunk) for k in columns}
+            statement.execute(conn, params).close()
+
+    def _rows_insert(self, columns: tuple[str, ...], count: int) -> DriverStatement:
+        inserts = self._batch_statements.inserts
+        statement = inserts.get((columns, count))
+        if statement is None:
+            c = SampleRow.__table__.c  # (typed: each row's binds cast and processed alike)
+            values = [
+                {k: bindparam(f"{k}_{i}", type_=c[k].type) for k in columns} for i in range(count)
+            ]
+            statement = DriverStatement(SampleRow.__table__.insert().values(values))
+            inserts[(columns, count)] = statement
+        return statement
 
     def _bump(
         self, conn: Connection, rid: str, done: int, wrote: bool, now: datetime, ends_units: bool
