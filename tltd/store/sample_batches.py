@@ -40,9 +40,6 @@ from tltd.store.tables import RolloutRequestRow, SampleRow, WorkUnitRow, utcnow
 # Prompt indices at or past this are out of range of any request (and of SQL integers).
 _MAX_INDEX = 1 << 31
 
-# The most rows one INSERT of a batch carries (PostgreSQL binds at most 65,535 values).
-_INSERT_ROWS = 1000
-
 # What `add` says of each sample: stored (True), a duplicate (False), or why not.
 Outcome = bool | TltError
 
@@ -91,8 +88,8 @@ class _Statements:
         self.held = DriverStatement(units.where(*held_bound(dialect)))
         self.units = DriverStatement(units)
         self.insert = sr.insert()
-        # PostgreSQL: INSERTs of so many rows of these columns (`SampleBatches._insert`).
-        self.inserts: dict[tuple[tuple[str, ...], int], DriverStatement] = {}
+        # PostgreSQL: the INSERT of rows of these columns (`SampleBatches._insert`).
+        self.inserts: dict[tuple[str, ...], DriverStatement] = {}
         self.bump = (
             update(rr)
             .where(rr.c.request_id == rid)
@@ -222,31 +219,21 @@ class SampleBatches:
             notify(s, SAMPLE, rid)
 
     def _insert(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
-        """The batch's new rows in one INSERT: on PostgreSQL on the driver's cursor, a
-        `DriverStatement` of that many rows of those columns (built once, bind "<column>_<i>"
-        for row i; at most `_INSERT_ROWS` rows a statement), elsewhere through SQLAlchemy."""
-        if self.db.dialect != "postgresql":
-            if rows:
-                conn.execute(self._batch_statements.insert, rows)
+        """The batch's new rows in one INSERT: on PostgreSQL on the driver's cursor, from an
+        array per column (`_unnest_insert`: one short statement whatever the row count, which
+        psycopg parses once; a multi-row VALUES list is parsed again at each execution),
+        elsewhere through SQLAlchemy."""
+        if not rows:
             return
-        for start in range(0, len(rows), _INSERT_ROWS):
-            chunk = rows[start : start + _INSERT_ROWS]
-            columns = tuple(chunk[0])
-            statement = self._rows_insert(columns, len(chunk))
-            params = {f"{k}_{i}": row[k] for i, row in enumerate(chunk) for k in columns}
-            statement.execute(conn, params).close()
-
-    def _rows_insert(self, columns: tuple[str, ...], count: int) -> DriverStatement:
-        inserts = self._batch_statements.inserts
-        statement = inserts.get((columns, count))
+        if self.db.dialect != "postgresql":
+            conn.execute(self._batch_statements.insert, rows)
+            return
+        columns = tuple(rows[0])
+        statement = self._batch_statements.inserts.get(columns)
         if statement is None:
-            c = SampleRow.__table__.c  # (typed: each row's binds cast and processed alike)
-            values = [
-                {k: bindparam(f"{k}_{i}", type_=c[k].type) for k in columns} for i in range(count)
-            ]
-            statement = DriverStatement(SampleRow.__table__.insert().values(values))
-            inserts[(columns, count)] = statement
-        return statement
+            statement = self._batch_statements.inserts[columns] = _unnest_insert(columns)
+        params = {k: [row[k] for row in rows] for k in columns}
+        statement.execute(conn, params).close()
 
     def _bump(
         self, conn: Connection, rid: str, done: int, wrote: bool, now: datetime, ends_units: bool
@@ -349,6 +336,18 @@ class SampleBatches:
             owner = {"node": self.db.node_id, "epoch": self.db.epoch}
             params |= owner | db_now_params(self.db.dialect)
         return statement.all(s.connection(), params)
+
+
+def _unnest_insert(columns: tuple[str, ...]) -> DriverStatement:
+    """INSERT INTO samples (<columns>) SELECT * FROM unnest(<an array bind per column, named
+    after it>) (PostgreSQL): the arrays' items go through the columns' own type processors."""
+    c = SampleRow.__table__.c
+    arrays = [bindparam(k, type_=ARRAY(c[k].type)) for k in columns]
+    rows = func.unnest(*arrays).table_valued(*columns).render_derived(name="given")
+    insert = SampleRow.__table__.insert().from_select(
+        [c[k] for k in columns], select(*(rows.c[k] for k in columns))
+    )
+    return DriverStatement(insert)
 
 
 def _in_prompts(prompt_index: Any, dialect: str) -> Any:
