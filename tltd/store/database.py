@@ -125,7 +125,8 @@ class DriverStatement:
         self._compiled: dict[str, tuple[Compiled, dict[str, Any]]] = {}
 
     def execute(self, conn: Connection, params: Mapping[str, Any]) -> Any:
-        """Run with `params` on `conn` (in its transaction); the driver's cursor."""
+        """Run with `params` on `conn` (in its transaction); the driver's cursor. PostgreSQL
+        only (psycopg's named binds): `first` and `all` run it through SQLAlchemy elsewhere."""
         compiled, processors = self._compiled_for(conn.dialect)
         values = compiled.construct_params(params)
         for key, process in processors.items():
