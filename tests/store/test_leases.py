@@ -415,6 +415,34 @@ def test_a_request_admitted_with_a_claim_leases_what_fits_to_its_node(store: Sto
             b.close()
 
 
+def test_a_sample_batch_that_completes_several_units_ends_each_and_counts_every_sample(
+    store: Store,
+) -> None:
+    """One batch completing both units of a running request, one sample failed: both ends
+    recorded (on PostgreSQL the first with the batch's samples_done), the request FAILED."""
+    store.jobs.create(JOB)
+    a = _node(store, "a")
+    try:
+        req = RolloutRequest("r0", JOB.job_id, ((1,), (2,)), SAMPLING)  # n=2 each
+        a.requests.admit(req, claim=AdmissionClaim(100, LONG_LEASE))
+        assert a.requests.mark_running("r0", "running on w0")
+        failed = replace(_sample("r0", 1, 1), finish_reason=FinishReason.FAILED, error="oom")
+        batch = [_sample("r0", 0, 0), _sample("r0", 0, 1), _sample("r0", 1, 0), failed]
+        got = a.sample_batches.store(batch, end_units=True, worker_id="w0")
+        why = "1 of 4 samples failed: oom"
+        assert got.outcomes == [True] * 4
+        assert got.ends == {
+            ("r0", 0): UnitEnd(RequestStatus.RUNNING, "running on w0", 1),
+            ("r0", 1): UnitEnd(RequestStatus.FAILED, why, 0),
+        }
+        stored = a.requests.get("r0")
+        assert (stored.status, stored.status_reason, stored.samples_done) == (
+            RequestStatus.FAILED, why, 4
+        )  # fmt: skip
+    finally:
+        a.close()
+
+
 def test_a_sample_batch_records_the_units_it_completes(store: Store) -> None:
     store.jobs.create(JOB)
     a = _node(store, "a")

@@ -11,9 +11,22 @@ import functools
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, func, or_, select, tuple_, update
+from sqlalchemy import (
+    Integer,
+    Update,
+    and_,
+    bindparam,
+    case,
+    func,
+    literal,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.orm import Session
 
 from tltd.domain import (
@@ -28,7 +41,7 @@ from tltd.domain import (
 from tltd.errors import Fenced, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_now, db_now_bound, db_now_params
-from tltd.store.database import BINARY_RESULTS, Database
+from tltd.store.database import BINARY_RESULTS, Database, DriverStatement
 from tltd.store.lookups import active_versions
 from tltd.store.notifications import REQUEST, WORK, notify
 from tltd.store.status import switch_status, switch_status_from, switch_status_through
@@ -104,16 +117,12 @@ class _UnitStatements:
             .select_from(sr)
             .where(sr.c.request_id == bindparam("rid"), sr.c.prompt_index == bindparam("p"))
         )
-        self.done = (
-            update(wu)
-            .where(*unit, *held_bound(dialect), self.stored.scalar_subquery() >= bindparam("n"))
-            .values(state=DONE, lease_expires_at=None, updated_at=bindparam("now"))
-            .returning(wu.c.prompt_index)
-        )
+        self.done = self._done(dialect, unit, "n")
         open_units = (
             select(func.count())
             .select_from(wu)
-            .where(wu.c.request_id == bindparam("rid"), wu.c.state.in_(OPEN_STATES))
+            # A bind per state, not one expanding list: that is rendered at every execution.
+            .where(wu.c.request_id == bindparam("rid"), wu.c.state.in_(map(literal, OPEN_STATES)))
             .scalar_subquery()
         )
         all_units = (
@@ -124,12 +133,52 @@ class _UnitStatements:
         )
         # The request's open units, its failed samples, the first failure's error and all its
         # units, in one round trip.
-        self.open_and_failed = select(
-            open_units, func.count(), func.min(sr.c.error), all_units
-        ).where(
+        failed = (
             sr.c.request_id == bindparam("rid"),
             sr.c.finish_reason == FinishReason.FAILED.value,
+        )
+        self.open_and_failed = select(
+            open_units, func.count(), func.min(sr.c.error), all_units
+        ).where(*failed)
+        # (Its binds name no column of the tables it updates: an execution's parameter
+        # named after a column would join their SET clauses. "need" stands for "n".)
+        self.done_and_counts = None if dialect != "postgresql" else _done_and_counts(
+            self._done(dialect, unit, "need"), open_units, all_units, failed
         )  # fmt: skip
+
+    def _done(self, dialect: str, unit: tuple[Any, ...], need: str) -> Update:
+        """The unit, held and with its `need` samples stored, recorded done."""
+        wu = WorkUnitRow.__table__
+        return (
+            update(wu)
+            .where(*unit, *held_bound(dialect), self.stored.scalar_subquery() >= bindparam(need))
+            .values(state=DONE, lease_expires_at=None, updated_at=bindparam("now"))
+            .returning(wu.c.prompt_index)
+        )
+
+
+def _done_and_counts(
+    done_stmt: Any, open_units: Any, all_units: Any, failed: Any
+) -> DriverStatement:
+    """PostgreSQL: `done` and `open_and_failed` in one statement, (units ended, open units
+    left, failed samples, first error, units). The UPDATE runs in a CTE, whose change the outer
+    query does not see: the unit it ended (open before) is taken off the open count. A sample
+    batch's bump of the request's samples_done ("bump" > 0, else nothing) rides along."""
+    rr, sr = RolloutRequestRow.__table__, SampleRow.__table__
+    done = done_stmt.cte("done")
+    ended = select(func.count()).select_from(done).scalar_subquery()
+    bump = bindparam("bump", type_=Integer())
+    bumped = (
+        update(rr)
+        .where(rr.c.request_id == bindparam("rid"), bump > 0)
+        .values(samples_done=rr.c.samples_done + bump, updated_at=bindparam("bumped_at"))
+        .cte("bumped")
+    )
+    return DriverStatement(
+        select(ended, open_units - ended, func.count(), func.min(sr.c.error), all_units)
+        .where(*failed)
+        .add_cte(bumped)
+    )
 
 
 class WorkLeases:
@@ -143,6 +192,11 @@ class WorkLeases:
     @functools.cached_property
     def _unit_statements(self) -> _UnitStatements:
         return _UnitStatements(self.db.dialect)
+
+    @property
+    def bumps_with_end(self) -> bool:
+        """Whether `end_unit_if_complete` takes a sample batch's bump (PostgreSQL)."""
+        return self._unit_statements.done_and_counts is not None
 
     def held(self, s: Session) -> object:
         """The condition of a unit this node holds now: its owner and epoch, lease alive."""
@@ -362,14 +416,25 @@ class WorkLeases:
 
     def end_unit_if_complete(
         self, s: Session, request_id: str, prompt_index: int, n: int, status: RequestStatus,
-        reason: str, started: str = "",
+        reason: str, started: str = "", bump: tuple[int, datetime] | None = None,
     ) -> UnitEnd | None:  # fmt: skip
         """In a sample batch's transaction: the unit is done when it is held and every sample
         of it is stored (`finish_unit` with no outcome decided here); None when not.
         `started`: the request, QUEUED in the store, is RUNNING for that reason (passed as
-        `status`), its start not written yet: written with its end when this ends it."""
-        params = self._unit_params(request_id, prompt_index, n)
-        if s.connection().execute(self._unit_statements.done, params).first() is None:
+        `status`), its start not written yet: written with its end when this ends it.
+        `bump` (PostgreSQL, `bumps_with_end`): the batch's completed samples added to the
+        request's samples_done, and its updated_at, in the same statement, ended or not."""
+        st, params = self._unit_statements, self._unit_params(request_id, prompt_index, n)
+        if st.done_and_counts is not None:  # PostgreSQL: its end and the counts, one statement
+            bumped = dict(zip(("bump", "bumped_at"), bump or (0, None), strict=True))
+            unit = {k: v for k, v in params.items() if k != "n"} | {"need": n}
+            row = st.done_and_counts.first(s.connection(), unit | bumped)
+            assert row is not None  # (an aggregate: one row)
+            if not row[0]:
+                return None
+            return self._close_unit(s, params, status, reason, None, "", started, row[1:])
+        assert not bump, "a bump rides along on PostgreSQL only"
+        if s.connection().execute(st.done, params).first() is None:
             return None
         return self._close_unit(s, params, status, reason, None, "", started)
 
@@ -382,31 +447,33 @@ class WorkLeases:
         outcome: RequestStatus | None,
         why: str,
         started: str = "",
+        counts: Sequence[Any] | None = None,
     ) -> UnitEnd:
         """A unit was just recorded done: the request's open units left and, when none is,
         its final status (see `finish_unit`) recorded. `status` and `reason` are the
-        request's as read in this transaction (`started`: see `end_unit_if_complete`)."""
+        request's as read in this transaction (`started`: see `end_unit_if_complete`);
+        `counts`: `open_and_failed`'s row when read already."""
         st, conn, rid = self._unit_statements, s.connection(), params["rid"]
-        left, failed, first_error, units = conn.execute(st.open_and_failed, params).one()
+        if counts is None:
+            counts = conn.execute(st.open_and_failed, params).one()
+        left, failed, first_error, units = counts
         if left == 0 and status not in ENDED_STATUSES:
             new = outcome
             if new is None:
                 total = int(units or 0) * int(params["n"])
                 new, why = _final_status(total, failed, first_error)
             old = status
-            if started:  # its start and its end: one statement
+            if started:  # its start and its end: one statement (with the notification)
                 steps = [(RequestStatus.RUNNING, started), (new, why)]
                 switch_status_through(s, "request", RolloutRequestRow, rid, RequestStatus.QUEUED,
-                                      steps)  # fmt: skip
-                notify(s, REQUEST, rid)
+                                      steps, REQUEST)  # fmt: skip
                 return UnitEnd(new, why, int(left))
             if old is RequestStatus.QUEUED and new is RequestStatus.COMPLETED:
                 switch_status_from(s, "request", RolloutRequestRow, rid, old,
                                    RequestStatus.RUNNING, "resumed")  # fmt: skip
                 old = RequestStatus.RUNNING
-            switch_status_from(s, "request", RolloutRequestRow, rid, old, new, why)
+            switch_status_from(s, "request", RolloutRequestRow, rid, old, new, why, REQUEST)
             status, reason = new, why
-            notify(s, REQUEST, rid)
         return UnitEnd(status, reason, int(left))
 
     def end_queued_units(self, request_id: str, finish: FinishReason, why: str) -> int:

@@ -7,8 +7,30 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import (
+    ARRAY,
+    CTE,
+    BigInteger,
+    BindParameter,
+    Boolean,
+    Integer,
+    Select,
+    String,
+    Table,
+    bindparam,
+    case,
+    func,
+    insert,
+    literal,
+    null,
+    or_,
+    select,
+    true,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -16,7 +38,7 @@ from tltd.domain import JobStatus, RequestStatus, RolloutRequest
 from tltd.errors import AlreadyExists, FailedPrecondition, NotFound
 from tltd.store import convert
 from tltd.store.clock import db_later_bound, db_later_params
-from tltd.store.database import Database
+from tltd.store.database import Database, DriverStatement
 from tltd.store.leases import LEASED, PARKED, QUEUED, Claim
 from tltd.store.lookups import changed_fields, request_row
 from tltd.store.notifications import REQUEST, WORK, notify
@@ -26,6 +48,7 @@ from tltd.store.tables import (
     JobPauseRow,
     JobRow,
     RolloutRequestRow,
+    UTCDateTime,
     WorkUnitRow,
     utcnow,
 )
@@ -90,6 +113,80 @@ class _AdmissionStatements:
             attempts=1, lease_expires_at=db_later_bound(dialect),
         )  # fmt: skip
         self.event = EventRow.__table__.insert()
+        self.at_once = DriverStatement(_admission_at_once()) if dialect == "postgresql" else None
+
+
+def _admission_at_once() -> Select:
+    """`admit` as one PostgreSQL statement: the job read and locked (FOR SHARE) and, when it
+    accepts the request, the request, its units (unnest of their prompt indices, prompt keys
+    and whether each is leased to the admitting node) and its event inserted, and WORK sent
+    when asked (binds as `RolloutRequests._at_once_params`). Its row: the job's status,
+    policy version and paused flag, and how many requests it inserted (0: refused); no row
+    when the job does not exist."""
+    jobs, pauses, rr = JobRow.__table__, JobPauseRow.__table__, RolloutRequestRow.__table__
+    wu, ev, now = WorkUnitRow.__table__, EventRow.__table__, bindparam("now", UTCDateTime())
+    paused = select(pauses.c.job_id).where(pauses.c.job_id == jobs.c.job_id).exists()
+    job = (
+        select(jobs.c.status, jobs.c.policy_version, jobs.c.priority, paused.label("paused"))
+        .where(jobs.c.job_id == bindparam("job"))
+        .with_for_update(read=True, of=jobs)
+        .cte("job")
+    )
+    accepts = (job.c.status == JobStatus.ACTIVE.value) & or_(
+        ~job.c.paused, ~bindparam("unless_paused", type_=Boolean)
+    )
+    given = {"policy_version": job.c.policy_version, "created_at": now, "updated_at": now}
+    row = [given.get(c.name, bindparam(f"r_{c.name}", type_=c.type)) for c in rr.c]
+    request = (
+        rr.insert().from_select(list(rr.c), select(*row).where(accepts))
+        .returning(rr.c.request_id).cte("request")
+    )  # fmt: skip
+    units = _units_inserted(wu, request, job, now)
+    event = ev.insert().from_select(
+        [ev.c.entity, ev.c.entity_id, ev.c.old_status, ev.c.new_status, ev.c.reason, ev.c.at],
+        select(literal("request"), request.c.request_id, literal(""),
+               literal(RequestStatus.QUEUED.value), literal("submitted"), now),
+    ).cte("event")  # fmt: skip
+    work = (
+        select(func.pg_notify(bindparam("channel", type_=String()), request.c.request_id))
+        .where(bindparam("notify", type_=Boolean()))
+        .cte("work")
+    )
+    inserted = select(func.count()).select_from(request).scalar_subquery()
+    sent = select(func.count()).select_from(work).scalar_subquery()
+    return select(
+        job.c.status, job.c.policy_version, job.c.paused, inserted.label("inserted"),
+        sent.label("sent"),
+    ).add_cte(units, event)  # fmt: skip
+
+
+def _units_inserted(wu: Table, request: CTE, job: CTE, now: BindParameter) -> CTE:
+    """`_admission_at_once`'s units: one per row of the unnested prompt indices (`u_index`),
+    prompt keys (`u_key`) and leased flags (`u_leased`): leased as `claim_units` leases, to
+    "node" under "epoch" until now() + "later", else queued."""
+    u = (
+        func.unnest(
+            bindparam("u_index", type_=ARRAY(Integer())),
+            bindparam("u_key", type_=ARRAY(String())),
+            bindparam("u_leased", type_=ARRAY(Boolean())),
+        )
+        .table_valued("i", "k", "leased")
+        .render_derived(name="u")
+    )
+    leased = u.c.leased
+    values = {
+        "request_id": request.c.request_id, "prompt_index": u.c.i,
+        "samples": bindparam("n", type_=Integer()), "prompt_key": u.c.k,
+        "priority": job.c.priority, "state": case((leased, LEASED), else_=QUEUED),
+        "owner_node": case((leased, bindparam("node", type_=String())), else_=null()),
+        "owner_epoch": case((leased, bindparam("epoch", type_=BigInteger())), else_=0),
+        "preferred_node": bindparam("preferred", type_=String()),
+        "lease_expires_at": case((leased, db_later_bound("postgresql")), else_=null()),
+        "attempts": case((leased, 1), else_=0), "reason": literal(""),
+        "created_at": now, "updated_at": now,
+    }  # fmt: skip
+    rows = select(*values.values()).select_from(request.join(job, true()).join(u, true()))
+    return wu.insert().from_select([wu.c[k] for k in values], rows).cte("units")
 
 
 class RolloutRequests:
@@ -119,54 +216,105 @@ class RolloutRequests:
         `claim_units` would lease them: the node that admitted the request runs them without
         claiming them and reading back what it just wrote. The other units are queued for
         any node."""
-        st = self._admission_statements
         try:
-            with self.db.tx() as s:
-                conn = s.connection()
-                # FOR SHARE until commit: a concurrent cancel of the job (FOR UPDATE) waits for
-                # this request and then sees it, and a new policy version waits too, so the
-                # version recorded is the job's current one at acceptance.
-                job = conn.execute(st.job, {"job": req.job_id}).first()
-                if job is None:
-                    raise NotFound(f"job {req.job_id!r} not found", field="job_id")
-                refused: Exception | None = None
-                if job.status != JobStatus.ACTIVE:
-                    refused = FailedPrecondition(
-                        f"job {req.job_id!r} is {job.status}", field="job_id"
-                    )
-                elif unless_paused and job.paused:
-                    refused = JobPaused(req.job_id)
-                if refused is not None:  # a retry attaches all the same
-                    existing = s.get(RolloutRequestRow, req.request_id)
-                    if existing is not None:
-                        return Created(self._same_request(existing, req), False)
-                    raise refused
-                # A retry of a stored request fails the insert below (its primary key): it
-                # is read then, so a new request needs no read first.
-                now = utcnow()
-                stored = replace(
-                    req, status=RequestStatus.QUEUED, status_reason="", samples_done=0,
-                    policy_version=int(job.policy_version), created_at=now, updated_at=now,
-                )  # fmt: skip
-                conn.execute(st.request, {**convert.request_columns(stored),
-                                          "created_at": now, "updated_at": now})  # fmt: skip
-                claims = self._insert_units(s, req, job.priority, now, claim)
-                if req.carried:
-                    self._unpark(s, req.job_id, now)
-                conn.execute(
-                    st.event,
-                    {"entity": "request", "entity_id": req.request_id, "old_status": "",
-                     "new_status": RequestStatus.QUEUED.value, "reason": "submitted", "at": now},
-                )  # fmt: skip
-                if len(claims) < len(req.prompts):  # units any node may claim
-                    notify(s, WORK, req.request_id)
-                return Created(stored, True, claims)
+            at_once = self._admit_at_once(req, unless_paused, claim)
+            if at_once is not None:
+                return at_once
+            return self._admit_in_tx(req, unless_paused, claim)
         except IntegrityError:  # the request_id is stored: a retry (or a concurrent one)
             with self.db.tx(write=False) as s:
                 existing = s.get(RolloutRequestRow, req.request_id)
                 if existing is None:
                     raise
                 return Created(self._same_request(existing, req), False)
+
+    def _admit_at_once(
+        self, req: RolloutRequest, unless_paused: bool, claim: AdmissionClaim | None
+    ) -> Created | None:
+        """`admit` in one statement, a transaction of its own (PostgreSQL, see
+        `_admission_at_once`); None when that does not apply (SQLite, a batch, a carried
+        request) or the job is missing or refuses the request: nothing is written then, and
+        `_admit_in_tx` says why (or finds the request a retry attaches to)."""
+        st = self._admission_statements
+        if st.at_once is None or req.carried:
+            return None
+        one_statement = self.db.one_statement()
+        if one_statement is None:
+            return None
+        now = utcnow()
+        fit = self._fit(req, claim)
+        params = self._at_once_params(req, unless_paused, claim, fit, now)
+        with one_statement as conn:
+            row = st.at_once.first(conn, params)  # status, policy_version, paused, inserted
+        if row is None or not row[3]:
+            return None
+        stored = replace(
+            req, status=RequestStatus.QUEUED, status_reason="", samples_done=0,
+            policy_version=int(row[1]), created_at=now, updated_at=now,
+        )  # fmt: skip
+        return Created(stored, True, tuple(Claim(req.request_id, p, 1) for p in range(fit)))
+
+    def _at_once_params(
+        self, req: RolloutRequest, unless_paused: bool, claim: AdmissionClaim | None, fit: int,
+        now: datetime,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The binds of `_admission_at_once` for `req`, its first `fit` units leased."""
+        queued = replace(req, status=RequestStatus.QUEUED, status_reason="", samples_done=0)
+        params: dict[str, Any] = {f"r_{k}": v for k, v in convert.request_columns(queued).items()}
+        prompts = range(len(req.prompts))
+        lease = timedelta(seconds=claim.lease_seconds if claim is not None and fit else 0)
+        return params | {
+            "job": req.job_id, "unless_paused": unless_paused, "now": now, "n": req.sampling.n,
+            "u_index": list(prompts), "u_key": [prompt_key(p) for p in req.prompts],
+            "u_leased": [p < fit for p in prompts], "node": self.db.node_id,
+            "epoch": self.db.epoch, "later": lease, "preferred": req.preferred_node or None,
+            "channel": WORK, "notify": fit < len(req.prompts),
+        }  # fmt: skip
+
+    def _admit_in_tx(
+        self, req: RolloutRequest, unless_paused: bool, claim: AdmissionClaim | None
+    ) -> Created:
+        """`admit` as a transaction of several statements (raises IntegrityError for a
+        request id stored already)."""
+        st = self._admission_statements
+        with self.db.tx() as s:
+            conn = s.connection()
+            # FOR SHARE until commit: a concurrent cancel of the job (FOR UPDATE) waits for
+            # this request and then sees it, and a new policy version waits too, so the
+            # version recorded is the job's current one at acceptance.
+            job = conn.execute(st.job, {"job": req.job_id}).first()
+            if job is None:
+                raise NotFound(f"job {req.job_id!r} not found", field="job_id")
+            refused: Exception | None = None
+            if job.status != JobStatus.ACTIVE:
+                refused = FailedPrecondition(f"job {req.job_id!r} is {job.status}", field="job_id")
+            elif unless_paused and job.paused:
+                refused = JobPaused(req.job_id)
+            if refused is not None:  # a retry attaches all the same
+                existing = s.get(RolloutRequestRow, req.request_id)
+                if existing is not None:
+                    return Created(self._same_request(existing, req), False)
+                raise refused
+            # A retry of a stored request fails the insert below (its primary key): it
+            # is read then, so a new request needs no read first.
+            now = utcnow()
+            stored = replace(
+                req, status=RequestStatus.QUEUED, status_reason="", samples_done=0,
+                policy_version=int(job.policy_version), created_at=now, updated_at=now,
+            )  # fmt: skip
+            conn.execute(st.request, {**convert.request_columns(stored),
+                                      "created_at": now, "updated_at": now})  # fmt: skip
+            claims = self._insert_units(s, req, job.priority, now, claim)
+            if req.carried:
+                self._unpark(s, req.job_id, now)
+            conn.execute(
+                st.event,
+                {"entity": "request", "entity_id": req.request_id, "old_status": "",
+                 "new_status": RequestStatus.QUEUED.value, "reason": "submitted", "at": now},
+            )  # fmt: skip
+            if len(claims) < len(req.prompts):  # units any node may claim
+                notify(s, WORK, req.request_id)
+            return Created(stored, True, claims)
 
     @staticmethod
     def _unpark(s: Session, job_id: str, now: object) -> None:
@@ -201,10 +349,7 @@ class RolloutRequests:
         """One work unit per prompt (what nodes claim, `tltd.store.leases`); with `claim`, the
         first ones whose samples fit its capacity leased to this node. Returns those."""
         n, rid = req.sampling.n, req.request_id
-        fit = 0
-        if claim is not None and claim.capacity > 0 and self.db.epoch:
-            # As claim_units: a unit is taken while the samples before it stay under capacity.
-            fit = min(len(req.prompts), -(-claim.capacity // max(1, n)))
+        fit = self._fit(req, claim)
         rows = [
             {"request_id": rid, "prompt_index": p, "samples": n,
              "prompt_key": prompt_key(req.prompts[p]), "priority": priority, "reason": "",
@@ -220,6 +365,13 @@ class RolloutRequests:
         if fit < len(rows):
             conn.execute(st.queued_units, rows[fit:])
         return tuple(Claim(rid, p, 1) for p in range(fit))
+
+    def _fit(self, req: RolloutRequest, claim: AdmissionClaim | None) -> int:
+        """How many of `req`'s first units `claim` leases to this node (0 when not joined)."""
+        if claim is None or claim.capacity <= 0 or not self.db.epoch:
+            return 0
+        # As claim_units: a unit is taken while the samples before it stay under capacity.
+        return min(len(req.prompts), -(-claim.capacity // max(1, req.sampling.n)))
 
     @staticmethod
     def _same_request(existing: RolloutRequestRow, req: RolloutRequest) -> RolloutRequest:

@@ -17,8 +17,11 @@ import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Row, bindparam, func, select, update
+from sqlalchemy import ARRAY, Integer, Row, any_, bindparam, func, select, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -26,7 +29,7 @@ from tltd.domain import ENDED_STATUSES, RequestStatus, Sample
 from tltd.errors import Fenced, NotFound, TltError
 from tltd.store import convert
 from tltd.store.clock import db_now_params
-from tltd.store.database import Database
+from tltd.store.database import Database, DriverStatement
 from tltd.store.leases import UnitEnd, WorkLeases, held_bound
 from tltd.store.notifications import SAMPLE, notify
 from tltd.store.rollout_requests import running_on
@@ -58,7 +61,7 @@ class _Statements:
     def __init__(self, dialect: str) -> None:
         rr, wu, sr = RolloutRequestRow.__table__, WorkUnitRow.__table__, SampleRow.__table__
         rid = bindparam("rid")
-        self.head = (
+        self.head = DriverStatement(
             select(rr.c.n, rr.c.status, rr.c.status_reason)
             .where(rr.c.request_id == rid)
             .with_for_update()
@@ -80,13 +83,13 @@ class _Statements:
                     (sr.c.request_id == wu.c.request_id) & (sr.c.prompt_index == wu.c.prompt_index),
                 )
             )
-            .where(
-                wu.c.request_id == rid, wu.c.prompt_index.in_(bindparam("prompts", expanding=True))
-            )
+            .where(wu.c.request_id == rid, _in_prompts(wu.c.prompt_index, dialect))
         )
-        self.held = units.where(*held_bound(dialect))
-        self.units = units
+        self.held = DriverStatement(units.where(*held_bound(dialect)))
+        self.units = DriverStatement(units)
         self.insert = sr.insert()
+        # PostgreSQL: the INSERT of rows of these columns (`SampleBatches._insert`).
+        self.inserts: dict[tuple[str, ...], DriverStatement] = {}
         self.bump = (
             update(rr)
             .where(rr.c.request_id == rid)
@@ -162,14 +165,14 @@ class SampleBatches:
         rid: str,
         items: list[tuple[int, Sample]],
         out: list[Outcome | None],
-        now: object,
+        now: datetime,
         ends: dict[tuple[str, int], UnitEnd] | None,
         worker_id: str = "",
     ) -> None:
         st, conn = self._batch_statements, s.connection()
         # The columns needed, not the row: its prompts (JSON, as long as the request's
         # prompts) are decoded only when a sample's prompt index must be checked against them.
-        head = conn.execute(st.head, {"rid": rid}).first()
+        head = st.head.first(conn, {"rid": rid})
         if head is None:
             for i, _ in items:
                 out[i] = NotFound(f"rollout request {rid!r} not found", field="request_id")
@@ -205,31 +208,61 @@ class SampleBatches:
             done += not sample.partial
             complete[key[0]] += not sample.partial
             out[i] = True
-        if rows:
-            conn.execute(st.insert, rows)
-        if done or rows:
-            conn.execute(st.bump, {"rid": rid, "done": done, "now": now})
-        if self._end_units(s, rid, ok, out, n, status, head[2], complete, ends, done, worker_id):
+        self._insert(conn, rows)
+        ending = [] if ends is None else _completed(ok, out, n, complete)
+        bump = self._bump(
+            conn, rid, done, bool(rows), now, bool(ending) and _runs(status, worker_id)
+        )
+        if self._end_units(s, rid, ending, n, status, head[2], ends, done, worker_id, bump):
             return  # the request ended: its notification wakes the other nodes' streams
         if done or rows:
             notify(s, SAMPLE, rid)
+
+    def _insert(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+        """The batch's new rows in one INSERT: on PostgreSQL on the driver's cursor, from an
+        array per column (`_unnest_insert`: one short statement whatever the row count, which
+        psycopg parses once; a multi-row VALUES list is parsed again at each execution),
+        elsewhere through SQLAlchemy."""
+        if not rows:
+            return
+        if self.db.dialect != "postgresql":
+            conn.execute(self._batch_statements.insert, rows)
+            return
+        columns = tuple(rows[0])
+        statement = self._batch_statements.inserts.get(columns)
+        if statement is None:
+            statement = self._batch_statements.inserts[columns] = _unnest_insert(columns)
+        params = {k: [row[k] for row in rows] for k in columns}
+        statement.execute(conn, params).close()
+
+    def _bump(
+        self, conn: Connection, rid: str, done: int, wrote: bool, now: datetime, ends_units: bool
+    ) -> tuple[int, datetime] | None:
+        """The request's samples_done moved by `done` (and its updated_at) when the batch
+        wrote: on PostgreSQL, when a unit ends, by that end's statement (one statement less:
+        returned for `_end_units`), else here."""
+        if ends_units and self.leases.bumps_with_end:
+            return done, now
+        if done or wrote:
+            conn.execute(self._batch_statements.bump, {"rid": rid, "done": done, "now": now})
+        return None
 
     def _end_units(
         self,
         s: Session,
         rid: str,
-        ok: list[tuple[int, Sample]],
-        out: list[Outcome | None],
+        ending: list[int],
         n: int,
         status: RequestStatus,
         reason: str,
-        complete: dict[int, int],
         ends: dict[tuple[str, int], UnitEnd] | None,
         done: int,
         worker_id: str,
+        bump: tuple[int, datetime] | None,
     ) -> bool:
-        """With `ends`, the units these samples completed recorded done (see `store`);
-        True when that ended the request."""
+        """With `ends`, the units these samples completed (`ending`) recorded done (see
+        `store`), the first with `bump` (`WorkLeases.end_unit_if_complete`); True when that
+        ended the request."""
         if ends is None or not done:
             return False
         started = ""
@@ -240,14 +273,14 @@ class SampleBatches:
             status = RequestStatus.RUNNING
         if status is not RequestStatus.RUNNING:
             return False
-        for p in sorted({x.prompt_index for i, x in ok if out[i] is True and not x.partial}):
-            if complete[p] == n:
-                end = self.leases.end_unit_if_complete(s, rid, p, n, status, reason, started)
-                if end is not None:
-                    ends[(rid, p)] = end
-                    if end.status is not RequestStatus.RUNNING:
-                        started = ""  # written with the end
-                    status, reason = end.status, end.reason
+        for p in ending:
+            end = self.leases.end_unit_if_complete(s, rid, p, n, status, reason, started, bump)
+            bump = None
+            if end is not None:
+                ends[(rid, p)] = end
+                if end.status is not RequestStatus.RUNNING:
+                    started = ""  # written with the end
+                status, reason = end.status, end.reason
         if started:
             switch_status_from(s, "request", RolloutRequestRow, rid, RequestStatus.QUEUED,
                                RequestStatus.RUNNING, started)  # fmt: skip
@@ -302,7 +335,42 @@ class SampleBatches:
             statement = st.held
             owner = {"node": self.db.node_id, "epoch": self.db.epoch}
             params |= owner | db_now_params(self.db.dialect)
-        return list(s.connection().execute(statement, params))
+        return statement.all(s.connection(), params)
+
+
+def _unnest_insert(columns: tuple[str, ...]) -> DriverStatement:
+    """INSERT INTO samples (<columns>) SELECT * FROM unnest(<an array bind per column, named
+    after it>) (PostgreSQL): the arrays' items go through the columns' own type processors."""
+    c = SampleRow.__table__.c
+    arrays = [bindparam(k, type_=ARRAY(c[k].type)) for k in columns]
+    rows = func.unnest(*arrays).table_valued(*columns).render_derived(name="given")
+    insert = SampleRow.__table__.insert().from_select(
+        [c[k] for k in columns], select(*(rows.c[k] for k in columns))
+    )
+    return DriverStatement(insert)
+
+
+def _in_prompts(prompt_index: Any, dialect: str) -> Any:
+    """`prompt_index` among the bound "prompts": on PostgreSQL `= ANY` of one array bind (a
+    statement the driver runs as it is), elsewhere an IN list expanded at each execution."""
+    if dialect == "postgresql":
+        return prompt_index == any_(bindparam("prompts", type_=ARRAY(Integer())))
+    return prompt_index.in_(bindparam("prompts", expanding=True))
+
+
+def _completed(
+    ok: list[tuple[int, Sample]], out: list[Outcome | None], n: int, complete: Counter[int]
+) -> list[int]:
+    """The prompts whose units the stored, complete samples of `ok` completed: `n` complete
+    samples stored now."""
+    stored = {x.prompt_index for i, x in ok if out[i] is True and not x.partial}
+    return [p for p in sorted(stored) if complete[p] == n]
+
+
+def _runs(status: RequestStatus, worker_id: str) -> bool:
+    """Whether `_end_units` records unit ends of a request in `status`: RUNNING, or QUEUED
+    with its start not written yet and `worker_id` running it."""
+    return status is RequestStatus.RUNNING or (status is RequestStatus.QUEUED and bool(worker_id))
 
 
 def _prompt_count(s: Session, rid: str) -> int:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 from datetime import datetime
 
-from sqlalchemy import Insert, Update, bindparam, literal, select, union_all, update
+from sqlalchemy import Insert, Update, bindparam, func, literal, select, union_all, update
 from sqlalchemy.orm import Session
 
 from tltd.domain import DrafterStatus, JobStatus, RequestStatus, WorkerState
 from tltd.errors import FailedPrecondition
+from tltd.store.database import DriverStatement
+from tltd.store.notifications import notify
 from tltd.store.tables import EventRow, utcnow
 
 _J, _R, _D, _W = JobStatus, RequestStatus, DrafterStatus, WorkerState
@@ -75,19 +77,22 @@ def switch_status(
 
 
 def switch_status_from(
-    session: Session, entity: str, row_type: type, entity_id: str, old: str, new: str, reason: str
-) -> bool:
+    session: Session, entity: str, row_type: type, entity_id: str, old: str, new: str,
+    reason: str, channel: str = "",
+) -> bool:  # fmt: skip
     """`switch_status` for a row not loaded: one UPDATE that moves it only from status `old`
     (then records the event; returns True), else changes nothing (False). Core statements,
     built once: not for the tables a scheduler tick reads (`Database.scheduling_writes` watches
-    the ORM's writes)."""
+    the ORM's writes). `channel`: also `notify` it of `entity_id`, moved or not (PostgreSQL:
+    in the same statement when it moved)."""
     check_transition(entity, entity_id, str(old), str(new))
     now = utcnow()
     params = {"key": entity_id, "old": str(old), "new": str(new), "reason": reason, "now": now}
     conn = session.connection()
     if conn.dialect.name == "postgresql":  # one round trip: the event inserted from the UPDATE
-        params["entity"] = entity
-        return conn.execute(_moved_with_event(entity, row_type), params).first() is not None
+        params |= {"entity": entity, "channel": channel}
+        statement = _moved_with_event(entity, row_type, bool(channel))
+        return _notified(session, statement.first(conn, params), channel, entity_id)
     moved = conn.execute(_guarded_update(entity, row_type), params).rowcount
     if moved:
         session.connection().execute(
@@ -95,16 +100,25 @@ def switch_status_from(
             {"entity": entity, "entity_id": entity_id, "old_status": str(old),
              "new_status": str(new), "reason": reason, "at": now},
         )  # fmt: skip
-    return bool(moved)
+    return _notified(session, moved or None, channel, entity_id)
+
+
+def _notified(session: Session, moved: object, channel: str, key: str) -> bool:
+    """Whether the row `moved` (a row or count, None when not); `notify` of `key` on
+    `channel` when its statement did not send it (the row did not move, or SQLite)."""
+    if channel and (moved is None or session.get_bind().dialect.name != "postgresql"):
+        notify(session, channel, key)
+    return moved is not None
 
 
 def switch_status_through(
     session: Session, entity: str, row_type: type, entity_id: str, old: str,
-    steps: list[tuple[str, str]],
+    steps: list[tuple[str, str]], channel: str = "",
 ) -> bool:  # fmt: skip
     """`switch_status_from` through one or more statuses in a row (`steps`: status, reason;
     each move allowed from the one before): one UPDATE from `old` to the last, an event per
-    step (in order); on PostgreSQL one statement for all of it. True when the row moved."""
+    step (in order); on PostgreSQL one statement for all of it. True when the row moved.
+    `channel`: as `switch_status_from`'s."""
     before = [str(old), *(str(x) for x, _ in steps[:-1])]
     for prev, (new, _) in zip(before, steps, strict=True):
         check_transition(entity, entity_id, prev, str(new))
@@ -120,15 +134,15 @@ def switch_status_through(
     ]  # fmt: skip
     conn = session.connection()
     if conn.dialect.name == "postgresql":
-        params["entity"] = entity
+        params |= {"entity": entity, "channel": channel}
         for i, e in enumerate(events):
             params |= {f"o{i}": e["old_status"], f"n{i}": e["new_status"], f"r{i}": e["reason"]}
-        statement = _moved_through_with_events(entity, row_type, len(steps))
-        return conn.execute(statement, params).first() is not None
+        statement = _moved_through_with_events(entity, row_type, len(steps), bool(channel))
+        return _notified(session, statement.first(conn, params), channel, entity_id)
     moved = conn.execute(_guarded_update(entity, row_type), params).rowcount
     if moved:
         conn.execute(_EVENT_INSERT, events)
-    return bool(moved)
+    return _notified(session, moved or None, channel, entity_id)
 
 
 def switch_statuses_from(
@@ -173,10 +187,22 @@ def _guarded_update(entity: str, row_type: type) -> Update:
     )
 
 
+def _returning(insert: Insert, notifies: bool) -> DriverStatement:
+    """RETURNING the event's id (the driver's row count of an INSERT fed by a data-modifying
+    CTE is -1) and, when `notifies`, pg_notify("channel", key) per event: one per transaction
+    arrives (PostgreSQL sends a channel's same payload once). Run on the driver's cursor."""
+    ev = EventRow.__table__
+    if notifies:
+        insert = insert.returning(ev.c.id, func.pg_notify(bindparam("channel"), ev.c.entity_id))
+    else:
+        insert = insert.returning(ev.c.id)
+    return DriverStatement(insert)
+
+
 @functools.cache
-def _moved_with_event(entity: str, row_type: type) -> Insert:
+def _moved_with_event(entity: str, row_type: type, notifies: bool = False) -> DriverStatement:
     """WITH moved AS (<the guarded UPDATE> RETURNING key) INSERT INTO events ... SELECT FROM
-    moved: the event exactly when the row moved (PostgreSQL; built once)."""
+    moved: the event exactly when the row moved (PostgreSQL; built once); `_returning`."""
     table = row_type.__table__  # type: ignore[attr-defined]
     key = next(iter(table.primary_key.columns))
     moved = _guarded_update(entity, row_type).returning(key).cte("moved")
@@ -190,12 +216,13 @@ def _moved_with_event(entity: str, row_type: type) -> Insert:
         bindparam("now", type_=ev.c.at.type),
     ).select_from(moved)
     cols = [ev.c.entity, ev.c.entity_id, ev.c.old_status, ev.c.new_status, ev.c.reason, ev.c.at]
-    # RETURNING: the driver's row count of an INSERT fed by a data-modifying CTE is -1.
-    return ev.insert().from_select(cols, row).returning(ev.c.id)
+    return _returning(ev.insert().from_select(cols, row), notifies)
 
 
 @functools.cache
-def _moved_through_with_events(entity: str, row_type: type, steps: int) -> Insert:
+def _moved_through_with_events(
+    entity: str, row_type: type, steps: int, notifies: bool = False
+) -> DriverStatement:
     """`_moved_with_event` with an event per step of `switch_status_through` (binds o<i>,
     n<i>, r<i>), inserted in step order (PostgreSQL; built once)."""
     table = row_type.__table__  # type: ignore[attr-defined]
@@ -218,7 +245,7 @@ def _moved_through_with_events(entity: str, row_type: type, steps: int) -> Inser
     ).subquery("steps")
     cols = [ev.c.entity, ev.c.entity_id, ev.c.old_status, ev.c.new_status, ev.c.reason, ev.c.at]
     ordered = select(*(rows.c[c.name] for c in cols)).order_by(rows.c.step)
-    return ev.insert().from_select(cols, ordered).returning(ev.c.id)
+    return _returning(ev.insert().from_select(cols, ordered), notifies)
 
 
 _EVENT_INSERT = EventRow.__table__.insert()

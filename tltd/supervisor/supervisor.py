@@ -310,8 +310,9 @@ class Supervisor:
     def on_notify(self, channel: str, request_id: str, own: bool = False) -> None:
         """A notification from another node (event loop): streams of the request re-read the
         store, a request ended elsewhere stops here, new work is claimed soon. One this node
-        sent (`own`) wakes no stream: what it stored or ended here reached its streams as
-        events, and a cancel here wakes them itself (`cancel`)."""
+        sent (`own`) wakes no stream and stops nothing: what it stored or ended here reached
+        its streams and its live requests with the samples (a sample batch's end) or from
+        the call that ended it (a cancel here: `cancel`)."""
         if self._closed:
             return
         if channel == notifications.STATE:  # the next tick reads jobs and devices again
@@ -322,7 +323,8 @@ class Supervisor:
         if channel in (notifications.SAMPLE, notifications.REQUEST) and not own:
             self.requests.publish(request_id, StreamEvent())  # a wake-up: re-read the store
         if channel == notifications.REQUEST:
-            self._spawn(self.leases.follow(request_id))
+            if not own:  # (own: a store read each, when it came before the samples did)
+                self._spawn(self.leases.follow(request_id))
         elif channel == notifications.WORK:
             self.leases.claim_soon = True
             self.kick()
