@@ -8,8 +8,16 @@ from dataclasses import replace
 from sqlalchemy import event
 
 from tests.store.test_leases import LONG_LEASE, _node
-from tests.store.test_store_api import JOB, _request, _sample
-from tltd.domain import FinishReason, Sample
+from tests.store.test_store_api import JOB, SAMPLING, _request, _sample
+from tltd.domain import (
+    FinishReason,
+    PromptLogprobs,
+    Sample,
+    SpeculativeStats,
+    TokenProvenance,
+    TokenSource,
+    TopLogprobs,
+)
 from tltd.errors import Fenced, InvalidArgument, NotFound
 from tltd.store import Store
 
@@ -120,3 +128,30 @@ def test_a_batch_in_range_checks_its_keys_against_the_work_units_not_the_prompts
     assert got[0] is True
     assert isinstance(got[1], InvalidArgument) and got[1].field == "prompt_index"
     assert f"for {len(_request().prompts)} prompts" in str(got[1])
+
+
+def test_a_batch_stores_every_column_as_a_single_write_does(store: Store) -> None:
+    """The batch's INSERT (on PostgreSQL from arrays sent in the binary format) keeps every
+    field: packed and JSON token ids, -inf and fractional floats, JSON columns, text with
+    quotes, backslashes and non-ASCII characters, flags and counters."""
+    store.jobs.create(JOB)
+    store.requests.create(replace(_request(), sampling=replace(SAMPLING, top_logprobs=2)))
+    top = TopLogprobs((1, 2), (-0.5, float("-inf")))
+    prov = (TokenProvenance(TokenSource.PLAIN), TokenProvenance(TokenSource.ACCEPTED, "ngram", 4))
+    batch = [
+        _sample(0, 0, tokens=(2**31, 5), policy_version=7, simulated=True),  # ids beyond int32
+        _sample(
+            0, 1, tokens=(1, 2), speculative=SpeculativeStats(2, 1, 5, 2.5, 7, 1, 1),
+            provenance=prov, top_logprobs=(top, top), policy_spans=((0, 1), (1, 2)),
+        ),
+        replace(
+            _sample(1, 0, tokens=(3,), drafter_version=2), logprobs=(-1e-300,),
+            prompt_logprobs=PromptLogprobs((-1.5, float("-inf")), (2, 40), (top, top)),
+        ),
+        replace(
+            _sample(1, 1, tokens=()), finish_reason=FinishReason.ABORTED,
+            error='a "quoted" \\ {braces}, NULL, \u00e9\u4e2d',
+        ),
+    ]  # fmt: skip
+    assert store.sample_batches.add(batch) == [True] * 4
+    assert store.samples.list("req-1") == batch

@@ -340,14 +340,17 @@ class SampleBatches:
 
 def _unnest_insert(columns: tuple[str, ...]) -> DriverStatement:
     """INSERT INTO samples (<columns>) SELECT * FROM unnest(<an array bind per column, named
-    after it>) (PostgreSQL): the arrays' items go through the columns' own type processors."""
+    after it>) (PostgreSQL): the arrays' items go through the columns' own type processors,
+    and are sent in the binary format (packed token ids and logprobs as they are, not as
+    escaped text)."""
     c = SampleRow.__table__.c
-    arrays = [bindparam(k, type_=ARRAY(c[k].type)) for k in columns]
+    # One dimension: a JSON value that is itself a list (token ids beyond int32) is one item.
+    arrays = [bindparam(k, type_=ARRAY(c[k].type, dimensions=1)) for k in columns]
     rows = func.unnest(*arrays).table_valued(*columns).render_derived(name="given")
     insert = SampleRow.__table__.insert().from_select(
         [c[k] for k in columns], select(*(rows.c[k] for k in columns))
     )
-    return DriverStatement(insert)
+    return DriverStatement(insert, binary=True)
 
 
 def _in_prompts(prompt_index: Any, dialect: str) -> Any:
