@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -67,12 +68,17 @@ class Workload:
     env: int
     rounds: int
     env_ms: int = 0  # the environment's time per step (a tool call), in each session's time
+    inflight: int = 0  # sessions run at once, the next opened as one closes; 0: all at once
 
-    def sessions(self, tag: str) -> list[tuple[str, int]]:
-        """(session id, turns) of one round, the long sessions first."""
-        return [(f"{tag}-long-{i}", self.long_turns) for i in range(self.long)] + [
+    def sessions(self, tag: str, order: int = 0) -> list[tuple[str, int]]:
+        """(session id, turns) of one round: the long sessions first or, run `inflight` at a
+        time, in an order shuffled by `order` (the round's: alike for every rule)."""
+        out = [(f"{tag}-long-{i}", self.long_turns) for i in range(self.long)] + [
             (f"{tag}-short-{i:02d}", self.short_turns) for i in range(self.short)
         ]
+        if self.inflight:
+            random.Random(order).shuffle(out)
+        return out
 
     @property
     def turns(self) -> int:
@@ -107,7 +113,7 @@ class Counts:
 class LocalDaemon:
     """The daemon on an event loop in a thread of this process (`use` picks the rule)."""
 
-    def __init__(self, scratch: Path, cache_mb: int | None) -> None:
+    def __init__(self, scratch: Path, cache_mb: int | None, capacity: int | None = None) -> None:
         from tltd.daemon import Daemon
         from tltd.settings import load_settings
         from tltd.store import Store
@@ -117,7 +123,7 @@ class LocalDaemon:
             None, env={}, overrides={
                 "port": 0, "data_dir": str(scratch / "data"), "cpu_slots": 2,
                 "drafter_training": False, "worker_prefix_cache_mb": cache_mb,
-            },
+            } | ({"worker_max_batch": capacity} if capacity else {}),
         )  # fmt: skip
         Path(self.settings.data_dir).mkdir(parents=True)
         upgrade(self.settings.resolved_database_url)
@@ -265,25 +271,16 @@ def run_round(d: LocalDaemon, w: Workload, n: int, res: Result) -> None:
     before = d.counts()
     # Prompts of their own in every round of every rule (see `_tokens`).
     first = 1 + (n * len(RULES) + RULES.index(res.rule)) * (w.long + w.short)
-    sessions, seed = w.sessions(f"{res.rule}-r{n}"), first
-    latencies: list[float] = [0.0] * len(sessions)
-    errors: list[BaseException] = []
-
-    def one(i: int, sid: str, turns: int) -> None:
-        try:
-            latencies[i] = run_session(d.target, sid, turns, w, seed=seed + i)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i, *s)) for i, s in enumerate(sessions)]
+    sessions, seed = w.sessions(f"{res.rule}-r{n}", order=n), first
     start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # A session at a time per thread: all at once, or `inflight` of them (a closed loop).
+    with ThreadPoolExecutor(w.inflight or len(sessions)) as pool:
+        futures = [
+            pool.submit(run_session, d.target, sid, turns, w, seed + i)
+            for i, (sid, turns) in enumerate(sessions)
+        ]
+        latencies = [f.result() for f in futures]
     res.wall += time.perf_counter() - start
-    if errors:
-        raise errors[0]
     # The counters come with the workers' heartbeats: wait for every turn's lookup.
     deadline = time.monotonic() + 30
     while (got := d.counts().minus(before)).lookups < w.turns and time.monotonic() < deadline:
@@ -294,6 +291,12 @@ def run_round(d: LocalDaemon, w: Workload, n: int, res: Result) -> None:
     res.turns += w.turns
     res.sessions += len(sessions)
     res.add(got)
+
+
+def _pace(w: Workload) -> str:
+    if not w.inflight:
+        return "all at once"
+    return f"{w.inflight} at a time in a shuffled order (the next opened as one ends)"
 
 
 def _ratio(x: float, base: float) -> str:
@@ -335,25 +338,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cache-mb", type=int, help="worker_prefix_cache_mb (default: the daemon's)")
     p.add_argument("--env-ms", type=int, default=0, help="environment time per step (ms)")
+    p.add_argument(
+        "--inflight",
+        type=int,
+        default=0,
+        help="sessions at once, the next opened as one ends (0: all at once)",
+    )
+    p.add_argument(
+        "--capacity",
+        type=int,
+        help="worker_max_batch: sequences a worker runs at once (default: the daemon's)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.long, args.long_turns, args.short, args.short_turns = 1, 6, 4, 2
         args.prompt, args.answer, args.env, args.rounds = 32, 4, 8, 1
     w = Workload(
         args.long, args.long_turns, args.short, args.short_turns,
-        args.prompt, args.answer, args.env, args.rounds, args.env_ms,
+        args.prompt, args.answer, args.env, args.rounds, args.env_ms, args.inflight,
     )  # fmt: skip
     print(
         f"workload per round: {w.long} sessions of {w.long_turns} turns and {w.short} of "
-        f"{w.short_turns}, all at once ({w.turns} turns); prompt {w.prompt} tokens, each turn "
+        f"{w.short_turns}, {_pace(w)} ({w.turns} turns); prompt {w.prompt} tokens, each turn "
         f"samples {w.answer} (greedy, no stop) then the environment adds {w.env} after "
         f"{w.env_ms} ms; "
         f"{w.rounds} round(s) per rule, rotated; 2 torch workers, model {MODEL.name}, SD off; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
     with tempfile.TemporaryDirectory(prefix="bench-placement-") as tmp:
-        d = LocalDaemon(Path(tmp), args.cache_mb)
-        print(f"prefix cache: {d.settings.worker_prefix_cache_mb} MiB per worker")
+        d = LocalDaemon(Path(tmp), args.cache_mb, args.capacity)
+        print(
+            f"prefix cache: {d.settings.worker_prefix_cache_mb} MiB per worker; a worker runs "
+            f"at most {d.settings.worker_max_batch} sequences at once"
+        )
         try:
             d.prepare(w)
             results = [Result(rule) for rule in RULES]

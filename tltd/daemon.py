@@ -23,7 +23,7 @@ from tltd.drafter_training import DrafterTraining
 from tltd.errors import ConfigError
 from tltd.metrics import MetricsServer, start_metrics_server
 from tltd.periodic import NodeBeat, build_scheduler, refresh_devices, roll_up_metrics
-from tltd.scheduler import SchedulerConfig
+from tltd.scheduler import SchedulerConfig, sticky_slack
 from tltd.services import NodeState, build_services
 from tltd.settings import Settings
 from tltd.store import Store
@@ -277,6 +277,7 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
         training_cadence_seconds=settings.training_cadence_seconds,
         train_during_rollout_only=settings.training_window == "rollout",
         max_samples_per_worker=settings.worker_max_batch,
+        sticky_slack_samples=sticky_slack(settings.worker_max_batch),
         session_placement=settings.session_placement,
     )
 

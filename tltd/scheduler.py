@@ -34,15 +34,19 @@ long samples: Seer's longest-first, RhymeRL's length-balanced workers).
 
 A session's turn goes where its KV is. The worker that ran a session's last turn keeps its KV
 (`Snapshot.holders`), so the next turn prefills only its new tokens there: the turn goes to
-that worker unless it is gone, cannot take it (full, another job or version) or runs more than
-`sticky_slack_samples` samples beyond the least loaded worker that can; then, as a first turn
-does, to the least loaded one (which prefills the whole sequence). `session_placement` picks
-another rule for benchmarks and ablations: "hash" sends every turn of a session to one worker by
-its key (rendezvous hashing over the workers that can take it), whatever their load; "round_robin"
-ignores the KV and hands turns to the workers in rotation. A turn sent away from the worker with
-its KV is a re-pin, and says why (`repin_reason`). The first turns of sessions of one prompt (a
-group) follow the first of them to its worker under the same rule (`Snapshot.holders` maps the
-prompt's key too), so that one prefill of the prompt serves them.
+that worker unless it is gone, holds another job or version, or is busier (samples running
+and session turns queued for it) than the least loaded worker with room by more than
+`sticky_slack_samples`; then, as a first turn does, to the least loaded one (which prefills the
+whole sequence). A holder that is full but within the slack is waited for (the turn waits in
+its queue, the job's other work goes on): under a binding capacity, a turn moved whenever its
+holder is full would re-prefill at nearly every turn. `session_placement` picks another rule
+for benchmarks and ablations: "hash" sends every turn of a session to one worker by its key
+(rendezvous hashing over the workers that take its job and version), whatever their load: a
+full worker's turns wait for it, as at a router that hashes (other turns go on);
+"round_robin" ignores the KV and hands turns to the workers in rotation. A turn sent away from
+the worker with its KV is a re-pin, and says why (`repin_reason`). The first turns of sessions
+of one prompt (a group) follow the first of them to its worker under the same rule
+(`Snapshot.holders` maps the prompt's key too), so that one prefill of the prompt serves them.
 """
 
 from __future__ import annotations
@@ -69,9 +73,9 @@ class SchedulerConfig:
     # another job may take it: the gap between a trainer's requests (a stream's end, the next
     # request's admission) is shorter, a training step between rollouts is longer.
     spare_grace_seconds: float = 1.0
-    # A session's turn leaves the worker holding its KV when that one runs more samples than
-    # this beyond the least loaded worker that could take it (a re-prefill is cheaper than
-    # waiting behind a busy worker).
+    # A session's turn leaves the worker holding its KV when that one is busier (samples
+    # running and turns queued for it) than this beyond the least loaded worker with room (a
+    # re-prefill is cheaper than waiting behind a busy worker); the daemon's: `sticky_slack`.
     sticky_slack_samples: int = 4
     session_placement: str = "sticky"  # one of tltd.domain.SESSION_PLACEMENTS
 
@@ -335,6 +339,7 @@ def _place(
     queues = _queues(snap, jobs)
     turn = snap.turns_handed_out  # the next session turn's place in the round robin
     shares: dict[str, str] = {}  # a first prompt's key -> where its sessions go (this tick)
+    queued = _queued_at_holders(snap)  # session turns waiting, per worker holding their KV
     assignments: list[Assignment] = []
     while queues:
         job_id = min(
@@ -353,12 +358,15 @@ def _place(
             # does hold, or the two would wait for each other.
             _pop(queues, job_id)
             continue
-        holder = _holder(snap, work, shares)
-        per_worker = _spread(work, load, takes, by_worker, training_devices, cfg, (holder, turn))
-        turn += sum(per_worker.values()) if work.cache_key else 0
-        served[job_id] += work.work * sum(per_worker.values())
+        holder, own = _holders(snap, work, shares)
+        per_worker, waits = _spread(
+            work, load, takes, by_worker, training_devices, cfg, (holder, turn, queued, own)
+        )
+        placed = sum(per_worker.values())
+        turn += placed if work.cache_key else 0
+        served[job_id] += work.work * placed
         assignments += _assignments(snap, work, per_worker, (load, takes), cfg, shares)
-        if sum(per_worker.values()) < work.samples:
+        if placed < work.samples and not waits:
             # No room for this prompt (workers of its job and version are full): the job's
             # later prompts wait too, so that a job keeps its FIFO order; other jobs may place.
             del queues[job_id]
@@ -367,15 +375,28 @@ def _place(
     return assignments, load
 
 
-def _holder(snap: Snapshot, work: PendingWork, shares: Mapping[str, str]) -> str | None:
-    """Where a session turn's KV is: the worker that ran the session's last turn ("" when it
-    was lost); for a first turn, where its prompt's other sessions went (a group)."""
+def _queued_at_holders(snap: Snapshot) -> Counter[str]:
+    """Per worker, the session turns waiting whose KV it holds (a sticky turn's queue)."""
+    queued: Counter[str] = Counter()
+    for p in snap.pending:
+        holder = snap.holders.get(p.cache_key) if p.cache_key else None
+        if holder:
+            queued[holder] += p.samples
+    return queued
+
+
+def _holders(
+    snap: Snapshot, work: PendingWork, shares: Mapping[str, str]
+) -> tuple[str | None, str | None]:
+    """Where a session turn's KV is, and where its own session's is: the worker that ran the
+    session's last turn ("" when it was lost); for a first turn, where its prompt's other
+    sessions went (a group), and None."""
     if not work.cache_key:
-        return None
+        return None, None
     own = snap.holders.get(work.cache_key)
     if own is not None or not work.share_key:
-        return own
-    return shares.get(work.share_key, snap.holders.get(work.share_key))
+        return own, own
+    return shares.get(work.share_key, snap.holders.get(work.share_key)), None
 
 
 def _assignments(
@@ -408,8 +429,9 @@ def repin_reason(
 ) -> str:
     """Why a session's turn went to another worker than `holder`, which holds its KV: "gone"
     (lost with its KV, stopped, cordoned, draining), "version" (it holds another job or
-    policy version), "full", "overloaded" (over `sticky_slack_samples`) or "rule" (hash or
-    round robin placement); "" when it stayed, or there was none."""
+    policy version), "full" (and its queue over `sticky_slack_samples`), "overloaded" (over
+    `sticky_slack_samples`) or "rule" (hash or round robin placement); "" when it stayed, or
+    there was none."""
     if holder is None or not per_worker or holder in per_worker:
         return ""
     if holder not in load:
@@ -446,24 +468,33 @@ def _spread(
     by_worker: dict[str, RolloutWorkerView],
     training_devices: set[str],
     cfg: SchedulerConfig,
-    session: tuple[str | None, int] = (None, 0),
-) -> dict[str, int]:
+    session: tuple[str | None, int, Counter[str], str | None] = (None, 0, Counter(), None),
+) -> tuple[dict[str, int], bool]:
     """Samples of one prompt per worker, one at a time to the worker with the least expected
     remaining work, so the n samples of a prompt spread when that balances the load (long
-    tails are the cost); `load` is updated. Fewer than `work.samples` when workers are full.
-    A session's turn goes where `session_worker` says, given `session`: the worker holding its
-    KV and the number of turns handed out before it."""
+    tails are the cost); `load` is updated. Fewer than `work.samples` when workers are full,
+    or when a session's turn waits for its worker (then True: it waits in that worker's queue
+    alone, and the job's later work may be placed). A session's turn goes where
+    `session_worker` says, given `session`: the worker holding its KV, the number of turns
+    handed out before it, the turns queued for each worker (updated) and the worker holding
+    the session's own KV, in whose queue the turn counts until it is placed."""
     per_worker: dict[str, int] = {}
-    holder, turn = session
+    holder, turn, queued, own = session
+    takers = [wid for wid in load if takes(wid)]
     for i in range(work.samples):
-        candidates = [
-            wid
-            for wid, (running, _) in load.items()
-            if takes(wid) and running < cfg.max_samples_per_worker
-        ]
+        candidates = [w for w in takers if load[w][0] < cfg.max_samples_per_worker]
         if not candidates:
             break
-        wid = session_worker(work.cache_key, holder, turn + i, candidates, load, cfg) or min(
+        if own:
+            queued[own] -= 1  # (the others waiting for its holder, not itself)
+        wid = session_worker(
+            work.cache_key, holder, turn + i, (candidates, takers), (load, queued), cfg
+        )
+        if wid == WAITS:
+            if own:
+                queued[own] += 1
+            return per_worker, True
+        wid = wid or min(
             candidates,
             key=lambda w: (
                 load[w][1],
@@ -475,26 +506,43 @@ def _spread(
         running, tokens = load[wid]
         load[wid] = (running + 1, tokens + work.work)
         per_worker[wid] = per_worker.get(wid, 0) + 1
-    return per_worker
+    return per_worker, False
+
+
+# `session_worker`'s answer for a turn that waits for its worker, which is full.
+WAITS = ""
 
 
 def session_worker(
     key: str,
     holder: str | None,
     turn: int,
-    candidates: list[str],
-    load: Mapping[str, tuple[int, int]],
+    workers: tuple[list[str], list[str]],
+    loads: tuple[Mapping[str, tuple[int, int]], Mapping[str, int]],
     cfg: SchedulerConfig,
 ) -> str | None:
     """The worker for a session's turn under `cfg.session_placement` (`key`: the session's,
-    "" for other work; `turn`: turns handed out before this one); None: place it as any work."""
+    "" for other work; `turn`: turns handed out before this one; `workers`: those with room
+    for it, and all that take its job and version; `loads`: per worker its (samples running,
+    tokens to decode), and the session turns queued for it); None: place it as any work;
+    `WAITS`: it waits for a worker that is full."""
+    candidates, takers = workers
     if not key:
         return None
     if cfg.session_placement == "hash":
-        return hashed(key, candidates)
+        # As a router that hashes: whatever the load, the turn queues at its worker.
+        home = hashed(key, takers)
+        return home if home in candidates else WAITS
     if cfg.session_placement == "round_robin":
         return rotated(turn, candidates)
-    return sticky(holder, candidates, load, cfg.sticky_slack_samples)
+    return sticky(holder, workers, loads, cfg.sticky_slack_samples)
+
+
+def sticky_slack(capacity: int) -> int:
+    """`sticky_slack_samples` for workers of `capacity` samples: a quarter of it, at least
+    one. Waiting behind k more turns costs about k / capacity of a turn's time; a re-prefill
+    of a long context, a good share of one (a quarter is the line taken)."""
+    return max(1, capacity // 4)
 
 
 def hashed(key: str, candidates: list[str]) -> str:
@@ -514,14 +562,27 @@ def rotated(turn: int, candidates: list[str]) -> str:
 
 
 def sticky(
-    holder: str | None, candidates: list[str], load: Mapping[str, tuple[int, int]], slack: int
+    holder: str | None,
+    workers: tuple[list[str], list[str]],
+    loads: tuple[Mapping[str, tuple[int, int]], Mapping[str, int]],
+    slack: int,
 ) -> str | None:
-    """The worker holding a session's KV, when it can take the turn (a candidate) and runs at
-    most `slack` samples more than the least loaded candidate; None: place it as any work."""
-    if holder is None or holder not in candidates:
-        return None  # gone, full, or holding another job or version
-    least = min(load[w][0] for w in candidates)
-    return holder if load[holder][0] <= least + slack else None
+    """The worker holding a session's KV while its load (samples running and session turns
+    queued for it) is at most `slack` beyond the least loaded worker with room: the turn runs
+    there, or waits for it while it is full (`WAITS`: a re-prefill elsewhere would cost more
+    than the wait). None: place it as any work (its holder is gone, holds another job or
+    version, or is overloaded: a re-pin). `workers` and `loads` as `session_worker`'s."""
+    candidates, takers = workers
+    load, queued = loads
+    if holder is None or holder not in takers:
+        return None  # gone, or holding another job or version
+
+    def busy(w: str) -> int:
+        return load[w][0] + queued.get(w, 0)
+
+    if busy(holder) > min(busy(w) for w in candidates) + slack:
+        return None
+    return holder if holder in candidates else WAITS
 
 
 def _unplaced(

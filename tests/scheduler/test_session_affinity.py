@@ -49,8 +49,8 @@ def _snap(workers, pending, holders) -> Snapshot:
         ),
         ("a holder lost with its KV", [wk(0), wk(1, running=1)], {"s1": ""}, "w0", "gone"),
         (
-            "a full holder: another worker",
-            [wk(0, running=8), wk(1, running=7)],
+            "a full holder whose queue is over the slack: another worker",
+            [wk(0, running=8), wk(1, running=3)],
             {"s1": "w0"},
             "w1",
             "full",
@@ -79,11 +79,34 @@ def test_a_turn_placed_by_another_rule_away_from_its_kv_is_a_re_pin_by_rule():
 
 
 def test_the_slack_is_in_samples_and_inclusive():
-    load = {"w0": (4, 0), "w1": (0, 0)}
-    assert sticky("w0", ["w0", "w1"], load, 4) == "w0"
-    assert sticky("w0", ["w0", "w1"], load, 3) is None
-    assert sticky(None, ["w0", "w1"], load, 4) is None
-    assert sticky("w0", ["w1"], load, 4) is None
+    both = (["w0", "w1"], ["w0", "w1"])
+    load = ({"w0": (4, 0), "w1": (0, 0)}, {})
+    assert sticky("w0", both, load, 4) == "w0"
+    assert sticky("w0", both, load, 3) is None
+    assert sticky(None, both, load, 4) is None
+    assert sticky("w0", (["w1"], ["w1"]), load, 4) is None  # w0 takes no turn of this job
+    # Turns queued for a worker count as its load.
+    queued = ({"w0": (2, 0), "w1": (0, 0)}, {"w0": 2, "w1": 1})
+    assert sticky("w0", both, queued, 3) == "w0"
+    assert sticky("w0", both, queued, 2) is None
+
+
+def test_a_full_holder_within_the_slack_is_waited_for():
+    # w0 (full at 8) holds s1's KV; w1 has room but is nearly as busy: the turn waits for
+    # w0, and the job's next turn, whose KV w1 holds, goes on meanwhile.
+    workers = [wk(0, running=8), wk(1, running=6)]
+    decision = schedule(_snap(workers, [turn("s1"), turn("s2")], {"s1": "w0", "s2": "w1"}), CFG)
+    assert {a.request_id: a.worker_id for a in decision.assignments} == {"session:s2:1:0": "w1"}
+    # Six turns queued for w0 (full at 8), w1 running 5: the oldest ones move (re-pins,
+    # "full") while w0's load stays over w1's by more than the slack: 8 + 5 > 5 + 4, then
+    # 8 + 4 > 6 + 4; then 8 + 3 <= 7 + 4, and the other four wait for w0.
+    workers = [wk(0, running=8), wk(1, running=5)]
+    queue = [turn(f"q{i}") for i in range(6)]
+    decision = schedule(_snap(workers, queue, {f"q{i}": "w0" for i in range(6)}), CFG)
+    assert [(a.request_id, a.worker_id, a.repin) for a in decision.assignments] == [
+        ("session:q0:1:0", "w1", "full"),
+        ("session:q1:1:0", "w1", "full"),
+    ]
 
 
 def test_turns_of_two_sessions_each_go_to_their_holder():

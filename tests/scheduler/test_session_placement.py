@@ -1,7 +1,7 @@
 """The other rules for where a session's turn runs (`session_placement`): "hash" sends a
-session's turns to one worker by its key whatever the load, "round_robin" hands turns to the
-workers in rotation whatever holds their KV (the pure policy; "sticky" is
-test_session_affinity.py)."""
+session's turns to one worker by its key whatever the load (a full one's turns wait for it),
+"round_robin" hands turns to the workers in rotation whatever holds their KV (the pure policy;
+"sticky" is test_session_affinity.py)."""
 
 from __future__ import annotations
 
@@ -46,10 +46,24 @@ def test_hash_moves_only_the_keys_of_a_worker_that_cannot_take_them():
     three = {k: hashed(k, ["w0", "w1", "w2"]) for k in keys}
     two = {k: hashed(k, ["w0", "w2"]) for k in keys}
     assert {k for k in keys if three[k] != two[k]} == {k for k in keys if three[k] == "w1"}
-    # A full home worker: the turn goes to the next one by score.
+    # A worker that is gone: its keys go to the next one by score.
     k = next(k for k in keys if three[k] == "w1")
-    decision = schedule(_snap([wk(0), wk(1, running=8), wk(2)], [turn(k)]), HASH)
+    decision = schedule(_snap([wk(0), wk(2)], [turn(k)]), HASH)
     assert placed(decision) == {two[k]: 1}
+
+
+def test_a_hashed_turn_waits_for_its_full_worker_without_holding_up_the_others():
+    keys = [f"s{i}" for i in range(40)]
+    on_w1 = [k for k in keys if hashed(k, ["w0", "w1"]) == "w1"]
+    on_w0 = [k for k in keys if hashed(k, ["w0", "w1"]) == "w0"]
+    full = replace(HASH, max_samples_per_worker=2)
+    # w1 is full: its session's turn waits (w0 idles) and the job's later turn, hashed to
+    # w0, is placed all the same.
+    pending = [turn(on_w1[0], at=0.0), turn(on_w0[0], at=1.0)]
+    decision = schedule(_snap([wk(0), wk(1, running=2)], pending), full)
+    assert {a.request_id: a.worker_id for a in decision.assignments} == {
+        f"session:{on_w0[0]}:1:0": "w0"
+    }
 
 
 def test_hash_does_not_depend_on_the_order_of_the_candidates():
@@ -73,11 +87,19 @@ def test_work_that_is_no_session_turn_is_placed_by_load_under_every_rule(cfg):
     other = PendingWork("r", 0, "j", 1, 100, 0.0)
     decision = schedule(_snap([wk(0, running=3, tokens=300), wk(1)], [other]), cfg)
     assert placed(decision) == {"w1": 1}
-    assert session_worker("", "w0", 0, ["w0", "w1"], {"w0": (0, 0), "w1": (0, 0)}, cfg) is None
+    assert (
+        session_worker("", "w0", 0, (["w0", "w1"],) * 2, ({"w0": (0, 0), "w1": (0, 0)}, {}), cfg)
+        is None
+    )
 
 
 def test_sticky_stays_the_default_rule():
     load = {"w0": (5, 500), "w1": (0, 0)}
     assert CFG.session_placement == "sticky"
-    assert session_worker("s", "w0", 0, ["w0", "w1"], load, CFG) is None  # over the slack
-    assert session_worker("s", "w0", 0, ["w0", "w1"], {"w0": (4, 0), "w1": (0, 0)}, CFG) == "w0"
+    assert (
+        session_worker("s", "w0", 0, (["w0", "w1"],) * 2, (load, {}), CFG) is None
+    )  # over the slack
+    assert (
+        session_worker("s", "w0", 0, (["w0", "w1"],) * 2, ({"w0": (4, 0), "w1": (0, 0)}, {}), CFG)
+        == "w0"
+    )
