@@ -202,3 +202,42 @@ def test_a_write_turn_queues_other_threads_and_re_enters_its_own(monkeypatch) ->
     leave.set()
     t.join(5)
     assert order[-1] == "after the timeout"
+
+
+def test_a_driver_statement_on_sqlite_binds_through_types_and_raises_as_sqlalchemy(
+    migrated_sqlite_url: str,
+) -> None:
+    """SQLite's positional binds in the compiled order, each through its type's processor (an
+    aware datetime stored as naive UTC text); the cursor events fire; the driver's rows come
+    back as they are; a duplicate key stays SQLAlchemy's IntegrityError."""
+    from sqlalchemy import bindparam, event, select
+
+    from tltd.store.database import DriverStatement
+    from tltd.store.tables import EventRow
+
+    ev = EventRow.__table__
+    columns = ("id", "entity", "entity_id", "old_status", "new_status", "reason", "at")
+    insert = DriverStatement(ev.insert(), columns=columns)
+    read = DriverStatement(
+        select(ev.c.id, ev.c.entity_id, ev.c.at).where(ev.c.at == bindparam("at"))
+    )
+    at = datetime(2026, 3, 1, 14, 30, 5, 123456, tzinfo=timezone(timedelta(hours=2)))
+    row = {"id": 7, "entity": "request", "entity_id": "r", "old_status": "",
+           "new_status": "queued", "reason": "submitted", "at": at}  # fmt: skip
+    seen: list[object] = []
+    store = Store(migrated_sqlite_url)
+    event.listen(store.db.engine, "before_cursor_execute", lambda *a: seen.append(a[3]))
+    try:
+        with store.db.tx() as s:
+            conn = s.connection()
+            insert.execute(conn, row).close()
+            got = read.first(conn, {"at": at})
+            assert read.all(conn, {"at": at}) == [got]
+        assert got == (7, "r", "2026-03-01 12:30:05.123456")
+        assert (7, "request", "r", "", "queued", "submitted", got[2]) in seen
+        with pytest.raises(IntegrityError), store.db.tx() as s:
+            insert.execute(s.connection(), row | {"at": utcnow()})
+        with store.db.tx() as s:
+            assert read.all(s.connection(), {"at": at}) == [got]  # the first row, alone
+    finally:
+        store.close()

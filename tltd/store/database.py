@@ -113,47 +113,41 @@ class Database:
 
 class DriverStatement:
     """A Core statement compiled once per dialect and run on the driver's own cursor of a
-    connection: SQLAlchemy's execution context and result objects are skipped (on PostgreSQL
-    about as much CPU again as psycopg's own work for the statement). For a statement built
-    once whose binds are plain values (no expanding lists). Binds go through their types'
-    processors as in `Connection.execute`, the engine's cursor events fire, and a driver error
+    connection: SQLAlchemy's execution context and result objects are skipped (about as much
+    CPU again as psycopg's own work for the statement, several times sqlite3's). For a
+    statement built once whose binds are plain values (no expanding lists). Binds go through
+    their types' processors as in `Connection.execute` (named on PostgreSQL, in the compiled
+    order on SQLite's positional `?`), the engine's cursor events fire, and a driver error
     goes through the connection's own handling (raised as SQLAlchemy's; a lost connection
     invalidates the pool). Rows come back as the driver's tuples, not processed by column
-    type: for columns read as numbers, strings and flags."""
+    type: for columns read as numbers, strings and flags (SQLite's flags are 0 and 1)."""
 
-    def __init__(self, statement: Executable, binary: bool = False) -> None:
+    def __init__(
+        self, statement: Executable, binary: bool = False, columns: Sequence[str] | None = None
+    ) -> None:
         """`binary`: on PostgreSQL every bind is sent in the binary format (psycopg's `%b`
         placeholders): arrays and bytes are not escaped into text, for an INSERT of many
         rows from arrays about half the driver's CPU. Each value must then have a binary
-        form whose type the statement's cast accepts (as its SQLAlchemy type's values do)."""
+        form whose type the statement's cast accepts (as its SQLAlchemy type's values do).
+        `columns`: an INSERT's (or UPDATE's) columns set from the binds of their names, as
+        `Connection.execute` sets those its parameters name."""
         self.statement = statement
         self.binary = binary
+        self.columns = None if columns is None else list(columns)
         self._compiled: dict[str, tuple[Compiled, dict[str, Any], str]] = {}
 
     def execute(self, conn: Connection, params: Mapping[str, Any]) -> Any:
-        """Run with `params` on `conn` (in its transaction); the driver's cursor. PostgreSQL
-        only (psycopg's named binds): `first` and `all` run it through SQLAlchemy elsewhere."""
+        """Run with `params` on `conn` (in its transaction); the driver's cursor."""
         compiled, processors, sql = self._compiled_for(conn.dialect)
-        values = compiled.construct_params(params)
-        for key, process in processors.items():
-            if key in values:
-                values[key] = process(values[key])
-        cursor = conn.connection.driver_connection.cursor()
-        try:
-            if conn._has_events or conn.engine._has_events:
-                conn.dispatch.before_cursor_execute(conn, cursor, sql, values, None, False)
-            cursor.execute(sql, values)
-            if conn._has_events or conn.engine._has_events:
-                conn.dispatch.after_cursor_execute(conn, cursor, sql, values, None, False)
-        except Exception as exc:
-            conn._handle_dbapi_exception(exc, sql, values, cursor, None)
-        return cursor
+        return self._run(conn, sql, _bound(compiled, processors, params), False)
+
+    def execute_many(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> Any:
+        """Run once per row of `rows` (the driver's executemany); the driver's cursor."""
+        compiled, processors, sql = self._compiled_for(conn.dialect)
+        return self._run(conn, sql, [_bound(compiled, processors, r) for r in rows], True)
 
     def first(self, conn: Connection, params: Mapping[str, Any]) -> Sequence[Any] | None:
-        """The first row (a tuple) or None: run here on PostgreSQL, through `Connection.execute`
-        elsewhere (SQLite's statements cost a third as much; its binds are positional)."""
-        if conn.dialect.name != "postgresql":
-            return conn.execute(self.statement, params).first()
+        """The first row (the driver's tuple) or None."""
         cursor = self.execute(conn, params)
         try:
             return cursor.fetchone()
@@ -162,21 +156,46 @@ class DriverStatement:
 
     def all(self, conn: Connection, params: Mapping[str, Any]) -> list[Sequence[Any]]:
         """Every row, as `first` runs it."""
-        if conn.dialect.name != "postgresql":
-            return list(conn.execute(self.statement, params))
         cursor = self.execute(conn, params)
         try:
             return cursor.fetchall()
         finally:
             cursor.close()
 
+    def rowcount(self, conn: Connection, params: Mapping[str, Any]) -> int:
+        """The rows a write changed."""
+        cursor = self.execute(conn, params)
+        try:
+            return int(cursor.rowcount)
+        finally:
+            cursor.close()
+
+    @staticmethod
+    def _run(conn: Connection, sql: str, values: Any, many: bool) -> Any:
+        cursor = conn.connection.driver_connection.cursor()
+        events = conn._has_events or conn.engine._has_events
+        try:
+            if events:
+                conn.dispatch.before_cursor_execute(conn, cursor, sql, values, None, many)
+            if many:
+                cursor.executemany(sql, values)
+            else:
+                cursor.execute(sql, values)
+            if events:
+                conn.dispatch.after_cursor_execute(conn, cursor, sql, values, None, many)
+        except Exception as exc:
+            conn._handle_dbapi_exception(exc, sql, values, cursor, None)
+        return cursor
+
     def _compiled_for(self, dialect: Dialect) -> tuple[Compiled, dict[str, Any], str]:
         got = self._compiled.get(dialect.name)
         if got is None:
-            compiled = self.statement.compile(dialect=dialect)
+            compiled = self.statement.compile(dialect=dialect, column_keys=self.columns)
             if compiled.insert_prefetch or compiled.update_prefetch:  # type: ignore[attr-defined]
                 # (Python-side column defaults: only an execution context computes them.)
                 raise ValueError("a DriverStatement must bind every column it writes")
+            if compiled.literal_execute_params or compiled.post_compile_params:  # type: ignore[attr-defined]
+                raise ValueError("a DriverStatement's binds must be plain values")
             # (SQLAlchemy's own map of the binds' type processors: private, stable in 2.x.)
             processors = {k: p for k, p in compiled._bind_processors.items() if p is not None}
             sql = compiled.string
@@ -184,6 +203,19 @@ class DriverStatement:
                 sql = _BINDS.sub(r"%(\1)b", sql)
             got = self._compiled[dialect.name] = (compiled, processors, sql)
         return got
+
+
+def _bound(compiled: Compiled, processors: dict[str, Any], params: Mapping[str, Any]) -> Any:
+    """`params` as the driver takes them for `compiled`: each through its type's processor;
+    a dict of the binds' names, or (a positional dialect: SQLite) a tuple in their order."""
+    values = compiled.construct_params(params)
+    for key, process in processors.items():
+        if key in values:
+            values[key] = process(values[key])
+    order = compiled.positiontup  # type: ignore[attr-defined]
+    if order is None:
+        return values
+    return tuple([values[k] for k in order])
 
 
 # psycopg's named placeholders as SQLAlchemy renders them (a literal % is doubled: %%).

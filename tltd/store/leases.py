@@ -117,7 +117,7 @@ class _UnitStatements:
             .select_from(sr)
             .where(sr.c.request_id == bindparam("rid"), sr.c.prompt_index == bindparam("p"))
         )
-        self.done = self._done(dialect, unit, "n")
+        self.done = DriverStatement(self._done(dialect, unit, "n"))
         open_units = (
             select(func.count())
             .select_from(wu)
@@ -137,9 +137,9 @@ class _UnitStatements:
             sr.c.request_id == bindparam("rid"),
             sr.c.finish_reason == FinishReason.FAILED.value,
         )
-        self.open_and_failed = select(
-            open_units, func.count(), func.min(sr.c.error), all_units
-        ).where(*failed)
+        self.open_and_failed = DriverStatement(
+            select(open_units, func.count(), func.min(sr.c.error), all_units).where(*failed)
+        )
         # (Its binds name no column of the tables it updates: an execution's parameter
         # named after a column would join their SET clauses. "need" stands for "n".)
         self.done_and_counts = None if dialect != "postgresql" else _done_and_counts(
@@ -401,7 +401,7 @@ class WorkLeases:
             params = self._unit_params(request_id, prompt_index, row.n)
             # Held, every sample stored, and done: one statement (the usual case); only a
             # refusal reads again, to say why.
-            if conn.execute(st.done, params).first() is None:
+            if st.done.first(conn, params) is None:
                 self.check_held(s, request_id, prompt_index)
                 count = conn.execute(st.stored, params).scalar()
                 raise Fenced(f"unit {request_id}/{prompt_index}: {count} of {row.n} stored")
@@ -434,7 +434,7 @@ class WorkLeases:
                 return None
             return self._close_unit(s, params, status, reason, None, "", started, row[1:])
         assert not bump, "a bump rides along on PostgreSQL only"
-        if s.connection().execute(st.done, params).first() is None:
+        if st.done.first(s.connection(), params) is None:
             return None
         return self._close_unit(s, params, status, reason, None, "", started)
 
@@ -455,7 +455,8 @@ class WorkLeases:
         `counts`: `open_and_failed`'s row when read already."""
         st, conn, rid = self._unit_statements, s.connection(), params["rid"]
         if counts is None:
-            counts = conn.execute(st.open_and_failed, params).one()
+            counts = st.open_and_failed.first(conn, params)
+            assert counts is not None  # (an aggregate: one row)
         left, failed, first_error, units = counts
         if left == 0 and status not in ENDED_STATUSES:
             new = outcome

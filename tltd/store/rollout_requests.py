@@ -101,19 +101,42 @@ class _AdmissionStatements:
         jobs, pauses = JobRow.__table__, JobPauseRow.__table__
         wu = WorkUnitRow.__table__
         paused = select(pauses.c.job_id).where(pauses.c.job_id == jobs.c.job_id).exists()
-        self.job = (
+        # (status, policy_version, priority, paused)
+        self.job = DriverStatement(
             select(jobs.c.status, jobs.c.policy_version, jobs.c.priority, paused.label("paused"))
             .where(jobs.c.job_id == bindparam("job"))
             .with_for_update(read=True, of=jobs)
         )
-        self.request = RolloutRequestRow.__table__.insert()
-        self.queued_units = insert(wu).values(state=QUEUED, owner_epoch=0, attempts=0)
-        self.leased_units = insert(wu).values(
-            state=LEASED, owner_node=bindparam("node"), owner_epoch=bindparam("epoch"),
-            attempts=1, lease_expires_at=db_later_bound(dialect),
+        # The request's INSERT per set of columns given (`request`).
+        self.requests: dict[tuple[str, ...], DriverStatement] = {}
+        units = (*_UNIT_COLUMNS, "request_id", "prompt_index")
+        self.queued_units = DriverStatement(
+            insert(wu).values(state=QUEUED, owner_epoch=0, attempts=0), columns=units
+        )
+        self.leased_units = DriverStatement(
+            insert(wu).values(
+                state=LEASED, owner_node=bindparam("node"), owner_epoch=bindparam("epoch"),
+                attempts=1, lease_expires_at=db_later_bound(dialect),
+            ),
+            columns=units,
         )  # fmt: skip
-        self.event = EventRow.__table__.insert()
+        self.event = DriverStatement(EventRow.__table__.insert(), columns=_EVENT_COLUMNS)
         self.at_once = DriverStatement(_admission_at_once()) if dialect == "postgresql" else None
+
+    def request(self, columns: tuple[str, ...]) -> DriverStatement:
+        """The INSERT of a request row of `columns` (built once per set of them)."""
+        got = self.requests.get(columns)
+        if got is None:
+            got = self.requests[columns] = DriverStatement(
+                RolloutRequestRow.__table__.insert(), columns=columns
+            )
+        return got
+
+
+# The columns of `_insert_units`'s rows besides the unit's key.
+_UNIT_COLUMNS = ("samples", "prompt_key", "priority", "reason", "preferred_node", "created_at",
+                 "updated_at")  # fmt: skip
+_EVENT_COLUMNS = ("entity", "entity_id", "old_status", "new_status", "reason", "at")
 
 
 def _admission_at_once() -> Select:
@@ -282,13 +305,14 @@ class RolloutRequests:
             # FOR SHARE until commit: a concurrent cancel of the job (FOR UPDATE) waits for
             # this request and then sees it, and a new policy version waits too, so the
             # version recorded is the job's current one at acceptance.
-            job = conn.execute(st.job, {"job": req.job_id}).first()
+            job = st.job.first(conn, {"job": req.job_id})
             if job is None:
                 raise NotFound(f"job {req.job_id!r} not found", field="job_id")
+            status, policy_version, priority, paused = job
             refused: Exception | None = None
-            if job.status != JobStatus.ACTIVE:
-                refused = FailedPrecondition(f"job {req.job_id!r} is {job.status}", field="job_id")
-            elif unless_paused and job.paused:
+            if status != JobStatus.ACTIVE:
+                refused = FailedPrecondition(f"job {req.job_id!r} is {status}", field="job_id")
+            elif unless_paused and paused:
                 refused = JobPaused(req.job_id)
             if refused is not None:  # a retry attaches all the same
                 existing = s.get(RolloutRequestRow, req.request_id)
@@ -300,18 +324,18 @@ class RolloutRequests:
             now = utcnow()
             stored = replace(
                 req, status=RequestStatus.QUEUED, status_reason="", samples_done=0,
-                policy_version=int(job.policy_version), created_at=now, updated_at=now,
+                policy_version=int(policy_version), created_at=now, updated_at=now,
             )  # fmt: skip
-            conn.execute(st.request, {**convert.request_columns(stored),
-                                      "created_at": now, "updated_at": now})  # fmt: skip
-            claims = self._insert_units(s, req, job.priority, now, claim)
+            row = {**convert.request_columns(stored), "created_at": now, "updated_at": now}
+            st.request(tuple(row)).execute(conn, row).close()
+            claims = self._insert_units(s, req, int(priority), now, claim)
             if req.carried:
                 self._unpark(s, req.job_id, now)
-            conn.execute(
-                st.event,
+            st.event.execute(
+                conn,
                 {"entity": "request", "entity_id": req.request_id, "old_status": "",
                  "new_status": RequestStatus.QUEUED.value, "reason": "submitted", "at": now},
-            )  # fmt: skip
+            ).close()  # fmt: skip
             if len(claims) < len(req.prompts):  # units any node may claim
                 notify(s, WORK, req.request_id)
             return Created(stored, True, claims)
@@ -361,9 +385,10 @@ class RolloutRequests:
             assert claim is not None
             lease = db_later_params(self.db.dialect, claim.lease_seconds)
             owner = {"node": self.db.node_id, "epoch": self.db.epoch}
-            conn.execute(st.leased_units, [{**r, **owner, **lease} for r in rows[:fit]])
+            leased = [{**r, **owner, **lease} for r in rows[:fit]]
+            st.leased_units.execute_many(conn, leased).close()
         if fit < len(rows):
-            conn.execute(st.queued_units, rows[fit:])
+            st.queued_units.execute_many(conn, rows[fit:]).close()
         return tuple(Claim(rid, p, 1) for p in range(fit))
 
     def _fit(self, req: RolloutRequest, claim: AdmissionClaim | None) -> int:

@@ -67,8 +67,9 @@ class _Statements:
             .with_for_update()
         )
         # The units written into and, in the same round trip, their samples stored (a unit
-        # without any: one row of NULL sample columns).
-        units = (
+        # without any: one row of NULL sample columns); of the prompts bound (`units_of`).
+        self._dialect = dialect
+        self._units = (
             select(
                 wu.c.prompt_index,
                 sr.c.id,
@@ -83,18 +84,44 @@ class _Statements:
                     (sr.c.request_id == wu.c.request_id) & (sr.c.prompt_index == wu.c.prompt_index),
                 )
             )
-            .where(wu.c.request_id == rid, _in_prompts(wu.c.prompt_index, dialect))
+            .where(wu.c.request_id == rid)
         )
-        self.held = DriverStatement(units.where(*held_bound(dialect)))
-        self.units = DriverStatement(units)
+        self._units_of: dict[tuple[bool, int], DriverStatement] = {}
         self.insert = sr.insert()
-        # PostgreSQL: the INSERT of rows of these columns (`SampleBatches._insert`).
+        # The INSERT of rows of these columns (`SampleBatches._insert`).
         self.inserts: dict[tuple[str, ...], DriverStatement] = {}
-        self.bump = (
+        self.bump = DriverStatement(
             update(rr)
             .where(rr.c.request_id == rid)
             .values(samples_done=rr.c.samples_done + bindparam("done"), updated_at=bindparam("now"))
         )
+
+    def units_of(self, held: bool, prompts: list[int]) -> tuple[DriverStatement, dict[str, Any]]:
+        """The statement that reads the units of `prompts` (with `held`, those held: binds as
+        `held_bound`), and the binds of `prompts`: on PostgreSQL `= ANY` of one array; on
+        SQLite an IN list of a bind per prompt (p0, p1, ...: the plan of a list of values,
+        the request's key index), built once per power of two of them, the last prompt
+        repeated to fill it."""
+        if self._dialect == "postgresql":
+            size, params = 0, {"prompts": prompts}
+        else:
+            size = len(prompts) if len(prompts) > 1024 else 1 << (len(prompts) - 1).bit_length()
+            filled = prompts + prompts[-1:] * (size - len(prompts))
+            params = {f"p{i}": p for i, p in enumerate(filled)}
+        statement = self._units_of.get((held, size))
+        if statement is None:
+            wu = WorkUnitRow.__table__
+            if self._dialect == "postgresql":
+                given = wu.c.prompt_index == any_(bindparam("prompts", type_=ARRAY(Integer())))
+            else:
+                given = wu.c.prompt_index.in_(
+                    [bindparam(f"p{i}", type_=Integer()) for i in range(size)]
+                )
+            query = self._units.where(given)
+            if held:
+                query = query.where(*held_bound(self._dialect))
+            statement = self._units_of[(held, size)] = DriverStatement(query)
+        return statement, params
 
 
 class SampleBatches:
@@ -219,21 +246,23 @@ class SampleBatches:
             notify(s, SAMPLE, rid)
 
     def _insert(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
-        """The batch's new rows in one INSERT: on PostgreSQL on the driver's cursor, from an
+        """The batch's new rows on the driver's cursor: on PostgreSQL in one INSERT, from an
         array per column (`_unnest_insert`: one short statement whatever the row count, which
         psycopg parses once; a multi-row VALUES list is parsed again at each execution),
-        elsewhere through SQLAlchemy."""
+        elsewhere an INSERT per row (the driver's executemany, one compiled statement)."""
         if not rows:
             return
-        if self.db.dialect != "postgresql":
-            conn.execute(self._batch_statements.insert, rows)
-            return
+        postgresql = self.db.dialect == "postgresql"
         columns = tuple(rows[0])
         statement = self._batch_statements.inserts.get(columns)
         if statement is None:
-            statement = self._batch_statements.inserts[columns] = _unnest_insert(columns)
-        params = {k: [row[k] for row in rows] for k in columns}
-        statement.execute(conn, params).close()
+            statement = _unnest_insert(columns) if postgresql else _rows_insert(columns)
+            self._batch_statements.inserts[columns] = statement
+        if postgresql:
+            params = {k: [row[k] for row in rows] for k in columns}
+            statement.execute(conn, params).close()
+        else:
+            statement.execute_many(conn, rows).close()
 
     def _bump(
         self, conn: Connection, rid: str, done: int, wrote: bool, now: datetime, ends_units: bool
@@ -244,7 +273,8 @@ class SampleBatches:
         if ends_units and self.leases.bumps_with_end:
             return done, now
         if done or wrote:
-            conn.execute(self._batch_statements.bump, {"rid": rid, "done": done, "now": now})
+            bumped = {"rid": rid, "done": done, "now": now}
+            self._batch_statements.bump.execute(conn, bumped).close()
         return None
 
     def _end_units(
@@ -328,11 +358,9 @@ class SampleBatches:
         """Of `prompts`, the units of `rid` this node may write, with their stored samples
         (`_Statements`): those it holds on a joined node (a joined node writes only into
         units it holds), every one that exists on a node alone."""
-        st = self._batch_statements
-        params: dict[str, object] = {"rid": rid, "prompts": sorted(prompts)}
-        statement = st.units
+        statement, params = self._batch_statements.units_of(bool(self.db.epoch), sorted(prompts))
+        params["rid"] = rid
         if self.db.epoch:
-            statement = st.held
             owner = {"node": self.db.node_id, "epoch": self.db.epoch}
             params |= owner | db_now_params(self.db.dialect)
         return statement.all(s.connection(), params)
@@ -353,12 +381,10 @@ def _unnest_insert(columns: tuple[str, ...]) -> DriverStatement:
     return DriverStatement(insert, binary=True)
 
 
-def _in_prompts(prompt_index: Any, dialect: str) -> Any:
-    """`prompt_index` among the bound "prompts": on PostgreSQL `= ANY` of one array bind (a
-    statement the driver runs as it is), elsewhere an IN list expanded at each execution."""
-    if dialect == "postgresql":
-        return prompt_index == any_(bindparam("prompts", type_=ARRAY(Integer())))
-    return prompt_index.in_(bindparam("prompts", expanding=True))
+def _rows_insert(columns: tuple[str, ...]) -> DriverStatement:
+    """INSERT INTO samples (<columns>) VALUES (<a bind per column, named after it>), run
+    once per row (SQLite)."""
+    return DriverStatement(SampleRow.__table__.insert(), columns=columns)
 
 
 def _completed(

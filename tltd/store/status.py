@@ -93,13 +93,13 @@ def switch_status_from(
         params |= {"entity": entity, "channel": channel}
         statement = _moved_with_event(entity, row_type, bool(channel))
         return _notified(session, statement.first(conn, params), channel, entity_id)
-    moved = conn.execute(_guarded_update(entity, row_type), params).rowcount
+    moved = _guarded(entity, row_type).rowcount(conn, params)
     if moved:
-        session.connection().execute(
-            _EVENT_INSERT,
+        _EVENT_ROW.execute(
+            conn,
             {"entity": entity, "entity_id": entity_id, "old_status": str(old),
              "new_status": str(new), "reason": reason, "at": now},
-        )  # fmt: skip
+        ).close()  # fmt: skip
     return _notified(session, moved or None, channel, entity_id)
 
 
@@ -139,9 +139,9 @@ def switch_status_through(
             params |= {f"o{i}": e["old_status"], f"n{i}": e["new_status"], f"r{i}": e["reason"]}
         statement = _moved_through_with_events(entity, row_type, len(steps), bool(channel))
         return _notified(session, statement.first(conn, params), channel, entity_id)
-    moved = conn.execute(_guarded_update(entity, row_type), params).rowcount
+    moved = _guarded(entity, row_type).rowcount(conn, params)
     if moved:
-        conn.execute(_EVENT_INSERT, events)
+        _EVENT_ROW.execute_many(conn, events).close()
     return _notified(session, moved or None, channel, entity_id)
 
 
@@ -185,6 +185,12 @@ def _guarded_update(entity: str, row_type: type) -> Update:
         .where(key == bindparam("key"), table.c[column] == bindparam("old"))
         .values(**values)
     )
+
+
+@functools.cache
+def _guarded(entity: str, row_type: type) -> DriverStatement:
+    """`_guarded_update` run on the driver's cursor."""
+    return DriverStatement(_guarded_update(entity, row_type))
 
 
 def _returning(insert: Insert, notifies: bool) -> DriverStatement:
@@ -249,6 +255,9 @@ def _moved_through_with_events(
 
 
 _EVENT_INSERT = EventRow.__table__.insert()
+_EVENT_ROW = DriverStatement(
+    _EVENT_INSERT, columns=("entity", "entity_id", "old_status", "new_status", "reason", "at")
+)
 
 
 def record_event(
