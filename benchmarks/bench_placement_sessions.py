@@ -11,9 +11,10 @@ every rule: between rounds the supervisor's scheduler config is rebuilt from the
 another `session_placement` (one daemon per rule would start six workers, a minute of this
 machine). Sessions go through the real client over gRPC. The job runs the project's own policy
 (models/tiny-policy) with speculative decoding off. The rules: "sticky" (the default: the
-worker holding the session's KV unless it runs over 4 samples more than the other), "hash"
-(rendezvous hashing of the session id, whatever the load) and "round_robin" (session turns
-handed to the workers in rotation, the KV ignored).
+worker holding the session's KV, waited for while full, unless it is busier than the other by
+more than a quarter of its capacity, counting the turns queued for it), "hash" (rendezvous
+hashing of the session id, whatever the load: a full worker's turns wait for it) and
+"round_robin" (session turns handed to the workers in rotation, the KV ignored).
 
 Workload, one round: `--long` sessions of `--long-turns` turns and `--short` of
 `--short-turns`, all opened at once, each driven by its own client thread (one RL step's
@@ -27,6 +28,9 @@ its worker's prefix cache only between its turns (a turn takes it out while it r
 environment answering at once (`--env-ms 0`) and the default 256 MiB, nothing is evicted;
 `--env-ms` (the environment's time per step) and `--cache-mb` (`worker_prefix_cache_mb`) put
 the cache under pressure, where a worker given more sessions than its share drops KV.
+`--capacity` (`worker_max_batch`) bounds the sequences a worker runs at once and `--inflight`
+runs the sessions as a closed loop, that many at a time (a rollout manager keeping its agents
+busy): with both at the workers' total capacity, a turn placed on a busier worker waits.
 
 Per rule: turns run, how they split over the two workers, the prefix-cache hit rate over the
 turns that can hit (every turn but a session's first; the daemon's
