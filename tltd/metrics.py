@@ -277,8 +277,9 @@ _DECLARED: dict[str, _Declared] = {
         Counter,
         "tltd_session_repins",
         "Session turns sent to another worker than the one holding their KV, by reason: gone "
-        "(lost with the KV, stopped, cordoned), version (another job or policy version), full, "
-        "overloaded (beyond sticky_slack_samples) or rule (session_placement hash, round_robin)",
+        "(lost with the KV, stopped, cordoned), version (another job or policy version), full or "
+        "overloaded (its load, running and queued, beyond the least loaded's by more than the "
+        "slack) or rule (session_placement hash, round_robin)",
         ("reason",),
     ),
     "queue_depth": _Declared(
