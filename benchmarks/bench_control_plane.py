@@ -143,17 +143,19 @@ def source_env(src: Path, scratch: Path) -> dict[str, str]:
 
 class Daemon:
     """`tltd serve` from checkout `src` (its daemon and workers) on a free port, on database
-    `url`."""
+    `url`; `env`: more TLTD_* settings."""
 
     def __init__(
-        self, src: Path, url: str, data: Path, cpu_slots: int, prefix: list[str], sim: str = ""
-    ):
+        self, src: Path, url: str, data: Path, cpu_slots: int, prefix: list[str], sim: str = "",
+        env: dict[str, str] | None = None,
+    ):  # fmt: skip
         data.mkdir(parents=True, exist_ok=True)
         port_file = data / "port"
-        env = source_env(src, data.parent)
+        extra, env = env or {}, source_env(src, data.parent)
         env["TLTD_DRAFTER_TRAINING"] = "false"
         if sim:
             env["TLTD_SIM_ENGINE"] = sim
+        env |= extra
         self.log_path = data / "tltd.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(

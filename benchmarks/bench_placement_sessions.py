@@ -3,6 +3,7 @@ prefix-cache hits and session latency on two workers under a skewed mix of sessi
 
     python benchmarks/bench_placement_sessions.py           # 2 x 24-turn + 16 x 4-turn, 3 rounds
     python benchmarks/bench_placement_sessions.py --quick   # a smoke test (tests/engine)
+    python benchmarks/bench_placement_sessions.py --nodes 2 [--quick]   # two nodes, PostgreSQL
 
 The daemon (`tltd.daemon.Daemon`, the parts `tltd serve` runs: the supervisor with 2 real torch
 rollout worker processes of one thread each, the gRPC server, SQLite; drafter training off) runs
@@ -32,6 +33,38 @@ the cache under pressure, where a worker given more sessions than its share drop
 runs the sessions as a closed loop, that many at a time (a rollout manager keeping its agents
 busy): with both at the workers' total capacity, a turn placed on a busier worker waits.
 
+Two nodes (`--nodes 2`): where a session's turns run when two real `tltd serve` processes
+(`bench_control_plane.Daemon`) share one PostgreSQL database (`TLTD_TEST_PG_URL`'s server),
+each with one torch rollout worker (`--cpu-slots 1`), drafter training off, `--capacity` as
+`worker_max_batch`, every other setting the default (a 1 s `session_affinity_seconds`, a
+0.5 s `claim_interval_seconds`). The rule is a daemon's setting, so each rule's round runs on
+a fresh pair of nodes on a fresh database, rules rotated per round; in one round every rule
+gets the same prompts and the clients the same picks of nodes. A session is opened at a node
+and each of its turns (and its close) sent to a node picked by a generator seeded per session:
+either node, as a trainer's load balancer that does not know where the KV is; the daemons
+route the turn. A turn is a request of one unit. While another node is up, the node admitting
+it leases nothing to itself at admission (`AdmissionClaim`: `admission_capacity` is 0 then):
+the unit is queued, the admitting node claims at once and NOTIFY wakes the other, and a node
+claims (`claim_units`) the oldest queued units its free slots fit. The rules:
+  "sticky"  `session_placement=sticky`: a turn after the first prefers the node that ran the
+            turn before (`SessionService._preferred_node`: the owner of that turn's unit),
+            which holds its KV; the other node skips the unit until 1 s after its creation
+            (`session_affinity_seconds`), then either node may claim it (the preferred one
+            claims it sooner when it has a free slot)
+  "none"    `session_placement=round_robin`: no unit prefers a node (only sticky sets one),
+            so whichever node claims the unit first runs it: the admitting node claims
+            without waiting for NOTIFY, but only into a free slot, and in a closed loop at
+            the nodes' total capacity the free slot is often the one the session's turn
+            before just left (its KV's node: fewer moves than the clients' random picks)
+Inside a node of one worker the rule picks nothing. The figures come from each node's own
+Prometheus endpoint (`metrics_port`, a free port picked here; 0 turns it off), read over
+HTTP and summed over both nodes before and after each round; the split is per node. Below
+the table, from the store: the turns that preferred a node and those of them run on the other
+one, the turns run on another node than the turn before, and the latency of the turns after
+a session's first, from send to answer (one of 1 s or more may have waited out the affinity,
+or a full node's slot: under "none" too). A hit is a lookup that reused some positions: a turn
+back on a node that ran an earlier turn of its session but not the last reuses that much.
+
 Per rule: turns run, how they split over the two workers, the prefix-cache hit rate over the
 turns that can hit (every turn but a session's first; the daemon's
 `tltd_prefix_cache_lookups_total`), prompt positions prefilled (`tltd_prefill_tokens_total`,
@@ -45,10 +78,13 @@ import argparse
 import asyncio
 import os
 import random
+import socket
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -58,7 +94,11 @@ sys.path.insert(0, str(ROOT))
 
 MODEL = ROOT / "models" / "tiny-policy"
 RULES = ("sticky", "hash", "round_robin")
+# --nodes 2: the rule's name in the table -> the nodes' `session_placement`.
+NODE_RULES = {"sticky": "sticky", "none": "round_robin"}
+NODE_NAMES = ("node-a", "node-b")
 JOB = "bench-placement"
+PG_ADMIN_URL = os.environ.get("TLTD_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 @dataclass(frozen=True)
@@ -97,6 +137,7 @@ class Counts:
     misses: dict[str, float] = field(default_factory=dict)
     computed: float = 0.0  # prompt positions a forward ran over
     reused: float = 0.0  # prompt positions restored from a session's kept KV
+    computed_by: dict[str, float] = field(default_factory=dict)  # --nodes 2: per node
 
     def minus(self, before: Counts) -> Counts:
         def sub(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -214,6 +255,124 @@ def _ready(workers) -> bool:
     return len(rollout) == 2 and all(x.job_id == JOB and x.state == "ready" for x in rollout)
 
 
+class NodePair:
+    """Two `tltd serve` processes (`bench_control_plane.Daemon`) on one PostgreSQL database,
+    one torch rollout worker each, sessions placed by `placement`; metrics on a free port."""
+
+    def __init__(
+        self, url: str, scratch: Path, placement: str, capacity: int | None, cache_mb: int | None
+    ) -> None:
+        from benchmarks.bench_control_plane import Daemon
+
+        self.url, self.nodes, self.ports = url, [], []
+        try:
+            for name in NODE_NAMES:  # one after the other: the first migrates the database
+                port = _free_port()
+                env = {"TLTD_NODE_ID": name, "TLTD_SESSION_PLACEMENT": placement,
+                       "TLTD_METRICS_PORT": str(port)}  # fmt: skip
+                if capacity:
+                    env["TLTD_WORKER_MAX_BATCH"] = str(capacity)
+                if cache_mb is not None:
+                    env["TLTD_WORKER_PREFIX_CACHE_MB"] = str(cache_mb)
+                self.nodes.append(Daemon(ROOT, url, scratch / name, 1, [], env=env))
+                self.ports.append(port)
+        except BaseException:
+            self.stop()
+            raise
+        self.targets = [d.target for d in self.nodes]
+
+    def prepare(self, w: Workload) -> None:
+        """The job, and both nodes' workers loaded and past their first forwards (not timed):
+        requests of 8 prompts, alternately at each node, until both nodes prefilled some."""
+        from tltd.v1 import common_pb2, rollout_pb2
+        from tltd_clients.client import TltClient
+
+        spec = common_pb2.SpeculativeConfig(mode=common_pb2.SPECULATIVE_MODE_OFF)
+        sp = rollout_pb2.SamplingParams(temperature=0.0, max_new_tokens=w.answer)
+        deadline = time.monotonic() + 180
+        with TltClient(self.targets[0]) as c:
+            c.create_job(str(MODEL), job_id=JOB, speculative=spec)
+        for target in self.targets:
+            with TltClient(target) as c:
+                while not any(x.kind == "rollout" and x.job_id == JOB and x.state == "ready"
+                              for x in c.list_workers()):  # fmt: skip
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{target}: no worker loaded the job in 180 s")
+                    time.sleep(0.1)
+        sent = 0
+        while min(self.counts().computed_by.values()) <= 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the warm-up's prefills did not reach both nodes' metrics")
+            with TltClient(self.targets[sent // 8 % 2]) as c:
+                list(c.generate(JOB, [_tokens(7000 + sent + i, w.prompt) for i in range(8)],
+                                sampling=sp))  # fmt: skip
+            sent += 8
+            # Its prefills reach the metrics with the workers' next heartbeats.
+            while self.counts().computed < sent * w.prompt and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    def counts(self) -> Counts:
+        """Both nodes' prefix-cache counters over HTTP, keyed by node (one worker each)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = Counts()
+        for name, port in zip(NODE_NAMES, self.ports, strict=True):
+            url = f"http://127.0.0.1:{port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as r:
+                text = r.read().decode()
+            out.hits[name] = out.misses[name] = out.computed_by[name] = 0.0
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    if s.name == "tltd_prefix_cache_lookups_total":
+                        into = out.hits if s.labels["result"] == "hit" else out.misses
+                        into[name] += s.value
+                    elif s.name == "tltd_prefill_tokens_total":
+                        if s.labels["source"] == "computed":
+                            out.computed += s.value
+                            out.computed_by[name] += s.value
+                        else:
+                            out.reused += s.value
+        return out
+
+    def moves(self) -> list[int]:
+        """Session turns past the first: [preferring a node, run on another node than the
+        preferred one, run on another node than the previous turn] (the store's units)."""
+        from sqlalchemy import create_engine, text
+        from sqlalchemy.pool import NullPool
+
+        engine = create_engine(self.url, poolclass=NullPool)
+        try:
+            with engine.connect() as conn:
+                row = conn.execute(text(_MOVES)).one()
+        finally:
+            engine.dispose()
+        return [int(x or 0) for x in row]
+
+    def stop(self) -> None:
+        for d in self.nodes:
+            d.stop()
+
+
+_MOVES = """
+WITH t AS (
+  SELECT st.turn_index, w.preferred_node, w.owner_node,
+         LAG(w.owner_node) OVER (PARTITION BY st.session_id ORDER BY st.turn_index) AS before
+  FROM session_turns st JOIN work_units w ON w.request_id = st.request_id
+)
+SELECT count(*) FILTER (WHERE preferred_node IS NOT NULL),
+       count(*) FILTER (WHERE preferred_node IS NOT NULL AND owner_node <> preferred_node),
+       count(*) FILTER (WHERE turn_index > 0 AND owner_node <> before)
+FROM t
+"""
+
+
+def _free_port() -> int:
+    """A port free now (the daemon binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _tokens(seed: int, count: int) -> list[int]:
     """Fixed pseudo-random tokens in 3..53 (the policy's vocabulary, clear of pad, bos, eos),
     another sequence for every seed: sessions of one prompt would share its prefill."""
@@ -221,25 +380,38 @@ def _tokens(seed: int, count: int) -> list[int]:
     return [rng.randrange(3, 54) for _ in range(count)]
 
 
-def run_session(target: str, sid: str, turns: int, w: Workload, seed: int) -> float:
-    """One session's turns back to back; seconds from its open to its last turn done."""
+def run_session(
+    targets: Sequence[str], sid: str, turns: int, w: Workload, seed: int
+) -> tuple[float, list[float]]:
+    """One session's turns back to back, its open, each turn and its close sent to one of
+    `targets` picked by a generator seeded by `seed` (a load balancer that does not know where
+    the session's KV is: the daemons route the turn); seconds from its open to its last turn
+    done, and the seconds of each turn after the first."""
     from tltd.v1 import rollout_pb2
     from tltd_clients.client import TltClient
 
     sp = rollout_pb2.SamplingParams(temperature=0.0, max_new_tokens=w.answer)
-    with TltClient(target) as c:
-        start = time.perf_counter()
-        c.open_session(JOB, _tokens(seed, w.prompt), session_id=sid)
+    pick = random.Random(-seed)
+    clients = [TltClient(t) for t in targets]
+    try:
+        start, per_turn = time.perf_counter(), []
+        pick.choice(clients).open_session(JOB, _tokens(seed, w.prompt), session_id=sid)
         for t in range(turns):
             if t and w.env_ms:
                 time.sleep(w.env_ms / 1000)  # its KV waits in the worker's prefix cache
             env = _tokens(1000 * seed + t, w.env) if t else []
-            out = c.turn(sid, t, env, sampling=sp).turn
+            sent = time.perf_counter()
+            out = pick.choice(clients).turn(sid, t, env, sampling=sp).turn
+            if t:  # a first turn prefills its prompt: not comparable
+                per_turn.append(time.perf_counter() - sent)
             if len(out.token_ids) != w.answer:
                 raise RuntimeError(f"{sid} turn {t}: {len(out.token_ids)} tokens")
         seconds = time.perf_counter() - start
-        c.close_session(sid)
-    return seconds
+        pick.choice(clients).close_session(sid)
+    finally:
+        for c in clients:
+            c.close()
+    return seconds, per_turn
 
 
 @dataclass
@@ -250,6 +422,9 @@ class Result:
     turns: int = 0
     sessions: int = 0
     counts: Counts = field(default_factory=Counts)
+    turn_seconds: list[float] = field(default_factory=list)  # turns after a session's first
+    extra_lookups: int = 0  # lookups beyond one per turn (a turn's unit run twice)
+    moves: list[int] = field(default_factory=lambda: [0, 0, 0])  # --nodes 2: see `moves`
 
     def add(self, counts: Counts) -> None:
         for name in ("hits", "misses"):
@@ -270,28 +445,39 @@ class Result:
 
 
 def run_round(d: LocalDaemon, w: Workload, n: int, res: Result) -> None:
-    """Every session of round `n` at once under rule `res.rule`; adds its figures to `res`."""
+    """Every session of round `n` under rule `res.rule`; adds its figures to `res`."""
     d.use(res.rule)
-    before = d.counts()
+    drive([d.target], d.counts, w, n, RULES.index(res.rule), res)
+
+
+def drive(
+    targets: Sequence[str], counts: Callable[[], Counts], w: Workload, n: int, index: int,
+    res: Result,
+) -> None:  # fmt: skip
+    """Round `n`'s sessions through `targets` (all at once, or `inflight` at a time), prompts
+    from seed block `index`; adds the round's figures (`counts` before and after) to `res`."""
+    before = counts()
     # Prompts of their own in every round of every rule (see `_tokens`).
-    first = 1 + (n * len(RULES) + RULES.index(res.rule)) * (w.long + w.short)
+    first = 1 + (n * len(RULES) + index) * (w.long + w.short)
     sessions, seed = w.sessions(f"{res.rule}-r{n}", order=n), first
     start = time.perf_counter()
     # A session at a time per thread: all at once, or `inflight` of them (a closed loop).
     with ThreadPoolExecutor(w.inflight or len(sessions)) as pool:
         futures = [
-            pool.submit(run_session, d.target, sid, turns, w, seed + i)
+            pool.submit(run_session, targets, sid, turns, w, seed + i)
             for i, (sid, turns) in enumerate(sessions)
         ]
-        latencies = [f.result() for f in futures]
+        done = [f.result() for f in futures]
     res.wall += time.perf_counter() - start
     # The counters come with the workers' heartbeats: wait for every turn's lookup.
     deadline = time.monotonic() + 30
-    while (got := d.counts().minus(before)).lookups < w.turns and time.monotonic() < deadline:
+    while (got := counts().minus(before)).lookups < w.turns and time.monotonic() < deadline:
         time.sleep(0.2)
-    if got.lookups != w.turns:
+    if got.lookups < w.turns:
         raise RuntimeError(f"{res.rule}: {got.lookups} prefix lookups for {w.turns} turns")
-    res.latencies += latencies
+    res.extra_lookups += got.lookups - w.turns
+    res.latencies += [seconds for seconds, _ in done]
+    res.turn_seconds += [t for _, turns in done for t in turns]
     res.turns += w.turns
     res.sessions += len(sessions)
     res.add(got)
@@ -353,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="worker_max_batch: sequences a worker runs at once (default: the daemon's)",
     )
+    nodes = "1: one daemon of two workers; 2: two `tltd serve` nodes on PostgreSQL"
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1, help=nodes)
     args = p.parse_args(argv)
     if args.quick:
         args.long, args.long_turns, args.short, args.short_turns = 1, 6, 4, 2
@@ -361,14 +549,31 @@ def main(argv: list[str] | None = None) -> int:
         args.long, args.long_turns, args.short, args.short_turns,
         args.prompt, args.answer, args.env, args.rounds, args.env_ms, args.inflight,
     )  # fmt: skip
+    where = (
+        "2 torch workers in one daemon"
+        if args.nodes == 1
+        else "2 `tltd serve` nodes on one PostgreSQL database, 1 torch worker each"
+    )
     print(
         f"workload per round: {w.long} sessions of {w.long_turns} turns and {w.short} of "
         f"{w.short_turns}, {_pace(w)} ({w.turns} turns); prompt {w.prompt} tokens, each turn "
         f"samples {w.answer} (greedy, no stop) then the environment adds {w.env} after "
         f"{w.env_ms} ms; "
-        f"{w.rounds} round(s) per rule, rotated; 2 torch workers, model {MODEL.name}, SD off; "
+        f"{w.rounds} round(s) per rule, rotated; {where}, model {MODEL.name}, SD off; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
+    results = run_local(args, w) if args.nodes == 1 else run_nodes(args, w)
+    print(table(results))
+    for r in results:
+        if r.extra_lookups:
+            print(f"{r.rule}: {r.extra_lookups} prefix lookups beyond one per turn")
+    if args.nodes == 2:
+        print(node_summary(results))
+    return 0
+
+
+def run_local(args: argparse.Namespace, w: Workload) -> list[Result]:
+    """Every rule on one in-process daemon of two workers, rule switched between rounds."""
     with tempfile.TemporaryDirectory(prefix="bench-placement-") as tmp:
         d = LocalDaemon(Path(tmp), args.cache_mb, args.capacity)
         print(
@@ -383,8 +588,59 @@ def main(argv: list[str] | None = None) -> int:
                     run_round(d, w, n, res)
         finally:
             d.stop()
-    print(table(results))
-    return 0
+    return results
+
+
+def run_nodes(args: argparse.Namespace, w: Workload) -> list[Result]:
+    """Each rule's round on a fresh pair of nodes on a fresh PostgreSQL database (the rule is
+    a daemon's setting), rules rotated per round; the same prompts and the same node picks
+    of the clients for every rule in a round."""
+    from tltd.store.database import scratch_postgres
+
+    results = [Result(rule) for rule in NODE_RULES]
+    with tempfile.TemporaryDirectory(prefix="bench-placement-nodes-") as tmp:
+        for n in range(w.rounds):
+            for res in results:
+                with scratch_postgres(PG_ADMIN_URL, "tltd_bench_place") as url:
+                    node_round(url, Path(tmp) / f"{res.rule}-r{n}", args, w, n, res)
+    return results
+
+
+def node_round(
+    url: str, scratch: Path, args: argparse.Namespace, w: Workload, n: int, res: Result
+) -> None:
+    """Round `n` of rule `res.rule` on a fresh pair of nodes on database `url`."""
+    pair = NodePair(url, scratch, NODE_RULES[res.rule], args.capacity, args.cache_mb)
+    try:
+        started = time.perf_counter()
+        pair.prepare(w)
+        warm = time.perf_counter() - started
+        print(f"round {n} {res.rule}: nodes up and warm ({warm:.0f} s of warm-up)", flush=True)
+        drive(pair.targets, pair.counts, w, n, 0, res)
+        res.moves = [a + b for a, b in zip(res.moves, pair.moves(), strict=True)]
+    finally:
+        pair.stop()
+
+
+def node_summary(results: list[Result]) -> str:
+    """Where the turns went across nodes, and the turns that took a second or more (the
+    affinity's wait is `session_affinity_seconds`, 1 s by default)."""
+    lines = []
+    for r in results:
+        preferring, elsewhere, switched = r.moves
+        xs = sorted(r.turn_seconds)
+        slow = sum(1 for x in xs if x >= 1.0)
+        lines.append(
+            f"{r.rule}: {preferring} turns preferred a node, {elsewhere} of them ran on the "
+            f"other; {switched} of {r.turns - r.sessions} later turns ran on another node than "
+            f"the turn before; their latency p50 {_q(xs, 0.5):.3f} s, p99 {_q(xs, 0.99):.3f} s, "
+            f"max {xs[-1]:.3f} s, {slow} of them >= 1 s"
+        )
+    return "\n".join(lines)
+
+
+def _q(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 if __name__ == "__main__":
