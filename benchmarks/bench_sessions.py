@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sessions.py           # 8, 16 and as many turns as the context holds
     python benchmarks/bench_sessions.py --quick   # 4, 8 and 12 short turns (a smoke test)
+    python benchmarks/bench_sessions.py --task calculator   # the agentic task's sessions
 
 Each row runs the same sessions through the torch engine twice, on the project's own policy
 (models/tiny-policy): "reuse" keys each turn by its session (as the daemon does, so the engine
@@ -13,7 +14,9 @@ session starts with a `--prompt`-token prompt, each turn samples exactly `--answ
 tokens per session and turn) before the next turn. Per row: prompt positions prefilled (and
 the share reuse saved), turn latency p50 / p99 (the wall time of one turn of all sessions),
 the whole run's time and its ratio stateless / reuse, and whether every turn's tokens are
-identical in both arms.
+identical in both arms. `--task calculator` runs the agentic task's sessions instead
+(`run_task_arm`): each a problem of turns - 1 steps, the policy calling the calculator at the
+end of every line and its output appended, as examples/agent_demo.py runs them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +108,53 @@ def run_arm(engine, w: Workload, turns: int, keyed: bool, tag: str) -> Arm:
     return Arm(prefilled, engine.prefix.stats.reused_tokens - before[1], latencies, seconds, tokens)
 
 
+def run_task_arm(engine, w: Workload, turns: int, keyed: bool, tag: str) -> Arm:
+    """`run_arm` on the agentic task (examples/agent_demo.py's): each session a problem of
+    `turns - 1` steps, the policy (greedy) writing until it calls the calculator (`=`) or
+    stops, the calculator's output appended before the next turn; a session ends when the
+    policy stops without a call."""
+    from examples.task import decode, load_tokenizer
+    from examples.task.calculator import CALL, calculator
+    from examples.task.workload import STOP_TOKEN_ID, rollout_prompts
+    from tltd.domain import SamplingParams
+    from tltd_workers.engine.engine import Request
+
+    tok = load_tokenizer(MODEL)
+    call = tok.token_to_id(CALL)
+    sp = SamplingParams(
+        n=1, temperature=0.0, max_new_tokens=w.answer, stop_token_ids=(STOP_TOKEN_ID, call)
+    )
+    items = rollout_prompts(w.sessions, seed=turns, model_dir=MODEL, num_steps=turns - 1)
+    contexts = [list(ids) for _, ids in items]
+    answers: list[list[int]] = [[] for _ in contexts]  # after the prompt: sampled and tool
+    tokens: list[list[list[int]]] = [[] for _ in contexts]
+    before = engine.prefix.stats.prefilled_tokens, engine.prefix.stats.reused_tokens
+    latencies: list[float] = []
+    start = time.perf_counter()
+    active = list(range(len(contexts)))
+    while active:
+        key = (lambda s: f"{tag}-{s}") if keyed else (lambda s: "")
+        reqs = [
+            Request(f"{tag}-{s}-{len(tokens[s])}", contexts[s] + answers[s], sp, cache_key=key(s))
+            for s in active
+        ]
+        t0 = time.perf_counter()
+        outs = {o.request_id: o.token_ids for o in engine.generate(reqs)}
+        latencies.append(time.perf_counter() - t0)
+        for s in list(active):
+            out = list(outs[f"{tag}-{s}-{len(tokens[s])}"])
+            tokens[s].append(out)
+            answers[s] += out
+            if out and out[-1] == call and len(tokens[s]) < turns:
+                answers[s] += tok.encode(calculator(decode(tok, answers[s])),
+                                         add_special_tokens=False).ids  # fmt: skip
+            else:
+                active.remove(s)
+    seconds = time.perf_counter() - start
+    prefilled = engine.prefix.stats.prefilled_tokens - before[0]
+    return Arm(prefilled, engine.prefix.stats.reused_tokens - before[1], latencies, seconds, tokens)
+
+
 def _engine(w: Workload, spec: str):
     """`spec`: off, fixed (n-gram drafts, k 4) or eagle (the shipped EAGLE drafter, k 4)."""
     from tltd_workers.engine.bandit import Strategy
@@ -121,6 +171,23 @@ def _engine(w: Workload, spec: str):
     if spec == "eagle":
         engine.set_drafter(EagleDrafter.from_pretrained(DRAFTER, engine.model), 1)
     return engine
+
+
+def _described(w: Workload, spec: str, threads: int, task: bool) -> str:
+    if task:
+        what = (
+            f"{w.sessions} sessions of the agentic task stepped together, each a problem of "
+            f"turns - 1 steps: the policy (greedy) writes until it calls the calculator (at "
+            f"most {w.answer} tokens a turn), the calculator's output is appended; problems "
+            f"of at most 24 steps (25 turns); context {w.max_seq_len}"
+        )
+    else:
+        what = (
+            f"{w.sessions} sessions stepped together, prompt {w.prompt} tokens, each turn "
+            f"samples {w.answer} tokens (greedy, no stop) then the environment adds {w.env}; "
+            f"context {w.max_seq_len} (at most {w.most_turns()} turns)"
+        )
+    return f"workload: {what}; model {MODEL.name}; SD {spec}; {threads} thread(s)"
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -162,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         help="fixed: n-gram SD; eagle: the shipped EAGLE drafter (models/tiny-policy-eagle)",
     )  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--task", default="synthetic", choices=("synthetic", "calculator"),
+        help="calculator: the agentic task's sessions (a problem of turns - 1 steps, the "
+        "policy calling the calculator; --answer caps a turn, --prompt and --env unused)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.sessions, args.prompt, args.answer, args.env, args.max_seq_len = 2, 8, 4, 3, 96
@@ -170,28 +242,31 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     w = Workload(args.sessions, args.prompt, args.answer, args.env, args.max_seq_len)
-    counts = [w.most_turns() if x == "max" else int(x) for x in args.turns.split(",")]
-    counts = [min(c, w.most_turns()) for c in counts]
-    print(
-        f"workload: {w.sessions} sessions stepped together, prompt {w.prompt} tokens, each "
-        f"turn samples {w.answer} tokens (greedy, no stop) then the environment adds {w.env}; "
-        f"context {w.max_seq_len} (at most {w.most_turns()} turns); model {MODEL.name}; "
-        f"SD {args.spec}; {args.threads} thread(s)"
-    )
+    task = args.task == "calculator"
+    if task:  # a turn of the task: a line of ~21 tokens (its tool output included)
+        w = replace(w, prompt=64, answer=max(w.answer, 24), env=0)
+    most = w.most_turns()
+    if task:
+        from examples.task.reasoning import MAX_STEPS
+
+        most = min(most, MAX_STEPS + 1)  # the task's longest problem, a turn per step and one
+    counts = [most if x == "max" else min(int(x), most) for x in args.turns.split(",")]
+    print(_described(w, args.spec, args.threads, task))
     reusing, stateless = _engine(w, args.spec), _engine(w, args.spec)
+    arm = run_task_arm if task else run_arm
     for engine in (reusing, stateless):  # first forwards allocate: not in either arm's time
-        run_arm(engine, w, 2, False, "warm-up")
+        arm(engine, w, 2, False, "warm-up")
     rows = []
     for i, turns in enumerate(counts):
         tag = f"r{i}"
         rows.append(
-            Row(
-                turns,
-                run_arm(reusing, w, turns, True, tag),
-                run_arm(stateless, w, turns, False, tag),
-            )
+            Row(turns, arm(reusing, w, turns, True, tag), arm(stateless, w, turns, False, tag))
         )
     print(table(rows))
+    if task:
+        print("turns done per session: " + "; ".join(
+            f"{r.turns}: {sorted({len(t) for t in r.reuse.tokens})}" for r in rows
+        ))  # fmt: skip
     if args.spec != "off":
         print("drafts accepted / drafted, warm-up included: " + ", ".join(
             f"{name} {e.stats.summary()['tokens']['accepted']} / "

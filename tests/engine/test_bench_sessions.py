@@ -36,3 +36,24 @@ def test_bench_sessions_quick_table(capsys, spec):
         assert drafts.groups()[:2] == drafts.groups()[2:]
     else:
         assert drafts is None
+
+
+def test_bench_sessions_on_the_agentic_task(capsys):
+    """The calculator task's sessions (a problem of turns - 1 steps, a tool call a turn): every
+    session runs its turns, the same tokens with and without reuse, fewer positions prefilled."""
+    argv = ["--task", "calculator", "--sessions", "2", "--turns", "3,6"]
+    assert bench_sessions.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("workload: 2 sessions of the agentic task")
+    rows: dict[tuple[int, str], list[str]] = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) == 10 and cells[0].isdigit():
+            rows[(int(cells[0]), cells[1])] = cells
+    assert sorted({t for t, _ in rows}) == [3, 6]
+    for turns in (3, 6):
+        reuse, stateless = rows[(turns, "reuse")], rows[(turns, "stateless")]
+        assert reuse[9] == "yes"
+        prefilled, reused, full = int(reuse[2]), int(reuse[3]), int(stateless[2])
+        assert 0 < prefilled < full and prefilled + reused == full
+    assert "turns done per session: 3: [3]; 6: [6]" in out  # a calculator call per step
