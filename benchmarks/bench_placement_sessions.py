@@ -440,8 +440,7 @@ class Result:
         return sum(self.counts.hits.values()) / max(1, self.turns - self.sessions)
 
     def p(self, q: float) -> float:
-        xs = sorted(self.latencies)
-        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+        return _q(sorted(self.latencies), q)
 
 
 def run_round(d: LocalDaemon, w: Workload, n: int, res: Result) -> None:

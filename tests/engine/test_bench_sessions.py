@@ -11,16 +11,22 @@ import pytest
 from benchmarks import bench_sessions
 
 
-@pytest.mark.parametrize("spec", ["off", "eagle"])
-def test_bench_sessions_quick_table(capsys, spec):
-    assert bench_sessions.main(["--quick", "--spec", spec]) == 0  # 1: some turn's tokens differ
-    out = capsys.readouterr().out
-    assert out.startswith("workload: 2 sessions")
+def _rows(out: str) -> dict[tuple[int, str], list[str]]:
+    """The table's rows by (turns, arm): their cells."""
     rows: dict[tuple[int, str], list[str]] = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.split("|")]
         if len(cells) == 10 and cells[0].isdigit():
             rows[(int(cells[0]), cells[1])] = cells
+    return rows
+
+
+@pytest.mark.parametrize("spec", ["off", "eagle"])
+def test_bench_sessions_quick_table(capsys, spec):
+    assert bench_sessions.main(["--quick", "--spec", spec]) == 0  # 1: some turn's tokens differ
+    out = capsys.readouterr().out
+    assert out.startswith("workload: 2 sessions")
+    rows = _rows(out)
     assert sorted({t for t, _ in rows}) == [4, 8, 12]  # 12: as many as the context holds
     for turns in (4, 8, 12):
         reuse, stateless = rows[(turns, "reuse")], rows[(turns, "stateless")]
@@ -45,11 +51,7 @@ def test_bench_sessions_on_the_agentic_task(capsys):
     assert bench_sessions.main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("workload: 2 sessions of the agentic task")
-    rows: dict[tuple[int, str], list[str]] = {}
-    for line in out.splitlines():
-        cells = [c.strip() for c in line.split("|")]
-        if len(cells) == 10 and cells[0].isdigit():
-            rows[(int(cells[0]), cells[1])] = cells
+    rows = _rows(out)
     assert sorted({t for t, _ in rows}) == [3, 6]
     for turns in (3, 6):
         reuse, stateless = rows[(turns, "reuse")], rows[(turns, "stateless")]

@@ -42,7 +42,7 @@ from tltd.store.database import Database, DriverStatement
 from tltd.store.leases import LEASED, PARKED, QUEUED, Claim
 from tltd.store.lookups import changed_fields, request_row
 from tltd.store.notifications import REQUEST, WORK, notify
-from tltd.store.status import switch_status, switch_status_from
+from tltd.store.status import EVENT_ROW, switch_status, switch_status_from
 from tltd.store.tables import (
     EventRow,
     JobPauseRow,
@@ -120,7 +120,6 @@ class _AdmissionStatements:
             ),
             columns=units,
         )  # fmt: skip
-        self.event = DriverStatement(EventRow.__table__.insert(), columns=_EVENT_COLUMNS)
         self.at_once = DriverStatement(_admission_at_once()) if dialect == "postgresql" else None
 
     def request(self, columns: tuple[str, ...]) -> DriverStatement:
@@ -136,7 +135,6 @@ class _AdmissionStatements:
 # The columns of `_insert_units`'s rows besides the unit's key.
 _UNIT_COLUMNS = ("samples", "prompt_key", "priority", "reason", "preferred_node", "created_at",
                  "updated_at")  # fmt: skip
-_EVENT_COLUMNS = ("entity", "entity_id", "old_status", "new_status", "reason", "at")
 
 
 def _admission_at_once() -> Select:
@@ -331,7 +329,7 @@ class RolloutRequests:
             claims = self._insert_units(s, req, int(priority), now, claim)
             if req.carried:
                 self._unpark(s, req.job_id, now)
-            st.event.execute(
+            EVENT_ROW.execute(
                 conn,
                 {"entity": "request", "entity_id": req.request_id, "old_status": "",
                  "new_status": RequestStatus.QUEUED.value, "reason": "submitted", "at": now},

@@ -95,7 +95,7 @@ def switch_status_from(
         return _notified(session, statement.first(conn, params), channel, entity_id)
     moved = _guarded(entity, row_type).rowcount(conn, params)
     if moved:
-        _EVENT_ROW.execute(
+        EVENT_ROW.execute(
             conn,
             {"entity": entity, "entity_id": entity_id, "old_status": str(old),
              "new_status": str(new), "reason": reason, "at": now},
@@ -141,7 +141,7 @@ def switch_status_through(
         return _notified(session, statement.first(conn, params), channel, entity_id)
     moved = _guarded(entity, row_type).rowcount(conn, params)
     if moved:
-        _EVENT_ROW.execute_many(conn, events).close()
+        EVENT_ROW.execute_many(conn, events).close()
     return _notified(session, moved or None, channel, entity_id)
 
 
@@ -255,7 +255,8 @@ def _moved_through_with_events(
 
 
 _EVENT_INSERT = EventRow.__table__.insert()
-_EVENT_ROW = DriverStatement(
+# An event row's INSERT on the driver's cursor (status moves, admission).
+EVENT_ROW = DriverStatement(
     _EVENT_INSERT, columns=("entity", "entity_id", "old_status", "new_status", "reason", "at")
 )
 
