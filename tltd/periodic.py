@@ -21,6 +21,7 @@ from tltd.domain import OPEN_STATUSES, Device, DrafterStatus, JobStatus
 from tltd.errors import Fenced
 from tltd.metrics import METRICS, Metrics
 from tltd.settings import Settings
+from tltd.stall import StallWatch
 
 if TYPE_CHECKING:
     from tltd.devices import Nvml
@@ -109,10 +110,11 @@ def drop_abandoned_pushes(pushes: PushService) -> list[str]:
     return pushes.collect()
 
 
-async def reap_workers(supervisor: Supervisor) -> list[str]:
+async def reap_workers(supervisor: Supervisor, watch: StallWatch) -> list[str]:
     """Lease/heartbeat reaper: a worker that exited, or stopped heartbeating, is killed, its
-    unfinished samples are re-queued and it is restarted. Returns the ids found dead."""
-    return await supervisor.reap()
+    unfinished samples are re-queued and it is restarted (silence while the daemon itself was
+    stalled does not count). Returns the ids found dead."""
+    return await supervisor.reap(stalled=watch.look(time.monotonic()))
 
 
 async def renew_drafter_leases(training: DrafterTraining) -> list[str]:
@@ -121,10 +123,11 @@ async def renew_drafter_leases(training: DrafterTraining) -> list[str]:
     return await training.renew()
 
 
-async def reap_trainers(training: DrafterTraining) -> list[str]:
+async def reap_trainers(training: DrafterTraining, watch: StallWatch) -> list[str]:
     """A drafter trainer that stopped heartbeating (hung) is killed and recorded FAILED, its
-    device given back. Returns the ids of those killed."""
-    return await training.reap()
+    device given back (silence while the daemon itself was stalled does not count). Returns
+    the ids of those killed."""
+    return await training.reap(stalled=watch.look(time.monotonic()))
 
 
 @dataclass
@@ -320,9 +323,9 @@ def periodic_jobs(
         (supervisor is not None, J("lease-renewal", "work unit lease renewal", renew_leases,
                                    settings.lease_seconds / 3, (supervisor,))),
         (supervisor is not None, J("worker-reaper", "dead/silent worker reaper", reap_workers,
-                                   reap_every, (supervisor,))),
+                                   reap_every, (supervisor, StallWatch(reap_every, "workers")))),
         (training is not None, J("trainer-reaper", "silent drafter trainer reaper", reap_trainers,
-                                 reap_every, (training,))),
+                                 reap_every, (training, StallWatch(reap_every, "trainers")))),
         (training is not None and store.dialect == "postgresql",
          J("drafter-lease-renewal", "drafter training lease renewal", renew_drafter_leases,
            settings.drafter_lease_seconds / 3, (training,))),

@@ -215,7 +215,11 @@ def test_a_paused_trainer_node_loses_the_lease_and_publishes_nothing(
     cluster: Cluster, ckpt
 ) -> None:
     shared = cluster.tmp_path / "shared"
-    nodes = {n: cluster.start(n, shared_dir=str(shared), **TRAINING_ENV) for n in ("a", "b")}
+    # A pause longer than the heartbeat timeouts: the paused node's own processes were
+    # stopped with it, so their silence must not get the trainer killed before it learns
+    # that its lease is gone.
+    env = TRAINING_ENV | dict(training_heartbeat_timeout_seconds=3)
+    nodes = {n: cluster.start(n, shared_dir=str(shared), **env) for n in ("a", "b")}
     with nodes["a"].client() as c:
         c.create_job(str(ckpt), job_id="pz")
     for d in nodes.values():
@@ -225,6 +229,7 @@ def test_a_paused_trainer_node_loses_the_lease_and_publishes_nothing(
     holder = first[0][1]
     other = next(n for n in nodes if n != holder)
     os.killpg(nodes[holder].proc.pid, signal.SIGSTOP)  # the daemon and its trainer
+    paused = time.monotonic()
     try:
         _until_fed(
             lambda: [v for v in _versions(cluster, "pz") if v[1] == other],
@@ -235,6 +240,7 @@ def test_a_paused_trainer_node_loses_the_lease_and_publishes_nothing(
             "AND new_status = :o",
             o=other,
         )
+        time.sleep(max(0.0, paused + 5.0 - time.monotonic()))  # past the heartbeat timeout
     finally:
         os.killpg(nodes[holder].proc.pid, signal.SIGCONT)
     # Back, the paused node finds its lease gone: its trainer stops, nothing it publishes lands.

@@ -213,7 +213,8 @@ def test_a_killed_node_s_work_is_taken_over(cluster: Cluster, ckpt, capsys, capl
 
 @long_only
 def test_a_paused_node_is_fenced_and_rejoins_with_a_new_epoch(cluster: Cluster, ckpt) -> None:
-    nodes = [cluster.start(n) for n in NODES[:2]]
+    # node-b's workers were paused with it: their silence is not held against them.
+    nodes = [cluster.start(NODES[0]), cluster.start(NODES[1], worker_heartbeat_timeout_seconds=3)]
     with nodes[0].client() as c:
         c.create_job(str(ckpt), job_id="pause")
     for d in nodes:
@@ -230,9 +231,13 @@ def test_a_paused_node_is_fenced_and_rejoins_with_a_new_epoch(cluster: Cluster, 
         timeout=240, what="node-b holds work",
     )  # fmt: skip
     epoch = cluster.sql("SELECT epoch FROM nodes WHERE node_id = 'node-b'")[0][0]
+    workers = "SELECT worker_id, pid FROM workers WHERE node_id = 'node-b' ORDER BY 1"
+    pids = cluster.sql(workers)
     os.killpg(nodes[1].proc.pid, signal.SIGSTOP)
+    paused = time.monotonic()
     try:
         runner.join(600)  # node-a takes everything over meanwhile
+        time.sleep(max(0.0, paused + 5.0 - time.monotonic()))  # past the heartbeat timeout
         snapshot = cluster.sql(
             "SELECT id, request_id, prompt_index, sample_index, token_ids::text FROM samples "
             "ORDER BY id"
@@ -251,6 +256,10 @@ def test_a_paused_node_is_fenced_and_rejoins_with_a_new_epoch(cluster: Cluster, 
     assert after == snapshot
     assert all(len(s) == 4 for s in result["out"].values())
     assert _duplicates(cluster) == 0
+    assert cluster.sql(workers) == pids  # none killed as silent, none restarted
+    assert not cluster.sql(
+        "SELECT entity_id FROM events WHERE entity = 'worker' AND reason LIKE '%no heartbeat%'"
+    )
 
 
 @long_only

@@ -256,7 +256,8 @@ LAYERS: list[tuple[str, ...]] = [
         "tltd.worker_code",
     ),  # fmt: skip
     ("tltd.settings",),  # config (checks the simulated engine's with the contract's parser)
-    ("tltd.contract", "tltd.logs"),  # the floor shared with workers; logging
+    # The floor shared with workers; logging; the reapers' stall clock.
+    ("tltd.contract", "tltd.logs", "tltd.stall"),
     ("tltd.domain", "tltd.errors", "tltd.v1", "tltd"),  # plain types, errors, stubs, version
 ]
 # Arrows that point up or sideways today, each with its reason (unit -> unit).

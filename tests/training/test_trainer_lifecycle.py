@@ -21,6 +21,7 @@ from tltd.drafter_training.process import TrainerProcess
 from tltd.drafter_training.runs import TrainerPhase, TrainerRun
 from tltd.metrics import METRICS
 from tltd.periodic import build_scheduler, reap_trainers
+from tltd.stall import StallWatch
 
 
 def _setup(store, policy_path) -> None:
@@ -213,7 +214,8 @@ def test_a_hung_trainer_is_killed_by_the_heartbeat_reaper(sqlite_store, tmp_path
         await until(lambda: run.phase is TrainerPhase.IDLE, "round 1 over (no samples yet)")
         # Idle, its main thread waits for a command: the heartbeat thread keeps it alive.
         await asyncio.sleep(timeout + 1.0)
-        assert await reap_trainers(training) == []
+        watch = StallWatch(0.1, "trainers")
+        assert await reap_trainers(training, watch) == []
         assert store.workers.get("drafter-job").last_heartbeat is not None  # tltctl shows it
         for i in range(8):
             training.on_sample("job", (1, 2, 3), _sample(i))
@@ -222,10 +224,13 @@ def test_a_hung_trainer_is_killed_by_the_heartbeat_reaper(sqlite_store, tmp_path
         assert store.devices.get("cpu:0").state is DeviceState.TRAINING
         pid = run.worker.proc.pid
         os.kill(pid, signal.SIGSTOP)  # hung, not dead: its pipe stays open
+        # The daemon stalled too (its loop blocked) past the timeout: not the trainer's fault.
+        time.sleep(timeout + 2.0)
+        assert await reap_trainers(training, watch) == [] and pid_alive(pid)
         killed: list[str] = []
         deadline = time.monotonic() + 60
         while not killed and time.monotonic() < deadline:
-            killed = await reap_trainers(training)
+            killed = await reap_trainers(training, watch)
             await asyncio.sleep(0.1)
         assert killed == ["drafter-job"] and not pid_alive(pid)
         await training.close()

@@ -52,6 +52,7 @@ from tltd.drafter_training.samples import SampleBuffers, training_sample
 from tltd.metrics import METRICS
 from tltd.scheduler import TrainingView
 from tltd.settings import Settings
+from tltd.stall import forgiven
 from tltd.supervisor.training_hook import JobTraining
 from tltd.supervisor.worker_pipe import HeartbeatStamp, join_or_kill, serve_pipe
 
@@ -276,11 +277,15 @@ class DrafterTraining:
             await asyncio.wait([fut], timeout=min(left, 0.1))
         return True
 
-    async def reap(self) -> list[str]:
+    async def reap(self, stalled: float = 0.0) -> list[str]:
         """Kill trainers silent for `training_heartbeat_timeout_seconds` (hung, not dead: a
-        dead one's pipe closes and `_on_died` records it); returns their worker ids."""
+        dead one's pipe closes and `_on_died` records it); returns their worker ids.
+        `stalled`: seconds the daemon itself did not run since the last look (not theirs)."""
         timeout = self.settings.training_heartbeat_timeout_seconds
         now = time.monotonic()
+        if stalled:
+            for run in self._runs.values():
+                run.last_heartbeat = forgiven(run.last_heartbeat, stalled, now)
         silent = [r for r in self._runs.values() if r.alive and now - r.last_heartbeat > timeout]
         for run in silent:
             log.error("drafter trainer silent: killed", extra={"job_id": run.job_id})

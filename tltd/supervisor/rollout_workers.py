@@ -21,6 +21,7 @@ from tltd.memory_cgroup import MemoryCgroups
 from tltd.metrics import METRICS
 from tltd.scheduler import Decision
 from tltd.settings import Settings
+from tltd.stall import forgiven
 from tltd.store.leases import UnitEnd
 from tltd.supervisor.live_requests import LiveRequests
 from tltd.supervisor.model_planner import ModelPlanner
@@ -188,14 +189,18 @@ class RolloutWorkers:
 
     # ---- health ---------------------------------------------------------------------------
 
-    async def reap(self) -> list[str]:
-        """Kill workers that stopped answering; returns the ids of those found dead."""
+    async def reap(self, stalled: float = 0.0) -> list[str]:
+        """Kill workers that stopped answering; returns the ids of those found dead.
+        `stalled`: seconds the daemon itself did not run since the last look (not theirs)."""
         now = time.monotonic()
         dead = []
         s = self.settings
         for handle in list(self.handles.values()):
             if not handle.alive:
                 continue
+            if stalled:
+                handle.since = forgiven(handle.since, stalled, now)
+                handle.last_heartbeat = forgiven(handle.last_heartbeat, stalled, now)
             if handle.proc.exitcode is not None:
                 why = handle.fatal or "process exited"
             elif (

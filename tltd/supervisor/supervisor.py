@@ -410,10 +410,10 @@ class Supervisor:
         """The tick's last read of devices and active jobs while current (`TickState.reusable`)."""
         return self.state.reusable()
 
-    async def reap(self) -> list[str]:
-        """Kill workers that stopped answering (the periodic reaper) and restart them now;
-        returns the ids of those found dead."""
-        dead = await self.workers.reap()
+    async def reap(self, stalled: float = 0.0) -> list[str]:
+        """Kill workers that stopped answering (the periodic reaper; `stalled`: seconds this
+        daemon itself did not run, not held against them) and restart them now."""
+        dead = await self.workers.reap(stalled)
         if dead:
             await self.tick()
         return dead
