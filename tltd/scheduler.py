@@ -98,6 +98,9 @@ class RolloutWorkerView:
     policy_version: int = 0  # the policy version its engine has loaded
     # The job it was switched to ("" = none): it takes no new work, then loads that job.
     switching_to: str = ""
+    # What prefilling one more prompt token costs, in decode steps, as its engine measured
+    # it (None: not measured): what moving a session's turn here would cost.
+    prefill_steps_per_token: float | None = None
 
     @property
     def switching(self) -> bool:
@@ -129,6 +132,7 @@ class PendingWork:
     cache_key: str = ""  # a session turn's key: its last turn's worker holds its KV
     # A session's first turn's prompt key: where the other sessions of its prompt went.
     share_key: str = ""
+    context_tokens: int = 0  # its prompt's length (a session turn's: the whole context)
 
     @property
     def work(self) -> int:
@@ -481,6 +485,12 @@ def _spread(
     per_worker: dict[str, int] = {}
     holder, turn, queued, own = session
     takers = [wid for wid in load if takes(wid)]
+
+    def moving(wid: str) -> float | None:
+        """Decode steps that re-prefilling the turn's context on `wid` costs (None: unknown)."""
+        per_token = by_worker[wid].prefill_steps_per_token
+        return None if per_token is None else per_token * work.context_tokens
+
     for i in range(work.samples):
         candidates = [w for w in takers if load[w][0] < cfg.max_samples_per_worker]
         if not candidates:
@@ -488,7 +498,7 @@ def _spread(
         if own:
             queued[own] -= 1  # (the others waiting for its holder, not itself)
         wid = session_worker(
-            work.cache_key, holder, turn + i, (candidates, takers), (load, queued), cfg
+            work.cache_key, holder, turn + i, (candidates, takers), (load, queued, moving), cfg
         )
         if wid == WAITS:
             if own:
@@ -511,6 +521,8 @@ def _spread(
 
 # `session_worker`'s answer for a turn that waits for its worker, which is full.
 WAITS = ""
+# Per worker, the decode steps a re-prefill of a turn's context there costs (None: unknown).
+MoveCost = Callable[[str], float | None]
 
 
 def session_worker(
@@ -518,14 +530,15 @@ def session_worker(
     holder: str | None,
     turn: int,
     workers: tuple[list[str], list[str]],
-    loads: tuple[Mapping[str, tuple[int, int]], Mapping[str, int]],
+    loads: tuple[Mapping[str, tuple[int, int]], Mapping[str, int], MoveCost],
     cfg: SchedulerConfig,
 ) -> str | None:
     """The worker for a session's turn under `cfg.session_placement` (`key`: the session's,
     "" for other work; `turn`: turns handed out before this one; `workers`: those with room
     for it, and all that take its job and version; `loads`: per worker its (samples running,
-    tokens to decode), and the session turns queued for it); None: place it as any work;
-    `WAITS`: it waits for a worker that is full."""
+    tokens to decode), the session turns queued for it, and what a re-prefill of the turn's
+    context there costs); None: place it as any work; `WAITS`: it waits for a worker that is
+    full."""
     candidates, takers = workers
     if not key:
         return None
@@ -564,25 +577,41 @@ def rotated(turn: int, candidates: list[str]) -> str:
 def sticky(
     holder: str | None,
     workers: tuple[list[str], list[str]],
-    loads: tuple[Mapping[str, tuple[int, int]], Mapping[str, int]],
+    loads: tuple[Mapping[str, tuple[int, int]], Mapping[str, int], MoveCost],
     slack: int,
 ) -> str | None:
     """The worker holding a session's KV while its load (samples running and session turns
     queued for it) is at most `slack` beyond the least loaded worker with room: the turn runs
-    there, or waits for it while it is full (`WAITS`: a re-prefill elsewhere would cost more
-    than the wait). None: place it as any work (its holder is gone, holds another job or
-    version, or is overloaded: a re-pin). `workers` and `loads` as `session_worker`'s."""
+    there, or waits for it while it is full (`WAITS`), unless the wait is expected to cost
+    more decode steps than re-prefilling the context on the least loaded worker. None: place
+    it as any work (its holder is gone, holds another job or version, is overloaded, or is
+    full and not worth the wait: a re-pin). `workers`, `loads` as `session_worker`'s."""
     candidates, takers = workers
-    load, queued = loads
+    load, queued, moving = loads
     if holder is None or holder not in takers:
         return None  # gone, or holding another job or version
 
     def busy(w: str) -> int:
         return load[w][0] + queued.get(w, 0)
 
-    if busy(holder) > min(busy(w) for w in candidates) + slack:
+    least = min(candidates, key=lambda w: (busy(w), w))
+    if busy(holder) > busy(least) + slack:
         return None
-    return holder if holder in candidates else WAITS
+    if holder in candidates:
+        return holder
+    cost = moving(least)
+    if cost is not None and expected_wait_steps(*load[holder], queued.get(holder, 0)) > cost:
+        return None
+    return WAITS
+
+
+def expected_wait_steps(running: int, remaining_tokens: int, ahead: int) -> float:
+    """Decode steps until a full worker frees a slot for the turn queued behind `ahead`
+    others: with its samples' remaining tokens spread evenly, one finishes every
+    2R / (n (n + 1)) steps (R tokens left over n samples)."""
+    if running <= 0:
+        return 0.0
+    return (ahead + 1) * 2.0 * remaining_tokens / (running * (running + 1))
 
 
 def _unplaced(

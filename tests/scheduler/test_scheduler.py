@@ -40,6 +40,10 @@ def wk(
     return RolloutWorkerView(f"w{i}", f"cpu:{i}", job, ready, running, tokens, idle_since)
 
 
+def UNMEASURED(wid: str) -> None:  # noqa: N802 - used as a constant: no re-prefill cost known
+    return None
+
+
 def work(
     req: str, idx: int = 0, job: str = "j", n: int = 1, tokens: int = 100, at: float = 0.0
 ) -> PendingWork:

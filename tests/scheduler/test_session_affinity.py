@@ -9,12 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from tests.scheduler.test_scheduler import CFG, dev, placed, wk
-from tltd.scheduler import JobView, PendingWork, Snapshot, schedule, sticky
+from tests.scheduler.test_scheduler import CFG, UNMEASURED, dev, placed, wk
+from tltd.scheduler import JobView, PendingWork, Snapshot, expected_wait_steps, schedule, sticky
 
 
-def turn(key: str = "s1", job: str = "j") -> PendingWork:
-    return PendingWork(f"session:{key}:1:0", 0, job, 1, 100, 0.0, cache_key=key)
+def turn(key: str = "s1", job: str = "j", context: int = 0) -> PendingWork:
+    return PendingWork(
+        f"session:{key}:1:0", 0, job, 1, 100, 0.0, cache_key=key, context_tokens=context
+    )
 
 
 def _snap(workers, pending, holders) -> Snapshot:
@@ -80,13 +82,13 @@ def test_a_turn_placed_by_another_rule_away_from_its_kv_is_a_re_pin_by_rule():
 
 def test_the_slack_is_in_samples_and_inclusive():
     both = (["w0", "w1"], ["w0", "w1"])
-    load = ({"w0": (4, 0), "w1": (0, 0)}, {})
+    load = ({"w0": (4, 0), "w1": (0, 0)}, {}, UNMEASURED)
     assert sticky("w0", both, load, 4) == "w0"
     assert sticky("w0", both, load, 3) is None
     assert sticky(None, both, load, 4) is None
     assert sticky("w0", (["w1"], ["w1"]), load, 4) is None  # w0 takes no turn of this job
     # Turns queued for a worker count as its load.
-    queued = ({"w0": (2, 0), "w1": (0, 0)}, {"w0": 2, "w1": 1})
+    queued = ({"w0": (2, 0), "w1": (0, 0)}, {"w0": 2, "w1": 1}, UNMEASURED)
     assert sticky("w0", both, queued, 3) == "w0"
     assert sticky("w0", both, queued, 2) is None
 
@@ -107,6 +109,25 @@ def test_a_full_holder_within_the_slack_is_waited_for():
         ("session:q0:1:0", "w1", "full"),
         ("session:q1:1:0", "w1", "full"),
     ]
+
+
+def test_a_full_holder_is_left_when_its_wait_costs_more_than_a_re_prefill():
+    # w0 (full at 8) holds the KV, 160 tokens left over its 8 samples: a slot frees in about
+    # 2 x 160 / (8 x 9) = 4.4 decode steps. A re-prefill costs 0.02 steps a token on w1.
+    assert expected_wait_steps(8, 160, 0) == pytest.approx(4.44, abs=0.01)
+    assert expected_wait_steps(8, 160, 2) == pytest.approx(13.33, abs=0.01)
+    measured = [
+        wk(0, running=8, tokens=160),
+        replace(wk(1, running=6), prefill_steps_per_token=0.02),
+    ]
+    holders = {"s1": "w0"}
+    for context, where, repin in ((128, "w1", "full"), (512, None, None)):  # 2.6 vs 10.2 steps
+        decision = schedule(_snap(measured, [turn(context=context)], holders), CFG)
+        got = [(a.worker_id, a.repin) for a in decision.assignments]
+        assert got == ([(where, repin)] if where else []), context
+    # Unmeasured (no prefill slope reported yet): it waits, whatever the context.
+    unmeasured = [wk(0, running=8, tokens=160), wk(1, running=6)]
+    assert schedule(_snap(unmeasured, [turn(context=16)], holders), CFG).assignments == ()
 
 
 def test_turns_of_two_sessions_each_go_to_their_holder():

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.scheduler.test_scheduler import CFG, dev, placed, wk
+from tests.scheduler.test_scheduler import CFG, UNMEASURED, dev, placed, wk
 from tltd.scheduler import JobView, PendingWork, Snapshot, hashed, rotated, schedule, session_worker
 
 HASH = replace(CFG, session_placement="hash")
@@ -88,7 +88,9 @@ def test_work_that_is_no_session_turn_is_placed_by_load_under_every_rule(cfg):
     decision = schedule(_snap([wk(0, running=3, tokens=300), wk(1)], [other]), cfg)
     assert placed(decision) == {"w1": 1}
     assert (
-        session_worker("", "w0", 0, (["w0", "w1"],) * 2, ({"w0": (0, 0), "w1": (0, 0)}, {}), cfg)
+        session_worker(
+            "", "w0", 0, (["w0", "w1"],) * 2, ({"w0": (0, 0), "w1": (0, 0)}, {}, UNMEASURED), cfg
+        )
         is None
     )
 
@@ -97,9 +99,11 @@ def test_sticky_stays_the_default_rule():
     load = {"w0": (5, 500), "w1": (0, 0)}
     assert CFG.session_placement == "sticky"
     assert (
-        session_worker("s", "w0", 0, (["w0", "w1"],) * 2, (load, {}), CFG) is None
+        session_worker("s", "w0", 0, (["w0", "w1"],) * 2, (load, {}, UNMEASURED), CFG) is None
     )  # over the slack
     assert (
-        session_worker("s", "w0", 0, (["w0", "w1"],) * 2, ({"w0": (4, 0), "w1": (0, 0)}, {}), CFG)
+        session_worker(
+            "s", "w0", 0, (["w0", "w1"],) * 2, ({"w0": (4, 0), "w1": (0, 0)}, {}, UNMEASURED), CFG
+        )
         == "w0"
     )

@@ -80,3 +80,17 @@ def test_job_accounts_come_from_the_training_hook_and_served_tokens():
     assert got == (40, 7, 1.5, True) and j.buffered_samples == 12 and j.online_training
     assert s.training == (TrainingView("cpu:9", "j"),)
     assert not any(j.online_training for j in snap([handle(0)]).jobs)  # no hook: no training
+
+
+def test_a_worker_s_prefill_cost_is_its_prefill_slope_in_decode_passes():
+    from tltd.supervisor.snapshot import prefill_steps_per_token
+
+    stats = {
+        "prefill_seconds_per_token": 0.0002,
+        "steps": {"plain": 80, "spec": 20, "total": 100},
+        "seconds": {"plain_decode": 0.8, "draft": 0.05, "verify": 0.15, "prefill": 3.0},
+    }
+    assert prefill_steps_per_token(stats) == pytest.approx(0.02)  # 0.2 ms / 10 ms a pass
+    assert prefill_steps_per_token(stats | {"prefill_seconds_per_token": None}) is None
+    assert prefill_steps_per_token(stats | {"steps": {"total": 0}}) is None
+    assert prefill_steps_per_token({}) is None  # an engine that reports neither (SGLang's)

@@ -115,3 +115,18 @@ def test_per_row_counts_must_match_batch() -> None:
         EngineStats().record_spec_step(2, "ngram/k2", [2, 2], [1, 0], [2], 0.0, 0.0)
     with pytest.raises(ValueError, match="drafted"):  # totals cannot say which rows drafted
         EngineStats().record_spec_step(2, "ngram/k2", 4, 1, [2, 1], 0.0, 0.0)
+
+
+def test_the_prefill_fit_is_the_slope_of_seconds_on_positions():
+    st = EngineStats()
+    for positions in (64, 128, 256, 1024):
+        st.record_prefill(positions, 0.010 + 0.0002 * positions)  # 10 ms fixed, 0.2 ms a token
+    summary = st.summary()
+    assert summary["prefill_seconds_per_token"] == pytest.approx(0.0002)
+    assert summary["seconds"]["prefill"] == pytest.approx(0.04 + 0.0002 * 1472)
+    one_size = EngineStats()
+    for _ in range(5):
+        one_size.record_prefill(128, 0.03)
+    assert one_size.summary()["prefill_seconds_per_token"] is None  # no spread: no slope
+    one_size.merge(st)
+    assert one_size.prefill_fit.n == 9 and one_size.summary()["prefill_seconds_per_token"] > 0

@@ -36,7 +36,21 @@ def worker_view(s: WorkerHandle, queue: WorkQueue) -> RolloutWorkerView:
         idle_since=s.idle_since,
         policy_version=s.policy_version,
         switching_to=s.next_job or s.loading_job,
+        prefill_steps_per_token=prefill_steps_per_token(s.heartbeat.stats if s.heartbeat else {}),
     )
+
+
+def prefill_steps_per_token(stats: Mapping[str, object]) -> float | None:
+    """What one more prompt token of a prefill costs, in decode steps, from an engine's
+    counters (its prefill slope over its mean decode pass); None until it has measured both
+    (and for engines that do not report them)."""
+    slope = stats.get("prefill_seconds_per_token")
+    steps, seconds = stats.get("steps"), stats.get("seconds")
+    if not isinstance(slope, float) or not isinstance(steps, dict) or not steps.get("total"):
+        return None
+    assert isinstance(seconds, dict)
+    decode = sum(seconds.get(k, 0.0) for k in ("plain_decode", "draft", "verify"))
+    return slope * steps["total"] / decode if decode > 0 else None
 
 
 def build_snapshot(

@@ -240,6 +240,7 @@ class WorkQueue:
                 live.predicted_tokens(p),
                 live.cache_key,
                 live.share_key,
+                len(live.req.prompts[p]),
             )
             for live in self._live.values()
             if live.outcome is None and not live.parking

@@ -492,7 +492,7 @@ class Engine:
             if reason is not None:
                 done[b0 + r] = reason
         self.stats.first_tokens += len(new)
-        self.stats.record_phase("prefill", time.perf_counter() - t0)
+        self.stats.record_prefill(n_groups * width, time.perf_counter() - t0)
         return done
 
     @torch.inference_mode()

@@ -73,6 +73,38 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
+@dataclass
+class PrefillFit:
+    """Least squares of a prefill forward's seconds on the positions it computed (padding
+    included): the slope is what one more prompt token costs; the rest (sampling, the batch's
+    setup) is paid whatever the length. Placement weighs a re-prefill by the slope."""
+
+    n: int = 0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, positions: int, seconds: float) -> None:
+        self.n += 1
+        self.sx += positions
+        self.sy += seconds
+        self.sxx += positions * positions
+        self.sxy += positions * seconds
+
+    def merge(self, other: PrefillFit) -> None:
+        for name in ("n", "sx", "sy", "sxx", "sxy"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def slope(self) -> float | None:
+        """Seconds per prompt position; None until forwards of different sizes were seen."""
+        spread = self.n * self.sxx - self.sx * self.sx
+        if self.n < 3 or spread <= 1e-9 * max(self.sxx, 1.0) * self.n:
+            return None
+        slope = (self.n * self.sxy - self.sx * self.sy) / spread
+        return slope if slope > 0 else None
+
+
 def _per_row(value: int | Sequence[int], batch_size: int, name: str) -> list[int]:
     """Per-row counts; a bare int is accepted for a batch of one."""
     rows = [int(value)] if isinstance(value, int) else [int(v) for v in value]
@@ -105,6 +137,7 @@ class EngineStats:
     # accepted drafts + 1 per row step with a draft -> how many times
     accepted_length_hist: Counter[int] = field(default_factory=Counter)
     other_seconds: Counter[str] = field(default_factory=Counter)  # prefill, drafter training...
+    prefill_fit: PrefillFit = field(default_factory=PrefillFit)
     # Per drafter (a history step drafts some rows with EAGLE): rows that verified its drafts
     # and drafts of it accepted.
     drafter_rows: Counter[str] = field(default_factory=Counter)
@@ -177,6 +210,11 @@ class EngineStats:
         """Time spent outside decode steps (e.g. "prefill", "drafter_train")."""
         self.other_seconds[phase] += seconds
 
+    def record_prefill(self, positions: int, seconds: float) -> None:
+        """One prefill forward: `positions` computed (rows x width), in `seconds`."""
+        self.record_phase("prefill", seconds)
+        self.prefill_fit.add(positions, seconds)
+
     @property
     def spec_totals(self) -> _SpecTotals:
         out = _SpecTotals()
@@ -214,6 +252,7 @@ class EngineStats:
                 "spec": _ratio(sd.emitted, sd.seconds),
                 "decode": _ratio(pass_tokens, decode_seconds),
             },
+            "prefill_seconds_per_token": self.prefill_fit.slope(),
             "mean_batch": {
                 "plain": _ratio(self.plain_rows, self.plain_steps),
                 "spec": _ratio(sd.rows, sd.steps),
@@ -251,6 +290,7 @@ class EngineStats:
             self.spec.setdefault(name, _SpecTotals()).add(t)
         self.accepted_length_hist.update(other.accepted_length_hist)
         self.other_seconds.update(other.other_seconds)
+        self.prefill_fit.merge(other.prefill_fit)
         self.drafter_rows.update(other.drafter_rows)
         self.drafter_accepted.update(other.drafter_accepted)
 
