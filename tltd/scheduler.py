@@ -34,19 +34,23 @@ long samples: Seer's longest-first, RhymeRL's length-balanced workers).
 
 A session's turn goes where its KV is. The worker that ran a session's last turn keeps its KV
 (`Snapshot.holders`), so the next turn prefills only its new tokens there: the turn goes to
-that worker unless it is gone, holds another job or version, or is busier (samples running
-and session turns queued for it) than the least loaded worker with room by more than
+that worker unless it is gone, holds another job or version, or is busier (samples running and
+session turns queued for it) than the least loaded worker with room by more than
 `sticky_slack_samples`; then, as a first turn does, to the least loaded one (which prefills the
 whole sequence). A holder that is full but within the slack is waited for (the turn waits in
 its queue, the job's other work goes on): under a binding capacity, a turn moved whenever its
-holder is full would re-prefill at nearly every turn. `session_placement` picks another rule
-for benchmarks and ablations: "hash" sends every turn of a session to one worker by its key
-(rendezvous hashing over the workers that take its job and version), whatever their load: a
-full worker's turns wait for it, as at a router that hashes (other turns go on);
-"round_robin" ignores the KV and hands turns to the workers in rotation. A turn sent away from
-the worker with its KV is a re-pin, and says why (`repin_reason`). The first turns of sessions
-of one prompt (a group) follow the first of them to its worker under the same rule
-(`Snapshot.holders` maps the prompt's key too), so that one prefill of the prompt serves them.
+holder is full would re-prefill at nearly every turn. Unless the wait costs more: a full holder
+frees a slot in `expected_wait_steps` decode steps, a re-prefill of the turn's context costs
+its length times the engine's measured prefill cost per token in decode steps
+(`RolloutWorkerView.prefill_steps_per_token`); short contexts move, long ones wait.
+`session_placement` picks another rule for benchmarks and ablations: "hash" sends every turn of
+a session to one worker by its key (rendezvous hashing over the workers that take its job and
+version), whatever their load: a full worker's turns wait for it, as at a router that hashes
+(other turns go on); "round_robin" ignores the KV and hands turns to the workers in rotation. A
+turn sent away from the worker with its KV is a re-pin, and says why (`repin_reason`). The
+first turns of sessions of one prompt (a group) follow the first of them to its worker under
+the same rule (`Snapshot.holders` maps the prompt's key too), so that one prefill of the prompt
+serves them.
 """
 
 from __future__ import annotations
