@@ -437,7 +437,8 @@ def repin_reason(
 ) -> str:
     """Why a session's turn went to another worker than `holder`, which holds its KV: "gone"
     (lost with its KV, stopped, cordoned, draining), "version" (it holds another job or
-    policy version), "full" (and its queue over `sticky_slack_samples`), "overloaded" (over
+    policy version), "full" (and its queue over `sticky_slack_samples`, or waiting for it costs
+    more than a re-prefill), "overloaded" (over
     `sticky_slack_samples`) or "rule" (hash or round robin placement); "" when it stayed, or
     there was none."""
     if holder is None or not per_worker or holder in per_worker:
