@@ -138,6 +138,7 @@ class Counts:
     computed: float = 0.0  # prompt positions a forward ran over
     reused: float = 0.0  # prompt positions restored from a session's kept KV
     computed_by: dict[str, float] = field(default_factory=dict)  # --nodes 2: per node
+    repins: dict[str, float] = field(default_factory=dict)  # one daemon: re-pins by reason
 
     def minus(self, before: Counts) -> Counts:
         def sub(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -148,6 +149,7 @@ class Counts:
             sub(self.misses, before.misses),
             self.computed - before.computed,
             self.reused - before.reused,
+            repins=sub(self.repins, before.repins),
         )
 
     @property
@@ -234,6 +236,10 @@ class LocalDaemon:
                         out.computed += s.value
                     else:
                         out.reused += s.value
+        for family in METRICS.registry.collect():  # no device label: deltas are this daemon's
+            for s in family.samples:
+                if s.name == "tltd_session_repins_total":
+                    out.repins[s.labels["reason"]] = s.value
         return out
 
     def stop(self) -> None:
@@ -433,6 +439,8 @@ class Result:
                 into[k] = into.get(k, 0.0) + v
         self.counts.computed += counts.computed
         self.counts.reused += counts.reused
+        for k, v in counts.repins.items():
+            self.counts.repins[k] = self.counts.repins.get(k, 0.0) + v
 
     @property
     def hit_rate(self) -> float:
@@ -566,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r.extra_lookups:
             print(f"{r.rule}: {r.extra_lookups} prefix lookups beyond one per turn")
+        moved = {k: round(v) for k, v in sorted(r.counts.repins.items()) if v}
+        if moved:
+            print(f"{r.rule}: turns sent away from their KV by reason {moved}")
     if args.nodes == 2:
         print(node_summary(results))
     return 0

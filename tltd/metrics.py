@@ -279,7 +279,8 @@ _DECLARED: dict[str, _Declared] = {
         "Session turns sent to another worker than the one holding their KV, by reason: gone "
         "(lost with the KV, stopped, cordoned), version (another job or policy version), full or "
         "overloaded (its load, running and queued, beyond the least loaded's by more than the "
-        "slack) or rule (session_placement hash, round_robin)",
+        "slack; full also: waiting would cost more than a re-prefill) or rule "
+        "(session_placement hash, round_robin)",
         ("reason",),
     ),
     "queue_depth": _Declared(
