@@ -447,9 +447,9 @@ def repin_reason(
         return "gone"
     if not takes(holder):
         return "version"
-    if load[holder][0] >= cfg.max_samples_per_worker:
-        return "full"
-    return "overloaded" if cfg.session_placement == "sticky" else "rule"
+    if cfg.session_placement != "sticky":
+        return "rule"
+    return "full" if load[holder][0] >= cfg.max_samples_per_worker else "overloaded"
 
 
 def _queues(snap: Snapshot, jobs: dict[str, JobView]) -> dict[str, list[PendingWork]]:

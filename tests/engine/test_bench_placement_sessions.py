@@ -5,6 +5,8 @@ KV; sticky: every later turn reused; round robin: turns alternating over the wor
 
 from __future__ import annotations
 
+import ast
+
 from benchmarks import bench_placement_sessions as bench
 from tltd.scheduler import hashed
 
@@ -45,3 +47,8 @@ def test_bench_placement_sessions_quick_table(capsys):
     # Round robin ignores where the KV is (tests/scheduler): whether one of its 9 later turns
     # lands away from its KV is left to chance (about 2^-9 that none does), so only the floor.
     assert int(rows["round_robin"][5]) >= reused_all
+    # Re-pins by reason follow the table: hash never sends a turn away from its KV.
+    assert "hash: turns sent away" not in out
+    for line in out.splitlines():
+        if line.startswith("sticky: turns sent away"):
+            assert set(ast.literal_eval(line.split("reason ", 1)[1])) <= {"full", "overloaded"}

@@ -78,6 +78,9 @@ def test_a_turn_placed_by_another_rule_away_from_its_kv_is_a_re_pin_by_rule():
     snap = replace(_snap([wk(0), wk(1)], [turn()], {"s1": "w0"}), turns_handed_out=1)
     decision = schedule(snap, rotation)
     assert [(a.worker_id, a.repin) for a in decision.assignments] == [("w1", "rule")]
+    # Its holder full, round robin's turn is still sent away by the rule, not for the load.
+    full = replace(_snap([wk(0, running=8), wk(1)], [turn()], {"s1": "w0"}), turns_handed_out=1)
+    assert [a.repin for a in schedule(full, rotation).assignments] == ["rule"]
 
 
 def test_the_slack_is_in_samples_and_inclusive():
