@@ -42,7 +42,8 @@ its queue, the job's other work goes on): under a binding capacity, a turn moved
 holder is full would re-prefill at nearly every turn. Unless the wait costs more: a full holder
 frees a slot in `expected_wait_steps` decode steps, a re-prefill of the turn's context costs
 its length times the engine's measured prefill cost per token in decode steps
-(`RolloutWorkerView.prefill_steps_per_token`); short contexts move, long ones wait.
+(`RolloutWorkerView.prefill_steps_per_token`), paid by the turn and by each sample running on
+the worker it moves to (the prefill stalls them); short contexts move, long ones wait.
 `session_placement` picks another rule for benchmarks and ablations: "hash" sends every turn of
 a session to one worker by its key (rendezvous hashing over the workers that take its job and
 version), whatever their load: a full worker's turns wait for it, as at a router that hashes
@@ -588,7 +589,8 @@ def sticky(
     """The worker holding a session's KV while its load (samples running and session turns
     queued for it) is at most `slack` beyond the least loaded worker with room: the turn runs
     there, or waits for it while it is full (`WAITS`), unless the wait is expected to cost
-    more decode steps than re-prefilling the context on the least loaded worker. None: place
+    more decode steps than re-prefilling the context on the least loaded worker, paid by the
+    turn and by each sample running there (the prefill stalls them). None: place
     it as any work (its holder is gone, holds another job or version, is overloaded, or is
     full and not worth the wait: a re-pin). `workers`, `loads` as `session_worker`'s."""
     candidates, takers = workers
@@ -605,9 +607,11 @@ def sticky(
     if holder in candidates:
         return holder
     cost = moving(least)
-    if cost is not None and expected_wait_steps(*load[holder], queued.get(holder, 0)) > cost:
-        return None
-    return WAITS
+    if cost is None:
+        return WAITS
+    # The re-prefill stalls the samples running there as long: each pays it too.
+    cost *= 1 + load[least][0]
+    return None if expected_wait_steps(*load[holder], queued.get(holder, 0)) > cost else WAITS
 
 
 def expected_wait_steps(running: int, remaining_tokens: int, ahead: int) -> float:

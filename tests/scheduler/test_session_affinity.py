@@ -116,20 +116,21 @@ def test_a_full_holder_within_the_slack_is_waited_for():
 
 def test_a_full_holder_is_left_when_its_wait_costs_more_than_a_re_prefill():
     # w0 (full at 8) holds the KV, 160 tokens left over its 8 samples: a slot frees in about
-    # 2 x 160 / (8 x 9) = 4.4 decode steps. A re-prefill costs 0.02 steps a token on w1.
+    # 2 x 160 / (8 x 9) = 4.4 decode steps. A re-prefill costs 0.02 steps a token on w1, paid
+    # by the turn and by the 4 samples running there (stalled by it): 0.1 steps a token.
     assert expected_wait_steps(8, 160, 0) == pytest.approx(4.44, abs=0.01)
     assert expected_wait_steps(8, 160, 2) == pytest.approx(13.33, abs=0.01)
     measured = [
         wk(0, running=8, tokens=160),
-        replace(wk(1, running=6), prefill_steps_per_token=0.02),
+        replace(wk(1, running=4), prefill_steps_per_token=0.02),
     ]
     holders = {"s1": "w0"}
-    for context, where, repin in ((128, "w1", "full"), (512, None, None)):  # 2.6 vs 10.2 steps
+    for context, where, repin in ((32, "w1", "full"), (64, None, None)):  # 3.2 vs 6.4 steps
         decision = schedule(_snap(measured, [turn(context=context)], holders), CFG)
         got = [(a.worker_id, a.repin) for a in decision.assignments]
         assert got == ([(where, repin)] if where else []), context
     # Unmeasured (no prefill slope reported yet): it waits, whatever the context.
-    unmeasured = [wk(0, running=8, tokens=160), wk(1, running=6)]
+    unmeasured = [wk(0, running=8, tokens=160), wk(1, running=4)]
     assert schedule(_snap(unmeasured, [turn(context=16)], holders), CFG).assignments == ()
 
 
