@@ -39,9 +39,10 @@ session turns queued for it) than the least loaded worker with room by more than
 `sticky_slack_samples`; then, as a first turn does, to the least loaded one (which prefills the
 whole sequence). A holder that is full but within the slack is waited for (the turn waits in
 its queue, the job's other work goes on): under a binding capacity, a turn moved whenever its
-holder is full would re-prefill at nearly every turn. Unless the wait costs more: a full holder
-frees a slot in `expected_wait_steps` decode steps, a re-prefill of the turn's context costs
-its length times the engine's measured prefill cost per token in decode steps
+holder is full would re-prefill at nearly every turn. Unless the wait costs more and another
+worker has a slot to spare (not owed to turns queued for it): a full holder frees a slot in
+`expected_wait_steps` decode steps, a re-prefill of the turn's context costs its length times
+the engine's measured prefill cost per token in decode steps
 (`RolloutWorkerView.prefill_steps_per_token`), paid by the turn and by each sample running on
 the worker it moves to (the prefill stalls them); short contexts move, long ones wait.
 `session_placement` picks another rule for benchmarks and ablations: "hash" sends every turn of
@@ -493,9 +494,13 @@ def _spread(
     takers = [wid for wid in load if takes(wid)]
 
     def moving(wid: str) -> float | None:
-        """Decode steps that re-prefilling the turn's context on `wid` costs (None: unknown)."""
+        """Decode steps that re-prefilling the turn's context on `wid` costs; None: unknown,
+        or `wid` has no slot to spare (its free ones are owed to turns queued for it: taking
+        one would only make another turn wait instead)."""
         per_token = by_worker[wid].prefill_steps_per_token
-        return None if per_token is None else per_token * work.context_tokens
+        if per_token is None or load[wid][0] + queued.get(wid, 0) >= cfg.max_samples_per_worker:
+            return None
+        return per_token * work.context_tokens
 
     for i in range(work.samples):
         candidates = [w for w in takers if load[w][0] < cfg.max_samples_per_worker]
@@ -527,7 +532,8 @@ def _spread(
 
 # `session_worker`'s answer for a turn that waits for its worker, which is full.
 WAITS = ""
-# Per worker, the decode steps a re-prefill of a turn's context there costs (None: unknown).
+# Per worker, the decode steps a re-prefill of a turn's context there costs (None: unknown, or
+# no slot there to spare).
 MoveCost = Callable[[str], float | None]
 
 
