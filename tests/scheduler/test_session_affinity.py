@@ -129,6 +129,13 @@ def test_a_full_holder_is_left_when_its_wait_costs_more_than_a_re_prefill():
         decision = schedule(_snap(measured, [turn(context=context)], holders), CFG)
         got = [(a.worker_id, a.repin) for a in decision.assignments]
         assert got == ([(where, repin)] if where else []), context
+    # w1's free slots owed to turns queued for it (its KV's sessions): none to spare, it waits.
+    owed = [turn(context=32)] + [turn(f"w1.{i}") for i in range(4)]
+    at_w1 = holders | {f"w1.{i}": "w1" for i in range(4)}
+    decision = schedule(_snap(measured, owed, at_w1), CFG)
+    assert [(a.request_id, a.worker_id) for a in decision.assignments] == [
+        (f"session:w1.{i}:1:0", "w1") for i in range(4)
+    ]
     # Unmeasured (no prefill slope reported yet): it waits, whatever the context.
     unmeasured = [wk(0, running=8, tokens=160), wk(1, running=4)]
     assert schedule(_snap(unmeasured, [turn(context=16)], holders), CFG).assignments == ()
