@@ -596,9 +596,9 @@ def sticky(
     queued for it) is at most `slack` beyond the least loaded worker with room: the turn runs
     there, or waits for it while it is full (`WAITS`), unless the wait is expected to cost
     more decode steps than re-prefilling the context on the least loaded worker, paid by the
-    turn and by each sample running there (the prefill stalls them). None: place
-    it as any work (its holder is gone, holds another job or version, is overloaded, or is
-    full and not worth the wait: a re-pin). `workers`, `loads` as `session_worker`'s."""
+    turn and by each sample running there (the prefill stalls them). None: place it as any
+    work (its holder is gone, holds another job or version, is overloaded, or is full and
+    not worth the wait: a re-pin). `workers`, `loads` as `session_worker`'s."""
     candidates, takers = workers
     load, queued, moving = loads
     if holder is None or holder not in takers:

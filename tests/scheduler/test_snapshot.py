@@ -94,3 +94,4 @@ def test_a_worker_s_prefill_cost_is_its_prefill_slope_in_decode_passes():
     assert prefill_steps_per_token(stats | {"prefill_seconds_per_token": None}) is None
     assert prefill_steps_per_token(stats | {"steps": {"total": 0}}) is None
     assert prefill_steps_per_token({}) is None  # an engine that reports neither (SGLang's)
+    assert prefill_steps_per_token(stats | {"seconds": None}) is None  # no decode time known

@@ -48,7 +48,8 @@ def prefill_steps_per_token(stats: Mapping[str, object]) -> float | None:
     steps, seconds = stats.get("steps"), stats.get("seconds")
     if not isinstance(slope, float) or not isinstance(steps, dict) or not steps.get("total"):
         return None
-    assert isinstance(seconds, dict)
+    if not isinstance(seconds, dict):
+        return None
     decode = sum(seconds.get(k, 0.0) for k in ("plain_decode", "draft", "verify"))
     return slope * steps["total"] / decode if decode > 0 else None
 
