@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from tltd.domain import (
@@ -37,6 +38,7 @@ from tltd.errors import (
 from tltd.metrics import METRICS
 from tltd.services.bounded import Taken, follow_bounded, wait_for_staleness
 from tltd.services.checkpoints import model_limits
+from tltd.services.group_commit import GroupCommit
 from tltd.services.node import NodeState
 from tltd.services.validation import MAX_REASON, check_id, check_text, validate_rollout
 from tltd.settings import Settings
@@ -69,6 +71,7 @@ class RolloutService:
         self.node = node
         self.supervisor = supervisor
         self.pauses: PauseService | None = None  # set by build_services
+        self._admissions = GroupCommit(store.batch)
 
     def prepare(
         self, req: RolloutRequest, speculative: SpeculativeMode | None = None
@@ -293,9 +296,11 @@ class RolloutService:
         claimed at a tick, here or elsewhere); True when this call created it."""
         sup.begin_admission(req.request_id)
         try:
-            # The store is synchronous: its I/O runs off the event loop, in one thread hop
-            # (each waits for a thread and the GIL: on a loaded node some ms).
-            admitted, job = await asyncio.to_thread(self._prepare_and_store, req, speculative, sup)
+            # The store is synchronous: its I/O runs off the event loop, concurrent
+            # admissions in one thread hop and one transaction.
+            admitted, job = await self._admissions.run(
+                partial(self._prepare_and_store, req, speculative, sup)
+            )
             stored = admitted.request
             if stored.status not in ENDED_STATUSES:
                 await sup.submit(stored, job, admitted.claims)
