@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import event
 from sqlalchemy.engine import URL, Connection, Dialect, Engine, create_engine, make_url
 from sqlalchemy.engine.interfaces import Compiled
+from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql import Executable
 
@@ -134,17 +135,17 @@ class DriverStatement:
         self.statement = statement
         self.binary = binary
         self.columns = None if columns is None else list(columns)
-        self._compiled: dict[str, tuple[Compiled, dict[str, Any], str]] = {}
+        self._compiled: dict[str, tuple[Binds, str]] = {}
 
     def execute(self, conn: Connection, params: Mapping[str, Any]) -> Any:
         """Run with `params` on `conn` (in its transaction); the driver's cursor."""
-        compiled, processors, sql = self._compiled_for(conn.dialect)
-        return self._run(conn, sql, _bound(compiled, processors, params), False)
+        binds, sql = self._compiled_for(conn.dialect)
+        return self._run(conn, sql, binds(params), False)
 
     def execute_many(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> Any:
         """Run once per row of `rows` (the driver's executemany); the driver's cursor."""
-        compiled, processors, sql = self._compiled_for(conn.dialect)
-        return self._run(conn, sql, [_bound(compiled, processors, r) for r in rows], True)
+        binds, sql = self._compiled_for(conn.dialect)
+        return self._run(conn, sql, [binds(r) for r in rows], True)
 
     def first(self, conn: Connection, params: Mapping[str, Any]) -> Sequence[Any] | None:
         """The first row (the driver's tuple) or None."""
@@ -187,7 +188,7 @@ class DriverStatement:
             conn._handle_dbapi_exception(exc, sql, values, cursor, None)
         return cursor
 
-    def _compiled_for(self, dialect: Dialect) -> tuple[Compiled, dict[str, Any], str]:
+    def _compiled_for(self, dialect: Dialect) -> tuple[Binds, str]:
         got = self._compiled.get(dialect.name)
         if got is None:
             compiled = self.statement.compile(dialect=dialect, column_keys=self.columns)
@@ -201,21 +202,43 @@ class DriverStatement:
             sql = compiled.string
             if self.binary and dialect.name == "postgresql":
                 sql = _BINDS.sub(r"%(\1)b", sql)
-            got = self._compiled[dialect.name] = (compiled, processors, sql)
+            got = self._compiled[dialect.name] = (Binds(compiled, processors), sql)
         return got
 
 
-def _bound(compiled: Compiled, processors: dict[str, Any], params: Mapping[str, Any]) -> Any:
-    """`params` as the driver takes them for `compiled`: each through its type's processor;
-    a dict of the binds' names, or (a positional dialect: SQLite) a tuple in their order."""
-    values = compiled.construct_params(params)
-    for key, process in processors.items():
-        if key in values:
-            values[key] = process(values[key])
-    order = compiled.positiontup  # type: ignore[attr-defined]
-    if order is None:
-        return values
-    return tuple([values[k] for k in order])
+class Binds:
+    """A statement's parameters as the driver takes them: each bind's value (from the params
+    by its key or name, else the value built into the statement) through its type's
+    processor; a dict of the binds' names, or (a positional dialect: SQLite) a tuple in their
+    order. What `Compiled.construct_params` and the processors do, planned once per statement
+    instead of looked up per bind and row (for a batch's INSERT, per row)."""
+
+    def __init__(self, compiled: Compiled, processors: dict[str, Any]) -> None:
+        self.compiled, self.processors = compiled, processors
+        escaped = getattr(compiled, "escaped_bind_names", None) or {}
+        plan = {}
+        for bind, name in compiled.bind_names.items():  # type: ignore[attr-defined]
+            out = escaped.get(name, name)
+            plan[out] = (bind.key, name, bind, processors.get(out))
+        order = compiled.positiontup  # type: ignore[attr-defined]
+        self._names = None if order is not None else list(plan)
+        self._plan = [plan[k] for k in (order if order is not None else plan)]
+
+    def __call__(self, params: Mapping[str, Any]) -> Any:
+        values = []
+        for key, name, bind, process in self._plan:
+            if key in params:
+                value = params[key]
+            elif name in params:
+                value = params[name]
+            elif bind.required:
+                raise InvalidRequestError(f"A value is required for bind parameter {key!r}")
+            else:
+                value = bind.effective_value if bind.callable else bind.value
+            values.append(value if process is None else process(value))
+        if self._names is None:
+            return tuple(values)
+        return dict(zip(self._names, values, strict=True))
 
 
 # psycopg's named placeholders as SQLAlchemy renders them (a literal % is doubled: %%).
