@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from typing import Any
 
@@ -193,6 +193,26 @@ class _SampleSeries:
     draft_steps: Any
     plain_steps: Any
     accepted_tokens: Any
+    simulated: Any
+    finished: dict[str, Any] = field(default_factory=dict)  # by finish reason
+
+
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """`histogram.observe(value)` `count` times, as one step: its sum and one bucket (a
+    batch's per-sample time for each of its samples). prometheus-client keeps a histogram's
+    buckets apart (not cumulative) and its sum as values; without them, one by one."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    if bounds is None or buckets is None or count <= 1:
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(value * count)
+    for bound, bucket in zip(bounds, buckets, strict=True):
+        if value <= bound:
+            bucket.inc(count)
+            break
 
 
 @dataclass(frozen=True)
@@ -445,10 +465,14 @@ class Metrics:
                 self.sample_steps.labels(job_id, "speculative"),
                 self.sample_steps.labels(job_id, "plain"),
                 self.accepted_tokens.labels(job_id),
+                self.simulated_samples.labels(job_id),
             )
             self._seen(job_id)
         c.tokens.inc(tokens)
-        self.samples.labels(job_id, str(finish_reason)).inc()
+        finished = c.finished.get(finish_reason)
+        if finished is None:
+            finished = c.finished[finish_reason] = self.samples.labels(job_id, str(finish_reason))
+        finished.inc()
         if draft_steps:
             c.draft_steps.inc(draft_steps)
         if plain_steps:
@@ -482,9 +506,7 @@ class Metrics:
         """One transaction that stored `count` samples in `seconds`."""
         if count > 0:
             self.sample_store_batch.observe(count)
-            per_sample = seconds / count
-            for _ in range(count):
-                self.sample_store_latency.observe(per_sample)
+            observe_many(self.sample_store_latency, seconds / count, count)
 
     def record_sample(self, job_id: str, sample: Sample) -> None:
         """observe_sample for a domain Sample."""
@@ -498,7 +520,8 @@ class Metrics:
             accepted_tokens=spec.accepted_tokens,
         )
         if sample.simulated:
-            self.simulated_samples.labels(job_id).inc()
+            series = self._sample_series.get(job_id)  # (None once the job was forgotten)
+            (series.simulated if series else self.simulated_samples.labels(job_id)).inc()
 
     def observe_decode_steps(
         self,

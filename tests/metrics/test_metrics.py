@@ -371,3 +371,28 @@ def test_prefix_cache_counters_become_deltas_and_survive_a_reload():
     fresh = PrefixStats(hits=1, prefilled_tokens=4, reused_tokens=10).summary(0, 0)
     m.observe_engine_summary("cpu:0", {"prefix_cache": b}, {"prefix_cache": fresh})  # a reload
     assert counts() == (6, 1, 49, 310)
+
+
+def test_observe_many_is_the_same_as_observing_one_by_one() -> None:
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from tltd.metrics import observe_many
+
+    registry = CollectorRegistry()
+    many = Histogram("many", "h", buckets=(0.001, 0.01, 0.1), registry=registry)
+    each = Histogram("each", "h", buckets=(0.001, 0.01, 0.1), registry=registry)
+    for value, count in [(0.004, 16), (0.0005, 1), (0.2, 3), (0.01, 2), (0.05, 0)]:
+        observe_many(many, value, count)
+        for _ in range(count):
+            each.observe(value)
+
+    def samples(name: str) -> dict:
+        return {
+            (s.name.removeprefix(name), tuple(sorted(s.labels.items()))): s.value
+            for f in registry.collect() if f.name == name for s in f.samples
+            if not s.name.endswith("_created")
+        }  # fmt: skip
+
+    got, want = samples("many"), samples("each")
+    assert got.keys() == want.keys() and got[("_count", ())] == 22
+    assert all(abs(got[k] - want[k]) < 1e-9 for k in want)
