@@ -85,12 +85,16 @@ class Database:
                 self._batch.session = None
 
     def one_statement(self) -> AbstractContextManager[Connection] | None:
-        """On PostgreSQL outside a `batch`, a connection on which each statement is a
-        transaction of its own (autocommit): a write done in one statement then costs one
-        round trip to the server instead of three (BEGIN, it, COMMIT). None elsewhere."""
-        if self.dialect != "postgresql" or getattr(self._batch, "session", None) is not None:
+        """On PostgreSQL, a connection for a write done in one statement: outside a `batch`
+        each statement on it is a transaction of its own (autocommit: one round trip to the
+        server instead of three, BEGIN, it, COMMIT); in one, the batch's, in a savepoint of
+        its own (the statement fails alone). None on SQLite."""
+        if self.dialect != "postgresql":
             return None
-        return self._autocommit.connect()
+        batch: Session | None = getattr(self._batch, "session", None)
+        if batch is None:
+            return self._autocommit.connect()
+        return _in_savepoint(batch)
 
     @contextmanager
     def tx(self, write: bool = True) -> Iterator[Session]:
@@ -110,6 +114,12 @@ class Database:
             return
         with self._write_turn(), self._writer.begin() as session:
             yield session
+
+
+@contextmanager
+def _in_savepoint(session: Session) -> Iterator[Connection]:
+    with session.begin_nested():
+        yield session.connection()
 
 
 class DriverStatement:

@@ -252,10 +252,10 @@ class RolloutRequests:
     def _admit_at_once(
         self, req: RolloutRequest, unless_paused: bool, claim: AdmissionClaim | None
     ) -> Created | None:
-        """`admit` in one statement, a transaction of its own (PostgreSQL, see
-        `_admission_at_once`); None when that does not apply (SQLite, a batch, a carried
-        request) or the job is missing or refuses the request: nothing is written then, and
-        `_admit_in_tx` says why (or finds the request a retry attaches to)."""
+        """`admit` in one statement, a transaction of its own or a savepoint of a batch
+        (PostgreSQL, see `_admission_at_once`); None when that does not apply (SQLite, a
+        carried request) or the job is missing or refuses the request: nothing is written
+        then, and `_admit_in_tx` says why (or finds the request a retry attaches to)."""
         st = self._admission_statements
         if st.at_once is None or req.carried:
             return None
