@@ -298,7 +298,7 @@ class RolloutRequests:
         """`admit` as a transaction of several statements (raises IntegrityError for a
         request id stored already)."""
         st = self._admission_statements
-        with self.db.tx() as s:
+        with self.db.statements_tx() as s:
             conn = s.connection()
             # FOR SHARE until commit: a concurrent cancel of the job (FOR UPDATE) waits for
             # this request and then sees it, and a new policy version waits too, so the
