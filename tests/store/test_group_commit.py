@@ -100,3 +100,23 @@ def test_a_call_alone_runs_at_once_without_a_batch(store: Store) -> None:
     results = asyncio.run(one_after_another())
     assert group.groups == 3 and opened == []  # no savepoints for a call alone
     assert all(r.created for r in results)
+
+
+def test_a_call_does_not_wait_behind_a_group_that_is_itself_waiting(store: Store) -> None:
+    store.jobs.create(JOB)
+    group, release = GroupCommit(store.batch), threading.Event()
+
+    def held():
+        assert release.wait(10)
+        return store.requests.admit(_request("held"))
+
+    async def scenario():
+        first = asyncio.ensure_future(group.run(held))
+        await asyncio.sleep(0.05)  # the first group waits in its thread
+        after = group.run(partial(store.requests.admit, _request("next")))
+        second = await asyncio.wait_for(after, 5)  # in the other lane
+        release.set()
+        return second, await first
+
+    second, first = asyncio.run(scenario())
+    assert second.created and first.created and group.groups == 2
