@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from contextlib import contextmanager
 from functools import partial
 
 from sqlalchemy import text
 
+from tests.store.test_batched_writes import _counting
 from tltd.domain import Job, RequestStatus, RolloutRequest, SamplingParams
 from tltd.errors import NotFound
 from tltd.services.group_commit import GroupCommit
@@ -22,20 +22,6 @@ SAMPLING = SamplingParams(n=2, max_new_tokens=8, seed=1)
 
 def _request(request_id: str, job_id: str = JOB.job_id) -> RolloutRequest:
     return RolloutRequest(request_id, job_id, ((1, 2, 3), (4, 5)), SAMPLING)
-
-
-def _counting(store: Store, fail_commit: bool = False):
-    opened = []
-
-    @contextmanager
-    def batch():
-        opened.append(1)
-        with store.batch():
-            yield
-            if fail_commit:  # as a commit that fails would: the whole group is undone
-                raise OSError("disk full")
-
-    return batch, opened
 
 
 async def _admit_together(group: GroupCommit, store: Store, requests: list[RolloutRequest]):
