@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import pytest
 
 from tests.api.support import sampling
-from tests.rollout.support import ServeProcess, direct_outputs, wait_until
+from tests.rollout.support import ServeProcess, direct_outputs
 from tests.rollout.test_bounded_crash import _sql
 from tltd.domain import SamplingParams
 
@@ -23,6 +24,18 @@ LONG = dict(temperature=0.0, max_new_tokens=900)
 def _expected(path, context: list[int], max_new_tokens: int) -> list[int]:
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
     return list(direct_outputs(path, [context], greedy)[(0, 0)])
+
+
+def _wait_running(daemon: ServeProcess, db_url: str, turn: threading.Thread, errors) -> None:
+    """Until turn 2's unit is leased (running); a turn that returned first, or a wait past
+    the deadline, fails with what the store and the daemon's log show."""
+    units = "SELECT request_id, state FROM work_units ORDER BY request_id"
+    deadline = time.monotonic() + 60
+    while ("session:s:2:0", "leased") not in (seen := _sql(db_url, units)):
+        if not turn.is_alive() or time.monotonic() > deadline:
+            log = daemon.log_file.read_text()[-4000:]
+            pytest.fail(f"turn 2 not seen running: units {seen}, errors {errors}\n{log}")
+        time.sleep(0.01)
 
 
 def _first_daemon(tmp_path, migrated_db_url: str, ckpt):
@@ -46,11 +59,7 @@ def _first_daemon(tmp_path, migrated_db_url: str, ckpt):
 
             t = threading.Thread(target=third)
             t.start()
-            leased = (
-                "SELECT count(*) FROM work_units "
-                "WHERE request_id = 'session:s:2:0' AND state = 'leased'"
-            )
-            wait_until(lambda: _sql(migrated_db_url, leased) == [(1,)], what="turn 2 running")
+            _wait_running(a, migrated_db_url, t, errors)
             a.proc.send_signal(signal.SIGKILL)
             a.wait()
             t.join(30)
