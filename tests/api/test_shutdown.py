@@ -9,18 +9,19 @@ import grpc
 
 from tests.api.support import DaemonThread, make_settings, seed_devices
 from tests.rollout.support import wait_until
-from tltd_clients.errors import CallCancelledError, UnavailableError
+from tltd_clients.errors import CallCancelledError, DeadlineExceededError, UnavailableError
 
 
 def _refused(d: DaemonThread) -> bool:
     """Whether a new call is refused (UNAVAILABLE). One that reaches the server while stop()
-    is beginning may be cancelled instead: asked again."""
-    with d.client() as c:
+    is beginning may be cancelled instead, or left unanswered until the grace ends (grpc's
+    own race): asked again, with a short deadline."""
+    with d.client(timeout=2.0) as c:
         try:
             c.stats()
         except UnavailableError:
             return True
-        except CallCancelledError:
+        except (CallCancelledError, DeadlineExceededError):
             pass
     return False
 

@@ -43,6 +43,18 @@ class Cluster:
         with self.engine.connect() as conn:
             return list(conn.execute(text(query), params).all())
 
+    def units_and_logs(self) -> str:
+        """The work units, the requests' states and each node's log tail (a failed wait's
+        message)."""
+        units = self.sql(
+            "SELECT request_id, prompt_index, state, owner_node FROM work_units ORDER BY 1, 2"
+        )
+        requests = self.sql("SELECT request_id, status, status_reason FROM rollout_requests")
+        logs = "".join(
+            f"\n--- {name}\n{d.log_file.read_text()[-3000:]}" for name, d in self.nodes.items()
+        )
+        return f"units {units}, requests {requests}{logs}"
+
     def close(self) -> None:
         for d in self.nodes.values():
             d.kill()

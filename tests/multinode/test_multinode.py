@@ -284,7 +284,8 @@ def test_a_restart_touches_no_other_node_s_rows(cluster: Cluster, ckpt) -> None:
 
 @long_only
 def test_cancel_and_update_policy_on_one_node_act_on_another(cluster: Cluster, ckpt, ckpt2) -> None:
-    a, b = cluster.start("node-a"), cluster.start("node-b")
+    # Room for a request long enough to be seen running (~2 s) on a loaded machine.
+    a, b = (cluster.start(n, worker_max_seq_len=1024) for n in ("node-a", "node-b"))
     with a.client() as ca:
         ca.create_job(str(ckpt), job_id="remote")
     a.wait_workers_ready("remote", n=1, timeout=240)
@@ -296,7 +297,7 @@ def test_cancel_and_update_policy_on_one_node_act_on_another(cluster: Cluster, c
             lambda: all(w.state != "busy" for w in ca.list_workers()), timeout=30, what="idle"
         )
         got: list = []
-        sampling = rollout_pb2.SamplingParams(n=2, temperature=1.0, max_new_tokens=200, seed=3)
+        sampling = rollout_pb2.SamplingParams(n=2, temperature=1.0, max_new_tokens=1000, seed=3)
         t = threading.Thread(
             target=lambda: got.extend(
                 cb.generate("remote", [[5, 6, 7]], sampling=sampling, request_id="long")
@@ -307,7 +308,7 @@ def test_cancel_and_update_policy_on_one_node_act_on_another(cluster: Cluster, c
             lambda: cluster.sql(
                 "SELECT count(*) FROM work_units WHERE owner_node = 'node-b' AND state = 'leased'"
             )[0][0] > 0,
-            timeout=120, what="node-b runs it",
+            timeout=120, what=lambda: f"node-b runs it: {cluster.units_and_logs()}",
         )  # fmt: skip
         ca.cancel_request("long", "cancelled through node-a")
         t.join(60)

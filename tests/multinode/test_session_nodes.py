@@ -14,7 +14,10 @@ from tests.multinode.conftest import Cluster, long_only
 from tests.rollout.support import wait_until
 from tests.rollout.test_session_crash import ENV, PROMPT, SHORT, _expected
 
-LONG = dict(temperature=0.0, max_new_tokens=200)  # the context fits NODE_ENV's 256
+# Long enough that the turn is seen running on a loaded machine (~0.5 s alone), in the room
+# SEQ gives a node.
+LONG = dict(temperature=0.0, max_new_tokens=900)
+SEQ = dict(worker_max_seq_len=1024)
 
 
 def _kill_during_turn_2(cluster: Cluster, a) -> str:
@@ -38,7 +41,8 @@ def _kill_during_turn_2(cluster: Cluster, a) -> str:
             "SELECT owner_node FROM work_units WHERE request_id = 'session:s:2:0' "
             "AND state = 'leased'"
         )
-        wait_until(lambda: cluster.sql(held), timeout=120, what="turn 2 running")
+        wait_until(lambda: cluster.sql(held), timeout=120,
+                   what=lambda: f"turn 2 running: {cluster.units_and_logs()}")  # fmt: skip
         node = cluster.sql(held)[0][0]
         d = cluster.nodes[node]
         os.killpg(d.proc.pid, signal.SIGKILL)
@@ -51,7 +55,7 @@ def _kill_during_turn_2(cluster: Cluster, a) -> str:
 
 @long_only
 def test_a_session_goes_on_on_another_node_when_its_node_is_lost(cluster: Cluster, ckpt):
-    a, b = cluster.start("node-a"), cluster.start("node-b")
+    a, b = cluster.start("node-a", **SEQ), cluster.start("node-b", **SEQ)
     with a.client() as c:
         c.create_job(str(ckpt), job_id="job")
     for d in (a, b):
@@ -77,7 +81,8 @@ def test_a_session_goes_on_on_another_node_when_its_node_is_lost(cluster: Cluste
     context += list(t3.token_ids)
     trajectory = closed.trajectory
     assert list(trajectory.token_ids) == context  # lost 0, duplicated 0
-    lengths = [(0, 4), (1, 12), (0, 3), (1, 12), (0, 2), (1, 200), (0, 1), (1, 12)]
+    long = LONG["max_new_tokens"]
+    lengths = [(0, 4), (1, 12), (0, 3), (1, 12), (0, 2), (1, long), (0, 1), (1, 12)]
     mask = [m for m, n in lengths for _ in range(n)]
     assert list(trajectory.loss_mask) == mask
     # One policy version all along: 0 on every sampled token, -1 on the rest.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,26 +42,29 @@ def make_checkpoint(path: Path, *, seed: int = 0, vocab: int = VOCAB, hidden: in
     return path
 
 
-def direct_outputs(path: Path, prompts, sampling, speculative: bool = True) -> dict:
+def direct_outputs(
+    path: Path, prompts, sampling, speculative: bool = True, max_seq_len: int = 1024
+) -> dict:
     """What the engine produces in-process: {(prompt, sample): token ids}. Computed once per
     checkpoint (as its files are now), prompts and sampling: many tests compare with the same
     reference, and a long one takes seconds."""
     files = tuple(
         (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(path).iterdir())
     )
-    key = (str(Path(path).resolve()), files, tuple(map(tuple, prompts)), sampling, speculative)
+    key = (str(Path(path).resolve()), files, tuple(map(tuple, prompts)), sampling, speculative,
+           max_seq_len)  # fmt: skip
     if key not in _DIRECT:
-        _DIRECT[key] = _direct_outputs(path, prompts, sampling, speculative)
+        _DIRECT[key] = _direct_outputs(path, prompts, sampling, speculative, max_seq_len)
     return dict(_DIRECT[key])
 
 
 _DIRECT: dict[tuple, dict] = {}
 
 
-def _direct_outputs(path: Path, prompts, sampling, speculative: bool) -> dict:
+def _direct_outputs(path: Path, prompts, sampling, speculative: bool, max_seq_len: int) -> dict:
     from tltd_workers.engine.engine import Engine, EngineConfig, Request
 
-    engine = Engine(path, EngineConfig(max_batch=16, max_seq_len=1024))
+    engine = Engine(path, EngineConfig(max_batch=16, max_seq_len=max_seq_len))
     outs = engine.generate(
         Request(f"r{i}", p, sampling, prompt_index=i, speculative=speculative)
         for i, p in enumerate(prompts)
@@ -305,13 +309,15 @@ class ServeProcess:
         ]
 
 
-def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
+def wait_until(cond, timeout: float = 30.0, what: str | Callable[[], str] = "condition") -> None:
+    """Until `cond()`; past `timeout`, TimeoutError saying `what` (called then, when it is a
+    function: what the state was at the timeout)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
             return
         time.sleep(0.01)
-    raise TimeoutError(what)
+    raise TimeoutError(what() if callable(what) else what)
 
 
 def pid_alive(pid: int) -> bool:

@@ -18,12 +18,14 @@ from tltd.domain import SamplingParams
 PROMPT = [1, 2, 3, 4]
 ENV = [[5, 6, 7], [8, 9], [10]]
 SHORT = dict(temperature=0.0, max_new_tokens=12)
-LONG = dict(temperature=0.0, max_new_tokens=900)
+# Long enough that the turn is seen running on a loaded machine (~1 s alone on 2 cores).
+LONG = dict(temperature=0.0, max_new_tokens=1900)
+SEQ = dict(worker_max_seq_len="2048")  # the model's positions
 
 
 def _expected(path, context: list[int], max_new_tokens: int) -> list[int]:
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
-    return list(direct_outputs(path, [context], greedy)[(0, 0)])
+    return list(direct_outputs(path, [context], greedy, max_seq_len=2048)[(0, 0)])
 
 
 def _wait_running(daemon: ServeProcess, db_url: str, turn: threading.Thread, errors) -> None:
@@ -41,7 +43,7 @@ def _wait_running(daemon: ServeProcess, db_url: str, turn: threading.Thread, err
 def _first_daemon(tmp_path, migrated_db_url: str, ckpt):
     """Two turns done, the third running (long) when the daemon is killed: the session as
     read before the kill."""
-    a = ServeProcess(tmp_path, migrated_db_url, "a")
+    a = ServeProcess(tmp_path, migrated_db_url, "a", **SEQ)
     try:
         with a.client() as c:
             c.create_job(str(ckpt), job_id="job")
@@ -74,7 +76,7 @@ def test_a_session_survives_a_daemon_kill9_between_and_during_turns(
     migrated_db_url, tmp_path, ckpt
 ):
     before = _first_daemon(tmp_path, migrated_db_url, ckpt)
-    b = ServeProcess(tmp_path, migrated_db_url, "b")
+    b = ServeProcess(tmp_path, migrated_db_url, "b", **SEQ)
     try:
         with b.client() as c:
             after = c.get_session("s")
@@ -101,5 +103,6 @@ def test_a_session_survives_a_daemon_kill9_between_and_during_turns(
     assert list(t3.token_ids) == _expected(ckpt, context, SHORT["max_new_tokens"])
     context += list(t3.token_ids)
     assert list(closed.trajectory.token_ids) == context  # lost 0, duplicated 0
-    lengths = [(0, 4), (1, 12), (0, 3), (1, 12), (0, 2), (1, 900), (0, 1), (1, 12)]
+    long = LONG["max_new_tokens"]
+    lengths = [(0, 4), (1, 12), (0, 3), (1, 12), (0, 2), (1, long), (0, 1), (1, 12)]
     assert list(closed.trajectory.loss_mask) == [m for m, n in lengths for _ in range(n)]
