@@ -14,8 +14,8 @@ from tltd_clients.errors import CallCancelledError, DeadlineExceededError, Unava
 
 def _refused(d: DaemonThread) -> bool:
     """Whether a new call is refused (UNAVAILABLE). One that reaches the server while stop()
-    is beginning may be cancelled instead, or left unanswered until the grace ends (grpc's
-    own race): asked again, with a short deadline."""
+    is beginning may be cancelled instead, or (seen once, on a loaded machine) left
+    unanswered: asked again, with a short deadline."""
     with d.client(timeout=2.0) as c:
         try:
             c.stats()
