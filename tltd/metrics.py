@@ -201,15 +201,14 @@ def observe_many(histogram: Histogram, value: float, count: int) -> None:
     """`histogram.observe(value)` `count` times, as one step: its sum and one bucket (a
     batch's per-sample time for each of its samples). prometheus-client keeps a histogram's
     buckets apart (not cumulative) and its sum as values; without them, one by one."""
-    bounds = getattr(histogram, "_upper_bounds", None)
-    buckets = getattr(histogram, "_buckets", None)
-    if bounds is None or buckets is None or count <= 1:
+    inner = ("_upper_bounds", "_buckets", "_sum", "_raise_if_not_observable")
+    if count <= 1 or not all(hasattr(histogram, name) for name in inner):
         for _ in range(count):
             histogram.observe(value)
         return
     histogram._raise_if_not_observable()
     histogram._sum.inc(value * count)
-    for bound, bucket in zip(bounds, buckets, strict=True):
+    for bound, bucket in zip(histogram._upper_bounds, histogram._buckets, strict=True):
         if value <= bound:
             bucket.inc(count)
             break
